@@ -1,0 +1,30 @@
+"""llm-serving: a continuous-batching LLM server for MindSpore Llama models."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="llm-serving",
+    version="0.1.0",
+    description="Continuous-batching LLM serving for MindSpore Llama models (CPU and Ascend)",
+    packages=find_packages(include=["llm_serving", "llm_serving.*", "agents", "agents.*"]),
+    package_data={"llm_serving": ["data/*.txt"]},
+    python_requires=">=3.9",
+    install_requires=[
+        "mindspore==2.10.0",
+        "numpy<2",
+        "sentencepiece",
+        "pyyaml",
+        "aiohttp",
+    ],
+    extras_require={
+        "test": [
+            "pytest",
+            "torch==2.13.0",
+            "transformers",
+            "openai",
+            "ruff",
+        ],
+        "mindformers": ["mindformers"],
+    },
+    entry_points={"console_scripts": ["llm-serving=llm_serving.cli:main"]},
+)
