@@ -1,0 +1,230 @@
+"""Llama-2 as MindSpore Cells for serving: fused projections, paged KV cache, in-graph greedy argmax.
+
+Layout choices (measured on CPU, see docs/model.md and shared notes):
+- Activations stay token-flat ``[tokens, hidden]`` for every projection (3-D activations hit a slow matmul path).
+- Each layer's K and V cache is one 2-D Parameter ``[num_blocks * block_size, kv_heads * head_dim]``: the
+  ``num_blocks x block_size x kv_heads x head_dim`` cache flattened so that ``scatter_update`` writes in place
+  and a row gather reads whole blocks without copying the cache.
+- Prefill attends over the prompt's own K/V (padded ``[batch, seq]`` bucket, causal + length mask) while writing
+  them to the cache; decode reads every sequence's context back through its block table.
+- The graph ends in a greedy argmax and the chosen token's log-probability, so only ``2 x batch`` numbers
+  leave the device per step. A separate graph (``return_logits=True``) returns full logits for checks.
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from agents.model_config import LlamaConfig
+
+_NEG_INF = -1e30
+
+
+def rotary_tables(config: LlamaConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin ``[max_positions, head_dim]`` in Hugging Face's rotate-half layout (frequencies repeated twice)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
+    angles = np.concatenate([angles, angles], axis=-1)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+class RMSNorm(nn.Cell):
+    def __init__(self, hidden: int, eps: float, dtype: ms.Type) -> None:
+        super().__init__()
+        self.weight = Parameter(Tensor(np.ones(hidden), dtype), name="weight")
+        self.eps = eps
+
+    def construct(self, x: Tensor) -> Tensor:
+        xf = x.astype(ms.float32)
+        variance = ops.mean(xf * xf, -1, keep_dims=True)
+        return (xf * ops.rsqrt(variance + self.eps)).astype(x.dtype) * self.weight
+
+
+class Linear(nn.Cell):
+    """``y = x @ W^T`` with ``W`` kept in Hugging Face's ``[out, in]`` layout."""
+
+    def __init__(self, in_dim: int, out_dim: int, dtype: ms.Type) -> None:
+        super().__init__()
+        self.weight = Parameter(Tensor(np.zeros((out_dim, in_dim)), dtype), name="weight")
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x: Tensor) -> Tensor:
+        return self.matmul(x, self.weight)
+
+
+class LlamaLayer(nn.Cell):
+    """One decoder layer owning its slice of the paged KV cache."""
+
+    def __init__(self, config: LlamaConfig, num_slots: int, block_size: int, dtype: ms.Type) -> None:
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        self.rep = self.n_heads // self.n_kv
+        self.head_dim = config.head_dim
+        self.hidden = config.hidden_size
+        self.kv_dim = config.kv_dim
+        self.ffn = config.intermediate_size
+        self.block_size = block_size
+        self.scale = 1.0 / float(np.sqrt(self.head_dim))
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.w_qkv = Linear(config.hidden_size, config.qkv_dim, dtype)
+        self.wo = Linear(config.hidden_size, config.hidden_size, dtype)
+        self.w_gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, dtype)
+        self.w_down = Linear(config.intermediate_size, config.hidden_size, dtype)
+        zeros = np.zeros((num_slots, self.kv_dim))
+        self.key_cache = Parameter(Tensor(zeros, dtype), name="key_cache", requires_grad=False)
+        self.value_cache = Parameter(Tensor(zeros, dtype), name="value_cache", requires_grad=False)
+        self.bmm = ops.BatchMatMul()
+        self.bmm_t = ops.BatchMatMul(transpose_b=True)
+        self.block_offsets = Tensor(np.arange(block_size, dtype=np.int32))
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
+        """Rotate-half rotary embedding on token-flat ``[tokens, heads * head_dim]``."""
+        t = x.reshape(x.shape[0], heads, self.head_dim)
+        half = self.head_dim // 2
+        rotated = ops.concat((-t[:, :, half:], t[:, :, :half]), -1)
+        out = t * cos.expand_dims(1) + rotated * sin.expand_dims(1)
+        return out.reshape(x.shape[0], heads * self.head_dim)
+
+    def softmax_masked(self, scores: Tensor, keep: Tensor) -> Tensor:
+        scores = ops.select(keep, scores.astype(ms.float32) * self.scale, ops.full_like(scores, _NEG_INF,
+                                                                                       dtype=ms.float32))
+        return ops.softmax(scores, -1)
+
+    def prefill_attention(self, q: Tensor, k: Tensor, v: Tensor, valid_lens: Tensor, batch: int) -> Tensor:
+        """Causal attention inside each padded prompt: q/k/v token-flat over a ``[batch, seq]`` bucket."""
+        seq = q.shape[0] // batch
+        qh = q.reshape(batch, seq, self.n_kv, self.rep, self.head_dim).transpose(0, 2, 3, 1, 4)
+        qh = qh.reshape(batch, self.n_kv, self.rep * seq, self.head_dim)
+        kh = k.reshape(batch, seq, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
+        vh = v.reshape(batch, seq, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
+        scores = self.bmm_t(qh, kh).reshape(batch, self.n_kv, self.rep, seq, seq)
+        idx = ops.arange(seq).astype(ms.int32)
+        causal = idx.reshape(1, seq) <= idx.reshape(seq, 1)
+        in_prompt = idx.reshape(1, seq) < valid_lens.reshape(batch, 1)
+        keep = ops.logical_and(causal.reshape(1, seq, seq), in_prompt.reshape(batch, 1, seq))
+        probs = self.softmax_masked(scores, keep.reshape(batch, 1, 1, seq, seq)).astype(v.dtype)
+        probs = probs.reshape(batch, self.n_kv, self.rep * seq, seq)
+        out = self.bmm(probs, vh).reshape(batch, self.n_kv, self.rep, seq, self.head_dim)
+        return out.transpose(0, 3, 1, 2, 4).reshape(batch * seq, self.hidden)
+
+    def decode_attention(self, q: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
+                         context_lens: Tensor) -> Tensor:
+        """One query per sequence over its paged context, gathered row-wise through the block table."""
+        batch, width = block_tables.shape
+        ctx = width * self.block_size
+        slots = (block_tables.reshape(batch, width, 1) * self.block_size
+                 + self.block_offsets.reshape(1, 1, self.block_size)).reshape(batch * ctx)
+        kh = ops.gather(key_cache, slots, 0).reshape(batch, ctx, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
+        vh = ops.gather(value_cache, slots, 0).reshape(batch, ctx, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
+        qh = q.reshape(batch, self.n_kv, self.rep, self.head_dim)
+        scores = self.bmm_t(qh, kh)
+        keep = ops.arange(ctx).astype(ms.int32).reshape(1, ctx) < context_lens.reshape(batch, 1)
+        probs = self.softmax_masked(scores, keep.reshape(batch, 1, 1, ctx)).astype(vh.dtype)
+        return self.bmm(probs, vh).reshape(batch, self.hidden)
+
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
+                  block_tables: Tensor, is_prefill: bool) -> Tensor:
+        h = self.attention_norm(x)
+        qkv = self.w_qkv(h)
+        q = self.rope(qkv[:, : self.hidden], cos, sin, self.n_heads)
+        k = self.rope(qkv[:, self.hidden: self.hidden + self.kv_dim], cos, sin, self.n_kv)
+        v = qkv[:, self.hidden + self.kv_dim:]
+        k_written = ops.scatter_update(self.key_cache, slot_mapping, k)
+        v_written = ops.scatter_update(self.value_cache, slot_mapping, v)
+        if is_prefill:
+            attn = self.prefill_attention(q, k, v, lens, lens.shape[0])
+            attn = ops.depend(attn, k_written)
+            attn = ops.depend(attn, v_written)
+        else:
+            key_cache = ops.depend(self.key_cache, k_written)
+            value_cache = ops.depend(self.value_cache, v_written)
+            attn = self.decode_attention(q, key_cache, value_cache, block_tables, lens)
+        x = x + self.wo(attn)
+        gate_up = self.w_gate_up(self.ffn_norm(x))
+        act = ops.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn:]
+        return x + self.w_down(act)
+
+
+class LlamaModel(nn.Cell):
+    """Weights and KV cache of the whole model; ``LlamaStep`` cells run it as prefill or decode graphs."""
+
+    def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, max_positions: int,
+                 dtype: ms.Type = ms.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = Parameter(Tensor(np.zeros((config.vocab_size, config.hidden_size)), dtype),
+                                      name="embed_tokens")
+        self.layers = nn.CellList([LlamaLayer(config, num_blocks * block_size, block_size, dtype)
+                                   for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
+        cos, sin = rotary_tables(config, max_positions)
+        self.cos = Tensor(cos, dtype)
+        self.sin = Tensor(sin, dtype)
+
+    def hidden_states(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, lens: Tensor,
+                      block_tables: Tensor, is_prefill: bool) -> Tensor:
+        x = ops.gather(self.embed_tokens, input_ids, 0)
+        cos = ops.gather(self.cos, positions, 0)
+        sin = ops.gather(self.sin, positions, 0)
+        for layer in self.layers:
+            x = layer(x, cos, sin, slot_mapping, lens, block_tables, is_prefill)
+        return x
+
+    def logits(self, last_hidden: Tensor) -> Tensor:
+        return self.lm_head(self.norm(last_hidden)).astype(ms.float32)
+
+
+def greedy_pick(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Argmax token and its log-softmax value; the max logit is the chosen one, so no gather is needed."""
+    token_ids = ops.argmax(logits, -1).astype(ms.int32)
+    top = ops.max(logits, -1, keepdims=True)[0]
+    logprob = -ops.log(ops.sum(ops.exp(logits - top), -1))
+    return token_ids, logprob
+
+
+class LlamaStep(nn.Cell):
+    """One compiled step (``is_prefill`` and ``return_logits`` are graph constants).
+
+    Inputs (static bucket shapes): input_ids/positions/slot_mapping ``[tokens]``; ``lens`` ``[batch]`` (prefill:
+    prompt lengths, decode: context lengths); ``block_tables`` ``[batch, width]``; ``last_index`` ``[batch]``
+    flat index of each sequence's last token (prefill only; decode uses every token).
+    """
+
+    def __init__(self, model: LlamaModel, is_prefill: bool, return_logits: bool = False) -> None:
+        super().__init__()
+        self.model = model
+        self.is_prefill = is_prefill
+        self.return_logits = return_logits
+
+    def construct(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, lens: Tensor,
+                  block_tables: Tensor, last_index: Tensor):
+        hidden = self.model.hidden_states(input_ids, positions, slot_mapping, lens, block_tables, self.is_prefill)
+        if self.is_prefill:
+            hidden = ops.gather(hidden, last_index, 0)
+        logits = self.model.logits(hidden)
+        if self.return_logits:
+            return logits
+        return greedy_pick(logits)
+
+
+def load_weights_into(model: LlamaModel, weights: dict[str, np.ndarray]) -> None:
+    """Copy a canonical fused weight dict (see ``agents.weights``) into the model's Parameters."""
+    targets = {"embed_tokens": model.embed_tokens, "norm": model.norm.weight, "lm_head": model.lm_head.weight}
+    for i, layer in enumerate(model.layers):
+        for name in ("attention_norm", "ffn_norm", "w_qkv", "wo", "w_gate_up", "w_down"):
+            targets[f"layers.{i}.{name}"] = getattr(layer, name).weight
+    missing = sorted(set(targets) - set(weights))
+    if missing:
+        raise KeyError(f"weights are missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    for name, param in targets.items():
+        value = weights[name]
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"parameter {name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
+        param.set_data(Tensor(np.ascontiguousarray(value), model.dtype))

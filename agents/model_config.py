@@ -1,0 +1,108 @@
+"""Llama architecture hyper-parameters, read from a Hugging Face ``config.json``.
+
+Kept free of MindSpore so the master, loaders and tests can use it cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+class ModelConfigError(ValueError):
+    """A model directory or config.json that cannot be served."""
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    pad_token_id: int = 0
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ModelConfigError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                f"{self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelConfigError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of one token's K (or V) row in the KV cache."""
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def qkv_dim(self) -> int:
+        return self.hidden_size + 2 * self.kv_dim
+
+    def flops_per_token(self, context_len: int = 0) -> float:
+        """Matmul FLOPs for one token (projections, lm_head and attention over ``context_len``)."""
+        h, f = self.hidden_size, self.intermediate_size
+        per_layer = 2 * h * (self.qkv_dim + h + 3 * f) + 4 * self.hidden_size * context_len
+        return self.num_hidden_layers * per_layer + 2 * h * self.vocab_size
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config") -> LlamaConfig:
+        archs = raw.get("architectures") or ["LlamaForCausalLM"]
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ModelConfigError(
+                f"{source}: unsupported architecture {archs}; supported: {list(SUPPORTED_ARCHITECTURES)}"
+            )
+        if raw.get("model_type", "llama") != "llama":
+            raise ModelConfigError(f"{source}: unsupported model_type {raw.get('model_type')!r}")
+        try:
+            heads = int(raw["num_attention_heads"])
+            eos = raw.get("eos_token_id", 2)
+            return cls(
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=int(raw["hidden_size"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+                rope_theta=float(raw.get("rope_theta", 10000.0)),
+                bos_token_id=int(raw.get("bos_token_id", 1)),
+                eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
+                pad_token_id=int(raw.get("pad_token_id") or 0),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            )
+        except KeyError as exc:
+            raise ModelConfigError(f"{source}: missing required key {exc.args[0]!r}") from None
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> LlamaConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"no config.json in model directory {model_dir}")
+        return cls.from_dict(json.loads(path.read_text()), source=str(path))
+
+    def to_hf_dict(self) -> dict:
+        """The config.json content Hugging Face ``LlamaForCausalLM`` expects."""
+        d = asdict(self)
+        d.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                 torch_dtype="float32", attention_bias=False, mlp_bias=False)
+        return d

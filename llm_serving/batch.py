@@ -1,0 +1,58 @@
+"""The per-step batch that the master hands to device agents.
+
+Plain numpy arrays in a ragged, token-flat layout (as in vLLM): the scheduler fills it, shared memory
+carries it, and the agent's model runner pads it into one of its compiled shape buckets.
+Kept free of MindSpore: both sides import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class StepBatch:
+    """One model step for ``B`` sequences.
+
+    Prefill: sequence ``i`` contributes ``query_lens[i]`` tokens (its whole prompt), concatenated in order.
+    Decode: every sequence contributes exactly one token.
+    """
+
+    is_prefill: bool
+    input_ids: np.ndarray  # int32 [num_tokens]
+    positions: np.ndarray  # int32 [num_tokens], position of each token in its sequence
+    slot_mapping: np.ndarray  # int32 [num_tokens], flat KV slot = block_id * block_size + offset
+    query_lens: np.ndarray  # int32 [B], tokens each sequence contributes this step
+    context_lens: np.ndarray  # int32 [B], sequence length after this step (cached + new tokens)
+    block_tables: np.ndarray  # int32 [B, W], block ids of each sequence; unused entries are 0
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.query_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def validate(self) -> None:
+        """Raise ValueError when the arrays disagree with each other (cheap; for tests and loaders)."""
+        n, b = self.num_tokens, self.batch_size
+        for name in ("positions", "slot_mapping"):
+            if getattr(self, name).shape != (n,):
+                raise ValueError(f"{name} has shape {getattr(self, name).shape}, expected ({n},)")
+        if self.context_lens.shape != (b,) or self.block_tables.ndim != 2 or self.block_tables.shape[0] != b:
+            raise ValueError("context_lens/block_tables do not match the batch size")
+        if int(self.query_lens.sum()) != n:
+            raise ValueError(f"query_lens sum to {int(self.query_lens.sum())}, but there are {n} tokens")
+        if not self.is_prefill and not np.all(self.query_lens == 1):
+            raise ValueError("a decode step takes exactly one token per sequence")
+
+
+@dataclass
+class StepOutput:
+    """Rank 0's answer: the next token of every sequence in the batch, in batch order."""
+
+    token_ids: np.ndarray  # int32 [B]
+    logprobs: np.ndarray  # float32 [B]
