@@ -1,0 +1,465 @@
+"""The launch configuration: an llm-serving-compatible YAML file, validated into frozen dataclasses.
+
+Contest users bring MindSpore llm-serving YAML files, so its sections and keys are kept (``model_config``,
+``serving_config``, ``pa_config``, ``tokenizer``); llm-serving keys that have no meaning here are accepted,
+type-checked and ignored with a note in ``ServingConfig.notes``. Our own sections are ``scheduler`` and
+``default_model``. Every mistake is a ``ConfigError`` naming the file, the key and what was expected, so a bad
+file fails at start-up rather than deep inside an agent. See ``configs/example.yaml`` for every key.
+
+Relative paths are resolved against the directory of the YAML file (the current directory for dicts and
+overrides) and ``~`` is expanded; a key left empty (null) takes its default. Kept free of MindSpore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from agents.model_config import LlamaConfig, ModelConfigError
+
+DTYPES = ("float32", "float16", "bfloat16")
+POLICIES = ("fcfs", "longest_output_first")
+TOKENIZER_TYPES = ("LlamaTokenizer",)
+_CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors", ".bin")
+
+_KIND_TEXT = {
+    "int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean (true/false)",
+    "path": "a path string", "ints": "a list of integers", "buckets": "a list of integers",
+    "strs": "a list of strings",
+}
+
+
+class ConfigError(ValueError):
+    """A launch configuration that cannot be served; the message names the file and the key."""
+
+    def __init__(self, message: str, key: str | None = None, source: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.source = source
+
+
+def _f(default: Any, kind: str, optional: bool = False) -> Any:
+    """A section field; ``kind`` drives parsing (see ``_coerce``), ``optional`` lets it be None."""
+    return field(default=default, metadata={"kind": kind, "optional": optional})
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """``model_config``: what model to serve and the compiled shape buckets."""
+
+    model_name: str = _f("llama2", "str")
+    model_path: str | None = _f(None, "path", optional=True)  # None: serve the embedded default model
+    dtype: str = _f("float32", "str")
+    max_generate_length: int = _f(512, "int")
+    end_token: int | None = _f(None, "int", optional=True)  # None: the model's eos_token_id
+    vocab_size: int | None = _f(None, "int", optional=True)  # None: the model's; else checked against it
+    pad_token_id: int = _f(0, "int")
+    seq_length: tuple[int, ...] = _f((64, 256), "buckets")
+    prefill_batch_size: tuple[int, ...] = _f((1, 4), "buckets")
+    decode_batch_size: tuple[int, ...] = _f((1, 8, 32), "buckets")
+    page_attention: bool = _f(True, "bool")
+    backend: str = _f("ms", "str")
+    model_cfg_path: str | None = _f(None, "path", optional=True)
+
+
+@dataclass(frozen=True)
+class ServingSection:
+    """``serving_config``: network endpoints, agent ranks and admission limits."""
+
+    agent_ports: tuple[int, ...] = _f((16002,), "ints")
+    start_device_id: int = _f(0, "int")
+    server_ip: str = _f("127.0.0.1", "str")
+    server_port: int = _f(8000, "int")
+    num_agents: int | None = _f(None, "int", optional=True)
+    max_queue_size: int = _f(1024, "int")
+    model_aliases: tuple[str, ...] = _f(("llama2",), "strs")
+    drain_timeout_s: float = _f(30.0, "float")
+
+    @property
+    def effective_num_agents(self) -> int:
+        return self.num_agents if self.num_agents is not None else len(self.agent_ports)
+
+    @property
+    def effective_agent_ports(self) -> tuple[int, ...]:
+        """One port per agent rank: the listed ones, continued consecutively when num_agents asks for more."""
+        ports = list(self.agent_ports[: self.effective_num_agents])
+        while len(ports) < self.effective_num_agents:
+            ports.append(ports[-1] + 1)
+        return tuple(ports)
+
+
+@dataclass(frozen=True)
+class PagedAttentionSection:
+    """``pa_config``: the paged KV cache."""
+
+    num_blocks: int = _f(512, "int")
+    block_size: int = _f(16, "int")
+    decode_seq_length: int = _f(512, "int")  # max tokens (prompt + output) of one sequence
+
+
+@dataclass(frozen=True)
+class TokenizerSection:
+    """``tokenizer``: a SentencePiece ``tokenizer.model``."""
+
+    type: str = _f("LlamaTokenizer", "str")
+    vocab_file: str | None = _f(None, "path", optional=True)
+
+
+@dataclass(frozen=True)
+class SchedulerSection:
+    """``scheduler``: how waiting requests are admitted into steps."""
+
+    policy: str = _f("longest_output_first", "str")
+    max_wait_s: float = _f(5.0, "float")
+    max_num_batched_tokens: int | None = _f(None, "int", optional=True)
+    min_decode_steps_between_prefills: int = _f(0, "int")
+
+
+@dataclass(frozen=True)
+class DefaultModelSection:
+    """``default_model``: the small Llama built and cached locally when no model_path is given."""
+
+    data_dir: str = _f(os.path.expanduser("~/.cache/llm-serving"), "path")
+    seed: int = _f(0, "int")
+    hidden_size: int = _f(256, "int")
+    intermediate_size: int = _f(688, "int")
+    num_layers: int = _f(4, "int")
+    num_heads: int = _f(4, "int")
+    num_kv_heads: int = _f(2, "int")
+    vocab_size: int = _f(1000, "int")
+
+    def llama_config(self, max_position_embeddings: int) -> LlamaConfig:
+        return LlamaConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+            max_position_embeddings=max_position_embeddings,
+        )
+
+
+SECTIONS: dict[str, type] = {
+    "model_config": ModelSection,
+    "serving_config": ServingSection,
+    "pa_config": PagedAttentionSection,
+    "tokenizer": TokenizerSection,
+    "scheduler": SchedulerSection,
+    "default_model": DefaultModelSection,
+}
+
+# llm-serving keys with no meaning here: accepted (type-checked) and ignored, with a note.
+COMPAT_KEYS: dict[str, dict[str, str]] = {
+    "model_config": {
+        "zactivate_len": "ints", "model_type": "str", "seq_type": "str", "batch_waiting_time": "float",
+        "decode_batch_waiting_time": "float", "batching_strategy": "str", "current_index": "bool",
+        "model_dtype": "str",
+    },
+    "serving_config": {
+        "agent_ip": "str", "prefill_batch_waiting_time": "float", "decode_batch_waiting_time": "float",
+        "enable_host_post_sampling": "bool",
+    },
+}
+COMPAT_SECTIONS = {
+    "model_path": "llm-serving MindIR graph paths are not used; set model_config.model_path",
+    "basic_inputs": "input builders are fixed for Llama",
+    "extra_inputs": "input builders are fixed for Llama",
+    "warmup_inputs": "warm-up covers every bucket",
+}
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """The whole launch configuration; construction validates it (see ``_validate``)."""
+
+    model_config: ModelSection = field(default_factory=ModelSection)
+    serving_config: ServingSection = field(default_factory=ServingSection)
+    pa_config: PagedAttentionSection = field(default_factory=PagedAttentionSection)
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    default_model: DefaultModelSection = field(default_factory=DefaultModelSection)
+    source: str = field(default="<defaults>", compare=False)
+    notes: tuple[str, ...] = field(default=(), compare=False)  # ignored compatibility keys, for the log
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ----- loading -------------------------------------------------------------------------------------
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> ServingConfig:
+        path = Path(os.path.expanduser(os.fspath(path)))
+        if not path.is_file():
+            what = "is a directory, not a file" if path.is_dir() else "does not exist"
+            raise ConfigError(f"config file {path} {what}", source=str(path))
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: invalid YAML: {exc}", source=str(path)) from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot read: {exc}", source=str(path)) from None
+        return cls.from_dict(raw, source=str(path), base_dir=path.parent.absolute())
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None, source: str = "<dict>",
+                  base_dir: str | os.PathLike | None = None) -> ServingConfig:
+        """Build from parsed YAML; relative paths resolve against ``base_dir`` (default: the current dir)."""
+        d = {} if d is None else d
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"{source}: the top level must be a mapping of sections, got "
+                              f"{_show(d)}", source=source)
+        base = Path(base_dir).absolute() if base_dir is not None else Path.cwd()
+        notes: list[str] = []
+        for name, body in d.items():
+            if name in COMPAT_SECTIONS:
+                if body is not None and not isinstance(body, Mapping):
+                    raise ConfigError(f"{source}: section {name!r} must be a mapping, got {_show(body)}",
+                                      key=str(name), source=source)
+                notes.append(f"section {name!r} ignored: {COMPAT_SECTIONS[name]}")
+            elif name not in SECTIONS:
+                raise ConfigError(f"{source}: unknown section {name!r}{_suggest(name, SECTIONS)}; known "
+                                  f"sections: {', '.join(SECTIONS)}", key=str(name), source=source)
+        sections = {name: _parse_section(name, d.get(name), source, base, notes) for name in SECTIONS}
+        return cls(**sections, source=source, notes=tuple(notes))
+
+    # ----- derived copies and views ----------------------------------------------------------------------
+    def with_values(self, values: Mapping[str, Any]) -> ServingConfig:
+        """A copy with ``{"section.key": value}`` replaced, validated like a file."""
+        d = self.to_dict()
+        for dotted, value in values.items():
+            section, _, key = dotted.partition(".")
+            if section not in d or not key:
+                raise ConfigError(f"override {dotted!r}: expected 'section.key' with a section from "
+                                  f"{', '.join(SECTIONS)}", key=dotted, source=self.source)
+            d[section][key] = value
+        new = ServingConfig.from_dict(d, source=f"{self.source} (with overrides {', '.join(values)})")
+        return dataclasses.replace(new, notes=tuple(dict.fromkeys(self.notes + new.notes)))
+
+    def with_overrides(self, model_path: str | None = None, host: str | None = None, port: int | None = None,
+                       policy: str | None = None, decode_batch_size: int | list[int] | None = None,
+                       prefill_batch_size: int | list[int] | None = None,
+                       num_agents: int | None = None) -> ServingConfig:
+        """A copy with command-line overrides applied (None leaves a value alone); paths resolve vs. cwd."""
+        wanted = {
+            "model_config.model_path": model_path, "serving_config.server_ip": host,
+            "serving_config.server_port": port, "scheduler.policy": policy,
+            "model_config.decode_batch_size": _as_list(decode_batch_size),
+            "model_config.prefill_batch_size": _as_list(prefill_batch_size),
+            "serving_config.num_agents": num_agents,
+        }
+        values = {k: v for k, v in wanted.items() if v is not None}
+        return self.with_values(values) if values else self
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain YAML-dumpable sections; ``from_dict(to_dict())`` gives an equal config."""
+        return {name: {k: list(v) if isinstance(v, tuple) else v
+                       for k, v in dataclasses.asdict(getattr(self, name)).items()}
+                for name in SECTIONS}
+
+    @property
+    def uses_default_model(self) -> bool:
+        return self.model_config.model_path is None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.pa_config.decode_seq_length
+
+    @property
+    def max_prompt_len(self) -> int:
+        return self.model_config.seq_length[-1]
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The scheduler's token budget per prefill step (default: largest prefill batch x longest bucket)."""
+        explicit = self.scheduler.max_num_batched_tokens
+        return explicit if explicit is not None else (
+            self.model_config.prefill_batch_size[-1] * self.model_config.seq_length[-1])
+
+    @property
+    def num_agents(self) -> int:
+        return self.serving_config.effective_num_agents
+
+    @property
+    def agent_ports(self) -> tuple[int, ...]:
+        return self.serving_config.effective_agent_ports
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Names the API answers to: model_name first, then the aliases."""
+        return tuple(dict.fromkeys((self.model_config.model_name, *self.serving_config.model_aliases)))
+
+    @property
+    def vocab_file(self) -> str | None:
+        """tokenizer.vocab_file, else ``tokenizer.model`` beside model_path; None for the embedded model."""
+        if self.tokenizer.vocab_file is not None:
+            return self.tokenizer.vocab_file
+        path = self.model_config.model_path
+        if path is None:
+            return None
+        folder = os.path.dirname(path) if path.endswith(_CHECKPOINT_SUFFIXES) else path
+        return os.path.join(folder, "tokenizer.model")
+
+
+# ----- parsing --------------------------------------------------------------------------------------------
+def _parse_section(name: str, body: Any, source: str, base: Path, notes: list[str]) -> Any:
+    cls = SECTIONS[name]
+    if body is None:
+        return cls()
+    if not isinstance(body, Mapping):
+        raise ConfigError(f"{source}: section {name!r} must be a mapping of keys, got {_show(body)}",
+                          key=name, source=source)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    compat = COMPAT_KEYS.get(name, {})
+    values: dict[str, Any] = {}
+    ignored: list[str] = []
+    for key, value in body.items():
+        dotted = f"{name}.{key}"
+        if key in fields:
+            meta = fields[key].metadata
+            parsed = _coerce(value, meta["kind"], dotted, source, base)
+            if parsed is not None or meta["optional"]:
+                values[key] = parsed
+        elif key in compat:
+            parsed = _coerce(value, compat[key], dotted, source, base)
+            if key == "model_dtype" and parsed is not None:
+                dtype = parsed.lower().removeprefix("datatype.")
+                if dtype not in DTYPES:
+                    raise _bad(source, dotted, f"expected DataType.FLOAT32/FLOAT16/BFLOAT16, got {parsed!r}")
+                if body.get("dtype") is None:
+                    values["dtype"] = dtype
+                    continue
+            ignored.append(str(key))
+        else:
+            known = [*fields, *compat]
+            raise ConfigError(f"{source}: unknown key {key!r} in section {name!r}{_suggest(key, known)}; "
+                              f"known keys: {', '.join(known)}", key=dotted, source=source)
+    if ignored:
+        notes.append(f"{name}: {', '.join(ignored)} accepted for llm-serving compatibility and ignored")
+    if name == "model_config" and values.get("page_attention") is False:
+        notes.append("model_config.page_attention: False ignored; the KV cache is always paged")
+    return cls(**values)
+
+
+def _coerce(value: Any, kind: str, key: str, source: str, base: Path) -> Any:
+    """Check one value against its kind; returns None for null (and for an empty path)."""
+    if value is None:
+        return None
+    ok = True
+    if kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif kind == "bool":
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            value = value.strip().lower() == "true"
+        ok = isinstance(value, bool)
+    elif kind in ("str", "path"):
+        ok = isinstance(value, str)
+        if ok and kind == "path":
+            if not value.strip():
+                return None
+            value = os.path.normpath(base / os.path.expanduser(value.strip()))
+    elif kind in ("ints", "buckets", "strs"):
+        item_ok = (lambda x: isinstance(x, str)) if kind == "strs" else (
+            lambda x: isinstance(x, int) and not isinstance(x, bool))
+        ok = isinstance(value, (list, tuple)) and all(item_ok(x) for x in value)
+        if ok:
+            value = tuple(sorted(set(value))) if kind == "buckets" else tuple(value)
+    if not ok:
+        raise _bad(source, key, f"expected {_KIND_TEXT[kind]}, got {_show(value)}")
+    return value
+
+
+# ----- validation -----------------------------------------------------------------------------------------
+def _validate(cfg: ServingConfig) -> None:
+    src, m, s, pa = cfg.source, cfg.model_config, cfg.serving_config, cfg.pa_config
+
+    def need(ok: bool, key: str, msg: str) -> None:
+        if not ok:
+            raise _bad(src, key, msg)
+
+    need(bool(m.model_name.strip()), "model_config.model_name", "must not be empty")
+    need(m.dtype in DTYPES, "model_config.dtype", f"expected one of {', '.join(DTYPES)}, got {m.dtype!r}")
+    need(m.max_generate_length > 0, "model_config.max_generate_length",
+         f"must be positive, got {m.max_generate_length}")
+    need(m.vocab_size is None or m.vocab_size > 0, "model_config.vocab_size", f"must be positive, got {m.vocab_size}")
+    for key in ("end_token", "pad_token_id"):
+        v = getattr(m, key)
+        need(v is None or v >= 0, f"model_config.{key}", f"must be a token id >= 0, got {v}")
+    for key in ("seq_length", "prefill_batch_size", "decode_batch_size"):
+        b = getattr(m, key)
+        need(len(b) > 0, f"model_config.{key}", "needs at least one bucket")
+        need(all(x > 0 for x in b), f"model_config.{key}", f"buckets must be positive, got {list(b)}")
+        need(list(b) == sorted(set(b)), f"model_config.{key}", f"buckets must be sorted and unique: {list(b)}")
+
+    need(len(s.agent_ports) > 0, "serving_config.agent_ports", "needs at least one port (one per agent rank)")
+    need(s.num_agents is None or s.num_agents >= 1, "serving_config.num_agents",
+         f"must be at least 1, got {s.num_agents}")
+    ports = s.effective_agent_ports
+    need(all(0 < p < 65536 for p in ports), "serving_config.agent_ports", f"ports must be 1..65535: {list(ports)}")
+    need(len(set(ports)) == len(ports), "serving_config.agent_ports", f"ports must be distinct: {list(ports)}")
+    need(0 <= s.server_port < 65536, "serving_config.server_port",
+         f"must be 0..65535 (0: any free port), got {s.server_port}")
+    need(s.server_port not in ports, "serving_config.server_port",
+         f"{s.server_port} is also an agent port {list(ports)}")
+    need(bool(s.server_ip.strip()), "serving_config.server_ip", "must not be empty")
+    need(s.start_device_id >= 0, "serving_config.start_device_id", f"must be >= 0, got {s.start_device_id}")
+    need(s.max_queue_size >= 1, "serving_config.max_queue_size", f"must be >= 1, got {s.max_queue_size}")
+    need(all(a.strip() for a in s.model_aliases), "serving_config.model_aliases",
+         f"aliases must be non-empty: {list(s.model_aliases)}")
+    need(s.drain_timeout_s >= 0, "serving_config.drain_timeout_s", f"must be >= 0, got {s.drain_timeout_s}")
+
+    for key in ("num_blocks", "block_size", "decode_seq_length"):
+        need(getattr(pa, key) > 0, f"pa_config.{key}", f"must be positive, got {getattr(pa, key)}")
+    need(pa.decode_seq_length <= pa.num_blocks * pa.block_size, "pa_config.decode_seq_length",
+         f"{pa.decode_seq_length} tokens do not fit in the cache of num_blocks*block_size = "
+         f"{pa.num_blocks}*{pa.block_size} = {pa.num_blocks * pa.block_size} tokens")
+    need(m.seq_length[-1] <= pa.decode_seq_length, "model_config.seq_length",
+         f"longest prefill bucket {m.seq_length[-1]} exceeds pa_config.decode_seq_length {pa.decode_seq_length}")
+
+    need(cfg.tokenizer.type in TOKENIZER_TYPES, "tokenizer.type",
+         f"expected one of {', '.join(TOKENIZER_TYPES)}, got {cfg.tokenizer.type!r}")
+
+    sc = cfg.scheduler
+    need(sc.policy in POLICIES, "scheduler.policy", f"expected one of {', '.join(POLICIES)}, got {sc.policy!r}")
+    need(sc.max_wait_s > 0, "scheduler.max_wait_s", f"must be positive, got {sc.max_wait_s}")
+    need(sc.min_decode_steps_between_prefills >= 0, "scheduler.min_decode_steps_between_prefills",
+         f"must be >= 0, got {sc.min_decode_steps_between_prefills}")
+    need(sc.max_num_batched_tokens is None or sc.max_num_batched_tokens >= m.seq_length[-1],
+         "scheduler.max_num_batched_tokens",
+         f"{sc.max_num_batched_tokens} is below the longest prefill bucket {m.seq_length[-1]}, "
+         "so the longest prompts could never be scheduled")
+
+    dm = cfg.default_model
+    for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
+        need(getattr(dm, key) > 0, f"default_model.{key}", f"must be positive, got {getattr(dm, key)}")
+    need(dm.seed >= 0, "default_model.seed", f"must be >= 0, got {dm.seed}")
+    try:
+        arch = dm.llama_config(pa.decode_seq_length)
+    except ModelConfigError as exc:
+        raise _bad(src, "default_model", str(exc)) from None
+    need(arch.head_dim % 2 == 0, "default_model.hidden_size", f"head_dim {arch.head_dim} must be even for RoPE")
+
+
+def _bad(source: str, key: str, msg: str) -> ConfigError:
+    return ConfigError(f"{source}: {key}: {msg}", key=key, source=source)
+
+
+def _show(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _suggest(name: Any, known: Any) -> str:
+    close = difflib.get_close_matches(str(name), list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _as_list(value: int | list[int] | tuple[int, ...] | None) -> list[int] | None:
+    if value is None:
+        return None
+    return [value] if isinstance(value, int) else list(value)
