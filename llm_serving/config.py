@@ -274,10 +274,10 @@ class ServingConfig:
 
     @property
     def max_num_batched_tokens(self) -> int:
-        """The scheduler's token budget per prefill step (default: largest prefill batch x longest bucket)."""
+        """Token budget of one prefill step; default max(largest prefill batch x longest bucket, max_model_len)."""
         explicit = self.scheduler.max_num_batched_tokens
-        return explicit if explicit is not None else (
-            self.model_config.prefill_batch_size[-1] * self.model_config.seq_length[-1])
+        derived = self.model_config.prefill_batch_size[-1] * self.model_config.seq_length[-1]
+        return explicit if explicit is not None else max(derived, self.max_model_len)
 
     @property
     def num_agents(self) -> int:
@@ -416,9 +416,10 @@ def _validate(cfg: ServingConfig) -> None:
 
     for key in ("num_blocks", "block_size", "decode_seq_length"):
         need(getattr(pa, key) > 0, f"pa_config.{key}", f"must be positive, got {getattr(pa, key)}")
-    need(pa.decode_seq_length <= pa.num_blocks * pa.block_size, "pa_config.decode_seq_length",
-         f"{pa.decode_seq_length} tokens do not fit in the cache of num_blocks*block_size = "
-         f"{pa.num_blocks}*{pa.block_size} = {pa.num_blocks * pa.block_size} tokens")
+    usable = (pa.num_blocks - 1) * pa.block_size  # block 0 is the reserved padding block
+    need(pa.decode_seq_length <= usable, "pa_config.decode_seq_length",
+         f"{pa.decode_seq_length} tokens do not fit in the cache of (num_blocks - 1) * block_size = "
+         f"({pa.num_blocks} - 1) * {pa.block_size} = {usable} tokens (block 0 is reserved for padding)")
     need(m.seq_length[-1] <= pa.decode_seq_length, "model_config.seq_length",
          f"longest prefill bucket {m.seq_length[-1]} exceeds pa_config.decode_seq_length {pa.decode_seq_length}")
 
@@ -427,13 +428,13 @@ def _validate(cfg: ServingConfig) -> None:
 
     sc = cfg.scheduler
     need(sc.policy in POLICIES, "scheduler.policy", f"expected one of {', '.join(POLICIES)}, got {sc.policy!r}")
-    need(sc.max_wait_s > 0, "scheduler.max_wait_s", f"must be positive, got {sc.max_wait_s}")
+    need(sc.max_wait_s >= 0, "scheduler.max_wait_s", f"must be >= 0, got {sc.max_wait_s}")
     need(sc.min_decode_steps_between_prefills >= 0, "scheduler.min_decode_steps_between_prefills",
          f"must be >= 0, got {sc.min_decode_steps_between_prefills}")
-    need(sc.max_num_batched_tokens is None or sc.max_num_batched_tokens >= m.seq_length[-1],
+    need(sc.max_num_batched_tokens is None or sc.max_num_batched_tokens >= pa.decode_seq_length,
          "scheduler.max_num_batched_tokens",
-         f"{sc.max_num_batched_tokens} is below the longest prefill bucket {m.seq_length[-1]}, "
-         "so the longest prompts could never be scheduled")
+         f"{sc.max_num_batched_tokens} is below pa_config.decode_seq_length {pa.decode_seq_length}: a preempted "
+         "sequence is recomputed in one prefill step of up to that many tokens")
 
     dm = cfg.default_model
     for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):

@@ -189,7 +189,8 @@ def test_sections_must_be_mappings(d, match):
     ({"model_config": {"max_generate_length": 0}}, "model_config.max_generate_length", "positive"),
     ({"pa_config": {"block_size": 0}}, "pa_config.block_size", "positive"),
     ({"pa_config": {"num_blocks": 8, "block_size": 16}}, "pa_config.decode_seq_length",
-     "do not fit in the cache of num_blocks*block_size = 8*16 = 128 tokens"),
+     "do not fit in the cache of (num_blocks - 1) * block_size = (8 - 1) * 16 = 112 tokens"),
+    ({"pa_config": {"num_blocks": 32, "block_size": 16}}, "pa_config.decode_seq_length", "block 0 is reserved"),
     ({"model_config": {"seq_length": [1024]}}, "model_config.seq_length", "exceeds pa_config.decode_seq_length"),
     ({"serving_config": {"agent_ports": []}}, "serving_config.agent_ports", "at least one port"),
     ({"serving_config": {"agent_ports": [9000, 9000]}}, "serving_config.agent_ports", "distinct"),
@@ -200,8 +201,9 @@ def test_sections_must_be_mappings(d, match):
     ({"serving_config": {"max_queue_size": 0}}, "serving_config.max_queue_size", ">= 1"),
     ({"serving_config": {"model_aliases": [""]}}, "serving_config.model_aliases", "non-empty"),
     ({"tokenizer": {"type": "GPT2Tokenizer"}}, "tokenizer.type", "LlamaTokenizer"),
-    ({"scheduler": {"max_wait_s": 0}}, "scheduler.max_wait_s", "positive"),
-    ({"scheduler": {"max_num_batched_tokens": 100}}, "scheduler.max_num_batched_tokens", "never be scheduled"),
+    ({"scheduler": {"max_wait_s": -1}}, "scheduler.max_wait_s", ">= 0"),
+    ({"scheduler": {"max_num_batched_tokens": 300}}, "scheduler.max_num_batched_tokens",
+     "below pa_config.decode_seq_length 512"),
     ({"scheduler": {"min_decode_steps_between_prefills": -1}}, "scheduler.min_decode_steps_between_prefills",
      ">= 0"),
     ({"default_model": {"num_heads": 3}}, "default_model", "not divisible by num_attention_heads 3"),
@@ -333,7 +335,7 @@ def test_with_overrides_returns_a_new_validated_config(tmp_path, monkeypatch):
     assert cfg.scheduler.policy == "fcfs"
     assert cfg.model_config.decode_batch_size == (4, 16) and cfg.model_config.prefill_batch_size == (2,)
     assert cfg.num_agents == 3 and cfg.agent_ports == (16002, 16003, 16004)
-    assert cfg.max_num_batched_tokens == 2 * 256
+    assert cfg.max_num_batched_tokens == 512  # max_model_len beats 2 * 256
     assert base == ServingConfig() and base.with_overrides() is base
     assert "with overrides" in cfg.source
 
