@@ -214,12 +214,18 @@ class LlamaStep(nn.Cell):
         return greedy_pick(logits)
 
 
-def load_weights_into(model: LlamaModel, weights: dict[str, np.ndarray]) -> None:
-    """Copy a canonical fused weight dict (see ``agents.weights``) into the model's Parameters."""
-    targets = {"embed_tokens": model.embed_tokens, "norm": model.norm.weight, "lm_head": model.lm_head.weight}
+def _canonical_parameters(model: LlamaModel) -> dict[str, Parameter]:
+    """The model's Parameters under their canonical fused weight names (see ``agents.weights``)."""
+    params = {"embed_tokens": model.embed_tokens, "norm": model.norm.weight, "lm_head": model.lm_head.weight}
     for i, layer in enumerate(model.layers):
         for name in ("attention_norm", "ffn_norm", "w_qkv", "wo", "w_gate_up", "w_down"):
-            targets[f"layers.{i}.{name}"] = getattr(layer, name).weight
+            params[f"layers.{i}.{name}"] = getattr(layer, name).weight
+    return params
+
+
+def load_weights_into(model: LlamaModel, weights: dict[str, np.ndarray]) -> None:
+    """Copy a canonical fused weight dict into the model's Parameters."""
+    targets = _canonical_parameters(model)
     missing = sorted(set(targets) - set(weights))
     if missing:
         raise KeyError(f"weights are missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
@@ -228,3 +234,8 @@ def load_weights_into(model: LlamaModel, weights: dict[str, np.ndarray]) -> None
         if tuple(value.shape) != tuple(param.shape):
             raise ValueError(f"parameter {name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
         param.set_data(Tensor(np.ascontiguousarray(value), model.dtype))
+
+
+def model_weights(model: LlamaModel) -> dict[str, np.ndarray]:
+    """The model's weights as a canonical fused dict (e.g. to save a converted ``.ckpt``)."""
+    return {name: param.asnumpy() for name, param in _canonical_parameters(model).items()}

@@ -17,6 +17,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
+from agents.device import setup_device
 from agents.model import LlamaModel, LlamaStep, load_weights_into
 from agents.model_config import LlamaConfig
 from llm_serving.batch import StepBatch, StepOutput
@@ -48,6 +49,8 @@ class RunnerConfig:
     decode_block_widths: tuple[int, ...] = field(default=())
     dtype: str = "float32"
     enable_logits: bool = False
+    device_target: str = "CPU"
+    device_id: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -93,6 +96,7 @@ class ModelRunner:
     """Owns the MindSpore model, its KV cache and the compiled step graphs of one device."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], runner_config: RunnerConfig) -> None:
+        setup_device(runner_config.device_target, runner_config.device_id)
         self.config = config
         self.rc = runner_config
         self.model = LlamaModel(config, runner_config.num_blocks, runner_config.block_size,

@@ -1,0 +1,52 @@
+"""A minimal stand-in for the scheduler: drives a ModelRunner over shuffled, non-contiguous KV blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llm_serving.batch import StepBatch
+
+
+class PagedDriver:
+    """Gives each prompt its own randomly chosen blocks (never block 0) and runs greedy decoding."""
+
+    def __init__(self, runner, seed: int = 0) -> None:
+        self.runner = runner
+        self.block_size = runner.rc.block_size
+        self.rng = np.random.default_rng(seed)
+
+    def _tables(self, prompts: list[list[int]], steps: int) -> list[list[int]]:
+        free = list(range(1, self.runner.rc.num_blocks))
+        self.rng.shuffle(free)
+        need = [-(-(len(p) + steps) // self.block_size) for p in prompts]
+        if sum(need) > len(free):
+            raise ValueError("not enough KV blocks for the test workload")
+        return [[free.pop() for _ in range(n)] for n in need]
+
+    def generate(self, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[list[float]]]:
+        tables = self._tables(prompts, steps)
+        width = max(len(t) for t in tables)
+        block_tables = np.array([t + [0] * (width - len(t)) for t in tables], np.int32)
+
+        def slot(i: int, pos: int) -> int:
+            return tables[i][pos // self.block_size] * self.block_size + pos % self.block_size
+
+        lens = np.array([len(p) for p in prompts], np.int32)
+        out = self.runner.step(StepBatch(
+            True, np.concatenate(prompts).astype(np.int32),
+            np.concatenate([np.arange(n) for n in lens]).astype(np.int32),
+            np.array([slot(i, j) for i, n in enumerate(lens) for j in range(n)], np.int32),
+            lens, lens.copy(), block_tables))
+        tokens = [[int(t)] for t in out.token_ids]
+        logprobs = [[float(lp)] for lp in out.logprobs]
+        for _ in range(steps - 1):
+            ctx = np.array([len(p) + len(g) for p, g in zip(prompts, tokens)], np.int32)
+            pos = ctx - 1
+            out = self.runner.step(StepBatch(
+                False, np.array([g[-1] for g in tokens], np.int32), pos,
+                np.array([slot(i, int(p)) for i, p in enumerate(pos)], np.int32),
+                np.ones(len(prompts), np.int32), ctx, block_tables))
+            for g, lp, t, l in zip(tokens, logprobs, out.token_ids, out.logprobs):
+                g.append(int(t))
+                lp.append(float(l))
+        return tokens, logprobs
