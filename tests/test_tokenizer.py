@@ -1,0 +1,241 @@
+"""Tokenizer training, Llama id conventions, round trips and streaming detokenization."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from llm_serving.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
+from llm_serving.tokenizer_training import train_tokenizer
+
+TEXTS = [
+    "The lighthouse keeper wrote 14 March 1987 in his logbook.",
+    "  two leading spaces, and  double  spaces inside ",
+    "Lines\nwith\ttabs\n\nand blank lines\n",
+    "Café, naïve façade, Zürich, São Paulo, Kraków, Dvořák, Ångström.",
+    "中文：早上好！我每天早上七点起床。日本語：おはようございます。한국어: 감사합니다.",
+    "Emoji 🙂🚀🌍 family 👨‍👩‍👧‍👦 flag 🏳️‍🌈 and math ∑ π²/6 ≈ 1.6449, −40 °C, €19.99",
+    "rare script: ᚠᛇᚻ ꦧꦱꦗ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    return Tokenizer(train_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer"))
+
+
+def _byte_id(tok: Tokenizer, value: int) -> int:
+    return tok.piece_to_id(f"<0x{value:02X}>")
+
+
+# -- training --------------------------------------------------------------------------------------------------
+def test_training_is_deterministic_and_path_independent(tmp_path):
+    a = train_tokenizer(tmp_path / "a" / "tokenizer", vocab_size=900)
+    b = train_tokenizer(tmp_path / "b" / "other", vocab_size=900)
+    assert a.name == "tokenizer.model" and b.name == "other.model"
+    assert a.read_bytes() == b.read_bytes()
+    assert Tokenizer(a).vocab_size == 900
+
+
+def test_training_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="vocab_size=10"):
+        train_tokenizer(tmp_path / "t", vocab_size=10)
+    with pytest.raises(ValueError, match="vocab_size=400.*required_chars"):
+        train_tokenizer(tmp_path / "t", vocab_size=400)  # the corpus has more distinct characters
+    with pytest.raises(ValueError, match="missing.txt"):
+        train_tokenizer(tmp_path / "t", corpus=tmp_path / "missing.txt")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n \n", encoding="utf-8")
+    with pytest.raises(ValueError, match="no text"):
+        train_tokenizer(tmp_path / "t", corpus=empty)
+
+
+# -- vocabulary conventions ------------------------------------------------------------------------------------
+def test_llama_id_conventions(tok):
+    assert tok.vocab_size == 1000
+    assert (tok.unk_id, tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2, 0)
+    assert [tok.id_to_piece(i) for i in range(3)] == ["<unk>", "<s>", "</s>"]
+    assert all(tok.is_special(i) for i in range(3))
+    assert tok.piece_to_id("<pad>") == tok.unk_id  # no pad piece, as in Llama
+    byte_ids = [_byte_id(tok, v) for v in range(256)]
+    assert byte_ids == list(range(3, 259))  # byte fallback pieces follow the specials, as in Llama
+    assert all(tok.is_byte(i) and not tok.is_special(i) for i in byte_ids)
+    assert not tok.is_special(tok.piece_to_id("▁the"))
+
+
+def test_encode_prepends_bos_only(tok):
+    ids = tok.encode("The keeper wrote.")
+    assert ids[0] == tok.bos_id and tok.eos_id not in ids
+    assert tok.encode("The keeper wrote.", add_bos=False) == ids[1:]
+    assert tok.encode("") == [tok.bos_id]
+    # split_digits: every digit is its own token
+    digits = [tok.id_to_piece(i) for i in tok.encode("2024", add_bos=False)]
+    assert "".join(digits).lstrip("▁") == "2024" and digits[-4:] == ["2", "0", "2", "4"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip(tok, text):
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.decode([*ids, tok.eos_id]) == text
+    assert tok.decode(ids[1:]) == text
+
+
+def test_byte_fallback_is_used_for_rare_characters(tok):
+    ids = tok.encode("ꦧ🙂", add_bos=False)
+    assert sum(tok.is_byte(i) for i in ids) == 3 + 4  # two characters spelled as UTF-8 bytes
+    assert tok.unk_id not in ids
+
+
+def test_decode_with_special_tokens_kept(tok):
+    ids = tok.encode("keeper")
+    assert tok.decode([*ids, tok.eos_id], skip_special_tokens=False) == "<s> keeper</s>"
+    assert tok.decode([tok.unk_id], skip_special_tokens=False) == "<unk>"
+    assert tok.decode([tok.unk_id]) == ""
+
+
+def test_token_text_and_bytes(tok):
+    the = tok.piece_to_id("▁the")
+    assert tok.token_text(the) == " the" and tok.token_bytes(the) == [32, 116, 104, 101]
+    assert tok.token_text(_byte_id(tok, 0x41)) == "A"
+    assert tok.token_text(_byte_id(tok, 0x0A)) == "\n"
+    assert tok.token_text(_byte_id(tok, 0xE4)) == "<0xE4>" and tok.token_bytes(_byte_id(tok, 0xE4)) == [0xE4]
+    assert tok.token_text(tok.eos_id) == "</s>"
+
+
+# -- errors ----------------------------------------------------------------------------------------------------
+def test_missing_and_invalid_model_files(tmp_path, tok):
+    missing = tmp_path / "nope" / "tokenizer.model"
+    with pytest.raises(TokenizerError, match="not found.*nope"):
+        Tokenizer(missing)
+    bad = tmp_path / "bad.model"
+    bad.write_bytes(b"this is not a sentencepiece model")
+    with pytest.raises(TokenizerError, match="bad.model"):
+        Tokenizer(bad)
+    # a directory holding tokenizer.model is accepted
+    assert Tokenizer(tok.path.parent).vocab_size == tok.vocab_size
+
+
+def test_invalid_ids_and_inputs(tok):
+    with pytest.raises(TokenizerError, match="token id 1000 .*vocab_size 1000"):
+        tok.decode([5, 1000])
+    with pytest.raises(TokenizerError, match="token id -1"):
+        tok.id_to_piece(-1)
+    with pytest.raises(TokenizerError, match="expects str"):
+        tok.encode(b"bytes")
+    with pytest.raises(TokenizerError, match="token id 5000"):
+        IncrementalDecoder(tok).push(5000)
+
+
+# -- streaming -------------------------------------------------------------------------------------------------
+def _stream(tok, gen, prompt=(), skip=True) -> tuple[list[str], str]:
+    dec = IncrementalDecoder(tok, prompt, skip_special_tokens=skip)
+    chunks = [dec.push(i) for i in gen]
+    chunks.append(dec.flush())
+    assert dec.text == "".join(chunks)
+    return chunks, dec.text
+
+
+def _random_ids(tok, rng: random.Random, n: int) -> list[int]:
+    """Mix of ordinary pieces, specials, random (often invalid) bytes and valid multi-byte characters."""
+    out: list[int] = []
+    while len(out) < n:
+        r = rng.random()
+        if r < 0.45:
+            out.append(rng.randrange(259, tok.vocab_size))
+        elif r < 0.55:
+            out.append(rng.randrange(0, 3))
+        elif r < 0.7:
+            out.append(_byte_id(tok, rng.randrange(256)))
+        else:
+            ch = chr(rng.choice([rng.randrange(0x80, 0x800), rng.randrange(0x4E00, 0x9FFF),
+                                 rng.randrange(0x1F300, 0x1FAFF)]))
+            out.extend(_byte_id(tok, b) for b in ch.encode("utf-8"))
+    return out
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_stream_equals_full_decode_for_random_sequences(tok, skip):
+    rng = random.Random(1234 + skip)
+    for _ in range(300):
+        gen = _random_ids(tok, rng, rng.randrange(1, 30))
+        _, text = _stream(tok, gen, skip=skip)
+        assert text == tok.decode(gen, skip_special_tokens=skip), gen
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_stream_after_prompt_equals_suffix_of_full_decode(tok, skip):
+    rng = random.Random(99 + skip)
+    prompts = [tok.encode(t) for t in TEXTS] + [[tok.bos_id]]
+    for _ in range(300):
+        prompt = rng.choice(prompts)
+        gen = _random_ids(tok, rng, rng.randrange(1, 30))
+        whole, head = tok.decode(prompt + gen, skip), tok.decode(prompt, skip)
+        assert whole.startswith(head)
+        _, text = _stream(tok, gen, prompt, skip=skip)
+        assert text == whole[len(head):], (prompt, gen)
+
+
+@pytest.mark.parametrize("text", TEXTS[:-1])
+def test_streaming_real_text_never_emits_broken_characters(tok, text):
+    ids = tok.encode("Prompt: " + text)
+    cut = len(tok.encode("Prompt:"))
+    prompt, gen = ids[:cut], ids[cut:]
+    chunks, streamed = _stream(tok, gen, prompt)
+    assert streamed == " " + text
+    assert all("\ufffd" not in c for c in chunks)
+    assert chunks[-1] == ""  # nothing was left for flush
+    # multi-byte characters spelled as bytes are released whole, after their last byte
+    if any(tok.is_byte(i) and tok.id_to_piece(i) >= "<0x80>" for i in gen):
+        assert chunks.count("") > 1
+
+
+def test_multibyte_character_released_on_last_byte(tok):
+    dec = IncrementalDecoder(tok, tok.encode("emoji"))
+    parts = [dec.push(_byte_id(tok, b)) for b in "🙂".encode()]
+    assert parts == ["", "", "", "🙂"]
+    assert dec.push(tok.piece_to_id("▁the")) == " the"
+
+
+def test_leading_space_of_first_generated_token_is_kept(tok):
+    prompt = tok.encode("The keeper")
+    gen = tok.encode("wrote the log", add_bos=False)  # first piece starts with "▁"
+    assert tok.id_to_piece(gen[0]).startswith("▁")
+    dec = IncrementalDecoder(tok, prompt)
+    assert dec.push(gen[0]).startswith(" ")
+    for i in gen[1:]:
+        dec.push(i)
+    assert dec.text == " wrote the log"
+    # without a prompt the text matches decode(generated), which drops the dummy-prefix space
+    assert _stream(tok, gen)[1] == "wrote the log" == tok.decode(gen)
+    # after a bos-only prompt, as decode(prompt + gen) shows it
+    assert _stream(tok, gen, [tok.bos_id])[1] == tok.decode([tok.bos_id, *gen])
+
+
+def test_unfinished_character_is_held_then_flushed(tok):
+    dec = IncrementalDecoder(tok, tok.encode("x"))
+    assert dec.push(_byte_id(tok, 0xE4)) == ""
+    assert dec.push(_byte_id(tok, 0xBD)) == ""
+    assert dec.text == ""
+    assert dec.flush() == "\ufffd\ufffd" == tok.decode([_byte_id(tok, 0xE4), _byte_id(tok, 0xBD)])
+    with pytest.raises(TokenizerError, match="after flush"):
+        dec.push(5)
+
+
+def test_stream_decodes_a_bounded_window(tok, monkeypatch):
+    rng = random.Random(7)
+    gen = _random_ids(tok, rng, 2000)
+    longest = 0
+    real_decode = Tokenizer.decode
+
+    def spy(self, ids, skip_special_tokens=True):
+        nonlocal longest
+        ids = list(ids)
+        longest = max(longest, len(ids))
+        return real_decode(self, ids, skip_special_tokens)
+
+    monkeypatch.setattr(Tokenizer, "decode", spy)
+    _stream(tok, gen, tok.encode("a prompt with several tokens in it"))
+    assert 0 < longest <= IncrementalDecoder.CONTEXT_TOKENS + 4
