@@ -1,0 +1,126 @@
+"""Paged KV-cache bookkeeping on the master: which fixed-size blocks of the agents' KV cache each sequence owns.
+
+The agents hold the cache tensors; the master only hands out block ids and turns (sequence, position) into
+flat slots (``block_id * block_size + offset``). Block 0 is a reserved dummy block: padded tokens write into
+it and unused block-table entries point at it, so it is never given to a sequence.
+No prefix sharing (yet): every block has exactly one owner, and accounting is strict so that a scheduler
+bug surfaces as an exception instead of two sequences silently overwriting each other's KV.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from llm_serving.sequence import Sequence
+
+DUMMY_BLOCK = 0
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the reserved dummy block), got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(DUMMY_BLOCK + 1, num_blocks))
+        self._owner: dict[int, str] = {}  # block id -> request_id of the sequence holding it
+
+    # ---- capacity -------------------------------------------------------------------------------------
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can ever be handed out (all but the dummy block)."""
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self._owner)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks in use, in [0, 1]."""
+        return self.num_used_blocks / self.num_usable_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def is_allocated(self, block_id: int) -> bool:
+        return block_id in self._owner
+
+    # ---- allocation -----------------------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.blocks_needed(seq.num_tokens) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` blocks for all its current tokens (its prefill)."""
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.request_id!r} already holds blocks {seq.block_table}")
+        if seq.num_tokens < 1:
+            raise ValueError(f"sequence {seq.request_id!r} has no tokens to allocate blocks for")
+        need = self.blocks_needed(seq.num_tokens)
+        if need > self.num_free_blocks:
+            raise RuntimeError(
+                f"cannot allocate {need} blocks for sequence {seq.request_id!r}: "
+                f"only {self.num_free_blocks} free"
+            )
+        seq.block_table = [self._take(seq) for _ in range(need)]
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the blocks for ``seq``'s current tokens (its next decode input included) are available."""
+        return self._missing(seq) <= self.num_free_blocks
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Grow ``seq``'s table so its last token (the next decode input) has a slot; at most one block."""
+        missing = self._missing(seq)
+        if missing > 1:
+            raise RuntimeError(
+                f"sequence {seq.request_id!r} needs {missing} more blocks; append_slot grows one token at a time"
+            )
+        if missing > self.num_free_blocks:
+            raise RuntimeError(f"no free KV block to grow sequence {seq.request_id!r}")
+        if missing:
+            seq.block_table.append(self._take(seq))
+
+    def free(self, seq: Sequence) -> None:
+        """Return all of ``seq``'s blocks. Raises on blocks it does not own (double free, foreign block)."""
+        table = seq.block_table
+        if not table:
+            raise RuntimeError(f"sequence {seq.request_id!r} holds no blocks to free (double free?)")
+        if len(set(table)) != len(table):
+            raise RuntimeError(f"sequence {seq.request_id!r} lists a block twice: {table}")
+        for block in table:
+            owner = self._owner.get(block)
+            if owner != seq.request_id:
+                what = "a free block" if owner is None else f"a block owned by {owner!r}"
+                raise RuntimeError(f"sequence {seq.request_id!r} frees block {block}, which is {what}")
+        for block in table:
+            del self._owner[block]
+            self._free.append(block)
+        seq.block_table = []
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        """Flat KV slot of token ``position`` of ``seq``."""
+        index, offset = divmod(position, self.block_size)
+        if position < 0 or index >= len(seq.block_table):
+            raise IndexError(
+                f"position {position} of sequence {seq.request_id!r} is outside its "
+                f"{len(seq.block_table)} blocks of {self.block_size}"
+            )
+        return seq.block_table[index] * self.block_size + offset
+
+    # ---- internals ------------------------------------------------------------------------------------
+    def _missing(self, seq: Sequence) -> int:
+        if not seq.block_table:
+            raise RuntimeError(f"sequence {seq.request_id!r} holds no blocks; allocate it first")
+        return max(0, self.blocks_needed(seq.num_tokens) - len(seq.block_table))
+
+    def _take(self, seq: Sequence) -> int:
+        block = self._free.popleft()
+        self._owner[block] = seq.request_id
+        return block

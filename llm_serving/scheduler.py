@@ -1,0 +1,314 @@
+"""Continuous-batching scheduler: picks each model step (a prefill or a decode) and applies its result.
+
+Modelled on nano-vllm / vLLM: the scheduler decides *which* sequences run, the BlockManager decides *where*
+their KV lives. A step is either a prefill (whole prompts of newly admitted sequences, concatenated) or a
+decode (one token for every running sequence); they are never mixed, which keeps the agents' compiled
+shape buckets simple. One step is in flight at a time: ``schedule()``, run the model, ``postprocess()``.
+
+When a decode step needs a KV block and none is free, the most recently admitted running sequence is
+preempted by recompute: its blocks are freed and it goes back to the front of the queue; its next prefill
+covers prompt + generated tokens, so it resumes exactly where it stopped (greedy results do not change).
+
+Prefill vs decode interleaving (``min_decode_steps_between_prefills``):
+  0 (default, as vLLM): prefill whenever something can be admitted. Best time-to-first-token and fastest
+    ramp-up of the decode batch, but every prefill stalls the running streams (inter-token latency spikes
+    under a steady stream of arrivals).
+  k > 0: at least k decode steps between two prefills while sequences are running. Smoother inter-token
+    latency for running streams, at the cost of queueing delay (TTFT) for new requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from llm_serving.batch import StepBatch, StepOutput
+from llm_serving.block_manager import DUMMY_BLOCK, BlockManager
+from llm_serving.sequence import FINISH_REASONS, Sequence, SequenceStatus
+
+POLICIES = ("fcfs", "longest_output_first")
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served with this configuration (rejected at admission)."""
+
+
+@dataclass
+class SchedulerConfig:
+    num_blocks: int  # KV cache blocks on the agents, dummy block 0 included
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 8  # running sequences = largest decode batch
+    max_prefill_batch: int = 4  # sequences admitted by one prefill step
+    max_num_batched_tokens: int = 2048  # token budget of one prefill step
+    max_model_len: int = 2048  # prompt + max_new_tokens limit per request
+    eos_token_id: int | None = 2  # None: only max_new_tokens ends a request
+    policy: str = "fcfs"  # admission order, see POLICIES
+    max_wait_s: float | None = 30.0  # longest_output_first: admit requests queued this long first
+    min_decode_steps_between_prefills: int = 0  # interleaving knob, see module docstring
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_prefill_batch",
+                     "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"scheduler config: {name} must be a positive int, got {value!r}")
+        if self.num_blocks < 2:
+            raise ValueError(f"scheduler config: num_blocks must be >= 2 (block 0 is reserved), got "
+                             f"{self.num_blocks}")
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"scheduler config: max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}): a preempted sequence is recomputed in one prefill"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduler config: policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.max_wait_s is not None and self.max_wait_s < 0:
+            raise ValueError(f"scheduler config: max_wait_s must be >= 0 or None, got {self.max_wait_s}")
+        if self.min_decode_steps_between_prefills < 0:
+            raise ValueError("scheduler config: min_decode_steps_between_prefills must be >= 0, got "
+                             f"{self.min_decode_steps_between_prefills}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self._clock = clock
+        self._waiting: deque[Sequence] = deque()  # new requests, arrival order
+        self._preempted: deque[Sequence] = deque()  # re-admitted before any new request
+        self._running: list[Sequence] = []  # admission order; the last one is preempted first
+        self._live: dict[str, Sequence] = {}
+        self._decodes_since_prefill = 0
+        self.num_preemptions = 0
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request; raises RequestRejected when it can never be served."""
+        cfg, rid = self.config, seq.request_id
+        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.output_ids:
+            raise ValueError(f"request {rid!r}: only a fresh waiting sequence can be added, got {seq!r}")
+        if rid in self._live:
+            raise RequestRejected(f"request {rid!r}: a request with this id is already in progress")
+        if not seq.prompt_ids:
+            raise RequestRejected(f"request {rid!r}: the prompt is empty")
+        total = seq.num_prompt_tokens + seq.params.max_new_tokens
+        if total > cfg.max_model_len:
+            raise RequestRejected(
+                f"request {rid!r}: prompt ({seq.num_prompt_tokens} tokens) + max_new_tokens "
+                f"({seq.params.max_new_tokens}) = {total} exceeds max_model_len {cfg.max_model_len}"
+            )
+        need = self.block_manager.blocks_needed(total - 1)  # the last generated token is never fed back
+        if need > self.block_manager.num_usable_blocks:
+            raise RequestRejected(
+                f"request {rid!r}: needs up to {need} KV blocks of {cfg.block_size} tokens, but the KV cache "
+                f"has only {self.block_manager.num_usable_blocks}"
+            )
+        if seq.arrival_time is None:
+            seq.arrival_time = self._clock()
+        self._waiting.append(seq)
+        self._live[rid] = seq
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a waiting or running request now (reason "abort"); False if it is not in progress."""
+        return self.finish_request(request_id, "abort")
+
+    def finish_request(self, request_id: str, reason: str) -> bool:
+        """Finish a request from outside (e.g. "stop" on a stop string); frees its blocks at once.
+
+        Safe while its step is in flight: postprocess() ignores it and it is never scheduled again.
+        """
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"unknown finish_reason {reason!r}; expected one of {FINISH_REASONS}")
+        seq = self._live.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, reason)
+        return True
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._live.get(request_id)
+
+    # ---- stepping -------------------------------------------------------------------------------------
+    def schedule(self) -> tuple[list[Sequence], StepBatch] | None:
+        """The next step (its sequences in batch order and its batch), or None when there is nothing to run."""
+        prefill_turn = (
+            not self._running or self._decodes_since_prefill >= self.config.min_decode_steps_between_prefills
+        )
+        if prefill_turn and (self._waiting or self._preempted):
+            seqs = self._admit()
+            if seqs:
+                self._decodes_since_prefill = 0
+                return seqs, self._build(seqs, prefill=True)
+        if not self._running:
+            return None
+        seqs = self._reserve_decode_slots()
+        self._decodes_since_prefill += 1
+        return seqs, self._build(seqs, prefill=False)
+
+    def postprocess(self, seqs: list[Sequence], output: StepOutput) -> list[Sequence]:
+        """Append each sequence's new token; return the sequences that finished with this step."""
+        tokens, logprobs = np.asarray(output.token_ids), np.asarray(output.logprobs)
+        if tokens.shape != (len(seqs),) or logprobs.shape != (len(seqs),):
+            raise ValueError(
+                f"step output has token_ids {tokens.shape} and logprobs {logprobs.shape} for {len(seqs)} sequences"
+            )
+        eos = self.config.eos_token_id
+        finished = []
+        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step was in flight
+            seq.append_token(token, logprob)
+            if eos is not None and token == eos and not seq.params.ignore_eos:
+                reason = "eos"
+            elif seq.num_output_tokens >= seq.params.max_new_tokens:
+                reason = "length"
+            else:
+                continue
+            self._finish(seq, reason)
+            finished.append(seq)
+        return finished
+
+    # ---- introspection --------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting) + len(self._preempted)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.block_manager.num_used_blocks
+
+    @property
+    def block_usage(self) -> float:
+        return self.block_manager.usage
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    @property
+    def running(self) -> tuple[Sequence, ...]:
+        return tuple(self._running)
+
+    @property
+    def waiting(self) -> tuple[Sequence, ...]:
+        """Waiting sequences; preempted ones first, new ones in arrival order (not policy order)."""
+        return tuple(self._preempted) + tuple(self._waiting)
+
+    # ---- internals ------------------------------------------------------------------------------------
+    def _admission_order(self) -> Iterator[Sequence]:
+        yield from self._preempted
+        if self.config.policy == "fcfs":
+            yield from self._waiting
+            return
+        max_wait, now = self.config.max_wait_s, self._clock()
+        starving = [s for s in self._waiting if max_wait is not None and now - s.arrival_time >= max_wait]
+        yield from starving
+        starving_ids = {id(s) for s in starving}
+        rest = [s for s in self._waiting if id(s) not in starving_ids]
+        yield from sorted(rest, key=lambda s: -s.params.max_new_tokens)  # stable: ties keep arrival order
+
+    def _admit(self) -> list[Sequence]:
+        """Pick the sequences of a prefill step, in policy order; stop at the first that does not fit.
+
+        Besides its prompt, each admitted sequence must leave room for the next decode step of itself and
+        of the running sequences, so a fresh prefill is not preempted (wasted) right away.
+        """
+        cfg, bm = self.config, self.block_manager
+        slots = min(cfg.max_prefill_batch, cfg.max_num_seqs - len(self._running))
+        budget = cfg.max_num_batched_tokens
+        free = bm.num_free_blocks - sum(bm.blocks_needed(s.num_tokens) - len(s.block_table)
+                                        for s in self._running)
+        chosen: list[Sequence] = []
+        for seq in self._admission_order():
+            if len(chosen) >= slots:
+                break
+            last_fed = seq.num_prompt_tokens + seq.params.max_new_tokens - 1
+            need = bm.blocks_needed(min(seq.num_tokens + 1, last_fed))
+            if seq.num_tokens > budget or need > free:
+                break
+            budget -= seq.num_tokens
+            free -= need
+            chosen.append(seq)
+        for seq in chosen:
+            self._dequeue(seq)
+            bm.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(seq)
+        return chosen
+
+    def _reserve_decode_slots(self) -> list[Sequence]:
+        """Give every running sequence a slot for its next token, preempting the newest when blocks run out."""
+        bm, scheduled = self.block_manager, []
+        for seq in list(self._running):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted below, to make room for an older sequence
+            while not bm.can_append(seq) and self._running[-1] is not seq:
+                self._preempt(self._running[-1])
+            if bm.can_append(seq):
+                bm.append_slot(seq)
+                scheduled.append(seq)
+            else:  # seq is the newest left: it waits, the older ones (already given slots) go on
+                self._preempt(seq)
+        if not scheduled:  # add() guarantees that any one sequence fits the whole cache
+            raise RuntimeError("KV cache too small for a single running sequence")
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self._preempted.appendleft(seq)  # victims go newest-first, so the oldest ends up at the front
+        self.num_preemptions += 1
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+            self.block_manager.free(seq)
+        else:
+            self._dequeue(seq)
+        seq.finish(reason)
+        del self._live[seq.request_id]
+
+    def _dequeue(self, seq: Sequence) -> None:
+        (self._preempted if seq.num_preemptions and seq in self._preempted else self._waiting).remove(seq)
+
+    def _build(self, seqs: list[Sequence], prefill: bool) -> StepBatch:
+        bs = self.config.block_size
+        ids, positions, query_lens, context_lens = [], [], [], []
+        for seq in seqs:
+            n = seq.num_tokens
+            if prefill:
+                ids.extend(seq.all_token_ids)
+                positions.append(np.arange(n, dtype=np.int32))
+            else:
+                ids.append(seq.last_token_id)
+                positions.append(np.array([n - 1], dtype=np.int32))
+            query_lens.append(n if prefill else 1)
+            context_lens.append(n)
+        width = max(len(seq.block_table) for seq in seqs)
+        block_tables = np.full((len(seqs), width), DUMMY_BLOCK, dtype=np.int32)
+        slots = []
+        for i, (seq, pos) in enumerate(zip(seqs, positions)):
+            block_tables[i, : len(seq.block_table)] = seq.block_table
+            slots.append(block_tables[i, pos // bs] * bs + pos % bs)
+        return StepBatch(
+            is_prefill=prefill,
+            input_ids=np.asarray(ids, dtype=np.int32),
+            positions=np.concatenate(positions),
+            slot_mapping=np.concatenate(slots).astype(np.int32),
+            query_lens=np.asarray(query_lens, dtype=np.int32),
+            context_lens=np.asarray(context_lens, dtype=np.int32),
+            block_tables=block_tables,
+        )

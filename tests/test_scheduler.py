@@ -1,0 +1,450 @@
+import random
+
+import numpy as np
+import pytest
+
+from llm_serving.batch import StepBatch, StepOutput
+from llm_serving.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from llm_serving.sequence import SamplingParams, Sequence, SequenceStatus
+
+EOS = 2
+VOCAB = 40
+
+
+def next_token(tokens: list[int]) -> int:
+    """The fake model: a deterministic function of the whole context, so any KV mix-up changes results."""
+    h = len(tokens)
+    for t in tokens:
+        h = (h * 131 + t + 7) % 1_000_003
+    return h % VOCAB
+
+
+def logprob_of(token: int) -> float:
+    return -token / 64.0
+
+
+class FakeKVModel:
+    """Reads its context through the KV cache it was told to write, the way the real model runner does."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.kv = np.full(num_blocks * block_size, -1, dtype=np.int64)
+
+    def step(self, batch: StepBatch) -> StepOutput:
+        batch.validate()
+        bs = self.block_size
+        self.kv[batch.slot_mapping] = batch.input_ids
+        tokens = []
+        for i in range(batch.batch_size):
+            pos = np.arange(batch.context_lens[i])
+            ctx = self.kv[batch.block_tables[i, pos // bs] * bs + pos % bs]
+            assert (ctx >= 0).all()
+            tokens.append(next_token(ctx.tolist()))
+        return StepOutput(np.array(tokens, np.int32), np.array([logprob_of(t) for t in tokens], np.float32))
+
+
+def expected_output(prompt: list[int], params: SamplingParams, eos: int | None = EOS) -> tuple[list[int], str]:
+    tokens, out = list(prompt), []
+    while True:
+        t = next_token(tokens)
+        tokens.append(t)
+        out.append(t)
+        if eos is not None and t == eos and not params.ignore_eos:
+            return out, "eos"
+        if len(out) >= params.max_new_tokens:
+            return out, "length"
+
+
+def config(**kw) -> SchedulerConfig:
+    base = {"num_blocks": 64, "block_size": 4, "max_num_seqs": 4, "max_prefill_batch": 4,
+            "max_num_batched_tokens": 64, "max_model_len": 64, "eos_token_id": EOS}
+    return SchedulerConfig(**{**base, **kw})
+
+
+def seq(rid: str, n_prompt: int = 3, max_new: int = 4, arrival: float | None = None, ignore_eos: bool = False):
+    prompt = [10 + (sum(map(ord, rid)) + i) % 25 for i in range(n_prompt)]
+    return Sequence(rid, prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos), arrival_time=arrival)
+
+
+def fixed_output(seqs, token: int = 5) -> StepOutput:
+    return StepOutput(np.full(len(seqs), token, np.int32), np.full(len(seqs), -0.5, np.float32))
+
+
+# ---- configuration and admission ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, match", [
+    ({"num_blocks": 1}, "num_blocks"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"block_size": 2.5}, "block_size"),
+    ({"max_num_batched_tokens": 32}, "max_num_batched_tokens .32. must be >= max_model_len .64."),
+    ({"policy": "lifo"}, "policy"),
+    ({"max_wait_s": -1.0}, "max_wait_s"),
+    ({"min_decode_steps_between_prefills": -1}, "min_decode_steps_between_prefills"),
+])
+def test_config_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        config(**kw)
+
+
+def test_add_rejects_requests_that_can_never_run():
+    s = Scheduler(config(num_blocks=5, max_model_len=32, max_num_batched_tokens=32))  # 16 token slots of KV
+    with pytest.raises(RequestRejected, match="prompt is empty"):
+        s.add(Sequence("e", [], SamplingParams(max_new_tokens=1)))
+    with pytest.raises(RequestRejected, match="= 33 exceeds max_model_len 32"):
+        s.add(seq("long", n_prompt=30, max_new=3))
+    with pytest.raises(RequestRejected, match="needs up to 5 KV blocks .* only 4"):
+        s.add(seq("kv", n_prompt=10, max_new=8))
+    s.add(seq("fits", n_prompt=10, max_new=7))  # 16 tokens are ever fed: exactly fits
+    with pytest.raises(RequestRejected, match="already in progress"):
+        s.add(seq("fits"))
+    assert s.num_waiting == 1
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        SamplingParams(max_new_tokens=0)
+
+
+def test_prefill_then_decode_batches_have_consistent_arrays():
+    s = Scheduler(config(block_size=4))
+    a, b = seq("a", n_prompt=5, max_new=8), seq("b", n_prompt=3, max_new=8)
+    s.add(a)
+    s.add(b)
+    seqs, batch = s.schedule()
+    batch.validate()
+    assert seqs == [a, b] and batch.is_prefill
+    assert batch.input_ids.tolist() == a.prompt_ids + b.prompt_ids
+    assert batch.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert batch.query_lens.tolist() == [5, 3] and batch.context_lens.tolist() == [5, 3]
+    assert batch.block_tables.tolist() == [a.block_table, b.block_table + [0]]
+    ta, tb = a.block_table, b.block_table
+    assert batch.slot_mapping.tolist() == [ta[0] * 4 + i for i in range(4)] + [ta[1] * 4] + [tb[0] * 4 + i
+                                                                                           for i in range(3)]
+    for arr in (batch.input_ids, batch.positions, batch.slot_mapping, batch.query_lens, batch.context_lens,
+                batch.block_tables):
+        assert arr.dtype == np.int32
+    assert s.postprocess(seqs, StepOutput(np.array([7, 8], np.int32), np.array([-1, -2], np.float32))) == []
+    assert a.output_ids == [7] and b.output_logprobs == [-2.0]
+
+    seqs, batch = s.schedule()
+    batch.validate()
+    assert seqs == [a, b] and not batch.is_prefill
+    assert batch.input_ids.tolist() == [7, 8] and batch.positions.tolist() == [5, 3]
+    assert batch.context_lens.tolist() == [6, 4] and batch.query_lens.tolist() == [1, 1]
+    assert batch.slot_mapping.tolist() == [ta[1] * 4 + 1, tb[0] * 4 + 3]
+    s.postprocess(seqs, fixed_output(seqs))
+    _, batch = s.schedule()  # b's 5th token starts its second block
+    assert len(b.block_table) == 2 and batch.slot_mapping.tolist()[1] == b.block_table[1] * 4
+
+
+def test_finishes_on_eos_or_length_and_frees_blocks():
+    s = Scheduler(config())
+    a, b, c = seq("a", max_new=3), seq("b", max_new=3, ignore_eos=True), seq("c", max_new=1)
+    for x in (a, b, c):
+        s.add(x)
+    seqs, _ = s.schedule()
+    finished = s.postprocess(seqs, fixed_output(seqs, token=5))
+    assert finished == [c] and c.finish_reason == "length" and c.block_table == []
+    seqs, _ = s.schedule()
+    assert seqs == [a, b]
+    finished = s.postprocess(seqs, fixed_output(seqs, token=EOS))
+    assert finished == [a] and a.finish_reason == "eos" and a.output_ids == [5, EOS]
+    seqs, _ = s.schedule()
+    assert s.postprocess(seqs, fixed_output(seqs, token=EOS)) == [b]
+    assert b.finish_reason == "length" and b.output_ids == [5, EOS, EOS]
+    assert s.schedule() is None and not s.has_unfinished() and s.num_used_blocks == 0
+
+
+def test_no_eos_token_means_only_length_ends():
+    s = Scheduler(config(eos_token_id=None))
+    a = seq("a", max_new=2)
+    s.add(a)
+    for _ in range(2):
+        seqs, _ = s.schedule()
+        finished = s.postprocess(seqs, fixed_output(seqs, token=EOS))
+    assert finished == [a] and a.finish_reason == "length"
+
+
+def test_postprocess_checks_output_shape():
+    s = Scheduler(config())
+    s.add(seq("a"))
+    seqs, _ = s.schedule()
+    with pytest.raises(ValueError, match="for 1 sequences"):
+        s.postprocess(seqs, fixed_output(seqs + seqs))
+
+
+# ---- abort ----------------------------------------------------------------------------------------------------
+def test_abort_waiting_and_running():
+    s = Scheduler(config(max_prefill_batch=1))
+    a, b = seq("a"), seq("b")
+    s.add(a)
+    s.add(b)
+    seqs, _ = s.schedule()
+    s.postprocess(seqs, fixed_output(seqs))
+    assert s.abort("b") and b.status is SequenceStatus.FINISHED and b.finish_reason == "abort"
+    assert s.num_waiting == 0
+    used = s.num_used_blocks
+    assert s.abort("a") and a.block_table == [] and s.num_used_blocks == used - 1
+    assert not s.abort("a") and not s.abort("nope")
+    assert s.schedule() is None
+
+
+def test_abort_while_step_in_flight_drops_its_token():
+    s = Scheduler(config())
+    a, b = seq("a", max_new=5), seq("b", max_new=5)
+    s.add(a)
+    s.add(b)
+    seqs, _ = s.schedule()
+    assert s.abort("a")
+    assert s.num_used_blocks == len(b.block_table)  # freed at once
+    assert s.postprocess(seqs, fixed_output(seqs)) == []
+    assert a.output_ids == [] and b.output_ids == [5]
+    seqs, batch = s.schedule()
+    assert seqs == [b] and batch.batch_size == 1
+
+
+def test_finish_request_with_stop_reason():
+    s = Scheduler(config())
+    a = seq("a")
+    s.add(a)
+    seqs, _ = s.schedule()
+    s.postprocess(seqs, fixed_output(seqs))
+    assert s.finish_request("a", "stop") and a.finish_reason == "stop" and s.num_used_blocks == 0
+    s.add(seq("b"))
+    with pytest.raises(ValueError, match="unknown finish_reason 'bored'"):
+        s.finish_request("b", "bored")
+    assert s.num_waiting == 1 and s.abort("b")
+
+
+# ---- limits and interleaving ----------------------------------------------------------------------------------
+def test_prefill_respects_batch_seq_token_and_block_limits():
+    s = Scheduler(config(max_num_seqs=3, max_prefill_batch=2, max_num_batched_tokens=64, max_model_len=64))
+    for i in range(5):
+        s.add(seq(f"s{i}", n_prompt=10, max_new=4))
+    seqs, batch = s.schedule()
+    assert [x.request_id for x in seqs] == ["s0", "s1"]  # max_prefill_batch
+    s.postprocess(seqs, fixed_output(seqs))
+    seqs, _ = s.schedule()
+    assert [x.request_id for x in seqs] == ["s2"]  # only one decode slot left
+    s.postprocess(seqs, fixed_output(seqs))
+    _, batch = s.schedule()
+    assert not batch.is_prefill and batch.batch_size == 3
+
+    s = Scheduler(config(max_num_batched_tokens=64, max_model_len=64))
+    for i in range(3):
+        s.add(seq(f"t{i}", n_prompt=30, max_new=4))
+    seqs, batch = s.schedule()
+    assert len(seqs) == 2 and batch.num_tokens == 60  # a third prompt would exceed the token budget
+
+    s = Scheduler(config(num_blocks=8, block_size=4))  # 7 usable blocks
+    for i in range(3):
+        s.add(seq(f"u{i}", n_prompt=12, max_new=4))  # 3 blocks + 1 to decode its first token
+    seqs, _ = s.schedule()
+    assert len(seqs) == 1  # a second prompt fits, but would leave no block for the first decode
+    assert s.num_free_blocks == 4
+
+
+def test_min_decode_steps_between_prefills():
+    s = Scheduler(config(max_prefill_batch=1, min_decode_steps_between_prefills=2))
+    for i in range(3):
+        s.add(seq(f"s{i}", max_new=20, ignore_eos=True))
+    kinds = []
+    for _ in range(7):
+        seqs, batch = s.schedule()
+        kinds.append("P" if batch.is_prefill else "D")
+        s.postprocess(seqs, fixed_output(seqs))
+    assert "".join(kinds) == "PDDPDDP"
+
+    s = Scheduler(config(max_prefill_batch=1))  # default: prefill has priority
+    for i in range(3):
+        s.add(seq(f"s{i}", max_new=20, ignore_eos=True))
+    kinds = []
+    for _ in range(4):
+        seqs, batch = s.schedule()
+        kinds.append("P" if batch.is_prefill else "D")
+        s.postprocess(seqs, fixed_output(seqs))
+    assert "".join(kinds) == "PPPD"
+
+
+# ---- preemption -----------------------------------------------------------------------------------------------
+def test_preemption_recomputes_without_reemitting_tokens():
+    cfg = config(num_blocks=7, block_size=2, max_model_len=12, max_num_batched_tokens=12)  # 6 usable blocks
+    s, model = Scheduler(cfg), FakeKVModel(7, 2)
+    a, b = seq("a", n_prompt=4, max_new=8, ignore_eos=True), seq("b", n_prompt=3, max_new=8, ignore_eos=True)
+    s.add(a)
+    s.add(b)
+    seen_preempted_prefill = False
+    while s.has_unfinished():
+        seqs, batch = s.schedule()
+        if batch.is_prefill and b in seqs and b.output_ids:
+            seen_preempted_prefill = True
+            start = batch.query_lens[: seqs.index(b)].sum()
+            n = b.num_tokens
+            assert batch.input_ids[start: start + n].tolist() == b.prompt_ids + b.output_ids
+            assert batch.positions[start: start + n].tolist() == list(range(n))
+        s.postprocess(seqs, model.step(batch))
+    assert seen_preempted_prefill and b.num_preemptions >= 1 and a.num_preemptions == 0
+    for x in (a, b):
+        assert (x.output_ids, x.finish_reason) == expected_output(x.prompt_ids, x.params)
+        assert x.output_logprobs == [logprob_of(t) for t in x.output_ids]
+    assert s.num_used_blocks == 0
+
+
+def test_preempted_sequences_are_readmitted_first_oldest_first():
+    s = Scheduler(config(num_blocks=9, block_size=2, max_model_len=16, max_num_batched_tokens=16,
+                         max_num_seqs=8))
+    seqs = [seq(f"s{i}", n_prompt=3, max_new=10, ignore_eos=True) for i in range(3)]
+    for x in seqs:
+        s.add(x)
+    late = seq("late", n_prompt=1, max_new=1)
+    steps = 0
+    while s.num_preemptions < 2:
+        batch_seqs, _ = s.schedule()
+        s.postprocess(batch_seqs, fixed_output(batch_seqs))
+        steps += 1
+        assert steps < 50
+    s.add(late)
+    assert [x.request_id for x in s.waiting][:2] == ["s1", "s2"]
+    assert [x.request_id for x in s.running] == ["s0"]
+
+
+# ---- policies -------------------------------------------------------------------------------------------------
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def admission_order(s: Scheduler) -> list[str]:
+    order = []
+    while s.has_unfinished():
+        seqs, batch = s.schedule()
+        if batch.is_prefill:
+            order += [x.request_id for x in seqs]
+        s.postprocess(seqs, fixed_output(seqs))
+    return order
+
+
+def test_fcfs_admits_in_arrival_order():
+    s = Scheduler(config(max_prefill_batch=1, max_num_seqs=1, policy="fcfs"))
+    for rid, max_new in [("a", 2), ("b", 9), ("c", 5)]:
+        s.add(seq(rid, max_new=max_new))
+    assert admission_order(s) == ["a", "b", "c"]
+
+
+def test_longest_output_first_orders_by_max_new_tokens():
+    clock = Clock()
+    s = Scheduler(config(max_prefill_batch=1, max_num_seqs=1, policy="longest_output_first", max_wait_s=None),
+                  clock=clock)
+    for rid, max_new in [("a", 2), ("b", 9), ("c", 5), ("d", 9)]:
+        s.add(seq(rid, max_new=max_new))
+    assert admission_order(s) == ["b", "d", "c", "a"]  # ties keep arrival order
+
+
+def test_starvation_guard_admits_long_waiters_first():
+    clock = Clock()
+    s = Scheduler(config(max_prefill_batch=1, max_num_seqs=1, policy="longest_output_first", max_wait_s=10.0),
+                  clock=clock)
+    s.add(seq("short", max_new=2))  # arrives at t=0
+    clock.now = 5.0
+    s.add(seq("long", max_new=9))
+    s.add(seq("mid", max_new=5))
+    clock.now = 9.0
+    seqs, _ = s.schedule()
+    assert [x.request_id for x in seqs] == ["long"]  # "short" has waited 9 s < 10 s
+    s.abort("long")
+    clock.now = 10.0
+    seqs, _ = s.schedule()
+    assert [x.request_id for x in seqs] == ["short"]  # waited 10 s: admitted before "mid"
+    s.abort("short")
+    assert admission_order(s) == ["mid"]
+
+
+# ---- randomized end-to-end property test ----------------------------------------------------------------------
+def check_invariants(s: Scheduler, seqs, batch: StepBatch, retired: set[int]) -> None:
+    cfg, bm = s.config, s.block_manager
+    batch.validate()
+    owned = [b for x in s.running for b in x.block_table]
+    assert len(owned) == len(set(owned)), "two running sequences share a block"
+    assert 0 not in owned and len(owned) == bm.num_used_blocks
+    assert all(x.block_table == [] for x in s.waiting)
+    assert all(id(x) not in retired and x.status is SequenceStatus.RUNNING for x in seqs)
+    if batch.is_prefill:
+        assert len(seqs) <= cfg.max_prefill_batch and batch.num_tokens <= cfg.max_num_batched_tokens
+    assert len(s.running) <= cfg.max_num_seqs
+    start = 0
+    for i, x in enumerate(seqs):
+        n = x.num_tokens
+        q = n if batch.is_prefill else 1
+        assert batch.query_lens[i] == q and batch.context_lens[i] == n
+        toks = slice(start, start + q)
+        assert batch.input_ids[toks].tolist() == x.all_token_ids[n - q:]
+        assert batch.positions[toks].tolist() == list(range(n - q, n))
+        assert batch.slot_mapping[toks].tolist() == [bm.slot(x, p) for p in range(n - q, n)]
+        row = batch.block_tables[i].tolist()
+        assert row[: len(x.block_table)] == x.block_table and not any(row[len(x.block_table):])
+        start += q
+
+
+@pytest.mark.parametrize("policy, interleave, seed", [
+    ("fcfs", 0, 1),
+    ("longest_output_first", 0, 2),
+    ("longest_output_first", 3, 3),
+])
+def test_randomized_arrivals_aborts_and_preemptions(policy, interleave, seed):
+    rng = random.Random(seed)
+    cfg = SchedulerConfig(num_blocks=17, block_size=4, max_num_seqs=6, max_prefill_batch=3,
+                          max_num_batched_tokens=48, max_model_len=48, eos_token_id=EOS, policy=policy,
+                          max_wait_s=8.0, min_decode_steps_between_prefills=interleave)
+    clock = Clock()
+    s, model = Scheduler(cfg, clock=clock), FakeKVModel(cfg.num_blocks, cfg.block_size)
+    total, added, aborted, retired, streamed = 3000, [], set(), set(), {}
+
+    def random_abort():
+        live = [x for x in added if not x.is_finished]
+        if live:
+            victim = rng.choice(live)
+            assert s.abort(victim.request_id)
+            aborted.add(victim.request_id)
+            retired.add(id(victim))
+
+    while len(added) < total or s.has_unfinished():
+        clock.now += 1.0
+        for _ in range(rng.choice([0, 0, 1, 1, 2, 4])):
+            if len(added) < total:
+                x = Sequence(f"r{len(added)}", [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 24))],
+                             SamplingParams(max_new_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.3),
+                             arrival_time=clock.now)
+                s.add(x)
+                added.append(x)
+        if rng.random() < 0.02:
+            random_abort()
+        step = s.schedule()
+        if step is None:
+            assert not s.has_unfinished()
+            continue
+        seqs, batch = step
+        check_invariants(s, seqs, batch, retired)
+        output = model.step(batch)
+        if rng.random() < 0.02:
+            random_abort()  # while the step is in flight
+        before = {x.request_id: x.num_output_tokens for x in seqs}
+        for x in s.postprocess(seqs, output):
+            retired.add(id(x))
+        for x in seqs:  # stream the new token, as the server does
+            if x.request_id in aborted:
+                assert x.num_output_tokens == before[x.request_id]
+            else:
+                assert x.num_output_tokens == before[x.request_id] + 1
+                streamed.setdefault(x.request_id, []).append(x.output_ids[-1])
+
+    assert s.num_used_blocks == 0 and s.num_free_blocks == cfg.num_blocks - 1
+    assert s.num_waiting == 0 and s.num_running == 0
+    assert s.num_preemptions > 20
+    assert 50 < len(aborted) < total // 4
+    for x in added:
+        want, reason = expected_output(x.prompt_ids, x.params)
+        if x.request_id in aborted:
+            assert x.finish_reason == "abort" and want[: x.num_output_tokens] == x.output_ids
+        else:
+            assert (x.output_ids, x.finish_reason) == (want, reason), x
+            assert streamed[x.request_id] == want  # preemption never re-emits a token
+            assert x.output_logprobs == pytest.approx([logprob_of(t) for t in want])
