@@ -146,7 +146,7 @@ def save_file(tensors: Mapping[str, np.ndarray], path: str | Path,
         tag = _WRITE_TAGS.get(arr.dtype.str.lstrip("<>|="))
         if tag is None:
             raise SafetensorsError(f"tensor {name!r}: cannot write numpy dtype {arr.dtype}")
-        arr = np.ascontiguousarray(arr, dtype=_STORAGE[tag])
+        arr = arr.astype(_STORAGE[tag], order="C", copy=False)  # not ascontiguousarray: it makes 0-d 1-d
         header[name] = {"dtype": tag, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
         arrays.append(arr)
         offset += arr.nbytes

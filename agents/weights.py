@@ -116,6 +116,12 @@ def _assemble(tensors: Mapping[str, np.ndarray], names: dict[str, list[list[str]
                 f"{source}: tensor {name!r} belongs to layer {m.group(1)} but the config has "
                 f"num_hidden_layers={config.num_hidden_layers}"
             )
+    embed = names["embed_tokens"][0][0]
+    if embed not in tensors:
+        raise WeightLoadError(
+            f"{source}: unexpected architecture: no {embed!r}, so not a Llama checkpoint in the expected "
+            f"naming; first tensors: {list(tensors)[:3]}"
+        )
     out: dict[str, np.ndarray] = {}
     used: set[str] = set()
     for key, shape in canonical_shapes(config).items():
@@ -286,8 +292,11 @@ def save_mindspore_checkpoint(weights: Mapping[str, np.ndarray], path: str | Pat
     import mindspore as ms
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    ms.save_checkpoint([{"name": k, "data": ms.Tensor(np.ascontiguousarray(v))} for k, v in weights.items()],
-                       str(path))
+    items = []
+    for name, value in weights.items():
+        arr = np.asarray(value)
+        items.append({"name": name, "data": ms.Tensor(arr.astype(arr.dtype, order="C", copy=False))})
+    ms.save_checkpoint(items, str(path))
     return path
 
 
@@ -320,6 +329,6 @@ def load_weights(model_dir_or_file: str | Path, config: LlamaConfig,
     validate_weights(weights, config)
     out = {}
     for key, arr in weights.items():
-        arr = np.ascontiguousarray(arr, dtype=dtype)
+        arr = arr.astype(dtype, order="C", copy=False)
         out[key] = arr if arr.flags.writeable else arr.copy()  # never hand out read-only file maps
     return out

@@ -1,0 +1,426 @@
+"""Weight I/O: our safetensors reader/writer, HF and MindSpore loaders, the seeded random model."""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agents.model_config import LlamaConfig
+from agents.random_model import build_random_model, random_hf_weights
+from agents.safetensors_io import SafetensorsError, SafetensorsFile, load_file, save_file
+from agents.weights import (
+    WeightLoadError,
+    canonical_shapes,
+    load_hf_weights,
+    load_mindspore_checkpoint,
+    load_weights,
+    save_mindspore_checkpoint,
+    validate_weights,
+)
+
+# GQA (4 heads, 2 kv heads) so q and k/v have different widths in the fused matrix.
+CFG = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+
+
+def fuse_reference(hf: dict[str, np.ndarray], cfg: LlamaConfig) -> dict[str, np.ndarray]:
+    """The canonical layout written out by hand from HF tensors."""
+    out = {"embed_tokens": hf["model.embed_tokens.weight"]}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out[f"layers.{i}.attention_norm"] = hf[p + "input_layernorm.weight"]
+        out[f"layers.{i}.w_qkv"] = np.concatenate(
+            [hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"],
+             hf[p + "self_attn.v_proj.weight"]])
+        out[f"layers.{i}.wo"] = hf[p + "self_attn.o_proj.weight"]
+        out[f"layers.{i}.ffn_norm"] = hf[p + "post_attention_layernorm.weight"]
+        out[f"layers.{i}.w_gate_up"] = np.concatenate([hf[p + "mlp.gate_proj.weight"],
+                                                       hf[p + "mlp.up_proj.weight"]])
+        out[f"layers.{i}.w_down"] = hf[p + "mlp.down_proj.weight"]
+    out["norm"] = hf["model.norm.weight"]
+    out["lm_head"] = hf["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    return out
+
+
+def assert_same(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
+    assert list(actual) == list(expected)
+    for k, want in expected.items():
+        assert actual[k].shape == want.shape, k
+        np.testing.assert_array_equal(actual[k], want, err_msg=k)
+
+
+def mindformers_names(hf: dict[str, np.ndarray], cfg: LlamaConfig, fused: bool) -> dict[str, np.ndarray]:
+    out = {"model.tok_embeddings.embedding_weight": hf["model.embed_tokens.weight"],
+           "model.norm_out.weight": hf["model.norm.weight"], "lm_head.weight": hf["lm_head.weight"]}
+    for i in range(cfg.num_hidden_layers):
+        h, m = f"model.layers.{i}.", f"model.layers.{i}."
+        q, k, v = (hf[h + f"self_attn.{x}_proj.weight"] for x in "qkv")
+        gate, up = hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]
+        if fused:
+            out[m + "attention.w_qkv.weight"] = np.concatenate([q, k, v])
+            out[m + "feed_forward.w_gate_hidden.weight"] = np.concatenate([gate, up])
+        else:
+            out.update({m + "attention.wq.weight": q, m + "attention.wk.weight": k, m + "attention.wv.weight": v,
+                        m + "feed_forward.w1.weight": gate, m + "feed_forward.w3.weight": up})
+        out.update({m + "attention.wo.weight": hf[h + "self_attn.o_proj.weight"],
+                    m + "feed_forward.w2.weight": hf[h + "mlp.down_proj.weight"],
+                    m + "attention_norm.weight": hf[h + "input_layernorm.weight"],
+                    m + "ffn_norm.weight": hf[h + "post_attention_layernorm.weight"]})
+    return out
+
+
+def save_ckpt(tensors: dict[str, np.ndarray], path: Path, bf16: bool = False) -> Path:
+    import mindspore as ms
+
+    items = []
+    for name, arr in tensors.items():
+        t = ms.Tensor(arr)
+        items.append({"name": name, "data": t.astype(ms.bfloat16) if bf16 else t})
+    ms.save_checkpoint(items, str(path))
+    return path
+
+
+# ---------------------------------------------------------------- safetensors format
+
+
+def test_safetensors_writer_and_reader_agree_with_reference_library(tmp_path):
+    from safetensors.numpy import load_file as ref_load
+    from safetensors.numpy import save_file as ref_save
+
+    rng = np.random.default_rng(0)
+    tensors = {"f32": rng.standard_normal((3, 5)).astype(np.float32),
+               "f16": rng.standard_normal((7,)).astype(np.float16),
+               "f64": rng.standard_normal((2, 2)),
+               "i32": np.arange(6, dtype=np.int32).reshape(2, 3),
+               "i64": np.array([-1, 2**40], dtype=np.int64),
+               "big_endian": np.arange(4, dtype=">f4"),
+               "scalar": np.array(2.5, dtype=np.float32),
+               "empty": np.zeros((0, 4), dtype=np.float32)}
+    save_file(tensors, tmp_path / "ours.safetensors", metadata={"format": "pt", "note": "x"})
+    theirs = ref_load(tmp_path / "ours.safetensors")
+    mine = SafetensorsFile(tmp_path / "ours.safetensors")
+    assert mine.metadata == {"format": "pt", "note": "x"}
+    assert sorted(mine) == sorted(tensors)
+    for name, arr in tensors.items():
+        assert theirs[name].shape == arr.shape
+        np.testing.assert_array_equal(theirs[name], arr)
+        assert mine[name].shape == arr.shape and mine[name].dtype == arr.dtype.newbyteorder("<")
+    for n in range(1, 9):  # headers of every length mod 8: the data section must stay 8-byte aligned
+        save_file({"x" * n: np.ones(2, np.float64)}, tmp_path / "a.safetensors")
+        with open(tmp_path / "a.safetensors", "rb") as f:
+            assert (8 + struct.unpack("<Q", f.read(8))[0]) % 8 == 0
+        assert SafetensorsFile(tmp_path / "a.safetensors")["x" * n].tolist() == [1.0, 1.0]
+
+    ref_save(tensors, tmp_path / "theirs.safetensors")
+    back = load_file(tmp_path / "theirs.safetensors")
+    for name, arr in tensors.items():
+        np.testing.assert_array_equal(back[name], arr)
+    assert back["f32"].flags.writeable
+
+
+def test_reads_bf16_and_fp16_written_by_torch(tmp_path):
+    import torch
+    from safetensors.torch import save_file as torch_save
+
+    torch.manual_seed(0)
+    src = torch.randn(4, 9) * 3
+    torch_save({"bf16": src.bfloat16(), "f16": src.half(), "i64": torch.arange(5),
+                "i32": torch.arange(5, dtype=torch.int32)}, str(tmp_path / "t.safetensors"))
+    f = SafetensorsFile(tmp_path / "t.safetensors")
+    assert f.dtype_tag("bf16") == "BF16" and f.shape("bf16") == (4, 9)
+    bf16 = f["bf16"]
+    assert bf16.dtype == np.float32
+    np.testing.assert_array_equal(bf16, src.bfloat16().float().numpy())
+    assert not np.array_equal(bf16, src.numpy())  # really rounded to bf16, not read as something else
+    np.testing.assert_array_equal(f["f16"], src.half().numpy())
+    np.testing.assert_array_equal(f["i64"], np.arange(5))
+    np.testing.assert_array_equal(f["i32"], np.arange(5, dtype=np.int32))
+
+
+def test_bf16_hf_checkpoint_loads_as_float32(tmp_path):
+    import torch
+    from safetensors.torch import save_file as torch_save
+
+    hf = random_hf_weights(CFG, seed=4)
+    build_random_model(tmp_path, CFG)
+    torch_save({k: torch.from_numpy(v).bfloat16() for k, v in hf.items()}, str(tmp_path / "model.safetensors"))
+    rounded = {k: torch.from_numpy(v).bfloat16().float().numpy() for k, v in hf.items()}
+    assert_same(load_weights(tmp_path, CFG), fuse_reference(rounded, CFG))
+
+
+def raw_safetensors(header: dict, data_len: int) -> bytes:
+    blob = json.dumps(header).encode()
+    return struct.pack("<Q", len(blob)) + blob + b"\0" * data_len
+
+
+@pytest.mark.parametrize("blob, message", [
+    (b"\x01\x02", "too short"),
+    (struct.pack("<Q", 10**12) + b"{}", "header length"),
+    (struct.pack("<Q", 4) + b"{{{{", "not valid JSON"),
+    (struct.pack("<Q", 2) + b"[]", "not a JSON object"),
+    (raw_safetensors({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, 8),
+     "'w': data_offsets [0, 16] do not hold F32[4] (16 bytes) within 8 data bytes"),
+    (raw_safetensors({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}}, 16), "do not hold"),
+    (raw_safetensors({"w": {"dtype": "Q9", "shape": [1], "data_offsets": [0, 4]}}, 4), "unsupported dtype 'Q9'"),
+    (raw_safetensors({"w": {"dtype": "F32", "shape": [1]}}, 4), "needs dtype, shape and data_offsets"),
+    (raw_safetensors({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, 4), "invalid shape"),
+])
+def test_corrupt_safetensors_errors(tmp_path, blob, message):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(blob)
+    with pytest.raises(SafetensorsError, match="bad.safetensors") as exc:
+        SafetensorsFile(path)
+    assert message in str(exc.value)
+
+
+def test_safetensors_missing_file_and_unwritable_dtype(tmp_path):
+    with pytest.raises(SafetensorsError, match="safetensors file not found"):
+        SafetensorsFile(tmp_path / "missing.safetensors")
+    with pytest.raises(SafetensorsError, match="cannot write numpy dtype complex64"):
+        save_file({"c": np.zeros(2, np.complex64)}, tmp_path / "c.safetensors")
+
+
+# ---------------------------------------------------------------- random model <-> transformers
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_random_model_loads_in_transformers_with_identical_tensors(tmp_path, tie):
+    from transformers import LlamaForCausalLM
+
+    cfg = replace(CFG, tie_word_embeddings=tie)
+    tok = tmp_path / "src.model"
+    tok.write_bytes(b"sentencepiece-bytes")
+    out = build_random_model(tmp_path / "m", cfg, seed=3, std=0.5, tokenizer_model=tok)
+    assert (out / "tokenizer.model").read_bytes() == b"sentencepiece-bytes"
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is tie
+
+    expected = random_hf_weights(cfg, seed=3, std=0.5)
+    assert ("lm_head.weight" in expected) is not tie
+    state = {k: v.numpy() for k, v in LlamaForCausalLM.from_pretrained(out).state_dict().items()}
+    for name, arr in expected.items():
+        np.testing.assert_array_equal(state[name], arr, err_msg=name)
+    np.testing.assert_array_equal(state["lm_head.weight"], expected["lm_head.weight" if not tie else
+                                                                    "model.embed_tokens.weight"])
+    assert_same(load_weights(out, cfg), fuse_reference(state, cfg))
+
+    # Seeded: the same seed gives the same weights; std scales matrices; norms stay near 1.
+    again = random_hf_weights(cfg, seed=3, std=0.5)
+    other = random_hf_weights(cfg, seed=4, std=0.5)
+    emb = "model.embed_tokens.weight"
+    np.testing.assert_array_equal(again[emb], expected[emb])
+    assert not np.array_equal(other[emb], expected[emb])
+    assert 0.4 < expected[emb].std() < 0.6
+    norm = expected["model.norm.weight"]
+    assert abs(norm.mean() - 1) < 0.1 and norm.std() > 0
+
+
+def test_random_model_fp16_shards_load_and_cast(tmp_path):
+    out = build_random_model(tmp_path, CFG, seed=1, dtype="float16", shards=4)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shard_files = sorted(set(index["weight_map"].values()))
+    assert shard_files == [f"model-0000{k}-of-00004.safetensors" for k in range(1, 5)]
+    assert not (out / "model.safetensors").exists()
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float16"
+    hf = random_hf_weights(CFG, seed=1, dtype="float16")
+    assert all(v.dtype == np.float16 for v in hf.values())
+    got = load_weights(out, CFG, dtype=np.float32)
+    assert all(v.dtype == np.float32 and v.flags.writeable for v in got.values())
+    assert_same(got, {k: v.astype(np.float32) for k, v in fuse_reference(hf, CFG).items()})
+    # Rebuilding as one file replaces the shards rather than leaving both for the loader to mix up.
+    build_random_model(tmp_path, CFG, seed=1)
+    assert sorted(p.name for p in tmp_path.glob("model*")) == ["model.safetensors"]
+
+
+def test_transformers_sharded_save_pretrained_loads_and_fuses(tmp_path):
+    import torch
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(HFLlamaConfig(**CFG.to_hf_dict()))
+    with torch.no_grad():  # HF initialises norms to exactly 1; make them distinguishable
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p))
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    assert_same(load_weights(tmp_path, CFG), fuse_reference(state, CFG))
+
+
+# ---------------------------------------------------------------- MindSpore checkpoints
+
+
+def test_mindspore_canonical_round_trip_is_exact(tmp_path):
+    src = build_random_model(tmp_path / "hf", CFG, seed=2)
+    weights = load_weights(src, CFG)
+    ckpt = save_mindspore_checkpoint(weights, tmp_path / "conv" / "model.ckpt")
+    assert_same(load_mindspore_checkpoint(ckpt, CFG), weights)
+    assert_same(load_weights(ckpt, CFG), weights)
+    assert_same(load_weights(ckpt.parent, CFG), weights)  # a directory with only model.ckpt
+    half = load_weights(ckpt.parent, CFG, dtype="float16")
+    assert all(v.dtype == np.float16 for v in half.values())
+    with pytest.raises(ValueError, match="must end in .ckpt"):
+        save_mindspore_checkpoint(weights, tmp_path / "model.bin")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_mindformers_checkpoint_loads_to_canonical(tmp_path, fused):
+    hf = random_hf_weights(CFG, seed=5)
+    tensors = mindformers_names(hf, CFG, fused)
+    # Training checkpoints also carry optimizer state, which the loader must skip.
+    tensors["adam_m.model.layers.0.attention.wo.weight"] = np.zeros((32, 32), np.float32)
+    tensors["global_step"] = np.array([7], np.int32)
+    ckpt = save_ckpt(tensors, tmp_path / "mf.ckpt")
+    assert_same(load_mindspore_checkpoint(ckpt, CFG), fuse_reference(hf, CFG))
+
+
+def test_bf16_mindformers_checkpoint_widens_to_float32(tmp_path):
+    import torch
+
+    hf = random_hf_weights(CFG, seed=6)
+    ckpt = save_ckpt(mindformers_names(hf, CFG, fused=True), tmp_path / "mf.ckpt", bf16=True)
+    rounded = {k: torch.from_numpy(v).bfloat16().float().numpy() for k, v in hf.items()}
+    raw = load_mindspore_checkpoint(ckpt, CFG)
+    assert all(v.dtype == np.float32 for v in raw.values())  # numpy has no bf16: widened at load
+    assert_same(raw, fuse_reference(rounded, CFG))
+
+
+# ---------------------------------------------------------------- error paths
+
+
+def write_hf(dir_: Path, tensors: dict[str, np.ndarray], cfg: LlamaConfig = CFG) -> Path:
+    dir_.mkdir(parents=True, exist_ok=True)
+    (dir_ / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    save_file(tensors, dir_ / "model.safetensors")
+    return dir_
+
+
+def test_missing_paths_are_named(tmp_path):
+    with pytest.raises(WeightLoadError, match=f"weights not found: {tmp_path / 'nope'}"):
+        load_weights(tmp_path / "nope", CFG)
+    with pytest.raises(WeightLoadError, match=f"model directory not found: {tmp_path / 'nope'}"):
+        load_hf_weights(tmp_path / "nope", CFG)
+    with pytest.raises(WeightLoadError, match=f"MindSpore checkpoint not found: {tmp_path / 'x.ckpt'}"):
+        load_mindspore_checkpoint(tmp_path / "x.ckpt", CFG)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(WeightLoadError, match="no model.safetensors, model.safetensors.index.json or model.ckpt"):
+        load_weights(tmp_path / "empty", CFG)
+    (tmp_path / "w.bin").write_bytes(b"")
+    with pytest.raises(WeightLoadError, match="unsupported weights file .*w.bin"):
+        load_weights(tmp_path / "w.bin", CFG)
+
+
+def test_missing_shard_and_missing_index(tmp_path):
+    out = build_random_model(tmp_path, CFG, shards=3)
+    shard = out / "model-00002-of-00003.safetensors"
+    data = shard.read_bytes()
+    shard.unlink()
+    with pytest.raises(WeightLoadError, match="missing shard file") as exc:
+        load_weights(out, CFG)
+    assert str(shard) in str(exc.value)
+    shard.write_bytes(data)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = "model-00001-of-00003.safetensors"
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(WeightLoadError, match="maps 'model.norm.weight' to .*00001-of-00003.safetensors"):
+        load_weights(out, CFG)
+    (out / "model.safetensors.index.json").unlink()
+    with pytest.raises(WeightLoadError, match="model-00001-of-00003.safetensors.* but no model.safetensors.index"):
+        load_weights(out, CFG)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    hf = random_hf_weights(CFG)
+    del hf["model.layers.1.self_attn.k_proj.weight"]
+    with pytest.raises(WeightLoadError, match="missing tensor 'model.layers.1.self_attn.k_proj.weight'"):
+        load_weights(write_hf(tmp_path / "a", hf), CFG)
+    hf = random_hf_weights(CFG)
+    del hf["lm_head.weight"]  # fine only when the config ties embeddings
+    assert load_weights(write_hf(tmp_path / "b", hf), replace(CFG, tie_word_embeddings=True))["lm_head"].shape
+    with pytest.raises(WeightLoadError, match="missing tensor 'lm_head.weight'"):
+        load_weights(write_hf(tmp_path / "c", hf), CFG)
+
+
+def test_missing_mindformers_tensor_mentions_fused_alternative(tmp_path):
+    tensors = mindformers_names(random_hf_weights(CFG), CFG, fused=False)
+    del tensors["model.layers.0.feed_forward.w3.weight"]
+    ckpt = save_ckpt(tensors, tmp_path / "mf.ckpt")
+    with pytest.raises(WeightLoadError, match="missing tensor 'model.layers.0.feed_forward.w3.weight' "
+                                              r"\(or model.layers.0.feed_forward.w_gate_hidden.weight\)"):
+        load_weights(ckpt, CFG)
+
+
+def test_shape_mismatch_names_parameter_and_shapes(tmp_path):
+    out = build_random_model(tmp_path, CFG)
+    with pytest.raises(WeightLoadError) as exc:
+        load_weights(out, replace(CFG, intermediate_size=48))
+    assert ("shape mismatch for 'model.layers.0.mlp.gate_proj.weight': expected (48, 32) from the config, "
+            "got (40, 32)") in str(exc.value)
+    ckpt = save_mindspore_checkpoint(load_weights(out, CFG), tmp_path / "c.ckpt")
+    with pytest.raises(WeightLoadError, match=r"shape mismatch for 'embed_tokens': expected \(100, 32\)"):
+        load_weights(ckpt, replace(CFG, vocab_size=100))
+
+
+def test_unexpected_architecture_and_extra_tensors(tmp_path):
+    out = build_random_model(tmp_path / "m", CFG)
+    raw = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**raw, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(WeightLoadError, match=r"unexpected architecture \['GPT2LMHeadModel'\]"):
+        load_weights(out, CFG)
+
+    gpt2 = {"transformer.wte.weight": np.zeros((96, 32), np.float32)}
+    with pytest.raises(WeightLoadError, match="unexpected architecture: no 'model.embed_tokens.weight'.*"
+                                              "transformer.wte.weight"):
+        load_weights(write_hf(tmp_path / "g", gpt2), CFG)
+    with pytest.raises(WeightLoadError, match="unexpected architecture: neither canonical"):
+        load_weights(save_ckpt(gpt2, tmp_path / "g.ckpt"), CFG)
+
+    hf = random_hf_weights(CFG)
+    hf["model.layers.0.self_attn.q_proj.bias"] = np.zeros(32, np.float32)
+    hf["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.zeros(4, np.float32)  # old HF files: ignored
+    with pytest.raises(WeightLoadError, match=r"1 tensor\(s\) not used .*q_proj.bias"):
+        load_weights(write_hf(tmp_path / "b", hf), CFG)
+
+    deeper = random_hf_weights(replace(CFG, num_hidden_layers=3))
+    with pytest.raises(WeightLoadError, match="'model.layers.2.input_layernorm.weight' belongs to layer 2 but "
+                                              "the config has num_hidden_layers=2"):
+        load_weights(write_hf(tmp_path / "d", deeper), CFG)
+
+
+def test_corrupt_files_raise_weight_load_error(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"garbage!garbage!")
+    with pytest.raises(WeightLoadError, match="model.safetensors: header length"):
+        load_weights(tmp_path, CFG)
+    (tmp_path / "bad.ckpt").write_bytes(b"garbage")
+    with pytest.raises(WeightLoadError, match="bad.ckpt: cannot read MindSpore checkpoint"):
+        load_weights(tmp_path / "bad.ckpt", CFG)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(WeightLoadError, match="not a valid safetensors index"):
+        load_weights(tmp_path / "x", CFG)
+
+
+def test_validate_weights_and_argument_checks(tmp_path):
+    weights = {k: np.zeros(s, np.float32) for k, s in canonical_shapes(CFG).items()}
+    validate_weights(weights, CFG)
+    assert len(weights) == 3 + 6 * CFG.num_hidden_layers
+    with pytest.raises(WeightLoadError, match=r"shape mismatch for 'layers.1.w_qkv': expected \(64, 32\)"):
+        validate_weights({**weights, "layers.1.w_qkv": np.zeros((32, 32))}, CFG)
+    del weights["layers.1.w_down"]
+    with pytest.raises(WeightLoadError, match="missing tensor 'layers.1.w_down'"):
+        validate_weights(weights, CFG)
+    with pytest.raises(ValueError, match="floating point"):
+        load_weights(tmp_path, CFG, dtype=np.int32)
+    with pytest.raises(ValueError, match="shards must be between 1 and"):
+        build_random_model(tmp_path, CFG, shards=0)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        build_random_model(tmp_path, CFG, dtype="int8")
+    with pytest.raises(FileNotFoundError, match="tokenizer model not found"):
+        build_random_model(tmp_path, CFG, tokenizer_model=tmp_path / "none.model")
