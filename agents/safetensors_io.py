@@ -116,6 +116,9 @@ class SafetensorsFile(Mapping):
             arr = self._buf[start + begin:start + end].view(_STORAGE[tag]).reshape(shape)
         return bf16_to_float32(arr) if tag == "BF16" else arr
 
+    def __contains__(self, name: object) -> bool:  # Mapping's default would decode the tensor
+        return name in self._entries
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
 

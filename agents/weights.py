@@ -194,6 +194,9 @@ class _ShardedTensors(Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         return self._files[name][name]
 
+    def __contains__(self, name: object) -> bool:  # Mapping's default would decode the tensor
+        return name in self._files
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
 
@@ -253,6 +256,9 @@ class _MindSporeTensors(Mapping):
 
         p = self._params[name]
         return (p.astype(ms.float32) if p.dtype == ms.bfloat16 else p).asnumpy()
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would decode the tensor
+        return name in self._params
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._params)
