@@ -3,7 +3,9 @@
 Static shape buckets rather than dynamic shapes: on MindSpore CPU a dynamic-shape graph compiled once but ran
 3-13x slower per step, while a static graph compiles in 1-3 s and is re-used whenever its shape comes back. So the
 runner pads every batch to the smallest bucket that fits (batch size x prompt length for prefill, batch size x
-block-table width for decode), compiles all buckets in ``warmup()`` and refuses shapes it did not warm.
+block-table width for decode), compiles all buckets in ``warmup()`` and refuses shapes it did not warm. One extra
+prefill shape, batch 1 x ``max_model_len``, serves the recompute of a preempted sequence (prompt + generated
+tokens can outgrow the prompt buckets); the scheduler sends such a prefill alone.
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ class ModelRunner:
     # ---- shapes -------------------------------------------------------------------------------------------
     def graph_shapes(self) -> list[tuple]:
         shapes = [("prefill", b, s) for b in self.rc.prefill_batch_sizes for s in self.rc.prefill_seq_lengths]
+        if self.rc.max_model_len > self.rc.prefill_seq_lengths[-1]:
+            shapes.append(("prefill", 1, self.rc.max_model_len))  # recompute of one preempted sequence
         shapes += [("decode", b, w) for b in self.rc.decode_batch_sizes for w in self.rc.decode_block_widths]
         if self.rc.enable_logits:
             shapes += [(kind + "_logits", b, n) for kind, b, n in shapes]
@@ -154,7 +158,10 @@ class ModelRunner:
     def _prefill_inputs(self, batch: StepBatch) -> tuple[tuple, list[np.ndarray]]:
         b = _bucket(batch.batch_size, self.rc.prefill_batch_sizes, "prefill batch size")
         longest = int(batch.query_lens.max())
-        s = _bucket(longest, self.rc.prefill_seq_lengths, "prompt length")
+        if batch.batch_size == 1 and self.rc.prefill_seq_lengths[-1] < longest <= self.rc.max_model_len:
+            b, s = 1, self.rc.max_model_len  # a preempted sequence recomputing prompt + generated tokens
+        else:
+            s = _bucket(longest, self.rc.prefill_seq_lengths, "prompt length")
         arrays = self._padded_inputs(b, b * s, 1)
         ids, pos, slots, lens, _, last = arrays
         start = 0

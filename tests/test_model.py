@@ -81,9 +81,9 @@ def test_logits_switch_matches_transformers(model_pair):
 
 def test_runner_refuses_shapes_it_did_not_warm(model_pair):
     config, runner, _ = model_pair
-    too_long = np.zeros(40, np.int32)
-    batch = StepBatch(True, too_long, np.arange(40, dtype=np.int32), too_long, np.array([40], np.int32),
-                      np.array([40], np.int32), np.zeros((1, 1), np.int32))
+    too_long = np.zeros(80, np.int32)  # two prompts of 40: only a single prompt may exceed the buckets
+    batch = StepBatch(True, too_long, np.tile(np.arange(40, dtype=np.int32), 2), too_long,
+                      np.array([40, 40], np.int32), np.array([40, 40], np.int32), np.zeros((2, 1), np.int32))
     with pytest.raises(ValueError, match="prompt length 40 exceeds the largest compiled bucket 32"):
         runner.step(batch)
     cold = ModelRunner(config, model_weights(runner.model), runner_config())
@@ -98,3 +98,14 @@ def test_batches_larger_than_the_biggest_bucket_are_split(model_pair):
     tokens, _ = PagedDriver(runner, seed=2).generate(many, 4)
     for prompt, got in zip(many, tokens):
         assert got == hf_greedy(hf, prompt, 4)[0]
+
+
+def test_long_single_prefill_uses_the_recompute_shape(model_pair):
+    """A preempted sequence is recomputed in one prefill longer than the prompt buckets."""
+    config, runner, hf = model_pair
+    rng = np.random.default_rng(9)
+    prompt = [config.bos_token_id] + rng.integers(3, config.vocab_size, 59).tolist()  # 60 > bucket 32
+    tokens, logprobs = PagedDriver(runner, seed=4).generate([prompt], 3)
+    ref, ref_lp = hf_greedy(hf, prompt, 3)
+    assert tokens[0] == ref
+    np.testing.assert_allclose(logprobs[0], ref_lp, atol=1e-4)
