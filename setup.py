@@ -22,7 +22,7 @@ setup(
             "torch==2.13.0",
             "transformers",
             "openai",
-            "ruff",
+            "ruff==0.17.6",
         ],
         "mindformers": ["mindformers"],
     },
