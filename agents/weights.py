@@ -155,6 +155,12 @@ def _assemble(tensors: Mapping[str, np.ndarray], names: dict[str, list[list[str]
     return out
 
 
+def fuse_hf_tensors(tensors: Mapping[str, np.ndarray], config: LlamaConfig,
+                    source: str = "<tensors>") -> dict[str, np.ndarray]:
+    """Canonical fused weights from in-memory HF-named tensors (e.g. ``random_hf_weights`` for benchmarks)."""
+    return _assemble(tensors, HF_NAMES, config, source, strict=True)
+
+
 def validate_weights(weights: Mapping[str, np.ndarray], config: LlamaConfig) -> None:
     """Raise :class:`WeightLoadError` unless every canonical tensor is present with its expected shape."""
     for key, shape in canonical_shapes(config).items():

@@ -1,0 +1,124 @@
+"""Model-runner speed on the Llama-2-shaped bench model, next to a plain MindSpore matmul of the same size.
+
+    python scripts/bench_model.py [--repeats 10] [--decode-context 256]
+
+Prints a markdown table: ms per prefill call (batch 1/4/8 x 128 tokens) and per decode step (batch 1/32/128 at
+the given context), the model GFLOP/s each achieves, and the GFLOP/s of one MindSpore matmul
+``[tokens, hidden] x [hidden, N]`` with the same FLOPs, measured in the same run. Also the compile (warm-up) time
+of every graph shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+
+from agents.model_config import LlamaConfig
+from agents.random_model import random_hf_weights
+from agents.runner import ModelRunner, RunnerConfig
+from agents.weights import fuse_hf_tensors
+from llm_serving.batch import StepBatch
+
+BENCH_MODEL = LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
+BLOCK = 16
+
+
+class MatMul(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.matmul = ops.MatMul()
+
+    def construct(self, a: Tensor, b: Tensor) -> Tensor:
+        return self.matmul(a, b)
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def matmul_gflops(tokens: int, flops: float, repeats: int) -> float:
+    """GFLOP/s of one plain ``[tokens, hidden] x [hidden, n]`` matmul doing ``flops`` work."""
+    h = BENCH_MODEL.hidden_size
+    n = max(1, round(flops / (2 * tokens * h)))
+    rng = np.random.default_rng(0)
+    a = Tensor(rng.standard_normal((tokens, h), dtype=np.float32))
+    b = Tensor(rng.standard_normal((h, n), dtype=np.float32))
+    cell = MatMul()
+    ms_ = median_ms(lambda: cell(a, b).asnumpy(), repeats)
+    return 2 * tokens * h * n / ms_ / 1e6
+
+
+def prefill_batch(batch: int, seq: int) -> StepBatch:
+    lens = np.full(batch, seq, np.int32)
+    slots = (np.arange(batch * seq) + BLOCK).astype(np.int32)
+    return StepBatch(True, np.ones(batch * seq, np.int32), np.tile(np.arange(seq, dtype=np.int32), batch), slots,
+                     lens, lens.copy(), np.zeros((batch, 1), np.int32))
+
+
+def decode_batch(batch: int, context: int) -> StepBatch:
+    width = -(-context // BLOCK)
+    tables = (1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width)
+    pos = np.full(batch, context - 1, np.int32)
+    slots = tables[:, -1] * BLOCK + (context - 1) % BLOCK
+    return StepBatch(False, np.ones(batch, np.int32), pos, slots.astype(np.int32), np.ones(batch, np.int32),
+                     np.full(batch, context, np.int32), tables)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--decode-context", type=int, default=256)
+    parser.add_argument("--prefill-batches", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 32, 128])
+    args = parser.parse_args()
+
+    cfg, seq, ctx = BENCH_MODEL, 128, args.decode_context
+    width = -(-ctx // BLOCK)
+    rc = RunnerConfig(num_blocks=max(args.decode_batches) * width + 1, block_size=BLOCK, max_model_len=max(512, ctx),
+                      prefill_batch_sizes=tuple(args.prefill_batches), prefill_seq_lengths=(seq,),
+                      decode_batch_sizes=tuple(args.decode_batches), decode_block_widths=(width,))
+    weights = fuse_hf_tensors(random_hf_weights(cfg, seed=0, std=0.05), cfg)
+    runner = ModelRunner(cfg, weights, rc)
+    t0 = time.perf_counter()
+    compile_times = runner.warmup()
+    print(f"warm-up: {len(compile_times)} graphs in {time.perf_counter() - t0:.1f} s "
+          f"({min(compile_times.values()):.2f}-{max(compile_times.values()):.2f} s each)\n")
+
+    rows = []
+    for b in args.prefill_batches:
+        batch = prefill_batch(b, seq)
+        flops = b * sum(cfg.flops_per_token(p + 1) for p in range(seq))
+        rows.append((f"prefill {b}x{seq}", b * seq, flops, median_ms(lambda batch=batch: runner.step(batch), args.repeats)))
+    for b in args.decode_batches:
+        batch = decode_batch(b, ctx)
+        flops = b * cfg.flops_per_token(ctx)
+        rows.append((f"decode B={b} ctx={ctx}", b, flops, median_ms(lambda batch=batch: runner.step(batch), args.repeats)))
+
+    print("| call | ms | model GFLOP/s | same-size matmul GFLOP/s | ratio |")
+    print("|---|---|---|---|---|")
+    for name, tokens, flops, ms_ in rows:
+        model_rate = flops / ms_ / 1e6
+        ref = matmul_gflops(tokens, flops, args.repeats)
+        print(f"| {name} | {ms_:.1f} | {model_rate:.1f} | {ref:.1f} | {model_rate / ref:.0%} |")
+
+
+if __name__ == "__main__":
+    ms.set_context(mode=ms.GRAPH_MODE)
+    main()
