@@ -1,0 +1,150 @@
+"""One device agent process: ``python -m agents.agent_main`` (started by ``llm_serving.agent_pool``).
+
+Attach the step segment, build the model runner (or the stand-in), warm every shape bucket, report ready,
+then serve: block on the command pipe for a step number, run the batch in shared memory, rank 0 writes the
+answer back, every rank acknowledges on its reply pipe. The agent exits when the master closes the pipes
+or goes away (a watchdog thread blocks on the lifeline pipe and also notices re-parenting), so no orphan
+process outlives the master. Errors are reported as frames, never as a silent exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+
+from llm_serving.agent_pool import CMD, DONE, ERROR, PROGRESS, READY, STARTUP_STEP, AgentSpec, encode_frame
+from llm_serving.shm_channel import StepChannel
+
+
+class Replier:
+    """Writes frames to the master; a closed pipe means the master is gone, so the agent exits."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def send(self, step: int, kind: int, payload: str = "") -> None:
+        data = encode_frame(step, kind, payload)
+        try:
+            while data:
+                data = data[os.write(self.fd, data):]
+        except OSError:
+            _exit(0)
+
+    def error(self, step: int, exc: BaseException) -> None:
+        summary = f"{type(exc).__name__}: {exc}"
+        self.send(step, ERROR, json.dumps({"error": summary, "traceback": traceback.format_exc()}))
+
+
+def _exit(code: int) -> None:
+    """Leave at once: skip interpreter/MindSpore teardown, which can be slow and has nothing to save."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def watch_master(lifeline_fd: int, parent_pid: int, poll_s: float = 2.0) -> None:
+    """Exit the process when the lifeline pipe reaches EOF or the master (our parent) is gone."""
+    while True:
+        readable, _, _ = select.select([lifeline_fd], [], [], poll_s)
+        master_closed = bool(readable) and not os.read(lifeline_fd, 1)
+        if master_closed or os.getppid() != parent_pid:
+            _exit(0)
+
+
+def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None]):
+    """The runner for this rank: the instant stand-in, or MindSpore's ModelRunner on the checkpoint."""
+    if spec.kind == "standin":
+        from agents.standin import StandinRunner
+        return StandinRunner(int(spec.llama_config["vocab_size"]), spec.step_delay_s)
+    from agents.model_config import LlamaConfig
+    from agents.weights import load_weights
+
+    config = LlamaConfig(**spec.llama_config)
+    progress(f"loading weights from {spec.model_path}")
+    weights = load_weights(spec.model_path, config)  # before importing MindSpore: a bad path fails fast
+    from agents.runner import ModelRunner, RunnerConfig
+
+    runner_config = RunnerConfig(**{**spec.runner_config, "device_id": spec.start_device_id + rank})
+    progress(f"building model on {runner_config.device_target} device {runner_config.device_id}")
+    return ModelRunner(config, weights, runner_config)
+
+
+def serve(channel: StepChannel, runner, cmd_fd: int, replier: Replier, rank: int) -> None:
+    """Run steps until the master closes the command pipe or sends a negative step number."""
+    while True:
+        data = _read_exact(cmd_fd, CMD.size)
+        if data is None:
+            return
+        (step,) = CMD.unpack(data)
+        if step < 0:
+            return
+        try:
+            seen, batch = channel.read_batch()
+            if seen != step:
+                raise RuntimeError(f"shared memory holds step {seen}, the master signalled step {step}")
+            output = runner.step(batch)
+            del batch  # views into shared memory: never keep them past the step
+            if rank == 0:
+                channel.write_output(step, output)
+        except Exception as exc:  # noqa: BLE001 - the master decides; this agent keeps serving
+            replier.error(step, exc)
+            continue
+        replier.send(step, DONE)
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        try:
+            chunk = os.read(fd, n - len(data))
+        except InterruptedError:
+            continue
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="llm-serving device agent (started by the master)")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--num-agents", type=int, required=True)
+    parser.add_argument("--shm", required=True, help="name of the step shared-memory segment")
+    parser.add_argument("--cmd-fd", type=int, required=True)
+    parser.add_argument("--reply-fd", type=int, required=True)
+    parser.add_argument("--lifeline-fd", type=int, required=True)
+    parser.add_argument("--spec", required=True, help="AgentSpec as JSON")
+    args = parser.parse_args(argv)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the master's to handle; it then closes us
+    threading.Thread(target=watch_master, args=(args.lifeline_fd, os.getppid()), daemon=True,
+                     name="watch-master").start()
+    replier = Replier(args.reply_fd)
+
+    def progress(line: str) -> None:
+        replier.send(STARTUP_STEP, PROGRESS, line)
+
+    try:
+        spec = AgentSpec.from_json(args.spec)
+        channel = StepChannel.attach(args.shm, spec.layout)
+        runner = build_runner(spec, args.rank, progress)
+        runner.warmup(progress)
+    except BaseException as exc:  # noqa: BLE001 - any start-up failure must reach the master as text
+        replier.error(STARTUP_STEP, exc)
+        _exit(1)
+    replier.send(STARTUP_STEP, READY)
+    serve(channel, runner, args.cmd_fd, replier, args.rank)
+    _exit(0)
+
+
+if __name__ == "__main__":
+    main()

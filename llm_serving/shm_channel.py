@@ -1,0 +1,234 @@
+"""Fixed-layout shared-memory buffers that carry one step between the master and its device agents.
+
+One POSIX shared-memory segment is allocated at start and never resized: a small int64 header, the
+token-flat input arrays of a ``StepBatch`` at their maximum sizes, and an output area where rank 0 writes
+the next token id and logprob of every sequence. A step is then a handful of ``memcpy``s into numpy views;
+nothing is pickled. Signalling (whose turn it is) is not done here but over pipes by ``agent_pool``.
+
+Only the creating side (the master) registers the segment with Python's ``resource_tracker``, so a crashed
+master still gets it unlinked; agents attach without tracking, since in Python < 3.13 an attaching
+``SharedMemory`` would make the agent's own tracker unlink the master's segment when the agent exits.
+Kept free of MindSpore: both sides import it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import sys
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from llm_serving.batch import StepBatch, StepOutput
+
+MAGIC = 0x4C4C4D534831  # "LLMSH1": bump the digit when the layout changes
+NAME_PREFIX = "llmserving_"
+_ALIGN = 64
+_HEADER_SLOTS = 16
+# header slots (int64)
+_MAGIC, _MAX_TOKENS, _MAX_BATCH, _MAX_BLOCKS = 0, 1, 2, 3
+_STEP, _IS_PREFILL, _NUM_TOKENS, _BATCH_SIZE, _WIDTH = 4, 5, 6, 7, 8
+_OUT_STEP, _OUT_BATCH_SIZE = 9, 10
+
+
+class ChannelError(RuntimeError):
+    """A shared-memory segment that is missing, or whose layout does not match this build."""
+
+
+@dataclass(frozen=True)
+class ChannelLayout:
+    """Capacities of one step; every field of the segment sits at a fixed, 64-byte aligned offset."""
+
+    max_tokens: int  # tokens in one step (prefill token budget; >= decode batch)
+    max_batch: int  # sequences in one step
+    max_blocks_per_seq: int  # block-table width
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "max_batch", "max_blocks_per_seq"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"channel layout: {name} must be positive, got {getattr(self, name)}")
+
+    def fields(self) -> dict[str, tuple[int, np.dtype, int]]:
+        """name -> (byte offset, dtype, element count), in segment order."""
+        t, b = self.max_tokens, self.max_batch
+        spec = [("header", np.int64, _HEADER_SLOTS), ("input_ids", np.int32, t), ("positions", np.int32, t),
+                ("slot_mapping", np.int32, t), ("query_lens", np.int32, b), ("context_lens", np.int32, b),
+                ("block_tables", np.int32, b * self.max_blocks_per_seq), ("out_token_ids", np.int32, b),
+                ("out_logprobs", np.float32, b)]
+        out, offset = {}, 0
+        for name, dtype, count in spec:
+            out[name] = (offset, np.dtype(dtype), count)
+            offset += -(-count * np.dtype(dtype).itemsize // _ALIGN) * _ALIGN
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        offset, dtype, count = list(self.fields().values())[-1]
+        return offset + -(-count * dtype.itemsize // _ALIGN) * _ALIGN
+
+
+class _Attached:
+    """An untracked mapping of an existing segment (agent side)."""
+
+    def __init__(self, name: str) -> None:
+        try:
+            fd = _shm_open(name)
+        except FileNotFoundError:
+            raise ChannelError(f"shared memory segment {name!r} does not exist (has the master exited?)") \
+                from None
+        try:
+            self.size = os.fstat(fd).st_size
+            self._mmap = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.name = name
+        self.buf = memoryview(self._mmap)
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mmap.close()
+
+
+def _shm_open(name: str) -> int:
+    try:
+        import _posixshmem  # the module multiprocessing.shared_memory itself uses
+    except ImportError:  # pragma: no cover - non-POSIX
+        raise ChannelError("POSIX shared memory is not available on this platform") from None
+    return _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+
+
+class StepChannel:
+    """Numpy views over one step segment; ``create`` on the master, ``attach`` in each agent.
+
+    Master: ``write_batch`` then (after rank 0 signals) ``read_output``. Agent: ``read_batch`` (zero-copy
+    views, valid until the master writes the next step) and, on rank 0, ``write_output``.
+    """
+
+    def __init__(self, segment: shared_memory.SharedMemory | _Attached, layout: ChannelLayout,
+                 owner: bool) -> None:
+        self.layout = layout
+        self.name = segment.name.lstrip("/")
+        self._segment: shared_memory.SharedMemory | _Attached | None = segment
+        self._owner = owner
+        self._views: dict[str, np.ndarray] = {
+            name: np.ndarray((count,), dtype, buffer=segment.buf, offset=offset)
+            for name, (offset, dtype, count) in layout.fields().items()
+        }
+        self.header = self._views["header"]
+
+    # ---- lifetime ------------------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, layout: ChannelLayout, prefix: str = NAME_PREFIX) -> StepChannel:
+        """Allocate and zero a new segment named ``<prefix><pid>_<random>`` (owned: ``close`` unlinks it)."""
+        name = f"{prefix}{os.getpid()}_{secrets.token_hex(4)}"
+        segment = shared_memory.SharedMemory(name=name, create=True, size=layout.nbytes)
+        channel = cls(segment, layout, owner=True)
+        h = channel.header
+        h[:] = 0
+        h[_MAGIC], h[_MAX_TOKENS], h[_MAX_BATCH], h[_MAX_BLOCKS] = (
+            MAGIC, layout.max_tokens, layout.max_batch, layout.max_blocks_per_seq)
+        h[_STEP] = h[_OUT_STEP] = -1
+        return channel
+
+    @classmethod
+    def attach(cls, name: str, layout: ChannelLayout) -> StepChannel:
+        """Map an existing segment without registering it with any resource tracker."""
+        if sys.version_info >= (3, 13):
+            segment: shared_memory.SharedMemory | _Attached = shared_memory.SharedMemory(name=name, track=False)
+        else:
+            segment = _Attached(name)
+        if segment.size < layout.nbytes:
+            segment.close()
+            raise ChannelError(f"shared memory segment {name!r} holds {segment.size} bytes, the layout "
+                               f"{layout} needs {layout.nbytes}")
+        channel = cls(segment, layout, owner=False)
+        h = channel.header
+        found = (int(h[_MAGIC]), int(h[_MAX_TOKENS]), int(h[_MAX_BATCH]), int(h[_MAX_BLOCKS]))
+        wanted = (MAGIC, layout.max_tokens, layout.max_batch, layout.max_blocks_per_seq)
+        if found != wanted:
+            channel.close()
+            raise ChannelError(f"shared memory segment {name!r} has layout (magic, max_tokens, max_batch, "
+                               f"max_blocks_per_seq) = {found}, expected {wanted}")
+        return channel
+
+    def close(self) -> None:
+        """Drop the views and unmap; the owner also unlinks the segment. Idempotent."""
+        segment, self._segment = self._segment, None
+        if segment is None:
+            return
+        self._views.clear()
+        self.header = None  # type: ignore[assignment]
+        try:
+            segment.close()
+        except BufferError:
+            pass  # a caller still holds a view (e.g. a batch from read_batch); the mapping goes with it
+        if self._owner:
+            try:
+                segment.unlink()  # also unregisters it from the resource tracker
+            except FileNotFoundError:
+                pass
+
+    @property
+    def closed(self) -> bool:
+        return self._segment is None
+
+    # ---- master side ---------------------------------------------------------------------------------------
+    def check_fits(self, batch: StepBatch) -> None:
+        """Raise ValueError when ``batch`` exceeds the capacities the segment was allocated with."""
+        lay = self.layout
+        width = batch.block_tables.shape[1] if batch.block_tables.ndim == 2 else -1
+        for what, value, limit in (("num_tokens", batch.num_tokens, lay.max_tokens),
+                                   ("batch_size", batch.batch_size, lay.max_batch),
+                                   ("block table width", width, lay.max_blocks_per_seq)):
+            if value > limit:
+                raise ValueError(f"step {what} {value} exceeds the shared-memory capacity {limit} "
+                                 f"(AgentSpec max_tokens/max_batch/max_blocks_per_seq)")
+
+    def write_batch(self, step: int, batch: StepBatch) -> None:
+        """Copy ``batch`` into the segment as step number ``step`` (the block table compactly, ``[B, W]``)."""
+        self.check_fits(batch)
+        v, n, b = self._views, batch.num_tokens, batch.batch_size
+        width = batch.block_tables.shape[1]
+        v["input_ids"][:n] = batch.input_ids
+        v["positions"][:n] = batch.positions
+        v["slot_mapping"][:n] = batch.slot_mapping
+        v["query_lens"][:b] = batch.query_lens
+        v["context_lens"][:b] = batch.context_lens
+        v["block_tables"][: b * width].reshape(b, width)[:] = batch.block_tables
+        h = self.header
+        h[_IS_PREFILL], h[_NUM_TOKENS], h[_BATCH_SIZE], h[_WIDTH] = int(batch.is_prefill), n, b, width
+        h[_STEP] = step
+
+    def read_output(self, step: int, batch_size: int) -> StepOutput:
+        """Copies of rank 0's answer to step ``step``; ChannelError if the segment holds another step's."""
+        h = self.header
+        if h[_OUT_STEP] != step or h[_OUT_BATCH_SIZE] != batch_size:
+            raise ChannelError(f"output area holds step {int(h[_OUT_STEP])} with {int(h[_OUT_BATCH_SIZE])} "
+                               f"sequences, expected step {step} with {batch_size}")
+        v = self._views
+        return StepOutput(v["out_token_ids"][:batch_size].copy(), v["out_logprobs"][:batch_size].copy())
+
+    # ---- agent side ----------------------------------------------------------------------------------------
+    def read_batch(self) -> tuple[int, StepBatch]:
+        """The current step number and batch as zero-copy views (do not keep them past the step)."""
+        h, v = self.header, self._views
+        n, b, width = int(h[_NUM_TOKENS]), int(h[_BATCH_SIZE]), int(h[_WIDTH])
+        batch = StepBatch(bool(h[_IS_PREFILL]), v["input_ids"][:n], v["positions"][:n], v["slot_mapping"][:n],
+                          v["query_lens"][:b], v["context_lens"][:b],
+                          v["block_tables"][: b * width].reshape(b, width))
+        return int(h[_STEP]), batch
+
+    def write_output(self, step: int, output: StepOutput) -> None:
+        """Rank 0 only: write the answer of step ``step`` (the master reads it after the signal)."""
+        b = output.token_ids.shape[0]
+        if b > self.layout.max_batch or output.logprobs.shape != (b,):
+            raise ValueError(f"output of {b} tokens / logprobs {output.logprobs.shape} does not fit "
+                             f"max_batch {self.layout.max_batch}")
+        v = self._views
+        v["out_token_ids"][:b] = output.token_ids
+        v["out_logprobs"][:b] = output.logprobs
+        self.header[_OUT_BATCH_SIZE] = b
+        self.header[_OUT_STEP] = step

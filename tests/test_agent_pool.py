@@ -1,0 +1,288 @@
+"""Agent processes over shared memory: round trips, several ranks, deaths, start-up errors, clean shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from llm_serving.agent_pool import AgentDiedError, AgentPool, AgentSpec, AgentStartupError, AgentStepError
+from llm_serving.batch import StepBatch
+from llm_serving.shm_channel import NAME_PREFIX
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 1000
+SHM_DIR = Path("/dev/shm")
+
+
+def standin_spec(**overrides) -> AgentSpec:
+    base = {"kind": "standin", "model_path": None, "llama_config": {"vocab_size": VOCAB}, "runner_config": {},
+            "max_tokens": 512, "max_batch": 128, "max_blocks_per_seq": 32}
+    base.update(overrides)
+    return AgentSpec(**base)
+
+
+def expected_tokens(batch: StepBatch) -> np.ndarray:
+    """The stand-in's documented rule, written out independently of agents.standin."""
+    out, start = [], 0
+    for q, ctx in zip(batch.query_lens.tolist(), batch.context_lens.tolist()):
+        start += q
+        out.append((int(batch.input_ids[start - 1]) * 31 + ctx) % VOCAB)
+    return np.array(out, np.int32)
+
+
+def random_batch(rng: np.random.Generator, is_prefill: bool, batch_size: int, width: int) -> StepBatch:
+    q = rng.integers(1, 9, batch_size).astype(np.int32) if is_prefill else np.ones(batch_size, np.int32)
+    ctx = (q + (0 if is_prefill else rng.integers(1, 60, batch_size))).astype(np.int32)
+    n = int(q.sum())
+    return StepBatch(is_prefill, rng.integers(0, VOCAB, n).astype(np.int32), rng.integers(0, 64, n).astype(np.int32),
+                     rng.integers(0, 4096, n).astype(np.int32), q, ctx,
+                     rng.integers(0, 256, (batch_size, width)).astype(np.int32))
+
+
+def our_segments() -> set[str]:
+    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(f"{NAME_PREFIX}{os.getpid()}_")}
+
+
+def assert_gone(pids: list[int], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, f"process {pid} is still running"
+            time.sleep(0.05)
+
+
+@pytest.fixture
+def pool():
+    p = AgentPool(standin_spec())
+    p.start()
+    yield p
+    p.close()
+
+
+def test_round_trip_matches_the_standin_rule(pool):
+    rng = np.random.default_rng(0)
+    assert pool.alive and len(pool.pids) == 1 and pool.shm_name in our_segments()
+    # Alternate big and small batches so stale rows from an earlier step would show up.
+    for is_prefill, b, w in [(True, 40, 7), (False, 128, 32), (False, 3, 1), (True, 1, 2), (False, 128, 5)]:
+        batch = random_batch(rng, is_prefill, b, w)
+        out = pool.run_step(batch)
+        np.testing.assert_array_equal(out.token_ids, expected_tokens(batch))
+        np.testing.assert_array_equal(out.logprobs, np.full(b, -1.0, np.float32))
+        assert out.token_ids.dtype == np.int32 and out.logprobs.dtype == np.float32
+    assert pool.steps == 5
+
+
+def test_outputs_are_copies_not_shared_memory_views(pool):
+    rng = np.random.default_rng(1)
+    first_batch = random_batch(rng, False, 16, 4)
+    first = pool.run_step(first_batch)
+    pool.run_step(random_batch(rng, False, 16, 4))
+    np.testing.assert_array_equal(first.token_ids, expected_tokens(first_batch))
+
+
+def test_batch_beyond_capacity_is_refused_and_pool_keeps_serving(pool):
+    rng = np.random.default_rng(2)
+    with pytest.raises(ValueError, match="batch_size 129 exceeds"):
+        pool.run_step(random_batch(rng, False, 129, 4))
+    with pytest.raises(ValueError, match="block table width 33 exceeds"):
+        pool.run_step(random_batch(rng, False, 4, 33))
+    batch = random_batch(rng, False, 8, 4)
+    np.testing.assert_array_equal(pool.run_step(batch).token_ids, expected_tokens(batch))
+
+
+def test_round_trip_is_light():
+    """The whole master + IPC path at decode batch 128 stays far below a model step (target <= 0.5 ms)."""
+    with AgentPool(standin_spec()) as p:
+        p.start()
+        batch = random_batch(np.random.default_rng(3), False, 128, 32)
+        p.run_step(batch)
+        t0 = time.perf_counter()
+        for _ in range(200):
+            p.run_step(batch)
+        per_step = (time.perf_counter() - t0) / 200
+    assert per_step < 2e-3, f"{per_step * 1e3:.2f} ms per step"
+
+
+def test_two_agents_both_serve_and_only_rank0_answers():
+    with AgentPool(standin_spec(), num_agents=2) as p:
+        progress: list[str] = []
+        p.start(progress.append)
+        assert any(line.startswith("agent 0:") for line in progress)
+        assert any(line.startswith("agent 1:") for line in progress)
+        rng = np.random.default_rng(4)
+        for _ in range(20):
+            batch = random_batch(rng, bool(rng.integers(2)), int(rng.integers(1, 65)), 8)
+            np.testing.assert_array_equal(p.run_step(batch).token_ids, expected_tokens(batch))
+        # Rank 1 takes part in every step: its death is noticed as well.
+        pids, name = p.pids, p.shm_name
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(AgentDiedError, match="rank 1"):
+            p.run_step(random_batch(rng, False, 4, 8))
+    assert_gone(pids)
+    assert not (SHM_DIR / name).exists()
+
+
+def test_agent_killed_mid_step_raises_quickly_and_leaks_nothing():
+    p = AgentPool(standin_spec(step_delay_s=2.0))
+    p.start()
+    pids, name = p.pids, p.shm_name
+    killer = threading.Timer(0.3, os.kill, (pids[0], signal.SIGKILL))
+    killer.start()
+    t0 = time.monotonic()
+    with pytest.raises(AgentDiedError, match=r"rank 0 .* died during step 1: killed by signal SIGKILL"):
+        p.run_step(random_batch(np.random.default_rng(5), False, 8, 4))
+    assert time.monotonic() - t0 < 1.5  # the step alone would have taken 2 s
+    assert not p.alive
+    assert not (SHM_DIR / name).exists() and not our_segments()
+    assert_gone(pids)
+    with pytest.raises(AgentDiedError, match="died during step 1"):
+        p.run_step(random_batch(np.random.default_rng(5), False, 8, 4))
+    p.close()
+    p.close()
+
+
+def test_close_is_idempotent_and_interrupts_a_running_step():
+    p = AgentPool(standin_spec(step_delay_s=2.0))
+    p.start()
+    pids, name = p.pids, p.shm_name
+    errors: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            p.run_step(random_batch(np.random.default_rng(6), False, 8, 4))
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion below
+            errors.append(exc)
+
+    worker = threading.Thread(target=step)
+    worker.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    p.close()
+    worker.join(5)
+    assert time.monotonic() - t0 < 1.5 and not worker.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], AgentDiedError) and "closed" in str(errors[0])
+    p.close()
+    assert not p.alive and p.shm_name is None and not (SHM_DIR / name).exists()
+    assert_gone(pids)
+    with pytest.raises(AgentDiedError, match="closed"):
+        p.run_step(random_batch(np.random.default_rng(6), False, 8, 4))
+
+
+def test_bad_model_path_is_one_clear_startup_error(tmp_path):
+    missing = tmp_path / "no-such-model"
+    spec = standin_spec(kind="llama", model_path=str(missing),
+                        llama_config={"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+                                      "num_hidden_layers": 1, "num_attention_heads": 2,
+                                      "num_key_value_heads": 2},
+                        runner_config={"num_blocks": 8, "block_size": 4, "max_model_len": 16})
+    p = AgentPool(spec, num_agents=2)
+    before = set(os.listdir(SHM_DIR))
+    with pytest.raises(AgentStartupError, match=f"agent rank [01] failed to start: .*{missing}") as info:
+        p.start()
+    assert "WeightLoadError" in str(info.value) and info.value.rank in (0, 1)
+    assert len(p.pids) == 2 and not p.alive
+    assert_gone(p.pids)
+    assert not our_segments() and set(os.listdir(SHM_DIR)) <= before
+    p.close()
+
+
+def test_master_death_takes_the_agents_along(tmp_path):
+    """SIGKILL the master: its agents exit (lifeline EOF) and its resource tracker unlinks the segment."""
+    script = tmp_path / "master.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        from llm_serving.agent_pool import AgentPool, AgentSpec
+        spec = AgentSpec("standin", None, {"vocab_size": 10}, {}, 8, 4, 2)
+        pool = AgentPool(spec, num_agents=2)
+        pool.start()
+        print(pool.shm_name, *pool.pids, flush=True)
+        time.sleep(60)
+    """))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    master = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=env, text=True)
+    try:
+        name, *pids = master.stdout.readline().split()
+        assert (SHM_DIR / name).exists()
+        master.kill()
+        master.wait()
+        assert_gone([int(pid) for pid in pids])
+        deadline = time.monotonic() + 5
+        while (SHM_DIR / name).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not (SHM_DIR / name).exists()
+    finally:
+        master.kill()
+        master.wait()
+        master.stdout.close()
+        master.stderr.close()
+
+
+def test_clean_shutdown_leaves_no_segment_and_no_tracker_warnings(tmp_path):
+    script = tmp_path / "master.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np
+        from llm_serving.agent_pool import AgentPool, AgentSpec
+        from llm_serving.batch import StepBatch
+        pool = AgentPool(AgentSpec("standin", None, {"vocab_size": 10}, {}, 8, 4, 2))
+        pool.start()
+        one = np.ones(1, np.int32)
+        print(pool.shm_name, pool.run_step(StepBatch(False, one, one, one, one, one, one[None])).token_ids[0])
+        pool.close()
+    """))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-W", "always", str(script)], capture_output=True, text=True,
+                          env=env, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    name, token = done.stdout.split()
+    assert token == str((1 * 31 + 1) % 10)
+    assert not (SHM_DIR / name).exists()
+    assert "leaked" not in done.stderr and "resource_tracker" not in done.stderr, done.stderr
+
+
+def test_real_llama_agent_matches_transformers(tmp_path):
+    """One MindSpore agent on a tiny random Llama: greedy tokens equal Hugging Face's; step errors are
+    reported without killing the agent."""
+    from agents.model_config import LlamaConfig
+    from agents.random_model import build_random_model
+    from tests.hf_reference import hf_greedy, load_hf
+    from tests.paged_driver import PagedDriver
+
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model_dir = build_random_model(tmp_path / "tiny", config, seed=3, std=0.3)
+    runner_config = {"num_blocks": 16, "block_size": 4, "max_model_len": 16, "prefill_batch_sizes": [2],
+                     "prefill_seq_lengths": [16], "decode_batch_sizes": [2], "decode_block_widths": [4]}
+    spec = AgentSpec("llama", str(model_dir), vars(config), runner_config, max_tokens=32, max_batch=2,
+                     max_blocks_per_seq=4)
+    prompts = [[1, 5, 9, 33, 7], [1, 100, 3, 4, 8, 90, 12, 6, 77]]
+    with AgentPool(spec) as p:
+        lines: list[str] = []
+        p.start(lines.append)
+        assert any("warmed decode" in line for line in lines)
+        geometry = SimpleNamespace(block_size=4, num_blocks=16)
+        tokens, logprobs = PagedDriver(SimpleNamespace(rc=geometry, step=p.run_step), seed=1).generate(prompts, 6)
+        too_long = StepBatch(False, np.ones(1, np.int32), np.array([20], np.int32), np.ones(1, np.int32),
+                             np.ones(1, np.int32), np.array([21], np.int32), np.ones((1, 4), np.int32))
+        with pytest.raises(AgentStepError, match="rank 0 failed step .*exceeds the largest compiled bucket"):
+            p.run_step(too_long)
+        assert p.alive
+    hf = load_hf(model_dir)
+    for prompt, got, got_lp in zip(prompts, tokens, logprobs):
+        ref, ref_lp = hf_greedy(hf, prompt, 6)
+        assert got == ref
+        np.testing.assert_allclose(got_lp, ref_lp, atol=1e-4)
