@@ -9,6 +9,10 @@ When a decode step needs a KV block and none is free, the most recently admitted
 preempted by recompute: its blocks are freed and it goes back to the front of the queue; its next prefill
 covers prompt + generated tokens, so it resumes exactly where it stopped (greedy results do not change).
 
+Prompt buckets: the agents compile prefill shapes up to ``max_prompt_len`` tokens per sequence, plus one shape
+of a single sequence up to ``max_model_len`` for recompute. So a new prompt longer than ``max_prompt_len`` is
+rejected at admission, and a preempted sequence that has grown past it is prefilled alone.
+
 Prefill vs decode interleaving (``min_decode_steps_between_prefills``):
   0 (default, as vLLM): prefill whenever something can be admitted. Best time-to-first-token and fastest
     ramp-up of the decode batch, but every prefill stalls the running streams (inter-token latency spikes
@@ -49,6 +53,7 @@ class SchedulerConfig:
     policy: str = "fcfs"  # admission order, see POLICIES
     max_wait_s: float | None = 30.0  # longest_output_first: admit requests queued this long first
     min_decode_steps_between_prefills: int = 0  # interleaving knob, see module docstring
+    max_prompt_len: int | None = None  # longest new prompt (largest prefill bucket); None: max_model_len
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_prefill_batch",
@@ -71,6 +76,9 @@ class SchedulerConfig:
         if self.min_decode_steps_between_prefills < 0:
             raise ValueError("scheduler config: min_decode_steps_between_prefills must be >= 0, got "
                              f"{self.min_decode_steps_between_prefills}")
+        if self.max_prompt_len is not None and not 1 <= self.max_prompt_len <= self.max_model_len:
+            raise ValueError(f"scheduler config: max_prompt_len must be in 1..max_model_len "
+                             f"({self.max_model_len}) or None, got {self.max_prompt_len}")
 
 
 class Scheduler:
@@ -95,6 +103,11 @@ class Scheduler:
             raise RequestRejected(f"request {rid!r}: a request with this id is already in progress")
         if not seq.prompt_ids:
             raise RequestRejected(f"request {rid!r}: the prompt is empty")
+        if cfg.max_prompt_len is not None and seq.num_prompt_tokens > cfg.max_prompt_len:
+            raise RequestRejected(
+                f"request {rid!r}: prompt has {seq.num_prompt_tokens} tokens, more than the longest prefill "
+                f"bucket max_prompt_len {cfg.max_prompt_len} (model_config.seq_length)"
+            )
         total = seq.num_prompt_tokens + seq.params.max_new_tokens
         if total > cfg.max_model_len:
             raise RequestRejected(
@@ -222,24 +235,29 @@ class Scheduler:
         """Pick the sequences of a prefill step, in policy order; stop at the first that does not fit.
 
         Besides its prompt, each admitted sequence must leave room for the next decode step of itself and
-        of the running sequences, so a fresh prefill is not preempted (wasted) right away.
+        of the running sequences, so a fresh prefill is not preempted (wasted) right away. A recompute
+        longer than ``max_prompt_len`` goes alone (the agents' single long prefill shape).
         """
         cfg, bm = self.config, self.block_manager
         slots = min(cfg.max_prefill_batch, cfg.max_num_seqs - len(self._running))
         budget = cfg.max_num_batched_tokens
         free = bm.num_free_blocks - sum(bm.blocks_needed(s.num_tokens) - len(s.block_table)
                                         for s in self._running)
+        long_limit = cfg.max_prompt_len if cfg.max_prompt_len is not None else cfg.max_model_len
         chosen: list[Sequence] = []
         for seq in self._admission_order():
             if len(chosen) >= slots:
                 break
+            alone = seq.num_tokens > long_limit
             last_fed = seq.num_prompt_tokens + seq.params.max_new_tokens - 1
             need = bm.blocks_needed(min(seq.num_tokens + 1, last_fed))
-            if seq.num_tokens > budget or need > free:
+            if seq.num_tokens > budget or need > free or (alone and chosen):
                 break
             budget -= seq.num_tokens
             free -= need
             chosen.append(seq)
+            if alone:
+                break
         for seq in chosen:
             self._dequeue(seq)
             bm.allocate(seq)
@@ -249,10 +267,14 @@ class Scheduler:
 
     def _reserve_decode_slots(self) -> list[Sequence]:
         """Give every running sequence a slot for its next token, preempting the newest when blocks run out."""
-        bm, scheduled = self.block_manager, []
+        bm, scheduled, bs = self.block_manager, [], self.config.block_size
+        running = SequenceStatus.RUNNING
         for seq in list(self._running):
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted below, to make room for an older sequence
+            if len(seq.block_table) * bs >= seq.num_tokens:  # fast path: its next slot is already held
+                scheduled.append(seq)
+                continue
             while not bm.can_append(seq) and self._running[-1] is not seq:
                 self._preempt(self._running[-1])
             if bm.can_append(seq):
@@ -285,30 +307,29 @@ class Scheduler:
         (self._preempted if seq.num_preemptions and seq in self._preempted else self._waiting).remove(seq)
 
     def _build(self, seqs: list[Sequence], prefill: bool) -> StepBatch:
-        bs = self.config.block_size
-        ids, positions, query_lens, context_lens = [], [], [], []
-        for seq in seqs:
-            n = seq.num_tokens
-            if prefill:
-                ids.extend(seq.all_token_ids)
-                positions.append(np.arange(n, dtype=np.int32))
-            else:
-                ids.append(seq.last_token_id)
-                positions.append(np.array([n - 1], dtype=np.int32))
-            query_lens.append(n if prefill else 1)
-            context_lens.append(n)
+        bs, n = self.config.block_size, len(seqs)
         width = max(len(seq.block_table) for seq in seqs)
-        block_tables = np.full((len(seqs), width), DUMMY_BLOCK, dtype=np.int32)
-        slots = []
-        for i, (seq, pos) in enumerate(zip(seqs, positions)):
+        block_tables = np.full((n, width), DUMMY_BLOCK, dtype=np.int32)
+        for i, seq in enumerate(seqs):
             block_tables[i, : len(seq.block_table)] = seq.block_table
-            slots.append(block_tables[i, pos // bs] * bs + pos % bs)
+        context_lens = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
+        if prefill:
+            ids = np.fromiter((t for seq in seqs for t in seq.all_token_ids), np.int32, int(context_lens.sum()))
+            query_lens = context_lens.copy()
+            positions = np.concatenate([np.arange(k, dtype=np.int32) for k in context_lens.tolist()])
+            rows = np.repeat(np.arange(n), context_lens)
+        else:  # one token per sequence: vectorized, this runs every step for the whole decode batch
+            ids = np.fromiter((seq.last_token_id for seq in seqs), np.int32, n)
+            query_lens = np.ones(n, dtype=np.int32)
+            positions = context_lens - 1
+            rows = np.arange(n)
+        slots = block_tables[rows, positions // bs] * bs + positions % bs
         return StepBatch(
             is_prefill=prefill,
-            input_ids=np.asarray(ids, dtype=np.int32),
-            positions=np.concatenate(positions),
-            slot_mapping=np.concatenate(slots).astype(np.int32),
-            query_lens=np.asarray(query_lens, dtype=np.int32),
-            context_lens=np.asarray(context_lens, dtype=np.int32),
+            input_ids=ids,
+            positions=positions.astype(np.int32, copy=False),
+            slot_mapping=slots.astype(np.int32, copy=False),
+            query_lens=query_lens,
+            context_lens=context_lens,
             block_tables=block_tables,
         )
