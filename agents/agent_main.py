@@ -117,7 +117,6 @@ def _read_exact(fd: int, n: int) -> bytes | None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="llm-serving device agent (started by the master)")
     parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--num-agents", type=int, required=True)
     parser.add_argument("--shm", required=True, help="name of the step shared-memory segment")
     parser.add_argument("--cmd-fd", type=int, required=True)
     parser.add_argument("--reply-fd", type=int, required=True)

@@ -180,6 +180,7 @@ class AgentPool:
 
     @property
     def pids(self) -> list[int]:
+        """Process ids of the agents, by rank (still listed after close, so callers can check they are gone)."""
         return [a.proc.pid for a in self._agents]
 
     @property
@@ -220,8 +221,7 @@ class AgentPool:
         root = str(Path(__file__).resolve().parents[1])
         env = {**os.environ, **{k: str(v) for k, v in self.spec.extra_env.items()}}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        argv = [sys.executable, "-m", "agents.agent_main", "--rank", str(rank),
-                "--num-agents", str(self.num_agents), "--shm", self._channel.name,
+        argv = [sys.executable, "-m", "agents.agent_main", "--rank", str(rank), "--shm", self._channel.name,
                 "--cmd-fd", str(cmd_r), "--reply-fd", str(reply_w), "--lifeline-fd", str(life_r),
                 "--spec", self.spec.to_json()]
         try:
@@ -251,7 +251,8 @@ class AgentPool:
                 if frames is None:
                     code = self._reap(agent)
                     raise AgentStartupError(f"agent rank {agent.rank} (pid {agent.proc.pid}) exited with "
-                                            f"{describe_exit(code)} before it was ready", rank=agent.rank)
+                                            f"{describe_exit(code)} before it was ready (see its stderr)",
+                                            rank=agent.rank)
                 for _step, kind, payload in frames:
                     if kind == PROGRESS and progress is not None:
                         progress(f"agent {agent.rank}: {payload}")

@@ -200,6 +200,29 @@ def test_bad_model_path_is_one_clear_startup_error(tmp_path):
     p.close()
 
 
+def test_agent_dying_before_ready_and_slow_start_are_startup_errors():
+    broken = AgentPool(standin_spec(extra_env={"PYTHONHOME": "/nonexistent"}))  # the interpreter cannot start
+    with pytest.raises(AgentStartupError, match=r"rank 0 \(pid \d+\) exited with exit code 1 before it was ready"):
+        broken.start()
+    slow = AgentPool(standin_spec(), num_agents=2, startup_timeout_s=0.01)
+    with pytest.raises(AgentStartupError, match=r"agent rank\(s\) \[0, 1\] not ready after 0.01s"):
+        slow.start()
+    assert_gone(broken.pids + slow.pids)
+    assert not our_segments()
+
+
+def test_step_timeout_fails_the_pool():
+    with AgentPool(standin_spec(step_delay_s=2.0), step_timeout_s=0.3) as p:
+        p.start()
+        pids = p.pids
+        t0 = time.monotonic()
+        with pytest.raises(AgentDiedError, match="did not answer step 1 within 0.3s"):
+            p.run_step(random_batch(np.random.default_rng(7), False, 2, 1))
+        assert time.monotonic() - t0 < 1.5 and not p.alive
+    assert_gone(pids)
+    assert not our_segments()
+
+
 def test_master_death_takes_the_agents_along(tmp_path):
     """SIGKILL the master: its agents exit (lifeline EOF) and its resource tracker unlinks the segment."""
     script = tmp_path / "master.py"
