@@ -1,0 +1,411 @@
+"""Load tool, report and workload generator, against a fake llm-serving/OpenAI server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import struct
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from llm_serving import bench_client as bc
+from llm_serving import bench_report
+from llm_serving.tokenizer import Tokenizer
+from llm_serving.tokenizer_training import train_tokenizer
+from llm_serving.workload import LengthDist, WorkloadError, WorkloadSpec, make_workload
+from llm_serving.workload import main as workload_main
+
+TTFT = 0.08  # fake server: delay before the first token
+ITL = 0.01  # fake server: delay between tokens
+
+
+class FakeServer:
+    """The three endpoints with fixed delays; prompts containing FAIL get HTTP 500, HANG never answer in time,
+    BADLINE get an error object inside the stream. Runs its own event loop in a thread."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+        self.arrivals: list[float] = []
+        self.running = 0
+        self.max_running = 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def start(self) -> int:
+        self.thread.start()
+        return asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+
+    async def _start(self) -> int:
+        app = web.Application()
+        app.router.add_post("/models/{model}/generate_stream", self.stream)
+        app.router.add_post("/models/{model}/generate", self.full)
+        app.router.add_post("/v1/completions", self.openai)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/health", self.health)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        return self.runner.addresses[0][1]
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+    async def _admit(self, request: web.Request) -> tuple[str, int, dict] | web.Response:
+        body = await request.json()
+        self.bodies.append(body)
+        self.arrivals.append(time.perf_counter())
+        prompt = body.get("inputs", body.get("prompt"))
+        n = body["parameters"]["max_new_tokens"] if "parameters" in body else body["max_tokens"]
+        if "FAIL" in prompt:
+            return web.json_response({"error": "injected failure", "error_type": "internal"}, status=500)
+        if "HANG" in prompt:
+            await asyncio.sleep(2.0)
+        return prompt, n, body
+
+    async def _tokens(self, n: int):
+        self.running += 1
+        self.max_running = max(self.max_running, self.running)
+        try:
+            await asyncio.sleep(TTFT)
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(ITL)
+                yield i, f" w{i}"
+        finally:
+            self.running -= 1
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        admitted = await self._admit(request)
+        if isinstance(admitted, web.Response):
+            return admitted
+        prompt, n, body = admitted
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        texts = []
+        async for i, piece in self._tokens(n):
+            texts.append(piece)
+            line = {"event": "message", "retry": 30000,
+                    "data": [{"generated_text": piece, "tokens": {"id": i, "text": piece}, "details": None}]}
+            await resp.write(json.dumps(line).encode() + b"\n")
+            if "BADLINE" in prompt:
+                await resp.write(b'{"error": "agent crashed", "error_type": "internal"}\n')
+                break
+        if body["parameters"].get("return_full_text") == "True":
+            full = {"event": "message", "retry": 30000, "data": [{"generated_text": "".join(texts), "tokens": {},
+                                                                  "details": None}]}
+            await resp.write(json.dumps(full).encode() + b"\n")
+        await resp.write_eof()
+        return resp
+
+    async def full(self, request: web.Request) -> web.Response:
+        admitted = await self._admit(request)
+        if isinstance(admitted, web.Response):
+            return admitted
+        _, n, _ = admitted
+        pieces = [p async for _, p in self._tokens(n)]
+        return web.json_response({"generated_text": "".join(pieces), "finish_reason": "length",
+                                  "generated_tokens": n, "tokens": []})
+
+    async def openai(self, request: web.Request) -> web.StreamResponse:
+        admitted = await self._admit(request)
+        if isinstance(admitted, web.Response):
+            return admitted
+        _, n, _ = admitted
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        async for _, piece in self._tokens(n):
+            chunk = {"object": "text_completion", "choices": [{"index": 0, "text": piece, "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        last = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+        await resp.write(f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode())
+        await resp.write_eof()
+        return resp
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ready"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        text = f"# TYPE llm_serving_running_batch_size gauge\nllm_serving_running_batch_size {self.running}\n"
+        return web.Response(text=text)
+
+
+@pytest.fixture
+def server():
+    s = FakeServer()
+    s.port = s.start()
+    yield s
+    s.stop()
+
+
+def write_dataset(path: Path, outputs_words: list[int], prompts: list[str] | None = None) -> Path:
+    prompts = prompts or [f"instruction {i}" for i in range(len(outputs_words))]
+    records = [{"instruction": p, "input": "context" if i % 2 else "", "output": " ".join(["word"] * w)}
+               for i, (p, w) in enumerate(zip(prompts, outputs_words))]
+    path.write_text(json.dumps(records))
+    return path
+
+
+def run_cli(tmp_path: Path, server: FakeServer, dataset: Path, *extra: str) -> tuple[int, dict, list[dict]]:
+    out = tmp_path / "out"
+    argv = ["-P", str(server.port), "-O", str(out), "--dataset", str(dataset), "--tokens-per-word", "1",
+            "--no-progress", "--metrics-interval", "0.05", *extra]
+    rc = bc.main(argv)
+    qps = float(argv[argv.index("-X") + 1]) if "-X" in argv else 1.0
+    summary = json.loads((out / f"summary_{qps}_x.json").read_text())
+    results = json.loads((out / f"result_{qps}_x.json").read_text())
+    return rc, summary["metrics"], results
+
+
+def decode_png(data: bytes) -> np.ndarray:
+    """Minimal decoder for what encode_png writes (RGB8, filter 0), verifying every chunk CRC."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, header = 8, b"", None
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        tag, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        assert crc == zlib.crc32(tag + body)
+        if tag == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body)
+        elif tag == b"IDAT":
+            idat += body
+        pos += 12 + length
+    w, h, depth, color = header[:4]
+    assert (depth, color) == (8, 2)
+    rows = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(h, 1 + 3 * w)
+    assert not rows[:, 0].any()
+    return rows[:, 1:].reshape(h, w, 3)
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def test_stream_contest_defaults_metrics_and_files(tmp_path, server):
+    words = [5, 8, 3]
+    dataset = write_dataset(tmp_path / "alpaca.json", words)
+    rc, m, results = run_cli(tmp_path, server, dataset, "-X", "4", "-T", "1")  # contest count: int(1 * 4)
+    assert rc == 0
+    assert m["successful_requests"] == 4 and m["failed_requests"] == 0
+    # The contest's body, cycling through the dataset in order; prompt = instruction[":" + input].
+    sent = sorted(server.bodies, key=lambda b: b["inputs"])
+    assert all(b["parameters"]["do_sample"] == "False" and b["stream"] is True for b in sent)
+    assert [r["input"] for r in results] == ["instruction 0", "instruction 1:context", "instruction 2",
+                                             "instruction 0"]
+    assert [r["max_new_tokens"] for r in results] == [5, 8, 3, 5]
+    # The trailing full-text line is the answer, not a token.
+    for r in results:
+        assert r["resp_text"] == "".join(f" w{i}" for i in range(r["max_new_tokens"]))
+        assert r["output_tokens"] == r["max_new_tokens"] and r["full_text_checked"] is True
+    assert m["total_output_tokens"] == 21
+    assert TTFT <= m["mean_ttft_ms"] / 1000 < TTFT + 0.06
+    assert ITL * 0.8 <= m["median_itl_ms"] / 1000 < ITL + 0.02
+    assert ITL * 0.8 <= m["mean_tpot_ms"] / 1000 < ITL + 0.02
+    for r in results:  # E2E = TTFT + (n - 1) gaps
+        assert r["res_time"] == pytest.approx(r["first_token_time"] + (r["output_tokens"] - 1) * r["tpot"])
+        assert r["res_time"] >= TTFT + (r["output_tokens"] - 1) * ITL
+    # Total time spans the last send to the last response.
+    last = max(r["send_time"] + r["res_time"] for r in results)
+    assert m["total_time_s"] == m["benchmark_duration_s"] and last <= m["total_time_s"] < last + 0.05
+    assert m["request_throughput"] == pytest.approx(4 / m["total_time_s"])
+    assert m["output_throughput"] == pytest.approx(21 / m["total_time_s"])
+    assert m["total_input_tokens"] == sum(r["prompt_tokens"] for r in results)
+    out = tmp_path / "out"
+    report = (out / "report_4.0_x.md").read_text()
+    assert "Total time, contest score (s)" in report and "latency_cdf_4.0_x.png" in report
+    for name in ("latency_cdf", "throughput", "running_batch"):
+        img = decode_png((out / f"{name}_4.0_x.png").read_bytes())
+        assert img.shape[0] > 300 and img.shape[1] > 600
+        assert (img == bench_report.PALETTE[0]).all(axis=2).sum() > 50  # a drawn series, not just axes
+
+
+def test_no_full_text_and_concurrency_cap_and_server_gauge(tmp_path, server):
+    dataset = write_dataset(tmp_path / "d.json", [6] * 6)
+    rc, m, results = run_cli(tmp_path, server, dataset, "-X", "inf", "--num-prompts", "6",
+                             "--max-concurrency", "2", "--no-return-full-text")
+    assert rc == 0
+    assert all(b["parameters"]["return_full_text"] == "False" for b in server.bodies)
+    assert all(r["output_tokens"] == 6 and r["full_text_checked"] is None for r in results)
+    assert server.max_running == 2 and m["max_in_flight"] == 2
+    assert m["max_server_running_batch"] is not None and 1 <= m["max_server_running_batch"] <= 2
+    # Three waves of two: the run takes about three request latencies.
+    one = TTFT + 5 * ITL
+    assert 3 * one <= m["total_time_s"] < 3 * one + 0.25
+
+
+def test_full_endpoint(tmp_path, server):
+    dataset = write_dataset(tmp_path / "d.json", [4, 7])
+    rc, m, results = run_cli(tmp_path, server, dataset, "-X", "inf", "--num-prompts", "2", "--endpoint", "full")
+    assert rc == 0
+    assert all(b["stream"] is False for b in server.bodies)
+    assert [r["output_tokens"] for r in results] == [4, 7]
+    assert all(r["first_token_time"] == r["res_time"] and r["tpot"] is None for r in results)
+    assert m["mean_tpot_ms"] is None and m["mean_itl_ms"] is None
+    assert m["mean_e2el_ms"] / 1000 >= TTFT + 5 * ITL * 0.8
+
+
+def test_openai_endpoint(tmp_path, server):
+    dataset = write_dataset(tmp_path / "d.json", [5, 2, 9])
+    rc, m, results = run_cli(tmp_path, server, dataset, "-X", "inf", "--num-prompts", "3", "--endpoint",
+                             "openai", "--model-name", "tiny")
+    assert rc == 0
+    assert all(b["model"] == "tiny" and b["stream"] is True and b["temperature"] == 0 for b in server.bodies)
+    assert [r["output_tokens"] for r in results] == [5, 2, 9]  # the closing finish_reason chunk is no token
+    assert results[1]["resp_text"] == " w0 w1" and results[1]["finish_reason"] == "length"
+    assert TTFT <= m["mean_ttft_ms"] / 1000 < TTFT + 0.06
+
+
+def test_failures_are_counted_not_fatal(tmp_path, server):
+    prompts = ["ok a", "FAIL b", "ok c", "BADLINE d", "ok e", "FAIL f"]
+    dataset = write_dataset(tmp_path / "d.json", [3] * 6, prompts)
+    rc, m, results = run_cli(tmp_path, server, dataset, "-X", "inf", "--num-prompts", "6")
+    assert rc == 1
+    assert m["successful_requests"] == 3 and m["failed_requests"] == 3
+    assert m["total_output_tokens"] == 9  # failed requests contribute nothing
+    by_prompt = {r["input"].split(":")[0]: r for r in results}
+    assert by_prompt["FAIL b"]["error"].startswith("HTTP 500") and by_prompt["FAIL b"]["res_time"] is None
+    assert "agent crashed" in by_prompt["BADLINE d"]["error"]
+    assert sum(m["errors"].values()) == 3
+
+
+def test_request_timeout_bounds_the_run(tmp_path, server):
+    dataset = write_dataset(tmp_path / "d.json", [2, 2], ["HANG", "fine"])
+    t = time.perf_counter()
+    rc, m, results = run_cli(tmp_path, server, dataset, "-X", "inf", "--num-prompts", "2",
+                             "--request-timeout", "0.3", "--no-plots")
+    assert time.perf_counter() - t < 1.5
+    assert rc == 1 and m["failed_requests"] == 1
+    assert results[0]["error"] == "timeout after 0.3s" and results[1]["success"]
+
+
+def test_requests_leave_on_the_arrival_schedule(server):
+    cfg = bc.BenchConfig(port=server.port, qps=25, arrival="poisson", seed=7, metrics_interval=0)
+    reqs = [bc.BenchRequest(i, f"p{i}", 1, 2) for i in range(8)]
+    run = asyncio.run(bc.benchmark(reqs, cfg, progress=False))
+    planned = bc.arrival_offsets(8, 25, "poisson", seed=7)
+    sends = np.array([r.send_time for r in run.results])
+    assert np.abs(sends - planned).max() < 0.02
+    seen = np.array(sorted(server.arrivals))
+    assert np.abs(np.diff(seen) - np.diff(planned)).max() < 0.03
+
+
+def test_tokenizer_counts_max_new_tokens(tmp_path, server):
+    tok_path = train_tokenizer(tmp_path / "tok" / "tokenizer", vocab_size=900)
+    tok = Tokenizer(tok_path)
+    dataset = write_dataset(tmp_path / "d.json", [3, 6])
+    rc, _, results = run_cli(tmp_path, server, dataset, "-X", "inf", "--num-prompts", "2", "--tokenizer",
+                             str(tok_path), "--no-plots")
+    assert rc == 0
+    records = json.loads(dataset.read_text())
+    expect = [len(tok.encode(r["output"], add_bos=False)) for r in records]
+    assert [r["max_new_tokens"] for r in results] == expect
+    assert [r["prompt_tokens"] for r in results] == [len(tok.encode(bc.contest_prompt(r))) for r in records]
+
+
+# ------------------------------------------------------------------------------------- arrival process
+def _gaps(process: str, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+    return np.diff(bc.arrival_offsets(20001, 10.0, process, burstiness, seed))
+
+
+def test_poisson_gaps_are_exponential():
+    g = _gaps("poisson")
+    assert abs(g.mean() - 0.1) < 0.004
+    assert abs(g.std() / g.mean() - 1.0) < 0.05  # exponential: coefficient of variation 1
+    assert abs((g < 0.1).mean() - (1 - math.exp(-1))) < 0.02  # P(gap < mean) = 1 - 1/e
+    assert abs((g > 0.3).mean() - math.exp(-3)) < 0.01
+
+
+def test_gamma_burstiness_and_constant():
+    bursty = _gaps("gamma", burstiness=0.25)
+    assert abs(bursty.mean() - 0.1) < 0.008
+    assert abs(bursty.std() / bursty.mean() - 2.0) < 0.12  # CV = 1 / sqrt(shape)
+    smooth = _gaps("gamma", burstiness=4.0)
+    assert abs(smooth.std() / smooth.mean() - 0.5) < 0.03
+    assert np.allclose(_gaps("constant"), 0.1)
+    assert not np.array_equal(_gaps("poisson", seed=1), _gaps("poisson", seed=2))
+    assert np.array_equal(_gaps("poisson", seed=3), _gaps("poisson", seed=3))
+    assert not bc.arrival_offsets(5, math.inf).any()
+    with pytest.raises(bc.BenchError, match="qps"):
+        bc.arrival_offsets(5, 0.0)
+    with pytest.raises(bc.BenchError, match="arrival"):
+        bc.arrival_offsets(5, 1.0, "uniform")
+
+
+# ----------------------------------------------------------------------------------------- CLI errors
+def test_cli_errors_name_the_problem(tmp_path, capsys):
+    missing = tmp_path / "nope.json"
+    assert bc.main(["--dataset", str(missing), "--num-prompts", "1", "--no-progress"]) == 2
+    assert str(missing) in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"instruction": "a", "input": "", "output": "b"}, {"instruction": "a"}]))
+    assert bc.main(["--dataset", str(bad), "--num-prompts", "1"]) == 2
+    assert "record 1: key 'input'" in capsys.readouterr().err
+    good = write_dataset(tmp_path / "good.json", [1])
+    assert bc.main(["--dataset", str(good), "-X", "inf"]) == 2
+    assert "--num-prompts" in capsys.readouterr().err
+    assert bc.main(["--dataset", str(good), "-X", "1", "-T", "0.5"]) == 2
+    assert "nothing to send" in capsys.readouterr().err
+
+
+def test_progress_bar_and_gauge_parsing():
+    class Sink:
+        def __init__(self):
+            self.text = ""
+
+        def write(self, s):
+            self.text += s
+
+        def flush(self):
+            pass
+
+        def isatty(self):
+            return False
+
+    sink = Sink()
+    bar = bc.ProgressBar(20, stream=sink)
+    for i in range(20):
+        bar.update(ok=i != 3)
+    lines = sink.text.splitlines()
+    assert len(lines) == 10 and lines[-1].startswith("[" + "#" * 30 + "] 20/20 failed 1")
+    metrics = 'x 1\nllm_serving_running_batch_size{m="a"} 3\nllm_serving_running_batch_size_max 9\n'
+    assert bc.parse_gauge(metrics, "llm_serving_running_batch_size") == 3.0
+    assert bc.parse_gauge("x 1\n", "llm_serving_running_batch_size") is None
+
+
+def test_png_encoder_round_trips_and_text_draws():
+    rng = np.random.default_rng(0)
+    px = rng.integers(0, 256, (7, 5, 3), dtype=np.uint8)
+    assert np.array_equal(decode_png(bench_report.encode_png(px)), px)
+    c = bench_report.Canvas(60, 20)
+    c.text(1, 1, "1.5", scale=1)
+    ink = (c.px == 0).all(axis=2)
+    assert np.array_equal(ink[1:8, 1:6], bench_report._FONT["1"]) and ink[1:8, 13:18].any()
+    with pytest.raises(ValueError, match="uint8"):
+        bench_report.encode_png(px.astype(np.int32))
+
+
+# ------------------------------------------------------------------------------------------- workload
+def test_workload_deterministic_and_alpaca_shaped(tmp_path):
+    spec = WorkloadSpec(num=300, seed=1)
+    a, b = make_workload(spec), make_workload(spec)
+    assert a == b and a != make_workload(WorkloadSpec(num=300, seed=2))
+    assert all(set(r) == {"instruction", "input", "output"} and all(isinstance(v, str) and v or k == "input"
+                                                                   for k, v in r.items()) for r in a)
+    assert 0.3 < sum(bool(r["input"]) for r in a) / len(a) < 0.5
+    words = np.array([len(r["output"].split()) for r in a])
+    assert 25 <= np.median(words) <= 60 and words.max() <= 400 and words.min() >= 3
+    assert np.percentile(words, 95) > 2.5 * np.median(words)  # long tail
+    out = tmp_path / "alpaca_5010.json"
+    assert workload_main(["-o", str(out), "-n", "20", "--seed", "1"]) == 0
+    assert bc.load_dataset(out) == make_workload(WorkloadSpec(num=20, seed=1))
+    with pytest.raises(WorkloadError, match="num"):
+        WorkloadSpec(num=0)
+    with pytest.raises(WorkloadError, match="length distribution"):
+        LengthDist(10, 0.5, 5, 2)
