@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -307,6 +310,26 @@ def test_tokenizer_counts_max_new_tokens(tmp_path, server):
     expect = [len(tok.encode(r["output"], add_bos=False)) for r in records]
     assert [r["max_new_tokens"] for r in results] == expect
     assert [r["prompt_tokens"] for r in results] == [len(tok.encode(bc.contest_prompt(r))) for r in records]
+
+
+def test_wait_ready(server):
+    asyncio.run(bc.wait_ready(bc.BenchConfig(port=server.port), 2.0))
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    with pytest.raises(bc.BenchError, match=f"127.0.0.1:{free} not ready after 0.3s"):
+        asyncio.run(bc.wait_ready(bc.BenchConfig(port=free), 0.3))
+
+
+def test_scripts_run_from_any_directory(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    made = subprocess.run([sys.executable, str(root / "scripts" / "make_workload.py"), "-n", "5"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert made.returncode == 0, made.stderr
+    assert len(bc.load_dataset(tmp_path / "alpaca_5010.json")) == 5  # the contest's default file name
+    helped = subprocess.run([sys.executable, str(root / "scripts" / "test_serving_performance.py"), "--help"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    assert helped.returncode == 0 and "--dataset_path" in helped.stdout and "--max-concurrency" in helped.stdout
 
 
 # ------------------------------------------------------------------------------------- arrival process
