@@ -12,8 +12,10 @@ endpoints, a time-bounded run (per-request timeout), metrics and plots (see ``ll
 Token counts: with ``--tokenizer`` the served sentencepiece model counts prompt tokens (with ``<s>``) and
 ``max_new_tokens`` (reference output, without ``<s>``, like the contest's ``tokenizer.tokenize``). Without it
 both are estimated as ``ceil(words * --tokens-per-word)`` over whitespace-separated words (1.3 suits
-English with a Llama-2 vocabulary). Generated-token counts come from the server when it reports them
-(``generated_tokens``, stream ``details``, OpenAI ``usage``), else one per streamed chunk.
+English with a Llama-2 vocabulary). The server's own counts replace these when it reports them
+(``generated_tokens``/``prompt_tokens`` of ``generate``, stream ``details``, OpenAI ``usage``, which is
+requested with ``stream_options.include_usage``); otherwise a stream counts one token per line (per line
+with ``tokens`` info when the server sends it) or per OpenAI chunk with text.
 """
 
 from __future__ import annotations
@@ -235,7 +237,7 @@ class BenchConfig:
     def body(self, req: BenchRequest) -> dict[str, Any]:
         if self.endpoint == "openai":
             return {"model": self.model_name, "prompt": req.prompt, "max_tokens": req.max_new_tokens,
-                    "temperature": 0.0, "stream": True}
+                    "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
         params = {"max_new_tokens": req.max_new_tokens, "do_sample": "False",
                   "return_full_text": "True" if self.return_full_text else "False"}
         return {"inputs": req.prompt, "parameters": params, "stream": self.endpoint == "stream"}
@@ -279,6 +281,7 @@ def _json_frame(line: str) -> dict[str, Any] | None:
 async def _read_stream(resp: aiohttp.ClientResponse, res: RequestResult, cfg: BenchConfig,
                        now: Callable[[], float]) -> None:
     texts: list[str] = []
+    has_token: list[bool] = []  # whether the line carried token info (a text-only flush line does not)
     server_count = None
     async for t, line in _lines(resp, now):
         obj = _json_frame(line)
@@ -290,6 +293,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, res: RequestResult, cfg: Be
         except (KeyError, IndexError, TypeError):
             raise _ServerError(f"stream line lacks data[0].generated_text: {line[:80]!r}") from None
         res.chunk_times.append(t)
+        has_token.append(bool(item.get("tokens")))
         details = item.get("details")
         if isinstance(details, dict):
             server_count = details.get("generated_tokens", server_count)
@@ -302,8 +306,12 @@ async def _read_stream(resp: aiohttp.ClientResponse, res: RequestResult, cfg: Be
         if res.full_text_checked:
             texts.pop()
             res.chunk_times.pop()
+            has_token.pop()
     res.text = "".join(texts)
-    res.output_tokens = int(server_count) if server_count else len(res.chunk_times)
+    if server_count:
+        res.output_tokens = int(server_count)
+    else:  # one line per token; count only token lines when the server says which those are
+        res.output_tokens = sum(has_token) if any(has_token) else len(res.chunk_times)
 
 
 async def _read_openai(resp: aiohttp.ClientResponse, res: RequestResult, now: Callable[[], float]) -> None:
@@ -320,6 +328,7 @@ async def _read_openai(resp: aiohttp.ClientResponse, res: RequestResult, now: Ca
         usage = obj.get("usage") if obj else None
         if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
             usage_tokens = int(usage["completion_tokens"])
+            res.prompt_tokens = int(usage.get("prompt_tokens", res.prompt_tokens))
         choices = obj.get("choices") if obj else None
         if not choices:
             continue
@@ -346,6 +355,8 @@ async def _read_full(resp: aiohttp.ClientResponse, res: RequestResult, now: Call
     res.chunk_times.append(now())  # the whole answer arrives at once: TTFT = E2E
     res.finish_reason = obj.get("finish_reason")
     count = obj.get("generated_tokens")
+    if isinstance(obj.get("prompt_tokens"), int):  # the server's own count beats our estimate
+        res.prompt_tokens = obj["prompt_tokens"]
     if count is None and isinstance(obj.get("tokens"), list):
         count = len(obj["tokens"])
     res.output_tokens = int(count) if count is not None else 1

@@ -38,6 +38,7 @@ class FakeServer:
         self.arrivals: list[float] = []
         self.running = 0
         self.max_running = 0
+        self.send_usage = True  # honour OpenAI stream_options.include_usage
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -100,6 +101,10 @@ class FakeServer:
             line = {"event": "message", "retry": 30000,
                     "data": [{"generated_text": piece, "tokens": {"id": i, "text": piece}, "details": None}]}
             await resp.write(json.dumps(line).encode() + b"\n")
+            if "FLUSH" in prompt and i == n - 1:  # text released at the end, no token of its own
+                texts.append("!")
+                line["data"][0].update(generated_text="!", tokens=None)
+                await resp.write(json.dumps(line).encode() + b"\n")
             if "BADLINE" in prompt:
                 await resp.write(b'{"error": "agent crashed", "error_type": "internal"}\n')
                 break
@@ -117,20 +122,24 @@ class FakeServer:
         _, n, _ = admitted
         pieces = [p async for _, p in self._tokens(n)]
         return web.json_response({"generated_text": "".join(pieces), "finish_reason": "length",
-                                  "generated_tokens": n, "tokens": []})
+                                  "generated_tokens": n, "prompt_tokens": 17, "tokens": []})
 
     async def openai(self, request: web.Request) -> web.StreamResponse:
         admitted = await self._admit(request)
         if isinstance(admitted, web.Response):
             return admitted
-        _, n, _ = admitted
+        _, n, body = admitted
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         async for _, piece in self._tokens(n):
             chunk = {"object": "text_completion", "choices": [{"index": 0, "text": piece, "finish_reason": None}]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         last = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
-        await resp.write(f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode())
+        await resp.write(f"data: {json.dumps(last)}\n\n".encode())
+        if self.send_usage and body.get("stream_options", {}).get("include_usage"):
+            usage = {"choices": [], "usage": {"prompt_tokens": 42, "completion_tokens": n, "total_tokens": n + 42}}
+            await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
@@ -243,12 +252,20 @@ def test_no_full_text_and_concurrency_cap_and_server_gauge(tmp_path, server):
     assert 3 * one <= m["total_time_s"] < 3 * one + 0.25
 
 
+def test_stream_counts_token_lines_only(tmp_path, server):
+    dataset = write_dataset(tmp_path / "d.json", [4], ["FLUSH"])
+    rc, m, results = run_cli(tmp_path, server, dataset, "-X", "inf", "--num-prompts", "1", "--no-plots")
+    assert rc == 0 and results[0]["resp_text"] == " w0 w1 w2 w3!" and results[0]["full_text_checked"]
+    assert results[0]["output_tokens"] == 4 and m["total_output_tokens"] == 4
+
+
 def test_full_endpoint(tmp_path, server):
     dataset = write_dataset(tmp_path / "d.json", [4, 7])
     rc, m, results = run_cli(tmp_path, server, dataset, "-X", "inf", "--num-prompts", "2", "--endpoint", "full")
     assert rc == 0
     assert all(b["stream"] is False for b in server.bodies)
     assert [r["output_tokens"] for r in results] == [4, 7]
+    assert m["total_input_tokens"] == 2 * 17  # the server's prompt_tokens, not the client's estimate
     assert all(r["first_token_time"] == r["res_time"] and r["tpot"] is None for r in results)
     assert m["mean_tpot_ms"] is None and m["mean_itl_ms"] is None
     assert m["mean_e2el_ms"] / 1000 >= TTFT + 5 * ITL * 0.8
@@ -260,9 +277,15 @@ def test_openai_endpoint(tmp_path, server):
                              "openai", "--model-name", "tiny")
     assert rc == 0
     assert all(b["model"] == "tiny" and b["stream"] is True and b["temperature"] == 0 for b in server.bodies)
-    assert [r["output_tokens"] for r in results] == [5, 2, 9]  # the closing finish_reason chunk is no token
+    assert [r["output_tokens"] for r in results] == [5, 2, 9]
+    assert m["total_input_tokens"] == 3 * 42  # from usage
     assert results[1]["resp_text"] == " w0 w1" and results[1]["finish_reason"] == "length"
     assert TTFT <= m["mean_ttft_ms"] / 1000 < TTFT + 0.06
+    server.send_usage = False  # then one token per chunk with text; the closing finish_reason chunk is none
+    rc, m, results = run_cli(tmp_path, server, dataset, "-X", "inf", "--num-prompts", "3", "--endpoint",
+                             "openai", "--no-plots")
+    assert rc == 0 and [r["output_tokens"] for r in results] == [5, 2, 9]
+    assert m["total_input_tokens"] == sum(r["prompt_tokens"] for r in results) != 3 * 42
 
 
 def test_failures_are_counted_not_fatal(tmp_path, server):
