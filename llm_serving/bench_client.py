@@ -362,6 +362,21 @@ async def _read_full(resp: aiohttp.ClientResponse, res: RequestResult, now: Call
     res.output_tokens = int(count) if count is not None else 1
 
 
+def _http_error(status: int, body: str) -> str:
+    """``HTTP <status> <error_type>: <message>`` from either error shape of the API, else the raw body."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict) and "error" in obj:
+        message, kind = obj["error"], obj.get("error_type")
+        if isinstance(message, dict):  # OpenAI shape
+            kind = kind or message.get("type")
+            message = message.get("message", message)
+        return f"HTTP {status} {kind}: {message}" if kind else f"HTTP {status}: {message}"
+    return f"HTTP {status}: {body[:200]}".replace("\n", " ")
+
+
 async def send_request(session: aiohttp.ClientSession, cfg: BenchConfig, req: BenchRequest,
                        now: Callable[[], float]) -> RequestResult:
     """Send one request and time it; never raises (failures are recorded in the result)."""
@@ -371,8 +386,7 @@ async def send_request(session: aiohttp.ClientSession, cfg: BenchConfig, req: Be
     try:
         async with session.post(cfg.url(), json=cfg.body(req)) as resp:
             if resp.status != 200:
-                body = (await resp.text())[:200].replace("\n", " ")
-                raise _ServerError(f"HTTP {resp.status}: {body}")
+                raise _ServerError(_http_error(resp.status, await resp.text()))
             if cfg.endpoint == "stream":
                 await _read_stream(resp, res, cfg, now)
             elif cfg.endpoint == "openai":
@@ -547,9 +561,18 @@ def save_run(run: BenchRun, out_dir: str | Path, settings: dict[str, Any], plots
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
+DESCRIPTION = ("Load-test an llm-serving (or OpenAI-compatible) server the way the contest's "
+               "test_serving_performance.py does, with vLLM-style metrics.")
+
+
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Load-test an llm-serving (or OpenAI-compatible) server "
-                                "the way the contest's test_serving_performance.py does, with vLLM-style metrics.")
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The tool's flags, for its own parser or an ``llm-serving bench`` subparser."""
     p.add_argument("-X", "--qps", type=float, default=1.0, help="mean request rate in req/s; inf = all at once")
     p.add_argument("-P", "--port", type=int, default=DEFAULT_PORT, help="server port (%(default)s)")
     p.add_argument("-O", "--out_dir", "--out-dir", dest="out_dir", default="bench_results",
@@ -581,7 +604,6 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--wait-ready", type=float, default=0.0, help="wait up to this many s for GET /health")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    return p
 
 
 def _num_prompts(args: argparse.Namespace) -> int:
@@ -598,7 +620,11 @@ def _num_prompts(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     """Run the load test; exit 0 if every request succeeded, 1 if some failed, 2 if it could not run."""
-    args = build_parser(prog).parse_args(argv)
+    return run_args(build_parser(prog).parse_args(argv), prog)
+
+
+def run_args(args: argparse.Namespace, prog: str = PROG) -> int:
+    """``main`` after parsing: the entry point for a subcommand that registered ``add_arguments``."""
     try:
         cfg = BenchConfig(host=args.host, port=args.port, endpoint=args.endpoint, model_name=args.model_name,
                           qps=args.qps, arrival=args.arrival, burstiness=args.burstiness,

@@ -79,10 +79,11 @@ def compute_metrics(results: Sequence[RequestResult], duration: float,
     _, counts = in_flight(results)
     m["max_in_flight"] = int(counts.max()) if counts.size else 0
     m["max_server_running_batch"] = max((v for _, v in server_batch), default=None)
-    errors: dict[str, int] = {}
-    for r in failed:
-        errors[r.error] = errors.get(r.error, 0) + 1
-    m["errors"] = dict(sorted(errors.items(), key=lambda kv: -kv[1])[:10])
+    errors: dict[str, dict[str, Any]] = {}
+    for r in failed:  # grouped by what precedes the first ":" (e.g. "HTTP 400 prompt_too_long")
+        group = errors.setdefault(r.error.split(":", 1)[0], {"count": 0, "example": r.error})
+        group["count"] += 1
+    m["errors"] = dict(sorted(errors.items(), key=lambda kv: -kv[1]["count"])[:10])
     return m
 
 
@@ -123,7 +124,7 @@ def format_console(m: dict[str, Any]) -> str:
         lines += [f"{f'{stat} {_SHORT[key]} (ms):':<44}{_fmt(m[f'{pre}_{key}_ms']):>16}" for stat, pre in _STATS]
     if m["errors"]:
         lines.append("{:-^60}".format("Errors"))
-        lines += [f"{n:>5} x {err}"[:200] for err, n in m["errors"].items()]
+        lines += [f"{e['count']:>5} x {e['example']}"[:200] for e in m["errors"].values()]
     lines.append("=" * 60)
     return "\n".join(lines)
 
@@ -139,7 +140,8 @@ def markdown_report(m: dict[str, Any], settings: dict[str, Any], plots: Sequence
         cells = " | ".join(_fmt(m[f"{pre}_{key}_ms"]) for _, pre in _STATS)
         out.append(f"| {title} ({_SHORT[key]}) | {cells} |")
     if m["errors"]:
-        out += ["", "## Failures", ""] + [f"- {n} x `{err}`" for err, n in m["errors"].items()]
+        out += ["", "## Failures", ""] + [f"- {e['count']} x {group}, e.g. `{e['example']}`"
+                                          for group, e in m["errors"].items()]
     if plots:
         out += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     return "\n".join(out) + "\n"

@@ -163,6 +163,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--input-fraction", type=float, default=d.input_fraction,
                    help="share of records with a non-empty input (%(default)s)")
     p.add_argument("--input-words-median", type=float, default=d.input_words.median)
+    p.add_argument("--input-words-sigma", type=float, default=d.input_words.sigma)
+    p.add_argument("--max-input-words", type=int, default=d.input_words.hi,
+                   help="cap on input words; keep prompts within the server's seq_length (%(default)s)")
     p.add_argument("--output-words-median", type=float, default=d.output_words.median)
     p.add_argument("--output-words-sigma", type=float, default=d.output_words.sigma,
                    help="sigma of log(output words); larger = longer tail (%(default)s)")
@@ -179,8 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             num=args.num,
             seed=args.seed,
             input_fraction=args.input_fraction,
-            input_words=LengthDist(args.input_words_median, d.input_words.sigma, d.input_words.lo,
-                                   d.input_words.hi),
+            input_words=LengthDist(args.input_words_median, args.input_words_sigma, d.input_words.lo,
+                                   args.max_input_words),
             output_words=LengthDist(args.output_words_median, args.output_words_sigma, args.min_output_words,
                                     args.max_output_words),
         )

@@ -296,9 +296,10 @@ def test_failures_are_counted_not_fatal(tmp_path, server):
     assert m["successful_requests"] == 3 and m["failed_requests"] == 3
     assert m["total_output_tokens"] == 9  # failed requests contribute nothing
     by_prompt = {r["input"].split(":")[0]: r for r in results}
-    assert by_prompt["FAIL b"]["error"].startswith("HTTP 500") and by_prompt["FAIL b"]["res_time"] is None
+    assert by_prompt["FAIL b"]["error"] == "HTTP 500 internal: injected failure"
+    assert by_prompt["FAIL b"]["res_time"] is None
     assert "agent crashed" in by_prompt["BADLINE d"]["error"]
-    assert sum(m["errors"].values()) == 3
+    assert m["errors"]["HTTP 500 internal"]["count"] == 2 and m["errors"]["server error in stream"]["count"] == 1
 
 
 def test_request_timeout_bounds_the_run(tmp_path, server):
@@ -451,6 +452,9 @@ def test_workload_deterministic_and_alpaca_shaped(tmp_path):
     out = tmp_path / "alpaca_5010.json"
     assert workload_main(["-o", str(out), "-n", "20", "--seed", "1"]) == 0
     assert bc.load_dataset(out) == make_workload(WorkloadSpec(num=20, seed=1))
+    assert workload_main(["-o", str(out), "-n", "100", "--max-input-words", "10", "--max-output-words", "50"]) == 0
+    capped = bc.load_dataset(out)
+    assert max(len(r["input"].split()) for r in capped) == 10 and max(len(r["output"].split()) for r in capped) == 50
     with pytest.raises(WorkloadError, match="num"):
         WorkloadSpec(num=0)
     with pytest.raises(WorkloadError, match="length distribution"):
