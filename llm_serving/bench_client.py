@@ -12,8 +12,7 @@ endpoints, a time-bounded run (per-request timeout), metrics and plots (see ``ll
 Token counts: with ``--tokenizer`` the served sentencepiece model counts prompt tokens (with ``<s>``) and
 ``max_new_tokens`` (reference output, without ``<s>``, like the contest's ``tokenizer.tokenize``). Without it
 both are estimated as ``ceil(words * --tokens-per-word)`` over whitespace-separated words, +1 for ``<s>`` on
-prompts (1.3 suits
-English with a Llama-2 vocabulary). The server's own counts replace these when it reports them
+prompts (1.3 suits English with a Llama-2 vocabulary). The server's own counts replace these when it reports them
 (``generated_tokens``/``prompt_tokens`` of ``generate``, stream ``details``, OpenAI ``usage``, which is
 requested with ``stream_options.include_usage``); otherwise a stream counts one token per line (per line
 with ``tokens`` info when the server sends it) or per OpenAI chunk with text.
