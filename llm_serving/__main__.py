@@ -1,0 +1,7 @@
+"""``python -m llm_serving`` is the ``llm-serving`` command."""
+
+import sys
+
+from llm_serving.cli import main
+
+sys.exit(main())

@@ -1,0 +1,147 @@
+"""The ``llm-serving`` command line (also ``python -m llm_serving``).
+
+Subcommands are ``Command`` entries in ``COMMANDS``: a name, a help line, a function that adds its
+arguments and one that runs it and returns the exit status. ``generate`` lives here; ``serve`` and ``bench``
+are added by appending their ``Command`` (from their own modules, imported lazily in ``_commands``).
+Heavy modules are imported inside the run functions so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+class CliError(Exception):
+    """A user mistake worth one line on stderr and exit status 2 (not a traceback)."""
+
+
+# ---- shared options ---------------------------------------------------------------------------------------
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """--config/--model and the launch overrides shared by generate, serve and bench."""
+    p.add_argument("--config", metavar="YAML", help="launch configuration (default: built-in defaults, "
+                   "which serve the embedded default model)")
+    p.add_argument("--model", metavar="PATH", help="model directory or checkpoint (overrides "
+                   "model_config.model_path)")
+    p.add_argument("--decode-batch-size", type=int, metavar="B", help="largest decode batch (one bucket)")
+    p.add_argument("--prefill-batch-size", type=int, metavar="P", help="largest prefill batch (one bucket)")
+    p.add_argument("--policy", choices=("fcfs", "longest_output_first"), help="admission order")
+    p.add_argument("--agents", type=int, metavar="K", help="number of agent processes (ranks)")
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    from llm_serving.config import ServingConfig
+
+    cfg = ServingConfig.from_yaml(args.config) if args.config else ServingConfig()
+    return cfg.with_overrides(model_path=args.model, policy=args.policy, decode_batch_size=args.decode_batch_size,
+                              prefill_batch_size=args.prefill_batch_size, num_agents=args.agents)
+
+
+# ---- generate ---------------------------------------------------------------------------------------------
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    p.add_argument("--prompts", required=True, metavar="FILE.json",
+                   help='JSON list of prompts: strings, token-id lists or {"prompt": "..."} objects')
+    p.add_argument("--max-new-tokens", type=int, required=True, metavar="N", help="tokens to generate per prompt")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument("--standin-agents", action="store_true", help=argparse.SUPPRESS)  # tests: no MindSpore
+
+
+def read_prompts(path: str) -> list[str | list[int]]:
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CliError(f"--prompts: {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CliError(f"--prompts: cannot read {path} as JSON: {exc}") from None
+    if not isinstance(raw, list) or not raw:
+        raise CliError(f"--prompts: {path} must hold a non-empty JSON list of prompts")
+    prompts: list[str | list[int]] = []
+    for i, item in enumerate(raw):
+        if isinstance(item, dict):
+            item = item.get("prompt")
+        if isinstance(item, str) or (isinstance(item, list) and item
+                                     and all(isinstance(t, int) and not isinstance(t, bool) for t in item)):
+            prompts.append(item)
+        else:
+            raise CliError(f"--prompts: item {i} of {path} is not a string, a list of token ids or "
+                           f'{{"prompt": "..."}}')
+    return prompts
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from llm_serving.llm import LLM
+
+    prompts = read_prompts(args.prompts)
+    if args.max_new_tokens < 1:
+        raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    with LLM(config_from_args(args), standin_agents=args.standin_agents) as llm:
+        results = llm.generate(prompts, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
+        for prompt, res in zip(prompts, results):
+            line = {"prompt": prompt if isinstance(prompt, str) else None, "prompt_ids": res.prompt_ids,
+                    "token_ids": res.token_ids, "logprobs": res.logprobs,
+                    "text": llm.tokenizer.decode(res.token_ids)}
+            print(json.dumps(line, ensure_ascii=False), flush=True)
+    return 0
+
+
+COMMANDS: list[Command] = [
+    Command("generate", "greedy generation for a file of prompts through the whole engine (JSON lines out)",
+            _generate_arguments, _run_generate),
+]
+
+
+def _commands() -> list[Command]:
+    """Built-in commands plus those defined in other modules (serve, bench), when present."""
+    import importlib
+
+    found = list(COMMANDS)
+    for module in ("llm_serving.serve_cli", "llm_serving.bench_cli"):  # each defines COMMAND: Command
+        try:
+            found.append(importlib.import_module(module).COMMAND)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from llm_serving.agent_pool import AgentError
+    from llm_serving.config import ConfigError
+    from llm_serving.request_stream import EngineError
+    from llm_serving.scheduler import RequestRejected
+
+    parser = argparse.ArgumentParser(prog="llm-serving", description="Continuous-batching LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    handlers = {}
+    for cmd in _commands():
+        cmd.add_arguments(sub.add_parser(cmd.name, help=cmd.help, description=cmd.help))
+        handlers[cmd.name] = cmd.run
+    args = parser.parse_args(argv)
+    try:
+        return handlers[args.command](args)
+    except (CliError, ConfigError, RequestRejected) as exc:
+        print(f"llm-serving {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except (EngineError, AgentError) as exc:  # agents failed to start or died
+        print(f"llm-serving {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,394 @@
+"""The engine: the scheduler and the agent pool driven by one loop thread, with a stream per request.
+
+One step is in flight at a time: the loop thread takes the engine lock to ``schedule()`` a step, releases
+it while the agents run the step, and takes it again to ``postprocess()`` the answer and hand each new token
+to its request's stream. ``submit`` and ``abort`` take the same lock from any thread, so new requests join
+between steps (continuous batching) and an abort frees the request's KV blocks at once; a request aborted
+while its step is in flight drops that step's token and is never scheduled again.
+
+If a step fails (an agent died, a broken answer), every in-flight and queued request gets ``EngineError``,
+the pool is closed (its shared memory unlinked) and the engine stays not ready; a new Engine can be started.
+While idle the loop checks that the agents are still alive, so ``ready`` turns False without traffic too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agents.model_config import LlamaConfig, ModelConfigError
+from llm_serving.agent_pool import AgentPool, AgentSpec, AgentStepError
+from llm_serving.config import ConfigError, ServingConfig
+from llm_serving.default_model import ensure_default_model
+from llm_serving.request_stream import (
+    NO_TOKEN,
+    EngineError,
+    GenerationResult,
+    QueueFull,
+    RequestStream,
+    TokenEvent,
+)
+from llm_serving.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from llm_serving.sequence import SamplingParams, Sequence, SequenceStatus
+from llm_serving.tokenizer import Tokenizer
+
+__all__ = ["Engine", "EngineError", "GenerationResult", "ModelFiles", "QueueFull", "RequestRejected",
+           "RequestStream", "SamplingParams", "TokenEvent", "agent_spec_fields", "resolve_model",
+           "runner_config_dict", "scheduler_config"]
+
+if TYPE_CHECKING:
+    from typing import Self
+
+log = logging.getLogger(__name__)
+
+IDLE_CHECK_S = 0.5  # while idle, how often the loop checks that the agents are alive
+SHUTDOWN_JOIN_S = 30.0  # shutdown waits this long for the step in flight before stopping the agents
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """What the agents load and the master tokenizes with."""
+
+    model_path: Path  # HF/converted model directory or checkpoint file
+    llama_config: LlamaConfig
+    tokenizer_path: Path
+
+
+# ---- configuration mapping --------------------------------------------------------------------------------
+def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None = None) -> ModelFiles:
+    """The model to serve: ``model_config.model_path``, or the embedded default model (built if needed)."""
+    src = config.source
+    if config.uses_default_model:
+        path = ensure_default_model(config.default_model, config.max_model_len, progress)
+        config_dir = path
+    else:
+        path = Path(config.model_config.model_path)
+        if not path.exists():
+            raise ConfigError(f"{src}: model_config.model_path: {path} does not exist",
+                              key="model_config.model_path", source=src)
+        config_dir = path if path.is_dir() else path.parent
+    try:
+        llama = LlamaConfig.from_model_dir(config_dir)
+    except (ModelConfigError, ValueError) as exc:
+        raise ConfigError(f"{src}: model_config.model_path: {exc}", key="model_config.model_path",
+                          source=src) from None
+    want_vocab = config.model_config.vocab_size
+    if want_vocab is not None and want_vocab != llama.vocab_size:
+        raise ConfigError(f"{src}: model_config.vocab_size: {want_vocab} does not match the model's "
+                          f"vocab_size {llama.vocab_size} ({config_dir / 'config.json'})",
+                          key="model_config.vocab_size", source=src)
+    vocab_file = config.vocab_file
+    tokenizer_path = Path(vocab_file) if vocab_file is not None else path / "tokenizer.model"
+    if not tokenizer_path.is_file():
+        raise ConfigError(f"{src}: tokenizer.vocab_file: no tokenizer model at {tokenizer_path}",
+                          key="tokenizer.vocab_file", source=src)
+    return ModelFiles(path, llama, tokenizer_path)
+
+
+def scheduler_config(config: ServingConfig, eos_token_id: int | None) -> SchedulerConfig:
+    m, pa, sc = config.model_config, config.pa_config, config.scheduler
+    return SchedulerConfig(
+        num_blocks=pa.num_blocks, block_size=pa.block_size,
+        max_num_seqs=m.decode_batch_size[-1], max_prefill_batch=m.prefill_batch_size[-1],
+        max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
+        eos_token_id=eos_token_id, policy=sc.policy, max_wait_s=sc.max_wait_s,
+        min_decode_steps_between_prefills=sc.min_decode_steps_between_prefills,
+        max_prompt_len=config.max_prompt_len,
+    )
+
+
+def runner_config_dict(config: ServingConfig) -> dict[str, Any]:
+    """``agents.runner.RunnerConfig`` fields (JSON-able); the runner adds a 1 x max_model_len recompute shape."""
+    m, pa = config.model_config, config.pa_config
+    return {
+        "num_blocks": pa.num_blocks, "block_size": pa.block_size, "max_model_len": config.max_model_len,
+        "prefill_batch_sizes": list(m.prefill_batch_size), "prefill_seq_lengths": list(m.seq_length),
+        "decode_batch_sizes": list(m.decode_batch_size), "dtype": m.dtype,
+    }
+
+
+def agent_spec_fields(config: ServingConfig, model: ModelFiles, standin: bool = False) -> dict[str, Any]:
+    """Keyword arguments of ``AgentSpec`` for this configuration (shared-memory capacities included)."""
+    m, pa = config.model_config, config.pa_config
+    return {
+        "kind": "standin" if standin else "llama",
+        "model_path": str(model.model_path),
+        "llama_config": dataclasses.asdict(model.llama_config),
+        "runner_config": runner_config_dict(config),
+        "max_tokens": max(config.max_num_batched_tokens, m.decode_batch_size[-1]),
+        "max_batch": max(m.prefill_batch_size[-1], m.decode_batch_size[-1]),
+        "max_blocks_per_seq": -(-config.max_model_len // pa.block_size),
+        "start_device_id": config.serving_config.start_device_id,
+    }
+
+
+def _default_pool_factory(fields: dict[str, Any], num_agents: int) -> AgentPool:
+    return AgentPool(AgentSpec(**fields), num_agents=num_agents)
+
+
+# ---- the engine -------------------------------------------------------------------------------------------
+class Engine:
+    """See the module docstring. ``pool_factory(spec_fields, num_agents)`` lets tests supply a pool."""
+
+    def __init__(self, config: ServingConfig, standin_agents: bool = False,
+                 pool_factory: Callable[[dict[str, Any], int], Any] | None = None) -> None:
+        self.config = config
+        self.standin_agents = standin_agents
+        self.ready = False
+        self.tokenizer: Tokenizer | None = None
+        self.model: ModelFiles | None = None
+        self.eos_token_id: int | None = None
+        self._pool_factory = pool_factory or _default_pool_factory
+        self._pool: Any = None
+        self._scheduler: Scheduler | None = None
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._streams: dict[str, RequestStream] = {}
+        self._thread: threading.Thread | None = None
+        self._started = self._stopping = False
+        self._error: EngineError | None = None
+        self._ids = itertools.count()
+        self._counters = dict.fromkeys(
+            ("steps", "prefill_steps", "decode_steps", "tokens_generated", "requests_finished",
+             "requests_aborted"), 0)
+        self._run_step_s = self._busy_s = 0.0
+
+    @classmethod
+    def from_config(cls, config: ServingConfig, standin_agents: bool = False) -> Engine:
+        return cls(config, standin_agents=standin_agents)
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+    def start(self, progress: Callable[[str], None] | None = print) -> None:
+        """Prepare the model, start the agents (waits for their warm-up) and the loop thread."""
+        if self._started:
+            raise RuntimeError("Engine.start: an engine starts once; create a new Engine to restart")
+        self._started = True
+        cfg = self.config
+        for note in cfg.notes:
+            if progress:
+                progress(f"config note: {note}")
+        self.model = resolve_model(cfg, progress)
+        self.tokenizer = Tokenizer(self.model.tokenizer_path)
+        if self.tokenizer.vocab_size > self.model.llama_config.vocab_size:
+            raise ConfigError(f"{cfg.source}: tokenizer {self.model.tokenizer_path} has {self.tokenizer.vocab_size} "
+                              f"pieces, more than the model's vocab_size {self.model.llama_config.vocab_size}",
+                              key="tokenizer.vocab_file", source=cfg.source)
+        end = cfg.model_config.end_token
+        self.eos_token_id = end if end is not None else self.model.llama_config.eos_token_id
+        self._scheduler = Scheduler(scheduler_config(cfg, self.eos_token_id))
+        pool = self._pool_factory(agent_spec_fields(cfg, self.model, self.standin_agents), cfg.num_agents)
+        pool.start(progress)  # raises (after cleaning up) when an agent cannot start
+        self._pool = pool
+        self.ready = True
+        self._thread = threading.Thread(target=self._loop, name="llm-serving-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Abort every request left, stop the loop and the agents (shared memory unlinked). Idempotent."""
+        with self._lock:
+            self.ready = False
+            self._stopping = True
+            self._work.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(SHUTDOWN_JOIN_S)
+            if thread.is_alive() and self._pool is not None:
+                self._pool.close()  # a step that does not come back: stopping the agents ends it
+                thread.join()
+        with self._lock:
+            for rid in list(self._streams):
+                self._finish_locked(rid, "abort")
+        if self._pool is not None:
+            self._pool.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
+               request_id: str | None = None) -> RequestStream:
+        """Queue a request. Raises RequestRejected (bad request), QueueFull, or EngineError (not running)."""
+        params = params if params is not None else SamplingParams()
+        self._check_ready()
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            text, ids = prompt, tok.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+            vocab = self.model.llama_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestRejected(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
+        limit = self.config.model_config.max_generate_length
+        if params.max_new_tokens > limit:
+            raise RequestRejected(f"max_new_tokens {params.max_new_tokens} exceeds "
+                                  f"model_config.max_generate_length {limit}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        stream = RequestStream(rid, text, ids, tok, self.abort)
+        with self._lock:
+            self._check_ready()
+            if self._scheduler.num_waiting >= self.config.serving_config.max_queue_size:
+                raise QueueFull(f"{self._scheduler.num_waiting} requests are waiting "
+                                f"(serving_config.max_queue_size {self.config.serving_config.max_queue_size})")
+            self._scheduler.add(Sequence(rid, ids, params))
+            self._streams[rid] = stream
+            self._work.notify()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request from any thread; False if it already ended."""
+        return self.finish(request_id, "abort")
+
+    def finish(self, request_id: str, reason: str = "stop") -> bool:
+        """End a request now with ``reason`` (e.g. "stop" when a stop string appeared); frees its blocks."""
+        with self._lock:
+            return self._finish_locked(request_id, reason)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            s = self._scheduler
+            out: dict[str, Any] = {"ready": self.ready, "num_agents": self.config.num_agents}
+            if s is not None:
+                out.update(num_waiting=s.num_waiting, num_running=s.num_running,
+                           kv_blocks_total=s.block_manager.num_usable_blocks, kv_blocks_used=s.num_used_blocks,
+                           kv_blocks_free=s.num_free_blocks, kv_usage=s.block_usage,
+                           num_preemptions=s.num_preemptions)
+            out.update(self._counters, run_step_s=self._run_step_s, busy_s=self._busy_s)
+            return out
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        sched, pool, counters = self._scheduler, self._pool, self._counters
+        try:
+            while True:
+                with self._lock:
+                    t0 = time.perf_counter()
+                    step = None if self._stopping else sched.schedule()
+                    while step is None:
+                        if self._stopping:
+                            return
+                        self._work.wait(IDLE_CHECK_S)
+                        if not self._stopping and not pool.alive:
+                            raise EngineError("an agent process exited while the engine was idle")
+                        t0 = time.perf_counter()
+                        step = None if self._stopping else sched.schedule()
+                seqs, batch = step
+                t1 = time.perf_counter()
+                try:
+                    output = pool.run_step(batch)
+                except AgentStepError as exc:
+                    self._fail_step(seqs, exc)  # the agents are fine; only this step's requests fail
+                    continue
+                t2 = time.perf_counter()
+                with self._lock:
+                    sched.postprocess(seqs, output)
+                    self._deliver(seqs)
+                    counters["steps"] += 1
+                    counters["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
+                    self._run_step_s += t2 - t1
+                    self._busy_s += time.perf_counter() - t0
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting requests
+            self._fail(exc)
+
+    def _deliver(self, seqs: list[Sequence]) -> None:
+        """Hand each sequence's new token to its stream (under the lock); one wake-up per event loop."""
+        now, streams, running = time.monotonic(), self._streams, SequenceStatus.RUNNING
+        loops: dict[Any, list[RequestStream]] = {}
+        delivered = finished = 0
+        for seq in seqs:
+            if seq.status is running:
+                reason = None
+            else:
+                reason = seq.finish_reason
+                if reason != "eos" and reason != "length":
+                    continue  # aborted/stopped while the step was in flight: its stream already ended
+                finished += 1
+            stream = streams[seq.request_id] if reason is None else streams.pop(seq.request_id)
+            delivered += 1
+            loop = stream._push((seq.output_ids[-1], seq.output_logprobs[-1], reason, now))
+            if loop is not None:
+                loops.setdefault(loop, []).append(stream)
+        self._counters["tokens_generated"] += delivered
+        self._counters["requests_finished"] += finished
+        _wake_loops(loops)
+
+    def _finish_locked(self, request_id: str, reason: str) -> bool:
+        stream = self._streams.pop(request_id, None)
+        if self._scheduler is not None:
+            self._scheduler.finish_request(request_id, reason)
+        if stream is None:
+            return False
+        self._counters["requests_aborted"] += reason == "abort"
+        loop = stream._push((NO_TOKEN, 0.0, reason, time.monotonic()))
+        if loop is not None:
+            _wake_loops({loop: [stream]})
+        return True
+
+    def _fail_step(self, seqs: list[Sequence], exc: Exception) -> None:
+        """An agent could not run this step (e.g. a shape beyond its buckets): its requests end with an error."""
+        err = EngineError(f"the model step failed: {exc}")
+        err.__cause__ = exc
+        log.error("step failed for %d request(s): %s", len(seqs), exc)
+        with self._lock:
+            loops: dict[Any, list[RequestStream]] = {}
+            for seq in seqs:
+                stream = self._streams.pop(seq.request_id, None)
+                self._scheduler.finish_request(seq.request_id, "abort")
+                loop = stream._push(err) if stream is not None else None
+                if loop is not None:
+                    loops.setdefault(loop, []).append(stream)
+            _wake_loops(loops)
+
+    def _fail(self, exc: BaseException) -> None:
+        err = exc if isinstance(exc, EngineError) else EngineError(f"engine step failed: {exc}")
+        if err is not exc:
+            err.__cause__ = exc
+        with self._lock:
+            self.ready = False
+            self._error = err
+            loops: dict[Any, list[RequestStream]] = {}
+            for rid, stream in self._streams.items():
+                try:
+                    self._scheduler.finish_request(rid, "abort")  # frees the blocks; nothing runs any more
+                except Exception:
+                    log.debug("finish_request(%r) failed after an engine failure", rid, exc_info=True)
+                loop = stream._push(err)
+                if loop is not None:
+                    loops.setdefault(loop, []).append(stream)
+            self._streams.clear()
+            _wake_loops(loops)
+        try:
+            self._pool.close()
+        except Exception:
+            log.warning("closing the agent pool after an engine failure failed", exc_info=True)
+
+    def _check_ready(self) -> None:
+        if not self.ready:
+            if self._stopping:
+                raise EngineError("the engine was shut down; create a new Engine to serve again")
+            if self._error is not None:
+                raise EngineError(f"the engine has stopped: {self._error}")
+            raise EngineError("the engine is not running (call start(); after shutdown create a new Engine)")
+
+
+def _wake_loops(loops: dict[Any, list[RequestStream]]) -> None:
+    for loop, streams in loops.items():
+        try:
+            loop.call_soon_threadsafe(_wake_streams, streams)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is left to wake
+            pass
+
+
+def _wake_streams(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream._wake_async()

@@ -1,0 +1,546 @@
+"""The engine: config mapping, default-model cache, the step loop with stand-in agents (ordering, continuous
+batching, aborts, async cancellation, failures), and greedy results of a real tiny Llama on 2 agents against
+one-request-at-a-time runs and Hugging Face transformers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agents.model_config import LlamaConfig
+from llm_serving.agent_pool import AgentPool, AgentSpec, AgentStepError
+from llm_serving.batch import StepBatch, StepOutput
+from llm_serving.config import ConfigError, ServingConfig
+from llm_serving.default_model import default_model_dir, ensure_default_model
+from llm_serving.engine import (
+    Engine,
+    EngineError,
+    QueueFull,
+    RequestRejected,
+    agent_spec_fields,
+    resolve_model,
+    runner_config_dict,
+    scheduler_config,
+)
+from llm_serving.llm import LLM
+from llm_serving.request_stream import NO_TOKEN
+from llm_serving.scheduler import Scheduler, SchedulerConfig
+from llm_serving.sequence import SamplingParams, Sequence
+from llm_serving.shm_channel import NAME_PREFIX
+from llm_serving.tokenizer import Tokenizer
+
+VOCAB = 1000
+EOS = 2
+TINY_MODEL = {"hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+              "vocab_size": VOCAB, "seed": 3}
+
+
+def tiny_config(data_dir: Path, **sections) -> ServingConfig:
+    d = {"default_model": {"data_dir": str(data_dir), **TINY_MODEL},
+         "model_config": {"seq_length": [32], "prefill_batch_size": [4], "decode_batch_size": [32]},
+         "pa_config": {"num_blocks": 256, "block_size": 8, "decode_seq_length": 64},
+         "scheduler": {"policy": "fcfs"}}
+    for name, values in sections.items():
+        d.setdefault(name, {}).update(values)
+    return ServingConfig.from_dict(d)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("engine_models")
+
+
+def standin_expected(prompt: list[int], params: SamplingParams, vocab: int = VOCAB) -> tuple[list[int], str]:
+    """The stand-in agent's documented rule applied to a whole generation."""
+    tokens, out = list(prompt), []
+    while True:
+        t = (tokens[-1] * 31 + len(tokens)) % vocab
+        tokens.append(t)
+        out.append(t)
+        if t == EOS and not params.ignore_eos:
+            return out, "eos"
+        if len(out) >= params.max_new_tokens:
+            return out, "length"
+
+
+def standin_output(batch: StepBatch, vocab: int = VOCAB) -> StepOutput:
+    last = np.cumsum(batch.query_lens) - 1
+    tokens = (batch.input_ids[last].astype(np.int64) * 31 + batch.context_lens) % vocab
+    return StepOutput(tokens.astype(np.int32), np.full(batch.batch_size, -1.0, np.float32))
+
+
+def our_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(f"{NAME_PREFIX}{os.getpid()}_")}
+
+
+def wait_for(cond, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+class GatedPool:
+    """In-process stand-in pool whose steps the test releases one at a time (``step()``)."""
+
+    def __init__(self, fields: dict, num_agents: int) -> None:
+        self.vocab = fields["llama_config"]["vocab_size"]
+        self.alive = True
+        self.batches: list[StepBatch] = []
+        self.entered = threading.Semaphore(0)
+        self.gate = threading.Semaphore(0)
+        self.fail_next: Exception | None = None
+
+    def start(self, progress=None) -> None:
+        pass
+
+    def run_step(self, batch: StepBatch) -> StepOutput:
+        self.batches.append(batch)
+        self.entered.release()
+        while not self.gate.acquire(timeout=0.05):
+            if not self.alive:
+                raise RuntimeError("the gated pool was closed during a step")
+        if self.fail_next is not None:
+            exc, self.fail_next = self.fail_next, None
+            raise exc
+        return standin_output(batch, self.vocab)
+
+    def step(self) -> StepBatch:
+        """Wait until the engine is inside run_step, then let that step finish."""
+        assert self.entered.acquire(timeout=10), "the engine did not start a step"
+        batch = self.batches[-1]
+        self.gate.release()
+        return batch
+
+    def close(self) -> None:
+        self.alive = False
+
+
+def stop(engine: Engine, pool: GatedPool) -> None:
+    pool.close()  # a step waiting at the gate fails instead of holding up shutdown
+    engine.shutdown()
+
+
+def gated_engine(data_dir: Path, **sections) -> tuple[Engine, GatedPool]:
+    pools: list[GatedPool] = []
+
+    def factory(fields, n):
+        pools.append(GatedPool(fields, n))
+        return pools[-1]
+
+    engine = Engine(tiny_config(data_dir, **sections), pool_factory=factory)
+    engine.start(progress=None)
+    return engine, pools[0]
+
+
+def standin_factory(pools: list, step_delay_s: float = 0.0):
+    def factory(fields, n):
+        pools.append(AgentPool(AgentSpec(**fields, step_delay_s=step_delay_s), n))
+        return pools[-1]
+    return factory
+
+
+# ---- configuration ------------------------------------------------------------------------------------------
+def test_config_maps_to_scheduler_runner_and_agent_spec(data_dir):
+    cfg = tiny_config(data_dir, model_config={"prefill_batch_size": [1, 4], "decode_batch_size": [8, 32]},
+                      scheduler={"policy": "longest_output_first", "max_wait_s": 2.0,
+                                 "min_decode_steps_between_prefills": 3})
+    sc = scheduler_config(cfg, eos_token_id=EOS)
+    assert (sc.max_num_seqs, sc.max_prefill_batch, sc.max_model_len, sc.max_prompt_len) == (32, 4, 64, 32)
+    assert (sc.num_blocks, sc.block_size, sc.eos_token_id, sc.policy) == (256, 8, EOS, "longest_output_first")
+    assert (sc.max_wait_s, sc.min_decode_steps_between_prefills) == (2.0, 3)
+    assert sc.max_num_batched_tokens == 4 * 32  # max(prefill batch x longest bucket, max_model_len)
+    rc = runner_config_dict(cfg)
+    assert rc == {"num_blocks": 256, "block_size": 8, "max_model_len": 64, "prefill_batch_sizes": [1, 4],
+                  "prefill_seq_lengths": [32], "decode_batch_sizes": [8, 32], "dtype": "float32"}
+    model = resolve_model(cfg)
+    fields = agent_spec_fields(cfg, model, standin=True)
+    assert fields["kind"] == "standin" and fields["llama_config"]["vocab_size"] == VOCAB
+    assert (fields["max_tokens"], fields["max_batch"], fields["max_blocks_per_seq"]) == (128, 32, 8)
+    AgentSpec(**fields)  # accepted by the pool
+
+
+def test_resolve_model_errors_name_the_key(data_dir, tmp_path):
+    with pytest.raises(ConfigError, match="model_config.model_path: .*does not exist"):
+        resolve_model(tiny_config(data_dir, model_config={"model_path": str(tmp_path / "nope")}))
+    (tmp_path / "m").mkdir()
+    with pytest.raises(ConfigError, match="model_config.model_path: no config.json"):
+        resolve_model(tiny_config(data_dir, model_config={"model_path": str(tmp_path / "m")}))
+    with pytest.raises(ConfigError, match="model_config.vocab_size: 999 does not match the model's vocab_size 1000"):
+        resolve_model(tiny_config(data_dir, model_config={"vocab_size": 999}))
+    with pytest.raises(ConfigError, match="tokenizer.vocab_file: no tokenizer model at"):
+        resolve_model(tiny_config(data_dir, tokenizer={"vocab_file": str(tmp_path / "x.model")}))
+
+
+def test_default_model_is_built_once_even_by_concurrent_starts(tmp_path):
+    cfg = tiny_config(tmp_path)
+    barrier = threading.Barrier(4)
+
+    def build(_):
+        barrier.wait()
+        return ensure_default_model(cfg.default_model, cfg.max_model_len)
+
+    with ThreadPoolExecutor(4) as ex:
+        paths = list(ex.map(build, range(4)))
+    assert len(set(paths)) == 1 and paths[0] == default_model_dir(cfg.default_model, cfg.max_model_len)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [paths[0].name]  # no temporary dirs left
+    stamp = (paths[0] / "model.safetensors").stat().st_mtime_ns
+    assert ensure_default_model(cfg.default_model, cfg.max_model_len) == paths[0]
+    assert (paths[0] / "model.safetensors").stat().st_mtime_ns == stamp  # cached, not rebuilt
+    llama = LlamaConfig.from_model_dir(paths[0])
+    assert (llama.hidden_size, llama.num_hidden_layers, llama.num_key_value_heads, llama.vocab_size) == (
+        64, 2, 2, VOCAB)
+    assert Tokenizer(paths[0]).vocab_size == VOCAB
+    other = tiny_config(tmp_path, default_model={"seed": 4}).default_model
+    assert default_model_dir(other) != paths[0]  # a different recipe never reuses the cache
+
+
+# ---- scheduler extension: prompt buckets ----------------------------------------------------------------------
+def test_long_prompts_rejected_and_long_recompute_prefilled_alone():
+    cfg = SchedulerConfig(num_blocks=13, block_size=4, max_num_seqs=4, max_prefill_batch=4,
+                          max_num_batched_tokens=40, max_model_len=40, eos_token_id=None, max_prompt_len=16)
+    s = Scheduler(cfg)
+    with pytest.raises(RequestRejected, match="17 tokens, more than the longest prefill bucket max_prompt_len 16"):
+        s.add(Sequence("long", list(range(3, 20)), SamplingParams(max_new_tokens=4)))
+    rng = random.Random(0)
+    for i in range(12):
+        s.add(Sequence(f"r{i}", [rng.randrange(3, 50) for _ in range(rng.randint(8, 16))],
+                       SamplingParams(max_new_tokens=rng.randint(10, 24))))
+    alone = 0
+    while s.has_unfinished():
+        seqs, batch = s.schedule()
+        if batch.is_prefill and int(batch.query_lens.max()) > 16:
+            assert batch.batch_size == 1
+            alone += 1
+        s.postprocess(seqs, standin_output(batch))
+    assert s.num_preemptions > 0 and alone > 0 and s.num_used_blocks == 0
+
+
+# ---- the loop with stand-in agents ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def standin_engine(data_dir):
+    engine = Engine(tiny_config(data_dir), standin_agents=True,
+                    pool_factory=standin_factory([], step_delay_s=0.002))  # steps long enough to cancel
+    engine.start(progress=None)
+    yield engine
+    engine.shutdown()
+
+
+def random_requests(rng: random.Random, n: int, max_prompt: int = 32) -> list[tuple[list[int], SamplingParams]]:
+    return [([1] + [rng.randrange(3, VOCAB) for _ in range(rng.randint(0, max_prompt - 1))],
+             SamplingParams(max_new_tokens=rng.randint(1, 30), ignore_eos=rng.random() < 0.3)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "longest_output_first"])
+def test_standin_results_in_order_with_arrivals_during_decode(data_dir, policy):
+    pools: list[AgentPool] = []
+    engine = Engine(tiny_config(data_dir, pa_config={"num_blocks": 48}, scheduler={"policy": policy}),
+                    standin_agents=True, pool_factory=standin_factory(pools))
+    engine.start(progress=None)
+    segment = pools[0].shm_name
+    try:
+        rng = random.Random(policy)
+        reqs = random_requests(rng, 80)
+        streams = [engine.submit(p, params) for p, params in reqs[:40]]
+        wait_for(lambda: engine.stats()["decode_steps"] >= 3, what="decoding")
+        streams += [engine.submit(p, params) for p, params in reqs[40:]]
+        results = [s.result(timeout=30) for s in streams]
+        for (prompt, params), res in zip(reqs, results):
+            assert (res.token_ids, res.finish_reason) == standin_expected(prompt, params)
+            assert res.prompt_ids == prompt and res.logprobs == [-1.0] * len(res.token_ids)
+        stats = engine.stats()
+        assert stats["num_preemptions"] > 0  # 48 blocks of 8 cannot hold 32 sequences
+        assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
+        assert stats["requests_finished"] == 80
+        assert stats["tokens_generated"] == sum(len(r.token_ids) for r in results)
+    finally:
+        engine.shutdown()
+    assert segment not in our_segments()
+
+
+def test_text_streams_and_thread_iteration(standin_engine):
+    tok = standin_engine.tokenizer
+    stream = standin_engine.submit("The sea was calm that morning.", SamplingParams(max_new_tokens=20,
+                                                                                    ignore_eos=True))
+    events = list(stream)
+    res = stream.result()
+    assert [e.token_id for e in events] == res.token_ids and len(events) == 20
+    assert [e.finished for e in events] == [False] * 19 + [True] and events[-1].finish_reason == "length"
+    assert "".join(e.text for e in events) == res.text
+    assert res.prompt_ids == tok.encode("The sea was calm that morning.")
+    assert res.arrival_time <= res.first_token_time <= res.finish_time
+
+
+def test_async_streams_and_cancellation_aborts(standin_engine):
+    async def run():
+        long = standin_engine.submit([1, 7, 9], SamplingParams(max_new_tokens=60, ignore_eos=True))
+        short = standin_engine.submit([1, 8, 9], SamplingParams(max_new_tokens=40, ignore_eos=True))
+        seen: list = []
+
+        async def consume():
+            async for ev in long:
+                seen.append(ev)
+
+        task = asyncio.create_task(consume())
+        while len(seen) < 3:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        short_events = [ev async for ev in short]
+        return long, short, short_events
+
+    aborted_before = standin_engine.stats()["requests_aborted"]
+    long, short, short_events = asyncio.run(run())
+    assert standin_engine.stats()["requests_aborted"] == aborted_before + 1
+    assert standin_engine._scheduler.get(long.request_id) is None
+    assert long.result().finish_reason == "abort" and len(long.result().token_ids) < 60
+    want, _ = standin_expected([1, 8, 9], SamplingParams(max_new_tokens=40))
+    assert [e.token_id for e in short_events] == want and short.result().finish_reason == "length"
+
+
+def test_rejections_and_queue_limit(data_dir):
+    pools: list[GatedPool] = []
+    engine = Engine(tiny_config(data_dir, model_config={"max_generate_length": 40},
+                                serving_config={"max_queue_size": 3}),
+                    pool_factory=lambda f, n: pools.append(GatedPool(f, n)) or pools[-1])
+    with pytest.raises(EngineError, match="not running"):
+        engine.submit("hi")
+    engine.start(progress=None)
+    try:
+        with pytest.raises(RequestRejected, match="33 tokens, more than .* max_prompt_len 32"):
+            engine.submit([1] * 33)
+        with pytest.raises(RequestRejected, match=r"= 66 exceeds max_model_len 64"):
+            engine.submit([1] * 30, SamplingParams(max_new_tokens=36))
+        with pytest.raises(RequestRejected, match="max_new_tokens 41 exceeds model_config.max_generate_length 40"):
+            engine.submit("hi", SamplingParams(max_new_tokens=41))
+        with pytest.raises(RequestRejected, match=r"outside the vocabulary 0..999"):
+            engine.submit([1, 1000])
+        engine.submit("blocker")
+        assert pools[0].entered.acquire(timeout=10)  # the engine is busy: later requests stay queued
+        engine.submit("a", request_id="x")
+        with pytest.raises(RequestRejected, match="already in progress"):
+            engine.submit("b", request_id="x")
+        engine.submit("c")
+        engine.submit("d")
+        with pytest.raises(QueueFull, match="3 requests are waiting .*max_queue_size 3"):
+            engine.submit("e")
+    finally:
+        stop(engine, pools[0])
+    with pytest.raises(EngineError, match="shut down"):
+        engine.submit("hi")
+
+
+def test_abort_in_flight_is_never_computed_again(data_dir):
+    engine, pool = gated_engine(data_dir)
+    try:
+        a = engine.submit([1, 5, 6], SamplingParams(max_new_tokens=50, ignore_eos=True))
+        assert pool.entered.acquire(timeout=10)  # prefill of a in flight
+        b = engine.submit([1, 7, 8], SamplingParams(max_new_tokens=50, ignore_eos=True))
+        pool.gate.release()
+        assert pool.step().is_prefill  # b
+        assert pool.entered.acquire(timeout=10)  # the first decode step of a and b is in flight
+        assert pool.batches[-1].batch_size == 2 and not pool.batches[-1].is_prefill
+        used = engine.stats()["kv_blocks_used"]
+        a.abort()
+        assert engine.stats()["kv_blocks_used"] < used  # freed at once, while the step is in flight
+        pool.gate.release()
+        for _ in range(3):
+            assert pool.step().batch_size == 1  # only b from now on
+        events = list(a)
+        assert events[-1].finish_reason == "abort" and events[-1].token_id == NO_TOKEN
+        assert [e.token_id for e in events[:-1]] == standin_expected([1, 5, 6], SamplingParams(1))[0]
+        c = engine.submit([1, 9], SamplingParams(max_new_tokens=1))  # joins between steps
+        while not pool.step().is_prefill:
+            pass
+        assert c.result(timeout=10).token_ids == standin_expected([1, 9], SamplingParams(1))[0]
+        b.abort()
+        assert b.result().finish_reason == "abort" and engine.stats()["kv_blocks_used"] == 0
+        assert not engine.abort(b.request_id)  # already ended
+    finally:
+        stop(engine, pool)
+
+
+def test_step_error_fails_only_that_steps_requests(data_dir):
+    engine, pool = gated_engine(data_dir)
+    try:
+        a = engine.submit([1, 5], SamplingParams(max_new_tokens=3))
+        pool.fail_next = AgentStepError("prefill shape beyond the buckets", rank=0)
+        pool.step()
+        with pytest.raises(EngineError, match="the model step failed: prefill shape beyond the buckets"):
+            a.result(timeout=10)
+        b = engine.submit([1, 6], SamplingParams(max_new_tokens=1))
+        pool.step()
+        assert b.result(timeout=10).finish_reason == "length" and engine.ready
+    finally:
+        stop(engine, pool)
+
+
+def test_shutdown_aborts_waiting_and_running(data_dir):
+    engine, pool = gated_engine(data_dir)
+    a = engine.submit([1, 5], SamplingParams(max_new_tokens=30))
+    pool.step()
+    b = engine.submit([1, 6], SamplingParams(max_new_tokens=30))
+    assert pool.entered.acquire(timeout=10)
+    threading.Timer(0.05, pool.gate.release).start()
+    engine.shutdown()
+    assert a.result(timeout=5).finish_reason == "abort" and b.result(timeout=5).finish_reason == "abort"
+    engine.shutdown()  # idempotent
+
+
+def test_agent_killed_mid_step_fails_requests_fast_and_engine_restarts(data_dir):
+    pools: list[AgentPool] = []
+    cfg = tiny_config(data_dir, serving_config={"num_agents": 2})
+    engine = Engine(cfg, standin_agents=True, pool_factory=standin_factory(pools, step_delay_s=0.01))
+    engine.start(progress=None)
+    pool = pools[0]
+    segment, pids = pool.shm_name, pool.pids
+    streams = [engine.submit([1, 3 + i], SamplingParams(max_new_tokens=60, ignore_eos=True)) for i in range(8)]
+    queued = [engine.submit([1, 50 + i], SamplingParams(max_new_tokens=5)) for i in range(40)]
+    wait_for(lambda: engine.stats()["decode_steps"] >= 3, what="decoding")
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    for s in streams + queued:
+        with pytest.raises(EngineError, match="died"):
+            s.result(timeout=10)
+    assert time.monotonic() - t0 < 5.0
+    assert not engine.ready and segment not in our_segments()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(EngineError, match="has stopped: .*died"):
+        engine.submit("again")
+    engine.shutdown()
+    again = Engine(cfg, standin_agents=True, pool_factory=standin_factory(pools))
+    again.start(progress=None)
+    try:
+        assert again.submit([1, 4], SamplingParams(max_new_tokens=2)).result(timeout=10).finish_reason == "length"
+    finally:
+        again.shutdown()
+    assert pools[1].shm_name is None and segment not in our_segments()
+
+
+def test_idle_agent_death_marks_engine_not_ready(data_dir):
+    pools: list[AgentPool] = []
+    engine = Engine(tiny_config(data_dir), standin_agents=True, pool_factory=standin_factory(pools))
+    engine.start(progress=None)
+    segment = pools[0].shm_name
+    os.kill(pools[0].pids[0], signal.SIGKILL)
+    wait_for(lambda: not engine.ready, timeout_s=5.0, what="engine not ready")
+    with pytest.raises(EngineError, match="exited while the engine was idle"):
+        engine.submit("x")
+    engine.shutdown()
+    assert segment not in our_segments()
+
+
+def test_llm_generate_waits_when_the_queue_is_full(data_dir):
+    cfg = tiny_config(data_dir, serving_config={"max_queue_size": 2}, model_config={"decode_batch_size": [4]})
+    reqs = random_requests(random.Random(5), 30)
+    with LLM(cfg, standin_agents=True, progress=None) as llm:
+        results = llm.generate([p for p, _ in reqs], sampling_params=[params for _, params in reqs])
+        assert [(r.token_ids, r.finish_reason) for r in results] == [standin_expected(p, params)
+                                                                   for p, params in reqs]
+        single = llm.generate("Once upon a time", max_new_tokens=4, ignore_eos=True)
+        assert len(single) == 1 and len(single[0].token_ids) == 4 and single[0].prompt == "Once upon a time"
+    assert not llm.engine.ready
+    with pytest.raises(TypeError, match="unknown override"):
+        LLM(cfg, standin_agents=True, bogus=1)
+
+
+# ---- the real tiny Llama on 2 agents ---------------------------------------------------------------------------
+class RecordingPool:
+    """A real AgentPool that also records (is_prefill, batch size, longest query) of every step."""
+
+    def __init__(self, fields: dict, num_agents: int) -> None:
+        self.pool = AgentPool(AgentSpec(**fields), num_agents)
+        self.shapes: list[tuple[bool, int, int]] = []
+
+    def start(self, progress=None) -> None:
+        self.pool.start(progress)
+
+    def run_step(self, batch: StepBatch) -> StepOutput:
+        self.shapes.append((batch.is_prefill, batch.batch_size, int(batch.query_lens.max())))
+        return self.pool.run_step(batch)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.pool.alive
+
+
+PROOF_SECTIONS = {
+    "serving_config": {"num_agents": 2},
+    # 32 running sequences need up to 256 blocks of 8; 100 forces preemptions and long recomputes.
+    "pa_config": {"num_blocks": 100, "block_size": 8, "decode_seq_length": 64},
+}
+
+
+@pytest.fixture(scope="module")
+def proof_workload() -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(11)
+    return [([1] + [rng.randrange(3, VOCAB) for _ in range(rng.randint(2 if i % 3 else 20, 31))],
+             SamplingParams(max_new_tokens=rng.randint(1, 30))) for i in range(48)]
+
+
+@pytest.fixture(scope="module")
+def references(data_dir, proof_workload):
+    """Hugging Face greedy results on the same weights, and (filled by the first engine) one-at-a-time runs."""
+    from tests.hf_reference import hf_greedy, load_hf
+
+    cfg = tiny_config(data_dir, **PROOF_SECTIONS)
+    hf = load_hf(resolve_model(cfg).model_path)
+    return {"hf": [hf_greedy(hf, p, params.max_new_tokens, eos_token_id=EOS) for p, params in proof_workload]}
+
+
+@pytest.mark.parametrize("policy", ["longest_output_first", "fcfs"])
+def test_real_llama_two_agents_match_sequential_and_transformers(data_dir, proof_workload, references, policy):
+    pools: list[RecordingPool] = []
+    cfg = tiny_config(data_dir, scheduler={"policy": policy}, **PROOF_SECTIONS)
+    engine = Engine(cfg, pool_factory=lambda f, n: pools.append(RecordingPool(f, n)) or pools[-1])
+    engine.start(progress=None)
+    agents = pools[0].pool
+    try:
+        assert len(agents.pids) == 2
+        if "sequential" not in references:  # one request at a time through the same model
+            references["sequential"] = [engine.submit(p, params).result(timeout=60) for p, params in proof_workload]
+            assert max(b for _, b, _ in pools[0].shapes) == 1
+        before, first_step = engine.stats(), len(pools[0].shapes)
+        streams = [engine.submit(p, params) for p, params in proof_workload[:30]]
+        wait_for(lambda: engine.stats()["decode_steps"] >= before["decode_steps"] + 3, what="decoding")
+        streams += [engine.submit(p, params) for p, params in proof_workload[30:]]  # arrive during decode
+        results = [s.result(timeout=60) for s in streams]
+        stats, shapes = engine.stats(), pools[0].shapes[first_step:]
+        for res, seq_res, (hf_tokens, hf_logprobs) in zip(results, references["sequential"], references["hf"]):
+            assert res.token_ids == seq_res.token_ids == hf_tokens
+            np.testing.assert_allclose(res.logprobs, hf_logprobs, atol=1e-4)
+        assert len({t for res in results for t in res.token_ids}) > 50  # not a degenerate model
+        assert max(b for prefill, b, _ in shapes if not prefill) >= 16  # a large continuous decode batch
+        assert max(b for prefill, b, _ in shapes if prefill) > 1  # multi-request prefill
+        assert any(prefill and b == 1 and q > 32 for prefill, b, q in shapes)  # long recompute, alone
+        assert stats["num_preemptions"] > before["num_preemptions"] and stats["kv_blocks_used"] == 0
+
+        # An agent killed while steps run: every request fails within seconds; nothing left in /dev/shm.
+        segment = agents.shm_name
+        streams = [engine.submit(p, SamplingParams(max_new_tokens=30, ignore_eos=True))
+                   for p, _ in proof_workload]
+        wait_for(lambda: engine.stats()["decode_steps"] > stats["decode_steps"] + 2, what="decoding")
+        os.kill(agents.pids[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        for s in streams:
+            with pytest.raises(EngineError, match="died"):
+                s.result(timeout=10)
+        assert time.monotonic() - t0 < 5.0 and not engine.ready and segment not in our_segments()
+    finally:
+        engine.shutdown()
+    assert segment not in our_segments()
