@@ -1,0 +1,308 @@
+"""End-to-end benchmark: HF transformers vs our server (baseline and tuned settings) on one workload.
+
+    python scripts/benchmark.py [--num-prompts 48] [--max-output-tokens 64] [--write-doc docs/benchmarks.md]
+
+In one run, on the bench model of scripts/bench_model.py (random weights, std 0.05, own 8000-piece tokenizer)
+and one alpaca-shaped workload (llm_serving.workload), it measures:
+  1. Hugging Face transformers, greedy, one request at a time (the contest's baseline.py way), same weights;
+  2. our server with the contest's baseline settings (prefill batch 1, decode batch 1, fcfs);
+  3. our server tuned (prefill batches up to 4, decode batches up to 128, longest_output_first), and
+  4. the tuned server with fcfs.
+Servers are started as ``python -m llm_serving serve`` subprocesses and get every request at once on the
+contest's streaming endpoint. Every request must succeed and its greedy text must equal the HF text (the run
+fails otherwise). The compute-roofline lower bound is the model FLOPs of all prefill and decode tokens divided
+by the best rate of a plain MindSpore matmul measured in the same run (in a subprocess, so torch and
+MindSpore never share a process). Prints a markdown table; ``--write-doc`` also writes it with the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # bench_model (imported only in the --prepare child)
+
+from agents.model_config import LlamaConfig
+from llm_serving.bench_client import (
+    BenchConfig,
+    BenchError,
+    BenchRequest,
+    TokenCounter,
+    benchmark,
+    build_requests,
+    wait_ready,
+)
+from llm_serving.workload import WorkloadSpec, make_workload
+
+EOS = 2
+SEQ_BUCKETS = (64, 256, 512)  # prefill length buckets (the longest prompt accepted is the largest)
+BASELINE = {"prefill": (1,), "decode": (1,), "policy": "fcfs"}
+TUNED = {"prefill": (1, 2, 4), "decode": (1, 8, 32, 128)}
+
+
+@dataclass
+class Row:
+    name: str
+    total_s: float
+    requests: int
+    ok: int
+    output_tokens: int
+    matched: int
+    note: str = ""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-prompts", type=int, default=48, help="requests in the workload (default 48)")
+    p.add_argument("--max-output-tokens", type=int, default=64,
+                   help="cap on each request's max_new_tokens (its alpaca output length; default 64)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--work-dir", default="/tmp/llm-serving-benchmark", help="model, configs and server logs")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a server to warm up")
+    p.add_argument("--write-doc", metavar="MD", help="also write the table and the command to this file")
+    p.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)  # child-process mode
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------ set-up
+def build_model(work: Path) -> Path:
+    """The bench model as an HF directory with its own sentencepiece tokenizer (8000 pieces, as the model)."""
+    from bench_model import BENCH_MODEL
+
+    from agents.random_model import build_random_model
+    from llm_serving.tokenizer_training import train_tokenizer
+
+    tok = train_tokenizer(work / "tokenizer", vocab_size=BENCH_MODEL.vocab_size)
+    return build_random_model(work / "model", BENCH_MODEL, seed=0, std=0.05, tokenizer_model=tok)
+
+
+def make_requests(args: argparse.Namespace, model_dir: Path) -> list[BenchRequest]:
+    records = make_workload(WorkloadSpec(num=args.num_prompts, seed=args.seed))
+    reqs = build_requests(records, args.num_prompts, TokenCounter(model_dir / "tokenizer.model"))
+    for r in reqs:
+        r.max_new_tokens = min(r.max_new_tokens, args.max_output_tokens)
+    too_long = [r.index for r in reqs if r.prompt_tokens > SEQ_BUCKETS[-1]]
+    if too_long:
+        raise SystemExit(f"prompts {too_long[:5]} exceed the largest prefill bucket {SEQ_BUCKETS[-1]}")
+    return reqs
+
+
+# ------------------------------------------------------------------------------------------ HF baseline
+def run_hf(model_dir: Path, reqs: list[BenchRequest]) -> tuple[float, list[list[int]]]:
+    """Greedy generation one request at a time; returns (total seconds, output ids per request)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from llm_serving.tokenizer import Tokenizer
+
+    tok = Tokenizer(model_dir / "tokenizer.model")
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    prompts = [tok.encode(r.prompt) for r in reqs]
+    outs = []
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for ids, r in zip(prompts, reqs):
+            seq = model.generate(torch.tensor([ids]), max_new_tokens=r.max_new_tokens, do_sample=False,
+                                 eos_token_id=EOS, pad_token_id=0)
+            out = seq[0, len(ids):].tolist()
+            outs.append(out)
+    return time.perf_counter() - t0, outs
+
+
+def expected_texts(model_dir: Path, reqs: list[BenchRequest], outs: list[list[int]]) -> list[str]:
+    """The text each HF output adds to its prompt (a leading "▁" of the first piece is a real space there)."""
+    from llm_serving.tokenizer import Tokenizer
+
+    tok = Tokenizer(model_dir / "tokenizer.model")
+    texts = []
+    for r, out in zip(reqs, outs):
+        ids = tok.encode(r.prompt)
+        prompt, full = tok.decode(ids), tok.decode(ids + out)
+        if not full.startswith(prompt):
+            raise SystemExit(f"request {r.index}: decoding prompt + output does not extend the prompt's text")
+        texts.append(full[len(prompt):])
+    return texts
+
+
+# ------------------------------------------------------------------------------------------ our server
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(path: Path, model_dir: Path, prefill: tuple[int, ...], decode: tuple[int, ...],
+                 policy: str, max_out: int) -> Path:
+    """A serving YAML for the bench model; the cache holds every sequence at full length."""
+    max_len = SEQ_BUCKETS[-1] + max_out
+    blocks = (max(decode) * max_len) // 16 + 2
+    cfg = {
+        "model_config": {"model_name": "llama2", "model_path": str(model_dir), "dtype": "float32",
+                         "max_generate_length": max_out, "seq_length": list(SEQ_BUCKETS),
+                         "prefill_batch_size": list(prefill), "decode_batch_size": list(decode)},
+        "pa_config": {"num_blocks": max(blocks, max_len // 16 + 2), "block_size": 16, "decode_seq_length": max_len},
+        "scheduler": {"policy": policy},
+    }
+    path.write_text(json.dumps(cfg, indent=1) + "\n")  # JSON is YAML
+    return path
+
+
+def run_server(name: str, tag: str, config: Path, reqs: list[BenchRequest], expected: list[str],
+               args: argparse.Namespace, work: Path) -> Row:
+    port = free_port()
+    log_path = work / f"server_{tag}.log"
+    cmd = [sys.executable, "-m", "llm_serving", "serve", "--config", str(config), "--port", str(port)]
+    print(f"[benchmark] {name}: {' '.join(cmd)} (log {log_path})", flush=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        cfg = BenchConfig(port=port, endpoint="stream", qps=float("inf"), metrics_interval=0.5)
+        t_start = time.perf_counter()
+        try:
+            asyncio.run(wait_ready(cfg, args.startup_timeout))
+        except BenchError as e:
+            tail = log_path.read_text()[-2000:]
+            raise SystemExit(f"{name}: server did not start ({e}); log tail:\n{tail}") from None
+        print(f"[benchmark] {name}: ready after {time.perf_counter() - t_start:.1f}s", flush=True)
+        run = asyncio.run(benchmark(reqs, cfg, progress=False))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    ok = [r for r in run.results if r.success]
+    matched = sum(r.success and r.text == expected[r.index] for r in run.results)
+    for r in run.results:
+        if not r.success:
+            print(f"[benchmark] {name}: request {r.index} failed: {r.error}", flush=True)
+        elif r.text != expected[r.index]:
+            print(f"[benchmark] {name}: request {r.index} differs from HF:\n  ours {r.text[:120]!r}\n"
+                  f"  hf   {expected[r.index][:120]!r}", flush=True)
+    return Row(name, run.duration, len(reqs), len(ok), sum(r.output_tokens for r in ok), matched,
+               f"max server batch {run.metrics.get('max_server_running_batch')}")
+
+
+# ------------------------------------------------------------------------------------------ roofline
+def workload_flops(config: LlamaConfig, reqs: list[BenchRequest], outs: list[list[int]]) -> float:
+    """FLOPs of every prefill token and every decode step, each over its causal context."""
+    total = 0.0
+    for r, out in zip(reqs, outs):
+        n_prompt = r.prompt_tokens
+        total += sum(config.flops_per_token(i + 1) for i in range(n_prompt))
+        # The first output comes from the prefill; each later one is one decode step over the context so far.
+        total += sum(config.flops_per_token(n_prompt + j + 1) for j in range(max(len(out) - 1, 0)))
+    return total
+
+
+def prepare_subprocess(work: Path) -> float:
+    """Build the model and measure the matmul rate in a child process, so MindSpore (imported by
+    scripts/bench_model.py) never shares a process with torch; returns the rate in GFLOP/s."""
+    out = subprocess.run([sys.executable, __file__, "--prepare", "--work-dir", str(work)], check=False, cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise SystemExit(f"model build / matmul rate measurement failed:\n{out.stderr[-2000:]}")
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _prepare_main(work: Path) -> None:
+    """Child process: write the model, then print the best GFLOP/s of plain MindSpore matmuls."""
+    from bench_model import BENCH_MODEL, matmul_gflops
+
+    build_model(work)
+    h = BENCH_MODEL.hidden_size
+    shapes = [(128, 2 * 128 * h * 4096), (512, 2 * 512 * h * 4096), (128, 2 * 128 * h * BENCH_MODEL.vocab_size)]
+    print(max(matmul_gflops(t, f, repeats=10) for t, f in shapes))
+
+
+# ------------------------------------------------------------------------------------------ report
+def table(rows: list[Row], hf_row: Row, roofline_s: float) -> str:
+    hf_tps = hf_row.output_tokens / hf_row.total_s
+    lines = [("| system | ok / requests | greedy = HF | requests/s | output tokens/s | total time (s) "
+              "| speedup vs HF (tokens/s) | x roofline |"),
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tps = r.output_tokens / r.total_s
+        lines.append(f"| {r.name} | {r.ok}/{r.requests} | {r.matched}/{r.requests} | {r.ok / r.total_s:.2f} "
+                     f"| {tps:.1f} | {r.total_s:.2f} | {tps / hf_tps:.2f}x | {r.total_s / roofline_s:.2f} |")
+    lines.append(f"| compute roofline (lower bound) | | | | | {roofline_s:.2f} | | 1.00 |")
+    return "\n".join(lines)
+
+
+def write_doc(path: Path, argv: list[str], summary: str, tbl: str, notes: list[str]) -> None:
+    cmd = "python scripts/benchmark.py " + " ".join(argv)
+    text = ("# Benchmarks\n\nEnd-to-end serving benchmark (scripts/benchmark.py): Hugging Face transformers "
+            "greedy one request at a time vs our server with baseline and tuned settings, on the bench model "
+            "(scripts/bench_model.py `BENCH_MODEL`, random weights) and one alpaca-shaped workload, all "
+            "requests sent at once to the streaming endpoint.\n\n"
+            f"Command (from the repository root):\n\n```\n{cmd.strip()}\n```\n\n{summary}\n\n{tbl}\n\n"
+            + "\n".join(f"- {n}" for n in notes) + "\n")
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.prepare:
+        _prepare_main(work)
+        return 0
+    rate = prepare_subprocess(work)
+    print(f"[benchmark] model in {work / 'model'}; matmul rate {rate:.1f} GFLOP/s", flush=True)
+    model_dir = work / "model"
+    config = LlamaConfig.from_model_dir(model_dir)
+    reqs = make_requests(args, model_dir)
+    n_in = sum(r.prompt_tokens for r in reqs)
+    print(f"[benchmark] {len(reqs)} requests, {n_in} prompt tokens, max_new_tokens sum "
+          f"{sum(r.max_new_tokens for r in reqs)}", flush=True)
+    hf_s, outs = run_hf(model_dir, reqs)
+    expected = expected_texts(model_dir, reqs, outs)
+    hf_row = Row("HF transformers, 1 at a time", hf_s, len(reqs), len(reqs), sum(len(o) for o in outs), len(reqs))
+    print(f"[benchmark] HF: {hf_s:.1f}s, {hf_row.output_tokens} output tokens", flush=True)
+    flops = workload_flops(config, reqs, outs)
+    roofline_s = flops / (rate * 1e9)
+
+    rows = [hf_row]
+    max_out = args.max_output_tokens
+    runs = [("ours baseline (prefill 1, decode 1, fcfs)", BASELINE["prefill"], BASELINE["decode"], "fcfs"),
+            ("ours tuned (prefill <=4, decode <=128, longest_output_first)", TUNED["prefill"], TUNED["decode"],
+             "longest_output_first"),
+            ("ours tuned, fcfs", TUNED["prefill"], TUNED["decode"], "fcfs")]
+    for i, (name, prefill, decode, policy) in enumerate(runs):
+        cfg_path = write_config(work / f"config_{i}.yaml", model_dir, prefill, decode, policy, max_out)
+        rows.append(run_server(name, f"run{i}", cfg_path, reqs, expected, args, work))
+
+    summary = (f"Workload: {len(reqs)} requests (llm_serving.workload seed {args.seed}), {n_in} prompt tokens, "
+               f"outputs capped at {max_out} tokens, {hf_row.output_tokens} output tokens generated (greedy, "
+               f"EOS stops). Roofline: {flops / 1e9:.1f} GFLOP of model matmuls / {rate:.1f} GFLOP/s (best plain "
+               f"MindSpore matmul, same run). Machine: {os.cpu_count()} CPU cores, {platform.processor() or '?'}, "
+               f"Python {platform.python_version()}.")
+    tbl = table(rows, hf_row, roofline_s)
+    print("\n" + summary + "\n\n" + tbl, flush=True)
+    failures = [r.name for r in rows if r.ok != r.requests or r.matched != r.requests]
+    notes = ["speedup = output tokens/s over the HF row's; x roofline = total time / the compute lower bound.",
+             ("Server total time is first request sent to last response done; start-up and warm-up excluded. "
+              "HF time is the generate loop only (model load excluded).")]
+    if failures:
+        notes.append(f"FAILED checks (requests failed or differ from HF): {failures}")
+    if args.write_doc:
+        write_doc(ROOT / args.write_doc, argv, summary, tbl, notes)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
