@@ -46,7 +46,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
     from llm_serving.config import ServingConfig
 
     cfg = ServingConfig.from_yaml(args.config) if args.config else ServingConfig()
-    return cfg.with_overrides(model_path=args.model, policy=args.policy, decode_batch_size=args.decode_batch_size,
+    return cfg.with_overrides(model_path=args.model, policy=args.policy,
+                              decode_batch_size=args.decode_batch_size,
                               prefill_batch_size=args.prefill_batch_size, num_agents=args.agents)
 
 
@@ -55,7 +56,8 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     p.add_argument("--prompts", required=True, metavar="FILE.json",
                    help='JSON list of prompts: strings, token-id lists or {"prompt": "..."} objects')
-    p.add_argument("--max-new-tokens", type=int, required=True, metavar="N", help="tokens to generate per prompt")
+    p.add_argument("--max-new-tokens", type=int, required=True, metavar="N",
+                   help="tokens to generate per prompt")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--standin-agents", action="store_true", help=argparse.SUPPRESS)  # tests: no MindSpore
 

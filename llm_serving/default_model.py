@@ -66,8 +66,8 @@ def ensure_default_model(section: DefaultModelSection, max_model_len: int = 0,
                       f"{exc}") from exc
     try:
         if progress:
-            progress(f"building the embedded default model (hidden {section.hidden_size}, {section.num_layers} "
-                     f"layers, vocab {section.vocab_size}) in {final}")
+            progress(f"building the embedded default model (hidden {section.hidden_size}, "
+                     f"{section.num_layers} layers, vocab {section.vocab_size}) in {final}")
         tokenizer = train_tokenizer(tmp / "trained", vocab_size=section.vocab_size)
         build_random_model(tmp, config, seed=section.seed, std=WEIGHT_STD, tokenizer_model=tokenizer)
         tokenizer.unlink()  # build_random_model copied it to tmp/tokenizer.model

@@ -105,7 +105,8 @@ def scheduler_config(config: ServingConfig, eos_token_id: int | None) -> Schedul
 
 
 def runner_config_dict(config: ServingConfig) -> dict[str, Any]:
-    """``agents.runner.RunnerConfig`` fields (JSON-able); the runner adds a 1 x max_model_len recompute shape."""
+    """``agents.runner.RunnerConfig`` fields (JSON-able); the runner adds a 1 x max_model_len recompute
+    shape itself."""
     m, pa = config.model_config, config.pa_config
     return {
         "num_blocks": pa.num_blocks, "block_size": pa.block_size, "max_model_len": config.max_model_len,
@@ -177,8 +178,9 @@ class Engine:
         self.model = resolve_model(cfg, progress)
         self.tokenizer = Tokenizer(self.model.tokenizer_path)
         if self.tokenizer.vocab_size > self.model.llama_config.vocab_size:
-            raise ConfigError(f"{cfg.source}: tokenizer {self.model.tokenizer_path} has {self.tokenizer.vocab_size} "
-                              f"pieces, more than the model's vocab_size {self.model.llama_config.vocab_size}",
+            raise ConfigError(f"{cfg.source}: tokenizer {self.model.tokenizer_path} has "
+                              f"{self.tokenizer.vocab_size} pieces, more than the model's vocab_size "
+                              f"{self.model.llama_config.vocab_size}",
                               key="tokenizer.vocab_file", source=cfg.source)
         end = cfg.model_config.end_token
         self.eos_token_id = end if end is not None else self.model.llama_config.eos_token_id
@@ -237,9 +239,10 @@ class Engine:
         stream = RequestStream(rid, text, ids, tok, self.abort)
         with self._lock:
             self._check_ready()
-            if self._scheduler.num_waiting >= self.config.serving_config.max_queue_size:
+            limit = self.config.serving_config.max_queue_size
+            if self._scheduler.num_waiting >= limit:
                 raise QueueFull(f"{self._scheduler.num_waiting} requests are waiting "
-                                f"(serving_config.max_queue_size {self.config.serving_config.max_queue_size})")
+                                f"(serving_config.max_queue_size {limit})")
             self._scheduler.add(Sequence(rid, ids, params))
             self._streams[rid] = stream
             self._work.notify()
@@ -260,8 +263,9 @@ class Engine:
             out: dict[str, Any] = {"ready": self.ready, "num_agents": self.config.num_agents}
             if s is not None:
                 out.update(num_waiting=s.num_waiting, num_running=s.num_running,
-                           kv_blocks_total=s.block_manager.num_usable_blocks, kv_blocks_used=s.num_used_blocks,
-                           kv_blocks_free=s.num_free_blocks, kv_usage=s.block_usage,
+                           kv_blocks_total=s.block_manager.num_usable_blocks,
+                           kv_blocks_used=s.num_used_blocks, kv_blocks_free=s.num_free_blocks,
+                           kv_usage=s.block_usage,
                            num_preemptions=s.num_preemptions)
             out.update(self._counters, run_step_s=self._run_step_s, busy_s=self._busy_s)
             return out
@@ -335,7 +339,8 @@ class Engine:
         return True
 
     def _fail_step(self, seqs: list[Sequence], exc: Exception) -> None:
-        """An agent could not run this step (e.g. a shape beyond its buckets): its requests end with an error."""
+        """An agent could not run this step (e.g. a shape beyond its buckets): its requests end with an
+        error; the agents and the other requests go on."""
         err = EngineError(f"the model step failed: {exc}")
         err.__cause__ = exc
         log.error("step failed for %d request(s): %s", len(seqs), exc)

@@ -44,7 +44,8 @@ def load_config(config: ServingConfig | str | os.PathLike | Mapping[str, Any] | 
     elif isinstance(config, Mapping):
         cfg = ServingConfig.from_dict(config)
     else:
-        raise TypeError(f"config must be a ServingConfig, a YAML path, a dict or None, got {type(config).__name__}")
+        raise TypeError(f"config must be a ServingConfig, a YAML path, a dict or None, got "
+                        f"{type(config).__name__}")
     dotted = {k: v for k, v in overrides.items() if "." in k}
     named = {k: v for k, v in overrides.items() if "." not in k}
     unknown = [k for k in named if k not in _OVERRIDES]

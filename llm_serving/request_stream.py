@@ -100,7 +100,7 @@ class RequestStream:
         return self._result.finish_reason
 
     def abort(self) -> None:
-        """Stop the request: its KV blocks are freed at once and the stream ends with finish_reason "abort"."""
+        """Stop the request: its KV blocks are freed at once; the stream ends with finish_reason "abort"."""
         if not self._final_pushed:
             self._abort(self.request_id)
 

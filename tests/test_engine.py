@@ -149,7 +149,7 @@ def standin_factory(pools: list, step_delay_s: float = 0.0):
     return factory
 
 
-# ---- configuration ------------------------------------------------------------------------------------------
+# ---- configuration -----------------------------------------------------------------------------------------
 def test_config_maps_to_scheduler_runner_and_agent_spec(data_dir):
     cfg = tiny_config(data_dir, model_config={"prefill_batch_size": [1, 4], "decode_batch_size": [8, 32]},
                       scheduler={"policy": "longest_output_first", "max_wait_s": 2.0,
@@ -175,7 +175,7 @@ def test_resolve_model_errors_name_the_key(data_dir, tmp_path):
     (tmp_path / "m").mkdir()
     with pytest.raises(ConfigError, match="model_config.model_path: no config.json"):
         resolve_model(tiny_config(data_dir, model_config={"model_path": str(tmp_path / "m")}))
-    with pytest.raises(ConfigError, match="model_config.vocab_size: 999 does not match the model's vocab_size 1000"):
+    with pytest.raises(ConfigError, match="model_config.vocab_size: 999 does not match .* vocab_size 1000"):
         resolve_model(tiny_config(data_dir, model_config={"vocab_size": 999}))
     with pytest.raises(ConfigError, match="tokenizer.vocab_file: no tokenizer model at"):
         resolve_model(tiny_config(data_dir, tokenizer={"vocab_file": str(tmp_path / "x.model")}))
@@ -204,12 +204,12 @@ def test_default_model_is_built_once_even_by_concurrent_starts(tmp_path):
     assert default_model_dir(other) != paths[0]  # a different recipe never reuses the cache
 
 
-# ---- scheduler extension: prompt buckets ----------------------------------------------------------------------
+# ---- scheduler extension: prompt buckets -------------------------------------------------------------------
 def test_long_prompts_rejected_and_long_recompute_prefilled_alone():
     cfg = SchedulerConfig(num_blocks=13, block_size=4, max_num_seqs=4, max_prefill_batch=4,
                           max_num_batched_tokens=40, max_model_len=40, eos_token_id=None, max_prompt_len=16)
     s = Scheduler(cfg)
-    with pytest.raises(RequestRejected, match="17 tokens, more than the longest prefill bucket max_prompt_len 16"):
+    with pytest.raises(RequestRejected, match="17 tokens, more than .*max_prompt_len 16"):
         s.add(Sequence("long", list(range(3, 20)), SamplingParams(max_new_tokens=4)))
     rng = random.Random(0)
     for i in range(12):
@@ -225,7 +225,7 @@ def test_long_prompts_rejected_and_long_recompute_prefilled_alone():
     assert s.num_preemptions > 0 and alone > 0 and s.num_used_blocks == 0
 
 
-# ---- the loop with stand-in agents ---------------------------------------------------------------------------
+# ---- the loop with stand-in agents -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def standin_engine(data_dir):
     engine = Engine(tiny_config(data_dir), standin_agents=True,
@@ -235,9 +235,11 @@ def standin_engine(data_dir):
     engine.shutdown()
 
 
-def random_requests(rng: random.Random, n: int, max_prompt: int = 32) -> list[tuple[list[int], SamplingParams]]:
-    return [([1] + [rng.randrange(3, VOCAB) for _ in range(rng.randint(0, max_prompt - 1))],
-             SamplingParams(max_new_tokens=rng.randint(1, 30), ignore_eos=rng.random() < 0.3)) for _ in range(n)]
+def random_requests(rng: random.Random, n: int) -> list[tuple[list[int], SamplingParams]]:
+    """Prompts of 1..32 tokens (bos first), 1..30 new tokens, some ignoring eos."""
+    return [([1] + [rng.randrange(3, VOCAB) for _ in range(rng.randint(0, 31))],
+             SamplingParams(max_new_tokens=rng.randint(1, 30), ignore_eos=rng.random() < 0.3))
+            for _ in range(n)]
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "longest_output_first"])
@@ -321,7 +323,7 @@ def test_rejections_and_queue_limit(data_dir):
             engine.submit([1] * 33)
         with pytest.raises(RequestRejected, match=r"= 66 exceeds max_model_len 64"):
             engine.submit([1] * 30, SamplingParams(max_new_tokens=36))
-        with pytest.raises(RequestRejected, match="max_new_tokens 41 exceeds model_config.max_generate_length 40"):
+        with pytest.raises(RequestRejected, match="max_new_tokens 41 exceeds .*max_generate_length 40"):
             engine.submit("hi", SamplingParams(max_new_tokens=41))
         with pytest.raises(RequestRejected, match=r"outside the vocabulary 0..999"):
             engine.submit([1, 1000])
@@ -404,7 +406,8 @@ def test_agent_killed_mid_step_fails_requests_fast_and_engine_restarts(data_dir)
     engine.start(progress=None)
     pool = pools[0]
     segment, pids = pool.shm_name, pool.pids
-    streams = [engine.submit([1, 3 + i], SamplingParams(max_new_tokens=60, ignore_eos=True)) for i in range(8)]
+    long = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    streams = [engine.submit([1, 3 + i], long) for i in range(8)]
     queued = [engine.submit([1, 50 + i], SamplingParams(max_new_tokens=5)) for i in range(40)]
     wait_for(lambda: engine.stats()["decode_steps"] >= 3, what="decoding")
     os.kill(pids[1], signal.SIGKILL)
@@ -423,7 +426,8 @@ def test_agent_killed_mid_step_fails_requests_fast_and_engine_restarts(data_dir)
     again = Engine(cfg, standin_agents=True, pool_factory=standin_factory(pools))
     again.start(progress=None)
     try:
-        assert again.submit([1, 4], SamplingParams(max_new_tokens=2)).result(timeout=10).finish_reason == "length"
+        res = again.submit([1, 4], SamplingParams(max_new_tokens=2)).result(timeout=10)
+        assert res.finish_reason == "length"
     finally:
         again.shutdown()
     assert pools[1].shm_name is None and segment not in our_segments()
@@ -456,7 +460,7 @@ def test_llm_generate_waits_when_the_queue_is_full(data_dir):
         LLM(cfg, standin_agents=True, bogus=1)
 
 
-# ---- the real tiny Llama on 2 agents ---------------------------------------------------------------------------
+# ---- the real tiny Llama on 2 agents -----------------------------------------------------------------------
 class RecordingPool:
     """A real AgentPool that also records (is_prefill, batch size, longest query) of every step."""
 
@@ -495,7 +499,7 @@ def proof_workload() -> list[tuple[list[int], SamplingParams]]:
 
 @pytest.fixture(scope="module")
 def references(data_dir, proof_workload):
-    """Hugging Face greedy results on the same weights, and (filled by the first engine) one-at-a-time runs."""
+    """Hugging Face greedy results on the same weights; the first engine adds one-at-a-time runs."""
     from tests.hf_reference import hf_greedy, load_hf
 
     cfg = tiny_config(data_dir, **PROOF_SECTIONS)
@@ -504,7 +508,8 @@ def references(data_dir, proof_workload):
 
 
 @pytest.mark.parametrize("policy", ["longest_output_first", "fcfs"])
-def test_real_llama_two_agents_match_sequential_and_transformers(data_dir, proof_workload, references, policy):
+def test_real_llama_two_agents_match_sequential_and_transformers(data_dir, proof_workload, references,
+                                                                 policy):
     pools: list[RecordingPool] = []
     cfg = tiny_config(data_dir, scheduler={"policy": policy}, **PROOF_SECTIONS)
     engine = Engine(cfg, pool_factory=lambda f, n: pools.append(RecordingPool(f, n)) or pools[-1])
@@ -513,7 +518,8 @@ def test_real_llama_two_agents_match_sequential_and_transformers(data_dir, proof
     try:
         assert len(agents.pids) == 2
         if "sequential" not in references:  # one request at a time through the same model
-            references["sequential"] = [engine.submit(p, params).result(timeout=60) for p, params in proof_workload]
+            references["sequential"] = [engine.submit(p, params).result(timeout=60)
+                                        for p, params in proof_workload]
             assert max(b for _, b, _ in pools[0].shapes) == 1
         before, first_step = engine.stats(), len(pools[0].shapes)
         streams = [engine.submit(p, params) for p, params in proof_workload[:30]]
@@ -521,7 +527,8 @@ def test_real_llama_two_agents_match_sequential_and_transformers(data_dir, proof
         streams += [engine.submit(p, params) for p, params in proof_workload[30:]]  # arrive during decode
         results = [s.result(timeout=60) for s in streams]
         stats, shapes = engine.stats(), pools[0].shapes[first_step:]
-        for res, seq_res, (hf_tokens, hf_logprobs) in zip(results, references["sequential"], references["hf"]):
+        for res, seq_res, (hf_tokens, hf_logprobs) in zip(results, references["sequential"],
+                                                          references["hf"]):
             assert res.token_ids == seq_res.token_ids == hf_tokens
             np.testing.assert_allclose(res.logprobs, hf_logprobs, atol=1e-4)
         assert len({t for res in results for t in res.token_ids}) > 50  # not a degenerate model
