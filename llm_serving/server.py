@@ -360,10 +360,8 @@ class Server:
 
         parts: list[str] = []
         try:
-            async for piece in gen.pieces():
+            async for piece in gen.pieces():  # a tokenless piece is a server-side abort: shown too
                 parts.append(piece.text)
-                if piece.token is None and not piece.text:
-                    continue  # a tokenless end (abort/stop): nothing new to show
                 details = (self._details(req, piece.finish_reason, gen.num_tokens)
                            if req.details and piece.finish_reason else None)
                 tokens = piece.token.to_json() if piece.token else None
@@ -432,8 +430,6 @@ class Server:
                 if echo:
                     await _write(resp, chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]))
             async for i, piece in _merge([g.pieces() for g in gens]):
-                if piece.token is None and not piece.text and piece.finish_reason in (None, "abort"):
-                    continue
                 tokens = [piece.token] if piece.token else []
                 lp = _openai_logprobs(tok, tokens, offsets[i], req.logprobs)
                 offsets[i] += len(piece.text)

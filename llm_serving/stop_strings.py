@@ -1,9 +1,10 @@
-"""Stop strings over streamed text: trim at the first stop string, never stream a part of one.
+"""Stop strings over streamed text: trim at the first completed stop string, never stream a part of one.
 
 A stop string may be split across tokens ("\\n\\nUser" as "\\n", "\\nUs", "er"), so text that could be the
 start of a stop string is held back until the next piece shows whether it is one. Released text therefore
 never contains a stop string or a prefix of one that later completes, and the concatenation of what is
-released equals the generated text cut before its first stop string.
+released equals the generated text cut before the stop string that is completed first (the earliest end;
+on a tie, the longest), whatever the pieces were.
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ class StopMatcher:
         if not self.stops:
             return text
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        # (end, -length) of each stop string's first occurrence: the one completed first wins, as if the
+        # text had arrived one character at a time (so the result does not depend on how it was split).
+        hits = [(i + len(s), -len(s)) for s, i in ((s, buf.find(s)) for s in self.stops) if i >= 0]
         if hits:
+            end, neg_len = min(hits)
             self.stopped = True
             self._held = ""
-            return buf[: min(hits)]
+            return buf[: end + neg_len]
         keep = max(_prefix_overlap(buf, s) for s in self.stops)
         self._held = buf[len(buf) - keep:] if keep else ""
         return buf[: len(buf) - keep]
