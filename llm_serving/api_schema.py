@@ -146,6 +146,8 @@ def parse_json(raw: bytes) -> Any:
         raise ApiError(400, "the request body is not UTF-8 text", "invalid_json") from None
     except json.JSONDecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON too deeply", "invalid_json") from None
 
 
 _GENERATE_TOP = ("inputs", "parameters", "stream", "sse")

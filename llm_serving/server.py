@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -43,7 +44,10 @@ from llm_serving.scheduler import RequestRejected
 from llm_serving.sequence import SamplingParams
 from llm_serving.stop_strings import StopMatcher
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+OFFLOAD_ENCODE_CHARS = 1 << 16  # longer prompts are tokenized off the event loop
 STREAM_RETRY_MS = 30000
 # finish reasons as each API names them (TGI for the llm-serving body, OpenAI for /v1)
 TGI_FINISH = {"eos": "eos_token", "length": "length", "stop": "stop_sequence", "abort": "abort"}
@@ -95,6 +99,7 @@ class Generation:
         self.num_tokens = 0
         self._last_token_time: float | None = None
         self._closed = False
+        self.failed = False  # the engine failed while serving it
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """The request's pieces, in order; the last one has a finish_reason. Iterate once."""
@@ -125,6 +130,9 @@ class Generation:
                 yield Piece(text, token, reason)
                 if reason is not None:
                     return
+        except EngineError:
+            self.failed = True
+            raise
         finally:
             self.close()
 
@@ -157,7 +165,9 @@ class Generation:
     def _record(self) -> None:
         m = self.server.metrics
         reason = self.finish_reason
-        if reason is None or reason == "abort":
+        if self.failed:
+            m.requests.inc("error")
+        elif reason is None or reason == "abort":
             m.requests.inc("aborted")
             m.finish_reasons.inc("abort")
         else:
@@ -256,6 +266,11 @@ class Server:
                 outcome = "overloaded" if err.status == 503 else "rejected" if err.status < 500 else "error"
                 self.metrics.requests.inc(outcome)
                 return _error_response(err, api == "openai")
+            except Exception as exc:  # a bug must not take the server down: log it, answer 500
+                log.exception("%s %s failed", request.method, request.path)
+                self.metrics.requests.inc("error")
+                err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
+                return _error_response(err, api == "openai")
 
         return guarded
 
@@ -286,11 +301,13 @@ class Server:
             raise _too_large(None, self.max_body_bytes) from None
         return parse_json(raw)
 
-    def _prepare(self, prompt: str | tuple[int, ...], requested: int | None) -> tuple[list[int], int]:
+    async def _prepare(self, prompt: str | tuple[int, ...], requested: int | None) -> tuple[list[int], int]:
         """Tokenize and size one generation: (prompt ids, max_new_tokens); raises ApiError if it cannot run."""
         self._check_accepting()
         tok = self.engine.tokenizer
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and len(prompt) > OFFLOAD_ENCODE_CHARS:
+            ids = await asyncio.get_running_loop().run_in_executor(None, tok.encode, prompt)
+        elif isinstance(prompt, str):
             ids = tok.encode(prompt)
         else:
             bad = [t for t in prompt if t >= tok.vocab_size]
@@ -329,7 +346,7 @@ class Server:
         self._check_model(request.match_info["model_name"])
         body = await self._read_body(request)
         req = parse_generate(body, self.limits, stream=True if stream_route else None)
-        ids, budget = self._prepare(req.inputs, req.max_new_tokens)
+        ids, budget = await self._prepare(req.inputs, req.max_new_tokens)
         gen = self._queue(ids, budget, req.stop, arrival)
         try:
             if req.stream:
@@ -391,7 +408,7 @@ class Server:
         req = parse_completion(body, self.limits)
         model = self._check_model(req.model)
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        prepared = [self._prepare(p, req.max_tokens) for p in req.prompts]  # refuse before queueing any
+        prepared = [await self._prepare(p, req.max_tokens) for p in req.prompts]  # refuse before queueing any
         gens: list[Generation] = []
         try:
             for i, (ids, budget) in enumerate(prepared):
