@@ -92,6 +92,11 @@ class Scheduler:
         self._live: dict[str, Sequence] = {}
         self._decodes_since_prefill = 0
         self.num_preemptions = 0
+        # Block tables of running sequences mirrored in one array (a row each), updated a block at a time, so
+        # a step's table is one gather instead of converting every Python list again on every step.
+        self._tables = np.zeros((config.max_num_seqs, -(-config.max_model_len // config.block_size)), np.int32)
+        self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self._row: dict[str, int] = {}
 
     # ---- requests -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -261,6 +266,9 @@ class Scheduler:
         for seq in chosen:
             self._dequeue(seq)
             bm.allocate(seq)
+            row = self._row[seq.request_id] = self._free_rows.pop()
+            self._tables[row] = DUMMY_BLOCK
+            self._tables[row, : len(seq.block_table)] = seq.block_table
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
         return chosen
@@ -278,7 +286,8 @@ class Scheduler:
             while not bm.can_append(seq) and self._running[-1] is not seq:
                 self._preempt(self._running[-1])
             if bm.can_append(seq):
-                bm.append_slot(seq)
+                bm.append_slot(seq)  # exactly one new block: the fast path above took the others
+                self._tables[self._row[seq.request_id], len(seq.block_table) - 1] = seq.block_table[-1]
                 scheduled.append(seq)
             else:  # seq is the newest left: it waits, the older ones (already given slots) go on
                 self._preempt(seq)
@@ -289,6 +298,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self._running.remove(seq)
         self.block_manager.free(seq)
+        self._free_rows.append(self._row.pop(seq.request_id))
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self._preempted.appendleft(seq)  # victims go newest-first, so the oldest ends up at the front
@@ -298,6 +308,7 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self._running.remove(seq)
             self.block_manager.free(seq)
+            self._free_rows.append(self._row.pop(seq.request_id))
         else:
             self._dequeue(seq)
         seq.finish(reason)
@@ -309,9 +320,8 @@ class Scheduler:
     def _build(self, seqs: list[Sequence], prefill: bool) -> StepBatch:
         bs, n = self.config.block_size, len(seqs)
         width = max(len(seq.block_table) for seq in seqs)
-        block_tables = np.full((n, width), DUMMY_BLOCK, dtype=np.int32)
-        for i, seq in enumerate(seqs):
-            block_tables[i, : len(seq.block_table)] = seq.block_table
+        table_rows = np.fromiter((self._row[seq.request_id] for seq in seqs), np.intp, n)
+        block_tables = self._tables[table_rows, :width]  # a copy: later steps do not change this batch
         context_lens = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
         if prefill:
             ids = np.fromiter((t for seq in seqs for t in seq.all_token_ids), np.int32, int(context_lens.sum()))
