@@ -236,14 +236,16 @@ class Engine:
             raise RequestRejected(f"max_new_tokens {params.max_new_tokens} exceeds "
                                   f"model_config.max_generate_length {limit}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seq = Sequence(rid, ids, params)
         stream = RequestStream(rid, text, ids, tok, self.abort)
+        stream._seq = seq
         with self._lock:
             self._check_ready()
             limit = self.config.serving_config.max_queue_size
             if self._scheduler.num_waiting >= limit:
                 raise QueueFull(f"{self._scheduler.num_waiting} requests are waiting "
                                 f"(serving_config.max_queue_size {limit})")
-            self._scheduler.add(Sequence(rid, ids, params))
+            self._scheduler.add(seq)
             self._streams[rid] = stream
             self._work.notify()
         return stream
@@ -310,14 +312,13 @@ class Engine:
         loops: dict[Any, list[RequestStream]] = {}
         delivered = finished = 0
         for seq in seqs:
-            if seq.status is running:
-                reason = None
-            else:
-                reason = seq.finish_reason
-                if reason != "eos" and reason != "length":
-                    continue  # aborted/stopped while the step was in flight: its stream already ended
+            stream = streams.get(seq.request_id)
+            if stream is None or stream._seq is not seq:
+                continue  # ended from outside while the step was in flight (its id may be reused already)
+            reason = None if seq.status is running else seq.finish_reason
+            if reason is not None:
+                del streams[seq.request_id]
                 finished += 1
-            stream = streams[seq.request_id] if reason is None else streams.pop(seq.request_id)
             delivered += 1
             loop = stream._push((seq.output_ids[-1], seq.output_logprobs[-1], reason, now))
             if loop is not None:

@@ -74,6 +74,7 @@ class RequestStream:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self._abort = abort
+        self._seq: object = None  # the engine's Sequence of this request (tells a reused id apart)
         self._items: deque[_Item | EngineError] = deque()
         self._final_pushed = False  # producer side: nothing is pushed after the final item
         # thread consumers

@@ -372,6 +372,23 @@ def test_abort_in_flight_is_never_computed_again(data_dir):
         stop(engine, pool)
 
 
+def test_stop_in_flight_then_reused_id_gets_only_its_own_tokens(data_dir):
+    engine, pool = gated_engine(data_dir)
+    try:
+        old = engine.submit([1, 5], SamplingParams(max_new_tokens=20), request_id="x")
+        pool.step()  # prefill
+        assert pool.entered.acquire(timeout=10)  # a decode step of "x" is in flight
+        assert engine.finish("x", "stop")
+        new = engine.submit([1, 6, 7], SamplingParams(max_new_tokens=2), request_id="x")
+        pool.gate.release()
+        pool.step()  # prefill of the new "x"
+        pool.step()  # its decode
+        assert old.result(timeout=10).finish_reason == "stop" and len(old.result().token_ids) == 1
+        assert new.result(timeout=10).token_ids == standin_expected([1, 6, 7], SamplingParams(2))[0]
+    finally:
+        stop(engine, pool)
+
+
 def test_step_error_fails_only_that_steps_requests(data_dir):
     engine, pool = gated_engine(data_dir)
     try:
