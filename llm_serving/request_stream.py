@@ -58,6 +58,7 @@ class GenerationResult:
     arrival_time: float = 0.0  # time.monotonic() at submit
     first_token_time: float | None = None  # when the engine produced the first token
     finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when the engine produced each token
 
 
 # Raw item pushed by the engine: (token_id, logprob, finish_reason, monotonic time) or an EngineError.
@@ -207,6 +208,7 @@ class RequestStream:
         if token != NO_TOKEN:
             res.token_ids.append(token)
             res.logprobs.append(logprob)
+            res.token_times.append(t)
             if res.first_token_time is None:
                 res.first_token_time = t
             text = self._decoder.push(token)
