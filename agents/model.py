@@ -7,8 +7,8 @@ Layout choices (measured on CPU, see docs/model.md and shared notes):
   gather reads a sequence's slots without copying the cache or transposing heads.
 - Prefill attends over the prompt's own K/V (padded ``[batch, seq]`` bucket, causal + length mask) while writing
   them to the cache; decode reads every sequence's context back through its block table.
-- The graph ends in a greedy argmax and the chosen token's log-probability, so only ``2 x batch`` numbers
-  leave the device per step. A separate graph (``return_logits=True``) returns full logits for checks.
+- The graph ends in a greedy argmax and the chosen token's log-probability, so an all-greedy step reads only
+  ``2 x batch`` numbers back. The logits are a third output, read only for sampled batches and logits checks.
 """
 
 from __future__ import annotations
@@ -204,18 +204,21 @@ def greedy_pick(logits: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class LlamaStep(nn.Cell):
-    """One compiled step (``is_prefill`` and ``return_logits`` are graph constants).
+    """One compiled step (``is_prefill`` is a graph constant).
 
     Inputs (static bucket shapes): input_ids/positions/slot_mapping ``[tokens]``; ``lens`` ``[batch]`` (prefill:
     prompt lengths, decode: context lengths); ``block_tables`` ``[batch, width]``; ``last_index`` ``[batch]``
     flat index of each sequence's last token (prefill only; decode uses every token).
+
+    Returns greedy token ids, their log-probabilities and the float32 logits ``[batch, vocab]``. The logits are
+    an output the caller may leave on the device: only sampled batches and logits checks read them (returning
+    them did not change decode step time measurably, and it saves compiling a second graph per shape).
     """
 
-    def __init__(self, model: LlamaModel, is_prefill: bool, return_logits: bool = False) -> None:
+    def __init__(self, model: LlamaModel, is_prefill: bool) -> None:
         super().__init__()
         self.model = model
         self.is_prefill = is_prefill
-        self.return_logits = return_logits
 
     def construct(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, lens: Tensor,
                   block_tables: Tensor, last_index: Tensor):
@@ -223,9 +226,8 @@ class LlamaStep(nn.Cell):
         if self.is_prefill:
             hidden = ops.gather(hidden, last_index, 0)
         logits = self.model.logits(hidden)
-        if self.return_logits:
-            return logits
-        return greedy_pick(logits)
+        token_ids, logprobs = greedy_pick(logits)
+        return token_ids, logprobs, logits
 
 
 def _canonical_parameters(model: LlamaModel) -> dict[str, Parameter]:

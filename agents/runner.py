@@ -22,6 +22,7 @@ from mindspore import Tensor
 from agents.device import setup_device
 from agents.model import LlamaModel, LlamaStep, load_weights_into
 from agents.model_config import LlamaConfig
+from agents.sampler import sample
 from llm_serving.batch import StepBatch, StepOutput
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,6 @@ class RunnerConfig:
     decode_batch_sizes: tuple[int, ...] = (1, 8, 32, 128)
     decode_block_widths: tuple[int, ...] = field(default=())
     dtype: str = "float32"
-    enable_logits: bool = False
     device_target: str = "CPU"
     device_id: int = 0
 
@@ -91,7 +91,7 @@ def _chunks(batch: StepBatch, size: int) -> Iterator[StepBatch]:
         t0, t1 = token_starts[s], token_starts[e]
         yield StepBatch(batch.is_prefill, batch.input_ids[t0:t1], batch.positions[t0:t1],
                         batch.slot_mapping[t0:t1], batch.query_lens[s:e], batch.context_lens[s:e],
-                        batch.block_tables[s:e])
+                        batch.block_tables[s:e], batch.sampling.rows(s, e) if batch.sampling else None)
 
 
 class ModelRunner:
@@ -104,10 +104,8 @@ class ModelRunner:
         self.model = LlamaModel(config, runner_config.num_blocks, runner_config.block_size,
                                 runner_config.max_model_len, DTYPES[runner_config.dtype])
         load_weights_into(self.model, weights)
-        self.prefill_graph = LlamaStep(self.model, is_prefill=True)
-        self.decode_graph = LlamaStep(self.model, is_prefill=False)
-        self.prefill_logits_graph = LlamaStep(self.model, is_prefill=True, return_logits=True)
-        self.decode_logits_graph = LlamaStep(self.model, is_prefill=False, return_logits=True)
+        self.graphs = {"prefill": LlamaStep(self.model, is_prefill=True),
+                       "decode": LlamaStep(self.model, is_prefill=False)}
         self.warmed: set[tuple] = set()
         self.compile_times: dict[tuple, float] = {}
 
@@ -117,8 +115,6 @@ class ModelRunner:
         if self.rc.max_model_len > self.rc.prefill_seq_lengths[-1]:
             shapes.append(("prefill", 1, self.rc.max_model_len))  # recompute of one preempted sequence
         shapes += [("decode", b, w) for b in self.rc.decode_batch_sizes for w in self.rc.decode_block_widths]
-        if self.rc.enable_logits:
-            shapes += [(kind + "_logits", b, n) for kind, b, n in shapes]
         return shapes
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> dict[tuple, float]:
@@ -126,7 +122,7 @@ class ModelRunner:
         for shape in self.graph_shapes():
             kind, b, n = shape
             t0 = time.perf_counter()
-            is_prefill = kind.startswith("prefill")
+            is_prefill = kind == "prefill"
             tokens = b * n if is_prefill else b
             inputs = self._padded_inputs(b, tokens, n if not is_prefill else 1)
             self.warmed.add(shape)
@@ -136,10 +132,6 @@ class ModelRunner:
                 progress(f"warmed {kind} batch={b} {'seq' if is_prefill else 'blocks'}={n} "
                          f"in {self.compile_times[shape]:.2f}s")
         return self.compile_times
-
-    def _graph(self, kind: str) -> LlamaStep:
-        return {"prefill": self.prefill_graph, "decode": self.decode_graph,
-                "prefill_logits": self.prefill_logits_graph, "decode_logits": self.decode_logits_graph}[kind]
 
     @staticmethod
     def _padded_inputs(batch: int, tokens: int, width: int) -> list[np.ndarray]:
@@ -152,7 +144,7 @@ class ModelRunner:
         if shape not in self.warmed:
             raise RuntimeError(f"graph shape {shape} was not warmed up; call warmup() first "
                                f"(the runner never compiles while serving)")
-        return self._graph(kind)(*[Tensor(a) for a in arrays])
+        return self.graphs[kind](*[Tensor(a) for a in arrays])
 
     # ---- steps --------------------------------------------------------------------------------------------
     def _prefill_inputs(self, batch: StepBatch) -> tuple[tuple, list[np.ndarray]]:
@@ -195,21 +187,28 @@ class ModelRunner:
         return self.rc.prefill_batch_sizes[-1] if batch.is_prefill else self.rc.decode_batch_sizes[-1]
 
     def step(self, batch: StepBatch) -> StepOutput:
-        """Run one prefill or decode step; batches larger than the biggest bucket run as several calls."""
+        """Run one prefill or decode step; batches larger than the biggest bucket run as several calls.
+
+        All-greedy parts use the in-graph argmax; parts with sampled or penalised sequences read the logits and
+        sample on the host (``agents.sampler``).
+        """
         ids, logprobs = [], []
         for part in _chunks(batch, self._max_batch(batch)):
             shape, arrays = self._inputs(part)
-            tok, lp = self._run(shape[0], shape, arrays)
-            ids.append(tok.asnumpy()[: part.batch_size])
-            logprobs.append(lp.asnumpy()[: part.batch_size])
+            tok, lp, logits = self._run(shape[0], shape, arrays)
+            n = part.batch_size
+            tok, lp = tok.asnumpy()[:n], lp.asnumpy()[:n]
+            if part.sampling is not None and part.sampling.needs_logits:
+                tok, lp = sample(logits.asnumpy()[:n], tok, lp, part.sampling)
+            ids.append(tok)
+            logprobs.append(lp)
         return StepOutput(np.concatenate(ids).astype(np.int32), np.concatenate(logprobs).astype(np.float32))
 
     def step_logits(self, batch: StepBatch) -> np.ndarray:
-        """Like ``step`` but returns float32 logits ``[B, vocab]`` of each sequence's last token."""
-        if not self.rc.enable_logits:
-            raise RuntimeError("logits graphs are not compiled; set enable_logits in the runner config")
+        """Like ``step`` (the KV cache is written the same way) but returns float32 logits ``[B, vocab]`` of each
+        sequence's last token, for logits checks."""
         out = []
         for part in _chunks(batch, self._max_batch(batch)):
-            (kind, b, n), arrays = self._inputs(part)
-            out.append(self._run(kind + "_logits", (kind + "_logits", b, n), arrays).asnumpy()[: part.batch_size])
+            shape, arrays = self._inputs(part)
+            out.append(self._run(shape[0], shape, arrays)[2].asnumpy()[: part.batch_size])
         return np.concatenate(out)

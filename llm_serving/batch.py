@@ -13,6 +13,38 @@ import numpy as np
 
 
 @dataclass
+class SamplingBatch:
+    """Per-sequence sampling parameters of one step (absent from all-greedy steps).
+
+    ``temperature`` 0 means greedy. The random draw of a sequence depends only on ``(seeds[i], draw_index[i])``
+    (``draw_index`` = tokens generated so far), so a seeded request samples the same tokens whatever else is in
+    its batch and across preemption. ``penalty_token_ids[penalty_offsets[i]:penalty_offsets[i+1]]`` are the
+    prompt + generated token ids of sequence ``i`` that its repetition penalty applies to (empty when 1.0).
+    """
+
+    temperature: np.ndarray  # float32 [B]
+    top_k: np.ndarray  # int32 [B], 0 = no limit
+    top_p: np.ndarray  # float32 [B], 1.0 = no limit
+    repetition_penalty: np.ndarray  # float32 [B], 1.0 = none
+    seeds: np.ndarray  # int64 [B]
+    draw_index: np.ndarray  # int32 [B]
+    penalty_offsets: np.ndarray  # int32 [B + 1]
+    penalty_token_ids: np.ndarray  # int32 [penalty_offsets[-1]]
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether any sequence needs more than the in-graph greedy argmax."""
+        return bool(np.any(self.temperature > 0) or np.any(self.repetition_penalty != 1.0))
+
+    def rows(self, start: int, end: int) -> SamplingBatch:
+        """The parameters of sequences ``start:end`` (for splitting a batch)."""
+        offsets = self.penalty_offsets[start:end + 1]
+        return SamplingBatch(self.temperature[start:end], self.top_k[start:end], self.top_p[start:end],
+                             self.repetition_penalty[start:end], self.seeds[start:end], self.draw_index[start:end],
+                             offsets - offsets[0], self.penalty_token_ids[offsets[0]:offsets[-1]])
+
+
+@dataclass
 class StepBatch:
     """One model step for ``B`` sequences.
 
@@ -27,6 +59,7 @@ class StepBatch:
     query_lens: np.ndarray  # int32 [B], tokens each sequence contributes this step
     context_lens: np.ndarray  # int32 [B], sequence length after this step (cached + new tokens)
     block_tables: np.ndarray  # int32 [B, W], block ids of each sequence; unused entries are 0
+    sampling: SamplingBatch | None = None  # None: every sequence is greedy
 
     @property
     def batch_size(self) -> int:

@@ -35,7 +35,7 @@ def runner_config(**overrides) -> RunnerConfig:
 def model_pair(request, tmp_path_factory):
     config = tiny_config(request.param)
     model_dir = build_random_model(tmp_path_factory.mktemp(f"llama_kv{request.param}"), config, seed=7, std=0.2)
-    runner = ModelRunner(config, load_weights(model_dir, config), runner_config(enable_logits=True))
+    runner = ModelRunner(config, load_weights(model_dir, config), runner_config())
     runner.warmup()
     return config, runner, load_hf(model_dir)
 

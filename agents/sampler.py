@@ -1,0 +1,81 @@
+"""Sampling on the agent, right after the graph, from the step's logits (numpy; no MindSpore).
+
+Why here: the logits are already in the agent's memory, and only token ids + logprobs cross to the master (no
+``batch x vocab`` transfer per step). All-greedy steps never come here: they use the in-graph argmax.
+
+Semantics follow Hugging Face ``generate`` / vLLM: repetition penalty over prompt + generated tokens (the CTRL
+rule: positive logits divided by the penalty, negative ones multiplied), then temperature, then top-k, then top-p
+(nucleus) over the temperature-scaled, top-k-filtered distribution. Temperature 0 is greedy over the penalised
+logits. The returned logprob is the chosen token's log-softmax under the model's raw logits, as for greedy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llm_serving.batch import SamplingBatch
+
+# Top-p looks at this many best candidates first and falls back to a full sort when they hold < top_p mass.
+_TOP_P_CANDIDATES = 256
+
+
+def _log_softmax_at(logits: np.ndarray, token: int) -> float:
+    top = float(logits.max())
+    return float(logits[token]) - top - float(np.log(np.exp(logits - top).sum(dtype=np.float64)))
+
+
+def apply_repetition_penalty(logits: np.ndarray, token_ids: np.ndarray, penalty: float) -> np.ndarray:
+    """CTRL repetition penalty on a float64 copy of one row."""
+    out = logits.astype(np.float64)
+    if penalty != 1.0 and token_ids.size:
+        seen = np.unique(token_ids)
+        vals = out[seen]
+        out[seen] = np.where(vals > 0, vals / penalty, vals * penalty)
+    return out
+
+
+def filtered_probs(scaled: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Candidate token ids and their renormalised probabilities after top-k, then top-p."""
+    vocab = scaled.shape[0]
+    pool = np.argpartition(-scaled, top_k - 1)[:top_k] if 0 < top_k < vocab else np.arange(vocab)
+    weights = np.exp(scaled[pool] - scaled[pool].max())
+    weights /= weights.sum()  # the distribution after top-k
+    if top_p >= 1.0:
+        return pool, weights
+    n = min(_TOP_P_CANDIDATES, len(pool))
+    best = np.argpartition(-weights, n - 1)[:n]
+    best = best[np.argsort(-weights[best], kind="stable")]
+    if n < len(pool) and weights[best].sum() < top_p:  # the nucleus is wider than the shortlist
+        best = np.argsort(-weights, kind="stable")
+    chosen = weights[best]
+    keep = best[np.cumsum(chosen) - chosen < top_p]  # smallest prefix reaching top_p; never empty
+    probs = weights[keep]
+    return pool[keep], probs / probs.sum()
+
+
+def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float, penalty: float,
+               penalty_ids: np.ndarray, seed: int, draw_index: int) -> tuple[int, float]:
+    """Next token of one sequence and its raw-logits logprob."""
+    penalised = apply_repetition_penalty(logits, penalty_ids, penalty)
+    if temperature <= 0:
+        token = int(np.argmax(penalised))
+    else:
+        ids, probs = filtered_probs(penalised / temperature, top_k, top_p)
+        u = np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, draw_index]).random()
+        token = int(ids[min(int(np.searchsorted(np.cumsum(probs), u, side="right")), len(ids) - 1)])
+    return token, _log_softmax_at(logits, token)
+
+
+def sample(logits: np.ndarray, greedy_ids: np.ndarray, greedy_logprobs: np.ndarray,
+           sampling: SamplingBatch) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and logprobs for a batch: rows without sampling or penalty keep the in-graph greedy result."""
+    ids = greedy_ids.astype(np.int32).copy()
+    logprobs = greedy_logprobs.astype(np.float32).copy()
+    special = np.nonzero((sampling.temperature > 0) | (sampling.repetition_penalty != 1.0))[0]
+    for i in special.tolist():
+        lo, hi = sampling.penalty_offsets[i], sampling.penalty_offsets[i + 1]
+        ids[i], logprobs[i] = sample_row(
+            logits[i], float(sampling.temperature[i]), int(sampling.top_k[i]), float(sampling.top_p[i]),
+            float(sampling.repetition_penalty[i]), sampling.penalty_token_ids[lo:hi], int(sampling.seeds[i]),
+            int(sampling.draw_index[i]))
+    return ids, logprobs
