@@ -180,7 +180,8 @@ class ModelRunner:
         tables[:n, :cols] = batch.block_tables[:, :cols]
         return ("decode", b, w), arrays
 
-    def _inputs(self, batch: StepBatch) -> tuple[tuple, list[np.ndarray]]:
+    def bucket_inputs(self, batch: StepBatch) -> tuple[tuple, list[np.ndarray]]:
+        """The batch padded to its bucket: ``((kind, batch, seq-or-width), graph input arrays)``."""
         return self._prefill_inputs(batch) if batch.is_prefill else self._decode_inputs(batch)
 
     def _max_batch(self, batch: StepBatch) -> int:
@@ -194,7 +195,7 @@ class ModelRunner:
         """
         ids, logprobs = [], []
         for part in _chunks(batch, self._max_batch(batch)):
-            shape, arrays = self._inputs(part)
+            shape, arrays = self.bucket_inputs(part)
             tok, lp, logits = self._run(shape[0], shape, arrays)
             n = part.batch_size
             tok, lp = tok.asnumpy()[:n], lp.asnumpy()[:n]
@@ -209,6 +210,6 @@ class ModelRunner:
         sequence's last token, for logits checks."""
         out = []
         for part in _chunks(batch, self._max_batch(batch)):
-            shape, arrays = self._inputs(part)
+            shape, arrays = self.bucket_inputs(part)
             out.append(self._run(shape[0], shape, arrays)[2].asnumpy()[: part.batch_size])
         return np.concatenate(out)

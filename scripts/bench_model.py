@@ -11,6 +11,7 @@ of every graph shape.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -23,11 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
+from agents.model import LlamaStep, greedy_pick
 from agents.model_config import LlamaConfig
 from agents.random_model import random_hf_weights
 from agents.runner import ModelRunner, RunnerConfig
 from agents.weights import fuse_hf_tensors
-from llm_serving.batch import StepBatch
+from llm_serving.batch import SamplingBatch, StepBatch
 
 BENCH_MODEL = LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                           num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
@@ -111,12 +113,51 @@ def main() -> None:
         flops = b * cfg.flops_per_token(ctx)
         rows.append((f"decode B={b} ctx={ctx}", b, flops, median_ms(lambda batch=batch: runner.step(batch), args.repeats)))
 
+    print_table(rows, args.repeats)
+    print()
+    print_sampling(runner, decode_batch(max(args.decode_batches), ctx), args.repeats)
+
+
+def print_table(rows: list[tuple], repeats: int) -> None:
     print("| call | ms | model GFLOP/s | same-size matmul GFLOP/s | ratio |")
     print("|---|---|---|---|---|")
     for name, tokens, flops, ms_ in rows:
         model_rate = flops / ms_ / 1e6
-        ref = matmul_gflops(tokens, flops, args.repeats)
+        ref = matmul_gflops(tokens, flops, repeats)
         print(f"| {name} | {ms_:.1f} | {model_rate:.1f} | {ref:.1f} | {model_rate / ref:.0%} |")
+
+
+class GreedyOnlyStep(LlamaStep):
+    """The step graph as it was before sampling: only token ids and logprobs as outputs."""
+
+    def construct(self, input_ids, positions, slot_mapping, lens, block_tables, last_index):
+        hidden = self.model.hidden_states(input_ids, positions, slot_mapping, lens, block_tables, self.is_prefill)
+        return greedy_pick(self.model.logits(hidden))
+
+
+def all_sampled(batch: StepBatch) -> StepBatch:
+    b = batch.batch_size
+    sampling = SamplingBatch(np.full(b, 0.8, np.float32), np.full(b, 50, np.int32), np.full(b, 0.9, np.float32),
+                             np.ones(b, np.float32), np.arange(b, dtype=np.int64), np.zeros(b, np.int32),
+                             np.zeros(b + 1, np.int32), np.zeros(0, np.int32))
+    return dataclasses.replace(batch, sampling=sampling)
+
+
+def print_sampling(runner: ModelRunner, batch: StepBatch, repeats: int) -> None:
+    """Decode step time: greedy before/after sampling support, and an all-sampled batch, in one run."""
+    before = GreedyOnlyStep(runner.model, is_prefill=False)
+
+    def greedy_before() -> None:
+        _, arrays = runner.bucket_inputs(batch)
+        for out in before(*[Tensor(a) for a in arrays]):
+            out.asnumpy()
+
+    sampled = all_sampled(batch)
+    print(f"| decode B={batch.batch_size} step | ms |")
+    print("|---|---|")
+    print(f"| greedy, graph without logits output (before sampling) | {median_ms(greedy_before, repeats):.1f} |")
+    print(f"| greedy, current graph | {median_ms(lambda: runner.step(batch), repeats):.1f} |")
+    print(f"| all sampled (T=0.8, top_k=50, top_p=0.9) | {median_ms(lambda: runner.step(sampled), repeats):.1f} |")
 
 
 if __name__ == "__main__":
