@@ -170,11 +170,17 @@ def run_server(name: str, tag: str, config: Path, reqs: list[BenchRequest], expe
     try:
         cfg = BenchConfig(port=port, endpoint="stream", qps=float("inf"), metrics_interval=0.5)
         t_start = time.perf_counter()
-        try:
-            asyncio.run(wait_ready(cfg, args.startup_timeout))
-        except BenchError as e:
-            tail = log_path.read_text()[-2000:]
-            raise SystemExit(f"{name}: server did not start ({e}); log tail:\n{tail}") from None
+        while True:  # poll /health in short rounds so a server that died is noticed at once
+            try:
+                asyncio.run(wait_ready(cfg, 5.0))
+                break
+            except BenchError as e:
+                elapsed = time.perf_counter() - t_start
+                if proc.poll() is not None or elapsed > args.startup_timeout:
+                    why = f"exited {proc.returncode}" if proc.poll() is not None else str(e)
+                    print(f"[benchmark] {name}: server did not start ({why}); log tail:\n"
+                          f"{log_path.read_text()[-1500:]}", flush=True)
+                    return Row(name, float("nan"), len(reqs), 0, 0, 0, f"server did not start ({why})")
         print(f"[benchmark] {name}: ready after {time.perf_counter() - t_start:.1f}s", flush=True)
         run = asyncio.run(benchmark(reqs, cfg, progress=False))
     finally:
@@ -235,6 +241,9 @@ def table(rows: list[Row], hf_row: Row, roofline_s: float) -> str:
               "| speedup vs HF (tokens/s) | x roofline |"),
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if not r.ok:
+            lines.append(f"| {r.name} | 0/{r.requests} | | | | | | {r.note} |")
+            continue
         tps = r.output_tokens / r.total_s
         lines.append(f"| {r.name} | {r.ok}/{r.requests} | {r.matched}/{r.requests} | {r.ok / r.total_s:.2f} "
                      f"| {tps:.1f} | {r.total_s:.2f} | {tps / hf_tps:.2f}x | {r.total_s / roofline_s:.2f} |")
