@@ -5,6 +5,10 @@ their KV lives. A step is either a prefill (whole prompts of newly admitted sequ
 decode (one token for every running sequence); they are never mixed, which keeps the agents' compiled
 shape buckets simple. One step is in flight at a time: ``schedule()``, run the model, ``postprocess()``.
 
+Sampling: all-greedy steps carry no ``SamplingBatch`` (the agents keep the in-graph argmax). A step with a
+sampled or penalised sequence carries every sequence's parameters, its seed (fixed at admission, so a
+preempted and recomputed sequence draws the same) and its draw index (tokens generated so far).
+
 When a decode step needs a KV block and none is free, the most recently admitted running sequence is
 preempted by recompute: its blocks are freed and it goes back to the front of the queue; its next prefill
 covers prompt + generated tokens, so it resumes exactly where it stopped (greedy results do not change).
@@ -23,6 +27,7 @@ Prefill vs decode interleaving (``min_decode_steps_between_prefills``):
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llm_serving.batch import StepBatch, StepOutput
+from llm_serving.batch import SamplingBatch, StepBatch, StepOutput
 from llm_serving.block_manager import DUMMY_BLOCK, BlockManager
 from llm_serving.sequence import FINISH_REASONS, Sequence, SequenceStatus
 
@@ -97,6 +102,7 @@ class Scheduler:
         self._tables = np.zeros((config.max_num_seqs, -(-config.max_model_len // config.block_size)), np.int32)
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self._row: dict[str, int] = {}
+        self._running_sampled = 0  # running sequences whose params need logits; 0 keeps decode on the fast path
 
     # ---- requests -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -127,6 +133,9 @@ class Scheduler:
             )
         if seq.arrival_time is None:
             seq.arrival_time = self._clock()
+        if seq.seed is None:  # fixed now, so preemption and recompute never change the request's draws
+            seed = seq.params.seed if seq.params.seed is not None else secrets.randbits(64)
+            seq.seed = (seed + 2**63) % 2**64 - 2**63  # as int64: the agents' RNG reads it modulo 2**64
         self._waiting.append(seq)
         self._live[rid] = seq
 
@@ -271,6 +280,7 @@ class Scheduler:
             self._tables[row, : len(seq.block_table)] = seq.block_table
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
+            self._running_sampled += seq.params.needs_logits
         return chosen
 
     def _reserve_decode_slots(self) -> list[Sequence]:
@@ -297,6 +307,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._running.remove(seq)
+        self._running_sampled -= seq.params.needs_logits
         self.block_manager.free(seq)
         self._free_rows.append(self._row.pop(seq.request_id))
         seq.status = SequenceStatus.WAITING
@@ -307,6 +318,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self._running.remove(seq)
+            self._running_sampled -= seq.params.needs_logits
             self.block_manager.free(seq)
             self._free_rows.append(self._row.pop(seq.request_id))
         else:
@@ -342,4 +354,31 @@ class Scheduler:
             query_lens=query_lens,
             context_lens=context_lens,
             block_tables=block_tables,
+            sampling=self._sampling(seqs, prefill),
         )
+
+    def _sampling(self, seqs: list[Sequence], prefill: bool) -> SamplingBatch | None:
+        """None for an all-greedy step (checked in O(1) for decode); else the per-sequence arrays."""
+        if not prefill and not self._running_sampled:
+            return None
+        if not any(seq.params.needs_logits for seq in seqs):
+            return None
+        return _sampling_batch(seqs)
+
+
+def _sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
+    """Per-sequence sampling arrays; penalty ids are prompt + generated tokens of penalised sequences only."""
+    n, params = len(seqs), [seq.params for seq in seqs]
+    penalised = [seq.all_token_ids if p.repetition_penalty != 1.0 else [] for seq, p in zip(seqs, params)]
+    offsets = np.zeros(n + 1, np.int32)
+    np.cumsum([len(ids) for ids in penalised], out=offsets[1:])
+    return SamplingBatch(
+        temperature=np.fromiter((p.temperature for p in params), np.float32, n),
+        top_k=np.fromiter((p.top_k for p in params), np.int32, n),
+        top_p=np.fromiter((p.top_p for p in params), np.float32, n),
+        repetition_penalty=np.fromiter((p.repetition_penalty for p in params), np.float32, n),
+        seeds=np.fromiter((seq.seed for seq in seqs), np.int64, n),
+        draw_index=np.fromiter((seq.num_output_tokens for seq in seqs), np.int32, n),
+        penalty_offsets=offsets,
+        penalty_token_ids=np.fromiter((t for ids in penalised for t in ids), np.int32, int(offsets[-1])),
+    )

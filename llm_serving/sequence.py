@@ -1,29 +1,69 @@
-"""One generation request as the scheduler sees it: token ids, sampling limits and KV block table.
+"""One generation request as the scheduler sees it: token ids, sampling parameters and KV block table.
 
 Preemption is by recompute (as in vLLM): a preempted sequence drops its KV blocks but keeps the tokens it
-generated, so its next prefill covers ``all_token_ids`` and only the tokens after that are new output.
+generated, so its next prefill covers ``all_token_ids`` and only the tokens after that are new output. Its
+random draws depend only on its seed and how many tokens it has generated, so a recompute samples the same.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 FINISH_REASONS = ("eos", "length", "abort", "stop")
 
 
-@dataclass
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
 class SamplingParams:
-    """Per-request generation limits; sampling fields (temperature, top_p, ...) are added here later."""
+    """Per-request generation limits and sampling controls (Hugging Face / vLLM semantics).
+
+    ``temperature`` 0 is greedy (top_k/top_p then do not matter); ``top_k`` 0 and ``top_p`` 1.0 mean no limit;
+    ``repetition_penalty`` 1.0 means none (it also applies to greedy requests, as in HF). ``seed`` makes the
+    draws reproducible whatever else is batched with the request; without one the scheduler picks a random
+    seed when the request is admitted. Frozen, so one instance can be shared by many requests.
+    """
 
     max_new_tokens: int = 16
     ignore_eos: bool = False
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    # Whether the agent must read the logits (sampling or penalty) instead of taking the in-graph argmax.
+    needs_logits: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+        if _not_int(self.max_new_tokens):
             raise TypeError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise TypeError(f"{name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature:g}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = no limit), got {self.top_p:g}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = none), got {self.repetition_penalty:g}")
+        if _not_int(self.top_k):
+            raise TypeError(f"top_k must be an int, got {self.top_k!r}")
+        if not 0 <= self.top_k <= _INT32_MAX:
+            raise ValueError(f"top_k must be in 0..{_INT32_MAX} (0 = no limit), got {self.top_k}")
+        if self.seed is not None and _not_int(self.seed):
+            raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+        object.__setattr__(self, "needs_logits", self.temperature > 0 or self.repetition_penalty != 1.0)
+
+
+def _not_int(value: object) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
 
 
 class SequenceStatus(enum.Enum):
@@ -46,6 +86,7 @@ class Sequence:
     finish_reason: str | None = None  # one of FINISH_REASONS once finished
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    seed: int | None = None  # int64 seed of its random draws; fixed by Scheduler.add (params.seed or random)
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]

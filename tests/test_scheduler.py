@@ -19,6 +19,11 @@ def next_token(tokens: list[int]) -> int:
     return h % VOCAB
 
 
+def sampled_token(tokens: list[int], seed: int, draw_index: int) -> int:
+    """The fake model's "random" draw: a function of context, seed and draw index only, like the agents'."""
+    return next_token(tokens + [seed % 1_000_003, draw_index])
+
+
 def logprob_of(token: int) -> float:
     return -token / 64.0
 
@@ -34,19 +39,28 @@ class FakeKVModel:
         batch.validate()
         bs = self.block_size
         self.kv[batch.slot_mapping] = batch.input_ids
-        tokens = []
+        tokens, sampling = [], batch.sampling
         for i in range(batch.batch_size):
             pos = np.arange(batch.context_lens[i])
-            ctx = self.kv[batch.block_tables[i, pos // bs] * bs + pos % bs]
-            assert (ctx >= 0).all()
-            tokens.append(next_token(ctx.tolist()))
+            ctx = self.kv[batch.block_tables[i, pos // bs] * bs + pos % bs].tolist()
+            assert min(ctx) >= 0
+            if sampling is None:
+                tokens.append(next_token(ctx))
+                continue
+            penalty_ids = sampling.penalty_token_ids[sampling.penalty_offsets[i]:sampling.penalty_offsets[i + 1]]
+            assert penalty_ids.tolist() == (ctx if sampling.repetition_penalty[i] != 1.0 else [])
+            if sampling.temperature[i] > 0:
+                tokens.append(sampled_token(ctx, int(sampling.seeds[i]), int(sampling.draw_index[i])))
+            else:
+                tokens.append(next_token(ctx))
         return StepOutput(np.array(tokens, np.int32), np.array([logprob_of(t) for t in tokens], np.float32))
 
 
-def expected_output(prompt: list[int], params: SamplingParams, eos: int | None = EOS) -> tuple[list[int], str]:
+def expected_output(prompt: list[int], params: SamplingParams, eos: int | None = EOS,
+                    seed: int | None = None) -> tuple[list[int], str]:
     tokens, out = list(prompt), []
     while True:
-        t = next_token(tokens)
+        t = sampled_token(tokens, seed, len(out)) if params.temperature > 0 else next_token(tokens)
         tokens.append(t)
         out.append(t)
         if eos is not None and t == eos and not params.ignore_eos:
@@ -358,10 +372,122 @@ def test_starvation_guard_admits_long_waiters_first():
     assert admission_order(s) == ["mid"]
 
 
+# ---- sampling parameters --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, error, match", [
+    ({"temperature": -0.1}, ValueError, "temperature must be >= 0"),
+    ({"temperature": float("nan")}, TypeError, "temperature must be a finite number"),
+    ({"temperature": "0.5"}, TypeError, "temperature must be a finite number"),
+    ({"top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\]"),
+    ({"top_p": 1.5}, ValueError, r"top_p must be in \(0, 1\]"),
+    ({"top_k": -1}, ValueError, "top_k must be in 0.."),
+    ({"top_k": 2**31}, ValueError, "top_k must be in 0.."),
+    ({"top_k": 2.0}, TypeError, "top_k must be an int"),
+    ({"repetition_penalty": 0.0}, ValueError, "repetition_penalty must be > 0"),
+    ({"repetition_penalty": -1.2}, ValueError, "repetition_penalty must be > 0"),
+    ({"seed": 1.5}, TypeError, "seed must be an int"),
+    ({"seed": True}, TypeError, "seed must be an int"),
+])
+def test_sampling_params_validation(kw, error, match):
+    with pytest.raises(error, match=match):
+        SamplingParams(4, **kw)
+
+
+def test_sampling_params_defaults_are_greedy_and_frozen():
+    p = SamplingParams(4)
+    assert (p.temperature, p.top_k, p.top_p, p.repetition_penalty, p.seed) == (0.0, 0, 1.0, 1.0, None)
+    assert not p.needs_logits and SamplingParams(4, temperature=1).temperature == 1.0
+    assert SamplingParams(4, temperature=0.5).needs_logits and SamplingParams(4, repetition_penalty=1.1).needs_logits
+    assert not SamplingParams(4, top_k=5, top_p=0.5).needs_logits  # greedy: top-k/top-p change nothing
+    with pytest.raises(AttributeError):
+        p.temperature = 1.0
+
+
+def test_greedy_steps_carry_no_sampling_and_mixed_steps_carry_every_sequence():
+    s = Scheduler(config())
+    greedy = Sequence("g", [11, 12, 13], SamplingParams(6))
+    sampled = Sequence("s", [14, 15], SamplingParams(6, temperature=0.7, top_k=5, top_p=0.9, seed=42))
+    penalised = Sequence("p", [16, 17, 16, 18], SamplingParams(6, repetition_penalty=1.3))
+    s.add(greedy)
+    seqs, batch = s.schedule()
+    assert batch.sampling is None  # all greedy: the agents keep the in-graph argmax
+    s.postprocess(seqs, fixed_output(seqs, 7))
+    assert s.schedule()[1].sampling is None
+    s.postprocess(seqs, fixed_output(seqs, 8))
+    s.add(sampled)
+    s.add(penalised)
+    seqs, batch = s.schedule()
+    assert seqs == [sampled, penalised] and batch.is_prefill
+    sb = batch.sampling
+    assert sb.temperature.tolist() == pytest.approx([0.7, 0.0]) and sb.top_k.tolist() == [5, 0]
+    assert sb.top_p.tolist() == pytest.approx([0.9, 1.0]) and sb.repetition_penalty.tolist() == pytest.approx([1, 1.3])
+    assert sb.seeds[0] == 42 and sb.seeds[1] == penalised.seed and sb.draw_index.tolist() == [0, 0]
+    assert sb.penalty_offsets.tolist() == [0, 0, 4] and sb.penalty_token_ids.tolist() == [16, 17, 16, 18]
+    assert sb.needs_logits
+    s.postprocess(seqs, fixed_output(seqs, 9))
+
+    seqs, batch = s.schedule()  # decode: every running sequence, greedy ones at temperature 0
+    sb = batch.sampling
+    assert seqs == [greedy, sampled, penalised] and not batch.is_prefill
+    assert sb.temperature.tolist() == pytest.approx([0.0, 0.7, 0.0])
+    assert sb.draw_index.tolist() == [2, 1, 1]  # tokens generated so far
+    assert sb.penalty_offsets.tolist() == [0, 0, 0, 5] and sb.penalty_token_ids.tolist() == [16, 17, 16, 18, 9]
+    assert sb.seeds.tolist() == [greedy.seed, 42, penalised.seed] and sb.seeds.dtype == np.int64
+    s.postprocess(seqs, fixed_output(seqs, 10))
+    s.abort("s")
+    assert s.schedule()[1].sampling.temperature.tolist() == [0.0, 0.0]  # the penalty still needs logits
+    s.finish_request("p", "stop")
+    assert s.schedule()[1].sampling is None  # back on the fast path
+
+
+def test_seeds_are_fixed_at_admission_and_stored_as_int64():
+    s = Scheduler(config())
+    given = {"a": 5, "b": -1, "c": 2**64 + 5, "d": 2**63}
+    for rid, seed in given.items():
+        s.add(Sequence(rid, [3, 4], SamplingParams(4, temperature=1.0, seed=seed)))
+    s.add(Sequence("r1", [3, 4], SamplingParams(4, temperature=1.0)))
+    s.add(Sequence("r2", [3, 4], SamplingParams(4, temperature=1.0)))
+    by_id = {x.request_id: x for x in s.waiting}
+    assert [by_id[r].seed for r in given] == [5, -1, 5, -2**63]  # congruent modulo 2**64
+    r1, r2 = by_id["r1"].seed, by_id["r2"].seed
+    assert r1 != r2 and all(-2**63 <= v < 2**63 for v in (r1, r2))
+
+
+def test_sampled_draws_do_not_depend_on_batch_or_preemption():
+    """Every sequence's tokens follow from (context, seed, draw index) alone, however it is batched."""
+    cfg = config(num_blocks=9, block_size=2, max_model_len=16, max_num_batched_tokens=16, max_num_seqs=6)
+    alone_cfg = config(num_blocks=64, block_size=2, max_model_len=16, max_num_batched_tokens=16)
+    params = [SamplingParams(10, True, temperature=0.9, seed=i) for i in range(5)] + [
+        SamplingParams(10, True), SamplingParams(10, True, temperature=0.5, repetition_penalty=1.2)]
+
+    def run(c: SchedulerConfig, batch: list[int]) -> tuple[dict[int, list[int]], int]:
+        s, model = Scheduler(c), FakeKVModel(c.num_blocks, c.block_size)
+        # unseeded requests get a random seed at admission; preset one so both runs use the same
+        xs = {i: Sequence(f"r{i}", [20 + i, 21, 22], params[i], seed=None if params[i].seed is not None else 100 + i)
+              for i in batch}
+        for x in xs.values():
+            s.add(x)
+        while s.has_unfinished():
+            seqs, b = s.schedule()
+            s.postprocess(seqs, model.step(b))
+        return {i: x.output_ids for i, x in xs.items()}, s.num_preemptions
+
+    together, preemptions = run(cfg, list(range(len(params))))
+    assert preemptions > 0
+    for i, p in enumerate(params):
+        alone, _ = run(alone_cfg, [i])
+        assert together[i] == alone[i] == expected_output([20 + i, 21, 22], p, seed=p.seed if p.seed is not None
+                                                          else 100 + i)[0]
+    assert together[0] != together[1]  # different seeds draw differently
+
+
 # ---- randomized end-to-end property test ----------------------------------------------------------------------
 def check_invariants(s: Scheduler, seqs, batch: StepBatch, retired: set[int]) -> None:
     cfg, bm = s.config, s.block_manager
     batch.validate()
+    assert (batch.sampling is None) == (not any(x.params.needs_logits for x in seqs))
+    if batch.sampling is not None:
+        assert batch.sampling.seeds.tolist() == [x.seed for x in seqs]
+        assert batch.sampling.draw_index.tolist() == [x.num_output_tokens for x in seqs]
     owned = [b for x in s.running for b in x.block_table]
     assert len(owned) == len(set(owned)), "two running sequences share a block"
     assert 0 not in owned and len(owned) == bm.num_used_blocks
@@ -390,7 +516,7 @@ def check_invariants(s: Scheduler, seqs, batch: StepBatch, retired: set[int]) ->
     ("longest_output_first", 3, 3),
 ])
 def test_randomized_arrivals_aborts_and_preemptions(policy, interleave, seed):
-    rng = random.Random(seed)
+    rng, sampling_rng = random.Random(seed), random.Random(-seed)
     cfg = SchedulerConfig(num_blocks=17, block_size=4, max_num_seqs=6, max_prefill_batch=3,
                           max_num_batched_tokens=48, max_model_len=48, eos_token_id=EOS, policy=policy,
                           max_wait_s=8.0, min_decode_steps_between_prefills=interleave)
@@ -410,9 +536,11 @@ def test_randomized_arrivals_aborts_and_preemptions(policy, interleave, seed):
         clock.now += 1.0
         for _ in range(rng.choice([0, 0, 1, 1, 2, 4])):
             if len(added) < total:
+                sampling = sampling_rng.choice([{}, {}, {"temperature": 0.8}, {"repetition_penalty": 1.2},
+                                                {"temperature": 1.0, "seed": sampling_rng.randrange(10)}])
                 x = Sequence(f"r{len(added)}", [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 24))],
-                             SamplingParams(max_new_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.3),
-                             arrival_time=clock.now)
+                             SamplingParams(max_new_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.3,
+                                            **sampling), arrival_time=clock.now)
                 s.add(x)
                 added.append(x)
         if rng.random() < 0.02:
@@ -440,8 +568,9 @@ def test_randomized_arrivals_aborts_and_preemptions(policy, interleave, seed):
     assert s.num_waiting == 0 and s.num_running == 0
     assert s.num_preemptions > 20
     assert 50 < len(aborted) < total // 4
+    assert sum(x.params.temperature > 0 for x in added) > total // 4
     for x in added:
-        want, reason = expected_output(x.prompt_ids, x.params)
+        want, reason = expected_output(x.prompt_ids, x.params, seed=x.seed)
         if x.request_id in aborted:
             assert x.finish_reason == "abort" and want[: x.num_output_tokens] == x.output_ids
         else:
