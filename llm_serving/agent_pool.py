@@ -64,6 +64,7 @@ class AgentSpec:
     max_tokens: int  # shm capacity: max tokens in one step
     max_batch: int  # shm capacity: max sequences in one step
     max_blocks_per_seq: int  # shm capacity: block-table width
+    max_penalty_tokens: int | None = None  # shm capacity: repetition-penalty ids per step (None: max_tokens)
     start_device_id: int = 0
     step_delay_s: float = 0.0  # standin only: simulated compute time per step
     extra_env: dict = field(default_factory=dict)  # environment variables for the agent processes
@@ -79,7 +80,7 @@ class AgentSpec:
 
     @property
     def layout(self) -> ChannelLayout:
-        return ChannelLayout(self.max_tokens, self.max_batch, self.max_blocks_per_seq)
+        return ChannelLayout(self.max_tokens, self.max_batch, self.max_blocks_per_seq, self.max_penalty_tokens)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -126,6 +126,9 @@ def agent_spec_fields(config: ServingConfig, model: ModelFiles, standin: bool = 
         "max_tokens": max(config.max_num_batched_tokens, m.decode_batch_size[-1]),
         "max_batch": max(m.prefill_batch_size[-1], m.decode_batch_size[-1]),
         "max_blocks_per_seq": -(-config.max_model_len // pa.block_size),
+        # every penalty id of a step is a token whose KV is cached: bounded by the cache and the batch
+        "max_penalty_tokens": min((pa.num_blocks - 1) * pa.block_size,
+                                  max(m.prefill_batch_size[-1], m.decode_batch_size[-1]) * config.max_model_len),
         "start_device_id": config.serving_config.start_device_id,
     }
 

@@ -1,8 +1,9 @@
 """Fixed-layout shared-memory buffers that carry one step between the master and its device agents.
 
 One POSIX shared-memory segment is allocated at start and never resized: a small int64 header, the
-token-flat input arrays of a ``StepBatch`` at their maximum sizes, and an output area where rank 0 writes
-the next token id and logprob of every sequence. A step is then a handful of ``memcpy``s into numpy views;
+token-flat input arrays of a ``StepBatch`` at their maximum sizes, its per-sequence sampling arrays (a header
+flag says whether the step has any; all-greedy steps copy none of them), and an output area where rank 0
+writes the next token id and logprob of every sequence. A step is then a handful of ``memcpy``s into numpy views;
 nothing is pickled. Signalling (whose turn it is) is not done here but over pipes by ``agent_pool``.
 
 Only the creating side (the master) registers the segment with Python's ``resource_tracker``, so a crashed
@@ -22,9 +23,9 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from llm_serving.batch import StepBatch, StepOutput
+from llm_serving.batch import SamplingBatch, StepBatch, StepOutput
 
-MAGIC = 0x4C4C4D534831  # "LLMSH1": bump the digit when the layout changes
+MAGIC = 0x4C4C4D534832  # "LLMSH2": bump the digit when the layout changes
 NAME_PREFIX = "llmserving_"
 _ALIGN = 64
 _HEADER_SLOTS = 16
@@ -32,6 +33,8 @@ _HEADER_SLOTS = 16
 _MAGIC, _MAX_TOKENS, _MAX_BATCH, _MAX_BLOCKS = 0, 1, 2, 3
 _STEP, _IS_PREFILL, _NUM_TOKENS, _BATCH_SIZE, _WIDTH = 4, 5, 6, 7, 8
 _OUT_STEP, _OUT_BATCH_SIZE = 9, 10
+_MAX_PENALTY, _SAMPLING, _PENALTY_TOKENS = 11, 12, 13
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "seeds", "draw_index")
 
 
 class ChannelError(RuntimeError):
@@ -45,9 +48,14 @@ class ChannelLayout:
     max_tokens: int  # tokens in one step (prefill token budget; >= decode batch)
     max_batch: int  # sequences in one step
     max_blocks_per_seq: int  # block-table width
+    # repetition-penalty token ids in one step (prompt + generated ids of every penalised sequence);
+    # None: max_tokens, enough for one sequence of max_model_len tokens
+    max_penalty_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "max_batch", "max_blocks_per_seq"):
+        if self.max_penalty_tokens is None:
+            object.__setattr__(self, "max_penalty_tokens", self.max_tokens)
+        for name in ("max_tokens", "max_batch", "max_blocks_per_seq", "max_penalty_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"channel layout: {name} must be positive, got {getattr(self, name)}")
 
@@ -56,8 +64,11 @@ class ChannelLayout:
         t, b = self.max_tokens, self.max_batch
         spec = [("header", np.int64, _HEADER_SLOTS), ("input_ids", np.int32, t), ("positions", np.int32, t),
                 ("slot_mapping", np.int32, t), ("query_lens", np.int32, b), ("context_lens", np.int32, b),
-                ("block_tables", np.int32, b * self.max_blocks_per_seq), ("out_token_ids", np.int32, b),
-                ("out_logprobs", np.float32, b)]
+                ("block_tables", np.int32, b * self.max_blocks_per_seq),
+                ("temperature", np.float32, b), ("top_k", np.int32, b), ("top_p", np.float32, b),
+                ("repetition_penalty", np.float32, b), ("seeds", np.int64, b), ("draw_index", np.int32, b),
+                ("penalty_offsets", np.int32, b + 1), ("penalty_token_ids", np.int32, self.max_penalty_tokens),
+                ("out_token_ids", np.int32, b), ("out_logprobs", np.float32, b)]
         out, offset = {}, 0
         for name, dtype, count in spec:
             out[name] = (offset, np.dtype(dtype), count)
@@ -128,8 +139,8 @@ class StepChannel:
         channel = cls(segment, layout, owner=True)
         h = channel.header
         h[:] = 0
-        h[_MAGIC], h[_MAX_TOKENS], h[_MAX_BATCH], h[_MAX_BLOCKS] = (
-            MAGIC, layout.max_tokens, layout.max_batch, layout.max_blocks_per_seq)
+        h[_MAGIC], h[_MAX_TOKENS], h[_MAX_BATCH], h[_MAX_BLOCKS], h[_MAX_PENALTY] = (
+            MAGIC, layout.max_tokens, layout.max_batch, layout.max_blocks_per_seq, layout.max_penalty_tokens)
         h[_STEP] = h[_OUT_STEP] = -1
         return channel
 
@@ -146,12 +157,12 @@ class StepChannel:
                                f"{layout} needs {layout.nbytes}")
         channel = cls(segment, layout, owner=False)
         h = channel.header
-        found = (int(h[_MAGIC]), int(h[_MAX_TOKENS]), int(h[_MAX_BATCH]), int(h[_MAX_BLOCKS]))
-        wanted = (MAGIC, layout.max_tokens, layout.max_batch, layout.max_blocks_per_seq)
+        found = tuple(int(h[i]) for i in (_MAGIC, _MAX_TOKENS, _MAX_BATCH, _MAX_BLOCKS, _MAX_PENALTY))
+        wanted = (MAGIC, layout.max_tokens, layout.max_batch, layout.max_blocks_per_seq, layout.max_penalty_tokens)
         if found != wanted:
             channel.close()
             raise ChannelError(f"shared memory segment {name!r} has layout (magic, max_tokens, max_batch, "
-                               f"max_blocks_per_seq) = {found}, expected {wanted}")
+                               f"max_blocks_per_seq, max_penalty_tokens) = {found}, expected {wanted}")
         return channel
 
     def close(self) -> None:
@@ -180,12 +191,18 @@ class StepChannel:
         """Raise ValueError when ``batch`` exceeds the capacities the segment was allocated with."""
         lay = self.layout
         width = batch.block_tables.shape[1] if batch.block_tables.ndim == 2 else -1
+        penalty = batch.sampling.penalty_token_ids.shape[0] if batch.sampling is not None else 0
         for what, value, limit in (("num_tokens", batch.num_tokens, lay.max_tokens),
                                    ("batch_size", batch.batch_size, lay.max_batch),
-                                   ("block table width", width, lay.max_blocks_per_seq)):
+                                   ("block table width", width, lay.max_blocks_per_seq),
+                                   ("repetition-penalty token count", penalty, lay.max_penalty_tokens)):
             if value > limit:
                 raise ValueError(f"step {what} {value} exceeds the shared-memory capacity {limit} "
-                                 f"(AgentSpec max_tokens/max_batch/max_blocks_per_seq)")
+                                 f"(AgentSpec max_tokens/max_batch/max_blocks_per_seq/max_penalty_tokens)")
+        sampling = batch.sampling
+        if sampling is not None and sampling.penalty_offsets.shape != (batch.batch_size + 1,):
+            raise ValueError(f"sampling.penalty_offsets has shape {sampling.penalty_offsets.shape}, expected "
+                             f"({batch.batch_size + 1},)")
 
     def write_batch(self, step: int, batch: StepBatch) -> None:
         """Copy ``batch`` into the segment as step number ``step`` (the block table compactly, ``[B, W]``)."""
@@ -199,6 +216,15 @@ class StepChannel:
         v["context_lens"][:b] = batch.context_lens
         v["block_tables"][: b * width].reshape(b, width)[:] = batch.block_tables
         h = self.header
+        sampling = batch.sampling
+        if sampling is not None:
+            for name in _SAMPLING_FIELDS:
+                v[name][:b] = getattr(sampling, name)
+            v["penalty_offsets"][: b + 1] = sampling.penalty_offsets
+            p = sampling.penalty_token_ids.shape[0]
+            v["penalty_token_ids"][:p] = sampling.penalty_token_ids
+            h[_PENALTY_TOKENS] = p
+        h[_SAMPLING] = sampling is not None
         h[_IS_PREFILL], h[_NUM_TOKENS], h[_BATCH_SIZE], h[_WIDTH] = int(batch.is_prefill), n, b, width
         h[_STEP] = step
 
@@ -216,9 +242,13 @@ class StepChannel:
         """The current step number and batch as zero-copy views (do not keep them past the step)."""
         h, v = self.header, self._views
         n, b, width = int(h[_NUM_TOKENS]), int(h[_BATCH_SIZE]), int(h[_WIDTH])
+        sampling = None
+        if h[_SAMPLING]:
+            sampling = SamplingBatch(*(v[name][:b] for name in _SAMPLING_FIELDS), v["penalty_offsets"][: b + 1],
+                                     v["penalty_token_ids"][: int(h[_PENALTY_TOKENS])])
         batch = StepBatch(bool(h[_IS_PREFILL]), v["input_ids"][:n], v["positions"][:n], v["slot_mapping"][:n],
                           v["query_lens"][:b], v["context_lens"][:b],
-                          v["block_tables"][: b * width].reshape(b, width))
+                          v["block_tables"][: b * width].reshape(b, width), sampling)
         return int(h[_STEP]), batch
 
     def write_output(self, step: int, output: StepOutput) -> None:
