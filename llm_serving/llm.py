@@ -77,13 +77,20 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int = 16,
                  ignore_eos: bool = False,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[GenerationResult]:
-        """Greedy generation for every prompt (text, or token ids used as given); results in prompt order."""
+                 **sampling: Any) -> list[GenerationResult]:
+        """Generation for every prompt (text, or token ids used as given); results in prompt order.
+
+        Greedy unless asked otherwise: either ``sampling_params`` (one for all prompts or one per prompt), or
+        ``SamplingParams`` fields as keywords (``temperature=0.8, top_p=0.9, seed=1``) next to
+        ``max_new_tokens``/``ignore_eos``. A seed applies to every prompt it is given for.
+        """
         if isinstance(prompts, str):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            params = [SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)] * len(prompts)
+            params = [SamplingParams(max_new_tokens, ignore_eos, **sampling)] * len(prompts)
+        elif sampling:
+            raise TypeError(f"give sampling_params or sampling keywords ({', '.join(sampling)}), not both")
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

@@ -166,6 +166,7 @@ def test_config_maps_to_scheduler_runner_and_agent_spec(data_dir):
     fields = agent_spec_fields(cfg, model, standin=True)
     assert fields["kind"] == "standin" and fields["llama_config"]["vocab_size"] == VOCAB
     assert (fields["max_tokens"], fields["max_batch"], fields["max_blocks_per_seq"]) == (128, 32, 8)
+    assert fields["max_penalty_tokens"] == min(255 * 8, 32 * 64)  # KV slots vs. batch x max_model_len
     AgentSpec(**fields)  # accepted by the pool
 
 
