@@ -59,6 +59,13 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, required=True, metavar="N",
                    help="tokens to generate per prompt")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 (default) is greedy")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K likeliest (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1: all)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="Hugging Face repetition penalty over prompt + output (1: none)")
+    p.add_argument("--seed", type=int, metavar="S", help="seed of every prompt's draws (default: random)")
     p.add_argument("--standin-agents", action="store_true", help=argparse.SUPPRESS)  # tests: no MindSpore
 
 
@@ -84,14 +91,26 @@ def read_prompts(path: str) -> list[str | list[int]]:
     return prompts
 
 
+def sampling_from_args(args: argparse.Namespace) -> Any:
+    """The generate command's SamplingParams; a bad value is a CliError naming its option."""
+    from llm_serving.sequence import SamplingParams
+
+    try:
+        return SamplingParams(args.max_new_tokens, args.ignore_eos, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                              seed=args.seed)
+    except ValueError as exc:  # the message starts with the field name: max_new_tokens, top_p, ...
+        name, _, rest = str(exc).partition(" ")
+        raise CliError(f"--{name.replace('_', '-')} {rest}") from None
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     from llm_serving.llm import LLM
 
     prompts = read_prompts(args.prompts)
-    if args.max_new_tokens < 1:
-        raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    params = sampling_from_args(args)
     with LLM(config_from_args(args), standin_agents=args.standin_agents) as llm:
-        results = llm.generate(prompts, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
+        results = llm.generate(prompts, sampling_params=params)
         for prompt, res in zip(prompts, results):
             line = {"prompt": prompt if isinstance(prompt, str) else None, "prompt_ids": res.prompt_ids,
                     "token_ids": res.token_ids, "logprobs": res.logprobs,
@@ -101,7 +120,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 COMMANDS: list[Command] = [
-    Command("generate", "greedy generation for a file of prompts through the whole engine (JSON lines out)",
+    Command("generate", "generation (greedy unless --temperature) for a file of prompts through the whole "
+            "engine (JSON lines out)",
             _generate_arguments, _run_generate),
 ]
 

@@ -83,11 +83,24 @@ def test_generate_matches_agents_generate_on_the_same_model(setup):
             w["prompt"], w["prompt_ids"], w["token_ids"], w["text"])
         np.testing.assert_allclose(g["logprobs"], w["logprobs"], atol=1e-4)
 
+    sampled = run_cli("generate", "--config", str(setup["config"]), "--model", str(setup["model"]),
+                      "--temperature", "1.0", "--top-k", "50", "--seed", "3", *args)
+    assert sampled.returncode == 0, sampled.stderr
+    drawn = parse_lines(sampled.stdout)
+    assert [d["prompt_ids"] for d in drawn] == [g["prompt_ids"] for g in got]
+    assert sum(d["token_ids"] != g["token_ids"] for d, g in zip(drawn, got)) >= 3  # sampled, not greedy
+    assert all(lp <= 0 for d in drawn for lp in d["logprobs"])
+
 
 @pytest.mark.parametrize("extra, message", [
     (["--prompts", "/nonexistent/p.json"], "--prompts: /nonexistent/p.json does not exist"),
     (["--model", "/nonexistent/model"], "model_config.model_path: /nonexistent/model does not exist"),
     (["--max-new-tokens", "100"], r"prompt .* \+ max_new_tokens \(100\) = .* exceeds max_model_len 64"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--temperature", "-0.5"], "--temperature must be >= 0"),
+    (["--top-p", "0"], r"--top-p must be in \(0, 1\]"),
+    (["--top-k", "-3"], "--top-k must be in 0.."),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
 ])
 def test_generate_errors_are_one_clear_line(setup, extra, message):
     import re
