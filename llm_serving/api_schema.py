@@ -10,9 +10,10 @@ Every problem becomes an ``ApiError`` carrying the HTTP status and a message tha
 the server answers ``{"error": ..., "error_type": ...}`` instead of failing deep in the engine. Unknown keys
 are errors too: a misspelt ``max_new_token`` silently ignored would be a wrong answer, not a served one.
 
-Only greedy decoding exists so far: a request that really asks for sampling (``do_sample`` with a positive
-temperature, or OpenAI's default temperature 1) is refused with a clear 4xx rather than served greedy.
-Options that cannot change a greedy result (top_k, top_p, seed) are validated and accepted.
+Sampling controls map onto ``SamplingParams`` (``SamplingOptions.to_params``): in the llm-serving body
+``do_sample`` false means greedy whatever the temperature, and ``do_sample`` true without a positive
+temperature samples at Hugging Face's default temperature 1.0; OpenAI's temperature defaults to 1 (sampling)
+and 0 means greedy. ``repetition_penalty`` applies to greedy requests too, as in Hugging Face.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_serving.config import ServingConfig
+from llm_serving.sequence import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
-SAMPLING_UNSUPPORTED = ("sampling is not supported yet; send do_sample=false or temperature=0 "
-                        "for greedy decoding")
+MAX_TOP_K = 2**31 - 1  # larger is the same as 0 (no limit), but does not fit the int32 step arrays
+HF_DEFAULT_TEMPERATURE = 1.0  # do_sample=true without a positive temperature
 
 
 class ApiError(Exception):
@@ -82,7 +84,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """Sampling controls as sent; ``wants_sampling`` says whether they ask for anything but greedy."""
+    """Sampling controls as sent (validated ranges); ``to_params`` turns them into the engine's parameters."""
 
     do_sample: bool = False
     temperature: float | None = None
@@ -93,16 +95,21 @@ class SamplingOptions:
 
     @property
     def wants_sampling(self) -> bool:
-        temperature = 1.0 if self.temperature is None else self.temperature
-        return self.do_sample and temperature > 0 and self.top_k != 1
+        """Whether tokens are drawn at random (else greedy argmax, possibly with a repetition penalty)."""
+        return self.do_sample
 
-    def require_greedy(self) -> None:
-        """Refuse what greedy decoding would silently get wrong (until sampling exists)."""
-        if self.wants_sampling:
-            raise ApiError(422, SAMPLING_UNSUPPORTED, "unsupported", "do_sample")
-        if self.repetition_penalty is not None and self.repetition_penalty != 1.0:
-            raise ApiError(422, "repetition_penalty is not supported yet; send 1.0 or leave it out",
-                           "unsupported", "repetition_penalty")
+    def to_params(self, max_new_tokens: int, ignore_eos: bool = False) -> SamplingParams:
+        """The engine's parameters; a value SamplingParams refuses becomes a 400 naming it."""
+        penalty = 1.0 if self.repetition_penalty is None else self.repetition_penalty
+        try:
+            if not self.do_sample:
+                return SamplingParams(max_new_tokens, ignore_eos, repetition_penalty=penalty, seed=self.seed)
+            temperature = self.temperature if self.temperature else HF_DEFAULT_TEMPERATURE
+            return SamplingParams(max_new_tokens, ignore_eos, temperature=temperature, top_k=self.top_k or 0,
+                                  top_p=1.0 if self.top_p is None else self.top_p, repetition_penalty=penalty,
+                                  seed=self.seed)
+        except (TypeError, ValueError) as exc:  # ranges are checked while parsing; this is a safety net
+            raise invalid(str(exc), str(exc).split()[0]) from None
 
 
 @dataclass(frozen=True)
@@ -185,10 +192,9 @@ def parse_generate(body: Any, limits: Limits, stream: bool | None = None) -> Gen
                     hi_text="model_config.max_generate_length")
     sampling = SamplingOptions(
         do_sample=p.bool("do_sample", False), temperature=p.float("temperature", lo=0.0),
-        top_k=p.int("top_k", lo=0), top_p=p.float("top_p", lo=0.0, lo_open=True, hi=1.0),
+        top_k=p.int("top_k", lo=0, hi=MAX_TOP_K), top_p=p.float("top_p", lo=0.0, lo_open=True, hi=1.0),
         repetition_penalty=p.float("repetition_penalty", lo=0.0, lo_open=True), seed=p.int("seed", lo=0),
     )
-    sampling.require_greedy()
     return GenerateRequest(
         inputs=inputs, max_new_tokens=max_new, sampling=sampling, stop=p.stop("stop"),
         return_full_text=p.bool("return_full_text", False), details=p.bool("details", False),
@@ -213,18 +219,14 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     temperature = r.float("temperature", lo=0.0, hi=2.0)
     temperature = 1.0 if temperature is None else temperature  # OpenAI's default: sampling
     sampling = SamplingOptions(
-        do_sample=temperature > 0, temperature=temperature, top_k=r.int("top_k", lo=0),
+        do_sample=temperature > 0, temperature=temperature, top_k=r.int("top_k", lo=0, hi=MAX_TOP_K),
         top_p=r.float("top_p", lo=0.0, lo_open=True, hi=1.0),
         repetition_penalty=r.float("repetition_penalty", lo=0.0, lo_open=True), seed=r.int("seed"),
     )
-    if sampling.wants_sampling:
-        raise ApiError(422, "sampling is not supported yet; send temperature=0 for greedy decoding "
-                            "(OpenAI's default temperature is 1)", "unsupported", "temperature")
-    sampling.require_greedy()
     n, best_of = r.int("n", lo=1), r.int("best_of", lo=1)
     if (n or 1) != 1 or (best_of or 1) != 1:
-        raise ApiError(422, "n and best_of above 1 need sampling, which is not supported yet",
-                       "unsupported", "n")
+        raise ApiError(422, "n and best_of above 1 (several choices per prompt) are not supported; send one "
+                            "prompt per choice", "unsupported", "n")
     for key in ("presence_penalty", "frequency_penalty"):
         if (r.float(key, lo=-2.0, hi=2.0) or 0.0) != 0.0:
             raise ApiError(422, f"{key} is not supported yet; send 0 or leave it out", "unsupported", key)
@@ -236,6 +238,10 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     logprobs = r.int("logprobs", lo=0, hi=5)
     if logprobs is not None and logprobs > 1:
         raise ApiError(422, "logprobs above 1 (alternatives per position) are not supported; send 0 or 1",
+                       "unsupported", "logprobs")
+    if logprobs == 1 and sampling.wants_sampling:  # the most likely token is not known when sampling
+        raise ApiError(422, "logprobs=1 (the most likely token at each position) is only supported with "
+                            "temperature=0; send logprobs=0 for the sampled tokens' logprobs",
                        "unsupported", "logprobs")
     echo = r.bool("echo", False)
     if echo and logprobs is not None:

@@ -33,6 +33,7 @@ from llm_serving.api_schema import (
     CompletionRequest,
     GenerateRequest,
     Limits,
+    SamplingOptions,
     parse_completion,
     parse_generate,
     parse_json,
@@ -41,7 +42,6 @@ from llm_serving.config import ServingConfig
 from llm_serving.metrics import CONTENT_TYPE, ServerMetrics
 from llm_serving.request_stream import NO_TOKEN, EngineError, QueueFull, RequestStream
 from llm_serving.scheduler import RequestRejected
-from llm_serving.sequence import SamplingParams
 from llm_serving.stop_strings import StopMatcher
 
 log = logging.getLogger(__name__)
@@ -317,12 +317,12 @@ class Server:
             ids = list(prompt)
         return ids, self.limits.new_token_budget(len(ids), requested)
 
-    def _queue(self, ids: list[int], budget: int, stops: tuple[str, ...], arrival: float,
-               ignore_eos: bool = False, request_id: str | None = None) -> Generation:
+    def _queue(self, ids: list[int], budget: int, sampling: SamplingOptions, stops: tuple[str, ...],
+               arrival: float, ignore_eos: bool = False, request_id: str | None = None) -> Generation:
         """Submit a prepared generation to the engine."""
         rid = request_id or f"gen-{uuid.uuid4().hex[:16]}"
         try:
-            stream = self.engine.submit(ids, SamplingParams(max_new_tokens=budget, ignore_eos=ignore_eos), rid)
+            stream = self.engine.submit(ids, sampling.to_params(budget, ignore_eos), rid)
         except QueueFull as exc:
             raise ApiError(503, f"the server is overloaded: {exc}", "overloaded") from None
         except RequestRejected as exc:
@@ -347,7 +347,7 @@ class Server:
         body = await self._read_body(request)
         req = parse_generate(body, self.limits, stream=True if stream_route else None)
         ids, budget = await self._prepare(req.inputs, req.max_new_tokens)
-        gen = self._queue(ids, budget, req.stop, arrival)
+        gen = self._queue(ids, budget, req.sampling, req.stop, arrival)
         try:
             if req.stream:
                 return await self._stream_llm(request, gen, req)
@@ -412,7 +412,8 @@ class Server:
         gens: list[Generation] = []
         try:
             for i, (ids, budget) in enumerate(prepared):
-                gens.append(self._queue(ids, budget, req.stop, arrival, req.ignore_eos, f"{cid}-{i}"))
+                gens.append(self._queue(ids, budget, req.sampling, req.stop, arrival, req.ignore_eos,
+                                        f"{cid}-{i}"))
         except ApiError:
             for g in gens:  # all or nothing: the request is counted once, as refused
                 g.close(record=False)

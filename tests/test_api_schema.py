@@ -15,6 +15,7 @@ from llm_serving.api_schema import (
 )
 from llm_serving.config import ServingConfig
 from llm_serving.metrics import ServerMetrics
+from llm_serving.sequence import SamplingParams
 from llm_serving.stop_strings import StopMatcher
 
 LIMITS = Limits(max_new_tokens=100, max_prompt_len=64, max_model_len=128)
@@ -57,15 +58,16 @@ def test_generate_body_with_string_booleans_and_numbers():
     ({"inputs": "x", "parameters": {"top_p": 0}}, "top_p", 400),
     ({"inputs": "x", "parameters": {"top_p": 1.5}}, "top_p", 400),
     ({"inputs": "x", "parameters": {"top_k": -2}}, "top_k", 400),
+    ({"inputs": "x", "parameters": {"top_k": 2**40}}, "top_k", 400),
+    ({"inputs": "x", "parameters": {"repetition_penalty": -1.5}}, "repetition_penalty", 400),
+    ({"inputs": "x", "parameters": {"temperature": "hot"}}, "temperature", 400),
+    ({"inputs": "x", "parameters": {"seed": -1}}, "seed", 400),
     ({"inputs": "x", "parameters": {"repetition_penalty": 0}}, "repetition_penalty", 400),
     ({"inputs": "x", "parameters": {"stop": [1]}}, "stop", 400),
     ({"inputs": "x", "parameters": {"stop": [""]}}, "stop", 400),
     ({"inputs": "x", "parameters": {"max_new_token": 5}}, "max_new_token", 400),
     ({"inputs": "x", "prompt": "y"}, "prompt", 400),
     ({"inputs": "x", "stream": "maybe"}, "stream", 400),
-    ({"inputs": "x", "parameters": {"do_sample": True}}, "do_sample", 422),
-    ({"inputs": "x", "parameters": {"do_sample": "True", "temperature": 0.5}}, "do_sample", 422),
-    ({"inputs": "x", "parameters": {"repetition_penalty": 1.2}}, "repetition_penalty", 422),
     ({"inputs": "x", "parameters": {"watermark": True}}, "watermark", 422),
 ])
 def test_generate_body_errors_name_the_parameter(body, param, status):
@@ -77,15 +79,28 @@ def test_generate_body_errors_name_the_parameter(body, param, status):
         assert "not supported" in err.message
 
 
-def test_greedy_equivalent_sampling_requests_are_served():
-    for params in ({"do_sample": True, "temperature": 0}, {"do_sample": True, "top_k": 1},
-                   {"do_sample": False, "temperature": 0.9}, {"watermark": "False", "best_of": 1}):
-        assert not parse_generate({"inputs": "x", "parameters": params}, LIMITS).sampling.wants_sampling
+def generate_params(parameters: dict, max_new: int = 9) -> SamplingParams:
+    return parse_generate({"inputs": "x", "parameters": parameters}, LIMITS).sampling.to_params(max_new)
 
 
-def test_sampling_refusal_says_what_to_send():
-    err = error_of(parse_generate, {"inputs": "x", "parameters": {"do_sample": True}}, LIMITS)
-    assert err.error_type == "unsupported" and "do_sample=false or temperature=0" in err.message
+@pytest.mark.parametrize("parameters, expected", [
+    ({}, SamplingParams(9)),
+    # do_sample false is greedy whatever the sampling knobs say; a repetition penalty still applies (as in HF)
+    ({"do_sample": False, "temperature": 0.9, "top_k": 5, "top_p": 0.5, "seed": 4},
+     SamplingParams(9, seed=4)),
+    ({"repetition_penalty": "1.2"}, SamplingParams(9, repetition_penalty=1.2)),
+    # do_sample true without a positive temperature: Hugging Face's default temperature 1.0
+    ({"do_sample": True}, SamplingParams(9, temperature=1.0)),
+    ({"do_sample": "True", "temperature": 0}, SamplingParams(9, temperature=1.0)),
+    ({"do_sample": "true", "temperature": "0.7", "top_k": "40", "top_p": 0.9, "repetition_penalty": 1.1,
+      "seed": "12"}, SamplingParams(9, temperature=0.7, top_k=40, top_p=0.9, repetition_penalty=1.1, seed=12)),
+])
+def test_generate_sampling_maps_to_engine_params(parameters, expected):
+    params = generate_params(parameters)
+    assert params == expected
+    assert params.needs_logits == (expected.temperature > 0 or expected.repetition_penalty != 1.0)
+    assert parse_generate({"inputs": "x", "parameters": parameters}, LIMITS).sampling.wants_sampling == (
+        expected.temperature > 0)
 
 
 def test_parse_json_errors():
@@ -107,10 +122,30 @@ def test_completion_body():
     assert parse_completion({"prompt": "a", "temperature": 0}, LIMITS).max_tokens == 16  # OpenAI's default
 
 
+@pytest.mark.parametrize("body, expected", [
+    ({}, SamplingParams(5, temperature=1.0)),  # OpenAI's default temperature is 1: sampling
+    ({"temperature": 0, "top_p": 0.5, "seed": 3}, SamplingParams(5, seed=3)),  # 0 is greedy
+    ({"temperature": 0.7, "top_p": 0.9, "seed": -8, "ignore_eos": True},
+     SamplingParams(5, True, temperature=0.7, top_p=0.9, seed=-8)),
+    ({"temperature": 1.5, "top_k": 20, "repetition_penalty": 1.3},  # vLLM's extra parameters
+     SamplingParams(5, temperature=1.5, top_k=20, repetition_penalty=1.3)),
+    ({"temperature": 0, "repetition_penalty": 0.8}, SamplingParams(5, repetition_penalty=0.8)),
+])
+def test_completion_sampling_maps_to_engine_params(body, expected):
+    req = parse_completion({"prompt": "x", "max_tokens": 5, **body}, LIMITS)
+    assert req.sampling.to_params(req.max_tokens, req.ignore_eos) == expected
+
+
 @pytest.mark.parametrize("body, param, status", [
-    ({"prompt": "x"}, "temperature", 422),  # OpenAI's default temperature 1 asks for sampling
-    ({"prompt": "x", "temperature": 0.7}, "temperature", 422),
     ({"prompt": "x", "temperature": "0"}, "temperature", 400),  # strict JSON types here
+    ({"prompt": "x", "temperature": -0.5}, "temperature", 400),
+    ({"prompt": "x", "temperature": 2.5}, "temperature", 400),  # OpenAI's range is 0..2
+    ({"prompt": "x", "top_p": 0}, "top_p", 400),
+    ({"prompt": "x", "top_p": 1.01}, "top_p", 400),
+    ({"prompt": "x", "top_k": -1}, "top_k", 400),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", 400),
+    ({"prompt": "x", "seed": 1.5}, "seed", 400),
+    ({"prompt": "x", "logprobs": 1}, "logprobs", 422),  # the top-1 alternative is unknown when sampling
     ({"temperature": 0}, "prompt", 400),
     ({"prompt": "", "temperature": 0}, "prompt", 400),
     ({"prompt": [], "temperature": 0}, "prompt", 400),

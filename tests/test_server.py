@@ -233,9 +233,28 @@ def test_stop_strings(fast):
         assert len(res["tokens"]) == k + 2 and "".join(t["text"] for t in res["tokens"]) == expected
         _, _, lines = await stream_lines(generate_url(fast, True), with_stop)
         assert "".join(json.loads(x)["data"][0]["generated_text"] for x in lines) == expected
+        streamed = {**with_stop, "parameters": {**with_stop["parameters"], "details": True}}
+        _, _, lines = await stream_lines(generate_url(fast, True), streamed)
+        assert json.loads(lines[-1])["data"][0]["details"]["finish_reason"] == "stop_sequence"
         m = await metrics(fast.url)
         assert m['llm_serving_request_finish_total{reason="stop"}'] >= 2 and m["llm_serving_kv_blocks_used"] == 0
     run(go())
+
+
+def test_stop_string_over_several_tokens_openai_both_modes(fast):
+    client = openai.OpenAI(base_url=f"{fast.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    prompt = PROMPTS[2]
+    full = client.completions.create(model="llama2", prompt=prompt, max_tokens=30, temperature=0, logprobs=0)
+    text, offsets = full.choices[0].text, full.choices[0].logprobs.text_offset + [len(full.choices[0].text)]
+    k = next(i for i in range(2, len(offsets) - 3) if all(offsets[j] < offsets[j + 1] for j in (i, i + 1, i + 2)))
+    stop = text[offsets[k + 1] - 1: offsets[k + 2] + 1]  # last char of token k .. first char of token k + 2
+    expected = text[: text.index(stop)]
+    done = client.completions.create(model="llama2", prompt=prompt, max_tokens=30, temperature=0, stop=[stop])
+    assert (done.choices[0].text, done.choices[0].finish_reason) == (expected, "stop")
+    chunks = [c.choices[0] for c in client.completions.create(model="llama2", prompt=prompt, max_tokens=30,
+                                                              temperature=0, stop=stop, stream=True)]
+    assert "".join(c.text for c in chunks) == expected and chunks[-1].finish_reason == "stop"
+    assert all(stop not in c.text for c in chunks)
 
 
 # ---- OpenAI API -------------------------------------------------------------------------------------------------
@@ -266,8 +285,12 @@ def test_openai_client(fast):
         streamed[c.choices[0].index] += c.choices[0].text
     assert streamed == [c.text for c in two.choices]
 
-    with pytest.raises(openai.UnprocessableEntityError, match="sampling is not supported"):
-        client.completions.create(model="llama2", prompt="hi", max_tokens=4)  # OpenAI's default temperature 1
+    sampled = client.completions.create(model="llama2", prompt="hi", max_tokens=4, seed=3)  # temperature 1
+    assert sampled.choices[0].finish_reason in ("stop", "length") and sampled.usage.completion_tokens >= 1
+    with pytest.raises(openai.BadRequestError, match="top_p must be <= 1"):
+        client.completions.create(model="llama2", prompt="hi", max_tokens=4, top_p=1.5)
+    with pytest.raises(openai.UnprocessableEntityError, match="logprobs=1 .* only supported with temperature=0"):
+        client.completions.create(model="llama2", prompt="hi", max_tokens=4, logprobs=1)
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=4, temperature=0)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
@@ -290,13 +313,24 @@ BAD_REQUESTS = [  # (path, body or raw bytes, status, error_type)
     ("/models/llama2/generate_stream", {"inputs": "word " * 2000}, 400, "prompt_too_long"),
     ("/models/llama2/generate", {"inputs": "x" * (2 << 20)}, 413, "payload_too_large"),
     ("/models/llama_7b/generate", {"inputs": "x"}, 404, "model_not_found"),
-    ("/models/llama2/generate", {"inputs": "x", "parameters": {"do_sample": "True"}}, 422, "unsupported"),
-    ("/v1/completions", {"prompt": "x"}, 422, "unsupported"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 1}, 422, "unsupported"),  # no top-1 alternative when sampling
     ("/v1/completions", {"prompt": "x", "temperature": 0, "max_tokens": "5"}, 400, "invalid_request"),
     ("/v1/completions", {"prompt": [10**6], "temperature": 0}, 400, "invalid_request"),
     ("/v1/completions", {"prompt": "x", "temperature": 0, "model": "nope"}, 404, "model_not_found"),
     ("/v2/nothing", {}, 404, "not_found"),
 ]
+SAMPLING_BAD = [  # (path, body, the field the 400 message must name)
+    ("/models/llama2/generate", {"inputs": "x", "parameters": {"do_sample": "True", "temperature": -1}},
+     "temperature"),
+    ("/models/llama2/generate", {"inputs": "x", "parameters": {"do_sample": True, "top_p": 1.5}}, "top_p"),
+    ("/models/llama2/generate", {"inputs": "x", "parameters": {"top_k": -1}}, "top_k"),
+    ("/models/llama2/generate", {"inputs": "x", "parameters": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "temperature": -0.1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_k": -2}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": -1}, "repetition_penalty"),
+]
+BAD_REQUESTS += [(path, body, 400, "invalid_request") for path, body, _ in SAMPLING_BAD]
 
 
 def test_bad_inputs_get_json_4xx_and_leave_the_server_serving(fast):
@@ -308,10 +342,13 @@ def test_bad_inputs_get_json_4xx_and_leave_the_server_serving(fast):
             assert (got, res.get("error_type")) == (status, kind), (path, str(body)[:80], res)
             message = res["error"]["message"] if path.startswith("/v1/") else res["error"]
             assert isinstance(message, str) and message
+        for path, body, field in SAMPLING_BAD:
+            _, res, _ = await post(fast.url + path, body)
+            assert field in (res["error"]["message"] if path.startswith("/v1/") else res["error"]), res
         async with aiohttp.ClientSession() as s, s.get(generate_url(fast)) as r:
             assert r.status == 405 and (await r.json())["error_type"] == "method_not_allowed"
         after = await metrics(fast.url)
-        refused = sum(1 for p, *_ in BAD_REQUESTS if p != "/v2/nothing")
+        refused = sum(1 for p, *_ in BAD_REQUESTS if p != "/v2/nothing") + len(SAMPLING_BAD)  # posted twice
         assert after['llm_serving_requests_total{outcome="rejected"}'] - before[
             'llm_serving_requests_total{outcome="rejected"}'] == refused
         status, res, _ = await post(generate_url(fast), {"inputs": "still fine", "parameters": {"max_new_tokens": 3}})
@@ -479,6 +516,25 @@ def test_tiny_default_model_end_to_end(data_dir):
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
         done = client.completions.create(model="llama_tiny", prompt=PROMPTS[:4], max_tokens=12, temperature=0)
         assert [c.text for c in done.choices] == [r["generated_text"] for r in results]  # batched == alone
+
+        async def sampled(seed: int) -> list[str]:  # do_sample without a temperature: HF's default 1.0
+            texts = []
+            for prompt in PROMPTS[:4]:
+                body = {"inputs": prompt, "parameters": {"max_new_tokens": 12, "do_sample": "True", "seed": seed,
+                                                         "details": True}}
+                status, res, _ = await post(generate_url(server, name="llama_tiny"), body)
+                assert status == 200 and res["details"]["seed"] == seed, res
+                _, _, lines = await stream_lines(generate_url(server, True, name="llama_tiny"), body)
+                assert "".join(json.loads(x)["data"][0]["generated_text"] for x in lines) == res["generated_text"]
+                texts.append(res["generated_text"])
+            return texts
+
+        drawn = run(sampled(5))
+        assert sum(d != r["generated_text"] for d, r in zip(drawn, results)) >= 2  # sampled, not greedy
+        assert run(sampled(6)) != drawn
+        # OpenAI's default temperature 1 with the same seed, four prompts in one batch: the same draws
+        done = client.completions.create(model="llama_tiny", prompt=PROMPTS[:4], max_tokens=12, seed=5)
+        assert [c.text for c in done.choices] == drawn
         assert server.stop() == 0, server.output
         assert server.shm_segments() == []
     finally:
