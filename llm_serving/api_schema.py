@@ -239,10 +239,11 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     if logprobs is not None and logprobs > 1:
         raise ApiError(422, "logprobs above 1 (alternatives per position) are not supported; send 0 or 1",
                        "unsupported", "logprobs")
-    if logprobs == 1 and sampling.wants_sampling:  # the most likely token is not known when sampling
+    # The most likely token is reported as the chosen one: true only for plain greedy decoding.
+    if logprobs == 1 and (sampling.wants_sampling or (sampling.repetition_penalty or 1.0) != 1.0):
         raise ApiError(422, "logprobs=1 (the most likely token at each position) is only supported with "
-                            "temperature=0; send logprobs=0 for the sampled tokens' logprobs",
-                       "unsupported", "logprobs")
+                            "temperature=0 and no repetition_penalty; send logprobs=0 for the chosen tokens' "
+                            "logprobs", "unsupported", "logprobs")
     echo = r.bool("echo", False)
     if echo and logprobs is not None:
         raise ApiError(422, "echo together with logprobs (prompt logprobs) is not supported",

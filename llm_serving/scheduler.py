@@ -32,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -369,9 +370,10 @@ class Scheduler:
 def _sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
     """Per-sequence sampling arrays; penalty ids are prompt + generated tokens of penalised sequences only."""
     n, params = len(seqs), [seq.params for seq in seqs]
-    penalised = [seq.all_token_ids if p.repetition_penalty != 1.0 else [] for seq, p in zip(seqs, params)]
+    penalised = [p.repetition_penalty != 1.0 for p in params]
     offsets = np.zeros(n + 1, np.int32)
-    np.cumsum([len(ids) for ids in penalised], out=offsets[1:])
+    np.cumsum([seq.num_tokens if pen else 0 for seq, pen in zip(seqs, penalised)], out=offsets[1:])
+    lists = chain.from_iterable((seq.prompt_ids, seq.output_ids) for seq, pen in zip(seqs, penalised) if pen)
     return SamplingBatch(
         temperature=np.fromiter((p.temperature for p in params), np.float32, n),
         top_k=np.fromiter((p.top_k for p in params), np.int32, n),
@@ -380,5 +382,5 @@ def _sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
         seeds=np.fromiter((seq.seed for seq in seqs), np.int64, n),
         draw_index=np.fromiter((seq.num_output_tokens for seq in seqs), np.int32, n),
         penalty_offsets=offsets,
-        penalty_token_ids=np.fromiter((t for ids in penalised for t in ids), np.int32, int(offsets[-1])),
+        penalty_token_ids=np.fromiter(chain.from_iterable(lists), np.int32, int(offsets[-1])),
     )

@@ -146,6 +146,7 @@ def test_completion_sampling_maps_to_engine_params(body, expected):
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", 400),
     ({"prompt": "x", "seed": 1.5}, "seed", 400),
     ({"prompt": "x", "logprobs": 1}, "logprobs", 422),  # the top-1 alternative is unknown when sampling
+    ({"prompt": "x", "temperature": 0, "repetition_penalty": 1.2, "logprobs": 1}, "logprobs", 422),
     ({"temperature": 0}, "prompt", 400),
     ({"prompt": "", "temperature": 0}, "prompt", 400),
     ({"prompt": [], "temperature": 0}, "prompt", 400),
