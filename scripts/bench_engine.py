@@ -78,7 +78,7 @@ def bench_master_loop(batch: int, tokens: int, data_dir: str | None, asyncio_con
             while engine.stats()["num_running"] < batch:
                 time.sleep(0.0005)
             s0, t0 = engine.stats(), time.perf_counter()
-            time.sleep(0.3)
+            time.sleep(0.2)
             window.update(s0=s0, t0=t0, s1=engine.stats(), t1=time.perf_counter())
 
         t_start = time.perf_counter()
@@ -187,7 +187,7 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--loop-batch", type=int, default=128, help="decode batch of the master-loop bench (1)")
-    p.add_argument("--loop-tokens", type=int, default=2000, help="tokens per request in (1)")
+    p.add_argument("--loop-tokens", type=int, default=3000, help="tokens per request in (1)")
     p.add_argument("--requests", type=int, default=96, help="alpaca-shaped requests per policy in (3)")
     p.add_argument("--saturated-requests", type=int, default=64, help="equal-length requests in (2)")
     p.add_argument("--saturated-tokens", type=int, default=96, help="new tokens per request in (2)")
