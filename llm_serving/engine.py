@@ -230,7 +230,7 @@ class Engine:
             text, ids = prompt, tok.encode(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
-            vocab = self.model.llama_config.vocab_size
+            vocab = min(self.model.llama_config.vocab_size, tok.vocab_size)  # ids the tokenizer can decode
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise RequestRejected(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
