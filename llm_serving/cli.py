@@ -127,17 +127,10 @@ COMMANDS: list[Command] = [
 
 
 def _commands() -> list[Command]:
-    """Built-in commands plus those defined in other modules (serve, bench), when present."""
-    import importlib
+    """Built-in commands plus serve and bench, which live in their own modules."""
+    from llm_serving import bench_cli, serve_cli
 
-    found = list(COMMANDS)
-    for module in ("llm_serving.serve_cli", "llm_serving.bench_cli"):  # each defines COMMAND: Command
-        try:
-            found.append(importlib.import_module(module).COMMAND)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-    return found
+    return [*COMMANDS, serve_cli.COMMAND, bench_cli.COMMAND]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,23 @@
+"""The ``bench`` subcommand: the contest-style load test (``llm_serving.bench_client``) as ``llm-serving bench``."""
+
+from __future__ import annotations
+
+import argparse
+
+from llm_serving.cli import Command
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    from llm_serving import bench_client
+
+    bench_client.add_arguments(p)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from llm_serving import bench_client
+
+    return bench_client.run_args(args, "llm-serving bench")
+
+
+COMMAND = Command("bench", "load-test a running server (test_serving_performance.py flags: -X -P -O -T ...)",
+                  _add_arguments, _run)
