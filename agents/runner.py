@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
+from agents.bucket_plan import plan_groups
 from agents.device import setup_device
 from agents.model import LlamaModel, LlamaStep, load_weights_into
 from agents.model_config import LlamaConfig
@@ -73,25 +74,9 @@ class RunnerConfig:
         return -(-self.max_model_len // self.block_size)
 
 
-def _bucket(value: int, buckets: tuple[int, ...], what: str) -> int:
-    for b in buckets:
-        if b >= value:
-            return b
-    raise ValueError(f"{what} {value} exceeds the largest compiled bucket {buckets[-1]}")
-
-
-def _chunks(batch: StepBatch, size: int) -> Iterator[StepBatch]:
-    """Split a batch into consecutive sub-batches of at most ``size`` sequences."""
-    if batch.batch_size <= size:
-        yield batch
-        return
-    token_starts = np.concatenate([[0], np.cumsum(batch.query_lens)])
-    for s in range(0, batch.batch_size, size):
-        e = min(s + size, batch.batch_size)
-        t0, t1 = token_starts[s], token_starts[e]
-        yield StepBatch(batch.is_prefill, batch.input_ids[t0:t1], batch.positions[t0:t1],
-                        batch.slot_mapping[t0:t1], batch.query_lens[s:e], batch.context_lens[s:e],
-                        batch.block_tables[s:e], batch.sampling.rows(s, e) if batch.sampling else None)
+def _fit(value: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding ``value``, or None."""
+    return next((b for b in buckets if b >= value), None)
 
 
 class ModelRunner:
@@ -108,6 +93,7 @@ class ModelRunner:
                        "decode": LlamaStep(self.model, is_prefill=False)}
         self.warmed: set[tuple] = set()
         self.compile_times: dict[tuple, float] = {}
+        self.step_costs: dict[tuple, float] = {}  # steady-state seconds per call, measured in warm-up
 
     # ---- shapes -------------------------------------------------------------------------------------------
     def graph_shapes(self) -> list[tuple]:
@@ -118,7 +104,10 @@ class ModelRunner:
         return shapes
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> dict[tuple, float]:
-        """Compile and run every graph shape once on padding (which only touches the dummy block 0)."""
+        """Compile every graph shape and time one more call of it, on padding (touching only dummy block 0).
+
+        The timed call gives the per-shape costs that ``bucket_plan`` splits batches by.
+        """
         for shape in self.graph_shapes():
             kind, b, n = shape
             t0 = time.perf_counter()
@@ -128,6 +117,9 @@ class ModelRunner:
             self.warmed.add(shape)
             self._run(kind, shape, inputs)
             self.compile_times[shape] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self._run(kind, shape, inputs)[0].asnumpy()
+            self.step_costs[shape] = time.perf_counter() - t1
             if progress:
                 progress(f"warmed {kind} batch={b} {'seq' if is_prefill else 'blocks'}={n} "
                          f"in {self.compile_times[shape]:.2f}s")
@@ -147,13 +139,54 @@ class ModelRunner:
         return self.graphs[kind](*[Tensor(a) for a in arrays])
 
     # ---- steps --------------------------------------------------------------------------------------------
-    def _prefill_inputs(self, batch: StepBatch) -> tuple[tuple, list[np.ndarray]]:
-        b = _bucket(batch.batch_size, self.rc.prefill_batch_sizes, "prefill batch size")
-        longest = int(batch.query_lens.max())
-        if batch.batch_size == 1 and self.rc.prefill_seq_lengths[-1] < longest <= self.rc.max_model_len:
-            b, s = 1, self.rc.max_model_len  # a preempted sequence recomputing prompt + generated tokens
-        else:
-            s = _bucket(longest, self.rc.prefill_seq_lengths, "prompt length")
+    def shape_for(self, is_prefill: bool, count: int, longest: int) -> tuple | None:
+        """The compiled shape that runs ``count`` sequences whose longest prompt (prefill) or context (decode) is
+        ``longest`` tokens, or None when none fits."""
+        rc = self.rc
+        if is_prefill:
+            b = _fit(count, rc.prefill_batch_sizes)
+            if count == 1 and rc.prefill_seq_lengths[-1] < longest <= rc.max_model_len:
+                return ("prefill", 1, rc.max_model_len)  # a preempted sequence recomputing prompt + output
+            s = _fit(longest, rc.prefill_seq_lengths)
+            return ("prefill", b, s) if b and s else None
+        b = _fit(count, rc.decode_batch_sizes)
+        w = _fit(-(-longest // rc.block_size), rc.decode_block_widths)
+        return ("decode", b, w) if b and w else None
+
+    def _cost(self, is_prefill: bool, count: int, longest: int) -> float:
+        shape = self.shape_for(is_prefill, count, longest)
+        if shape is None:
+            return float("inf")
+        if shape not in self.warmed:
+            raise RuntimeError(f"graph shape {shape} was not warmed up; call warmup() first "
+                               f"(the runner never compiles while serving)")
+        return self.step_costs.get(shape, 1.0)
+
+    def plan(self, batch: StepBatch) -> list[np.ndarray]:
+        """Sequence index groups, one graph call each (see ``agents.bucket_plan``)."""
+        lengths = batch.query_lens if batch.is_prefill else batch.context_lens
+        max_group = (self.rc.prefill_batch_sizes if batch.is_prefill else self.rc.decode_batch_sizes)[-1]
+        try:
+            return plan_groups(lengths, max_group, lambda n, longest: self._cost(batch.is_prefill, n, longest))
+        except ValueError:
+            kind = "prompt" if batch.is_prefill else "context"
+            limit = (self.rc.prefill_seq_lengths[-1] if batch.is_prefill
+                     else self.rc.decode_block_widths[-1] * self.rc.block_size)
+            raise ValueError(f"{kind} length {int(lengths.max())} exceeds the largest compiled bucket {limit}"
+                             f" (single sequences up to max_model_len {self.rc.max_model_len} can be prefilled"
+                             " alone)") from None
+
+    def bucket_inputs(self, batch: StepBatch) -> tuple[tuple, list[np.ndarray]]:
+        """The batch padded to its bucket: ``((kind, batch, seq-or-width), graph input arrays)``."""
+        lengths = batch.query_lens if batch.is_prefill else batch.context_lens
+        shape = self.shape_for(batch.is_prefill, batch.batch_size, int(lengths.max()))
+        if shape is None:
+            raise ValueError(f"no compiled shape fits {batch.batch_size} sequences of length up to "
+                             f"{int(lengths.max())}")
+        return shape, (self._prefill_arrays if batch.is_prefill else self._decode_arrays)(batch, shape)
+
+    def _prefill_arrays(self, batch: StepBatch, shape: tuple) -> list[np.ndarray]:
+        _, b, s = shape
         arrays = self._padded_inputs(b, b * s, 1)
         ids, pos, slots, lens, _, last = arrays
         start = 0
@@ -164,13 +197,11 @@ class ModelRunner:
             lens[i] = n
             last[i] = i * s + n - 1
             start += n
-        # Padding tokens after a prompt must still write somewhere harmless: slot 0 (dummy block).
-        return ("prefill", b, s), arrays
+        # Padding tokens after a prompt still write somewhere harmless: slot 0 (dummy block).
+        return arrays
 
-    def _decode_inputs(self, batch: StepBatch) -> tuple[tuple, list[np.ndarray]]:
-        b = _bucket(batch.batch_size, self.rc.decode_batch_sizes, "decode batch size")
-        need = -(-int(batch.context_lens.max()) // self.rc.block_size)
-        w = _bucket(need, self.rc.decode_block_widths, "blocks per sequence")
+    def _decode_arrays(self, batch: StepBatch, shape: tuple) -> list[np.ndarray]:
+        _, b, w = shape
         arrays = self._padded_inputs(b, b, w)
         ids, pos, slots, lens, tables, _ = arrays
         n = batch.batch_size
@@ -178,38 +209,35 @@ class ModelRunner:
             batch.context_lens
         cols = min(w, batch.block_tables.shape[1])
         tables[:n, :cols] = batch.block_tables[:, :cols]
-        return ("decode", b, w), arrays
+        return arrays
 
-    def bucket_inputs(self, batch: StepBatch) -> tuple[tuple, list[np.ndarray]]:
-        """The batch padded to its bucket: ``((kind, batch, seq-or-width), graph input arrays)``."""
-        return self._prefill_inputs(batch) if batch.is_prefill else self._decode_inputs(batch)
-
-    def _max_batch(self, batch: StepBatch) -> int:
-        return self.rc.prefill_batch_sizes[-1] if batch.is_prefill else self.rc.decode_batch_sizes[-1]
+    def _parts(self, batch: StepBatch):
+        """(indices, sub-batch, graph outputs) of each planned call."""
+        for group in self.plan(batch):
+            part = batch.take(group)
+            shape, arrays = self.bucket_inputs(part)
+            yield group, part, self._run(shape[0], shape, arrays)
 
     def step(self, batch: StepBatch) -> StepOutput:
-        """Run one prefill or decode step; batches larger than the biggest bucket run as several calls.
+        """Run one prefill or decode step as one or more bucketed graph calls (``plan``).
 
         All-greedy parts use the in-graph argmax; parts with sampled or penalised sequences read the logits and
         sample on the host (``agents.sampler``).
         """
-        ids, logprobs = [], []
-        for part in _chunks(batch, self._max_batch(batch)):
-            shape, arrays = self.bucket_inputs(part)
-            tok, lp, logits = self._run(shape[0], shape, arrays)
+        ids = np.zeros(batch.batch_size, np.int32)
+        logprobs = np.zeros(batch.batch_size, np.float32)
+        for group, part, (tok, lp, logits) in self._parts(batch):
             n = part.batch_size
             tok, lp = tok.asnumpy()[:n], lp.asnumpy()[:n]
             if part.sampling is not None and part.sampling.needs_logits:
                 tok, lp = sample(logits.asnumpy()[:n], tok, lp, part.sampling)
-            ids.append(tok)
-            logprobs.append(lp)
-        return StepOutput(np.concatenate(ids).astype(np.int32), np.concatenate(logprobs).astype(np.float32))
+            ids[group], logprobs[group] = tok, lp
+        return StepOutput(ids, logprobs)
 
     def step_logits(self, batch: StepBatch) -> np.ndarray:
         """Like ``step`` (the KV cache is written the same way) but returns float32 logits ``[B, vocab]`` of each
         sequence's last token, for logits checks."""
-        out = []
-        for part in _chunks(batch, self._max_batch(batch)):
-            shape, arrays = self.bucket_inputs(part)
-            out.append(self._run(shape[0], shape, arrays)[2].asnumpy()[: part.batch_size])
-        return np.concatenate(out)
+        out = np.zeros((batch.batch_size, self.config.vocab_size), np.float32)
+        for group, part, outputs in self._parts(batch):
+            out[group] = outputs[2].asnumpy()[: part.batch_size]
+        return out

@@ -36,12 +36,14 @@ class SamplingBatch:
         """Whether any sequence needs more than the in-graph greedy argmax."""
         return bool(np.any(self.temperature > 0) or np.any(self.repetition_penalty != 1.0))
 
-    def rows(self, start: int, end: int) -> SamplingBatch:
-        """The parameters of sequences ``start:end`` (for splitting a batch)."""
-        offsets = self.penalty_offsets[start:end + 1]
-        return SamplingBatch(self.temperature[start:end], self.top_k[start:end], self.top_p[start:end],
-                             self.repetition_penalty[start:end], self.seeds[start:end], self.draw_index[start:end],
-                             offsets - offsets[0], self.penalty_token_ids[offsets[0]:offsets[-1]])
+    def take(self, indices: np.ndarray) -> SamplingBatch:
+        """The parameters of the sequences at ``indices``, in that order."""
+        starts, ends = self.penalty_offsets[indices], self.penalty_offsets[indices + 1]
+        ids = [self.penalty_token_ids[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
+        offsets = np.concatenate([[0], np.cumsum(ends - starts)]).astype(np.int32)
+        return SamplingBatch(self.temperature[indices], self.top_k[indices], self.top_p[indices],
+                             self.repetition_penalty[indices], self.seeds[indices], self.draw_index[indices],
+                             offsets, np.concatenate(ids).astype(np.int32) if ids else self.penalty_token_ids[:0])
 
 
 @dataclass
@@ -68,6 +70,14 @@ class StepBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def take(self, indices: np.ndarray) -> StepBatch:
+        """A step of only the sequences at ``indices``, in that order (each keeps all its tokens)."""
+        starts = np.concatenate([[0], np.cumsum(self.query_lens)])[:-1]
+        tokens = np.concatenate([np.arange(starts[i], starts[i] + self.query_lens[i]) for i in indices.tolist()])
+        return StepBatch(self.is_prefill, self.input_ids[tokens], self.positions[tokens], self.slot_mapping[tokens],
+                         self.query_lens[indices], self.context_lens[indices], self.block_tables[indices],
+                         self.sampling.take(indices) if self.sampling is not None else None)
 
     def validate(self) -> None:
         """Raise ValueError when the arrays disagree with each other (cheap; for tests and loaders)."""

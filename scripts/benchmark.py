@@ -49,7 +49,7 @@ from llm_serving.workload import WorkloadSpec, make_workload
 EOS = 2
 SEQ_BUCKETS = (64, 256, 512)  # prefill length buckets (the longest prompt accepted is the largest)
 BASELINE = {"prefill": (1,), "decode": (1,), "policy": "fcfs"}
-TUNED = {"prefill": (1, 2, 4), "decode": (1, 8, 32, 128)}
+TUNED = {"prefill": (1, 2, 4, 8), "decode": (1, 8, 16, 32, 64, 96, 128)}
 
 
 @dataclass
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [hf_row]
     max_out = args.max_output_tokens
     runs = [("ours baseline (prefill 1, decode 1, fcfs)", BASELINE["prefill"], BASELINE["decode"], "fcfs"),
-            ("ours tuned (prefill <=4, decode <=128, longest_output_first)", TUNED["prefill"], TUNED["decode"],
+            ("ours tuned (prefill <=8, decode <=128, longest_output_first)", TUNED["prefill"], TUNED["decode"],
              "longest_output_first"),
             ("ours tuned, fcfs", TUNED["prefill"], TUNED["decode"], "fcfs")]
     for i, (name, prefill, decode, policy) in enumerate(runs):

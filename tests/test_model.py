@@ -81,10 +81,10 @@ def test_logits_switch_matches_transformers(model_pair):
 
 def test_runner_refuses_shapes_it_did_not_warm(model_pair):
     config, runner, _ = model_pair
-    too_long = np.zeros(80, np.int32)  # two prompts of 40: only a single prompt may exceed the buckets
-    batch = StepBatch(True, too_long, np.tile(np.arange(40, dtype=np.int32), 2), too_long,
-                      np.array([40, 40], np.int32), np.array([40, 40], np.int32), np.zeros((2, 1), np.int32))
-    with pytest.raises(ValueError, match="prompt length 40 exceeds the largest compiled bucket 32"):
+    too_long = np.zeros(260, np.int32)  # beyond max_model_len 128: no compiled shape, even alone
+    batch = StepBatch(True, too_long, np.tile(np.arange(130, dtype=np.int32), 2), too_long,
+                      np.array([130, 130], np.int32), np.array([130, 130], np.int32), np.zeros((2, 1), np.int32))
+    with pytest.raises(ValueError, match="prompt length 130 exceeds the largest compiled bucket 32"):
         runner.step(batch)
     cold = ModelRunner(config, model_weights(runner.model), runner_config())
     with pytest.raises(RuntimeError, match="not warmed up"):
@@ -98,6 +98,21 @@ def test_batches_larger_than_the_biggest_bucket_are_split(model_pair):
     tokens, _ = PagedDriver(runner, seed=2).generate(many, 4)
     for prompt, got in zip(many, tokens):
         assert got == hf_greedy(hf, prompt, 4)[0]
+
+
+def test_mixed_lengths_are_split_into_cheaper_calls_with_the_same_results(model_pair):
+    """A prompt longer than the buckets is prefilled alone while the others share a call."""
+    config, runner, hf = model_pair
+    rng = np.random.default_rng(8)
+    batch_prompts = [[config.bos_token_id] + rng.integers(3, config.vocab_size, n).tolist() for n in (6, 50, 9, 12)]
+    lens = np.array([len(p) for p in batch_prompts], np.int32)
+    batch = StepBatch(True, np.concatenate(batch_prompts).astype(np.int32),
+                      np.concatenate([np.arange(n) for n in lens]).astype(np.int32),
+                      np.arange(4, 4 + lens.sum(), dtype=np.int32), lens, lens.copy(), np.zeros((4, 1), np.int32))
+    assert sorted(sorted(g.tolist()) for g in runner.plan(batch)) == [[0, 2, 3], [1]]
+    tokens, _ = PagedDriver(runner, seed=6).generate(batch_prompts, 6)
+    for prompt, got in zip(batch_prompts, tokens):
+        assert got == hf_greedy(hf, prompt, 6)[0]
 
 
 def test_long_single_prefill_uses_the_recompute_shape(model_pair):
