@@ -47,9 +47,9 @@ from llm_serving.bench_client import (
 from llm_serving.workload import WorkloadSpec, make_workload
 
 EOS = 2
-SEQ_BUCKETS = (64, 256, 512)  # prefill length buckets (the longest prompt accepted is the largest)
+SEQ_BUCKETS = (32, 64, 128, 256, 512)  # prefill length buckets (the longest prompt accepted is the largest)
 BASELINE = {"prefill": (1,), "decode": (1,), "policy": "fcfs"}
-TUNED = {"prefill": (1, 2, 4, 8), "decode": (1, 8, 16, 32, 64, 96, 128)}
+TUNED = {"prefill": (1, 4, 8), "decode": (1, 8, 16, 32, 64, 128)}
 
 
 @dataclass
