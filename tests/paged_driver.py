@@ -20,6 +20,15 @@ def sampling_batch(params: list[dict], histories: list[list[int]], draw_index: l
                          np.array(draw_index, np.int32), offsets, flat)
 
 
+def contiguous_prefill(prompts: list[list[int]], first_slot: int) -> StepBatch:
+    """A prefill of ``prompts`` written to consecutive slots from ``first_slot`` (past the dummy block)."""
+    lens = np.array([len(p) for p in prompts], np.int32)
+    return StepBatch(True, np.concatenate(prompts).astype(np.int32),
+                     np.concatenate([np.arange(n) for n in lens]).astype(np.int32),
+                     np.arange(first_slot, first_slot + lens.sum(), dtype=np.int32), lens, lens.copy(),
+                     np.zeros((len(prompts), 1), np.int32))
+
+
 class PagedDriver:
     """Gives each prompt its own randomly chosen blocks (never block 0) and runs greedy decoding."""
 

@@ -12,7 +12,7 @@ from agents.runner import ModelRunner, RunnerConfig
 from agents.weights import load_weights
 from llm_serving.batch import StepBatch
 from tests.hf_reference import hf_greedy, hf_last_logits, load_hf
-from tests.paged_driver import PagedDriver
+from tests.paged_driver import PagedDriver, contiguous_prefill
 
 STEPS = 32
 PROMPT_LENS = (5, 9, 17, 3, 30, 12, 7, 21)
@@ -68,12 +68,7 @@ def test_block_placement_does_not_change_results(model_pair):
 def test_logits_switch_matches_transformers(model_pair):
     config, runner, hf = model_pair
     batch_prompts = prompts(config)[:4]
-    lens = np.array([len(p) for p in batch_prompts], np.int32)
-    slots = np.arange(1, lens.sum() + 1, dtype=np.int32) + runner.rc.block_size  # blocks 1.. contiguous
-    batch = StepBatch(True, np.concatenate(batch_prompts).astype(np.int32),
-                      np.concatenate([np.arange(n) for n in lens]).astype(np.int32), slots, lens, lens.copy(),
-                      np.zeros((4, 1), np.int32))
-    logits = runner.step_logits(batch)
+    logits = runner.step_logits(contiguous_prefill(batch_prompts, runner.rc.block_size))
     assert logits.shape == (4, config.vocab_size)
     for row, prompt in zip(logits, batch_prompts):
         np.testing.assert_allclose(row, hf_last_logits(hf, prompt).numpy(), atol=1e-4)
@@ -105,10 +100,7 @@ def test_mixed_lengths_are_split_into_cheaper_calls_with_the_same_results(model_
     config, runner, hf = model_pair
     rng = np.random.default_rng(8)
     batch_prompts = [[config.bos_token_id] + rng.integers(3, config.vocab_size, n).tolist() for n in (6, 50, 9, 12)]
-    lens = np.array([len(p) for p in batch_prompts], np.int32)
-    batch = StepBatch(True, np.concatenate(batch_prompts).astype(np.int32),
-                      np.concatenate([np.arange(n) for n in lens]).astype(np.int32),
-                      np.arange(4, 4 + lens.sum(), dtype=np.int32), lens, lens.copy(), np.zeros((4, 1), np.int32))
+    batch = contiguous_prefill(batch_prompts, runner.rc.block_size)
     assert sorted(sorted(g.tolist()) for g in runner.plan(batch)) == [[0, 2, 3], [1]]
     tokens, _ = PagedDriver(runner, seed=6).generate(batch_prompts, 6)
     for prompt, got in zip(batch_prompts, tokens):
