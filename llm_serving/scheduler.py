@@ -306,11 +306,15 @@ class Scheduler:
             raise RuntimeError("KV cache too small for a single running sequence")
         return scheduled
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence) -> None:
+        """Take a running sequence off the running list and give back its KV blocks and table row."""
         self._running.remove(seq)
         self._running_sampled -= seq.params.needs_logits
         self.block_manager.free(seq)
         self._free_rows.append(self._row.pop(seq.request_id))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self._preempted.appendleft(seq)  # victims go newest-first, so the oldest ends up at the front
@@ -318,10 +322,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SequenceStatus.RUNNING:
-            self._running.remove(seq)
-            self._running_sampled -= seq.params.needs_logits
-            self.block_manager.free(seq)
-            self._free_rows.append(self._row.pop(seq.request_id))
+            self._release(seq)
         else:
             self._dequeue(seq)
         seq.finish(reason)
