@@ -323,9 +323,7 @@ class Engine:
                 del streams[seq.request_id]
                 finished += 1
             delivered += 1
-            loop = stream._push((seq.output_ids[-1], seq.output_logprobs[-1], reason, now))
-            if loop is not None:
-                loops.setdefault(loop, []).append(stream)
+            _push(loops, stream, (seq.output_ids[-1], seq.output_logprobs[-1], reason, now))
         self._counters["tokens_generated"] += delivered
         self._counters["requests_finished"] += finished
         _wake_loops(loops)
@@ -337,9 +335,9 @@ class Engine:
         if stream is None:
             return False
         self._counters["requests_aborted"] += reason == "abort"
-        loop = stream._push((NO_TOKEN, 0.0, reason, time.monotonic()))
-        if loop is not None:
-            _wake_loops({loop: [stream]})
+        loops: dict[Any, list[RequestStream]] = {}
+        _push(loops, stream, (NO_TOKEN, 0.0, reason, time.monotonic()))
+        _wake_loops(loops)
         return True
 
     def _fail_step(self, seqs: list[Sequence], exc: Exception) -> None:
@@ -353,9 +351,8 @@ class Engine:
             for seq in seqs:
                 stream = self._streams.pop(seq.request_id, None)
                 self._scheduler.finish_request(seq.request_id, "abort")
-                loop = stream._push(err) if stream is not None else None
-                if loop is not None:
-                    loops.setdefault(loop, []).append(stream)
+                if stream is not None:
+                    _push(loops, stream, err)
             _wake_loops(loops)
 
     def _fail(self, exc: BaseException) -> None:
@@ -371,9 +368,7 @@ class Engine:
                     self._scheduler.finish_request(rid, "abort")  # frees the blocks; nothing runs any more
                 except Exception:
                     log.debug("finish_request(%r) failed after an engine failure", rid, exc_info=True)
-                loop = stream._push(err)
-                if loop is not None:
-                    loops.setdefault(loop, []).append(stream)
+                _push(loops, stream, err)
             self._streams.clear()
             _wake_loops(loops)
         try:
@@ -388,6 +383,13 @@ class Engine:
             if self._error is not None:
                 raise EngineError(f"the engine has stopped: {self._error}")
             raise EngineError("the engine is not running (call start(); after shutdown create a new Engine)")
+
+
+def _push(loops: dict[Any, list[RequestStream]], stream: RequestStream, item: Any) -> None:
+    """Push ``item`` to ``stream``; note the stream under its consumer's event loop for one batched wake-up."""
+    loop = stream._push(item)
+    if loop is not None:
+        loops.setdefault(loop, []).append(stream)
 
 
 def _wake_loops(loops: dict[Any, list[RequestStream]]) -> None:
