@@ -132,10 +132,13 @@ class ModelRunner:
         return [np.zeros(tokens, np.int32) for _ in range(3)] + [
             np.zeros(batch, np.int32), np.zeros((batch, width), np.int32), last]
 
-    def _run(self, kind: str, shape: tuple, arrays: list[np.ndarray]):
+    def _check_warmed(self, shape: tuple) -> None:
         if shape not in self.warmed:
             raise RuntimeError(f"graph shape {shape} was not warmed up; call warmup() first "
                                f"(the runner never compiles while serving)")
+
+    def _run(self, kind: str, shape: tuple, arrays: list[np.ndarray]):
+        self._check_warmed(shape)
         return self.graphs[kind](*[Tensor(a) for a in arrays])
 
     # ---- steps --------------------------------------------------------------------------------------------
@@ -157,9 +160,7 @@ class ModelRunner:
         shape = self.shape_for(is_prefill, count, longest)
         if shape is None:
             return float("inf")
-        if shape not in self.warmed:
-            raise RuntimeError(f"graph shape {shape} was not warmed up; call warmup() first "
-                               f"(the runner never compiles while serving)")
+        self._check_warmed(shape)
         return self.step_costs.get(shape, 1.0)
 
     def plan(self, batch: StepBatch) -> list[np.ndarray]:
