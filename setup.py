@@ -7,7 +7,7 @@ setup(
     version="0.1.0",
     description="Continuous-batching LLM serving for MindSpore Llama models (CPU and Ascend)",
     packages=find_packages(include=["llm_serving", "llm_serving.*", "agents", "agents.*"]),
-    package_data={"llm_serving": ["data/*.txt"]},
+    package_data={"llm_serving": ["data/*.txt"], "agents": ["kernels/*.cc"]},
     python_requires=">=3.9",
     install_requires=[
         "mindspore==2.10.0",

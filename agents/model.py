@@ -7,6 +7,9 @@ Layout choices (measured on CPU, see docs/model.md and shared notes):
   gather reads a sequence's slots without copying the cache or transposing heads.
 - Prefill attends over the prompt's own K/V (padded ``[batch, seq]`` bucket, causal + length mask) while writing
   them to the cache; decode reads every sequence's context back through its block table.
+- Decode attention has two implementations of the same maths: portable graph ops (rope, per-head scatter, row
+  gather, batched matmuls; any device and dtype) and, on CPU with float32, one native C++ op per layer
+  (``agents.native_kernels``) that ropes, writes the cache in place and attends without copying the context.
 - The graph ends in a greedy argmax and the chosen token's log-probability, so an all-greedy step reads only
   ``2 x batch`` numbers back. The logits are a third output, read only for sampled batches and logits checks.
 """
@@ -56,10 +59,13 @@ class Linear(nn.Cell):
 
 
 class LlamaLayer(nn.Cell):
-    """One decoder layer owning its slice of the paged KV cache."""
+    """One decoder layer owning its slice of the paged KV cache. ``decode_kernel``: the native decode attention
+    op (``agents.native_kernels.paged_decode_attention``), or None for the portable graph ops."""
 
-    def __init__(self, config: LlamaConfig, num_slots: int, block_size: int, dtype: ms.Type) -> None:
+    def __init__(self, config: LlamaConfig, num_slots: int, block_size: int, dtype: ms.Type,
+                 decode_kernel: ops.Custom | None = None) -> None:
         super().__init__()
+        self.decode_kernel = decode_kernel
         self.n_heads = config.num_attention_heads
         self.n_kv = config.num_key_value_heads
         self.rep = self.n_heads // self.n_kv
@@ -148,16 +154,19 @@ class LlamaLayer(nn.Cell):
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
                   block_tables: Tensor, is_prefill: bool) -> Tensor:
-        h = self.attention_norm(x)
-        qkv = self.w_qkv(h)
-        q = self.rope(qkv[:, : self.hidden], cos, sin, self.n_heads)
-        k = self.rope(qkv[:, self.hidden: self.hidden + self.kv_dim], cos, sin, self.n_kv)
-        v = qkv[:, self.hidden + self.kv_dim:]
-        written = self.write_cache(k, v, slot_mapping)
-        if is_prefill:
-            attn = ops.depend(self.prefill_attention(q, k, v, lens, lens.shape[0]), written)
+        qkv = self.w_qkv(self.attention_norm(x))
+        if not is_prefill and self.decode_kernel is not None:
+            attn = self.decode_kernel(qkv, cos, sin, slot_mapping, block_tables, lens, self.block_offsets,
+                                      *self.key_cache, *self.value_cache)
         else:
-            attn = self.decode_attention(q, written, block_tables, lens)
+            q = self.rope(qkv[:, : self.hidden], cos, sin, self.n_heads)
+            k = self.rope(qkv[:, self.hidden: self.hidden + self.kv_dim], cos, sin, self.n_kv)
+            v = qkv[:, self.hidden + self.kv_dim:]
+            written = self.write_cache(k, v, slot_mapping)
+            if is_prefill:
+                attn = ops.depend(self.prefill_attention(q, k, v, lens, lens.shape[0]), written)
+            else:
+                attn = self.decode_attention(q, written, block_tables, lens)
         x = x + self.wo(attn)
         gate_up = self.w_gate_up(self.ffn_norm(x))
         act = ops.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn:]
@@ -168,13 +177,13 @@ class LlamaModel(nn.Cell):
     """Weights and KV cache of the whole model; ``LlamaStep`` cells run it as prefill or decode graphs."""
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, max_positions: int,
-                 dtype: ms.Type = ms.float32) -> None:
+                 dtype: ms.Type = ms.float32, decode_kernel: ops.Custom | None = None) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.embed_tokens = Parameter(Tensor(np.zeros((config.vocab_size, config.hidden_size)), dtype),
                                       name="embed_tokens")
-        self.layers = nn.CellList([LlamaLayer(config, num_blocks * block_size, block_size, dtype)
+        self.layers = nn.CellList([LlamaLayer(config, num_blocks * block_size, block_size, dtype, decode_kernel)
                                    for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)

@@ -17,18 +17,20 @@ from dataclasses import dataclass, field
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor
+from mindspore import Tensor, ops
 
 from agents.bucket_plan import plan_groups
 from agents.device import setup_device
 from agents.model import LlamaModel, LlamaStep, load_weights_into
 from agents.model_config import LlamaConfig
+from agents.native_kernels import KernelBuildError, paged_decode_attention
 from agents.sampler import sample
 from llm_serving.batch import StepBatch, StepOutput
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
+ATTENTION_KERNELS = ("auto", "native", "portable")
 
 
 def _powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
@@ -54,10 +56,13 @@ class RunnerConfig:
     dtype: str = "float32"
     device_target: str = "CPU"
     device_id: int = 0
+    attention_kernel: str = "auto"  # decode attention: native C++ kernel, portable graph ops, or auto-select
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel {self.attention_kernel!r} is not one of {list(ATTENTION_KERNELS)}")
         for name in ("prefill_batch_sizes", "prefill_seq_lengths", "decode_batch_sizes"):
             values = getattr(self, name)
             if not values or any(v <= 0 for v in values):
@@ -74,6 +79,28 @@ class RunnerConfig:
         return -(-self.max_model_len // self.block_size)
 
 
+def decode_attention_kernel(rc: RunnerConfig, hidden_size: int) -> ops.Custom | None:
+    """The native decode attention op (``agents.native_kernels``), or None for the portable graph.
+
+    ``auto`` takes the native kernel where it applies (CPU, float32) and the compiler is there, and otherwise
+    falls back with a warning; ``native`` raises instead of falling back.
+    """
+    if rc.attention_kernel == "portable":
+        return None
+    if rc.device_target != "CPU" or rc.dtype != "float32":
+        if rc.attention_kernel == "native":
+            raise ValueError(f"attention_kernel native runs on CPU with float32 only (got {rc.device_target}, "
+                             f"{rc.dtype}); use auto or portable")
+        return None
+    try:
+        return paged_decode_attention(hidden_size)
+    except KernelBuildError as exc:
+        if rc.attention_kernel == "native":
+            raise
+        log.warning("native decode attention is unavailable, using the portable graph ops: %s", exc)
+        return None
+
+
 def _fit(value: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket holding ``value``, or None."""
     return next((b for b in buckets if b >= value), None)
@@ -86,8 +113,10 @@ class ModelRunner:
         setup_device(runner_config.device_target, runner_config.device_id)
         self.config = config
         self.rc = runner_config
+        kernel = decode_attention_kernel(runner_config, config.hidden_size)
+        self.attention_kernel = "portable" if kernel is None else "native"
         self.model = LlamaModel(config, runner_config.num_blocks, runner_config.block_size,
-                                runner_config.max_model_len, DTYPES[runner_config.dtype])
+                                runner_config.max_model_len, DTYPES[runner_config.dtype], kernel)
         load_weights_into(self.model, weights)
         self.graphs = {"prefill": LlamaStep(self.model, is_prefill=True),
                        "decode": LlamaStep(self.model, is_prefill=False)}
@@ -212,9 +241,28 @@ class ModelRunner:
         tables[:n, :cols] = batch.block_tables[:, :cols]
         return arrays
 
+    def _check_cache_indices(self, batch: StepBatch) -> None:
+        """Refuse slots and blocks outside the cache before any graph runs: a bad index inside a graph either
+        corrupts other sequences' KV or fails the MindSpore executor, which then refuses every later step."""
+        rc = self.rc
+        num_slots = rc.num_blocks * rc.block_size
+        if batch.slot_mapping.size and (batch.slot_mapping.min() < 0 or batch.slot_mapping.max() >= num_slots):
+            raise ValueError(f"slot_mapping has slots outside the KV cache [0, {num_slots})")
+        if batch.is_prefill:
+            return
+        used = -(-batch.context_lens // rc.block_size)
+        if batch.context_lens.size and (batch.context_lens.min() < 1 or used.max() > batch.block_tables.shape[1]):
+            raise ValueError("decode context lengths must be >= 1 and covered by the block tables")
+        in_use = np.arange(batch.block_tables.shape[1]) < used[:, None]
+        blocks = batch.block_tables[in_use]
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= rc.num_blocks):
+            raise ValueError(f"block tables reference blocks outside the KV cache [0, {rc.num_blocks})")
+
     def _parts(self, batch: StepBatch):
         """(indices, sub-batch, graph outputs) of each planned call."""
-        for group in self.plan(batch):
+        groups = self.plan(batch)
+        self._check_cache_indices(batch)
+        for group in groups:
             part = batch.take(group)
             shape, arrays = self.bucket_inputs(part)
             yield group, part, self._run(shape[0], shape, arrays)

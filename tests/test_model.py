@@ -31,11 +31,15 @@ def runner_config(**overrides) -> RunnerConfig:
     return RunnerConfig(**base)
 
 
-@pytest.fixture(scope="module", params=[4, 2], ids=["mha", "gqa"])
+@pytest.fixture(scope="module", params=[(4, "native"), (2, "native"), (4, "portable"), (2, "portable")],
+                ids=["mha-native", "gqa-native", "mha-portable", "gqa-portable"])
 def model_pair(request, tmp_path_factory):
-    config = tiny_config(request.param)
-    model_dir = build_random_model(tmp_path_factory.mktemp(f"llama_kv{request.param}"), config, seed=7, std=0.2)
-    runner = ModelRunner(config, load_weights(model_dir, config), runner_config())
+    """Both decode attention implementations (native C++ kernel and portable graph ops) against transformers."""
+    kv_heads, attention = request.param
+    config = tiny_config(kv_heads)
+    model_dir = build_random_model(tmp_path_factory.mktemp(f"llama_kv{kv_heads}"), config, seed=7, std=0.2)
+    runner = ModelRunner(config, load_weights(model_dir, config), runner_config(attention_kernel=attention))
+    assert runner.attention_kernel == attention
     runner.warmup()
     return config, runner, load_hf(model_dir)
 

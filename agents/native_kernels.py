@@ -1,0 +1,70 @@
+"""CPU kernels written in C++ and run as MindSpore AOT ``ops.Custom`` ops, compiled on first use.
+
+Why: MindSpore's CPU backend has no fused paged-attention op, and the portable gather + batched-matmul decode
+attention copies every sequence's K/V context before reading it again (see docs/model.md). The kernel sources
+live in ``agents/kernels/``; each is built once per source hash and compiler flags into a cache directory
+(``$LLM_SERVING_KERNEL_DIR``, default ``~/.cache/llm-serving/kernels``) with the machine's ``g++``, written to a
+temporary name and renamed so that several agent processes may build at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from mindspore import ops
+
+KERNEL_SOURCES = Path(__file__).resolve().parent / "kernels"
+CXX_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-pthread", "-shared", "-fPIC", "-std=c++17")
+
+
+class KernelBuildError(RuntimeError):
+    """No C++ compiler, or the kernel did not compile (the message carries the compiler's output)."""
+
+
+def kernel_dir() -> Path:
+    return Path(os.environ.get("LLM_SERVING_KERNEL_DIR", Path.home() / ".cache" / "llm-serving" / "kernels"))
+
+
+def compiler() -> str | None:
+    """The C++ compiler to use (``$CXX`` or ``g++``), or None when there is none."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def build(name: str) -> Path:
+    """Compile ``agents/kernels/<name>.cc`` into a shared library (cached) and return its path."""
+    source = KERNEL_SOURCES / f"{name}.cc"
+    cxx = compiler()
+    if cxx is None:
+        raise KernelBuildError(f"no C++ compiler found (looked for {os.environ.get('CXX', 'g++')!r}); "
+                               "install g++ or use attention: portable")
+    digest = hashlib.sha256(source.read_bytes() + " ".join((cxx, *CXX_FLAGS)).encode()).hexdigest()[:16]
+    target = kernel_dir() / f"{name}-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([cxx, *CXX_FLAGS, "-o", tmp, str(source)], check=False, capture_output=True,
+                                text=True)
+        if result.returncode != 0:
+            raise KernelBuildError(f"compiling {source} failed:\n{result.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def paged_decode_attention(hidden_size: int) -> ops.Custom:
+    """The fused decode attention op of one layer: ``(qkv, cos, sin, slot_mapping, block_tables, context_lens,
+    block_offsets, *key_caches, *value_caches) -> [batch, hidden_size]``; it writes the step's K/V into the caches
+    in place (see the kernel source for the contract)."""
+    library = build("paged_decode_attention")
+    return ops.Custom(f"{library}:PagedDecodeAttention", out_shape=lambda qkv, *_: [qkv[0], hidden_size],
+                      out_dtype=lambda qkv, *_: qkv, func_type="aot")

@@ -1,0 +1,162 @@
+"""The native C++ decode attention (agents/native_kernels.py) against the portable graph ops and transformers."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agents import native_kernels
+from agents.model_config import LlamaConfig
+from agents.random_model import build_random_model
+from agents.runner import ModelRunner, RunnerConfig, decode_attention_kernel
+from agents.weights import load_weights
+from llm_serving.batch import StepBatch
+from tests.hf_reference import hf_greedy, load_hf
+from tests.paged_driver import PagedDriver
+
+RC = RunnerConfig(num_blocks=200, block_size=8, max_model_len=96, prefill_batch_sizes=(8,),
+                  prefill_seq_lengths=(32,), decode_batch_sizes=(4, 8), decode_block_widths=(12,))
+
+
+def prompts(config: LlamaConfig, lens: tuple[int, ...], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[config.bos_token_id] + rng.integers(3, config.vocab_size, n - 1).tolist() for n in lens]
+
+
+# head_dim 64 and 128 take the kernel's unrolled paths (Llama-2 uses 128); 128 with 2 query heads per kv head.
+@pytest.mark.parametrize("heads,kv_heads,hidden", [(4, 2, 256), (2, 1, 256)], ids=["dim64-gqa", "dim128-gqa"])
+def test_native_equals_portable_and_transformers(tmp_path, heads, kv_heads, hidden):
+    config = LlamaConfig(vocab_size=300, hidden_size=hidden, intermediate_size=320, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128)
+    model_dir = build_random_model(tmp_path, config, seed=3, std=0.1)
+    weights = load_weights(model_dir, config)
+    runs = {}
+    for kind in ("native", "portable"):
+        runner = ModelRunner(config, weights, dataclasses.replace(RC, attention_kernel=kind))
+        runner.warmup()
+        assert runner.attention_kernel == kind
+        # 6 prompts in a decode bucket of 8 (padding rows), contexts crossing block borders, shuffled blocks
+        runs[kind] = PagedDriver(runner, seed=5).generate(prompts(config, (3, 8, 9, 17, 30, 1), seed=2), 40)
+    (native_ids, native_lp), (portable_ids, portable_lp) = runs["native"], runs["portable"]
+    assert native_ids == portable_ids
+    np.testing.assert_allclose(native_lp, portable_lp, atol=1e-5)
+    hf = load_hf(model_dir)
+    for prompt, got, got_lp in zip(prompts(config, (3, 8, 9, 17, 30, 1), seed=2), native_ids, native_lp):
+        ref, ref_lp = hf_greedy(hf, prompt, 40)
+        assert got == ref
+        np.testing.assert_allclose(got_lp, ref_lp, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def native_runner(tmp_path_factory):
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model_dir = build_random_model(tmp_path_factory.mktemp("tiny"), config, seed=1)
+    runner = ModelRunner(config, load_weights(model_dir, config), dataclasses.replace(RC, attention_kernel="native"))
+    runner.warmup()
+    return runner
+
+
+def decode(block: int, context: int = 5) -> StepBatch:
+    return StepBatch(False, np.ones(1, np.int32), np.array([context - 1], np.int32), np.array([8], np.int32),
+                     np.ones(1, np.int32), np.array([context], np.int32), np.array([[block]], np.int32))
+
+
+@pytest.mark.parametrize("batch,message", [
+    (decode(block=RC.num_blocks), "blocks outside the KV cache"),
+    (decode(block=-1), "blocks outside the KV cache"),
+    (decode(block=1, context=RC.block_size + 1), "covered by the block tables"),
+    (decode(block=1, context=0), "must be >= 1"),
+    (dataclasses.replace(decode(block=1), slot_mapping=np.array([RC.num_blocks * RC.block_size], np.int32)),
+     "slots outside the KV cache"),
+])
+def test_out_of_range_cache_indices_are_refused_before_any_write(native_runner, batch, message):
+    cache = native_runner.model.layers[0].key_cache[0]
+    before = cache.asnumpy().copy()
+    with pytest.raises(ValueError, match=message):
+        native_runner.step(batch)
+    np.testing.assert_array_equal(cache.asnumpy(), before)
+    assert native_runner.step(decode(block=1)).token_ids.shape == (1,)  # the runner still works afterwards
+
+
+def test_auto_falls_back_to_portable_without_a_compiler(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setenv("LLM_SERVING_KERNEL_DIR", str(tmp_path))
+    assert decode_attention_kernel(dataclasses.replace(RC, attention_kernel="auto"), 64) is None
+    with pytest.raises(native_kernels.KernelBuildError, match="no C\\+\\+ compiler found"):
+        decode_attention_kernel(dataclasses.replace(RC, attention_kernel="native"), 64)
+
+
+def test_auto_is_portable_where_the_kernel_does_not_apply():
+    assert decode_attention_kernel(dataclasses.replace(RC, dtype="float16"), 64) is None
+    with pytest.raises(ValueError, match="CPU with float32 only"):
+        decode_attention_kernel(dataclasses.replace(RC, dtype="bfloat16", attention_kernel="native"), 64)
+    with pytest.raises(ValueError, match="attention_kernel 'fast' is not one of"):
+        dataclasses.replace(RC, attention_kernel="fast")
+
+
+def test_compile_errors_carry_the_compiler_output(monkeypatch, tmp_path):
+    sources = tmp_path / "src"
+    sources.mkdir()
+    (sources / "broken.cc").write_text("int f( {\n")
+    monkeypatch.setattr(native_kernels, "KERNEL_SOURCES", sources)
+    monkeypatch.setenv("LLM_SERVING_KERNEL_DIR", str(tmp_path / "out"))
+    with pytest.raises(native_kernels.KernelBuildError, match="broken.cc"):
+        native_kernels.build("broken")
+    assert list((tmp_path / "out").iterdir()) == []  # no half-written library is left behind
+
+
+def test_built_library_is_cached_by_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLM_SERVING_KERNEL_DIR", str(tmp_path))
+    first = native_kernels.build("paged_decode_attention")
+    mtime = first.stat().st_mtime_ns
+    assert native_kernels.build("paged_decode_attention") == first
+    assert first.stat().st_mtime_ns == mtime
+
+
+KERNEL_GUARD_SCRIPT = """
+import numpy as np, mindspore as ms
+from mindspore import Tensor, nn
+from agents.native_kernels import paged_decode_attention
+ms.set_context(mode=ms.GRAPH_MODE)
+ms.set_device("CPU")
+
+
+class Attention(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.op = paged_decode_attention(64)
+
+    def construct(self, *inputs):
+        return self.op(*inputs)
+
+
+dim, batch, blocks, block_size = 32, 2, 4, 4
+f32 = lambda *shape: Tensor(np.zeros(shape, np.float32))
+i32 = lambda values: Tensor(np.array(values, np.int32))
+cache = f32(blocks * block_size, dim)
+try:
+    Attention()(f32(batch, 4 * dim), f32(batch, dim), f32(batch, dim), i32([4, 8]), i32([[1], [{block}]]),
+                i32([1, 1]), i32(list(range(block_size))), cache, cache)
+    print("no error")
+except RuntimeError as exc:
+    print("error:", str(exc).splitlines()[0])
+"""
+
+
+@pytest.mark.parametrize("block,expected", [(2, "no error"), (4, "is 5")])
+def test_kernel_checks_block_tables_itself(tmp_path, block, expected):
+    """The kernel's own guard, behind the runner's: run in a subprocess because MindSpore refuses every later
+    step of a process once a kernel failed."""
+    script = tmp_path / "guard.py"  # graph mode compiles only code that lives in a file
+    script.write_text(KERNEL_GUARD_SCRIPT.replace("{block}", str(block)))
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root, timeout=300,
+                            check=False, env={**os.environ, "PYTHONPATH": str(root)})
+    assert expected in result.stdout, result.stdout + result.stderr[-2000:]
