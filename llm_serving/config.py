@@ -25,6 +25,7 @@ import yaml
 from agents.model_config import LlamaConfig, ModelConfigError
 
 DTYPES = ("float32", "float16", "bfloat16")
+ATTENTION_KERNELS = ("auto", "native", "portable")  # as agents.runner.ATTENTION_KERNELS (no MindSpore here)
 POLICIES = ("fcfs", "longest_output_first")
 TOKENIZER_TYPES = ("LlamaTokenizer",)
 _CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors", ".bin")
@@ -102,6 +103,7 @@ class PagedAttentionSection:
     num_blocks: int = _f(512, "int")
     block_size: int = _f(16, "int")
     decode_seq_length: int = _f(512, "int")  # max tokens (prompt + output) of one sequence
+    attention_kernel: str = _f("auto", "str")  # decode attention: auto, native (C++ on CPU) or portable
 
 
 @dataclass(frozen=True)
@@ -416,6 +418,8 @@ def _validate(cfg: ServingConfig) -> None:
 
     for key in ("num_blocks", "block_size", "decode_seq_length"):
         need(getattr(pa, key) > 0, f"pa_config.{key}", f"must be positive, got {getattr(pa, key)}")
+    need(pa.attention_kernel in ATTENTION_KERNELS, "pa_config.attention_kernel",
+         f"expected one of {', '.join(ATTENTION_KERNELS)}, got {pa.attention_kernel!r}")
     usable = (pa.num_blocks - 1) * pa.block_size  # block 0 is the reserved padding block
     need(pa.decode_seq_length <= usable, "pa_config.decode_seq_length",
          f"{pa.decode_seq_length} tokens do not fit in the cache of (num_blocks - 1) * block_size = "
