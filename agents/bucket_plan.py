@@ -14,10 +14,15 @@ from collections.abc import Callable
 import numpy as np
 
 
-def plan_groups(lengths: np.ndarray, max_group: int, cost: Callable[[int, int], float]) -> list[np.ndarray]:
+def plan_groups(lengths: np.ndarray, batch_buckets: tuple[int, ...],
+                cost: Callable[[int, int], float]) -> list[np.ndarray]:
     """Groups of sequence indices (each sorted by length) minimising the summed ``cost(count, longest)``.
 
-    ``cost`` returns ``inf`` for a group no compiled shape can run. ``max_group`` bounds a group's size.
+    ``cost`` returns ``inf`` for a group no compiled shape can run. It must be the same for every ``count`` that
+    pads to the same one of the sorted ``batch_buckets``, except that a lone sequence may cost differently (it
+    may have a shape of its own, like the runner's recompute shape); the largest bucket bounds a group. So for
+    each group end only the cheapest start within each bucket's size range is a candidate: O(n x buckets) cost
+    calls instead of O(n x largest bucket), which took 8 ms per decode step of 128 sequences.
     """
     order = np.argsort(lengths, kind="stable")
     sorted_lens = lengths[order].tolist()
@@ -25,10 +30,18 @@ def plan_groups(lengths: np.ndarray, max_group: int, cost: Callable[[int, int], 
     best = [0.0] + [float("inf")] * n
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
-        for i in range(max(0, j - max_group), j):
-            c = best[i] + cost(j - i, sorted_lens[j - 1])
+        smaller = 0
+        for bucket in sorted({1, *batch_buckets}):
+            lo, hi = max(0, j - bucket), j - smaller - 1  # starts giving group sizes in (smaller, bucket]
+            count, smaller = smaller + 1, bucket
+            if hi < lo:
+                continue
+            start = min(range(lo, hi + 1), key=best.__getitem__)
+            c = best[start] + cost(count, sorted_lens[j - 1])
             if c < best[j]:
-                best[j], cut[j] = c, i
+                best[j], cut[j] = c, start
+            if hi == 0:
+                break
     if best[n] == float("inf"):
         raise ValueError(f"no compiled shape fits a step of {n} sequences with lengths up to {max(sorted_lens)}")
     groups, j = [], n

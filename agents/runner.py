@@ -123,6 +123,7 @@ class ModelRunner:
         self.warmed: set[tuple] = set()
         self.compile_times: dict[tuple, float] = {}
         self.step_costs: dict[tuple, float] = {}  # steady-state seconds per call, measured in warm-up
+        self._costs: dict[tuple, float] = {}  # (is_prefill, count, longest) -> cost, memoised for plan()
 
     # ---- shapes -------------------------------------------------------------------------------------------
     def graph_shapes(self) -> list[tuple]:
@@ -152,6 +153,7 @@ class ModelRunner:
             if progress:
                 progress(f"warmed {kind} batch={b} {'seq' if is_prefill else 'blocks'}={n} "
                          f"in {self.compile_times[shape]:.2f}s")
+        self._costs.clear()
         return self.compile_times
 
     @staticmethod
@@ -186,18 +188,20 @@ class ModelRunner:
         return ("decode", b, w) if b and w else None
 
     def _cost(self, is_prefill: bool, count: int, longest: int) -> float:
-        shape = self.shape_for(is_prefill, count, longest)
-        if shape is None:
-            return float("inf")
-        self._check_warmed(shape)
-        return self.step_costs.get(shape, 1.0)
+        key = (is_prefill, count, longest)
+        if key not in self._costs:
+            shape = self.shape_for(is_prefill, count, longest)
+            if shape is not None:
+                self._check_warmed(shape)
+            self._costs[key] = float("inf") if shape is None else self.step_costs.get(shape, 1.0)
+        return self._costs[key]
 
     def plan(self, batch: StepBatch) -> list[np.ndarray]:
         """Sequence index groups, one graph call each (see ``agents.bucket_plan``)."""
         lengths = batch.query_lens if batch.is_prefill else batch.context_lens
-        max_group = (self.rc.prefill_batch_sizes if batch.is_prefill else self.rc.decode_batch_sizes)[-1]
+        buckets = self.rc.prefill_batch_sizes if batch.is_prefill else self.rc.decode_batch_sizes
         try:
-            return plan_groups(lengths, max_group, lambda n, longest: self._cost(batch.is_prefill, n, longest))
+            return plan_groups(lengths, buckets, lambda n, longest: self._cost(batch.is_prefill, n, longest))
         except ValueError:
             kind = "prompt" if batch.is_prefill else "context"
             limit = (self.rc.prefill_seq_lengths[-1] if batch.is_prefill

@@ -20,18 +20,18 @@ def padded_cost(count: int, longest: int) -> float:
 
 def test_one_long_prompt_is_split_off():
     lengths = np.array([30, 200, 25, 40, 31, 33, 20, 28])
-    groups = plan_groups(lengths, 8, padded_cost)
+    groups = plan_groups(lengths, BATCH_BUCKETS, padded_cost)
     assert [sorted(lengths[g].tolist()) for g in groups] == [[20, 25, 28, 30, 31, 33, 40], [200]]
     assert sorted(np.concatenate(groups).tolist()) == list(range(8))
 
 
 def test_uniform_lengths_stay_in_one_call():
-    groups = plan_groups(np.array([10, 12, 9, 11]), 8, padded_cost)
+    groups = plan_groups(np.array([10, 12, 9, 11]), BATCH_BUCKETS, padded_cost)
     assert len(groups) == 1 and sorted(groups[0].tolist()) == [0, 1, 2, 3]
 
 
 def test_groups_respect_the_largest_bucket():
-    groups = plan_groups(np.full(20, 16), 8, padded_cost)
+    groups = plan_groups(np.full(20, 16), BATCH_BUCKETS, padded_cost)
     assert all(len(g) <= 8 for g in groups)
     assert sum(len(g) for g in groups) == 20
 
@@ -39,8 +39,8 @@ def test_groups_respect_the_largest_bucket():
 def test_plan_is_optimal_against_brute_force():
     rng = np.random.default_rng(0)
     for _ in range(30):
-        lengths = rng.integers(1, 257, rng.integers(1, 7))
-        groups = plan_groups(lengths, 8, padded_cost)
+        lengths = rng.integers(1, 257, rng.integers(1, 11))
+        groups = plan_groups(lengths, BATCH_BUCKETS, padded_cost)
         got = sum(padded_cost(len(g), int(lengths[g].max())) for g in groups)
         order = np.argsort(lengths, kind="stable")
         n = len(order)
@@ -53,4 +53,15 @@ def test_plan_is_optimal_against_brute_force():
 
 def test_nothing_fits():
     with pytest.raises(ValueError, match="no compiled shape fits a step of 2 sequences with lengths up to 300"):
-        plan_groups(np.array([300, 10]), 8, padded_cost)
+        plan_groups(np.array([300, 10]), BATCH_BUCKETS, padded_cost)
+
+
+def test_a_lone_sequence_may_have_a_shape_of_its_own():
+    """Like the runner's recompute shape: one sequence longer than every bucket runs alone."""
+    def cost(count: int, longest: int) -> float:
+        return 500.0 if count == 1 and longest > SEQ_BUCKETS[-1] else padded_cost(count, longest)
+
+    lengths = np.array([10, 300, 12])
+    groups = plan_groups(lengths, BATCH_BUCKETS, cost)
+    assert [300] in [lengths[g].tolist() for g in groups]
+    assert sorted(np.concatenate(groups).tolist()) == [0, 1, 2]
