@@ -7,9 +7,10 @@ Layout choices (measured on CPU, see docs/model.md and shared notes):
   gather reads a sequence's slots without copying the cache or transposing heads.
 - Prefill attends over the prompt's own K/V (padded ``[batch, seq]`` bucket, causal + length mask) while writing
   them to the cache; decode reads every sequence's context back through its block table.
-- Decode attention has two implementations of the same maths: portable graph ops (rope, per-head scatter, row
-  gather, batched matmuls; any device and dtype) and, on CPU with float32, one native C++ op per layer
-  (``agents.native_kernels``) that ropes, writes the cache in place and attends without copying the context.
+- Attention has two implementations of the same maths: portable graph ops (rope, per-head scatter, row gather,
+  batched matmuls; any device and dtype) and, on CPU with float32, native C++ ops (``agents.native_kernels``),
+  one per layer and step, that rope, write the cache in place and attend without copying the context. With the
+  native ops, prefill takes the prompts packed back to back (token-flat, no per-prompt padding).
 - The graph ends in a greedy argmax and the chosen token's log-probability, so an all-greedy step reads only
   ``2 x batch`` numbers back. The logits are a third output, read only for sampled batches and logits checks.
 """
@@ -21,6 +22,7 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from agents.model_config import LlamaConfig
+from agents.native_kernels import NativeAttention
 
 _NEG_INF = -1e30
 
@@ -59,13 +61,16 @@ class Linear(nn.Cell):
 
 
 class LlamaLayer(nn.Cell):
-    """One decoder layer owning its slice of the paged KV cache. ``decode_kernel``: the native decode attention
-    op (``agents.native_kernels.paged_decode_attention``), or None for the portable graph ops."""
+    """One decoder layer owning its slice of the paged KV cache. ``native``: the native attention ops
+    (``agents.native_kernels.NativeAttention``; prefill then takes prompts packed back to back), or None for the
+    portable graph ops (prefill takes a padded ``[batch, seq]`` bucket)."""
 
     def __init__(self, config: LlamaConfig, num_slots: int, block_size: int, dtype: ms.Type,
-                 decode_kernel: ops.Custom | None = None) -> None:
+                 native: NativeAttention | None = None) -> None:
         super().__init__()
-        self.decode_kernel = decode_kernel
+        self.native = native is not None
+        self.decode_kernel = native.decode if native else None
+        self.prefill_kernel = native.prefill if native else None
         self.n_heads = config.num_attention_heads
         self.n_kv = config.num_key_value_heads
         self.rep = self.n_heads // self.n_kv
@@ -155,7 +160,9 @@ class LlamaLayer(nn.Cell):
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
                   block_tables: Tensor, is_prefill: bool) -> Tensor:
         qkv = self.w_qkv(self.attention_norm(x))
-        if not is_prefill and self.decode_kernel is not None:
+        if self.native and is_prefill:
+            attn = self.prefill_kernel(qkv, cos, sin, slot_mapping, lens, *self.key_cache, *self.value_cache)
+        elif self.native:
             attn = self.decode_kernel(qkv, cos, sin, slot_mapping, block_tables, lens, self.block_offsets,
                                       *self.key_cache, *self.value_cache)
         else:
@@ -177,13 +184,13 @@ class LlamaModel(nn.Cell):
     """Weights and KV cache of the whole model; ``LlamaStep`` cells run it as prefill or decode graphs."""
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, max_positions: int,
-                 dtype: ms.Type = ms.float32, decode_kernel: ops.Custom | None = None) -> None:
+                 dtype: ms.Type = ms.float32, native: NativeAttention | None = None) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.embed_tokens = Parameter(Tensor(np.zeros((config.vocab_size, config.hidden_size)), dtype),
                                       name="embed_tokens")
-        self.layers = nn.CellList([LlamaLayer(config, num_blocks * block_size, block_size, dtype, decode_kernel)
+        self.layers = nn.CellList([LlamaLayer(config, num_blocks * block_size, block_size, dtype, native)
                                    for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)

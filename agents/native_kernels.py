@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from mindspore import ops
@@ -61,10 +62,25 @@ def build(name: str) -> Path:
     return target
 
 
-def paged_decode_attention(hidden_size: int) -> ops.Custom:
-    """The fused decode attention op of one layer: ``(qkv, cos, sin, slot_mapping, block_tables, context_lens,
-    block_offsets, *key_caches, *value_caches) -> [batch, hidden_size]``; it writes the step's K/V into the caches
-    in place (see the kernel source for the contract)."""
-    library = build("paged_decode_attention")
-    return ops.Custom(f"{library}:PagedDecodeAttention", out_shape=lambda qkv, *_: [qkv[0], hidden_size],
-                      out_dtype=lambda qkv, *_: qkv, func_type="aot")
+@dataclass(frozen=True)
+class NativeAttention:
+    """The two attention ops of ``agents/kernels/paged_attention.cc``, shared by every layer.
+
+    ``decode(qkv, cos, sin, slot_mapping, block_tables, context_lens, block_offsets, *key_caches, *value_caches)``
+    and ``prefill(qkv, cos, sin, slot_mapping, query_lens, *key_caches, *value_caches)`` (prompts packed back to
+    back) both return ``[tokens, hidden_size]`` and write the step's K/V into the caches in place.
+    """
+
+    decode: ops.Custom
+    prefill: ops.Custom
+
+
+def native_attention(hidden_size: int) -> NativeAttention:
+    """Build (or reuse) the kernel library and wrap its two entry points as Custom ops."""
+    library = build("paged_attention")
+
+    def op(entry: str) -> ops.Custom:
+        return ops.Custom(f"{library}:{entry}", out_shape=lambda qkv, *_: [qkv[0], hidden_size],
+                          out_dtype=lambda qkv, *_: qkv, func_type="aot")
+
+    return NativeAttention(decode=op("PagedDecodeAttention"), prefill=op("PackedPrefillAttention"))

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor, ops
+from mindspore import Tensor
 
 from agents.bucket_plan import plan_groups
 from agents.device import setup_device
 from agents.model import LlamaModel, LlamaStep, load_weights_into
 from agents.model_config import LlamaConfig
-from agents.native_kernels import KernelBuildError, paged_decode_attention
+from agents.native_kernels import KernelBuildError, NativeAttention, native_attention
+from agents.packed_prefill import packed_arrays, plan_packed, token_buckets
 from agents.sampler import sample
 from llm_serving.batch import StepBatch, StepOutput
 
@@ -56,7 +57,7 @@ class RunnerConfig:
     dtype: str = "float32"
     device_target: str = "CPU"
     device_id: int = 0
-    attention_kernel: str = "auto"  # decode attention: native C++ kernel, portable graph ops, or auto-select
+    attention_kernel: str = "auto"  # attention: native C++ kernels, portable graph ops, or auto-select
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -79,8 +80,8 @@ class RunnerConfig:
         return -(-self.max_model_len // self.block_size)
 
 
-def decode_attention_kernel(rc: RunnerConfig, hidden_size: int) -> ops.Custom | None:
-    """The native decode attention op (``agents.native_kernels``), or None for the portable graph.
+def native_attention_for(rc: RunnerConfig, hidden_size: int) -> NativeAttention | None:
+    """The native attention ops (``agents.native_kernels``), or None for the portable graph ops.
 
     ``auto`` takes the native kernel where it applies (CPU, float32) and the compiler is there, and otherwise
     falls back with a warning; ``native`` raises instead of falling back.
@@ -93,7 +94,7 @@ def decode_attention_kernel(rc: RunnerConfig, hidden_size: int) -> ops.Custom | 
                              f"{rc.dtype}); use auto or portable")
         return None
     try:
-        return paged_decode_attention(hidden_size)
+        return native_attention(hidden_size)
     except KernelBuildError as exc:
         if rc.attention_kernel == "native":
             raise
@@ -113,13 +114,15 @@ class ModelRunner:
         setup_device(runner_config.device_target, runner_config.device_id)
         self.config = config
         self.rc = runner_config
-        kernel = decode_attention_kernel(runner_config, config.hidden_size)
-        self.attention_kernel = "portable" if kernel is None else "native"
-        self.model = LlamaModel(config, runner_config.num_blocks, runner_config.block_size,
-                                runner_config.max_model_len, DTYPES[runner_config.dtype], kernel)
+        native = native_attention_for(runner_config, config.hidden_size)
+        self.attention_kernel = "portable" if native is None else "native"
+        self.packed = native is not None  # native prefill takes packed prompts (agents.packed_prefill)
+        rc = runner_config
+        self.token_buckets = token_buckets(rc.prefill_batch_sizes, rc.prefill_seq_lengths, rc.max_model_len)
+        self.model = LlamaModel(config, rc.num_blocks, rc.block_size, rc.max_model_len, DTYPES[rc.dtype], native)
         load_weights_into(self.model, weights)
-        self.graphs = {"prefill": LlamaStep(self.model, is_prefill=True),
-                       "decode": LlamaStep(self.model, is_prefill=False)}
+        prefill = LlamaStep(self.model, is_prefill=True)
+        self.graphs = {"prefill": prefill, "packed": prefill, "decode": LlamaStep(self.model, is_prefill=False)}
         self.warmed: set[tuple] = set()
         self.compile_times: dict[tuple, float] = {}
         self.step_costs: dict[tuple, float] = {}  # steady-state seconds per call, measured in warm-up
@@ -127,9 +130,14 @@ class ModelRunner:
 
     # ---- shapes -------------------------------------------------------------------------------------------
     def graph_shapes(self) -> list[tuple]:
-        shapes = [("prefill", b, s) for b in self.rc.prefill_batch_sizes for s in self.rc.prefill_seq_lengths]
-        if self.rc.max_model_len > self.rc.prefill_seq_lengths[-1]:
-            shapes.append(("prefill", 1, self.rc.max_model_len))  # recompute of one preempted sequence
+        """``(kind, batch, n)``: ("prefill", batch, seq), ("packed", max prefill batch, tokens) or ("decode",
+        batch, block-table width)."""
+        if self.packed:
+            shapes = [("packed", self.rc.prefill_batch_sizes[-1], t) for t in self.token_buckets]
+        else:
+            shapes = [("prefill", b, s) for b in self.rc.prefill_batch_sizes for s in self.rc.prefill_seq_lengths]
+            if self.rc.max_model_len > self.rc.prefill_seq_lengths[-1]:
+                shapes.append(("prefill", 1, self.rc.max_model_len))  # recompute of one preempted sequence
         shapes += [("decode", b, w) for b in self.rc.decode_batch_sizes for w in self.rc.decode_block_widths]
         return shapes
 
@@ -141,9 +149,8 @@ class ModelRunner:
         for shape in self.graph_shapes():
             kind, b, n = shape
             t0 = time.perf_counter()
-            is_prefill = kind == "prefill"
-            tokens = b * n if is_prefill else b
-            inputs = self._padded_inputs(b, tokens, n if not is_prefill else 1)
+            tokens = {"prefill": b * n, "packed": n, "decode": b}[kind]
+            inputs = self._padded_inputs(b, tokens, n if kind == "decode" else 1)
             self.warmed.add(shape)
             self._run(kind, shape, inputs)
             self.compile_times[shape] = time.perf_counter() - t0
@@ -151,8 +158,8 @@ class ModelRunner:
             self._run(kind, shape, inputs)[0].asnumpy()
             self.step_costs[shape] = time.perf_counter() - t1
             if progress:
-                progress(f"warmed {kind} batch={b} {'seq' if is_prefill else 'blocks'}={n} "
-                         f"in {self.compile_times[shape]:.2f}s")
+                unit = {"prefill": "seq", "packed": "tokens", "decode": "blocks"}[kind]
+                progress(f"warmed {kind} batch={b} {unit}={n} in {self.compile_times[shape]:.2f}s")
         self._costs.clear()
         return self.compile_times
 
@@ -196,9 +203,23 @@ class ModelRunner:
             self._costs[key] = float("inf") if shape is None else self.step_costs.get(shape, 1.0)
         return self._costs[key]
 
+    def _packed_cost(self, tokens: int) -> float:
+        key = ("packed", tokens)
+        if key not in self._costs:
+            t = _fit(tokens, self.token_buckets)
+            shape = None if t is None else ("packed", self.rc.prefill_batch_sizes[-1], t)
+            if shape is not None:
+                self._check_warmed(shape)
+            self._costs[key] = float("inf") if shape is None else self.step_costs.get(shape, 1.0)
+        return self._costs[key]
+
     def plan(self, batch: StepBatch) -> list[np.ndarray]:
-        """Sequence index groups, one graph call each (see ``agents.bucket_plan``)."""
+        """Sequence index groups, one graph call each (``agents.bucket_plan``, ``agents.packed_prefill``)."""
         lengths = batch.query_lens if batch.is_prefill else batch.context_lens
+        if batch.is_prefill and self.packed:
+            if int(lengths.max()) > self.rc.max_model_len:
+                raise ValueError(f"prompt length {int(lengths.max())} exceeds max_model_len {self.rc.max_model_len}")
+            return plan_packed(lengths, self.rc.prefill_batch_sizes[-1], self._packed_cost)
         buckets = self.rc.prefill_batch_sizes if batch.is_prefill else self.rc.decode_batch_sizes
         try:
             return plan_groups(lengths, buckets, lambda n, longest: self._cost(batch.is_prefill, n, longest))
@@ -211,7 +232,13 @@ class ModelRunner:
                              " alone)") from None
 
     def bucket_inputs(self, batch: StepBatch) -> tuple[tuple, list[np.ndarray]]:
-        """The batch padded to its bucket: ``((kind, batch, seq-or-width), graph input arrays)``."""
+        """The batch padded to its bucket: ``((kind, batch, n), graph input arrays)`` (see ``graph_shapes``)."""
+        if batch.is_prefill and self.packed:
+            total, max_seqs = int(batch.query_lens.sum()), self.rc.prefill_batch_sizes[-1]
+            t = _fit(total, self.token_buckets)
+            if t is None or batch.batch_size > max_seqs:
+                raise ValueError(f"no packed prefill bucket holds {batch.batch_size} prompts of {total} tokens")
+            return ("packed", max_seqs, t), packed_arrays(batch, max_seqs, t)
         lengths = batch.query_lens if batch.is_prefill else batch.context_lens
         shape = self.shape_for(batch.is_prefill, batch.batch_size, int(lengths.max()))
         if shape is None:

@@ -14,7 +14,7 @@ import pytest
 from agents import native_kernels
 from agents.model_config import LlamaConfig
 from agents.random_model import build_random_model
-from agents.runner import ModelRunner, RunnerConfig, decode_attention_kernel
+from agents.runner import ModelRunner, RunnerConfig, native_attention_for
 from agents.weights import load_weights
 from llm_serving.batch import StepBatch
 from tests.hf_reference import hf_greedy, load_hf
@@ -45,7 +45,7 @@ def test_native_equals_portable_and_transformers(tmp_path, heads, kv_heads, hidd
         runs[kind] = PagedDriver(runner, seed=5).generate(prompts(config, (3, 8, 9, 17, 30, 1), seed=2), 40)
     (native_ids, native_lp), (portable_ids, portable_lp) = runs["native"], runs["portable"]
     assert native_ids == portable_ids
-    np.testing.assert_allclose(native_lp, portable_lp, atol=1e-5)
+    np.testing.assert_allclose(native_lp, portable_lp, atol=5e-5)  # float32 summation order differs
     hf = load_hf(model_dir)
     for prompt, got, got_lp in zip(prompts(config, (3, 8, 9, 17, 30, 1), seed=2), native_ids, native_lp):
         ref, ref_lp = hf_greedy(hf, prompt, 40)
@@ -88,15 +88,15 @@ def test_out_of_range_cache_indices_are_refused_before_any_write(native_runner, 
 def test_auto_falls_back_to_portable_without_a_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-compiler")
     monkeypatch.setenv("LLM_SERVING_KERNEL_DIR", str(tmp_path))
-    assert decode_attention_kernel(dataclasses.replace(RC, attention_kernel="auto"), 64) is None
+    assert native_attention_for(dataclasses.replace(RC, attention_kernel="auto"), 64) is None
     with pytest.raises(native_kernels.KernelBuildError, match="no C\\+\\+ compiler found"):
-        decode_attention_kernel(dataclasses.replace(RC, attention_kernel="native"), 64)
+        native_attention_for(dataclasses.replace(RC, attention_kernel="native"), 64)
 
 
 def test_auto_is_portable_where_the_kernel_does_not_apply():
-    assert decode_attention_kernel(dataclasses.replace(RC, dtype="float16"), 64) is None
+    assert native_attention_for(dataclasses.replace(RC, dtype="float16"), 64) is None
     with pytest.raises(ValueError, match="CPU with float32 only"):
-        decode_attention_kernel(dataclasses.replace(RC, dtype="bfloat16", attention_kernel="native"), 64)
+        native_attention_for(dataclasses.replace(RC, dtype="bfloat16", attention_kernel="native"), 64)
     with pytest.raises(ValueError, match="attention_kernel 'fast' is not one of"):
         dataclasses.replace(RC, attention_kernel="fast")
 
@@ -114,16 +114,16 @@ def test_compile_errors_carry_the_compiler_output(monkeypatch, tmp_path):
 
 def test_built_library_is_cached_by_source(monkeypatch, tmp_path):
     monkeypatch.setenv("LLM_SERVING_KERNEL_DIR", str(tmp_path))
-    first = native_kernels.build("paged_decode_attention")
+    first = native_kernels.build("paged_attention")
     mtime = first.stat().st_mtime_ns
-    assert native_kernels.build("paged_decode_attention") == first
+    assert native_kernels.build("paged_attention") == first
     assert first.stat().st_mtime_ns == mtime
 
 
 KERNEL_GUARD_SCRIPT = """
 import numpy as np, mindspore as ms
 from mindspore import Tensor, nn
-from agents.native_kernels import paged_decode_attention
+from agents.native_kernels import native_attention
 ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")
 
@@ -131,7 +131,7 @@ ms.set_device("CPU")
 class Attention(nn.Cell):
     def __init__(self):
         super().__init__()
-        self.op = paged_decode_attention(64)
+        self.op = native_attention(64).decode
 
     def construct(self, *inputs):
         return self.op(*inputs)
@@ -160,3 +160,18 @@ def test_kernel_checks_block_tables_itself(tmp_path, block, expected):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root, timeout=300,
                             check=False, env={**os.environ, "PYTHONPATH": str(root)})
     assert expected in result.stdout, result.stdout + result.stderr[-2000:]
+
+
+def test_packed_prefill_padding_writes_nothing(native_runner):
+    """Two prompts in a packed call padded to 32 tokens and 8 sequences: only their own slots change."""
+    caches = [c for layer in native_runner.model.layers for c in (*layer.key_cache, *layer.value_cache)]
+    before = [c.asnumpy().copy() for c in caches]
+    lens = np.array([5, 9], np.int32)
+    slots = np.concatenate([np.arange(16, 21), np.arange(40, 49)]).astype(np.int32)
+    batch = StepBatch(True, np.arange(3, 17, dtype=np.int32), np.concatenate([np.arange(5), np.arange(9)]).astype(
+        np.int32), slots, lens, lens.copy(), np.zeros((2, 1), np.int32))
+    assert native_runner.bucket_inputs(batch)[0] == ("packed", 8, 32)
+    native_runner.step(batch)
+    for old, cache in zip(before, caches):
+        changed = np.flatnonzero(np.any(cache.asnumpy() != old, axis=1))
+        assert set(changed.tolist()) <= set(slots.tolist()) and len(changed) > 0

@@ -1,0 +1,339 @@
+// Attention over the paged KV cache for MindSpore CPU, called as AOT ``ops.Custom`` ops (agents/native_kernels.py).
+// Each call does, for one layer, what the portable graph does with ~30 small ops: rotary embedding of the step's
+// queries and keys, the write of their key/value rows into the cache, and attention.
+//
+// Why: the portable decode graph gathers each sequence's K/V rows into a copy and reads the copy again with
+// batched matmuls, and pays MindSpore's per-op cost for every rope, slice and per-head scatter (at batch 128 x
+// context 256 that was ~65% of a decode step, docs/model.md); the portable prefill pads every prompt to a common
+// length. Here each K/V row is read once, in place; prompts are packed without padding; the query heads sharing
+// a kv head (GQA) are handled together; softmax is two-pass in float32.
+//
+// Common inputs (float32 unless noted): qkv [tokens, (heads + 2 * kv_heads) * head_dim], the fused projection;
+// cos, sin [tokens, head_dim], rotary tables at each token's position (rotate-half layout); slot_mapping
+// [tokens] int32, the cache slot of each token's key/value; then kv_heads key caches and kv_heads value caches,
+// each [num_slots, head_dim], written in place at slot_mapping. Output: [tokens, heads * head_dim].
+//
+// PagedDecodeAttention: one token per sequence (tokens = batch). Between slot_mapping and the caches:
+//   block_tables [batch, width] int32, context_lens [batch] int32 (the new token included; 0 = padding row, which
+//   writes nothing and gives zeros), block_offsets [block_size] int32 (only its length is read).
+// PackedPrefillAttention: the prompts of the call packed back to back, causal attention within each. Between
+//   slot_mapping and the caches: query_lens [batch] int32 (0 = padding sequence); tokens past their sum are
+//   padding: they write nothing and give zeros.
+//
+// Both return 0, or an error code that MindSpore raises as a RuntimeError, checked before anything is written:
+// 1 wrong number of inputs or ranks, 2 a dtype other than the above, 3 inconsistent shapes, 4 a length or slot
+// out of range, 5 a block-table entry outside the cache.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <atomic>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+
+namespace {
+
+bool is_dtype(const char *dtype, const char *want) { return std::strcmp(dtype, want) == 0; }
+
+// Rotate-half rotary embedding of one head: out = x * cos + concat(-x[half:], x[:half]) * sin.
+void rope(const float *x, const float *cos, const float *sin, int64_t head_dim, float *out) {
+  const int64_t half = head_dim / 2;
+  for (int64_t d = 0; d < half; ++d) out[d] = x[d] * cos[d] - x[d + half] * sin[d];
+  for (int64_t d = half; d < head_dim; ++d) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
+}
+
+// Cache rows of one block, for the block after the current one: prefetching them while the current block is
+// processed keeps the memory system busy across the jumps between non-contiguous blocks.
+inline void prefetch_block(const float *rows, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(rows + i);
+}
+
+inline const float *block_rows(const float *cache, const int32_t *table, int64_t block, int64_t block_size,
+                               int64_t head_dim) {
+  return cache + static_cast<int64_t>(table[block]) * block_size * head_dim;
+}
+
+// scores[r * len + t] = scale * q_r . k_t for the ``rep`` query heads sharing this kv head.
+template <int64_t kHeadDim>
+void score_keys(const float *q, const int32_t *table, int64_t len, int64_t block_size, const float *keys,
+                int64_t dyn_head_dim, int64_t rep, float scale, float *scores) {
+  const int64_t head_dim = kHeadDim ? kHeadDim : dyn_head_dim;
+  const int64_t blocks = (len + block_size - 1) / block_size;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const float *k = block_rows(keys, table, blk, block_size, head_dim);
+    if (blk + 1 < blocks) prefetch_block(block_rows(keys, table, blk + 1, block_size, head_dim), block_size * head_dim);
+    const int64_t start = blk * block_size;
+    const int64_t rows = len - start < block_size ? len - start : block_size;
+    for (int64_t r = 0; r < rep; ++r) {
+      const float *qr = q + r * head_dim;
+      float *s = scores + r * len + start;
+      int64_t i = 0;
+      for (; i + 4 <= rows; i += 4) {  // four rows at a time: independent sums, one horizontal add each
+        const float *k0 = k + i * head_dim, *k1 = k0 + head_dim, *k2 = k1 + head_dim, *k3 = k2 + head_dim;
+        float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+        for (int64_t d = 0; d < head_dim; ++d) {
+          d0 += qr[d] * k0[d];
+          d1 += qr[d] * k1[d];
+          d2 += qr[d] * k2[d];
+          d3 += qr[d] * k3[d];
+        }
+        s[i] = d0 * scale;
+        s[i + 1] = d1 * scale;
+        s[i + 2] = d2 * scale;
+        s[i + 3] = d3 * scale;
+      }
+      for (; i < rows; ++i) {
+        const float *kr = k + i * head_dim;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * kr[d];
+        s[i] = dot * scale;
+      }
+    }
+  }
+}
+
+// In place: each of the ``rep`` rows of ``len`` scores becomes its softmax.
+void softmax_rows(float *scores, int64_t len, int64_t rep) {
+  for (int64_t r = 0; r < rep; ++r) {
+    float *s = scores + r * len;
+    float top = s[0];
+    for (int64_t t = 1; t < len; ++t) top = s[t] > top ? s[t] : top;
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = std::exp(s[t] - top);
+      total += s[t];
+    }
+    const float inv = 1.0f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+  }
+}
+
+// out[r] = sum_t probs[r * len + t] * v_t.
+template <int64_t kHeadDim>
+void weigh_values(const float *probs, const int32_t *table, int64_t len, int64_t block_size, const float *values,
+                  int64_t dyn_head_dim, int64_t rep, float *out) {
+  const int64_t head_dim = kHeadDim ? kHeadDim : dyn_head_dim;
+  std::memset(out, 0, sizeof(float) * rep * head_dim);
+  const int64_t blocks = (len + block_size - 1) / block_size;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const float *v = block_rows(values, table, blk, block_size, head_dim);
+    if (blk + 1 < blocks) prefetch_block(block_rows(values, table, blk + 1, block_size, head_dim), block_size * head_dim);
+    const int64_t start = blk * block_size;
+    const int64_t rows = len - start < block_size ? len - start : block_size;
+    for (int64_t r = 0; r < rep; ++r) {
+      const float *p = probs + r * len + start;
+      float *o = out + r * head_dim;
+      for (int64_t i = 0; i < rows; ++i) {
+        const float pi = p[i];
+        const float *vr = v + i * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) o[d] += pi * vr[d];
+      }
+    }
+  }
+}
+
+// One sequence and kv head. ``kHeadDim`` fixes the row length at compile time for the common Llama head sizes
+// (64, 128), which let the compiler unroll the row loops (1.4-2x faster than a runtime length); 0 = any.
+template <int64_t kHeadDim>
+void attend(const float *q, const int32_t *table, int64_t len, int64_t block_size, const float *keys,
+            const float *values, int64_t head_dim, int64_t rep, float scale, float *scores, float *out) {
+  score_keys<kHeadDim>(q, table, len, block_size, keys, head_dim, rep, scale, scores);
+  softmax_rows(scores, len, rep);
+  weigh_values<kHeadDim>(scores, table, len, block_size, values, head_dim, rep, out);
+}
+
+// Threads per call: $LLM_SERVING_KERNEL_THREADS, else the hardware's. Plain threads started per call rather than
+// OpenMP: OpenMP's idle workers spin after a parallel region and took the cores from MindSpore's next ops
+// (decode B=128 ran 1.6x slower with spinning workers than with OMP_WAIT_POLICY=passive).
+int64_t thread_count(int64_t tasks, int64_t tasks_per_thread) {
+  static const int64_t configured = [] {
+    const char *env = std::getenv("LLM_SERVING_KERNEL_THREADS");
+    const int64_t n = env ? std::atoll(env) : static_cast<int64_t>(std::thread::hardware_concurrency());
+    return n > 0 ? n : 1;
+  }();
+  const int64_t useful = (tasks + tasks_per_thread - 1) / tasks_per_thread;
+  return configured < useful ? configured : useful;
+}
+
+// Runs ``work(task)`` for tasks 0..count-1 on up to thread_count threads (the caller's included), one thread
+// per ``tasks_per_thread`` tasks at most: starting a thread costs about as much as a few decode tasks.
+template <typename Work>
+void run_tasks(int64_t count, int64_t tasks_per_thread, const Work &work) {
+  std::atomic<int64_t> next{0};
+  auto loop = [&] {
+    for (int64_t task = next.fetch_add(1); task < count; task = next.fetch_add(1)) work(task);
+  };
+  std::vector<std::thread> helpers;
+  for (int64_t i = 1; i < thread_count(count, tasks_per_thread); ++i) helpers.emplace_back(loop);
+  loop();
+  for (auto &t : helpers) t.join();
+}
+
+// ``rep`` query heads over ``len`` key/value rows; dispatches to the unrolled head sizes.
+void attend_any(const float *q, const int32_t *table, int64_t len, int64_t block_size, const float *keys,
+                const float *values, int64_t dim, int64_t rep, float scale, float *scores, float *out) {
+  if (dim == 64) {
+    attend<64>(q, table, len, block_size, keys, values, dim, rep, scale, scores, out);
+  } else if (dim == 128) {
+    attend<128>(q, table, len, block_size, keys, values, dim, rep, scale, scores, out);
+  } else {
+    attend<0>(q, table, len, block_size, keys, values, dim, rep, scale, scores, out);
+  }
+}
+
+// What both entry points share: the step's projections, rotary tables, slots and the caches.
+struct Layer {
+  const float *qkv, *cos, *sin;
+  const int32_t *slots;
+  float *const *keys, *const *values;  // per kv head
+  float *out;
+  int64_t n_kv, rep, dim, num_slots;
+  float scale;
+
+  int64_t heads() const { return n_kv * rep; }
+  int64_t qkv_width() const { return (heads() + 2 * n_kv) * dim; }
+  const float *row(int64_t token) const { return qkv + token * qkv_width(); }
+  // Ropes token's key of kv head ``h`` and writes it and its value into the cache at the token's slot.
+  void write_kv(int64_t token, int64_t h) const {
+    const int64_t slot = slots[token];
+    rope(row(token) + (heads() + h) * dim, cos + token * dim, sin + token * dim, dim, keys[h] + slot * dim);
+    std::memcpy(values[h] + slot * dim, row(token) + (heads() + n_kv + h) * dim, sizeof(float) * dim);
+  }
+  // Ropes the ``rep`` queries of kv head ``h`` at ``token`` into q [rep, dim].
+  void queries(int64_t token, int64_t h, float *q) const {
+    for (int64_t r = 0; r < rep; ++r) {
+      rope(row(token) + (h * rep + r) * dim, cos + token * dim, sin + token * dim, dim, q + r * dim);
+    }
+  }
+  float *out_row(int64_t token, int64_t h) const { return out + token * heads() * dim + h * rep * dim; }
+};
+
+// Validates the common inputs (the ``n_kv`` key and value caches start at ``first_cache``) and fills ``layer``.
+int parse_layer(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, int first_cache,
+                std::vector<float *> &caches, Layer &layer) {
+  const int n_kv = (nparam - first_cache - 1) / 2;
+  if (n_kv < 1 || nparam != first_cache + 1 + 2 * n_kv) return 1;
+  if (ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || ndims[3] != 1) return 1;
+  for (int i = 0; i < nparam - 1; ++i) {
+    const bool is_index = i >= 3 && i < first_cache;
+    if (!is_dtype(dtypes[i], is_index ? "int32" : "float32")) return 2;
+    if (i >= first_cache && (ndims[i] != 2 || shapes[i][0] != shapes[first_cache][0] ||
+                             shapes[i][1] != shapes[first_cache][1])) return 3;
+  }
+  caches.assign(2 * n_kv, nullptr);
+  for (int i = 0; i < 2 * n_kv; ++i) caches[i] = static_cast<float *>(params[first_cache + i]);
+  layer.qkv = static_cast<const float *>(params[0]);
+  layer.cos = static_cast<const float *>(params[1]);
+  layer.sin = static_cast<const float *>(params[2]);
+  layer.slots = static_cast<const int32_t *>(params[3]);
+  layer.keys = caches.data();
+  layer.values = caches.data() + n_kv;
+  layer.out = static_cast<float *>(params[nparam - 1]);
+  layer.n_kv = n_kv;
+  layer.dim = shapes[first_cache][1];
+  layer.num_slots = shapes[first_cache][0];
+  const int64_t tokens = shapes[0][0], heads = shapes[0][1] / layer.dim - 2 * n_kv;
+  layer.rep = heads / n_kv;
+  if (layer.dim % 2 != 0 || layer.rep < 1 || layer.rep * n_kv != heads || layer.qkv_width() != shapes[0][1] ||
+      shapes[1][0] != tokens || shapes[2][0] != tokens || shapes[1][1] != layer.dim || shapes[2][1] != layer.dim ||
+      shapes[3][0] != tokens)
+    return 3;
+  layer.scale = 1.0f / std::sqrt(static_cast<float>(layer.dim));
+  return 0;
+}
+
+}  // namespace
+
+extern "C" int PagedDecodeAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                    void *stream, void *extra) {
+  (void)stream;
+  (void)extra;
+  constexpr int kFirstCache = 7;
+  Layer layer{};
+  std::vector<float *> caches;
+  if (nparam < kFirstCache + 3) return 1;
+  if (int rc = parse_layer(nparam, params, ndims, shapes, dtypes, kFirstCache, caches, layer)) return rc;
+  if (ndims[4] != 2 || ndims[5] != 1 || ndims[6] != 1) return 1;
+  const auto *tables = static_cast<const int32_t *>(params[4]);
+  const auto *lens = static_cast<const int32_t *>(params[5]);
+  const int64_t batch = shapes[0][0], width = shapes[4][1], block_size = shapes[6][0];
+  if (shapes[4][0] != batch || shapes[5][0] != batch || block_size < 1) return 3;
+  const int64_t num_blocks = layer.num_slots / block_size;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (lens[b] < 0 || lens[b] > width * block_size) return 4;
+    if (lens[b] > 0 && (layer.slots[b] < 0 || layer.slots[b] >= layer.num_slots)) return 4;
+    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i) {
+      if (tables[b * width + i] < 0 || tables[b * width + i] >= num_blocks) return 5;
+    }
+  }
+  run_tasks(batch * layer.n_kv, 16, [&](int64_t task) {
+    thread_local std::vector<float> scores, q;
+    const int64_t b = task / layer.n_kv, h = task % layer.n_kv, len = lens[b];
+    float *o = layer.out_row(b, h);
+    if (len == 0) {
+      std::memset(o, 0, sizeof(float) * layer.rep * layer.dim);
+      return;
+    }
+    layer.write_kv(b, h);
+    q.resize(static_cast<size_t>(layer.rep * layer.dim));
+    layer.queries(b, h, q.data());
+    scores.resize(static_cast<size_t>(layer.rep * len));
+    attend_any(q.data(), tables + b * width, len, block_size, layer.keys[h], layer.values[h], layer.dim, layer.rep,
+               layer.scale, scores.data(), o);
+  });
+  return 0;
+}
+
+extern "C" int PackedPrefillAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                      void *stream, void *extra) {
+  (void)stream;
+  (void)extra;
+  constexpr int kFirstCache = 5;
+  Layer layer{};
+  std::vector<float *> caches;
+  if (nparam < kFirstCache + 3) return 1;
+  if (int rc = parse_layer(nparam, params, ndims, shapes, dtypes, kFirstCache, caches, layer)) return rc;
+  if (ndims[4] != 1) return 1;
+  const auto *lens = static_cast<const int32_t *>(params[4]);
+  const int64_t tokens = shapes[0][0], batch = shapes[4][0];
+  std::vector<int64_t> starts(static_cast<size_t>(batch) + 1, 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    if (lens[b] < 0) return 4;
+    starts[b + 1] = starts[b] + lens[b];
+  }
+  const int64_t used = starts[batch];
+  if (used > tokens) return 4;
+  for (int64_t t = 0; t < used; ++t) {
+    if (layer.slots[t] < 0 || layer.slots[t] >= layer.num_slots) return 4;
+  }
+  const int64_t width = layer.heads() * layer.dim;
+  std::memset(layer.out + used * width, 0, sizeof(float) * (tokens - used) * width);
+  run_tasks(batch * layer.n_kv, 1, [&](int64_t task) {
+    thread_local std::vector<float> keys, values, scores, q;
+    const int64_t b = task / layer.n_kv, h = task % layer.n_kv, start = starts[b], len = lens[b], dim = layer.dim;
+    if (len == 0) return;
+    // The prompt's own roped keys and values, contiguous: attention reads them as one block of ``len`` rows.
+    keys.resize(static_cast<size_t>(len * dim));
+    values.resize(static_cast<size_t>(len * dim));
+    for (int64_t t = 0; t < len; ++t) {
+      layer.write_kv(start + t, h);
+      const int64_t slot = layer.slots[start + t];
+      std::memcpy(keys.data() + t * dim, layer.keys[h] + slot * dim, sizeof(float) * dim);
+      std::memcpy(values.data() + t * dim, layer.values[h] + slot * dim, sizeof(float) * dim);
+    }
+    static const int32_t kOneBlock[1] = {0};
+    q.resize(static_cast<size_t>(layer.rep * dim));
+    scores.resize(static_cast<size_t>(layer.rep * len));
+    for (int64_t t = 0; t < len; ++t) {  // causal: token t attends to tokens 0..t of its prompt
+      layer.queries(start + t, h, q.data());
+      attend_any(q.data(), kOneBlock, t + 1, len, keys.data(), values.data(), dim, layer.rep, layer.scale,
+                 scores.data(), layer.out_row(start + t, h));
+    }
+  });
+  return 0;
+}
