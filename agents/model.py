@@ -22,7 +22,7 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from agents.model_config import LlamaConfig
-from agents.native_kernels import NativeAttention
+from agents.native_kernels import NativeOps
 
 _NEG_INF = -1e30
 
@@ -37,12 +37,18 @@ def rotary_tables(config: LlamaConfig, max_positions: int) -> tuple[np.ndarray, 
 
 
 class RMSNorm(nn.Cell):
-    def __init__(self, hidden: int, eps: float, dtype: ms.Type) -> None:
+    """``native``: the native ops (one fused op instead of seven), or None for graph ops."""
+
+    def __init__(self, hidden: int, eps: float, dtype: ms.Type, native: NativeOps | None = None) -> None:
         super().__init__()
         self.weight = Parameter(Tensor(np.ones(hidden), dtype), name="weight")
         self.eps = eps
+        self.native_op = native.rms_norm if native else None
+        self.eps_tensor = Tensor(np.array([eps], np.float32))
 
     def construct(self, x: Tensor) -> Tensor:
+        if self.native_op is not None:
+            return self.native_op(x, self.weight, self.eps_tensor)
         xf = x.astype(ms.float32)
         variance = ops.mean(xf * xf, -1, keep_dims=True)
         return (xf * ops.rsqrt(variance + self.eps)).astype(x.dtype) * self.weight
@@ -61,16 +67,17 @@ class Linear(nn.Cell):
 
 
 class LlamaLayer(nn.Cell):
-    """One decoder layer owning its slice of the paged KV cache. ``native``: the native attention ops
-    (``agents.native_kernels.NativeAttention``; prefill then takes prompts packed back to back), or None for the
+    """One decoder layer owning its slice of the paged KV cache. ``native``: the native ops
+    (``agents.native_kernels.NativeOps``; prefill then takes prompts packed back to back), or None for the
     portable graph ops (prefill takes a padded ``[batch, seq]`` bucket)."""
 
     def __init__(self, config: LlamaConfig, num_slots: int, block_size: int, dtype: ms.Type,
-                 native: NativeAttention | None = None) -> None:
+                 native: NativeOps | None = None) -> None:
         super().__init__()
         self.native = native is not None
         self.decode_kernel = native.decode if native else None
         self.prefill_kernel = native.prefill if native else None
+        self.swiglu = native.swiglu if native else None
         self.n_heads = config.num_attention_heads
         self.n_kv = config.num_key_value_heads
         self.rep = self.n_heads // self.n_kv
@@ -80,8 +87,8 @@ class LlamaLayer(nn.Cell):
         self.ffn = config.intermediate_size
         self.block_size = block_size
         self.scale = 1.0 / float(np.sqrt(self.head_dim))
-        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, native)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, native)
         self.w_qkv = Linear(config.hidden_size, config.qkv_dim, dtype)
         self.wo = Linear(config.hidden_size, config.hidden_size, dtype)
         self.w_gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, dtype)
@@ -176,7 +183,10 @@ class LlamaLayer(nn.Cell):
                 attn = self.decode_attention(q, written, block_tables, lens)
         x = x + self.wo(attn)
         gate_up = self.w_gate_up(self.ffn_norm(x))
-        act = ops.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn:]
+        if self.native:
+            act = self.swiglu(gate_up)
+        else:
+            act = ops.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn:]
         return x + self.w_down(act)
 
 
@@ -184,7 +194,7 @@ class LlamaModel(nn.Cell):
     """Weights and KV cache of the whole model; ``LlamaStep`` cells run it as prefill or decode graphs."""
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, max_positions: int,
-                 dtype: ms.Type = ms.float32, native: NativeAttention | None = None) -> None:
+                 dtype: ms.Type = ms.float32, native: NativeOps | None = None) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -192,7 +202,8 @@ class LlamaModel(nn.Cell):
                                       name="embed_tokens")
         self.layers = nn.CellList([LlamaLayer(config, num_blocks * block_size, block_size, dtype, native)
                                    for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, native)
+        self.native_greedy = native.greedy if native else None
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
         cos, sin = rotary_tables(config, max_positions)
         self.cos = Tensor(cos, dtype)
@@ -242,7 +253,10 @@ class LlamaStep(nn.Cell):
         if self.is_prefill:
             hidden = ops.gather(hidden, last_index, 0)
         logits = self.model.logits(hidden)
-        token_ids, logprobs = greedy_pick(logits)
+        if self.model.native_greedy is not None:
+            token_ids, logprobs = self.model.native_greedy(logits)
+        else:
+            token_ids, logprobs = greedy_pick(logits)
         return token_ids, logprobs, logits
 
 

@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from mindspore import dtype as mstype
 from mindspore import ops
 
 KERNEL_SOURCES = Path(__file__).resolve().parent / "kernels"
@@ -43,7 +44,8 @@ def build(name: str) -> Path:
     if cxx is None:
         raise KernelBuildError(f"no C++ compiler found (looked for {os.environ.get('CXX', 'g++')!r}); "
                                "install g++ or use attention: portable")
-    digest = hashlib.sha256(source.read_bytes() + " ".join((cxx, *CXX_FLAGS)).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(KERNEL_SOURCES.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join((cxx, *CXX_FLAGS)).encode()).hexdigest()[:16]
     target = kernel_dir() / f"{name}-{digest}.so"
     if target.exists():
         return target
@@ -63,24 +65,41 @@ def build(name: str) -> Path:
 
 
 @dataclass(frozen=True)
-class NativeAttention:
-    """The two attention ops of ``agents/kernels/paged_attention.cc``, shared by every layer.
+class NativeOps:
+    """The native ops shared by every layer (built from ``agents/kernels/``).
 
-    ``decode(qkv, cos, sin, slot_mapping, block_tables, context_lens, block_offsets, *key_caches, *value_caches)``
-    and ``prefill(qkv, cos, sin, slot_mapping, query_lens, *key_caches, *value_caches)`` (prompts packed back to
-    back) both return ``[tokens, hidden_size]`` and write the step's K/V into the caches in place.
+    Attention (``paged_attention.cc``): ``decode(qkv, cos, sin, slot_mapping, block_tables, context_lens,
+    block_offsets, *key_caches, *value_caches)`` and ``prefill(qkv, cos, sin, slot_mapping, query_lens,
+    *key_caches, *value_caches)`` (prompts packed back to back) return ``[tokens, hidden_size]`` and write the
+    step's K/V into the caches in place. Layer ops (``layer_ops.cc``): ``rms_norm(x, weight, eps[1])``,
+    ``swiglu(gate_up) -> silu(gate) * up`` and ``greedy(logits) -> (token ids, log-probabilities)``.
     """
 
     decode: ops.Custom
     prefill: ops.Custom
+    rms_norm: ops.Custom
+    swiglu: ops.Custom
+    greedy: ops.Custom
 
 
-def native_attention(hidden_size: int) -> NativeAttention:
-    """Build (or reuse) the kernel library and wrap its two entry points as Custom ops."""
-    library = build("paged_attention")
+def native_ops(hidden_size: int) -> NativeOps:
+    """Build (or reuse) the kernel libraries and wrap their entry points as Custom ops."""
+    attention, layer = build("paged_attention"), build("layer_ops")
 
-    def op(entry: str) -> ops.Custom:
-        return ops.Custom(f"{library}:{entry}", out_shape=lambda qkv, *_: [qkv[0], hidden_size],
-                          out_dtype=lambda qkv, *_: qkv, func_type="aot")
+    def op(library: Path, entry: str, out_shape, out_dtype) -> ops.Custom:
+        return ops.Custom(f"{library}:{entry}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
 
-    return NativeAttention(decode=op("PagedDecodeAttention"), prefill=op("PackedPrefillAttention"))
+    def same(x, *_):
+        return x
+
+    def rows_by_hidden(qkv, *_):
+        return [qkv[0], hidden_size]
+
+    return NativeOps(
+        decode=op(attention, "PagedDecodeAttention", rows_by_hidden, same),
+        prefill=op(attention, "PackedPrefillAttention", rows_by_hidden, same),
+        rms_norm=op(layer, "RmsNorm", same, same),
+        swiglu=op(layer, "SwiGlu", lambda gate_up: [gate_up[0], gate_up[1] // 2], same),
+        greedy=op(layer, "GreedyPick", lambda logits: ([logits[0]], [logits[0]]),
+                  lambda logits: (mstype.int32, mstype.float32)),
+    )

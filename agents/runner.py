@@ -23,7 +23,7 @@ from agents.bucket_plan import plan_groups
 from agents.device import setup_device
 from agents.model import LlamaModel, LlamaStep, load_weights_into
 from agents.model_config import LlamaConfig
-from agents.native_kernels import KernelBuildError, NativeAttention, native_attention
+from agents.native_kernels import KernelBuildError, NativeOps, native_ops
 from agents.packed_prefill import packed_arrays, plan_packed, token_buckets
 from agents.sampler import sample
 from llm_serving.batch import StepBatch, StepOutput
@@ -31,7 +31,7 @@ from llm_serving.batch import StepBatch, StepOutput
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
-ATTENTION_KERNELS = ("auto", "native", "portable")
+KERNEL_CHOICES = ("auto", "native", "portable")
 
 
 def _powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
@@ -57,13 +57,13 @@ class RunnerConfig:
     dtype: str = "float32"
     device_target: str = "CPU"
     device_id: int = 0
-    attention_kernel: str = "auto"  # attention: native C++ kernels, portable graph ops, or auto-select
+    kernels: str = "auto"  # attention and layer ops: native C++ (CPU float32), portable graph ops, or auto
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
-        if self.attention_kernel not in ATTENTION_KERNELS:
-            raise ValueError(f"attention_kernel {self.attention_kernel!r} is not one of {list(ATTENTION_KERNELS)}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels {self.kernels!r} is not one of {list(KERNEL_CHOICES)}")
         for name in ("prefill_batch_sizes", "prefill_seq_lengths", "decode_batch_sizes"):
             values = getattr(self, name)
             if not values or any(v <= 0 for v in values):
@@ -80,25 +80,25 @@ class RunnerConfig:
         return -(-self.max_model_len // self.block_size)
 
 
-def native_attention_for(rc: RunnerConfig, hidden_size: int) -> NativeAttention | None:
-    """The native attention ops (``agents.native_kernels``), or None for the portable graph ops.
+def native_ops_for(rc: RunnerConfig, hidden_size: int) -> NativeOps | None:
+    """The native ops (``agents.native_kernels``), or None for the portable graph ops.
 
-    ``auto`` takes the native kernel where it applies (CPU, float32) and the compiler is there, and otherwise
-    falls back with a warning; ``native`` raises instead of falling back.
+    ``auto`` takes the native ops where they apply (CPU, float32) and the compiler is there, and otherwise
+    falls back (with a warning when the build failed); ``native`` raises instead of falling back.
     """
-    if rc.attention_kernel == "portable":
+    if rc.kernels == "portable":
         return None
     if rc.device_target != "CPU" or rc.dtype != "float32":
-        if rc.attention_kernel == "native":
-            raise ValueError(f"attention_kernel native runs on CPU with float32 only (got {rc.device_target}, "
+        if rc.kernels == "native":
+            raise ValueError(f"native kernels run on CPU with float32 only (got {rc.device_target}, "
                              f"{rc.dtype}); use auto or portable")
         return None
     try:
-        return native_attention(hidden_size)
+        return native_ops(hidden_size)
     except KernelBuildError as exc:
-        if rc.attention_kernel == "native":
+        if rc.kernels == "native":
             raise
-        log.warning("native decode attention is unavailable, using the portable graph ops: %s", exc)
+        log.warning("native kernels are unavailable, using the portable graph ops: %s", exc)
         return None
 
 
@@ -114,8 +114,8 @@ class ModelRunner:
         setup_device(runner_config.device_target, runner_config.device_id)
         self.config = config
         self.rc = runner_config
-        native = native_attention_for(runner_config, config.hidden_size)
-        self.attention_kernel = "portable" if native is None else "native"
+        native = native_ops_for(runner_config, config.hidden_size)
+        self.kernels = "portable" if native is None else "native"
         self.packed = native is not None  # native prefill takes packed prompts (agents.packed_prefill)
         rc = runner_config
         self.token_buckets = token_buckets(rc.prefill_batch_sizes, rc.prefill_seq_lengths, rc.max_model_len)

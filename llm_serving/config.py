@@ -25,7 +25,7 @@ import yaml
 from agents.model_config import LlamaConfig, ModelConfigError
 
 DTYPES = ("float32", "float16", "bfloat16")
-ATTENTION_KERNELS = ("auto", "native", "portable")  # as agents.runner.ATTENTION_KERNELS (no MindSpore here)
+KERNEL_CHOICES = ("auto", "native", "portable")  # as agents.runner.KERNEL_CHOICES (no MindSpore here)
 POLICIES = ("fcfs", "longest_output_first")
 TOKENIZER_TYPES = ("LlamaTokenizer",)
 _CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors", ".bin")
@@ -66,6 +66,7 @@ class ModelSection:
     prefill_batch_size: tuple[int, ...] = _f((1, 4), "buckets")
     decode_batch_size: tuple[int, ...] = _f((1, 8, 32), "buckets")
     page_attention: bool = _f(True, "bool")
+    kernels: str = _f("auto", "str")  # attention and layer ops: auto, native (C++ on CPU) or portable
     backend: str = _f("ms", "str")
     model_cfg_path: str | None = _f(None, "path", optional=True)
 
@@ -103,7 +104,6 @@ class PagedAttentionSection:
     num_blocks: int = _f(512, "int")
     block_size: int = _f(16, "int")
     decode_seq_length: int = _f(512, "int")  # max tokens (prompt + output) of one sequence
-    attention_kernel: str = _f("auto", "str")  # decode attention: auto, native (C++ on CPU) or portable
 
 
 @dataclass(frozen=True)
@@ -418,8 +418,8 @@ def _validate(cfg: ServingConfig) -> None:
 
     for key in ("num_blocks", "block_size", "decode_seq_length"):
         need(getattr(pa, key) > 0, f"pa_config.{key}", f"must be positive, got {getattr(pa, key)}")
-    need(pa.attention_kernel in ATTENTION_KERNELS, "pa_config.attention_kernel",
-         f"expected one of {', '.join(ATTENTION_KERNELS)}, got {pa.attention_kernel!r}")
+    need(m.kernels in KERNEL_CHOICES, "model_config.kernels",
+         f"expected one of {', '.join(KERNEL_CHOICES)}, got {m.kernels!r}")
     usable = (pa.num_blocks - 1) * pa.block_size  # block 0 is the reserved padding block
     need(pa.decode_seq_length <= usable, "pa_config.decode_seq_length",
          f"{pa.decode_seq_length} tokens do not fit in the cache of (num_blocks - 1) * block_size = "

@@ -111,7 +111,7 @@ def runner_config_dict(config: ServingConfig) -> dict[str, Any]:
     return {
         "num_blocks": pa.num_blocks, "block_size": pa.block_size, "max_model_len": config.max_model_len,
         "prefill_batch_sizes": list(m.prefill_batch_size), "prefill_seq_lengths": list(m.seq_length),
-        "decode_batch_sizes": list(m.decode_batch_size), "dtype": m.dtype, "attention_kernel": pa.attention_kernel,
+        "decode_batch_sizes": list(m.decode_batch_size), "dtype": m.dtype, "kernels": m.kernels,
     }
 
 

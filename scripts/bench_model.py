@@ -1,11 +1,12 @@
 """Model-runner speed on the Llama-2-shaped bench model, next to a plain MindSpore matmul of the same size.
 
-    python scripts/bench_model.py [--repeats 10] [--decode-context 256]
+    python scripts/bench_model.py [--repeats 10] [--decode-context 256] [--attention native portable]
 
-Prints a markdown table: ms per prefill call (batch 1/4/8 x 128 tokens) and per decode step (batch 1/32/128 at
-the given context), the model GFLOP/s each achieves, and the GFLOP/s of one MindSpore matmul
-``[tokens, hidden] x [hidden, N]`` with the same FLOPs, measured in the same run. Also the compile (warm-up) time
-of every graph shape.
+For each attention implementation (``RunnerConfig.kernels``; native C++ ops and portable graph ops by
+default, side by side in one run) prints a markdown table: ms per prefill call (batch 1/4/8 x 128 tokens) and per
+decode step (batch 1/32/128 at the given context), the model GFLOP/s each achieves, and the GFLOP/s of one
+MindSpore matmul ``[tokens, hidden] x [hidden, N]`` with the same FLOPs, measured right after it. Also the compile
+(warm-up) time of every graph shape, and decode step times with sampling (first implementation only).
 """
 
 from __future__ import annotations
@@ -89,19 +90,31 @@ def main() -> None:
     parser.add_argument("--decode-context", type=int, default=256)
     parser.add_argument("--prefill-batches", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 32, 128])
+    parser.add_argument("--attention", nargs="+", default=["native", "portable"],
+                        choices=["auto", "native", "portable"], help="attention implementations to measure")
     args = parser.parse_args()
+    weights = fuse_hf_tensors(random_hf_weights(BENCH_MODEL, seed=0, std=0.05), BENCH_MODEL)
+    for i, attention in enumerate(args.attention):
+        runner = measure(args, weights, attention)
+        if i == 0:
+            print_sampling(runner, decode_batch(max(args.decode_batches), args.decode_context), args.repeats)
+        print()
 
+
+def measure(args: argparse.Namespace, weights: dict[str, np.ndarray], attention: str) -> ModelRunner:
+    """Warm a runner with this attention implementation up and print its table."""
     cfg, seq, ctx = BENCH_MODEL, 128, args.decode_context
     width = -(-ctx // BLOCK)
     rc = RunnerConfig(num_blocks=max(args.decode_batches) * width + 1, block_size=BLOCK, max_model_len=max(512, ctx),
                       prefill_batch_sizes=tuple(args.prefill_batches), prefill_seq_lengths=(seq,),
-                      decode_batch_sizes=tuple(args.decode_batches), decode_block_widths=(width,))
-    weights = fuse_hf_tensors(random_hf_weights(cfg, seed=0, std=0.05), cfg)
+                      decode_batch_sizes=tuple(args.decode_batches), decode_block_widths=(width,),
+                      kernels=attention)
     runner = ModelRunner(cfg, weights, rc)
     t0 = time.perf_counter()
     compile_times = runner.warmup()
-    print(f"warm-up: {len(compile_times)} graphs in {time.perf_counter() - t0:.1f} s "
-          f"({min(compile_times.values()):.2f}-{max(compile_times.values()):.2f} s each)\n")
+    print(f"### attention: {runner.kernels}\n\nwarm-up: {len(compile_times)} graphs in "
+          f"{time.perf_counter() - t0:.1f} s ({min(compile_times.values()):.2f}-{max(compile_times.values()):.2f} s "
+          "each)\n")
 
     rows = []
     for b in args.prefill_batches:
@@ -115,7 +128,7 @@ def main() -> None:
 
     print_table(rows, args.repeats)
     print()
-    print_sampling(runner, decode_batch(max(args.decode_batches), ctx), args.repeats)
+    return runner
 
 
 def print_table(rows: list[tuple], repeats: int) -> None:

@@ -188,7 +188,7 @@ def test_sections_must_be_mappings(d, match):
     ({"model_config": {"model_name": " "}}, "model_config.model_name", "empty"),
     ({"model_config": {"max_generate_length": 0}}, "model_config.max_generate_length", "positive"),
     ({"pa_config": {"block_size": 0}}, "pa_config.block_size", "positive"),
-    ({"pa_config": {"attention_kernel": "fast"}}, "pa_config.attention_kernel", "auto, native, portable, got 'fast'"),
+    ({"model_config": {"kernels": "fast"}}, "model_config.kernels", "auto, native, portable, got 'fast'"),
     ({"pa_config": {"num_blocks": 8, "block_size": 16}}, "pa_config.decode_seq_length",
      "do not fit in the cache of (num_blocks - 1) * block_size = (8 - 1) * 16 = 112 tokens"),
     ({"pa_config": {"num_blocks": 32, "block_size": 16}}, "pa_config.decode_seq_length", "block 0 is reserved"),

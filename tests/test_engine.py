@@ -162,7 +162,7 @@ def test_config_maps_to_scheduler_runner_and_agent_spec(data_dir):
     rc = runner_config_dict(cfg)
     assert rc == {"num_blocks": 256, "block_size": 8, "max_model_len": 64, "prefill_batch_sizes": [1, 4],
                   "prefill_seq_lengths": [32], "decode_batch_sizes": [8, 32], "dtype": "float32",
-                  "attention_kernel": "auto"}
+                  "kernels": "auto"}
     model = resolve_model(cfg)
     fields = agent_spec_fields(cfg, model, standin=True)
     assert fields["kind"] == "standin" and fields["llama_config"]["vocab_size"] == VOCAB

@@ -38,8 +38,8 @@ def model_pair(request, tmp_path_factory):
     kv_heads, attention = request.param
     config = tiny_config(kv_heads)
     model_dir = build_random_model(tmp_path_factory.mktemp(f"llama_kv{kv_heads}"), config, seed=7, std=0.2)
-    runner = ModelRunner(config, load_weights(model_dir, config), runner_config(attention_kernel=attention))
-    assert runner.attention_kernel == attention
+    runner = ModelRunner(config, load_weights(model_dir, config), runner_config(kernels=attention))
+    assert runner.kernels == attention
     runner.warmup()
     return config, runner, load_hf(model_dir)
 

@@ -10,11 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mindspore import Tensor
+from mindspore.nn import Cell
 
 from agents import native_kernels
 from agents.model_config import LlamaConfig
+from agents.native_kernels import native_ops
 from agents.random_model import build_random_model
-from agents.runner import ModelRunner, RunnerConfig, native_attention_for
+from agents.runner import ModelRunner, RunnerConfig, native_ops_for
 from agents.weights import load_weights
 from llm_serving.batch import StepBatch
 from tests.hf_reference import hf_greedy, load_hf
@@ -38,9 +41,9 @@ def test_native_equals_portable_and_transformers(tmp_path, heads, kv_heads, hidd
     weights = load_weights(model_dir, config)
     runs = {}
     for kind in ("native", "portable"):
-        runner = ModelRunner(config, weights, dataclasses.replace(RC, attention_kernel=kind))
+        runner = ModelRunner(config, weights, dataclasses.replace(RC, kernels=kind))
         runner.warmup()
-        assert runner.attention_kernel == kind
+        assert runner.kernels == kind
         # 6 prompts in a decode bucket of 8 (padding rows), contexts crossing block borders, shuffled blocks
         runs[kind] = PagedDriver(runner, seed=5).generate(prompts(config, (3, 8, 9, 17, 30, 1), seed=2), 40)
     (native_ids, native_lp), (portable_ids, portable_lp) = runs["native"], runs["portable"]
@@ -58,7 +61,7 @@ def native_runner(tmp_path_factory):
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     model_dir = build_random_model(tmp_path_factory.mktemp("tiny"), config, seed=1)
-    runner = ModelRunner(config, load_weights(model_dir, config), dataclasses.replace(RC, attention_kernel="native"))
+    runner = ModelRunner(config, load_weights(model_dir, config), dataclasses.replace(RC, kernels="native"))
     runner.warmup()
     return runner
 
@@ -88,17 +91,17 @@ def test_out_of_range_cache_indices_are_refused_before_any_write(native_runner, 
 def test_auto_falls_back_to_portable_without_a_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-compiler")
     monkeypatch.setenv("LLM_SERVING_KERNEL_DIR", str(tmp_path))
-    assert native_attention_for(dataclasses.replace(RC, attention_kernel="auto"), 64) is None
+    assert native_ops_for(dataclasses.replace(RC, kernels="auto"), 64) is None
     with pytest.raises(native_kernels.KernelBuildError, match="no C\\+\\+ compiler found"):
-        native_attention_for(dataclasses.replace(RC, attention_kernel="native"), 64)
+        native_ops_for(dataclasses.replace(RC, kernels="native"), 64)
 
 
 def test_auto_is_portable_where_the_kernel_does_not_apply():
-    assert native_attention_for(dataclasses.replace(RC, dtype="float16"), 64) is None
-    with pytest.raises(ValueError, match="CPU with float32 only"):
-        native_attention_for(dataclasses.replace(RC, dtype="bfloat16", attention_kernel="native"), 64)
-    with pytest.raises(ValueError, match="attention_kernel 'fast' is not one of"):
-        dataclasses.replace(RC, attention_kernel="fast")
+    assert native_ops_for(dataclasses.replace(RC, dtype="float16"), 64) is None
+    with pytest.raises(ValueError, match="native kernels run on CPU with float32 only"):
+        native_ops_for(dataclasses.replace(RC, dtype="bfloat16", kernels="native"), 64)
+    with pytest.raises(ValueError, match="kernels 'fast' is not one of"):
+        dataclasses.replace(RC, kernels="fast")
 
 
 def test_compile_errors_carry_the_compiler_output(monkeypatch, tmp_path):
@@ -123,7 +126,7 @@ def test_built_library_is_cached_by_source(monkeypatch, tmp_path):
 KERNEL_GUARD_SCRIPT = """
 import numpy as np, mindspore as ms
 from mindspore import Tensor, nn
-from agents.native_kernels import native_attention
+from agents.native_kernels import native_ops
 ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")
 
@@ -131,7 +134,7 @@ ms.set_device("CPU")
 class Attention(nn.Cell):
     def __init__(self):
         super().__init__()
-        self.op = native_attention(64).decode
+        self.op = native_ops(64).decode
 
     def construct(self, *inputs):
         return self.op(*inputs)
@@ -175,3 +178,36 @@ def test_packed_prefill_padding_writes_nothing(native_runner):
     for old, cache in zip(before, caches):
         changed = np.flatnonzero(np.any(cache.asnumpy() != old, axis=1))
         assert set(changed.tolist()) <= set(slots.tolist()) and len(changed) > 0
+
+
+class _Apply(Cell):
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.op = op
+
+    def construct(self, *inputs):
+        return self.op(*inputs)
+
+
+@pytest.fixture(scope="module")
+def ops_():
+    return native_ops(64)
+
+
+def test_layer_ops_match_numpy(ops_):
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((5, 64)).astype(np.float32), rng.standard_normal(64).astype(np.float32)
+    got = _Apply(ops_.rms_norm)(Tensor(x), Tensor(w), Tensor(np.array([1e-5], np.float32))).asnumpy()
+    np.testing.assert_allclose(got, x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * w, rtol=1e-5, atol=1e-6)
+    gate_up = rng.standard_normal((3, 10)).astype(np.float32)
+    gate, up = gate_up[:, :5], gate_up[:, 5:]
+    np.testing.assert_allclose(_Apply(ops_.swiglu)(Tensor(gate_up)).asnumpy(), gate / (1 + np.exp(-gate)) * up,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_greedy_pick_takes_the_first_maximum_and_its_log_softmax(ops_):
+    logits = np.array([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 0.0, 3.0 - 1e-6]], np.float32)
+    ids, logprobs = _Apply(ops_.greedy)(Tensor(logits))
+    assert ids.asnumpy().tolist() == [1, 0]  # ties go to the lowest id, as argmax in HF and MindSpore
+    expected = logits.max(-1) - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) - logits.max(-1)
+    np.testing.assert_allclose(logprobs.asnumpy(), expected, rtol=1e-6, atol=1e-6)

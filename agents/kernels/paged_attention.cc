@@ -26,14 +26,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <atomic>
-#include <cstdlib>
-#include <thread>
 #include <vector>
 
-namespace {
+#include "common.h"
 
-bool is_dtype(const char *dtype, const char *want) { return std::strcmp(dtype, want) == 0; }
+namespace {
 
 // Rotate-half rotary embedding of one head: out = x * cos + concat(-x[half:], x[:half]) * sin.
 void rope(const float *x, const float *cos, const float *sin, int64_t head_dim, float *out) {
@@ -145,33 +142,6 @@ void attend(const float *q, const int32_t *table, int64_t len, int64_t block_siz
   score_keys<kHeadDim>(q, table, len, block_size, keys, head_dim, rep, scale, scores);
   softmax_rows(scores, len, rep);
   weigh_values<kHeadDim>(scores, table, len, block_size, values, head_dim, rep, out);
-}
-
-// Threads per call: $LLM_SERVING_KERNEL_THREADS, else the hardware's. Plain threads started per call rather than
-// OpenMP: OpenMP's idle workers spin after a parallel region and took the cores from MindSpore's next ops
-// (decode B=128 ran 1.6x slower with spinning workers than with OMP_WAIT_POLICY=passive).
-int64_t thread_count(int64_t tasks, int64_t tasks_per_thread) {
-  static const int64_t configured = [] {
-    const char *env = std::getenv("LLM_SERVING_KERNEL_THREADS");
-    const int64_t n = env ? std::atoll(env) : static_cast<int64_t>(std::thread::hardware_concurrency());
-    return n > 0 ? n : 1;
-  }();
-  const int64_t useful = (tasks + tasks_per_thread - 1) / tasks_per_thread;
-  return configured < useful ? configured : useful;
-}
-
-// Runs ``work(task)`` for tasks 0..count-1 on up to thread_count threads (the caller's included), one thread
-// per ``tasks_per_thread`` tasks at most: starting a thread costs about as much as a few decode tasks.
-template <typename Work>
-void run_tasks(int64_t count, int64_t tasks_per_thread, const Work &work) {
-  std::atomic<int64_t> next{0};
-  auto loop = [&] {
-    for (int64_t task = next.fetch_add(1); task < count; task = next.fetch_add(1)) work(task);
-  };
-  std::vector<std::thread> helpers;
-  for (int64_t i = 1; i < thread_count(count, tasks_per_thread); ++i) helpers.emplace_back(loop);
-  loop();
-  for (auto &t : helpers) t.join();
 }
 
 // ``rep`` query heads over ``len`` key/value rows; dispatches to the unrolled head sizes.
