@@ -37,18 +37,12 @@ def rotary_tables(config: LlamaConfig, max_positions: int) -> tuple[np.ndarray, 
 
 
 class RMSNorm(nn.Cell):
-    """``native``: the native ops (one fused op instead of seven), or None for graph ops."""
-
-    def __init__(self, hidden: int, eps: float, dtype: ms.Type, native: NativeOps | None = None) -> None:
+    def __init__(self, hidden: int, eps: float, dtype: ms.Type) -> None:
         super().__init__()
         self.weight = Parameter(Tensor(np.ones(hidden), dtype), name="weight")
         self.eps = eps
-        self.native_op = native.rms_norm if native else None
-        self.eps_tensor = Tensor(np.array([eps], np.float32))
 
     def construct(self, x: Tensor) -> Tensor:
-        if self.native_op is not None:
-            return self.native_op(x, self.weight, self.eps_tensor)
         xf = x.astype(ms.float32)
         variance = ops.mean(xf * xf, -1, keep_dims=True)
         return (xf * ops.rsqrt(variance + self.eps)).astype(x.dtype) * self.weight
@@ -77,7 +71,6 @@ class LlamaLayer(nn.Cell):
         self.native = native is not None
         self.decode_kernel = native.decode if native else None
         self.prefill_kernel = native.prefill if native else None
-        self.swiglu = native.swiglu if native else None
         self.n_heads = config.num_attention_heads
         self.n_kv = config.num_key_value_heads
         self.rep = self.n_heads // self.n_kv
@@ -87,8 +80,8 @@ class LlamaLayer(nn.Cell):
         self.ffn = config.intermediate_size
         self.block_size = block_size
         self.scale = 1.0 / float(np.sqrt(self.head_dim))
-        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, native)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, native)
+        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.w_qkv = Linear(config.hidden_size, config.qkv_dim, dtype)
         self.wo = Linear(config.hidden_size, config.hidden_size, dtype)
         self.w_gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, dtype)
@@ -183,10 +176,7 @@ class LlamaLayer(nn.Cell):
                 attn = self.decode_attention(q, written, block_tables, lens)
         x = x + self.wo(attn)
         gate_up = self.w_gate_up(self.ffn_norm(x))
-        if self.native:
-            act = self.swiglu(gate_up)
-        else:
-            act = ops.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn:]
+        act = ops.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn:]
         return x + self.w_down(act)
 
 
@@ -202,7 +192,7 @@ class LlamaModel(nn.Cell):
                                       name="embed_tokens")
         self.layers = nn.CellList([LlamaLayer(config, num_blocks * block_size, block_size, dtype, native)
                                    for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, native)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.native_greedy = native.greedy if native else None
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
         cos, sin = rotary_tables(config, max_positions)

@@ -71,20 +71,18 @@ class NativeOps:
     Attention (``paged_attention.cc``): ``decode(qkv, cos, sin, slot_mapping, block_tables, context_lens,
     block_offsets, *key_caches, *value_caches)`` and ``prefill(qkv, cos, sin, slot_mapping, query_lens,
     *key_caches, *value_caches)`` (prompts packed back to back) return ``[tokens, hidden_size]`` and write the
-    step's K/V into the caches in place. Layer ops (``layer_ops.cc``): ``rms_norm(x, weight, eps[1])``,
-    ``swiglu(gate_up) -> silu(gate) * up`` and ``greedy(logits) -> (token ids, log-probabilities)``.
+    step's K/V into the caches in place. ``greedy(logits) -> (token ids, log-probabilities)``
+    (``greedy_pick.cc``).
     """
 
     decode: ops.Custom
     prefill: ops.Custom
-    rms_norm: ops.Custom
-    swiglu: ops.Custom
     greedy: ops.Custom
 
 
 def native_ops(hidden_size: int) -> NativeOps:
     """Build (or reuse) the kernel libraries and wrap their entry points as Custom ops."""
-    attention, layer = build("paged_attention"), build("layer_ops")
+    attention, greedy = build("paged_attention"), build("greedy_pick")
 
     def op(library: Path, entry: str, out_shape, out_dtype) -> ops.Custom:
         return ops.Custom(f"{library}:{entry}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
@@ -98,8 +96,6 @@ def native_ops(hidden_size: int) -> NativeOps:
     return NativeOps(
         decode=op(attention, "PagedDecodeAttention", rows_by_hidden, same),
         prefill=op(attention, "PackedPrefillAttention", rows_by_hidden, same),
-        rms_norm=op(layer, "RmsNorm", same, same),
-        swiglu=op(layer, "SwiGlu", lambda gate_up: [gate_up[0], gate_up[1] // 2], same),
-        greedy=op(layer, "GreedyPick", lambda logits: ([logits[0]], [logits[0]]),
+        greedy=op(greedy, "GreedyPick", lambda logits: ([logits[0]], [logits[0]]),
                   lambda logits: (mstype.int32, mstype.float32)),
     )
