@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", default="/tmp/llm-serving-benchmark", help="model, configs and server logs")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a server to warm up")
     p.add_argument("--write-doc", metavar="MD", help="also write the table and the command to this file")
-    p.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)  # child-process mode
+    p.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)  # child-process modes
+    p.add_argument("--matmul-rate", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -215,20 +216,25 @@ def workload_flops(config: LlamaConfig, reqs: list[BenchRequest], outs: list[lis
 
 
 def prepare_subprocess(work: Path) -> float:
-    """Build the model and measure the matmul rate in a child process, so MindSpore (imported by
-    scripts/bench_model.py) never shares a process with torch; returns the rate in GFLOP/s."""
-    out = subprocess.run([sys.executable, __file__, "--prepare", "--work-dir", str(work)], check=False, cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        raise SystemExit(f"model build / matmul rate measurement failed:\n{out.stderr[-2000:]}")
+    """Build the model in one child process and measure the matmul rate in another, so MindSpore (imported by
+    scripts/bench_model.py) never shares a process with torch; returns GFLOP/s."""
+    for mode in ("--prepare", "--matmul-rate"):
+        out = subprocess.run([sys.executable, __file__, mode, "--work-dir", str(work)], check=False, cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+        if out.returncode != 0:
+            raise SystemExit(f"benchmark {mode} step failed:\n{out.stderr[-2000:]}")
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def _prepare_main(work: Path) -> None:
-    """Child process: write the model, then print the best GFLOP/s of plain MindSpore matmuls."""
+def _matmul_rate_main() -> None:
+    """Child process: print the best GFLOP/s of plain MindSpore matmuls of the model's sizes (graph mode, as the
+    served model runs)."""
     from bench_model import BENCH_MODEL, matmul_gflops
 
-    build_model(work)
+    from agents.device import setup_device
+
+    setup_device("CPU")
+
     h = BENCH_MODEL.hidden_size
     shapes = [(128, 2 * 128 * h * 4096), (512, 2 * 512 * h * 4096), (128, 2 * 128 * h * BENCH_MODEL.vocab_size)]
     print(max(matmul_gflops(t, f, repeats=10) for t, f in shapes))
@@ -268,7 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     if args.prepare:
-        _prepare_main(work)
+        build_model(work)
+        return 0
+    if args.matmul_rate:
+        _matmul_rate_main()
         return 0
     rate = prepare_subprocess(work)
     print(f"[benchmark] model in {work / 'model'}; matmul rate {rate:.1f} GFLOP/s", flush=True)
