@@ -43,14 +43,18 @@ def build(name: str) -> Path:
     cxx = compiler()
     if cxx is None:
         raise KernelBuildError(f"no C++ compiler found (looked for {os.environ.get('CXX', 'g++')!r}); "
-                               "install g++ or use attention: portable")
+                               "install g++ or set model_config.kernels: portable")
     headers = b"".join(h.read_bytes() for h in sorted(KERNEL_SOURCES.glob("*.h")))
     digest = hashlib.sha256(source.read_bytes() + headers + " ".join((cxx, *CXX_FLAGS)).encode()).hexdigest()[:16]
     target = kernel_dir() / f"{name}-{digest}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    except OSError as exc:
+        raise KernelBuildError(f"cannot write kernels to {target.parent} ({exc}); set LLM_SERVING_KERNEL_DIR "
+                               "to a writable directory") from exc
     os.close(fd)
     try:
         result = subprocess.run([cxx, *CXX_FLAGS, "-o", tmp, str(source)], check=False, capture_output=True,

@@ -104,6 +104,15 @@ def test_auto_is_portable_where_the_kernel_does_not_apply():
         dataclasses.replace(RC, kernels="fast")
 
 
+def test_an_unwritable_kernel_dir_is_a_build_error(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("LLM_SERVING_KERNEL_DIR", str(blocker / "kernels"))  # a directory below a regular file
+    with pytest.raises(native_kernels.KernelBuildError, match="set LLM_SERVING_KERNEL_DIR"):
+        native_kernels.build("greedy_pick")
+    assert native_ops_for(dataclasses.replace(RC, kernels="auto"), 64) is None  # auto falls back
+
+
 def test_compile_errors_carry_the_compiler_output(monkeypatch, tmp_path):
     sources = tmp_path / "src"
     sources.mkdir()
