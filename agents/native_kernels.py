@@ -4,13 +4,15 @@ Why: MindSpore's CPU backend has no fused paged-attention op, and the portable g
 attention copies every sequence's K/V context before reading it again (see docs/model.md). The kernel sources
 live in ``agents/kernels/``; each is built once per source hash and compiler flags into a cache directory
 (``$LLM_SERVING_KERNEL_DIR``, default ``~/.cache/llm-serving/kernels``) with the machine's ``g++``, written to a
-temporary name and renamed so that several agent processes may build at once.
+temporary name and renamed so that several agent processes may build at once. The cache key includes the CPU's
+model and flags, since the code is compiled for the machine's own instruction set.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -37,6 +39,17 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
+def _cpu_identity() -> str:
+    """The CPU's model and feature flags: ``-march=native`` code must not be reused on another CPU (a home
+    directory shared between machines would otherwise hand it an illegal instruction)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return platform.machine() + "".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+
+
 def build(name: str) -> Path:
     """Compile ``agents/kernels/<name>.cc`` into a shared library (cached) and return its path."""
     source = KERNEL_SOURCES / f"{name}.cc"
@@ -45,7 +58,8 @@ def build(name: str) -> Path:
         raise KernelBuildError(f"no C++ compiler found (looked for {os.environ.get('CXX', 'g++')!r}); "
                                "install g++ or set model_config.kernels: portable")
     headers = b"".join(h.read_bytes() for h in sorted(KERNEL_SOURCES.glob("*.h")))
-    digest = hashlib.sha256(source.read_bytes() + headers + " ".join((cxx, *CXX_FLAGS)).encode()).hexdigest()[:16]
+    key = source.read_bytes() + headers + " ".join((cxx, *CXX_FLAGS, _cpu_identity())).encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
     target = kernel_dir() / f"{name}-{digest}.so"
     if target.exists():
         return target
