@@ -44,7 +44,13 @@ def plan_groups(lengths: np.ndarray, batch_buckets: tuple[int, ...],
                 break
     if best[n] == float("inf"):
         raise ValueError(f"no compiled shape fits a step of {n} sequences with lengths up to {max(sorted_lens)}")
-    groups, j = [], n
+    return groups_from_cuts(order, cut)
+
+
+def groups_from_cuts(order: np.ndarray, cut: list[int]) -> list[np.ndarray]:
+    """The groups of a DP over ``order`` whose best split of its first ``j`` entries starts its last group at
+    ``cut[j]``."""
+    groups, j = [], len(order)
     while j > 0:
         groups.append(order[cut[j]:j])
         j = cut[j]

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from agents.bucket_plan import groups_from_cuts
 from llm_serving.batch import StepBatch
 
 
@@ -43,11 +44,7 @@ def plan_packed(lengths: np.ndarray, max_seqs: int, cost: Callable[[int], float]
                 best[j], cut[j] = c, i
     if best[n] == float("inf"):
         raise ValueError(f"no packed prefill bucket holds a prompt of {int(np.max(lengths))} tokens")
-    groups, j = [], n
-    while j > 0:
-        groups.append(np.arange(cut[j], j))
-        j = cut[j]
-    return groups[::-1]
+    return groups_from_cuts(np.arange(n), cut)
 
 
 def packed_arrays(batch: StepBatch, max_seqs: int, tokens: int) -> list[np.ndarray]:

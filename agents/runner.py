@@ -57,7 +57,7 @@ class RunnerConfig:
     dtype: str = "float32"
     device_target: str = "CPU"
     device_id: int = 0
-    kernels: str = "auto"  # attention and layer ops: native C++ (CPU float32), portable graph ops, or auto
+    kernels: str = "auto"  # attention and greedy pick: native C++ (CPU float32), portable graph ops, or auto
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -114,10 +114,9 @@ class ModelRunner:
         setup_device(runner_config.device_target, runner_config.device_id)
         self.config = config
         self.rc = runner_config
-        native = native_ops_for(runner_config, config.hidden_size)
-        self.kernels = "portable" if native is None else "native"
-        self.packed = native is not None  # native prefill takes packed prompts (agents.packed_prefill)
         rc = runner_config
+        native = native_ops_for(rc, config.hidden_size)
+        self.kernels = "portable" if native is None else "native"
         self.token_buckets = token_buckets(rc.prefill_batch_sizes, rc.prefill_seq_lengths, rc.max_model_len)
         self.model = LlamaModel(config, rc.num_blocks, rc.block_size, rc.max_model_len, DTYPES[rc.dtype], native)
         load_weights_into(self.model, weights)
@@ -127,6 +126,11 @@ class ModelRunner:
         self.compile_times: dict[tuple, float] = {}
         self.step_costs: dict[tuple, float] = {}  # steady-state seconds per call, measured in warm-up
         self._costs: dict[tuple, float] = {}  # (is_prefill, count, longest) -> cost, memoised for plan()
+
+    @property
+    def packed(self) -> bool:
+        """Whether prefill takes packed prompts (``agents.packed_prefill``): the native prefill op does."""
+        return self.kernels == "native"
 
     # ---- shapes -------------------------------------------------------------------------------------------
     def graph_shapes(self) -> list[tuple]:
@@ -194,24 +198,25 @@ class ModelRunner:
         w = _fit(-(-longest // rc.block_size), rc.decode_block_widths)
         return ("decode", b, w) if b and w else None
 
-    def _cost(self, is_prefill: bool, count: int, longest: int) -> float:
-        key = (is_prefill, count, longest)
+    def _packed_shape(self, tokens: int) -> tuple | None:
+        """The packed prefill shape holding ``tokens`` tokens, or None when no token bucket does."""
+        t = _fit(tokens, self.token_buckets)
+        return None if t is None else ("packed", self.rc.prefill_batch_sizes[-1], t)
+
+    def _memo_cost(self, key: tuple, shape_of: Callable[[], tuple | None]) -> float:
+        """Measured cost of the shape ``shape_of()`` picks (``inf`` for none), memoised under ``key``."""
         if key not in self._costs:
-            shape = self.shape_for(is_prefill, count, longest)
+            shape = shape_of()
             if shape is not None:
                 self._check_warmed(shape)
             self._costs[key] = float("inf") if shape is None else self.step_costs.get(shape, 1.0)
         return self._costs[key]
 
+    def _cost(self, is_prefill: bool, count: int, longest: int) -> float:
+        return self._memo_cost((is_prefill, count, longest), lambda: self.shape_for(is_prefill, count, longest))
+
     def _packed_cost(self, tokens: int) -> float:
-        key = ("packed", tokens)
-        if key not in self._costs:
-            t = _fit(tokens, self.token_buckets)
-            shape = None if t is None else ("packed", self.rc.prefill_batch_sizes[-1], t)
-            if shape is not None:
-                self._check_warmed(shape)
-            self._costs[key] = float("inf") if shape is None else self.step_costs.get(shape, 1.0)
-        return self._costs[key]
+        return self._memo_cost(("packed", tokens), lambda: self._packed_shape(tokens))
 
     def plan(self, batch: StepBatch) -> list[np.ndarray]:
         """Sequence index groups, one graph call each (``agents.bucket_plan``, ``agents.packed_prefill``)."""
@@ -234,11 +239,11 @@ class ModelRunner:
     def bucket_inputs(self, batch: StepBatch) -> tuple[tuple, list[np.ndarray]]:
         """The batch padded to its bucket: ``((kind, batch, n), graph input arrays)`` (see ``graph_shapes``)."""
         if batch.is_prefill and self.packed:
-            total, max_seqs = int(batch.query_lens.sum()), self.rc.prefill_batch_sizes[-1]
-            t = _fit(total, self.token_buckets)
-            if t is None or batch.batch_size > max_seqs:
+            total = int(batch.query_lens.sum())
+            shape = self._packed_shape(total)
+            if shape is None or batch.batch_size > shape[1]:
                 raise ValueError(f"no packed prefill bucket holds {batch.batch_size} prompts of {total} tokens")
-            return ("packed", max_seqs, t), packed_arrays(batch, max_seqs, t)
+            return shape, packed_arrays(batch, shape[1], shape[2])
         lengths = batch.query_lens if batch.is_prefill else batch.context_lens
         shape = self.shape_for(batch.is_prefill, batch.batch_size, int(lengths.max()))
         if shape is None:
