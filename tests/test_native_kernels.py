@@ -33,8 +33,13 @@ def prompts(config: LlamaConfig, lens: tuple[int, ...], seed: int) -> list[list[
 
 
 # head_dim 64 and 128 take the kernel's unrolled paths (Llama-2 uses 128); 128 with 2 query heads per kv head.
-@pytest.mark.parametrize("heads,kv_heads,hidden", [(4, 2, 256), (2, 1, 256)], ids=["dim64-gqa", "dim128-gqa"])
-def test_native_equals_portable_and_transformers(tmp_path, heads, kv_heads, hidden):
+# "generic" builds the kernels without AVX-512, so the plain C++ loops (other CPUs, Arm hosts) are checked too.
+@pytest.mark.parametrize("heads,kv_heads,hidden,extra_flags", [
+    (4, 2, 256, ()), (2, 1, 256, ()), (4, 2, 256, ("-mno-avx512f",))], ids=["dim64-gqa", "dim128-gqa", "generic"])
+def test_native_equals_portable_and_transformers(tmp_path, monkeypatch, heads, kv_heads, hidden, extra_flags):
+    if extra_flags:
+        monkeypatch.setattr(native_kernels, "CXX_FLAGS", native_kernels.CXX_FLAGS + extra_flags)
+        monkeypatch.setenv("LLM_SERVING_KERNEL_DIR", str(tmp_path / "kernels"))
     config = LlamaConfig(vocab_size=300, hidden_size=hidden, intermediate_size=320, num_hidden_layers=2,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128)
     model_dir = build_random_model(tmp_path, config, seed=3, std=0.1)

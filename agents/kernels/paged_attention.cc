@@ -27,6 +27,9 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "common.h"
 
@@ -50,7 +53,106 @@ inline const float *block_rows(const float *cache, const int32_t *table, int64_t
   return cache + static_cast<int64_t>(table[block]) * block_size * head_dim;
 }
 
-// scores[r * len + t] = scale * q_r . k_t for the ``rep`` query heads sharing this kv head.
+// scores[r * stride + i] = scale * q_r . k_i for ``rows`` consecutive keys of one block and the ``rep`` query
+// heads sharing their kv head.
+template <int64_t kHeadDim>
+void score_rows(const float *q, const float *k, int64_t rows, int64_t dyn_head_dim, int64_t rep, float scale,
+                float *scores, int64_t stride) {
+  const int64_t head_dim = kHeadDim ? kHeadDim : dyn_head_dim;
+#if defined(__AVX512F__)
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {  // the query in registers, one reduction per key
+    constexpr int64_t kChunks = kHeadDim / 16;
+    for (int64_t r = 0; r < rep; ++r) {
+      __m512 qr[kChunks];
+      for (int64_t c = 0; c < kChunks; ++c) qr[c] = _mm512_loadu_ps(q + r * kHeadDim + 16 * c);
+      for (int64_t i = 0; i < rows; ++i) {
+        const float *ki = k + i * kHeadDim;
+        __m512 acc = _mm512_mul_ps(qr[0], _mm512_loadu_ps(ki));
+        for (int64_t c = 1; c < kChunks; ++c) acc = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(ki + 16 * c), acc);
+        scores[r * stride + i] = _mm512_reduce_add_ps(acc) * scale;
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rep; ++r) {
+    const float *qr = q + r * head_dim;
+    float *s = scores + r * stride;
+    int64_t i = 0;
+    for (; i + 4 <= rows; i += 4) {  // four rows at a time: independent sums, one horizontal add each
+      const float *k0 = k + i * head_dim, *k1 = k0 + head_dim, *k2 = k1 + head_dim, *k3 = k2 + head_dim;
+      float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+      for (int64_t d = 0; d < head_dim; ++d) {
+        d0 += qr[d] * k0[d];
+        d1 += qr[d] * k1[d];
+        d2 += qr[d] * k2[d];
+        d3 += qr[d] * k3[d];
+      }
+      s[i] = d0 * scale;
+      s[i + 1] = d1 * scale;
+      s[i + 2] = d2 * scale;
+      s[i + 3] = d3 * scale;
+    }
+    for (; i < rows; ++i) {
+      const float *kr = k + i * head_dim;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * kr[d];
+      s[i] = dot * scale;
+    }
+  }
+}
+
+// out[r] += sum_i probs[r * stride + i] * v_i over ``rows`` consecutive values of one block.
+template <int64_t kHeadDim>
+void weigh_rows(const float *probs, const float *v, int64_t rows, int64_t dyn_head_dim, int64_t rep, float *out,
+                int64_t stride) {
+  const int64_t head_dim = kHeadDim ? kHeadDim : dyn_head_dim;
+#if defined(__AVX512F__)
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {  // the output row in registers, two sums for the FMA latency
+    constexpr int64_t kChunks = kHeadDim / 16;
+    for (int64_t r = 0; r < rep; ++r) {
+      const float *p = probs + r * stride;
+      float *o = out + r * kHeadDim;
+      __m512 even[kChunks], odd[kChunks];
+      for (int64_t c = 0; c < kChunks; ++c) {
+        even[c] = _mm512_loadu_ps(o + 16 * c);
+        odd[c] = _mm512_setzero_ps();
+      }
+      int64_t i = 0;
+      for (; i + 2 <= rows; i += 2) {
+        const __m512 p0 = _mm512_set1_ps(p[i]), p1 = _mm512_set1_ps(p[i + 1]);
+        const float *v0 = v + i * kHeadDim, *v1 = v0 + kHeadDim;
+        for (int64_t c = 0; c < kChunks; ++c) {
+          even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
+          odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), odd[c]);
+        }
+      }
+      if (i < rows) {
+        const __m512 p0 = _mm512_set1_ps(p[i]);
+        for (int64_t c = 0; c < kChunks; ++c) {
+          even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + i * kHeadDim + 16 * c), even[c]);
+        }
+      }
+      for (int64_t c = 0; c < kChunks; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_add_ps(even[c], odd[c]));
+    }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rep; ++r) {
+    const float *p = probs + r * stride;
+    float *o = out + r * head_dim;
+    for (int64_t i = 0; i < rows; ++i) {
+      const float pi = p[i];
+      const float *vr = v + i * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) o[d] += pi * vr[d];
+    }
+  }
+}
+
+// scores[r * len + t] = scale * q_r . k_t over the sequence's blocks.
 template <int64_t kHeadDim>
 void score_keys(const float *q, const int32_t *table, int64_t len, int64_t block_size, const float *keys,
                 int64_t dyn_head_dim, int64_t rep, float scale, float *scores) {
@@ -61,33 +163,7 @@ void score_keys(const float *q, const int32_t *table, int64_t len, int64_t block
     if (blk + 1 < blocks) prefetch_block(block_rows(keys, table, blk + 1, block_size, head_dim), block_size * head_dim);
     const int64_t start = blk * block_size;
     const int64_t rows = len - start < block_size ? len - start : block_size;
-    for (int64_t r = 0; r < rep; ++r) {
-      const float *qr = q + r * head_dim;
-      float *s = scores + r * len + start;
-      int64_t i = 0;
-      for (; i + 4 <= rows; i += 4) {  // four rows at a time: independent sums, one horizontal add each
-        const float *k0 = k + i * head_dim, *k1 = k0 + head_dim, *k2 = k1 + head_dim, *k3 = k2 + head_dim;
-        float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-        for (int64_t d = 0; d < head_dim; ++d) {
-          d0 += qr[d] * k0[d];
-          d1 += qr[d] * k1[d];
-          d2 += qr[d] * k2[d];
-          d3 += qr[d] * k3[d];
-        }
-        s[i] = d0 * scale;
-        s[i + 1] = d1 * scale;
-        s[i + 2] = d2 * scale;
-        s[i + 3] = d3 * scale;
-      }
-      for (; i < rows; ++i) {
-        const float *kr = k + i * head_dim;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * kr[d];
-        s[i] = dot * scale;
-      }
-    }
+    score_rows<kHeadDim>(q, k, rows, head_dim, rep, scale, scores + start, len);
   }
 }
 
@@ -100,7 +176,7 @@ void softmax_rows(float *scores, int64_t len, int64_t rep) {
     float total = 0.0f;
 #pragma omp simd reduction(+ : total)
     for (int64_t t = 0; t < len; ++t) {
-      s[t] = std::exp(s[t] - top);
+      s[t] = exp_approx(s[t] - top);
       total += s[t];
     }
     const float inv = 1.0f / total;
@@ -109,7 +185,7 @@ void softmax_rows(float *scores, int64_t len, int64_t rep) {
   }
 }
 
-// out[r] = sum_t probs[r * len + t] * v_t.
+// out[r] = sum_t probs[r * len + t] * v_t over the sequence's blocks.
 template <int64_t kHeadDim>
 void weigh_values(const float *probs, const int32_t *table, int64_t len, int64_t block_size, const float *values,
                   int64_t dyn_head_dim, int64_t rep, float *out) {
@@ -121,16 +197,7 @@ void weigh_values(const float *probs, const int32_t *table, int64_t len, int64_t
     if (blk + 1 < blocks) prefetch_block(block_rows(values, table, blk + 1, block_size, head_dim), block_size * head_dim);
     const int64_t start = blk * block_size;
     const int64_t rows = len - start < block_size ? len - start : block_size;
-    for (int64_t r = 0; r < rep; ++r) {
-      const float *p = probs + r * len + start;
-      float *o = out + r * head_dim;
-      for (int64_t i = 0; i < rows; ++i) {
-        const float pi = p[i];
-        const float *vr = v + i * head_dim;
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) o[d] += pi * vr[d];
-      }
-    }
+    weigh_rows<kHeadDim>(probs + start, v, rows, head_dim, rep, out, len);
   }
 }
 
