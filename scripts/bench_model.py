@@ -5,7 +5,8 @@
 For each attention implementation (``RunnerConfig.kernels``; native C++ ops and portable graph ops by
 default, side by side in one run) prints a markdown table: ms per prefill call (batch 1/4/8 x 128 tokens) and per
 decode step (batch 1/32/128 at the given context), the model GFLOP/s each achieves, and the GFLOP/s of one
-MindSpore matmul ``[tokens, hidden] x [hidden, N]`` with the same FLOPs, measured right after it. Also the compile
+MindSpore matmul ``[tokens, hidden] x [hidden, N]`` with the same FLOPs, timed alternately with it (so that the
+machine's drift moves both). Also the compile
 (warm-up) time of every graph shape, and decode step times with sampling (first implementation only).
 """
 
@@ -56,16 +57,29 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def matmul_gflops(tokens: int, flops: float, repeats: int) -> float:
-    """GFLOP/s of one plain ``[tokens, hidden] x [hidden, n]`` matmul doing ``flops`` work."""
+def reference_matmul(tokens: int, flops: float):
+    """One plain ``[tokens, hidden] x [hidden, n]`` matmul doing ``flops`` work: (call, its FLOPs)."""
     h = BENCH_MODEL.hidden_size
     n = max(1, round(flops / (2 * tokens * h)))
     rng = np.random.default_rng(0)
     a = Tensor(rng.standard_normal((tokens, h), dtype=np.float32))
     b = Tensor(rng.standard_normal((h, n), dtype=np.float32))
     cell = MatMul()
-    ms_ = median_ms(lambda: cell(a, b).asnumpy(), repeats)
-    return 2 * tokens * h * n / ms_ / 1e6
+    return (lambda: cell(a, b).asnumpy()), 2 * tokens * h * n
+
+
+def paired_ms(model_call, reference_call, repeats: int) -> tuple[float, float]:
+    """Median ms of the model call and of the reference matmul, timed alternately so that the machine's drift
+    (large on shared VMs) moves both and their ratio stays meaningful."""
+    model_call()
+    reference_call()
+    model_times, reference_times = [], []
+    for _ in range(repeats):
+        for call, times in ((model_call, model_times), (reference_call, reference_times)):
+            t0 = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(model_times), statistics.median(reference_times)
 
 
 def prefill_batch(batch: int, seq: int) -> StepBatch:
@@ -116,28 +130,21 @@ def measure(args: argparse.Namespace, weights: dict[str, np.ndarray], attention:
           f"{time.perf_counter() - t0:.1f} s ({min(compile_times.values()):.2f}-{max(compile_times.values()):.2f} s "
           "each)\n")
 
-    rows = []
+    calls = []
     for b in args.prefill_batches:
-        batch = prefill_batch(b, seq)
         flops = b * sum(cfg.flops_per_token(p + 1) for p in range(seq))
-        rows.append((f"prefill {b}x{seq}", b * seq, flops, median_ms(lambda batch=batch: runner.step(batch), args.repeats)))
+        calls.append((f"prefill {b}x{seq}", b * seq, flops, prefill_batch(b, seq)))
     for b in args.decode_batches:
-        batch = decode_batch(b, ctx)
-        flops = b * cfg.flops_per_token(ctx)
-        rows.append((f"decode B={b} ctx={ctx}", b, flops, median_ms(lambda batch=batch: runner.step(batch), args.repeats)))
-
-    print_table(rows, args.repeats)
-    print()
-    return runner
-
-
-def print_table(rows: list[tuple], repeats: int) -> None:
+        calls.append((f"decode B={b} ctx={ctx}", b, b * cfg.flops_per_token(ctx), decode_batch(b, ctx)))
     print("| call | ms | model GFLOP/s | same-size matmul GFLOP/s | ratio |")
     print("|---|---|---|---|---|")
-    for name, tokens, flops, ms_ in rows:
-        model_rate = flops / ms_ / 1e6
-        ref = matmul_gflops(tokens, flops, repeats)
-        print(f"| {name} | {ms_:.1f} | {model_rate:.1f} | {ref:.1f} | {model_rate / ref:.0%} |")
+    for name, tokens, flops, batch in calls:
+        reference_call, reference_flops = reference_matmul(tokens, flops)
+        ms_, reference_ms = paired_ms(lambda batch=batch: runner.step(batch), reference_call, args.repeats)
+        model_rate, reference_rate = flops / ms_ / 1e6, reference_flops / reference_ms / 1e6
+        print(f"| {name} | {ms_:.1f} | {model_rate:.1f} | {reference_rate:.1f} | {model_rate / reference_rate:.0%} |")
+    print()
+    return runner
 
 
 class GreedyOnlyStep(LlamaStep):

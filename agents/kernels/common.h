@@ -3,9 +3,13 @@
 
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <mutex>
+#include <pthread.h>
 #include <thread>
 #include <vector>
 
@@ -35,31 +39,96 @@ inline float exp_approx(float x) {
   return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
 }
 
-// Threads per call: $LLM_SERVING_KERNEL_THREADS, else the hardware's. Plain threads started per call rather than
-// OpenMP: OpenMP's idle workers spin after a parallel region and took the cores from MindSpore's next ops
-// (decode B=128 ran 1.6x slower with spinning workers than with OMP_WAIT_POLICY=passive).
-int64_t thread_count(int64_t tasks, int64_t tasks_per_thread) {
+// Threads for a kernel call: $LLM_SERVING_KERNEL_THREADS, else the hardware's (the caller's thread included).
+int64_t configured_threads() {
   static const int64_t configured = [] {
     const char *env = std::getenv("LLM_SERVING_KERNEL_THREADS");
     const int64_t n = env ? std::atoll(env) : static_cast<int64_t>(std::thread::hardware_concurrency());
     return n > 0 ? n : 1;
   }();
-  const int64_t useful = (tasks + tasks_per_thread - 1) / tasks_per_thread;
-  return configured < useful ? configured : useful;
+  return configured;
 }
 
-// Runs ``work(task)`` for tasks 0..count-1 on up to thread_count threads (the caller's included), one thread
-// per ``tasks_per_thread`` tasks at most: starting a thread costs about as much as a few decode tasks.
+// Helper threads that share a call's tasks with the calling thread, started once per library.
+//
+// Why not OpenMP or threads started per call: MindSpore's own workers keep spinning on the cores between graph
+// ops. OpenMP's idle workers spun too and took the cores from MindSpore's next matmul (decode B=128 1.6x
+// slower); a thread started per call had to wait for a core and the caller then waited for it to start and
+// join (~1 ms per op). Here the caller never waits for a helper that has not started: tasks are claimed one at
+// a time, the caller works through them too, and at the end it waits only for the tasks a helper is running.
+// A helper that wakes late finds the call closed and sleeps again. A forked child has no helpers (and maybe a
+// mutex held at the fork), so there the caller does all the work without touching the pool's state.
+class TaskPool {
+ public:
+  static TaskPool &instance() {
+    static TaskPool *pool = new TaskPool(configured_threads() - 1);  // never destroyed: helpers block until exit
+    return *pool;
+  }
+
+  // Runs ``work(task)`` for tasks 0..count-1; helpers are asked in only when there are more than
+  // ``tasks_per_thread`` tasks (a wake-up costs about as much as a few small tasks).
+  template <typename Work>
+  void run(int64_t count, int64_t tasks_per_thread, const Work &work) {
+    if (helpers_.empty() || forked_ || count <= tasks_per_thread) {
+      for (int64_t task = 0; task < count; ++task) work(task);
+      return;
+    }
+    const std::function<void(int64_t)> job = [&work](int64_t task) { work(task); };
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = &job;
+      count_ = count;
+      next_.store(0);
+      ++generation_;
+    }
+    wake_.notify_all();
+    claim_and_run(job, count);
+    std::unique_lock<std::mutex> lock(mutex_);
+    job_ = nullptr;  // closed: no helper joins from here on
+    idle_.wait(lock, [this] { return active_ == 0; });
+  }
+
+ private:
+  explicit TaskPool(int64_t helpers) {
+    pthread_atfork(nullptr, nullptr, [] { forked_ = true; });
+    for (int64_t i = 0; i < helpers; ++i) helpers_.emplace_back([this] { helper_loop(); });
+    for (auto &helper : helpers_) helper.detach();
+  }
+
+  void claim_and_run(const std::function<void(int64_t)> &job, int64_t count) {
+    for (int64_t task = next_.fetch_add(1); task < count; task = next_.fetch_add(1)) job(task);
+  }
+
+  void helper_loop() {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [&] { return job_ != nullptr && generation_ != seen; });
+      seen = generation_;
+      const std::function<void(int64_t)> *job = job_;
+      const int64_t count = count_;
+      ++active_;
+      lock.unlock();
+      claim_and_run(*job, count);
+      lock.lock();
+      if (--active_ == 0) idle_.notify_all();
+    }
+  }
+
+  std::vector<std::thread> helpers_;
+  std::mutex mutex_;
+  std::condition_variable wake_, idle_;
+  const std::function<void(int64_t)> *job_ = nullptr;  // the open call, or null
+  int64_t count_ = 0;
+  uint64_t generation_ = 0;
+  int active_ = 0;  // helpers inside the open call
+  std::atomic<int64_t> next_{0};
+  static inline bool forked_ = false;
+};
+
 template <typename Work>
 void run_tasks(int64_t count, int64_t tasks_per_thread, const Work &work) {
-  std::atomic<int64_t> next{0};
-  auto loop = [&] {
-    for (int64_t task = next.fetch_add(1); task < count; task = next.fetch_add(1)) work(task);
-  };
-  std::vector<std::thread> helpers;
-  for (int64_t i = 1; i < thread_count(count, tasks_per_thread); ++i) helpers.emplace_back(loop);
-  loop();
-  for (auto &t : helpers) t.join();
+  TaskPool::instance().run(count, tasks_per_thread, work);
 }
 
 }  // namespace
