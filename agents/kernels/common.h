@@ -39,11 +39,13 @@ inline float exp_approx(float x) {
   return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
 }
 
-// Threads for a kernel call: $LLM_SERVING_KERNEL_THREADS, else the hardware's (the caller's thread included).
+// Threads for a kernel call (the caller's included): $LLM_SERVING_KERNEL_THREADS, else the hardware's up to 16
+// (attention is bound by memory bandwidth long before that on a many-core host).
 int64_t configured_threads() {
   static const int64_t configured = [] {
     const char *env = std::getenv("LLM_SERVING_KERNEL_THREADS");
-    const int64_t n = env ? std::atoll(env) : static_cast<int64_t>(std::thread::hardware_concurrency());
+    const int64_t hardware = static_cast<int64_t>(std::thread::hardware_concurrency());
+    const int64_t n = env ? std::atoll(env) : (hardware < 16 ? hardware : 16);
     return n > 0 ? n : 1;
   }();
   return configured;
@@ -65,8 +67,8 @@ class TaskPool {
     return *pool;
   }
 
-  // Runs ``work(task)`` for tasks 0..count-1; helpers are asked in only when there are more than
-  // ``tasks_per_thread`` tasks (a wake-up costs about as much as a few small tasks).
+  // Runs ``work(task)`` for tasks 0..count-1, waking one helper per ``tasks_per_thread`` tasks beyond the
+  // first batch (a wake-up costs about as much as a few small tasks; a many-core host does not wake them all).
   template <typename Work>
   void run(int64_t count, int64_t tasks_per_thread, const Work &work) {
     if (helpers_.empty() || forked_ || count <= tasks_per_thread) {
@@ -81,7 +83,8 @@ class TaskPool {
       next_.store(0);
       ++generation_;
     }
-    wake_.notify_all();
+    const auto wanted = static_cast<size_t>((count - 1) / tasks_per_thread);  // helpers worth waking
+    for (size_t i = 0; i < wanted && i < helpers_.size(); ++i) wake_.notify_one();
     claim_and_run(job, count);
     std::unique_lock<std::mutex> lock(mutex_);
     job_ = nullptr;  // closed: no helper joins from here on
