@@ -1,10 +1,12 @@
 // Driven by tests/test_native_kernels.py: the kernels' TaskPool (agents/kernels/common.h) runs every task exactly
-// once per call, across many calls, with tiny and large task counts, and in a forked child (no helpers there).
+// once per call, across many calls, with tiny and large task counts, from two threads at once, and in a forked
+// child (no helpers there).
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
+#include <thread>
 #include <vector>
 
 #include "common.h"
@@ -27,6 +29,11 @@ bool run_calls(int calls) {
 
 int main() {
   if (!run_calls(2000)) return std::puts("parent: a task ran other than once"), 1;
+  bool other_ok = false;
+  std::thread other([&] { other_ok = run_calls(1000); });
+  const bool this_ok = run_calls(1000);
+  other.join();
+  if (!this_ok || !other_ok) return std::puts("concurrent callers: a task ran other than once"), 1;
   const pid_t child = fork();
   if (child == 0) _exit(run_calls(200) ? 0 : 3);
   int status = 0;

@@ -71,8 +71,9 @@ class TaskPool {
   // first batch (a wake-up costs about as much as a few small tasks; a many-core host does not wake them all).
   template <typename Work>
   void run(int64_t count, int64_t tasks_per_thread, const Work &work) {
-    if (helpers_.empty() || forked_ || count <= tasks_per_thread) {
-      for (int64_t task = 0; task < count; ++task) work(task);
+    bool idle = false;
+    if (helpers_.empty() || forked_ || count <= tasks_per_thread || !busy_.compare_exchange_strong(idle, true)) {
+      for (int64_t task = 0; task < count; ++task) work(task);  // also when another thread's call holds the pool
       return;
     }
     const std::function<void(int64_t)> job = [&work](int64_t task) { work(task); };
@@ -89,6 +90,7 @@ class TaskPool {
     std::unique_lock<std::mutex> lock(mutex_);
     job_ = nullptr;  // closed: no helper joins from here on
     idle_.wait(lock, [this] { return active_ == 0; });
+    busy_.store(false);
   }
 
  private:
@@ -126,6 +128,7 @@ class TaskPool {
   uint64_t generation_ = 0;
   int active_ = 0;  // helpers inside the open call
   std::atomic<int64_t> next_{0};
+  std::atomic<bool> busy_{false};  // one call at a time uses the helpers
   static inline bool forked_ = false;
 };
 
