@@ -42,8 +42,6 @@ void rope(const float *x, const float *cos, const float *sin, int64_t head_dim, 
   for (int64_t d = half; d < head_dim; ++d) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
 }
 
-// Cache rows of one block, for the block after the current one: prefetching them while the current block is
-// processed keeps the memory system busy across the jumps between non-contiguous blocks.
 inline void prefetch_block(const float *rows, int64_t floats) {
   for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(rows + i);
 }
@@ -152,19 +150,26 @@ void weigh_rows(const float *probs, const float *v, int64_t rows, int64_t dyn_he
   }
 }
 
+// Calls ``visit(start, rows, cache rows)`` for each block of a sequence's ``len`` cache rows, in order, with the
+// next block prefetched: that keeps the memory system busy across the jumps between non-contiguous blocks.
+template <typename Visit>
+void for_each_block(const float *cache, const int32_t *table, int64_t len, int64_t block_size, int64_t head_dim,
+                    const Visit &visit) {
+  const int64_t blocks = (len + block_size - 1) / block_size;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    if (blk + 1 < blocks) prefetch_block(block_rows(cache, table, blk + 1, block_size, head_dim), block_size * head_dim);
+    const int64_t start = blk * block_size;
+    visit(start, len - start < block_size ? len - start : block_size, block_rows(cache, table, blk, block_size, head_dim));
+  }
+}
+
 // scores[r * len + t] = scale * q_r . k_t over the sequence's blocks.
 template <int64_t kHeadDim>
 void score_keys(const float *q, const int32_t *table, int64_t len, int64_t block_size, const float *keys,
-                int64_t dyn_head_dim, int64_t rep, float scale, float *scores) {
-  const int64_t head_dim = kHeadDim ? kHeadDim : dyn_head_dim;
-  const int64_t blocks = (len + block_size - 1) / block_size;
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const float *k = block_rows(keys, table, blk, block_size, head_dim);
-    if (blk + 1 < blocks) prefetch_block(block_rows(keys, table, blk + 1, block_size, head_dim), block_size * head_dim);
-    const int64_t start = blk * block_size;
-    const int64_t rows = len - start < block_size ? len - start : block_size;
+                int64_t head_dim, int64_t rep, float scale, float *scores) {
+  for_each_block(keys, table, len, block_size, head_dim, [&](int64_t start, int64_t rows, const float *k) {
     score_rows<kHeadDim>(q, k, rows, head_dim, rep, scale, scores + start, len);
-  }
+  });
 }
 
 // In place: each of the ``rep`` rows of ``len`` scores becomes its softmax.
@@ -188,17 +193,11 @@ void softmax_rows(float *scores, int64_t len, int64_t rep) {
 // out[r] = sum_t probs[r * len + t] * v_t over the sequence's blocks.
 template <int64_t kHeadDim>
 void weigh_values(const float *probs, const int32_t *table, int64_t len, int64_t block_size, const float *values,
-                  int64_t dyn_head_dim, int64_t rep, float *out) {
-  const int64_t head_dim = kHeadDim ? kHeadDim : dyn_head_dim;
+                  int64_t head_dim, int64_t rep, float *out) {
   std::memset(out, 0, sizeof(float) * rep * head_dim);
-  const int64_t blocks = (len + block_size - 1) / block_size;
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const float *v = block_rows(values, table, blk, block_size, head_dim);
-    if (blk + 1 < blocks) prefetch_block(block_rows(values, table, blk + 1, block_size, head_dim), block_size * head_dim);
-    const int64_t start = blk * block_size;
-    const int64_t rows = len - start < block_size ? len - start : block_size;
+  for_each_block(values, table, len, block_size, head_dim, [&](int64_t start, int64_t rows, const float *v) {
     weigh_rows<kHeadDim>(probs + start, v, rows, head_dim, rep, out, len);
-  }
+  });
 }
 
 // One sequence and kv head. ``kHeadDim`` fixes the row length at compile time for the common Llama head sizes
@@ -250,7 +249,8 @@ struct Layer {
   float *out_row(int64_t token, int64_t h) const { return out + token * heads() * dim + h * rep * dim; }
 };
 
-// Validates the common inputs (the ``n_kv`` key and value caches start at ``first_cache``) and fills ``layer``.
+// Validates the common inputs (the ``n_kv`` key and value caches start at ``first_cache``; 1 unless there is at
+// least one of each, so callers may index the inputs before them) and fills ``layer``.
 int parse_layer(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, int first_cache,
                 std::vector<float *> &caches, Layer &layer) {
   const int n_kv = (nparam - first_cache - 1) / 2;
@@ -293,7 +293,6 @@ extern "C" int PagedDecodeAttention(int nparam, void **params, int *ndims, int64
   constexpr int kFirstCache = 7;
   Layer layer{};
   std::vector<float *> caches;
-  if (nparam < kFirstCache + 3) return 1;
   if (int rc = parse_layer(nparam, params, ndims, shapes, dtypes, kFirstCache, caches, layer)) return rc;
   if (ndims[4] != 2 || ndims[5] != 1 || ndims[6] != 1) return 1;
   const auto *tables = static_cast<const int32_t *>(params[4]);
@@ -333,7 +332,6 @@ extern "C" int PackedPrefillAttention(int nparam, void **params, int *ndims, int
   constexpr int kFirstCache = 5;
   Layer layer{};
   std::vector<float *> caches;
-  if (nparam < kFirstCache + 3) return 1;
   if (int rc = parse_layer(nparam, params, ndims, shapes, dtypes, kFirstCache, caches, layer)) return rc;
   if (ndims[4] != 1) return 1;
   const auto *lens = static_cast<const int32_t *>(params[4]);
