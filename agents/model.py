@@ -21,6 +21,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
+from agents import packed_weights
 from agents.model_config import LlamaConfig
 from agents.native_kernels import NativeOps
 
@@ -49,15 +50,28 @@ class RMSNorm(nn.Cell):
 
 
 class Linear(nn.Cell):
-    """``y = x @ W^T`` with ``W`` kept in Hugging Face's ``[out, in]`` layout."""
+    """``y = x @ W^T`` with ``W`` kept in Hugging Face's ``[out, in]`` layout, or, for the native ops, in their
+    panel layout (``packed``; ``swiglu`` for the fused ``[gate; up]`` weight, see ``agents.packed_weights``)."""
 
-    def __init__(self, in_dim: int, out_dim: int, dtype: ms.Type) -> None:
+    def __init__(self, in_dim: int, out_dim: int, dtype: ms.Type, packed: bool = False, swiglu: bool = False) -> None:
         super().__init__()
-        self.weight = Parameter(Tensor(np.zeros((out_dim, in_dim)), dtype), name="weight")
+        self.shape = (out_dim, in_dim)
+        self.packed = packed
+        self.swiglu = swiglu
+        stored = packed_weights.packed_shape(out_dim, in_dim, swiglu) if packed else self.shape
+        self.weight = Parameter(Tensor(np.zeros(stored), dtype), name="weight")
         self.matmul = ops.MatMul(transpose_b=True)
 
     def construct(self, x: Tensor) -> Tensor:
         return self.matmul(x, self.weight)
+
+    def stored(self, w: np.ndarray) -> np.ndarray:
+        """The ``[out, in]`` weight ``w`` as this cell holds it."""
+        return packed_weights.pack(w, self.swiglu) if self.packed else w
+
+    def unstored(self, held: np.ndarray) -> np.ndarray:
+        """The ``[out, in]`` weight back from what this cell holds."""
+        return packed_weights.unpack(held, self.shape[0], self.swiglu) if self.packed else held
 
 
 class LlamaLayer(nn.Cell):
@@ -82,10 +96,16 @@ class LlamaLayer(nn.Cell):
         self.scale = 1.0 / float(np.sqrt(self.head_dim))
         self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.w_qkv = Linear(config.hidden_size, config.qkv_dim, dtype)
-        self.wo = Linear(config.hidden_size, config.hidden_size, dtype)
-        self.w_gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, dtype)
-        self.w_down = Linear(config.intermediate_size, config.hidden_size, dtype)
+        packed = self.native
+        self.w_qkv = Linear(config.hidden_size, config.qkv_dim, dtype, packed)
+        self.wo = Linear(config.hidden_size, config.hidden_size, dtype, packed)
+        self.w_gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, dtype, packed, swiglu=True)
+        self.w_down = Linear(config.intermediate_size, config.hidden_size, dtype, packed)
+        if native:
+            self.eps = Tensor(np.array([config.rms_norm_eps], np.float32))
+            self.qkv_kernel = native.norm_linear(config.qkv_dim)
+            self.gate_up_kernel = native.norm_swiglu(config.intermediate_size)
+            self.residual_kernel = native.residual_linear()
         zeros = np.zeros((num_slots, self.head_dim))
         self.key_cache = ParameterTuple([Parameter(Tensor(zeros, dtype), name=f"key_cache_{h}", requires_grad=False)
                                          for h in range(self.n_kv)])
@@ -157,23 +177,33 @@ class LlamaLayer(nn.Cell):
             outs += (self.bmm(probs, vh),)
         return ops.stack(outs, 1).reshape(batch, self.hidden)
 
-    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
-                  block_tables: Tensor, is_prefill: bool) -> Tensor:
-        qkv = self.w_qkv(self.attention_norm(x))
-        if self.native and is_prefill:
+    def native_construct(self, x: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
+                         block_tables: Tensor, is_prefill: bool) -> Tensor:
+        """The layer as five native ops: norm + QKV, attention, output projection + residual, norm + gate/up +
+        SwiGLU, down projection + residual."""
+        qkv = self.qkv_kernel(x, self.attention_norm.weight, self.eps, self.w_qkv.weight)
+        if is_prefill:
             attn = self.prefill_kernel(qkv, cos, sin, slot_mapping, lens, *self.key_cache, *self.value_cache)
-        elif self.native:
+        else:
             attn = self.decode_kernel(qkv, cos, sin, slot_mapping, block_tables, lens, self.block_offsets,
                                       *self.key_cache, *self.value_cache)
+        x = self.residual_kernel(attn, self.wo.weight, x)
+        act = self.gate_up_kernel(x, self.ffn_norm.weight, self.eps, self.w_gate_up.weight)
+        return self.residual_kernel(act, self.w_down.weight, x)
+
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
+                  block_tables: Tensor, is_prefill: bool) -> Tensor:
+        if self.native:
+            return self.native_construct(x, cos, sin, slot_mapping, lens, block_tables, is_prefill)
+        qkv = self.w_qkv(self.attention_norm(x))
+        q = self.rope(qkv[:, : self.hidden], cos, sin, self.n_heads)
+        k = self.rope(qkv[:, self.hidden: self.hidden + self.kv_dim], cos, sin, self.n_kv)
+        v = qkv[:, self.hidden + self.kv_dim:]
+        written = self.write_cache(k, v, slot_mapping)
+        if is_prefill:
+            attn = ops.depend(self.prefill_attention(q, k, v, lens, lens.shape[0]), written)
         else:
-            q = self.rope(qkv[:, : self.hidden], cos, sin, self.n_heads)
-            k = self.rope(qkv[:, self.hidden: self.hidden + self.kv_dim], cos, sin, self.n_kv)
-            v = qkv[:, self.hidden + self.kv_dim:]
-            written = self.write_cache(k, v, slot_mapping)
-            if is_prefill:
-                attn = ops.depend(self.prefill_attention(q, k, v, lens, lens.shape[0]), written)
-            else:
-                attn = self.decode_attention(q, written, block_tables, lens)
+            attn = self.decode_attention(q, written, block_tables, lens)
         x = x + self.wo(attn)
         gate_up = self.w_gate_up(self.ffn_norm(x))
         act = ops.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn:]
@@ -194,7 +224,9 @@ class LlamaModel(nn.Cell):
                                    for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.native_greedy = native.greedy if native else None
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype, packed=native is not None)
+        self.native_lm_head = native.norm_linear(config.vocab_size) if native else None
+        self.eps = Tensor(np.array([config.rms_norm_eps], np.float32))
         cos, sin = rotary_tables(config, max_positions)
         self.cos = Tensor(cos, dtype)
         self.sin = Tensor(sin, dtype)
@@ -209,6 +241,8 @@ class LlamaModel(nn.Cell):
         return x
 
     def logits(self, last_hidden: Tensor) -> Tensor:
+        if self.native_lm_head is not None:
+            return self.native_lm_head(last_hidden, self.norm.weight, self.eps, self.lm_head.weight)
         return self.lm_head(self.norm(last_hidden)).astype(ms.float32)
 
 
@@ -250,12 +284,17 @@ class LlamaStep(nn.Cell):
         return token_ids, logprobs, logits
 
 
-def _canonical_parameters(model: LlamaModel) -> dict[str, Parameter]:
-    """The model's Parameters under their canonical fused weight names (see ``agents.weights``)."""
-    params = {"embed_tokens": model.embed_tokens, "norm": model.norm.weight, "lm_head": model.lm_head.weight}
+def _canonical_parameters(model: LlamaModel) -> dict[str, tuple[Parameter, Linear | None]]:
+    """The model's Parameters under their canonical fused weight names (see ``agents.weights``), each with its
+    Linear cell where it is a projection (which may hold it packed)."""
+    params = {"embed_tokens": (model.embed_tokens, None), "norm": (model.norm.weight, None),
+              "lm_head": (model.lm_head.weight, model.lm_head)}
     for i, layer in enumerate(model.layers):
-        for name in ("attention_norm", "ffn_norm", "w_qkv", "wo", "w_gate_up", "w_down"):
-            params[f"layers.{i}.{name}"] = getattr(layer, name).weight
+        for name in ("attention_norm", "ffn_norm"):
+            params[f"layers.{i}.{name}"] = (getattr(layer, name).weight, None)
+        for name in ("w_qkv", "wo", "w_gate_up", "w_down"):
+            cell = getattr(layer, name)
+            params[f"layers.{i}.{name}"] = (cell.weight, cell)
     return params
 
 
@@ -265,13 +304,17 @@ def load_weights_into(model: LlamaModel, weights: dict[str, np.ndarray]) -> None
     missing = sorted(set(targets) - set(weights))
     if missing:
         raise KeyError(f"weights are missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
-    for name, param in targets.items():
+    for name, (param, linear) in targets.items():
         value = weights[name]
-        if tuple(value.shape) != tuple(param.shape):
-            raise ValueError(f"parameter {name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
+        expected = linear.shape if linear is not None else tuple(param.shape)
+        if tuple(value.shape) != tuple(expected):
+            raise ValueError(f"parameter {name}: expected shape {tuple(expected)}, got {tuple(value.shape)}")
+        if linear is not None:
+            value = linear.stored(value)
         param.set_data(Tensor(np.ascontiguousarray(value), model.dtype))
 
 
 def model_weights(model: LlamaModel) -> dict[str, np.ndarray]:
     """The model's weights as a canonical fused dict (e.g. to save a converted ``.ckpt``)."""
-    return {name: param.asnumpy() for name, param in _canonical_parameters(model).items()}
+    return {name: linear.unstored(param.asnumpy()) if linear is not None else param.asnumpy()
+            for name, (param, linear) in _canonical_parameters(model).items()}

@@ -82,38 +82,55 @@ def build(name: str) -> Path:
     return target
 
 
+def _custom(library: Path, entry: str, out_shape, out_dtype) -> ops.Custom:
+    return ops.Custom(f"{library}:{entry}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
+
+
+def _same(x, *_):
+    return x
+
+
 @dataclass(frozen=True)
 class NativeOps:
-    """The native ops shared by every layer (built from ``agents/kernels/``).
+    """The native ops (built from ``agents/kernels/``).
 
     Attention (``paged_attention.cc``): ``decode(qkv, cos, sin, slot_mapping, block_tables, context_lens,
     block_offsets, *key_caches, *value_caches)`` and ``prefill(qkv, cos, sin, slot_mapping, query_lens,
     *key_caches, *value_caches)`` (prompts packed back to back) return ``[tokens, hidden_size]`` and write the
     step's K/V into the caches in place. ``greedy(logits) -> (token ids, log-probabilities)``
-    (``greedy_pick.cc``).
+    (``greedy_pick.cc``). The projections (``linear.cc``, weights packed by ``agents.packed_weights``) are made
+    per output width by the methods below.
     """
 
     decode: ops.Custom
     prefill: ops.Custom
     greedy: ops.Custom
+    linear_library: Path
+
+    def norm_linear(self, out_dim: int) -> ops.Custom:
+        """``(x, norm_weight, eps [1], packed w) -> rmsnorm(x) @ W^T`` of width ``out_dim``."""
+        return _custom(self.linear_library, "NormLinear", lambda x, *_: [x[0], out_dim], _same)
+
+    def norm_swiglu(self, ffn_dim: int) -> ops.Custom:
+        """``(x, norm_weight, eps [1], packed [gate; up]) -> silu(g) * u`` of width ``ffn_dim``."""
+        return _custom(self.linear_library, "NormSwiGlu", lambda x, *_: [x[0], ffn_dim], _same)
+
+    def residual_linear(self) -> ops.Custom:
+        """``(x, packed w, residual) -> residual + x @ W^T``."""
+        return _custom(self.linear_library, "ResidualLinear", lambda x, w, residual: residual, _same)
 
 
 def native_ops(hidden_size: int) -> NativeOps:
     """Build (or reuse) the kernel libraries and wrap their entry points as Custom ops."""
     attention, greedy = build("paged_attention"), build("greedy_pick")
 
-    def op(library: Path, entry: str, out_shape, out_dtype) -> ops.Custom:
-        return ops.Custom(f"{library}:{entry}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
-
-    def same(x, *_):
-        return x
-
     def rows_by_hidden(qkv, *_):
         return [qkv[0], hidden_size]
 
     return NativeOps(
-        decode=op(attention, "PagedDecodeAttention", rows_by_hidden, same),
-        prefill=op(attention, "PackedPrefillAttention", rows_by_hidden, same),
-        greedy=op(greedy, "GreedyPick", lambda logits: ([logits[0]], [logits[0]]),
-                  lambda logits: (mstype.int32, mstype.float32)),
+        decode=_custom(attention, "PagedDecodeAttention", rows_by_hidden, _same),
+        prefill=_custom(attention, "PackedPrefillAttention", rows_by_hidden, _same),
+        greedy=_custom(greedy, "GreedyPick", lambda logits: ([logits[0]], [logits[0]]),
+                       lambda logits: (mstype.int32, mstype.float32)),
+        linear_library=build("linear"),
     )

@@ -1,0 +1,225 @@
+// The projections of a Llama layer for MindSpore CPU, called as AOT ``ops.Custom`` ops (agents/native_kernels.py):
+// y = x W^T with W packed once at load time, fused with the work around each projection (RMSNorm before it, the
+// residual add or SwiGLU after it).
+//
+// Why: MindSpore's CPU MatMul packs its weight operand again on every call and splits small-M products poorly:
+// in a decode step at batch 32 its 33 matmuls ran at ~125 GFLOP/s (14 ms of a 24 ms step) and at batch 128 at
+// ~330 GFLOP/s. This kernel reads weights already in the order its inner loop wants them and reaches 310-460
+// GFLOP/s from 32 rows up on the same machine (docs/model.md). The fusions remove ~13 small graph ops per layer.
+//
+// Packed weight: W [N, K] (Hugging Face's [out, in]) is held as [panels * K, 32]: panel p is a K x 32 block whose
+// row k holds the weights of input k for outputs 32p..32p+31 (zeros past N). For SwiGLU the gate and up rows of
+// the same outputs share a panel: panel p holds gate rows 16p..16p+15 then up rows 16p..16p+15
+// (agents/packed_weights.py does the packing).
+//
+// Entry points (float32 inputs; the output's shape gives N or F):
+//   NormLinear(x [M, K], norm_weight [K], eps [1], w) -> [M, N]          y = rmsnorm(x) W^T
+//   NormSwiGlu(x [M, K], norm_weight [K], eps [1], w_gate_up) -> [M, F]  y = silu(g) * u, [g u] = rmsnorm(x) W^T
+//   ResidualLinear(x [M, K], w, residual [M, N]) -> [M, N]               y = residual + x W^T
+// Each returns 0, or an error code that MindSpore raises as a RuntimeError: 1 wrong number of inputs or ranks,
+// 2 a dtype other than float32, 3 inconsistent shapes.
+#include <cmath>
+#include <cstdint>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "common.h"
+
+namespace {
+
+constexpr int64_t kPanel = 32;  // output columns per packed panel (two AVX-512 registers)
+constexpr int kMaxRows = 12;    // rows per tile: 24 accumulator registers of 32
+
+// out[i][j] = sum_k a[i * lda + k] * panel[k * 32 + j] for ``kRows`` rows of a and one packed panel.
+template <int kRows>
+void tile(const float *a, int64_t lda, const float *panel, int64_t k_dim, float (*out)[kPanel]) {
+#if defined(__AVX512F__)
+  __m512 lo[kRows], hi[kRows];
+  for (int i = 0; i < kRows; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(panel + k * kPanel), b1 = _mm512_loadu_ps(panel + k * kPanel + 16);
+    for (int i = 0; i < kRows; ++i) {
+      const __m512 ai = _mm512_set1_ps(a[i * lda + k]);
+      lo[i] = _mm512_fmadd_ps(ai, b0, lo[i]);
+      hi[i] = _mm512_fmadd_ps(ai, b1, hi[i]);
+    }
+  }
+  for (int i = 0; i < kRows; ++i) {
+    _mm512_storeu_ps(out[i], lo[i]);
+    _mm512_storeu_ps(out[i] + 16, hi[i]);
+  }
+#else
+  for (int i = 0; i < kRows; ++i)
+    for (int64_t j = 0; j < kPanel; ++j) out[i][j] = 0.0f;
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const float *bk = panel + k * kPanel;
+    for (int i = 0; i < kRows; ++i) {
+      const float ai = a[i * lda + k];
+#pragma omp simd
+      for (int64_t j = 0; j < kPanel; ++j) out[i][j] += ai * bk[j];
+    }
+  }
+#endif
+}
+
+template <int kRows>
+void tile_upto(int rows, const float *a, int64_t lda, const float *panel, int64_t k_dim, float (*out)[kPanel]) {
+  if constexpr (kRows > 1) {
+    if (rows < kRows) return tile_upto<kRows - 1>(rows, a, lda, panel, k_dim, out);
+  }
+  tile<kRows>(a, lda, panel, k_dim, out);
+}
+
+// Rows handed to one task with the whole of K: at most ~512 KB of x, so that they stay in L2 while the task's panel
+// is applied to them (a prefill of thousands of tokens would otherwise stream x from memory once per panel).
+// The rows are cut into equal chunks, and each chunk into near-equal tiles of at most 12 rows.
+int64_t chunk_count(int64_t m, int64_t k_dim) {
+  const int64_t most = 131072 / k_dim > kMaxRows ? 131072 / k_dim : kMaxRows;
+  return (m + most - 1) / most;
+}
+
+// Runs x [m, k_dim] against every panel of w and hands each tile's result to ``finish(first_row, rows, panel,
+// out)``. Tasks are (row chunk, panel) pairs, chunk-major, so that both threads share a chunk while it is hot.
+template <typename Finish>
+void gemm(const float *x, int64_t m, int64_t k_dim, const float *w, int64_t panels, const Finish &finish) {
+  const int64_t chunks = chunk_count(m, k_dim);
+  run_tasks(chunks * panels, 2, [&](int64_t task) {
+    const int64_t chunk = task / panels, p = task % panels;
+    const int64_t first = m * chunk / chunks, rows = m * (chunk + 1) / chunks - first;
+    const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows;
+    float out[kMaxRows][kPanel];
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t begin = first + rows * t / tiles, end = first + rows * (t + 1) / tiles;
+      tile_upto<kMaxRows>(static_cast<int>(end - begin), x + begin * k_dim, k_dim, w + p * k_dim * kPanel, k_dim,
+                          out);
+      finish(begin, end - begin, p, out);
+    }
+  });
+}
+
+// normed[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, as Hugging Face's LlamaRMSNorm does in float32.
+void rms_norm(const float *x, int64_t m, int64_t k_dim, const float *weight, float eps, float *normed) {
+  run_tasks((m + 15) / 16, 4, [&](int64_t task) {
+    for (int64_t r = task * 16; r < m && r < task * 16 + 16; ++r) {
+      const float *row = x + r * k_dim;
+      float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t k = 0; k < k_dim; ++k) squares += row[k] * row[k];
+      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(k_dim) + eps);
+      float *out = normed + r * k_dim;
+#pragma omp simd
+      for (int64_t k = 0; k < k_dim; ++k) out[k] = (row[k] * inv) * weight[k];
+    }
+  });
+}
+
+bool all_float32(int nparam, const char **dtypes) {
+  for (int i = 0; i < nparam; ++i) {
+    if (!is_dtype(dtypes[i], "float32")) return false;
+  }
+  return true;
+}
+
+// Whether a packed weight of the shape [shape[0], shape[1]] holds ``panels`` panels of ``k_dim`` rows.
+bool packed_shape(const int64_t *shape, int64_t panels, int64_t k_dim) {
+  return shape[1] == kPanel && shape[0] == panels * k_dim;
+}
+
+// The shared checks of NormLinear and NormSwiGlu; fills m, k_dim and n (the output's columns).
+int parse_norm_call(int nparam, int *ndims, int64_t **shapes, const char **dtypes, int64_t &m, int64_t &k_dim,
+                    int64_t &n) {
+  if (nparam != 5 || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 1 || ndims[3] != 2 || ndims[4] != 2) return 1;
+  if (!all_float32(nparam, dtypes)) return 2;
+  m = shapes[0][0];
+  k_dim = shapes[0][1];
+  n = shapes[4][1];
+  if (shapes[1][0] != k_dim || shapes[2][0] != 1 || shapes[4][0] != m) return 3;
+  return 0;
+}
+
+// Thread-local scratch for the normalized rows (the caller's thread owns it for the call; helpers read it).
+float *normed_rows(const float *x, int64_t m, int64_t k_dim, const float *weight, float eps) {
+  thread_local std::vector<float> normed;
+  normed.resize(static_cast<size_t>(m * k_dim));
+  rms_norm(x, m, k_dim, weight, eps, normed.data());
+  return normed.data();
+}
+
+}  // namespace
+
+extern "C" int NormLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                          void *extra) {
+  (void)stream;
+  (void)extra;
+  int64_t m = 0, k_dim = 0, n = 0;
+  if (int rc = parse_norm_call(nparam, ndims, shapes, dtypes, m, k_dim, n)) return rc;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  if (!packed_shape(shapes[3], panels, k_dim)) return 3;
+  const auto *eps = static_cast<const float *>(params[2]);
+  const float *normed = normed_rows(static_cast<const float *>(params[0]), m, k_dim,
+                                    static_cast<const float *>(params[1]), *eps);
+  auto *y = static_cast<float *>(params[4]);
+  gemm(normed, m, k_dim, static_cast<const float *>(params[3]), panels,
+       [&](int64_t first, int64_t rows, int64_t p, const float (*out)[kPanel]) {
+         const int64_t col = p * kPanel, cols = n - col < kPanel ? n - col : kPanel;
+         for (int64_t i = 0; i < rows; ++i) {
+           float *dst = y + (first + i) * n + col;
+#pragma omp simd
+           for (int64_t j = 0; j < cols; ++j) dst[j] = out[i][j];
+         }
+       });
+  return 0;
+}
+
+extern "C" int NormSwiGlu(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                          void *extra) {
+  (void)stream;
+  (void)extra;
+  int64_t m = 0, k_dim = 0, f = 0;
+  if (int rc = parse_norm_call(nparam, ndims, shapes, dtypes, m, k_dim, f)) return rc;
+  constexpr int64_t kHalf = kPanel / 2;
+  const int64_t panels = (f + kHalf - 1) / kHalf;
+  if (!packed_shape(shapes[3], panels, k_dim)) return 3;
+  const auto *eps = static_cast<const float *>(params[2]);
+  const float *normed = normed_rows(static_cast<const float *>(params[0]), m, k_dim,
+                                    static_cast<const float *>(params[1]), *eps);
+  auto *y = static_cast<float *>(params[4]);
+  gemm(normed, m, k_dim, static_cast<const float *>(params[3]), panels,
+       [&](int64_t first, int64_t rows, int64_t p, const float (*out)[kPanel]) {
+         const int64_t col = p * kHalf, cols = f - col < kHalf ? f - col : kHalf;
+         for (int64_t i = 0; i < rows; ++i) {
+           float *dst = y + (first + i) * f + col;
+#pragma omp simd
+           for (int64_t j = 0; j < cols; ++j) {
+             const float gate = out[i][j];
+             dst[j] = gate / (1.0f + exp_approx(-gate)) * out[i][kHalf + j];
+           }
+         }
+       });
+  return 0;
+}
+
+extern "C" int ResidualLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                              void *stream, void *extra) {
+  (void)stream;
+  (void)extra;
+  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || ndims[3] != 2) return 1;
+  if (!all_float32(nparam, dtypes)) return 2;
+  const int64_t m = shapes[0][0], k_dim = shapes[0][1], n = shapes[3][1];
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  if (!packed_shape(shapes[1], panels, k_dim) || shapes[2][0] != m || shapes[2][1] != n || shapes[3][0] != m) return 3;
+  const auto *residual = static_cast<const float *>(params[2]);
+  auto *y = static_cast<float *>(params[3]);
+  gemm(static_cast<const float *>(params[0]), m, k_dim, static_cast<const float *>(params[1]), panels,
+       [&](int64_t first, int64_t rows, int64_t p, const float (*out)[kPanel]) {
+         const int64_t col = p * kPanel, cols = n - col < kPanel ? n - col : kPanel;
+         for (int64_t i = 0; i < rows; ++i) {
+           const int64_t at = (first + i) * n + col;
+#pragma omp simd
+           for (int64_t j = 0; j < cols; ++j) y[at + j] = residual[at + j] + out[i][j];
+         }
+       });
+  return 0;
+}

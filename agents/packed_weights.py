@@ -1,0 +1,68 @@
+"""The panel layout of projection weights for the native linear ops (``agents/kernels/linear.cc``).
+
+Why a layout of our own: the kernel's inner loop reads 32 output columns of one input row at a time, so a weight
+stored in that order is read front to back once per row tile, and nothing is repacked per call (MindSpore's CPU
+MatMul repacks its weight operand on every call). ``W [out, in]`` (Hugging Face's layout) becomes
+``[panels * in, 32]``: panel ``p`` is an ``in x 32`` block holding outputs ``32p..32p+31``, zero past ``out``.
+The SwiGLU weight ``[gate; up]`` puts gate and up rows of the same 16 outputs into one panel, so that the kernel
+can finish ``silu(gate) * up`` without a second pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PANEL = 32
+
+
+def _panels(w: np.ndarray) -> np.ndarray:
+    """``[out, in]`` -> ``[ceil(out / 32) * in, 32]`` (zero columns past ``out``)."""
+    out, inner = w.shape
+    panels = -(-out // PANEL)
+    padded = np.zeros((panels * PANEL, inner), dtype=w.dtype)
+    padded[:out] = w
+    return np.ascontiguousarray(padded.reshape(panels, PANEL, inner).transpose(0, 2, 1).reshape(panels * inner, PANEL))
+
+
+def _unpanels(packed: np.ndarray, out: int) -> np.ndarray:
+    """Inverse of ``_panels`` for a weight with ``out`` rows."""
+    panels = -(-out // PANEL)
+    inner = packed.shape[0] // panels
+    return np.ascontiguousarray(packed.reshape(panels, inner, PANEL).transpose(0, 2, 1).reshape(panels * PANEL,
+                                                                                                 inner)[:out])
+
+
+def _interleave_halves(w: np.ndarray) -> tuple[np.ndarray, int]:
+    """``[gate; up]`` (``2f`` rows) -> rows ordered gate 0..15, up 0..15, gate 16..31, ... (zero rows pad ``f``
+    up to a multiple of 16); returns the rows and ``f``."""
+    f = w.shape[0] // 2
+    half = PANEL // 2
+    groups = -(-f // half)
+    gate = np.zeros((groups * half, w.shape[1]), dtype=w.dtype)
+    up = np.zeros_like(gate)
+    gate[:f], up[:f] = w[:f], w[f:]
+    rows = np.stack([gate.reshape(groups, half, -1), up.reshape(groups, half, -1)], axis=1)
+    return rows.reshape(groups * PANEL, w.shape[1]), f
+
+
+def pack(w: np.ndarray, swiglu: bool = False) -> np.ndarray:
+    """A ``[out, in]`` weight in the kernel's panel layout; ``swiglu`` for the fused ``[gate; up]`` weight."""
+    if swiglu:
+        w = _interleave_halves(w)[0]
+    return _panels(w)
+
+
+def unpack(packed: np.ndarray, out: int, swiglu: bool = False) -> np.ndarray:
+    """The ``[out, in]`` weight back from ``pack(w, swiglu)`` (``out`` = the weight's rows, ``2f`` for SwiGLU)."""
+    if not swiglu:
+        return _unpanels(packed, out)
+    f, half = out // 2, PANEL // 2
+    groups = -(-f // half)
+    rows = _unpanels(packed, groups * PANEL).reshape(groups, 2, half, -1)
+    return np.concatenate([rows[:, 0].reshape(groups * half, -1)[:f], rows[:, 1].reshape(groups * half, -1)[:f]])
+
+
+def packed_shape(out: int, inner: int, swiglu: bool = False) -> tuple[int, int]:
+    """The shape ``pack`` gives a ``[out, in]`` weight."""
+    panels = -(-(out // 2) // (PANEL // 2)) if swiglu else -(-out // PANEL)
+    return panels * inner, PANEL

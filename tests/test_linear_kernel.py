@@ -1,0 +1,90 @@
+"""The native projections (agents/kernels/linear.cc) and their packed weight layout, against numpy in float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mindspore import Tensor
+from mindspore.nn import Cell
+
+from agents import packed_weights
+from agents.native_kernels import native_ops
+
+EPS = 1e-5
+
+
+@pytest.mark.parametrize("out,inner,swiglu", [(40, 37, False), (64, 8, False), (1, 3, False), (40, 37, True),
+                                              (64, 5, True), (2, 9, True)])
+def test_pack_round_trip_and_shape(out, inner, swiglu):
+    w = np.random.default_rng(0).standard_normal((out, inner)).astype(np.float32)
+    packed = packed_weights.pack(w, swiglu)
+    assert packed.shape == packed_weights.packed_shape(out, inner, swiglu)
+    np.testing.assert_array_equal(packed_weights.unpack(packed, out, swiglu), w)
+
+
+def test_swiglu_panels_hold_gate_then_up_rows_of_the_same_outputs():
+    f, inner = 20, 3
+    w = np.arange(2 * f * inner, dtype=np.float32).reshape(2 * f, inner)
+    panels = packed_weights.pack(w, swiglu=True).reshape(2, inner, 32)
+    np.testing.assert_array_equal(panels[1, :, 0], w[16])  # gate row of output 16
+    np.testing.assert_array_equal(panels[1, :, 16], w[f + 16])  # its up row
+    assert not panels[1, :, 4:16].any() and not panels[1, :, 20:].any()  # outputs 20..31 do not exist
+
+
+class _Apply(Cell):
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.op = op
+
+    def construct(self, *inputs):
+        return self.op(*inputs)
+
+
+@pytest.fixture(scope="module")
+def ops_():
+    return native_ops(64)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + EPS) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+# Rows: one, a partial tile, several tiles, and (K = 1100) more rows than one task's chunk holds. Widths not a
+# multiple of the 32-column panel.
+SHAPES = [(1, 37, 40), (5, 64, 72), (13, 37, 8), (130, 1100, 40)]
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_norm_linear(ops_, m, k, n):
+    rng = np.random.default_rng(m)
+    x, norm_w = rng.standard_normal((m, k)).astype(np.float32), rng.uniform(0.5, 1.5, k).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    got = _Apply(ops_.norm_linear(n))(Tensor(x), Tensor(norm_w), Tensor(np.array([EPS], np.float32)),
+                                      Tensor(packed_weights.pack(w)))
+    np.testing.assert_allclose(got.asnumpy(), rms_norm(x, norm_w) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("m,k,f", SHAPES)
+def test_norm_swiglu(ops_, m, k, f):
+    rng = np.random.default_rng(m + 1)
+    x, norm_w = rng.standard_normal((m, k)).astype(np.float32), rng.uniform(0.5, 1.5, k).astype(np.float32)
+    w = (rng.standard_normal((2 * f, k)) / np.sqrt(k)).astype(np.float32)
+    got = _Apply(ops_.norm_swiglu(f))(Tensor(x), Tensor(norm_w), Tensor(np.array([EPS], np.float32)),
+                                      Tensor(packed_weights.pack(w, swiglu=True)))
+    gate_up = rms_norm(x, norm_w) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(got.asnumpy(), silu(gate_up[:, :f]) * gate_up[:, f:], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_residual_linear(ops_, m, k, n):
+    rng = np.random.default_rng(m + 2)
+    x, residual = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((m, n)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    got = _Apply(ops_.residual_linear())(Tensor(x), Tensor(packed_weights.pack(w)), Tensor(residual))
+    expected = residual + x.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(got.asnumpy(), expected, rtol=1e-4, atol=1e-3)
