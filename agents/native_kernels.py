@@ -107,6 +107,10 @@ class NativeOps:
     greedy: ops.Custom
     linear_library: Path
 
+    def linear(self, out_dim: int) -> ops.Custom:
+        """``(x, packed w) -> x @ W^T`` of width ``out_dim`` (the benchmarks' reference matmul)."""
+        return _custom(self.linear_library, "Linear", lambda x, *_: [x[0], out_dim], _same)
+
     def norm_linear(self, out_dim: int) -> ops.Custom:
         """``(x, norm_weight, eps [1], packed w) -> rmsnorm(x) @ W^T`` of width ``out_dim``."""
         return _custom(self.linear_library, "NormLinear", lambda x, *_: [x[0], out_dim], _same)

@@ -1,13 +1,14 @@
-"""Model-runner speed on the Llama-2-shaped bench model, next to a plain MindSpore matmul of the same size.
+"""Model-runner speed on the Llama-2-shaped bench model, next to plain matmuls of the same size.
 
-    python scripts/bench_model.py [--repeats 10] [--decode-context 256] [--attention native portable]
+    python scripts/bench_model.py [--repeats 10] [--decode-context 256] [--kernels native portable]
 
-For each attention implementation (``RunnerConfig.kernels``; native C++ ops and portable graph ops by
-default, side by side in one run) prints a markdown table: ms per prefill call (batch 1/4/8 x 128 tokens) and per
-decode step (batch 1/32/128 at the given context), the model GFLOP/s each achieves, and the GFLOP/s of one
-MindSpore matmul ``[tokens, hidden] x [hidden, N]`` with the same FLOPs, timed alternately with it (so that the
-machine's drift moves both). Also the compile
-(warm-up) time of every graph shape, and decode step times with sampling (first implementation only).
+For each kernel choice (``RunnerConfig.kernels``: native C++ ops for projections, attention and the greedy pick,
+or portable graph ops; both by default, side by side in one run) prints a markdown table: ms per prefill call
+(batch 1/4/8 x 128 tokens) and per decode step (batch 1/32/128 at the given context), the model GFLOP/s each
+achieves, and the GFLOP/s of one matmul ``[tokens, hidden] x [hidden, N]`` with the same FLOPs, done by
+MindSpore's MatMul and by our native GEMM (``agents/kernels/linear.cc``), timed in turn with the step (so that
+the machine's drift moves all of them). Also the compile (warm-up) time of every graph shape, and decode step
+times with sampling (first choice only).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
+from agents import packed_weights
 from agents.model import LlamaStep, greedy_pick
 from agents.model_config import LlamaConfig
+from agents.native_kernels import KernelBuildError, NativeOps, native_ops
 from agents.random_model import random_hf_weights
 from agents.runner import ModelRunner, RunnerConfig
 from agents.weights import fuse_hf_tensors
@@ -38,13 +41,15 @@ BENCH_MODEL = LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=14
 BLOCK = 16
 
 
-class MatMul(nn.Cell):
-    def __init__(self) -> None:
-        super().__init__()
-        self.matmul = ops.MatMul()
+class Apply(nn.Cell):
+    """A graph of one op."""
 
-    def construct(self, a: Tensor, b: Tensor) -> Tensor:
-        return self.matmul(a, b)
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.op = op
+
+    def construct(self, *inputs: Tensor) -> Tensor:
+        return self.op(*inputs)
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -57,29 +62,32 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def reference_matmul(tokens: int, flops: float):
-    """One plain ``[tokens, hidden] x [hidden, n]`` matmul doing ``flops`` work: (call, its FLOPs)."""
+def reference_matmul(tokens: int, flops: float, native: NativeOps | None = None):
+    """One plain ``[tokens, hidden] x [hidden, n]`` matmul doing ``flops`` work: (call, its FLOPs). MindSpore's
+    MatMul, or with ``native`` our own packed-weight kernel (``agents/kernels/linear.cc``) on the same shape."""
     h = BENCH_MODEL.hidden_size
     n = max(1, round(flops / (2 * tokens * h)))
     rng = np.random.default_rng(0)
     a = Tensor(rng.standard_normal((tokens, h), dtype=np.float32))
-    b = Tensor(rng.standard_normal((h, n), dtype=np.float32))
-    cell = MatMul()
+    if native is None:
+        cell, b = Apply(ops.MatMul()), Tensor(rng.standard_normal((h, n), dtype=np.float32))
+    else:
+        cell, b = Apply(native.linear(n)), Tensor(packed_weights.pack(rng.standard_normal((n, h), dtype=np.float32)))
     return (lambda: cell(a, b).asnumpy()), 2 * tokens * h * n
 
 
-def paired_ms(model_call, reference_call, repeats: int) -> tuple[float, float]:
-    """Median ms of the model call and of the reference matmul, timed alternately so that the machine's drift
-    (large on shared VMs) moves both and their ratio stays meaningful."""
-    model_call()
-    reference_call()
-    model_times, reference_times = [], []
+def alternating_ms(calls, repeats: int) -> list[float]:
+    """Median ms of each call, the calls timed in turn, so that the machine's drift (large on shared VMs) moves
+    all of them and their ratios stay meaningful."""
+    for call in calls:
+        call()
+    times: list[list[float]] = [[] for _ in calls]
     for _ in range(repeats):
-        for call, times in ((model_call, model_times), (reference_call, reference_times)):
+        for call, record in zip(calls, times):
             t0 = time.perf_counter()
             call()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(model_times), statistics.median(reference_times)
+            record.append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(record) for record in times]
 
 
 def prefill_batch(batch: int, seq: int) -> StepBatch:
@@ -104,29 +112,29 @@ def main() -> None:
     parser.add_argument("--decode-context", type=int, default=256)
     parser.add_argument("--prefill-batches", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 32, 128])
-    parser.add_argument("--attention", nargs="+", default=["native", "portable"],
-                        choices=["auto", "native", "portable"], help="attention implementations to measure")
+    parser.add_argument("--kernels", nargs="+", default=["native", "portable"],
+                        choices=["auto", "native", "portable"], help="kernel choices to measure")
     args = parser.parse_args()
     weights = fuse_hf_tensors(random_hf_weights(BENCH_MODEL, seed=0, std=0.05), BENCH_MODEL)
-    for i, attention in enumerate(args.attention):
-        runner = measure(args, weights, attention)
+    for i, kernels in enumerate(args.kernels):
+        runner = measure(args, weights, kernels)
         if i == 0:
             print_sampling(runner, decode_batch(max(args.decode_batches), args.decode_context), args.repeats)
         print()
 
 
-def measure(args: argparse.Namespace, weights: dict[str, np.ndarray], attention: str) -> ModelRunner:
-    """Warm a runner with this attention implementation up and print its table."""
+def measure(args: argparse.Namespace, weights: dict[str, np.ndarray], kernels: str) -> ModelRunner:
+    """Warm a runner with this kernel choice up and print its table."""
     cfg, seq, ctx = BENCH_MODEL, 128, args.decode_context
     width = -(-ctx // BLOCK)
     rc = RunnerConfig(num_blocks=max(args.decode_batches) * width + 1, block_size=BLOCK, max_model_len=max(512, ctx),
                       prefill_batch_sizes=tuple(args.prefill_batches), prefill_seq_lengths=(seq,),
                       decode_batch_sizes=tuple(args.decode_batches), decode_block_widths=(width,),
-                      kernels=attention)
+                      kernels=kernels)
     runner = ModelRunner(cfg, weights, rc)
     t0 = time.perf_counter()
     compile_times = runner.warmup()
-    print(f"### attention: {runner.kernels}\n\nwarm-up: {len(compile_times)} graphs in "
+    print(f"### kernels: {runner.kernels}\n\nwarm-up: {len(compile_times)} graphs in "
           f"{time.perf_counter() - t0:.1f} s ({min(compile_times.values()):.2f}-{max(compile_times.values()):.2f} s "
           "each)\n")
 
@@ -136,13 +144,21 @@ def measure(args: argparse.Namespace, weights: dict[str, np.ndarray], attention:
         calls.append((f"prefill {b}x{seq}", b * seq, flops, prefill_batch(b, seq)))
     for b in args.decode_batches:
         calls.append((f"decode B={b} ctx={ctx}", b, b * cfg.flops_per_token(ctx), decode_batch(b, ctx)))
-    print("| call | ms | model GFLOP/s | same-size matmul GFLOP/s | ratio |")
-    print("|---|---|---|---|---|")
+    try:
+        native = native_ops(cfg.hidden_size)
+    except KernelBuildError:
+        native = None
+    print("| call | ms | model GFLOP/s | same-size MindSpore matmul GFLOP/s | ratio | same-size native GEMM "
+          "GFLOP/s | ratio |")
+    print("|---|---|---|---|---|---|---|")
     for name, tokens, flops, batch in calls:
-        reference_call, reference_flops = reference_matmul(tokens, flops)
-        ms_, reference_ms = paired_ms(lambda batch=batch: runner.step(batch), reference_call, args.repeats)
-        model_rate, reference_rate = flops / ms_ / 1e6, reference_flops / reference_ms / 1e6
-        print(f"| {name} | {ms_:.1f} | {model_rate:.1f} | {reference_rate:.1f} | {model_rate / reference_rate:.0%} |")
+        references = [reference_matmul(tokens, flops)] + ([reference_matmul(tokens, flops, native)] if native else [])
+        times = alternating_ms([lambda batch=batch: runner.step(batch)] + [call for call, _ in references],
+                               args.repeats)
+        model_rate = flops / times[0] / 1e6
+        cells = [f"{done / ms_ / 1e6:.1f} | {model_rate / (done / ms_ / 1e6):.0%}"
+                 for (_, done), ms_ in zip(references, times[1:])]
+        print(f"| {name} | {times[0]:.1f} | {model_rate:.1f} | {' | '.join(cells)} |{'' if native else ' | |'}")
     print()
     return runner
 

@@ -11,8 +11,8 @@ and one alpaca-shaped workload (llm_serving.workload), it measures:
 Servers are started as ``python -m llm_serving serve`` subprocesses and get every request at once on the
 contest's streaming endpoint. Every request must succeed and its greedy text must equal the HF text (the run
 fails otherwise). The compute-roofline lower bound is the model FLOPs of all prefill and decode tokens divided
-by the best rate of a plain MindSpore matmul measured in the same run, before and after the runs (in a
-subprocess, so torch and MindSpore never share a process). Prints a markdown table; ``--write-doc`` also writes it with the command.
+by the best matmul rate measured in the same run, before and after the runs, of a plain MindSpore matmul and of
+our own packed-weight GEMM on the same sizes (in a subprocess, so torch and MindSpore never share a process). Prints a markdown table; ``--write-doc`` also writes it with the command.
 """
 
 from __future__ import annotations
@@ -225,27 +225,36 @@ def _child(mode: str, work: Path) -> str:
     return out.stdout
 
 
-def matmul_rate(work: Path) -> float:
-    """GFLOP/s of the best plain MindSpore matmul of the model's sizes, in a child process."""
-    return float(_child("--matmul-rate", work).strip().splitlines()[-1])
+def matmul_rates(work: Path) -> tuple[float, float]:
+    """GFLOP/s of the best plain MindSpore matmul and of our native GEMM on the model's sizes (0 when the native
+    kernels cannot be built), in a child process."""
+    mindspore_rate, native_rate = _child("--matmul-rate", work).strip().splitlines()[-1].split()
+    return float(mindspore_rate), float(native_rate)
 
 
 def _matmul_rate_main() -> None:
     """Child process: print the best GFLOP/s of plain MindSpore matmuls of the model's sizes (graph mode, as the
-    served model runs)."""
+    served model runs) and of our packed-weight GEMM (``agents/kernels/linear.cc``) on the same sizes."""
     from bench_model import BENCH_MODEL, median_ms, reference_matmul
 
     from agents.device import setup_device
+    from agents.native_kernels import KernelBuildError, native_ops
 
     setup_device("CPU")
-
+    try:
+        native = native_ops(BENCH_MODEL.hidden_size)
+    except KernelBuildError:
+        native = None
     h = BENCH_MODEL.hidden_size
     shapes = [(128, 2 * 128 * h * 4096), (512, 2 * 512 * h * 4096), (128, 2 * 128 * h * BENCH_MODEL.vocab_size)]
-    rates = []
+    rates: dict[str, list[float]] = {"mindspore": [], "native": [0.0]}
     for tokens, flops in shapes:
-        call, done = reference_matmul(tokens, flops)
-        rates.append(done / median_ms(call, 10) / 1e6)
-    print(max(rates))
+        for kind, ops_ in (("mindspore", None), ("native", native)):
+            if kind == "native" and native is None:
+                continue
+            call, done = reference_matmul(tokens, flops, ops_)
+            rates[kind].append(done / median_ms(call, 10) / 1e6)
+    print(max(rates["mindspore"]), max(rates["native"]))
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -288,8 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         _matmul_rate_main()
         return 0
     _child("--prepare", work)
-    rates = [matmul_rate(work)]
-    print(f"[benchmark] model in {work / 'model'}; matmul rate {rates[0]:.1f} GFLOP/s", flush=True)
+    rates = [matmul_rates(work)]
+    print(f"[benchmark] model in {work / 'model'}; matmul rates (MindSpore, native) {rates[0]} GFLOP/s", flush=True)
     model_dir = work / "model"
     config = LlamaConfig.from_model_dir(model_dir)
     reqs = make_requests(args, model_dir)
@@ -313,16 +322,18 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_server(name, f"run{i}", cfg_path, reqs, expected, args, work))
     # Measured again at the end: a shared machine slows down for minutes at a time, and a rate taken in a slow
     # minute would make the lower bound too easy. The best of the two is the bound's rate.
-    rates.append(matmul_rate(work))
-    rate = max(rates)
+    rates.append(matmul_rates(work))
+    rate = max(max(pair) for pair in rates)
     roofline_s = flops / (rate * 1e9)
-    print(f"[benchmark] matmul rate at the end {rates[-1]:.1f} GFLOP/s; the roofline uses {rate:.1f}", flush=True)
+    print(f"[benchmark] matmul rates at the end {rates[-1]} GFLOP/s; the roofline uses {rate:.1f}", flush=True)
 
+    measured = "; ".join(f"{kind} {', '.join(f'{pair[i]:.0f}' for pair in rates)}"
+                         for i, kind in enumerate(("MindSpore MatMul", "our native GEMM")))
     summary = (f"Workload: {len(reqs)} requests (llm_serving.workload seed {args.seed}), {n_in} prompt tokens, "
                f"outputs capped at {max_out} tokens, {hf_row.output_tokens} output tokens generated (greedy, "
-               f"EOS stops). Roofline: {flops / 1e9:.1f} GFLOP of model matmuls / {rate:.1f} GFLOP/s (best plain "
-               f"MindSpore matmul, the better of its measurements before and after the runs: "
-               f"{', '.join(f'{r:.0f}' for r in rates)}). Machine: {os.cpu_count()} CPU cores, {platform.processor() or '?'}, "
+               f"EOS stops). Roofline: {flops / 1e9:.1f} GFLOP of model matmuls / {rate:.1f} GFLOP/s, the best "
+               f"matmul rate measured on the model's sizes before and after the runs ({measured} GFLOP/s). "
+               f"Machine: {os.cpu_count()} CPU cores, {platform.processor() or '?'}, "
                f"Python {platform.python_version()}.")
     tbl = table(rows, hf_row, roofline_s)
     print("\n" + summary + "\n\n" + tbl, flush=True)

@@ -60,6 +60,14 @@ SHAPES = [(1, 37, 40), (5, 64, 72), (13, 37, 8), (130, 1100, 40)]
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
+def test_linear(ops_, m, k, n):
+    rng = np.random.default_rng(m + 3)
+    x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32)
+    got = _Apply(ops_.linear(n))(Tensor(x), Tensor(packed_weights.pack(w)))
+    np.testing.assert_allclose(got.asnumpy(), x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
 def test_norm_linear(ops_, m, k, n):
     rng = np.random.default_rng(m)
     x, norm_w = rng.standard_normal((m, k)).astype(np.float32), rng.uniform(0.5, 1.5, k).astype(np.float32)

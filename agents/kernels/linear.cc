@@ -13,6 +13,7 @@
 // (agents/packed_weights.py does the packing).
 //
 // Entry points (float32 inputs; the output's shape gives N or F):
+//   Linear(x [M, K], w) -> [M, N]                                        y = x W^T (benchmarks' reference)
 //   NormLinear(x [M, K], norm_weight [K], eps [1], w) -> [M, N]          y = rmsnorm(x) W^T
 //   NormSwiGlu(x [M, K], norm_weight [K], eps [1], w_gate_up) -> [M, F]  y = silu(g) * u, [g u] = rmsnorm(x) W^T
 //   ResidualLinear(x [M, K], w, residual [M, N]) -> [M, N]               y = residual + x W^T
@@ -147,7 +148,34 @@ float *normed_rows(const float *x, int64_t m, int64_t k_dim, const float *weight
   return normed.data();
 }
 
+// y [m, n] = x W^T.
+void store_rows(const float *x, int64_t m, int64_t k_dim, const float *w, int64_t n, float *y) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  gemm(x, m, k_dim, w, panels, [&](int64_t first, int64_t rows, int64_t p, const float (*out)[kPanel]) {
+    const int64_t col = p * kPanel, cols = n - col < kPanel ? n - col : kPanel;
+    for (int64_t i = 0; i < rows; ++i) {
+      float *dst = y + (first + i) * n + col;
+#pragma omp simd
+      for (int64_t j = 0; j < cols; ++j) dst[j] = out[i][j];
+    }
+  });
+}
+
 }  // namespace
+
+extern "C" int Linear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                      void *extra) {
+  (void)stream;
+  (void)extra;
+  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2) return 1;
+  if (!all_float32(nparam, dtypes)) return 2;
+  const int64_t m = shapes[0][0], k_dim = shapes[0][1], n = shapes[2][1];
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  if (!packed_shape(shapes[1], panels, k_dim) || shapes[2][0] != m) return 3;
+  store_rows(static_cast<const float *>(params[0]), m, k_dim, static_cast<const float *>(params[1]), n,
+             static_cast<float *>(params[2]));
+  return 0;
+}
 
 extern "C" int NormLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
                           void *extra) {
@@ -160,16 +188,7 @@ extern "C" int NormLinear(int nparam, void **params, int *ndims, int64_t **shape
   const auto *eps = static_cast<const float *>(params[2]);
   const float *normed = normed_rows(static_cast<const float *>(params[0]), m, k_dim,
                                     static_cast<const float *>(params[1]), *eps);
-  auto *y = static_cast<float *>(params[4]);
-  gemm(normed, m, k_dim, static_cast<const float *>(params[3]), panels,
-       [&](int64_t first, int64_t rows, int64_t p, const float (*out)[kPanel]) {
-         const int64_t col = p * kPanel, cols = n - col < kPanel ? n - col : kPanel;
-         for (int64_t i = 0; i < rows; ++i) {
-           float *dst = y + (first + i) * n + col;
-#pragma omp simd
-           for (int64_t j = 0; j < cols; ++j) dst[j] = out[i][j];
-         }
-       });
+  store_rows(normed, m, k_dim, static_cast<const float *>(params[3]), n, static_cast<float *>(params[4]));
   return 0;
 }
 
