@@ -11,6 +11,10 @@ Layout choices (measured on CPU, see docs/model.md and shared notes):
   batched matmuls; any device and dtype) and, on CPU with float32, native C++ ops (``agents.native_kernels``),
   one per layer and step, that rope, write the cache in place and attend without copying the context. With the
   native ops, prefill takes the prompts packed back to back (token-flat, no per-prompt padding).
+- Where the native projections are vectorized (AVX-512 builds), the rest of the layer is native too: RMSNorm +
+  QKV, output projection + residual, RMSNorm + gate/up + SwiGLU, down projection + residual, and the final norm +
+  lm_head, with weights packed once at load (``agents.packed_weights``). MindSpore's CPU MatMul repacked its
+  weight on every call and ran small-batch decode at a third of the machine's matmul rate (docs/model.md).
 - The graph ends in a greedy argmax and the chosen token's log-probability, so an all-greedy step reads only
   ``2 x batch`` numbers back. The logits are a third output, read only for sampled batches and logits checks.
 """
@@ -96,12 +100,12 @@ class LlamaLayer(nn.Cell):
         self.scale = 1.0 / float(np.sqrt(self.head_dim))
         self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        packed = self.native
+        packed = self.native_projections = native is not None and native.projections
         self.w_qkv = Linear(config.hidden_size, config.qkv_dim, dtype, packed)
         self.wo = Linear(config.hidden_size, config.hidden_size, dtype, packed)
         self.w_gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, dtype, packed, swiglu=True)
         self.w_down = Linear(config.intermediate_size, config.hidden_size, dtype, packed)
-        if native:
+        if packed:
             self.eps = Tensor(np.array([config.rms_norm_eps], np.float32))
             self.qkv_kernel = native.norm_linear(config.qkv_dim)
             self.gate_up_kernel = native.norm_swiglu(config.intermediate_size)
@@ -182,32 +186,37 @@ class LlamaLayer(nn.Cell):
         """The layer as five native ops: norm + QKV, attention, output projection + residual, norm + gate/up +
         SwiGLU, down projection + residual."""
         qkv = self.qkv_kernel(x, self.attention_norm.weight, self.eps, self.w_qkv.weight)
-        if is_prefill:
-            attn = self.prefill_kernel(qkv, cos, sin, slot_mapping, lens, *self.key_cache, *self.value_cache)
-        else:
-            attn = self.decode_kernel(qkv, cos, sin, slot_mapping, block_tables, lens, self.block_offsets,
-                                      *self.key_cache, *self.value_cache)
+        attn = self.attention(qkv, cos, sin, slot_mapping, lens, block_tables, is_prefill)
         x = self.residual_kernel(attn, self.wo.weight, x)
         act = self.gate_up_kernel(x, self.ffn_norm.weight, self.eps, self.w_gate_up.weight)
         return self.residual_kernel(act, self.w_down.weight, x)
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
                   block_tables: Tensor, is_prefill: bool) -> Tensor:
-        if self.native:
+        if self.native_projections:
             return self.native_construct(x, cos, sin, slot_mapping, lens, block_tables, is_prefill)
         qkv = self.w_qkv(self.attention_norm(x))
+        attn = self.attention(qkv, cos, sin, slot_mapping, lens, block_tables, is_prefill)
+        x = x + self.wo(attn)
+        gate_up = self.w_gate_up(self.ffn_norm(x))
+        act = ops.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn:]
+        return x + self.w_down(act)
+
+    def attention(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
+                  block_tables: Tensor, is_prefill: bool) -> Tensor:
+        """Rope, cache write and attention: one native op, or graph ops (any device and dtype)."""
+        if self.native and is_prefill:
+            return self.prefill_kernel(qkv, cos, sin, slot_mapping, lens, *self.key_cache, *self.value_cache)
+        if self.native:
+            return self.decode_kernel(qkv, cos, sin, slot_mapping, block_tables, lens, self.block_offsets,
+                                      *self.key_cache, *self.value_cache)
         q = self.rope(qkv[:, : self.hidden], cos, sin, self.n_heads)
         k = self.rope(qkv[:, self.hidden: self.hidden + self.kv_dim], cos, sin, self.n_kv)
         v = qkv[:, self.hidden + self.kv_dim:]
         written = self.write_cache(k, v, slot_mapping)
         if is_prefill:
-            attn = ops.depend(self.prefill_attention(q, k, v, lens, lens.shape[0]), written)
-        else:
-            attn = self.decode_attention(q, written, block_tables, lens)
-        x = x + self.wo(attn)
-        gate_up = self.w_gate_up(self.ffn_norm(x))
-        act = ops.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn:]
-        return x + self.w_down(act)
+            return ops.depend(self.prefill_attention(q, k, v, lens, lens.shape[0]), written)
+        return self.decode_attention(q, written, block_tables, lens)
 
 
 class LlamaModel(nn.Cell):
@@ -224,8 +233,9 @@ class LlamaModel(nn.Cell):
                                    for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.native_greedy = native.greedy if native else None
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype, packed=native is not None)
-        self.native_lm_head = native.norm_linear(config.vocab_size) if native else None
+        projections = native is not None and native.projections
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype, packed=projections)
+        self.native_lm_head = native.norm_linear(config.vocab_size) if projections else None
         self.eps = Tensor(np.array([config.rms_norm_eps], np.float32))
         cos, sin = rotary_tables(config, max_positions)
         self.cos = Tensor(cos, dtype)

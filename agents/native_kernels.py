@@ -10,6 +10,7 @@ model and flags, since the code is compiled for the machine's own instruction se
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -99,13 +100,14 @@ class NativeOps:
     *key_caches, *value_caches)`` (prompts packed back to back) return ``[tokens, hidden_size]`` and write the
     step's K/V into the caches in place. ``greedy(logits) -> (token ids, log-probabilities)``
     (``greedy_pick.cc``). The projections (``linear.cc``, weights packed by ``agents.packed_weights``) are made
-    per output width by the methods below.
+    per output width by the methods below; the model uses them where ``projections`` is true.
     """
 
     decode: ops.Custom
     prefill: ops.Custom
     greedy: ops.Custom
     linear_library: Path
+    projections: bool  # the projections' kernel is vectorized (AVX-512); else the model keeps MindSpore's MatMul
 
     def linear(self, out_dim: int) -> ops.Custom:
         """``(x, packed w) -> x @ W^T`` of width ``out_dim`` (the benchmarks' reference matmul)."""
@@ -126,7 +128,7 @@ class NativeOps:
 
 def native_ops(hidden_size: int) -> NativeOps:
     """Build (or reuse) the kernel libraries and wrap their entry points as Custom ops."""
-    attention, greedy = build("paged_attention"), build("greedy_pick")
+    attention, greedy, linear = build("paged_attention"), build("greedy_pick"), build("linear")
 
     def rows_by_hidden(qkv, *_):
         return [qkv[0], hidden_size]
@@ -136,5 +138,6 @@ def native_ops(hidden_size: int) -> NativeOps:
         prefill=_custom(attention, "PackedPrefillAttention", rows_by_hidden, _same),
         greedy=_custom(greedy, "GreedyPick", lambda logits: ([logits[0]], [logits[0]]),
                        lambda logits: (mstype.int32, mstype.float32)),
-        linear_library=build("linear"),
+        linear_library=linear,
+        projections=bool(ctypes.CDLL(str(linear)).LinearIsVectorized()),
     )

@@ -7,7 +7,8 @@ import pytest
 from mindspore import Tensor
 from mindspore.nn import Cell
 
-from agents import packed_weights
+from agents import native_kernels, packed_weights
+from agents.device import setup_device
 from agents.native_kernels import native_ops
 
 EPS = 1e-5
@@ -40,9 +41,18 @@ class _Apply(Cell):
         return self.op(*inputs)
 
 
-@pytest.fixture(scope="module")
-def ops_():
-    return native_ops(64)
+@pytest.fixture(scope="module", params=["default", "generic"])
+def ops_(request, tmp_path_factory):
+    """The kernels as built for this machine, and built without AVX-512 (the plain loops other CPUs run)."""
+    setup_device("CPU")  # graph mode, as the model runs them (and before any kernel runs in this process)
+    if request.param == "default":
+        return native_ops(64)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native_kernels, "CXX_FLAGS", native_kernels.CXX_FLAGS + ("-mno-avx512f",))
+        patch.setenv("LLM_SERVING_KERNEL_DIR", str(tmp_path_factory.mktemp("generic-kernels")))
+        ops = native_ops(64)
+    assert not ops.projections  # the model keeps MindSpore's MatMul with these
+    return ops
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
