@@ -57,7 +57,7 @@ class RunnerConfig:
     dtype: str = "float32"
     device_target: str = "CPU"
     device_id: int = 0
-    kernels: str = "auto"  # attention and greedy pick: native C++ (CPU float32), portable graph ops, or auto
+    kernels: str = "auto"  # native C++ ops (CPU float32: attention, greedy, projections), portable, or auto
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -66,7 +66,7 @@ class ModelSection:
     prefill_batch_size: tuple[int, ...] = _f((1, 4), "buckets")
     decode_batch_size: tuple[int, ...] = _f((1, 8, 32), "buckets")
     page_attention: bool = _f(True, "bool")
-    kernels: str = _f("auto", "str")  # attention and greedy pick: auto, native (C++ on CPU) or portable
+    kernels: str = _f("auto", "str")  # native C++ ops on CPU (attention, greedy, projections), portable or auto
     backend: str = _f("ms", "str")
     model_cfg_path: str | None = _f(None, "path", optional=True)
 
