@@ -55,7 +55,8 @@ class RMSNorm(nn.Cell):
 
 class Linear(nn.Cell):
     """``y = x @ W^T`` with ``W`` kept in Hugging Face's ``[out, in]`` layout, or, for the native ops, in their
-    panel layout (``packed``; ``swiglu`` for the fused ``[gate; up]`` weight, see ``agents.packed_weights``)."""
+    panel layout (``packed``; ``swiglu`` for the fused ``[gate; up]`` weight, see ``agents.packed_weights``). A packed
+    weight is read by the native ops only: ``construct`` (MindSpore's MatMul) is for the unpacked layout."""
 
     def __init__(self, in_dim: int, out_dim: int, dtype: ms.Type, packed: bool = False, swiglu: bool = False) -> None:
         super().__init__()

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mindspore import Tensor
-from mindspore.nn import Cell
 
 from agents import native_kernels, packed_weights
 from agents.device import setup_device
 from agents.native_kernels import native_ops
+from tests.op_cell import OpCell
 
 EPS = 1e-5
 
@@ -30,15 +30,6 @@ def test_swiglu_panels_hold_gate_then_up_rows_of_the_same_outputs():
     np.testing.assert_array_equal(panels[1, :, 0], w[16])  # gate row of output 16
     np.testing.assert_array_equal(panels[1, :, 16], w[f + 16])  # its up row
     assert not panels[1, :, 4:16].any() and not panels[1, :, 20:].any()  # outputs 20..31 do not exist
-
-
-class _Apply(Cell):
-    def __init__(self, op) -> None:
-        super().__init__()
-        self.op = op
-
-    def construct(self, *inputs):
-        return self.op(*inputs)
 
 
 @pytest.fixture(scope="module", params=["default", "generic"])
@@ -73,7 +64,7 @@ SHAPES = [(1, 37, 40), (5, 64, 72), (13, 37, 8), (130, 1100, 40)]
 def test_linear(ops_, m, k, n):
     rng = np.random.default_rng(m + 3)
     x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32)
-    got = _Apply(ops_.linear(n))(Tensor(x), Tensor(packed_weights.pack(w)))
+    got = OpCell(ops_.linear(n))(Tensor(x), Tensor(packed_weights.pack(w)))
     np.testing.assert_allclose(got.asnumpy(), x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-3)
 
 
@@ -82,7 +73,7 @@ def test_norm_linear(ops_, m, k, n):
     rng = np.random.default_rng(m)
     x, norm_w = rng.standard_normal((m, k)).astype(np.float32), rng.uniform(0.5, 1.5, k).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)
-    got = _Apply(ops_.norm_linear(n))(Tensor(x), Tensor(norm_w), Tensor(np.array([EPS], np.float32)),
+    got = OpCell(ops_.norm_linear(n))(Tensor(x), Tensor(norm_w), Tensor(np.array([EPS], np.float32)),
                                       Tensor(packed_weights.pack(w)))
     np.testing.assert_allclose(got.asnumpy(), rms_norm(x, norm_w) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-4)
 
@@ -92,7 +83,7 @@ def test_norm_swiglu(ops_, m, k, f):
     rng = np.random.default_rng(m + 1)
     x, norm_w = rng.standard_normal((m, k)).astype(np.float32), rng.uniform(0.5, 1.5, k).astype(np.float32)
     w = (rng.standard_normal((2 * f, k)) / np.sqrt(k)).astype(np.float32)
-    got = _Apply(ops_.norm_swiglu(f))(Tensor(x), Tensor(norm_w), Tensor(np.array([EPS], np.float32)),
+    got = OpCell(ops_.norm_swiglu(f))(Tensor(x), Tensor(norm_w), Tensor(np.array([EPS], np.float32)),
                                       Tensor(packed_weights.pack(w, swiglu=True)))
     gate_up = rms_norm(x, norm_w) @ w.T.astype(np.float64)
     np.testing.assert_allclose(got.asnumpy(), silu(gate_up[:, :f]) * gate_up[:, f:], rtol=1e-4, atol=1e-5)
@@ -103,6 +94,6 @@ def test_residual_linear(ops_, m, k, n):
     rng = np.random.default_rng(m + 2)
     x, residual = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((m, n)).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)
-    got = _Apply(ops_.residual_linear())(Tensor(x), Tensor(packed_weights.pack(w)), Tensor(residual))
+    got = OpCell(ops_.residual_linear())(Tensor(x), Tensor(packed_weights.pack(w)), Tensor(residual))
     expected = residual + x.astype(np.float64) @ w.T.astype(np.float64)
     np.testing.assert_allclose(got.asnumpy(), expected, rtol=1e-4, atol=1e-3)

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mindspore import Tensor
-from mindspore.nn import Cell
 
 from agents import native_kernels
 from agents.model_config import LlamaConfig
@@ -21,6 +20,7 @@ from agents.runner import ModelRunner, RunnerConfig, native_ops_for
 from agents.weights import load_weights
 from llm_serving.batch import StepBatch
 from tests.hf_reference import hf_greedy, load_hf
+from tests.op_cell import OpCell
 from tests.paged_driver import PagedDriver
 
 RC = RunnerConfig(num_blocks=200, block_size=8, max_model_len=96, prefill_batch_sizes=(8,),
@@ -212,15 +212,6 @@ def test_packed_prefill_padding_writes_nothing(native_runner):
         assert set(changed.tolist()) <= set(slots.tolist()) and len(changed) > 0
 
 
-class _Apply(Cell):
-    def __init__(self, op) -> None:
-        super().__init__()
-        self.op = op
-
-    def construct(self, *inputs):
-        return self.op(*inputs)
-
-
 @pytest.fixture(scope="module")
 def ops_():
     return native_ops(64)
@@ -228,7 +219,7 @@ def ops_():
 
 def test_greedy_pick_takes_the_first_maximum_and_its_log_softmax(ops_):
     logits = np.array([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 0.0, 3.0 - 1e-6]], np.float32)
-    ids, logprobs = _Apply(ops_.greedy)(Tensor(logits))
+    ids, logprobs = OpCell(ops_.greedy)(Tensor(logits))
     assert ids.asnumpy().tolist() == [1, 0]  # ties go to the lowest id, as argmax in HF and MindSpore
     expected = logits.max(-1) - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) - logits.max(-1)
     np.testing.assert_allclose(logprobs.asnumpy(), expected, rtol=1e-6, atol=1e-6)

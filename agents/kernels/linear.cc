@@ -140,24 +140,34 @@ bool packed_shape(const int64_t *shape, int64_t panels, int64_t k_dim) {
   return shape[1] == kPanel && shape[0] == panels * k_dim;
 }
 
-// The shared checks of NormLinear and NormSwiGlu; fills m, k_dim and n (the output's columns).
-int parse_norm_call(int nparam, int *ndims, int64_t **shapes, const char **dtypes, int64_t &m, int64_t &k_dim,
-                    int64_t &n) {
+// What NormLinear and NormSwiGlu share: their inputs checked, and x normalized.
+struct NormCall {
+  int64_t m = 0, k_dim = 0, n = 0, panels = 0;  // n: the output's columns
+  const float *normed = nullptr, *w = nullptr;
+  float *y = nullptr;
+};
+
+// Checks the inputs (``per_panel`` output columns per packed panel: 32, or 16 for SwiGLU) and normalizes x into
+// thread-local scratch (the caller's thread owns it for the call; helpers read it).
+int norm_call(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, int64_t per_panel,
+              NormCall &call) {
   if (nparam != 5 || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 1 || ndims[3] != 2 || ndims[4] != 2) return 1;
   if (!all_float32(nparam, dtypes)) return 2;
-  m = shapes[0][0];
-  k_dim = shapes[0][1];
-  n = shapes[4][1];
-  if (shapes[1][0] != k_dim || shapes[2][0] != 1 || shapes[4][0] != m) return 3;
-  return 0;
-}
-
-// Thread-local scratch for the normalized rows (the caller's thread owns it for the call; helpers read it).
-float *normed_rows(const float *x, int64_t m, int64_t k_dim, const float *weight, float eps) {
+  call.m = shapes[0][0];
+  call.k_dim = shapes[0][1];
+  call.n = shapes[4][1];
+  call.panels = (call.n + per_panel - 1) / per_panel;
+  if (shapes[1][0] != call.k_dim || shapes[2][0] != 1 || shapes[4][0] != call.m ||
+      !packed_shape(shapes[3], call.panels, call.k_dim))
+    return 3;
   thread_local std::vector<float> normed;
-  normed.resize(static_cast<size_t>(m * k_dim));
-  rms_norm(x, m, k_dim, weight, eps, normed.data());
-  return normed.data();
+  normed.resize(static_cast<size_t>(call.m * call.k_dim));
+  rms_norm(static_cast<const float *>(params[0]), call.m, call.k_dim, static_cast<const float *>(params[1]),
+           *static_cast<const float *>(params[2]), normed.data());
+  call.normed = normed.data();
+  call.w = static_cast<const float *>(params[3]);
+  call.y = static_cast<float *>(params[4]);
+  return 0;
 }
 
 // y [m, n] = x W^T.
@@ -202,14 +212,9 @@ extern "C" int NormLinear(int nparam, void **params, int *ndims, int64_t **shape
                           void *extra) {
   (void)stream;
   (void)extra;
-  int64_t m = 0, k_dim = 0, n = 0;
-  if (int rc = parse_norm_call(nparam, ndims, shapes, dtypes, m, k_dim, n)) return rc;
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  if (!packed_shape(shapes[3], panels, k_dim)) return 3;
-  const auto *eps = static_cast<const float *>(params[2]);
-  const float *normed = normed_rows(static_cast<const float *>(params[0]), m, k_dim,
-                                    static_cast<const float *>(params[1]), *eps);
-  store_rows(normed, m, k_dim, static_cast<const float *>(params[3]), n, static_cast<float *>(params[4]));
+  NormCall call;
+  if (int rc = norm_call(nparam, params, ndims, shapes, dtypes, kPanel, call)) return rc;
+  store_rows(call.normed, call.m, call.k_dim, call.w, call.n, call.y);
   return 0;
 }
 
@@ -217,20 +222,15 @@ extern "C" int NormSwiGlu(int nparam, void **params, int *ndims, int64_t **shape
                           void *extra) {
   (void)stream;
   (void)extra;
-  int64_t m = 0, k_dim = 0, f = 0;
-  if (int rc = parse_norm_call(nparam, ndims, shapes, dtypes, m, k_dim, f)) return rc;
   constexpr int64_t kHalf = kPanel / 2;
-  const int64_t panels = (f + kHalf - 1) / kHalf;
-  if (!packed_shape(shapes[3], panels, k_dim)) return 3;
-  const auto *eps = static_cast<const float *>(params[2]);
-  const float *normed = normed_rows(static_cast<const float *>(params[0]), m, k_dim,
-                                    static_cast<const float *>(params[1]), *eps);
-  auto *y = static_cast<float *>(params[4]);
-  gemm(normed, m, k_dim, static_cast<const float *>(params[3]), panels,
+  NormCall call;
+  if (int rc = norm_call(nparam, params, ndims, shapes, dtypes, kHalf, call)) return rc;
+  const int64_t f = call.n;
+  gemm(call.normed, call.m, call.k_dim, call.w, call.panels,
        [&](int64_t first, int64_t rows, int64_t p, const float (*out)[kPanel]) {
          const int64_t col = p * kHalf, cols = f - col < kHalf ? f - col : kHalf;
          for (int64_t i = 0; i < rows; ++i) {
-           float *dst = y + (first + i) * f + col;
+           float *dst = call.y + (first + i) * f + col;
 #pragma omp simd
            for (int64_t j = 0; j < cols; ++j) {
              const float gate = out[i][j];
