@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from mindspore import Tensor
@@ -97,3 +102,32 @@ def test_residual_linear(ops_, m, k, n):
     got = OpCell(ops_.residual_linear())(Tensor(x), Tensor(packed_weights.pack(w)), Tensor(residual))
     expected = residual + x.astype(np.float64) @ w.T.astype(np.float64)
     np.testing.assert_allclose(got.asnumpy(), expected, rtol=1e-4, atol=1e-3)
+
+
+SHAPE_GUARD_SCRIPT = """
+import numpy as np, mindspore as ms
+from mindspore import Tensor
+from agents.native_kernels import native_ops
+from tests.op_cell import OpCell
+ms.set_context(mode=ms.GRAPH_MODE)
+ms.set_device("CPU")
+x, norm_w, eps = np.ones((4, 8), np.float32), np.ones(8, np.float32), np.array([1e-5], np.float32)
+try:
+    OpCell(native_ops(64).norm_linear(40))(Tensor(x), Tensor(norm_w), Tensor(eps), Tensor(np.ones(({rows}, 32),
+                                                                                                np.float32)))
+    print("no error")
+except RuntimeError as exc:
+    print("error:", str(exc).splitlines()[0])
+"""
+
+
+@pytest.mark.parametrize("rows,expected", [(16, "no error"), (8, "is 3")])
+def test_a_packed_weight_of_the_wrong_shape_is_refused(tmp_path, rows, expected):
+    """40 outputs over 8 inputs need 2 panels of 8 rows; one panel is refused with code 3 (inconsistent shapes)
+    instead of being read past its end. In a subprocess: MindSpore refuses every later step after a failed kernel."""
+    script = tmp_path / "guard.py"  # graph mode compiles only code that lives in a file
+    script.write_text(SHAPE_GUARD_SCRIPT.replace("{rows}", str(rows)))
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root, timeout=300,
+                            check=False, env={**os.environ, "PYTHONPATH": str(root)})
+    assert expected in result.stdout, result.stdout + result.stderr[-2000:]
