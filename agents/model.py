@@ -237,7 +237,8 @@ class LlamaModel(nn.Cell):
         projections = native is not None and native.projections
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype, packed=projections)
         self.native_lm_head = native.norm_linear(config.vocab_size) if projections else None
-        self.eps = Tensor(np.array([config.rms_norm_eps], np.float32))
+        if projections:
+            self.eps = Tensor(np.array([config.rms_norm_eps], np.float32))
         cos, sin = rotary_tables(config, max_positions)
         self.cos = Tensor(cos, dtype)
         self.sin = Tensor(sin, dtype)

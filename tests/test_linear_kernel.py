@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 from mindspore import Tensor
@@ -15,6 +10,7 @@ from agents import native_kernels, packed_weights
 from agents.device import setup_device
 from agents.native_kernels import native_ops
 from tests.op_cell import OpCell
+from tests.script_runner import run_script
 
 EPS = 1e-5
 
@@ -109,6 +105,7 @@ import numpy as np, mindspore as ms
 from mindspore import Tensor
 from agents.native_kernels import native_ops
 from tests.op_cell import OpCell
+from tests.script_runner import run_script
 ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")
 x, norm_w, eps = np.ones((4, 8), np.float32), np.ones(8, np.float32), np.array([1e-5], np.float32)
@@ -125,9 +122,5 @@ except RuntimeError as exc:
 def test_a_packed_weight_of_the_wrong_shape_is_refused(tmp_path, rows, expected):
     """40 outputs over 8 inputs need 2 panels of 8 rows; one panel is refused with code 3 (inconsistent shapes)
     instead of being read past its end. In a subprocess: MindSpore refuses every later step after a failed kernel."""
-    script = tmp_path / "guard.py"  # graph mode compiles only code that lives in a file
-    script.write_text(SHAPE_GUARD_SCRIPT.replace("{rows}", str(rows)))
-    root = Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root, timeout=300,
-                            check=False, env={**os.environ, "PYTHONPATH": str(root)})
+    result = run_script(tmp_path, SHAPE_GUARD_SCRIPT.replace("{rows}", str(rows)))
     assert expected in result.stdout, result.stdout + result.stderr[-2000:]

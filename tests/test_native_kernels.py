@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from llm_serving.batch import StepBatch
 from tests.hf_reference import hf_greedy, load_hf
 from tests.op_cell import OpCell
 from tests.paged_driver import PagedDriver
+from tests.script_runner import run_script
 
 RC = RunnerConfig(num_blocks=200, block_size=8, max_model_len=96, prefill_batch_sizes=(8,),
                   prefill_seq_lengths=(32,), decode_batch_sizes=(4, 8), decode_block_widths=(12,))
@@ -189,11 +189,7 @@ except RuntimeError as exc:
 def test_kernel_checks_block_tables_itself(tmp_path, block, expected):
     """The kernel's own guard, behind the runner's: run in a subprocess because MindSpore refuses every later
     step of a process once a kernel failed."""
-    script = tmp_path / "guard.py"  # graph mode compiles only code that lives in a file
-    script.write_text(KERNEL_GUARD_SCRIPT.replace("{block}", str(block)))
-    root = Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=root, timeout=300,
-                            check=False, env={**os.environ, "PYTHONPATH": str(root)})
+    result = run_script(tmp_path, KERNEL_GUARD_SCRIPT.replace("{block}", str(block)))
     assert expected in result.stdout, result.stdout + result.stderr[-2000:]
 
 
