@@ -183,19 +183,20 @@ class LlamaLayer(nn.Cell):
         return ops.stack(outs, 1).reshape(batch, self.hidden)
 
     def native_construct(self, x: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
-                         block_tables: Tensor, is_prefill: bool) -> Tensor:
+                         block_tables: Tensor, rows: Tensor, is_prefill: bool) -> Tensor:
         """The layer as five native ops: norm + QKV, attention, output projection + residual, norm + gate/up +
-        SwiGLU, down projection + residual."""
-        qkv = self.qkv_kernel(x, self.attention_norm.weight, self.eps, self.w_qkv.weight)
+        SwiGLU, down projection + residual. ``rows`` [1]: the real (leading) token rows; padding rows are
+        skipped and come out as zeros."""
+        qkv = self.qkv_kernel(x, self.attention_norm.weight, self.eps, self.w_qkv.weight, rows)
         attn = self.attention(qkv, cos, sin, slot_mapping, lens, block_tables, is_prefill)
-        x = self.residual_kernel(attn, self.wo.weight, x)
-        act = self.gate_up_kernel(x, self.ffn_norm.weight, self.eps, self.w_gate_up.weight)
-        return self.residual_kernel(act, self.w_down.weight, x)
+        x = self.residual_kernel(attn, self.wo.weight, x, rows)
+        act = self.gate_up_kernel(x, self.ffn_norm.weight, self.eps, self.w_gate_up.weight, rows)
+        return self.residual_kernel(act, self.w_down.weight, x, rows)
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
-                  block_tables: Tensor, is_prefill: bool) -> Tensor:
+                  block_tables: Tensor, rows: Tensor, is_prefill: bool) -> Tensor:
         if self.native_projections:
-            return self.native_construct(x, cos, sin, slot_mapping, lens, block_tables, is_prefill)
+            return self.native_construct(x, cos, sin, slot_mapping, lens, block_tables, rows, is_prefill)
         qkv = self.w_qkv(self.attention_norm(x))
         attn = self.attention(qkv, cos, sin, slot_mapping, lens, block_tables, is_prefill)
         x = x + self.wo(attn)
@@ -243,18 +244,26 @@ class LlamaModel(nn.Cell):
         self.cos = Tensor(cos, dtype)
         self.sin = Tensor(sin, dtype)
 
+    @staticmethod
+    def real_rows(lens: Tensor, is_prefill: bool) -> tuple[Tensor, Tensor]:
+        """``[1]`` int32 counts of the real token rows and sequence rows of a step, which lead its padded
+        bucket: sequences with a length > 0; tokens are one per sequence in decode, the prompts' sum in a
+        (packed) prefill."""
+        sequences = (lens > 0).astype(ms.int32).sum().astype(ms.int32).reshape(1)  # sum gives int64
+        return (lens.sum().astype(ms.int32).reshape(1) if is_prefill else sequences), sequences
+
     def hidden_states(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, lens: Tensor,
-                      block_tables: Tensor, is_prefill: bool) -> Tensor:
+                      block_tables: Tensor, token_rows: Tensor, is_prefill: bool) -> Tensor:
         x = ops.gather(self.embed_tokens, input_ids, 0)
         cos = ops.gather(self.cos, positions, 0)
         sin = ops.gather(self.sin, positions, 0)
         for layer in self.layers:
-            x = layer(x, cos, sin, slot_mapping, lens, block_tables, is_prefill)
+            x = layer(x, cos, sin, slot_mapping, lens, block_tables, token_rows, is_prefill)
         return x
 
-    def logits(self, last_hidden: Tensor) -> Tensor:
+    def logits(self, last_hidden: Tensor, sequence_rows: Tensor) -> Tensor:
         if self.native_lm_head is not None:
-            return self.native_lm_head(last_hidden, self.norm.weight, self.eps, self.lm_head.weight)
+            return self.native_lm_head(last_hidden, self.norm.weight, self.eps, self.lm_head.weight, sequence_rows)
         return self.lm_head(self.norm(last_hidden)).astype(ms.float32)
 
 
@@ -285,10 +294,12 @@ class LlamaStep(nn.Cell):
 
     def construct(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, lens: Tensor,
                   block_tables: Tensor, last_index: Tensor):
-        hidden = self.model.hidden_states(input_ids, positions, slot_mapping, lens, block_tables, self.is_prefill)
+        token_rows, sequence_rows = self.model.real_rows(lens, self.is_prefill)
+        hidden = self.model.hidden_states(input_ids, positions, slot_mapping, lens, block_tables, token_rows,
+                                          self.is_prefill)
         if self.is_prefill:
             hidden = ops.gather(hidden, last_index, 0)
-        logits = self.model.logits(hidden)
+        logits = self.model.logits(hidden, sequence_rows)
         if self.model.native_greedy is not None:
             token_ids, logprobs = self.model.native_greedy(logits)
         else:

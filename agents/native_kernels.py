@@ -113,17 +113,19 @@ class NativeOps:
         """``(x, packed w) -> x @ W^T`` of width ``out_dim`` (the benchmarks' reference matmul)."""
         return _custom(self.linear_library, "Linear", lambda x, *_: [x[0], out_dim], _same)
 
+    # The fused projections take ``rows`` [1] int32 last: the leading rows of x that are real tokens; the
+    # bucket's padding rows after them are not computed and come out as zeros.
     def norm_linear(self, out_dim: int) -> ops.Custom:
-        """``(x, norm_weight, eps [1], packed w) -> rmsnorm(x) @ W^T`` of width ``out_dim``."""
+        """``(x, norm_weight, eps [1], packed w, rows) -> rmsnorm(x) @ W^T`` of width ``out_dim``."""
         return _custom(self.linear_library, "NormLinear", lambda x, *_: [x[0], out_dim], _same)
 
     def norm_swiglu(self, ffn_dim: int) -> ops.Custom:
-        """``(x, norm_weight, eps [1], packed [gate; up]) -> silu(g) * u`` of width ``ffn_dim``."""
+        """``(x, norm_weight, eps [1], packed [gate; up], rows) -> silu(g) * u`` of width ``ffn_dim``."""
         return _custom(self.linear_library, "NormSwiGlu", lambda x, *_: [x[0], ffn_dim], _same)
 
     def residual_linear(self) -> ops.Custom:
-        """``(x, packed w, residual) -> residual + x @ W^T``."""
-        return _custom(self.linear_library, "ResidualLinear", lambda x, w, residual: residual, _same)
+        """``(x, packed w, residual, rows) -> residual + x @ W^T``."""
+        return _custom(self.linear_library, "ResidualLinear", lambda x, w, residual, rows: residual, _same)
 
 
 def native_ops(hidden_size: int) -> NativeOps:

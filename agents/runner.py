@@ -117,6 +117,9 @@ class ModelRunner:
         rc = runner_config
         native = native_ops_for(rc, config.hidden_size)
         self.kernels = "portable" if native is None else "native"
+        # The native projections skip a bucket's padding rows (agents/kernels/linear.cc), so a padded row costs
+        # next to nothing and splitting a decode batch to save padding never pays.
+        self.skips_padding = native is not None and native.projections
         self.token_buckets = token_buckets(rc.prefill_batch_sizes, rc.prefill_seq_lengths, rc.max_model_len)
         self.model = LlamaModel(config, rc.num_blocks, rc.block_size, rc.max_model_len, DTYPES[rc.dtype], native)
         load_weights_into(self.model, weights)
@@ -146,15 +149,14 @@ class ModelRunner:
         return shapes
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> dict[tuple, float]:
-        """Compile every graph shape and time one more call of it, on padding (touching only dummy block 0).
+        """Compile every graph shape and time one more call of it, every row a real token of dummy block 0.
 
         The timed call gives the per-shape costs that ``bucket_plan`` splits batches by.
         """
         for shape in self.graph_shapes():
             kind, b, n = shape
             t0 = time.perf_counter()
-            tokens = {"prefill": b * n, "packed": n, "decode": b}[kind]
-            inputs = self._padded_inputs(b, tokens, n if kind == "decode" else 1)
+            inputs = self._warmup_inputs(kind, b, n)
             self.warmed.add(shape)
             self._run(kind, shape, inputs)
             self.compile_times[shape] = time.perf_counter() - t0
@@ -173,6 +175,24 @@ class ModelRunner:
         last = (np.arange(batch, dtype=np.int32) * (tokens // batch)).astype(np.int32)
         return [np.zeros(tokens, np.int32) for _ in range(3)] + [
             np.zeros(batch, np.int32), np.zeros((batch, width), np.int32), last]
+
+    @classmethod
+    def _warmup_inputs(cls, kind: str, batch: int, n: int) -> list[np.ndarray]:
+        """Inputs of shape ``(kind, batch, n)`` in which every row is a real token (the padding-skipping
+        projections would otherwise be timed doing nothing): token 0 at position 0 in slot 0 of the dummy block,
+        decode contexts of one token, prompts filling the bucket (a packed call's ``n`` tokens split evenly)."""
+        tokens = {"prefill": batch * n, "packed": n, "decode": batch}[kind]
+        arrays = cls._padded_inputs(batch, tokens, n if kind == "decode" else 1)
+        lens, last = arrays[3], arrays[5]
+        if kind == "decode":
+            lens[:] = 1
+        elif kind == "prefill":
+            lens[:] = n
+            last[:] = np.arange(batch) * n + n - 1
+        else:
+            lens[:] = [len(part) for part in np.array_split(np.arange(n), batch)]
+            last[:] = np.cumsum(lens) - 1
+        return arrays
 
     def _check_warmed(self, shape: tuple) -> None:
         if shape not in self.warmed:
@@ -227,6 +247,8 @@ class ModelRunner:
             return plan_packed(lengths, self.rc.prefill_batch_sizes[-1], self._packed_cost)
         buckets = self.rc.prefill_batch_sizes if batch.is_prefill else self.rc.decode_batch_sizes
         try:
+            if not batch.is_prefill and self.skips_padding:
+                return self._decode_chunks(lengths)
             return plan_groups(lengths, buckets, lambda n, longest: self._cost(batch.is_prefill, n, longest))
         except ValueError:
             kind = "prompt" if batch.is_prefill else "context"
@@ -235,6 +257,15 @@ class ModelRunner:
             raise ValueError(f"{kind} length {int(lengths.max())} exceeds the largest compiled bucket {limit}"
                              f" (single sequences up to max_model_len {self.rc.max_model_len} can be prefilled"
                              " alone)") from None
+
+    def _decode_chunks(self, context_lens: np.ndarray) -> list[np.ndarray]:
+        """The decode plan when padding rows cost nothing: as few calls as the largest bucket allows, sequences
+        in context order (the attention op reads each row's own context, so the table's width costs nothing)."""
+        if self.shape_for(False, 1, int(context_lens.max())) is None:
+            raise ValueError("no compiled width holds the longest context")
+        order = np.argsort(context_lens, kind="stable")
+        calls = -(-len(order) // self.rc.decode_batch_sizes[-1])
+        return np.array_split(order, calls)
 
     def bucket_inputs(self, batch: StepBatch) -> tuple[tuple, list[np.ndarray]]:
         """The batch padded to its bucket: ``((kind, batch, n), graph input arrays)`` (see ``graph_shapes``)."""

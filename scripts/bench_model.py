@@ -167,8 +167,10 @@ class GreedyOnlyStep(LlamaStep):
     """The step graph as it was before sampling: only token ids and logprobs as outputs."""
 
     def construct(self, input_ids, positions, slot_mapping, lens, block_tables, last_index):
-        hidden = self.model.hidden_states(input_ids, positions, slot_mapping, lens, block_tables, self.is_prefill)
-        return greedy_pick(self.model.logits(hidden))
+        token_rows, sequence_rows = self.model.real_rows(lens, self.is_prefill)
+        hidden = self.model.hidden_states(input_ids, positions, slot_mapping, lens, block_tables, token_rows,
+                                          self.is_prefill)
+        return greedy_pick(self.model.logits(hidden, sequence_rows))
 
 
 def all_sampled(batch: StepBatch) -> StepBatch:

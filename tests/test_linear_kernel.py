@@ -69,34 +69,57 @@ def test_linear(ops_, m, k, n):
     np.testing.assert_allclose(got.asnumpy(), x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("m,k,n", SHAPES)
-def test_norm_linear(ops_, m, k, n):
+def real_rows(m: int, which: str) -> int:
+    """The ``rows`` input of a fused op: all rows real, about half (the rest a bucket's padding), none, or more
+    than x has (clamped)."""
+    return {"all": m, "half": m // 2, "none": 0, "over": m + 5}[which]
+
+
+def padded(expected: np.ndarray, rows: int) -> np.ndarray:
+    """``expected`` with the rows past ``rows`` zeroed, as the fused ops leave a bucket's padding."""
+    out = expected.copy()
+    out[rows:] = 0.0
+    return out
+
+
+FUSED_CASES = [(*shape, which) for shape in SHAPES for which in ("all", "half")] + \
+    [(13, 37, 8, "none"), (13, 37, 8, "over")]
+
+
+@pytest.mark.parametrize("m,k,n,which", FUSED_CASES)
+def test_norm_linear(ops_, m, k, n, which):
     rng = np.random.default_rng(m)
     x, norm_w = rng.standard_normal((m, k)).astype(np.float32), rng.uniform(0.5, 1.5, k).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)
+    rows = real_rows(m, which)
     got = OpCell(ops_.norm_linear(n))(Tensor(x), Tensor(norm_w), Tensor(np.array([EPS], np.float32)),
-                                      Tensor(packed_weights.pack(w)))
-    np.testing.assert_allclose(got.asnumpy(), rms_norm(x, norm_w) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-4)
+                                      Tensor(packed_weights.pack(w)), Tensor(np.array([rows], np.int32)))
+    expected = padded(rms_norm(x, norm_w) @ w.T.astype(np.float64), rows)
+    np.testing.assert_allclose(got.asnumpy(), expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("m,k,f", SHAPES)
-def test_norm_swiglu(ops_, m, k, f):
+@pytest.mark.parametrize("m,k,f,which", FUSED_CASES)
+def test_norm_swiglu(ops_, m, k, f, which):
     rng = np.random.default_rng(m + 1)
     x, norm_w = rng.standard_normal((m, k)).astype(np.float32), rng.uniform(0.5, 1.5, k).astype(np.float32)
     w = (rng.standard_normal((2 * f, k)) / np.sqrt(k)).astype(np.float32)
+    rows = real_rows(m, which)
     got = OpCell(ops_.norm_swiglu(f))(Tensor(x), Tensor(norm_w), Tensor(np.array([EPS], np.float32)),
-                                      Tensor(packed_weights.pack(w, swiglu=True)))
+                                      Tensor(packed_weights.pack(w, swiglu=True)), Tensor(np.array([rows], np.int32)))
     gate_up = rms_norm(x, norm_w) @ w.T.astype(np.float64)
-    np.testing.assert_allclose(got.asnumpy(), silu(gate_up[:, :f]) * gate_up[:, f:], rtol=1e-4, atol=1e-5)
+    expected = padded(silu(gate_up[:, :f]) * gate_up[:, f:], rows)
+    np.testing.assert_allclose(got.asnumpy(), expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("m,k,n", SHAPES)
-def test_residual_linear(ops_, m, k, n):
+@pytest.mark.parametrize("m,k,n,which", FUSED_CASES)
+def test_residual_linear(ops_, m, k, n, which):
     rng = np.random.default_rng(m + 2)
     x, residual = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((m, n)).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)
-    got = OpCell(ops_.residual_linear())(Tensor(x), Tensor(packed_weights.pack(w)), Tensor(residual))
-    expected = residual + x.astype(np.float64) @ w.T.astype(np.float64)
+    rows = real_rows(m, which)
+    got = OpCell(ops_.residual_linear())(Tensor(x), Tensor(packed_weights.pack(w)), Tensor(residual),
+                                         Tensor(np.array([rows], np.int32)))
+    expected = padded(residual + x.astype(np.float64) @ w.T.astype(np.float64), rows)
     np.testing.assert_allclose(got.asnumpy(), expected, rtol=1e-4, atol=1e-3)
 
 
@@ -111,7 +134,7 @@ ms.set_device("CPU")
 x, norm_w, eps = np.ones((4, 8), np.float32), np.ones(8, np.float32), np.array([1e-5], np.float32)
 try:
     OpCell(native_ops(64).norm_linear(40))(Tensor(x), Tensor(norm_w), Tensor(eps), Tensor(np.ones(({rows}, 32),
-                                                                                                np.float32)))
+                                           np.float32)), Tensor(np.array([4], np.int32)))
     print("no error")
 except RuntimeError as exc:
     print("error:", str(exc).splitlines()[0])

@@ -99,6 +99,22 @@ def test_batches_larger_than_the_biggest_bucket_are_split(model_pair):
         assert got == hf_greedy(hf, prompt, 4)[0]
 
 
+def test_decode_is_split_only_by_the_largest_bucket_where_padding_rows_are_free(model_pair):
+    """With the native projections a bucket's padding rows are skipped, so 11 decode sequences of uneven contexts
+    run as two calls of about equal size in context order (results against HF: the test above)."""
+    _, runner, _ = model_pair
+    contexts = np.array([40, 3, 17, 64, 5, 9, 33, 2, 50, 21, 12], np.int32)
+    width = runner.rc.decode_block_widths[-1]
+    batch = StepBatch(False, np.ones(11, np.int32), contexts - 1, np.arange(11, dtype=np.int32) + 4, np.ones(11,
+                      np.int32), contexts, np.arange(11 * width, dtype=np.int32).reshape(11, width) % 100 + 1)
+    groups = runner.plan(batch)
+    assert sorted(np.concatenate(groups).tolist()) == list(range(11))
+    if runner.skips_padding:
+        order = np.argsort(contexts, kind="stable").tolist()
+        assert [g.tolist() for g in groups] == [order[:6], order[6:]]
+    assert runner.step(batch).token_ids.shape == (11,)
+
+
 def test_mixed_lengths_are_split_into_cheaper_calls_with_the_same_results(model_pair):
     """Padded prefill: a prompt longer than the buckets is prefilled alone while the others share a call.
     Packed prefill (native attention): all four fit one call, padded only at the end."""

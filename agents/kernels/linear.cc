@@ -12,16 +12,21 @@
 // the same outputs share a panel: panel p holds gate rows 16p..16p+15 then up rows 16p..16p+15
 // (agents/packed_weights.py does the packing).
 //
-// Entry points (float32 inputs; the output's shape gives N or F; ``LinearIsVectorized()`` says whether the build
-// has the AVX-512 tiles):
-//   Linear(x [M, K], w) -> [M, N]                                        y = x W^T (benchmarks' reference)
-//   NormLinear(x [M, K], norm_weight [K], eps [1], w) -> [M, N]          y = rmsnorm(x) W^T
-//   NormSwiGlu(x [M, K], norm_weight [K], eps [1], w_gate_up) -> [M, F]  y = silu(g) * u, [g u] = rmsnorm(x) W^T
-//   ResidualLinear(x [M, K], w, residual [M, N]) -> [M, N]               y = residual + x W^T
+// Entry points (float32 inputs except ``rows``; the output's shape gives N or F; ``LinearIsVectorized()`` says
+// whether the build has the AVX-512 tiles):
+//   Linear(x [M, K], w) -> [M, N]                                              y = x W^T (benchmarks' reference)
+//   NormLinear(x [M, K], norm_weight [K], eps [1], w, rows) -> [M, N]          y = rmsnorm(x) W^T
+//   NormSwiGlu(x [M, K], norm_weight [K], eps [1], w_gate_up, rows) -> [M, F]  y = silu(g) * u, [g u] = rmsnorm(x) W^T
+//   ResidualLinear(x [M, K], w, residual [M, N], rows) -> [M, N]               y = residual + x W^T
+// ``rows`` [1] int32: how many leading rows of x are real tokens (clamped to [0, M]); the rest are a bucket's
+// padding and come out as zeros without being computed. Why: a step is padded to its graph's bucket (a decode
+// batch of 73 runs in the 128 graph, a packed prefill of 175 tokens in the 192 one), and the padding rows cost
+// as much as real ones in a matmul; the attention ops already skip them.
 // Each returns 0, or an error code that MindSpore raises as a RuntimeError: 1 wrong number of inputs or ranks,
-// 2 a dtype other than float32, 3 inconsistent shapes.
+// 2 a dtype other than float32 (int32 for rows), 3 inconsistent shapes.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -128,11 +133,23 @@ void rms_norm(const float *x, int64_t m, int64_t k_dim, const float *weight, flo
   });
 }
 
-bool all_float32(int nparam, const char **dtypes) {
+// Whether every input but ``rows_at`` (the int32 row count; -1 for none) and the output is float32.
+bool dtypes_ok(int nparam, const char **dtypes, int rows_at = -1) {
   for (int i = 0; i < nparam; ++i) {
-    if (!is_dtype(dtypes[i], "float32")) return false;
+    if (!is_dtype(dtypes[i], i == rows_at ? "int32" : "float32")) return false;
   }
   return true;
+}
+
+// The real rows of an ``m``-row input: the ``rows`` input clamped to [0, m].
+int64_t real_rows(const void *rows, int64_t m) {
+  const int64_t n = *static_cast<const int32_t *>(rows);
+  return n < 0 ? 0 : (n > m ? m : n);
+}
+
+// Zeros rows [from, m) of y [m, n]: the bucket's padding.
+void zero_padding(float *y, int64_t from, int64_t m, int64_t n) {
+  if (from < m) std::memset(y + from * n, 0, static_cast<size_t>((m - from) * n) * sizeof(float));
 }
 
 // Whether a packed weight of the shape [shape[0], shape[1]] holds ``panels`` panels of ``k_dim`` rows.
@@ -142,7 +159,7 @@ bool packed_shape(const int64_t *shape, int64_t panels, int64_t k_dim) {
 
 // What NormLinear and NormSwiGlu share: their inputs checked, and x normalized.
 struct NormCall {
-  int64_t m = 0, k_dim = 0, n = 0, panels = 0;  // n: the output's columns
+  int64_t m = 0, rows = 0, k_dim = 0, n = 0, panels = 0;  // m: x's rows, of which ``rows`` real; n: y's columns
   const float *normed = nullptr, *w = nullptr;
   float *y = nullptr;
 };
@@ -151,22 +168,26 @@ struct NormCall {
 // thread-local scratch (the caller's thread owns it for the call; helpers read it).
 int norm_call(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, int64_t per_panel,
               NormCall &call) {
-  if (nparam != 5 || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 1 || ndims[3] != 2 || ndims[4] != 2) return 1;
-  if (!all_float32(nparam, dtypes)) return 2;
+  if (nparam != 6 || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 1 || ndims[3] != 2 || ndims[4] != 1 ||
+      ndims[5] != 2)
+    return 1;
+  if (!dtypes_ok(nparam, dtypes, 4)) return 2;
   call.m = shapes[0][0];
   call.k_dim = shapes[0][1];
-  call.n = shapes[4][1];
+  call.n = shapes[5][1];
   call.panels = (call.n + per_panel - 1) / per_panel;
-  if (shapes[1][0] != call.k_dim || shapes[2][0] != 1 || shapes[4][0] != call.m ||
+  if (shapes[1][0] != call.k_dim || shapes[2][0] != 1 || shapes[4][0] != 1 || shapes[5][0] != call.m ||
       !packed_shape(shapes[3], call.panels, call.k_dim))
     return 3;
+  call.rows = real_rows(params[4], call.m);
   thread_local std::vector<float> normed;
-  normed.resize(static_cast<size_t>(call.m * call.k_dim));
-  rms_norm(static_cast<const float *>(params[0]), call.m, call.k_dim, static_cast<const float *>(params[1]),
+  normed.resize(static_cast<size_t>(call.rows * call.k_dim));
+  rms_norm(static_cast<const float *>(params[0]), call.rows, call.k_dim, static_cast<const float *>(params[1]),
            *static_cast<const float *>(params[2]), normed.data());
   call.normed = normed.data();
   call.w = static_cast<const float *>(params[3]);
-  call.y = static_cast<float *>(params[4]);
+  call.y = static_cast<float *>(params[5]);
+  zero_padding(call.y, call.rows, call.m, call.n);
   return 0;
 }
 
@@ -199,7 +220,7 @@ extern "C" int Linear(int nparam, void **params, int *ndims, int64_t **shapes, c
   (void)stream;
   (void)extra;
   if (nparam != 3 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2) return 1;
-  if (!all_float32(nparam, dtypes)) return 2;
+  if (!dtypes_ok(nparam, dtypes)) return 2;
   const int64_t m = shapes[0][0], k_dim = shapes[0][1], n = shapes[2][1];
   const int64_t panels = (n + kPanel - 1) / kPanel;
   if (!packed_shape(shapes[1], panels, k_dim) || shapes[2][0] != m) return 3;
@@ -214,7 +235,7 @@ extern "C" int NormLinear(int nparam, void **params, int *ndims, int64_t **shape
   (void)extra;
   NormCall call;
   if (int rc = norm_call(nparam, params, ndims, shapes, dtypes, kPanel, call)) return rc;
-  store_rows(call.normed, call.m, call.k_dim, call.w, call.n, call.y);
+  store_rows(call.normed, call.rows, call.k_dim, call.w, call.n, call.y);
   return 0;
 }
 
@@ -226,7 +247,7 @@ extern "C" int NormSwiGlu(int nparam, void **params, int *ndims, int64_t **shape
   NormCall call;
   if (int rc = norm_call(nparam, params, ndims, shapes, dtypes, kHalf, call)) return rc;
   const int64_t f = call.n;
-  gemm(call.normed, call.m, call.k_dim, call.w, call.panels,
+  gemm(call.normed, call.rows, call.k_dim, call.w, call.panels,
        [&](int64_t first, int64_t rows, int64_t p, const float (*out)[kPanel]) {
          const int64_t col = p * kHalf, cols = f - col < kHalf ? f - col : kHalf;
          for (int64_t i = 0; i < rows; ++i) {
@@ -245,14 +266,18 @@ extern "C" int ResidualLinear(int nparam, void **params, int *ndims, int64_t **s
                               void *stream, void *extra) {
   (void)stream;
   (void)extra;
-  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || ndims[3] != 2) return 1;
-  if (!all_float32(nparam, dtypes)) return 2;
-  const int64_t m = shapes[0][0], k_dim = shapes[0][1], n = shapes[3][1];
+  if (nparam != 5 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || ndims[3] != 1 || ndims[4] != 2) return 1;
+  if (!dtypes_ok(nparam, dtypes, 3)) return 2;
+  const int64_t m = shapes[0][0], k_dim = shapes[0][1], n = shapes[4][1];
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  if (!packed_shape(shapes[1], panels, k_dim) || shapes[2][0] != m || shapes[2][1] != n || shapes[3][0] != m) return 3;
+  if (!packed_shape(shapes[1], panels, k_dim) || shapes[2][0] != m || shapes[2][1] != n || shapes[3][0] != 1 ||
+      shapes[4][0] != m)
+    return 3;
+  const int64_t rows = real_rows(params[3], m);
   const auto *residual = static_cast<const float *>(params[2]);
-  auto *y = static_cast<float *>(params[3]);
-  gemm(static_cast<const float *>(params[0]), m, k_dim, static_cast<const float *>(params[1]), panels,
+  auto *y = static_cast<float *>(params[4]);
+  zero_padding(y, rows, m, n);
+  gemm(static_cast<const float *>(params[0]), rows, k_dim, static_cast<const float *>(params[1]), panels,
        [&](int64_t first, int64_t rows, int64_t p, const float (*out)[kPanel]) {
          const int64_t col = p * kPanel, cols = n - col < kPanel ? n - col : kPanel;
          for (int64_t i = 0; i < rows; ++i) {
