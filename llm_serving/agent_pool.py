@@ -147,9 +147,10 @@ class _Agent:
 
 
 class AgentPool:
-    """Starts ``num_agents`` agent processes for ``spec`` and runs steps on them (one caller thread at a time).
+    """Starts ``num_agents`` agent processes for ``spec`` and runs steps on them (one caller thread at a time):
+    ``run_step``, or ``submit`` then ``collect`` to work while the agents compute.
 
-    ``close()`` may be called from any thread, also while ``run_step`` waits (the step then raises
+    ``close()`` may be called from any thread, also while a step is in flight (``collect`` then raises
     ``AgentDiedError``). Use as a context manager or call ``close()``; both are idempotent.
     """
 
@@ -167,6 +168,7 @@ class AgentPool:
         self._poller = select.poll()
         self._channel: StepChannel | None = None
         self._step = 0
+        self._in_flight: int | None = None  # a submitted step not collected yet
         self._state = "new"  # new -> starting -> ready -> closed
         self._death: str | None = None
         self._closing = False
@@ -267,9 +269,15 @@ class AgentPool:
     # ---- steps ---------------------------------------------------------------------------------------------
     def run_step(self, batch: StepBatch) -> StepOutput:
         """Run one step on every rank; rank 0's next tokens and logprobs (copies) in batch order."""
+        return self.collect(self.submit(batch), batch.batch_size)
+
+    def submit(self, batch: StepBatch) -> int:
+        """Start one step on every rank and return its number at once; ``collect`` waits for its answer. One
+        step is in flight at a time: the caller may do other work (not another step) in between."""
         with self._step_lock:
-            if self._state != "ready":
-                raise AgentDiedError(self._death or f"agent pool is {self._state}, not serving")
+            self._check_serving()
+            if self._in_flight is not None:
+                raise RuntimeError(f"step {self._in_flight} is still in flight; collect it first")
             channel = self._channel
             assert channel is not None
             channel.check_fits(batch)
@@ -282,8 +290,26 @@ class AgentPool:
                     os.write(agent.cmd_w, cmd)
                 except OSError:  # broken pipe: the agent is gone
                     self._died(agent, step)
-            self._wait_step(step)
-            return channel.read_output(step, batch.batch_size)
+            self._in_flight = step
+            return step
+
+    def collect(self, step: int, batch_size: int) -> StepOutput:
+        """Wait for ``step`` (from ``submit``) on every rank; rank 0's next tokens and logprobs (copies) in batch
+        order."""
+        with self._step_lock:
+            if self._in_flight != step:
+                raise RuntimeError(f"step {step} is not in flight (in flight: {self._in_flight})")
+            try:
+                self._check_serving()
+                self._wait_step(step)
+                assert self._channel is not None
+                return self._channel.read_output(step, batch_size)
+            finally:
+                self._in_flight = None
+
+    def _check_serving(self) -> None:
+        if self._state != "ready":
+            raise AgentDiedError(self._death or f"agent pool is {self._state}, not serving")
 
     def _wait_step(self, step: int) -> None:
         waiting = len(self._agents)
@@ -361,13 +387,13 @@ class AgentPool:
 
     # ---- shutdown ------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop every agent and unlink the segment; idempotent, and safe while another thread is in run_step."""
+        """Stop every agent and unlink the segment; idempotent, and safe while another thread is in run_step or collect."""
         with self._close_lock:
             if self._state == "closed":
                 return
             self._closing = True
             self._stop_processes(graceful=self._state == "ready")
-        # A run_step blocked in poll() now sees EOF and returns; only then do its fds go away.
+        # A collect blocked in poll() now sees EOF and returns; only then do its fds go away.
         with self._step_lock, self._close_lock:
             self._release()
 

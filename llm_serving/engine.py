@@ -1,8 +1,9 @@
 """The engine: the scheduler and the agent pool driven by one loop thread, with a stream per request.
 
 One step is in flight at a time: the loop thread takes the engine lock to ``schedule()`` a step, releases
-it while the agents run the step, and takes it again to ``postprocess()`` the answer and hand each new token
-to its request's stream. ``submit`` and ``abort`` take the same lock from any thread, so new requests join
+it while the agents run the step, and takes it again to ``postprocess()`` the answer and schedule the next
+step, which goes to the agents before this step's new tokens are handed to their streams (so the streams'
+consumers work while the agents compute). ``submit`` and ``abort`` take the same lock from any thread, so new requests join
 between steps (continuous batching) and an abort frees the request's KV blocks at once; a request aborted
 while its step is in flight drops that step's token and is never scheduled again.
 
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from agents.model_config import LlamaConfig, ModelConfigError
 from llm_serving.agent_pool import AgentPool, AgentSpec, AgentStepError
+from llm_serving.batch import StepBatch
 from llm_serving.config import ConfigError, ServingConfig
 from llm_serving.default_model import ensure_default_model
 from llm_serving.request_stream import (
@@ -162,7 +164,10 @@ class Engine:
         self._counters = dict.fromkeys(
             ("steps", "prefill_steps", "decode_steps", "tokens_generated", "requests_finished",
              "requests_aborted"), 0)
-        self._run_step_s = self._busy_s = 0.0
+        self._run_step_s = 0.0  # in AgentPool.submit/collect: sending steps and waiting for the agents
+        self._loop_started: float | None = None
+        self._idle_s = 0.0  # waits for work, finished ones
+        self._idle_since: float | None = None  # the wait for work going on now
 
     @classmethod
     def from_config(cls, config: ServingConfig, standin_agents: bool = False) -> Engine:
@@ -272,42 +277,79 @@ class Engine:
                            kv_blocks_used=s.num_used_blocks, kv_blocks_free=s.num_free_blocks,
                            kv_usage=s.block_usage,
                            num_preemptions=s.num_preemptions)
-            out.update(self._counters, run_step_s=self._run_step_s, busy_s=self._busy_s)
+            out.update(self._counters, run_step_s=self._run_step_s, busy_s=self._busy_seconds())
             return out
+
+    def _busy_seconds(self) -> float:
+        """Seconds the loop has run, less its waits for work."""
+        if self._loop_started is None:
+            return 0.0
+        now = time.perf_counter()
+        idle_now = now - self._idle_since if self._idle_since is not None else 0.0
+        return now - self._loop_started - self._idle_s - idle_now
 
     # ---- the loop -------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        """Schedule, run and deliver steps until stopped.
+
+        The next step is scheduled and sent to the agents right after a step's results are applied, before its
+        tokens are delivered: the streams' consumers (HTTP writes, detokenizing) then run while the agents
+        compute, instead of holding the GIL the scheduler needs while the agents wait for the next step.
+        """
         sched, pool, counters = self._scheduler, self._pool, self._counters
+        self._loop_started = time.perf_counter()
         try:
+            in_flight = None  # (seqs, batch, step number) submitted to the agents, not yet collected
             while True:
-                with self._lock:
-                    t0 = time.perf_counter()
-                    step = None if self._stopping else sched.schedule()
-                    while step is None:
-                        if self._stopping:
-                            return
-                        self._work.wait(IDLE_CHECK_S)
-                        if not self._stopping and not pool.alive:
-                            raise EngineError("an agent process exited while the engine was idle")
-                        t0 = time.perf_counter()
-                        step = None if self._stopping else sched.schedule()
-                seqs, batch = step
-                t1 = time.perf_counter()
+                if in_flight is None:
+                    step = self._wait_for_step()
+                    if step is None:
+                        return
+                    in_flight = self._submit(step)
+                seqs, batch, number = in_flight
+                t0 = time.perf_counter()
                 try:
-                    output = pool.run_step(batch)
+                    output = pool.collect(number, batch.batch_size)
                 except AgentStepError as exc:
+                    in_flight = None
                     self._fail_step(seqs, exc)  # the agents are fine; only this step's requests fail
                     continue
-                t2 = time.perf_counter()
+                self._run_step_s += time.perf_counter() - t0
                 with self._lock:
                     sched.postprocess(seqs, output)
-                    self._deliver(seqs)
-                    counters["steps"] += 1
-                    counters["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
-                    self._run_step_s += t2 - t1
-                    self._busy_s += time.perf_counter() - t0
+                    step = None if self._stopping else sched.schedule()
+                try:
+                    in_flight = None if step is None else self._submit(step)
+                finally:  # this step's tokens reach their streams also when the next step cannot be sent
+                    with self._lock:
+                        self._deliver(seqs)
+                        counters["steps"] += 1
+                        counters["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting requests
             self._fail(exc)
+
+    def _wait_for_step(self) -> tuple[list[Sequence], StepBatch] | None:
+        """The next step, waiting (idle) while there is no work; None once stopping."""
+        with self._lock:
+            step = None if self._stopping else self._scheduler.schedule()
+            while step is None:
+                if self._stopping:
+                    return None
+                self._idle_since = time.perf_counter()
+                self._work.wait(IDLE_CHECK_S)
+                self._idle_s += time.perf_counter() - self._idle_since
+                self._idle_since = None
+                if not self._stopping and not self._pool.alive:
+                    raise EngineError("an agent process exited while the engine was idle")
+                step = None if self._stopping else self._scheduler.schedule()
+            return step
+
+    def _submit(self, step: tuple[list[Sequence], StepBatch]) -> tuple[list[Sequence], StepBatch, int]:
+        seqs, batch = step
+        t0 = time.perf_counter()
+        number = self._pool.submit(batch)
+        self._run_step_s += time.perf_counter() - t0
+        return seqs, batch, number
 
     def _deliver(self, seqs: list[Sequence]) -> None:
         """Hand each sequence's new token to its stream (under the lock); one wake-up per event loop."""

@@ -94,6 +94,31 @@ def test_outputs_are_copies_not_shared_memory_views(pool):
     np.testing.assert_array_equal(first.token_ids, expected_tokens(first_batch))
 
 
+def test_submit_then_collect_lets_the_caller_work_while_a_step_runs(pool):
+    """One step in flight at a time: a second submit or a collect of another step is refused and changes nothing."""
+    rng = np.random.default_rng(3)
+    first, second = random_batch(rng, False, 8, 4), random_batch(rng, True, 5, 2)
+    step = pool.submit(first)
+    with pytest.raises(RuntimeError, match=f"step {step} is still in flight"):
+        pool.submit(second)
+    with pytest.raises(RuntimeError, match=f"step {step + 1} is not in flight"):
+        pool.collect(step + 1, second.batch_size)
+    np.testing.assert_array_equal(pool.collect(step, first.batch_size).token_ids, expected_tokens(first))
+    with pytest.raises(RuntimeError, match="is not in flight"):
+        pool.collect(step, first.batch_size)  # collected already
+    np.testing.assert_array_equal(pool.collect(pool.submit(second), 5).token_ids, expected_tokens(second))
+
+
+def test_close_while_a_step_is_in_flight_fails_its_collect():
+    p = AgentPool(standin_spec(step_delay_s=0.5))
+    p.start()
+    step = p.submit(random_batch(np.random.default_rng(4), False, 8, 4))
+    p.close()
+    with pytest.raises(AgentDiedError):
+        p.collect(step, 8)
+    assert not our_segments()
+
+
 def test_batch_beyond_capacity_is_refused_and_pool_keeps_serving(pool):
     rng = np.random.default_rng(2)
     with pytest.raises(ValueError, match="batch_size 129 exceeds"):

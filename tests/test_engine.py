@@ -103,9 +103,13 @@ class GatedPool:
     def start(self, progress=None) -> None:
         pass
 
-    def run_step(self, batch: StepBatch) -> StepOutput:
+    def submit(self, batch: StepBatch) -> int:
         self.batches.append(batch)
         self.entered.release()
+        return len(self.batches)
+
+    def collect(self, step: int, batch_size: int) -> StepOutput:
+        batch = self.batches[step - 1]
         while not self.gate.acquire(timeout=0.05):
             if not self.alive:
                 raise RuntimeError("the gated pool was closed during a step")
@@ -115,7 +119,7 @@ class GatedPool:
         return standin_output(batch, self.vocab)
 
     def step(self) -> StepBatch:
-        """Wait until the engine is inside run_step, then let that step finish."""
+        """Wait until the engine has submitted a step, then let that step finish."""
         assert self.entered.acquire(timeout=10), "the engine did not start a step"
         batch = self.batches[-1]
         self.gate.release()
@@ -490,9 +494,12 @@ class RecordingPool:
     def start(self, progress=None) -> None:
         self.pool.start(progress)
 
-    def run_step(self, batch: StepBatch) -> StepOutput:
+    def submit(self, batch: StepBatch) -> int:
         self.shapes.append((batch.is_prefill, batch.batch_size, int(batch.query_lens.max())))
-        return self.pool.run_step(batch)
+        return self.pool.submit(batch)
+
+    def collect(self, step: int, batch_size: int) -> StepOutput:
+        return self.pool.collect(step, batch_size)
 
     def close(self) -> None:
         self.pool.close()
