@@ -245,10 +245,10 @@ class ModelRunner:
             if int(lengths.max()) > self.rc.max_model_len:
                 raise ValueError(f"prompt length {int(lengths.max())} exceeds max_model_len {self.rc.max_model_len}")
             return plan_packed(lengths, self.rc.prefill_batch_sizes[-1], self._packed_cost)
-        buckets = self.rc.prefill_batch_sizes if batch.is_prefill else self.rc.decode_batch_sizes
         try:
             if not batch.is_prefill and self.skips_padding:
                 return self._decode_chunks(lengths)
+            buckets = self.rc.prefill_batch_sizes if batch.is_prefill else self.rc.decode_batch_sizes
             return plan_groups(lengths, buckets, lambda n, longest: self._cost(batch.is_prefill, n, longest))
         except ValueError:
             kind = "prompt" if batch.is_prefill else "context"

@@ -387,7 +387,8 @@ class AgentPool:
 
     # ---- shutdown ------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop every agent and unlink the segment; idempotent, and safe while another thread is in run_step or collect."""
+        """Stop every agent and unlink the segment; idempotent, and safe while another thread is in run_step or
+        collect."""
         with self._close_lock:
             if self._state == "closed":
                 return

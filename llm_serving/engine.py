@@ -3,9 +3,9 @@
 One step is in flight at a time: the loop thread takes the engine lock to ``schedule()`` a step, releases
 it while the agents run the step, and takes it again to ``postprocess()`` the answer and schedule the next
 step, which goes to the agents before this step's new tokens are handed to their streams (so the streams'
-consumers work while the agents compute). ``submit`` and ``abort`` take the same lock from any thread, so new requests join
-between steps (continuous batching) and an abort frees the request's KV blocks at once; a request aborted
-while its step is in flight drops that step's token and is never scheduled again.
+consumers work while the agents compute). ``submit`` and ``abort`` take the same lock from any thread, so new
+requests join between steps (continuous batching) and an abort frees the request's KV blocks at once; a
+request aborted while its step is in flight drops that step's token and is never scheduled again.
 
 If a step fails (an agent died, a broken answer), every in-flight and queued request gets ``EngineError``,
 the pool is closed (its shared memory unlinked) and the engine stays not ready; a new Engine can be started.
@@ -345,6 +345,7 @@ class Engine:
             return step
 
     def _submit(self, step: tuple[list[Sequence], StepBatch]) -> tuple[list[Sequence], StepBatch, int]:
+        """Send a scheduled step to the agents: ``(seqs, batch, step number)`` for ``AgentPool.collect``."""
         seqs, batch = step
         t0 = time.perf_counter()
         number = self._pool.submit(batch)

@@ -12,7 +12,8 @@ Servers are started as ``python -m llm_serving serve`` subprocesses and get ever
 contest's streaming endpoint. Every request must succeed and its greedy text must equal the HF text (the run
 fails otherwise). The compute-roofline lower bound is the model FLOPs of all prefill and decode tokens divided
 by the best matmul rate measured in the same run, before and after the runs, of a plain MindSpore matmul and of
-our own packed-weight GEMM on the same sizes (in a subprocess, so torch and MindSpore never share a process). Prints a markdown table; ``--write-doc`` also writes it with the command.
+our own packed-weight GEMM on the same sizes (in a subprocess, so torch and MindSpore never share a process).
+Prints a markdown table; ``--write-doc`` also writes it with the command.
 """
 
 from __future__ import annotations
