@@ -1,4 +1,4 @@
-"""The ``bench`` subcommand: the contest-style load test (``llm_serving.bench_client``) as ``llm-serving bench``."""
+"""The ``bench`` subcommand: the contest-style load test (the ``loadtest`` package) as ``llm-serving bench``."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from llm_serving.cli import Command
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    from llm_serving import bench_client
+    from loadtest import client as bench_client
 
     bench_client.add_arguments(p)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from llm_serving import bench_client
+    from loadtest import client as bench_client
 
     return bench_client.run_args(args, "llm-serving bench")
 

@@ -7,7 +7,7 @@ through the dataset in order, each ``{"inputs": instruction[":" + input], "param
 ``/models/<model>/generate_stream``, and writes ``result_<qps>_x.json`` with the contest's per-request fields.
 
 Beyond the contest script it offers real arrival processes, a concurrency cap, the ``full`` and OpenAI
-endpoints, a time-bounded run (per-request timeout), metrics and plots (see ``llm_serving.bench_report``).
+endpoints, a time-bounded run (per-request timeout), metrics and plots (see ``loadtest.report``).
 
 Token counts: with ``--tokenizer`` the served sentencepiece model counts prompt tokens (with ``<s>``) and
 ``max_new_tokens`` (reference output, without ``<s>``, like the contest's ``tokenizer.tokenize``). Without it
@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from llm_serving import bench_report
+from loadtest import report as bench_report
 
 DEFAULT_DATASET = "./alpaca_5010.json"
 DEFAULT_PORT = 8000
@@ -113,24 +113,34 @@ class TokenCounter:
         if tokens_per_word <= 0:
             raise BenchError(f"--tokens-per-word must be > 0, got {tokens_per_word}")
         self.tokens_per_word = tokens_per_word
-        self._tok = None
+        self._sp = None
+        self.path: Path | None = None
         if tokenizer_path is not None:
-            from llm_serving.tokenizer import Tokenizer, TokenizerError
+            # sentencepiece itself rather than llm_serving.tokenizer, so this package needs nothing from the
+            # server it measures; imported here because only --tokenizer uses it.
+            import sentencepiece as spm
 
+            path = Path(tokenizer_path)
+            if path.is_dir():
+                path = path / "tokenizer.model"
+            if not path.is_file():
+                raise BenchError(f"--tokenizer: tokenizer model not found: {path}")
+            sp = spm.SentencePieceProcessor()
             try:
-                self._tok = Tokenizer(tokenizer_path)
-            except TokenizerError as e:
-                raise BenchError(f"--tokenizer: {e}") from e
+                sp.Load(str(path))
+            except (OSError, RuntimeError) as e:
+                raise BenchError(f"--tokenizer: cannot load sentencepiece model {path}: {e}") from e
+            self._sp, self.path = sp, path
 
     @property
     def method(self) -> str:
-        if self._tok is not None:
-            return f"tokenizer {self._tok.path}"
+        if self._sp is not None:
+            return f"tokenizer {self.path}"
         return f"estimate: ceil(words x {self.tokens_per_word})"
 
     def count(self, text: str, add_bos: bool) -> int:
-        if self._tok is not None:
-            return len(self._tok.encode(text, add_bos=add_bos))
+        if self._sp is not None:  # Llama's <s> is one id in front of the pieces
+            return len(self._sp.encode(text)) + int(add_bos)
         return math.ceil(len(text.split()) * self.tokens_per_word) + int(add_bos)
 
 

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from llm_serving import bench_client as bc
-from llm_serving import bench_report
 from llm_serving.tokenizer import Tokenizer
 from llm_serving.tokenizer_training import train_tokenizer
-from llm_serving.workload import LengthDist, WorkloadError, WorkloadSpec, make_workload
-from llm_serving.workload import main as workload_main
+from loadtest import client as bc
+from loadtest import report as bench_report
+from loadtest.workload import LengthDist, WorkloadError, WorkloadSpec, make_workload
+from loadtest.workload import main as workload_main
 
 TTFT = 0.08  # fake server: delay before the first token
 ITL = 0.01  # fake server: delay between tokens

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from llm_serving.bench_client import RequestResult
+    from loadtest.client import RequestResult
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
