@@ -8,15 +8,15 @@ from llm_serving.cli import Command
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    from loadtest import client as bench_client
+    from loadtest import cli
 
-    bench_client.add_arguments(p)
+    cli.add_arguments(p)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from loadtest import client as bench_client
+    from loadtest import cli
 
-    return bench_client.run_args(args, "llm-serving bench")
+    return cli.run_args(args, "llm-serving bench")
 
 
 COMMAND = Command("bench", "load-test a running server (test_serving_performance.py flags: -X -P -O -T ...)",

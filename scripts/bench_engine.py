@@ -36,7 +36,7 @@ from llm_serving.config import ServingConfig
 from llm_serving.engine import Engine
 from llm_serving.request_stream import GenerationResult
 from llm_serving.sequence import SamplingParams
-from loadtest.client import contest_prompt
+from loadtest.dataset import contest_prompt
 from loadtest.workload import WorkloadSpec, make_workload
 
 BENCH_MODEL = {"hidden_size": 512, "intermediate_size": 1408, "num_layers": 8, "num_heads": 8,

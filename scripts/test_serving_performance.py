@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from loadtest.client import main
+from loadtest.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,8 +20,11 @@ from aiohttp import web
 
 from llm_serving.tokenizer import Tokenizer
 from llm_serving.tokenizer_training import train_tokenizer
-from loadtest import client as bc
-from loadtest import report as bench_report
+from loadtest import BenchError, plots
+from loadtest.cli import main as loadtest_main
+from loadtest.client import ProgressBar, arrival_offsets, benchmark, parse_gauge, wait_ready
+from loadtest.dataset import BenchRequest, contest_prompt, load_dataset
+from loadtest.protocol import BenchConfig
 from loadtest.workload import LengthDist, WorkloadError, WorkloadSpec, make_workload
 from loadtest.workload import main as workload_main
 
@@ -171,7 +174,7 @@ def run_cli(tmp_path: Path, server: FakeServer, dataset: Path, *extra: str) -> t
     out = tmp_path / "out"
     argv = ["-P", str(server.port), "-O", str(out), "--dataset", str(dataset), "--tokens-per-word", "1",
             "--no-progress", "--metrics-interval", "0.05", *extra]
-    rc = bc.main(argv)
+    rc = loadtest_main(argv)
     qps = float(argv[argv.index("-X") + 1]) if "-X" in argv else 1.0
     summary = json.loads((out / f"summary_{qps}_x.json").read_text())
     results = json.loads((out / f"result_{qps}_x.json").read_text())
@@ -235,7 +238,7 @@ def test_stream_contest_defaults_metrics_and_files(tmp_path, server):
     for name in ("latency_cdf", "throughput", "running_batch"):
         img = decode_png((out / f"{name}_4.0_x.png").read_bytes())
         assert img.shape[0] > 300 and img.shape[1] > 600
-        assert (img == bench_report.PALETTE[0]).all(axis=2).sum() > 50  # a drawn series, not just axes
+        assert (img == plots.PALETTE[0]).all(axis=2).sum() > 50  # a drawn series, not just axes
 
 
 def test_no_full_text_and_concurrency_cap_and_server_gauge(tmp_path, server):
@@ -313,10 +316,10 @@ def test_request_timeout_bounds_the_run(tmp_path, server):
 
 
 def test_requests_leave_on_the_arrival_schedule(server):
-    cfg = bc.BenchConfig(port=server.port, qps=25, arrival="poisson", seed=7, metrics_interval=0)
-    reqs = [bc.BenchRequest(i, f"p{i}", 1, 2) for i in range(8)]
-    run = asyncio.run(bc.benchmark(reqs, cfg, progress=False))
-    planned = bc.arrival_offsets(8, 25, "poisson", seed=7)
+    cfg = BenchConfig(port=server.port, qps=25, arrival="poisson", seed=7, metrics_interval=0)
+    reqs = [BenchRequest(i, f"p{i}", 1, 2) for i in range(8)]
+    run = asyncio.run(benchmark(reqs, cfg, progress=False))
+    planned = arrival_offsets(8, 25, "poisson", seed=7)
     sends = np.array([r.send_time for r in run.results])
     assert np.abs(sends - planned).max() < 0.02
     seen = np.array(sorted(server.arrivals))
@@ -333,16 +336,16 @@ def test_tokenizer_counts_max_new_tokens(tmp_path, server):
     records = json.loads(dataset.read_text())
     expect = [len(tok.encode(r["output"], add_bos=False)) for r in records]
     assert [r["max_new_tokens"] for r in results] == expect
-    assert [r["prompt_tokens"] for r in results] == [len(tok.encode(bc.contest_prompt(r))) for r in records]
+    assert [r["prompt_tokens"] for r in results] == [len(tok.encode(contest_prompt(r))) for r in records]
 
 
 def test_wait_ready(server):
-    asyncio.run(bc.wait_ready(bc.BenchConfig(port=server.port), 2.0))
+    asyncio.run(wait_ready(BenchConfig(port=server.port), 2.0))
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
-    with pytest.raises(bc.BenchError, match=f"127.0.0.1:{free} not ready after 0.3s"):
-        asyncio.run(bc.wait_ready(bc.BenchConfig(port=free), 0.3))
+    with pytest.raises(BenchError, match=f"127.0.0.1:{free} not ready after 0.3s"):
+        asyncio.run(wait_ready(BenchConfig(port=free), 0.3))
 
 
 def test_scripts_run_from_any_directory(tmp_path):
@@ -350,7 +353,7 @@ def test_scripts_run_from_any_directory(tmp_path):
     made = subprocess.run([sys.executable, str(root / "scripts" / "make_workload.py"), "-n", "5"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=60, check=False)
     assert made.returncode == 0, made.stderr
-    assert len(bc.load_dataset(tmp_path / "alpaca_5010.json")) == 5  # the contest's default file name
+    assert len(load_dataset(tmp_path / "alpaca_5010.json")) == 5  # the contest's default file name
     helped = subprocess.run([sys.executable, str(root / "scripts" / "test_serving_performance.py"), "--help"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
     assert helped.returncode == 0 and "--dataset_path" in helped.stdout and "--max-concurrency" in helped.stdout
@@ -358,7 +361,7 @@ def test_scripts_run_from_any_directory(tmp_path):
 
 # ------------------------------------------------------------------------------------- arrival process
 def _gaps(process: str, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
-    return np.diff(bc.arrival_offsets(20001, 10.0, process, burstiness, seed))
+    return np.diff(arrival_offsets(20001, 10.0, process, burstiness, seed))
 
 
 def test_poisson_gaps_are_exponential():
@@ -378,26 +381,26 @@ def test_gamma_burstiness_and_constant():
     assert np.allclose(_gaps("constant"), 0.1)
     assert not np.array_equal(_gaps("poisson", seed=1), _gaps("poisson", seed=2))
     assert np.array_equal(_gaps("poisson", seed=3), _gaps("poisson", seed=3))
-    assert not bc.arrival_offsets(5, math.inf).any()
-    with pytest.raises(bc.BenchError, match="qps"):
-        bc.arrival_offsets(5, 0.0)
-    with pytest.raises(bc.BenchError, match="arrival"):
-        bc.arrival_offsets(5, 1.0, "uniform")
+    assert not arrival_offsets(5, math.inf).any()
+    with pytest.raises(BenchError, match="qps"):
+        arrival_offsets(5, 0.0)
+    with pytest.raises(BenchError, match="arrival"):
+        arrival_offsets(5, 1.0, "uniform")
 
 
 # ----------------------------------------------------------------------------------------- CLI errors
 def test_cli_errors_name_the_problem(tmp_path, capsys):
     missing = tmp_path / "nope.json"
-    assert bc.main(["--dataset", str(missing), "--num-prompts", "1", "--no-progress"]) == 2
+    assert loadtest_main(["--dataset", str(missing), "--num-prompts", "1", "--no-progress"]) == 2
     assert str(missing) in capsys.readouterr().err
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"instruction": "a", "input": "", "output": "b"}, {"instruction": "a"}]))
-    assert bc.main(["--dataset", str(bad), "--num-prompts", "1"]) == 2
+    assert loadtest_main(["--dataset", str(bad), "--num-prompts", "1"]) == 2
     assert "record 1: key 'input'" in capsys.readouterr().err
     good = write_dataset(tmp_path / "good.json", [1])
-    assert bc.main(["--dataset", str(good), "-X", "inf"]) == 2
+    assert loadtest_main(["--dataset", str(good), "-X", "inf"]) == 2
     assert "--num-prompts" in capsys.readouterr().err
-    assert bc.main(["--dataset", str(good), "-X", "1", "-T", "0.5"]) == 2
+    assert loadtest_main(["--dataset", str(good), "-X", "1", "-T", "0.5"]) == 2
     assert "nothing to send" in capsys.readouterr().err
 
 
@@ -416,26 +419,26 @@ def test_progress_bar_and_gauge_parsing():
             return False
 
     sink = Sink()
-    bar = bc.ProgressBar(20, stream=sink)
+    bar = ProgressBar(20, stream=sink)
     for i in range(20):
         bar.update(ok=i != 3)
     lines = sink.text.splitlines()
     assert len(lines) == 10 and lines[-1].startswith("[" + "#" * 30 + "] 20/20 failed 1")
     metrics = 'x 1\nllm_serving_running_batch_size{m="a"} 3\nllm_serving_running_batch_size_max 9\n'
-    assert bc.parse_gauge(metrics, "llm_serving_running_batch_size") == 3.0
-    assert bc.parse_gauge("x 1\n", "llm_serving_running_batch_size") is None
+    assert parse_gauge(metrics, "llm_serving_running_batch_size") == 3.0
+    assert parse_gauge("x 1\n", "llm_serving_running_batch_size") is None
 
 
 def test_png_encoder_round_trips_and_text_draws():
     rng = np.random.default_rng(0)
     px = rng.integers(0, 256, (7, 5, 3), dtype=np.uint8)
-    assert np.array_equal(decode_png(bench_report.encode_png(px)), px)
-    c = bench_report.Canvas(60, 20)
+    assert np.array_equal(decode_png(plots.encode_png(px)), px)
+    c = plots.Canvas(60, 20)
     c.text(1, 1, "1.5", scale=1)
     ink = (c.px == 0).all(axis=2)
-    assert np.array_equal(ink[1:8, 1:6], bench_report._FONT["1"]) and ink[1:8, 13:18].any()
+    assert np.array_equal(ink[1:8, 1:6], plots._FONT["1"]) and ink[1:8, 13:18].any()
     with pytest.raises(ValueError, match="uint8"):
-        bench_report.encode_png(px.astype(np.int32))
+        plots.encode_png(px.astype(np.int32))
 
 
 # ------------------------------------------------------------------------------------------- workload
@@ -451,9 +454,9 @@ def test_workload_deterministic_and_alpaca_shaped(tmp_path):
     assert np.percentile(words, 95) > 2.5 * np.median(words)  # long tail
     out = tmp_path / "alpaca_5010.json"
     assert workload_main(["-o", str(out), "-n", "20", "--seed", "1"]) == 0
-    assert bc.load_dataset(out) == make_workload(WorkloadSpec(num=20, seed=1))
+    assert load_dataset(out) == make_workload(WorkloadSpec(num=20, seed=1))
     assert workload_main(["-o", str(out), "-n", "100", "--max-input-words", "10", "--max-output-words", "50"]) == 0
-    capped = bc.load_dataset(out)
+    capped = load_dataset(out)
     assert max(len(r["input"].split()) for r in capped) == 10 and max(len(r["output"].split()) for r in capped) == 50
     with pytest.raises(WorkloadError, match="num"):
         WorkloadSpec(num=0)

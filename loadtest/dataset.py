@@ -1,0 +1,108 @@
+"""What to send: an alpaca dataset read and checked, token counts, and the requests built from it.
+
+A request's prompt is the contest's ``instruction[":" + input]`` and its ``max_new_tokens`` the token count of
+the reference ``output``. With ``--tokenizer`` the served sentencepiece model counts prompt tokens (with
+``<s>``) and ``max_new_tokens`` (reference output, without ``<s>``, like the contest's ``tokenizer.tokenize``).
+Without it both are estimated as ``ceil(words * --tokens-per-word)`` over whitespace-separated words, +1 for
+``<s>`` on prompts (1.3 suits English with a Llama-2 vocabulary). The server's own counts replace these when
+it reports them (see ``loadtest.protocol``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from loadtest import BenchError
+
+DEFAULT_DATASET = "./alpaca_5010.json"
+
+
+@dataclass
+class BenchRequest:
+    index: int
+    prompt: str
+    max_new_tokens: int
+    prompt_tokens: int
+
+
+class TokenCounter:
+    """Counts tokens with the served tokenizer when given, else estimates from whitespace-separated words."""
+
+    def __init__(self, tokenizer_path: str | Path | None = None, tokens_per_word: float = 1.3):
+        if tokens_per_word <= 0:
+            raise BenchError(f"--tokens-per-word must be > 0, got {tokens_per_word}")
+        self.tokens_per_word = tokens_per_word
+        self._sp = None
+        self.path: Path | None = None
+        if tokenizer_path is not None:
+            # sentencepiece itself rather than llm_serving.tokenizer, so this package needs nothing from the
+            # server it measures; imported here because only --tokenizer uses it.
+            import sentencepiece as spm
+
+            path = Path(tokenizer_path)
+            if path.is_dir():
+                path = path / "tokenizer.model"
+            if not path.is_file():
+                raise BenchError(f"--tokenizer: tokenizer model not found: {path}")
+            sp = spm.SentencePieceProcessor()
+            try:
+                sp.Load(str(path))
+            except (OSError, RuntimeError) as e:
+                raise BenchError(f"--tokenizer: cannot load sentencepiece model {path}: {e}") from e
+            self._sp, self.path = sp, path
+
+    @property
+    def method(self) -> str:
+        if self._sp is not None:
+            return f"tokenizer {self.path}"
+        return f"estimate: ceil(words x {self.tokens_per_word})"
+
+    def count(self, text: str, add_bos: bool) -> int:
+        if self._sp is not None:  # Llama's <s> is one id in front of the pieces
+            return len(self._sp.encode(text)) + int(add_bos)
+        return math.ceil(len(text.split()) * self.tokens_per_word) + int(add_bos)
+
+
+def load_dataset(path: str | Path) -> list[dict[str, str]]:
+    """Read an alpaca json list of ``{"instruction", "input", "output"}`` (strings), checking every record."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BenchError(f"dataset {path} not found (make one with scripts/make_workload.py)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BenchError(f"cannot read dataset {path}: {e}") from e
+    if not isinstance(data, list) or not data:
+        raise BenchError(f"dataset {path} must be a non-empty json list of alpaca records")
+    for i, rec in enumerate(data):
+        if not isinstance(rec, dict):
+            raise BenchError(f"dataset {path} record {i} is {type(rec).__name__}, expected an object")
+        for key in ("instruction", "input", "output"):
+            if not isinstance(rec.get(key), str):
+                raise BenchError(f"dataset {path} record {i}: key {key!r} missing or not a string")
+    return data
+
+
+def contest_prompt(record: dict[str, str]) -> str:
+    return record["instruction"] + ":" + record["input"] if record["input"] else record["instruction"]
+
+
+def build_requests(records: Sequence[dict[str, str]], num_prompts: int, counter: TokenCounter,
+                   shuffle: bool = False, seed: int = 0) -> list[BenchRequest]:
+    """``num_prompts`` requests cycling through the records in order (or a seeded shuffle of them)."""
+    order = np.arange(len(records))
+    if shuffle:
+        np.random.default_rng(seed).shuffle(order)
+    out = []
+    for i in range(num_prompts):
+        rec = records[int(order[i % len(records)])]
+        prompt = contest_prompt(rec)
+        out.append(BenchRequest(i, prompt, max(counter.count(rec["output"], add_bos=False), 1),
+                                counter.count(prompt, add_bos=True)))
+    return out
