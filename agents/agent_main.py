@@ -10,17 +10,25 @@ process outlives the master. Errors are reported as frames, never as a silent ex
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import select
 import signal
 import sys
 import threading
-import traceback
 from collections.abc import Callable
 
-from llm_serving.agent_pool import CMD, DONE, ERROR, PROGRESS, READY, STARTUP_STEP, AgentSpec, encode_frame
-from llm_serving.shm_channel import StepChannel
+from llm_serving.protocol.shm_channel import StepChannel
+from llm_serving.protocol.wire import (
+    CMD,
+    DONE,
+    ERROR,
+    PROGRESS,
+    READY,
+    STARTUP_STEP,
+    AgentSpec,
+    encode_frame,
+    error_payload,
+)
 
 
 class Replier:
@@ -38,8 +46,7 @@ class Replier:
             _exit(0)
 
     def error(self, step: int, exc: BaseException) -> None:
-        summary = f"{type(exc).__name__}: {exc}"
-        self.send(step, ERROR, json.dumps({"error": summary, "traceback": traceback.format_exc()}))
+        self.send(step, ERROR, error_payload(exc))
 
 
 def _exit(code: int) -> None:
@@ -65,8 +72,8 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None]):
     if spec.kind == "standin":
         from agents.standin import StandinRunner
         return StandinRunner(int(spec.llama_config["vocab_size"]), spec.step_delay_s)
-    from agents.model_config import LlamaConfig
     from agents.weights import load_weights
+    from llm_serving.protocol.model_config import LlamaConfig
 
     config = LlamaConfig(**spec.llama_config)
     progress(f"loading weights from {spec.model_path}")

@@ -13,8 +13,8 @@ import json
 import shutil
 from pathlib import Path
 
-from agents.model_config import LlamaConfig
 from agents.weights import CKPT_FILE, load_weights, save_mindspore_checkpoint
+from llm_serving.protocol.model_config import LlamaConfig
 
 
 def convert(model: Path, out: Path, config_dir: Path | None = None) -> Path:

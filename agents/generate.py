@@ -1,12 +1,14 @@
-"""Offline greedy generation with one in-process model runner (no server, no agent processes).
+"""Offline greedy generation with one in-process model runner (no server, no agent processes, no scheduler).
 
     python -m agents.generate --model <HF or converted dir> --prompts prompts.json --max-new-tokens N
                               [--batch-size B] [--dtype float32]
 
 Prints one JSON object per prompt, in order: ``{"prompt", "prompt_ids", "token_ids", "logprobs", "text"}``.
 Prompt ids are bos + sentencepiece ids; generation stops at eos (included in ``token_ids``, as Hugging Face
-does) or after N tokens. Batching uses the engine's own scheduler and block manager, so results match the
-engine's; only the shapes this workload needs are compiled.
+does) or after N tokens. Prompts run in static batches of B: one prefill, then decode steps until each is
+done, every sequence in its own contiguous blocks. It builds the step batches itself rather than using the
+master's scheduler, so it is an independent reference for the engine's results; only the shapes this
+workload needs are compiled.
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from agents.model_config import LlamaConfig
+import numpy as np
+import sentencepiece as spm
+
 from agents.runner import ModelRunner, RunnerConfig
 from agents.weights import load_weights
-from llm_serving.scheduler import Scheduler, SchedulerConfig
-from llm_serving.sequence import SamplingParams, Sequence
-from llm_serving.tokenizer import Tokenizer
+from llm_serving.protocol.batch import StepBatch
+from llm_serving.protocol.model_config import LlamaConfig, blocks_needed
 
 BLOCK_SIZE = 16
 
@@ -45,26 +49,56 @@ def read_prompts(path: Path) -> list[str]:
     return prompts
 
 
-def generate(runner: ModelRunner, prompt_ids: list[list[int]], max_new_tokens: int, batch_size: int,
-             eos_token_id: int | None) -> list[Sequence]:
-    """Greedy generation for every prompt through the scheduler; returns the finished sequences in order."""
-    rc = runner.rc
-    scheduler = Scheduler(SchedulerConfig(
-        num_blocks=rc.num_blocks, block_size=rc.block_size, max_num_seqs=batch_size,
-        max_prefill_batch=batch_size, max_num_batched_tokens=max(batch_size * rc.prefill_seq_lengths[-1],
-                                                                   rc.max_model_len),
-        max_model_len=rc.max_model_len, eos_token_id=eos_token_id, policy="fcfs", max_wait_s=None,
-        max_prompt_len=rc.prefill_seq_lengths[-1]))
-    seqs = [Sequence(str(i), ids, SamplingParams(max_new_tokens=max_new_tokens)) for i, ids in enumerate(prompt_ids)]
+@dataclass
+class _Sequence:
+    prompt_ids: list[int]
+    blocks: list[int]  # contiguous, never shared
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+def _step_batch(seqs: list[_Sequence], prefill: bool, width: int) -> StepBatch:
+    """The prefill (whole prompts) or decode (last token) step of ``seqs``."""
+    ids, positions, slots, query_lens = [], [], [], []
     for seq in seqs:
-        scheduler.add(seq)
-    while scheduler.has_unfinished():
-        step = scheduler.schedule()
-        if step is None:
-            raise RuntimeError("scheduler stalled with unfinished requests")
-        scheduled, batch = step
-        scheduler.postprocess(scheduled, runner.step(batch))
-    return seqs
+        start = 0 if prefill else len(seq.ids) - 1
+        pos = np.arange(start, len(seq.ids))
+        ids.append(np.asarray(seq.ids[start:], np.int32))
+        positions.append(pos)
+        slots.append(np.asarray(seq.blocks, np.int64)[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+        query_lens.append(len(pos))
+    tables = np.zeros((len(seqs), width), np.int32)
+    for i, seq in enumerate(seqs):
+        tables[i, :len(seq.blocks)] = seq.blocks
+    return StepBatch(prefill, np.concatenate(ids), np.concatenate(positions).astype(np.int32),
+                     np.concatenate(slots).astype(np.int32), np.asarray(query_lens, np.int32),
+                     np.asarray([len(s.ids) for s in seqs], np.int32), tables)
+
+
+def generate(runner: ModelRunner, prompt_ids: list[list[int]], max_new_tokens: int, batch_size: int,
+             eos_token_id: int | None) -> list[_Sequence]:
+    """Greedy generation for every prompt, ``batch_size`` prompts at a time; the sequences in prompt order."""
+    width = blocks_needed(runner.rc.max_model_len, BLOCK_SIZE)
+    done: list[_Sequence] = []
+    for first in range(0, len(prompt_ids), batch_size):
+        # block 0 is the runner's padding block: sequence i of the batch owns blocks 1 + i*width ...
+        batch = [_Sequence(list(ids), list(range(1 + i * width, 1 + i * width + width)))
+                 for i, ids in enumerate(prompt_ids[first:first + batch_size])]
+        running, prefill = batch, True
+        while running:
+            out = runner.step(_step_batch(running, prefill, width))
+            prefill = False
+            for seq, token, logprob in zip(running, out.token_ids.tolist(), out.logprobs.tolist()):
+                seq.output_ids.append(int(token))
+                seq.logprobs.append(float(logprob))
+            running = [s for s in running if len(s.output_ids) < max_new_tokens
+                       and s.output_ids[-1] != eos_token_id]
+        done.extend(batch)
+    return done
 
 
 def build_runner(model: Path, config: LlamaConfig, prompt_ids: list[list[int]], max_new_tokens: int,
@@ -72,7 +106,7 @@ def build_runner(model: Path, config: LlamaConfig, prompt_ids: list[list[int]], 
     """A runner whose buckets cover exactly this workload (one prefill length, decode widths by powers of 2)."""
     longest = max(len(p) for p in prompt_ids)
     seq_bucket = _pow2_at_least(longest)
-    max_model_len = max(seq_bucket, -(-(longest + max_new_tokens) // BLOCK_SIZE) * BLOCK_SIZE)
+    max_model_len = max(seq_bucket, blocks_needed(longest + max_new_tokens, BLOCK_SIZE) * BLOCK_SIZE)
     blocks_per_seq = max_model_len // BLOCK_SIZE
     rc = RunnerConfig(num_blocks=batch_size * blocks_per_seq + 1, block_size=BLOCK_SIZE, max_model_len=max_model_len,
                       prefill_batch_sizes=(batch_size,), prefill_seq_lengths=(seq_bucket,),
@@ -96,18 +130,17 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--max-new-tokens and --batch-size must be positive")
 
     config = LlamaConfig.from_model_dir(args.model)
-    tokenizer = Tokenizer(args.tokenizer or args.model / "tokenizer.model")
+    sp = spm.SentencePieceProcessor(model_file=str(args.tokenizer or args.model / "tokenizer.model"))
     prompts = read_prompts(args.prompts)
     if not prompts:
         return
-    prompt_ids = [tokenizer.encode(p) for p in prompts]
+    prompt_ids = [[sp.bos_id(), *sp.encode(p)] for p in prompts]
     batch_size = min(args.batch_size, len(prompts))
     runner = build_runner(args.model, config, prompt_ids, args.max_new_tokens, batch_size, args.dtype)
-    for prompt, seq in zip(prompts, generate(runner, prompt_ids, args.max_new_tokens, batch_size,
-                                             tokenizer.eos_id)):
+    for prompt, seq in zip(prompts, generate(runner, prompt_ids, args.max_new_tokens, batch_size, sp.eos_id())):
+        text_ids = [i for i in seq.output_ids if not (sp.is_control(i) or sp.is_unknown(i))]  # as HF skips them
         print(json.dumps({"prompt": prompt, "prompt_ids": seq.prompt_ids, "token_ids": seq.output_ids,
-                          "logprobs": seq.output_logprobs, "text": tokenizer.decode(seq.output_ids)},
-                         ensure_ascii=False), flush=True)
+                          "logprobs": seq.logprobs, "text": sp.decode(text_ids)}, ensure_ascii=False), flush=True)
 
 
 if __name__ == "__main__":

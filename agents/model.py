@@ -26,8 +26,8 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from agents import packed_weights
-from agents.model_config import LlamaConfig
 from agents.native_kernels import NativeOps
+from llm_serving.protocol.model_config import LlamaConfig
 
 _NEG_INF = -1e30
 

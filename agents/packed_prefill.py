@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from agents.bucket_plan import groups_from_cuts
-from llm_serving.batch import StepBatch
+from llm_serving.protocol.batch import StepBatch
 
 
 def token_buckets(batch_sizes: tuple[int, ...], seq_lengths: tuple[int, ...], max_model_len: int) -> tuple[int, ...]:

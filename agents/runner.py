@@ -22,16 +22,15 @@ from mindspore import Tensor
 from agents.bucket_plan import plan_groups
 from agents.device import setup_device
 from agents.model import LlamaModel, LlamaStep, load_weights_into
-from agents.model_config import LlamaConfig
 from agents.native_kernels import KernelBuildError, NativeOps, native_ops
 from agents.packed_prefill import packed_arrays, plan_packed, token_buckets
 from agents.sampler import sample
-from llm_serving.batch import StepBatch, StepOutput
+from llm_serving.protocol.batch import StepBatch, StepOutput
+from llm_serving.protocol.model_config import DTYPES, KERNEL_CHOICES, LlamaConfig, blocks_needed
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
-KERNEL_CHOICES = ("auto", "native", "portable")
+MS_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}  # keyed by protocol DTYPES
 
 
 def _powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
@@ -61,7 +60,7 @@ class RunnerConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+            raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels {self.kernels!r} is not one of {list(KERNEL_CHOICES)}")
         for name in ("prefill_batch_sizes", "prefill_seq_lengths", "decode_batch_sizes"):
@@ -77,7 +76,7 @@ class RunnerConfig:
 
     @property
     def max_blocks_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+        return blocks_needed(self.max_model_len, self.block_size)
 
 
 def native_ops_for(rc: RunnerConfig, hidden_size: int) -> NativeOps | None:
@@ -121,7 +120,7 @@ class ModelRunner:
         # next to nothing and splitting a decode batch to save padding never pays.
         self.skips_padding = native is not None and native.projections
         self.token_buckets = token_buckets(rc.prefill_batch_sizes, rc.prefill_seq_lengths, rc.max_model_len)
-        self.model = LlamaModel(config, rc.num_blocks, rc.block_size, rc.max_model_len, DTYPES[rc.dtype], native)
+        self.model = LlamaModel(config, rc.num_blocks, rc.block_size, rc.max_model_len, MS_DTYPES[rc.dtype], native)
         load_weights_into(self.model, weights)
         prefill = LlamaStep(self.model, is_prefill=True)
         self.graphs = {"prefill": prefill, "packed": prefill, "decode": LlamaStep(self.model, is_prefill=False)}
@@ -215,7 +214,7 @@ class ModelRunner:
             s = _fit(longest, rc.prefill_seq_lengths)
             return ("prefill", b, s) if b and s else None
         b = _fit(count, rc.decode_batch_sizes)
-        w = _fit(-(-longest // rc.block_size), rc.decode_block_widths)
+        w = _fit(blocks_needed(longest, rc.block_size), rc.decode_block_widths)
         return ("decode", b, w) if b and w else None
 
     def _packed_shape(self, tokens: int) -> tuple | None:
@@ -317,7 +316,7 @@ class ModelRunner:
             raise ValueError(f"slot_mapping has slots outside the KV cache [0, {num_slots})")
         if batch.is_prefill:
             return
-        used = -(-batch.context_lens // rc.block_size)
+        used = blocks_needed(batch.context_lens, rc.block_size)
         if batch.context_lens.size and (batch.context_lens.min() < 1 or used.max() > batch.block_tables.shape[1]):
             raise ValueError("decode context lengths must be >= 1 and covered by the block tables")
         in_use = np.arange(batch.block_tables.shape[1]) < used[:, None]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llm_serving.batch import SamplingBatch
+from llm_serving.protocol.batch import SamplingBatch
 
 # Top-p looks at this many best candidates first and falls back to a full sort when they hold < top_p mass.
 _TOP_P_CANDIDATES = 256

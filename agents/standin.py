@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from llm_serving.batch import StepBatch, StepOutput
+from llm_serving.protocol.batch import StepBatch, StepOutput
 
 STANDIN_LOGPROB = -1.0
 

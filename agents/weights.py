@@ -16,11 +16,14 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from agents.model_config import SUPPORTED_ARCHITECTURES, LlamaConfig
 from agents.safetensors_io import SafetensorsError, SafetensorsFile
+from llm_serving.protocol.model_config import (
+    HF_INDEX_FILE,
+    HF_SINGLE_FILE,
+    SUPPORTED_ARCHITECTURES,
+    LlamaConfig,
+)
 
-HF_SINGLE_FILE = "model.safetensors"
-HF_INDEX_FILE = "model.safetensors.index.json"
 CKPT_FILE = "model.ckpt"
 
 # Source naming conventions: canonical kind -> alternatives, each a list of source names whose tensors

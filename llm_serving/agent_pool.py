@@ -19,76 +19,33 @@ Failure handling is the point of the design:
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import signal
-import struct
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llm_serving.batch import StepBatch, StepOutput
-from llm_serving.shm_channel import ChannelLayout, StepChannel
+from llm_serving.protocol.batch import StepBatch, StepOutput
+from llm_serving.protocol.shm_channel import StepChannel
+from llm_serving.protocol.wire import (
+    CMD,
+    DONE,
+    ERROR,
+    FRAME,
+    PROGRESS,
+    READY,
+    AgentSpec,
+    parse_error_payload,
+)
 
 if TYPE_CHECKING:
     from typing import Self
-
-KINDS = ("llama", "standin")
-
-# ---- pipe protocol (shared with agents.agent_main) ---------------------------------------------------------
-CMD = struct.Struct("<q")  # master -> agent: step number to run; a negative number means "exit"
-FRAME = struct.Struct("<qii")  # agent -> master: (step, kind, payload length) + utf-8 payload
-DONE, PROGRESS, READY, ERROR = 0, 1, 2, 3
-STARTUP_STEP = -1  # step number of frames sent before the agent is ready
-
-
-def encode_frame(step: int, kind: int, payload: str = "") -> bytes:
-    data = payload.encode("utf-8", "replace")
-    return FRAME.pack(step, kind, len(data)) + data
-
-
-@dataclass(frozen=True)
-class AgentSpec:
-    """Everything an agent process needs to start; JSON-able so it travels on the command line."""
-
-    kind: str  # "llama" (MindSpore ModelRunner) or "standin" (answers instantly, no MindSpore)
-    model_path: str | None  # HF dir / converted dir / .ckpt / .safetensors for kind="llama"
-    llama_config: dict  # agents.model_config.LlamaConfig fields
-    runner_config: dict  # agents.runner.RunnerConfig fields (device_id is set per rank)
-    max_tokens: int  # shm capacity: max tokens in one step
-    max_batch: int  # shm capacity: max sequences in one step
-    max_blocks_per_seq: int  # shm capacity: block-table width
-    max_penalty_tokens: int | None = None  # shm capacity: repetition-penalty ids per step (None: max_tokens)
-    start_device_id: int = 0
-    step_delay_s: float = 0.0  # standin only: simulated compute time per step
-    extra_env: dict = field(default_factory=dict)  # environment variables for the agent processes
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"AgentSpec.kind must be one of {KINDS}, got {self.kind!r}")
-        if self.kind == "llama" and not self.model_path:
-            raise ValueError("AgentSpec.model_path is required for kind 'llama'")
-        if "vocab_size" not in self.llama_config:
-            raise ValueError("AgentSpec.llama_config needs at least 'vocab_size'")
-        _ = self.layout  # validates the capacities
-
-    @property
-    def layout(self) -> ChannelLayout:
-        return ChannelLayout(self.max_tokens, self.max_batch, self.max_blocks_per_seq, self.max_penalty_tokens)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> AgentSpec:
-        return cls(**json.loads(text))
-
 
 class AgentError(RuntimeError):
     """Base class of the pool's errors."""
@@ -127,15 +84,6 @@ def describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _error_text(payload: str) -> tuple[str, str]:
-    """(one-line summary, traceback) of an ERROR frame's JSON payload."""
-    try:
-        data = json.loads(payload)
-        return str(data["error"]), str(data.get("traceback", ""))
-    except (ValueError, KeyError, TypeError):
-        return payload, ""
-
-
 @dataclass
 class _Agent:
     rank: int
@@ -147,19 +95,17 @@ class _Agent:
 
 
 class AgentPool:
-    """Starts ``num_agents`` agent processes for ``spec`` and runs steps on them (one caller thread at a time):
+    """Starts ``spec.tensor_parallel_size`` agent processes and runs steps on them (one caller thread at a time):
     ``run_step``, or ``submit`` then ``collect`` to work while the agents compute.
 
     ``close()`` may be called from any thread, also while a step is in flight (``collect`` then raises
     ``AgentDiedError``). Use as a context manager or call ``close()``; both are idempotent.
     """
 
-    def __init__(self, spec: AgentSpec, num_agents: int = 1, startup_timeout_s: float = 600.0,
+    def __init__(self, spec: AgentSpec, startup_timeout_s: float = 600.0,
                  step_timeout_s: float | None = None, shutdown_grace_s: float = 5.0) -> None:
-        if num_agents < 1:
-            raise ValueError(f"num_agents must be >= 1, got {num_agents}")
         self.spec = spec
-        self.num_agents = num_agents
+        self.num_agents = spec.tensor_parallel_size
         self.startup_timeout_s = startup_timeout_s
         self.step_timeout_s = step_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
@@ -262,7 +208,7 @@ class AgentPool:
                     elif kind == READY:
                         pending.discard(agent.rank)
                     elif kind == ERROR:
-                        summary, tb = _error_text(payload)
+                        summary, tb = parse_error_payload(payload)
                         raise AgentStartupError(f"agent rank {agent.rank} failed to start: {summary}",
                                                 rank=agent.rank, agent_traceback=tb)
 
@@ -332,7 +278,7 @@ class AgentPool:
                         waiting -= 1
                     elif kind == ERROR and got == step:
                         waiting -= 1
-                        summary, tb = _error_text(payload)
+                        summary, tb = parse_error_payload(payload)
                         error = error or AgentStepError(f"agent rank {agent.rank} failed step {step}: {summary}",
                                                         agent.rank, tb)
                     else:

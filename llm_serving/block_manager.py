@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from llm_serving.protocol.model_config import blocks_needed
 from llm_serving.sequence import Sequence
 
 DUMMY_BLOCK = 0
@@ -48,7 +49,7 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
-        return -(-num_tokens // self.block_size)
+        return blocks_needed(num_tokens, self.block_size)
 
     def is_allocated(self, block_id: int) -> bool:
         return block_id in self._owner

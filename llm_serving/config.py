@@ -22,11 +22,15 @@ from typing import Any
 
 import yaml
 
-from agents.model_config import LlamaConfig, ModelConfigError
+from llm_serving.protocol.model_config import (
+    DTYPES,
+    KERNEL_CHOICES,
+    LlamaConfig,
+    ModelConfigError,
+    blocks_needed,
+)
+from llm_serving.scheduler import POLICIES
 
-DTYPES = ("float32", "float16", "bfloat16")
-KERNEL_CHOICES = ("auto", "native", "portable")  # as agents.runner.KERNEL_CHOICES (no MindSpore here)
-POLICIES = ("fcfs", "longest_output_first")
 TOKENIZER_TYPES = ("LlamaTokenizer",)
 _CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors", ".bin")
 
@@ -75,6 +79,8 @@ class ModelSection:
 class ServingSection:
     """``serving_config``: network endpoints, agent ranks and admission limits."""
 
+    # llm-serving compatibility: its agents listen on these ports; ours talk over pipes, so only the
+    # number of entries counts (the agent count when num_agents is not set)
     agent_ports: tuple[int, ...] = _f((16002,), "ints")
     start_device_id: int = _f(0, "int")
     server_ip: str = _f("127.0.0.1", "str")
@@ -87,14 +93,6 @@ class ServingSection:
     @property
     def effective_num_agents(self) -> int:
         return self.num_agents if self.num_agents is not None else len(self.agent_ports)
-
-    @property
-    def effective_agent_ports(self) -> tuple[int, ...]:
-        """One port per agent rank: the listed ones, continued consecutively when num_agents asks for more."""
-        ports = list(self.agent_ports[: self.effective_num_agents])
-        while len(ports) < self.effective_num_agents:
-            ports.append(ports[-1] + 1)
-        return tuple(ports)
 
 
 @dataclass(frozen=True)
@@ -271,6 +269,11 @@ class ServingConfig:
         return self.pa_config.decode_seq_length
 
     @property
+    def max_blocks_per_seq(self) -> int:
+        """Block-table width: the blocks of one sequence of ``max_model_len`` tokens."""
+        return blocks_needed(self.max_model_len, self.pa_config.block_size)
+
+    @property
     def max_prompt_len(self) -> int:
         return self.model_config.seq_length[-1]
 
@@ -284,10 +287,6 @@ class ServingConfig:
     @property
     def num_agents(self) -> int:
         return self.serving_config.effective_num_agents
-
-    @property
-    def agent_ports(self) -> tuple[int, ...]:
-        return self.serving_config.effective_agent_ports
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -399,16 +398,12 @@ def _validate(cfg: ServingConfig) -> None:
         need(all(x > 0 for x in b), f"model_config.{key}", f"buckets must be positive, got {list(b)}")
         need(list(b) == sorted(set(b)), f"model_config.{key}", f"buckets must be sorted and unique: {list(b)}")
 
-    need(len(s.agent_ports) > 0, "serving_config.agent_ports", "needs at least one port (one per agent rank)")
+    need(s.num_agents is not None or len(s.agent_ports) > 0, "serving_config.agent_ports",
+         "needs at least one entry (one per agent rank) when serving_config.num_agents is not set")
     need(s.num_agents is None or s.num_agents >= 1, "serving_config.num_agents",
          f"must be at least 1, got {s.num_agents}")
-    ports = s.effective_agent_ports
-    need(all(0 < p < 65536 for p in ports), "serving_config.agent_ports", f"ports must be 1..65535: {list(ports)}")
-    need(len(set(ports)) == len(ports), "serving_config.agent_ports", f"ports must be distinct: {list(ports)}")
     need(0 <= s.server_port < 65536, "serving_config.server_port",
          f"must be 0..65535 (0: any free port), got {s.server_port}")
-    need(s.server_port not in ports, "serving_config.server_port",
-         f"{s.server_port} is also an agent port {list(ports)}")
     need(bool(s.server_ip.strip()), "serving_config.server_ip", "must not be empty")
     need(s.start_device_id >= 0, "serving_config.start_device_id", f"must be >= 0, got {s.start_device_id}")
     need(s.max_queue_size >= 1, "serving_config.max_queue_size", f"must be >= 1, got {s.max_queue_size}")

@@ -20,9 +20,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from agents.model_config import LlamaConfig
-from agents.random_model import build_random_model
 from llm_serving.config import DefaultModelSection
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.random_model import build_random_model
 from llm_serving.tokenizer_training import train_tokenizer
 
 FORMAT_VERSION = 1  # bump when the build recipe changes, so old caches are not reused

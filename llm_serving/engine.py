@@ -14,21 +14,17 @@ While idle the loop checks that the agents are still alive, so ``ready`` turns F
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agents.model_config import LlamaConfig, ModelConfigError
-from llm_serving.agent_pool import AgentPool, AgentSpec, AgentStepError
-from llm_serving.batch import StepBatch
+from llm_serving.agent_pool import AgentPool, AgentStepError
 from llm_serving.config import ConfigError, ServingConfig
-from llm_serving.default_model import ensure_default_model
+from llm_serving.protocol.batch import StepBatch
+from llm_serving.protocol.wire import AgentSpec
 from llm_serving.request_stream import (
     NO_TOKEN,
     EngineError,
@@ -37,13 +33,13 @@ from llm_serving.request_stream import (
     RequestStream,
     TokenEvent,
 )
-from llm_serving.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from llm_serving.scheduler import RequestRejected, Scheduler
 from llm_serving.sequence import SamplingParams, Sequence, SequenceStatus
 from llm_serving.tokenizer import Tokenizer
+from llm_serving.wiring import ModelFiles, agent_spec, resolve_model, scheduler_config
 
-__all__ = ["Engine", "EngineError", "GenerationResult", "ModelFiles", "QueueFull", "RequestRejected",
-           "RequestStream", "SamplingParams", "TokenEvent", "agent_spec_fields", "resolve_model",
-           "runner_config_dict", "scheduler_config"]
+__all__ = ["Engine", "EngineError", "GenerationResult", "QueueFull", "RequestRejected", "RequestStream",
+           "SamplingParams", "TokenEvent"]
 
 if TYPE_CHECKING:
     from typing import Self
@@ -54,104 +50,19 @@ IDLE_CHECK_S = 0.5  # while idle, how often the loop checks that the agents are 
 SHUTDOWN_JOIN_S = 30.0  # shutdown waits this long for the step in flight before stopping the agents
 
 
-@dataclass(frozen=True)
-class ModelFiles:
-    """What the agents load and the master tokenizes with."""
-
-    model_path: Path  # HF/converted model directory or checkpoint file
-    llama_config: LlamaConfig
-    tokenizer_path: Path
-
-
-# ---- configuration mapping --------------------------------------------------------------------------------
-def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None = None) -> ModelFiles:
-    """The model to serve: ``model_config.model_path``, or the embedded default model (built if needed)."""
-    src = config.source
-    if config.uses_default_model:
-        path = ensure_default_model(config.default_model, config.max_model_len, progress)
-        config_dir = path
-    else:
-        path = Path(config.model_config.model_path)
-        if not path.exists():
-            raise ConfigError(f"{src}: model_config.model_path: {path} does not exist",
-                              key="model_config.model_path", source=src)
-        config_dir = path if path.is_dir() else path.parent
-    try:
-        llama = LlamaConfig.from_model_dir(config_dir)
-    except (ModelConfigError, ValueError) as exc:
-        raise ConfigError(f"{src}: model_config.model_path: {exc}", key="model_config.model_path",
-                          source=src) from None
-    want_vocab = config.model_config.vocab_size
-    if want_vocab is not None and want_vocab != llama.vocab_size:
-        raise ConfigError(f"{src}: model_config.vocab_size: {want_vocab} does not match the model's "
-                          f"vocab_size {llama.vocab_size} ({config_dir / 'config.json'})",
-                          key="model_config.vocab_size", source=src)
-    vocab_file = config.vocab_file
-    tokenizer_path = Path(vocab_file) if vocab_file is not None else path / "tokenizer.model"
-    if not tokenizer_path.is_file():
-        raise ConfigError(f"{src}: tokenizer.vocab_file: no tokenizer model at {tokenizer_path}",
-                          key="tokenizer.vocab_file", source=src)
-    return ModelFiles(path, llama, tokenizer_path)
-
-
-def scheduler_config(config: ServingConfig, eos_token_id: int | None) -> SchedulerConfig:
-    m, pa, sc = config.model_config, config.pa_config, config.scheduler
-    return SchedulerConfig(
-        num_blocks=pa.num_blocks, block_size=pa.block_size,
-        max_num_seqs=m.decode_batch_size[-1], max_prefill_batch=m.prefill_batch_size[-1],
-        max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
-        eos_token_id=eos_token_id, policy=sc.policy, max_wait_s=sc.max_wait_s,
-        min_decode_steps_between_prefills=sc.min_decode_steps_between_prefills,
-        max_prompt_len=config.max_prompt_len,
-    )
-
-
-def runner_config_dict(config: ServingConfig) -> dict[str, Any]:
-    """``agents.runner.RunnerConfig`` fields (JSON-able); the runner adds a 1 x max_model_len recompute
-    shape itself."""
-    m, pa = config.model_config, config.pa_config
-    return {
-        "num_blocks": pa.num_blocks, "block_size": pa.block_size, "max_model_len": config.max_model_len,
-        "prefill_batch_sizes": list(m.prefill_batch_size), "prefill_seq_lengths": list(m.seq_length),
-        "decode_batch_sizes": list(m.decode_batch_size), "dtype": m.dtype, "kernels": m.kernels,
-    }
-
-
-def agent_spec_fields(config: ServingConfig, model: ModelFiles, standin: bool = False) -> dict[str, Any]:
-    """Keyword arguments of ``AgentSpec`` for this configuration (shared-memory capacities included)."""
-    m, pa = config.model_config, config.pa_config
-    return {
-        "kind": "standin" if standin else "llama",
-        "model_path": str(model.model_path),
-        "llama_config": dataclasses.asdict(model.llama_config),
-        "runner_config": runner_config_dict(config),
-        "max_tokens": max(config.max_num_batched_tokens, m.decode_batch_size[-1]),
-        "max_batch": max(m.prefill_batch_size[-1], m.decode_batch_size[-1]),
-        "max_blocks_per_seq": -(-config.max_model_len // pa.block_size),
-        # every penalty id of a step is a token whose KV is cached: bounded by the cache and the batch
-        "max_penalty_tokens": min((pa.num_blocks - 1) * pa.block_size,
-                                  max(m.prefill_batch_size[-1], m.decode_batch_size[-1]) * config.max_model_len),
-        "start_device_id": config.serving_config.start_device_id,
-    }
-
-
-def _default_pool_factory(fields: dict[str, Any], num_agents: int) -> AgentPool:
-    return AgentPool(AgentSpec(**fields), num_agents=num_agents)
-
-
 # ---- the engine -------------------------------------------------------------------------------------------
 class Engine:
-    """See the module docstring. ``pool_factory(spec_fields, num_agents)`` lets tests supply a pool."""
+    """See the module docstring. ``pool_factory(spec)`` lets tests supply a pool."""
 
     def __init__(self, config: ServingConfig, standin_agents: bool = False,
-                 pool_factory: Callable[[dict[str, Any], int], Any] | None = None) -> None:
+                 pool_factory: Callable[[AgentSpec], Any] | None = None) -> None:
         self.config = config
         self.standin_agents = standin_agents
         self.ready = False
         self.tokenizer: Tokenizer | None = None
         self.model: ModelFiles | None = None
         self.eos_token_id: int | None = None
-        self._pool_factory = pool_factory or _default_pool_factory
+        self._pool_factory = pool_factory or AgentPool
         self._pool: Any = None
         self._scheduler: Scheduler | None = None
         self._lock = threading.Lock()
@@ -193,7 +104,7 @@ class Engine:
         end = cfg.model_config.end_token
         self.eos_token_id = end if end is not None else self.model.llama_config.eos_token_id
         self._scheduler = Scheduler(scheduler_config(cfg, self.eos_token_id))
-        pool = self._pool_factory(agent_spec_fields(cfg, self.model, self.standin_agents), cfg.num_agents)
+        pool = self._pool_factory(agent_spec(cfg, self.model, self.standin_agents))
         pool.start(progress)  # raises (after cleaning up) when an agent cannot start
         self._pool = pool
         self.ready = True

@@ -36,8 +36,9 @@ from itertools import chain
 
 import numpy as np
 
-from llm_serving.batch import SamplingBatch, StepBatch, StepOutput
 from llm_serving.block_manager import DUMMY_BLOCK, BlockManager
+from llm_serving.protocol.batch import SamplingBatch, StepBatch, StepOutput
+from llm_serving.protocol.model_config import blocks_needed
 from llm_serving.sequence import FINISH_REASONS, Sequence, SequenceStatus
 
 POLICIES = ("fcfs", "longest_output_first")
@@ -100,7 +101,7 @@ class Scheduler:
         self.num_preemptions = 0
         # Block tables of running sequences mirrored in one array (a row each), updated a block at a time, so
         # a step's table is one gather instead of converting every Python list again on every step.
-        self._tables = np.zeros((config.max_num_seqs, -(-config.max_model_len // config.block_size)), np.int32)
+        self._tables = np.zeros((config.max_num_seqs, blocks_needed(config.max_model_len, config.block_size)), np.int32)
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self._row: dict[str, int] = {}
         self._running_sampled = 0  # running sequences whose params need logits; 0 keeps decode on the fast path

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import signal
 import sys
 import threading
@@ -24,6 +25,7 @@ import yaml
 from aiohttp import web
 
 from llm_serving.config import ConfigError, ServingConfig
+from llm_serving.protocol.wire import AgentSpec
 from llm_serving.server import Server
 
 ABORT_GRACE_S = 5.0  # after aborting, how long handlers get to write their last frame
@@ -118,10 +120,10 @@ class _HttpThread:
 def _standin_pool_factory(step_delay_s: float) -> Any:
     """Stand-in agents that take ``step_delay_s`` per step (tests of disconnects, overload and drains)."""
 
-    def factory(fields: dict[str, Any], num_agents: int) -> Any:
-        from llm_serving.agent_pool import AgentPool, AgentSpec
+    def factory(spec: AgentSpec) -> Any:
+        from llm_serving.agent_pool import AgentPool
 
-        return AgentPool(AgentSpec(**{**fields, "step_delay_s": step_delay_s}), num_agents=num_agents)
+        return AgentPool(dataclasses.replace(spec, step_delay_s=step_delay_s))
 
     return factory
 

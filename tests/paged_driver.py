@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llm_serving.batch import SamplingBatch, StepBatch
+from llm_serving.protocol.batch import SamplingBatch, StepBatch
 
 
 def sampling_batch(params: list[dict], histories: list[list[int]], draw_index: list[int]) -> SamplingBatch:

@@ -15,9 +15,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from llm_serving.agent_pool import AgentDiedError, AgentPool, AgentSpec, AgentStartupError, AgentStepError
-from llm_serving.batch import StepBatch
-from llm_serving.shm_channel import NAME_PREFIX
+from llm_serving.agent_pool import AgentDiedError, AgentPool, AgentStartupError, AgentStepError
+from llm_serving.protocol.batch import StepBatch
+from llm_serving.protocol.shm_channel import NAME_PREFIX
+from llm_serving.protocol.wire import AgentSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 1000
@@ -143,7 +144,7 @@ def test_round_trip_is_light():
 
 
 def test_two_agents_both_serve_and_only_rank0_answers():
-    with AgentPool(standin_spec(), num_agents=2) as p:
+    with AgentPool(standin_spec(tensor_parallel_size=2)) as p:
         progress: list[str] = []
         p.start(progress.append)
         assert any(line.startswith("agent 0:") for line in progress)
@@ -213,8 +214,9 @@ def test_bad_model_path_is_one_clear_startup_error(tmp_path):
                         llama_config={"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
                                       "num_hidden_layers": 1, "num_attention_heads": 2,
                                       "num_key_value_heads": 2},
-                        runner_config={"num_blocks": 8, "block_size": 4, "max_model_len": 16})
-    p = AgentPool(spec, num_agents=2)
+                        runner_config={"num_blocks": 8, "block_size": 4, "max_model_len": 16},
+                        tensor_parallel_size=2)
+    p = AgentPool(spec)
     before = set(os.listdir(SHM_DIR))
     with pytest.raises(AgentStartupError, match=f"agent rank [01] failed to start: .*{missing}") as info:
         p.start()
@@ -229,7 +231,7 @@ def test_agent_dying_before_ready_and_slow_start_are_startup_errors():
     broken = AgentPool(standin_spec(extra_env={"PYTHONHOME": "/nonexistent"}))  # the interpreter cannot start
     with pytest.raises(AgentStartupError, match=r"rank 0 \(pid \d+\) exited with exit code 1 before it was ready"):
         broken.start()
-    slow = AgentPool(standin_spec(), num_agents=2, startup_timeout_s=0.01)
+    slow = AgentPool(standin_spec(tensor_parallel_size=2), startup_timeout_s=0.01)
     with pytest.raises(AgentStartupError, match=r"agent rank\(s\) \[0, 1\] not ready after 0.01s"):
         slow.start()
     assert_gone(broken.pids + slow.pids)
@@ -253,9 +255,10 @@ def test_master_death_takes_the_agents_along(tmp_path):
     script = tmp_path / "master.py"
     script.write_text(textwrap.dedent("""
         import sys, time
-        from llm_serving.agent_pool import AgentPool, AgentSpec
-        spec = AgentSpec("standin", None, {"vocab_size": 10}, {}, 8, 4, 2)
-        pool = AgentPool(spec, num_agents=2)
+        from llm_serving.agent_pool import AgentPool
+        from llm_serving.protocol.wire import AgentSpec
+        spec = AgentSpec("standin", None, {"vocab_size": 10}, {}, 8, 4, 2, tensor_parallel_size=2)
+        pool = AgentPool(spec)
         pool.start()
         print(pool.shm_name, *pool.pids, flush=True)
         time.sleep(60)
@@ -285,7 +288,7 @@ def test_clean_shutdown_leaves_no_segment_and_no_tracker_warnings(tmp_path):
     script.write_text(textwrap.dedent("""
         import numpy as np
         from llm_serving.agent_pool import AgentPool, AgentSpec
-        from llm_serving.batch import StepBatch
+        from llm_serving.protocol.batch import StepBatch
         pool = AgentPool(AgentSpec("standin", None, {"vocab_size": 10}, {}, 8, 4, 2))
         pool.start()
         one = np.ones(1, np.int32)
@@ -305,8 +308,8 @@ def test_clean_shutdown_leaves_no_segment_and_no_tracker_warnings(tmp_path):
 def test_real_llama_agent_matches_transformers(tmp_path):
     """One MindSpore agent on a tiny random Llama: greedy tokens equal Hugging Face's; step errors are
     reported without killing the agent."""
-    from agents.model_config import LlamaConfig
-    from agents.random_model import build_random_model
+    from llm_serving.protocol.model_config import LlamaConfig
+    from llm_serving.random_model import build_random_model
     from tests.hf_reference import hf_greedy, load_hf
     from tests.paged_driver import PagedDriver
 

@@ -5,6 +5,7 @@ one-request-at-a-time runs and Hugging Face transformers."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import signal
@@ -16,9 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agents.model_config import LlamaConfig
-from llm_serving.agent_pool import AgentPool, AgentSpec, AgentStepError
-from llm_serving.batch import StepBatch, StepOutput
+from llm_serving.agent_pool import AgentPool, AgentStepError
 from llm_serving.config import ConfigError, ServingConfig
 from llm_serving.default_model import default_model_dir, ensure_default_model
 from llm_serving.engine import (
@@ -26,17 +25,17 @@ from llm_serving.engine import (
     EngineError,
     QueueFull,
     RequestRejected,
-    agent_spec_fields,
-    resolve_model,
-    runner_config_dict,
-    scheduler_config,
 )
 from llm_serving.llm import LLM
+from llm_serving.protocol.batch import StepBatch, StepOutput
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.protocol.shm_channel import NAME_PREFIX
+from llm_serving.protocol.wire import AgentSpec
 from llm_serving.request_stream import NO_TOKEN
 from llm_serving.scheduler import Scheduler, SchedulerConfig
 from llm_serving.sequence import SamplingParams, Sequence
-from llm_serving.shm_channel import NAME_PREFIX
 from llm_serving.tokenizer import Tokenizer
+from llm_serving.wiring import agent_spec, resolve_model, runner_config_dict, scheduler_config
 
 VOCAB = 1000
 EOS = 2
@@ -92,8 +91,8 @@ def wait_for(cond, timeout_s: float = 10.0, what: str = "condition") -> None:
 class GatedPool:
     """In-process stand-in pool whose steps the test releases one at a time (``step()``)."""
 
-    def __init__(self, fields: dict, num_agents: int) -> None:
-        self.vocab = fields["llama_config"]["vocab_size"]
+    def __init__(self, spec: AgentSpec) -> None:
+        self.vocab = spec.llama_config["vocab_size"]
         self.alive = True
         self.batches: list[StepBatch] = []
         self.entered = threading.Semaphore(0)
@@ -137,8 +136,8 @@ def stop(engine: Engine, pool: GatedPool) -> None:
 def gated_engine(data_dir: Path, **sections) -> tuple[Engine, GatedPool]:
     pools: list[GatedPool] = []
 
-    def factory(fields, n):
-        pools.append(GatedPool(fields, n))
+    def factory(spec):
+        pools.append(GatedPool(spec))
         return pools[-1]
 
     engine = Engine(tiny_config(data_dir, **sections), pool_factory=factory)
@@ -147,8 +146,8 @@ def gated_engine(data_dir: Path, **sections) -> tuple[Engine, GatedPool]:
 
 
 def standin_factory(pools: list, step_delay_s: float = 0.0):
-    def factory(fields, n):
-        pools.append(AgentPool(AgentSpec(**fields, step_delay_s=step_delay_s), n))
+    def factory(spec):
+        pools.append(AgentPool(dataclasses.replace(spec, step_delay_s=step_delay_s)))
         return pools[-1]
     return factory
 
@@ -168,11 +167,11 @@ def test_config_maps_to_scheduler_runner_and_agent_spec(data_dir):
                   "prefill_seq_lengths": [32], "decode_batch_sizes": [8, 32], "dtype": "float32",
                   "kernels": "auto"}
     model = resolve_model(cfg)
-    fields = agent_spec_fields(cfg, model, standin=True)
-    assert fields["kind"] == "standin" and fields["llama_config"]["vocab_size"] == VOCAB
-    assert (fields["max_tokens"], fields["max_batch"], fields["max_blocks_per_seq"]) == (128, 32, 8)
-    assert fields["max_penalty_tokens"] == min(255 * 8, 32 * 64)  # KV slots vs. batch x max_model_len
-    AgentSpec(**fields)  # accepted by the pool
+    spec = agent_spec(cfg, model, standin=True)
+    assert spec.kind == "standin" and spec.llama_config["vocab_size"] == VOCAB
+    assert (spec.max_tokens, spec.max_batch, spec.max_blocks_per_seq) == (128, 32, 8)
+    assert spec.max_penalty_tokens == min(255 * 8, 32 * 64)  # KV slots vs. batch x max_model_len
+    assert spec.tensor_parallel_size == cfg.num_agents == 1
 
 
 def test_resolve_model_errors_name_the_key(data_dir, tmp_path):
@@ -320,7 +319,7 @@ def test_rejections_and_queue_limit(data_dir):
     pools: list[GatedPool] = []
     engine = Engine(tiny_config(data_dir, model_config={"max_generate_length": 40},
                                 serving_config={"max_queue_size": 3}),
-                    pool_factory=lambda f, n: pools.append(GatedPool(f, n)) or pools[-1])
+                    pool_factory=lambda spec: pools.append(GatedPool(spec)) or pools[-1])
     with pytest.raises(EngineError, match="not running"):
         engine.submit("hi")
     engine.start(progress=None)
@@ -487,8 +486,8 @@ def test_llm_generate_waits_when_the_queue_is_full(data_dir):
 class RecordingPool:
     """A real AgentPool that also records (is_prefill, batch size, longest query) of every step."""
 
-    def __init__(self, fields: dict, num_agents: int) -> None:
-        self.pool = AgentPool(AgentSpec(**fields), num_agents)
+    def __init__(self, spec: AgentSpec) -> None:
+        self.pool = AgentPool(spec)
         self.shapes: list[tuple[bool, int, int]] = []
 
     def start(self, progress=None) -> None:
@@ -538,7 +537,7 @@ def test_real_llama_two_agents_match_sequential_and_transformers(data_dir, proof
                                                                  policy):
     pools: list[RecordingPool] = []
     cfg = tiny_config(data_dir, scheduler={"policy": policy}, **PROOF_SECTIONS)
-    engine = Engine(cfg, pool_factory=lambda f, n: pools.append(RecordingPool(f, n)) or pools[-1])
+    engine = Engine(cfg, pool_factory=lambda spec: pools.append(RecordingPool(spec)) or pools[-1])
     engine.start(progress=None)
     agents = pools[0].pool
     try:

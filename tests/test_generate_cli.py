@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from agents.convert import convert
-from agents.model_config import LlamaConfig
-from agents.random_model import build_random_model
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.random_model import build_random_model
 from llm_serving.tokenizer import Tokenizer
 from llm_serving.tokenizer_training import train_tokenizer
 from tests.hf_reference import hf_greedy, load_hf

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from agents.model import model_weights
-from agents.model_config import LlamaConfig
-from agents.random_model import build_random_model
 from agents.runner import ModelRunner, RunnerConfig
 from agents.weights import load_weights
-from llm_serving.batch import StepBatch
+from llm_serving.protocol.batch import StepBatch
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.random_model import build_random_model
 from tests.hf_reference import hf_greedy, hf_last_logits, load_hf
 from tests.paged_driver import PagedDriver, contiguous_prefill
 

@@ -12,12 +12,12 @@ import pytest
 from mindspore import Tensor
 
 from agents import native_kernels
-from agents.model_config import LlamaConfig
 from agents.native_kernels import native_ops
-from agents.random_model import build_random_model
 from agents.runner import ModelRunner, RunnerConfig, native_ops_for
 from agents.weights import load_weights
-from llm_serving.batch import StepBatch
+from llm_serving.protocol.batch import StepBatch
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.random_model import build_random_model
 from tests.hf_reference import hf_greedy, load_hf
 from tests.op_cell import OpCell
 from tests.paged_driver import PagedDriver

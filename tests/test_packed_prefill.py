@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from agents.packed_prefill import packed_arrays, plan_packed, token_buckets
-from llm_serving.batch import StepBatch
+from llm_serving.protocol.batch import StepBatch
 
 
 def test_token_buckets_step_by_half_octaves_up_to_the_largest_call():

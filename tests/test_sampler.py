@@ -7,12 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from agents.model_config import LlamaConfig
-from agents.random_model import build_random_model
 from agents.runner import ModelRunner, RunnerConfig
 from agents.sampler import sample_row
 from agents.weights import load_weights
-from llm_serving.batch import StepBatch
+from llm_serving.protocol.batch import StepBatch
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.random_model import build_random_model
 from tests.hf_reference import load_hf
 from tests.paged_driver import PagedDriver
 

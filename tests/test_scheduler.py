@@ -3,7 +3,7 @@ import random
 import numpy as np
 import pytest
 
-from llm_serving.batch import StepBatch, StepOutput
+from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.scheduler import RequestRejected, Scheduler, SchedulerConfig
 from llm_serving.sequence import SamplingParams, Sequence, SequenceStatus
 

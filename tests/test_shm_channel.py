@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llm_serving.batch import SamplingBatch, StepBatch
-from llm_serving.shm_channel import ChannelError, ChannelLayout, StepChannel
+from llm_serving.protocol.batch import SamplingBatch, StepBatch
+from llm_serving.protocol.shm_channel import ChannelError, ChannelLayout, StepChannel
 from tests.paged_driver import sampling_batch
 
 LAYOUT = ChannelLayout(max_tokens=64, max_batch=8, max_blocks_per_seq=4, max_penalty_tokens=100)

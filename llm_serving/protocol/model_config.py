@@ -1,7 +1,5 @@
-"""Llama architecture hyper-parameters, read from a Hugging Face ``config.json``.
-
-Kept free of MindSpore so the master, loaders and tests can use it cheaply.
-"""
+"""Llama architecture hyper-parameters (read from a Hugging Face ``config.json``) and the names of the
+dtypes and kernel sets an agent can run, which the master validates its configuration against."""
 
 from __future__ import annotations
 
@@ -10,6 +8,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+HF_SINGLE_FILE = "model.safetensors"  # a Hugging Face model directory's weights: one file,
+HF_INDEX_FILE = "model.safetensors.index.json"  # or shards listed in this index
+DTYPES = ("float32", "float16", "bfloat16")
+KERNEL_CHOICES = ("auto", "native", "portable")  # CPU ops: native C++ where they build, portable graph ops
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """KV-cache blocks that hold ``num_tokens`` tokens."""
+    return -(-num_tokens // block_size)
 
 
 class ModelConfigError(ValueError):

@@ -23,7 +23,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from llm_serving.batch import SamplingBatch, StepBatch, StepOutput
+from llm_serving.protocol.batch import SamplingBatch, StepBatch, StepOutput
 
 MAGIC = 0x4C4C4D534832  # "LLMSH2": bump the digit when the layout changes
 NAME_PREFIX = "llmserving_"

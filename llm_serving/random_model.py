@@ -1,7 +1,8 @@
-"""Seeded random Llama checkpoints in Hugging Face format, written without torch.
+"""Seeded random Llama checkpoints in Hugging Face format (safetensors), written without torch or MindSpore.
 
-Tests and benchmarks need real-shaped models without downloads. ``std`` is exposed because tiny random
-models need well-separated logits for token-exact comparisons between implementations.
+The embedded default model, tests and benchmarks need real-shaped models without downloads. ``std`` is
+exposed because tiny random models need well-separated logits for token-exact comparisons between
+implementations.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import save_file
 
-from agents.model_config import LlamaConfig
-from agents.safetensors_io import save_file
-from agents.weights import HF_INDEX_FILE, HF_SINGLE_FILE
+from llm_serving.protocol.model_config import HF_INDEX_FILE, HF_SINGLE_FILE, LlamaConfig
 
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 NORM_NOISE = 0.05  # norm weights are 1 + NORM_NOISE * N(0, 1): near the usual init, but not all equal
@@ -90,14 +90,14 @@ def build_random_model(out_dir: str | Path, config: LlamaConfig, seed: int = 0, 
     hf_config["torch_dtype"] = dtype
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     if shards == 1:
-        save_file(weights, out / HF_SINGLE_FILE)
+        save_file(weights, out / HF_SINGLE_FILE, metadata={"format": "pt"})
     else:
         names = list(weights)
         weight_map = {}
         groups = _split(names, [weights[n].nbytes for n in names], shards)
         for k, group in enumerate(groups, start=1):
             file_name = f"model-{k:05d}-of-{shards:05d}.safetensors"
-            save_file({n: weights[n] for n in group}, out / file_name)
+            save_file({n: weights[n] for n in group}, out / file_name, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(group, file_name))
         index = {"metadata": {"total_size": sum(w.nbytes for w in weights.values())}, "weight_map": weight_map}
         (out / HF_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

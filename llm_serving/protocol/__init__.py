@@ -1,0 +1,9 @@
+"""The master/agent protocol: the only part of ``llm_serving`` that ``agents`` may import.
+
+- ``wire``: the pipe frames and the ``AgentSpec`` an agent process starts from;
+- ``batch``: the per-step batch and its answer (numpy, token-flat);
+- ``shm_channel``: the fixed shared-memory layout that carries them;
+- ``model_config``: the Llama hyper-parameters and the dtypes/kernel choices both sides name.
+
+Nothing here imports MindSpore or any other part of ``llm_serving`` (a test enforces both).
+"""

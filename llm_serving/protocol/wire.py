@@ -1,0 +1,86 @@
+"""The pipe protocol between the master and its agent processes, and the ``AgentSpec`` they start from.
+
+Per step the master writes the batch into shared memory (``shm_channel``) and a ``CMD`` step number to every
+rank's command pipe; each rank answers with a ``FRAME`` on its reply pipe. Frames also carry start-up progress,
+readiness and errors (a JSON payload with the summary and the agent's traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import traceback
+from dataclasses import asdict, dataclass, field
+
+from llm_serving.protocol.shm_channel import ChannelLayout
+
+KINDS = ("llama", "standin")
+
+CMD = struct.Struct("<q")  # master -> agent: step number to run; a negative number means "exit"
+FRAME = struct.Struct("<qii")  # agent -> master: (step, kind, payload length) + utf-8 payload
+DONE, PROGRESS, READY, ERROR = 0, 1, 2, 3
+STARTUP_STEP = -1  # step number of frames sent before the agent is ready
+
+
+def encode_frame(step: int, kind: int, payload: str = "") -> bytes:
+    data = payload.encode("utf-8", "replace")
+    return FRAME.pack(step, kind, len(data)) + data
+
+
+def error_payload(exc: BaseException) -> str:
+    """An ERROR frame's payload for ``exc`` (call inside the ``except`` block, for the traceback)."""
+    return json.dumps({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+
+
+def parse_error_payload(payload: str) -> tuple[str, str]:
+    """(one-line summary, traceback) of an ERROR frame's payload."""
+    try:
+        data = json.loads(payload)
+        return str(data["error"]), str(data.get("traceback", ""))
+    except (ValueError, KeyError, TypeError):
+        return payload, ""
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """Everything an agent process needs to start; JSON-able so it travels on the command line.
+
+    ``tensor_parallel_size`` is the number of ranks the pool starts for this model. Every rank receives the
+    same batch and acknowledges each step; rank 0 writes the answer. Until the ranks shard the model each of
+    them holds all of it.
+    """
+
+    kind: str  # "llama" (MindSpore ModelRunner) or "standin" (answers instantly, no MindSpore)
+    model_path: str | None  # HF dir / converted dir / .ckpt / .safetensors for kind="llama"
+    llama_config: dict  # llm_serving.protocol.model_config.LlamaConfig fields
+    runner_config: dict  # agents.runner.RunnerConfig fields (device_id is set per rank)
+    max_tokens: int  # shm capacity: max tokens in one step
+    max_batch: int  # shm capacity: max sequences in one step
+    max_blocks_per_seq: int  # shm capacity: block-table width
+    max_penalty_tokens: int | None = None  # shm capacity: repetition-penalty ids per step (None: max_tokens)
+    tensor_parallel_size: int = 1  # ranks of this model, one agent process each
+    start_device_id: int = 0  # rank r runs on device start_device_id + r
+    step_delay_s: float = 0.0  # standin only: simulated compute time per step
+    extra_env: dict = field(default_factory=dict)  # environment variables for the agent processes
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"AgentSpec.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "llama" and not self.model_path:
+            raise ValueError("AgentSpec.model_path is required for kind 'llama'")
+        if "vocab_size" not in self.llama_config:
+            raise ValueError("AgentSpec.llama_config needs at least 'vocab_size'")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"AgentSpec.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        _ = self.layout  # validates the capacities
+
+    @property
+    def layout(self) -> ChannelLayout:
+        return ChannelLayout(self.max_tokens, self.max_batch, self.max_blocks_per_seq, self.max_penalty_tokens)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> AgentSpec:
+        return cls(**json.loads(text))

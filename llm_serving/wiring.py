@@ -1,0 +1,101 @@
+"""Wiring: turns a validated ``ServingConfig`` into the engine's parts.
+
+The model files to serve (the embedded default model is built here when none is configured), the scheduler's
+limits and the ``AgentSpec`` the agent processes start from. Each derived figure (block-table width,
+shared-memory capacities) is computed here once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from llm_serving.config import ConfigError, ServingConfig
+from llm_serving.default_model import ensure_default_model
+from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
+from llm_serving.protocol.wire import AgentSpec
+from llm_serving.scheduler import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """What the agents load and the master tokenizes with."""
+
+    model_path: Path  # HF/converted model directory or checkpoint file
+    llama_config: LlamaConfig
+    tokenizer_path: Path
+
+
+# ---- configuration mapping --------------------------------------------------------------------------------
+def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None = None) -> ModelFiles:
+    """The model to serve: ``model_config.model_path``, or the embedded default model (built if needed)."""
+    src = config.source
+    if config.uses_default_model:
+        path = ensure_default_model(config.default_model, config.max_model_len, progress)
+        config_dir = path
+    else:
+        path = Path(config.model_config.model_path)
+        if not path.exists():
+            raise ConfigError(f"{src}: model_config.model_path: {path} does not exist",
+                              key="model_config.model_path", source=src)
+        config_dir = path if path.is_dir() else path.parent
+    try:
+        llama = LlamaConfig.from_model_dir(config_dir)
+    except (ModelConfigError, ValueError) as exc:
+        raise ConfigError(f"{src}: model_config.model_path: {exc}", key="model_config.model_path",
+                          source=src) from None
+    want_vocab = config.model_config.vocab_size
+    if want_vocab is not None and want_vocab != llama.vocab_size:
+        raise ConfigError(f"{src}: model_config.vocab_size: {want_vocab} does not match the model's "
+                          f"vocab_size {llama.vocab_size} ({config_dir / 'config.json'})",
+                          key="model_config.vocab_size", source=src)
+    vocab_file = config.vocab_file
+    tokenizer_path = Path(vocab_file) if vocab_file is not None else path / "tokenizer.model"
+    if not tokenizer_path.is_file():
+        raise ConfigError(f"{src}: tokenizer.vocab_file: no tokenizer model at {tokenizer_path}",
+                          key="tokenizer.vocab_file", source=src)
+    return ModelFiles(path, llama, tokenizer_path)
+
+
+def scheduler_config(config: ServingConfig, eos_token_id: int | None) -> SchedulerConfig:
+    m, pa, sc = config.model_config, config.pa_config, config.scheduler
+    return SchedulerConfig(
+        num_blocks=pa.num_blocks, block_size=pa.block_size,
+        max_num_seqs=m.decode_batch_size[-1], max_prefill_batch=m.prefill_batch_size[-1],
+        max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
+        eos_token_id=eos_token_id, policy=sc.policy, max_wait_s=sc.max_wait_s,
+        min_decode_steps_between_prefills=sc.min_decode_steps_between_prefills,
+        max_prompt_len=config.max_prompt_len,
+    )
+
+
+def runner_config_dict(config: ServingConfig) -> dict[str, Any]:
+    """``agents.runner.RunnerConfig`` fields (JSON-able); the runner adds a 1 x max_model_len recompute
+    shape itself."""
+    m, pa = config.model_config, config.pa_config
+    return {
+        "num_blocks": pa.num_blocks, "block_size": pa.block_size, "max_model_len": config.max_model_len,
+        "prefill_batch_sizes": list(m.prefill_batch_size), "prefill_seq_lengths": list(m.seq_length),
+        "decode_batch_sizes": list(m.decode_batch_size), "dtype": m.dtype, "kernels": m.kernels,
+    }
+
+
+def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) -> AgentSpec:
+    """The agents' start-up spec for this configuration (shared-memory capacities included)."""
+    m, pa = config.model_config, config.pa_config
+    max_batch = max(m.prefill_batch_size[-1], m.decode_batch_size[-1])
+    return AgentSpec(
+        kind="standin" if standin else "llama",
+        model_path=str(model.model_path),
+        llama_config=asdict(model.llama_config),
+        runner_config=runner_config_dict(config),
+        max_tokens=max(config.max_num_batched_tokens, m.decode_batch_size[-1]),
+        max_batch=max_batch,
+        max_blocks_per_seq=config.max_blocks_per_seq,
+        # every penalty id of a step is a token whose KV is cached: bounded by the cache and the batch
+        max_penalty_tokens=min((pa.num_blocks - 1) * pa.block_size, max_batch * config.max_model_len),
+        tensor_parallel_size=config.num_agents,
+        start_device_id=config.serving_config.start_device_id,
+    )
