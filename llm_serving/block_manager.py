@@ -3,8 +3,11 @@
 The agents hold the cache tensors; the master only hands out block ids and turns (sequence, position) into
 flat slots (``block_id * block_size + offset``). Block 0 is a reserved dummy block: padded tokens write into
 it and unused block-table entries point at it, so it is never given to a sequence.
-No prefix sharing (yet): every block has exactly one owner, and accounting is strict so that a scheduler
-bug surfaces as an exception instead of two sequences silently overwriting each other's KV.
+
+Blocks are reference-counted by their holders (request ids): ``share`` adds a holder to blocks another
+sequence already filled (the seam for prefix caching), and a block returns to the free list when its last
+holder frees it. Accounting is strict so that a scheduler bug surfaces as an exception instead of two
+sequences silently overwriting each other's KV: a sequence frees only blocks it holds, once.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(DUMMY_BLOCK + 1, num_blocks))
-        self._owner: dict[int, str] = {}  # block id -> request_id of the sequence holding it
+        self._holders: dict[int, set[str]] = {}  # block id -> request ids of the sequences holding it
 
     # ---- capacity -------------------------------------------------------------------------------------
     @property
@@ -40,7 +43,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self._owner)
+        return len(self._holders)
 
     @property
     def usage(self) -> float:
@@ -52,7 +55,11 @@ class BlockManager:
         return blocks_needed(num_tokens, self.block_size)
 
     def is_allocated(self, block_id: int) -> bool:
-        return block_id in self._owner
+        return block_id in self._holders
+
+    def ref_count(self, block_id: int) -> int:
+        """How many sequences hold ``block_id`` (0: free)."""
+        return len(self._holders.get(block_id, ()))
 
     # ---- allocation -----------------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence) -> bool:
@@ -72,6 +79,18 @@ class BlockManager:
             )
         seq.block_table = [self._take(seq) for _ in range(need)]
 
+    def share(self, seq: Sequence, blocks: list[int]) -> None:
+        """Start ``seq``'s table with ``blocks`` that other sequences hold and have filled (a shared prefix);
+        each gains ``seq`` as a holder. Only whole blocks can be shared: the next token goes to a new one."""
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.request_id!r} already holds blocks {seq.block_table}")
+        for block in blocks:
+            if block not in self._holders:
+                raise RuntimeError(f"sequence {seq.request_id!r} cannot share block {block}: it is free")
+        for block in blocks:
+            self._holders[block].add(seq.request_id)
+        seq.block_table = list(blocks)
+
     def can_append(self, seq: Sequence) -> bool:
         """Whether the blocks for ``seq``'s current tokens (its next decode input included) are available."""
         return self._missing(seq) <= self.num_free_blocks
@@ -89,20 +108,24 @@ class BlockManager:
             seq.block_table.append(self._take(seq))
 
     def free(self, seq: Sequence) -> None:
-        """Return all of ``seq``'s blocks. Raises on blocks it does not own (double free, foreign block)."""
+        """Drop ``seq``'s hold on all its blocks; a block nobody else holds is free again. Raises on blocks it
+        does not hold (double free, foreign block)."""
         table = seq.block_table
         if not table:
             raise RuntimeError(f"sequence {seq.request_id!r} holds no blocks to free (double free?)")
         if len(set(table)) != len(table):
             raise RuntimeError(f"sequence {seq.request_id!r} lists a block twice: {table}")
         for block in table:
-            owner = self._owner.get(block)
-            if owner != seq.request_id:
-                what = "a free block" if owner is None else f"a block owned by {owner!r}"
+            holders = self._holders.get(block)
+            if holders is None or seq.request_id not in holders:
+                what = "a free block" if holders is None else f"a block owned by {', '.join(map(repr, holders))}"
                 raise RuntimeError(f"sequence {seq.request_id!r} frees block {block}, which is {what}")
         for block in table:
-            del self._owner[block]
-            self._free.append(block)
+            holders = self._holders[block]
+            holders.discard(seq.request_id)
+            if not holders:
+                del self._holders[block]
+                self._free.append(block)
         seq.block_table = []
 
     def slot(self, seq: Sequence, position: int) -> int:
@@ -123,5 +146,5 @@ class BlockManager:
 
     def _take(self, seq: Sequence) -> int:
         block = self._free.popleft()
-        self._owner[block] = seq.request_id
+        self._holders[block] = {seq.request_id}
         return block

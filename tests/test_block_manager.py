@@ -123,3 +123,27 @@ def test_freed_blocks_are_reused():
         assert sorted(s.block_table) == [1, 2]
         bm.free(s)
     assert bm.num_free_blocks == 2
+
+
+def test_shared_blocks_are_counted_and_freed_by_their_last_holder():
+    bm = BlockManager(num_blocks=6, block_size=2)
+    a = make_seq("a", 4)
+    bm.allocate(a)
+    prefix = list(a.block_table)
+    b = make_seq("b", 5)
+    bm.share(b, prefix)  # b starts with a's two full blocks
+    assert [bm.ref_count(x) for x in prefix] == [2, 2] and bm.num_used_blocks == 2
+    assert bm.can_append(b)
+    bm.append_slot(b)  # b's fifth token goes to a block of its own
+    assert b.block_table[:2] == prefix and bm.ref_count(b.block_table[2]) == 1
+    bm.free(a)
+    assert [bm.ref_count(x) for x in prefix] == [1, 1] and bm.num_free_blocks == 2  # still held by b
+    with pytest.raises(RuntimeError, match="owned by 'b'"):
+        a.block_table = prefix
+        bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 5 and bm.num_used_blocks == 0 and bm.ref_count(prefix[0]) == 0
+    c = make_seq("c", 2)
+    with pytest.raises(RuntimeError, match="cannot share block .* it is free"):
+        bm.share(c, prefix)
+    assert c.block_table == []
