@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from loadtest import BenchError, plots, report
+from loadtest import BenchError, report
 from loadtest.dataset import BenchRequest
 from loadtest.metrics import compute_metrics
 from loadtest.protocol import BenchConfig, RequestResult, send_request
@@ -202,7 +202,11 @@ def save_run(run: BenchRun, out_dir: str | Path, settings: dict[str, Any], draw:
     paths["results"].write_text(json.dumps([r.to_json() for r in run.results], ensure_ascii=False))
     summary = {"settings": settings, "metrics": run.metrics, "server_running_batch": run.server_batch}
     paths["summary"].write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
-    pngs = plots.write_plots(run.results, run.duration, out, suffix, run.server_batch) if draw else []
+    pngs = []
+    if draw:
+        from loadtest import plots  # matplotlib takes a while to import: only when drawing
+
+        pngs = plots.write_plots(run.results, run.duration, out, suffix, run.server_batch)
     paths.update({p.stem: p for p in pngs})
     paths["report"].write_text(report.markdown_report(run.metrics, settings, [p.name for p in pngs]))
     return paths
