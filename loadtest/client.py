@@ -17,10 +17,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import aiohttp
 import numpy as np
+from tqdm import tqdm
 
 from loadtest import BenchError, report
 from loadtest.dataset import BenchRequest
@@ -89,41 +90,25 @@ async def _scrape(cfg: BenchConfig, now: Callable[[], float], samples: list[tupl
 
 
 class ProgressBar:
-    """A one-line progress bar on stderr (redrawn in place on a terminal, every 10% otherwise)."""
+    """Requests done, with the failures so far, as a tqdm bar on stderr.
 
-    def __init__(self, total: int, enabled: bool = True, stream=None):
-        self.total, self.done, self.failed = total, 0, 0
-        self.stream = stream if stream is not None else sys.stderr
-        self.enabled = enabled and total > 0
-        self.tty = self.enabled and self.stream.isatty()
-        self.start = time.perf_counter()
-        self._last_draw = 0.0
-        self._last_decile = 0
+    Off when not ``enabled`` (``--no-progress``) and when the stream is not a terminal (tqdm's
+    ``disable=None``), so logs and captured output get no bar.
+    """
+
+    def __init__(self, total: int, enabled: bool = True, file: TextIO | None = None):
+        self.failed = 0
+        self.bar = tqdm(total=total, desc="requests", unit="req", file=file if file is not None else sys.stderr,
+                        disable=None if enabled else True, dynamic_ncols=True, postfix={"failed": 0})
 
     def update(self, ok: bool) -> None:
-        self.done += 1
-        self.failed += not ok
-        if not self.enabled:
-            return
-        t = time.perf_counter()
-        decile = self.done * 10 // self.total
-        if self.tty and (t - self._last_draw > 0.1 or self.done == self.total):
-            self._last_draw = t
-            self.stream.write("\r" + self._line(t))
-        elif not self.tty and decile != self._last_decile:
-            self._last_decile = decile
-            self.stream.write(self._line(t) + "\n")
-        self.stream.flush()
-
-    def _line(self, t: float) -> str:
-        filled = 30 * self.done // self.total
-        return (f"[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
-                f"failed {self.failed} {t - self.start:7.1f}s")
+        if not ok:
+            self.failed += 1
+            self.bar.set_postfix(failed=self.failed, refresh=False)
+        self.bar.update()
 
     def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+        self.bar.close()
 
 
 @dataclass

@@ -396,8 +396,8 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
 
 def test_progress_bar_and_gauge_parsing():
     class Sink:
-        def __init__(self):
-            self.text = ""
+        def __init__(self, tty: bool):
+            self.text, self.tty = "", tty
 
         def write(self, s):
             self.text += s
@@ -406,14 +406,21 @@ def test_progress_bar_and_gauge_parsing():
             pass
 
         def isatty(self):
-            return False
+            return self.tty
 
-    sink = Sink()
-    bar = ProgressBar(20, stream=sink)
-    for i in range(20):
-        bar.update(ok=i != 3)
-    lines = sink.text.splitlines()
-    assert len(lines) == 10 and lines[-1].startswith("[" + "#" * 30 + "] 20/20 failed 1")
+    def run(sink: Sink, enabled: bool = True) -> ProgressBar:
+        bar = ProgressBar(20, enabled, file=sink)
+        for i in range(20):
+            bar.update(ok=i != 3)
+        bar.close()
+        return bar
+
+    tty = Sink(tty=True)
+    assert run(tty).failed == 1
+    last = tty.text.replace("\r", "\n").splitlines()[-1]  # tqdm redraws its line in place
+    assert "20/20" in last and "failed=1" in last
+    for sink, enabled in ((Sink(tty=False), True), (Sink(tty=True), False)):  # not a terminal; --no-progress
+        assert run(sink, enabled).failed == 1 and sink.text == ""
     metrics = 'x 1\nllm_serving_running_batch_size{m="a"} 3\nllm_serving_running_batch_size_max 9\n'
     assert parse_gauge(metrics, "llm_serving_running_batch_size") == 3.0
     assert parse_gauge("x 1\n", "llm_serving_running_batch_size") is None
