@@ -6,8 +6,11 @@ setup(
     name="llm-serving",
     version="0.1.0",
     description="Continuous-batching LLM serving for MindSpore Llama models (CPU and Ascend)",
-    packages=find_packages(include=["llm_serving", "llm_serving.*", "agents", "agents.*"]),
-    package_data={"llm_serving": ["data/*.txt"], "agents": ["kernels/*.cc"]},
+    packages=find_packages(include=["llm_serving", "llm_serving.*", "agents", "agents.*", "loadtest",
+                                    "loadtest.*"]),
+    # the native CPU kernels are compiled from these sources on the serving machine at first start
+    package_data={"llm_serving": ["data/*.txt"], "agents": ["kernels/*.cc", "kernels/*.h"],
+                  "loadtest": ["data/*.txt"]},
     python_requires=">=3.9",
     install_requires=[
         "mindspore==2.10.0",
@@ -15,6 +18,10 @@ setup(
         "sentencepiece",
         "pyyaml",
         "aiohttp",
+        "safetensors",
+        "prometheus_client",
+        "matplotlib",
+        "tqdm",
     ],
     extras_require={
         "test": [
