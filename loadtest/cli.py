@@ -64,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"s between GET /metrics scrapes of {RUNNING_BATCH_GAUGE}; 0 = off (%(default)s)")
     p.add_argument("--wait-ready", type=float, default=0.0, help="wait up to this many s for GET /health")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none either when stderr is not a terminal)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none either when stderr is not a terminal)")
 
 
 def _num_prompts(args: argparse.Namespace) -> int:
