@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,8 +41,14 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
+    source = tmp / "source"  # a copy: an in-tree build would leave build/ and *.egg-info in the checkout
+    files = run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT).stdout.splitlines()
+    for name in files:
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
     run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp),
-         str(ROOT)], cwd=tmp)
+         str(source)], cwd=tmp)
     wheel = next(tmp.glob("llm_serving-*.whl"))
     venv = tmp / "venv"
     run([sys.executable, "-m", "venv", str(venv)])
