@@ -13,7 +13,6 @@ overrides) and ``~`` is expanded; a key left empty (null) takes its default. Kep
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +21,15 @@ from typing import Any
 
 import yaml
 
+from llm_serving.config_yaml import (
+    COMPAT_SECTIONS,
+    ConfigError,
+    bad_value,
+    parse_section,
+    setting,
+    show_value,
+    suggest,
+)
 from llm_serving.protocol.model_config import (
     DTYPES,
     KERNEL_CHOICES,
@@ -31,48 +39,31 @@ from llm_serving.protocol.model_config import (
 )
 from llm_serving.scheduler import POLICIES
 
+__all__ = ["ConfigError", "DefaultModelSection", "ModelSection", "PagedAttentionSection", "SchedulerSection",
+           "ServingConfig", "ServingSection", "TokenizerSection"]
+
 TOKENIZER_TYPES = ("LlamaTokenizer",)
 _CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors", ".bin")
-
-_KIND_TEXT = {
-    "int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean (true/false)",
-    "path": "a path string", "ints": "a list of integers", "buckets": "a list of integers",
-    "strs": "a list of strings",
-}
-
-
-class ConfigError(ValueError):
-    """A launch configuration that cannot be served; the message names the file and the key."""
-
-    def __init__(self, message: str, key: str | None = None, source: str | None = None) -> None:
-        super().__init__(message)
-        self.key = key
-        self.source = source
-
-
-def _f(default: Any, kind: str, optional: bool = False) -> Any:
-    """A section field; ``kind`` drives parsing (see ``_coerce``), ``optional`` lets it be None."""
-    return field(default=default, metadata={"kind": kind, "optional": optional})
 
 
 @dataclass(frozen=True)
 class ModelSection:
     """``model_config``: what model to serve and the compiled shape buckets."""
 
-    model_name: str = _f("llama2", "str")
-    model_path: str | None = _f(None, "path", optional=True)  # None: serve the embedded default model
-    dtype: str = _f("float32", "str")
-    max_generate_length: int = _f(512, "int")
-    end_token: int | None = _f(None, "int", optional=True)  # None: the model's eos_token_id
-    vocab_size: int | None = _f(None, "int", optional=True)  # None: the model's; else checked against it
-    pad_token_id: int = _f(0, "int")
-    seq_length: tuple[int, ...] = _f((64, 256), "buckets")
-    prefill_batch_size: tuple[int, ...] = _f((1, 4), "buckets")
-    decode_batch_size: tuple[int, ...] = _f((1, 8, 32), "buckets")
-    page_attention: bool = _f(True, "bool")
-    kernels: str = _f("auto", "str")  # native C++ ops on CPU (attention, greedy, projections), portable or auto
-    backend: str = _f("ms", "str")
-    model_cfg_path: str | None = _f(None, "path", optional=True)
+    model_name: str = setting("llama2", "str")
+    model_path: str | None = setting(None, "path", optional=True)  # None: serve the embedded default model
+    dtype: str = setting("float32", "str")
+    max_generate_length: int = setting(512, "int")
+    end_token: int | None = setting(None, "int", optional=True)  # None: the model's eos_token_id
+    vocab_size: int | None = setting(None, "int", optional=True)  # None: the model's; else checked against it
+    pad_token_id: int = setting(0, "int")
+    seq_length: tuple[int, ...] = setting((64, 256), "buckets")
+    prefill_batch_size: tuple[int, ...] = setting((1, 4), "buckets")
+    decode_batch_size: tuple[int, ...] = setting((1, 8, 32), "buckets")
+    page_attention: bool = setting(True, "bool")
+    kernels: str = setting("auto", "str")  # native C++ ops on CPU (attention, greedy, projections), portable or auto
+    backend: str = setting("ms", "str")
+    model_cfg_path: str | None = setting(None, "path", optional=True)
 
 
 @dataclass(frozen=True)
@@ -81,14 +72,14 @@ class ServingSection:
 
     # llm-serving compatibility: its agents listen on these ports; ours talk over pipes, so only the
     # number of entries counts (the agent count when num_agents is not set)
-    agent_ports: tuple[int, ...] = _f((16002,), "ints")
-    start_device_id: int = _f(0, "int")
-    server_ip: str = _f("127.0.0.1", "str")
-    server_port: int = _f(8000, "int")
-    num_agents: int | None = _f(None, "int", optional=True)
-    max_queue_size: int = _f(1024, "int")
-    model_aliases: tuple[str, ...] = _f(("llama2",), "strs")
-    drain_timeout_s: float = _f(30.0, "float")
+    agent_ports: tuple[int, ...] = setting((16002,), "ints")
+    start_device_id: int = setting(0, "int")
+    server_ip: str = setting("127.0.0.1", "str")
+    server_port: int = setting(8000, "int")
+    num_agents: int | None = setting(None, "int", optional=True)
+    max_queue_size: int = setting(1024, "int")
+    model_aliases: tuple[str, ...] = setting(("llama2",), "strs")
+    drain_timeout_s: float = setting(30.0, "float")
 
     @property
     def effective_num_agents(self) -> int:
@@ -99,41 +90,41 @@ class ServingSection:
 class PagedAttentionSection:
     """``pa_config``: the paged KV cache."""
 
-    num_blocks: int = _f(512, "int")
-    block_size: int = _f(16, "int")
-    decode_seq_length: int = _f(512, "int")  # max tokens (prompt + output) of one sequence
+    num_blocks: int = setting(512, "int")
+    block_size: int = setting(16, "int")
+    decode_seq_length: int = setting(512, "int")  # max tokens (prompt + output) of one sequence
 
 
 @dataclass(frozen=True)
 class TokenizerSection:
     """``tokenizer``: a SentencePiece ``tokenizer.model``."""
 
-    type: str = _f("LlamaTokenizer", "str")
-    vocab_file: str | None = _f(None, "path", optional=True)
+    type: str = setting("LlamaTokenizer", "str")
+    vocab_file: str | None = setting(None, "path", optional=True)
 
 
 @dataclass(frozen=True)
 class SchedulerSection:
     """``scheduler``: how waiting requests are admitted into steps."""
 
-    policy: str = _f("longest_output_first", "str")
-    max_wait_s: float = _f(5.0, "float")
-    max_num_batched_tokens: int | None = _f(None, "int", optional=True)
-    min_decode_steps_between_prefills: int = _f(0, "int")
+    policy: str = setting("longest_output_first", "str")
+    max_wait_s: float = setting(5.0, "float")
+    max_num_batched_tokens: int | None = setting(None, "int", optional=True)
+    min_decode_steps_between_prefills: int = setting(0, "int")
 
 
 @dataclass(frozen=True)
 class DefaultModelSection:
     """``default_model``: the small Llama built and cached locally when no model_path is given."""
 
-    data_dir: str = _f(os.path.expanduser("~/.cache/llm-serving"), "path")
-    seed: int = _f(0, "int")
-    hidden_size: int = _f(256, "int")
-    intermediate_size: int = _f(688, "int")
-    num_layers: int = _f(4, "int")
-    num_heads: int = _f(4, "int")
-    num_kv_heads: int = _f(2, "int")
-    vocab_size: int = _f(1000, "int")
+    data_dir: str = setting(os.path.expanduser("~/.cache/llm-serving"), "path")
+    seed: int = setting(0, "int")
+    hidden_size: int = setting(256, "int")
+    intermediate_size: int = setting(688, "int")
+    num_layers: int = setting(4, "int")
+    num_heads: int = setting(4, "int")
+    num_kv_heads: int = setting(2, "int")
+    vocab_size: int = setting(1000, "int")
 
     def llama_config(self, max_position_embeddings: int) -> LlamaConfig:
         return LlamaConfig(
@@ -152,26 +143,6 @@ SECTIONS: dict[str, type] = {
     "scheduler": SchedulerSection,
     "default_model": DefaultModelSection,
 }
-
-# llm-serving keys with no meaning here: accepted (type-checked) and ignored, with a note.
-COMPAT_KEYS: dict[str, dict[str, str]] = {
-    "model_config": {
-        "zactivate_len": "ints", "model_type": "str", "seq_type": "str", "batch_waiting_time": "float",
-        "decode_batch_waiting_time": "float", "batching_strategy": "str", "current_index": "bool",
-        "model_dtype": "str",
-    },
-    "serving_config": {
-        "agent_ip": "str", "prefill_batch_waiting_time": "float", "decode_batch_waiting_time": "float",
-        "enable_host_post_sampling": "bool",
-    },
-}
-COMPAT_SECTIONS = {
-    "model_path": "llm-serving MindIR graph paths are not used; set model_config.model_path",
-    "basic_inputs": "input builders are fixed for Llama",
-    "extra_inputs": "input builders are fixed for Llama",
-    "warmup_inputs": "warm-up covers every bucket",
-}
-
 
 @dataclass(frozen=True)
 class ServingConfig:
@@ -211,19 +182,19 @@ class ServingConfig:
         d = {} if d is None else d
         if not isinstance(d, Mapping):
             raise ConfigError(f"{source}: the top level must be a mapping of sections, got "
-                              f"{_show(d)}", source=source)
+                              f"{show_value(d)}", source=source)
         base = Path(base_dir).absolute() if base_dir is not None else Path.cwd()
         notes: list[str] = []
         for name, body in d.items():
             if name in COMPAT_SECTIONS:
                 if body is not None and not isinstance(body, Mapping):
-                    raise ConfigError(f"{source}: section {name!r} must be a mapping, got {_show(body)}",
+                    raise ConfigError(f"{source}: section {name!r} must be a mapping, got {show_value(body)}",
                                       key=str(name), source=source)
                 notes.append(f"section {name!r} ignored: {COMPAT_SECTIONS[name]}")
             elif name not in SECTIONS:
-                raise ConfigError(f"{source}: unknown section {name!r}{_suggest(name, SECTIONS)}; known "
+                raise ConfigError(f"{source}: unknown section {name!r}{suggest(name, SECTIONS)}; known "
                                   f"sections: {', '.join(SECTIONS)}", key=str(name), source=source)
-        sections = {name: _parse_section(name, d.get(name), source, base, notes) for name in SECTIONS}
+        sections = {name: parse_section(name, SECTIONS[name], d.get(name), source, base, notes) for name in SECTIONS}
         return cls(**sections, source=source, notes=tuple(notes))
 
     # ----- derived copies and views ----------------------------------------------------------------------
@@ -305,84 +276,13 @@ class ServingConfig:
         return os.path.join(folder, "tokenizer.model")
 
 
-# ----- parsing --------------------------------------------------------------------------------------------
-def _parse_section(name: str, body: Any, source: str, base: Path, notes: list[str]) -> Any:
-    cls = SECTIONS[name]
-    if body is None:
-        return cls()
-    if not isinstance(body, Mapping):
-        raise ConfigError(f"{source}: section {name!r} must be a mapping of keys, got {_show(body)}",
-                          key=name, source=source)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    compat = COMPAT_KEYS.get(name, {})
-    values: dict[str, Any] = {}
-    ignored: list[str] = []
-    for key, value in body.items():
-        dotted = f"{name}.{key}"
-        if key in fields:
-            meta = fields[key].metadata
-            parsed = _coerce(value, meta["kind"], dotted, source, base)
-            if parsed is not None or meta["optional"]:
-                values[key] = parsed
-        elif key in compat:
-            parsed = _coerce(value, compat[key], dotted, source, base)
-            if key == "model_dtype" and parsed is not None:
-                dtype = parsed.lower().removeprefix("datatype.")
-                if dtype not in DTYPES:
-                    raise _bad(source, dotted, f"expected DataType.FLOAT32/FLOAT16/BFLOAT16, got {parsed!r}")
-                if body.get("dtype") is None:
-                    values["dtype"] = dtype
-                    continue
-            ignored.append(str(key))
-        else:
-            known = [*fields, *compat]
-            raise ConfigError(f"{source}: unknown key {key!r} in section {name!r}{_suggest(key, known)}; "
-                              f"known keys: {', '.join(known)}", key=dotted, source=source)
-    if ignored:
-        notes.append(f"{name}: {', '.join(ignored)} accepted for llm-serving compatibility and ignored")
-    if name == "model_config" and values.get("page_attention") is False:
-        notes.append("model_config.page_attention: False ignored; the KV cache is always paged")
-    return cls(**values)
-
-
-def _coerce(value: Any, kind: str, key: str, source: str, base: Path) -> Any:
-    """Check one value against its kind; returns None for null (and for an empty path)."""
-    if value is None:
-        return None
-    ok = True
-    if kind == "int":
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif kind == "float":
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif kind == "bool":
-        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-            value = value.strip().lower() == "true"
-        ok = isinstance(value, bool)
-    elif kind in ("str", "path"):
-        ok = isinstance(value, str)
-        if ok and kind == "path":
-            if not value.strip():
-                return None
-            value = os.path.normpath(base / os.path.expanduser(value.strip()))
-    elif kind in ("ints", "buckets", "strs"):
-        item_ok = (lambda x: isinstance(x, str)) if kind == "strs" else (
-            lambda x: isinstance(x, int) and not isinstance(x, bool))
-        ok = isinstance(value, (list, tuple)) and all(item_ok(x) for x in value)
-        if ok:
-            value = tuple(sorted(set(value))) if kind == "buckets" else tuple(value)
-    if not ok:
-        raise _bad(source, key, f"expected {_KIND_TEXT[kind]}, got {_show(value)}")
-    return value
-
-
 # ----- validation -----------------------------------------------------------------------------------------
 def _validate(cfg: ServingConfig) -> None:
     src, m, s, pa = cfg.source, cfg.model_config, cfg.serving_config, cfg.pa_config
 
     def need(ok: bool, key: str, msg: str) -> None:
         if not ok:
-            raise _bad(src, key, msg)
+            raise bad_value(src, key, msg)
 
     need(bool(m.model_name.strip()), "model_config.model_name", "must not be empty")
     need(m.dtype in DTYPES, "model_config.dtype", f"expected one of {', '.join(DTYPES)}, got {m.dtype!r}")
@@ -442,21 +342,8 @@ def _validate(cfg: ServingConfig) -> None:
     try:
         arch = dm.llama_config(pa.decode_seq_length)
     except ModelConfigError as exc:
-        raise _bad(src, "default_model", str(exc)) from None
+        raise bad_value(src, "default_model", str(exc)) from None
     need(arch.head_dim % 2 == 0, "default_model.hidden_size", f"head_dim {arch.head_dim} must be even for RoPE")
-
-
-def _bad(source: str, key: str, msg: str) -> ConfigError:
-    return ConfigError(f"{source}: {key}: {msg}", key=key, source=source)
-
-
-def _show(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-def _suggest(name: Any, known: Any) -> str:
-    close = difflib.get_close_matches(str(name), list(known), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _as_list(value: int | list[int] | tuple[int, ...] | None) -> list[int] | None:
