@@ -1,4 +1,4 @@
-"""The ``bench`` subcommand: the contest-style load test (the ``loadtest`` package) as ``llm-serving bench``."""
+"""The ``bench`` subcommand: the contest-style load test (``loadtest`` package) as ``llm-serving bench``."""
 
 from __future__ import annotations
 

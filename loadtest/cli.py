@@ -34,13 +34,15 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The tool's flags, for its own parser or an ``llm-serving bench`` subparser."""
-    p.add_argument("-X", "--qps", type=float, default=1.0, help="mean request rate in req/s; inf = all at once")
+    p.add_argument("-X", "--qps", type=float, default=1.0,
+                   help="mean request rate in req/s; inf = all at once")
     p.add_argument("-P", "--port", type=int, default=DEFAULT_PORT, help="server port (%(default)s)")
     p.add_argument("-O", "--out_dir", "--out-dir", dest="out_dir", default="bench_results",
                    help="directory for results, report and plots (%(default)s)")
     p.add_argument("-T", "--test_time", "--test-time", dest="test_time", type=float, default=3600.0,
                    help="seconds of arrivals: sends int(test_time * qps) requests unless --num-prompts")
-    p.add_argument("--dataset_path", "--dataset-path", "--dataset", dest="dataset_path", default=DEFAULT_DATASET,
+    p.add_argument("--dataset_path", "--dataset-path", "--dataset", dest="dataset_path",
+                   default=DEFAULT_DATASET,
                    help="alpaca json [{instruction, input, output}] (%(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="server host (%(default)s)")
     p.add_argument("--endpoint", choices=ENDPOINTS, default="stream",
@@ -54,12 +56,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--seed", type=int, default=0, help="seed for arrivals and --shuffle (%(default)s)")
     p.add_argument("--shuffle", action="store_true", help="sample the dataset in a seeded random order")
-    p.add_argument("--tokenizer", default=None, help="sentencepiece tokenizer.model (or its dir) for counting")
+    p.add_argument("--tokenizer", default=None,
+                   help="sentencepiece tokenizer.model (or its dir) for counting")
     p.add_argument("--tokens-per-word", type=float, default=1.3,
                    help="token estimate per whitespace word without --tokenizer (%(default)s)")
     p.add_argument("--return-full-text", action=argparse.BooleanOptionalAction, default=True,
                    help="send return_full_text like the contest (stream's last line = whole text)")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="per-request limit in s (%(default)s)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="per-request limit in s (%(default)s)")
     p.add_argument("--metrics-interval", type=float, default=0.5,
                    help=f"s between GET /metrics scrapes of {RUNNING_BATCH_GAUGE}; 0 = off (%(default)s)")
     p.add_argument("--wait-ready", type=float, default=0.0, help="wait up to this many s for GET /health")

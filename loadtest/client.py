@@ -76,7 +76,8 @@ async def _scrape(cfg: BenchConfig, now: Callable[[], float], samples: list[tupl
         while not stop.is_set():
             try:
                 async with session.get(url) as resp:
-                    value = parse_gauge(await resp.text(), RUNNING_BATCH_GAUGE) if resp.status == 200 else None
+                    text = await resp.text() if resp.status == 200 else ""
+                    value = parse_gauge(text, RUNNING_BATCH_GAUGE)
             except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError):
                 value = None
             if value is None and not samples:
@@ -98,8 +99,9 @@ class ProgressBar:
 
     def __init__(self, total: int, enabled: bool = True, file: TextIO | None = None):
         self.failed = 0
-        self.bar = tqdm(total=total, desc="requests", unit="req", file=file if file is not None else sys.stderr,
-                        disable=None if enabled else True, dynamic_ncols=True, postfix={"failed": 0})
+        self.bar = tqdm(total=total, desc="requests", unit="req",
+                        file=file if file is not None else sys.stderr, disable=None if enabled else True,
+                        dynamic_ncols=True, postfix={"failed": 0})
 
     def update(self, ok: bool) -> None:
         if not ok:
@@ -177,7 +179,8 @@ async def wait_ready(cfg: BenchConfig, seconds: float) -> None:
     raise BenchError(f"server at {cfg.base_url} not ready after {seconds:g}s ({last})")
 
 
-def save_run(run: BenchRun, out_dir: str | Path, settings: dict[str, Any], draw: bool = True) -> dict[str, Path]:
+def save_run(run: BenchRun, out_dir: str | Path, settings: dict[str, Any],
+             draw: bool = True) -> dict[str, Path]:
     """Write result_<qps>_x.json (per request), summary json, markdown report and PNG plots."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

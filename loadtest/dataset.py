@@ -1,11 +1,11 @@
 """What to send: an alpaca dataset read and checked, token counts, and the requests built from it.
 
-A request's prompt is the contest's ``instruction[":" + input]`` and its ``max_new_tokens`` the token count of
-the reference ``output``. With ``--tokenizer`` the served sentencepiece model counts prompt tokens (with
-``<s>``) and ``max_new_tokens`` (reference output, without ``<s>``, like the contest's ``tokenizer.tokenize``).
-Without it both are estimated as ``ceil(words * --tokens-per-word)`` over whitespace-separated words, +1 for
-``<s>`` on prompts (1.3 suits English with a Llama-2 vocabulary). The server's own counts replace these when
-it reports them (see ``loadtest.protocol``).
+A request's prompt is the contest's ``instruction[":" + input]`` and its ``max_new_tokens`` the token count
+of the reference ``output``. With ``--tokenizer`` the served sentencepiece model counts prompt tokens (with
+``<s>``) and ``max_new_tokens`` (reference output, without ``<s>``, like the contest's
+``tokenizer.tokenize``). Without it both are estimated as ``ceil(words * --tokens-per-word)`` over
+whitespace-separated words, +1 for ``<s>`` on prompts (1.3 suits English with a Llama-2 vocabulary). The
+server's own counts replace these when it reports them (see ``loadtest.protocol``).
 """
 
 from __future__ import annotations

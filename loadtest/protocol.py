@@ -276,7 +276,7 @@ async def send_request(session: aiohttp.ClientSession, cfg: BenchConfig, req: Be
         res.error = f"timeout after {cfg.request_timeout:g}s"
     except (aiohttp.ClientError, OSError) as e:
         res.error = f"{type(e).__name__}: {e}"
-    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:  # e.g. a frame of the wrong shape
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:  # e.g. a frame of wrong shape
         res.error = f"malformed response: {type(e).__name__}: {e}"
     res.end_time = res.chunk_times[-1] if res.success and not res.streamed else now()
     return res

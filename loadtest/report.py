@@ -43,7 +43,8 @@ def format_console(m: dict[str, Any]) -> str:
     lines += [f"{name + ':':<44}{value:>16}" for name, value in _general_rows(m)]
     for key, title in LATENCIES:
         lines.append(f"{title:-^60}")
-        lines += [f"{f'{stat} {_SHORT[key]} (ms):':<44}{_fmt(m[f'{pre}_{key}_ms']):>16}" for stat, pre in _STATS]
+        lines += [f"{f'{stat} {_SHORT[key]} (ms):':<44}{_fmt(m[f'{pre}_{key}_ms']):>16}"
+                  for stat, pre in _STATS]
     if m["errors"]:
         lines.append("{:-^60}".format("Errors"))
         lines += [f"{e['count']:>5} x {e['example']}"[:200] for e in m["errors"].values()]

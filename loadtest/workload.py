@@ -1,10 +1,10 @@
 """Alpaca-format load-test workloads built from the packaged corpus (no third-party data).
 
-The contest's load script reads ``[{"instruction", "input", "output"}]`` and asks for as many new tokens as the
-reference ``output`` has, so what matters for a load test is the *shape* of the data: a short instruction, an
-optional input passage (about 40% of Alpaca items have one), and a long-tailed output length. Lengths are drawn
-from clamped log-normal distributions (in words) and the text is cut from ``loadtest/data/corpus.txt``, so a
-workload is realistic English, deterministic for a seed, and reproducible on any machine.
+The contest's load script reads ``[{"instruction", "input", "output"}]`` and asks for as many new tokens as
+the reference ``output`` has, so what matters for a load test is the *shape* of the data: a short instruction,
+an optional input passage (about 40% of Alpaca items have one), and a long-tailed output length. Lengths are
+drawn from clamped log-normal distributions (in words) and the text is cut from ``loadtest/data/corpus.txt``,
+so a workload is realistic English, deterministic for a seed, and reproducible on any machine.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ class _Corpus:
         return " ".join(self.words[(start + i) % total] for i in range(n))
 
 
-def make_workload(spec: WorkloadSpec = WorkloadSpec(), corpus: str | Path | None = None) -> list[dict[str, str]]:
+def make_workload(spec: WorkloadSpec = WorkloadSpec(),
+                  corpus: str | Path | None = None) -> list[dict[str, str]]:
     """Generate ``spec.num`` Alpaca records; identical output for identical ``spec`` and corpus."""
     text = _Corpus(Path(corpus) if corpus is not None else DEFAULT_CORPUS)
     rng = random.Random(spec.seed)

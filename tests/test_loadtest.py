@@ -113,8 +113,8 @@ class FakeServer:
                 await resp.write(b'{"error": "agent crashed", "error_type": "internal"}\n')
                 break
         if body["parameters"].get("return_full_text") == "True":
-            full = {"event": "message", "retry": 30000, "data": [{"generated_text": "".join(texts), "tokens": {},
-                                                                  "details": None}]}
+            full = {"event": "message", "retry": 30000,
+                    "data": [{"generated_text": "".join(texts), "tokens": {}, "details": None}]}
             await resp.write(json.dumps(full).encode() + b"\n")
         await resp.write_eof()
         return resp
@@ -136,12 +136,14 @@ class FakeServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         async for _, piece in self._tokens(n):
-            chunk = {"object": "text_completion", "choices": [{"index": 0, "text": piece, "finish_reason": None}]}
+            chunk = {"object": "text_completion",
+                     "choices": [{"index": 0, "text": piece, "finish_reason": None}]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         last = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
         await resp.write(f"data: {json.dumps(last)}\n\n".encode())
         if self.send_usage and body.get("stream_options", {}).get("include_usage"):
-            usage = {"choices": [], "usage": {"prompt_tokens": 42, "completion_tokens": n, "total_tokens": n + 42}}
+            usage = {"choices": [],
+                     "usage": {"prompt_tokens": 42, "completion_tokens": n, "total_tokens": n + 42}}
             await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -254,7 +256,8 @@ def test_stream_counts_token_lines_only(tmp_path, server):
 
 def test_full_endpoint(tmp_path, server):
     dataset = write_dataset(tmp_path / "d.json", [4, 7])
-    rc, m, results = run_cli(tmp_path, server, dataset, "-X", "inf", "--num-prompts", "2", "--endpoint", "full")
+    rc, m, results = run_cli(tmp_path, server, dataset, "-X", "inf", "--num-prompts", "2",
+                             "--endpoint", "full")
     assert rc == 0
     assert all(b["stream"] is False for b in server.bodies)
     assert [r["output_tokens"] for r in results] == [4, 7]
@@ -292,7 +295,8 @@ def test_failures_are_counted_not_fatal(tmp_path, server):
     assert by_prompt["FAIL b"]["error"] == "HTTP 500 internal: injected failure"
     assert by_prompt["FAIL b"]["res_time"] is None
     assert "agent crashed" in by_prompt["BADLINE d"]["error"]
-    assert m["errors"]["HTTP 500 internal"]["count"] == 2 and m["errors"]["server error in stream"]["count"] == 1
+    assert m["errors"]["HTTP 500 internal"]["count"] == 2
+    assert m["errors"]["server error in stream"]["count"] == 1
 
 
 def test_request_timeout_bounds_the_run(tmp_path, server):
@@ -340,13 +344,14 @@ def test_wait_ready(server):
 
 def test_scripts_run_from_any_directory(tmp_path):
     root = Path(__file__).resolve().parent.parent
-    made = subprocess.run([sys.executable, str(root / "scripts" / "make_workload.py"), "-n", "5"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60, check=False)
+    made = subprocess.run([sys.executable, str(root / "scripts" / "make_workload.py"), "-n", "5"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
     assert made.returncode == 0, made.stderr
     assert len(load_dataset(tmp_path / "alpaca_5010.json")) == 5  # the contest's default file name
     helped = subprocess.run([sys.executable, str(root / "scripts" / "test_serving_performance.py"), "--help"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
-    assert helped.returncode == 0 and "--dataset_path" in helped.stdout and "--max-concurrency" in helped.stdout
+    assert helped.returncode == 0
+    assert "--dataset_path" in helped.stdout and "--max-concurrency" in helped.stdout
 
 
 # ------------------------------------------------------------------------------------- arrival process
@@ -428,7 +433,8 @@ def test_progress_bar_and_gauge_parsing():
 
 def test_plots_without_data_and_latency_log_axis(tmp_path):
     paths = plots.write_plots([], 0.0, tmp_path, "1.0_x")  # nothing succeeded: "no data" panels, same files
-    assert [p.name for p in paths] == ["latency_cdf_1.0_x.png", "throughput_1.0_x.png", "running_batch_1.0_x.png"]
+    names = ("latency_cdf", "throughput", "running_batch")
+    assert [p.name for p in paths] == [f"{name}_1.0_x.png" for name in names]
     assert all(read_png(p).shape[1] > 600 for p in paths)
     fig = Figure()
     wide, narrow = fig.subplots(1, 2)
@@ -452,9 +458,11 @@ def test_workload_deterministic_and_alpaca_shaped(tmp_path):
     out = tmp_path / "alpaca_5010.json"
     assert workload_main(["-o", str(out), "-n", "20", "--seed", "1"]) == 0
     assert load_dataset(out) == make_workload(WorkloadSpec(num=20, seed=1))
-    assert workload_main(["-o", str(out), "-n", "100", "--max-input-words", "10", "--max-output-words", "50"]) == 0
+    argv = ["-o", str(out), "-n", "100", "--max-input-words", "10", "--max-output-words", "50"]
+    assert workload_main(argv) == 0
     capped = load_dataset(out)
-    assert max(len(r["input"].split()) for r in capped) == 10 and max(len(r["output"].split()) for r in capped) == 50
+    assert max(len(r["input"].split()) for r in capped) == 10
+    assert max(len(r["output"].split()) for r in capped) == 50
     with pytest.raises(WorkloadError, match="num"):
         WorkloadSpec(num=0)
     with pytest.raises(WorkloadError, match="length distribution"):
