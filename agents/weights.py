@@ -3,20 +3,23 @@
 The model consumes one flat ``dict[str, np.ndarray]`` with q/k/v and gate/up already fused, so every
 projection is a single matmul over token-flat activations. Matrices keep the HF ``[out, in]`` orientation:
 ``embed_tokens``, ``layers.{i}.{attention_norm, w_qkv, wo, ffn_norm, w_gate_up, w_down}``, ``norm``,
-``lm_head`` (see :func:`canonical_shapes`). MindSpore is imported only by the ``.ckpt`` functions.
+``lm_head`` (see :func:`canonical_shapes`). Safetensors are read with the ``safetensors`` package, one
+tensor at a time as the fusing asks for it, so a checkpoint is never held in memory whole. MindSpore is
+imported only by the ``.ckpt`` functions, so a bad HF path fails before that slow import.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+from safetensors import SafetensorError, safe_open
 
-from agents.safetensors_io import SafetensorsError, SafetensorsFile
 from llm_serving.protocol.model_config import (
     HF_INDEX_FILE,
     HF_SINGLE_FILE,
@@ -28,27 +31,27 @@ CKPT_FILE = "model.ckpt"
 
 # Source naming conventions: canonical kind -> alternatives, each a list of source names whose tensors
 # are concatenated along dim 0 (in order) to give the canonical tensor. "{i}" is the layer index.
-_L = "model.layers.{i}."
+_LAYER_PREFIX = "model.layers.{i}."  # layer i's tensors in both HF and MindFormers naming
 HF_NAMES: dict[str, list[list[str]]] = {
     "embed_tokens": [["model.embed_tokens.weight"]],
-    "attention_norm": [[_L + "input_layernorm.weight"]],
-    "w_qkv": [[_L + f"self_attn.{p}_proj.weight" for p in "qkv"]],
-    "wo": [[_L + "self_attn.o_proj.weight"]],
-    "ffn_norm": [[_L + "post_attention_layernorm.weight"]],
-    "w_gate_up": [[_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"]],
-    "w_down": [[_L + "mlp.down_proj.weight"]],
+    "attention_norm": [[_LAYER_PREFIX + "input_layernorm.weight"]],
+    "w_qkv": [[_LAYER_PREFIX + f"self_attn.{p}_proj.weight" for p in "qkv"]],
+    "wo": [[_LAYER_PREFIX + "self_attn.o_proj.weight"]],
+    "ffn_norm": [[_LAYER_PREFIX + "post_attention_layernorm.weight"]],
+    "w_gate_up": [[_LAYER_PREFIX + "mlp.gate_proj.weight", _LAYER_PREFIX + "mlp.up_proj.weight"]],
+    "w_down": [[_LAYER_PREFIX + "mlp.down_proj.weight"]],
     "norm": [["model.norm.weight"]],
     "lm_head": [["lm_head.weight"]],
 }
 MINDFORMERS_NAMES: dict[str, list[list[str]]] = {
     "embed_tokens": [["model.tok_embeddings.embedding_weight"]],
-    "attention_norm": [[_L + "attention_norm.weight"]],
-    "w_qkv": [[_L + f"attention.{p}.weight" for p in ("wq", "wk", "wv")], [_L + "attention.w_qkv.weight"]],
-    "wo": [[_L + "attention.wo.weight"]],
-    "ffn_norm": [[_L + "ffn_norm.weight"]],
-    "w_gate_up": [[_L + "feed_forward.w1.weight", _L + "feed_forward.w3.weight"],
-                  [_L + "feed_forward.w_gate_hidden.weight"]],
-    "w_down": [[_L + "feed_forward.w2.weight"]],
+    "attention_norm": [[_LAYER_PREFIX + "attention_norm.weight"]],
+    "w_qkv": [[_LAYER_PREFIX + f"attention.{p}.weight" for p in ("wq", "wk", "wv")], [_LAYER_PREFIX + "attention.w_qkv.weight"]],
+    "wo": [[_LAYER_PREFIX + "attention.wo.weight"]],
+    "ffn_norm": [[_LAYER_PREFIX + "ffn_norm.weight"]],
+    "w_gate_up": [[_LAYER_PREFIX + "feed_forward.w1.weight", _LAYER_PREFIX + "feed_forward.w3.weight"],
+                  [_LAYER_PREFIX + "feed_forward.w_gate_hidden.weight"]],
+    "w_down": [[_LAYER_PREFIX + "feed_forward.w2.weight"]],
     "norm": [["model.norm_out.weight"]],
     "lm_head": [["lm_head.weight"]],
 }
@@ -178,6 +181,81 @@ def validate_weights(weights: Mapping[str, np.ndarray], config: LlamaConfig) -> 
 # ---------------------------------------------------------------- Hugging Face safetensors
 
 
+# Float dtypes numpy reads natively; BF16 is widened to float32 by hand (see _SafetensorsFile._read_bf16).
+_NUMPY_FLOAT_DTYPES = ("F64", "F32", "F16")
+_BF16 = "BF16"
+
+
+class _SafetensorsFile(Mapping):
+    """Tensors of one ``.safetensors`` file, each read from disk when looked up and never cached.
+
+    ``safe_open`` validates the header (offsets, sizes, file length) on open, so a corrupt or truncated
+    file fails here, named, before any tensor is read.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self._file = safe_open(path, framework="numpy")
+        except (SafetensorError, OSError) as exc:
+            raise WeightLoadError(f"{path}: not a readable safetensors file: {exc}") from None
+        self._names = self._file.offset_keys()  # file order, for messages that list "first tensors"
+        self._name_set = set(self._names)
+        self._spans: dict[str, tuple[int, int]] | None = None
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._name_set:
+            raise KeyError(name)
+        dtype = self._file.get_slice(name).get_dtype()
+        if dtype == _BF16:
+            return self._read_bf16(name)
+        if dtype not in _NUMPY_FLOAT_DTYPES:
+            raise WeightLoadError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype} "
+                                  f"(supported: {', '.join((*_NUMPY_FLOAT_DTYPES, _BF16))})")
+        try:
+            return self._file.get_tensor(name)
+        except SafetensorError as exc:
+            raise WeightLoadError(f"{self.path}: cannot read tensor {name!r}: {exc}") from None
+
+    def _read_bf16(self, name: str) -> np.ndarray:
+        """Widen a BF16 tensor to float32 from its raw bits.
+
+        numpy has no bfloat16, so the package's numpy backend raises ``TypeError: data type 'bfloat16'
+        not understood`` for BF16 (its torch backend handles it, but the agent does not depend on torch).
+        The package gives dtype and shape but not byte offsets, so those come from the header, which
+        ``safe_open`` has already validated. bf16 is the top half of an IEEE float32, so shifting the
+        bits up 16 widens it exactly.
+        """
+        begin, end = self._byte_spans()[name]
+        count = (end - begin) // 2
+        with open(self.path, "rb") as f:
+            bits = np.fromfile(f, dtype="<u2", count=count, offset=begin)
+        if bits.size != count:  # only if the file shrank after it was opened
+            raise WeightLoadError(f"{self.path}: tensor {name!r} is truncated")
+        shape = tuple(self._file.get_slice(name).get_shape())
+        return (bits.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+
+    def _byte_spans(self) -> dict[str, tuple[int, int]]:
+        """Absolute ``[begin, end)`` file offsets of every tensor, read once from the header."""
+        if self._spans is None:
+            with open(self.path, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))  # the format's 8-byte little-endian prefix
+                header = json.loads(f.read(header_len))
+            start = 8 + header_len
+            self._spans = {name: (start + entry["data_offsets"][0], start + entry["data_offsets"][1])
+                           for name, entry in header.items() if name != "__metadata__"}
+        return self._spans
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self._name_set
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 class _ShardedTensors(Mapping):
     """All tensors of a sharded checkpoint, located through the index's ``weight_map``."""
 
@@ -192,7 +270,7 @@ class _ShardedTensors(Mapping):
         missing = [str(p) for p in shard_paths.values() if not p.is_file()]
         if missing:
             raise WeightLoadError(f"{index_path}: missing shard file(s) {missing}")
-        shards = {name: SafetensorsFile(p) for name, p in shard_paths.items()}
+        shards = {name: _SafetensorsFile(p) for name, p in shard_paths.items()}
         self._files = {}
         for tensor, shard in weight_map.items():
             if tensor not in shards[shard]:
@@ -203,7 +281,7 @@ class _ShardedTensors(Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         return self._files[name][name]
 
-    def __contains__(self, name: object) -> bool:  # Mapping's default would decode the tensor
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
         return name in self._files
 
     def __iter__(self) -> Iterator[str]:
@@ -237,13 +315,10 @@ def load_hf_weights(model_dir: str | Path, config: LlamaConfig) -> dict[str, np.
         raise WeightLoadError(f"model directory not found: {model_dir}")
     _check_architecture(model_dir)
     single, index, ckpt = model_dir / HF_SINGLE_FILE, model_dir / HF_INDEX_FILE, model_dir / CKPT_FILE
-    try:
-        if single.is_file():
-            return _assemble(SafetensorsFile(single), HF_NAMES, config, str(single), strict=True)
-        if index.is_file():
-            return _assemble(_ShardedTensors(index), HF_NAMES, config, str(index), strict=True)
-    except SafetensorsError as exc:
-        raise WeightLoadError(str(exc)) from None
+    if single.is_file():
+        return _assemble(_SafetensorsFile(single), HF_NAMES, config, str(single), strict=True)
+    if index.is_file():
+        return _assemble(_ShardedTensors(index), HF_NAMES, config, str(index), strict=True)
     if ckpt.is_file():
         return load_mindspore_checkpoint(ckpt, config)
     found = sorted(p.name for p in model_dir.glob("*.safetensors"))
@@ -333,10 +408,7 @@ def load_weights(model_dir_or_file: str | Path, config: LlamaConfig,
     elif path.is_file() and path.suffix == ".ckpt":
         weights = load_mindspore_checkpoint(path, config)
     elif path.is_file() and path.suffix == ".safetensors":
-        try:
-            weights = _assemble(SafetensorsFile(path), HF_NAMES, config, str(path), strict=True)
-        except SafetensorsError as exc:
-            raise WeightLoadError(str(exc)) from None
+        weights = _assemble(_SafetensorsFile(path), HF_NAMES, config, str(path), strict=True)
     elif path.is_file():
         raise WeightLoadError(f"unsupported weights file {path}: expected a directory, .ckpt or .safetensors")
     else:
@@ -345,5 +417,5 @@ def load_weights(model_dir_or_file: str | Path, config: LlamaConfig,
     out = {}
     for key, arr in weights.items():
         arr = arr.astype(dtype, order="C", copy=False)
-        out[key] = arr if arr.flags.writeable else arr.copy()  # never hand out read-only file maps
+        out[key] = arr if arr.flags.writeable else arr.copy()  # never hand out read-only arrays
     return out

@@ -1,4 +1,4 @@
-"""Weight I/O: our safetensors reader/writer, HF and MindSpore loaders, the seeded random model."""
+"""Weight I/O: HF safetensors (via the `safetensors` package) and MindSpore loaders, the seeded random model."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
-from agents.safetensors_io import SafetensorsError, SafetensorsFile, load_file, save_file
+import agents.weights
 from agents.weights import (
     WeightLoadError,
     canonical_shapes,
@@ -85,61 +86,35 @@ def save_ckpt(tensors: dict[str, np.ndarray], path: Path, bf16: bool = False) ->
     return path
 
 
-# ---------------------------------------------------------------- safetensors format
+# ---------------------------------------------------------------- safetensors reading
 
 
-def test_safetensors_writer_and_reader_agree_with_reference_library(tmp_path):
-    from safetensors.numpy import load_file as ref_load
-    from safetensors.numpy import save_file as ref_save
-
-    rng = np.random.default_rng(0)
-    tensors = {"f32": rng.standard_normal((3, 5)).astype(np.float32),
-               "f16": rng.standard_normal((7,)).astype(np.float16),
-               "f64": rng.standard_normal((2, 2)),
-               "i32": np.arange(6, dtype=np.int32).reshape(2, 3),
-               "i64": np.array([-1, 2**40], dtype=np.int64),
-               "big_endian": np.arange(4, dtype=">f4"),
-               "scalar": np.array(2.5, dtype=np.float32),
-               "empty": np.zeros((0, 4), dtype=np.float32)}
-    save_file(tensors, tmp_path / "ours.safetensors", metadata={"format": "pt", "note": "x"})
-    theirs = ref_load(tmp_path / "ours.safetensors")
-    mine = SafetensorsFile(tmp_path / "ours.safetensors")
-    assert mine.metadata == {"format": "pt", "note": "x"}
-    assert sorted(mine) == sorted(tensors)
-    for name, arr in tensors.items():
-        assert theirs[name].shape == arr.shape
-        np.testing.assert_array_equal(theirs[name], arr)
-        assert mine[name].shape == arr.shape and mine[name].dtype == arr.dtype.newbyteorder("<")
-    for n in range(1, 9):  # headers of every length mod 8: the data section must stay 8-byte aligned
-        save_file({"x" * n: np.ones(2, np.float64)}, tmp_path / "a.safetensors")
-        with open(tmp_path / "a.safetensors", "rb") as f:
-            assert (8 + struct.unpack("<Q", f.read(8))[0]) % 8 == 0
-        assert SafetensorsFile(tmp_path / "a.safetensors")["x" * n].tolist() == [1.0, 1.0]
-
-    ref_save(tensors, tmp_path / "theirs.safetensors")
-    back = load_file(tmp_path / "theirs.safetensors")
-    for name, arr in tensors.items():
-        np.testing.assert_array_equal(back[name], arr)
-    assert back["f32"].flags.writeable
+def test_float_dtypes_load_exactly_and_owned(tmp_path):
+    """F32/F16/F64 (and big-endian input, which the writer stores little-endian) mixed in one file."""
+    dtypes = [np.float32, np.float16, np.float64, np.dtype(">f4")]
+    hf = {name: arr.astype(dtypes[j % len(dtypes)]) for j, (name, arr) in enumerate(random_hf_weights(CFG).items())}
+    save_file(hf, str(tmp_path / "mixed.safetensors"))
+    got = load_weights(tmp_path / "mixed.safetensors", CFG, dtype=np.float64)
+    assert all(v.dtype == np.float64 and v.flags.writeable and v.flags.c_contiguous for v in got.values())
+    assert_same(got, {k: v.astype(np.float64) for k, v in fuse_reference(hf, CFG).items()})
+    got["norm"][0] = 7.0  # owned: writing does not touch the file
+    assert load_weights(tmp_path / "mixed.safetensors", CFG)["norm"][0] != 7.0
 
 
-def test_reads_bf16_and_fp16_written_by_torch(tmp_path):
+def test_bf16_and_fp16_written_by_torch_load_exactly(tmp_path):
     import torch
     from safetensors.torch import save_file as torch_save
 
-    torch.manual_seed(0)
-    src = torch.randn(4, 9) * 3
-    torch_save({"bf16": src.bfloat16(), "f16": src.half(), "i64": torch.arange(5),
-                "i32": torch.arange(5, dtype=torch.int32)}, str(tmp_path / "t.safetensors"))
-    f = SafetensorsFile(tmp_path / "t.safetensors")
-    assert f.dtype_tag("bf16") == "BF16" and f.shape("bf16") == (4, 9)
-    bf16 = f["bf16"]
-    assert bf16.dtype == np.float32
-    np.testing.assert_array_equal(bf16, src.bfloat16().float().numpy())
-    assert not np.array_equal(bf16, src.numpy())  # really rounded to bf16, not read as something else
-    np.testing.assert_array_equal(f["f16"], src.half().numpy())
-    np.testing.assert_array_equal(f["i64"], np.arange(5))
-    np.testing.assert_array_equal(f["i32"], np.arange(5, dtype=np.int32))
+    hf = random_hf_weights(CFG, seed=7, std=3.0)
+    kinds = [torch.bfloat16, torch.float16, torch.float32]
+    stored = {name: torch.from_numpy(arr).to(kinds[j % 3]) for j, (name, arr) in enumerate(hf.items())}
+    torch_save(stored, str(tmp_path / "t.safetensors"))
+    assert {str(t.dtype) for t in stored.values()} == {"torch.bfloat16", "torch.float16", "torch.float32"}
+    got = load_weights(tmp_path / "t.safetensors", CFG, dtype=np.float64)
+    assert_same(got, {k: v.astype(np.float64) for k, v in
+                      fuse_reference({k: t.float().numpy() for k, t in stored.items()}, CFG).items()})
+    # really rounded to bf16, not read as something else
+    assert not np.array_equal(got["embed_tokens"], hf["model.embed_tokens.weight"])
 
 
 def test_bf16_hf_checkpoint_loads_as_float32(tmp_path):
@@ -150,7 +125,46 @@ def test_bf16_hf_checkpoint_loads_as_float32(tmp_path):
     build_random_model(tmp_path, CFG)
     torch_save({k: torch.from_numpy(v).bfloat16() for k, v in hf.items()}, str(tmp_path / "model.safetensors"))
     rounded = {k: torch.from_numpy(v).bfloat16().float().numpy() for k, v in hf.items()}
-    assert_same(load_weights(tmp_path, CFG), fuse_reference(rounded, CFG))
+    got = load_weights(tmp_path, CFG)
+    assert all(v.dtype == np.float32 and v.flags.writeable for v in got.values())
+    assert_same(got, fuse_reference(rounded, CFG))
+
+
+def test_reads_only_needed_tensors_once_each(tmp_path, monkeypatch):
+    """Lazy: tensors come off disk one by one as the fusing needs them; errors found from names read none."""
+    reads: list[str] = []
+    real_open = agents.weights.safe_open
+
+    class SpyOpen:
+        def __init__(self, path, framework):
+            self._file = real_open(path, framework=framework)
+
+        def get_tensor(self, name):
+            reads.append(name)
+            return self._file.get_tensor(name)
+
+        def __getattr__(self, attr):
+            return getattr(self._file, attr)
+
+    monkeypatch.setattr(agents.weights, "safe_open", SpyOpen)
+    tied = replace(CFG, tie_word_embeddings=True)
+    hf = random_hf_weights(CFG)  # holds lm_head.weight, which a tied model never reads
+    hf["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.zeros(4, np.float32)  # ignored, never read
+    load_weights(write_hf(tmp_path / "single", hf, tied), tied)
+    assert sorted(reads) == sorted(set(hf) - {"lm_head.weight", "model.layers.0.self_attn.rotary_emb.inv_freq"})
+
+    reads.clear()
+    sharded = build_random_model(tmp_path / "sharded", CFG, shards=3)
+    load_weights(sharded, CFG)
+    assert sorted(reads) == sorted(random_hf_weights(CFG))
+
+    reads.clear()
+    with pytest.raises(WeightLoadError, match="belongs to layer 2"):
+        load_weights(write_hf(tmp_path / "deeper", random_hf_weights(replace(CFG, num_hidden_layers=3))), CFG)
+    assert reads == []
+    with pytest.raises(WeightLoadError, match="shape mismatch"):
+        load_weights(sharded, replace(CFG, intermediate_size=48))
+    assert reads[-1] == "model.layers.0.mlp.gate_proj.weight" and len(reads) < 10
 
 
 def raw_safetensors(header: dict, data_len: int) -> bytes:
@@ -159,30 +173,47 @@ def raw_safetensors(header: dict, data_len: int) -> bytes:
 
 
 @pytest.mark.parametrize("blob, message", [
-    (b"\x01\x02", "too short"),
-    (struct.pack("<Q", 10**12) + b"{}", "header length"),
-    (struct.pack("<Q", 4) + b"{{{{", "not valid JSON"),
-    (struct.pack("<Q", 2) + b"[]", "not a JSON object"),
-    (raw_safetensors({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, 8),
-     "'w': data_offsets [0, 16] do not hold F32[4] (16 bytes) within 8 data bytes"),
-    (raw_safetensors({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}}, 16), "do not hold"),
-    (raw_safetensors({"w": {"dtype": "Q9", "shape": [1], "data_offsets": [0, 4]}}, 4), "unsupported dtype 'Q9'"),
-    (raw_safetensors({"w": {"dtype": "F32", "shape": [1]}}, 4), "needs dtype, shape and data_offsets"),
-    (raw_safetensors({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, 4), "invalid shape"),
+    (b"\x01\x02", "header too small"),
+    (struct.pack("<Q", 10**12) + b"{}", "header too large"),
+    (struct.pack("<Q", 4) + b"{{{{", "invalid JSON"),
+    (struct.pack("<Q", 2) + b"[]", "invalid JSON"),
+    (raw_safetensors({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, 8), "not fully covered"),
+    (raw_safetensors({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}}, 16), "invalid shape"),
+    (raw_safetensors({"w": {"dtype": "Q9", "shape": [1], "data_offsets": [0, 4]}}, 4), "Q9"),
+    (raw_safetensors({"w": {"dtype": "F32", "shape": [1]}}, 4), "data_offsets"),
+    (raw_safetensors({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, 4), "-1"),
 ])
 def test_corrupt_safetensors_errors(tmp_path, blob, message):
     path = tmp_path / "bad.safetensors"
     path.write_bytes(blob)
-    with pytest.raises(SafetensorsError, match="bad.safetensors") as exc:
-        SafetensorsFile(path)
+    with pytest.raises(WeightLoadError, match="bad.safetensors: not a readable safetensors file") as exc:
+        load_weights(path, CFG)
     assert message in str(exc.value)
 
 
-def test_safetensors_missing_file_and_unwritable_dtype(tmp_path):
-    with pytest.raises(SafetensorsError, match="safetensors file not found"):
-        SafetensorsFile(tmp_path / "missing.safetensors")
-    with pytest.raises(SafetensorsError, match="cannot write numpy dtype complex64"):
-        save_file({"c": np.zeros(2, np.complex64)}, tmp_path / "c.safetensors")
+def test_truncated_files_name_the_file(tmp_path):
+    single = build_random_model(tmp_path / "single", CFG) / "model.safetensors"
+    single.write_bytes(single.read_bytes()[:-100])
+    with pytest.raises(WeightLoadError, match="model.safetensors: not a readable safetensors file.*not fully"):
+        load_weights(single.parent, CFG)
+    shard = build_random_model(tmp_path / "sharded", CFG, shards=3) / "model-00002-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-4])
+    with pytest.raises(WeightLoadError, match="model-00002-of-00003.safetensors: not a readable"):
+        load_weights(shard.parent, CFG)
+
+
+def test_non_float_tensor_dtypes_are_named(tmp_path):
+    hf = random_hf_weights(CFG)
+    hf["model.norm.weight"] = np.ones(32, np.int32)
+    with pytest.raises(WeightLoadError, match="tensor 'model.norm.weight' has unsupported dtype I32"):
+        load_weights(write_hf(tmp_path / "i", hf), CFG)
+    # An fp8 tensor: valid safetensors that numpy cannot represent.
+    path = tmp_path / "f8.safetensors"
+    path.write_bytes(raw_safetensors({"model.embed_tokens.weight": {
+        "dtype": "F8_E4M3", "shape": [96, 32], "data_offsets": [0, 96 * 32]}}, 96 * 32))
+    with pytest.raises(WeightLoadError, match="f8.safetensors: tensor 'model.embed_tokens.weight' has "
+                                              "unsupported dtype F8_E4M3 .supported: F64, F32, F16, BF16"):
+        load_weights(path, CFG)
 
 
 # ---------------------------------------------------------------- random model <-> transformers
@@ -236,7 +267,8 @@ def test_random_model_fp16_shards_load_and_cast(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("model*")) == ["model.safetensors"]
 
 
-def test_transformers_sharded_save_pretrained_loads_and_fuses(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_transformers_sharded_save_pretrained_loads_and_fuses(tmp_path, dtype):
     import torch
     from transformers import LlamaConfig as HFLlamaConfig
     from transformers import LlamaForCausalLM
@@ -247,10 +279,11 @@ def test_transformers_sharded_save_pretrained_loads_and_fuses(tmp_path):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p))
+    model = model.to(getattr(torch, dtype))
     model.save_pretrained(tmp_path, max_shard_size="20KB")
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    state = {k: v.float().numpy() for k, v in model.state_dict().items()}
     assert_same(load_weights(tmp_path, CFG), fuse_reference(state, CFG))
 
 
@@ -298,7 +331,7 @@ def test_bf16_mindformers_checkpoint_widens_to_float32(tmp_path):
 def write_hf(dir_: Path, tensors: dict[str, np.ndarray], cfg: LlamaConfig = CFG) -> Path:
     dir_.mkdir(parents=True, exist_ok=True)
     (dir_ / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
-    save_file(tensors, dir_ / "model.safetensors")
+    save_file(tensors, str(dir_ / "model.safetensors"))
     return dir_
 
 
@@ -396,7 +429,7 @@ def test_unexpected_architecture_and_extra_tensors(tmp_path):
 
 def test_corrupt_files_raise_weight_load_error(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"garbage!garbage!")
-    with pytest.raises(WeightLoadError, match="model.safetensors: header length"):
+    with pytest.raises(WeightLoadError, match="model.safetensors: not a readable safetensors file"):
         load_weights(tmp_path, CFG)
     (tmp_path / "bad.ckpt").write_bytes(b"garbage")
     with pytest.raises(WeightLoadError, match="bad.ckpt: cannot read MindSpore checkpoint"):
