@@ -9,8 +9,7 @@ setup(
     packages=find_packages(include=["llm_serving", "llm_serving.*", "agents", "agents.*", "loadtest",
                                     "loadtest.*"]),
     # the native CPU kernels are compiled from these sources on the serving machine at first start
-    package_data={"llm_serving": ["data/*.txt"], "agents": ["kernels/*.cc", "kernels/*.h"],
-                  "loadtest": ["data/*.txt"]},
+    package_data={"agents": ["kernels/*.cc", "kernels/*.h"], "loadtest": ["data/*.txt"]},
     python_requires=">=3.9",
     install_requires=[
         "mindspore==2.10.0",
@@ -20,7 +19,7 @@ setup(
         "aiohttp",
         "safetensors",
         "prometheus_client",
-        "matplotlib",
+        "matplotlib>=3.5",
         "tqdm",
     ],
     extras_require={

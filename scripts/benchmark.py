@@ -3,7 +3,7 @@
     python scripts/benchmark.py [--num-prompts 48] [--max-output-tokens 64] [--write-doc docs/benchmarks.md]
 
 In one run, on the bench model of scripts/bench_model.py (random weights, std 0.05, own 8000-piece tokenizer)
-and one alpaca-shaped workload (llm_serving.workload), it measures:
+and one alpaca-shaped workload (loadtest.workload), it measures:
   1. Hugging Face transformers, greedy, one request at a time (the contest's baseline.py way), same weights;
   2. our server with the contest's baseline settings (prefill batch 1, decode batch 1, fcfs);
   3. our server tuned (prefill batches up to 4, decode batches up to 128, longest_output_first), and
@@ -35,17 +35,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))  # bench_model (imported only in the --prepare child)
 
-from agents.model_config import LlamaConfig
-from llm_serving.bench_client import (
-    BenchConfig,
-    BenchError,
-    BenchRequest,
-    TokenCounter,
-    benchmark,
-    build_requests,
-    wait_ready,
-)
-from llm_serving.workload import WorkloadSpec, make_workload
+from llm_serving.protocol.model_config import LlamaConfig
+from loadtest import BenchError
+from loadtest.client import benchmark, wait_ready
+from loadtest.dataset import BenchRequest, TokenCounter, build_requests
+from loadtest.protocol import BenchConfig
+from loadtest.workload import WorkloadSpec, make_workload
 
 EOS = 2
 SEQ_BUCKETS = (32, 64, 128, 256, 512)  # prefill length buckets (the longest prompt accepted is the largest)
@@ -83,7 +78,7 @@ def build_model(work: Path) -> Path:
     """The bench model as an HF directory with its own sentencepiece tokenizer (8000 pieces, as the model)."""
     from bench_model import BENCH_MODEL
 
-    from agents.random_model import build_random_model
+    from llm_serving.random_model import build_random_model
     from llm_serving.tokenizer_training import train_tokenizer
 
     tok = train_tokenizer(work / "tokenizer", vocab_size=BENCH_MODEL.vocab_size)
@@ -330,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
 
     measured = "; ".join(f"{kind} {', '.join(f'{pair[i]:.0f}' for pair in rates)}"
                          for i, kind in enumerate(("MindSpore MatMul", "our native GEMM")))
-    summary = (f"Workload: {len(reqs)} requests (llm_serving.workload seed {args.seed}), {n_in} prompt tokens, "
+    summary = (f"Workload: {len(reqs)} requests (loadtest.workload seed {args.seed}), {n_in} prompt tokens, "
                f"outputs capped at {max_out} tokens, {hf_row.output_tokens} output tokens generated (greedy, "
                f"EOS stops). Roofline: {flops / 1e9:.1f} GFLOP of model matmuls / {rate:.1f} GFLOP/s, the best "
                f"matmul rate measured on the model's sizes before and after the runs ({measured} GFLOP/s). "

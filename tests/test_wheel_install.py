@@ -68,7 +68,7 @@ def test_the_wheel_holds_the_run_time_files(installed):
     assert all(str(d).startswith(str(installed)) for d in dirs), dirs  # not this checkout
     kernels = dirs[0] / "kernels"
     assert (kernels / "common.h").is_file() and list(kernels.glob("*.cc"))
-    assert (dirs[1] / "data" / "corpus.txt").is_file()
+    assert (dirs[2] / "data" / "corpus.txt").is_file()  # the workloads' and the default tokenizer's text
 
 
 def test_the_installed_package_serves(installed, tmp_path):
