@@ -46,7 +46,8 @@ HF_NAMES: dict[str, list[list[str]]] = {
 MINDFORMERS_NAMES: dict[str, list[list[str]]] = {
     "embed_tokens": [["model.tok_embeddings.embedding_weight"]],
     "attention_norm": [[_LAYER_PREFIX + "attention_norm.weight"]],
-    "w_qkv": [[_LAYER_PREFIX + f"attention.{p}.weight" for p in ("wq", "wk", "wv")], [_LAYER_PREFIX + "attention.w_qkv.weight"]],
+    "w_qkv": [[_LAYER_PREFIX + f"attention.{p}.weight" for p in ("wq", "wk", "wv")],
+              [_LAYER_PREFIX + "attention.w_qkv.weight"]],
     "wo": [[_LAYER_PREFIX + "attention.wo.weight"]],
     "ffn_norm": [[_LAYER_PREFIX + "ffn_norm.weight"]],
     "w_gate_up": [[_LAYER_PREFIX + "feed_forward.w1.weight", _LAYER_PREFIX + "feed_forward.w3.weight"],

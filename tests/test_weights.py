@@ -1,4 +1,4 @@
-"""Weight I/O: HF safetensors (via the `safetensors` package) and MindSpore loaders, the seeded random model."""
+"""Weight I/O: HF safetensors (via the `safetensors` package), MindSpore loaders, the seeded random model."""
 
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ def mindformers_names(hf: dict[str, np.ndarray], cfg: LlamaConfig, fused: bool) 
             out[m + "attention.w_qkv.weight"] = np.concatenate([q, k, v])
             out[m + "feed_forward.w_gate_hidden.weight"] = np.concatenate([gate, up])
         else:
-            out.update({m + "attention.wq.weight": q, m + "attention.wk.weight": k, m + "attention.wv.weight": v,
+            out.update({m + "attention.wq.weight": q, m + "attention.wk.weight": k,
+                        m + "attention.wv.weight": v,
                         m + "feed_forward.w1.weight": gate, m + "feed_forward.w3.weight": up})
         out.update({m + "attention.wo.weight": hf[h + "self_attn.o_proj.weight"],
                     m + "feed_forward.w2.weight": hf[h + "mlp.down_proj.weight"],
@@ -92,7 +93,8 @@ def save_ckpt(tensors: dict[str, np.ndarray], path: Path, bf16: bool = False) ->
 def test_float_dtypes_load_exactly_and_owned(tmp_path):
     """F32/F16/F64 (and big-endian input, which the writer stores little-endian) mixed in one file."""
     dtypes = [np.float32, np.float16, np.float64, np.dtype(">f4")]
-    hf = {name: arr.astype(dtypes[j % len(dtypes)]) for j, (name, arr) in enumerate(random_hf_weights(CFG).items())}
+    hf = {name: arr.astype(dtypes[j % len(dtypes)])
+          for j, (name, arr) in enumerate(random_hf_weights(CFG).items())}
     save_file(hf, str(tmp_path / "mixed.safetensors"))
     got = load_weights(tmp_path / "mixed.safetensors", CFG, dtype=np.float64)
     assert all(v.dtype == np.float64 and v.flags.writeable and v.flags.c_contiguous for v in got.values())
@@ -123,7 +125,8 @@ def test_bf16_hf_checkpoint_loads_as_float32(tmp_path):
 
     hf = random_hf_weights(CFG, seed=4)
     build_random_model(tmp_path, CFG)
-    torch_save({k: torch.from_numpy(v).bfloat16() for k, v in hf.items()}, str(tmp_path / "model.safetensors"))
+    torch_save({k: torch.from_numpy(v).bfloat16() for k, v in hf.items()},
+               str(tmp_path / "model.safetensors"))
     rounded = {k: torch.from_numpy(v).bfloat16().float().numpy() for k, v in hf.items()}
     got = load_weights(tmp_path, CFG)
     assert all(v.dtype == np.float32 and v.flags.writeable for v in got.values())
@@ -149,9 +152,10 @@ def test_reads_only_needed_tensors_once_each(tmp_path, monkeypatch):
     monkeypatch.setattr(agents.weights, "safe_open", SpyOpen)
     tied = replace(CFG, tie_word_embeddings=True)
     hf = random_hf_weights(CFG)  # holds lm_head.weight, which a tied model never reads
-    hf["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.zeros(4, np.float32)  # ignored, never read
+    inv_freq = "model.layers.0.self_attn.rotary_emb.inv_freq"
+    hf[inv_freq] = np.zeros(4, np.float32)  # ignored, never read
     load_weights(write_hf(tmp_path / "single", hf, tied), tied)
-    assert sorted(reads) == sorted(set(hf) - {"lm_head.weight", "model.layers.0.self_attn.rotary_emb.inv_freq"})
+    assert sorted(reads) == sorted(set(hf) - {"lm_head.weight", inv_freq})
 
     reads.clear()
     sharded = build_random_model(tmp_path / "sharded", CFG, shards=3)
@@ -194,7 +198,7 @@ def test_corrupt_safetensors_errors(tmp_path, blob, message):
 def test_truncated_files_name_the_file(tmp_path):
     single = build_random_model(tmp_path / "single", CFG) / "model.safetensors"
     single.write_bytes(single.read_bytes()[:-100])
-    with pytest.raises(WeightLoadError, match="model.safetensors: not a readable safetensors file.*not fully"):
+    with pytest.raises(WeightLoadError, match="model.safetensors: not a readable safetensors file.*not full"):
         load_weights(single.parent, CFG)
     shard = build_random_model(tmp_path / "sharded", CFG, shards=3) / "model-00002-of-00003.safetensors"
     shard.write_bytes(shard.read_bytes()[:-4])
@@ -343,7 +347,8 @@ def test_missing_paths_are_named(tmp_path):
     with pytest.raises(WeightLoadError, match=f"MindSpore checkpoint not found: {tmp_path / 'x.ckpt'}"):
         load_mindspore_checkpoint(tmp_path / "x.ckpt", CFG)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(WeightLoadError, match="no model.safetensors, model.safetensors.index.json or model.ckpt"):
+    with pytest.raises(WeightLoadError,
+                       match="no model.safetensors, model.safetensors.index.json or model.ckpt"):
         load_weights(tmp_path / "empty", CFG)
     (tmp_path / "w.bin").write_bytes(b"")
     with pytest.raises(WeightLoadError, match="unsupported weights file .*w.bin"):
@@ -365,7 +370,8 @@ def test_missing_shard_and_missing_index(tmp_path):
     with pytest.raises(WeightLoadError, match="maps 'model.norm.weight' to .*00001-of-00003.safetensors"):
         load_weights(out, CFG)
     (out / "model.safetensors.index.json").unlink()
-    with pytest.raises(WeightLoadError, match="model-00001-of-00003.safetensors.* but no model.safetensors.index"):
+    with pytest.raises(WeightLoadError,
+                       match="model-00001-of-00003.safetensors.* but no model.safetensors.index"):
         load_weights(out, CFG)
 
 
@@ -422,8 +428,8 @@ def test_unexpected_architecture_and_extra_tensors(tmp_path):
         load_weights(write_hf(tmp_path / "b", hf), CFG)
 
     deeper = random_hf_weights(replace(CFG, num_hidden_layers=3))
-    with pytest.raises(WeightLoadError, match="'model.layers.2.input_layernorm.weight' belongs to layer 2 but "
-                                              "the config has num_hidden_layers=2"):
+    with pytest.raises(WeightLoadError, match="'model.layers.2.input_layernorm.weight' belongs to layer 2 "
+                                              "but the config has num_hidden_layers=2"):
         load_weights(write_hf(tmp_path / "d", deeper), CFG)
 
 
