@@ -45,6 +45,7 @@ class Tokenizer:
         # Whether a leading "▁" is dropped from the first piece (add_dummy_prefix); probed, not parsed.
         space = sp.piece_to_id(SPACE_MARK)
         self._drops_dummy_prefix = space != sp.unk_id() and sp.decode([space]) == ""
+        self._anchor: tuple[int, str] | None = None  # see _decode_anchor
 
     # -- vocabulary -----------------------------------------------------------------------------------------
     @property
@@ -94,8 +95,10 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``. Kept special tokens render as their piece (``<s>``), with a space after as in text.
 
-        Decoding is piece-by-piece concatenation, except that the first rendered piece loses its dummy-prefix
-        space and byte pieces merge into UTF-8 characters; ``IncrementalDecoder`` relies on exactly that.
+        Decoding is piece-by-piece concatenation, except that byte pieces merge into UTF-8 characters and
+        pieces at the start of the text lose their dummy-prefix space (only the first, or every one until
+        some text is produced, depending on the sentencepiece version and model); ``IncrementalDecoder``
+        relies only on that, and on nothing being stripped once there is text.
         """
         ids = [self._check_id(i) for i in ids]
         if skip_special_tokens:
@@ -141,6 +144,22 @@ class Tokenizer:
             return [int(self._sp.id_to_piece(token_id)[3:5], 16)]
         return list(self.token_text(token_id).encode("utf-8"))
 
+    def _decode_anchor(self) -> tuple[int, str]:
+        """A piece that renders as itself, a non-space text, wherever it stands: after it, ids decode exactly
+        as they do inside a longer text (no dummy prefix stripped, no bytes merged). Used for streaming."""
+        if self._anchor is None:
+            sp = self._sp
+            for i in range(sp.get_piece_size()):
+                piece = sp.id_to_piece(i)
+                if (self._special[i] or self._byte[i] or sp.is_unused(i) or not piece
+                        or SPACE_MARK in piece or sp.decode([i]) != piece or piece[0].isspace()):
+                    continue
+                self._anchor = (i, piece)
+                break
+            else:
+                raise TokenizerError(f"sentencepiece model {self.path} has no plain text piece to stream with")
+        return self._anchor
+
     def _check_id(self, token_id: int) -> int:
         i = int(token_id)
         if not 0 <= i < len(self._special):
@@ -148,45 +167,67 @@ class Tokenizer:
         return i
 
 
-def _incomplete_utf8_tail(tail: Sequence[int]) -> bool:
-    """True when the bytes in ``tail`` end with the start of a multi-byte character still missing bytes.
+def _unfinished_tail_len(tail: Sequence[int]) -> int:
+    """How many bytes at the end of ``tail`` begin a multi-byte character that still misses bytes (0: none).
 
     Lead bytes 0xC0-0xF7 are all treated as openers (more than strictly valid UTF-8 needs): holding back a
     little too often only delays text by at most three tokens, while releasing too early would break it.
+    Everything before such a lead byte is final, since no character can continue across a lead byte.
     """
     for back, b in enumerate(reversed(tail)):
         if 0x80 <= b < 0xC0:  # continuation byte: look further back for its lead
             continue
         if 0xC0 <= b < 0xF8:
             needed = 2 if b < 0xE0 else 3 if b < 0xF0 else 4
-            return back + 1 < needed
-        return False
-    return False
+            return back + 1 if back + 1 < needed else 0
+        return 0
+    return 0
 
 
 class IncrementalDecoder:
     """Streams one request's generated text token by token.
 
-    Each ``push`` decodes only a short window: the tokens already released last time (as context, so the
-    dummy-prefix space and byte merging behave as in the full text) plus the not yet released ones, and
-    returns the part after the context's text. Tokens are held back while they end in an unfinished UTF-8
-    character, so no fragment or U+FFFD is streamed that a later byte would change.
+    The concatenation of every ``push`` and the final ``flush`` equals the tokenizer's text of the
+    continuation: ``decode(prompt + generated)[len(decode(prompt)):]`` with ``prompt_ids``, and
+    ``decode(generated)`` without (both with this decoder's ``skip_special_tokens``). One exception: when
+    the prompt (without its special tokens if they are skipped) ends with an unfinished UTF-8 character,
+    ``decode(prompt)`` ends in U+FFFD that later bytes could turn into a character, so it is no prefix of
+    the full text; the generated tokens are then rendered as if a whole character stood between them and the
+    prompt, i.e. ``decode(prompt + [c] + generated)[len(decode(prompt + [c])):]`` for a plain text piece
+    ``c`` such as "a" (leading continuation bytes become U+FFFD; the prompt's text is never rewritten).
 
-    With ``prompt_ids`` the last few prompt tokens seed the context, so the concatenated output equals
-    ``decode(prompt + generated)[len(decode(prompt)):]`` (for prompts ending on a whole character);
-    without a prompt it equals ``decode(generated)``. Call ``flush`` once at the end to release a held tail.
+    How: sentencepiece renders a text piece by piece (``▁`` as a space, byte pieces merged into UTF-8
+    characters), except that pieces at the start of a text lose a leading ``▁`` (the dummy prefix). Which
+    ones depends on the sentencepiece version and model options: only the first piece (0.1.97+ with Llama's
+    options) or every piece until some text is produced (older versions, or ``remove_extra_whitespaces``);
+    so ``[▁, ▁word]`` is " word" or "word" on its own, but "  word" after text. Nothing is stripped once
+    there is text, so the ids not yet released are decoded after an anchor piece (plain text such as "he",
+    see ``Tokenizer._decode_anchor``), which makes them render as inside the full text, and the text after
+    the anchor's is returned. Until the current run (the ids since the start or, with special tokens kept,
+    since the last special token, after which ``decode`` starts a new sentencepiece decode) has text, its
+    first ids are decoded along instead, so that sentencepiece itself decides what they strip: at most the
+    special token and one lone ``▁``, since further lone ``▁`` that render nothing there change nothing.
+
+    Tokens are held back while they end in an unfinished UTF-8 character, so no fragment or U+FFFD is
+    streamed that a later byte would change; what precedes that character's lead byte is released at once.
+    Generated bytes never join bytes of the prompt (hence the exception above). Each ``push`` decodes at
+    most seven ids (anchor, run start, three held bytes, the new id). Call ``flush`` once at the end.
     """
-
-    CONTEXT_TOKENS = 4
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        self._anchor_id, self._anchor_text = tokenizer._decode_anchor()
+        self._space_id = tokenizer.piece_to_id(SPACE_MARK)
+        # window[:read] was released (or is prompt) and is kept only as context; window[read:] is pending.
+        self._window: list[int] = []
+        self._read = 0
+        self._anchored = False  # whether the window follows text: decoded after the anchor piece
         context = [tokenizer._check_id(i) for i in prompt_ids]
         if skip_special_tokens:
             context = [i for i in context if not tokenizer.is_special(i)]
-        self._window: list[int] = context[-self.CONTEXT_TOKENS:]
-        self._read = len(self._window)  # window[:read] was released (or is prompt); window[read:] is pending
+        if context:
+            self._keep_context(context)
         self._chunks: list[str] = []
         self._text: str | None = ""
         self._flushed = False
@@ -207,33 +248,58 @@ class IncrementalDecoder:
         if self._skip and self._tok.is_special(token_id):
             return ""
         self._window.append(token_id)
-        if self._pending_incomplete():
-            return ""
-        return self._release()
+        end = len(self._window) - self._unfinished_len()
+        return self._release(end) if end > self._read else ""
 
     def flush(self) -> str:
         """End the stream: release what is held back (an unfinished character renders as U+FFFD, as in
         ``decode``). Later pushes are refused, since their bytes could no longer join the released text."""
         self._flushed = True
-        return self._release() if self._read < len(self._window) else ""
+        return self._release(len(self._window)) if self._read < len(self._window) else ""
 
-    def _pending_incomplete(self) -> bool:
+    def _unfinished_len(self) -> int:
         tail: list[int] = []
         for i in reversed(self._window[self._read:]):
             if not self._tok.is_byte(i) or len(tail) == 3:
                 break
             tail.append(int(self._tok.id_to_piece(i)[3:5], 16))
-        return _incomplete_utf8_tail(tail[::-1])
+        return _unfinished_tail_len(tail[::-1])
 
-    def _release(self) -> str:
+    def _render(self, ids: list[int]) -> str:
+        if not self._anchored:
+            return self._tok.decode(ids, self._skip)
+        return self._tok.decode([self._anchor_id, *ids], self._skip)[len(self._anchor_text):]
+
+    def _release(self, end: int) -> str:
+        """Release window[:end] (ending on a whole character) and return its new text."""
         w = self._window
-        prefix = self._tok.decode(w[: self._read], self._skip)
-        full = self._tok.decode(w, self._skip)
-        delta = full[len(prefix):]
-        # The released tokens become the next context; older ones are no longer needed.
-        self._window = w[self._read:]
-        self._read = len(self._window)
+        prefix = self._render(w[: self._read]) if self._read else ""
+        delta = self._render(w[:end])[len(prefix):]
+        pending = w[end:]
+        self._keep_context(w[:end])
+        self._window += pending
         if delta:
             self._chunks.append(delta)
             self._text = None
         return delta
+
+    def _keep_context(self, released: list[int]) -> None:
+        """Make the window the context that the ids after ``released`` need (``released`` ends whole)."""
+        tok = self._tok
+        last = max((k for k, i in enumerate(released) if tok.is_special(i)), default=-1)
+        run = released[last + 1:]
+        if last < 0 and self._anchored:  # continues a run that already has text: no context needed
+            blank = False
+        elif all(i == self._space_id for i in run):
+            # Lone "▁" pieces that all rendered as nothing: one of them stands for all (see the class doc).
+            blank = tok.decode(run[:2]) == ""
+            run = run[-1:]
+        else:  # any other piece renders text even at the start (at most one "▁" is stripped from it)
+            blank = False
+        if blank:
+            self._window = released[last:last + 1] + run if last >= 0 else run
+            self._anchored = self._anchored or last >= 0
+        else:
+            self._window = []
+            self._anchored = True
+        self._read = len(self._window)

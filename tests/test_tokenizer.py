@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import codecs
+import io
 import random
 
 import pytest
+import sentencepiece as spm
 
 from llm_serving.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
-from llm_serving.tokenizer_training import train_tokenizer
+from llm_serving.tokenizer_training import _LLAMA_OPTIONS, DEFAULT_CORPUS, train_tokenizer
 
 TEXTS = [
     "The lighthouse keeper wrote 14 March 1987 in his logbook.",
@@ -24,6 +27,22 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> Tokenizer:
     return Tokenizer(train_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def tok_strip_all(tmp_path_factory) -> Tokenizer:
+    """Same corpus, but ``remove_extra_whitespaces``: sentencepiece then strips the leading "▁" of every piece
+    until some text is produced (as all versions before 0.1.97 do), not only the first piece's."""
+    sentences = [line for line in DEFAULT_CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=model, vocab_size=1000,
+                                   **{**_LLAMA_OPTIONS, "remove_extra_whitespaces": True})
+    path = tmp_path_factory.mktemp("tok_strip_all") / "tokenizer.model"
+    path.write_bytes(model.getvalue())
+    tok = Tokenizer(path)
+    space, the = tok.piece_to_id("▁"), tok.piece_to_id("▁the")
+    assert tok.decode([space, space, the]) == "the"  # the behaviour this fixture exists for
+    return tok
 
 
 def _byte_id(tok: Tokenizer, value: int) -> int:
@@ -224,9 +243,16 @@ def test_unfinished_character_is_held_then_flushed(tok):
         dec.push(5)
 
 
-def test_stream_decodes_a_bounded_window(tok, monkeypatch):
+@pytest.mark.parametrize("fixture", ["tok", "tok_strip_all"])
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("with_prompt", [True, False])
+def test_stream_decodes_a_bounded_window(fixture, skip, with_prompt, request, monkeypatch):
+    tok = request.getfixturevalue(fixture)
     rng = random.Random(7)
-    gen = _random_ids(tok, rng, 2000)
+    space = tok.piece_to_id("▁")
+    # lone "▁" pieces at the start render nothing on tok_strip_all: they must not pile up in the window
+    gen = [space] * 50 + _random_ids(tok, rng, 2000) + [tok.eos_id] + [space] * 50 + [_byte_id(tok, 0xE4)] * 50
+    prompt = tok.encode("a prompt with several tokens in it") if with_prompt else []
     longest = 0
     real_decode = Tokenizer.decode
 
@@ -237,5 +263,114 @@ def test_stream_decodes_a_bounded_window(tok, monkeypatch):
         return real_decode(self, ids, skip_special_tokens)
 
     monkeypatch.setattr(Tokenizer, "decode", spy)
-    _stream(tok, gen, tok.encode("a prompt with several tokens in it"))
-    assert 0 < longest <= IncrementalDecoder.CONTEXT_TOKENS + 4
+    _stream(tok, gen, prompt, skip)
+    # anchor + context (a special token and a lone "▁" at most) + 3 held bytes + the new token
+    assert 0 < longest <= 7
+
+
+def _random_vocab_ids(tok: Tokenizer, rng: random.Random, n: int) -> list[int]:
+    """Any id of the vocabulary, with lone "▁" pieces, special ids and byte pieces (also spelling whole UTF-8
+    characters, so that bytes merge) drawn more often than their share of the vocabulary."""
+    space = tok.piece_to_id("▁")
+    out: list[int] = []
+    while len(out) < n:
+        r = rng.random()
+        if r < 0.4:
+            out.append(rng.randrange(tok.vocab_size))
+        elif r < 0.6:
+            out.append(space)
+        elif r < 0.7:
+            out.append(rng.randrange(0, 3))
+        elif r < 0.85:
+            out.append(_byte_id(tok, rng.randrange(256)))
+        else:
+            ch = chr(rng.choice([rng.randrange(0x80, 0x800), rng.randrange(0x4E00, 0x9FFF),
+                                 rng.randrange(0x1F300, 0x1FAFF)]))
+            out.extend(_byte_id(tok, b) for b in ch.encode("utf-8"))
+    return out
+
+
+def _ends_mid_character(tok: Tokenizer, ids: list[int]) -> bool:
+    """Whether the trailing byte pieces of ``ids`` are the unfinished start of a valid UTF-8 character."""
+    tail = bytearray()
+    for i in reversed(ids):
+        if not tok.is_byte(i):
+            break
+        tail.insert(0, int(tok.id_to_piece(i)[3:5], 16))
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(bytes(tail), final=False)
+    return bool(decoder.getstate()[0])
+
+
+@pytest.mark.parametrize("fixture", ["tok", "tok_strip_all"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_stream_equals_decode_of_continuation_for_random_vocab_ids(fixture, skip, request):
+    """push + flush == decode(prompt + gen)[len(decode(prompt)):], or decode(gen) without a prompt.
+
+    Excluded, as documented by IncrementalDecoder: a prompt (specials removed when skipped) ending with an
+    unfinished UTF-8 character, whose decode is no prefix of the full text; there the generated tokens are
+    rendered as if the one-character piece "a" stood between them and the prompt.
+    """
+    tok = request.getfixturevalue(fixture)
+    rng = random.Random(2024 + 2 * skip + (fixture == "tok_strip_all"))
+    letter = tok.piece_to_id("a")
+    texts = [tok.encode(t) for t in TEXTS]
+    mid_character = 0
+    for n in range(2500):
+        gen = _random_vocab_ids(tok, rng, rng.randrange(1, 40))
+        kind = n % 3  # no prompt, random ids, encoded text (+ random ids)
+        prompt = [] if kind == 0 else _random_vocab_ids(tok, rng, rng.randrange(1, 10))
+        if kind == 2:
+            prompt = rng.choice(texts) + prompt[: rng.randrange(3)]
+        _, text = _stream(tok, gen, prompt, skip)
+        if not prompt:
+            assert text == tok.decode(gen, skip), gen
+            continue
+        if _ends_mid_character(tok, [i for i in prompt if not (skip and tok.is_special(i))]):
+            mid_character += 1
+            prompt = [*prompt, letter]
+        whole, head = tok.decode(prompt + gen, skip), tok.decode(prompt, skip)
+        assert whole.startswith(head), (prompt, gen)
+        assert text == whole[len(head):], (prompt, gen)
+    assert 50 < mid_character < 500  # the exclusion is exercised, and stays the exception
+
+
+@pytest.mark.parametrize("fixture", ["tok", "tok_strip_all"])
+def test_lone_space_piece_then_space_word_piece_keeps_both_spaces(fixture, request):
+    """Regression: "▁" then "▁the" streamed one space where sentencepiece decodes two inside a text."""
+    tok = request.getfixturevalue(fixture)
+    space, the, he = tok.piece_to_id("▁"), tok.piece_to_id("▁the"), tok.piece_to_id("he")
+    assert [tok.id_to_piece(i) for i in (space, the, he)] == ["▁", "▁the", "he"]
+    assert tok.decode([he, space, the]) == "he  the"
+    assert _stream(tok, [he, space, the]) == (["he", " ", " the", ""], "he  the")
+    prompt = tok.encode("The keeper")
+    assert tok.decode(prompt + [space, the]) == "The keeper  the"
+    assert _stream(tok, [space, the], prompt)[1] == "  the"
+    assert _stream(tok, [space, space, the], prompt)[1] == "   the"
+    # At the start of a text sentencepiece strips the first piece's "▁" (Llama's options, sentencepiece
+    # 0.1.97+) or every leading one (remove_extra_whitespaces, older versions); the stream follows it.
+    expected = {"tok": [" the", "  the", "<s>  the"], "tok_strip_all": ["the", "the", "<s> the"]}[fixture]
+    assert [tok.decode([space, the]), tok.decode([space, space, the]),
+            tok.decode([tok.bos_id, space, the], skip_special_tokens=False)] == expected
+    assert _stream(tok, [space, the])[1] == expected[0]
+    assert _stream(tok, [space, space, the])[1] == expected[1]
+    assert _stream(tok, [space, space, the], [tok.bos_id])[1] == expected[1]
+    assert _stream(tok, [tok.bos_id, space, the], skip=False)[1] == expected[2]
+    assert _stream(tok, [space, the], [tok.bos_id], skip=False)[1] == expected[2][3:]
+    # after a special token kept in the text, a new run starts: the same rule applies to it
+    kept = tok.decode([he, tok.eos_id, space, space, the], skip_special_tokens=False)
+    assert _stream(tok, [he, tok.eos_id, space, space, the], skip=False)[1] == kept
+
+
+def test_bytes_before_an_unfinished_character_are_released(tok):
+    e4 = _byte_id(tok, 0xE4)
+    dec = IncrementalDecoder(tok, tok.encode("x"))
+    assert [dec.push(e4), dec.push(e4), dec.push(_byte_id(tok, 0xBD))] == ["", "\ufffd", ""]
+    assert dec.push(_byte_id(tok, 0xA0)) == "你"
+
+
+def test_prompt_ending_mid_character_is_not_rewritten(tok):
+    prompt = [*tok.encode("x"), _byte_id(tok, 0xE4)]
+    gen = [_byte_id(tok, 0xBD), _byte_id(tok, 0xA0), tok.piece_to_id("▁the")]
+    assert tok.decode(prompt) == "x\ufffd" and tok.decode(prompt + gen) == "x你 the"  # no prefix of it
+    assert _stream(tok, gen, prompt)[1] == "\ufffd\ufffd the"
