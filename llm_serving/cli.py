@@ -66,6 +66,8 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
                    help="Hugging Face repetition penalty over prompt + output (1: none)")
     p.add_argument("--seed", type=int, metavar="S", help="seed of every prompt's draws (default: random)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end a prompt's generation where TEXT first appears, cut from its text (repeatable)")
     p.add_argument("--standin-agents", action="store_true", help=argparse.SUPPRESS)  # tests: no MindSpore
 
 
@@ -93,19 +95,19 @@ def read_prompts(path: str) -> list[str | list[int]]:
 
 def sampling_from_args(args: argparse.Namespace) -> Any:
     """The generate command's SamplingParams; a bad value is a CliError naming its option."""
-    from llm_serving.sequence import SamplingParams
+    from llm_serving.sequence import InvalidParameter, SamplingParams
 
     try:
         return SamplingParams(args.max_new_tokens, args.ignore_eos, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                              seed=args.seed)
-    except ValueError as exc:  # the message starts with the field name: max_new_tokens, top_p, ...
-        name, _, rest = str(exc).partition(" ")
-        raise CliError(f"--{name.replace('_', '-')} {rest}") from None
+                              seed=args.seed, stop=tuple(args.stop))
+    except InvalidParameter as exc:  # named as its option: --max-new-tokens, --top-p, ...
+        raise CliError(exc.message_for(f"--{exc.field.replace('_', '-')}")) from None
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     from llm_serving.llm import LLM
+    from llm_serving.stop_strings import cut_at_stop
 
     prompts = read_prompts(args.prompts)
     params = sampling_from_args(args)
@@ -114,7 +116,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         for prompt, res in zip(prompts, results):
             line = {"prompt": prompt if isinstance(prompt, str) else None, "prompt_ids": res.prompt_ids,
                     "token_ids": res.token_ids, "logprobs": res.logprobs,
-                    "text": llm.tokenizer.decode(res.token_ids)}
+                    "text": cut_at_stop(llm.tokenizer.decode(res.token_ids), params.stop)}
             print(json.dumps(line, ensure_ascii=False), flush=True)
     return 0
 

@@ -5,7 +5,8 @@ it while the agents run the step, and takes it again to ``postprocess()`` the an
 step, which goes to the agents before this step's new tokens are handed to their streams (so the streams'
 consumers work while the agents compute). ``submit`` and ``abort`` take the same lock from any thread, so new
 requests join between steps (continuous batching) and an abort frees the request's KV blocks at once; a
-request aborted while its step is in flight drops that step's token and is never scheduled again.
+request aborted while its step is in flight drops that step's token and is never scheduled again. A stop
+string ends its request the same way, when the token that completes it is delivered (``push_token``).
 
 If a step fails (an agent died, a broken answer), every in-flight and queued request gets ``EngineError``,
 the pool is closed (its shared memory unlinked) and the engine stays not ready; a new Engine can be started.
@@ -19,19 +20,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from llm_serving.admission import RequestLimits
 from llm_serving.agent_pool import AgentPool, AgentStepError
 from llm_serving.config import ConfigError, ServingConfig
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.wire import AgentSpec
 from llm_serving.request_stream import (
-    NO_TOKEN,
     EngineError,
     GenerationResult,
     QueueFull,
     RequestStream,
     TokenEvent,
+    Wakeups,
 )
 from llm_serving.scheduler import RequestRejected, Scheduler
 from llm_serving.sequence import SamplingParams, Sequence, SequenceStatus
@@ -50,6 +52,13 @@ IDLE_CHECK_S = 0.5  # while idle, how often the loop checks that the agents are 
 SHUTDOWN_JOIN_S = 30.0  # shutdown waits this long for the step in flight before stopping the agents
 
 
+class _Live(NamedTuple):
+    """A request in progress: its scheduler state (which tells a reused id apart) and its stream."""
+
+    sequence: Sequence
+    stream: RequestStream
+
+
 # ---- the engine -------------------------------------------------------------------------------------------
 class Engine:
     """See the module docstring. ``pool_factory(spec)`` lets tests supply a pool."""
@@ -62,12 +71,13 @@ class Engine:
         self.tokenizer: Tokenizer | None = None
         self.model: ModelFiles | None = None
         self.eos_token_id: int | None = None
+        self.limits: RequestLimits | None = None  # set by start()
         self._pool_factory = pool_factory or AgentPool
         self._pool: Any = None
         self._scheduler: Scheduler | None = None
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
-        self._streams: dict[str, RequestStream] = {}
+        self._live: dict[str, _Live] = {}
         self._thread: threading.Thread | None = None
         self._started = self._stopping = False
         self._error: EngineError | None = None
@@ -101,6 +111,7 @@ class Engine:
                               f"{self.tokenizer.vocab_size} pieces, more than the model's vocab_size "
                               f"{self.model.llama_config.vocab_size}",
                               key="tokenizer.vocab_file", source=cfg.source)
+        self.limits = RequestLimits.from_config(cfg, self.tokenizer.vocab_size)
         end = cfg.model_config.end_token
         self.eos_token_id = end if end is not None else self.model.llama_config.eos_token_id
         self._scheduler = Scheduler(scheduler_config(cfg, self.eos_token_id))
@@ -124,7 +135,7 @@ class Engine:
                 self._pool.close()  # a step that does not come back: stopping the agents ends it
                 thread.join()
         with self._lock:
-            for rid in list(self._streams):
+            for rid in list(self._live):
                 self._finish_locked(rid, "abort")
         if self._pool is not None:
             self._pool.close()
@@ -137,8 +148,13 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
-               request_id: str | None = None) -> RequestStream:
-        """Queue a request. Raises RequestRejected (bad request), QueueFull, or EngineError (not running)."""
+               request_id: str | None = None, clip_to_context: bool = False) -> RequestStream:
+        """Queue a request. Raises RequestRejected (AdmissionError: a limit of the configuration, naming the
+        field), QueueFull, or EngineError (not running).
+
+        ``clip_to_context`` lowers a max_new_tokens beyond the context left after the prompt to fit, instead
+        of refusing it (``RequestLimits.admit``).
+        """
         params = params if params is not None else SamplingParams()
         self._check_ready()
         tok = self.tokenizer
@@ -146,18 +162,10 @@ class Engine:
             text, ids = prompt, tok.encode(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
-            vocab = min(self.model.llama_config.vocab_size, tok.vocab_size)  # ids the tokenizer can decode
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise RequestRejected(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
-        limit = self.config.model_config.max_generate_length
-        if params.max_new_tokens > limit:
-            raise RequestRejected(f"max_new_tokens {params.max_new_tokens} exceeds "
-                                  f"model_config.max_generate_length {limit}")
+        params = self.limits.admit(ids, params, clip_to_context)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(rid, ids, params)
-        stream = RequestStream(rid, text, ids, tok, self.abort)
-        stream._seq = seq
+        stream = RequestStream(rid, text, ids, tok, self.abort, params.stop)
         with self._lock:
             self._check_ready()
             limit = self.config.serving_config.max_queue_size
@@ -165,7 +173,7 @@ class Engine:
                 raise QueueFull(f"{self._scheduler.num_waiting} requests are waiting "
                                 f"(serving_config.max_queue_size {limit})")
             self._scheduler.add(seq)
-            self._streams[rid] = stream
+            self._live[rid] = _Live(seq, stream)
             self._work.notify()
         return stream
 
@@ -174,7 +182,10 @@ class Engine:
         return self.finish(request_id, "abort")
 
     def finish(self, request_id: str, reason: str = "stop") -> bool:
-        """End a request now with ``reason`` (e.g. "stop" when a stop string appeared); frees its blocks."""
+        """End a request now with ``reason`` from any thread; frees its blocks. False if it already ended.
+
+        Stop strings need no call: the engine ends a request when its stream sees one complete.
+        """
         with self._lock:
             return self._finish_locked(request_id, reason)
 
@@ -264,34 +275,39 @@ class Engine:
         return seqs, batch, number
 
     def _deliver(self, seqs: list[Sequence]) -> None:
-        """Hand each sequence's new token to its stream (under the lock); one wake-up per event loop."""
-        now, streams, running = time.monotonic(), self._streams, SequenceStatus.RUNNING
-        loops: dict[Any, list[RequestStream]] = {}
+        """Hand each sequence's new token to its stream (under the lock); one wake-up per event loop.
+
+        A request whose stream saw a stop string complete ends here, its blocks freed before the next step.
+        """
+        now, live, running = time.monotonic(), self._live, SequenceStatus.RUNNING
+        wakeups = Wakeups()
         delivered = finished = 0
         for seq in seqs:
-            stream = streams.get(seq.request_id)
-            if stream is None or stream._seq is not seq:
+            entry = live.get(seq.request_id)
+            if entry is None or entry.sequence is not seq:
                 continue  # ended from outside while the step was in flight (its id may be reused already)
             reason = None if seq.status is running else seq.finish_reason
-            if reason is not None:
-                del streams[seq.request_id]
+            ended = entry.stream.push_token(seq.output_ids[-1], seq.output_logprobs[-1], reason, now, wakeups)
+            if ended is not None:
+                del live[seq.request_id]
                 finished += 1
+                if reason is None:  # a stop string: the sequence is still running in the scheduler
+                    self._scheduler.finish_request(seq.request_id, ended)
             delivered += 1
-            _push(loops, stream, (seq.output_ids[-1], seq.output_logprobs[-1], reason, now))
         self._counters["tokens_generated"] += delivered
         self._counters["requests_finished"] += finished
-        _wake_loops(loops)
+        wakeups.send()
 
     def _finish_locked(self, request_id: str, reason: str) -> bool:
-        stream = self._streams.pop(request_id, None)
+        entry = self._live.pop(request_id, None)
         if self._scheduler is not None:
             self._scheduler.finish_request(request_id, reason)
-        if stream is None:
+        if entry is None:
             return False
         self._counters["requests_aborted"] += reason == "abort"
-        loops: dict[Any, list[RequestStream]] = {}
-        _push(loops, stream, (NO_TOKEN, 0.0, reason, time.monotonic()))
-        _wake_loops(loops)
+        wakeups = Wakeups()
+        entry.stream.push_end(reason, time.monotonic(), wakeups)
+        wakeups.send()
         return True
 
     def _fail_step(self, seqs: list[Sequence], exc: Exception) -> None:
@@ -301,13 +317,13 @@ class Engine:
         err.__cause__ = exc
         log.error("step failed for %d request(s): %s", len(seqs), exc)
         with self._lock:
-            loops: dict[Any, list[RequestStream]] = {}
+            wakeups = Wakeups()
             for seq in seqs:
-                stream = self._streams.pop(seq.request_id, None)
+                entry = self._live.pop(seq.request_id, None)
                 self._scheduler.finish_request(seq.request_id, "abort")
-                if stream is not None:
-                    _push(loops, stream, err)
-            _wake_loops(loops)
+                if entry is not None:
+                    entry.stream.push_error(err, wakeups)
+            wakeups.send()
 
     def _fail(self, exc: BaseException) -> None:
         err = exc if isinstance(exc, EngineError) else EngineError(f"engine step failed: {exc}")
@@ -316,15 +332,15 @@ class Engine:
         with self._lock:
             self.ready = False
             self._error = err
-            loops: dict[Any, list[RequestStream]] = {}
-            for rid, stream in self._streams.items():
+            wakeups = Wakeups()
+            for rid, entry in self._live.items():
                 try:
                     self._scheduler.finish_request(rid, "abort")  # frees the blocks; nothing runs any more
                 except Exception:
                     log.debug("finish_request(%r) failed after an engine failure", rid, exc_info=True)
-                _push(loops, stream, err)
-            self._streams.clear()
-            _wake_loops(loops)
+                entry.stream.push_error(err, wakeups)
+            self._live.clear()
+            wakeups.send()
         try:
             self._pool.close()
         except Exception:
@@ -338,22 +354,3 @@ class Engine:
                 raise EngineError(f"the engine has stopped: {self._error}")
             raise EngineError("the engine is not running (call start(); after shutdown create a new Engine)")
 
-
-def _push(loops: dict[Any, list[RequestStream]], stream: RequestStream, item: Any) -> None:
-    """Push ``item`` to ``stream``; note the stream under its consumer's event loop for one batched wake-up."""
-    loop = stream._push(item)
-    if loop is not None:
-        loops.setdefault(loop, []).append(stream)
-
-
-def _wake_loops(loops: dict[Any, list[RequestStream]]) -> None:
-    for loop, streams in loops.items():
-        try:
-            loop.call_soon_threadsafe(_wake_streams, streams)
-        except RuntimeError:  # the consumer's event loop is closed: nobody is left to wake
-            pass
-
-
-def _wake_streams(streams: list[RequestStream]) -> None:
-    for stream in streams:
-        stream._wake_async()

@@ -81,8 +81,10 @@ class LLM:
         """Generation for every prompt (text, or token ids used as given); results in prompt order.
 
         Greedy unless asked otherwise: either ``sampling_params`` (one for all prompts or one per prompt), or
-        ``SamplingParams`` fields as keywords (``temperature=0.8, top_p=0.9, seed=1``) next to
-        ``max_new_tokens``/``ignore_eos``. A seed applies to every prompt it is given for.
+        ``SamplingParams`` fields as keywords (``temperature=0.8, top_p=0.9, seed=1, stop=["\\n"]``) next to
+        ``max_new_tokens``/``ignore_eos``; temperature 0 is greedy. A seed applies to every prompt it is given
+        for. A stop string ends its prompt's generation with finish reason "stop" and is cut from the
+        result's ``text``. A request the configuration cannot run raises ``AdmissionError`` naming the field.
         """
         if isinstance(prompts, str):
             prompts = [prompts]

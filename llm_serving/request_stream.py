@@ -5,8 +5,14 @@ a waiting consumer; detokenization happens on the consumer side when an event is
 engine's per-step work independent of text handling (vLLM v1 likewise detokenizes outside its engine
 core), and a consumer that only wants the final result is woken once, not once per token.
 
-One consumer per stream: iterate it (``async for`` or ``for``) or call ``result()``/``aresult()``, which
-drain what is left. Streams are created by ``Engine.submit``.
+A request with stop strings is the exception: its tokens are decoded and matched as they arrive, on the
+engine thread, so ``push_token`` tells the engine at once that a stop string completed and the engine ends
+the request there (finish reason "stop", its KV blocks freed) whoever reads the stream and however late.
+
+The engine uses the producer interface (``push_token``, ``push_end``, ``push_error``, with a ``Wakeups``
+to wake each asyncio consumer's loop once per step). One consumer per stream: iterate it (``async for`` or
+``for``) or call ``result()``/``aresult()``, which drain what is left. Streams are created by
+``Engine.submit``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
+from llm_serving.stop_strings import StopMatcher
 from llm_serving.tokenizer import IncrementalDecoder, Tokenizer
 
 NO_TOKEN = -1  # token_id of the last event of an aborted (or externally finished) request: no new token
@@ -35,8 +42,10 @@ class QueueFull(RuntimeError):
 class TokenEvent:
     """One step of a request: its new token and the text that token released (may be empty).
 
-    The last event has ``finished=True`` and a ``finish_reason`` ("eos", "length", "abort", "stop"); for
-    "abort"/"stop" from outside it carries no token (``token_id == NO_TOKEN``), only the held-back text.
+    The last event has ``finished=True`` and a ``finish_reason`` (one of ``sequence.FINISH_REASONS``); an
+    end from outside (abort, ``Engine.finish``) carries no token (``token_id == NO_TOKEN``), only the held-back
+    text. When a stop string ends the request, the last event carries the token that completed it and the
+    text before the stop string.
     """
 
     token_id: int
@@ -53,7 +62,7 @@ class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    text: str = ""  # decode(prompt + tokens) minus the prompt's text: what a completion appends
+    text: str = ""  # decode(prompt + tokens) minus the prompt's text: what a completion appends (stop cut)
     finish_reason: str | None = None
     arrival_time: float = 0.0  # time.monotonic() at submit
     first_token_time: float | None = None  # when the engine produced the first token
@@ -61,8 +70,9 @@ class GenerationResult:
     token_times: list[float] = field(default_factory=list)  # when the engine produced each token
 
 
-# Raw item pushed by the engine: (token_id, logprob, finish_reason, monotonic time) or an EngineError.
-_Item = tuple[int, float, "str | None", float]
+# Item pushed by the engine: (token_id, logprob, finish_reason, monotonic time, text) or an EngineError; the
+# text is None when the consumer decodes it (no stop strings).
+_Item = tuple[int, float, "str | None", float, "str | None"]
 
 _WAIT_NONE, _WAIT_ANY, _WAIT_FINAL = 0, 1, 2
 
@@ -71,11 +81,10 @@ class RequestStream:
     """Token events of one request, in order. See the module docstring for the threading model."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], tokenizer: Tokenizer,
-                 abort: Callable[[str], None]) -> None:
+                 abort: Callable[[str], None], stop: tuple[str, ...] = ()) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self._abort = abort
-        self._seq: object = None  # the engine's Sequence of this request (tells a reused id apart)
         self._items: deque[_Item | EngineError] = deque()
         self._final_pushed = False  # producer side: nothing is pushed after the final item
         # thread consumers
@@ -85,8 +94,11 @@ class RequestStream:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._future: asyncio.Future | None = None
         self._async_waiting = False
-        # consumer side
+        # the side that decodes: the producer with stop strings (it matches them), else the consumer
         self._decoder = IncrementalDecoder(tokenizer, prompt_ids)
+        self._stop_matcher = StopMatcher(stop) if stop else None
+        # consumer side
+        self._texts: list[str] = []  # text of each event read
         self._result = GenerationResult(request_id, prompt, prompt_ids, arrival_time=time.monotonic())
         self._done = False
         self._error: EngineError | None = None
@@ -166,10 +178,46 @@ class RequestStream:
         return self._finished_result()
 
     # ---- producer side (engine thread, under the engine lock) ------------------------------------------
-    def _push(self, item: _Item | EngineError) -> asyncio.AbstractEventLoop | None:
-        """Append one item; wake a waiting thread now, return the loop of a waiting asyncio consumer."""
+    def push_token(self, token_id: int, logprob: float, finish_reason: str | None, now: float,
+                   wakeups: Wakeups) -> str | None:
+        """A new token; returns the reason the request ends with: ``finish_reason``, or "stop" when the text
+        completed one of its stop strings (the engine then ends the request), None while it goes on."""
         if self._final_pushed:
             return None
+        text = None
+        if self._stop_matcher is not None:
+            text, finish_reason = self._match_stops(self._decoder.push(token_id), finish_reason)
+        self._append((token_id, logprob, finish_reason, now, text), wakeups)
+        return finish_reason
+
+    def push_end(self, reason: str, now: float, wakeups: Wakeups) -> None:
+        """The end of the request from outside (abort, ``Engine.finish``): no new token."""
+        if self._final_pushed:
+            return
+        text = None
+        if self._stop_matcher is not None:
+            text, reason = self._match_stops("", reason)
+        self._append((NO_TOKEN, 0.0, reason, now, text), wakeups)
+
+    def push_error(self, error: EngineError, wakeups: Wakeups) -> None:
+        """The engine cannot serve the request; the consumer gets ``error`` raised."""
+        if not self._final_pushed:
+            self._append(error, wakeups)
+
+    def _match_stops(self, text: str, finish_reason: str | None) -> tuple[str, str | None]:
+        """(text to release, finish reason) after the stop strings have seen ``text``."""
+        matcher = self._stop_matcher
+        if finish_reason is not None:
+            text += self._decoder.flush()
+        released = matcher.feed(text)
+        if matcher.stopped:
+            return released, "stop"
+        if finish_reason is not None:
+            released += matcher.flush()
+        return released, finish_reason
+
+    def _append(self, item: _Item | EngineError, wakeups: Wakeups) -> None:
+        """Append one item; wake a waiting thread now, note a waiting asyncio consumer in ``wakeups``."""
         final = isinstance(item, EngineError) or item[2] is not None
         self._final_pushed = final
         self._items.append(item)
@@ -177,11 +225,10 @@ class RequestStream:
         if wait == _WAIT_ANY or (wait == _WAIT_FINAL and final):
             self._wake.set()
         if self._async_waiting:
-            return self._loop
-        return None
+            wakeups.add(self._loop, self)
 
     def _wake_async(self) -> None:
-        """Runs on the consumer's event loop."""
+        """Runs on the consumer's event loop (``Wakeups.send``)."""
         fut = self._future
         if fut is not None and not fut.done():
             fut.set_result(None)
@@ -203,20 +250,22 @@ class RequestStream:
             self._done = True
             self._error = item
             raise item
-        token, logprob, reason, t = item
-        text = ""
+        token, logprob, reason, t, text = item
         if token != NO_TOKEN:
             res.token_ids.append(token)
             res.logprobs.append(logprob)
             res.token_times.append(t)
             if res.first_token_time is None:
                 res.first_token_time = t
-            text = self._decoder.push(token)
+        if text is None:  # no stop strings: decoded here, off the engine thread
+            text = self._decoder.push(token) if token != NO_TOKEN else ""
+            if reason is not None:
+                text += self._decoder.flush()
+        self._texts.append(text)
         if reason is not None:
-            text += self._decoder.flush()
             res.finish_reason = reason
             res.finish_time = t
-            res.text = self._decoder.text
+            res.text = "".join(self._texts)
             self._done = True
         return TokenEvent(token, logprob, text, reason is not None, reason)
 
@@ -227,3 +276,27 @@ class RequestStream:
 
     def __repr__(self) -> str:
         return f"RequestStream({self.request_id!r}, prompt={len(self.prompt_ids)} tokens, done={self._done})"
+
+
+class Wakeups:
+    """The asyncio consumers to wake after a batch of pushes: one ``call_soon_threadsafe`` per event loop."""
+
+    def __init__(self) -> None:
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[RequestStream]] = {}
+
+    def add(self, loop: asyncio.AbstractEventLoop, stream: RequestStream) -> None:
+        self._by_loop.setdefault(loop, []).append(stream)
+
+    def send(self) -> None:
+        """Wake every noted consumer (call once, after the pushes)."""
+        for loop, streams in self._by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_wake_streams, streams)
+            except RuntimeError:  # the consumer's event loop is closed: nobody is left to wake
+                pass
+        self._by_loop.clear()
+
+
+def _wake_streams(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream._wake_async()

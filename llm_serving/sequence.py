@@ -11,10 +11,34 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-FINISH_REASONS = ("eos", "length", "abort", "stop")
+# Why a request ended: its eos token, its max_new_tokens, an abort (client gone, shutdown), one of its stop
+# strings. The one definition: the scheduler, the metrics' labels and the APIs' names all follow it.
+FINISH_REASONS = ("eos", "length", "stop", "abort")
 
+MAX_STOP_STRINGS = 16  # stop strings of one request; each is matched against every new piece of text
+MAX_STOP_LENGTH = 256  # characters of one stop string
 
 _INT32_MAX = 2**31 - 1
+
+
+class InvalidParameter(ValueError):
+    """A request parameter the engine cannot take; the message names the field.
+
+    ``template`` holds the message with ``{field}`` where the field's name goes, so each front end can show
+    it under its own name (``message_for``): the OpenAI route's ``max_tokens``, the CLI's
+    ``--max-new-tokens``. ``error_type`` is the HTTP API's tag for it.
+    """
+
+    error_type = "invalid_request"
+
+    def __init__(self, field: str, template: str) -> None:
+        super().__init__(template.replace("{field}", field, 1))
+        self.field = field
+        self.template = template
+
+    def message_for(self, name: str) -> str:
+        """The message with the field called ``name``."""
+        return self.template.replace("{field}", name, 1)
 
 
 @dataclass(frozen=True)
@@ -24,7 +48,13 @@ class SamplingParams:
     ``temperature`` 0 is greedy (top_k/top_p then do not matter); ``top_k`` 0 and ``top_p`` 1.0 mean no limit;
     ``repetition_penalty`` 1.0 means none (it also applies to greedy requests, as in HF). ``seed`` makes the
     draws reproducible whatever else is batched with the request; without one the scheduler picks a random
-    seed when the request is admitted. Frozen, so one instance can be shared by many requests.
+    seed when the request is admitted. ``stop`` strings (one string or several) end the request where one
+    first appears in the generated text, with finish reason "stop" and the stop string cut from the text.
+    Frozen, so one instance can be shared by many requests.
+
+    Values outside a field's domain raise ``InvalidParameter`` (wrong types ``TypeError``); the limits of the
+    served configuration (max_new_tokens against the context, ...) are checked when the engine admits the
+    request (``admission.RequestLimits``).
     """
 
     max_new_tokens: int = 16
@@ -34,6 +64,7 @@ class SamplingParams:
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    stop: tuple[str, ...] = ()
     # Whether the agent must read the logits (sampling or penalty) instead of taking the in-graph argmax.
     needs_logits: bool = field(init=False, repr=False, compare=False)
 
@@ -41,29 +72,45 @@ class SamplingParams:
         if _not_int(self.max_new_tokens):
             raise TypeError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise InvalidParameter("max_new_tokens", f"{{field}} must be >= 1, got {self.max_new_tokens}")
         for name in ("temperature", "top_p", "repetition_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise TypeError(f"{name} must be a finite number, got {value!r}")
             object.__setattr__(self, name, float(value))
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature:g}")
+            raise InvalidParameter("temperature", f"{{field}} must be >= 0 (0 = greedy), got {self.temperature:g}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = no limit), got {self.top_p:g}")
+            raise InvalidParameter("top_p", f"{{field}} must be in (0, 1] (1 = no limit), got {self.top_p:g}")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 = none), got {self.repetition_penalty:g}")
+            raise InvalidParameter("repetition_penalty",
+                                   f"{{field}} must be > 0 (1 = none), got {self.repetition_penalty:g}")
         if _not_int(self.top_k):
             raise TypeError(f"top_k must be an int, got {self.top_k!r}")
         if not 0 <= self.top_k <= _INT32_MAX:
-            raise ValueError(f"top_k must be in 0..{_INT32_MAX} (0 = no limit), got {self.top_k}")
+            raise InvalidParameter("top_k", f"{{field}} must be in 0..{_INT32_MAX} (0 = no limit), got {self.top_k}")
         if self.seed is not None and _not_int(self.seed):
             raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+        object.__setattr__(self, "stop", _checked_stops(self.stop))
         object.__setattr__(self, "needs_logits", self.temperature > 0 or self.repetition_penalty != 1.0)
 
 
 def _not_int(value: object) -> bool:
     return isinstance(value, bool) or not isinstance(value, int)
+
+
+def _checked_stops(stop: object) -> tuple[str, ...]:
+    """``stop`` as a tuple of distinct strings in their order; one string is a single stop string."""
+    items = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(items, (tuple, list)) or not all(isinstance(s, str) for s in items):
+        raise TypeError(f"stop must be a string or a sequence of strings, got {stop!r}")
+    if len(items) > MAX_STOP_STRINGS:
+        raise InvalidParameter("stop", f"{{field}} has {len(items)} strings; at most {MAX_STOP_STRINGS}")
+    for s in items:
+        if not s or len(s) > MAX_STOP_LENGTH:
+            raise InvalidParameter("stop", f"{{field}}: every stop string must have 1..{MAX_STOP_LENGTH} "
+                                           f"characters, got {s!r}")
+    return tuple(dict.fromkeys(items))
 
 
 class SequenceStatus(enum.Enum):

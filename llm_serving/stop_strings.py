@@ -5,6 +5,9 @@ start of a stop string is held back until the next piece shows whether it is one
 never contains a stop string or a prefix of one that later completes, and the concatenation of what is
 released equals the generated text cut before the stop string that is completed first (the earliest end;
 on a tie, the longest), whatever the pieces were.
+
+Every route gets stop strings through ``SamplingParams.stop``; a ``RequestStream`` with stop strings matches
+them as its tokens arrive, so the engine ends the request at the token that completes one.
 """
 
 from __future__ import annotations
@@ -51,3 +54,10 @@ def _prefix_overlap(text: str, stop: str) -> int:
         if text.endswith(stop[:k]):
             return k
     return 0
+
+
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
+    """``text`` cut before the stop string it completes first, as a StopMatcher fed it would release."""
+    matcher = StopMatcher(stops)
+    released = matcher.feed(text)
+    return released if matcher.stopped else released + matcher.flush()

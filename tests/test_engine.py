@@ -315,6 +315,35 @@ def test_async_streams_and_cancellation_aborts(standin_engine):
     assert [e.token_id for e in short_events] == want and short.result().finish_reason == "length"
 
 
+def stop_across_tokens(texts: list[str]) -> tuple[str, str, int]:
+    """A stop string spanning two tokens' texts: (stop, text before it, tokens up to the one completing it)."""
+    k = next(i for i in range(2, len(texts) - 1) if texts[i] and texts[i + 1])
+    full = "".join(texts)
+    stop = texts[k][-1] + texts[k + 1][0]
+    end = full.index(stop) + len(stop)
+    n_tokens = next(j + 1 for j in range(len(texts)) if len("".join(texts[: j + 1])) >= end)
+    return stop, full[: full.index(stop)], n_tokens
+
+
+def test_stop_strings_end_the_request_at_the_stop_token(standin_engine):
+    prompt, no_stop = "The river ran past the old mill and", SamplingParams(max_new_tokens=30, ignore_eos=True)
+    events = list(standin_engine.submit(prompt, no_stop))
+    stop, expected, n_tokens = stop_across_tokens([e.text for e in events])
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True, stop=[stop, "never seen"])
+    assert params.stop == (stop, "never seen")
+    before = standin_engine.stats()
+    res = standin_engine.submit(prompt, params).result(timeout=30)  # read once, at the end
+    after = standin_engine.stats()
+    assert (res.text, res.finish_reason) == (expected, "stop")
+    assert res.token_ids == [e.token_id for e in events[:n_tokens]]
+    # ended at that token: the token of the step in flight meanwhile was never delivered, the blocks are free
+    assert after["tokens_generated"] - before["tokens_generated"] == n_tokens
+    assert after["requests_finished"] == before["requests_finished"] + 1 and after["kv_blocks_used"] == 0
+    streamed = list(standin_engine.submit(prompt, params))
+    assert "".join(e.text for e in streamed) == expected and all(stop not in e.text for e in streamed)
+    assert streamed[-1].finish_reason == "stop" and streamed[-1].token_id == events[n_tokens - 1].token_id
+
+
 def test_rejections_and_queue_limit(data_dir):
     pools: list[GatedPool] = []
     engine = Engine(tiny_config(data_dir, model_config={"max_generate_length": 40},
@@ -328,10 +357,16 @@ def test_rejections_and_queue_limit(data_dir):
             engine.submit([1] * 33)
         with pytest.raises(RequestRejected, match=r"= 66 exceeds max_model_len 64"):
             engine.submit([1] * 30, SamplingParams(max_new_tokens=36))
-        with pytest.raises(RequestRejected, match="max_new_tokens 41 exceeds .*max_generate_length 40"):
+        with pytest.raises(RequestRejected, match="max_new_tokens 41 exceeds .*max_generate_length 40") as err:
             engine.submit("hi", SamplingParams(max_new_tokens=41))
-        with pytest.raises(RequestRejected, match=r"outside the vocabulary 0..999"):
+        assert err.value.field == "max_new_tokens"
+        with pytest.raises(RequestRejected, match=r"outside the vocabulary 0..999") as err:
             engine.submit([1, 1000])
+        assert err.value.field == "prompt"
+        with pytest.raises(RequestRejected, match=r"outside the vocabulary 0..999"):
+            engine.submit([1, -1])
+        with pytest.raises(RequestRejected, match="prompt is empty"):
+            engine.submit([])
         engine.submit("blocker")
         assert pools[0].entered.acquire(timeout=10)  # the engine is busy: later requests stay queued
         engine.submit("a", request_id="x")
@@ -477,6 +512,17 @@ def test_llm_generate_waits_when_the_queue_is_full(data_dir):
                                                                    for p, params in reqs]
         single = llm.generate("Once upon a time", max_new_tokens=4, ignore_eos=True)
         assert len(single) == 1 and len(single[0].token_ids) == 4 and single[0].prompt == "Once upon a time"
+        # Stop strings offline: results are read one by one, yet each request ends at its stop token.
+        prompts, no_stop = [p for p, _ in reqs[:12]], SamplingParams(30, ignore_eos=True)
+        stops = [stop_across_tokens([e.text for e in llm.engine.submit(p, no_stop)]) for p in prompts]
+        full = llm.generate(prompts, sampling_params=no_stop)
+        before = llm.engine.stats()["tokens_generated"]
+        stopped = llm.generate(prompts, sampling_params=[SamplingParams(30, True, stop=s) for s, _, _ in stops])
+        for res, ref, (_, expected, n_tokens) in zip(stopped, full, stops):
+            assert (res.text, res.finish_reason, res.token_ids) == (expected, "stop", ref.token_ids[:n_tokens])
+        stats = llm.engine.stats()
+        assert stats["tokens_generated"] - before == sum(n for _, _, n in stops) and stats["kv_blocks_used"] == 0
+        assert llm.generate([prompts[0]], max_new_tokens=30, ignore_eos=True, stop=stops[0][0])[0].text == stops[0][1]
     assert not llm.engine.ready
     with pytest.raises(TypeError, match="unknown override"):
         LLM(cfg, standin_agents=True, bogus=1)

@@ -67,6 +67,26 @@ def test_generate_with_standin_agents_prints_json_lines_in_order(setup):
         assert line["logprobs"] == [-1.0] * 6 and line["text"] == tok.decode(line["token_ids"])
 
 
+def test_generate_stop_strings_end_prompts_and_are_cut_from_the_text(setup):
+    args = ["generate", "--config", str(setup["config"]), "--prompts", str(setup["prompts"]), "--max-new-tokens",
+            "20", "--ignore-eos", "--standin-agents"]
+    full = run_cli(*args)
+    assert full.returncode == 0, full.stderr
+    full_lines = parse_lines(full.stdout)
+    text = full_lines[1]["text"]
+    stop = next(text[i:i + 2] for i in range(3, len(text) - 1) if text[i:i + 2].strip() == text[i:i + 2])
+    res = run_cli(*args, "--stop", stop, "--stop", "never seen")
+    assert res.returncode == 0, res.stderr
+    for line, ref in zip(parse_lines(res.stdout), full_lines):
+        if stop not in ref["text"]:
+            assert line == ref
+            continue
+        assert line["text"] == ref["text"][: ref["text"].index(stop)]
+        n = len(line["token_ids"])
+        assert n < 20 and line["token_ids"] == ref["token_ids"][:n] and stop in Tokenizer(
+            setup["model"]).decode(line["token_ids"])
+
+
 def test_generate_matches_agents_generate_on_the_same_model(setup):
     args = ["--prompts", str(setup["prompts"]), "--max-new-tokens", "12"]
     ours = run_cli("generate", "--config", str(setup["config"]), "--model", str(setup["model"]),
@@ -101,6 +121,8 @@ def test_generate_matches_agents_generate_on_the_same_model(setup):
     (["--top-p", "0"], r"--top-p must be in \(0, 1\]"),
     (["--top-k", "-3"], "--top-k must be in 0.."),
     (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+    (["--stop", ""], "--stop: every stop string must have 1..256 characters"),
+    (["--max-new-tokens", "600"], "max_new_tokens 600 exceeds model_config.max_generate_length 512"),
 ])
 def test_generate_errors_are_one_clear_line(setup, extra, message):
     import re
