@@ -10,7 +10,7 @@ Layout choices (measured on CPU, see docs/model.md and shared notes):
 - Attention has two implementations of the same maths: portable graph ops (rope, per-head scatter, row gather,
   batched matmuls; any device and dtype) and, on CPU with float32, native C++ ops (``agents.native_kernels``),
   one per layer and step, that rope, write the cache in place and attend without copying the context. With the
-  native ops, prefill takes the prompts packed back to back (token-flat, no per-prompt padding).
+  native ops, prefill is ragged: the prompts back to back (token-flat, no per-prompt padding).
 - Where the native projections are vectorized (AVX-512 builds), the rest of the layer is native too: RMSNorm +
   QKV, output projection + residual, RMSNorm + gate/up + SwiGLU, down projection + residual, and the final norm +
   lm_head, with weights packed once at load (``agents.packed_weights``). MindSpore's CPU MatMul repacked its
@@ -81,7 +81,7 @@ class Linear(nn.Cell):
 
 class LlamaLayer(nn.Cell):
     """One decoder layer owning its slice of the paged KV cache. ``native``: the native ops
-    (``agents.native_kernels.NativeOps``; prefill then takes prompts packed back to back), or None for the
+    (``agents.native_kernels.NativeOps``; prefill then takes prompts back to back, ragged), or None for the
     portable graph ops (prefill takes a padded ``[batch, seq]`` bucket)."""
 
     def __init__(self, config: LlamaConfig, num_slots: int, block_size: int, dtype: ms.Type,
@@ -248,7 +248,7 @@ class LlamaModel(nn.Cell):
     def real_rows(lens: Tensor, is_prefill: bool) -> tuple[Tensor, Tensor]:
         """``[1]`` int32 counts of the real token rows and sequence rows of a step, which lead its padded
         bucket: sequences with a length > 0; tokens are one per sequence in decode, the prompts' sum in a
-        (packed) prefill."""
+        (ragged) prefill."""
         sequences = (lens > 0).astype(ms.int32).sum().astype(ms.int32).reshape(1)  # sum gives int64
         return (lens.sum().astype(ms.int32).reshape(1) if is_prefill else sequences), sequences
 

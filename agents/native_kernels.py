@@ -97,7 +97,7 @@ class NativeOps:
 
     Attention (``paged_attention.cc``): ``decode(qkv, cos, sin, slot_mapping, block_tables, context_lens,
     block_offsets, *key_caches, *value_caches)`` and ``prefill(qkv, cos, sin, slot_mapping, query_lens,
-    *key_caches, *value_caches)`` (prompts packed back to back) return ``[tokens, hidden_size]`` and write the
+    *key_caches, *value_caches)`` (ragged: prompts back to back) return ``[tokens, hidden_size]`` and write the
     step's K/V into the caches in place. ``greedy(logits) -> (token ids, log-probabilities)``
     (``greedy_pick.cc``). The projections (``linear.cc``, weights packed by ``agents.packed_weights``) are made
     per output width by the methods below; the model uses them where ``projections`` is true.

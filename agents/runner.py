@@ -23,7 +23,7 @@ from agents.bucket_plan import plan_groups
 from agents.device import setup_device
 from agents.model import LlamaModel, LlamaStep, load_weights_into
 from agents.native_kernels import KernelBuildError, NativeOps, native_ops
-from agents.packed_prefill import packed_arrays, plan_packed, token_buckets
+from agents.ragged_prefill import plan_ragged, ragged_arrays, token_buckets
 from agents.sampler import sample
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.model_config import DTYPES, KERNEL_CHOICES, LlamaConfig, blocks_needed
@@ -123,23 +123,23 @@ class ModelRunner:
         self.model = LlamaModel(config, rc.num_blocks, rc.block_size, rc.max_model_len, MS_DTYPES[rc.dtype], native)
         load_weights_into(self.model, weights)
         prefill = LlamaStep(self.model, is_prefill=True)
-        self.graphs = {"prefill": prefill, "packed": prefill, "decode": LlamaStep(self.model, is_prefill=False)}
+        self.graphs = {"prefill": prefill, "ragged": prefill, "decode": LlamaStep(self.model, is_prefill=False)}
         self.warmed: set[tuple] = set()
         self.compile_times: dict[tuple, float] = {}
         self.step_costs: dict[tuple, float] = {}  # steady-state seconds per call, measured in warm-up
         self._costs: dict[tuple, float] = {}  # (is_prefill, count, longest) -> cost, memoised for plan()
 
     @property
-    def packed(self) -> bool:
-        """Whether prefill takes packed prompts (``agents.packed_prefill``): the native prefill op does."""
+    def ragged_prefill(self) -> bool:
+        """Whether prefill takes the prompts back to back (``agents.ragged_prefill``): the native prefill op does."""
         return self.kernels == "native"
 
     # ---- shapes -------------------------------------------------------------------------------------------
     def graph_shapes(self) -> list[tuple]:
-        """``(kind, batch, n)``: ("prefill", batch, seq), ("packed", max prefill batch, tokens) or ("decode",
+        """``(kind, batch, n)``: ("prefill", batch, seq), ("ragged", max prefill batch, tokens) or ("decode",
         batch, block-table width)."""
-        if self.packed:
-            shapes = [("packed", self.rc.prefill_batch_sizes[-1], t) for t in self.token_buckets]
+        if self.ragged_prefill:
+            shapes = [("ragged", self.rc.prefill_batch_sizes[-1], t) for t in self.token_buckets]
         else:
             shapes = [("prefill", b, s) for b in self.rc.prefill_batch_sizes for s in self.rc.prefill_seq_lengths]
             if self.rc.max_model_len > self.rc.prefill_seq_lengths[-1]:
@@ -163,7 +163,7 @@ class ModelRunner:
             self._run(kind, shape, inputs)[0].asnumpy()
             self.step_costs[shape] = time.perf_counter() - t1
             if progress:
-                unit = {"prefill": "seq", "packed": "tokens", "decode": "blocks"}[kind]
+                unit = {"prefill": "seq", "ragged": "tokens", "decode": "blocks"}[kind]
                 progress(f"warmed {kind} batch={b} {unit}={n} in {self.compile_times[shape]:.2f}s")
         self._costs.clear()
         return self.compile_times
@@ -179,8 +179,8 @@ class ModelRunner:
     def _warmup_inputs(cls, kind: str, batch: int, n: int) -> list[np.ndarray]:
         """Inputs of shape ``(kind, batch, n)`` in which every row is a real token (the padding-skipping
         projections would otherwise be timed doing nothing): token 0 at position 0 in slot 0 of the dummy block,
-        decode contexts of one token, prompts filling the bucket (a packed call's ``n`` tokens split evenly)."""
-        tokens = {"prefill": batch * n, "packed": n, "decode": batch}[kind]
+        decode contexts of one token, prompts filling the bucket (a ragged call's ``n`` tokens split evenly)."""
+        tokens = {"prefill": batch * n, "ragged": n, "decode": batch}[kind]
         arrays = cls._padded_inputs(batch, tokens, n if kind == "decode" else 1)
         lens, last = arrays[3], arrays[5]
         if kind == "decode":
@@ -217,10 +217,10 @@ class ModelRunner:
         w = _fit(blocks_needed(longest, rc.block_size), rc.decode_block_widths)
         return ("decode", b, w) if b and w else None
 
-    def _packed_shape(self, tokens: int) -> tuple | None:
-        """The packed prefill shape holding ``tokens`` tokens, or None when no token bucket does."""
+    def _ragged_shape(self, tokens: int) -> tuple | None:
+        """The ragged prefill shape holding ``tokens`` tokens, or None when no token bucket does."""
         t = _fit(tokens, self.token_buckets)
-        return None if t is None else ("packed", self.rc.prefill_batch_sizes[-1], t)
+        return None if t is None else ("ragged", self.rc.prefill_batch_sizes[-1], t)
 
     def _memo_cost(self, key: tuple, shape_of: Callable[[], tuple | None]) -> float:
         """Measured cost of the shape ``shape_of()`` picks (``inf`` for none), memoised under ``key``."""
@@ -234,16 +234,16 @@ class ModelRunner:
     def _cost(self, is_prefill: bool, count: int, longest: int) -> float:
         return self._memo_cost((is_prefill, count, longest), lambda: self.shape_for(is_prefill, count, longest))
 
-    def _packed_cost(self, tokens: int) -> float:
-        return self._memo_cost(("packed", tokens), lambda: self._packed_shape(tokens))
+    def _ragged_cost(self, tokens: int) -> float:
+        return self._memo_cost(("ragged", tokens), lambda: self._ragged_shape(tokens))
 
     def plan(self, batch: StepBatch) -> list[np.ndarray]:
-        """Sequence index groups, one graph call each (``agents.bucket_plan``, ``agents.packed_prefill``)."""
+        """Sequence index groups, one graph call each (``agents.bucket_plan``, ``agents.ragged_prefill``)."""
         lengths = batch.query_lens if batch.is_prefill else batch.context_lens
-        if batch.is_prefill and self.packed:
+        if batch.is_prefill and self.ragged_prefill:
             if int(lengths.max()) > self.rc.max_model_len:
                 raise ValueError(f"prompt length {int(lengths.max())} exceeds max_model_len {self.rc.max_model_len}")
-            return plan_packed(lengths, self.rc.prefill_batch_sizes[-1], self._packed_cost)
+            return plan_ragged(lengths, self.rc.prefill_batch_sizes[-1], self._ragged_cost)
         try:
             if not batch.is_prefill and self.skips_padding:
                 return self._decode_chunks(lengths)
@@ -268,12 +268,12 @@ class ModelRunner:
 
     def bucket_inputs(self, batch: StepBatch) -> tuple[tuple, list[np.ndarray]]:
         """The batch padded to its bucket: ``((kind, batch, n), graph input arrays)`` (see ``graph_shapes``)."""
-        if batch.is_prefill and self.packed:
+        if batch.is_prefill and self.ragged_prefill:
             total = int(batch.query_lens.sum())
-            shape = self._packed_shape(total)
+            shape = self._ragged_shape(total)
             if shape is None or batch.batch_size > shape[1]:
-                raise ValueError(f"no packed prefill bucket holds {batch.batch_size} prompts of {total} tokens")
-            return shape, packed_arrays(batch, shape[1], shape[2])
+                raise ValueError(f"no ragged prefill bucket holds {batch.batch_size} prompts of {total} tokens")
+            return shape, ragged_arrays(batch, shape[1], shape[2])
         lengths = batch.query_lens if batch.is_prefill else batch.context_lens
         shape = self.shape_for(batch.is_prefill, batch.batch_size, int(lengths.max()))
         if shape is None:

@@ -117,12 +117,12 @@ def test_decode_is_split_only_by_the_largest_bucket_where_padding_rows_are_free(
 
 def test_mixed_lengths_are_split_into_cheaper_calls_with_the_same_results(model_pair):
     """Padded prefill: a prompt longer than the buckets is prefilled alone while the others share a call.
-    Packed prefill (native attention): all four fit one call, padded only at the end."""
+    Ragged prefill (native attention): all four fit one call, padded only at the end."""
     config, runner, hf = model_pair
     rng = np.random.default_rng(8)
     batch_prompts = [[config.bos_token_id] + rng.integers(3, config.vocab_size, n).tolist() for n in (6, 50, 9, 12)]
     batch = contiguous_prefill(batch_prompts, runner.rc.block_size)
-    expected = [[0, 1, 2, 3]] if runner.packed else [[0, 2, 3], [1]]
+    expected = [[0, 1, 2, 3]] if runner.ragged_prefill else [[0, 2, 3], [1]]
     assert sorted(sorted(g.tolist()) for g in runner.plan(batch)) == expected
     tokens, _ = PagedDriver(runner, seed=6).generate(batch_prompts, 6)
     for prompt, got in zip(batch_prompts, tokens):

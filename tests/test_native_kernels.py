@@ -193,15 +193,15 @@ def test_kernel_checks_block_tables_itself(tmp_path, block, expected):
     assert expected in result.stdout, result.stdout + result.stderr[-2000:]
 
 
-def test_packed_prefill_padding_writes_nothing(native_runner):
-    """Two prompts in a packed call padded to 32 tokens and 8 sequences: only their own slots change."""
+def test_ragged_prefill_padding_writes_nothing(native_runner):
+    """Two prompts in a ragged call padded to 32 tokens and 8 sequences: only their own slots change."""
     caches = [c for layer in native_runner.model.layers for c in (*layer.key_cache, *layer.value_cache)]
     before = [c.asnumpy().copy() for c in caches]
     lens = np.array([5, 9], np.int32)
     slots = np.concatenate([np.arange(16, 21), np.arange(40, 49)]).astype(np.int32)
     batch = StepBatch(True, np.arange(3, 17, dtype=np.int32), np.concatenate([np.arange(5), np.arange(9)]).astype(
         np.int32), slots, lens, lens.copy(), np.zeros((2, 1), np.int32))
-    assert native_runner.bucket_inputs(batch)[0] == ("packed", 8, 32)
+    assert native_runner.bucket_inputs(batch)[0] == ("ragged", 8, 32)
     native_runner.step(batch)
     for old, cache in zip(before, caches):
         changed = np.flatnonzero(np.any(cache.asnumpy() != old, axis=1))

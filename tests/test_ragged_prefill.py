@@ -1,4 +1,4 @@
-"""Packing prompts back to back for the native prefill op: buckets, call plans and graph inputs."""
+"""Ragged prefill (prompts back to back, for the native prefill op): buckets, call plans and graph inputs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from agents.packed_prefill import packed_arrays, plan_packed, token_buckets
+from agents.ragged_prefill import plan_ragged, ragged_arrays, token_buckets
 from llm_serving.protocol.batch import StepBatch
 
 
@@ -25,7 +25,7 @@ def test_plan_is_optimal_against_brute_force():
     rng = np.random.default_rng(0)
     for _ in range(40):
         lengths = rng.integers(1, 120, rng.integers(1, 8))
-        groups = plan_packed(lengths, 4, bucket_cost)
+        groups = plan_ragged(lengths, 4, bucket_cost)
         assert np.concatenate(groups).tolist() == list(range(len(lengths)))
         assert all(len(g) <= 4 for g in groups)
         got = sum(bucket_cost(int(lengths[g].sum())) for g in groups)
@@ -38,15 +38,15 @@ def test_plan_is_optimal_against_brute_force():
 
 
 def test_a_prompt_no_bucket_holds_is_refused():
-    with pytest.raises(ValueError, match="no packed prefill bucket holds a prompt of 300 tokens"):
-        plan_packed(np.array([10, 300]), 4, bucket_cost)
+    with pytest.raises(ValueError, match="no ragged prefill bucket holds a prompt of 300 tokens"):
+        plan_ragged(np.array([10, 300]), 4, bucket_cost)
 
 
-def test_packed_arrays_put_prompts_back_to_back():
+def test_ragged_arrays_put_prompts_back_to_back():
     lens = np.array([3, 2], np.int32)
     batch = StepBatch(True, np.array([5, 6, 7, 8, 9], np.int32), np.array([0, 1, 2, 0, 1], np.int32),
                       np.array([40, 41, 42, 80, 81], np.int32), lens, lens.copy(), np.zeros((2, 1), np.int32))
-    ids, pos, slots, query_lens, tables, last = packed_arrays(batch, max_seqs=4, tokens=8)
+    ids, pos, slots, query_lens, tables, last = ragged_arrays(batch, max_seqs=4, tokens=8)
     assert ids.tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
     assert pos.tolist() == [0, 1, 2, 0, 1, 0, 0, 0]
     assert slots.tolist() == [40, 41, 42, 80, 81, 0, 0, 0]

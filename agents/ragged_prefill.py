@@ -1,9 +1,10 @@
-"""Packed prefill: the prompts of a call back to back in one token-flat bucket, for the native attention ops.
+"""Ragged prefill: the prompts of a call back to back in one token-flat bucket, for backends whose prefill
+attention takes them so (``OpsBackend.ragged_prefill``; the native CPU ops do).
 
 Why: padding every prompt of a call to the longest one's length bucket wasted up to half the prefill compute on
-short, uneven prompts (alpaca-like: 8 prompts of ~31 tokens ran as 8 x 64). The native prefill op attends within
+short, uneven prompts (alpaca-like: 8 prompts of ~31 tokens ran as 8 x 64). A ragged prefill op attends within
 each prompt by its length, so only the call's total token count is bucketed. Graph shapes are
-``("packed", max_seqs, tokens)``: ``max_seqs`` (the largest prefill batch) fixes the per-sequence inputs, and the
+``("ragged", max_seqs, tokens)``: ``max_seqs`` (the largest prefill batch) fixes the per-sequence inputs, and the
 token buckets step by 1.5x-2x (32, 48, 64, 96, ...) up to the largest ``batch x seq_length`` the config allows.
 """
 
@@ -30,7 +31,7 @@ def token_buckets(batch_sizes: tuple[int, ...], seq_lengths: tuple[int, ...], ma
     return tuple(sorted(out | {top}))
 
 
-def plan_packed(lengths: np.ndarray, max_seqs: int, cost: Callable[[int], float]) -> list[np.ndarray]:
+def plan_ragged(lengths: np.ndarray, max_seqs: int, cost: Callable[[int], float]) -> list[np.ndarray]:
     """Consecutive groups (in the given order) of at most ``max_seqs`` sequences minimising the summed
     ``cost(total tokens)`` (``inf`` when no bucket holds the total)."""
     n = len(lengths)
@@ -43,12 +44,12 @@ def plan_packed(lengths: np.ndarray, max_seqs: int, cost: Callable[[int], float]
             if c < best[j]:
                 best[j], cut[j] = c, i
     if best[n] == float("inf"):
-        raise ValueError(f"no packed prefill bucket holds a prompt of {int(np.max(lengths))} tokens")
+        raise ValueError(f"no ragged prefill bucket holds a prompt of {int(np.max(lengths))} tokens")
     return groups_from_cuts(np.arange(n), cut)
 
 
-def packed_arrays(batch: StepBatch, max_seqs: int, tokens: int) -> list[np.ndarray]:
-    """Graph inputs of one packed call: ids, positions, slots ``[tokens]`` (zero padding after the prompts,
+def ragged_arrays(batch: StepBatch, max_seqs: int, tokens: int) -> list[np.ndarray]:
+    """Graph inputs of one ragged call: ids, positions, slots ``[tokens]`` (zero padding after the prompts,
     which the kernel neither writes nor attends), query lengths and last-token indices ``[max_seqs]``
     (0 for padding sequences) and an unused ``[max_seqs, 1]`` block table."""
     used = int(batch.query_lens.sum())
