@@ -1,20 +1,13 @@
 """Llama-2 as MindSpore Cells for serving: fused projections, paged KV cache, in-graph greedy argmax.
 
-Layout choices (measured on CPU, see docs/model.md and shared notes):
+The layer's maths is written once here; the ops that run it come from the runner's ops backend
+(``agents.backends``): the projections (each fused with the RMSNorm before it, the SwiGLU or the residual add
+after it), the attention with the KV cache it owns, and the greedy pick. The layer holds the weights, in the
+layout the backend asks for; it never branches on which backend it has.
+
+Choices made for every backend (measured on CPU, see docs/model.md and the shared notes):
 - Activations stay token-flat ``[tokens, hidden]`` for every projection (3-D activations hit a slow matmul path).
-- The ``num_blocks x block_size x kv_heads x head_dim`` K and V caches of a layer are held as one 2-D Parameter
-  ``[num_blocks * block_size, head_dim]`` per kv head, so that ``scatter_update`` writes in place and a row
-  gather reads a sequence's slots without copying the cache or transposing heads.
-- Prefill attends over the prompt's own K/V (padded ``[batch, seq]`` bucket, causal + length mask) while writing
-  them to the cache; decode reads every sequence's context back through its block table.
-- Attention has two implementations of the same maths: portable graph ops (rope, per-head scatter, row gather,
-  batched matmuls; any device and dtype) and, on CPU with float32, native C++ ops (``agents.native_kernels``),
-  one per layer and step, that rope, write the cache in place and attend without copying the context. With the
-  native ops, prefill is ragged: the prompts back to back (token-flat, no per-prompt padding).
-- Where the native projections are vectorized (AVX-512 builds), the rest of the layer is native too: RMSNorm +
-  QKV, output projection + residual, RMSNorm + gate/up + SwiGLU, down projection + residual, and the final norm +
-  lm_head, with weights packed once at load (``agents.packed_weights``). MindSpore's CPU MatMul repacked its
-  weight on every call and ran small-batch decode at a third of the machine's matmul rate (docs/model.md).
+- Q, K, V are one fused projection and gate/up another; the rotary tables are gathered once per step.
 - The graph ends in a greedy argmax and the chosen token's log-probability, so an all-greedy step reads only
   ``2 x batch`` numbers back. The logits are a third output, read only for sampled batches and logits checks.
 """
@@ -23,13 +16,11 @@ from __future__ import annotations
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore import Parameter, Tensor, nn, ops
 
 from agents import packed_weights
-from agents.native_kernels import NativeOps
+from agents.backends import OpsBackend, PortableBackend
 from llm_serving.protocol.model_config import LlamaConfig
-
-_NEG_INF = -1e30
 
 
 def rotary_tables(config: LlamaConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -41,205 +32,79 @@ def rotary_tables(config: LlamaConfig, max_positions: int) -> tuple[np.ndarray, 
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-class RMSNorm(nn.Cell):
-    def __init__(self, hidden: int, eps: float, dtype: ms.Type) -> None:
-        super().__init__()
-        self.weight = Parameter(Tensor(np.ones(hidden), dtype), name="weight")
-        self.eps = eps
-
-    def construct(self, x: Tensor) -> Tensor:
-        xf = x.astype(ms.float32)
-        variance = ops.mean(xf * xf, -1, keep_dims=True)
-        return (xf * ops.rsqrt(variance + self.eps)).astype(x.dtype) * self.weight
+def norm_weight(hidden: int, dtype: ms.Type, name: str) -> Parameter:
+    """An RMSNorm's weight (ones until loaded); the backend's ops apply it."""
+    return Parameter(Tensor(np.ones(hidden), dtype), name=name)
 
 
-class Linear(nn.Cell):
-    """``y = x @ W^T`` with ``W`` kept in Hugging Face's ``[out, in]`` layout, or, for the native ops, in their
-    panel layout (``packed``; ``swiglu`` for the fused ``[gate; up]`` weight, see ``agents.packed_weights``). A packed
-    weight is read by the native ops only: ``construct`` (MindSpore's MatMul) is for the unpacked layout."""
+class ProjectionWeight(nn.Cell):
+    """A projection's ``W [out, in]`` (Hugging Face's layout), held as the backend's ops read it: as is, or
+    in the native GEMM's panel layout (``panels``; ``swiglu`` for the fused ``[gate; up]`` weight, see
+    ``agents.packed_weights``). Loaders convert through ``stored`` and ``unstored``."""
 
-    def __init__(self, in_dim: int, out_dim: int, dtype: ms.Type, packed: bool = False, swiglu: bool = False) -> None:
+    def __init__(self, in_dim: int, out_dim: int, dtype: ms.Type, panels: bool = False, swiglu: bool = False) -> None:
         super().__init__()
         self.shape = (out_dim, in_dim)
-        self.packed = packed
+        self.panels = panels
         self.swiglu = swiglu
-        stored = packed_weights.packed_shape(out_dim, in_dim, swiglu) if packed else self.shape
+        stored = packed_weights.packed_shape(out_dim, in_dim, swiglu) if panels else self.shape
         self.weight = Parameter(Tensor(np.zeros(stored), dtype), name="weight")
-        self.matmul = ops.MatMul(transpose_b=True)
-
-    def construct(self, x: Tensor) -> Tensor:
-        return self.matmul(x, self.weight)
 
     def stored(self, w: np.ndarray) -> np.ndarray:
         """The ``[out, in]`` weight ``w`` as this cell holds it."""
-        return packed_weights.pack(w, self.swiglu) if self.packed else w
+        return packed_weights.pack(w, self.swiglu) if self.panels else w
 
     def unstored(self, held: np.ndarray) -> np.ndarray:
         """The ``[out, in]`` weight back from what this cell holds."""
-        return packed_weights.unpack(held, self.shape[0], self.swiglu) if self.packed else held
+        return packed_weights.unpack(held, self.shape[0], self.swiglu) if self.panels else held
 
 
 class LlamaLayer(nn.Cell):
-    """One decoder layer owning its slice of the paged KV cache. ``native``: the native ops
-    (``agents.native_kernels.NativeOps``; prefill then takes prompts back to back, ragged), or None for the
-    portable graph ops (prefill takes a padded ``[batch, seq]`` bucket)."""
+    """One decoder layer: its weights, and the backend's cells that run it (the attention cell owns the
+    layer's slice of the paged KV cache)."""
 
-    def __init__(self, config: LlamaConfig, num_slots: int, block_size: int, dtype: ms.Type,
-                 native: NativeOps | None = None) -> None:
+    def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type,
+                 backend: OpsBackend) -> None:
         super().__init__()
-        self.native = native is not None
-        self.decode_kernel = native.decode if native else None
-        self.prefill_kernel = native.prefill if native else None
-        self.n_heads = config.num_attention_heads
-        self.n_kv = config.num_key_value_heads
-        self.rep = self.n_heads // self.n_kv
-        self.head_dim = config.head_dim
-        self.hidden = config.hidden_size
-        self.kv_dim = config.kv_dim
-        self.ffn = config.intermediate_size
-        self.block_size = block_size
-        self.scale = 1.0 / float(np.sqrt(self.head_dim))
-        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        packed = self.native_projections = native is not None and native.projections
-        self.w_qkv = Linear(config.hidden_size, config.qkv_dim, dtype, packed)
-        self.wo = Linear(config.hidden_size, config.hidden_size, dtype, packed)
-        self.w_gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, dtype, packed, swiglu=True)
-        self.w_down = Linear(config.intermediate_size, config.hidden_size, dtype, packed)
-        if packed:
-            self.eps = Tensor(np.array([config.rms_norm_eps], np.float32))
-            self.qkv_kernel = native.norm_linear(config.qkv_dim)
-            self.gate_up_kernel = native.norm_swiglu(config.intermediate_size)
-            self.residual_kernel = native.residual_linear()
-        zeros = np.zeros((num_slots, self.head_dim))
-        self.key_cache = ParameterTuple([Parameter(Tensor(zeros, dtype), name=f"key_cache_{h}", requires_grad=False)
-                                         for h in range(self.n_kv)])
-        self.value_cache = ParameterTuple([Parameter(Tensor(zeros, dtype), name=f"value_cache_{h}",
-                                                     requires_grad=False) for h in range(self.n_kv)])
-        self.bmm = ops.BatchMatMul()
-        self.bmm_t = ops.BatchMatMul(transpose_b=True)
-        self.block_offsets = Tensor(np.arange(block_size, dtype=np.int32))
-
-    def rope(self, x: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
-        """Rotate-half rotary embedding on token-flat ``[tokens, heads * head_dim]``."""
-        t = x.reshape(x.shape[0], heads, self.head_dim)
-        half = self.head_dim // 2
-        rotated = ops.concat((-t[:, :, half:], t[:, :, :half]), -1)
-        out = t * cos.expand_dims(1) + rotated * sin.expand_dims(1)
-        return out.reshape(x.shape[0], heads * self.head_dim)
-
-    def softmax_masked(self, scores: Tensor, keep: Tensor) -> Tensor:
-        scores = ops.select(keep, scores.astype(ms.float32) * self.scale, ops.full_like(scores, _NEG_INF,
-                                                                                       dtype=ms.float32))
-        return ops.softmax(scores, -1)
-
-    def prefill_attention(self, q: Tensor, k: Tensor, v: Tensor, valid_lens: Tensor, batch: int) -> Tensor:
-        """Causal attention inside each padded prompt: q/k/v token-flat over a ``[batch, seq]`` bucket."""
-        seq = q.shape[0] // batch
-        qh = q.reshape(batch, seq, self.n_kv, self.rep, self.head_dim).transpose(0, 2, 3, 1, 4)
-        qh = qh.reshape(batch, self.n_kv, self.rep * seq, self.head_dim)
-        kh = k.reshape(batch, seq, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
-        vh = v.reshape(batch, seq, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
-        scores = self.bmm_t(qh, kh).reshape(batch, self.n_kv, self.rep, seq, seq)
-        idx = ops.arange(seq).astype(ms.int32)
-        causal = idx.reshape(1, seq) <= idx.reshape(seq, 1)
-        in_prompt = idx.reshape(1, seq) < valid_lens.reshape(batch, 1)
-        keep = ops.logical_and(causal.reshape(1, seq, seq), in_prompt.reshape(batch, 1, seq))
-        probs = self.softmax_masked(scores, keep.reshape(batch, 1, 1, seq, seq)).astype(v.dtype)
-        probs = probs.reshape(batch, self.n_kv, self.rep * seq, seq)
-        out = self.bmm(probs, vh).reshape(batch, self.n_kv, self.rep, seq, self.head_dim)
-        return out.transpose(0, 3, 1, 2, 4).reshape(batch * seq, self.hidden)
-
-    def write_cache(self, k: Tensor, v: Tensor, slot_mapping: Tensor) -> tuple:
-        """Scatter each kv head's new rows into its cache in place; returns the write results for ordering."""
-        written = ()
-        for h in range(self.n_kv):
-            cols = slice(h * self.head_dim, (h + 1) * self.head_dim)
-            written += (ops.scatter_update(self.key_cache[h], slot_mapping, k[:, cols]),
-                        ops.scatter_update(self.value_cache[h], slot_mapping, v[:, cols]))
-        return written
-
-    def decode_attention(self, q: Tensor, written: tuple, block_tables: Tensor, context_lens: Tensor) -> Tensor:
-        """One query per sequence over its paged context, gathered row-wise through the block table.
-
-        Per kv head: the gather yields ``[batch, context, head_dim]`` directly, with no transpose (2.4x faster
-        than one wide cache per layer at batch 128, context 256).
-        """
-        batch, width = block_tables.shape
-        ctx = width * self.block_size
-        slots = (block_tables.reshape(batch, width, 1) * self.block_size
-                 + self.block_offsets.reshape(1, 1, self.block_size)).reshape(batch * ctx)
-        keep = (ops.arange(ctx).astype(ms.int32).reshape(1, ctx) < context_lens.reshape(batch, 1))
-        keep = keep.reshape(batch, 1, ctx)
-        qh = q.reshape(batch, self.n_kv, self.rep, self.head_dim)
-        outs = ()
-        for h in range(self.n_kv):
-            key_cache = ops.depend(self.key_cache[h], written)
-            value_cache = ops.depend(self.value_cache[h], written)
-            kh = ops.gather(key_cache, slots, 0).reshape(batch, ctx, self.head_dim)
-            vh = ops.gather(value_cache, slots, 0).reshape(batch, ctx, self.head_dim)
-            probs = self.softmax_masked(self.bmm_t(qh[:, h], kh), keep).astype(vh.dtype)
-            outs += (self.bmm(probs, vh),)
-        return ops.stack(outs, 1).reshape(batch, self.hidden)
-
-    def native_construct(self, x: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
-                         block_tables: Tensor, rows: Tensor, is_prefill: bool) -> Tensor:
-        """The layer as five native ops: norm + QKV, attention, output projection + residual, norm + gate/up +
-        SwiGLU, down projection + residual. ``rows`` [1]: the real (leading) token rows; padding rows are
-        skipped and come out as zeros."""
-        qkv = self.qkv_kernel(x, self.attention_norm.weight, self.eps, self.w_qkv.weight, rows)
-        attn = self.attention(qkv, cos, sin, slot_mapping, lens, block_tables, is_prefill)
-        x = self.residual_kernel(attn, self.wo.weight, x, rows)
-        act = self.gate_up_kernel(x, self.ffn_norm.weight, self.eps, self.w_gate_up.weight, rows)
-        return self.residual_kernel(act, self.w_down.weight, x, rows)
+        hidden, eps, panels = config.hidden_size, config.rms_norm_eps, backend.panel_weights
+        self.attention_norm = norm_weight(hidden, dtype, "attention_norm")
+        self.ffn_norm = norm_weight(hidden, dtype, "ffn_norm")
+        self.w_qkv = ProjectionWeight(hidden, config.qkv_dim, dtype, panels)
+        self.wo = ProjectionWeight(hidden, hidden, dtype, panels)
+        self.w_gate_up = ProjectionWeight(hidden, 2 * config.intermediate_size, dtype, panels, swiglu=True)
+        self.w_down = ProjectionWeight(config.intermediate_size, hidden, dtype, panels)
+        self.norm_qkv = backend.norm_linear(config.qkv_dim, eps)
+        self.attention = backend.attention(config, num_blocks, block_size, dtype)
+        self.norm_gate_up = backend.norm_swiglu(config.intermediate_size, eps)
+        self.residual_linear = backend.residual_linear()  # the output and the down projection
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
                   block_tables: Tensor, rows: Tensor, is_prefill: bool) -> Tensor:
-        if self.native_projections:
-            return self.native_construct(x, cos, sin, slot_mapping, lens, block_tables, rows, is_prefill)
-        qkv = self.w_qkv(self.attention_norm(x))
+        """``rows`` [1]: the real (leading) token rows of ``x``, for backends that skip the padding after them."""
+        qkv = self.norm_qkv(x, self.attention_norm, self.w_qkv.weight, rows)
         attn = self.attention(qkv, cos, sin, slot_mapping, lens, block_tables, is_prefill)
-        x = x + self.wo(attn)
-        gate_up = self.w_gate_up(self.ffn_norm(x))
-        act = ops.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn:]
-        return x + self.w_down(act)
-
-    def attention(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
-                  block_tables: Tensor, is_prefill: bool) -> Tensor:
-        """Rope, cache write and attention: one native op, or graph ops (any device and dtype)."""
-        if self.native and is_prefill:
-            return self.prefill_kernel(qkv, cos, sin, slot_mapping, lens, *self.key_cache, *self.value_cache)
-        if self.native:
-            return self.decode_kernel(qkv, cos, sin, slot_mapping, block_tables, lens, self.block_offsets,
-                                      *self.key_cache, *self.value_cache)
-        q = self.rope(qkv[:, : self.hidden], cos, sin, self.n_heads)
-        k = self.rope(qkv[:, self.hidden: self.hidden + self.kv_dim], cos, sin, self.n_kv)
-        v = qkv[:, self.hidden + self.kv_dim:]
-        written = self.write_cache(k, v, slot_mapping)
-        if is_prefill:
-            return ops.depend(self.prefill_attention(q, k, v, lens, lens.shape[0]), written)
-        return self.decode_attention(q, written, block_tables, lens)
+        x = self.residual_linear(attn, self.wo.weight, x, rows)
+        act = self.norm_gate_up(x, self.ffn_norm, self.w_gate_up.weight, rows)
+        return self.residual_linear(act, self.w_down.weight, x, rows)
 
 
 class LlamaModel(nn.Cell):
     """Weights and KV cache of the whole model; ``LlamaStep`` cells run it as prefill or decode graphs."""
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, max_positions: int,
-                 dtype: ms.Type = ms.float32, native: NativeOps | None = None) -> None:
+                 dtype: ms.Type = ms.float32, backend: OpsBackend | None = None) -> None:
         super().__init__()
+        backend = backend if backend is not None else PortableBackend()
         self.config = config
         self.dtype = dtype
         self.embed_tokens = Parameter(Tensor(np.zeros((config.vocab_size, config.hidden_size)), dtype),
                                       name="embed_tokens")
-        self.layers = nn.CellList([LlamaLayer(config, num_blocks * block_size, block_size, dtype, native)
+        self.layers = nn.CellList([LlamaLayer(config, num_blocks, block_size, dtype, backend)
                                    for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.native_greedy = native.greedy if native else None
-        projections = native is not None and native.projections
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype, packed=projections)
-        self.native_lm_head = native.norm_linear(config.vocab_size) if projections else None
-        if projections:
-            self.eps = Tensor(np.array([config.rms_norm_eps], np.float32))
+        self.norm = norm_weight(config.hidden_size, dtype, "norm")
+        self.lm_head = ProjectionWeight(config.hidden_size, config.vocab_size, dtype, backend.panel_weights)
+        self.norm_lm_head = backend.norm_linear(config.vocab_size, config.rms_norm_eps)
+        self.greedy = backend.greedy()
         cos, sin = rotary_tables(config, max_positions)
         self.cos = Tensor(cos, dtype)
         self.sin = Tensor(sin, dtype)
@@ -262,17 +127,8 @@ class LlamaModel(nn.Cell):
         return x
 
     def logits(self, last_hidden: Tensor, sequence_rows: Tensor) -> Tensor:
-        if self.native_lm_head is not None:
-            return self.native_lm_head(last_hidden, self.norm.weight, self.eps, self.lm_head.weight, sequence_rows)
-        return self.lm_head(self.norm(last_hidden)).astype(ms.float32)
-
-
-def greedy_pick(logits: Tensor) -> tuple[Tensor, Tensor]:
-    """Argmax token and its log-softmax value; the max logit is the chosen one, so no gather is needed."""
-    token_ids = ops.argmax(logits, -1).astype(ms.int32)
-    top = ops.max(logits, -1, keepdims=True)[0]
-    logprob = -ops.log(ops.sum(ops.exp(logits - top), -1))
-    return token_ids, logprob
+        """float32 logits ``[batch, vocab]`` of the final norm + lm_head."""
+        return self.norm_lm_head(last_hidden, self.norm, self.lm_head.weight, sequence_rows).astype(ms.float32)
 
 
 class LlamaStep(nn.Cell):
@@ -300,21 +156,18 @@ class LlamaStep(nn.Cell):
         if self.is_prefill:
             hidden = ops.gather(hidden, last_index, 0)
         logits = self.model.logits(hidden, sequence_rows)
-        if self.model.native_greedy is not None:
-            token_ids, logprobs = self.model.native_greedy(logits)
-        else:
-            token_ids, logprobs = greedy_pick(logits)
+        token_ids, logprobs = self.model.greedy(logits)
         return token_ids, logprobs, logits
 
 
-def _canonical_parameters(model: LlamaModel) -> dict[str, tuple[Parameter, Linear | None]]:
+def _canonical_parameters(model: LlamaModel) -> dict[str, tuple[Parameter, ProjectionWeight | None]]:
     """The model's Parameters under their canonical fused weight names (see ``agents.weights``), each with its
-    Linear cell where it is a projection (which may hold it packed)."""
-    params = {"embed_tokens": (model.embed_tokens, None), "norm": (model.norm.weight, None),
+    ProjectionWeight where it is a projection (which may hold it in the panel layout)."""
+    params = {"embed_tokens": (model.embed_tokens, None), "norm": (model.norm, None),
               "lm_head": (model.lm_head.weight, model.lm_head)}
     for i, layer in enumerate(model.layers):
         for name in ("attention_norm", "ffn_norm"):
-            params[f"layers.{i}.{name}"] = (getattr(layer, name).weight, None)
+            params[f"layers.{i}.{name}"] = (getattr(layer, name), None)
         for name in ("w_qkv", "wo", "w_gate_up", "w_down"):
             cell = getattr(layer, name)
             params[f"layers.{i}.{name}"] = (cell.weight, cell)

@@ -97,17 +97,18 @@ class NativeOps:
 
     Attention (``paged_attention.cc``): ``decode(qkv, cos, sin, slot_mapping, block_tables, context_lens,
     block_offsets, *key_caches, *value_caches)`` and ``prefill(qkv, cos, sin, slot_mapping, query_lens,
-    *key_caches, *value_caches)`` (ragged: prompts back to back) return ``[tokens, hidden_size]`` and write the
-    step's K/V into the caches in place. ``greedy(logits) -> (token ids, log-probabilities)``
+    *key_caches, *value_caches)`` (ragged: the prompts back to back) return ``[tokens, hidden_size]`` and write
+    the step's K/V into the caches in place. ``greedy(logits) -> (token ids, log-probabilities)``
     (``greedy_pick.cc``). The projections (``linear.cc``, weights packed by ``agents.packed_weights``) are made
-    per output width by the methods below; the model uses them where ``projections`` is true.
+    per output width by the methods below; the native CPU backend (``agents.backends.native_cpu``) uses them
+    where ``projections`` is true.
     """
 
     decode: ops.Custom
     prefill: ops.Custom
     greedy: ops.Custom
     linear_library: Path
-    projections: bool  # the projections' kernel is vectorized (AVX-512); else the model keeps MindSpore's MatMul
+    projections: bool  # the projections' kernel is vectorized (AVX-512); else the backend keeps MindSpore's MatMul
 
     def linear(self, out_dim: int) -> ops.Custom:
         """``(x, packed w) -> x @ W^T`` of width ``out_dim`` (the benchmarks' reference matmul)."""

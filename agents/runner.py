@@ -19,10 +19,10 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
+from agents.backends import select_backend
 from agents.bucket_plan import plan_groups
 from agents.device import setup_device
 from agents.model import LlamaModel, LlamaStep, load_weights_into
-from agents.native_kernels import KernelBuildError, NativeOps, native_ops
 from agents.ragged_prefill import plan_ragged, ragged_arrays, token_buckets
 from agents.sampler import sample
 from llm_serving.protocol.batch import StepBatch, StepOutput
@@ -56,7 +56,7 @@ class RunnerConfig:
     dtype: str = "float32"
     device_target: str = "CPU"
     device_id: int = 0
-    kernels: str = "auto"  # native C++ ops (CPU float32: attention, greedy, projections), portable, or auto
+    kernels: str = "auto"  # the device's native ops (agents.backends; CPU float32: C++ ops), portable, or auto
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -79,28 +79,6 @@ class RunnerConfig:
         return blocks_needed(self.max_model_len, self.block_size)
 
 
-def native_ops_for(rc: RunnerConfig, hidden_size: int) -> NativeOps | None:
-    """The native ops (``agents.native_kernels``), or None for the portable graph ops.
-
-    ``auto`` takes the native ops where they apply (CPU, float32) and the compiler is there, and otherwise
-    falls back (with a warning when the build failed); ``native`` raises instead of falling back.
-    """
-    if rc.kernels == "portable":
-        return None
-    if rc.device_target != "CPU" or rc.dtype != "float32":
-        if rc.kernels == "native":
-            raise ValueError(f"native kernels run on CPU with float32 only (got {rc.device_target}, "
-                             f"{rc.dtype}); use auto or portable")
-        return None
-    try:
-        return native_ops(hidden_size)
-    except KernelBuildError as exc:
-        if rc.kernels == "native":
-            raise
-        log.warning("native kernels are unavailable, using the portable graph ops: %s", exc)
-        return None
-
-
 def _fit(value: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket holding ``value``, or None."""
     return next((b for b in buckets if b >= value), None)
@@ -114,13 +92,15 @@ class ModelRunner:
         self.config = config
         self.rc = runner_config
         rc = runner_config
-        native = native_ops_for(rc, config.hidden_size)
-        self.kernels = "portable" if native is None else "native"
-        # The native projections skip a bucket's padding rows (agents/kernels/linear.cc), so a padded row costs
-        # next to nothing and splitting a decode batch to save padding never pays.
-        self.skips_padding = native is not None and native.projections
+        self.backend = select_backend(rc.kernels, rc.device_target, rc.dtype, config.hidden_size)
+        self.kernels = self.backend.kernels
+        log.info("ops backend: %s", self.backend.name)
+        # Where the projections skip a bucket's padding rows (the native CPU ones), a padded row costs next to
+        # nothing and splitting a decode batch to save padding never pays.
+        self.skips_padding = self.backend.skips_padding
         self.token_buckets = token_buckets(rc.prefill_batch_sizes, rc.prefill_seq_lengths, rc.max_model_len)
-        self.model = LlamaModel(config, rc.num_blocks, rc.block_size, rc.max_model_len, MS_DTYPES[rc.dtype], native)
+        self.model = LlamaModel(config, rc.num_blocks, rc.block_size, rc.max_model_len, MS_DTYPES[rc.dtype],
+                                self.backend)
         load_weights_into(self.model, weights)
         prefill = LlamaStep(self.model, is_prefill=True)
         self.graphs = {"prefill": prefill, "ragged": prefill, "decode": LlamaStep(self.model, is_prefill=False)}
@@ -131,8 +111,8 @@ class ModelRunner:
 
     @property
     def ragged_prefill(self) -> bool:
-        """Whether prefill takes the prompts back to back (``agents.ragged_prefill``): the native prefill op does."""
-        return self.kernels == "native"
+        """Whether prefill takes the prompts back to back (``agents.ragged_prefill``), as the backend says."""
+        return self.backend.ragged_prefill
 
     # ---- shapes -------------------------------------------------------------------------------------------
     def graph_shapes(self) -> list[tuple]:

@@ -28,7 +28,8 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from agents import packed_weights
-from agents.model import LlamaStep, greedy_pick
+from agents.backends.graph_ops import greedy_pick
+from agents.model import LlamaStep
 from agents.native_kernels import KernelBuildError, NativeOps, native_ops
 from agents.runner import ModelRunner, RunnerConfig
 from agents.weights import fuse_hf_tensors

@@ -1,4 +1,5 @@
-"""The native C++ decode attention (agents/native_kernels.py) against the portable graph ops and transformers."""
+"""The native CPU backend (agents/backends/native_cpu.py, agents/native_kernels.py) against the portable graph ops
+and transformers, and the choice of backend."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import pytest
 from mindspore import Tensor
 
 from agents import native_kernels
+from agents.backends import select_backend
+from agents.backends.native_cpu import NativeResidualLinear
 from agents.native_kernels import native_ops
-from agents.runner import ModelRunner, RunnerConfig, native_ops_for
+from agents.runner import ModelRunner, RunnerConfig
 from agents.weights import load_weights
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.model_config import LlamaConfig
@@ -50,7 +53,8 @@ def test_native_equals_portable_and_transformers(tmp_path, monkeypatch, heads, k
         runner.warmup()
         assert runner.kernels == kind
         # AVX-512 builds run the projections natively too; a build without it keeps MindSpore's MatMul
-        assert runner.model.layers[0].native_projections == (kind == "native" and not extra_flags)
+        native_projections = isinstance(runner.model.layers[0].residual_linear, NativeResidualLinear)
+        assert native_projections == runner.skips_padding == (kind == "native" and not extra_flags)
         # 6 prompts in a decode bucket of 8 (padding rows), contexts crossing block borders, shuffled blocks
         runs[kind] = PagedDriver(runner, seed=5).generate(prompts(config, (3, 8, 9, 17, 30, 1), seed=2), 40)
     (native_ids, native_lp), (portable_ids, portable_lp) = runs["native"], runs["portable"]
@@ -73,6 +77,10 @@ def native_runner(tmp_path_factory):
     return runner
 
 
+def backend_for(rc: RunnerConfig):
+    return select_backend(rc.kernels, rc.device_target, rc.dtype, 64)
+
+
 def decode(block: int, context: int = 5) -> StepBatch:
     return StepBatch(False, np.ones(1, np.int32), np.array([context - 1], np.int32), np.array([8], np.int32),
                      np.ones(1, np.int32), np.array([context], np.int32), np.array([[block]], np.int32))
@@ -87,7 +95,7 @@ def decode(block: int, context: int = 5) -> StepBatch:
      "slots outside the KV cache"),
 ])
 def test_out_of_range_cache_indices_are_refused_before_any_write(native_runner, batch, message):
-    cache = native_runner.model.layers[0].key_cache[0]
+    cache = native_runner.model.layers[0].attention.caches()[0]
     before = cache.asnumpy().copy()
     with pytest.raises(ValueError, match=message):
         native_runner.step(batch)
@@ -98,15 +106,18 @@ def test_out_of_range_cache_indices_are_refused_before_any_write(native_runner, 
 def test_auto_falls_back_to_portable_without_a_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-compiler")
     monkeypatch.setenv("LLM_SERVING_KERNEL_DIR", str(tmp_path))
-    assert native_ops_for(dataclasses.replace(RC, kernels="auto"), 64) is None
+    assert backend_for(dataclasses.replace(RC, kernels="auto")).kernels == "portable"
     with pytest.raises(native_kernels.KernelBuildError, match="no C\\+\\+ compiler found"):
-        native_ops_for(dataclasses.replace(RC, kernels="native"), 64)
+        backend_for(dataclasses.replace(RC, kernels="native"))
 
 
 def test_auto_is_portable_where_the_kernel_does_not_apply():
-    assert native_ops_for(dataclasses.replace(RC, dtype="float16"), 64) is None
+    assert backend_for(dataclasses.replace(RC, dtype="float16")).kernels == "portable"
     with pytest.raises(ValueError, match="native kernels run on CPU with float32 only"):
-        native_ops_for(dataclasses.replace(RC, dtype="bfloat16", kernels="native"), 64)
+        backend_for(dataclasses.replace(RC, dtype="bfloat16", kernels="native"))
+    assert backend_for(dataclasses.replace(RC, device_target="Ascend")).kernels == "portable"  # none there yet
+    with pytest.raises(ValueError, match="no native kernels for device Ascend"):
+        backend_for(dataclasses.replace(RC, device_target="Ascend", kernels="native"))
     with pytest.raises(ValueError, match="kernels 'fast' is not one of"):
         dataclasses.replace(RC, kernels="fast")
 
@@ -117,7 +128,7 @@ def test_an_unwritable_kernel_dir_is_a_build_error(monkeypatch, tmp_path):
     monkeypatch.setenv("LLM_SERVING_KERNEL_DIR", str(blocker / "kernels"))  # a directory below a regular file
     with pytest.raises(native_kernels.KernelBuildError, match="set LLM_SERVING_KERNEL_DIR"):
         native_kernels.build("greedy_pick")
-    assert native_ops_for(dataclasses.replace(RC, kernels="auto"), 64) is None  # auto falls back
+    assert backend_for(dataclasses.replace(RC, kernels="auto")).kernels == "portable"  # auto falls back
 
 
 def test_compile_errors_carry_the_compiler_output(monkeypatch, tmp_path):
@@ -195,7 +206,7 @@ def test_kernel_checks_block_tables_itself(tmp_path, block, expected):
 
 def test_ragged_prefill_padding_writes_nothing(native_runner):
     """Two prompts in a ragged call padded to 32 tokens and 8 sequences: only their own slots change."""
-    caches = [c for layer in native_runner.model.layers for c in (*layer.key_cache, *layer.value_cache)]
+    caches = [c for layer in native_runner.model.layers for c in layer.attention.caches()]
     before = [c.asnumpy().copy() for c in caches]
     lens = np.array([5, 9], np.int32)
     slots = np.concatenate([np.arange(16, 21), np.arange(40, 49)]).astype(np.int32)

@@ -1,0 +1,69 @@
+"""The projections, norms and greedy pick as MindSpore graph ops: any device and dtype.
+
+These are the ``OpsBackend`` defaults. Weights arrive in Hugging Face's ``[out, in]`` layout and every row of a
+bucket is computed (``rows`` is accepted for the common signature and not read, so the graph drops it).
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Llama's RMSNorm, in float32 as Hugging Face's ``LlamaRMSNorm``, cast back before the weight."""
+    xf = x.astype(ms.float32)
+    variance = ops.mean(xf * xf, -1, keep_dims=True)
+    return (xf * ops.rsqrt(variance + eps)).astype(x.dtype) * weight
+
+
+def greedy_pick(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Argmax token and its log-softmax value; the max logit is the chosen one, so no gather is needed."""
+    token_ids = ops.argmax(logits, -1).astype(ms.int32)
+    top = ops.max(logits, -1, keepdims=True)[0]
+    logprob = -ops.log(ops.sum(ops.exp(logits - top), -1))
+    return token_ids, logprob
+
+
+class NormLinear(nn.Cell):
+    """``(x, norm_weight, weight, rows) -> rmsnorm(x) @ W^T``."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x: Tensor, norm_weight: Tensor, weight: Tensor, rows: Tensor) -> Tensor:
+        return self.matmul(rms_norm(x, norm_weight, self.eps), weight)
+
+
+class NormSwiGlu(nn.Cell):
+    """``(x, norm_weight, [gate; up] weight, rows) -> silu(gate) * up`` with the gate and up halves fused."""
+
+    def __init__(self, ffn_dim: int, eps: float) -> None:
+        super().__init__()
+        self.ffn = ffn_dim
+        self.eps = eps
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x: Tensor, norm_weight: Tensor, weight: Tensor, rows: Tensor) -> Tensor:
+        gate_up = self.matmul(rms_norm(x, norm_weight, self.eps), weight)
+        return ops.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn:]
+
+
+class ResidualLinear(nn.Cell):
+    """``(x, weight, residual, rows) -> residual + x @ W^T``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x: Tensor, weight: Tensor, residual: Tensor, rows: Tensor) -> Tensor:
+        return residual + self.matmul(x, weight)
+
+
+class GreedyPick(nn.Cell):
+    """``greedy_pick`` as a cell."""
+
+    def construct(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        return greedy_pick(logits)

@@ -1,0 +1,118 @@
+"""The native CPU backend (float32): our C++ ops (``agents.native_kernels``) as MindSpore AOT Custom ops.
+
+Attention is one op per layer and step that ropes, writes the cache in place and attends without copying the
+context; it reads the portable backend's cache layout (one 2-D Parameter per kv head). Prefill takes the prompts
+back to back (``agents.ragged_prefill``). Where the projection kernel is vectorized (AVX-512 builds), the
+projections are native too, fused with the norms, SwiGLU and residual adds, with weights in the panel layout of
+``agents.packed_weights`` and a bucket's padding rows skipped; elsewhere MindSpore's MatMul stays (our plain-loop
+kernel is slower than it), see docs/model.md.
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from agents.backends.base import Attention, OpsBackend
+from agents.backends.portable import kv_head_caches
+from agents.native_kernels import NativeOps, native_ops
+from llm_serving.protocol.model_config import LlamaConfig
+
+
+class NativeAttention(Attention):
+    """The native prefill (ragged) and decode attention ops over per-kv-head caches."""
+
+    def __init__(self, native: NativeOps, config: LlamaConfig, num_blocks: int, block_size: int,
+                 dtype: ms.Type) -> None:
+        super().__init__()
+        self.prefill_op = native.prefill
+        self.decode_op = native.decode
+        self.key_cache, self.value_cache = kv_head_caches(config.num_key_value_heads, num_blocks * block_size,
+                                                          config.head_dim, dtype)
+        self.block_offsets = Tensor(np.arange(block_size, dtype=np.int32))
+
+    def caches(self) -> tuple[Parameter, ...]:
+        return (*self.key_cache, *self.value_cache)
+
+    def construct(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
+                  block_tables: Tensor, is_prefill: bool) -> Tensor:
+        if is_prefill:
+            return self.prefill_op(qkv, cos, sin, slot_mapping, lens, *self.key_cache, *self.value_cache)
+        return self.decode_op(qkv, cos, sin, slot_mapping, block_tables, lens, self.block_offsets,
+                              *self.key_cache, *self.value_cache)
+
+
+class NativeNormOp(nn.Cell):
+    """A fused native ``(x, norm_weight, eps, packed w, rows)`` op with its ``eps`` held here."""
+
+    def __init__(self, op: ops.Custom, eps: float) -> None:
+        super().__init__()
+        self.op = op
+        self.eps = Tensor(np.array([eps], np.float32))
+
+    def construct(self, x: Tensor, norm_weight: Tensor, weight: Tensor, rows: Tensor) -> Tensor:
+        return self.op(x, norm_weight, self.eps, weight, rows)
+
+
+class NativeResidualLinear(nn.Cell):
+    """The native ``(x, packed w, residual, rows) -> residual + x @ W^T`` op."""
+
+    def __init__(self, op: ops.Custom) -> None:
+        super().__init__()
+        self.op = op
+
+    def construct(self, x: Tensor, weight: Tensor, residual: Tensor, rows: Tensor) -> Tensor:
+        return self.op(x, weight, residual, rows)
+
+
+class NativeGreedy(nn.Cell):
+    """The native greedy pick: ``logits -> (token ids, log-probabilities)``."""
+
+    def __init__(self, op: ops.Custom) -> None:
+        super().__init__()
+        self.op = op
+
+    def construct(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        return self.op(logits)
+
+
+class NativeCpuBackend(OpsBackend):
+    """Native attention and greedy pick; native projections where ``native.projections`` (AVX-512)."""
+
+    name = "native_cpu"
+    kernels = "native"
+    ragged_prefill = True
+
+    def __init__(self, native: NativeOps) -> None:
+        self.native = native
+        self.panel_weights = self.skips_padding = native.projections
+
+    def attention(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type) -> Attention:
+        return NativeAttention(self.native, config, num_blocks, block_size, dtype)
+
+    def norm_linear(self, out_dim: int, eps: float) -> nn.Cell:
+        if not self.native.projections:
+            return super().norm_linear(out_dim, eps)
+        return NativeNormOp(self.native.norm_linear(out_dim), eps)
+
+    def norm_swiglu(self, ffn_dim: int, eps: float) -> nn.Cell:
+        if not self.native.projections:
+            return super().norm_swiglu(ffn_dim, eps)
+        return NativeNormOp(self.native.norm_swiglu(ffn_dim), eps)
+
+    def residual_linear(self) -> nn.Cell:
+        if not self.native.projections:
+            return super().residual_linear()
+        return NativeResidualLinear(self.native.residual_linear())
+
+    def greedy(self) -> nn.Cell:
+        return NativeGreedy(self.native.greedy)
+
+
+def create(dtype: str, hidden_size: int) -> NativeCpuBackend:
+    """The backend with its kernels built (or reused from the cache); ``KernelBuildError`` when they cannot be,
+    ``ValueError`` for a dtype the kernels do not handle."""
+    if dtype != "float32":
+        raise ValueError(f"native kernels run on CPU with float32 only (got CPU, {dtype}); use auto or portable")
+    return NativeCpuBackend(native_ops(hidden_size))
