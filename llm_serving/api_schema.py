@@ -6,6 +6,10 @@ Two dialects are accepted:
   them) send booleans and numbers as strings ("True", "0.8"), so this dialect accepts those;
 - the OpenAI completions body (``/v1/completions``), parsed strictly as OpenAI documents it.
 
+Parsing checks the JSON: shapes, types and each dialect's own ranges. The values of the engine's parameters
+(max_new_tokens >= 1, stop strings) are checked once, by ``SamplingParams``, and the limits of the served
+configuration once, when the engine admits the request (``admission``); their ``InvalidParameter`` errors
+become a 400 under the dialect's name of the field (``parameter_error``: ``max_tokens`` on the OpenAI route).
 Every problem becomes an ``ApiError`` carrying the HTTP status and a message that names the parameter, so
 the server answers ``{"error": ..., "error_type": ...}`` instead of failing deep in the engine. Unknown keys
 are errors too: a misspelt ``max_new_token`` silently ignored would be a wrong answer, not a served one.
@@ -22,13 +26,10 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from llm_serving.config import ServingConfig
-from llm_serving.sequence import SamplingParams
+from llm_serving.sequence import InvalidParameter, SamplingParams
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 256
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 MAX_TOP_K = 2**31 - 1  # larger is the same as 0 (no limit), but does not fit the int32 step arrays
 HF_DEFAULT_TEMPERATURE = 1.0  # do_sample=true without a positive temperature
@@ -49,37 +50,10 @@ def invalid(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request", param)
 
 
-@dataclass(frozen=True)
-class Limits:
-    """What the served configuration allows one request."""
-
-    max_new_tokens: int  # model_config.max_generate_length
-    max_prompt_len: int  # longest prefill bucket (model_config.seq_length)
-    max_model_len: int  # prompt + generated tokens (pa_config.decode_seq_length)
-
-    @classmethod
-    def from_config(cls, config: ServingConfig) -> Limits:
-        return cls(config.model_config.max_generate_length, config.max_prompt_len, config.max_model_len)
-
-    def new_token_budget(self, prompt_len: int, requested: int | None) -> int:
-        """Tokens to generate for a prompt of ``prompt_len`` tokens.
-
-        A request is bounded by the context left after its prompt: ``requested`` beyond that is clipped (the
-        answer then ends with finish_reason "length"), as the config documents; None asks for all of it, up
-        to ``max_new_tokens``.
-        """
-        if prompt_len < 1:
-            raise invalid("the prompt is empty", "inputs")
-        if prompt_len > self.max_prompt_len:
-            raise ApiError(400, f"the prompt has {prompt_len} tokens, more than the {self.max_prompt_len} "
-                                "this server accepts (model_config.seq_length)", "prompt_too_long", "inputs")
-        room = self.max_model_len - prompt_len
-        if room < 1:
-            raise ApiError(400, f"the prompt has {prompt_len} tokens and leaves no room to generate within "
-                                f"the context of {self.max_model_len} tokens (pa_config.decode_seq_length)",
-                           "prompt_too_long", "inputs")
-        want = self.max_new_tokens if requested is None else requested
-        return min(want, room)
+def parameter_error(exc: InvalidParameter, field_names: Mapping[str, str]) -> ApiError:
+    """An engine parameter error as a 400 naming the field as the dialect calls it (``field_names``)."""
+    name = field_names.get(exc.field, exc.field)
+    return ApiError(400, exc.message_for(name), exc.error_type, name)
 
 
 @dataclass(frozen=True)
@@ -98,26 +72,31 @@ class SamplingOptions:
         """Whether tokens are drawn at random (else greedy argmax, possibly with a repetition penalty)."""
         return self.do_sample
 
-    def to_params(self, max_new_tokens: int, ignore_eos: bool = False) -> SamplingParams:
-        """The engine's parameters; a value SamplingParams refuses becomes a 400 naming it."""
+    def to_params(self, max_new_tokens: int, ignore_eos: bool = False, stop: tuple[str, ...] = (),
+                  field_names: Mapping[str, str] | None = None) -> SamplingParams:
+        """The engine's parameters; a value SamplingParams refuses becomes a 400 naming the field as
+        ``field_names`` (the dialect) calls it."""
         penalty = 1.0 if self.repetition_penalty is None else self.repetition_penalty
         try:
-            if not self.do_sample:
-                return SamplingParams(max_new_tokens, ignore_eos, repetition_penalty=penalty, seed=self.seed)
+            if not self.wants_sampling:
+                return SamplingParams(max_new_tokens, ignore_eos, repetition_penalty=penalty, seed=self.seed,
+                                      stop=stop)
             temperature = self.temperature if self.temperature else HF_DEFAULT_TEMPERATURE
             return SamplingParams(max_new_tokens, ignore_eos, temperature=temperature, top_k=self.top_k or 0,
                                   top_p=1.0 if self.top_p is None else self.top_p, repetition_penalty=penalty,
-                                  seed=self.seed)
-        except (TypeError, ValueError) as exc:  # ranges are checked while parsing; this is a safety net
-            raise invalid(str(exc), str(exc).split()[0]) from None
+                                  seed=self.seed, stop=stop)
+        except InvalidParameter as exc:
+            raise parameter_error(exc, field_names or {}) from None
 
 
 @dataclass(frozen=True)
 class GenerateRequest:
     """An llm-serving ``generate``/``generate_stream`` body."""
 
+    FIELD_NAMES: ClassVar[Mapping[str, str]] = {"prompt": "inputs"}  # engine field -> this body's name
+
     inputs: str
-    max_new_tokens: int | None  # None: as many as the context allows, up to Limits.max_new_tokens
+    max_new_tokens: int | None  # None: as many as the context allows, up to model_config.max_generate_length
     sampling: SamplingOptions
     stop: tuple[str, ...] = ()
     return_full_text: bool = False
@@ -129,6 +108,8 @@ class GenerateRequest:
 @dataclass(frozen=True)
 class CompletionRequest:
     """An OpenAI ``/v1/completions`` body; ``prompts`` holds one entry per choice."""
+
+    FIELD_NAMES: ClassVar[Mapping[str, str]] = {"max_new_tokens": "max_tokens"}  # engine field -> OpenAI's
 
     model: str | None
     prompts: tuple[str | tuple[int, ...], ...]
@@ -167,7 +148,7 @@ _TGI_NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
-def parse_generate(body: Any, limits: Limits, stream: bool | None = None) -> GenerateRequest:
+def parse_generate(body: Any, stream: bool | None = None) -> GenerateRequest:
     """Validate an llm-serving body. ``stream`` forces streaming (the generate_stream route)."""
     body = _object(body, "the request body")
     _no_unknown(body, _GENERATE_TOP, "the request body")
@@ -188,8 +169,7 @@ def parse_generate(body: Any, limits: Limits, stream: bool | None = None) -> Gen
     p = _Reader(params, "parameters.", lenient=True)
     b = _Reader(body, "", lenient=True)
     stream_flag = b.bool("stream", False)  # validated even where the route decides
-    max_new = p.int("max_new_tokens", lo=1, hi=limits.max_new_tokens,
-                    hi_text="model_config.max_generate_length")
+    max_new = p.int("max_new_tokens")  # its value is the engine's to check (SamplingParams, admission)
     sampling = SamplingOptions(
         do_sample=p.bool("do_sample", False), temperature=p.float("temperature", lo=0.0),
         top_k=p.int("top_k", lo=0, hi=MAX_TOP_K), top_p=p.float("top_p", lo=0.0, lo_open=True, hi=1.0),
@@ -208,14 +188,14 @@ _COMPLETION_KEYS = ("model", "prompt", "max_tokens", "temperature", "top_p", "n"
                     "logit_bias", "user", "seed", "suffix", "top_k", "repetition_penalty", "ignore_eos")
 
 
-def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
+def parse_completion(body: Any) -> CompletionRequest:
     """Validate an OpenAI completions body (strict JSON types; vLLM's top_k/repetition_penalty/ignore_eos too)."""
     body = _object(body, "the request body")
     _no_unknown(body, _COMPLETION_KEYS, "the request body")
     r = _Reader(body, "", lenient=False)
     model = r.str("model")
     prompts = _prompts(body.get("prompt"))
-    max_tokens = r.int("max_tokens", lo=1, hi=limits.max_new_tokens, hi_text="model_config.max_generate_length")
+    max_tokens = r.int("max_tokens")  # its value is the engine's to check (SamplingParams, admission)
     temperature = r.float("temperature", lo=0.0, hi=2.0)
     temperature = 1.0 if temperature is None else temperature  # OpenAI's default: sampling
     sampling = SamplingOptions(
@@ -258,7 +238,8 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
         if not stream:
             raise invalid("stream_options is only allowed with stream=true", "stream_options")
     return CompletionRequest(
-        model=model, prompts=prompts, max_tokens=max_tokens or OPENAI_DEFAULT_MAX_TOKENS, sampling=sampling,
+        model=model, prompts=prompts, sampling=sampling,
+        max_tokens=OPENAI_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
         stop=r.stop("stop"), stream=stream, include_usage=include_usage, echo=echo, logprobs=logprobs,
         ignore_eos=r.bool("ignore_eos", False),
     )
@@ -285,10 +266,10 @@ def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
             if not item:
                 raise invalid(f"{where} is empty", "prompt")
             out.append(item)
-        elif isinstance(item, list) and item and all(_is_int(t) and t >= 0 for t in item):
-            out.append(tuple(item))
+        elif isinstance(item, list) and item and all(_is_int(t) for t in item):
+            out.append(tuple(item))  # the ids' range is checked at admission
         else:
-            raise invalid(f"{where} must be a non-empty string or a non-empty list of token ids (ints >= 0), "
+            raise invalid(f"{where} must be a non-empty string or a non-empty list of token ids (ints), "
                           f"got {_kind(item)}", "prompt")
     return tuple(out)
 
@@ -319,7 +300,7 @@ class _Reader:
             raise invalid(f"{self.prefix}{key} must be a string, got {_kind(v)}", key)
         return v
 
-    def int(self, key: str, lo: int | None = None, hi: int | None = None, hi_text: str = "") -> int | None:
+    def int(self, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
         v = self._get(key)
         if v is None:
             return None
@@ -333,8 +314,7 @@ class _Reader:
         if lo is not None and v < lo:
             raise invalid(f"{self.prefix}{key} must be >= {lo}, got {v}", key)
         if hi is not None and v > hi:
-            limit = f" ({hi_text})" if hi_text else ""
-            raise invalid(f"{self.prefix}{key} must be <= {hi}{limit}, got {v}", key)
+            raise invalid(f"{self.prefix}{key} must be <= {hi}, got {v}", key)
         if v >= 2**63:
             raise invalid(f"{self.prefix}{key} is too large: {v}", key)
         return v
@@ -359,19 +339,14 @@ class _Reader:
         return v
 
     def stop(self, key: str) -> tuple[str, ...]:
+        """Stop strings as sent; their number and lengths are SamplingParams' to check."""
         v = self._get(key)
         if v is None:
             return ()
         items = [v] if isinstance(v, str) else v
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
             raise invalid(f"{self.prefix}{key} must be a string or a list of strings, got {_kind(v)}", key)
-        if len(items) > MAX_STOP_STRINGS:
-            raise invalid(f"{self.prefix}{key} has {len(items)} strings; at most {MAX_STOP_STRINGS}", key)
-        for s in items:
-            if not s or len(s) > MAX_STOP_LENGTH:
-                raise invalid(f"{self.prefix}{key}: every stop string must have 1..{MAX_STOP_LENGTH} "
-                              f"characters, got {s!r}", key)
-        return tuple(dict.fromkeys(items))
+        return tuple(items)
 
 
 def _object(value: Any, what: str) -> Mapping[str, Any]:

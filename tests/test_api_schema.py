@@ -1,4 +1,5 @@
-"""Request parsing/validation (api_schema), stop strings and the metrics text format, without a server."""
+"""Request parsing/validation (api_schema), the admission check, stop strings and the metrics text format,
+without a server."""
 
 from __future__ import annotations
 
@@ -6,19 +7,25 @@ import random
 
 import pytest
 
+from llm_serving.admission import AdmissionError, RequestLimits
 from llm_serving.api_schema import (
     ApiError,
-    Limits,
+    CompletionRequest,
+    GenerateRequest,
+    parameter_error,
     parse_completion,
     parse_generate,
     parse_json,
 )
 from llm_serving.config import ServingConfig
 from llm_serving.metrics import ServerMetrics
-from llm_serving.sequence import SamplingParams
-from llm_serving.stop_strings import StopMatcher
+from llm_serving.openai_routes import OPENAI_FINISH
+from llm_serving.scheduler import RequestRejected
+from llm_serving.sequence import FINISH_REASONS, InvalidParameter, SamplingParams
+from llm_serving.stop_strings import StopMatcher, cut_at_stop
+from llm_serving.tgi_routes import TGI_FINISH
 
-LIMITS = Limits(max_new_tokens=100, max_prompt_len=64, max_model_len=128)
+LIMITS = RequestLimits(max_new_tokens=100, max_prompt_len=64, max_model_len=128, vocab_size=1000)
 
 
 def error_of(fn, *args, **kwargs) -> ApiError:
@@ -32,14 +39,14 @@ def test_generate_body_with_string_booleans_and_numbers():
     req = parse_generate({"inputs": "hi", "stream": "True", "parameters": {
         "max_new_tokens": "7", "do_sample": "False", "top_k": "1", "top_p": "0.8", "temperature": 0.7,
         "return_full_text": "True", "details": "false", "seed": 3, "stop": "\n", "repetition_penalty": 1.0}},
-        LIMITS)
+)
     assert (req.inputs, req.max_new_tokens, req.stream, req.return_full_text, req.details) == ("hi", 7, True,
                                                                                                True, False)
     assert req.stop == ("\n",) and req.sampling.top_p == 0.8 and req.sampling.seed == 3
     assert not req.sampling.wants_sampling
-    assert parse_generate({"inputs": "x"}, LIMITS).max_new_tokens is None
-    assert parse_generate({"inputs": "x", "stream": False}, LIMITS, stream=True).stream  # the route decides
-    assert parse_generate({"inputs": "x", "sse": True}, LIMITS).sse
+    assert parse_generate({"inputs": "x"}).max_new_tokens is None
+    assert parse_generate({"inputs": "x", "stream": False}, stream=True).stream  # the route decides
+    assert parse_generate({"inputs": "x", "sse": True}).sse
 
 
 @pytest.mark.parametrize("body, param, status", [
@@ -48,9 +55,6 @@ def test_generate_body_with_string_booleans_and_numbers():
     ({"inputs": 5}, "inputs", 400),
     ({"inputs": ""}, "inputs", 400),
     ({"inputs": "x", "parameters": []}, None, 400),
-    ({"inputs": "x", "parameters": {"max_new_tokens": -1}}, "max_new_tokens", 400),
-    ({"inputs": "x", "parameters": {"max_new_tokens": 0}}, "max_new_tokens", 400),
-    ({"inputs": "x", "parameters": {"max_new_tokens": 10**9}}, "max_new_tokens", 400),
     ({"inputs": "x", "parameters": {"max_new_tokens": "many"}}, "max_new_tokens", 400),
     ({"inputs": "x", "parameters": {"max_new_tokens": 1.5}}, "max_new_tokens", 400),
     ({"inputs": "x", "parameters": {"do_sample": "yes"}}, "do_sample", 400),
@@ -64,14 +68,13 @@ def test_generate_body_with_string_booleans_and_numbers():
     ({"inputs": "x", "parameters": {"seed": -1}}, "seed", 400),
     ({"inputs": "x", "parameters": {"repetition_penalty": 0}}, "repetition_penalty", 400),
     ({"inputs": "x", "parameters": {"stop": [1]}}, "stop", 400),
-    ({"inputs": "x", "parameters": {"stop": [""]}}, "stop", 400),
     ({"inputs": "x", "parameters": {"max_new_token": 5}}, "max_new_token", 400),
     ({"inputs": "x", "prompt": "y"}, "prompt", 400),
     ({"inputs": "x", "stream": "maybe"}, "stream", 400),
     ({"inputs": "x", "parameters": {"watermark": True}}, "watermark", 422),
 ])
 def test_generate_body_errors_name_the_parameter(body, param, status):
-    err = error_of(parse_generate, body, LIMITS)
+    err = error_of(parse_generate, body)
     assert err.status == status and err.param == param
     if param:
         assert param in err.message
@@ -80,7 +83,40 @@ def test_generate_body_errors_name_the_parameter(body, param, status):
 
 
 def generate_params(parameters: dict, max_new: int = 9) -> SamplingParams:
-    return parse_generate({"inputs": "x", "parameters": parameters}, LIMITS).sampling.to_params(max_new)
+    return parse_generate({"inputs": "x", "parameters": parameters}).sampling.to_params(max_new)
+
+
+def engine_checked(body: dict, completion: bool = False, prompt_len: int = 10) -> SamplingParams:
+    """A body's engine parameters through the engine's checks (SamplingParams' values, then the admission
+    check with the HTTP routes' clip), refusals named as the route does (``Server.start_generation``)."""
+    req = parse_completion(body) if completion else parse_generate(body)
+    if completion:
+        params = req.sampling.to_params(req.max_tokens, req.ignore_eos, req.stop, req.FIELD_NAMES)
+    else:
+        max_new = LIMITS.max_new_tokens if req.max_new_tokens is None else req.max_new_tokens
+        params = req.sampling.to_params(max_new, stop=req.stop, field_names=req.FIELD_NAMES)
+    try:
+        return LIMITS.admit([1] * prompt_len, params, clip_to_context=True)
+    except InvalidParameter as exc:
+        raise parameter_error(exc, req.FIELD_NAMES) from None
+
+
+@pytest.mark.parametrize("body, completion, param, in_message", [
+    ({"inputs": "x", "parameters": {"max_new_tokens": -1}}, False, "max_new_tokens", "must be >= 1, got -1"),
+    ({"inputs": "x", "parameters": {"max_new_tokens": 0}}, False, "max_new_tokens", "must be >= 1, got 0"),
+    ({"inputs": "x", "parameters": {"max_new_tokens": 10**9}}, False, "max_new_tokens",
+     "1000000000 exceeds model_config.max_generate_length 100"),
+    ({"inputs": "x", "parameters": {"stop": [""]}}, False, "stop", "every stop string must have 1..256"),
+    ({"inputs": "x", "parameters": {"stop": ["s"] * 17}}, False, "stop", "has 17 strings; at most 16"),
+    ({"prompt": "x", "temperature": 0, "max_tokens": 0}, True, "max_tokens", "max_tokens must be >= 1, got 0"),
+    ({"prompt": "x", "temperature": 0, "max_tokens": 101}, True, "max_tokens",
+     "max_tokens 101 exceeds model_config.max_generate_length 100"),
+    ({"prompt": "x", "temperature": 0, "stop": "s" * 257}, True, "stop", "every stop string must have 1..256"),
+])
+def test_engine_checked_values_are_refused_under_the_dialects_name(body, completion, param, in_message):
+    err = error_of(engine_checked, body, completion)
+    assert (err.status, err.param, err.error_type) == (400, param, "invalid_request")
+    assert in_message in err.message and param in err.message
 
 
 @pytest.mark.parametrize("parameters, expected", [
@@ -99,7 +135,7 @@ def test_generate_sampling_maps_to_engine_params(parameters, expected):
     params = generate_params(parameters)
     assert params == expected
     assert params.needs_logits == (expected.temperature > 0 or expected.repetition_penalty != 1.0)
-    assert parse_generate({"inputs": "x", "parameters": parameters}, LIMITS).sampling.wants_sampling == (
+    assert parse_generate({"inputs": "x", "parameters": parameters}).sampling.wants_sampling == (
         expected.temperature > 0)
 
 
@@ -114,12 +150,12 @@ def test_parse_json_errors():
 def test_completion_body():
     req = parse_completion({"model": "m", "prompt": "hi", "temperature": 0, "max_tokens": 5, "stream": True,
                             "stream_options": {"include_usage": True}, "stop": ["a", "b"], "logprobs": 1,
-                            "ignore_eos": True, "n": 1, "presence_penalty": 0}, LIMITS)
+                            "ignore_eos": True, "n": 1, "presence_penalty": 0})
     assert (req.model, req.prompts, req.max_tokens, req.stream, req.include_usage) == ("m", ("hi",), 5, True, True)
     assert req.stop == ("a", "b") and req.logprobs == 1 and req.ignore_eos
-    assert parse_completion({"prompt": [1, 2, 3], "temperature": 0}, LIMITS).prompts == ((1, 2, 3),)
-    assert parse_completion({"prompt": ["a", [5]], "temperature": 0}, LIMITS).prompts == ("a", (5,))
-    assert parse_completion({"prompt": "a", "temperature": 0}, LIMITS).max_tokens == 16  # OpenAI's default
+    assert parse_completion({"prompt": [1, 2, 3], "temperature": 0}).prompts == ((1, 2, 3),)
+    assert parse_completion({"prompt": ["a", [5]], "temperature": 0}).prompts == ("a", (5,))
+    assert parse_completion({"prompt": "a", "temperature": 0}).max_tokens == 16  # OpenAI's default
 
 
 @pytest.mark.parametrize("body, expected", [
@@ -132,7 +168,7 @@ def test_completion_body():
     ({"temperature": 0, "repetition_penalty": 0.8}, SamplingParams(5, repetition_penalty=0.8)),
 ])
 def test_completion_sampling_maps_to_engine_params(body, expected):
-    req = parse_completion({"prompt": "x", "max_tokens": 5, **body}, LIMITS)
+    req = parse_completion({"prompt": "x", "max_tokens": 5, **body})
     assert req.sampling.to_params(req.max_tokens, req.ignore_eos) == expected
 
 
@@ -151,8 +187,7 @@ def test_completion_sampling_maps_to_engine_params(body, expected):
     ({"prompt": "", "temperature": 0}, "prompt", 400),
     ({"prompt": [], "temperature": 0}, "prompt", 400),
     ({"prompt": [[1], "x", 3], "temperature": 0}, "prompt", 400),
-    ({"prompt": "x", "temperature": 0, "max_tokens": 0}, "max_tokens", 400),
-    ({"prompt": "x", "temperature": 0, "max_tokens": 101}, "max_tokens", 400),
+    ({"prompt": "x", "temperature": 0, "max_tokens": "5"}, "max_tokens", 400),
     ({"prompt": "x", "temperature": 0, "n": 2}, "n", 422),
     ({"prompt": "x", "temperature": 0, "logprobs": 3}, "logprobs", 422),
     ({"prompt": "x", "temperature": 0, "frequency_penalty": 0.5}, "frequency_penalty", 422),
@@ -160,22 +195,37 @@ def test_completion_sampling_maps_to_engine_params(body, expected):
     ({"prompt": "x", "temperature": 0, "bogus": 1}, "bogus", 400),
 ])
 def test_completion_body_errors(body, param, status):
-    err = error_of(parse_completion, body, LIMITS)
+    err = error_of(parse_completion, body)
     assert err.status == status and err.param == param
 
 
-# ---- limits ------------------------------------------------------------------------------------------------------
-def test_new_token_budget_clips_to_the_context_and_refuses_long_prompts():
-    assert LIMITS.new_token_budget(10, None) == 100
-    assert LIMITS.new_token_budget(10, 5) == 5
-    assert LIMITS.new_token_budget(60, 100) == 68  # clipped: 60 + 68 = max_model_len
-    for n in (65, 0):
-        assert error_of(LIMITS.new_token_budget, n, 5).status == 400
-    assert error_of(LIMITS.new_token_budget, 65, 5).error_type == "prompt_too_long"
+# ---- the admission check ----------------------------------------------------------------------------------------
+def test_admission_clips_to_the_context_only_when_asked_and_refuses_long_prompts():
+    params = SamplingParams(5)
+    assert LIMITS.admit([1] * 10, params) is params
+    assert LIMITS.admit([1] * 10, SamplingParams(100), clip_to_context=True).max_new_tokens == 100
+    clipped = LIMITS.admit([1] * 60, SamplingParams(100, stop="x"), clip_to_context=True)
+    assert clipped == SamplingParams(68, stop="x")  # clipped: 60 + 68 = max_model_len
+    with pytest.raises(RequestRejected, match=r"prompt \(60 tokens\) \+ max_new_tokens \(100\) = 160 exceeds "
+                                              "max_model_len 128"):
+        LIMITS.admit([1] * 60, SamplingParams(100))  # offline: refused, not clipped
+    for n, kind in ((65, "prompt_too_long"), (0, "invalid_request")):
+        with pytest.raises(AdmissionError) as info:
+            LIMITS.admit([1] * n, params, clip_to_context=True)
+        assert (info.value.field, info.value.error_type) == ("prompt", kind)
+        err = parameter_error(info.value, GenerateRequest.FIELD_NAMES)
+        assert (err.status, err.error_type, err.param) == (400, kind, "inputs") and "inputs" in err.message
+    with pytest.raises(AdmissionError, match=r"prompt token ids \[1000, -1\] are outside the vocabulary 0..999"):
+        LIMITS.admit([1, 1000, -1], params)
     cfg = ServingConfig()
-    limits = Limits.from_config(cfg)
+    limits = RequestLimits.from_config(cfg, 1000)
     assert (limits.max_new_tokens, limits.max_prompt_len, limits.max_model_len) == (
         cfg.model_config.max_generate_length, cfg.model_config.seq_length[-1], cfg.pa_config.decode_seq_length)
+    assert CompletionRequest.FIELD_NAMES["max_new_tokens"] == "max_tokens"
+
+
+def test_finish_reasons_have_a_name_in_each_api():
+    assert set(TGI_FINISH) == set(OPENAI_FINISH) == set(FINISH_REASONS)
 
 
 # ---- stop strings -----------------------------------------------------------------------------------------------
@@ -218,31 +268,56 @@ def test_stop_matcher_matches_a_reference_on_random_splits():
             assert expected.startswith(released)
 
 
+def test_cut_at_stop_cuts_where_the_matcher_stops():
+    assert cut_at_stop("a b\n\nUser: x", ("\n\nUser", "zz")) == "a b"
+    assert cut_at_stop("a b\n", ("\n\nUser",)) == "a b\n"
+
+
 # ---- metrics --------------------------------------------------------------------------------------------------
+def scrape(m: ServerMetrics) -> tuple[str, dict[str, float]]:
+    """The exposition text and its samples (``name{labels}`` -> value); every sample line is name value."""
+    text = m.render().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value.replace("+Inf", "inf"))
+            assert name.split("{")[0].replace("_", "").isalnum()
+    return text, samples
+
+
 def test_metrics_text_format():
-    m = ServerMetrics()
-    m.requests.inc("success", 2)
-    m.requests.inc("rejected")
+    stats = {"num_waiting": 3, "num_running": 5, "kv_blocks_used": 7, "kv_blocks_free": 9, "ready": True,
+             "new key!": 1.5, "note": "not a number"}
+    m = ServerMetrics(lambda: stats, lambda: 4)
+    m.requests.labels("success").inc(2)
+    m.requests.labels("rejected").inc()
     m.ttft.observe(0.03)
     m.ttft.observe(100.0)
-    text = m.render({"num_waiting": 3, "num_running": 5, "kv_blocks_used": 7, "kv_blocks_free": 9, "ready": True,
-                     "new key!": 1.5, "note": "not a number"})
-    lines = text.splitlines()
-    assert 'llm_serving_requests_total{outcome="success"} 2' in lines
-    assert 'llm_serving_requests_total{outcome="rejected"} 1' in lines
-    assert 'llm_serving_requests_total{outcome="aborted"} 0' in lines
-    assert 'llm_serving_time_to_first_token_seconds_bucket{le="0.025"} 0' in lines
-    assert 'llm_serving_time_to_first_token_seconds_bucket{le="0.05"} 1' in lines
-    assert 'llm_serving_time_to_first_token_seconds_bucket{le="60.0"} 1' in lines
-    assert 'llm_serving_time_to_first_token_seconds_bucket{le="+Inf"} 2' in lines
-    assert "llm_serving_time_to_first_token_seconds_count 2" in lines
-    for line in ("llm_serving_queue_length 3", "llm_serving_running_batch_size 5", "llm_serving_kv_blocks_used 7",
-                 "llm_serving_kv_blocks_free 9", "llm_serving_engine_ready 1", "llm_serving_engine_new_key_ 1.5",
-                 "# TYPE llm_serving_running_batch_size gauge"):
-        assert line in lines
+    text, samples = scrape(m)
+    expected = {
+        'llm_serving_requests_total{outcome="success"}': 2, 'llm_serving_requests_total{outcome="rejected"}': 1,
+        'llm_serving_requests_total{outcome="aborted"}': 0,
+        'llm_serving_time_to_first_token_seconds_bucket{le="0.025"}': 0,
+        'llm_serving_time_to_first_token_seconds_bucket{le="0.05"}': 1,
+        'llm_serving_time_to_first_token_seconds_bucket{le="60.0"}': 1,
+        'llm_serving_time_to_first_token_seconds_bucket{le="+Inf"}': 2,
+        "llm_serving_time_to_first_token_seconds_count": 2, "llm_serving_queue_length": 3,
+        "llm_serving_running_batch_size": 5, "llm_serving_kv_blocks_used": 7, "llm_serving_kv_blocks_free": 9,
+        "llm_serving_engine_ready": 1, "llm_serving_engine_new_key_": 1.5, "llm_serving_requests_in_flight": 4,
+    }
+    expected.update({f'llm_serving_request_finish_total{{reason="{r}"}}': 0 for r in FINISH_REASONS})
+    assert {name: samples.get(name) for name in expected} == expected
+    assert "# TYPE llm_serving_running_batch_size gauge" in text.splitlines()
     assert "note" not in text
-    for line in lines:  # every sample line: name{labels} value
-        if not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            float(value.replace("+Inf", "inf"))
-            assert name.split("{")[0].replace("_", "").isalnum()
+
+
+def test_metrics_of_two_servers_in_one_process_are_separate():
+    a, b = ServerMetrics(), ServerMetrics(lambda: {"steps": 4})
+    a.requests.labels("success").inc()
+    a.prompt_tokens.inc(12)
+    _, sa = scrape(a)
+    _, sb = scrape(b)
+    assert sa['llm_serving_requests_total{outcome="success"}'] == 1 and sa["llm_serving_prompt_tokens_total"] == 12
+    assert sb['llm_serving_requests_total{outcome="success"}'] == 0 and sb["llm_serving_prompt_tokens_total"] == 0
+    assert sb["llm_serving_engine_steps_total"] == 4 and "llm_serving_engine_steps_total" not in sa

@@ -319,7 +319,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, status, error_type)
     ("/v1/completions", {"prompt": "x", "temperature": 0, "model": "nope"}, 404, "model_not_found"),
     ("/v2/nothing", {}, 404, "not_found"),
 ]
-SAMPLING_BAD = [  # (path, body, the field the 400 message must name)
+NAMED_FIELD_BAD = [  # (path, body, the field the 400 message must name): sampling values, engine limits
     ("/models/llama2/generate", {"inputs": "x", "parameters": {"do_sample": "True", "temperature": -1}},
      "temperature"),
     ("/models/llama2/generate", {"inputs": "x", "parameters": {"do_sample": True, "top_p": 1.5}}, "top_p"),
@@ -329,8 +329,14 @@ SAMPLING_BAD = [  # (path, body, the field the 400 message must name)
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "x", "top_k": -2}, "top_k"),
     ("/v1/completions", {"prompt": "x", "repetition_penalty": -1}, "repetition_penalty"),
+    ("/models/llama2/generate", {"inputs": "x", "parameters": {"max_new_tokens": 0}}, "max_new_tokens"),
+    ("/models/llama2/generate", {"inputs": "x", "parameters": {"max_new_tokens": 10**6}}, "max_new_tokens"),
+    ("/models/llama2/generate_stream", {"inputs": "x", "parameters": {"stop": ["a", ""]}}, "stop"),
+    ("/v1/completions", {"prompt": "x", "temperature": 0, "max_tokens": 10**6}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": 0, "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": [5, -1], "temperature": 0}, "prompt"),
 ]
-BAD_REQUESTS += [(path, body, 400, "invalid_request") for path, body, _ in SAMPLING_BAD]
+BAD_REQUESTS += [(path, body, 400, "invalid_request") for path, body, _ in NAMED_FIELD_BAD]
 
 
 def test_bad_inputs_get_json_4xx_and_leave_the_server_serving(fast):
@@ -342,13 +348,13 @@ def test_bad_inputs_get_json_4xx_and_leave_the_server_serving(fast):
             assert (got, res.get("error_type")) == (status, kind), (path, str(body)[:80], res)
             message = res["error"]["message"] if path.startswith("/v1/") else res["error"]
             assert isinstance(message, str) and message
-        for path, body, field in SAMPLING_BAD:
+        for path, body, field in NAMED_FIELD_BAD:
             _, res, _ = await post(fast.url + path, body)
             assert field in (res["error"]["message"] if path.startswith("/v1/") else res["error"]), res
         async with aiohttp.ClientSession() as s, s.get(generate_url(fast)) as r:
             assert r.status == 405 and (await r.json())["error_type"] == "method_not_allowed"
         after = await metrics(fast.url)
-        refused = sum(1 for p, *_ in BAD_REQUESTS if p != "/v2/nothing") + len(SAMPLING_BAD)  # posted twice
+        refused = sum(1 for p, *_ in BAD_REQUESTS if p != "/v2/nothing") + len(NAMED_FIELD_BAD)  # posted twice
         assert after['llm_serving_requests_total{outcome="rejected"}'] - before[
             'llm_serving_requests_total{outcome="rejected"}'] == refused
         status, res, _ = await post(generate_url(fast), {"inputs": "still fine", "parameters": {"max_new_tokens": 3}})

@@ -1,0 +1,67 @@
+"""The HTTP responses every route shares: JSON bodies, JSON errors, and streamed responses.
+
+Errors are JSON ``{"error": message, "error_type": tag}``; the OpenAI routes nest the message as OpenAI
+clients expect: ``{"error": {"message", "type", "param", "code"}, "error_type": tag}``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable
+from typing import Any
+
+from aiohttp import web
+
+from llm_serving.api_schema import ApiError
+from llm_serving.request_stream import EngineError
+
+
+class ClientGone(Exception):
+    """The client closed the connection while its answer was being written."""
+
+
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(data, status=status, headers=headers, dumps=_dumps)
+
+
+def _dumps(data: Any) -> str:
+    return json.dumps(data, ensure_ascii=False)
+
+
+def error_response(err: ApiError, openai: bool) -> web.Response:
+    if openai:
+        body: dict[str, Any] = {"error": {"message": err.message, "type": err.error_type, "param": err.param,
+                                          "code": err.status}, "error_type": err.error_type}
+    else:
+        body = {"error": err.message, "error_type": err.error_type}
+    headers = {"Retry-After": "1"} if err.status == 503 else None
+    return json_response(body, status=err.status, headers=headers)
+
+
+def too_large(size: int | None, limit: int) -> ApiError:
+    got = f" ({size} bytes)" if size is not None else ""
+    return ApiError(413, f"the request body is too large{got}; the limit is {limit} bytes", "payload_too_large")
+
+
+async def open_stream(request: web.Request, content_type: str) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": f"{content_type}; charset=utf-8",
+                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    resp.enable_chunked_encoding()
+    await resp.prepare(request)
+    return resp
+
+
+async def write(resp: web.StreamResponse, data: bytes) -> None:
+    """Write one chunk; a closed connection raises ClientGone."""
+    try:
+        await resp.write(data)
+    except (ConnectionResetError, ConnectionError) as exc:
+        raise ClientGone(str(exc)) from None
+
+
+async def engine_errors(awaitable: Awaitable[Any]) -> Any:
+    """An engine failure during a non-streamed request becomes a 503 JSON error."""
+    try:
+        return await awaitable
+    except EngineError as exc:
+        raise ApiError(503, f"the engine failed while serving the request: {exc}", "engine_error") from None
