@@ -14,10 +14,11 @@ Every problem becomes an ``ApiError`` carrying the HTTP status and a message tha
 the server answers ``{"error": ..., "error_type": ...}`` instead of failing deep in the engine. Unknown keys
 are errors too: a misspelt ``max_new_token`` silently ignored would be a wrong answer, not a served one.
 
-Sampling controls map onto ``SamplingParams`` (``SamplingOptions.to_params``): in the llm-serving body
-``do_sample`` false means greedy whatever the temperature, and ``do_sample`` true without a positive
-temperature samples at Hugging Face's default temperature 1.0; OpenAI's temperature defaults to 1 (sampling)
-and 0 means greedy. ``repetition_penalty`` applies to greedy requests too, as in Hugging Face.
+Sampling controls map onto ``SamplingParams`` (``SamplingOptions.to_params``). Temperature 0 means greedy on
+every route: in the llm-serving body ``do_sample`` false means greedy whatever the temperature, ``do_sample``
+true samples at the given temperature, greedy at 0, and at Hugging Face's default 1.0 when none is given;
+OpenAI's temperature defaults to 1 (sampling). ``repetition_penalty`` applies to greedy requests too, as in
+Hugging Face.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from llm_serving.sequence import InvalidParameter, SamplingParams
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 MAX_TOP_K = 2**31 - 1  # larger is the same as 0 (no limit), but does not fit the int32 step arrays
-HF_DEFAULT_TEMPERATURE = 1.0  # do_sample=true without a positive temperature
+HF_DEFAULT_TEMPERATURE = 1.0  # do_sample=true without a temperature
 
 
 class ApiError(Exception):
@@ -70,7 +71,7 @@ class SamplingOptions:
     @property
     def wants_sampling(self) -> bool:
         """Whether tokens are drawn at random (else greedy argmax, possibly with a repetition penalty)."""
-        return self.do_sample
+        return self.do_sample and self.temperature != 0
 
     def to_params(self, max_new_tokens: int, ignore_eos: bool = False, stop: tuple[str, ...] = (),
                   field_names: Mapping[str, str] | None = None) -> SamplingParams:
@@ -81,7 +82,7 @@ class SamplingOptions:
             if not self.wants_sampling:
                 return SamplingParams(max_new_tokens, ignore_eos, repetition_penalty=penalty, seed=self.seed,
                                       stop=stop)
-            temperature = self.temperature if self.temperature else HF_DEFAULT_TEMPERATURE
+            temperature = HF_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
             return SamplingParams(max_new_tokens, ignore_eos, temperature=temperature, top_k=self.top_k or 0,
                                   top_p=1.0 if self.top_p is None else self.top_p, repetition_penalty=penalty,
                                   seed=self.seed, stop=stop)

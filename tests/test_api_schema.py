@@ -125,9 +125,11 @@ def test_engine_checked_values_are_refused_under_the_dialects_name(body, complet
     ({"do_sample": False, "temperature": 0.9, "top_k": 5, "top_p": 0.5, "seed": 4},
      SamplingParams(9, seed=4)),
     ({"repetition_penalty": "1.2"}, SamplingParams(9, repetition_penalty=1.2)),
-    # do_sample true without a positive temperature: Hugging Face's default temperature 1.0
+    # do_sample true without a temperature: Hugging Face's default temperature 1.0
     ({"do_sample": True}, SamplingParams(9, temperature=1.0)),
-    ({"do_sample": "True", "temperature": 0}, SamplingParams(9, temperature=1.0)),
+    # temperature 0 is greedy on every route, do_sample or not
+    ({"do_sample": "True", "temperature": 0}, SamplingParams(9)),
+    ({"do_sample": True, "temperature": "0", "top_k": 5, "seed": 2}, SamplingParams(9, seed=2)),
     ({"do_sample": "true", "temperature": "0.7", "top_k": "40", "top_p": 0.9, "repetition_penalty": 1.1,
       "seed": "12"}, SamplingParams(9, temperature=0.7, top_k=40, top_p=0.9, repetition_penalty=1.1, seed=12)),
 ])

@@ -537,6 +537,18 @@ def test_tiny_default_model_end_to_end(data_dir):
 
         drawn = run(sampled(5))
         assert sum(d != r["generated_text"] for d, r in zip(drawn, results)) >= 2  # sampled, not greedy
+
+        async def at_temperature_0() -> list[str]:  # do_sample with temperature 0 is greedy, as on every route
+            texts = []
+            for prompt in PROMPTS[:4]:
+                body = {"inputs": prompt, "parameters": {"max_new_tokens": 12, "do_sample": "True", "temperature": 0,
+                                                         "seed": 5}}
+                status, res, _ = await post(generate_url(server, name="llama_tiny"), body)
+                assert status == 200, res
+                texts.append(res["generated_text"])
+            return texts
+
+        assert run(at_temperature_0()) == [r["generated_text"] for r in results]
         assert run(sampled(6)) != drawn
         # OpenAI's default temperature 1 with the same seed, four prompts in one batch: the same draws
         done = client.completions.create(model="llama_tiny", prompt=PROMPTS[:4], max_tokens=12, seed=5)
