@@ -108,25 +108,19 @@ class Scheduler:
 
     # ---- requests -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        """Queue a new request; raises RequestRejected when it can never be served."""
+        """Queue a new request admitted against the served limits (``llm_serving.admission``: prompt length,
+        context, vocabulary); raises RequestRejected for what only the scheduler knows (a duplicate id, a KV
+        cache too small for the request) and ValueError for a request that skipped admission."""
         cfg, rid = self.config, seq.request_id
         if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.output_ids:
             raise ValueError(f"request {rid!r}: only a fresh waiting sequence can be added, got {seq!r}")
         if rid in self._live:
             raise RequestRejected(f"request {rid!r}: a request with this id is already in progress")
-        if not seq.prompt_ids:
-            raise RequestRejected(f"request {rid!r}: the prompt is empty")
-        if cfg.max_prompt_len is not None and seq.num_prompt_tokens > cfg.max_prompt_len:
-            raise RequestRejected(
-                f"request {rid!r}: prompt has {seq.num_prompt_tokens} tokens, more than the longest prefill "
-                f"bucket max_prompt_len {cfg.max_prompt_len} (model_config.seq_length)"
-            )
         total = seq.num_prompt_tokens + seq.params.max_new_tokens
-        if total > cfg.max_model_len:
-            raise RequestRejected(
-                f"request {rid!r}: prompt ({seq.num_prompt_tokens} tokens) + max_new_tokens "
-                f"({seq.params.max_new_tokens}) = {total} exceeds max_model_len {cfg.max_model_len}"
-            )
+        longest = cfg.max_prompt_len if cfg.max_prompt_len is not None else cfg.max_model_len
+        if not 0 < seq.num_prompt_tokens <= longest or total > cfg.max_model_len:
+            raise ValueError(f"request {rid!r} was not admitted: {seq.num_prompt_tokens} prompt tokens, "
+                             f"{total} in all (admission refuses this)")
         need = self.block_manager.blocks_needed(total - 1)  # the last generated token is never fed back
         if need > self.block_manager.num_usable_blocks:
             raise RequestRejected(
