@@ -21,6 +21,7 @@ setup(
         "prometheus_client",
         "matplotlib>=3.5",
         "tqdm",
+        "jinja2",
     ],
     extras_require={
         "test": [
