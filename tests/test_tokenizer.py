@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import io
+import itertools
 import random
 
 import pytest
@@ -157,16 +158,22 @@ def _stream(tok, gen, prompt=(), skip=True) -> tuple[list[str], str]:
     return chunks, dec.text
 
 
-def _random_ids(tok, rng: random.Random, n: int) -> list[int]:
-    """Mix of ordinary pieces, specials, random (often invalid) bytes and valid multi-byte characters."""
+def _random_ids(tok, rng: random.Random, n: int, shares: tuple[float, ...] = (0.45, 0.0, 0.1, 0.15),
+                any_piece: bool = False) -> list[int]:
+    """Mix of ordinary pieces (any id of the vocabulary with ``any_piece``), lone "▁" pieces, specials, random
+    (often invalid) bytes, in these ``shares``, and valid multi-byte characters spelt in bytes (the rest)."""
+    space = tok.piece_to_id("▁")
+    cuts = list(itertools.accumulate(shares))
     out: list[int] = []
     while len(out) < n:
         r = rng.random()
-        if r < 0.45:
-            out.append(rng.randrange(259, tok.vocab_size))
-        elif r < 0.55:
+        if r < cuts[0]:
+            out.append(rng.randrange(0 if any_piece else 259, tok.vocab_size))
+        elif r < cuts[1]:
+            out.append(space)
+        elif r < cuts[2]:
             out.append(rng.randrange(0, 3))
-        elif r < 0.7:
+        elif r < cuts[3]:
             out.append(_byte_id(tok, rng.randrange(256)))
         else:
             ch = chr(rng.choice([rng.randrange(0x80, 0x800), rng.randrange(0x4E00, 0x9FFF),
@@ -271,23 +278,7 @@ def test_stream_decodes_a_bounded_window(fixture, skip, with_prompt, request, mo
 def _random_vocab_ids(tok: Tokenizer, rng: random.Random, n: int) -> list[int]:
     """Any id of the vocabulary, with lone "▁" pieces, special ids and byte pieces (also spelling whole UTF-8
     characters, so that bytes merge) drawn more often than their share of the vocabulary."""
-    space = tok.piece_to_id("▁")
-    out: list[int] = []
-    while len(out) < n:
-        r = rng.random()
-        if r < 0.4:
-            out.append(rng.randrange(tok.vocab_size))
-        elif r < 0.6:
-            out.append(space)
-        elif r < 0.7:
-            out.append(rng.randrange(0, 3))
-        elif r < 0.85:
-            out.append(_byte_id(tok, rng.randrange(256)))
-        else:
-            ch = chr(rng.choice([rng.randrange(0x80, 0x800), rng.randrange(0x4E00, 0x9FFF),
-                                 rng.randrange(0x1F300, 0x1FAFF)]))
-            out.extend(_byte_id(tok, b) for b in ch.encode("utf-8"))
-    return out
+    return _random_ids(tok, rng, n, shares=(0.4, 0.2, 0.1, 0.15), any_piece=True)
 
 
 def _ends_mid_character(tok: Tokenizer, ids: list[int]) -> bool:
