@@ -46,16 +46,12 @@ class TokenCounter:
             import sentencepiece as spm
 
             path = Path(tokenizer_path)
-            if path.is_dir():
-                path = path / "tokenizer.model"
-            if not path.is_file():
-                raise BenchError(f"--tokenizer: tokenizer model not found: {path}")
-            sp = spm.SentencePieceProcessor()
-            try:
-                sp.Load(str(path))
+            path = path / "tokenizer.model" if path.is_dir() else path
+            try:  # sentencepiece's own message says what is wrong (missing file, not a model)
+                self._sp = spm.SentencePieceProcessor(model_file=str(path))
             except (OSError, RuntimeError) as e:
                 raise BenchError(f"--tokenizer: cannot load sentencepiece model {path}: {e}") from e
-            self._sp, self.path = sp, path
+            self.path = path
 
     @property
     def method(self) -> str:
