@@ -55,7 +55,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     p.add_argument("--prompts", required=True, metavar="FILE.json",
-                   help='JSON list of prompts: strings, token-id lists or {"prompt": "..."} objects')
+                   help='JSON list of prompts: strings, token-id lists, {"prompt": "..."} objects, or '
+                   'conversations (lists of {"role", "content"} messages, or {"messages": [...]}) rendered by '
+                   "the model's chat template")
     p.add_argument("--max-new-tokens", type=int, required=True, metavar="N",
                    help="tokens to generate per prompt")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
@@ -71,7 +73,11 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--standin-agents", action="store_true", help=argparse.SUPPRESS)  # tests: no MindSpore
 
 
-def read_prompts(path: str) -> list[str | list[int]]:
+def _is_conversation(item: Any) -> bool:
+    return isinstance(item, list) and bool(item) and all(isinstance(m, dict) for m in item)
+
+
+def read_prompts(path: str) -> list[str | list[int] | list[dict[str, str]]]:
     try:
         raw = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -80,16 +86,23 @@ def read_prompts(path: str) -> list[str | list[int]]:
         raise CliError(f"--prompts: cannot read {path} as JSON: {exc}") from None
     if not isinstance(raw, list) or not raw:
         raise CliError(f"--prompts: {path} must hold a non-empty JSON list of prompts")
-    prompts: list[str | list[int]] = []
+    prompts: list[str | list[int] | list[dict[str, str]]] = []
     for i, item in enumerate(raw):
         if isinstance(item, dict):
-            item = item.get("prompt")
-        if isinstance(item, str) or (isinstance(item, list) and item
-                                     and all(isinstance(t, int) and not isinstance(t, bool) for t in item)):
+            item = item.get("messages", item.get("prompt"))
+        if _is_conversation(item):
+            from llm_serving.chat_template import MessageError, check_messages
+
+            try:
+                prompts.append(check_messages(item))
+            except MessageError as exc:
+                raise CliError(f"--prompts: item {i} of {path}: {exc}") from None
+        elif isinstance(item, str) or (isinstance(item, list) and item
+                                       and all(isinstance(t, int) and not isinstance(t, bool) for t in item)):
             prompts.append(item)
         else:
-            raise CliError(f"--prompts: item {i} of {path} is not a string, a list of token ids or "
-                           f'{{"prompt": "..."}}')
+            raise CliError(f"--prompts: item {i} of {path} is not a string, a list of token ids, "
+                           f'{{"prompt": "..."}} or a conversation (a list of messages)')
     return prompts
 
 
@@ -112,13 +125,28 @@ def _run_generate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts)
     params = sampling_from_args(args)
     with LLM(config_from_args(args), standin_agents=args.standin_agents) as llm:
-        results = llm.generate(prompts, sampling_params=params)
+        results = llm.generate(_chat_prompts(llm, prompts, args.prompts), sampling_params=params)
         for prompt, res in zip(prompts, results):
             line = {"prompt": prompt if isinstance(prompt, str) else None, "prompt_ids": res.prompt_ids,
                     "token_ids": res.token_ids, "logprobs": res.logprobs,
                     "text": cut_at_stop(llm.tokenizer.decode(res.token_ids), params.stop)}
+            if _is_conversation(prompt):
+                line = {"messages": prompt, **line}
             print(json.dumps(line, ensure_ascii=False), flush=True)
     return 0
+
+
+def _chat_prompts(llm: Any, prompts: list[Any], path: str) -> list[str | list[int]]:
+    """Conversations replaced by their prompt ids (the served model's chat template); other prompts as given."""
+    from llm_serving.chat_template import ChatTemplateError
+
+    out = []
+    for i, prompt in enumerate(prompts):
+        try:
+            out.append(llm.chat_prompt_ids(prompt) if _is_conversation(prompt) else prompt)
+        except ChatTemplateError as exc:
+            raise CliError(f"--prompts: item {i} of {path}: the chat template refused it: {exc}") from None
+    return out
 
 
 COMMANDS: list[Command] = [

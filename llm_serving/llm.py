@@ -64,6 +64,7 @@ class LLM:
                  **overrides: Any) -> None:
         self.config = load_config(config, **overrides)
         self.engine = Engine(self.config, standin_agents=standin_agents)
+        self._chat_template: Any = None  # chat_template.ChatTemplate, loaded by chat_prompt_ids
         try:
             self.engine.start(progress)
         except BaseException:
@@ -108,6 +109,24 @@ class LLM:
             for s in streams:
                 s.abort()
             raise
+
+    def chat(self, conversations: Sequence[Sequence[Mapping[str, Any]]], max_new_tokens: int = 16,
+             ignore_eos: bool = False, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             **sampling: Any) -> list[GenerationResult]:
+        """``generate`` for conversations (lists of ``{"role", "content"}`` messages), each rendered by the
+        served model's chat template (``chat_template``) as ``/v1/chat/completions`` renders it. Raises
+        ``MessageError`` for messages that are not a conversation, ``ChatTemplateError`` when the template
+        refuses them."""
+        prompts = [self.chat_prompt_ids(c) for c in conversations]
+        return self.generate(prompts, max_new_tokens, ignore_eos, sampling_params, **sampling)
+
+    def chat_prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The prompt token ids of one conversation (BOS included, as the template writes it)."""
+        from llm_serving.chat_template import check_messages, load_chat_template
+
+        if self._chat_template is None:  # loaded on first use: a ConfigError if the configured one is bad
+            self._chat_template = load_chat_template(self.config, self.engine.model.model_path, self.tokenizer)
+        return self._chat_template.prompt_ids(check_messages(list(messages)))
 
     def _submit(self, prompt: str | Sequence[int], params: SamplingParams,
                 earlier: list[RequestStream]) -> RequestStream:
