@@ -2,8 +2,9 @@
 
     python -m agents.convert --model <HF dir | .ckpt> --config-from <dir with config.json> --out <dir>
 
-The output directory holds ``config.json``, ``model.ckpt`` (fused q/k/v and gate/up, canonical names) and
-``tokenizer.model`` when the source has one; every loader in this project accepts it as ``--model``.
+The output directory holds ``config.json``, ``model.ckpt`` (fused q/k/v and gate/up, canonical names) and the
+tokenizer files the source has (``tokenizer.model``, and ``tokenizer_config.json``/``chat_template.jinja``,
+which carry the chat template); every loader in this project accepts it as ``--model``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 from agents.weights import CKPT_FILE, load_weights, save_mindspore_checkpoint
 from llm_serving.protocol.model_config import LlamaConfig
 
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "chat_template.jinja")
+
 
 def convert(model: Path, out: Path, config_dir: Path | None = None) -> Path:
     """Write the converted directory and return it."""
@@ -25,9 +28,9 @@ def convert(model: Path, out: Path, config_dir: Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_mindspore_checkpoint(weights, out / CKPT_FILE)
     (out / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
-    tokenizer = config_dir / "tokenizer.model"
-    if tokenizer.is_file():
-        shutil.copyfile(tokenizer, out / "tokenizer.model")
+    for name in TOKENIZER_FILES:
+        if (config_dir / name).is_file():
+            shutil.copyfile(config_dir / name, out / name)
     return out
 
 

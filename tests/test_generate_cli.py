@@ -52,8 +52,11 @@ def test_generate_matches_transformers(model_dir, tmp_path):
         assert r["logprobs"] == pytest.approx(ref_lp, abs=1e-4)
         assert r["text"] == tokenizer.decode(ref)
 
+    tokenizer_config = json.dumps({"chat_template": "{{ messages[0]['content'] }}", "legacy": True})
+    (model_dir / "tokenizer_config.json").write_text(tokenizer_config)
     converted = convert(model_dir, tmp_path / "converted")
     assert (converted / "model.ckpt").is_file()
+    assert (converted / "tokenizer_config.json").read_text() == tokenizer_config  # the chat template travels
     assert run_generate(converted, prompts_file, "--max-new-tokens", "24", "--batch-size", "4") == results
 
 
