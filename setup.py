@@ -22,6 +22,7 @@ setup(
         "matplotlib>=3.5",
         "tqdm",
         "jinja2",
+        "protobuf",  # sentencepiece's model proto: chat templates of tokenizers with legacy false
     ],
     extras_require={
         "test": [
