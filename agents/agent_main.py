@@ -2,9 +2,10 @@
 
 Attach the step segment, build the model runner (or the stand-in), warm every shape bucket, report ready,
 then serve: block on the command pipe for a step number, run the batch in shared memory, rank 0 writes the
-answer back, every rank acknowledges on its reply pipe. The agent exits when the master closes the pipes
-or goes away (a watchdog thread blocks on the lifeline pipe and also notices re-parenting), so no orphan
-process outlives the master. Errors are reported as frames, never as a silent exit.
+answer back, every rank acknowledges on its reply pipe (rank 0 naming any sequence that failed on its own,
+so the master fails only that request). The agent exits when the master closes the pipes or goes away (a
+watchdog thread blocks on the lifeline pipe and also notices re-parenting), so no orphan process outlives
+the master. Errors are reported as frames, never as a silent exit.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+from agents.sampler import take_failures
 from llm_serving.protocol.shm_channel import StepChannel
 from llm_serving.protocol.wire import (
     CMD,
@@ -26,8 +28,10 @@ from llm_serving.protocol.wire import (
     READY,
     STARTUP_STEP,
     AgentSpec,
+    done_payload,
     encode_frame,
     error_payload,
+    ready_payload,
 )
 
 
@@ -99,13 +103,14 @@ def serve(channel: StepChannel, runner, cmd_fd: int, replier: Replier, rank: int
             if seen != step:
                 raise RuntimeError(f"shared memory holds step {seen}, the master signalled step {step}")
             output = runner.step(batch)
+            failed = take_failures(batch.sampling, output.token_ids)  # sequences that failed on their own
             del batch  # views into shared memory: never keep them past the step
             if rank == 0:
                 channel.write_output(step, output)
         except Exception as exc:  # noqa: BLE001 - the master decides; this agent keeps serving
             replier.error(step, exc)
             continue
-        replier.send(step, DONE)
+        replier.send(step, DONE, done_payload(failed) if rank == 0 else "")
 
 
 def _read_exact(fd: int, n: int) -> bytes | None:
@@ -147,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException as exc:  # noqa: BLE001 - any start-up failure must reach the master as text
         replier.error(STARTUP_STEP, exc)
         _exit(1)
-    replier.send(STARTUP_STEP, READY)
+    costs = getattr(runner, "step_costs", None) or {}  # seconds per warmed shape: the step timeout's base
+    replier.send(STARTUP_STEP, READY, ready_payload(max(costs.values()) if costs else None))
     serve(channel, runner, args.cmd_fd, replier, args.rank)
     _exit(0)
 

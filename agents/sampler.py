@@ -7,16 +7,25 @@ Semantics follow Hugging Face ``generate`` / vLLM: repetition penalty over promp
 rule: positive logits divided by the penalty, negative ones multiplied), then temperature, then top-k, then top-p
 (nucleus) over the temperature-scaled, top-k-filtered distribution. Temperature 0 is greedy over the penalised
 logits. The returned logprob is the chosen token's log-softmax under the model's raw logits, as for greedy.
+
+Containment: a row whose sampling raises gets ``FAILED_TOKEN`` and the other rows are sampled as usual, so one
+request's parameters never fail its step's other requests. The reasons wait in ``take_failures`` (keyed by the
+row's seed and draw index, which name a sequence within a step), for the agent to report after the step.
 """
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
-from llm_serving.protocol.batch import SamplingBatch
+from llm_serving.protocol.batch import FAILED_TOKEN, SamplingBatch
 
 # Top-p looks at this many best candidates first and falls back to a full sort when they hold < top_p mass.
 _TOP_P_CANDIDATES = 256
+
+# Reasons of the rows that failed since the last ``take_failures``: an agent runs one step at a time.
+_failures: dict[tuple[int, int], str] = {}
 
 
 def _log_softmax_at(logits: np.ndarray, token: int) -> float:
@@ -74,8 +83,30 @@ def sample(logits: np.ndarray, greedy_ids: np.ndarray, greedy_logprobs: np.ndarr
     special = np.nonzero((sampling.temperature > 0) | (sampling.repetition_penalty != 1.0))[0]
     for i in special.tolist():
         lo, hi = sampling.penalty_offsets[i], sampling.penalty_offsets[i + 1]
-        ids[i], logprobs[i] = sample_row(
-            logits[i], float(sampling.temperature[i]), int(sampling.top_k[i]), float(sampling.top_p[i]),
-            float(sampling.repetition_penalty[i]), sampling.penalty_token_ids[lo:hi], int(sampling.seeds[i]),
-            int(sampling.draw_index[i]))
+        try:
+            ids[i], logprobs[i] = sample_row(
+                logits[i], float(sampling.temperature[i]), int(sampling.top_k[i]), float(sampling.top_p[i]),
+                float(sampling.repetition_penalty[i]), sampling.penalty_token_ids[lo:hi], int(sampling.seeds[i]),
+                int(sampling.draw_index[i]))
+        except Exception as exc:  # noqa: BLE001 - this row fails alone; the others are unaffected
+            ids[i], logprobs[i] = FAILED_TOKEN, 0.0
+            reason = (f"sampling failed: {type(exc).__name__}: {exc} (temperature {sampling.temperature[i]}, "
+                      f"top_k {sampling.top_k[i]}, top_p {sampling.top_p[i]}, "
+                      f"repetition_penalty {sampling.repetition_penalty[i]})")
+            _failures[(int(sampling.seeds[i]), int(sampling.draw_index[i]))] = reason
+            print(f"sampler: {reason}", file=sys.stderr, flush=True)
     return ids, logprobs
+
+
+def take_failures(sampling: SamplingBatch | None, token_ids: np.ndarray) -> dict[int, str]:
+    """Why each row of a step's answer marked ``FAILED_TOKEN`` failed (by row), forgetting every recorded
+    reason. ``sampling`` is the whole step's (the sampler may have seen it in parts)."""
+    recorded = dict(_failures)
+    _failures.clear()
+    rows = np.flatnonzero(np.asarray(token_ids) == FAILED_TOKEN).tolist()
+    if not rows:
+        return {}
+    unknown = "failed on the agent (no reason recorded)"
+    if sampling is None:
+        return dict.fromkeys(rows, unknown)
+    return {r: recorded.get((int(sampling.seeds[r]), int(sampling.draw_index[r])), unknown) for r in rows}

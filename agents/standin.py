@@ -3,7 +3,9 @@ benchmarked without MindSpore.
 
 Its answer is a deterministic function of the batch, so tests can compute the expected tokens themselves:
 sequence ``i`` gets ``(input token at its last position * 31 + context_lens[i]) % vocab_size`` with
-logprob -1.0.
+logprob -1.0. Sampled or penalised sequences also go through the real sampler, on logits peaked at that
+token, so the sampler's per-sequence containment is exercised end to end; only its failures show in the
+answer (``FAILED_TOKEN``), the tokens stay the rule's.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from llm_serving.protocol.batch import StepBatch, StepOutput
+from agents.sampler import sample
+from llm_serving.protocol.batch import FAILED_TOKEN, StepBatch, StepOutput
 
 STANDIN_LOGPROB = -1.0
+_PEAK = 30.0  # logit of the rule's token (the others are 0): any temperature/top-k/top-p/penalty keeps it
 
 
 def standin_tokens(batch: StepBatch, vocab_size: int) -> np.ndarray:
@@ -33,6 +37,7 @@ class StandinRunner:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.vocab_size = vocab_size
         self.step_delay_s = step_delay_s
+        self.step_costs = {("standin",): step_delay_s}  # as ModelRunner: the master's step timeout uses it
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> dict[tuple, float]:
         if progress:
@@ -43,4 +48,10 @@ class StandinRunner:
         if self.step_delay_s > 0:
             time.sleep(self.step_delay_s)
         tokens = standin_tokens(batch, self.vocab_size)
-        return StepOutput(tokens, np.full(tokens.shape, STANDIN_LOGPROB, np.float32))
+        logprobs = np.full(tokens.shape, STANDIN_LOGPROB, np.float32)
+        if batch.sampling is not None and batch.sampling.needs_logits:
+            logits = np.zeros((tokens.shape[0], self.vocab_size), np.float32)
+            logits[np.arange(tokens.shape[0]), tokens] = _PEAK
+            sampled, _ = sample(logits, tokens, logprobs, batch.sampling)
+            tokens = np.where(sampled == FAILED_TOKEN, FAILED_TOKEN, tokens).astype(np.int32)
+        return StepOutput(tokens, logprobs)

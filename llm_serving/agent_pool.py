@@ -14,7 +14,10 @@ Failure handling is the point of the design:
 - agents hold the read end of a "lifeline" pipe whose write end only the master has: when the master exits,
   even by SIGKILL, the agents see EOF and exit, so no orphan keeps a device;
 - a start-up failure in any rank (bad checkpoint path, compile error) becomes one ``AgentStartupError``
-  naming the rank and the cause, after every agent is killed and the segment unlinked.
+  naming the rank and the cause, after every agent is killed and the segment unlinked;
+- a step not answered within ``step_timeout_s`` (a stuck or stopped agent) is a death too; the engine sets
+  the timeout from ``slowest_warmup_step_s``, which the agents report when ready;
+- rank 0's DONE frame names sequences that failed on their own (``StepOutput.errors``): the step succeeds.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llm_serving.protocol.batch import StepBatch, StepOutput
+import numpy as np
+
+from llm_serving.protocol.batch import FAILED_TOKEN, StepBatch, StepOutput
 from llm_serving.protocol.shm_channel import StepChannel
 from llm_serving.protocol.wire import (
     CMD,
@@ -41,7 +46,9 @@ from llm_serving.protocol.wire import (
     PROGRESS,
     READY,
     AgentSpec,
+    parse_done_payload,
     parse_error_payload,
+    parse_ready_payload,
 )
 
 if TYPE_CHECKING:
@@ -61,7 +68,8 @@ class AgentStartupError(AgentError):
 
 
 class AgentDiedError(AgentError):
-    """An agent exited or crashed while serving; the pool is closed (agents killed, memory unlinked)."""
+    """An agent exited, crashed or did not answer a step in time; the pool is closed (agents killed, memory
+    unlinked). The engine replaces the pool."""
 
 
 class AgentStepError(AgentError):
@@ -115,6 +123,8 @@ class AgentPool:
         self._channel: StepChannel | None = None
         self._step = 0
         self._in_flight: int | None = None  # a submitted step not collected yet
+        self._failed_rows: dict[int, str] = {}  # rank 0's DONE frame of the step being collected
+        self.slowest_warmup_step_s: float | None = None  # the agents' slowest warmed-up step, once ready
         self._state = "new"  # new -> starting -> ready -> closed
         self._death: str | None = None
         self._closing = False
@@ -141,25 +151,47 @@ class AgentPool:
     def steps(self) -> int:
         return self._step
 
+    def stopped_pids(self) -> list[int]:
+        """Agents stopped by a signal (state T in /proc: SIGSTOP, SIGTSTP), which answer nothing until
+        continued; [] where /proc is absent. Lets an idle master notice a stuck agent before any step."""
+        stopped = []
+        for agent in self._agents:
+            try:
+                stat = Path(f"/proc/{agent.proc.pid}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rpartition(")")[2].split()
+            if fields and fields[0] in ("T", "t"):
+                stopped.append(agent.proc.pid)
+        return stopped
+
     # ---- start-up ------------------------------------------------------------------------------------------
     def start(self, progress: Callable[[str], None] | None = None) -> None:
         """Allocate the segment, spawn the ranks and wait until all loaded and warmed up.
 
         Agent progress lines reach ``progress`` as ``"agent <rank>: <line>"``. Raises ``AgentStartupError``
-        with nothing left behind when any rank fails or the timeout passes.
+        with nothing left behind when any rank fails, the timeout passes or ``close()`` is called meanwhile
+        (from another thread: the engine's shutdown while it replaces its agents).
         """
-        if self._state != "new":
-            raise RuntimeError(f"AgentPool.start() called on a pool that is {self._state}")
-        self._state = "starting"
-        try:
-            self._channel = StepChannel.create(self.spec.layout)
-            for rank in range(self.num_agents):
-                self._spawn(rank)
-            self._wait_ready(progress)
-        except BaseException:
-            self._teardown(graceful=False)
-            raise
-        self._state = "ready"
+        with self._step_lock:  # close() releases the pipes only once start-up has given up
+            if self._state != "new":
+                raise RuntimeError(f"AgentPool.start() called on a pool that is {self._state}")
+            self._state = "starting"
+            try:
+                self._channel = StepChannel.create(self.spec.layout)
+                for rank in range(self.num_agents):
+                    self._spawn(rank)
+                self._wait_ready(progress)
+                with self._close_lock:
+                    self._check_not_closing()
+                    self._state = "ready"
+            except BaseException:
+                self._teardown(graceful=False)
+                raise
+
+    def _check_not_closing(self) -> None:
+        if self._closing:
+            raise AgentStartupError("the agent pool was closed during start-up")
 
     def _spawn(self, rank: int) -> None:
         assert self._channel is not None
@@ -190,7 +222,9 @@ class AgentPool:
     def _wait_ready(self, progress: Callable[[str], None] | None) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         pending = {a.rank for a in self._agents}
+        slowest: list[float] = []
         while pending:
+            self._check_not_closing()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise AgentStartupError(
@@ -199,6 +233,7 @@ class AgentPool:
             for agent, frames in self._poll(min(left, 1.0)):
                 if frames is None:
                     code = self._reap(agent)
+                    self._check_not_closing()
                     raise AgentStartupError(f"agent rank {agent.rank} (pid {agent.proc.pid}) exited with "
                                             f"{describe_exit(code)} before it was ready (see its stderr)",
                                             rank=agent.rank)
@@ -207,10 +242,14 @@ class AgentPool:
                         progress(f"agent {agent.rank}: {payload}")
                     elif kind == READY:
                         pending.discard(agent.rank)
+                        cost = parse_ready_payload(payload)
+                        if cost is not None:
+                            slowest.append(cost)
                     elif kind == ERROR:
                         summary, tb = parse_error_payload(payload)
                         raise AgentStartupError(f"agent rank {agent.rank} failed to start: {summary}",
                                                 rank=agent.rank, agent_traceback=tb)
+        self.slowest_warmup_step_s = max(slowest) if slowest else None
 
     # ---- steps ---------------------------------------------------------------------------------------------
     def run_step(self, batch: StepBatch) -> StepOutput:
@@ -249,7 +288,10 @@ class AgentPool:
                 self._check_serving()
                 self._wait_step(step)
                 assert self._channel is not None
-                return self._channel.read_output(step, batch_size)
+                output = self._channel.read_output(step, batch_size)
+                output.errors = {r: self._failed_rows.get(r, "failed on the agent")
+                                 for r in np.flatnonzero(output.token_ids == FAILED_TOKEN).tolist()}
+                return output
             finally:
                 self._in_flight = None
 
@@ -261,6 +303,7 @@ class AgentPool:
         waiting = len(self._agents)
         error: AgentStepError | None = None
         deadline = None if self.step_timeout_s is None else time.monotonic() + self.step_timeout_s
+        self._failed_rows = {}
         while waiting:
             timeout = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
             if timeout <= 0:
@@ -276,6 +319,8 @@ class AgentPool:
                 for got, kind, payload in frames:
                     if kind == DONE and got == step:
                         waiting -= 1
+                        if agent.rank == 0:
+                            self._failed_rows = parse_done_payload(payload)
                     elif kind == ERROR and got == step:
                         waiting -= 1
                         summary, tb = parse_error_payload(payload)
@@ -332,14 +377,15 @@ class AgentPool:
             return None
 
     # ---- shutdown ------------------------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
         """Stop every agent and unlink the segment; idempotent, and safe while another thread is in run_step or
-        collect."""
+        collect. ``graceful``: give serving agents ``shutdown_grace_s`` to exit before they are killed (not
+        worth waiting for when they failed: a stopped agent never exits by itself)."""
         with self._close_lock:
             if self._state == "closed":
                 return
             self._closing = True
-            self._stop_processes(graceful=self._state == "ready")
+            self._stop_processes(graceful=graceful and self._state == "ready")
         # A collect blocked in poll() now sees EOF and returns; only then do its fds go away.
         with self._step_lock, self._close_lock:
             self._release()

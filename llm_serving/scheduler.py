@@ -155,6 +155,13 @@ class Scheduler:
     def get(self, request_id: str) -> Sequence | None:
         return self._live.get(request_id)
 
+    def requeue_running(self) -> list[Sequence]:
+        """Preempt every running sequence (by recompute) and return them: replaced agents hold no KV cache."""
+        victims = list(reversed(self._running))  # newest first, so the oldest ends up at the front
+        for seq in victims:
+            self._preempt(seq)
+        return victims
+
     # ---- stepping -------------------------------------------------------------------------------------
     def schedule(self) -> tuple[list[Sequence], StepBatch] | None:
         """The next step (its sequences in batch order and its batch), or None when there is nothing to run."""

@@ -331,9 +331,100 @@ def test_real_llama_agent_matches_transformers(tmp_path):
                              np.ones(1, np.int32), np.array([21], np.int32), np.ones((1, 4), np.int32))
         with pytest.raises(AgentStepError, match="rank 0 failed step .*exceeds the largest compiled bucket"):
             p.run_step(too_long)
-        assert p.alive
+        assert p.alive and p.slowest_warmup_step_s > 0
+        # a sampled prefill whose second sequence has a top_p of 0 (issue 18): that row fails, the first does not
+        from llm_serving.protocol.batch import FAILED_TOKEN, SamplingBatch
+
+        lens = np.array([len(q) for q in prompts], np.int32)
+        tables = np.array([[1, 2, 0, 0], [3, 4, 5, 0]], np.int32)
+        slots = np.concatenate([tables[i][np.arange(n) // 4] * 4 + np.arange(n) % 4 for i, n in enumerate(lens)])
+        sampling = SamplingBatch(np.full(2, 0.7, np.float32), np.zeros(2, np.int32), np.array([0.9, 0.0], np.float32),
+                                 np.ones(2, np.float32), np.array([5, 6], np.int64), np.zeros(2, np.int32),
+                                 np.zeros(3, np.int32), np.zeros(0, np.int32))
+        out = p.run_step(StepBatch(True, np.concatenate(prompts).astype(np.int32),
+                                   np.concatenate([np.arange(n) for n in lens]).astype(np.int32),
+                                   slots.astype(np.int32), lens, lens, tables, sampling))
+        assert 0 <= out.token_ids[0] < 128 and out.token_ids[1] == FAILED_TOKEN and list(out.errors) == [1]
+        assert "sampling failed: IndexError" in out.errors[1] and p.alive
     hf = load_hf(model_dir)
     for prompt, got, got_lp in zip(prompts, tokens, logprobs):
         ref, ref_lp = hf_greedy(hf, prompt, 6)
         assert got == ref
         np.testing.assert_allclose(got_lp, ref_lp, atol=1e-4)
+
+
+# ---- issue 18: containment and what self-healing needs from the pool -----------------------------------------
+def sampled_batch(top_p: list[float]) -> StepBatch:
+    """A decode step of len(top_p) sampled sequences (temperature 0.7) with the given top_p values."""
+    from llm_serving.protocol.batch import SamplingBatch
+
+    n = len(top_p)
+    batch = random_batch(np.random.default_rng(8), False, n, 2)
+    batch.sampling = SamplingBatch(np.full(n, 0.7, np.float32), np.zeros(n, np.int32), np.array(top_p, np.float32),
+                                   np.ones(n, np.float32), np.arange(n, dtype=np.int64) * 7919, np.full(n, 3, np.int32),
+                                   np.zeros(n + 1, np.int32), np.zeros(0, np.int32))
+    return batch
+
+
+def test_a_sequence_failing_its_sampling_fails_alone():
+    """Issue 18 finding 1 on the agent: a top_p that is 0 in float32 raised for the whole step."""
+    from llm_serving.protocol.batch import FAILED_TOKEN
+
+    with AgentPool(standin_spec(tensor_parallel_size=2)) as p:
+        p.start()
+        batch = sampled_batch([0.9, 1e-300, 1.0, 0.0])
+        out = p.run_step(batch)
+        want = expected_tokens(batch)
+        assert out.token_ids.tolist() == [want[0], FAILED_TOKEN, want[2], FAILED_TOKEN]
+        assert sorted(out.errors) == [1, 3] and all("sampling failed: IndexError" in e for e in out.errors.values())
+        assert "top_p 0.0" in out.errors[1]
+        clean = sampled_batch([0.5, 0.9])
+        out = p.run_step(clean)  # the next step reports no stale failure
+        assert out.errors == {} and out.token_ids.tolist() == expected_tokens(clean).tolist()
+
+
+def test_ready_reports_the_slowest_warm_up_step():
+    with AgentPool(standin_spec(step_delay_s=0.03, tensor_parallel_size=2)) as p:
+        assert p.slowest_warmup_step_s is None
+        p.start()
+        assert p.slowest_warmup_step_s == 0.03
+
+
+def test_close_during_start_up_ends_it_at_once():
+    p = AgentPool(standin_spec())
+    errors: list[BaseException] = []
+    original = p._wait_ready
+
+    def slow_wait(progress):  # the agents are up; the pool is still waiting for them when close() comes
+        time.sleep(0.5)
+        original(progress)
+
+    p._wait_ready = slow_wait
+    worker = threading.Thread(target=lambda: errors.append(pytest.raises(AgentStartupError, p.start).value))
+    worker.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    p.close()
+    worker.join(5)
+    assert not worker.is_alive() and time.monotonic() - t0 < 2.0
+    assert "closed during start-up" in str(errors[0]) and not p.alive
+    assert_gone(p.pids)
+    assert not our_segments()
+
+
+def test_stopped_agents_are_listed():
+    with AgentPool(standin_spec(tensor_parallel_size=2)) as p:
+        p.start()
+        assert p.stopped_pids() == []
+        os.kill(p.pids[1], signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 5
+            while p.stopped_pids() != [p.pids[1]]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        finally:
+            os.kill(p.pids[1], signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while p.stopped_pids():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)

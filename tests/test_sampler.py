@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from agents.runner import ModelRunner, RunnerConfig
-from agents.sampler import sample_row
+from agents.sampler import sample, sample_row, take_failures
 from agents.weights import load_weights
-from llm_serving.protocol.batch import StepBatch
+from llm_serving.protocol.batch import FAILED_TOKEN, SamplingBatch, StepBatch
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.random_model import build_random_model
 from tests.hf_reference import load_hf
@@ -164,3 +164,23 @@ def test_greedy_repetition_penalty_matches_transformers(model):
                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert got == ref
     assert tokens != PagedDriver(runner, seed=5).generate(batch_prompts, 16)[0]
+
+
+def test_a_row_whose_sampling_raises_fails_alone():
+    """Issue 18 finding 1: top_p 1e-300 is 0 in float32 and raised IndexError for every row of the step."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 64)).astype(np.float32)
+    n = 3
+    sampling = SamplingBatch(np.full(n, 0.8, np.float32), np.zeros(n, np.int32),
+                             np.array([0.9, 1e-300, 1.0], np.float32), np.ones(n, np.float32),
+                             np.array([11, 12, 13], np.int64), np.array([0, 4, 2], np.int32),
+                             np.zeros(n + 1, np.int32), np.zeros(0, np.int32))
+    greedy = logits.argmax(axis=1).astype(np.int32)
+    ids, logprobs = sample(logits, greedy, np.zeros(n, np.float32), sampling)
+    assert ids[1] == FAILED_TOKEN and ids[0] != FAILED_TOKEN and ids[2] != FAILED_TOKEN
+    for i, seed, draw in ((0, 11, 0), (2, 13, 2)):  # the other rows draw as they would alone
+        alone = sample_row(logits[i], 0.8, 0, float(sampling.top_p[i]), 1.0, np.zeros(0, np.int32), seed, draw)
+        assert (ids[i], logprobs[i]) == pytest.approx(alone)
+    failures = take_failures(sampling, ids)
+    assert list(failures) == [1] and failures[1].startswith("sampling failed: IndexError")
+    assert take_failures(sampling, ids) == {1: "failed on the agent (no reason recorded)"}  # taken once

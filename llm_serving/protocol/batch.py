@@ -7,9 +7,13 @@ Kept free of MindSpore: both sides import it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+# Token id of a sequence whose sampling or post-processing failed on the agent: that sequence fails, the other
+# sequences of its step go on (the reason travels in rank 0's DONE frame, ``wire.done_payload``).
+FAILED_TOKEN = -1
 
 
 @dataclass
@@ -95,7 +99,11 @@ class StepBatch:
 
 @dataclass
 class StepOutput:
-    """Rank 0's answer: the next token of every sequence in the batch, in batch order."""
+    """Rank 0's answer: the next token of every sequence in the batch, in batch order.
+
+    A row whose token is ``FAILED_TOKEN`` failed on its own; ``errors`` maps such rows to their reason.
+    """
 
     token_ids: np.ndarray  # int32 [B]
     logprobs: np.ndarray  # float32 [B]
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why that sequence failed

@@ -2,7 +2,8 @@
 
 Per step the master writes the batch into shared memory (``shm_channel``) and a ``CMD`` step number to every
 rank's command pipe; each rank answers with a ``FRAME`` on its reply pipe. Frames also carry start-up progress,
-readiness and errors (a JSON payload with the summary and the agent's traceback).
+readiness (with the slowest warmed-up step's time) and errors (a JSON payload with the summary and the
+agent's traceback); rank 0's DONE frame names the sequences that failed on their own, if any.
 """
 
 from __future__ import annotations
@@ -39,6 +40,32 @@ def parse_error_payload(payload: str) -> tuple[str, str]:
         return str(data["error"]), str(data.get("traceback", ""))
     except (ValueError, KeyError, TypeError):
         return payload, ""
+
+
+def ready_payload(slowest_step_s: float | None) -> str:
+    """A READY frame's payload: the slowest warmed-up step (seconds), which the master's step timeout is
+    derived from."""
+    return json.dumps({"slowest_step_s": slowest_step_s})
+
+
+def parse_ready_payload(payload: str) -> float | None:
+    try:
+        value = json.loads(payload)["slowest_step_s"] if payload else None
+        return float(value) if value is not None else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def done_payload(failed: dict[int, str]) -> str:
+    """A DONE frame's payload: why the rows marked ``FAILED_TOKEN`` failed ("" when none did)."""
+    return json.dumps({"failed": {str(row): reason for row, reason in failed.items()}}) if failed else ""
+
+
+def parse_done_payload(payload: str) -> dict[int, str]:
+    try:
+        return {int(row): str(reason) for row, reason in json.loads(payload)["failed"].items()} if payload else {}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return {}
 
 
 @dataclass(frozen=True)
