@@ -13,6 +13,9 @@ become a 400 under the dialect's name of the field (``parameter_error``: ``max_t
 Every problem becomes an ``ApiError`` carrying the HTTP status and a message that names the parameter, so
 the server answers ``{"error": ..., "error_type": ...}`` instead of failing deep in the engine. Unknown keys
 are errors too: a misspelt ``max_new_token`` silently ignored would be a wrong answer, not a served one.
+Every list and string has a bound past which it is a 400: the body the server's size limit, the prompt its
+tokens (admission), OpenAI's prompt list ``MAX_PROMPTS``, stop strings ``SamplingParams``' limits, ``user``
+``MAX_USER_CHARS``; so no request that can never run is queued, and error messages quote values shortened.
 
 Sampling controls map onto ``SamplingParams`` (``SamplingOptions.to_params``). Temperature 0 means greedy on
 every route: in the llm-serving body ``do_sample`` false means greedy whatever the temperature, ``do_sample``
@@ -32,6 +35,8 @@ from typing import Any, ClassVar
 from llm_serving.sequence import InvalidParameter, SamplingParams
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+MAX_PROMPTS = 256  # prompts (choices) of one /v1/completions request; each is a sequence in the queue
+MAX_USER_CHARS = 1024  # OpenAI's opaque end-user id: accepted and ignored, within this length
 MAX_TOP_K = 2**31 - 1  # larger is the same as 0 (no limit), but does not fit the int32 step arrays
 HF_DEFAULT_TEMPERATURE = 1.0  # do_sample=true without a temperature
 
@@ -45,6 +50,7 @@ class ApiError(Exception):
         self.message = message
         self.error_type = error_type
         self.param = param
+        self.close_connection = False  # the answer closes the connection (its request left it unusable)
 
 
 def invalid(message: str, param: str | None = None) -> ApiError:
@@ -137,6 +143,9 @@ def parse_json(raw: bytes) -> Any:
         raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
     except RecursionError:
         raise ApiError(400, "the request body nests JSON too deeply", "invalid_json") from None
+    except ValueError as exc:  # an integer past Python's int() digit limit (4,300 digits)
+        raise ApiError(400, f"the request body has a number this server does not read: {exc}",
+                       "invalid_json") from None
 
 
 _GENERATE_TOP = ("inputs", "parameters", "stream", "sse")
@@ -165,7 +174,7 @@ def parse_generate(body: Any, stream: bool | None = None) -> GenerateRequest:
     _no_unknown(params, (*_GENERATE_PARAMS, *_TGI_NEUTRAL), "'parameters'")
     for key, neutral in _TGI_NEUTRAL.items():
         if key in params and _neutral_value(params[key]) not in neutral:
-            raise ApiError(422, f"parameters.{key}={params[key]!r} is not supported; leave it out",
+            raise ApiError(422, f"parameters.{key}={_kind(params[key])} is not supported; leave it out",
                            "unsupported", key)
     p = _Reader(params, "parameters.", lenient=True)
     b = _Reader(body, "", lenient=True)
@@ -215,7 +224,9 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise ApiError(422, "logit_bias is not supported", "unsupported", "logit_bias")
     if body.get("suffix"):
         raise ApiError(422, "suffix (insertion) is not supported", "unsupported", "suffix")
-    r.str("user")
+    user = r.str("user")
+    if user is not None and len(user) > MAX_USER_CHARS:
+        raise invalid(f"'user' has {len(user)} characters; at most {MAX_USER_CHARS}", "user")
     logprobs = r.int("logprobs", lo=0, hi=5)
     if logprobs is not None and logprobs > 1:
         raise ApiError(422, "logprobs above 1 (alternatives per position) are not supported; send 0 or 1",
@@ -260,6 +271,8 @@ def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
     else:
         raise invalid(f"'prompt' must be a non-empty string, a list of strings or a list of token ids, got "
                       f"{_kind(prompt)}", "prompt")
+    if len(items) > MAX_PROMPTS:
+        raise invalid(f"'prompt' has {len(items)} prompts; at most {MAX_PROMPTS} per request", "prompt")
     out: list[str | tuple[int, ...]] = []
     for i, item in enumerate(items):
         where = "'prompt'" if len(items) == 1 else f"'prompt[{i}]'"
@@ -330,9 +343,14 @@ class _Reader:
                 v = float(v.strip())
             except ValueError:
                 raise invalid(f"{self.prefix}{key} must be a number, got {_kind(self._get(key))}", key) from None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise invalid(f"{self.prefix}{key} must be a finite number, got {_kind(v)}", key)
-        v = float(v)
+        try:
+            v = float(v)  # an integer past float's range raises
+        except OverflowError:
+            v = math.inf
+        if not math.isfinite(v):
+            raise invalid(f"{self.prefix}{key} must be a finite number, got {_kind(self._get(key))}", key)
         if lo is not None and (v <= lo if lo_open else v < lo):
             raise invalid(f"{self.prefix}{key} must be {'>' if lo_open else '>='} {lo:g}, got {v:g}", key)
         if hi is not None and v > hi:
@@ -359,8 +377,10 @@ def _object(value: Any, what: str) -> Mapping[str, Any]:
 def _no_unknown(obj: Mapping[str, Any], known: tuple[str, ...], what: str) -> None:
     unknown = [k for k in obj if k not in known]
     if unknown:
-        raise invalid(f"{what} has unknown key(s) {', '.join(map(repr, unknown))}; known keys: "
-                      f"{', '.join(known)}", unknown[0])
+        shown = ", ".join(repr(k[:40]) for k in unknown[:5])  # bounded: a body may carry thousands
+        if len(unknown) > 5:
+            shown += f" and {len(unknown) - 5} more"
+        raise invalid(f"{what} has unknown key(s) {shown}; known keys: {', '.join(known)}", unknown[0][:40])
 
 
 def _neutral_value(v: Any) -> Any:

@@ -15,6 +15,8 @@ from aiohttp import web
 from llm_serving.api_schema import ApiError
 from llm_serving.request_stream import EngineError
 
+MAX_ERROR_CHARS = 2000  # of an error message: many quote the request, which may be a megabyte
+
 
 class ClientGone(Exception):
     """The client closed the connection while its answer was being written."""
@@ -29,13 +31,19 @@ def _dumps(data: Any) -> str:
 
 
 def error_response(err: ApiError, openai: bool) -> web.Response:
+    message = err.message
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[:MAX_ERROR_CHARS - 3] + "..."
     if openai:
-        body: dict[str, Any] = {"error": {"message": err.message, "type": err.error_type, "param": err.param,
+        body: dict[str, Any] = {"error": {"message": message, "type": err.error_type, "param": err.param,
                                           "code": err.status}, "error_type": err.error_type}
     else:
-        body = {"error": err.message, "error_type": err.error_type}
+        body = {"error": message, "error_type": err.error_type}
     headers = {"Retry-After": "1"} if err.status == 503 else None
-    return json_response(body, status=err.status, headers=headers)
+    resp = json_response(body, status=err.status, headers=headers)
+    if err.close_connection:
+        resp.force_close()
+    return resp
 
 
 def too_large(size: int | None, limit: int) -> ApiError:
@@ -46,7 +54,8 @@ def too_large(size: int | None, limit: int) -> ApiError:
 async def open_stream(request: web.Request, content_type: str) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": f"{content_type}; charset=utf-8",
                                        "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    resp.enable_chunked_encoding()
+    # no length: aiohttp chunks it for HTTP/1.1 and ends it at close for HTTP/1.0 (forcing chunked
+    # encoding would fail those requests with a RuntimeError)
     await resp.prepare(request)
     return resp
 

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from llm_serving.api_schema import ApiError, CompletionRequest, parse_completion
 from llm_serving.generation import AnswerDelta, Generation, TokenInfo
+from llm_serving.http_guards import check_prompt_count
 from llm_serving.http_responses import ClientGone, engine_errors, json_response, open_stream, write
 from llm_serving.request_stream import EngineError
 from llm_serving.tokenizer import Tokenizer
@@ -40,6 +41,7 @@ class OpenAIRoutes:
         server = self.server
         req = parse_completion(await server.read_body(request))
         model = server.check_model(req.model)
+        check_prompt_count(len(req.prompts), server.config.serving_config.max_queue_size)
         params = req.sampling.to_params(req.max_tokens, req.ignore_eos, req.stop, req.FIELD_NAMES)
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         prompts = [await server.tokenize(p) for p in req.prompts]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import struct
 from dataclasses import dataclass, field
 
 # Why a request ended: its eos token, its max_new_tokens, an abort (client gone, shutdown), one of its stop
@@ -52,9 +53,10 @@ class SamplingParams:
     first appears in the generated text, with finish reason "stop" and the stop string cut from the text.
     Frozen, so one instance can be shared by many requests.
 
-    Values outside a field's domain raise ``InvalidParameter`` (wrong types ``TypeError``); the limits of the
-    served configuration (max_new_tokens against the context, ...) are checked when the engine admits the
-    request (``admission.RequestLimits``).
+    Values outside a field's domain raise ``InvalidParameter`` (wrong types ``TypeError``), the float fields
+    checked as the agents hold them, in float32 (one that becomes 0 or infinite there is refused); the limits
+    of the served configuration (max_new_tokens against the context, ...) are checked when the engine admits
+    the request (``admission.RequestLimits``).
     """
 
     max_new_tokens: int = 16
@@ -85,6 +87,8 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise InvalidParameter("repetition_penalty",
                                    f"{{field}} must be > 0 (1 = none), got {self.repetition_penalty:g}")
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            _check_float32(name, getattr(self, name))
         if _not_int(self.top_k):
             raise TypeError(f"top_k must be an int, got {self.top_k!r}")
         if not 0 <= self.top_k <= _INT32_MAX:
@@ -93,6 +97,23 @@ class SamplingParams:
             raise TypeError(f"seed must be an int or None, got {self.seed!r}")
         object.__setattr__(self, "stop", _checked_stops(self.stop))
         object.__setattr__(self, "needs_logits", self.temperature > 0 or self.repetition_penalty != 1.0)
+
+
+def as_float32(value: float) -> float:
+    """``value`` as the step arrays carry it to the agents (float32), overflow giving a signed infinity."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _check_float32(name: str, value: float) -> None:
+    """The agents sample with float32 values: one that becomes 0 or infinite there would mean something else
+    than what was asked (top_p 1e-300 would keep no token at all), so it is refused."""
+    held = as_float32(value)
+    if math.isinf(held) or (held == 0) != (value == 0):
+        raise InvalidParameter(name, f"{{field}} {value:g} is {held:g} in float32, the precision the agents "
+                                     "sample with; send 0 or a value from 1e-44 to 3.4e38")
 
 
 def _not_int(value: object) -> bool:
