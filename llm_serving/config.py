@@ -79,7 +79,14 @@ class ServingSection:
     num_agents: int | None = setting(None, "int", optional=True)
     max_queue_size: int = setting(1024, "int")
     model_aliases: tuple[str, ...] = setting(("llama2",), "strs")
+    api_key: str | None = setting(None, "str", optional=True)  # Bearer key on all routes but /health
     drain_timeout_s: float = setting(30.0, "float")
+    # self-healing agents (llm_serving/recovery.py): a step gets step_timeout_factor x the slowest warmed-up
+    # step, at least step_timeout_min_s (factor 0: no timeout); restarts back off from agent_restart_backoff_s
+    step_timeout_factor: float = setting(20.0, "float")
+    step_timeout_min_s: float = setting(5.0, "float")
+    agent_restart_limit: int = setting(5, "int")
+    agent_restart_backoff_s: float = setting(1.0, "float")
 
     @property
     def effective_num_agents(self) -> int:
@@ -101,6 +108,7 @@ class TokenizerSection:
 
     type: str = setting("LlamaTokenizer", "str")
     vocab_file: str | None = setting(None, "path", optional=True)
+    chat_template: str | None = setting(None, "path", optional=True)  # a Jinja file; None: the model's own
 
 
 @dataclass(frozen=True)
@@ -310,6 +318,8 @@ def _validate(cfg: ServingConfig) -> None:
     need(all(a.strip() for a in s.model_aliases), "serving_config.model_aliases",
          f"aliases must be non-empty: {list(s.model_aliases)}")
     need(s.drain_timeout_s >= 0, "serving_config.drain_timeout_s", f"must be >= 0, got {s.drain_timeout_s}")
+    for key in ("step_timeout_factor", "step_timeout_min_s", "agent_restart_limit", "agent_restart_backoff_s"):
+        need(getattr(s, key) >= 0, f"serving_config.{key}", f"must be >= 0, got {getattr(s, key)}")
 
     for key in ("num_blocks", "block_size", "decode_seq_length"):
         need(getattr(pa, key) > 0, f"pa_config.{key}", f"must be positive, got {getattr(pa, key)}")

@@ -25,6 +25,7 @@ import yaml
 from aiohttp import web
 
 from llm_serving.config import ConfigError, ServingConfig
+from llm_serving.http_guards import exposure_warning
 from llm_serving.protocol.wire import AgentSpec
 from llm_serving.server import Server
 
@@ -48,6 +49,8 @@ def load_config(args: argparse.Namespace) -> ServingConfig:
             values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError as exc:
             raise ConfigError(f"--set {item!r}: VALUE is not valid YAML: {exc}", key=key, source="--set") from None
+    if getattr(args, "api_key", None):
+        values["serving_config.api_key"] = args.api_key
     if values:
         cfg = cfg.with_values(values)
     return cfg.with_overrides(model_path=args.model, host=args.host, port=args.port, policy=args.policy,
@@ -69,8 +72,7 @@ class _HttpThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def _listen(self, host: str, port: int) -> list[tuple[str, int]]:
-        self.runner = web.AppRunner(self.server.app, handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        self.runner = self.server.make_runner(shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port)
         try:
@@ -148,6 +150,8 @@ def serve(config: ServingConfig, standin_agents: bool = False, standin_step_dela
     host, port = addresses[0]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     log(f"listening on {url} (config {config.source}); /health says ready once the model is up")
+    if warning := exposure_warning(sc.server_ip, sc.api_key):
+        log(warning)
 
     stop, force = threading.Event(), threading.Event()
     starting = True
@@ -164,6 +168,7 @@ def serve(config: ServingConfig, standin_agents: bool = False, standin_step_dela
         try:
             t0 = time.monotonic()
             engine.start(progress=log)
+            log(f"chat template: {server.chat.template().origin}")  # a bad one fails start-up here
             starting = False
         except KeyboardInterrupt as exc:
             starting = False
@@ -181,9 +186,14 @@ def serve(config: ServingConfig, standin_agents: bool = False, standin_step_dela
         names = ", ".join(server.names)
         log(f"ready in {time.monotonic() - t0:.1f}s: model {config.model_config.model_name} at {url} "
             f"(names: {names}); POST /models/<name>/generate[_stream], POST /v1/completions, "
-            f"GET /v1/models, /health, /metrics")
+            f"POST /v1/chat/completions, GET /v1/models, /health, /metrics")
         while not stop.wait(0.5):
-            pass
+            if engine.state == "failed":  # the agents could not be replaced: a process supervisor takes over
+                server.mark_failed(str(engine.error))
+                print(f"error: the engine failed: {engine.error}; exiting with status 1", file=sys.stderr,
+                      flush=True)
+                engine.shutdown()
+                return 1
         log(f"signal received: draining {server.num_in_flight} request(s) for up to {sc.drain_timeout_s:g}s "
             "(signal again to abort them now)")
         if not http.drain(sc.drain_timeout_s, force):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from llm_serving.cli import Command, add_config_arguments
 
@@ -14,6 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-agents", dest="agents", type=int, help=argparse.SUPPRESS)
     p.add_argument("--host", help="address to bind (serving_config.server_ip; default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to bind, 0 for any free one (serving_config.server_port)")
+    p.add_argument("--api-key", default=os.environ.get("LLM_SERVING_API_KEY") or None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(serving_config.api_key; default $LLM_SERVING_API_KEY, which keeps it out of ps)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any config key, VALUE in YAML (e.g. --set pa_config.num_blocks=1024)")
     p.add_argument("--standin-agents", action="store_true",

@@ -4,15 +4,18 @@ Routes (each group in its own module):
 - ``POST /models/<name>/generate`` and ``/models/<name>/generate_stream``: the llm-serving body
   (``tgi_routes``).
 - ``POST /v1/completions`` and ``GET /v1/models``: the OpenAI API (``openai_routes``).
-- ``GET /health``: 200 when ready, 503 while loading, draining or after an engine failure.
+- ``POST /v1/chat/completions``: OpenAI chat, messages rendered by the model's chat template (``chat_routes``).
+- ``GET /health``: 200 when ready, 503 while loading, recovering (agents being replaced), draining or after
+  an engine failure; the agents' process ids with it.
 - ``GET /metrics``: Prometheus text (``metrics``).
 
 The server admits requests for the routes: it refuses them unless ready, reads the body within its size
-limit, tokenizes (long prompts off the event loop) and submits to the engine, whose admission check
-(``admission``) is the one check of the request's limits; every refusal becomes a JSON error naming the field
-as the route's API calls it, counted by outcome in the metrics. A client that disconnects aborts its request,
-which frees its KV blocks at once; that needs the handler to be cancelled on disconnect, so run the app
-with ``make_runner`` (``handler_cancellation=True``).
+limit (declared JSON, readable, no deeper than any request needs: ``http_guards``, which also checks the API
+key when one is configured), tokenizes (long prompts off the event loop) and submits to the engine, whose
+admission check (``admission``) is the one check of the request's limits; every refusal becomes a JSON error
+naming the field as the route's API calls it, counted by outcome in the metrics. A client that disconnects
+aborts its request, which frees its KV blocks at once; that needs the handler to be cancelled on disconnect,
+so run the app with ``make_runner`` (``handler_cancellation=True``, and the HTTP parser's errors as JSON).
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from typing import Any
 
 from aiohttp import web
 
-from llm_serving.api_schema import ApiError, parameter_error, parse_json
+from llm_serving.api_schema import ApiError, parameter_error
+from llm_serving.chat_routes import ChatRoutes
 from llm_serving.config import ServingConfig
 from llm_serving.generation import Generation
-from llm_serving.http_responses import error_response, json_response, too_large
+from llm_serving.http_guards import JsonErrorRunner, api_key_middleware, read_json_body
+from llm_serving.http_responses import error_response, json_response
 from llm_serving.metrics import CONTENT_TYPE, ServerMetrics
 from llm_serving.openai_routes import OpenAIRoutes
 from llm_serving.request_stream import EngineError, QueueFull
@@ -94,16 +99,20 @@ class Server:
             g.abort()
         return len(generations)
 
-    def make_runner(self) -> web.AppRunner:
-        return web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+    def make_runner(self, **kwargs: Any) -> web.AppRunner:
+        """The runner to serve ``app`` with: handlers cancelled on disconnect, parser errors as JSON."""
+        return JsonErrorRunner(self.app, handler_cancellation=True, access_log=None, **kwargs)
 
     # ---- app -----------------------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
         tgi, openai = TgiRoutes(self), OpenAIRoutes(self)
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._json_errors])
+        guards = [m for m in (api_key_middleware(self.config.serving_config.api_key),) if m is not None]
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._json_errors, *guards])
         app.router.add_post("/models/{model_name}/generate", self._guard(tgi.generate, "llm"))
         app.router.add_post("/models/{model_name}/generate_stream", self._guard(tgi.generate_stream, "llm"))
         app.router.add_post("/v1/completions", self._guard(openai.completions, "openai"))
+        self.chat = ChatRoutes(self)
+        app.router.add_post("/v1/chat/completions", self._guard(self.chat.chat_completions, "openai"))
         app.router.add_get("/v1/models", openai.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
@@ -153,18 +162,12 @@ class Server:
         return name
 
     async def read_body(self, request: web.Request) -> Any:
-        """The request's JSON body within ``max_body_bytes``."""
-        if request.content_length is not None and request.content_length > self.max_body_bytes:
-            raise too_large(request.content_length, self.max_body_bytes)
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise too_large(None, self.max_body_bytes) from None
-        return parse_json(raw)
+        """The request's JSON body within ``max_body_bytes`` (declared JSON, readable: ``http_guards``)."""
+        return await read_json_body(request, self.max_body_bytes)
 
     async def tokenize(self, prompt: str | tuple[int, ...]) -> list[int]:
         """The prompt's token ids (ids as sent; their range is the engine's to check); 503 unless serving."""
-        self._check_accepting()
+        self.check_accepting()
         if not isinstance(prompt, str):
             return list(prompt)
         tok = self.engine.tokenizer
@@ -192,23 +195,30 @@ class Server:
         self.metrics.prompt_tokens.inc(len(ids))
         return Generation(stream, self.engine.tokenizer, self.metrics, arrival, self._live)
 
-    def _check_accepting(self) -> None:
+    def check_accepting(self) -> None:
+        """503 unless ready to serve (loading, recovering, draining, failed)."""
         if self.state == "ready" and self.engine.ready:
             return
         if self.state == "loading":
             raise ApiError(503, "the model is still loading; retry when /health says ready", "not_ready")
         if self.state == "draining":
             raise ApiError(503, "the server is shutting down", "unavailable")
+        if getattr(self.engine, "state", None) == "recovering":
+            raise ApiError(503, f"the agents are being restarted after a failure ({self.engine.last_failure}); "
+                                "retry shortly", "recovering")
         raise ApiError(503, f"the engine has failed: {self.failure or 'an agent stopped'}", "engine_error")
 
     # ---- operations ------------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
         state = self.state
         if state == "ready" and not self.engine.ready:
-            state = "failed"
-        body: dict[str, Any] = {"status": state, "model": self.model_name}
+            state = "recovering" if getattr(self.engine, "state", None) == "recovering" else "failed"
+        body: dict[str, Any] = {"status": state, "model": self.model_name,
+                                "agent_pids": list(getattr(self.engine, "agent_pids", []))}
         if state == "failed":
             body["error"] = self.failure or "the engine stopped (an agent exited); see the server log"
+        elif state == "recovering":
+            body["error"] = f"restarting the agents after: {self.engine.last_failure}"
         return json_response(body, status=200 if state == "ready" else 503)
 
     async def metrics_page(self, request: web.Request) -> web.Response:
