@@ -5,7 +5,7 @@ Its answer is a deterministic function of the batch, so tests can compute the ex
 sequence ``i`` gets ``(input token at its last position * 31 + context_lens[i]) % vocab_size`` with
 logprob -1.0. Sampled or penalised sequences also go through the real sampler, on logits peaked at that
 token, so the sampler's per-sequence containment is exercised end to end; only its failures show in the
-answer (``FAILED_TOKEN``), the tokens stay the rule's.
+answer (``FAILED_TOKEN``), the tokens stay the rule's. Rows in ``want_logits`` get those peaked logits back.
 """
 
 from __future__ import annotations
@@ -49,9 +49,13 @@ class StandinRunner:
             time.sleep(self.step_delay_s)
         tokens = standin_tokens(batch, self.vocab_size)
         logprobs = np.full(tokens.shape, STANDIN_LOGPROB, np.float32)
-        if batch.sampling is not None and batch.sampling.needs_logits:
-            logits = np.zeros((tokens.shape[0], self.vocab_size), np.float32)
-            logits[np.arange(tokens.shape[0]), tokens] = _PEAK
-            sampled, _ = sample(logits, tokens, logprobs, batch.sampling)
-            tokens = np.where(sampled == FAILED_TOKEN, FAILED_TOKEN, tokens).astype(np.int32)
-        return StepOutput(tokens, logprobs)
+        sampled = batch.sampling is not None and batch.sampling.needs_logits
+        if not sampled and batch.want_logits is None:
+            return StepOutput(tokens, logprobs)
+        logits = np.zeros((tokens.shape[0], self.vocab_size), np.float32)
+        logits[np.arange(tokens.shape[0]), tokens] = _PEAK
+        wanted = {} if batch.want_logits is None else {int(i): logits[i] for i in np.flatnonzero(batch.want_logits)}
+        if sampled:
+            drawn, _ = sample(logits, tokens, logprobs, batch.sampling)
+            tokens = np.where(drawn == FAILED_TOKEN, FAILED_TOKEN, tokens).astype(np.int32)
+        return StepOutput(tokens, logprobs, logits=wanted)

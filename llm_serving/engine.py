@@ -164,14 +164,18 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
-               request_id: str | None = None, clip_to_context: bool = False) -> RequestStream:
+               request_id: str | None = None, clip_to_context: bool = False,
+               logits_tokens: int = 0) -> RequestStream:
         """Queue a request. Raises RequestRejected (AdmissionError: a limit of the configuration, naming the
         field), QueueFull, or EngineError (not running).
 
         ``clip_to_context`` lowers a max_new_tokens beyond the context left after the prompt to fit, instead
-        of refusing it (``RequestLimits.admit``).
+        of refusing it (``RequestLimits.admit``). ``logits_tokens`` > 0 dumps the float32 logits of the first
+        that many generated positions into ``GenerationResult.logits`` (the steps it is in read logits back).
         """
         params = params if params is not None else SamplingParams()
+        if isinstance(logits_tokens, bool) or not isinstance(logits_tokens, int) or logits_tokens < 0:
+            raise ValueError(f"logits_tokens must be an int >= 0, got {logits_tokens!r}")
         self._check_ready()
         tok = self.tokenizer
         if isinstance(prompt, str):
@@ -180,8 +184,9 @@ class Engine:
             text, ids = None, [int(t) for t in prompt]
         params = self.limits.admit(ids, params, clip_to_context)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        seq = Sequence(rid, ids, params)
-        stream = RequestStream(rid, text, ids, tok, self.abort, params.stop)
+        seq = Sequence(rid, ids, params, logits_tokens=logits_tokens)
+        stream = RequestStream(rid, text, ids, tok, self.abort, params.stop,
+                               seq.logits if logits_tokens else None, self.model.llama_config.vocab_size)
         with self._lock:
             self._check_ready()
             limit = self.config.serving_config.max_queue_size

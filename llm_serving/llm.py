@@ -78,7 +78,7 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int = 16,
                  ignore_eos: bool = False,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 **sampling: Any) -> list[GenerationResult]:
+                 logits_tokens: int = 0, **sampling: Any) -> list[GenerationResult]:
         """Generation for every prompt (text, or token ids used as given); results in prompt order.
 
         Greedy unless asked otherwise: either ``sampling_params`` (one for all prompts or one per prompt), or
@@ -86,6 +86,8 @@ class LLM:
         ``max_new_tokens``/``ignore_eos``; temperature 0 is greedy. A seed applies to every prompt it is given
         for. A stop string ends its prompt's generation with finish reason "stop" and is cut from the
         result's ``text``. A request the configuration cannot run raises ``AdmissionError`` naming the field.
+        ``logits_tokens`` > 0: each result's ``logits`` holds the float32 logits of its first that many generated
+        positions (``Engine.submit``).
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -103,7 +105,7 @@ class LLM:
         streams: list[RequestStream] = []
         try:
             for prompt, p in zip(prompts, params):
-                streams.append(self._submit(prompt, p, streams))
+                streams.append(self._submit(prompt, p, streams, logits_tokens))
             return [s.result() for s in streams]
         except BaseException:
             for s in streams:
@@ -129,11 +131,12 @@ class LLM:
         return self._chat_template.prompt_ids(check_messages(list(messages)))
 
     def _submit(self, prompt: str | Sequence[int], params: SamplingParams,
-                earlier: list[RequestStream]) -> RequestStream:
+                earlier: list[RequestStream], logits_tokens: int = 0) -> RequestStream:
         waited = 0
         while True:
             try:
-                return self.engine.submit(prompt if isinstance(prompt, str) else list(prompt), params)
+                return self.engine.submit(prompt if isinstance(prompt, str) else list(prompt), params,
+                                          logits_tokens=logits_tokens)
             except QueueFull:  # offline: wait for an earlier request instead of failing
                 pending = [s for s in earlier[waited:] if not s.finished]
                 if not pending:

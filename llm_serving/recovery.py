@@ -106,6 +106,7 @@ def run_isolated(pool: Any, batch: StepBatch, error: AgentStepError) -> StepOutp
     n = batch.batch_size
     ids, logprobs = np.full(n, FAILED_TOKEN, np.int32), np.zeros(n, np.float32)
     errors: dict[int, str] = {}
+    logits: dict[int, np.ndarray] = {}
 
     def run(rows: np.ndarray, failure: AgentStepError, alone_already: bool) -> None:
         if len(rows) == 1 and alone_already:
@@ -119,9 +120,10 @@ def run_isolated(pool: Any, batch: StepBatch, error: AgentStepError) -> StepOutp
                 continue
             ids[part], logprobs[part] = out.token_ids, out.logprobs
             errors.update({int(part[row]): reason for row, reason in out.errors.items()})
+            logits.update({int(part[row]): values for row, values in out.logits.items()})
 
     run(np.arange(n), error, False)
-    return StepOutput(ids, logprobs, errors)
+    return StepOutput(ids, logprobs, errors, logits)
 
 
 class StallWatch:

@@ -24,6 +24,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from llm_serving.stop_strings import StopMatcher
 from llm_serving.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -68,6 +70,9 @@ class GenerationResult:
     first_token_time: float | None = None  # when the engine produced the first token
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # when the engine produced each token
+    # float32 [n, vocab]: the logits of the first n generated positions (row k: the distribution token k was
+    # picked from) when the request asked for a logits dump; n = min(asked, generated). None otherwise.
+    logits: np.ndarray | None = None
 
 
 # Item pushed by the engine: (token_id, logprob, finish_reason, monotonic time, text) or an EngineError; the
@@ -81,7 +86,10 @@ class RequestStream:
     """Token events of one request, in order. See the module docstring for the threading model."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], tokenizer: Tokenizer,
-                 abort: Callable[[str], None], stop: tuple[str, ...] = ()) -> None:
+                 abort: Callable[[str], None], stop: tuple[str, ...] = (),
+                 logits_rows: list[np.ndarray] | None = None, logits_width: int = 0) -> None:
+        """``logits_rows``: the list the engine appends the request's dumped logits rows to (``Sequence.logits``),
+        stacked into the result when the request ends."""
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self._abort = abort
@@ -100,6 +108,7 @@ class RequestStream:
         # consumer side
         self._texts: list[str] = []  # text of each event read
         self._result = GenerationResult(request_id, prompt, prompt_ids, arrival_time=time.monotonic())
+        self._logits_rows, self._logits_width = logits_rows, logits_width
         self._done = False
         self._error: EngineError | None = None
 
@@ -266,6 +275,9 @@ class RequestStream:
             res.finish_reason = reason
             res.finish_time = t
             res.text = "".join(self._texts)
+            if self._logits_rows is not None:  # complete: the engine appends rows before it pushes their token
+                rows = self._logits_rows
+                res.logits = np.stack(rows) if rows else np.zeros((0, self._logits_width), np.float32)
             self._done = True
         return TokenEvent(token, logprob, text, reason is not None, reason)
 

@@ -9,6 +9,11 @@ Sampling: all-greedy steps carry no ``SamplingBatch`` (the agents keep the in-gr
 sampled or penalised sequence carries every sequence's parameters, its seed (fixed at admission, so a
 preempted and recomputed sequence draws the same) and its draw index (tokens generated so far).
 
+Logits dump: a step marks in ``want_logits`` the sequences still short of their ``logits_tokens`` rows; the row
+it returns for a sequence is that of the token the step produces, so a recompute's prefill adds one row, never
+the rows of tokens generated before its preemption. Steps where no sequence asks carry None (checked in O(1)
+for decode while no running sequence dumps), and the agents then read no logits back.
+
 When a decode step needs a KV block and none is free, the most recently admitted running sequence is
 preempted by recompute: its blocks are freed and it goes back to the front of the queue; its next prefill
 covers prompt + generated tokens, so it resumes exactly where it stopped (greedy results do not change).
@@ -105,6 +110,7 @@ class Scheduler:
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self._row: dict[str, int] = {}
         self._running_sampled = 0  # running sequences whose params need logits; 0 keeps decode on the fast path
+        self._running_dumps = 0  # running sequences with a logits dump; 0: no step asks for logits
 
     # ---- requests -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -188,9 +194,14 @@ class Scheduler:
             )
         eos = self.config.eos_token_id
         finished = []
-        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+        for row, (seq, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step was in flight
+            if seq.num_output_tokens < seq.logits_tokens:  # the step asked for this row (``_want_logits``)
+                if row not in output.logits:
+                    raise ValueError(f"step output has no logits for row {row} ({seq.request_id!r}), which "
+                                     "want_logits asked for")
+                seq.logits.append(output.logits[row])
             seq.append_token(token, logprob)
             if eos is not None and token == eos and not seq.params.ignore_eos:
                 reason = "eos"
@@ -284,6 +295,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
             self._running_sampled += seq.params.needs_logits
+            self._running_dumps += seq.logits_tokens > 0
         return chosen
 
     def _reserve_decode_slots(self) -> list[Sequence]:
@@ -312,6 +324,7 @@ class Scheduler:
         """Take a running sequence off the running list and give back its KV blocks and table row."""
         self._running.remove(seq)
         self._running_sampled -= seq.params.needs_logits
+        self._running_dumps -= seq.logits_tokens > 0
         self.block_manager.free(seq)
         self._free_rows.append(self._row.pop(seq.request_id))
 
@@ -359,7 +372,16 @@ class Scheduler:
             context_lens=context_lens,
             block_tables=block_tables,
             sampling=self._sampling(seqs, prefill),
+            want_logits=self._want_logits(seqs),
         )
+
+    def _want_logits(self, seqs: list[Sequence]) -> np.ndarray | None:
+        """Which sequences' next-token logits to return: those whose dump still lacks the row of the token this
+        step produces; None when none (O(1) while no running sequence dumps)."""
+        if not self._running_dumps:
+            return None
+        want = np.fromiter((seq.num_output_tokens < seq.logits_tokens for seq in seqs), np.bool_, len(seqs))
+        return want if want.any() else None
 
     def _sampling(self, seqs: list[Sequence], prefill: bool) -> SamplingBatch | None:
         """None for an all-greedy step (checked in O(1) for decode); else the per-sequence arrays."""

@@ -56,6 +56,9 @@ class StepBatch:
 
     Prefill: sequence ``i`` contributes ``query_lens[i]`` tokens (its whole prompt), concatenated in order.
     Decode: every sequence contributes exactly one token.
+
+    ``want_logits[i]``: return sequence ``i``'s float32 logits of this step (the distribution its next token is
+    picked from) in ``StepOutput.logits``; None when no sequence asks, and then the agents never read logits back.
     """
 
     is_prefill: bool
@@ -66,6 +69,7 @@ class StepBatch:
     context_lens: np.ndarray  # int32 [B], sequence length after this step (cached + new tokens)
     block_tables: np.ndarray  # int32 [B, W], block ids of each sequence; unused entries are 0
     sampling: SamplingBatch | None = None  # None: every sequence is greedy
+    want_logits: np.ndarray | None = None  # bool [B]; None: no sequence wants its logits back
 
     @property
     def batch_size(self) -> int:
@@ -79,9 +83,11 @@ class StepBatch:
         """A step of only the sequences at ``indices``, in that order (each keeps all its tokens)."""
         starts = np.concatenate([[0], np.cumsum(self.query_lens)])[:-1]
         tokens = np.concatenate([np.arange(starts[i], starts[i] + self.query_lens[i]) for i in indices.tolist()])
+        want = self.want_logits[indices] if self.want_logits is not None else None
         return StepBatch(self.is_prefill, self.input_ids[tokens], self.positions[tokens], self.slot_mapping[tokens],
                          self.query_lens[indices], self.context_lens[indices], self.block_tables[indices],
-                         self.sampling.take(indices) if self.sampling is not None else None)
+                         self.sampling.take(indices) if self.sampling is not None else None,
+                         want if want is not None and want.any() else None)
 
     def validate(self) -> None:
         """Raise ValueError when the arrays disagree with each other (cheap; for tests and loaders)."""
@@ -95,6 +101,8 @@ class StepBatch:
             raise ValueError(f"query_lens sum to {int(self.query_lens.sum())}, but there are {n} tokens")
         if not self.is_prefill and not np.all(self.query_lens == 1):
             raise ValueError("a decode step takes exactly one token per sequence")
+        if self.want_logits is not None and self.want_logits.shape != (b,):
+            raise ValueError(f"want_logits has shape {self.want_logits.shape}, expected ({b},)")
 
 
 @dataclass
@@ -102,8 +110,10 @@ class StepOutput:
     """Rank 0's answer: the next token of every sequence in the batch, in batch order.
 
     A row whose token is ``FAILED_TOKEN`` failed on its own; ``errors`` maps such rows to their reason.
+    ``logits`` holds the rows the batch's ``want_logits`` asked for, and only those.
     """
 
     token_ids: np.ndarray  # int32 [B]
     logprobs: np.ndarray  # float32 [B]
     errors: dict[int, str] = field(default_factory=dict)  # row -> why that sequence failed
+    logits: dict[int, np.ndarray] = field(default_factory=dict)  # row -> float32 [vocab] logits of this step

@@ -3,7 +3,9 @@
 One POSIX shared-memory segment is allocated at start and never resized: a small int64 header, the
 token-flat input arrays of a ``StepBatch`` at their maximum sizes, its per-sequence sampling arrays (a header
 flag says whether the step has any; all-greedy steps copy none of them), and an output area where rank 0
-writes the next token id and logprob of every sequence. A step is then a handful of ``memcpy``s into numpy views;
+writes the next token id and logprob of every sequence, and the float32 logits of the sequences whose
+``want_logits`` is set (``max_logits_rows`` rows of ``logits_width``; a header flag says whether a step asks for
+any, so steps that ask for none copy nothing more). A step is then a handful of ``memcpy``s into numpy views;
 nothing is pickled. Signalling (whose turn it is) is not done here but over pipes by ``agent_pool``.
 
 Only the creating side (the master) registers the segment with Python's ``resource_tracker``, so a crashed
@@ -25,15 +27,16 @@ import numpy as np
 
 from llm_serving.protocol.batch import SamplingBatch, StepBatch, StepOutput
 
-MAGIC = 0x4C4C4D534832  # "LLMSH2": bump the digit when the layout changes
+MAGIC = 0x4C4C4D534833  # "LLMSH3": bump the digit when the layout changes
 NAME_PREFIX = "llmserving_"
 _ALIGN = 64
-_HEADER_SLOTS = 16
+_HEADER_SLOTS = 24
 # header slots (int64)
 _MAGIC, _MAX_TOKENS, _MAX_BATCH, _MAX_BLOCKS = 0, 1, 2, 3
 _STEP, _IS_PREFILL, _NUM_TOKENS, _BATCH_SIZE, _WIDTH = 4, 5, 6, 7, 8
 _OUT_STEP, _OUT_BATCH_SIZE = 9, 10
 _MAX_PENALTY, _SAMPLING, _PENALTY_TOKENS = 11, 12, 13
+_MAX_LOGITS_ROWS, _LOGITS_WIDTH, _WANT_LOGITS, _OUT_LOGITS_ROWS = 14, 15, 16, 17
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "seeds", "draw_index")
 
 
@@ -51,6 +54,8 @@ class ChannelLayout:
     # repetition-penalty token ids in one step (prompt + generated ids of every penalised sequence);
     # None: max_tokens, enough for one sequence of max_model_len tokens
     max_penalty_tokens: int | None = None
+    max_logits_rows: int = 0  # sequences of one step that may get their logits back (0: none can)
+    logits_width: int = 0  # floats per logits row: the vocabulary size
 
     def __post_init__(self) -> None:
         if self.max_penalty_tokens is None:
@@ -58,6 +63,9 @@ class ChannelLayout:
         for name in ("max_tokens", "max_batch", "max_blocks_per_seq", "max_penalty_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"channel layout: {name} must be positive, got {getattr(self, name)}")
+        if self.max_logits_rows < 0 or (self.max_logits_rows and self.logits_width <= 0):
+            raise ValueError(f"channel layout: max_logits_rows {self.max_logits_rows} needs a positive "
+                             f"logits_width, got {self.logits_width}")
 
     def fields(self) -> dict[str, tuple[int, np.dtype, int]]:
         """name -> (byte offset, dtype, element count), in segment order."""
@@ -68,7 +76,9 @@ class ChannelLayout:
                 ("temperature", np.float32, b), ("top_k", np.int32, b), ("top_p", np.float32, b),
                 ("repetition_penalty", np.float32, b), ("seeds", np.int64, b), ("draw_index", np.int32, b),
                 ("penalty_offsets", np.int32, b + 1), ("penalty_token_ids", np.int32, self.max_penalty_tokens),
-                ("out_token_ids", np.int32, b), ("out_logprobs", np.float32, b)]
+                ("want_logits", np.uint8, b), ("out_token_ids", np.int32, b), ("out_logprobs", np.float32, b),
+                ("out_logits_rows", np.int32, self.max_logits_rows),
+                ("out_logits", np.float32, self.max_logits_rows * self.logits_width)]
         out, offset = {}, 0
         for name, dtype, count in spec:
             out[name] = (offset, np.dtype(dtype), count)
@@ -141,6 +151,7 @@ class StepChannel:
         h[:] = 0
         h[_MAGIC], h[_MAX_TOKENS], h[_MAX_BATCH], h[_MAX_BLOCKS], h[_MAX_PENALTY] = (
             MAGIC, layout.max_tokens, layout.max_batch, layout.max_blocks_per_seq, layout.max_penalty_tokens)
+        h[_MAX_LOGITS_ROWS], h[_LOGITS_WIDTH] = layout.max_logits_rows, layout.logits_width
         h[_STEP] = h[_OUT_STEP] = -1
         return channel
 
@@ -157,12 +168,15 @@ class StepChannel:
                                f"{layout} needs {layout.nbytes}")
         channel = cls(segment, layout, owner=False)
         h = channel.header
-        found = tuple(int(h[i]) for i in (_MAGIC, _MAX_TOKENS, _MAX_BATCH, _MAX_BLOCKS, _MAX_PENALTY))
-        wanted = (MAGIC, layout.max_tokens, layout.max_batch, layout.max_blocks_per_seq, layout.max_penalty_tokens)
+        found = tuple(int(h[i]) for i in (_MAGIC, _MAX_TOKENS, _MAX_BATCH, _MAX_BLOCKS, _MAX_PENALTY,
+                                          _MAX_LOGITS_ROWS, _LOGITS_WIDTH))
+        wanted = (MAGIC, layout.max_tokens, layout.max_batch, layout.max_blocks_per_seq, layout.max_penalty_tokens,
+                  layout.max_logits_rows, layout.logits_width)
         if found != wanted:
             channel.close()
             raise ChannelError(f"shared memory segment {name!r} has layout (magic, max_tokens, max_batch, "
-                               f"max_blocks_per_seq, max_penalty_tokens) = {found}, expected {wanted}")
+                               f"max_blocks_per_seq, max_penalty_tokens, max_logits_rows, logits_width) = "
+                               f"{found}, expected {wanted}")
         return channel
 
     def close(self) -> None:
@@ -192,13 +206,18 @@ class StepChannel:
         lay = self.layout
         width = batch.block_tables.shape[1] if batch.block_tables.ndim == 2 else -1
         penalty = batch.sampling.penalty_token_ids.shape[0] if batch.sampling is not None else 0
+        want = batch.want_logits
+        logits_rows = int(np.count_nonzero(want)) if want is not None else 0
         for what, value, limit in (("num_tokens", batch.num_tokens, lay.max_tokens),
                                    ("batch_size", batch.batch_size, lay.max_batch),
                                    ("block table width", width, lay.max_blocks_per_seq),
-                                   ("repetition-penalty token count", penalty, lay.max_penalty_tokens)):
+                                   ("repetition-penalty token count", penalty, lay.max_penalty_tokens),
+                                   ("logits row count", logits_rows, lay.max_logits_rows)):
             if value > limit:
-                raise ValueError(f"step {what} {value} exceeds the shared-memory capacity {limit} "
-                                 f"(AgentSpec max_tokens/max_batch/max_blocks_per_seq/max_penalty_tokens)")
+                raise ValueError(f"step {what} {value} exceeds the shared-memory capacity {limit} (AgentSpec "
+                                 f"max_tokens/max_batch/max_blocks_per_seq/max_penalty_tokens/max_logits_rows)")
+        if want is not None and want.shape != (batch.batch_size,):
+            raise ValueError(f"want_logits has shape {want.shape}, expected ({batch.batch_size},)")
         sampling = batch.sampling
         if sampling is not None and sampling.penalty_offsets.shape != (batch.batch_size + 1,):
             raise ValueError(f"sampling.penalty_offsets has shape {sampling.penalty_offsets.shape}, expected "
@@ -225,6 +244,9 @@ class StepChannel:
             v["penalty_token_ids"][:p] = sampling.penalty_token_ids
             h[_PENALTY_TOKENS] = p
         h[_SAMPLING] = sampling is not None
+        if batch.want_logits is not None:
+            v["want_logits"][:b] = batch.want_logits
+        h[_WANT_LOGITS] = batch.want_logits is not None
         h[_IS_PREFILL], h[_NUM_TOKENS], h[_BATCH_SIZE], h[_WIDTH] = int(batch.is_prefill), n, b, width
         h[_STEP] = step
 
@@ -235,7 +257,12 @@ class StepChannel:
             raise ChannelError(f"output area holds step {int(h[_OUT_STEP])} with {int(h[_OUT_BATCH_SIZE])} "
                                f"sequences, expected step {step} with {batch_size}")
         v = self._views
-        return StepOutput(v["out_token_ids"][:batch_size].copy(), v["out_logprobs"][:batch_size].copy())
+        output = StepOutput(v["out_token_ids"][:batch_size].copy(), v["out_logprobs"][:batch_size].copy())
+        k = int(h[_OUT_LOGITS_ROWS])
+        if k:
+            logits = v["out_logits"][: k * self.layout.logits_width].reshape(k, -1).copy()
+            output.logits = dict(zip(v["out_logits_rows"][:k].tolist(), logits))
+        return output
 
     # ---- agent side ----------------------------------------------------------------------------------------
     def read_batch(self) -> tuple[int, StepBatch]:
@@ -246,9 +273,10 @@ class StepChannel:
         if h[_SAMPLING]:
             sampling = SamplingBatch(*(v[name][:b] for name in _SAMPLING_FIELDS), v["penalty_offsets"][: b + 1],
                                      v["penalty_token_ids"][: int(h[_PENALTY_TOKENS])])
+        want = v["want_logits"][:b].view(np.bool_) if h[_WANT_LOGITS] else None
         batch = StepBatch(bool(h[_IS_PREFILL]), v["input_ids"][:n], v["positions"][:n], v["slot_mapping"][:n],
                           v["query_lens"][:b], v["context_lens"][:b],
-                          v["block_tables"][: b * width].reshape(b, width), sampling)
+                          v["block_tables"][: b * width].reshape(b, width), sampling, want)
         return int(h[_STEP]), batch
 
     def write_output(self, step: int, output: StepOutput) -> None:
@@ -257,8 +285,21 @@ class StepChannel:
         if b > self.layout.max_batch or output.logprobs.shape != (b,):
             raise ValueError(f"output of {b} tokens / logprobs {output.logprobs.shape} does not fit "
                              f"max_batch {self.layout.max_batch}")
+        lay, rows = self.layout, sorted(output.logits)
+        if len(rows) > lay.max_logits_rows:
+            raise ValueError(f"{len(rows)} logits rows exceed the capacity max_logits_rows {lay.max_logits_rows}")
         v = self._views
         v["out_token_ids"][:b] = output.token_ids
         v["out_logprobs"][:b] = output.logprobs
+        if rows:
+            v["out_logits_rows"][: len(rows)] = rows
+            area = v["out_logits"][: len(rows) * lay.logits_width].reshape(len(rows), lay.logits_width)
+            for i, row in enumerate(rows):
+                values = output.logits[row]
+                if np.shape(values) != (lay.logits_width,) or not 0 <= row < b:
+                    raise ValueError(f"logits of row {row} have shape {np.shape(values)}, expected "
+                                     f"({lay.logits_width},) for a row of the {b} in the step")
+                area[i] = values
+        self.header[_OUT_LOGITS_ROWS] = len(rows)
         self.header[_OUT_BATCH_SIZE] = b
         self.header[_OUT_STEP] = step
