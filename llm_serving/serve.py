@@ -51,6 +51,8 @@ def load_config(args: argparse.Namespace) -> ServingConfig:
             raise ConfigError(f"--set {item!r}: VALUE is not valid YAML: {exc}", key=key, source="--set") from None
     if getattr(args, "api_key", None):
         values["serving_config.api_key"] = args.api_key
+    if getattr(args, "device_target", None):
+        values["model_config.device_target"] = args.device_target
     if values:
         cfg = cfg.with_values(values)
     return cfg.with_overrides(model_path=args.model, host=args.host, port=args.port, policy=args.policy,

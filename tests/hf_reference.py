@@ -28,3 +28,25 @@ def hf_greedy(model: LlamaForCausalLM, prompt_ids: list[int], max_new_tokens: in
 def hf_last_logits(model: LlamaForCausalLM, prompt_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([prompt_ids])).logits[0, -1]
+
+
+def check_greedy_near(hf: LlamaForCausalLM, prompt_ids: list[int], got: list[int], got_logprobs: list[float],
+                      tie: float, logprob_atol: float) -> bool:
+    """Greedy ids of a reduced-precision run against Hugging Face in that precision (``hf``): equal, or first
+    different only where Hugging Face's own logits of its token and ours are within ``tie`` (a near-tie the
+    rounding may flip); logprobs within ``logprob_atol`` before any difference. Returns whether all ids were
+    equal; asserts the rest."""
+    ref, ref_logprobs = hf_greedy(hf, prompt_ids, len(got))
+    first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), len(ref))
+    for i in range(first):
+        assert abs(got_logprobs[i] - ref_logprobs[i]) <= logprob_atol, (prompt_ids, i)
+    if first < len(ref):
+        logits = model_logits(hf, prompt_ids + ref[:first])
+        assert float(logits[ref[first]] - logits[got[first]]) <= tie, (prompt_ids, first)
+    return first == len(ref)
+
+
+def model_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    """float32 logits of the last position."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1].float()

@@ -2,7 +2,8 @@
 
 ``kernels`` (``RunnerConfig.kernels``): ``portable`` takes the graph-op backend; ``native`` the device's own
 backend, raising where there is none or it cannot be built; ``auto`` the device's own where it applies, else the
-portable one (with a warning when a build failed). Adding a device: one module with an ``OpsBackend`` subclass
+portable one (with a warning when a build failed). On Ascend the device's own are MindSpore's fused NPU primitives
+(``ascend``). Adding a device: one module with an ``OpsBackend`` subclass
 and a ``create(dtype, hidden_size)``, and one entry in ``NATIVE``.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from agents.backends import native_cpu
+from agents.backends import ascend, native_cpu
 from agents.backends.base import Attention, OpsBackend
 from agents.backends.portable import PortableBackend
 from agents.native_kernels import KernelBuildError
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 
 # device target -> create(dtype, hidden_size): ValueError where the dtype does not apply, a build error where
 # the kernels cannot be built
-NATIVE: dict[str, Callable[[str, int], OpsBackend]] = {"CPU": native_cpu.create}
+NATIVE: dict[str, Callable[[str, int], OpsBackend]] = {"CPU": native_cpu.create, "Ascend": ascend.create}
 
 
 def select_backend(kernels: str, device_target: str, dtype: str, hidden_size: int) -> OpsBackend:

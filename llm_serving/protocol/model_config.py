@@ -1,5 +1,5 @@
 """Llama architecture hyper-parameters (read from a Hugging Face ``config.json``) and the names of the
-dtypes and kernel sets an agent can run, which the master validates its configuration against."""
+dtypes, kernel sets and devices an agent can run, which the master validates its configuration against."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ HF_SINGLE_FILE = "model.safetensors"  # a Hugging Face model directory's weights
 HF_INDEX_FILE = "model.safetensors.index.json"  # or shards listed in this index
 DTYPES = ("float32", "float16", "bfloat16")
 KERNEL_CHOICES = ("auto", "native", "portable")  # CPU ops: native C++ where they build, portable graph ops
+DEVICE_TARGETS = ("CPU", "Ascend")  # model_config.device_target
+ASCEND_DTYPES = ("float16", "bfloat16")  # what the Ascend fused kernels take (PagedAttention refuses float32)
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -1,0 +1,195 @@
+"""CPU stand-ins for the Ascend backend's fused primitives: each fused primitive's documented contract in MindSpore
+graph ops, with the primitive's call signature, so the Ascend backend's graphs run on CPU unchanged but for these
+cells (``AscendBackend(ReferenceOps())``).
+
+Why: the fused kernels have no CPU implementation ("Unsupported op [PagedAttention] on CPU"), and exporting a graph
+checks its types and shapes but not what it computes. These stand-ins are checked against numpy references of the
+contracts (tests/ascend_contracts.py), and the Ascend wiring with them against Hugging Face. They compute in
+float32 and cast back, as the NPU kernels accumulate; they are for checks, not speed (the gathers copy).
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+
+
+def _f32(x: Tensor) -> Tensor:
+    return x.astype(ms.float32)
+
+
+def _poison(out: Tensor, valid: Tensor) -> Tensor:
+    """``out`` where ``valid`` (broadcast), NaN elsewhere: inputs outside a kernel's documented preconditions give
+    NaN here instead of a plausible answer, so the wiring tests fail on them."""
+    return ops.select(valid.broadcast_to(out.shape), out, ops.full_like(out, float("nan")))
+
+
+class RmsNormRef(nn.Cell):
+    """``(x, gamma) -> (x / sqrt(mean(x^2) + eps) * gamma, rstd)``, in float32, cast back to ``x``'s dtype."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def construct(self, x: Tensor, gamma: Tensor) -> tuple[Tensor, Tensor]:
+        xf = _f32(x)
+        rstd = ops.rsqrt(ops.mean(xf * xf, -1, keep_dims=True) + self.eps)
+        return (xf * rstd * _f32(gamma)).astype(x.dtype), rstd
+
+
+class SwigluRef(nn.Cell):
+    """``(x, dim) -> silu(a) * b`` with ``a, b`` the first and second halves of ``x`` along the last axis."""
+
+    def construct(self, x: Tensor, dim: int = -1) -> Tensor:
+        half = x.shape[-1] // 2
+        return (ops.silu(_f32(x[:, :half])) * _f32(x[:, half:])).astype(x.dtype)
+
+
+class RopeRef(nn.Cell):
+    """``ApplyRotaryPosEmb`` with ``cos_format=2``: per token ``t`` and head, ``x * cos[t] + rotate_half(x) *
+    sin[t]`` (rotate_half(x) = [-x2, x1] of the halves); ``cos``/``sin`` hold one row per token."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+
+    def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        tokens = x.shape[0]
+        heads = x.shape[1] // self.head_dim
+        t = _f32(x).reshape(tokens, heads, self.head_dim)
+        half = self.head_dim // 2
+        rotated = ops.concat((-t[:, :, half:], t[:, :, :half]), -1)
+        out = t * _f32(cos).expand_dims(1) + rotated * _f32(sin).expand_dims(1)
+        return out.reshape(tokens, heads * self.head_dim).astype(x.dtype)
+
+    def construct(self, query: Tensor, key: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor):
+        return self.rotate(query, cos, sin), self.rotate(key, cos, sin)
+
+
+class ReshapeAndCacheRef(nn.Cell):
+    """Row ``t`` of ``key``/``value`` ``[T, kv_heads * head_dim]`` into ``cache[slot // block_size, slot %
+    block_size]`` of the ``[num_blocks, block_size, kv_heads, head_dim]`` caches, in place; returns ``key``."""
+
+    def construct(self, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor):
+        _, block_size, kv_heads, head_dim = key_cache.shape
+        tokens = key.shape[0]
+        where = ops.stack((slot_mapping // block_size, slot_mapping % block_size), -1)
+        k = ops.scatter_nd_update(key_cache, where, key.reshape(tokens, kv_heads, head_dim))
+        v = ops.scatter_nd_update(value_cache, where, value.reshape(tokens, kv_heads, head_dim))
+        return ops.depend(key, (k, v))
+
+
+class PagedAttentionRef(nn.Cell):
+    """Decode attention: query ``[B, N, D]`` of sequence ``b`` over context positions ``j < context_lens[b]``,
+    position ``j`` at ``cache[block_tables[b, j // block_size], j % block_size]``; query head ``h`` reads kv head
+    ``h // (N / kv_heads)``; softmax of ``scale * q.k``. Table entries past the context are never read. A row
+    whose context is empty or longer than its table is NaN (no kernel promises anything for it)."""
+
+    def __init__(self, heads: int, scale: float, kv_heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.scale = scale
+        self.kv_heads = kv_heads
+
+    def construct(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
+                  context_lens: Tensor) -> Tensor:
+        batch, width = block_tables.shape
+        _, block_size, kv_heads, head_dim = key_cache.shape
+        ctx = width * block_size
+        rep = self.heads // self.kv_heads
+
+        def context(cache: Tensor) -> Tensor:  # [B, kv_heads, ctx, D]
+            rows = ops.gather(cache, block_tables.reshape(-1), 0).reshape(batch, ctx, kv_heads, head_dim)
+            return _f32(rows).transpose(0, 2, 1, 3)
+
+        q = _f32(query).reshape(batch, kv_heads, rep, head_dim)
+        scores = ops.BatchMatMul(transpose_b=True)(q, context(key_cache)) * self.scale  # [B, kv, rep, ctx]
+        keep = ops.arange(ctx).astype(ms.int32).reshape(1, ctx) < context_lens.reshape(batch, 1)
+        scores = ops.select(keep.reshape(batch, 1, 1, ctx).broadcast_to(scores.shape), scores,
+                            ops.full_like(scores, -1e30))
+        out = ops.BatchMatMul()(ops.softmax(scores, -1), context(value_cache))
+        valid = ops.logical_and(context_lens >= 1, context_lens <= ctx).reshape(batch, 1, 1)
+        return _poison(out.reshape(batch, self.heads, head_dim), valid).astype(query.dtype)
+
+
+class FlashAttentionThRef(nn.Cell):
+    """``FlashAttentionScore`` in layout ``TH`` with ``sparse_mode`` 3 (causal aligned at the bottom right):
+    rows ``[cum[i-1], cum[i])`` are sequence ``i`` for the cumulative ``actual_seq_qlen``/``actual_seq_kvlen``;
+    query row at position ``p`` of a sequence of ``Lq`` rows attends to that sequence's kv positions ``<= p + Lkv -
+    Lq``; GQA as PagedAttention. Returns the primitive's four outputs, the attention at index 3 (the softmax
+    statistics are not computed: the backend never reads them). All NaN unless every sequence has rows on both
+    sides and the last cumulative lengths equal the rows passed (TND's documented preconditions)."""
+
+    def __init__(self, heads: int, scale: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.scale = scale
+
+    @staticmethod
+    def well_formed(rows: int, cumulative: Tensor) -> Tensor:
+        lengths = cumulative - ops.concat((ops.zeros(1, cumulative.dtype), cumulative[:-1]))
+        return ops.logical_and((lengths > 0).all(), cumulative[-1] == rows)
+
+    def positions(self, rows: int, cumulative: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Per row: its sequence, its position in it and the sequence's length."""
+        idx = ops.arange(rows).astype(ms.int64)
+        seq = (idx.reshape(rows, 1) >= cumulative.reshape(1, -1)).astype(ms.int32).sum(1).astype(ms.int32)
+        seq = ops.minimum(seq, cumulative.shape[0] - 1)  # rows past the last length (ill-formed: poisoned)
+        starts = ops.concat((ops.zeros(1, ms.int64), cumulative[:-1]))
+        start = ops.gather(starts, seq, 0)
+        length = ops.gather(cumulative, seq, 0) - start
+        return seq, idx - start, length
+
+    def construct(self, query: Tensor, key: Tensor, value: Tensor, real_shift, drop_mask, padding_mask, attn_mask,
+                  prefix, actual_seq_qlen: Tensor, actual_seq_kvlen: Tensor):
+        tq, tk = query.shape[0], key.shape[0]
+        head_dim = query.shape[1] // self.heads
+        kv_heads = key.shape[1] // head_dim
+        rep = self.heads // kv_heads
+        q = _f32(query).reshape(tq, kv_heads, rep, head_dim).transpose(1, 2, 0, 3).reshape(kv_heads, rep * tq,
+                                                                                              head_dim)
+        k = _f32(key).reshape(tk, kv_heads, head_dim).transpose(1, 0, 2)
+        v = _f32(value).reshape(tk, kv_heads, head_dim).transpose(1, 0, 2)
+        scores = ops.BatchMatMul(transpose_b=True)(q, k).reshape(kv_heads, rep, tq, tk) * self.scale
+        q_seq, q_pos, q_len = self.positions(tq, actual_seq_qlen)
+        k_seq, k_pos, k_len = self.positions(tk, actual_seq_kvlen)
+        same = q_seq.reshape(tq, 1) == k_seq.reshape(1, tk)
+        # bottom-right causal within a sequence: k_pos <= q_pos + k_len - q_len (lengths of that sequence)
+        causal = (k_pos - k_len).reshape(1, tk) <= (q_pos - q_len).reshape(tq, 1)
+        keep = ops.logical_and(same, causal).reshape(1, 1, tq, tk).broadcast_to(scores.shape)
+        scores = ops.select(keep, scores, ops.full_like(scores, -1e30))
+        probs = ops.softmax(scores, -1).reshape(kv_heads, rep * tq, tk)
+        out = ops.BatchMatMul()(probs, v).reshape(kv_heads, rep, tq, head_dim).transpose(2, 0, 1, 3)
+        valid = ops.logical_and(self.well_formed(tq, actual_seq_qlen), self.well_formed(tk, actual_seq_kvlen))
+        out = _poison(out.reshape(tq, self.heads * head_dim), valid).astype(query.dtype)
+        return out, out, out, out
+
+
+class ReferenceOps:
+    """``FusedOps``' factories returning the stand-ins; ``ArgMaxWithValue`` runs on CPU as it is."""
+
+    name = "reference"
+
+    def __init__(self, head_dim: int) -> None:
+        self.head_dim = head_dim
+
+    def rms_norm(self, eps: float):
+        return RmsNormRef(eps)
+
+    def swiglu(self):
+        return SwigluRef()
+
+    def rope(self):
+        return RopeRef(self.head_dim)
+
+    def reshape_and_cache(self):
+        return ReshapeAndCacheRef()
+
+    def paged_attention(self, heads: int, scale: float, kv_heads: int):
+        return PagedAttentionRef(heads, scale, kv_heads)
+
+    def flash_attention(self, heads: int, scale: float):
+        return FlashAttentionThRef(heads, scale)
+
+    def argmax_with_value(self):
+        return ops.ArgMaxWithValue(axis=-1)

@@ -1,0 +1,190 @@
+"""``python -m agents.export``: one MindIR file per warm-up shape of a model, for its configured device target and
+dtype, built and exported on this machine's CPU, and a line per graph with its shapes and fused primitives.
+
+Why on CPU: exporting runs MindSpore's front end (type and shape inference, pruning) on graphs whose kernels exist
+only on the NPU, so an Ascend graph is checked, and its MindIR written for MindSpore Lite or a GE-based
+deployment, on a machine without one. ``llm-serving export`` starts this module in a child process (the master
+never imports MindSpore) with the agents' ``AgentSpec``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor
+from mindspore.train import mind_ir_pb2
+
+from agents.backends import OpsBackend, select_backend
+from agents.runner import ModelRunner, RunnerConfig
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.protocol.wire import AgentSpec
+
+# the fused NPU primitives of the Ascend backend, in the order the summary lists them
+FUSED_PRIMITIVES = ("ReshapeAndCache", "PagedAttention", "FlashAttentionScore", "ApplyRotaryPosEmb", "RmsNorm",
+                    "Swiglu", "ArgMaxWithValue")
+INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "lens", "block_tables", "last_index")
+MIXED_INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "query_lens", "context_lens", "block_tables",
+                     "last_index")  # agents.mixed_steps.MixedStep
+_DTYPE_NAMES = {"INT32": "int32", "INT64": "int64", "FLOAT": "float32", "FLOAT16": "float16", "BFLOAT16": "bfloat16"}
+# graph kind -> (what its n counts, file-name tag)
+_UNITS = {"decode": ("blocks", "w"), "ragged": ("tokens", "t"), "prefill": ("seq", "s"), "mixed": ("tokens", "m"),
+          "chunk": ("seq", "c")}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str  # numpy-style: int32, float16, ...
+    shape: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.shape))}]"
+
+
+@dataclass(frozen=True)
+class GraphSummary:
+    """What a MindIR file holds: its op types (counted), graph inputs and outputs as MindSpore inferred them, and
+    the inferred outputs of the first node of each op type."""
+
+    path: Path
+    ops: Counter
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+    op_outputs: dict[str, tuple[TensorInfo, ...]]
+
+    def fused(self) -> dict[str, int]:
+        return {name: self.ops[name] for name in FUSED_PRIMITIVES if self.ops[name]}
+
+
+def _tensor_info(proto) -> TensorInfo:
+    name = mind_ir_pb2.TensorProto.DataType.Name(proto.data_type)
+    return TensorInfo(_DTYPE_NAMES.get(name, name.lower()), tuple(int(d) for d in proto.dims))
+
+
+def _attr_tensors(attr) -> tuple[TensorInfo, ...]:
+    """The tensors of a (possibly tuple) inferred-type attribute."""
+    return tuple(_tensor_info(t) for t in attr.tensors) + tuple(
+        _tensor_info(t) for value in attr.values for t in value.tensors)
+
+
+def read_mindir(path: str | Path) -> GraphSummary:
+    """Parse a MindIR file (``mind_ir_pb2.ModelProto``): node op types such as ``REF::PagedAttention:40`` are
+    counted by primitive name; the output tuple's types come from the graph output's ``attr_info``."""
+    model = mind_ir_pb2.ModelProto()
+    model.ParseFromString(Path(path).read_bytes())
+    graph = model.graph
+    ops: Counter = Counter()
+    op_outputs: dict[str, tuple[TensorInfo, ...]] = {}
+    for node in graph.node:
+        name = re.sub(r"^REF::|:\d+$", "", node.op_type)
+        ops[name] += 1
+        shape = next((a for a in node.attribute if a.name == "shape"), None)
+        if name not in op_outputs and shape is not None:
+            op_outputs[name] = _attr_tensors(shape)
+    inputs = tuple(_tensor_info(i.tensor[0]) for i in graph.input if i.tensor)
+    outputs: list[TensorInfo] = []
+    for out in graph.output:
+        outputs += [_tensor_info(t) for t in out.tensor] if out.tensor else list(_attr_tensors(out.attr_info))
+    return GraphSummary(Path(path), ops, inputs, tuple(outputs), op_outputs)
+
+
+def graph_file_name(shape: tuple) -> str:
+    """``decode_b8_w16``, ``ragged_b4_t128``, ``prefill_b4_s64`` (MindSpore adds ``.mindir``)."""
+    kind, batch, n = shape
+    return f"{kind}_b{batch}_{_UNITS[kind][1]}{n}"
+
+
+def describe(shape: tuple, summary: GraphSummary) -> str:
+    """One line per graph: its shape, inputs, outputs and fused primitives."""
+    kind, batch, n = shape
+    unit = _UNITS[kind][0]
+    names = MIXED_INPUT_NAMES if kind in ("mixed", "chunk") else INPUT_NAMES
+    inputs = " ".join(f"{name}={info}" for name, info in zip(names, summary.inputs))
+    fused = ", ".join(f"{name} x{count}" for name, count in summary.fused().items()) or "none"
+    if summary.ops["Custom"]:  # the native CPU backend's C++ ops
+        fused += f"; native Custom x{summary.ops['Custom']}"
+    outputs = ", ".join(map(str, summary.outputs))
+    return (f"{kind} batch={batch} {unit}={n}: inputs {inputs}; outputs (ids, logprobs, logits) {outputs}; "
+            f"fused {fused} -> {summary.path}")
+
+
+def export_runner(config: LlamaConfig, rc: RunnerConfig, weights: dict[str, np.ndarray],
+                  backend: OpsBackend | None = None) -> ModelRunner:
+    """A runner with ``rc.device_target``'s backend (or ``backend``) and its checks, built on this process's CPU:
+    the same model, graphs and warm-up inputs as on the device, compiled only by export."""
+    if backend is None:
+        backend = select_backend(rc.kernels, rc.device_target, rc.dtype, config.hidden_size)
+    return ModelRunner(config, weights, replace(rc, device_target="CPU", device_id=0), backend)
+
+
+def export_graphs(runner: ModelRunner, out_dir: str | Path, shapes: list[tuple] | None = None,
+                  progress: Callable[[str], None] | None = None) -> list[tuple[tuple, GraphSummary]]:
+    """Export ``shapes`` (default: every warm-up shape) of the runner's graphs to ``out_dir``, each with the
+    inputs ``warmup()`` runs it with."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    done = []
+    for shape in shapes if shapes is not None else runner.graph_shapes():
+        path = out / graph_file_name(shape)
+        inputs = [Tensor(a) for a in runner.warmup_inputs(shape)]
+        ms.export(runner.graphs[shape[0]], *inputs, file_name=str(path), file_format="MINDIR")
+        summary = read_mindir(path.with_suffix(".mindir"))
+        done.append((shape, summary))
+        if progress:
+            progress(describe(shape, summary))
+    return done
+
+
+def _parse_shape(text: str) -> tuple:
+    kind, _, rest = text.partition(":")
+    try:
+        batch, n = (int(v) for v in rest.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected KIND:BATCH:N (e.g. decode:8:16), got {text!r}") from None
+    return kind, batch, n
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="export the step graphs of an agent spec to MindIR (on CPU)")
+    parser.add_argument("--spec", required=True, help="AgentSpec as JSON (llm-serving export passes it)")
+    parser.add_argument("--out", required=True, help="directory for the .mindir files")
+    parser.add_argument("--shape", action="append", type=_parse_shape, default=None, metavar="KIND:BATCH:N",
+                        help="export only these warm-up shapes (repeatable)")
+    args = parser.parse_args(argv)
+    spec = AgentSpec.from_json(args.spec)
+    config = LlamaConfig(**spec.llama_config)
+    try:
+        rc = RunnerConfig(**spec.runner_config)
+        backend = select_backend(rc.kernels, rc.device_target, rc.dtype, config.hidden_size)
+        backend.check(config, rc.block_size, rc.prefill_batch_sizes[-1])
+    except ValueError as exc:  # before loading weights: a config mistake answers at once
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from agents.weights import load_weights
+
+    try:
+        runner = export_runner(config, rc, load_weights(spec.model_path, config), backend)
+        shapes = runner.graph_shapes()
+        unknown = [s for s in args.shape or [] if s not in shapes]
+        if unknown:
+            raise ValueError(f"--shape {unknown} are not warm-up shapes of this config: {shapes}")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    note = f" (tensor_parallel_size {spec.tensor_parallel_size}: one device's unsharded graphs)" \
+        if spec.tensor_parallel_size > 1 else ""
+    print(f"exporting {len(args.shape or shapes)} graphs of {rc.device_target} {rc.dtype} ({backend.name} ops) "
+          f"to {args.out}{note}", flush=True)
+    export_graphs(runner, args.out, args.shape or shapes, lambda line: print(line, flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

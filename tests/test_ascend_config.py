@@ -1,0 +1,98 @@
+"""Device selection: ``model_config.device_target`` from the YAML and the command line to each rank's device,
+the Ascend graph settings and backend choice, and the float32-on-Ascend refusal at load."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from mindspore import nn
+
+from agents import agent_main
+from agents.backends import PortableBackend, select_backend
+from agents.backends.ascend import AscendBackend
+from agents.device import apply_jit_config
+from llm_serving import serve, serve_cli
+from llm_serving.cli import add_config_arguments, config_from_args
+from llm_serving.config import ConfigError, ServingConfig
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.random_model import build_random_model
+from llm_serving.wiring import ModelFiles, agent_spec, runner_config_dict
+
+ASCEND = {"model_config": {"device_target": "Ascend", "dtype": "float16"}}
+
+
+def test_device_target_defaults_to_cpu_and_reaches_the_runner_config():
+    assert ServingConfig().model_config.device_target == "CPU"
+    assert runner_config_dict(ServingConfig())["device_target"] == "CPU"
+    assert runner_config_dict(ServingConfig.from_dict(ASCEND))["device_target"] == "Ascend"
+
+
+def test_float32_on_ascend_is_refused_at_load_naming_the_key(tmp_path):
+    path = tmp_path / "npu.yaml"
+    path.write_text("model_config:\n  device_target: Ascend\n  dtype: float32\n")
+    with pytest.raises(ConfigError) as exc:
+        ServingConfig.from_yaml(path)
+    assert exc.value.key == "model_config.dtype"
+    assert str(exc.value) == (f"{path}: model_config.dtype: float32 is not served on Ascend "
+                              "(model_config.device_target): the fused NPU kernels take float16 or bfloat16")
+    with pytest.raises(ConfigError, match="model_config.dtype: float32 is not served on Ascend"):
+        ServingConfig.from_dict({"model_config": {"device_target": "Ascend"}})  # float32 is the default dtype
+    assert ServingConfig.from_dict({"model_config": {"device_target": "Ascend", "dtype": "bfloat16"}})
+
+
+def test_unknown_device_target_is_refused():
+    with pytest.raises(ConfigError, match="model_config.device_target: expected one of CPU, Ascend, got 'NPU'"):
+        ServingConfig.from_dict({"model_config": {"device_target": "NPU", "dtype": "float16"}})
+
+
+def test_device_target_option_overrides_the_yaml_for_generate_export_and_serve(tmp_path):
+    path = tmp_path / "half.yaml"
+    path.write_text("model_config:\n  dtype: float16\n")
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    assert config_from_args(parser.parse_args(["--config", str(path)])).model_config.device_target == "CPU"
+    args = parser.parse_args(["--config", str(path), "--device-target", "Ascend"])
+    assert config_from_args(args).model_config.device_target == "Ascend"
+    serve_parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(serve_parser)
+    args = serve_parser.parse_args(["--config", str(path), "--device-target", "Ascend"])
+    assert serve.load_config(args).model_config.device_target == "Ascend"
+    with pytest.raises(ConfigError, match="float32 is not served on Ascend"):
+        config_from_args(parser.parse_args(["--device-target", "Ascend"]))
+
+
+def test_each_rank_runs_on_start_device_id_plus_its_rank(tmp_path, monkeypatch):
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model_dir = build_random_model(tmp_path, config, seed=1)
+    cfg = ServingConfig.from_dict({**ASCEND, "serving_config": {"start_device_id": 4, "num_agents": 2}})
+    spec = agent_spec(cfg, ModelFiles(model_dir, config, None))
+    built = []
+
+    class Recorder:
+        def __init__(self, llama, weights, runner_config, **kwargs) -> None:
+            built.append(runner_config)
+
+    monkeypatch.setattr("agents.runner.ModelRunner", Recorder)
+    monkeypatch.setattr("agents.collectives.join_cluster", lambda *args: None)  # no cluster of two ranks here
+    monkeypatch.setattr("agents.collectives.share_cpus", lambda shard: 0)
+    for rank in range(spec.tensor_parallel_size):
+        agent_main.build_runner(spec, rank, lambda line: None)
+    assert [(rc.device_target, rc.device_id) for rc in built] == [("Ascend", 4), ("Ascend", 5)]
+
+
+def test_ascend_step_graphs_run_kernel_by_kernel_and_cpu_graphs_keep_the_defaults():
+    ascend, cpu = nn.Cell(), nn.Cell()
+    apply_jit_config(ascend, "Ascend")
+    apply_jit_config(cpu, "CPU")
+    assert ascend.jit_config_dict["jit_level"] == "O0"
+    assert not cpu.jit_config_dict
+
+
+def test_the_ascend_backend_is_the_devices_own_for_half_precision():
+    assert isinstance(select_backend("auto", "Ascend", "float16", 64), AscendBackend)
+    assert isinstance(select_backend("native", "Ascend", "bfloat16", 64), AscendBackend)
+    assert isinstance(select_backend("portable", "Ascend", "float16", 64), PortableBackend)
+    with pytest.raises(ValueError, match="the Ascend kernels take float16 or bfloat16"):
+        select_backend("native", "Ascend", "float32", 64)

@@ -1,0 +1,171 @@
+"""The Ascend graphs as MindSpore builds them, checked on CPU by export (``agents.export``, ``llm-serving export``).
+
+Export runs MindSpore's front end (type and shape inference, pruning) on graphs whose kernels exist only on the
+NPU. Every warm-up shape of a small Ascend config is exported in float16 and bfloat16, its MindIR parsed, and the
+fused primitives and outputs checked; misconfigurations that export would refuse get our error first.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from mindspore import ops
+
+from agents.backends.ascend import AscendAttention, AscendBackend, FusedOps
+from agents.export import FUSED_PRIMITIVES, TensorInfo, export_graphs, export_runner, read_mindir
+from agents.runner import RunnerConfig, warmup_shapes
+from agents.weights import load_weights
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.random_model import build_random_model
+from tests.script_runner import ROOT
+
+LAYERS = 2
+CONFIG = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=320, num_hidden_layers=LAYERS,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # head_dim 64
+
+
+def runner_config(dtype: str, **overrides) -> RunnerConfig:
+    """Prefill in ragged buckets of 32, 48 and 64 tokens (two prompts), decode batches of 1 and 4."""
+    base = {"num_blocks": 40, "block_size": 16, "max_model_len": 64, "prefill_batch_sizes": (2,),
+            "prefill_seq_lengths": (32,), "decode_batch_sizes": (1, 4), "dtype": dtype, "device_target": "Ascend"}
+    return RunnerConfig(**{**base, **overrides})
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    return load_weights(build_random_model(tmp_path_factory.mktemp("llama"), CONFIG, seed=3, std=0.2), CONFIG)
+
+
+def runner(weights, rc: RunnerConfig, backend=None, config: LlamaConfig = CONFIG):
+    return export_runner(config, rc, weights, backend)
+
+
+@pytest.fixture(scope="module", params=["float16", "bfloat16"])
+def exported(request, weights, tmp_path_factory):
+    """Every warm-up shape of the config, exported."""
+    rc = runner_config(request.param)
+    return request.param, rc, export_graphs(runner(weights, rc), tmp_path_factory.mktemp(request.param))
+
+
+def test_every_warmup_shape_exports_with_the_fused_primitives_and_greedy_outputs(exported):
+    dtype, rc, graphs = exported
+    assert [shape for shape, _ in graphs] == warmup_shapes(rc, ragged_prefill=True)
+    assert {kind for (kind, _, _), _ in graphs} == {"ragged", "decode"}
+    heads, head_dim = CONFIG.num_attention_heads, CONFIG.head_dim
+    for (kind, batch, n), graph in graphs:
+        decode = kind == "decode"
+        tokens = batch if decode else n
+        assert graph.fused() == {
+            "ReshapeAndCache": LAYERS,  # kept in prefill and decode: the query depends on the write
+            **({"PagedAttention": LAYERS} if decode else {"FlashAttentionScore": LAYERS}),
+            "ApplyRotaryPosEmb": LAYERS, "RmsNorm": 2 * LAYERS + 1, "Swiglu": LAYERS, "ArgMaxWithValue": 1,
+        }, (kind, batch, n)
+        assert graph.outputs == (TensorInfo("int32", (batch,)), TensorInfo("float32", (batch,)),
+                                 TensorInfo("float32", (batch, CONFIG.vocab_size)))
+        assert graph.inputs[0] == TensorInfo("int32", (tokens,))
+        assert graph.inputs[4] == TensorInfo("int32", (batch, n if decode else 1))  # block tables
+        assert graph.op_outputs["ReshapeAndCache"][0] == TensorInfo(dtype, (tokens, CONFIG.kv_dim))
+        if decode:
+            assert graph.op_outputs["PagedAttention"] == (TensorInfo(dtype, (batch, heads, head_dim)),)
+        else:  # the bucket plus one appended row per sequence slot
+            assert graph.op_outputs["FlashAttentionScore"][3] == TensorInfo(dtype, (n + batch, CONFIG.hidden_size))
+        assert graph.op_outputs["ArgMaxWithValue"][1] == TensorInfo("float32", (batch,))
+
+
+class WriteOrderedOnlyInPrefill(AscendAttention):
+    """The pitfall in the notes: the cache write's result consumed only on the prefill path. MindSpore then
+    drops the write from decode graphs, silently (the decode output does not depend on it)."""
+
+    def construct(self, qkv, cos, sin, slot_mapping, lens, block_tables, is_prefill):
+        q, k = self.rope(qkv[:, : self.hidden], qkv[:, self.hidden: self.hidden + self.kv_dim], cos, sin, lens)
+        v = qkv[:, self.hidden + self.kv_dim:]
+        written = self.cache_write(k, v, self.key_cache, self.value_cache, slot_mapping)
+        if is_prefill:
+            return self.prefill(ops.depend(q, written), k, v, lens)
+        return self.decode(q, block_tables, lens)
+
+
+class PitfallBackend(AscendBackend):
+    def attention(self, config, num_blocks, block_size, dtype):
+        return WriteOrderedOnlyInPrefill(config, num_blocks, block_size, dtype, FusedOps())
+
+
+def test_the_cache_write_count_catches_the_pruning_pitfall(weights, tmp_path):
+    """Why the test above counts ReshapeAndCache in decode graphs too."""
+    ((_, graph),) = export_graphs(runner(weights, runner_config("float16"), PitfallBackend()), tmp_path,
+                                  [("decode", 4, 4)])
+    assert "ReshapeAndCache" not in graph.fused() and graph.fused()["PagedAttention"] == LAYERS
+
+
+def test_float32_on_ascend_is_our_error_before_mindspore_export_refuses_it(weights, tmp_path):
+    with pytest.raises(ValueError, match="model_config.dtype float32 is not served on Ascend"):
+        runner_config("float32")
+    rc = runner_config("float32", device_target="CPU")  # past our checks: export itself refuses the graph
+    with pytest.raises((TypeError, RuntimeError, ValueError), match=r"Tensor\[BFloat16\], Tensor\[Float16\]"):
+        export_graphs(runner(weights, rc, AscendBackend()), tmp_path, [("decode", 1, 4)])
+
+
+def test_kernel_limits_that_export_does_not_check_are_ours(tmp_path):
+    """head_dim 24 exports (MindSpore checks no head size), but the kernels MindSpore ships refuse it."""
+    odd = LlamaConfig(**{**CONFIG.__dict__, "hidden_size": 96})
+    odd_weights = load_weights(build_random_model(tmp_path / "odd", odd, seed=3), odd)
+    rc = runner_config("float16")
+    with pytest.raises(ValueError, match="head_dim 24 .* must be one of 64, 128, 256"):
+        runner(odd_weights, rc, config=odd)
+
+    class Unchecked(AscendBackend):
+        def check(self, *args) -> None:
+            pass
+
+    ((_, graph),) = export_graphs(runner(odd_weights, rc, Unchecked(), odd), tmp_path, [("decode", 1, 4)])
+    assert graph.fused()["PagedAttention"] == LAYERS
+    backend = AscendBackend()
+    with pytest.raises(ValueError, match="block_size 512 x head_dim 64 exceeds 16384"):
+        backend.check(CONFIG, 512, 2)
+    with pytest.raises(ValueError, match="prefill_batch_size 2000 exceeds 1024"):
+        backend.check(CONFIG, 16, 2000)
+
+
+# ---- llm-serving export ------------------------------------------------------------------------------------
+def write_config(tmp_path, model_dir, dtype="float16") -> str:
+    path = tmp_path / "ascend.yaml"
+    path.write_text(f"model_config:\n  model_path: {model_dir}\n  dtype: {dtype}\n  device_target: Ascend\n"
+                    "  seq_length: [32]\n  prefill_batch_size: [2]\n  decode_batch_size: [1, 4]\n"
+                    "pa_config:\n  num_blocks: 40\n  block_size: 16\n  decode_seq_length: 64\n"
+                    # the Ascend attention has no queries over cached context (yet)
+                    "scheduler:\n  enable_chunked_prefill: false\n  enable_prefix_caching: false\n")
+    return str(path)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llm_serving.cli", "export", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300, check=False)
+
+
+def test_export_command_writes_and_describes_the_ascend_graphs_without_an_npu(tmp_path):
+    model_dir = build_random_model(tmp_path / "llama", CONFIG, seed=3, std=0.2)
+    out = tmp_path / "mindir"
+    res = cli("--config", write_config(tmp_path, model_dir), "--out", str(out), "--shape", "decode:4:4",
+              "--shape", "ragged:2:48")
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [line for line in res.stdout.splitlines() if " -> " in line]
+    assert [line.split(":")[0] for line in lines] == ["decode batch=4 blocks=4", "ragged batch=2 tokens=48"]
+    assert "PagedAttention x2" in lines[0] and "FlashAttentionScore x2" in lines[1]
+    for line in lines:
+        assert "outputs (ids, logprobs, logits) int32[" in line and "ReshapeAndCache x2" in line
+    assert sorted(p.name for p in out.iterdir()) == ["decode_b4_w4.mindir", "ragged_b2_t48.mindir"]
+    assert read_mindir(out / "decode_b4_w4.mindir").fused()["ArgMaxWithValue"] == 1
+    assert set(FUSED_PRIMITIVES) >= set(read_mindir(out / "ragged_b2_t48.mindir").fused())
+
+
+def test_export_command_refuses_misconfigurations_with_our_message(tmp_path):
+    model_dir = build_random_model(tmp_path / "llama", CONFIG, seed=3, std=0.2)
+    res = cli("--config", write_config(tmp_path, model_dir, "float32"), "--out", str(tmp_path / "x"))
+    assert res.returncode == 2 and "model_config.dtype: float32 is not served on Ascend" in res.stderr
+    odd = build_random_model(tmp_path / "odd", LlamaConfig(**{**CONFIG.__dict__, "hidden_size": 96}), seed=3)
+    res = cli("--config", write_config(tmp_path, odd), "--out", str(tmp_path / "y"), "--shape", "decode:4:4")
+    assert res.returncode == 2 and "head_dim 24" in res.stderr and not (tmp_path / "y").exists()
+    res = cli("--config", write_config(tmp_path, model_dir), "--out", str(tmp_path / "z"), "--shape", "decode:3:4")
+    assert res.returncode == 2 and "not warm-up shapes" in res.stderr
