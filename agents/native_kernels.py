@@ -97,8 +97,10 @@ class NativeOps:
 
     Attention (``paged_attention.cc``): ``decode(qkv, cos, sin, slot_mapping, block_tables, context_lens,
     block_offsets, *key_caches, *value_caches)`` and ``prefill(qkv, cos, sin, slot_mapping, query_lens,
-    *key_caches, *value_caches)`` (ragged: the prompts back to back) return ``[tokens, hidden_size]`` and write
-    the step's K/V into the caches in place. ``greedy(logits) -> (token ids, log-probabilities)``
+    *key_caches, *value_caches)`` (ragged: the prompts back to back) and ``chunked(qkv, cos, sin, slot_mapping,
+    query_lens, context_lens, block_tables, block_offsets, *key_caches, *value_caches)`` (ragged chunks over cached
+    context, ``agents.mixed_steps``) return ``[tokens, hidden_size]`` and write the step's K/V into the caches in
+    place. ``greedy(logits) -> (token ids, log-probabilities)``
     (``greedy_pick.cc``). The projections (``linear.cc``, weights packed by ``agents.packed_weights``) are made
     per output width by the methods below; the native CPU backend (``agents.backends.native_cpu``) uses them
     where ``projections`` is true.
@@ -106,6 +108,7 @@ class NativeOps:
 
     decode: ops.Custom
     prefill: ops.Custom
+    chunked: ops.Custom
     greedy: ops.Custom
     linear_library: Path
     projections: bool  # the projections' kernel is vectorized (AVX-512); else the backend keeps MindSpore's MatMul
@@ -139,6 +142,7 @@ def native_ops(hidden_size: int) -> NativeOps:
     return NativeOps(
         decode=_custom(attention, "PagedDecodeAttention", rows_by_hidden, _same),
         prefill=_custom(attention, "PackedPrefillAttention", rows_by_hidden, _same),
+        chunked=_custom(attention, "ChunkedPrefillAttention", rows_by_hidden, _same),
         greedy=_custom(greedy, "GreedyPick", lambda logits: ([logits[0]], [logits[0]]),
                        lambda logits: (mstype.int32, mstype.float32)),
         linear_library=linear,

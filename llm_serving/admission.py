@@ -29,14 +29,12 @@ class RequestLimits:
     """What the served configuration allows one request."""
 
     max_new_tokens: int  # model_config.max_generate_length
-    max_prompt_len: int  # longest prefill bucket (model_config.seq_length)
     max_model_len: int  # prompt + generated tokens (pa_config.decode_seq_length)
     vocab_size: int  # prompt token ids must be below it: the tokenizer's pieces (the model has them all)
 
     @classmethod
     def from_config(cls, config: ServingConfig, vocab_size: int) -> RequestLimits:
-        return cls(config.model_config.max_generate_length, config.max_prompt_len, config.max_model_len,
-                   vocab_size)
+        return cls(config.model_config.max_generate_length, config.max_model_len, vocab_size)
 
     def admit(self, prompt_ids: list[int], params: SamplingParams,
               clip_to_context: bool = False) -> SamplingParams:
@@ -44,7 +42,9 @@ class RequestLimits:
 
         The context left after the prompt bounds max_new_tokens: a larger one is refused, or with
         ``clip_to_context`` (the HTTP routes, as the config documents) lowered to it, the answer then ending
-        with finish reason "length".
+        with finish reason "length". Any prompt shorter than the model length is served whatever the prefill
+        buckets (chunked, or prefilled alone). The KV cache holds a request of the model length (the config is
+        validated so); the scheduler refuses one that could not fit it (``Scheduler.add``).
         """
         n = len(prompt_ids)
         if n == 0:
@@ -53,10 +53,6 @@ class RequestLimits:
         if bad:
             raise AdmissionError("prompt", f"{{field}} token ids {bad[:5]} are outside the vocabulary "
                                            f"0..{self.vocab_size - 1}")
-        if n > self.max_prompt_len:
-            raise AdmissionError("prompt", f"{{field}} has {n} tokens, more than the longest prefill bucket "
-                                           f"max_prompt_len {self.max_prompt_len} (model_config.seq_length)",
-                                 "prompt_too_long")
         want = params.max_new_tokens
         if want > self.max_new_tokens:
             raise AdmissionError("max_new_tokens", f"{{field}} {want} exceeds model_config.max_generate_length "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from llm_serving.request_stream import EngineError, RequestStream, Wakeups
 from llm_serving.scheduler import Scheduler
@@ -23,11 +23,14 @@ class SequenceError(EngineError):
     or the agents failed during too many of its steps); the other requests went on."""
 
 
-class _Live(NamedTuple):
-    """A request in progress: its scheduler state (which tells a reused id apart) and its stream."""
+@dataclass(slots=True)
+class _Live:
+    """A request in progress: its scheduler state (which tells a reused id apart), its stream, and how many of
+    its tokens the stream has (a step that computes a prompt chunk short of its end gives it none)."""
 
     sequence: Sequence
     stream: RequestStream
+    delivered: int = 0
 
 
 class LiveRequests:
@@ -57,6 +60,9 @@ class LiveRequests:
             entry = live.get(seq.request_id)
             if entry is None or entry.sequence is not seq:
                 continue  # ended from outside while the step was in flight (its id may be reused already)
+            if seq.num_output_tokens == entry.delivered:
+                continue  # its step computed a prompt chunk short of the end: no new token
+            entry.delivered = seq.num_output_tokens
             reason = None if seq.status is running else seq.finish_reason
             try:
                 ended = entry.stream.push_token(seq.output_ids[-1], seq.output_logprobs[-1], reason, now,

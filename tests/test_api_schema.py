@@ -25,7 +25,7 @@ from llm_serving.sequence import FINISH_REASONS, InvalidParameter, SamplingParam
 from llm_serving.stop_strings import StopMatcher, cut_at_stop
 from llm_serving.tgi_routes import TGI_FINISH
 
-LIMITS = RequestLimits(max_new_tokens=100, max_prompt_len=64, max_model_len=128, vocab_size=1000)
+LIMITS = RequestLimits(max_new_tokens=100, max_model_len=128, vocab_size=1000)
 
 
 def error_of(fn, *args, **kwargs) -> ApiError:
@@ -211,7 +211,9 @@ def test_admission_clips_to_the_context_only_when_asked_and_refuses_long_prompts
     with pytest.raises(RequestRejected, match=r"prompt \(60 tokens\) \+ max_new_tokens \(100\) = 160 exceeds "
                                               "max_model_len 128"):
         LIMITS.admit([1] * 60, SamplingParams(100))  # offline: refused, not clipped
-    for n, kind in ((65, "prompt_too_long"), (0, "invalid_request")):
+    # any prompt shorter than the model length is served, whatever the prefill buckets (chunked prefill)
+    assert LIMITS.admit([1] * 127, SamplingParams(100), clip_to_context=True).max_new_tokens == 1
+    for n, kind in ((128, "prompt_too_long"), (0, "invalid_request")):
         with pytest.raises(AdmissionError) as info:
             LIMITS.admit([1] * n, params, clip_to_context=True)
         assert (info.value.field, info.value.error_type) == ("prompt", kind)
@@ -221,8 +223,8 @@ def test_admission_clips_to_the_context_only_when_asked_and_refuses_long_prompts
         LIMITS.admit([1, 1000, -1], params)
     cfg = ServingConfig()
     limits = RequestLimits.from_config(cfg, 1000)
-    assert (limits.max_new_tokens, limits.max_prompt_len, limits.max_model_len) == (
-        cfg.model_config.max_generate_length, cfg.model_config.seq_length[-1], cfg.pa_config.decode_seq_length)
+    assert (limits.max_new_tokens, limits.max_model_len) == (
+        cfg.model_config.max_generate_length, cfg.pa_config.decode_seq_length)
     assert CompletionRequest.FIELD_NAMES["max_new_tokens"] == "max_tokens"
 
 

@@ -162,10 +162,12 @@ def test_config_maps_to_scheduler_runner_and_agent_spec(data_dir):
     assert (sc.num_blocks, sc.block_size, sc.eos_token_id, sc.policy) == (256, 8, EOS, "longest_output_first")
     assert (sc.max_wait_s, sc.min_decode_steps_between_prefills) == (2.0, 3)
     assert sc.max_num_batched_tokens == 4 * 32  # max(prefill batch x longest bucket, max_model_len)
+    assert sc.chunked_prefill and sc.prefix_caching  # both on by default
     rc = runner_config_dict(cfg)
-    assert rc == {"num_blocks": 256, "block_size": 8, "max_model_len": 64, "prefill_batch_sizes": [1, 4],
-                  "prefill_seq_lengths": [32], "decode_batch_sizes": [8, 32], "dtype": "float32",
-                  "kernels": "auto"}
+    expected = {"num_blocks": 256, "block_size": 8, "max_model_len": 64, "prefill_batch_sizes": [1, 4],
+                "prefill_seq_lengths": [32], "decode_batch_sizes": [8, 32], "dtype": "float32",
+                "kernels": "auto", "mixed_steps": True, "max_num_batched_tokens": 128}
+    assert {key: rc[key] for key in expected} == expected
     model = resolve_model(cfg)
     spec = agent_spec(cfg, model, standin=True)
     assert spec.kind == "standin" and spec.llama_config["vocab_size"] == VOCAB
@@ -210,16 +212,16 @@ def test_default_model_is_built_once_even_by_concurrent_starts(tmp_path):
 
 
 # ---- scheduler extension: prompt buckets -------------------------------------------------------------------
-def test_long_prompts_rejected_and_long_recompute_prefilled_alone():
+def test_long_prompts_and_long_recomputes_are_prefilled_alone_without_chunked_prefill():
     cfg = SchedulerConfig(num_blocks=13, block_size=4, max_num_seqs=4, max_prefill_batch=4,
                           max_num_batched_tokens=40, max_model_len=40, eos_token_id=None, max_prompt_len=16)
     s = Scheduler(cfg)
-    with pytest.raises(ValueError, match="17 prompt tokens, .*admission refuses this"):  # admission's to refuse
-        s.add(Sequence("long", list(range(3, 20)), SamplingParams(max_new_tokens=4)))
+    with pytest.raises(ValueError, match="17 prompt tokens, 41 in all .*admission refuses this"):
+        s.add(Sequence("too-long", list(range(3, 20)), SamplingParams(max_new_tokens=24)))
     rng = random.Random(0)
-    for i in range(12):
-        s.add(Sequence(f"r{i}", [rng.randrange(3, 50) for _ in range(rng.randint(8, 16))],
-                       SamplingParams(max_new_tokens=rng.randint(10, 24))))
+    for i in range(12):  # prompts past max_prompt_len (16) are served too
+        s.add(Sequence(f"r{i}", [rng.randrange(3, 50) for _ in range(rng.randint(8, 24))],
+                       SamplingParams(max_new_tokens=rng.randint(10, 16))))
     alone = 0
     while s.has_unfinished():
         seqs, batch = s.schedule()
@@ -353,8 +355,8 @@ def test_rejections_and_queue_limit(data_dir):
         engine.submit("hi")
     engine.start(progress=None)
     try:
-        with pytest.raises(RequestRejected, match="33 tokens, more than .* max_prompt_len 32"):
-            engine.submit([1] * 33)
+        with pytest.raises(RequestRejected, match="64 tokens and leaves no room to generate"):
+            engine.submit([1] * 64)
         with pytest.raises(RequestRejected, match=r"= 66 exceeds max_model_len 64"):
             engine.submit([1] * 30, SamplingParams(max_new_tokens=36))
         with pytest.raises(RequestRejected, match="max_new_tokens 41 exceeds .*max_generate_length 40") as err:
@@ -389,7 +391,7 @@ def test_abort_in_flight_is_never_computed_again(data_dir):
         assert pool.entered.acquire(timeout=10)  # prefill of a in flight
         b = engine.submit([1, 7, 8], SamplingParams(max_new_tokens=50, ignore_eos=True))
         pool.gate.release()
-        assert pool.step().is_prefill  # b
+        assert pool.step().is_prefill  # b's prefill, a's second token with it (chunked prefill mixes them)
         assert pool.entered.acquire(timeout=10)  # the first decode step of a and b is in flight
         assert pool.batches[-1].batch_size == 2 and not pool.batches[-1].is_prefill
         used = engine.stats()["kv_blocks_used"]
@@ -400,7 +402,7 @@ def test_abort_in_flight_is_never_computed_again(data_dir):
             assert pool.step().batch_size == 1  # only b from now on
         events = list(a)
         assert events[-1].finish_reason == "abort" and events[-1].token_id == NO_TOKEN
-        assert [e.token_id for e in events[:-1]] == standin_expected([1, 5, 6], SamplingParams(1))[0]
+        assert [e.token_id for e in events[:-1]] == standin_expected([1, 5, 6], SamplingParams(2))[0]
         c = engine.submit([1, 9], SamplingParams(max_new_tokens=1))  # joins between steps
         while not pool.step().is_prefill:
             pass
@@ -473,12 +475,14 @@ class RecordingPool:
     def __init__(self, spec: AgentSpec) -> None:
         self.pool = AgentPool(spec)
         self.shapes: list[tuple[bool, int, int]] = []
+        self.cached_context = 0  # steps with queries over cached context (chunks, decodes mixed in, cache hits)
 
     def start(self, progress=None) -> None:
         self.pool.start(progress)
 
     def submit(self, batch: StepBatch) -> int:
         self.shapes.append((batch.is_prefill, batch.batch_size, int(batch.query_lens.max())))
+        self.cached_context += batch.is_prefill and bool(np.any(batch.context_lens > batch.query_lens))
         return self.pool.submit(batch)
 
     def collect(self, step: int, batch_size: int) -> StepOutput:
@@ -516,11 +520,15 @@ def references(data_dir, proof_workload):
     return {"hf": [hf_greedy(hf, p, params.max_new_tokens, eos_token_id=EOS) for p, params in proof_workload]}
 
 
-@pytest.mark.parametrize("policy", ["longest_output_first", "fcfs"])
+@pytest.mark.parametrize("policy,chunked", [("longest_output_first", True), ("fcfs", False)],
+                         ids=["lof-chunked-prefix-cache", "fcfs-unchunked"])
 def test_real_llama_two_agents_match_sequential_and_transformers(data_dir, proof_workload, references,
-                                                                 policy):
+                                                                 policy, chunked):
+    """The serving default (chunked prefill, prefix caching) and neither: the same answers as HF."""
     pools: list[RecordingPool] = []
-    cfg = tiny_config(data_dir, scheduler={"policy": policy}, **PROOF_SECTIONS)
+    cfg = tiny_config(data_dir, scheduler={"policy": policy, "enable_chunked_prefill": chunked,
+                                           "enable_prefix_caching": chunked,
+                                           "max_num_batched_tokens": 48 if chunked else None}, **PROOF_SECTIONS)
     engine = Engine(cfg, pool_factory=lambda spec: pools.append(RecordingPool(spec)) or pools[-1])
     engine.start(progress=None)
     agents = pools[0].pool
@@ -543,7 +551,10 @@ def test_real_llama_two_agents_match_sequential_and_transformers(data_dir, proof
         assert len({t for res in results for t in res.token_ids}) > 50  # not a degenerate model
         assert max(b for prefill, b, _ in shapes if not prefill) >= 16  # a large continuous decode batch
         assert max(b for prefill, b, _ in shapes if prefill) > 1  # multi-request prefill
-        assert any(prefill and b == 1 and q > 32 for prefill, b, q in shapes)  # long recompute, alone
+        if chunked:  # decode tokens with prompt chunks, chunks over cached context, recomputes hitting the cache
+            assert pools[0].cached_context > 0 and max(q for _, _, q in shapes) <= 48
+        else:
+            assert any(prefill and b == 1 and q > 32 for prefill, b, q in shapes)  # long recompute, alone
         assert stats["num_preemptions"] > before["num_preemptions"] and stats["kv_blocks_used"] == 0
 
         # An agent killed while steps run: new agents recompute the running requests, whose answers do not

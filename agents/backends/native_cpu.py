@@ -28,6 +28,7 @@ class NativeAttention(Attention):
         super().__init__()
         self.prefill_op = native.prefill
         self.decode_op = native.decode
+        self.chunked_op = native.chunked
         self.key_cache, self.value_cache = kv_head_caches(config.num_key_value_heads, num_blocks * block_size,
                                                           config.head_dim, dtype)
         self.block_offsets = Tensor(np.arange(block_size, dtype=np.int32))
@@ -41,6 +42,12 @@ class NativeAttention(Attention):
             return self.prefill_op(qkv, cos, sin, slot_mapping, lens, *self.key_cache, *self.value_cache)
         return self.decode_op(qkv, cos, sin, slot_mapping, block_tables, lens, self.block_offsets,
                               *self.key_cache, *self.value_cache)
+
+    def chunked(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, query_lens: Tensor,
+                context_lens: Tensor, block_tables: Tensor) -> Tensor:
+        """Ragged chunks over cached context: one native op (``ChunkedPrefillAttention``)."""
+        return self.chunked_op(qkv, cos, sin, slot_mapping, query_lens, context_lens, block_tables,
+                               self.block_offsets, *self.key_cache, *self.value_cache)
 
 
 class NativeNormOp(nn.Cell):
@@ -83,6 +90,7 @@ class NativeCpuBackend(OpsBackend):
     name = "native_cpu"
     kernels = "native"
     ragged_prefill = True
+    chunked_prefill = True
 
     def __init__(self, native: NativeOps) -> None:
         self.native = native

@@ -121,12 +121,39 @@ class PortableAttention(Attention):
             return ops.depend(self.prefill_attention(q, k, v, lens, lens.shape[0]), written)
         return self.decode_attention(q, written, block_tables, lens)
 
+    def chunked(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, query_lens: Tensor,
+                context_lens: Tensor, block_tables: Tensor) -> Tensor:
+        """Chunks over cached context in a padded ``[batch, seq]`` bucket: the chunk's K/V are written first, then
+        each sequence's whole table is gathered once per kv head and row ``i`` of sequence ``b`` (position
+        ``context_lens[b] - query_lens[b] + i``) attends to the context rows up to its position. Padding rows
+        attend to something finite and are never read."""
+        q = self.rope(qkv[:, : self.hidden], cos, sin, self.n_heads)
+        k = self.rope(qkv[:, self.hidden: self.hidden + self.kv_dim], cos, sin, self.n_kv)
+        written = self.write_cache(k, qkv[:, self.hidden + self.kv_dim:], slot_mapping)
+        batch, width = block_tables.shape
+        seq, ctx = q.shape[0] // batch, width * self.block_size
+        slots = (block_tables.reshape(batch, width, 1) * self.block_size
+                 + self.block_offsets.reshape(1, 1, self.block_size)).reshape(batch * ctx)
+        last = (context_lens - query_lens).reshape(batch, 1, 1) + ops.arange(seq).astype(ms.int32).reshape(1, seq, 1)
+        keep = (ops.arange(ctx).astype(ms.int32).reshape(1, 1, ctx) <= last).reshape(batch, 1, seq, ctx)
+        qh = q.reshape(batch, seq, self.n_kv, self.rep, self.head_dim).transpose(0, 2, 3, 1, 4)
+        outs = ()
+        for h in range(self.n_kv):
+            kh = ops.gather(ops.depend(self.key_cache[h], written), slots, 0).reshape(batch, ctx, self.head_dim)
+            vh = ops.gather(ops.depend(self.value_cache[h], written), slots, 0).reshape(batch, ctx, self.head_dim)
+            scores = self.bmm_t(qh[:, h].reshape(batch, self.rep * seq, self.head_dim), kh)
+            probs = self.softmax_masked(scores.reshape(batch, self.rep, seq, ctx), keep).astype(vh.dtype)
+            outs += (self.bmm(probs.reshape(batch, self.rep * seq, ctx), vh).reshape(batch, self.rep, seq,
+                                                                                   self.head_dim),)
+        return ops.stack(outs, 1).transpose(0, 3, 1, 2, 4).reshape(batch * seq, self.hidden)
+
 
 class PortableBackend(OpsBackend):
     """Graph ops only (any device and dtype); prefill in padded ``[batch, seq]`` buckets."""
 
     name = "portable"
     kernels = "portable"
+    chunked_prefill = True
 
     def attention(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type) -> Attention:
         return PortableAttention(config, num_blocks, block_size, dtype)

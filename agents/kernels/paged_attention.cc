@@ -19,8 +19,10 @@
 // PackedPrefillAttention: the prompts of the call packed back to back, causal attention within each. Between
 //   slot_mapping and the caches: query_lens [batch] int32 (0 = padding sequence); tokens past their sum are
 //   padding: they write nothing and give zeros.
+// ChunkedPrefillAttention (at the end of this file): queries over cached context through the block tables, causal
+//   within each sequence's chunk: chunked prefill, prefill after a prefix-cache hit, and decode tokens in one call.
 //
-// Both return 0, or an error code that MindSpore raises as a RuntimeError, checked before anything is written:
+// All return 0, or an error code that MindSpore raises as a RuntimeError, checked before anything is written:
 // 1 wrong number of inputs or ranks, 2 a dtype other than the above, 3 inconsistent shapes, 4 a length or slot
 // out of range, 5 a block-table entry outside the cache.
 #include <cmath>
@@ -103,20 +105,26 @@ void score_rows(const float *q, const float *k, int64_t rows, int64_t dyn_head_d
 }
 
 // out[r] += sum_i probs[r * stride + i] * v_i over ``rows`` consecutive values of one block.
+// The AVX-512 path keeps two sums for the FMA latency: rows of even global index (``first`` is the block's first
+// row in the sequence) go to ``out``, odd ones to ``odd_out``, and ``weigh_values`` adds the two at the end. So each
+// sum runs in row order whatever the block size, and a token's attention is bitwise the same from the ragged
+// prefill (its prompt as one block), a chunk or a decode step (cache blocks): a prefix-cache hit then gives the
+// cold run's exact logprobs.
 template <int64_t kHeadDim>
 void weigh_rows(const float *probs, const float *v, int64_t rows, int64_t dyn_head_dim, int64_t rep, float *out,
-                int64_t stride) {
+                float *odd_out, int64_t first, int64_t stride) {
   const int64_t head_dim = kHeadDim ? kHeadDim : dyn_head_dim;
 #if defined(__AVX512F__)
   if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {  // the output row in registers, two sums for the FMA latency
     constexpr int64_t kChunks = kHeadDim / 16;
     for (int64_t r = 0; r < rep; ++r) {
       const float *p = probs + r * stride;
-      float *o = out + r * kHeadDim;
+      float *o = (first % 2 ? odd_out : out) + r * kHeadDim;  // the sum of this block's rows 0, 2, 4, ...
+      float *o2 = (first % 2 ? out : odd_out) + r * kHeadDim;  // and of its rows 1, 3, 5, ...
       __m512 even[kChunks], odd[kChunks];
       for (int64_t c = 0; c < kChunks; ++c) {
         even[c] = _mm512_loadu_ps(o + 16 * c);
-        odd[c] = _mm512_setzero_ps();
+        odd[c] = _mm512_loadu_ps(o2 + 16 * c);
       }
       int64_t i = 0;
       for (; i + 2 <= rows; i += 2) {
@@ -133,12 +141,17 @@ void weigh_rows(const float *probs, const float *v, int64_t rows, int64_t dyn_he
           even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v + i * kHeadDim + 16 * c), even[c]);
         }
       }
-      for (int64_t c = 0; c < kChunks; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_add_ps(even[c], odd[c]));
+      for (int64_t c = 0; c < kChunks; ++c) {
+        _mm512_storeu_ps(o + 16 * c, even[c]);
+        _mm512_storeu_ps(o2 + 16 * c, odd[c]);
+      }
     }
     return;
   }
 #endif
-  for (int64_t r = 0; r < rep; ++r) {
+  (void)odd_out;
+  (void)first;
+  for (int64_t r = 0; r < rep; ++r) {  // one sum in row order: the same for any block size
     const float *p = probs + r * stride;
     float *o = out + r * head_dim;
     for (int64_t i = 0; i < rows; ++i) {
@@ -194,10 +207,17 @@ void softmax_rows(float *scores, int64_t len, int64_t rep) {
 template <int64_t kHeadDim>
 void weigh_values(const float *probs, const int32_t *table, int64_t len, int64_t block_size, const float *values,
                   int64_t head_dim, int64_t rep, float *out) {
+  thread_local std::vector<float> odd;
+  odd.assign(static_cast<size_t>(rep * head_dim), 0.0f);
   std::memset(out, 0, sizeof(float) * rep * head_dim);
   for_each_block(values, table, len, block_size, head_dim, [&](int64_t start, int64_t rows, const float *v) {
-    weigh_rows<kHeadDim>(probs + start, v, rows, head_dim, rep, out, len);
+    weigh_rows<kHeadDim>(probs + start, v, rows, head_dim, rep, out, odd.data(), start, len);
   });
+#if defined(__AVX512F__)
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
+    for (int64_t i = 0; i < rep * head_dim; ++i) out[i] += odd[i];
+  }
+#endif
 }
 
 // One sequence and kv head. ``kHeadDim`` fixes the row length at compile time for the common Llama head sizes
@@ -369,6 +389,75 @@ extern "C" int PackedPrefillAttention(int nparam, void **params, int *ndims, int
       attend_any(q.data(), kOneBlock, t + 1, len, keys.data(), values.data(), dim, layer.rep, layer.scale,
                  scores.data(), layer.out_row(start + t, h));
     }
+  });
+  return 0;
+}
+
+// ChunkedPrefillAttention: queries over cached context (a chunked prefill, a prefill after a prefix-cache hit, and
+// decode tokens, all in one call). Sequence b contributes query_lens[b] tokens, back to back as in the ragged
+// prefill, at positions context_lens[b] - query_lens[b] .. context_lens[b] - 1: token i of its chunk attends to the
+// first context_lens[b] - query_lens[b] + i + 1 rows of its context, read through its block table (the K/V earlier
+// steps wrote, then the chunk's own, causal). Between slot_mapping and the caches: query_lens [batch],
+// context_lens [batch], block_tables [batch, width], block_offsets [block_size] (only its length is read), all
+// int32. Every token's key/value is written first, then every token attends, so a token reads the rows the
+// chunk's earlier tokens wrote in the same call. Sequences with query_lens 0 and tokens past the lengths' sum are
+// padding: they write nothing and give zeros.
+extern "C" int ChunkedPrefillAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                       void *stream, void *extra) {
+  (void)stream;
+  (void)extra;
+  constexpr int kFirstCache = 8;
+  Layer layer{};
+  std::vector<float *> caches;
+  if (int rc = parse_layer(nparam, params, ndims, shapes, dtypes, kFirstCache, caches, layer)) return rc;
+  if (ndims[4] != 1 || ndims[5] != 1 || ndims[6] != 2 || ndims[7] != 1) return 1;
+  const auto *query_lens = static_cast<const int32_t *>(params[4]);
+  const auto *context_lens = static_cast<const int32_t *>(params[5]);
+  const auto *tables = static_cast<const int32_t *>(params[6]);
+  const int64_t tokens = shapes[0][0], batch = shapes[4][0], width = shapes[6][1], block_size = shapes[7][0];
+  if (shapes[5][0] != batch || shapes[6][0] != batch || block_size < 1) return 3;
+  const int64_t num_blocks = layer.num_slots / block_size;
+  int64_t used = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t q = query_lens[b], ctx = context_lens[b];
+    if (q < 0 || ctx < q || ctx > width * block_size) return 4;
+    for (int64_t i = 0; q > 0 && i < (ctx + block_size - 1) / block_size; ++i) {
+      if (tables[b * width + i] < 0 || tables[b * width + i] >= num_blocks) return 5;
+    }
+    used += q;
+  }
+  if (used > tokens) return 4;
+  for (int64_t t = 0; t < used; ++t) {
+    if (layer.slots[t] < 0 || layer.slots[t] >= layer.num_slots) return 4;
+  }
+  // Each token's sequence and the context rows it attends to.
+  thread_local std::vector<int64_t> seq_of, len_of;
+  seq_of.resize(static_cast<size_t>(used));
+  len_of.resize(static_cast<size_t>(used));
+  for (int64_t b = 0, t = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < query_lens[b]; ++i, ++t) {
+      seq_of[t] = b;
+      len_of[t] = context_lens[b] - query_lens[b] + i + 1;
+    }
+  }
+  const int64_t out_width = layer.heads() * layer.dim;
+  std::memset(layer.out + used * out_width, 0, sizeof(float) * (tokens - used) * out_width);
+  constexpr int64_t kWriteTokens = 16;
+  run_tasks((used + kWriteTokens - 1) / kWriteTokens, 4, [&](int64_t task) {
+    for (int64_t t = task * kWriteTokens; t < used && t < (task + 1) * kWriteTokens; ++t) {
+      for (int64_t h = 0; h < layer.n_kv; ++h) layer.write_kv(t, h);
+    }
+  });
+  // Head-major tasks: consecutive ones read the same kv head of the same sequence while it is in the cache.
+  const int64_t *seqs = seq_of.data(), *lens = len_of.data();
+  run_tasks(used * layer.n_kv, 16, [&](int64_t task) {
+    thread_local std::vector<float> scores, q;
+    const int64_t h = task / used, t = task % used, len = lens[t];
+    q.resize(static_cast<size_t>(layer.rep * layer.dim));
+    layer.queries(t, h, q.data());
+    scores.resize(static_cast<size_t>(layer.rep * len));
+    attend_any(q.data(), tables + seqs[t] * width, len, block_size, layer.keys[h], layer.values[h], layer.dim,
+               layer.rep, layer.scale, scores.data(), layer.out_row(t, h));
   });
   return 0;
 }

@@ -1,0 +1,189 @@
+"""Prefix caching: block keys, the block manager's cached and idle blocks, hits in the scheduler, and the block
+accounting after runs with aborts, preemptions, evictions and agent restarts (fake model of tests.test_scheduler,
+which reads every context back through the KV cache, so a wrong shared block changes results)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from llm_serving.block_manager import BlockManager
+from llm_serving.prefix_cache import extend_block_hashes
+from llm_serving.scheduler import Scheduler, SchedulerConfig
+from llm_serving.sequence import SamplingParams, Sequence, SequenceStatus
+from tests.test_scheduler import EOS, FakeKVModel, expected_output
+
+
+def keys(tokens: list[int], block_size: int = 4) -> list[bytes]:
+    out: list[bytes] = []
+    extend_block_hashes(out, tokens, block_size, len(tokens) // block_size)
+    return out
+
+
+def test_block_keys_name_the_whole_prefix():
+    base = list(range(10, 22))
+    assert keys(base) == keys(base + [1, 2]) and len(keys(base)) == 3
+    changed = base[:5] + [99] + base[6:]  # differs in block 1: keys differ from block 1 on
+    assert keys(changed)[0] == keys(base)[0] and keys(changed)[1:] != keys(base)[1:]
+    assert keys(changed)[2] != keys(base)[2]  # block 2's tokens are equal, its prefix is not
+    assert len(set(keys(list(range(40))))) == 10
+
+
+def computed(rid: str, tokens: list[int], bm: BlockManager) -> Sequence:
+    """A sequence holding blocks for ``tokens``, all of them computed and registered."""
+    seq = Sequence(rid, tokens)
+    bm.allocate(seq)
+    seq.num_computed_tokens = len(tokens)
+    bm.cache_computed(seq)
+    return seq
+
+
+def test_cached_blocks_are_kept_idle_revived_by_a_hit_and_evicted_least_recently_used_first():
+    bm = BlockManager(num_blocks=9, block_size=4, prefix_caching=True)  # 8 usable
+    a = computed("a", list(range(10, 22)) + [5], bm)  # 3 full blocks registered, a partial 4th
+    a_blocks = list(a.block_table)
+    assert (bm.num_used_blocks, len(bm.prefix_cache)) == (4, 3)
+    bm.free(a)
+    assert bm.accounting() == {"free": 5, "idle_cached": 3, "held": 0, "cached": 3}
+    assert bm.num_free_blocks == 8  # idle cached blocks can be handed out
+
+    b = Sequence("b", list(range(10, 22)) + [7, 8])
+    hit = bm.cached_prefix(b)
+    assert hit == a_blocks[:3] and bm.num_idle(hit) == 3
+    bm.share(b, hit)
+    bm.grow(b, b.num_tokens)
+    assert bm.accounting()["held"] == 4 and bm.num_idle_cached_blocks == 0
+    whole = Sequence("c", list(range(10, 22)))  # all 3 blocks cached: the last is left to compute
+    assert bm.cached_prefix(whole) == a_blocks[:2]
+    bm.free(b)
+
+    others = [computed(f"x{i}", [50 + 8 * i + j for j in range(4)], bm) for i in range(5)]  # 5 fresh blocks
+    assert bm.num_idle_cached_blocks == 3 and bm.accounting()["free"] == 0
+    d = Sequence("d", [1, 2, 3])
+    bm.grow(d, 3)  # no free block: the least recently used idle one goes, the prefix's tail first
+    assert d.block_table == [a_blocks[2]] and bm.prefix_cache.evictions == 1
+    assert bm.cached_prefix(b) == a_blocks[:2]
+    for seq in others + [d]:
+        bm.free(seq)
+    counts = bm.accounting()
+    assert counts["held"] == 0 and counts["free"] + counts["idle_cached"] == 8
+    bm.reset_prefix_cache()  # new agents: their KV cache is empty
+    assert bm.accounting() == {"free": 8, "idle_cached": 0, "held": 0, "cached": 0}
+    assert bm.cached_prefix(b) == []
+
+
+def test_sharing_a_block_nobody_holds_or_caches_and_freeing_twice_raise():
+    bm = BlockManager(num_blocks=6, block_size=4, prefix_caching=True)
+    a = Sequence("a", [1, 2, 3])
+    bm.allocate(a)
+    block = a.block_table[0]
+    bm.free(a)  # never computed: not cached, free again
+    with pytest.raises(RuntimeError, match="cannot share block .*: it is free"):
+        bm.share(Sequence("b", [1, 2, 3, 4, 5]), [block])
+    with pytest.raises(RuntimeError, match="double free"):
+        bm.free(a)
+
+
+def chunked_prefix(**kw) -> SchedulerConfig:
+    base = {"num_blocks": 60, "block_size": 4, "max_num_seqs": 4, "max_prefill_batch": 4,
+            "max_num_batched_tokens": 32, "max_model_len": 64, "eos_token_id": EOS, "chunked_prefill": True,
+            "prefix_caching": True}
+    return SchedulerConfig(**{**base, **kw})
+
+
+def step_once(s: Scheduler, model: FakeKVModel) -> tuple[list[Sequence], np.ndarray]:
+    seqs, batch = s.schedule()
+    cache, bs = s.block_manager.prefix_cache, s.config.block_size
+    if cache is not None:  # a cached block is never written again
+        assert not any(cache.is_cached(int(slot) // bs) for slot in batch.slot_mapping)
+    s.postprocess(seqs, model.step(batch))
+    return seqs, batch
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "unchunked"])
+def test_a_request_sharing_a_prefix_computes_only_the_rest(chunked):
+    cfg = chunked_prefix(chunked_prefill=chunked, max_num_batched_tokens=32 if chunked else 64)
+    s, model = Scheduler(cfg), FakeKVModel(cfg.num_blocks, cfg.block_size)
+    system = [10 + i % 23 for i in range(21)]  # 5 full blocks and a token
+    first = Sequence("first", system + [3, 4, 5], SamplingParams(6, ignore_eos=True))
+    s.add(first)
+    while s.has_unfinished():
+        step_once(s, model)
+    second = Sequence("second", system + [7, 8], SamplingParams(6, ignore_eos=True))
+    s.add(second)
+    seqs, batch = step_once(s, model)
+    assert seqs == [second] and batch.query_lens.tolist() == [3] and batch.context_lens.tolist() == [23]
+    cache = s.block_manager.prefix_cache
+    assert (cache.hit_tokens, cache.queried_tokens) == (20, 24 + 23)
+    while s.has_unfinished():
+        step_once(s, model)
+    for seq in (first, second):
+        assert seq.output_ids == expected_output(seq.prompt_ids, seq.params)[0]
+
+
+def test_a_preempted_sequence_resumes_on_its_own_cached_blocks():
+    cfg = chunked_prefix(num_blocks=14, max_num_batched_tokens=16)  # 13 usable blocks
+    s, model = Scheduler(cfg), FakeKVModel(cfg.num_blocks, cfg.block_size)
+    seqs = [Sequence(f"r{i}", [11 + (i * 5 + j) % 20 for j in range(18)], SamplingParams(24, ignore_eos=True))
+            for i in range(3)]
+    for seq in seqs:
+        s.add(seq)
+    recomputed = []
+    while s.has_unfinished():
+        stepped, batch = step_once(s, model)
+        recomputed += [int(batch.context_lens[i] - batch.query_lens[i]) for i, seq in enumerate(stepped)
+                       if seq.num_preemptions and batch.query_lens[i] > 1]
+    assert s.num_preemptions > 0 and any(start > 0 for start in recomputed)  # resumed past cached blocks
+    for seq in seqs:
+        assert seq.output_ids == expected_output(seq.prompt_ids, seq.params)[0]
+
+
+@pytest.mark.parametrize("chunked,caching", [(True, True), (False, True), (True, False)],
+                         ids=["chunked-cached", "unchunked-cached", "chunked-uncached"])
+def test_block_accounting_after_aborts_preemptions_evictions_and_agent_restarts(chunked, caching):
+    """Many requests sharing prefixes in a small cache; random aborts of waiting and running requests, and now
+    and then all agents replaced (every running sequence requeued, the cache forgotten). After every step each
+    block is exactly one of free, idle cached or held; at the end none is held and every answer is right."""
+    cfg = chunked_prefix(num_blocks=24, max_num_batched_tokens=20 if chunked else 64, chunked_prefill=chunked,
+                         prefix_caching=caching)
+    s, model = Scheduler(cfg), FakeKVModel(cfg.num_blocks, cfg.block_size)
+    rng = random.Random(5)
+    prefixes = [[10 + (p * 7 + j) % 25 for j in range(rng.randint(4, 20))] for p in range(3)]
+    seqs, aborted = [], set()
+    for i in range(40):
+        tail = [rng.randrange(3, 40) for _ in range(rng.randint(1, 12))]
+        seq = Sequence(f"r{i}", rng.choice(prefixes) + tail, SamplingParams(rng.randint(1, 16)))
+        s.add(seq)
+        seqs.append(seq)
+    steps = restarts = 0
+    while s.has_unfinished():
+        stepped, batch = s.schedule()
+        cache = s.block_manager.prefix_cache
+        assert cache is None or not any(cache.is_cached(int(slot) // 4) for slot in batch.slot_mapping)
+        live = [seq for seq in seqs if not seq.is_finished]
+        if rng.random() < 0.1:  # aborted while waiting, running, or in the step in flight
+            victim = rng.choice(live)
+            aborted.add(victim.request_id)
+            assert s.abort(victim.request_id)
+        s.postprocess(stepped, model.step(batch))
+        steps += 1
+        counts = s.block_manager.accounting()
+        assert counts["held"] == len({b for seq in s.running for b in seq.block_table})
+        if steps % 25 == 0:
+            s.requeue_running()
+            restarts += 1
+            assert s.block_manager.accounting()["cached"] == 0
+    counts = s.block_manager.accounting()
+    assert counts["held"] == 0 and counts["free"] + counts["idle_cached"] == cfg.num_blocks - 1
+    assert s.num_preemptions > 0 and restarts > 0 and aborted
+    if caching:
+        cache = s.block_manager.prefix_cache
+        assert cache.evictions > 0 and cache.hit_tokens > 0
+    for seq in seqs:
+        if seq.request_id in aborted:
+            assert seq.finish_reason == "abort" and seq.status is SequenceStatus.FINISHED
+            continue
+        out, reason = expected_output(seq.prompt_ids, seq.params)
+        assert (seq.output_ids, seq.finish_reason) == (out, reason)
