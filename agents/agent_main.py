@@ -71,22 +71,30 @@ def watch_master(lifeline_fd: int, parent_pid: int, poll_s: float = 2.0) -> None
             _exit(0)
 
 
-def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None]):
-    """The runner for this rank: the instant stand-in, or MindSpore's ModelRunner on the checkpoint."""
+def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], lifeline_fd: int | None = None):
+    """The runner for this rank: the instant stand-in, or MindSpore's ModelRunner on the checkpoint (under
+    tensor parallelism: on this rank's slice of it, after joining the ranks' collective cluster)."""
     if spec.kind == "standin":
         from agents.standin import StandinRunner
         return StandinRunner(int(spec.llama_config["vocab_size"]), spec.step_delay_s)
-    from agents.weights import load_weights
+    from agents.collectives import join_cluster, share_cpus
+    from agents.sharded_weights import load_rank_weights
     from llm_serving.protocol.model_config import LlamaConfig
+    from llm_serving.protocol.parallel import ShardPlan
 
     config = LlamaConfig(**spec.llama_config)
-    progress(f"loading weights from {spec.model_path}")
-    weights = load_weights(spec.model_path, config)  # before importing MindSpore: a bad path fails fast
+    shard = ShardPlan(config, spec.tensor_parallel_size, rank)
+    cpu_threads = share_cpus(shard) if shard.tp > 1 else 0  # before MindSpore starts any thread
+    progress(f"loading weights from {spec.model_path}" + (f" (rank {rank} of {shard.tp})" if shard.tp > 1 else ""))
+    weights = load_rank_weights(spec.model_path, config, shard)  # before importing MindSpore: fails fast
     from agents.runner import ModelRunner, RunnerConfig
 
     runner_config = RunnerConfig(**{**spec.runner_config, "device_id": spec.start_device_id + rank})
+    if shard.tp > 1:
+        progress(f"joining the collective cluster of {shard.tp} ranks")
+        join_cluster(shard, runner_config.device_target, runner_config.device_id, cpu_threads, lifeline_fd)
     progress(f"building model on {runner_config.device_target} device {runner_config.device_id}")
-    return ModelRunner(config, weights, runner_config)
+    return ModelRunner(config, weights, runner_config, shard=shard)
 
 
 def serve(channel: StepChannel, runner, cmd_fd: int, replier: Replier, rank: int) -> None:
@@ -147,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         spec = AgentSpec.from_json(args.spec)
         channel = StepChannel.attach(args.shm, spec.layout)
-        runner = build_runner(spec, args.rank, progress)
+        runner = build_runner(spec, args.rank, progress, args.lifeline_fd)
         runner.warmup(progress)
     except BaseException as exc:  # noqa: BLE001 - any start-up failure must reach the master as text
         replier.error(STARTUP_STEP, exc)

@@ -17,7 +17,9 @@ Failure handling is the point of the design:
   naming the rank and the cause, after every agent is killed and the segment unlinked;
 - a step not answered within ``step_timeout_s`` (a stuck or stopped agent) is a death too; the engine sets
   the timeout from ``slowest_warmup_step_s``, which the agents report when ready;
-- rank 0's DONE frame names sequences that failed on their own (``StepOutput.errors``): the step succeeds.
+- rank 0's DONE frame names sequences that failed on their own (``StepOutput.errors``): the step succeeds;
+- tensor-parallel MindSpore ranks share their model through collectives: the pool starts their cluster's
+  scheduler first (``collective_launch``), fails the start-up if it exits, and stops it with the agents.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from llm_serving.collective_launch import CollectiveCluster, needs_cluster
 from llm_serving.protocol.batch import FAILED_TOKEN, StepBatch, StepOutput
 from llm_serving.protocol.shm_channel import StepChannel
 from llm_serving.protocol.wire import (
@@ -121,6 +124,7 @@ class AgentPool:
         self._by_fd: dict[int, _Agent] = {}
         self._poller = select.poll()
         self._channel: StepChannel | None = None
+        self._cluster: CollectiveCluster | None = None  # the collectives' scheduler of tensor-parallel ranks
         self._step = 0
         self._in_flight: int | None = None  # a submitted step not collected yet
         self._failed_rows: dict[int, str] = {}  # rank 0's DONE frame of the step being collected
@@ -141,6 +145,11 @@ class AgentPool:
     def pids(self) -> list[int]:
         """Process ids of the agents, by rank (still listed after close, so callers can check they are gone)."""
         return [a.proc.pid for a in self._agents]
+
+    @property
+    def helper_pids(self) -> list[int]:
+        """Process ids of the pool's helpers (the collectives' scheduler), listed after close too."""
+        return [self._cluster.pid] if self._cluster is not None else []
 
     @property
     def shm_name(self) -> str | None:
@@ -179,6 +188,8 @@ class AgentPool:
             self._state = "starting"
             try:
                 self._channel = StepChannel.create(self.spec.layout)
+                if needs_cluster(self.spec):
+                    self._cluster = CollectiveCluster.start(self.spec, self._agent_env(), self.startup_timeout_s)
                 for rank in range(self.num_agents):
                     self._spawn(rank)
                 self._wait_ready(progress)
@@ -200,8 +211,10 @@ class AgentPool:
         life_r, life_w = os.pipe()
         child_fds = (cmd_r, reply_w, life_r)
         root = str(Path(__file__).resolve().parents[1])
-        env = {**os.environ, **{k: str(v) for k, v in self.spec.extra_env.items()}}
+        env = self._agent_env()
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        if self._cluster is not None:
+            env.update(self._cluster.rank_env(rank))
         argv = [sys.executable, "-m", "agents.agent_main", "--rank", str(rank), "--shm", self._channel.name,
                 "--cmd-fd", str(cmd_r), "--reply-fd", str(reply_w), "--lifeline-fd", str(life_r),
                 "--spec", self.spec.to_json()]
@@ -219,6 +232,9 @@ class AgentPool:
         self._by_fd[reply_r] = agent
         self._poller.register(reply_r, select.POLLIN)
 
+    def _agent_env(self) -> dict[str, str]:
+        return {**os.environ, **{k: str(v) for k, v in self.spec.extra_env.items()}}
+
     def _wait_ready(self, progress: Callable[[str], None] | None) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         pending = {a.rank for a in self._agents}
@@ -230,6 +246,10 @@ class AgentPool:
                 raise AgentStartupError(
                     f"agent rank(s) {sorted(pending)} not ready after {self.startup_timeout_s:g}s "
                     f"(loading weights and compiling every shape bucket)", rank=min(pending))
+            if self._cluster is not None and self._cluster.exited() is not None:
+                raise AgentStartupError(f"the collectives' scheduler (pid {self._cluster.pid}) exited with "
+                                        f"{describe_exit(self._cluster.exited())} before the ranks were ready "
+                                        "(see its stderr)")
             for agent, frames in self._poll(min(left, 1.0)):
                 if frames is None:
                     code = self._reap(agent)
@@ -413,6 +433,8 @@ class AgentPool:
             if agent.proc.poll() is None:
                 agent.proc.kill()
                 agent.proc.wait()
+        if self._cluster is not None:
+            self._cluster.stop()
 
     def _release(self) -> None:
         """Close the reply pipes and unmap + unlink the segment (agents must be gone; no step in flight)."""

@@ -498,8 +498,9 @@ class RecordingPool:
 
 PROOF_SECTIONS = {
     "serving_config": {"num_agents": 2},
-    # 32 running sequences need up to 256 blocks of 8; 100 forces preemptions and long recomputes.
-    "pa_config": {"num_blocks": 100, "block_size": 8, "decode_seq_length": 64},
+    # 32 running sequences need up to 256 blocks of 8; 100 forces preemptions and long recomputes. The 2 agents
+    # are tensor-parallel ranks, each caching 1 of the 2 kv heads: 50 blocks of one device's memory hold 100.
+    "pa_config": {"num_blocks": 50, "block_size": 8, "decode_seq_length": 64},
 }
 
 

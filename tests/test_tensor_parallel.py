@@ -1,0 +1,323 @@
+"""Issue 14, tensor parallelism: the sharding plan, each rank's slice read from every checkpoint format, and
+the whole engine on CPU at tp 2 (native and portable ops) and tp 4 (fewer kv heads than ranks, an uneven
+vocabulary split) against tp 1 and transformers; a rank killed mid-run; the collectives' helpers gone on every
+exit path (normal, rank death, master killed, start-up failure).
+
+One engine runs at a time (module-scoped results, each engine stopped before the next starts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agents.sharded_weights import load_shard, shard_shapes
+from agents.weights import load_weights, save_mindspore_checkpoint
+from llm_serving.agent_pool import AgentPool, AgentStartupError
+from llm_serving.config import ConfigError, ServingConfig
+from llm_serving.engine import Engine
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.protocol.parallel import ShardPlan, kv_shards, tensor_parallel_problems
+from llm_serving.random_model import build_random_model
+from llm_serving.sequence import SamplingParams
+from llm_serving.wiring import agent_spec, kv_cache_blocks, resolve_model, scheduler_config
+from tests.test_engine import our_segments, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+EOS = 2
+# vocab 998: 4 ranks hold 250, 250, 250 and 248 rows (the last range shorter, its gather padded)
+TINY = {"hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+        "vocab_size": 998, "seed": 5}
+SAMPLED = SamplingParams(max_new_tokens=10, temperature=0.8, top_k=40, top_p=0.9, seed=11)
+
+
+def tp_config(data_dir: Path, tp: int, kernels: str = "auto", **sections) -> ServingConfig:
+    d = {"default_model": {"data_dir": str(data_dir), **TINY},
+         "model_config": {"seq_length": [32], "prefill_batch_size": [2], "decode_batch_size": [8],
+                          "kernels": kernels},
+         "pa_config": {"num_blocks": 48, "block_size": 8, "decode_seq_length": 64},
+         "serving_config": {"num_agents": tp, "agent_restart_backoff_s": 0.01}, "scheduler": {"policy": "fcfs"}}
+    for name, values in sections.items():
+        d.setdefault(name, {}).update(values)
+    return ServingConfig.from_dict(d)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tp_models")
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie left for a reaper that never comes counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def wait_gone(pids: list[int], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"still running: {[p for p in pids if alive(p)]}"
+        time.sleep(0.05)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+# ---- the plan and the configuration ------------------------------------------------------------------------
+def test_plan_splits_heads_ffn_and_vocabulary():
+    cfg = LlamaConfig(vocab_size=998, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    two = [ShardPlan(cfg, 2, r) for r in range(2)]
+    assert [(p.heads, p.kv_heads, p.kv_head_start, p.ffn) for p in two] == [(2, 1, 0, 80), (2, 1, 1, 80)]
+    assert two[1].qkv_rows() == [(32, 64), (64 + 16, 64 + 32), (96 + 16, 96 + 32)]
+    four = [ShardPlan(cfg, 4, r) for r in range(4)]  # kv heads replicated: ranks 0, 1 read kv head 0
+    assert [p.kv_head_start for p in four] == [0, 0, 1, 1] and {p.kv_heads for p in four} == {1}
+    assert [p.vocab_range for p in four] == [(0, 250), (250, 500), (500, 750), (750, 998)]
+    assert four[3].attention_config.hidden_size == 16 and four[3].attention_config.num_key_value_heads == 1
+    assert (kv_shards(cfg, 2), kv_shards(cfg, 4)) == (2, 2)
+    assert ShardPlan(cfg).attention_config is cfg  # tp 1: the whole model, the same graphs as before
+    problems = tensor_parallel_problems(cfg, 3)
+    assert any("num_attention_heads 4" in p for p in problems) and any("num_key_value_heads 2" in p for p in problems)
+    odd_ffn = dataclasses.replace(cfg, intermediate_size=150)
+    assert tensor_parallel_problems(odd_ffn, 4) == ["intermediate_size 150 is not divisible by 4 ranks"]
+    with pytest.raises(ValueError, match="rank 2 is not in"):
+        ShardPlan(cfg, 2, 2)
+
+
+def test_num_agents_is_checked_against_the_heads_and_grows_the_kv_cache(data_dir):
+    with pytest.raises(ConfigError, match="serving_config.num_agents: 3 agents .*num_attention_heads 4") as info:
+        resolve_model(tp_config(data_dir, 3))
+    assert info.value.key == "serving_config.num_agents"
+    for tp, blocks in ((1, 48), (2, 96), (4, 96)):  # kv heads split over 2 ranks; over 4, replicated in pairs
+        cfg = tp_config(data_dir, tp)
+        model = resolve_model(cfg)
+        assert kv_cache_blocks(cfg, model.llama_config) == blocks
+        assert scheduler_config(cfg, EOS, model.llama_config).num_blocks == blocks
+        spec = agent_spec(cfg, model)
+        assert spec.runner_config["num_blocks"] == blocks and spec.tensor_parallel_size == tp
+
+
+# ---- each rank reads only its slice ------------------------------------------------------------------------
+def expected_slice(full: dict[str, np.ndarray], cfg: LlamaConfig, plan: ShardPlan, key: str) -> np.ndarray:
+    """The rank's part of a canonical tensor, cut from the whole fused one."""
+    w, kind, hd = full[key], key.rsplit(".", 1)[-1], cfg.head_dim
+    lo, hi = plan.rank * plan.ffn, (plan.rank + 1) * plan.ffn
+    if kind in ("embed_tokens", "lm_head"):
+        return w[slice(*plan.vocab_range)]
+    if kind == "w_qkv":
+        q = w[plan.rank * plan.heads * hd: (plan.rank + 1) * plan.heads * hd]
+        kv = [w[base + plan.kv_head_start * hd: base + (plan.kv_head_start + plan.kv_heads) * hd]
+              for base in (cfg.hidden_size, cfg.hidden_size + cfg.kv_dim)]
+        return np.concatenate([q, *kv])
+    if kind == "wo":
+        return w[:, plan.rank * plan.heads * hd: (plan.rank + 1) * plan.heads * hd]
+    if kind == "w_gate_up":
+        return np.concatenate([w[lo:hi], w[cfg.intermediate_size + lo: cfg.intermediate_size + hi]])
+    if kind == "w_down":
+        return w[:, lo:hi]
+    return w
+
+
+def write_two_chunk_ckpt(weights: dict[str, np.ndarray], path: Path) -> None:
+    """A .ckpt as MindSpore writes tensors past its slice size: one tensor's rows in two messages."""
+    from mindspore.train.checkpoint_pb2 import Checkpoint
+
+    with open(path, "wb") as f:
+        for name, value in weights.items():
+            parts = np.array_split(value, 2) if name == "embed_tokens" else [value]
+            for part in parts:
+                msg = Checkpoint()
+                entry = msg.value.add()
+                entry.tag = name
+                entry.tensor.dims.extend(value.shape)
+                entry.tensor.tensor_type = "Float32"
+                entry.tensor.tensor_content = np.ascontiguousarray(part, np.float32).tobytes()
+                f.write(msg.SerializeToString())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_every_format_gives_each_rank_exactly_its_slice(tmp_path, tp):
+    cfg = LlamaConfig(vocab_size=998, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    single = build_random_model(tmp_path / "single", cfg, seed=1)
+    sharded = build_random_model(tmp_path / "sharded", cfg, seed=1, shards=3)
+    full = load_weights(single, cfg)
+    ckpt = save_mindspore_checkpoint(full, tmp_path / "canonical" / "model.ckpt")
+    write_two_chunk_ckpt(full, tmp_path / "chunks.ckpt")
+    for source in (single, sharded, ckpt, tmp_path / "chunks.ckpt"):
+        for rank in range(tp):
+            plan = ShardPlan(cfg, tp, rank)
+            got = load_shard(source, cfg, plan)
+            assert {k: v.shape for k, v in got.items()} == shard_shapes(cfg, plan)
+            for key in full:
+                np.testing.assert_array_equal(got[key], expected_slice(full, cfg, plan, key), err_msg=f"{key}")
+    assert sum(load_shard(ckpt, cfg, ShardPlan(cfg, tp, r))["lm_head"].shape[0] for r in range(tp)) == 998
+
+
+# ---- the whole engine --------------------------------------------------------------------------------------
+def workload() -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(14)
+    greedy = [([1] + [rng.randrange(3, 998) for _ in range(rng.randint(3, 30))],
+               SamplingParams(max_new_tokens=rng.randint(4, 16))) for _ in range(10)]
+    return greedy + [(greedy[i][0], SAMPLED) for i in (0, 3)]
+
+
+def serve(cfg: ServingConfig, kill_rank: int | None = None) -> dict:
+    """Run the workload through one engine; with ``kill_rank``, run it again while that rank is killed."""
+    engine = Engine(cfg)
+    t0 = time.monotonic()
+    engine.start(progress=None)
+    out = {"start_s": time.monotonic() - t0, "pids": engine.agent_pids,
+           "helpers": engine._agents.pool.helper_pids}
+    try:
+        out["results"] = [s.result(timeout=120) for s in [engine.submit(p, sp) for p, sp in workload()]]
+        if kill_rank is not None:
+            pool = engine._agents.pool
+            segment, before = pool.shm_name, engine.stats()
+            streams = [engine.submit(p, sp) for p, sp in workload()]
+            wait_for(lambda: engine.stats()["decode_steps"] > before["decode_steps"] + 2, 60, "decoding")
+            os.kill(out["pids"][kill_rank], signal.SIGKILL)
+            out["after_kill"] = [s.result(timeout=180) for s in streams]
+            out["stats"] = engine.stats()
+            out["segment_gone"] = segment not in our_segments()
+            out["new_helpers"] = engine._agents.pool.helper_pids
+            out["new_pids"] = engine.agent_pids
+    finally:
+        engine.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(data_dir) -> dict:
+    """tp 1, 2 (native, then portable) and 4, one engine at a time; the tp-2 native one loses rank 1 midway."""
+    out = {"tp1": serve(tp_config(data_dir, 1)), "tp2": serve(tp_config(data_dir, 2), kill_rank=1),
+           "tp2_portable": serve(tp_config(data_dir, 2, kernels="portable")), "tp4": serve(tp_config(data_dir, 4))}
+    from tests.hf_reference import hf_greedy, load_hf
+
+    hf = load_hf(resolve_model(tp_config(data_dir, 1)).model_path)
+    out["hf"] = [hf_greedy(hf, p, sp.max_new_tokens, eos_token_id=EOS) for p, sp in workload()
+                 if sp.temperature == 0]
+    return out
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp2_portable", "tp4"])
+def test_tensor_parallel_greedy_matches_tp1_and_transformers(runs, name):
+    greedy = len(runs["hf"])
+    assert len(runs[name]["pids"]) == int(name[2]) and len(runs[name]["helpers"]) == 1
+    for got, ref, (hf_ids, hf_logprobs) in zip(runs[name]["results"], runs["tp1"]["results"], runs["hf"]):
+        assert got.token_ids == ref.token_ids == hf_ids
+        np.testing.assert_allclose(got.logprobs, hf_logprobs, atol=1e-4)
+        np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-4)
+    assert len({t for r in runs[name]["results"][:greedy] for t in r.token_ids}) > 30  # not degenerate
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp2_portable", "tp4"])
+def test_seeded_sampling_gives_the_text_of_tp1(runs, name):
+    greedy = len(runs["hf"])
+    sampled = [r.token_ids for r in runs[name]["results"][greedy:]]
+    assert sampled == [r.token_ids for r in runs["tp1"]["results"][greedy:]]
+    assert sampled[0] != runs["tp1"]["results"][0].token_ids[:10]  # really sampled, not greedy
+
+
+def test_a_killed_rank_takes_its_pool_along_and_requests_are_recomputed(runs):
+    tp2 = runs["tp2"]
+    for got, (hf_ids, hf_logprobs) in zip(tp2["after_kill"], runs["hf"]):
+        assert got.token_ids == hf_ids
+        np.testing.assert_allclose(got.logprobs, hf_logprobs, atol=1e-4)
+    assert tp2["stats"]["agent_restarts"] == 1 and tp2["stats"]["requests_recomputed"] > 0
+    assert tp2["segment_gone"] and tp2["new_helpers"] != tp2["helpers"] and tp2["new_pids"] != tp2["pids"]
+    for name in ("tp1", "tp2", "tp2_portable", "tp4"):  # every engine stopped: agents and schedulers gone
+        pids = runs[name]["pids"] + runs[name]["helpers"] + runs[name].get("new_pids", [])
+        wait_gone(pids + runs[name].get("new_helpers", []))
+    assert not our_segments()
+
+
+# ---- the helpers on the other exit paths ------------------------------------------------------------------
+def test_start_up_failure_stops_the_scheduler(tmp_path):
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2)
+    from llm_serving.protocol.wire import AgentSpec
+
+    spec = AgentSpec("llama", str(tmp_path / "missing"), cfg.__dict__.copy(),
+                     {"num_blocks": 8, "block_size": 4, "max_model_len": 16}, 16, 4, 4, tensor_parallel_size=2)
+    pool = AgentPool(spec)
+    with pytest.raises(AgentStartupError, match="WeightLoadError"):
+        pool.start()
+    assert len(pool.helper_pids) == 1
+    wait_gone(pool.pids + pool.helper_pids)
+
+
+def test_master_killed_while_ranks_join_leaves_nothing(data_dir, tmp_path):
+    """SIGKILL the master while its ranks wait in MindSpore's init() (which holds their GIL): every agent,
+    the agents' reapers, the scheduler and its MindSpore child exit."""
+    model = resolve_model(tp_config(data_dir, 2))
+    script = tmp_path / "master.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        from llm_serving.agent_pool import AgentPool
+        from llm_serving.config import ServingConfig
+        from llm_serving.wiring import ModelFiles, agent_spec
+        from llm_serving.protocol.model_config import LlamaConfig
+        cfg = ServingConfig.from_dict({{"serving_config": {{"num_agents": 2}},
+                                       "pa_config": {{"num_blocks": 48, "block_size": 8, "decode_seq_length": 64}},
+                                       "model_config": {{"seq_length": [32]}}}})
+        model = ModelFiles({str(model.model_path)!r}, LlamaConfig(**{model.llama_config.__dict__!r}), None)
+        def progress(line):
+            print(line, flush=True)
+        AgentPool(agent_spec(cfg, model)).start(progress)
+    """))
+    master = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True)
+    try:
+        line = ""
+        while "joining the collective cluster" not in line:
+            line = master.stdout.readline()
+            assert line, "the master exited before its ranks joined"
+        deadline = time.monotonic() + 60
+        while not any("agents.lifeline_reaper" in cmdline(p) for p in descendants(master.pid)):  # in init()
+            assert time.monotonic() < deadline, "no rank reached MindSpore's init()"
+            time.sleep(0.01)
+        family = descendants(master.pid)
+        assert len(family) >= 5  # 2 agents, a reaper, the scheduler and its MindSpore child
+        master.kill()
+        master.wait()
+        wait_gone(family, timeout_s=15)
+    finally:
+        master.kill()
+        master.wait()
+        master.stdout.close()
