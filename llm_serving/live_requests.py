@@ -60,9 +60,9 @@ class LiveRequests:
             entry = live.get(seq.request_id)
             if entry is None or entry.sequence is not seq:
                 continue  # ended from outside while the step was in flight (its id may be reused already)
-            if seq.num_output_tokens == entry.delivered:
+            if len(seq.output_ids) == entry.delivered:
                 continue  # its step computed a prompt chunk short of the end: no new token
-            entry.delivered = seq.num_output_tokens
+            entry.delivered = len(seq.output_ids)
             reason = None if seq.status is running else seq.finish_reason
             try:
                 ended = entry.stream.push_token(seq.output_ids[-1], seq.output_logprobs[-1], reason, now,

@@ -242,6 +242,59 @@ void attend_any(const float *q, const int32_t *table, int64_t len, int64_t block
   }
 }
 
+constexpr int64_t kTile = 8;  // queries of one sequence attended together by ChunkedPrefillAttention
+
+// ``tokens`` (at most kTile) consecutive queries of one sequence and kv head (``rep`` rows each, in q), query i attending to the
+// first lens[i] rows of the sequence's context. Each block of keys and values is read once for all of them (it
+// stays in L1 while they use it) instead of once per query; every row's arithmetic is the one ``attend`` does, in
+// the same order, so the results are bitwise those of attending query by query.
+template <int64_t kHeadDim>
+void attend_tile(const float *q, const int32_t *table, const int64_t *lens, int64_t tokens, int64_t block_size,
+                 const float *keys, const float *values, int64_t dim, int64_t rep, float scale, float *scores,
+                 float *odd, float *const *out) {
+  const int64_t longest = lens[tokens - 1];
+  int64_t at[kTile];  // where query i's ``rep x lens[i]`` scores start
+  for (int64_t i = 0, offset = 0; i < tokens; offset += rep * lens[i], ++i) at[i] = offset;
+  for_each_block(keys, table, longest, block_size, dim, [&](int64_t start, int64_t rows, const float *k) {
+    for (int64_t i = 0; i < tokens; ++i) {
+      if (start >= lens[i]) continue;
+      const int64_t n = lens[i] - start < rows ? lens[i] - start : rows;
+      score_rows<kHeadDim>(q + i * rep * dim, k, n, dim, rep, scale, scores + at[i] + start, lens[i]);
+    }
+  });
+  for (int64_t i = 0; i < tokens; ++i) {
+    softmax_rows(scores + at[i], lens[i], rep);
+    std::memset(out[i], 0, sizeof(float) * rep * dim);
+  }
+  std::memset(odd, 0, sizeof(float) * tokens * rep * dim);
+  for_each_block(values, table, longest, block_size, dim, [&](int64_t start, int64_t rows, const float *v) {
+    for (int64_t i = 0; i < tokens; ++i) {
+      if (start >= lens[i]) continue;
+      const int64_t n = lens[i] - start < rows ? lens[i] - start : rows;
+      weigh_rows<kHeadDim>(scores + at[i] + start, v, n, dim, rep, out[i], odd + i * rep * dim, start, lens[i]);
+    }
+  });
+#if defined(__AVX512F__)
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {  // as weigh_values: the odd rows' sums added last
+    for (int64_t i = 0; i < tokens; ++i) {
+      for (int64_t j = 0; j < rep * dim; ++j) out[i][j] += odd[i * rep * dim + j];
+    }
+  }
+#endif
+}
+
+void attend_tile_any(const float *q, const int32_t *table, const int64_t *lens, int64_t tokens, int64_t block_size,
+                     const float *keys, const float *values, int64_t dim, int64_t rep, float scale, float *scores,
+                     float *odd, float *const *out) {
+  if (dim == 64) {
+    attend_tile<64>(q, table, lens, tokens, block_size, keys, values, dim, rep, scale, scores, odd, out);
+  } else if (dim == 128) {
+    attend_tile<128>(q, table, lens, tokens, block_size, keys, values, dim, rep, scale, scores, odd, out);
+  } else {
+    attend_tile<0>(q, table, lens, tokens, block_size, keys, values, dim, rep, scale, scores, odd, out);
+  }
+}
+
 // What both entry points share: the step's projections, rotary tables, slots and the caches.
 struct Layer {
   const float *qkv, *cos, *sin;
@@ -430,16 +483,22 @@ extern "C" int ChunkedPrefillAttention(int nparam, void **params, int *ndims, in
   for (int64_t t = 0; t < used; ++t) {
     if (layer.slots[t] < 0 || layer.slots[t] >= layer.num_slots) return 4;
   }
-  // Each token's sequence and the context rows it attends to.
-  thread_local std::vector<int64_t> seq_of, len_of;
-  seq_of.resize(static_cast<size_t>(used));
+  // The context rows each token attends to, and tiles of up to kTile consecutive tokens of one sequence.
+  thread_local std::vector<int64_t> len_of, tile_first, tile_seq;
   len_of.resize(static_cast<size_t>(used));
+  tile_first.clear();
+  tile_seq.clear();
   for (int64_t b = 0, t = 0; b < batch; ++b) {
     for (int64_t i = 0; i < query_lens[b]; ++i, ++t) {
-      seq_of[t] = b;
       len_of[t] = context_lens[b] - query_lens[b] + i + 1;
+      if (i % kTile == 0) {
+        tile_first.push_back(t);
+        tile_seq.push_back(b);
+      }
     }
   }
+  const int64_t tiles = static_cast<int64_t>(tile_first.size());
+  tile_first.push_back(used);
   const int64_t out_width = layer.heads() * layer.dim;
   std::memset(layer.out + used * out_width, 0, sizeof(float) * (tokens - used) * out_width);
   constexpr int64_t kWriteTokens = 16;
@@ -449,15 +508,23 @@ extern "C" int ChunkedPrefillAttention(int nparam, void **params, int *ndims, in
     }
   });
   // Head-major tasks: consecutive ones read the same kv head of the same sequence while it is in the cache.
-  const int64_t *seqs = seq_of.data(), *lens = len_of.data();
-  run_tasks(used * layer.n_kv, 16, [&](int64_t task) {
-    thread_local std::vector<float> scores, q;
-    const int64_t h = task / used, t = task % used, len = lens[t];
-    q.resize(static_cast<size_t>(layer.rep * layer.dim));
-    layer.queries(t, h, q.data());
-    scores.resize(static_cast<size_t>(layer.rep * len));
-    attend_any(q.data(), tables + seqs[t] * width, len, block_size, layer.keys[h], layer.values[h], layer.dim,
-               layer.rep, layer.scale, scores.data(), layer.out_row(t, h));
+  const int64_t *lens = len_of.data(), *firsts = tile_first.data(), *seqs = tile_seq.data();
+  run_tasks(tiles * layer.n_kv, 16, [&](int64_t task) {
+    thread_local std::vector<float> scores, q, odd;
+    const int64_t h = task / tiles, tile = task % tiles, first = firsts[tile], n = firsts[tile + 1] - first;
+    const int64_t rep = layer.rep, dim = layer.dim;
+    q.resize(static_cast<size_t>(n * rep * dim));
+    odd.resize(static_cast<size_t>(n * rep * dim));
+    float *out[kTile];
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      layer.queries(first + i, h, q.data() + i * rep * dim);
+      out[i] = layer.out_row(first + i, h);
+      total += rep * lens[first + i];
+    }
+    scores.resize(static_cast<size_t>(total));
+    attend_tile_any(q.data(), tables + seqs[tile] * width, lens + first, n, block_size, layer.keys[h],
+                    layer.values[h], dim, rep, layer.scale, scores.data(), odd.data(), out);
   });
   return 0;
 }
