@@ -63,12 +63,16 @@ def consecutive_groups(query_lens: np.ndarray, max_seqs: int, max_tokens: int) -
 
 def warmup_arrays(kind: str, batch: int, n: int, width: int, max_model_len: int) -> list[np.ndarray]:
     """Inputs of a mixed or chunk shape in which every row is a real token of dummy block 0 (as the runner's
-    other warm-up inputs): ``batch`` sequences sharing ``n`` tokens (ragged) or of ``n`` tokens each (padded)."""
+    other warm-up inputs): ragged, ``n`` tokens in as few sequences as the model length allows (the most
+    attention a call of that many tokens can do: its timing bounds the step timeout); padded, ``batch`` sequences
+    of ``n`` tokens each."""
     tokens = n if kind == "mixed" else batch * n
     ids, pos, slots = (np.zeros(tokens, np.int32) for _ in range(3))
     if kind == "mixed":
         real = min(n, batch * max_model_len)  # no sequence longer than the model
-        lens = np.array([len(p) for p in np.array_split(np.arange(real), batch)], np.int32)
+        parts = np.array_split(np.arange(real), min(batch, -(-real // max_model_len)))
+        lens = np.zeros(batch, np.int32)
+        lens[: len(parts)] = [len(p) for p in parts]
         last = np.maximum(np.cumsum(lens) - 1, 0).astype(np.int32)
     else:
         lens = np.full(batch, n, np.int32)
