@@ -384,6 +384,20 @@ def test_rejections_and_queue_limit(data_dir):
         engine.submit("hi")
 
 
+def test_a_prompt_longer_than_the_prefill_buckets_is_served_in_chunks(data_dir):
+    """Issue 15's report: a prompt past the largest seq_length bucket (32) but within the model length (64)."""
+    pools: list[RecordingPool] = []
+    engine = Engine(tiny_config(data_dir, scheduler={"max_num_batched_tokens": 32}), standin_agents=True,
+                    pool_factory=lambda spec: pools.append(RecordingPool(spec)) or pools[-1])
+    engine.start(progress=None)
+    try:
+        prompt, params = [1] + list(range(3, 62)), SamplingParams(max_new_tokens=4, ignore_eos=True)
+        assert engine.submit(prompt, params).result(timeout=30).token_ids == standin_expected(prompt, params)[0]
+        assert [q for prefill, _, q in pools[0].shapes if prefill] == [32, 28]  # 60 tokens in two chunks
+    finally:
+        engine.shutdown()
+
+
 def test_abort_in_flight_is_never_computed_again(data_dir):
     engine, pool = gated_engine(data_dir)
     try:
