@@ -115,9 +115,11 @@ def test_auto_is_portable_where_the_kernel_does_not_apply():
     assert backend_for(dataclasses.replace(RC, dtype="float16")).kernels == "portable"
     with pytest.raises(ValueError, match="native kernels run on CPU with float32 only"):
         backend_for(dataclasses.replace(RC, dtype="bfloat16", kernels="native"))
-    assert backend_for(dataclasses.replace(RC, device_target="Ascend")).kernels == "portable"  # none there yet
-    with pytest.raises(ValueError, match="no native kernels for device Ascend"):
-        backend_for(dataclasses.replace(RC, device_target="Ascend", kernels="native"))
+    ascend = dataclasses.replace(RC, device_target="Ascend", dtype="float16")
+    assert backend_for(ascend).name == "ascend"  # auto takes the device's own backend (its fused ops)
+    assert backend_for(dataclasses.replace(ascend, kernels="native")).name == "ascend"
+    with pytest.raises(ValueError, match="float32 is not served on Ascend"):
+        dataclasses.replace(RC, device_target="Ascend")
     with pytest.raises(ValueError, match="kernels 'fast' is not one of"):
         dataclasses.replace(RC, kernels="fast")
 
