@@ -104,10 +104,11 @@ class ScriptedPool:
 
 
 def together(pool: ScriptedPool, engine: Engine, submit):
-    """Run ``submit()`` while a step is held, so that what it submits shares the next prefill."""
+    """Run ``submit()`` while a step is held, so that what it submits shares the next prefill (the blocker
+    ends with its prefill, so no decode token of its own joins that step under chunked prefill)."""
     pool.go.clear()
     steps = len(pool.batches)
-    blocker = engine.submit([1, 2], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    blocker = engine.submit([1, 2], SamplingParams(max_new_tokens=1, ignore_eos=True))
     wait_for(lambda: len(pool.batches) > steps, what="the blocker's step")
     out = submit()
     pool.go.set()
