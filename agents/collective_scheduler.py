@@ -29,19 +29,19 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)  # no parent-death signal, or the parent already died before it was set
 
 
-def run_scheduler(device_target: str) -> None:
-    """The child: MindSpore's scheduler node (blocks while the cluster lives)."""
+def run_scheduler() -> None:
+    """The child: MindSpore's scheduler node (blocks while the cluster lives). It only builds the ranks'
+    topology, so it runs on CPU whatever their device (``init()`` takes the MCCL path for ``MS_SCHED``)."""
     import mindspore as ms
     from mindspore.communication import init
 
-    ms.set_device(device_target)
+    ms.set_device("CPU")
     init()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="MindSpore cluster scheduler for one agent pool")
     parser.add_argument("--lifeline-fd", type=int, required=True)
-    parser.add_argument("--device-target", default="CPU")
     args = parser.parse_args(argv)
     parent = os.getpid()
     child = os.fork()
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         os.close(args.lifeline_fd)
         _die_with_parent(parent)
         try:
-            run_scheduler(args.device_target)
+            run_scheduler()
         except BaseException as exc:  # noqa: BLE001 - reported on stderr; the exit code says it failed
             print(f"collective scheduler failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             os._exit(1)

@@ -6,8 +6,10 @@ HCCL on Ascend and MCCL on CPU.
 
 CPU threads: ``tp`` ranks on one host would each start thread pools sized for every core (MindSpore's CPU
 kernels, our native kernels' helpers), ``tp`` times too many threads spinning on the same cores. So each rank
-gets ``cores / tp`` threads and, where there are at least ``tp`` cores, is pinned to its own contiguous share
-of them (``LLM_SERVING_PIN_RANKS=0`` leaves the placement to the OS).
+gets ``cores / tp`` threads. The OS places them: pinning each rank to its own share of the cores
+(``LLM_SERVING_PIN_RANKS=1``) was slower here (2 ranks on 2 cores, bench model: decode batch 128 137 ms pinned
+against 93 ms not, on the idle machine), since a rank waiting in a collective leaves its core idle while the
+other rank's communication threads could use it.
 
 Joining: MindSpore 2.10's cluster client races with its own event thread when it connects to the scheduler
 (the connection's completion is handled before the connection is filled in; the attempt then fails and is
@@ -39,10 +41,11 @@ def cpu_share(cores: list[int], tp: int, rank: int) -> tuple[list[int] | None, i
 
 
 def share_cpus(plan: ShardPlan) -> int:
-    """Pin this process to its share of the cores and size our kernels' thread pool (before MindSpore or the
-    kernels start any thread, which inherit both); returns the thread count for MindSpore's CPU kernels."""
+    """Size our kernels' thread pool to this rank's share of the cores, and pin the process to that share where
+    asked (before MindSpore or the kernels start any thread, which inherit both); returns the thread count for
+    MindSpore's CPU kernels."""
     pinned, threads = cpu_share(list(os.sched_getaffinity(0)), plan.tp, plan.rank)
-    if pinned is not None and os.environ.get("LLM_SERVING_PIN_RANKS", "1") != "0":
+    if pinned is not None and os.environ.get("LLM_SERVING_PIN_RANKS") == "1":
         os.sched_setaffinity(0, pinned)
     os.environ.setdefault("LLM_SERVING_KERNEL_THREADS", str(threads))
     return threads

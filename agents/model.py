@@ -18,9 +18,10 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from agents import packed_weights
+from agents import packed_weights, parallel
 from agents.backends import OpsBackend, PortableBackend
 from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.protocol.parallel import ShardPlan
 
 
 def rotary_tables(config: LlamaConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -61,50 +62,65 @@ class ProjectionWeight(nn.Cell):
 
 class LlamaLayer(nn.Cell):
     """One decoder layer: its weights, and the backend's cells that run it (the attention cell owns the
-    layer's slice of the paged KV cache)."""
+    layer's slice of the paged KV cache). Under tensor parallelism (``shard``) it holds one rank's heads and
+    FFN slice, and its two row-parallel projections end in an all-reduce (``agents.parallel``)."""
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type,
-                 backend: OpsBackend) -> None:
+                 backend: OpsBackend, shard: ShardPlan | None = None) -> None:
         super().__init__()
         hidden, eps, panels = config.hidden_size, config.rms_norm_eps, backend.panel_weights
+        shard = shard if shard is not None else ShardPlan(config)
+        heads = shard.attention_config  # this rank's heads; its hidden_size is their width
         self.attention_norm = norm_weight(hidden, dtype, "attention_norm")
         self.ffn_norm = norm_weight(hidden, dtype, "ffn_norm")
-        self.w_qkv = ProjectionWeight(hidden, config.qkv_dim, dtype, panels)
-        self.wo = ProjectionWeight(hidden, hidden, dtype, panels)
-        self.w_gate_up = ProjectionWeight(hidden, 2 * config.intermediate_size, dtype, panels, swiglu=True)
-        self.w_down = ProjectionWeight(config.intermediate_size, hidden, dtype, panels)
-        self.norm_qkv = backend.norm_linear(config.qkv_dim, eps)
-        self.attention = backend.attention(config, num_blocks, block_size, dtype)
-        self.norm_gate_up = backend.norm_swiglu(config.intermediate_size, eps)
+        self.w_qkv = ProjectionWeight(hidden, heads.qkv_dim, dtype, panels)
+        self.wo = ProjectionWeight(heads.hidden_size, hidden, dtype, panels)
+        self.w_gate_up = ProjectionWeight(hidden, 2 * shard.ffn, dtype, panels, swiglu=True)
+        self.w_down = ProjectionWeight(shard.ffn, hidden, dtype, panels)
+        self.norm_qkv = backend.norm_linear(heads.qkv_dim, eps)
+        self.attention = backend.attention(heads, num_blocks, block_size, dtype)
+        self.norm_gate_up = backend.norm_swiglu(shard.ffn, eps)
         self.residual_linear = backend.residual_linear()  # the output and the down projection
+        # that same cell at tp 1; else this rank's share of each projection, then an all-reduce
+        self.output_projection = parallel.row_parallel(shard, backend, self.residual_linear, hidden)
+        self.down_projection = parallel.row_parallel(shard, backend, self.residual_linear, hidden)
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
-                  block_tables: Tensor, rows: Tensor, is_prefill: bool) -> Tensor:
-        """``rows`` [1]: the real (leading) token rows of ``x``, for backends that skip the padding after them."""
+                  block_tables: Tensor, rows: Tensor, is_prefill: bool, context_lens: Tensor | None = None) -> Tensor:
+        """``rows`` [1]: the real (leading) token rows of ``x``, for backends that skip the padding after them.
+        ``context_lens``: given in steps whose queries attend to cached context (``agents.mixed_steps``; ``lens``
+        then holds the query lengths); None, a graph constant, in the prefill and decode graphs."""
         qkv = self.norm_qkv(x, self.attention_norm, self.w_qkv.weight, rows)
-        attn = self.attention(qkv, cos, sin, slot_mapping, lens, block_tables, is_prefill)
-        x = self.residual_linear(attn, self.wo.weight, x, rows)
+        if context_lens is None:
+            attn = self.attention(qkv, cos, sin, slot_mapping, lens, block_tables, is_prefill)
+        else:
+            attn = self.attention.chunked(qkv, cos, sin, slot_mapping, lens, context_lens, block_tables)
+        x = self.output_projection(attn, self.wo.weight, x, rows)
         act = self.norm_gate_up(x, self.ffn_norm, self.w_gate_up.weight, rows)
-        return self.residual_linear(act, self.w_down.weight, x, rows)
+        return self.down_projection(act, self.w_down.weight, x, rows)
 
 
 class LlamaModel(nn.Cell):
-    """Weights and KV cache of the whole model; ``LlamaStep`` cells run it as prefill or decode graphs."""
+    """Weights and KV cache of the whole model, or of one tensor-parallel rank's slice of it (``shard``: its
+    heads, FFN and vocabulary range); ``LlamaStep`` cells run it as prefill or decode graphs."""
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, max_positions: int,
-                 dtype: ms.Type = ms.float32, backend: OpsBackend | None = None) -> None:
+                 dtype: ms.Type = ms.float32, backend: OpsBackend | None = None,
+                 shard: ShardPlan | None = None) -> None:
         super().__init__()
         backend = backend if backend is not None else PortableBackend()
+        shard = shard if shard is not None else ShardPlan(config)
+        vocab = shard.vocab_range[1] - shard.vocab_range[0]  # this rank's vocabulary rows
         self.config = config
         self.dtype = dtype
-        self.embed_tokens = Parameter(Tensor(np.zeros((config.vocab_size, config.hidden_size)), dtype),
-                                      name="embed_tokens")
-        self.layers = nn.CellList([LlamaLayer(config, num_blocks, block_size, dtype, backend)
+        self.embed_tokens = Parameter(Tensor(np.zeros((vocab, config.hidden_size)), dtype), name="embed_tokens")
+        self.embed = parallel.embedding(shard)
+        self.layers = nn.CellList([LlamaLayer(config, num_blocks, block_size, dtype, backend, shard)
                                    for _ in range(config.num_hidden_layers)])
         self.norm = norm_weight(config.hidden_size, dtype, "norm")
-        self.lm_head = ProjectionWeight(config.hidden_size, config.vocab_size, dtype, backend.panel_weights)
-        self.norm_lm_head = backend.norm_linear(config.vocab_size, config.rms_norm_eps)
-        self.greedy = backend.greedy()
+        self.lm_head = ProjectionWeight(config.hidden_size, vocab, dtype, backend.panel_weights)
+        self.norm_lm_head = backend.norm_linear(vocab, config.rms_norm_eps)
+        self.greedy = parallel.greedy(shard, backend.greedy())
         cos, sin = rotary_tables(config, max_positions)
         self.cos = Tensor(cos, dtype)
         self.sin = Tensor(sin, dtype)
@@ -118,16 +134,18 @@ class LlamaModel(nn.Cell):
         return (lens.sum().astype(ms.int32).reshape(1) if is_prefill else sequences), sequences
 
     def hidden_states(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, lens: Tensor,
-                      block_tables: Tensor, token_rows: Tensor, is_prefill: bool) -> Tensor:
-        x = ops.gather(self.embed_tokens, input_ids, 0)
+                      block_tables: Tensor, token_rows: Tensor, is_prefill: bool,
+                      context_lens: Tensor | None = None) -> Tensor:
+        x = self.embed(self.embed_tokens, input_ids)
         cos = ops.gather(self.cos, positions, 0)
         sin = ops.gather(self.sin, positions, 0)
         for layer in self.layers:
-            x = layer(x, cos, sin, slot_mapping, lens, block_tables, token_rows, is_prefill)
+            x = layer(x, cos, sin, slot_mapping, lens, block_tables, token_rows, is_prefill, context_lens)
         return x
 
     def logits(self, last_hidden: Tensor, sequence_rows: Tensor) -> Tensor:
-        """float32 logits ``[batch, vocab]`` of the final norm + lm_head."""
+        """float32 logits ``[batch, vocab]`` of the final norm + lm_head (a rank's vocabulary range under
+        tensor parallelism)."""
         return self.norm_lm_head(last_hidden, self.norm, self.lm_head.weight, sequence_rows).astype(ms.float32)
 
 

@@ -127,6 +127,11 @@ class NativeOps:
         """``(x, norm_weight, eps [1], packed [gate; up], rows) -> silu(g) * u`` of width ``ffn_dim``."""
         return _custom(self.linear_library, "NormSwiGlu", lambda x, *_: [x[0], ffn_dim], _same)
 
+    def partial_linear(self, out_dim: int) -> ops.Custom:
+        """``(x, packed w, rows) -> x @ W^T`` of width ``out_dim``: a tensor-parallel rank's partial sum of a
+        row-parallel projection (``agents.parallel``)."""
+        return _custom(self.linear_library, "PartialLinear", lambda x, *_: [x[0], out_dim], _same)
+
     def residual_linear(self) -> ops.Custom:
         """``(x, packed w, residual, rows) -> residual + x @ W^T``."""
         return _custom(self.linear_library, "ResidualLinear", lambda x, w, residual, rows: residual, _same)

@@ -4,7 +4,9 @@ whole model's answer (the plan: ``llm_serving.protocol.parallel.ShardPlan``).
 Why explicit collectives: MindSpore's semi-auto parallel (``shard()``) does not run on CPU, so the graph holds
 ``ops.AllReduce`` / ``ops.AllGather`` itself, Megatron style:
 - row-parallel projections (attention output, MLP down) are followed by an all-reduce of their partial sums;
-  rank 0 alone adds the residual inside the fused projection (the others add zeros), so the sum holds it once;
+  rank 0 alone adds the residual inside its fused projection, the others compute only their partial sum
+  (``OpsBackend.partial_linear``; a zero residual instead cost 110 MiB more on those ranks here: a tensor per
+  projection in every compiled graph);
 - the embedding is split by vocabulary: a rank looks up only its own ids (the others give zero rows, exactly)
   and the all-reduce assembles every row;
 - the greedy pick is exact across ranks: each rank picks over its vocabulary (the backend's op), one
@@ -13,7 +15,8 @@ Why explicit collectives: MindSpore's semi-auto parallel (``shard()``) does not 
 - the full logits are gathered only when read (``GatheredLogits.asnumpy``: sampling, logits checks); all-greedy
   steps never move them.
 
-At ``tp == 1`` every cell here is an identity (or the backend's own), so the graphs stay op-for-op the same.
+At ``tp == 1`` none of these cells is in the graph (the backend's own stand where they would), so the graphs stay
+op-for-op the same.
 Every rank runs the same graphs on the same batches, so they issue the same collectives in the same order.
 """
 
@@ -23,6 +26,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
+from agents.backends import OpsBackend
 from llm_serving.protocol.parallel import ShardPlan
 
 
@@ -30,13 +34,6 @@ def _world_group() -> str:
     from mindspore.communication.management import GlobalComm
 
     return GlobalComm.WORLD_COMM_GROUP
-
-
-class Identity(nn.Cell):
-    """No op in the graph (the single-rank case)."""
-
-    def construct(self, x: Tensor) -> Tensor:
-        return x
 
 
 class AllReduceSum(nn.Cell):
@@ -48,18 +45,34 @@ class AllReduceSum(nn.Cell):
         return self.op(x)
 
 
-class ZerosLike(nn.Cell):
-    """The residual a rank other than 0 adds in a row-parallel projection: nothing."""
+class ReducedResidual(nn.Cell):
+    """Rank 0's row-parallel projection: ``all_reduce(residual + x @ W_0^T)``."""
 
-    def construct(self, x: Tensor) -> Tensor:
-        return ops.zeros_like(x)
+    def __init__(self, residual_linear: nn.Cell) -> None:
+        super().__init__()
+        self.linear, self.reduce = residual_linear, AllReduceSum()
+
+    def construct(self, x: Tensor, weight: Tensor, residual: Tensor, rows: Tensor) -> Tensor:
+        return self.reduce(self.linear(x, weight, residual, rows))
 
 
-def row_parallel(plan: ShardPlan) -> tuple[nn.Cell, nn.Cell]:
-    """(residual share, reduce) around one row-parallel projection ``residual + x @ W^T``."""
+class ReducedPartial(nn.Cell):
+    """Another rank's row-parallel projection: ``all_reduce(x @ W_r^T)``, the residual left to rank 0."""
+
+    def __init__(self, partial_linear: nn.Cell) -> None:
+        super().__init__()
+        self.linear, self.reduce = partial_linear, AllReduceSum()
+
+    def construct(self, x: Tensor, weight: Tensor, residual: Tensor, rows: Tensor) -> Tensor:
+        return self.reduce(self.linear(x, weight, rows))
+
+
+def row_parallel(plan: ShardPlan, backend: OpsBackend, residual_linear: nn.Cell, out_dim: int) -> nn.Cell:
+    """``(x, weight, residual, rows) -> residual + x @ W^T`` over all ranks: the backend's ``residual_linear``
+    itself at tp 1, else this rank's share of it followed by the all-reduce."""
     if plan.tp == 1:
-        return Identity(), Identity()
-    return (Identity() if plan.rank == 0 else ZerosLike()), AllReduceSum()
+        return residual_linear
+    return ReducedResidual(residual_linear) if plan.rank == 0 else ReducedPartial(backend.partial_linear(out_dim))
 
 
 class Embedding(nn.Cell):

@@ -19,14 +19,34 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
-from agents.backends import select_backend
+from agents.backends import OpsBackend, select_backend
 from agents.bucket_plan import plan_groups
-from agents.device import setup_device
+from agents.device import apply_jit_config, setup_device
+from agents.mixed_steps import (
+    MixedStep,
+    chunk_arrays,
+    consecutive_groups,
+    decode_view,
+    is_mixed,
+    mixed_arrays,
+    mixed_shapes,
+    padded_kinds,
+    warmup_arrays,
+)
 from agents.model import LlamaModel, LlamaStep, load_weights_into
+from agents.parallel import agreed_costs, sharded_graphs
 from agents.ragged_prefill import plan_ragged, ragged_arrays, token_buckets
 from agents.sampler import sample
 from llm_serving.protocol.batch import StepBatch, StepOutput
-from llm_serving.protocol.model_config import DTYPES, KERNEL_CHOICES, LlamaConfig, blocks_needed
+from llm_serving.protocol.model_config import (
+    ASCEND_DTYPES,
+    DEVICE_TARGETS,
+    DTYPES,
+    KERNEL_CHOICES,
+    LlamaConfig,
+    blocks_needed,
+)
+from llm_serving.protocol.parallel import ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +77,21 @@ class RunnerConfig:
     device_target: str = "CPU"
     device_id: int = 0
     kernels: str = "auto"  # the device's native ops (agents.backends; CPU float32: C++ ops), portable, or auto
+    # Steps with queries over cached context (chunked prefill, prefix caching; agents.mixed_steps), and the token
+    # budget of one step they are bucketed up to (None: the ragged prefill's largest call)
+    mixed_steps: bool = False
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels {self.kernels!r} is not one of {list(KERNEL_CHOICES)}")
+        if self.device_target not in DEVICE_TARGETS:
+            raise ValueError(f"device_target {self.device_target!r} is not one of {list(DEVICE_TARGETS)}")
+        if self.device_target == "Ascend" and self.dtype not in ASCEND_DTYPES:
+            raise ValueError(f"model_config.dtype {self.dtype} is not served on Ascend: its fused kernels take "
+                             f"{' or '.join(ASCEND_DTYPES)}")
         for name in ("prefill_batch_sizes", "prefill_seq_lengths", "decode_batch_sizes"):
             values = getattr(self, name)
             if not values or any(v <= 0 for v in values):
@@ -78,6 +107,34 @@ class RunnerConfig:
     def max_blocks_per_seq(self) -> int:
         return blocks_needed(self.max_model_len, self.block_size)
 
+    @property
+    def mixed_max_seqs(self) -> int:
+        """Sequences of one ragged mixed call: a full decode batch or prefill batch."""
+        return max(self.decode_batch_sizes[-1], self.prefill_batch_sizes[-1])
+
+    def mixed_shapes(self, ragged: bool) -> list[tuple]:
+        """The mixed-step graph shapes (``agents.mixed_steps``), none unless ``mixed_steps``."""
+        if not self.mixed_steps:
+            return []
+        top = self.max_num_batched_tokens or token_buckets(self.prefill_batch_sizes, self.prefill_seq_lengths,
+                                                           self.max_model_len)[-1]
+        return mixed_shapes(self.mixed_max_seqs, top, self.prefill_batch_sizes, self.prefill_seq_lengths,
+                            min(top, self.max_model_len), ragged)
+
+
+def warmup_shapes(rc: RunnerConfig, ragged_prefill: bool) -> list[tuple]:
+    """Every compiled graph shape ``(kind, batch, n)``: ("prefill", batch, seq), ("ragged", max prefill batch,
+    tokens) or ("decode", batch, block-table width); the runner warms these and ``agents.export`` exports them."""
+    if ragged_prefill:
+        tokens = token_buckets(rc.prefill_batch_sizes, rc.prefill_seq_lengths, rc.max_model_len)
+        shapes = [("ragged", rc.prefill_batch_sizes[-1], t) for t in tokens]
+    else:
+        shapes = [("prefill", b, s) for b in rc.prefill_batch_sizes for s in rc.prefill_seq_lengths]
+        if rc.max_model_len > rc.prefill_seq_lengths[-1]:
+            shapes.append(("prefill", 1, rc.max_model_len))  # recompute of one preempted sequence
+    shapes += rc.mixed_shapes(ragged_prefill)
+    return shapes + [("decode", b, w) for b in rc.decode_batch_sizes for w in rc.decode_block_widths]
+
 
 def _fit(value: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket holding ``value``, or None."""
@@ -87,12 +144,20 @@ def _fit(value: int, buckets: tuple[int, ...]) -> int | None:
 class ModelRunner:
     """Owns the MindSpore model, its KV cache and the compiled step graphs of one device."""
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], runner_config: RunnerConfig) -> None:
+    def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], runner_config: RunnerConfig,
+                 backend: OpsBackend | None = None, shard: ShardPlan | None = None) -> None:
+        """``backend``: the device's by ``RunnerConfig.kernels`` when None (tests pass others). ``shard``: this
+        rank's slice under tensor parallelism (``weights`` then hold only that slice; ``agents.sharded_weights``)."""
         setup_device(runner_config.device_target, runner_config.device_id)
         self.config = config
+        self.shard = shard if shard is not None else ShardPlan(config)
         self.rc = runner_config
         rc = runner_config
-        self.backend = select_backend(rc.kernels, rc.device_target, rc.dtype, config.hidden_size)
+        if backend is None:
+            backend = select_backend(rc.kernels, rc.device_target, rc.dtype,
+                                     self.shard.attention_config.hidden_size)  # this rank's heads' width
+        backend.check(config, rc.block_size, rc.prefill_batch_sizes[-1])
+        self.backend = backend
         self.kernels = self.backend.kernels
         log.info("ops backend: %s", self.backend.name)
         # Where the projections skip a bucket's padding rows (the native CPU ones), a padded row costs next to
@@ -100,10 +165,24 @@ class ModelRunner:
         self.skips_padding = self.backend.skips_padding
         self.token_buckets = token_buckets(rc.prefill_batch_sizes, rc.prefill_seq_lengths, rc.max_model_len)
         self.model = LlamaModel(config, rc.num_blocks, rc.block_size, rc.max_model_len, MS_DTYPES[rc.dtype],
-                                self.backend)
+                                self.backend, self.shard)
         load_weights_into(self.model, weights)
         prefill = LlamaStep(self.model, is_prefill=True)
-        self.graphs = {"prefill": prefill, "ragged": prefill, "decode": LlamaStep(self.model, is_prefill=False)}
+        decode = LlamaStep(self.model, is_prefill=False)
+        for step in (prefill, decode):
+            apply_jit_config(step, rc.device_target)
+        self.graphs = {"prefill": prefill, "ragged": prefill, "decode": decode}
+        if rc.mixed_steps:
+            if not self.backend.chunked_prefill:
+                raise ValueError(f"the {self.backend.name} ops backend has no attention over cached context: set "
+                                 "scheduler.enable_chunked_prefill and enable_prefix_caching to false")
+            mixed = MixedStep(self.model)
+            apply_jit_config(mixed, rc.device_target)
+            self.graphs.update(mixed=mixed, chunk=mixed)
+        # the mixed-step shapes by kind, largest last: ragged ("mixed") or padded ("chunk")
+        self.mixed_shapes = {kind: [s for s in rc.mixed_shapes(self.ragged_prefill) if s[0] == kind]
+                             for kind in ("mixed", "chunk")}
+        self.graphs = sharded_graphs(self.graphs, self.shard)  # tensor parallel: logits gathered when read
         self.warmed: set[tuple] = set()
         self.compile_times: dict[tuple, float] = {}
         self.step_costs: dict[tuple, float] = {}  # steady-state seconds per call, measured in warm-up
@@ -116,16 +195,8 @@ class ModelRunner:
 
     # ---- shapes -------------------------------------------------------------------------------------------
     def graph_shapes(self) -> list[tuple]:
-        """``(kind, batch, n)``: ("prefill", batch, seq), ("ragged", max prefill batch, tokens) or ("decode",
-        batch, block-table width)."""
-        if self.ragged_prefill:
-            shapes = [("ragged", self.rc.prefill_batch_sizes[-1], t) for t in self.token_buckets]
-        else:
-            shapes = [("prefill", b, s) for b in self.rc.prefill_batch_sizes for s in self.rc.prefill_seq_lengths]
-            if self.rc.max_model_len > self.rc.prefill_seq_lengths[-1]:
-                shapes.append(("prefill", 1, self.rc.max_model_len))  # recompute of one preempted sequence
-        shapes += [("decode", b, w) for b in self.rc.decode_batch_sizes for w in self.rc.decode_block_widths]
-        return shapes
+        """The shapes of ``warmup_shapes`` for this runner's backend."""
+        return warmup_shapes(self.rc, self.ragged_prefill)
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> dict[tuple, float]:
         """Compile every graph shape and time one more call of it, every row a real token of dummy block 0.
@@ -135,7 +206,7 @@ class ModelRunner:
         for shape in self.graph_shapes():
             kind, b, n = shape
             t0 = time.perf_counter()
-            inputs = self._warmup_inputs(kind, b, n)
+            inputs = self.warmup_inputs(shape)
             self.warmed.add(shape)
             self._run(kind, shape, inputs)
             self.compile_times[shape] = time.perf_counter() - t0
@@ -143,10 +214,18 @@ class ModelRunner:
             self._run(kind, shape, inputs)[0].asnumpy()
             self.step_costs[shape] = time.perf_counter() - t1
             if progress:
-                unit = {"prefill": "seq", "ragged": "tokens", "decode": "blocks"}[kind]
+                unit = {"prefill": "seq", "ragged": "tokens", "decode": "blocks", "mixed": "tokens", "chunk": "seq"}[kind]
                 progress(f"warmed {kind} batch={b} {unit}={n} in {self.compile_times[shape]:.2f}s")
+        self.step_costs = agreed_costs(self.step_costs, self.shard)  # tensor-parallel ranks plan alike
         self._costs.clear()
         return self.compile_times
+
+    def warmup_inputs(self, shape: tuple) -> list[np.ndarray]:
+        """The inputs ``warmup()`` runs ``shape`` with (``agents.export`` exports each graph with them)."""
+        kind, b, n = shape
+        if kind in ("mixed", "chunk"):
+            return warmup_arrays(kind, b, n, self.rc.max_blocks_per_seq, self.rc.max_model_len)
+        return self._warmup_inputs(kind, b, n)
 
     @staticmethod
     def _padded_inputs(batch: int, tokens: int, width: int) -> list[np.ndarray]:
@@ -219,6 +298,8 @@ class ModelRunner:
 
     def plan(self, batch: StepBatch) -> list[np.ndarray]:
         """Sequence index groups, one graph call each (``agents.bucket_plan``, ``agents.ragged_prefill``)."""
+        if is_mixed(batch):
+            return self._mixed_plan(batch)
         lengths = batch.query_lens if batch.is_prefill else batch.context_lens
         if batch.is_prefill and self.ragged_prefill:
             if int(lengths.max()) > self.rc.max_model_len:
@@ -248,6 +329,8 @@ class ModelRunner:
 
     def bucket_inputs(self, batch: StepBatch) -> tuple[tuple, list[np.ndarray]]:
         """The batch padded to its bucket: ``((kind, batch, n), graph input arrays)`` (see ``graph_shapes``)."""
+        if is_mixed(batch):
+            return self._mixed_inputs(batch)
         if batch.is_prefill and self.ragged_prefill:
             total = int(batch.query_lens.sum())
             shape = self._ragged_shape(total)
@@ -287,6 +370,53 @@ class ModelRunner:
         tables[:n, :cols] = batch.block_tables[:, :cols]
         return arrays
 
+    # ---- mixed steps (agents.mixed_steps) --------------------------------------------------------------------
+    def _mixed_shape(self, tokens: int) -> tuple | None:
+        """The ragged mixed shape holding ``tokens`` tokens, or None."""
+        return next((s for s in self.mixed_shapes["mixed"] if s[2] >= tokens), None)
+
+    def _chunk_shape(self, count: int, longest: int) -> tuple | None:
+        """The smallest padded chunk shape holding ``count`` chunks of up to ``longest`` tokens, or None."""
+        fits = [s for s in self.mixed_shapes["chunk"] if s[1] >= count and s[2] >= longest]
+        return min(fits, key=lambda s: (s[1] * s[2], s)) if fits else None
+
+    def _chunk_cost(self, count: int, longest: int) -> float:
+        return self._memo_cost(("chunk", count, longest), lambda: self._chunk_shape(count, longest))
+
+    def _mixed_plan(self, batch: StepBatch) -> list[np.ndarray]:
+        """Ragged: consecutive groups, one mixed call each. Padded: one-token queries, whole prompts and chunks
+        each planned as their own graphs do."""
+        if not self.rc.mixed_steps:
+            raise ValueError("a step with queries over cached context needs the mixed-step graphs (mixed_steps)")
+        if self.ragged_prefill:  # padding rows cost next to nothing here: as few calls as the largest bucket allows
+            return consecutive_groups(batch.query_lens, self.rc.mixed_max_seqs, self.mixed_shapes["mixed"][-1][2])
+        groups = []
+        for kind, rows in padded_kinds(batch).items():
+            part = batch.take(rows)
+            if kind == "chunk":
+                planned = plan_groups(part.query_lens, self.rc.prefill_batch_sizes, self._chunk_cost)
+            else:
+                planned = self.plan(decode_view(part) if kind == "decode" else part)
+            groups += [rows[g] for g in planned]
+        return groups
+
+    def _mixed_inputs(self, batch: StepBatch) -> tuple[tuple, list[np.ndarray]]:
+        """``bucket_inputs`` of a mixed step (or of one kind's group of it, padded)."""
+        width = self.rc.max_blocks_per_seq
+        if self.ragged_prefill:
+            total = int(batch.query_lens.sum())
+            shape = self._mixed_shape(total)
+            if shape is None or batch.batch_size > shape[1]:
+                raise ValueError(f"no mixed-step bucket holds {batch.batch_size} sequences of {total} tokens")
+            return shape, mixed_arrays(batch, shape[1], shape[2], width)
+        if np.all(batch.query_lens == 1):
+            return self.bucket_inputs(decode_view(batch))
+        shape = self._chunk_shape(batch.batch_size, int(batch.query_lens.max()))
+        if shape is None:
+            raise ValueError(f"no chunk bucket holds {batch.batch_size} chunks of up to "
+                             f"{int(batch.query_lens.max())} tokens")
+        return shape, chunk_arrays(batch, shape, width)
+
     def _check_cache_indices(self, batch: StepBatch) -> None:
         """Refuse slots and blocks outside the cache before any graph runs: a bad index inside a graph either
         corrupts other sequences' KV or fails the MindSpore executor, which then refuses every later step."""
@@ -294,8 +424,11 @@ class ModelRunner:
         num_slots = rc.num_blocks * rc.block_size
         if batch.slot_mapping.size and (batch.slot_mapping.min() < 0 or batch.slot_mapping.max() >= num_slots):
             raise ValueError(f"slot_mapping has slots outside the KV cache [0, {num_slots})")
-        if batch.is_prefill:
+        if batch.is_prefill and not is_mixed(batch):
             return
+        if batch.is_prefill and (np.any(batch.context_lens < batch.query_lens)
+                                 or batch.context_lens.max() > rc.max_blocks_per_seq * rc.block_size):
+            raise ValueError("context lengths must hold their queries and fit max_model_len")
         used = blocks_needed(batch.context_lens, rc.block_size)
         if batch.context_lens.size and (batch.context_lens.min() < 1 or used.max() > batch.block_tables.shape[1]):
             raise ValueError("decode context lengths must be >= 1 and covered by the block tables")
@@ -317,17 +450,24 @@ class ModelRunner:
         """Run one prefill or decode step as one or more bucketed graph calls (``plan``).
 
         All-greedy parts use the in-graph argmax; parts with sampled or penalised sequences read the logits and
-        sample on the host (``agents.sampler``).
+        sample on the host (``agents.sampler``). The logits leave the device only for such parts and for parts
+        with a sequence in ``want_logits``, whose rows (raw model logits, before any penalty) are returned.
         """
         ids = np.zeros(batch.batch_size, np.int32)
         logprobs = np.zeros(batch.batch_size, np.float32)
+        wanted: dict[int, np.ndarray] = {}
         for group, part, (tok, lp, logits) in self._parts(batch):
             n = part.batch_size
             tok, lp = tok.asnumpy()[:n], lp.asnumpy()[:n]
-            if part.sampling is not None and part.sampling.needs_logits:
-                tok, lp = sample(logits.asnumpy()[:n], tok, lp, part.sampling)
+            sampled = part.sampling is not None and part.sampling.needs_logits
+            if sampled or part.want_logits is not None:
+                host = logits.asnumpy()[:n]
+                if sampled:
+                    tok, lp = sample(host, tok, lp, part.sampling)
+                if part.want_logits is not None:
+                    wanted.update((int(group[i]), host[i].copy()) for i in np.flatnonzero(part.want_logits))
             ids[group], logprobs[group] = tok, lp
-        return StepOutput(ids, logprobs)
+        return StepOutput(ids, logprobs, logits=wanted)
 
     def step_logits(self, batch: StepBatch) -> np.ndarray:
         """Like ``step`` (the KV cache is written the same way) but returns float32 logits ``[B, vocab]`` of each

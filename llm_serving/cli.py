@@ -1,8 +1,8 @@
 """The ``llm-serving`` command line (also ``python -m llm_serving``).
 
 Subcommands are ``Command`` entries in ``COMMANDS``: a name, a help line, a function that adds its
-arguments and one that runs it and returns the exit status. ``generate`` lives here; ``serve`` and ``bench``
-are added by appending their ``Command`` (from their own modules, imported lazily in ``_commands``).
+arguments and one that runs it and returns the exit status. ``generate`` lives here; ``serve``, ``bench`` and
+``export`` are added by appending their ``Command`` (from their own modules, imported lazily in ``_commands``).
 Heavy modules are imported inside the run functions so ``--help`` stays fast.
 """
 
@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from llm_serving.protocol.model_config import DEVICE_TARGETS
 
 
 @dataclass(frozen=True)
@@ -39,13 +41,18 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-batch-size", type=int, metavar="B", help="largest decode batch (one bucket)")
     p.add_argument("--prefill-batch-size", type=int, metavar="P", help="largest prefill batch (one bucket)")
     p.add_argument("--policy", choices=("fcfs", "longest_output_first"), help="admission order")
-    p.add_argument("--agents", type=int, metavar="K", help="number of agent processes (ranks)")
+    p.add_argument("--agents", type=int, metavar="K", help="tensor-parallel size: agent processes (ranks), each "
+                   "holding 1/K of the model")
+    p.add_argument("--device-target", choices=DEVICE_TARGETS, help="device of the agents "
+                   "(model_config.device_target; rank r on device serving_config.start_device_id + r)")
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
     from llm_serving.config import ServingConfig
 
     cfg = ServingConfig.from_yaml(args.config) if args.config else ServingConfig()
+    if getattr(args, "device_target", None):
+        cfg = cfg.with_values({"model_config.device_target": args.device_target})
     return cfg.with_overrides(model_path=args.model, policy=args.policy,
                               decode_batch_size=args.decode_batch_size,
                               prefill_batch_size=args.prefill_batch_size, num_agents=args.agents)
@@ -70,6 +77,10 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, metavar="S", help="seed of every prompt's draws (default: random)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end a prompt's generation where TEXT first appears, cut from its text (repeatable)")
+    p.add_argument("--dump-logits", metavar="DIR", help="write each prompt's float32 logits [N, vocab] of its "
+                   "first N generated positions to DIR/<prompt index>.npy (serving_config.dump_logits_dir)")
+    p.add_argument("--dump-logits-tokens", type=int, metavar="N", help="positions per prompt for --dump-logits "
+                   "(serving_config.dump_logits_tokens; default: every generated position)")
     p.add_argument("--standin-agents", action="store_true", help=argparse.SUPPRESS)  # tests: no MindSpore
 
 
@@ -119,14 +130,21 @@ def sampling_from_args(args: argparse.Namespace) -> Any:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from llm_serving.llm import LLM
     from llm_serving.stop_strings import cut_at_stop
 
     prompts = read_prompts(args.prompts)
     params = sampling_from_args(args)
-    with LLM(config_from_args(args), standin_agents=args.standin_agents) as llm:
-        results = llm.generate(_chat_prompts(llm, prompts, args.prompts), sampling_params=params)
-        for prompt, res in zip(prompts, results):
+    cfg = config_from_args(args)
+    dump_dir, dump_tokens = logits_dump_from_args(args, cfg, params.max_new_tokens)
+    with LLM(cfg, standin_agents=args.standin_agents) as llm:
+        results = llm.generate(_chat_prompts(llm, prompts, args.prompts), sampling_params=params,
+                               logits_tokens=dump_tokens)
+        for index, (prompt, res) in enumerate(zip(prompts, results)):
+            if dump_dir is not None:
+                np.save(dump_dir / f"{index}.npy", res.logits)
             line = {"prompt": prompt if isinstance(prompt, str) else None, "prompt_ids": res.prompt_ids,
                     "token_ids": res.token_ids, "logprobs": res.logprobs,
                     "text": cut_at_stop(llm.tokenizer.decode(res.token_ids), params.stop)}
@@ -134,6 +152,25 @@ def _run_generate(args: argparse.Namespace) -> int:
                 line = {"messages": prompt, **line}
             print(json.dumps(line, ensure_ascii=False), flush=True)
     return 0
+
+
+def logits_dump_from_args(args: argparse.Namespace, cfg: Any, max_new_tokens: int) -> tuple[Path | None, int]:
+    """(folder, positions per prompt) of the logits dump: the flags, else serving_config's keys; (None, 0) for
+    none. The folder is created now, so a bad path fails before the agents start."""
+    s = cfg.serving_config
+    folder = args.dump_logits or s.dump_logits_dir
+    tokens = args.dump_logits_tokens if args.dump_logits_tokens is not None else s.dump_logits_tokens
+    if args.dump_logits_tokens is not None and args.dump_logits_tokens < 1:
+        raise CliError(f"--dump-logits-tokens must be >= 1, got {args.dump_logits_tokens}")
+    if folder is None:
+        if args.dump_logits_tokens is not None:
+            raise CliError("--dump-logits-tokens needs --dump-logits DIR (or serving_config.dump_logits_dir)")
+        return None, 0
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"--dump-logits: cannot create {folder}: {exc}") from None
+    return Path(folder), min(tokens or max_new_tokens, max_new_tokens)
 
 
 def _chat_prompts(llm: Any, prompts: list[Any], path: str) -> list[str | list[int]]:
@@ -157,10 +194,10 @@ COMMANDS: list[Command] = [
 
 
 def _commands() -> list[Command]:
-    """Built-in commands plus serve and bench, which live in their own modules."""
-    from llm_serving import bench_cli, serve_cli
+    """Built-in commands plus serve, bench and export, which live in their own modules."""
+    from llm_serving import bench_cli, export_cli, serve_cli
 
-    return [*COMMANDS, serve_cli.COMMAND, bench_cli.COMMAND]
+    return [*COMMANDS, serve_cli.COMMAND, bench_cli.COMMAND, export_cli.COMMAND]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -58,9 +58,7 @@ class CollectiveCluster:
         child_env.setdefault("GLOG_v", "3")  # MindSpore logs the scheduler's retries every 0.5 s as warnings
         root = str(Path(__file__).resolve().parents[1])
         child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH")) if p)
-        device = str(spec.runner_config.get("device_target", "CPU"))
-        argv = [sys.executable, "-m", "agents.collective_scheduler", "--lifeline-fd", str(life_r),
-                "--device-target", device]
+        argv = [sys.executable, "-m", "agents.collective_scheduler", "--lifeline-fd", str(life_r)]
         try:
             proc = subprocess.Popen(argv, pass_fds=(life_r,), env=child_env, stdin=subprocess.DEVNULL, stdout=2)
         except BaseException:

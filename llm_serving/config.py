@@ -31,6 +31,8 @@ from llm_serving.config_yaml import (
     suggest,
 )
 from llm_serving.protocol.model_config import (
+    ASCEND_DTYPES,
+    DEVICE_TARGETS,
     DTYPES,
     KERNEL_CHOICES,
     LlamaConfig,
@@ -44,6 +46,9 @@ __all__ = ["ConfigError", "DefaultModelSection", "ModelSection", "PagedAttention
 
 TOKENIZER_TYPES = ("LlamaTokenizer",)
 _CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors", ".bin")
+# devices whose agents' ops attend over cached context (chunked prefill, prefix caching): the CPU backends have
+# it; the Ascend backend has not yet (its fused PagedAttention would take the chunks with q_seq_lens)
+CACHED_CONTEXT_DEVICES = ("CPU",)
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class ModelSection:
     model_name: str = setting("llama2", "str")
     model_path: str | None = setting(None, "path", optional=True)  # None: serve the embedded default model
     dtype: str = setting("float32", "str")
+    device_target: str = setting("CPU", "str")  # CPU or Ascend; rank r runs on device start_device_id + r
     max_generate_length: int = setting(512, "int")
     end_token: int | None = setting(None, "int", optional=True)  # None: the model's eos_token_id
     vocab_size: int | None = setting(None, "int", optional=True)  # None: the model's; else checked against it
@@ -87,6 +93,10 @@ class ServingSection:
     step_timeout_min_s: float = setting(5.0, "float")
     agent_restart_limit: int = setting(5, "int")
     agent_restart_backoff_s: float = setting(1.0, "float")
+    # logits dump of `llm-serving generate` (--dump-logits DIR, --dump-logits-tokens N override these): float32
+    # logits of each prompt's first N generated positions in DIR/<prompt index>.npy; None: no dump / every position
+    dump_logits_dir: str | None = setting(None, "path", optional=True)
+    dump_logits_tokens: int | None = setting(None, "int", optional=True)
 
     @property
     def effective_num_agents(self) -> int:
@@ -119,6 +129,10 @@ class SchedulerSection:
     max_wait_s: float = setting(5.0, "float")
     max_num_batched_tokens: int | None = setting(None, "int", optional=True)
     min_decode_steps_between_prefills: int = setting(0, "int")
+    # decode tokens and prompt chunks share steps; reuse the KV blocks of a cached prefix. None: on where the
+    # agents' ops attend over cached context (CPU), off where they do not yet (Ascend)
+    enable_chunked_prefill: bool | None = setting(None, "bool", optional=True)
+    enable_prefix_caching: bool | None = setting(None, "bool", optional=True)
 
 
 @dataclass(frozen=True)
@@ -257,8 +271,21 @@ class ServingConfig:
         return self.model_config.seq_length[-1]
 
     @property
+    def chunked_prefill(self) -> bool:
+        """``scheduler.enable_chunked_prefill``, by default on where the agents can run it."""
+        value = self.scheduler.enable_chunked_prefill
+        return value if value is not None else self.model_config.device_target in CACHED_CONTEXT_DEVICES
+
+    @property
+    def prefix_caching(self) -> bool:
+        """``scheduler.enable_prefix_caching``, by default on where the agents can run it."""
+        value = self.scheduler.enable_prefix_caching
+        return value if value is not None else self.model_config.device_target in CACHED_CONTEXT_DEVICES
+
+    @property
     def max_num_batched_tokens(self) -> int:
-        """Token budget of one prefill step; default max(largest prefill batch x longest bucket, max_model_len)."""
+        """Token budget of one step (of one prefill step without chunked prefill); default max(largest prefill
+        batch x longest bucket, max_model_len)."""
         explicit = self.scheduler.max_num_batched_tokens
         derived = self.model_config.prefill_batch_size[-1] * self.model_config.seq_length[-1]
         return explicit if explicit is not None else max(derived, self.max_model_len)
@@ -294,6 +321,11 @@ def _validate(cfg: ServingConfig) -> None:
 
     need(bool(m.model_name.strip()), "model_config.model_name", "must not be empty")
     need(m.dtype in DTYPES, "model_config.dtype", f"expected one of {', '.join(DTYPES)}, got {m.dtype!r}")
+    need(m.device_target in DEVICE_TARGETS, "model_config.device_target",
+         f"expected one of {', '.join(DEVICE_TARGETS)}, got {m.device_target!r}")
+    need(m.device_target != "Ascend" or m.dtype in ASCEND_DTYPES, "model_config.dtype",
+         f"{m.dtype} is not served on Ascend (model_config.device_target): the fused NPU kernels take "
+         f"{' or '.join(ASCEND_DTYPES)}")
     need(m.max_generate_length > 0, "model_config.max_generate_length",
          f"must be positive, got {m.max_generate_length}")
     need(m.vocab_size is None or m.vocab_size > 0, "model_config.vocab_size", f"must be positive, got {m.vocab_size}")
@@ -320,6 +352,8 @@ def _validate(cfg: ServingConfig) -> None:
     need(s.drain_timeout_s >= 0, "serving_config.drain_timeout_s", f"must be >= 0, got {s.drain_timeout_s}")
     for key in ("step_timeout_factor", "step_timeout_min_s", "agent_restart_limit", "agent_restart_backoff_s"):
         need(getattr(s, key) >= 0, f"serving_config.{key}", f"must be >= 0, got {getattr(s, key)}")
+    need(s.dump_logits_tokens is None or s.dump_logits_tokens >= 1, "serving_config.dump_logits_tokens",
+         f"must be >= 1 (empty: every generated position), got {s.dump_logits_tokens}")
 
     for key in ("num_blocks", "block_size", "decode_seq_length"):
         need(getattr(pa, key) > 0, f"pa_config.{key}", f"must be positive, got {getattr(pa, key)}")
@@ -340,10 +374,18 @@ def _validate(cfg: ServingConfig) -> None:
     need(sc.max_wait_s >= 0, "scheduler.max_wait_s", f"must be >= 0, got {sc.max_wait_s}")
     need(sc.min_decode_steps_between_prefills >= 0, "scheduler.min_decode_steps_between_prefills",
          f"must be >= 0, got {sc.min_decode_steps_between_prefills}")
-    need(sc.max_num_batched_tokens is None or sc.max_num_batched_tokens >= pa.decode_seq_length,
-         "scheduler.max_num_batched_tokens",
-         f"{sc.max_num_batched_tokens} is below pa_config.decode_seq_length {pa.decode_seq_length}: a preempted "
-         "sequence is recomputed in one prefill step of up to that many tokens")
+    for key in ("enable_chunked_prefill", "enable_prefix_caching"):
+        need(not getattr(sc, key) or m.device_target in CACHED_CONTEXT_DEVICES, f"scheduler.{key}",
+             f"the {m.device_target} agents cannot attend over cached context yet: set it false or leave it "
+             "empty")
+    need(sc.max_num_batched_tokens is None or cfg.chunked_prefill
+         or sc.max_num_batched_tokens >= pa.decode_seq_length, "scheduler.max_num_batched_tokens",
+         f"{sc.max_num_batched_tokens} is below pa_config.decode_seq_length {pa.decode_seq_length}: without "
+         "chunked prefill a preempted sequence is recomputed in one prefill step of up to that many tokens")
+    need(sc.max_num_batched_tokens is None or not cfg.chunked_prefill
+         or sc.max_num_batched_tokens >= m.decode_batch_size[-1], "scheduler.max_num_batched_tokens",
+         f"{sc.max_num_batched_tokens} is below the largest decode batch {m.decode_batch_size[-1]}: a step "
+         "carries every running sequence's decode token")
 
     dm = cfg.default_model
     for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):

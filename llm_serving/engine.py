@@ -121,7 +121,7 @@ class Engine:
         self.limits = RequestLimits.from_config(cfg, self.tokenizer.vocab_size)
         end = cfg.model_config.end_token
         self.eos_token_id = end if end is not None else self.model.llama_config.eos_token_id
-        self._scheduler = Scheduler(scheduler_config(cfg, self.eos_token_id))
+        self._scheduler = Scheduler(scheduler_config(cfg, self.eos_token_id, self.model.llama_config))
         self._requests = LiveRequests(self._scheduler, self._counters)
         self._agents = AgentSupervisor(RecoveryConfig.from_config(cfg), self._pool_factory,
                                        agent_spec(cfg, self.model, self.standin_agents))
@@ -220,7 +220,7 @@ class Engine:
                            kv_blocks_total=s.block_manager.num_usable_blocks,
                            kv_blocks_used=s.num_used_blocks, kv_blocks_free=s.num_free_blocks,
                            kv_usage=s.block_usage,
-                           num_preemptions=s.num_preemptions)
+                           num_preemptions=s.num_preemptions, **s.prefix_cache_stats())
             if self._agents is not None:
                 out.update(agent_restarts=self._agents.restarts, step_timeout_s=self._agents.step_timeout_s)
             out.update(self._counters, run_step_s=self._run_step_s, busy_s=self._busy_seconds())

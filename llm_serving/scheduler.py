@@ -1,9 +1,21 @@
-"""Continuous-batching scheduler: picks each model step (a prefill or a decode) and applies its result.
+"""Continuous-batching scheduler: picks each model step and applies its result.
 
 Modelled on nano-vllm / vLLM: the scheduler decides *which* sequences run, the BlockManager decides *where*
-their KV lives. A step is either a prefill (whole prompts of newly admitted sequences, concatenated) or a
-decode (one token for every running sequence); they are never mixed, which keeps the agents' compiled
-shape buckets simple. One step is in flight at a time: ``schedule()``, run the model, ``postprocess()``.
+their KV lives. One step is in flight at a time: ``schedule()``, run the model, ``postprocess()``. Each
+sequence counts the tokens whose K/V the agents hold (``num_computed_tokens``); a step gives it the next
+``num_scheduled_tokens`` of its tokens, and only a step that reaches its last token produces its next one.
+
+Chunked prefill (``chunked_prefill``, as vLLM's and SGLang's schedulers): a step has a token budget
+(``max_num_batched_tokens``). It carries the decode token of every running sequence, then the next chunk of the
+running sequences still prefilling, then the first chunks of newly admitted ones, as far as the budget goes; a
+prompt longer than what is left is prefilled over several steps, each chunk attending to the K/V the earlier
+ones wrote. So a long prompt neither waits for a step of its own nor stalls the running streams for a whole
+prefill. Without it a step is either a prefill (whole prompts of newly admitted sequences) or a decode.
+
+Prefix caching (``prefix_caching``, ``llm_serving.prefix_cache``): a sequence starts on the cached blocks of its
+longest cached prefix (computed by any earlier request, or by itself before a preemption) and computes only the
+rest. Blocks are registered when the step that completes them comes back; ``requeue_running`` (new agents, an
+empty KV cache) forgets them all.
 
 Sampling: all-greedy steps carry no ``SamplingBatch`` (the agents keep the in-graph argmax). A step with a
 sampled or penalised sequence carries every sequence's parameters, its seed (fixed at admission, so a
@@ -18,9 +30,9 @@ When a decode step needs a KV block and none is free, the most recently admitted
 preempted by recompute: its blocks are freed and it goes back to the front of the queue; its next prefill
 covers prompt + generated tokens, so it resumes exactly where it stopped (greedy results do not change).
 
-Prompt buckets: the agents compile prefill shapes up to ``max_prompt_len`` tokens per sequence, plus one shape
-of a single sequence up to ``max_model_len`` for recompute. So a new prompt longer than ``max_prompt_len`` is
-rejected at admission, and a preempted sequence that has grown past it is prefilled alone.
+Prompt buckets: every prompt up to the model length is served. Without chunked prefill, a prompt or recompute
+longer than ``max_prompt_len`` (the agents' largest multi-prompt bucket) is prefilled alone, in the agents'
+single-sequence shape of up to ``max_model_len`` tokens.
 
 Prefill vs decode interleaving (``min_decode_steps_between_prefills``):
   0 (default, as vLLM): prefill whenever something can be admitted. Best time-to-first-token and fastest
@@ -28,6 +40,8 @@ Prefill vs decode interleaving (``min_decode_steps_between_prefills``):
     under a steady stream of arrivals).
   k > 0: at least k decode steps between two prefills while sequences are running. Smoother inter-token
     latency for running streams, at the cost of queueing delay (TTFT) for new requests.
+  With chunked prefill the streams are not stalled anyway (a step is bounded by its token budget); k then only
+  spaces out the steps that admit new sequences (chunks of admitted ones go on every step).
 """
 
 from __future__ import annotations
@@ -37,7 +51,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, islice
 
 import numpy as np
 
@@ -59,13 +73,15 @@ class SchedulerConfig:
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 8  # running sequences = largest decode batch
     max_prefill_batch: int = 4  # sequences admitted by one prefill step
-    max_num_batched_tokens: int = 2048  # token budget of one prefill step
+    max_num_batched_tokens: int = 2048  # token budget of one step (of one prefill step without chunked prefill)
     max_model_len: int = 2048  # prompt + max_new_tokens limit per request
     eos_token_id: int | None = 2  # None: only max_new_tokens ends a request
     policy: str = "fcfs"  # admission order, see POLICIES
     max_wait_s: float | None = 30.0  # longest_output_first: admit requests queued this long first
     min_decode_steps_between_prefills: int = 0  # interleaving knob, see module docstring
-    max_prompt_len: int | None = None  # longest new prompt (largest prefill bucket); None: max_model_len
+    max_prompt_len: int | None = None  # longest prompt prefilled with others (unchunked); None: max_model_len
+    chunked_prefill: bool = False  # decode tokens and prompt chunks share steps, see the module docstring
+    prefix_caching: bool = False  # reuse the cached KV blocks of a shared prefix
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_prefill_batch",
@@ -76,10 +92,16 @@ class SchedulerConfig:
         if self.num_blocks < 2:
             raise ValueError(f"scheduler config: num_blocks must be >= 2 (block 0 is reserved), got "
                              f"{self.num_blocks}")
-        if self.max_num_batched_tokens < self.max_model_len:
+        if self.chunked_prefill and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"scheduler config: max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}): a preempted sequence is recomputed in one prefill"
+                f"max_num_seqs ({self.max_num_seqs}): every running sequence's decode token fits a step"
+            )
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"scheduler config: max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}): without chunked prefill a preempted sequence is "
+                "recomputed in one prefill"
             )
         if self.policy not in POLICIES:
             raise ValueError(f"scheduler config: policy must be one of {POLICIES}, got {self.policy!r}")
@@ -96,7 +118,7 @@ class SchedulerConfig:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.prefix_caching)
         self._clock = clock
         self._waiting: deque[Sequence] = deque()  # new requests, arrival order
         self._preempted: deque[Sequence] = deque()  # re-admitted before any new request
@@ -123,8 +145,7 @@ class Scheduler:
         if rid in self._live:
             raise RequestRejected(f"request {rid!r}: a request with this id is already in progress")
         total = seq.num_prompt_tokens + seq.params.max_new_tokens
-        longest = cfg.max_prompt_len if cfg.max_prompt_len is not None else cfg.max_model_len
-        if not 0 < seq.num_prompt_tokens <= longest or total > cfg.max_model_len:
+        if seq.num_prompt_tokens < 1 or total > cfg.max_model_len:
             raise ValueError(f"request {rid!r} was not admitted: {seq.num_prompt_tokens} prompt tokens, "
                              f"{total} in all (admission refuses this)")
         need = self.block_manager.blocks_needed(total - 1)  # the last generated token is never fed back
@@ -162,28 +183,34 @@ class Scheduler:
         return self._live.get(request_id)
 
     def requeue_running(self) -> list[Sequence]:
-        """Preempt every running sequence (by recompute) and return them: replaced agents hold no KV cache."""
+        """Preempt every running sequence (by recompute) and return them: replaced agents hold no KV cache, so
+        the prefix cache is emptied too."""
         victims = list(reversed(self._running))  # newest first, so the oldest ends up at the front
         for seq in victims:
             self._preempt(seq)
+        self.block_manager.reset_prefix_cache()
         return victims
 
     # ---- stepping -------------------------------------------------------------------------------------
     def schedule(self) -> tuple[list[Sequence], StepBatch] | None:
         """The next step (its sequences in batch order and its batch), or None when there is nothing to run."""
-        prefill_turn = (
-            not self._running or self._decodes_since_prefill >= self.config.min_decode_steps_between_prefills
-        )
-        if prefill_turn and (self._waiting or self._preempted):
-            seqs = self._admit()
-            if seqs:
-                self._decodes_since_prefill = 0
-                return seqs, self._build(seqs, prefill=True)
-        if not self._running:
+        cfg = self.config
+        admit = (self._waiting or self._preempted) and (
+            not self._running or self._decodes_since_prefill >= cfg.min_decode_steps_between_prefills)
+        if cfg.chunked_prefill:  # decode tokens and chunks of the running, then new sequences' chunks
+            seqs, budget, chunks = self._reserve_running(cfg.max_num_batched_tokens)
+            admitted = self._admit(budget, chunks) if admit else []
+            seqs += admitted
+            prefill = bool(chunks or admitted)
+        else:  # a prefill of whole prompts, else a decode of every running sequence
+            seqs = admitted = self._admit(cfg.max_num_batched_tokens, 0) if admit else []
+            prefill = bool(seqs)
+            if not seqs and self._running:
+                seqs = self._reserve_running(0)[0]
+        if not seqs:
             return None
-        seqs = self._reserve_decode_slots()
-        self._decodes_since_prefill += 1
-        return seqs, self._build(seqs, prefill=False)
+        self._decodes_since_prefill = 0 if admitted else self._decodes_since_prefill + 1
+        return seqs, self._build(seqs, prefill)
 
     def postprocess(self, seqs: list[Sequence], output: StepOutput) -> list[Sequence]:
         """Append each sequence's new token; return the sequences that finished with this step."""
@@ -192,11 +219,17 @@ class Scheduler:
             raise ValueError(
                 f"step output has token_ids {tokens.shape} and logprobs {logprobs.shape} for {len(seqs)} sequences"
             )
-        eos = self.config.eos_token_id
+        eos, caching = self.config.eos_token_id, self.block_manager.prefix_cache is not None
         finished = []
         for row, (seq, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step was in flight
+            n = seq.num_scheduled_tokens
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + n
+            if caching and (n > 1 or not seq.output_ids):  # prompt blocks now (decoded ones when it ends)
+                self.block_manager.cache_computed(seq)
+            if computed < len(seq.prompt_ids) + len(seq.output_ids):
+                continue  # a prompt chunk short of its end: the token it gives is not the sequence's next
             if seq.num_output_tokens < seq.logits_tokens:  # the step asked for this row (``_want_logits``)
                 if row not in output.logits:
                     raise ValueError(f"step output has no logits for row {row} ({seq.request_id!r}), which "
@@ -234,6 +267,16 @@ class Scheduler:
     def block_usage(self) -> float:
         return self.block_manager.usage
 
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Idle cached blocks, prompt tokens looked up at admission and how many hit, evictions (all 0 without
+        prefix caching)."""
+        cache = self.block_manager.prefix_cache
+        if cache is None:
+            return dict.fromkeys(("kv_blocks_cached", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
+                                  "prefix_cache_evictions"), 0)
+        return {"kv_blocks_cached": cache.num_idle, "prefix_cache_queried_tokens": cache.queried_tokens,
+                "prefix_cache_hit_tokens": cache.hit_tokens, "prefix_cache_evictions": cache.evictions}
+
     def has_unfinished(self) -> bool:
         return bool(self._live)
 
@@ -259,74 +302,120 @@ class Scheduler:
         rest = [s for s in self._waiting if id(s) not in starving_ids]
         yield from sorted(rest, key=lambda s: -s.params.max_new_tokens)  # stable: ties keep arrival order
 
-    def _admit(self) -> list[Sequence]:
-        """Pick the sequences of a prefill step, in policy order; stop at the first that does not fit.
+    def _admit(self, budget: int, chunks: int) -> list[Sequence]:
+        """Start waiting sequences, in policy order, on the blocks of their longest cached prefix and new blocks for
+        their first chunk (all their tokens without chunked prefill) out of ``budget`` tokens, ``chunks`` prompt
+        chunks being in the step already; stop at the first that does not fit.
 
-        Besides its prompt, each admitted sequence must leave room for the next decode step of itself and
-        of the running sequences, so a fresh prefill is not preempted (wasted) right away. A recompute
-        longer than ``max_prompt_len`` goes alone (the agents' single long prefill shape).
+        Besides its chunk, each must leave room for the running sequences' next decode step, so a fresh prefill
+        is not preempted (wasted) right away. Without chunked prefill a sequence of more than ``max_prompt_len``
+        tokens to compute goes alone (the agents' single long prefill shape).
         """
-        cfg, bm = self.config, self.block_manager
-        slots = min(cfg.max_prefill_batch, cfg.max_num_seqs - len(self._running))
-        budget = cfg.max_num_batched_tokens
-        free = bm.num_free_blocks - sum(bm.blocks_needed(s.num_tokens) - len(s.block_table)
-                                        for s in self._running)
+        cfg, bm, bs = self.config, self.block_manager, self.config.block_size
+        slots = min(cfg.max_prefill_batch - chunks, cfg.max_num_seqs - len(self._running))
+        ahead = int(cfg.chunked_prefill)  # the running already hold this step's slots: room for the next one
+        free = bm.num_free_blocks - sum(max(0, bm.blocks_needed(s.num_tokens + ahead) - len(s.block_table))
+                                        for s in self._running if not s.is_prefilling)
         long_limit = cfg.max_prompt_len if cfg.max_prompt_len is not None else cfg.max_model_len
         chosen: list[Sequence] = []
-        for seq in self._admission_order():
-            if len(chosen) >= slots:
+        for seq in list(islice(self._admission_order(), max(slots, 0))):  # a copy: _start dequeues
+            if budget < 1:
                 break
-            alone = seq.num_tokens > long_limit
-            last_fed = seq.num_prompt_tokens + seq.params.max_new_tokens - 1
-            need = bm.blocks_needed(min(seq.num_tokens + 1, last_fed))
-            if seq.num_tokens > budget or need > free or (alone and chosen):
+            hit = bm.cached_prefix(seq)
+            start = len(hit) * bs
+            n = min(seq.num_tokens - start, budget) if cfg.chunked_prefill else seq.num_tokens - start
+            alone = not cfg.chunked_prefill and n > long_limit
+            end, last_fed = start + n, seq.num_prompt_tokens + seq.params.max_new_tokens - 1
+            need = bm.blocks_needed(min(end + 1, last_fed) if end == seq.num_tokens else end)
+            need += bm.num_idle(hit) - len(hit)  # idle cached blocks it revives leave the free count
+            if n > budget or need > free or (alone and chosen):
                 break
-            budget -= seq.num_tokens
+            self._start(seq, hit, n)
+            budget -= n
             free -= need
             chosen.append(seq)
             if alone:
                 break
-        for seq in chosen:
-            self._dequeue(seq)
-            bm.allocate(seq)
-            row = self._row[seq.request_id] = self._free_rows.pop()
-            self._tables[row] = DUMMY_BLOCK
-            self._tables[row, : len(seq.block_table)] = seq.block_table
-            seq.status = SequenceStatus.RUNNING
-            self._running.append(seq)
-            self._running_sampled += seq.params.needs_logits
-            self._running_dumps += seq.logits_tokens > 0
         return chosen
 
-    def _reserve_decode_slots(self) -> list[Sequence]:
-        """Give every running sequence a slot for its next token, preempting the newest when blocks run out."""
-        bm, scheduled, bs = self.block_manager, [], self.config.block_size
-        running = SequenceStatus.RUNNING
+    def _start(self, seq: Sequence, hit: list[int], n: int) -> None:
+        """Make a waiting sequence running on the cached blocks ``hit``, with blocks for its first ``n`` new
+        tokens scheduled."""
+        bm = self.block_manager
+        self._dequeue(seq)
+        bm.share(seq, hit)
+        seq.num_cached_blocks = len(hit)
+        seq.num_computed_tokens = len(hit) * bm.block_size
+        seq.num_scheduled_tokens = n
+        bm.grow(seq, seq.num_computed_tokens + n)
+        if bm.prefix_cache is not None:
+            bm.prefix_cache.queried_tokens += seq.num_tokens
+            bm.prefix_cache.hit_tokens += seq.num_computed_tokens
+        row = self._row[seq.request_id] = self._free_rows.pop()
+        self._tables[row] = DUMMY_BLOCK
+        self._tables[row, : len(seq.block_table)] = seq.block_table
+        seq.status = SequenceStatus.RUNNING
+        self._running.append(seq)
+        self._running_sampled += seq.params.needs_logits
+        self._running_dumps += seq.logits_tokens > 0
+
+    def _reserve_running(self, budget: int) -> tuple[list[Sequence], int, int]:
+        """Give every running sequence, oldest first, its slots for this step: its decode token, or while it is
+        still prefilling its next chunk out of what ``budget`` leaves after the decode tokens (at most
+        ``max_prefill_batch`` chunks; the rest wait). When blocks run out the newest running sequence is
+        preempted. Returns the sequences scheduled, the budget left and the number of chunks."""
+        scheduled, bs, chunks, decodes = [], self.config.block_size, 0, 0
+        running, max_chunks = SequenceStatus.RUNNING, self.config.max_prefill_batch
+        left = None  # the chunks' budget, counted when a chunk first needs it (never in a decode-only step)
         for seq in list(self._running):
             if seq.status is not running:
                 continue  # preempted below, to make room for an older sequence
-            if len(seq.block_table) * bs >= seq.num_tokens:  # fast path: its next slot is already held
-                scheduled.append(seq)
+            computed = seq.num_computed_tokens  # ``Sequence.is_prefilling`` inline: this runs for every
+            todo = len(seq.prompt_ids) + len(seq.output_ids) - computed  # running sequence at every step
+            if todo == 1 and computed:  # decoding
+                if len(seq.block_table) * bs > computed or self._grow(seq, computed + 1):
+                    seq.num_scheduled_tokens = 1
+                    scheduled.append(seq)
+                    decodes += 1
+                continue  # else it was the newest left and waits; the older ones (already given slots) go on
+            if left is None:
+                left = budget - sum(1 for s in self._running
+                                    if 0 < s.num_computed_tokens == len(s.prompt_ids) + len(s.output_ids) - 1)
+            if left < 1 or chunks >= max_chunks:
+                continue  # its next chunk waits for a later step
+            n = min(todo, left)
+            if len(seq.block_table) * bs < computed + n and not self._grow(seq, computed + n):
                 continue
-            while not bm.can_append(seq) and self._running[-1] is not seq:
-                self._preempt(self._running[-1])
-            if bm.can_append(seq):
-                bm.append_slot(seq)  # exactly one new block: the fast path above took the others
-                self._tables[self._row[seq.request_id], len(seq.block_table) - 1] = seq.block_table[-1]
-                scheduled.append(seq)
-            else:  # seq is the newest left: it waits, the older ones (already given slots) go on
-                self._preempt(seq)
-        if not scheduled:  # add() guarantees that any one sequence fits the whole cache
+            left, chunks = left - n, chunks + 1
+            seq.num_scheduled_tokens = n
+            scheduled.append(seq)
+        if not scheduled and self._running:  # add() guarantees that any one sequence fits the whole cache
             raise RuntimeError("KV cache too small for a single running sequence")
-        return scheduled
+        return scheduled, budget - decodes if left is None else left, chunks
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for ``seq``'s first ``num_tokens`` tokens, preempting the newest running sequences (never one
+        scheduled in this step: those are older) as needed; False when ``seq`` itself had to be preempted."""
+        bm = self.block_manager
+        while not bm.can_grow(seq, num_tokens) and self._running[-1] is not seq:
+            self._preempt(self._running[-1])
+        if not bm.can_grow(seq, num_tokens):
+            self._preempt(seq)
+            return False
+        held = len(seq.block_table)
+        bm.grow(seq, num_tokens)
+        self._tables[self._row[seq.request_id], held:len(seq.block_table)] = seq.block_table[held:]
+        return True
 
     def _release(self, seq: Sequence) -> None:
         """Take a running sequence off the running list and give back its KV blocks and table row."""
         self._running.remove(seq)
         self._running_sampled -= seq.params.needs_logits
         self._running_dumps -= seq.logits_tokens > 0
+        self.block_manager.cache_computed(seq)  # its decoded blocks too: a recompute or a follow-up hits them
         self.block_manager.free(seq)
         self._free_rows.append(self._row.pop(seq.request_id))
+        seq.num_computed_tokens = seq.num_scheduled_tokens = 0
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
@@ -351,13 +440,17 @@ class Scheduler:
         width = max(len(seq.block_table) for seq in seqs)
         table_rows = np.fromiter((self._row[seq.request_id] for seq in seqs), np.intp, n)
         block_tables = self._tables[table_rows, :width]  # a copy: later steps do not change this batch
-        context_lens = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
-        if prefill:
-            ids = np.fromiter((t for seq in seqs for t in seq.all_token_ids), np.int32, int(context_lens.sum()))
-            query_lens = context_lens.copy()
-            positions = np.concatenate([np.arange(k, dtype=np.int32) for k in context_lens.tolist()])
-            rows = np.repeat(np.arange(n), context_lens)
+        if prefill:  # each sequence's scheduled tokens after its computed ones: chunks, decode tokens
+            starts = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int32, n)
+            query_lens = np.fromiter((seq.num_scheduled_tokens for seq in seqs), np.int32, n)
+            context_lens = starts + query_lens
+            total = int(query_lens.sum())
+            ids = np.fromiter(chain.from_iterable(seq.token_ids(a, b) for seq, a, b in
+                                                  zip(seqs, starts.tolist(), context_lens.tolist())), np.int32, total)
+            rows = np.repeat(np.arange(n), query_lens)
+            positions = np.arange(total, dtype=np.int32) - (np.cumsum(query_lens) - context_lens)[rows]
         else:  # one token per sequence: vectorized, this runs every step for the whole decode batch
+            context_lens = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
             ids = np.fromiter((seq.last_token_id for seq in seqs), np.int32, n)
             query_lens = np.ones(n, dtype=np.int32)
             positions = context_lens - 1

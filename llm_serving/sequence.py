@@ -2,7 +2,8 @@
 
 Preemption is by recompute (as in vLLM): a preempted sequence drops its KV blocks but keeps the tokens it
 generated, so its next prefill covers ``all_token_ids`` and only the tokens after that are new output. Its
-random draws depend only on its seed and how many tokens it has generated, so a recompute samples the same.
+random draws depend only on its seed and how many tokens it has generated, so a recompute samples the same,
+and a logits dump asks only for the position being generated, so it keeps one row per generated token.
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ import enum
 import math
 import struct
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Why a request ended: its eos token, its max_new_tokens, an abort (client gone, shutdown), one of its stop
 # strings. The one definition: the scheduler, the metrics' labels and the APIs' names all follow it.
@@ -155,6 +160,18 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     seed: int | None = None  # int64 seed of its random draws; fixed by Scheduler.add (params.seed or random)
+    # KV progress, kept by the scheduler: leading tokens whose K/V the agents hold (0 again after a preemption),
+    # and the tokens of its step in flight (a prompt chunk, or the one token of a decode)
+    num_computed_tokens: int = 0
+    num_scheduled_tokens: int = 0
+    # prefix caching (llm_serving.prefix_cache): the keys of its full blocks, computed as they fill, and how many
+    # leading blocks of its block table are in the cache
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    num_cached_blocks: int = 0
+    # Logits dump: the float32 [vocab] logits of its first ``logits_tokens`` generated positions, row k from the
+    # step that produced output token k (a recompute's prefill adds only the row of the token it produces).
+    logits_tokens: int = 0
+    logits: list[np.ndarray] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]
@@ -179,6 +196,18 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens ``start:stop`` of prompt + output, without copying the whole sequence."""
+        n = len(self.prompt_ids)
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[max(start - n, 0):stop - n]
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Whether its next step computes more than its last token (a prompt, the rest of one, a recompute)."""
+        return self.num_computed_tokens == 0 or self.num_computed_tokens < self.num_tokens - 1
 
     @property
     def is_finished(self) -> bool:

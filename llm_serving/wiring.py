@@ -15,6 +15,7 @@ from typing import Any
 from llm_serving.config import ConfigError, ServingConfig
 from llm_serving.default_model import ensure_default_model
 from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
+from llm_serving.protocol.parallel import kv_shards, tensor_parallel_problems
 from llm_serving.protocol.wire import AgentSpec
 from llm_serving.scheduler import SchedulerConfig
 
@@ -25,12 +26,14 @@ class ModelFiles:
 
     model_path: Path  # HF/converted model directory or checkpoint file
     llama_config: LlamaConfig
-    tokenizer_path: Path
+    tokenizer_path: Path | None  # None where the caller needs no tokenizer (export)
 
 
 # ---- configuration mapping --------------------------------------------------------------------------------
-def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None = None) -> ModelFiles:
-    """The model to serve: ``model_config.model_path``, or the embedded default model (built if needed)."""
+def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None = None,
+                  tokenizer: bool = True) -> ModelFiles:
+    """The model to serve: ``model_config.model_path``, or the embedded default model (built if needed); its
+    tokenizer is checked only when ``tokenizer``."""
     src = config.source
     if config.uses_default_model:
         path = ensure_default_model(config.default_model, config.max_model_len, progress)
@@ -51,6 +54,13 @@ def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None 
         raise ConfigError(f"{src}: model_config.vocab_size: {want_vocab} does not match the model's "
                           f"vocab_size {llama.vocab_size} ({config_dir / 'config.json'})",
                           key="model_config.vocab_size", source=src)
+    problems = tensor_parallel_problems(llama, config.num_agents)
+    if problems:
+        raise ConfigError(f"{src}: serving_config.num_agents: {config.num_agents} agents are the tensor-parallel "
+                          f"size, which this model cannot be split into: {'; '.join(problems)}",
+                          key="serving_config.num_agents", source=src)
+    if not tokenizer:
+        return ModelFiles(path, llama, None)
     vocab_file = config.vocab_file
     tokenizer_path = Path(vocab_file) if vocab_file is not None else path / "tokenizer.model"
     if not tokenizer_path.is_file():
@@ -59,15 +69,26 @@ def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None 
     return ModelFiles(path, llama, tokenizer_path)
 
 
-def scheduler_config(config: ServingConfig, eos_token_id: int | None) -> SchedulerConfig:
+def kv_cache_blocks(config: ServingConfig, llama: LlamaConfig | None) -> int:
+    """KV-cache blocks of the served model: ``pa_config.num_blocks`` is what one device's cache holds with the
+    whole model's kv heads; tensor-parallel ranks hold only their share of the kv heads per block, so the same
+    memory on each rank holds ``kv_shards`` times as many blocks (``llm_serving.protocol.parallel``)."""
+    shards = kv_shards(llama, config.num_agents) if llama is not None else 1
+    return config.pa_config.num_blocks * shards
+
+
+def scheduler_config(config: ServingConfig, eos_token_id: int | None,
+                     llama: LlamaConfig | None = None) -> SchedulerConfig:
+    """``llama``: the served model, whose kv heads size the cache under tensor parallelism (``kv_cache_blocks``)."""
     m, pa, sc = config.model_config, config.pa_config, config.scheduler
     return SchedulerConfig(
-        num_blocks=pa.num_blocks, block_size=pa.block_size,
+        num_blocks=kv_cache_blocks(config, llama), block_size=pa.block_size,
         max_num_seqs=m.decode_batch_size[-1], max_prefill_batch=m.prefill_batch_size[-1],
         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
         eos_token_id=eos_token_id, policy=sc.policy, max_wait_s=sc.max_wait_s,
         min_decode_steps_between_prefills=sc.min_decode_steps_between_prefills,
-        max_prompt_len=config.max_prompt_len,
+        max_prompt_len=config.max_prompt_len, chunked_prefill=config.chunked_prefill,
+        prefix_caching=config.prefix_caching,
     )
 
 
@@ -79,6 +100,10 @@ def runner_config_dict(config: ServingConfig) -> dict[str, Any]:
         "num_blocks": pa.num_blocks, "block_size": pa.block_size, "max_model_len": config.max_model_len,
         "prefill_batch_sizes": list(m.prefill_batch_size), "prefill_seq_lengths": list(m.seq_length),
         "decode_batch_sizes": list(m.decode_batch_size), "dtype": m.dtype, "kernels": m.kernels,
+        # chunks and prefix-cache hits are queries over cached context: the agents warm those graphs too
+        "mixed_steps": config.chunked_prefill or config.prefix_caching,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "device_target": m.device_target,
     }
 
 
@@ -86,16 +111,19 @@ def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) 
     """The agents' start-up spec for this configuration (shared-memory capacities included)."""
     m, pa = config.model_config, config.pa_config
     max_batch = max(m.prefill_batch_size[-1], m.decode_batch_size[-1])
+    blocks = kv_cache_blocks(config, model.llama_config)
     return AgentSpec(
         kind="standin" if standin else "llama",
         model_path=str(model.model_path),
         llama_config=asdict(model.llama_config),
-        runner_config=runner_config_dict(config),
+        runner_config={**runner_config_dict(config), "num_blocks": blocks},
         max_tokens=max(config.max_num_batched_tokens, m.decode_batch_size[-1]),
         max_batch=max_batch,
         max_blocks_per_seq=config.max_blocks_per_seq,
         # every penalty id of a step is a token whose KV is cached: bounded by the cache and the batch
-        max_penalty_tokens=min((pa.num_blocks - 1) * pa.block_size, max_batch * config.max_model_len),
+        max_penalty_tokens=min((blocks - 1) * pa.block_size, max_batch * config.max_model_len),
+        # logits dumps: every sequence of a step may ask (float32 x vocab each; 16 MiB for 128 x 32000)
+        max_logits_rows=max_batch,
         tensor_parallel_size=config.num_agents,
         start_device_id=config.serving_config.start_device_id,
     )

@@ -123,6 +123,18 @@ def test_residual_linear(ops_, m, k, n, which):
     np.testing.assert_allclose(got.asnumpy(), expected, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("m,k,n,which", FUSED_CASES)
+def test_partial_linear(ops_, m, k, n, which):
+    """A tensor-parallel rank's partial sum (agents.parallel): x @ W^T of the real rows, zeros after them."""
+    rng = np.random.default_rng(m + 3)
+    x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32)
+    rows = real_rows(m, which)
+    got = OpCell(ops_.partial_linear(n))(Tensor(x), Tensor(packed_weights.pack(w)),
+                                         Tensor(np.array([rows], np.int32)))
+    expected = padded(x.astype(np.float64) @ w.T.astype(np.float64), rows)
+    np.testing.assert_allclose(got.asnumpy(), expected, rtol=1e-4, atol=1e-3)
+
+
 SHAPE_GUARD_SCRIPT = """
 import numpy as np, mindspore as ms
 from mindspore import Tensor

@@ -11,7 +11,7 @@ graphs contain only its own ops. A graph-mode ``construct`` may branch only on l
 from __future__ import annotations
 
 import mindspore as ms
-from mindspore import Parameter, nn
+from mindspore import Parameter, Tensor, nn
 
 from agents.backends import graph_ops
 from llm_serving.protocol.model_config import LlamaConfig
@@ -32,6 +32,15 @@ class Attention(nn.Cell):
         """Every cache Parameter of this layer (for checks that the cache is or is not written)."""
         raise NotImplementedError
 
+    def chunked(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, query_lens: Tensor,
+                context_lens: Tensor, block_tables: Tensor) -> Tensor:
+        """Queries over cached context (chunked prefill, prefill after a prefix-cache hit, decode tokens mixed in;
+        ``agents.mixed_steps``): sequence ``b`` has ``query_lens[b]`` tokens at positions ``context_lens[b] -
+        query_lens[b]`` on; each writes its K/V at ``slot_mapping`` and attends to its context up to itself, read
+        through ``block_tables``. Tokens are back to back where the backend's ``ragged_prefill`` says so, else in
+        a padded ``[batch, seq]`` bucket. Backends with ``chunked_prefill`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} has no attention over cached context")
+
 
 class OpsBackend:
     """The ops of one device and dtype. Subclasses set the flags and override ``attention``; the projections
@@ -48,6 +57,10 @@ class OpsBackend:
     ragged_prefill = False  # prefill takes the prompts back to back (``agents.ragged_prefill``), not padded
     panel_weights = False  # projection weights held in ``agents.packed_weights``' panel layout
     skips_padding = False  # projections skip a bucket's padding rows, so padding rows cost next to nothing
+    chunked_prefill = False  # its attention cell has ``chunked`` (queries over cached context)
+
+    def check(self, config: LlamaConfig, block_size: int, max_prefill_batch: int) -> None:
+        """Raise ``ValueError`` naming what this backend's kernels cannot run (before any graph is built)."""
 
     def attention(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type) -> Attention:
         """The attention cell of one layer, owning that layer's slice of the paged KV cache."""
@@ -64,6 +77,11 @@ class OpsBackend:
     def residual_linear(self) -> nn.Cell:
         """``(x, weight, residual, rows) -> residual + x @ W^T`` (output and down projections)."""
         return graph_ops.ResidualLinear()
+
+    def partial_linear(self, out_dim: int) -> nn.Cell:
+        """``(x, weight, rows) -> x @ W^T`` of width ``out_dim``: under tensor parallelism, the partial sum of a
+        row-parallel projection on a rank that does not add the residual (``agents.parallel``)."""
+        return graph_ops.Linear()
 
     def greedy(self) -> nn.Cell:
         """``logits [batch, vocab] float32 -> (int32 token ids, float32 log-probabilities)``."""

@@ -62,6 +62,17 @@ class ResidualLinear(nn.Cell):
         return residual + self.matmul(x, weight)
 
 
+class Linear(nn.Cell):
+    """``(x, weight, rows) -> x @ W^T``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x: Tensor, weight: Tensor, rows: Tensor) -> Tensor:
+        return self.matmul(x, weight)
+
+
 class GreedyPick(nn.Cell):
     """``greedy_pick`` as a cell."""
 

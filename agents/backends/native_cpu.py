@@ -73,6 +73,17 @@ class NativeResidualLinear(nn.Cell):
         return self.op(x, weight, residual, rows)
 
 
+class NativePartialLinear(nn.Cell):
+    """The native ``(x, packed w, rows) -> x @ W^T`` op."""
+
+    def __init__(self, op: ops.Custom) -> None:
+        super().__init__()
+        self.op = op
+
+    def construct(self, x: Tensor, weight: Tensor, rows: Tensor) -> Tensor:
+        return self.op(x, weight, rows)
+
+
 class NativeGreedy(nn.Cell):
     """The native greedy pick: ``logits -> (token ids, log-probabilities)``."""
 
@@ -113,6 +124,11 @@ class NativeCpuBackend(OpsBackend):
         if not self.native.projections:
             return super().residual_linear()
         return NativeResidualLinear(self.native.residual_linear())
+
+    def partial_linear(self, out_dim: int) -> nn.Cell:
+        if not self.native.projections:
+            return super().partial_linear(out_dim)
+        return NativePartialLinear(self.native.partial_linear(out_dim))
 
     def greedy(self) -> nn.Cell:
         return NativeGreedy(self.native.greedy)

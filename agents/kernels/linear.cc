@@ -262,6 +262,24 @@ extern "C" int NormSwiGlu(int nparam, void **params, int *ndims, int64_t **shape
   return 0;
 }
 
+// y [m, n] = x W^T for the leading ``rows`` rows of x, zeros after them: the partial sum of a row-parallel
+// projection on a tensor-parallel rank other than 0 (rank 0 adds the residual, through ResidualLinear).
+extern "C" int PartialLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                             void *stream, void *extra) {
+  (void)stream;
+  (void)extra;
+  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 1 || ndims[3] != 2) return 1;
+  if (!dtypes_ok(nparam, dtypes, 2)) return 2;
+  const int64_t m = shapes[0][0], k_dim = shapes[0][1], n = shapes[3][1];
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  if (!packed_shape(shapes[1], panels, k_dim) || shapes[2][0] != 1 || shapes[3][0] != m) return 3;
+  const int64_t rows = real_rows(params[2], m);
+  auto *y = static_cast<float *>(params[3]);
+  zero_padding(y, rows, m, n);
+  store_rows(static_cast<const float *>(params[0]), rows, k_dim, static_cast<const float *>(params[1]), n, y);
+  return 0;
+}
+
 extern "C" int ResidualLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                               void *stream, void *extra) {
   (void)stream;

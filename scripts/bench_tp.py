@@ -1,0 +1,129 @@
+"""Tensor parallelism on this host: each agent's resident memory and the step times, by tensor-parallel size.
+
+    python scripts/bench_tp.py [--tp 1 2] [--num-blocks 2049] [--repeats 20] [--rounds 2] [--pin] [--no-steps]
+
+Writes the bench model (``scripts/bench_model.BENCH_MODEL``, seeded random weights) as a Hugging Face
+directory, then for each size starts the real agent processes (``AgentPool``: the collectives' scheduler,
+shared memory, pipes) with the KV cache the wiring gives ``--num-blocks`` (one device's blocks of all kv
+heads; ranks holding half the kv heads get twice as many, see ``llm_serving.wiring.kv_cache_blocks``) and
+prints per agent: resident memory after warm-up (VmRSS, of it anonymous and file-backed) next to the bytes of
+its weight slice and KV cache; then the median time of whole steps through the pool (``run_step``, as the
+engine sends them): prefill 1x128 and 8x128 prompts, decode batch 1/32/128 at context 256 (``--no-steps``:
+memory only, e.g. with ``--num-blocks 2`` to see the runtime and weights without a KV cache). ``--rounds``
+repeats the sizes in turn, since this machine's load drifts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from agents.sharded_weights import shard_shapes
+from llm_serving.agent_pool import AgentPool
+from llm_serving.protocol.parallel import ShardPlan, kv_shards
+from llm_serving.protocol.wire import AgentSpec
+from llm_serving.random_model import build_random_model
+from scripts.bench_model import BENCH_MODEL, BLOCK, decode_batch, prefill_batch
+
+CONTEXT, SEQ = 256, 128
+
+
+def memory(pid: int) -> dict[str, float]:
+    """MiB of VmRSS, RssAnon, RssFile (+ RssShmem: the step segment) of a process."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+            fields[key] = int(value.split()[0]) / 1024
+    return fields
+
+
+def spec_for(model: Path, tp: int, num_blocks: int, kernels: str, pin: bool = False) -> AgentSpec:
+    width = CONTEXT // BLOCK
+    runner = {"num_blocks": num_blocks * kv_shards(BENCH_MODEL, tp), "block_size": BLOCK, "max_model_len": 512,
+              "prefill_batch_sizes": [1, 8], "prefill_seq_lengths": [SEQ], "decode_batch_sizes": [1, 32, 128],
+              "decode_block_widths": [width], "kernels": kernels}
+    return AgentSpec("llama", str(model), BENCH_MODEL.__dict__.copy(), runner, max_tokens=8 * SEQ, max_batch=128,
+                     max_blocks_per_seq=512 // BLOCK, tensor_parallel_size=tp,
+                     extra_env={"LLM_SERVING_PIN_RANKS": "1"} if pin else {})
+
+
+def shard_bytes(tp: int, rank: int, blocks: int) -> tuple[float, float]:
+    """MiB of a rank's float32 weight slice and of its KV cache (K and V, every layer)."""
+    plan = ShardPlan(BENCH_MODEL, tp, rank)
+    weights = sum(int(np.prod(s)) for s in shard_shapes(BENCH_MODEL, plan).values()) * 4
+    kv = blocks * BLOCK * plan.kv_heads * BENCH_MODEL.head_dim * 2 * BENCH_MODEL.num_hidden_layers * 4
+    return weights / 2**20, kv / 2**20
+
+
+def measure(model: Path, tp: int, args: argparse.Namespace) -> dict[str, float]:
+    spec = spec_for(model, tp, args.num_blocks, args.kernels, args.pin)
+    pool = AgentPool(spec)
+    t0 = time.monotonic()
+    pool.start()
+    print(f"\n### tp={tp}: {tp} agent(s) ready in {time.monotonic() - t0:.1f} s, "
+          f"{spec.runner_config['num_blocks']} KV blocks each\n")
+    try:
+        print("| rank | VmRSS MiB | RssAnon | RssFile | weights slice MiB | KV cache MiB |")
+        print("|---|---|---|---|---|---|")
+        for rank, pid in enumerate(pool.pids):
+            mem = memory(pid)
+            w, kv = shard_bytes(tp, rank, spec.runner_config["num_blocks"])
+            print(f"| {rank} | {mem['VmRSS']:.0f} | {mem['RssAnon']:.0f} | {mem['RssFile']:.0f} | {w:.1f} | {kv:.1f} |")
+        if args.no_steps:
+            return {}
+        calls = {f"prefill {b}x{SEQ}": prefill_batch(b, SEQ) for b in (1, 8)}
+        calls.update({f"decode B={b} ctx={CONTEXT}": decode_batch(b, CONTEXT) for b in (1, 32, 128)})
+        out = {}
+        for name, batch in calls.items():
+            pool.run_step(batch)
+            times = []
+            for _ in range(args.repeats):
+                t = time.perf_counter()
+                pool.run_step(batch)
+                times.append((time.perf_counter() - t) * 1e3)
+            out[name] = statistics.median(times)
+        return out
+    finally:
+        pool.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--num-blocks", type=int, default=128 * CONTEXT // BLOCK + 1)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--kernels", default="native", choices=["native", "portable"])
+    parser.add_argument("--pin", action="store_true", help="pin each rank to its share of the cores")
+    parser.add_argument("--no-steps", action="store_true", help="memory only (e.g. with a tiny --num-blocks)")
+    args = parser.parse_args()
+    print(f"host: {os.cpu_count()} cores; kernels {args.kernels}; pa_config.num_blocks {args.num_blocks}")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_random_model(Path(tmp) / "bench", BENCH_MODEL, seed=0, std=0.05)
+        rows: dict[int, list[dict[str, float]]] = {tp: [] for tp in args.tp}
+        for _ in range(args.rounds):
+            for tp in args.tp:
+                rows[tp].append(measure(model, tp, args))
+    names = list(rows[args.tp[0]][0])
+    if not names:
+        return
+    print("\n| step (ms, median of " + f"{args.repeats}; one column per round) | "
+          + " | ".join(f"tp={tp}" for tp in args.tp) + " |")
+    print("|---|" + "---|" * len(args.tp))
+    for name in names:
+        cells = [" / ".join(f"{r[name]:.1f}" for r in rows[tp]) for tp in args.tp]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
