@@ -203,21 +203,65 @@ void softmax_rows(float *scores, int64_t len, int64_t rep) {
   }
 }
 
+#if defined(__AVX512F__)
+// ``weigh_values`` for ``kRows`` query rows (from ``r0``) whose two sums stay in registers across all the blocks:
+// the same operations, in the same order, as ``weigh_rows`` with its sums in memory, without reloading and storing
+// them at every block.
+template <int64_t kHeadDim, int kRows>
+void weigh_in_registers(const float *probs, const int32_t *table, int64_t len, int64_t block_size,
+                        const float *values, int64_t r0, float *out) {
+  constexpr int64_t kChunks = kHeadDim / 16;
+  __m512 even[kRows][kChunks], odd[kRows][kChunks];
+  for (int r = 0; r < kRows; ++r) {
+    for (int64_t c = 0; c < kChunks; ++c) even[r][c] = odd[r][c] = _mm512_setzero_ps();
+  }
+  // row t of the sequence goes to even[] or odd[] by its parity, as in weigh_rows
+  auto add_row = [&](__m512 (*acc)[kChunks], const float *vi, int64_t t) {
+    __m512 vc[kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) vc[c] = _mm512_loadu_ps(vi + 16 * c);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 p = _mm512_set1_ps(probs[(r0 + r) * len + t]);
+      for (int64_t c = 0; c < kChunks; ++c) acc[r][c] = _mm512_fmadd_ps(p, vc[c], acc[r][c]);
+    }
+  };
+  for_each_block(values, table, len, block_size, kHeadDim, [&](int64_t start, int64_t rows, const float *v) {
+    int64_t i = 0;
+    if (start % 2) add_row(odd, v, start), i = 1;
+    for (; i + 2 <= rows; i += 2) {
+      add_row(even, v + i * kHeadDim, start + i);
+      add_row(odd, v + (i + 1) * kHeadDim, start + i + 1);
+    }
+    if (i < rows) add_row(even, v + i * kHeadDim, start + i);
+  });
+  for (int r = 0; r < kRows; ++r) {
+    for (int64_t c = 0; c < kChunks; ++c) {
+      _mm512_storeu_ps(out + (r0 + r) * kHeadDim + 16 * c, _mm512_add_ps(even[r][c], odd[r][c]));
+    }
+  }
+}
+#endif
+
 // out[r] = sum_t probs[r * len + t] * v_t over the sequence's blocks.
 template <int64_t kHeadDim>
 void weigh_values(const float *probs, const int32_t *table, int64_t len, int64_t block_size, const float *values,
                   int64_t head_dim, int64_t rep, float *out) {
+#if defined(__AVX512F__)
+  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {  // the query rows' sums in registers, a few rows at a time
+    constexpr int kMost = kHeadDim <= 64 ? 2 : 1;  // 8 or 16 registers of sums a row
+    int64_t r0 = 0;
+    for (; r0 + kMost <= rep; r0 += kMost) {
+      weigh_in_registers<kHeadDim, kMost>(probs, table, len, block_size, values, r0, out);
+    }
+    for (; r0 < rep; ++r0) weigh_in_registers<kHeadDim, 1>(probs, table, len, block_size, values, r0, out);
+    return;
+  }
+#endif
   thread_local std::vector<float> odd;
   odd.assign(static_cast<size_t>(rep * head_dim), 0.0f);
   std::memset(out, 0, sizeof(float) * rep * head_dim);
   for_each_block(values, table, len, block_size, head_dim, [&](int64_t start, int64_t rows, const float *v) {
     weigh_rows<kHeadDim>(probs + start, v, rows, head_dim, rep, out, odd.data(), start, len);
   });
-#if defined(__AVX512F__)
-  if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {
-    for (int64_t i = 0; i < rep * head_dim; ++i) out[i] += odd[i];
-  }
-#endif
 }
 
 // One sequence and kv head. ``kHeadDim`` fixes the row length at compile time for the common Llama head sizes
