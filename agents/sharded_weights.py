@@ -275,6 +275,11 @@ def open_source(path: Path) -> tuple[SliceSource, dict[str, list[list[str]]], bo
         if "embed_tokens" in source:
             return source, w.CANONICAL_NAMES, True
         if "model.tok_embeddings.embedding_weight" in source:
+            if any(n.endswith(("attention.w_qkv.weight", "feed_forward.w_gate_hidden.weight")) for n in source):
+                raise w.WeightLoadError(
+                    f"{path}: a fused MindFormers checkpoint (qkv_concat: w_qkv / w_gate_hidden rows interleaved "
+                    "per head group) cannot be sliced per rank; convert it once with `python -m agents.convert "
+                    f"--model {path} --config-from DIR_WITH_CONFIG_JSON --out DIR` and serve DIR")
             return source, w.MINDFORMERS_NAMES, False
         raise w.WeightLoadError(f"{path}: unexpected architecture: neither canonical ('embed_tokens') nor "
                                 f"MindFormers Llama names; first tensors: {list(source)[:3]}")

@@ -372,7 +372,12 @@ def load_mindspore_checkpoint(path: str | Path, config: LlamaConfig) -> dict[str
             f"{path}: unexpected architecture: neither canonical ('embed_tokens') nor MindFormers Llama "
             f"('model.tok_embeddings.embedding_weight') names; first tensors: {list(params)[:3]}"
         )
-    return _assemble(_MindSporeTensors(params), names, config, str(path), strict=strict)
+    tensors: Mapping[str, np.ndarray] = _MindSporeTensors(params)
+    if names is MINDFORMERS_NAMES:  # fused w_qkv / w_gate_hidden rows are interleaved: read them split
+        from agents.mindformers.names import SplitView
+
+        tensors = SplitView(tensors, config)
+    return _assemble(tensors, names, config, str(path), strict=strict)
 
 
 def save_mindspore_checkpoint(weights: Mapping[str, np.ndarray], path: str | Path) -> Path:

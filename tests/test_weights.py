@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import agents.weights
+from agents.mindformers.names import gate_up_to_mindformers, qkv_to_mindformers
 from agents.weights import (
     WeightLoadError,
     canonical_shapes,
@@ -62,9 +63,9 @@ def mindformers_names(hf: dict[str, np.ndarray], cfg: LlamaConfig, fused: bool) 
         h, m = f"model.layers.{i}.", f"model.layers.{i}."
         q, k, v = (hf[h + f"self_attn.{x}_proj.weight"] for x in "qkv")
         gate, up = hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]
-        if fused:
-            out[m + "attention.w_qkv.weight"] = np.concatenate([q, k, v])
-            out[m + "feed_forward.w_gate_hidden.weight"] = np.concatenate([gate, up])
+        if fused:  # MindFormers 1.8.0's interleaved orders (agents/mindformers/names.py)
+            out[m + "attention.w_qkv.weight"] = qkv_to_mindformers(np.concatenate([q, k, v]), cfg)
+            out[m + "feed_forward.w_gate_hidden.weight"] = gate_up_to_mindformers(np.concatenate([gate, up]))
         else:
             out.update({m + "attention.wq.weight": q, m + "attention.wk.weight": k,
                         m + "attention.wv.weight": v,
