@@ -194,10 +194,13 @@ COMMANDS: list[Command] = [
 
 
 def _commands() -> list[Command]:
-    """Built-in commands plus serve, bench and export, which live in their own modules."""
-    from llm_serving import bench_cli, export_cli, serve_cli
+    """Built-in commands plus serve, bench, export and patch-mindformers, which live in their own modules."""
+    from llm_serving import bench_cli, export_cli, mindformers_patches, serve_cli
 
-    return [*COMMANDS, serve_cli.COMMAND, bench_cli.COMMAND, export_cli.COMMAND]
+    patch_mf = Command("patch-mindformers", "apply llm-serving's patches (patches/) to the installed MindFormers: "
+                       "version check and dry run first (--check: only those)", mindformers_patches.add_arguments,
+                       mindformers_patches.run)
+    return [*COMMANDS, serve_cli.COMMAND, bench_cli.COMMAND, export_cli.COMMAND, patch_mf]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
