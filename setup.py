@@ -24,6 +24,8 @@ setup(
         "jinja2",
         "protobuf",  # sentencepiece's model proto: chat templates of tokenizers with legacy false
     ],
+    # MindFormers (model_config.backend: mindformers) needs MindSpore 2.7.2, not our pin: it gets its own
+    # environment from scripts/mindformers_env.sh rather than an extra here
     extras_require={
         "test": [
             "pytest",
@@ -32,7 +34,6 @@ setup(
             "openai",
             "ruff==0.17.6",
         ],
-        "mindformers": ["mindformers"],
     },
     entry_points={"console_scripts": ["llm-serving=llm_serving.cli:main"]},
 )

@@ -77,6 +77,9 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     if spec.kind == "standin":
         from agents.standin import StandinRunner
         return StandinRunner(int(spec.llama_config["vocab_size"]), spec.step_delay_s)
+    if spec.backend == "mindformers":  # MindFormers' Llama (its own environment: scripts/mindformers_env.sh)
+        from agents.mindformers.runner import build_runner as build_mindformers_runner
+        return build_mindformers_runner(spec, rank, progress)
     from agents.collectives import join_cluster, share_cpus
     from agents.sharded_weights import load_rank_weights
     from llm_serving.protocol.model_config import LlamaConfig

@@ -49,6 +49,9 @@ _CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors", ".bin")
 # devices whose agents' ops attend over cached context (chunked prefill, prefix caching): the CPU backends have
 # it; the Ascend backend has not yet (its fused PagedAttention would take the chunks with q_seq_lens)
 CACHED_CONTEXT_DEVICES = ("CPU",)
+# model_config.backend: llm-serving's 'ms' / 'ge' / 'kbk' all run our Llama graph; 'mindformers' runs MindFormers'
+# LlamaForCausalLM built from model_cfg_path (agents/mindformers, its own environment: docs/mindformers.md)
+MODEL_BACKENDS = ("ms", "ge", "kbk", "mindformers")
 
 
 @dataclass(frozen=True)
@@ -271,16 +274,26 @@ class ServingConfig:
         return self.model_config.seq_length[-1]
 
     @property
+    def uses_mindformers(self) -> bool:
+        """``model_config.backend: mindformers``: MindFormers' Llama in the agents, not ours."""
+        return self.model_config.backend == "mindformers"
+
+    @property
+    def attends_cached_context(self) -> bool:
+        """Whether the agents can run queries over cached context (our graph on CPU; not MindFormers' prefill)."""
+        return self.model_config.device_target in CACHED_CONTEXT_DEVICES and not self.uses_mindformers
+
+    @property
     def chunked_prefill(self) -> bool:
         """``scheduler.enable_chunked_prefill``, by default on where the agents can run it."""
         value = self.scheduler.enable_chunked_prefill
-        return value if value is not None else self.model_config.device_target in CACHED_CONTEXT_DEVICES
+        return value if value is not None else self.attends_cached_context
 
     @property
     def prefix_caching(self) -> bool:
         """``scheduler.enable_prefix_caching``, by default on where the agents can run it."""
         value = self.scheduler.enable_prefix_caching
-        return value if value is not None else self.model_config.device_target in CACHED_CONTEXT_DEVICES
+        return value if value is not None else self.attends_cached_context
 
     @property
     def max_num_batched_tokens(self) -> int:
@@ -326,6 +339,17 @@ def _validate(cfg: ServingConfig) -> None:
     need(m.device_target != "Ascend" or m.dtype in ASCEND_DTYPES, "model_config.dtype",
          f"{m.dtype} is not served on Ascend (model_config.device_target): the fused NPU kernels take "
          f"{' or '.join(ASCEND_DTYPES)}")
+    need(m.backend in MODEL_BACKENDS, "model_config.backend",
+         f"expected one of {', '.join(MODEL_BACKENDS)}, got {m.backend!r}")
+    if m.backend == "mindformers":
+        need(m.model_cfg_path is not None, "model_config.model_cfg_path",
+             "backend mindformers builds MindFormers' Llama from a MindFormers predict YAML (e.g. "
+             "predict_llama2_7b.yaml): set model_config.model_cfg_path to it")
+        need(m.dtype in ASCEND_DTYPES, "model_config.dtype",
+             f"{m.dtype} is not served by backend mindformers: MindFormers' Llama kernels take "
+             f"{' or '.join(ASCEND_DTYPES)}")
+        need(s.effective_num_agents == 1, "serving_config.num_agents",
+             f"backend mindformers runs one agent (no tensor parallelism through it), got {s.effective_num_agents}")
     need(m.max_generate_length > 0, "model_config.max_generate_length",
          f"must be positive, got {m.max_generate_length}")
     need(m.vocab_size is None or m.vocab_size > 0, "model_config.vocab_size", f"must be positive, got {m.vocab_size}")
@@ -378,6 +402,9 @@ def _validate(cfg: ServingConfig) -> None:
         need(not getattr(sc, key) or m.device_target in CACHED_CONTEXT_DEVICES, f"scheduler.{key}",
              f"the {m.device_target} agents cannot attend over cached context yet: set it false or leave it "
              "empty")
+        need(not getattr(sc, key) or not cfg.uses_mindformers, f"scheduler.{key}",
+             "backend mindformers prefills whole prompts from position 0 (MindFormers' prefill has no cached "
+             "context): set it false or leave it empty")
     need(sc.max_num_batched_tokens is None or cfg.chunked_prefill
          or sc.max_num_batched_tokens >= pa.decode_seq_length, "scheduler.max_num_batched_tokens",
          f"{sc.max_num_batched_tokens} is below pa_config.decode_seq_length {pa.decode_seq_length}: without "

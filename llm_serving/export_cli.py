@@ -25,9 +25,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "default: every warm-up shape)")
 
 
-def export_argv(spec_json: str, out: str, shapes: list[str]) -> list[str]:
-    """The child's command line."""
-    argv = [sys.executable, "-m", "agents.export", "--spec", spec_json, "--out", out]
+def export_argv(spec_json: str, out: str, shapes: list[str], module: str = "agents.export") -> list[str]:
+    """The child's command line (``module``: ``agents.mindformers.export`` for backend mindformers)."""
+    argv = [sys.executable, "-m", module, "--spec", spec_json, "--out", out]
     for shape in shapes:
         argv += ["--shape", shape]
     return argv
@@ -42,7 +42,9 @@ def _run(args: argparse.Namespace) -> int:
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return subprocess.run(export_argv(spec.to_json(), args.out, args.shape), env=env, check=False).returncode
+    module = "agents.mindformers.export" if spec.backend == "mindformers" else "agents.export"
+    return subprocess.run(export_argv(spec.to_json(), args.out, args.shape, module), env=env,
+                          check=False).returncode
 
 
 COMMAND = Command("export", "write one MindIR per warm-up shape for the configured device target and dtype "

@@ -7,6 +7,8 @@ shared-memory capacities) is computed here once.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,6 +56,8 @@ def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None 
         raise ConfigError(f"{src}: model_config.vocab_size: {want_vocab} does not match the model's "
                           f"vocab_size {llama.vocab_size} ({config_dir / 'config.json'})",
                           key="model_config.vocab_size", source=src)
+    if config.uses_mindformers:
+        check_mindformers_route(config)
     problems = tensor_parallel_problems(llama, config.num_agents)
     if problems:
         raise ConfigError(f"{src}: serving_config.num_agents: {config.num_agents} agents are the tensor-parallel "
@@ -67,6 +71,20 @@ def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None 
         raise ConfigError(f"{src}: tokenizer.vocab_file: no tokenizer model at {tokenizer_path}",
                           key="tokenizer.vocab_file", source=src)
     return ModelFiles(path, llama, tokenizer_path)
+
+
+def check_mindformers_route(config: ServingConfig) -> None:
+    """Backend mindformers: its YAML exists and MindFormers is installed where the agents will run (this python),
+    found without importing it (the master never imports MindSpore)."""
+    src, yaml_path = config.source, config.model_config.model_cfg_path
+    if yaml_path is None or not Path(yaml_path).is_file():
+        raise ConfigError(f"{src}: model_config.model_cfg_path: MindFormers predict YAML {yaml_path} does not exist",
+                          key="model_config.model_cfg_path", source=src)
+    if importlib.util.find_spec("mindformers") is None:
+        raise ConfigError(f"{src}: model_config.backend: mindformers, but MindFormers is not installed for "
+                          f"{sys.executable}: create its environment with `bash scripts/mindformers_env.sh` and run "
+                          "llm-serving with the python it prints (docs/mindformers.md)",
+                          key="model_config.backend", source=src)
 
 
 def kv_cache_blocks(config: ServingConfig, llama: LlamaConfig | None) -> int:
@@ -126,4 +144,6 @@ def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) 
         max_logits_rows=max_batch,
         tensor_parallel_size=config.num_agents,
         start_device_id=config.serving_config.start_device_id,
+        backend="mindformers" if config.uses_mindformers else "ms",
+        model_cfg_path=config.model_config.model_cfg_path if config.uses_mindformers else None,
     )

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from llm_serving.protocol.shm_channel import ChannelLayout
 
 KINDS = ("llama", "standin")
+BACKENDS = ("ms", "mindformers")  # model_config.backend
 
 CMD = struct.Struct("<q")  # master -> agent: step number to run; a negative number means "exit"
 FRAME = struct.Struct("<qii")  # agent -> master: (step, kind, payload length) + utf-8 payload
@@ -90,6 +91,10 @@ class AgentSpec:
     start_device_id: int = 0  # rank r runs on device start_device_id + r
     step_delay_s: float = 0.0  # standin only: simulated compute time per step
     extra_env: dict = field(default_factory=dict)  # environment variables for the agent processes
+    # model_config.backend: "ms" (our Llama graph, agents.runner) or "mindformers" (MindFormers' Llama built from
+    # the predict YAML model_cfg_path, agents.mindformers.runner)
+    backend: str = "ms"
+    model_cfg_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -98,6 +103,10 @@ class AgentSpec:
             raise ValueError("AgentSpec.model_path is required for kind 'llama'")
         if "vocab_size" not in self.llama_config:
             raise ValueError("AgentSpec.llama_config needs at least 'vocab_size'")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"AgentSpec.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "mindformers" and not self.model_cfg_path:
+            raise ValueError("AgentSpec.model_cfg_path is required for backend 'mindformers'")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"AgentSpec.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         _ = self.layout  # validates the capacities

@@ -1,0 +1,105 @@
+"""``python -m agents.mindformers.export``: ``llm-serving export`` for backend mindformers.
+
+One MindIR per warm-up shape of the ``MindFormersRunner``, built on this machine's CPU (MindFormers' Llama calls
+Ascend-only kernels, so on CPU it can be compiled and exported but not run), each exported with the inputs
+``warmup()`` runs it with, through the same step cells the runner serves with. Runs in the MindFormers
+environment (``scripts/mindformers_env.sh``); the master starts it with its own python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import mindspore as ms
+from mindspore import Tensor
+
+from agents.mindformers.inputs import INPUT_NAMES
+from agents.mindformers.runner import MindFormersRunner, MindFormersRunnerConfig
+from agents.mindir import GraphSummary, read_mindir
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.protocol.wire import AgentSpec
+
+_UNITS = {"ragged": ("tokens", "t"), "decode": ("blocks", "w")}
+
+
+def graph_file_name(shape: tuple) -> str:
+    """``mindformers_ragged_b4_t128``, ``mindformers_decode_b8_w16`` (MindSpore adds ``.mindir``)."""
+    kind, batch, n = shape
+    return f"mindformers_{kind}_b{batch}_{_UNITS[kind][1]}{n}"
+
+
+def describe(shape: tuple, summary: GraphSummary) -> str:
+    """One line per graph: shape, inputs, outputs and fused primitives."""
+    kind, batch, n = shape
+    inputs = " ".join(f"{name}={info}" for name, info in zip(INPUT_NAMES, summary.inputs))
+    fused = ", ".join(f"{name} x{count}" for name, count in summary.fused().items()) or "none"
+    return (f"mindformers {kind} batch={batch} {_UNITS[kind][0]}={n}: inputs {inputs}; outputs (ids, logprobs, "
+            f"logits) {', '.join(map(str, summary.outputs))}; fused {fused} -> {summary.path}")
+
+
+def export_runner(llama: LlamaConfig, rc: MindFormersRunnerConfig, weights: dict, model_cfg_path: str,
+                  progress: Callable[[str], None] | None = None) -> MindFormersRunner:
+    """The runner for ``rc`` built on this process's CPU (the device's graphs, compiled only by export)."""
+    return MindFormersRunner(llama, weights, replace(rc, device_target="CPU", device_id=0), model_cfg_path,
+                             progress=progress)
+
+
+def export_graphs(runner: MindFormersRunner, out_dir: str | Path, shapes: list[tuple] | None = None,
+                  progress: Callable[[str], None] | None = None) -> list[tuple[tuple, GraphSummary]]:
+    """Export ``shapes`` (default: every warm-up shape) to ``out_dir`` with their warm-up inputs."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    done = []
+    for shape in shapes if shapes is not None else runner.graph_shapes():
+        path = out / graph_file_name(shape)
+        inputs = [Tensor(a) for a in runner.warmup_inputs(shape)]
+        ms.export(runner.select(shape[0]), *inputs, file_name=str(path), file_format="MINDIR")
+        summary = read_mindir(path.with_suffix(".mindir"))
+        done.append((shape, summary))
+        if progress:
+            progress(describe(shape, summary))
+    return done
+
+
+def _parse_shape(text: str) -> tuple:
+    kind, _, rest = text.partition(":")
+    try:
+        batch, n = (int(v) for v in rest.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected KIND:BATCH:N (e.g. decode:8:16), got {text!r}") from None
+    return kind, batch, n
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="export the mindformers backend's step graphs to MindIR (on CPU)")
+    parser.add_argument("--spec", required=True, help="AgentSpec as JSON (llm-serving export passes it)")
+    parser.add_argument("--out", required=True, help="directory for the .mindir files")
+    parser.add_argument("--shape", action="append", type=_parse_shape, default=None, metavar="KIND:BATCH:N")
+    args = parser.parse_args(argv)
+    spec = AgentSpec.from_json(args.spec)
+    llama = LlamaConfig(**spec.llama_config)
+    from agents.weights import load_weights
+
+    try:
+        rc = MindFormersRunnerConfig.from_dict(spec.runner_config)
+        runner = export_runner(llama, rc, load_weights(spec.model_path, llama), spec.model_cfg_path,
+                               lambda line: print(line, flush=True))
+        shapes = runner.graph_shapes()
+        unknown = [s for s in args.shape or [] if s not in shapes]
+        if unknown:
+            raise ValueError(f"--shape {unknown} are not warm-up shapes of this config: {shapes}")
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"exporting {len(args.shape or shapes)} MindFormers graphs of {rc.device_target} {rc.dtype} to {args.out}",
+          flush=True)
+    export_graphs(runner, args.out, args.shape or shapes, lambda line: print(line, flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
