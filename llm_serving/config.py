@@ -345,9 +345,10 @@ def _validate(cfg: ServingConfig) -> None:
         need(m.model_cfg_path is not None, "model_config.model_cfg_path",
              "backend mindformers builds MindFormers' Llama from a MindFormers predict YAML (e.g. "
              "predict_llama2_7b.yaml): set model_config.model_cfg_path to it")
-        need(m.dtype in ASCEND_DTYPES, "model_config.dtype",
-             f"{m.dtype} is not served by backend mindformers: MindFormers' Llama kernels take "
-             f"{' or '.join(ASCEND_DTYPES)}")
+        need(m.device_target == "Ascend", "model_config.device_target",
+             f"backend mindformers serves on Ascend only (MindFormers' Llama kernels, e.g. RmsNorm, FlashAttention "
+             f"and PagedAttention, have no CPU kernels), got {m.device_target}; `llm-serving export` builds its "
+             "Ascend graphs on this machine's CPU")
         need(s.effective_num_agents == 1, "serving_config.num_agents",
              f"backend mindformers runs one agent (no tensor parallelism through it), got {s.effective_num_agents}")
     need(m.max_generate_length > 0, "model_config.max_generate_length",

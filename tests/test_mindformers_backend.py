@@ -24,7 +24,8 @@ from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.wire import AgentSpec
 from llm_serving.wiring import agent_spec, resolve_model
 
-MF = {"backend": "mindformers", "model_cfg_path": "predict_llama2_7b.yaml", "dtype": "float16"}
+MF = {"backend": "mindformers", "model_cfg_path": "predict_llama2_7b.yaml", "dtype": "float16",
+      "device_target": "Ascend"}
 
 
 def config(tmp_path: Path, model: dict | None = None, **sections) -> ServingConfig:
@@ -46,12 +47,13 @@ def test_backend_mindformers_config(tmp_path: Path) -> None:
     ({"backend": "torch"}, {}, "model_config.backend", "expected one of ms, ge, kbk, mindformers, got 'torch'"),
     ({"model_cfg_path": None}, {}, "model_config.model_cfg_path", "set model_config.model_cfg_path to it"),
     ({"model_cfg_path": ""}, {}, "model_config.model_cfg_path", "MindFormers predict YAML"),
-    ({"dtype": "float32"}, {}, "model_config.dtype", "float32 is not served by backend mindformers"),
+    ({"dtype": "float32"}, {}, "model_config.dtype", "float32 is not served on Ascend"),
+    ({"device_target": "CPU"}, {}, "model_config.device_target", "backend mindformers serves on Ascend only"),
     ({}, {"serving_config": {"num_agents": 2}}, "serving_config.num_agents", "backend mindformers runs one agent"),
     ({}, {"scheduler": {"enable_chunked_prefill": True}}, "scheduler.enable_chunked_prefill",
-     "prefills whole prompts from position 0"),
+     "cannot attend over cached context"),
     ({}, {"scheduler": {"enable_prefix_caching": True}}, "scheduler.enable_prefix_caching",
-     "prefills whole prompts from position 0"),
+     "cannot attend over cached context"),
 ])
 def test_config_mistakes_name_the_key(tmp_path: Path, model: dict, sections: dict, key: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as err:

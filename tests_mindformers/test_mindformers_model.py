@@ -22,24 +22,26 @@ import yaml
 
 os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.expanduser("~/.cache/llm-serving/mindformers-output"))
 
-import mindspore as ms  # noqa: E402
-from mindspore.train import mind_ir_pb2  # noqa: E402
+import mindspore as ms
+from mindspore.train import mind_ir_pb2
 
-from agents.mindformers.export import export_graphs, export_runner  # noqa: E402
-from agents.mindformers.model import build_network  # noqa: E402
-from agents.mindformers.names import gate_up_to_mindformers, qkv_to_mindformers, to_mindformers  # noqa: E402
-from agents.mindformers.runner import MindFormersRunnerConfig, MindFormersStep  # noqa: E402
-from agents.mindir import read_mindir  # noqa: E402
-from agents.weights import load_weights  # noqa: E402
-from llm_serving.mindformers_patches import apply_patches, default_target, installed_version  # noqa: E402
-from llm_serving.protocol.model_config import LlamaConfig  # noqa: E402
-from llm_serving.random_model import build_random_model  # noqa: E402
+from agents.mindformers.export import export_graphs, export_runner
+from agents.mindformers.inputs import shape_arrays
+from agents.mindformers.model import build_network
+from agents.mindformers.names import gate_up_to_mindformers, qkv_to_mindformers, to_mindformers
+from agents.mindformers.runner import MindFormersRunnerConfig, MindFormersStep
+from agents.mindir import read_mindir
+from agents.weights import load_weights
+from llm_serving.mindformers_patches import apply_patches, default_target, installed_version
+from llm_serving.protocol.batch import StepBatch
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.random_model import build_random_model
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-RC = dict(num_blocks=16, block_size=16, max_model_len=64, prefill_batch_sizes=(1, 4), prefill_seq_lengths=(32,),
-          decode_batch_sizes=(1, 4))
+RC = {"num_blocks": 16, "block_size": 16, "max_model_len": 64, "prefill_batch_sizes": (1, 4),
+      "prefill_seq_lengths": (32,), "decode_batch_sizes": (1, 4)}
 
 
 def predict_yaml(path: Path, qkv_concat: bool, **changes) -> Path:
@@ -180,6 +182,7 @@ def test_llm_serving_export_command(tmp_path: Path, model_dir: Path) -> None:
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(yaml.safe_dump({
         "model_config": {"model_path": str(model_dir), "backend": "mindformers", "dtype": "float16",
+                         "device_target": "Ascend",
                          "model_cfg_path": str(predict_yaml(tmp_path / "predict.yaml", True)),
                          "seq_length": [32], "prefill_batch_size": [1, 4], "decode_batch_size": [1, 4]},
         "pa_config": {"num_blocks": 16, "block_size": 16, "decode_seq_length": 64}}))
@@ -194,3 +197,38 @@ def test_llm_serving_export_command(tmp_path: Path, model_dir: Path) -> None:
     assert "FlashAttentionScore x2" in lines[1] and "int32[5], float32[5]" in lines[1]
     assert sorted(p.name for p in (tmp_path / "mindir").iterdir()) == [
         "mindformers_decode_b4_w4.mindir", "mindformers_ragged_b4_t32.mindir"]
+
+
+def test_runner_plans_steps_into_warmed_shapes(tmp_path: Path, weights: dict) -> None:
+    """The real runner's planner splits a step into warm-up shapes whose inputs hold every sequence (the graphs
+    themselves cannot run on CPU), and refuses what no shape or the cache holds."""
+    runner = export_runner(LLAMA, MindFormersRunnerConfig(**RC), weights, str(predict_yaml(tmp_path / "p.yaml", True)))
+    runner.warmed.update(runner.graph_shapes())
+    runner.step_costs.update({s: 0.01 * (1 + s[1] * s[2] / 32) for s in runner.graph_shapes()})
+    lens = np.array([30, 3, 60, 7, 9], np.int32)
+    total = int(lens.sum())
+    q = lens.copy()
+    batch = StepBatch(True, np.arange(total, dtype=np.int32), np.concatenate([np.arange(n) for n in lens]).astype(
+        np.int32), np.arange(16, 16 + total, dtype=np.int32), q, q.copy(), np.zeros((5, 4), np.int32))
+    planned = runner.plan(batch)
+    assert sorted(i for g, _ in planned for i in g.tolist()) == list(range(5))
+    for group, shape in planned:
+        assert shape in runner.graph_shapes() and shape[0] == "ragged"
+        part = batch.take(group)
+        ids, bvl, _, slots = shape_arrays(shape, part)
+        np.testing.assert_array_equal(bvl[: len(group)], lens[group])
+        np.testing.assert_array_equal(ids[0, : part.num_tokens], part.input_ids)
+        np.testing.assert_array_equal(slots[: part.num_tokens], part.slot_mapping)
+    ctx = np.array([3, 40, 17, 64], np.int32)
+    tables = np.arange(1, 17, dtype=np.int32).reshape(4, 4) % 15 + 1
+    decode = StepBatch(False, np.ones(4, np.int32), ctx - 1, np.array([18, 20, 30, 63], np.int32),
+                       np.ones(4, np.int32), ctx, tables)
+    for group, shape in runner.plan(decode):
+        assert shape[0] == "decode" and shape[1] >= len(group) and shape[2] * 16 >= ctx[group].max()
+    runner._check_cache_indices(decode)
+    decode.block_tables[1, 2] = 16  # one past the cache
+    with pytest.raises(ValueError, match=r"block tables reference blocks outside the KV cache \[0, 16\)"):
+        runner._check_cache_indices(decode)
+    decode.context_lens[0] = 65
+    with pytest.raises(ValueError, match="context length 65 exceeds the widest block table 64"):
+        runner.plan(decode)
