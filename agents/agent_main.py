@@ -11,6 +11,7 @@ the master. Errors are reported as frames, never as a silent exit.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import select
 import signal
@@ -137,6 +138,16 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return data
 
 
+def release_freed_memory() -> None:
+    """Hand the heap memory freed since start (weight loading's temporaries, warm-up's host arrays) back to the
+    system: glibc keeps freed heap pages resident otherwise, and under tensor parallelism the slicing leaves
+    more of them (docs/model.md, tensor parallelism)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="llm-serving device agent (started by the master)")
     parser.add_argument("--rank", type=int, required=True)
@@ -160,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         channel = StepChannel.attach(args.shm, spec.layout)
         runner = build_runner(spec, args.rank, progress, args.lifeline_fd)
         runner.warmup(progress)
+        release_freed_memory()
     except BaseException as exc:  # noqa: BLE001 - any start-up failure must reach the master as text
         replier.error(STARTUP_STEP, exc)
         _exit(1)
