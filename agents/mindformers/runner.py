@@ -99,8 +99,7 @@ class MindFormersRunner:
         if rc.device_target == "Ascend":  # MindFormers' predict context: kernel by kernel, its inference kernels
             ms.set_context(jit_config={"jit_level": "O0", "infer_boost": "on"})
         self.config, self.rc = llama, rc
-        rc_dict = {f.name: getattr(rc, f.name) for f in fields(rc)}
-        self.net = build_network(model_cfg_path, llama, {**rc_dict, "max_model_len": rc.max_model_len},
+        self.net = build_network(model_cfg_path, llama, {f.name: getattr(rc, f.name) for f in fields(rc)},
                                  model_path, progress)
         load_weights_into(self.net, weights, llama)
         self.graphs = {"ragged": MindFormersStep(self.net), "decode": MindFormersStep(self.net)}
