@@ -1,6 +1,6 @@
 """Tensor parallelism on this host: each agent's resident memory and the step times, by tensor-parallel size.
 
-    python scripts/bench_tp.py [--tp 1 2] [--num-blocks 2049] [--repeats 20] [--rounds 2] [--pin] [--no-steps]
+    python scripts/bench_tp.py [--tp 1 2] [--num-blocks 2049] [--repeats 20] [--rounds 2] [--pin] [--no-steps] [--large]
 
 Writes the bench model (``scripts/bench_model.BENCH_MODEL``, seeded random weights) as a Hugging Face
 directory, then for each size starts the real agent processes (``AgentPool``: the collectives' scheduler,
@@ -10,7 +10,8 @@ prints per agent: resident memory after warm-up (VmRSS, of it anonymous and file
 its weight slice and KV cache; then the median time of whole steps through the pool (``run_step``, as the
 engine sends them): prefill 1x128 and 8x128 prompts, decode batch 1/32/128 at context 256 (``--no-steps``:
 memory only, e.g. with ``--num-blocks 2`` to see the runtime and weights without a KV cache). ``--rounds``
-repeats the sizes in turn, since this machine's load drifts.
+repeats the sizes in turn, since this machine's load drifts. ``--large``: a 1.2 GB model instead (hidden 2048, 4 layers,
+16/8 heads, ffn 5504, vocab 32000), whose weights outweigh the runtime's own memory.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agents.sharded_weights import shard_shapes
 from llm_serving.agent_pool import AgentPool
+from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan, kv_shards
 from llm_serving.protocol.wire import AgentSpec
 from llm_serving.random_model import build_random_model
 from scripts.bench_model import BENCH_MODEL, BLOCK, decode_batch, prefill_batch
 
 CONTEXT, SEQ = 256, 128
+LARGE_MODEL = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5504, num_hidden_layers=4,
+                          num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048)
 
 
 def memory(pid: int) -> dict[str, float]:
@@ -47,26 +51,27 @@ def memory(pid: int) -> dict[str, float]:
     return fields
 
 
-def spec_for(model: Path, tp: int, num_blocks: int, kernels: str, pin: bool = False) -> AgentSpec:
+def spec_for(model: Path, tp: int, num_blocks: int, kernels: str, pin: bool = False,
+             cfg: LlamaConfig = BENCH_MODEL) -> AgentSpec:
     width = CONTEXT // BLOCK
-    runner = {"num_blocks": num_blocks * kv_shards(BENCH_MODEL, tp), "block_size": BLOCK, "max_model_len": 512,
+    runner = {"num_blocks": num_blocks * kv_shards(cfg, tp), "block_size": BLOCK, "max_model_len": 512,
               "prefill_batch_sizes": [1, 8], "prefill_seq_lengths": [SEQ], "decode_batch_sizes": [1, 32, 128],
               "decode_block_widths": [width], "kernels": kernels}
-    return AgentSpec("llama", str(model), BENCH_MODEL.__dict__.copy(), runner, max_tokens=8 * SEQ, max_batch=128,
+    return AgentSpec("llama", str(model), cfg.__dict__.copy(), runner, max_tokens=8 * SEQ, max_batch=128,
                      max_blocks_per_seq=512 // BLOCK, tensor_parallel_size=tp,
                      extra_env={"LLM_SERVING_PIN_RANKS": "1"} if pin else {})
 
 
-def shard_bytes(tp: int, rank: int, blocks: int) -> tuple[float, float]:
+def shard_bytes(cfg: LlamaConfig, tp: int, rank: int, blocks: int) -> tuple[float, float]:
     """MiB of a rank's float32 weight slice and of its KV cache (K and V, every layer)."""
-    plan = ShardPlan(BENCH_MODEL, tp, rank)
-    weights = sum(int(np.prod(s)) for s in shard_shapes(BENCH_MODEL, plan).values()) * 4
-    kv = blocks * BLOCK * plan.kv_heads * BENCH_MODEL.head_dim * 2 * BENCH_MODEL.num_hidden_layers * 4
+    plan = ShardPlan(cfg, tp, rank)
+    weights = sum(int(np.prod(s)) for s in shard_shapes(cfg, plan).values()) * 4
+    kv = blocks * BLOCK * plan.kv_heads * cfg.head_dim * 2 * cfg.num_hidden_layers * 4
     return weights / 2**20, kv / 2**20
 
 
-def measure(model: Path, tp: int, args: argparse.Namespace) -> dict[str, float]:
-    spec = spec_for(model, tp, args.num_blocks, args.kernels, args.pin)
+def measure(model: Path, cfg: LlamaConfig, tp: int, args: argparse.Namespace) -> dict[str, float]:
+    spec = spec_for(model, tp, args.num_blocks, args.kernels, args.pin, cfg)
     pool = AgentPool(spec)
     t0 = time.monotonic()
     pool.start()
@@ -77,7 +82,7 @@ def measure(model: Path, tp: int, args: argparse.Namespace) -> dict[str, float]:
         print("|---|---|---|---|---|---|")
         for rank, pid in enumerate(pool.pids):
             mem = memory(pid)
-            w, kv = shard_bytes(tp, rank, spec.runner_config["num_blocks"])
+            w, kv = shard_bytes(cfg, tp, rank, spec.runner_config["num_blocks"])
             print(f"| {rank} | {mem['VmRSS']:.0f} | {mem['RssAnon']:.0f} | {mem['RssFile']:.0f} | {w:.1f} | {kv:.1f} |")
         if args.no_steps:
             return {}
@@ -106,14 +111,18 @@ def main() -> None:
     parser.add_argument("--kernels", default="native", choices=["native", "portable"])
     parser.add_argument("--pin", action="store_true", help="pin each rank to its share of the cores")
     parser.add_argument("--no-steps", action="store_true", help="memory only (e.g. with a tiny --num-blocks)")
+    parser.add_argument("--large", action="store_true", help="the 1.2 GB model instead of the bench model")
     args = parser.parse_args()
+    cfg = LARGE_MODEL if args.large else BENCH_MODEL
+    if args.large and not args.no_steps:
+        parser.error("--large measures memory only: add --no-steps")
     print(f"host: {os.cpu_count()} cores; kernels {args.kernels}; pa_config.num_blocks {args.num_blocks}")
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_random_model(Path(tmp) / "bench", BENCH_MODEL, seed=0, std=0.05)
+        model = build_random_model(Path(tmp) / "bench", cfg, seed=0, std=0.05)
         rows: dict[int, list[dict[str, float]]] = {tp: [] for tp in args.tp}
         for _ in range(args.rounds):
             for tp in args.tp:
-                rows[tp].append(measure(model, tp, args))
+                rows[tp].append(measure(model, cfg, tp, args))
     names = list(rows[args.tp[0]][0])
     if not names:
         return
