@@ -41,22 +41,41 @@ def norm_weight(hidden: int, dtype: ms.Type, name: str) -> Parameter:
 class ProjectionWeight(nn.Cell):
     """A projection's ``W [out, in]`` (Hugging Face's layout), held as the backend's ops read it: as is, or
     in the native GEMM's panel layout (``panels``; ``swiglu`` for the fused ``[gate; up]`` weight, see
-    ``agents.packed_weights``). Loaders convert through ``stored`` and ``unstored``."""
+    ``agents.packed_weights``), in the model's dtype or, for a faster precision mode (``panel_dtype``), as
+    float16 panels or int32 bfloat16 pairs. Loaders convert through ``stored`` and ``unstored`` (which gives the
+    rounded values back as float32)."""
 
-    def __init__(self, in_dim: int, out_dim: int, dtype: ms.Type, panels: bool = False, swiglu: bool = False) -> None:
+    def __init__(self, in_dim: int, out_dim: int, dtype: ms.Type, panels: bool = False, swiglu: bool = False,
+                 panel_dtype: str | None = None) -> None:
         super().__init__()
+        if panel_dtype is not None and not panels:
+            raise ValueError(f"{panel_dtype} projection weights exist only in the native panel layout")
         self.shape = (out_dim, in_dim)
         self.panels = panels
         self.swiglu = swiglu
-        stored = packed_weights.packed_shape(out_dim, in_dim, swiglu) if panels else self.shape
+        self.panel_dtype = panel_dtype
+        if panel_dtype == "bfloat16":
+            stored, dtype = packed_weights.packed_shape_bf16(out_dim, in_dim, swiglu), ms.int32
+        else:
+            stored = packed_weights.packed_shape(out_dim, in_dim, swiglu) if panels else self.shape
+            dtype = ms.float16 if panel_dtype == "float16" else dtype
+        self.dtype = dtype
         self.weight = Parameter(Tensor(np.zeros(stored), dtype), name="weight")
 
     def stored(self, w: np.ndarray) -> np.ndarray:
         """The ``[out, in]`` weight ``w`` as this cell holds it."""
+        if self.panel_dtype == "bfloat16":
+            return packed_weights.pack_bf16(w, self.swiglu)
+        if self.panel_dtype == "float16":
+            return packed_weights.pack(w.astype(np.float32), self.swiglu).astype(np.float16)
         return packed_weights.pack(w, self.swiglu) if self.panels else w
 
     def unstored(self, held: np.ndarray) -> np.ndarray:
         """The ``[out, in]`` weight back from what this cell holds."""
+        if self.panel_dtype == "bfloat16":
+            return packed_weights.unpack_bf16(held, self.shape[0], self.shape[1], self.swiglu)
+        if self.panel_dtype == "float16":
+            return packed_weights.unpack(held.astype(np.float32), self.shape[0], self.swiglu)
         return packed_weights.unpack(held, self.shape[0], self.swiglu) if self.panels else held
 
 
@@ -69,14 +88,15 @@ class LlamaLayer(nn.Cell):
                  backend: OpsBackend, shard: ShardPlan | None = None) -> None:
         super().__init__()
         hidden, eps, panels = config.hidden_size, config.rms_norm_eps, backend.panel_weights
+        fmt = backend.panel_dtype
         shard = shard if shard is not None else ShardPlan(config)
         heads = shard.attention_config  # this rank's heads; its hidden_size is their width
         self.attention_norm = norm_weight(hidden, dtype, "attention_norm")
         self.ffn_norm = norm_weight(hidden, dtype, "ffn_norm")
-        self.w_qkv = ProjectionWeight(hidden, heads.qkv_dim, dtype, panels)
-        self.wo = ProjectionWeight(heads.hidden_size, hidden, dtype, panels)
-        self.w_gate_up = ProjectionWeight(hidden, 2 * shard.ffn, dtype, panels, swiglu=True)
-        self.w_down = ProjectionWeight(shard.ffn, hidden, dtype, panels)
+        self.w_qkv = ProjectionWeight(hidden, heads.qkv_dim, dtype, panels, panel_dtype=fmt)
+        self.wo = ProjectionWeight(heads.hidden_size, hidden, dtype, panels, panel_dtype=fmt)
+        self.w_gate_up = ProjectionWeight(hidden, 2 * shard.ffn, dtype, panels, swiglu=True, panel_dtype=fmt)
+        self.w_down = ProjectionWeight(shard.ffn, hidden, dtype, panels, panel_dtype=fmt)
         self.norm_qkv = backend.norm_linear(heads.qkv_dim, eps)
         self.attention = backend.attention(heads, num_blocks, block_size, dtype)
         self.norm_gate_up = backend.norm_swiglu(shard.ffn, eps)
@@ -118,7 +138,8 @@ class LlamaModel(nn.Cell):
         self.layers = nn.CellList([LlamaLayer(config, num_blocks, block_size, dtype, backend, shard)
                                    for _ in range(config.num_hidden_layers)])
         self.norm = norm_weight(config.hidden_size, dtype, "norm")
-        self.lm_head = ProjectionWeight(config.hidden_size, vocab, dtype, backend.panel_weights)
+        self.lm_head = ProjectionWeight(config.hidden_size, vocab, dtype, backend.panel_weights,
+                                        panel_dtype=backend.panel_dtype)
         self.norm_lm_head = backend.norm_linear(vocab, config.rms_norm_eps)
         self.greedy = parallel.greedy(shard, backend.greedy())
         cos, sin = rotary_tables(config, max_positions)
@@ -203,9 +224,11 @@ def load_weights_into(model: LlamaModel, weights: dict[str, np.ndarray]) -> None
         expected = linear.shape if linear is not None else tuple(param.shape)
         if tuple(value.shape) != tuple(expected):
             raise ValueError(f"parameter {name}: expected shape {tuple(expected)}, got {tuple(value.shape)}")
+        dtype = model.dtype
         if linear is not None:
             value = linear.stored(value)
-        param.set_data(Tensor(np.ascontiguousarray(value), model.dtype))
+            dtype = linear.dtype
+        param.set_data(Tensor(np.ascontiguousarray(value), dtype))
 
 
 def model_weights(model: LlamaModel) -> dict[str, np.ndarray]:

@@ -103,7 +103,9 @@ class NativeOps:
     place. ``greedy(logits) -> (token ids, log-probabilities)``
     (``greedy_pick.cc``). The projections (``linear.cc``, weights packed by ``agents.packed_weights``) are made
     per output width by the methods below; the native CPU backend (``agents.backends.native_cpu``) uses them
-    where ``projections`` is true.
+    where ``projections`` is true. Each projection takes its packed weight as float32 panels (exact) or as int32
+    bfloat16 pairs (``packed_weights.pack_bf16``: the fast precision mode, where ``bf16`` says the CPU has the
+    instruction for it).
     """
 
     decode: ops.Custom
@@ -112,6 +114,7 @@ class NativeOps:
     greedy: ops.Custom
     linear_library: Path
     projections: bool  # the projections' kernel is vectorized (AVX-512); else the backend keeps MindSpore's MatMul
+    bf16: bool = False  # its bfloat16 tiles use AVX512_BF16 (the fast precision mode; int32-packed weights)
 
     def linear(self, out_dim: int) -> ops.Custom:
         """``(x, packed w) -> x @ W^T`` of width ``out_dim`` (the benchmarks' reference matmul)."""
@@ -140,6 +143,7 @@ class NativeOps:
 def native_ops(hidden_size: int) -> NativeOps:
     """Build (or reuse) the kernel libraries and wrap their entry points as Custom ops."""
     attention, greedy, linear = build("paged_attention"), build("greedy_pick"), build("linear")
+    library = ctypes.CDLL(str(linear))
 
     def rows_by_hidden(qkv, *_):
         return [qkv[0], hidden_size]
@@ -151,5 +155,6 @@ def native_ops(hidden_size: int) -> NativeOps:
         greedy=_custom(greedy, "GreedyPick", lambda logits: ([logits[0]], [logits[0]]),
                        lambda logits: (mstype.int32, mstype.float32)),
         linear_library=linear,
-        projections=bool(ctypes.CDLL(str(linear)).LinearIsVectorized()),
+        projections=bool(library.LinearIsVectorized()),
+        bf16=bool(library.LinearHasBf16()),
     )

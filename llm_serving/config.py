@@ -35,6 +35,7 @@ from llm_serving.protocol.model_config import (
     DEVICE_TARGETS,
     DTYPES,
     KERNEL_CHOICES,
+    PRECISIONS,
     LlamaConfig,
     ModelConfigError,
     blocks_needed,
@@ -71,6 +72,7 @@ class ModelSection:
     decode_batch_size: tuple[int, ...] = setting((1, 8, 32), "buckets")
     page_attention: bool = setting(True, "bool")
     kernels: str = setting("auto", "str")  # native C++ ops on CPU (attention, greedy, projections), portable or auto
+    precision: str = setting("exact", "str")  # exact; half / fast: float16 / bfloat16 weights of native projections
     backend: str = setting("ms", "str")
     model_cfg_path: str | None = setting(None, "path", optional=True)
 
@@ -384,6 +386,12 @@ def _validate(cfg: ServingConfig) -> None:
         need(getattr(pa, key) > 0, f"pa_config.{key}", f"must be positive, got {getattr(pa, key)}")
     need(m.kernels in KERNEL_CHOICES, "model_config.kernels",
          f"expected one of {', '.join(KERNEL_CHOICES)}, got {m.kernels!r}")
+    need(m.precision in PRECISIONS, "model_config.precision",
+         f"expected one of {', '.join(PRECISIONS)}, got {m.precision!r}")
+    need(m.precision == "exact" or (m.device_target == "CPU" and m.kernels != "portable" and m.dtype == "float32"),
+         "model_config.precision", f"{m.precision} runs on the native CPU kernels only: it needs "
+         "model_config.device_target CPU, dtype float32 and kernels auto or native (got "
+         f"{m.device_target}, {m.dtype}, {m.kernels})")
     usable = (pa.num_blocks - 1) * pa.block_size  # block 0 is the reserved padding block
     need(pa.decode_seq_length <= usable, "pa_config.decode_seq_length",
          f"{pa.decode_seq_length} tokens do not fit in the cache of (num_blocks - 1) * block_size = "

@@ -58,6 +58,17 @@ class OpsBackend:
     panel_weights = False  # projection weights held in ``agents.packed_weights``' panel layout
     skips_padding = False  # projections skip a bucket's padding rows, so padding rows cost next to nothing
     chunked_prefill = False  # its attention cell has ``chunked`` (queries over cached context)
+    # panel weights' storage where it is not the model's dtype: "float16", or "bfloat16" (int32 pairs,
+    # ``packed_weights.pack_bf16``); set by ``with_precision``
+    panel_dtype: str | None = None
+
+    def with_precision(self, precision: str) -> OpsBackend:
+        """This backend for ``model_config.precision`` (``exact`` or ``fast``); ``ValueError`` where it has no such
+        mode. Only the native CPU backend has the faster ones (``half``, ``fast``)."""
+        if precision != "exact":
+            raise ValueError(f"model_config.precision {precision} needs the native CPU kernels (model_config.kernels "
+                             f"auto or native, on CPU with g++); the {self.name} ops backend computes exactly only")
+        return self
 
     def check(self, config: LlamaConfig, block_size: int, max_prefill_batch: int) -> None:
         """Raise ``ValueError`` naming what this backend's kernels cannot run (before any graph is built)."""

@@ -5,7 +5,8 @@ context; it reads the portable backend's cache layout (one 2-D Parameter per kv 
 back to back (``agents.ragged_prefill``). Where the projection kernel is vectorized (AVX-512 builds), the
 projections are native too, fused with the norms, SwiGLU and residual adds, with weights in the panel layout of
 ``agents.packed_weights`` and a bucket's padding rows skipped; elsewhere MindSpore's MatMul stays (our plain-loop
-kernel is slower than it), see docs/model.md.
+kernel is slower than it), see docs/model.md. ``with_precision`` gives the same backend with float16 (``half``) or
+bfloat16 (``fast``, AVX512_BF16) projection weights: docs/benchmarks.md "Fast precision mode".
 """
 
 from __future__ import annotations
@@ -103,9 +104,28 @@ class NativeCpuBackend(OpsBackend):
     ragged_prefill = True
     chunked_prefill = True
 
-    def __init__(self, native: NativeOps) -> None:
+    def __init__(self, native: NativeOps, panel_dtype: str | None = None) -> None:
         self.native = native
         self.panel_weights = self.skips_padding = native.projections
+        self.panel_dtype = panel_dtype
+
+    def with_precision(self, precision: str) -> NativeCpuBackend:
+        """``half``: the projections read float16 weights (half the bytes; every product and sum float32).
+        ``fast``: they read bfloat16 weights and round their inputs to bfloat16 (float32 sums, AVX512_BF16's
+        vdpbf16ps: about twice the float32 GEMM's rate). Attention, norms, the KV cache and the greedy pick stay
+        float32. Refused where the projections are not native (no AVX-512), and ``fast`` where the CPU lacks
+        AVX512_BF16 (its fallback loops would be slower than exact mode, not what the key asks for)."""
+        if precision == "exact":
+            return self
+        if precision not in ("fast", "half"):
+            raise ValueError(f"model_config.precision {precision!r} is not one of exact, half, fast")
+        if not self.native.projections:
+            raise ValueError(f"model_config.precision {precision} needs the native projections (an AVX-512 CPU); "
+                             "use exact")
+        if precision == "fast" and not self.native.bf16:
+            raise ValueError("model_config.precision fast needs a CPU with AVX512_BF16 (the native projections' "
+                             "bfloat16 dot products): use exact")
+        return NativeCpuBackend(self.native, "bfloat16" if precision == "fast" else "float16")
 
     def attention(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type) -> Attention:
         return NativeAttention(self.native, config, num_blocks, block_size, dtype)

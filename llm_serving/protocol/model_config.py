@@ -14,6 +14,9 @@ DTYPES = ("float32", "float16", "bfloat16")
 KERNEL_CHOICES = ("auto", "native", "portable")  # CPU ops: native C++ where they build, portable graph ops
 DEVICE_TARGETS = ("CPU", "Ascend")  # model_config.device_target
 ASCEND_DTYPES = ("float16", "bfloat16")  # what the Ascend fused kernels take (PagedAttention refuses float32)
+# model_config.precision: exact (the dtype's own arithmetic); half / fast: the native CPU projections with float16
+# weights (float32 arithmetic) / bfloat16 weights and inputs (float32 sums); docs/benchmarks.md "Fast precision mode"
+PRECISIONS = ("exact", "fast", "half")
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
