@@ -141,14 +141,16 @@ def free_port() -> int:
 
 
 def write_config(path: Path, model_dir: Path, prefill: tuple[int, ...], decode: tuple[int, ...],
-                 policy: str, max_out: int) -> Path:
-    """A serving YAML for the bench model; the cache holds every sequence at full length."""
+                 policy: str, max_out: int, precision: str = "exact") -> Path:
+    """A serving YAML for the bench model; the cache holds every sequence at full length. ``precision``:
+    model_config.precision (scripts/bench_fast_precision.py compares the modes)."""
     max_len = SEQ_BUCKETS[-1] + max_out
     blocks = (max(decode) * max_len) // 16 + 2
     cfg = {
         "model_config": {"model_name": "llama2", "model_path": str(model_dir), "dtype": "float32",
                          "max_generate_length": max_out, "seq_length": list(SEQ_BUCKETS),
-                         "prefill_batch_size": list(prefill), "decode_batch_size": list(decode)},
+                         "prefill_batch_size": list(prefill), "decode_batch_size": list(decode),
+                         "precision": precision},
         "pa_config": {"num_blocks": max(blocks, max_len // 16 + 2), "block_size": 16, "decode_seq_length": max_len},
         "scheduler": {"policy": policy},
     }
@@ -157,7 +159,7 @@ def write_config(path: Path, model_dir: Path, prefill: tuple[int, ...], decode: 
 
 
 def run_server(name: str, tag: str, config: Path, reqs: list[BenchRequest], expected: list[str],
-               args: argparse.Namespace, work: Path) -> Row:
+               args: argparse.Namespace, work: Path, show_differences: bool = True) -> Row:
     port = free_port()
     log_path = work / f"server_{tag}.log"
     cmd = [sys.executable, "-m", "llm_serving", "serve", "--config", str(config), "--port", str(port)]
@@ -192,7 +194,7 @@ def run_server(name: str, tag: str, config: Path, reqs: list[BenchRequest], expe
     for r in run.results:
         if not r.success:
             print(f"[benchmark] {name}: request {r.index} failed: {r.error}", flush=True)
-        elif r.text != expected[r.index]:
+        elif r.text != expected[r.index] and show_differences:
             print(f"[benchmark] {name}: request {r.index} differs from HF:\n  ours {r.text[:120]!r}\n"
                   f"  hf   {expected[r.index][:120]!r}", flush=True)
     return Row(name, run.duration, len(reqs), len(ok), sum(r.output_tokens for r in ok), matched,

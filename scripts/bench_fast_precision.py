@@ -1,0 +1,189 @@
+"""The precision modes (model_config.precision exact / half / fast) on the bench model: the contest's logits rule,
+greedy-id agreement with Hugging Face, and served speed, all from one run.
+
+    python scripts/bench_fast_precision.py [--num-prompts 256] [--max-output-tokens 64] [--rounds 2]
+
+Model and workload as scripts/benchmark.py (bench model of scripts/bench_model.py, random weights std 0.05, its own
+tokenizer; alpaca-shaped requests of loadtest.workload, seed 0; max_new_tokens = min(reference output, 64)).
+1. Reference: Hugging Face transformers float32, greedy, EOS ignored, keeping the logits of every generated
+   position (prompts of equal length batched, without padding).
+2. Each mode through the whole engine: ``llm-serving generate --ignore-eos --dump-logits DIR`` (token-id prompts,
+   the tuned config of scripts/benchmark.py), cut to each request's length. Reported per mode: requests whose
+   ids equal HF's; the rule (per position max|ours - ref| / max|ref| <= 5 per mille, scripts/check_precision.py)
+   over the positions generated on HF's context (a request's positions up to and including its first token that
+   differs from HF's: past it the contexts differ and the rows compare different distributions), its pass rate
+   and worst error; and how many requests pass the rule on every position, as a contest comparing dumps
+   position by position would see it.
+3. Speed: one server per mode (the tuned config), the modes alternated for ``--rounds`` rounds, all requests at
+   once on the streaming endpoint (EOS stops, as scripts/benchmark.py), output tokens/s and the ratio to exact
+   in the same round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import benchmark  # scripts/benchmark.py: model, workload, servers
+from check_precision import TOLERANCE
+
+MODES = ("exact", "half", "fast")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--max-output-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=2, help="server rounds per mode, alternated (0: no speed part)")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--work-dir", default="/tmp/llm-serving-precision")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    return p.parse_args(argv)
+
+
+def hf_reference(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> tuple[list, list]:
+    """HF float32 greedy ids and logits ``[n, vocab]`` of each prompt's ``n`` generated positions, EOS ignored.
+    Prompts of equal length run as one batch (no padding, so no mask: each row computes what it would alone, up
+    to float32 summation order), for time: one request at a time took ~100 ms a position on the loaded machine."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    all_ids: list = [None] * len(prompts)
+    all_logits: list = [None] * len(prompts)
+    groups: dict[int, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        groups.setdefault(len(ids), []).append(i)
+    with torch.no_grad():
+        for members in groups.values():
+            n = max(lengths[i] for i in members)
+            out = model(torch.tensor([prompts[i] for i in members]), use_cache=True)
+            rows, generated = [], []
+            for step in range(n):
+                logits = out.logits[:, -1].float()
+                rows.append(logits.numpy().copy())
+                generated.append(logits.argmax(-1))
+                if step + 1 < n:
+                    out = model(generated[-1][:, None], past_key_values=out.past_key_values, use_cache=True)
+            tokens, table = torch.stack(generated, 1).tolist(), np.stack(rows, 1)
+            for row, i in enumerate(members):
+                all_ids[i], all_logits[i] = tokens[row][: lengths[i]], table[row, : lengths[i]]
+    return all_ids, all_logits
+
+
+def run_generate(config: Path, prompts_file: Path, dump: Path, max_new: int) -> tuple[list[list[int]], float]:
+    """Token ids of every prompt (and the command's wall time) through ``llm-serving generate``."""
+    cmd = [sys.executable, "-m", "llm_serving", "generate", "--config", str(config), "--prompts", str(prompts_file),
+           "--max-new-tokens", str(max_new), "--ignore-eos", "--dump-logits", str(dump)]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+    return [json.loads(line)["token_ids"] for line in out.stdout.splitlines() if line.startswith("{")], \
+        time.perf_counter() - t0
+
+
+def rule(ours: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """Per position max|ours - ref| / max|ref| (scripts/check_precision.py)."""
+    return np.abs(ours - ref).max(-1) / np.abs(ref).max(-1)
+
+
+def precision_report(mode: str, ids: list[list[int]], dump: Path, hf_ids: list, hf_logits: list) -> dict:
+    same_context, all_positions, identical, files_pass = [], [], 0, 0
+    for i, (ref_ids, ref) in enumerate(zip(hf_ids, hf_logits)):
+        n = len(ref_ids)
+        ours_ids, ours = ids[i][:n], np.load(dump / f"{i}.npy")[:n]
+        errors = rule(ours, ref)
+        differ = next((k for k, (a, b) in enumerate(zip(ours_ids, ref_ids)) if a != b), None)
+        identical += differ is None
+        same_context.append(errors[: n if differ is None else differ + 1])
+        all_positions.append(errors)
+        files_pass += bool((errors <= TOLERANCE).all())
+    same = np.concatenate(same_context)
+    every = np.concatenate(all_positions)
+    return {"mode": mode, "identical": identical, "requests": len(hf_ids), "positions": int(same.size),
+            "pass_rate": float((same <= TOLERANCE).mean()), "worst": float(same.max()),
+            "median": float(np.median(same)), "files_pass": files_pass, "worst_all": float(every.max())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()
+    print(f"[precision] start; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    model_dir = benchmark.build_model(work)
+    reqs = benchmark.make_requests(argparse.Namespace(num_prompts=args.num_prompts, seed=args.seed,
+                                                      max_output_tokens=args.max_output_tokens), model_dir)
+    from llm_serving.tokenizer import Tokenizer
+
+    tok = Tokenizer(model_dir / "tokenizer.model")
+    prompts = [tok.encode(r.prompt) for r in reqs]
+    lengths = [r.max_new_tokens for r in reqs]
+    prompts_file = work / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    t0 = time.perf_counter()
+    hf_ids, hf_logits = hf_reference(model_dir, prompts, lengths)
+    print(f"[precision] HF reference: {len(reqs)} requests, {sum(lengths)} positions in "
+          f"{time.perf_counter() - t0:.0f}s", flush=True)
+
+    configs = {m: benchmark.write_config(work / f"config_{m}.yaml", model_dir, benchmark.TUNED["prefill"],
+                                         benchmark.TUNED["decode"], "longest_output_first", args.max_output_tokens,
+                                         precision=m) for m in args.modes}
+    reports = []
+    for mode in args.modes:
+        dump = work / f"dump_{mode}"
+        ids, seconds = run_generate(configs[mode], prompts_file, dump, max(lengths))
+        reports.append(precision_report(mode, ids, dump, hf_ids, hf_logits))
+        print(f"[precision] {mode}: generate took {seconds:.0f}s; {reports[-1]}", flush=True)
+
+    print("\n| mode | requests with ids = HF | positions on HF's context | within 5 per mille | worst error "
+          "| median error | requests within 5 per mille at every position | worst error, every position |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in reports:
+        print(f"| {r['mode']} | {r['identical']}/{r['requests']} | {r['positions']} | {r['pass_rate']:.2%} "
+              f"| {r['worst'] * 1e3:.2f} per mille | {r['median'] * 1e3:.2f} per mille | {r['files_pass']}/{r['requests']} "
+              f"| {r['worst_all'] * 1e3:.1f} per mille |")
+
+    if args.rounds:
+        expected = benchmark.expected_texts(model_dir, reqs, [
+            ids[: next((k for k, t in enumerate(ids) if t == benchmark.EOS), len(ids))] for ids in hf_ids])
+        # the servers stop at EOS: the HF text is its ids up to the first EOS (generation is causal)
+        rows: dict[str, list] = {m: [] for m in args.modes}
+        server_args = argparse.Namespace(startup_timeout=args.startup_timeout)
+        for rnd in range(args.rounds):
+            for mode in args.modes:
+                row = benchmark.run_server(f"{mode} round {rnd + 1}", f"{mode}{rnd}", configs[mode], reqs, expected,
+                                           server_args, work, show_differences=False)
+                rows[mode].append(row)
+                tps = row.output_tokens / row.total_s if row.ok else float("nan")
+                print(f"[precision] {mode} round {rnd + 1}: {row.ok}/{row.requests} ok, text = HF "
+                      f"{row.matched}/{row.requests}, {row.output_tokens} tokens in {row.total_s:.2f}s = "
+                      f"{tps:.1f} tokens/s; load {os.getloadavg()[0]:.2f}", flush=True)
+        print("\n| round | " + " | ".join(f"{m} tokens/s (text = HF)" for m in args.modes) + " | "
+              + " | ".join(f"{m} / exact" for m in args.modes if m != "exact") + " |")
+        print("|---|" + "---|" * (2 * len(args.modes) - 1))
+        for rnd in range(args.rounds):
+            tps = {m: rows[m][rnd].output_tokens / rows[m][rnd].total_s for m in args.modes}
+            ratios = [f"{tps[m] / tps['exact']:.2f}x" for m in args.modes if m != "exact" and "exact" in tps]
+            print(f"| {rnd + 1} | " + " | ".join(f"{tps[m]:.1f} ({rows[m][rnd].matched}/{rows[m][rnd].requests})"
+                                               for m in args.modes) + " | " + " | ".join(ratios) + " |")
+    load = os.getloadavg()
+    print(f"\n[precision] end; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
