@@ -19,6 +19,7 @@ import sys
 import threading
 from collections.abc import Callable
 
+from agents.compile_cache import open_cache
 from agents.sampler import take_failures
 from llm_serving.protocol.shm_channel import StepChannel
 from llm_serving.protocol.wire import (
@@ -166,13 +167,21 @@ def main(argv: list[str] | None = None) -> None:
     def progress(line: str) -> None:
         replier.send(STARTUP_STEP, PROGRESS, line)
 
+    cache = None
     try:
         spec = AgentSpec.from_json(args.spec)
         channel = StepChannel.attach(args.shm, spec.layout)
+        cache = open_cache(spec, args.rank, progress)  # before the first graph compiles
         runner = build_runner(spec, args.rank, progress, args.lifeline_fd)
-        runner.warmup(progress)
+        if cache is None:
+            runner.warmup(progress)
+        else:  # a hit's shapes load without running (their saved costs); a miss publishes its graphs
+            runner.warmup(progress, known_costs=cache.costs)
+            cache.commit(runner.step_costs)
         release_freed_memory()
     except BaseException as exc:  # noqa: BLE001 - any start-up failure must reach the master as text
+        if cache is not None:
+            cache.discard()
         replier.error(STARTUP_STEP, exc)
         _exit(1)
     costs = getattr(runner, "step_costs", None) or {}  # seconds per warmed shape: the step timeout's base

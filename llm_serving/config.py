@@ -102,10 +102,16 @@ class ServingSection:
     # logits of each prompt's first N generated positions in DIR/<prompt index>.npy; None: no dump / every position
     dump_logits_dir: str | None = setting(None, "path", optional=True)
     dump_logits_tokens: int | None = setting(None, "int", optional=True)
+    # the agents' graph compile cache (agents/compile_cache.py): true (under DEFAULT_COMPILE_CACHE), false, or
+    # the directory to keep it in; a warm start loads every shape's graph instead of compiling it
+    compile_cache: bool | str = setting(True, "switch_or_path")
 
     @property
     def effective_num_agents(self) -> int:
         return self.num_agents if self.num_agents is not None else len(self.agent_ports)
+
+
+DEFAULT_COMPILE_CACHE = "~/.cache/llm-serving/compile-cache"  # serving_config.compile_cache: true
 
 
 @dataclass(frozen=True)
@@ -335,6 +341,9 @@ def _validate(cfg: ServingConfig) -> None:
             raise bad_value(src, key, msg)
 
     need(bool(m.model_name.strip()), "model_config.model_name", "must not be empty")
+    need(not isinstance(s.compile_cache, str) or not os.path.exists(s.compile_cache)
+         or os.path.isdir(s.compile_cache), "serving_config.compile_cache",
+         f"{s.compile_cache} exists and is not a directory (expected true, false or a directory path)")
     need(m.dtype in DTYPES, "model_config.dtype", f"expected one of {', '.join(DTYPES)}, got {m.dtype!r}")
     need(m.device_target in DEVICE_TARGETS, "model_config.device_target",
          f"expected one of {', '.join(DEVICE_TARGETS)}, got {m.device_target!r}")

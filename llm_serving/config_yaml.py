@@ -20,7 +20,7 @@ from llm_serving.protocol.model_config import DTYPES
 KIND_TEXT = {
     "int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean (true/false)",
     "path": "a path string", "ints": "a list of integers", "buckets": "a list of integers",
-    "strs": "a list of strings",
+    "strs": "a list of strings", "switch_or_path": "true, false or a directory path",
 }
 
 
@@ -112,6 +112,12 @@ def coerce(value: Any, kind: str, key: str, source: str, base: Path) -> Any:
         if isinstance(value, str) and value.strip().lower() in ("true", "false"):
             value = value.strip().lower() == "true"
         ok = isinstance(value, bool)
+    elif kind == "switch_or_path":  # true/false, or a path (which means true, there)
+        if isinstance(value, bool) or (isinstance(value, str) and value.strip().lower() in ("true", "false")):
+            return coerce(value, "bool", key, source, base)
+        ok = isinstance(value, str) and bool(value.strip())
+        if ok:
+            value = os.path.normpath(base / os.path.expanduser(value.strip()))
     elif kind in ("str", "path"):
         ok = isinstance(value, str)
         if ok and kind == "path":

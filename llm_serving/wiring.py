@@ -8,13 +8,14 @@ shared-memory capacities) is computed here once.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from llm_serving.config import ConfigError, ServingConfig
+from llm_serving.config import DEFAULT_COMPILE_CACHE, ConfigError, ServingConfig
 from llm_serving.default_model import ensure_default_model
 from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
 from llm_serving.protocol.parallel import kv_shards, tensor_parallel_problems
@@ -126,6 +127,14 @@ def runner_config_dict(config: ServingConfig) -> dict[str, Any]:
     }
 
 
+def compile_cache_dir(config: ServingConfig) -> str | None:
+    """The agents' compile-cache root from ``serving_config.compile_cache`` (None: off)."""
+    value = config.serving_config.compile_cache
+    if value is False:
+        return None
+    return os.path.expanduser(DEFAULT_COMPILE_CACHE if value is True else value)
+
+
 def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) -> AgentSpec:
     """The agents' start-up spec for this configuration (shared-memory capacities included)."""
     m, pa = config.model_config, config.pa_config
@@ -147,4 +156,5 @@ def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) 
         start_device_id=config.serving_config.start_device_id,
         backend="mindformers" if config.uses_mindformers else "ms",
         model_cfg_path=config.model_config.model_cfg_path if config.uses_mindformers else None,
+        compile_cache_dir=None if standin else compile_cache_dir(config),
     )

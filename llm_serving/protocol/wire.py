@@ -95,6 +95,9 @@ class AgentSpec:
     # the predict YAML model_cfg_path, agents.mindformers.runner)
     backend: str = "ms"
     model_cfg_path: str | None = None
+    # root of the agents' graph compile caches (agents.compile_cache: one directory per configuration and code
+    # under it); None: compile every shape at each start
+    compile_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
