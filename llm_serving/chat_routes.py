@@ -24,7 +24,14 @@ from llm_serving.chat_schema import ChatRequest, parse_chat
 from llm_serving.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from llm_serving.config import ConfigError
 from llm_serving.generation import Generation, TokenInfo
-from llm_serving.http_responses import ClientGone, engine_errors, json_response, open_stream, write
+from llm_serving.http_responses import (
+    ClientGone,
+    engine_errors,
+    json_response,
+    open_stream,
+    openai_stream_error,
+    write,
+)
 from llm_serving.openai_routes import OPENAI_FINISH, _usage
 from llm_serving.request_stream import EngineError
 from llm_serving.tokenizer import Tokenizer
@@ -109,8 +116,7 @@ class ChatRoutes:
                 await write(resp, chunk(None, usage=_usage([gen])))
             await write(resp, b"data: [DONE]\n\n")
         except EngineError as exc:
-            err = {"error": {"message": str(exc), "type": "engine_error", "param": None, "code": None}}
-            await write(resp, f"data: {json.dumps(err)}\n\n".encode())
+            await write(resp, openai_stream_error(exc))
         except ClientGone:
             return resp
         await resp.write_eof()

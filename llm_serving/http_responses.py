@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from llm_serving.api_schema import ApiError
+from llm_serving.live_requests import SequenceError
 from llm_serving.request_stream import EngineError
 
 MAX_ERROR_CHARS = 2000  # of an error message: many quote the request, which may be a megabyte
@@ -68,9 +69,25 @@ async def write(resp: web.StreamResponse, data: bytes) -> None:
         raise ClientGone(str(exc)) from None
 
 
+def engine_failure(exc: EngineError) -> ApiError:
+    """What an engine failure means to the client: a ``SequenceError`` is this request's own failure (500: the
+    same request would fail again), any other the engine could not serve it now (agents down or recovering: 503,
+    retry)."""
+    if isinstance(exc, SequenceError):
+        return ApiError(500, f"generating this request failed: {exc}", "generation_failed")
+    return ApiError(503, f"the engine failed while serving the request: {exc}", "engine_error")
+
+
+def openai_stream_error(exc: EngineError) -> bytes:
+    """The server-sent event that ends an OpenAI stream the engine failed."""
+    err = engine_failure(exc)
+    body = {"error": {"message": err.message, "type": err.error_type, "param": None, "code": err.status}}
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
 async def engine_errors(awaitable: Awaitable[Any]) -> Any:
-    """An engine failure during a non-streamed request becomes a 503 JSON error."""
+    """An engine failure during a non-streamed request becomes its JSON error (``engine_failure``)."""
     try:
         return await awaitable
     except EngineError as exc:
-        raise ApiError(503, f"the engine failed while serving the request: {exc}", "engine_error") from None
+        raise engine_failure(exc) from None

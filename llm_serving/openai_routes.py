@@ -19,7 +19,14 @@ from aiohttp import web
 from llm_serving.api_schema import ApiError, CompletionRequest, parse_completion
 from llm_serving.generation import AnswerDelta, Generation, TokenInfo
 from llm_serving.http_guards import check_prompt_count
-from llm_serving.http_responses import ClientGone, engine_errors, json_response, open_stream, write
+from llm_serving.http_responses import (
+    ClientGone,
+    engine_errors,
+    json_response,
+    open_stream,
+    openai_stream_error,
+    write,
+)
 from llm_serving.request_stream import EngineError
 from llm_serving.tokenizer import Tokenizer
 
@@ -100,8 +107,7 @@ class OpenAIRoutes:
                 await write(resp, chunk([], usage=_usage(gens)))
             await write(resp, b"data: [DONE]\n\n")
         except EngineError as exc:
-            err = {"error": {"message": str(exc), "type": "engine_error", "param": None, "code": None}}
-            await write(resp, f"data: {json.dumps(err)}\n\n".encode())
+            await write(resp, openai_stream_error(exc))
         except ClientGone:
             return resp
         await resp.write_eof()

@@ -140,7 +140,8 @@ class Server:
             try:
                 return await handler(request)
             except ApiError as err:
-                outcome = "overloaded" if err.status == 503 else "rejected" if err.status < 500 else "error"
+                outcome = ("overloaded" if err.error_type == "overloaded" else "rejected" if err.status < 500
+                           else "error")
                 self.metrics.requests.labels(outcome).inc()
                 return error_response(err, api == "openai")
             except Exception as exc:  # a bug must not take the server down: log it, answer 500

@@ -17,7 +17,14 @@ from aiohttp import web
 
 from llm_serving.api_schema import GenerateRequest, parse_generate
 from llm_serving.generation import Generation, TokenInfo
-from llm_serving.http_responses import ClientGone, engine_errors, json_response, open_stream, write
+from llm_serving.http_responses import (
+    ClientGone,
+    engine_errors,
+    engine_failure,
+    json_response,
+    open_stream,
+    write,
+)
 from llm_serving.request_stream import EngineError
 
 if TYPE_CHECKING:
@@ -88,7 +95,8 @@ class TgiRoutes:
                 details = _details(req, gen.finish_reason, gen.num_tokens) if req.details else None
                 await write(resp, message("".join(parts), None, details))
         except EngineError as exc:
-            await write(resp, frame({"error": str(exc), "error_type": "engine_error"}))
+            err = engine_failure(exc)
+            await write(resp, frame({"error": err.message, "error_type": err.error_type}))
         except ClientGone:
             return resp
         await resp.write_eof()

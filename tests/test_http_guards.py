@@ -133,3 +133,26 @@ def test_exposure_warning_only_beyond_loopback_without_a_key():
         message = exposure_warning(host, None)
         assert message and "api_key" in message and host in message
         assert exposure_warning(host, "k") is None
+
+
+# ---- engine failures: a request's own failure is a 500, the engine's a 503 to retry ------------------------
+def test_engine_failures_map_to_their_status():
+    import asyncio
+    import json
+
+    from llm_serving.http_responses import engine_errors, openai_stream_error
+    from llm_serving.live_requests import SequenceError
+    from llm_serving.request_stream import EngineError
+
+    async def failing(exc):
+        raise exc
+
+    own = error_of(asyncio.run, engine_errors(failing(SequenceError("sampling failed: IndexError"))))
+    assert (own.status, own.error_type) == (500, "generation_failed") and "sampling failed" in own.message
+    assert "Retry-After" not in error_response(own, openai=True).headers
+    down = error_of(asyncio.run, engine_errors(failing(EngineError("the agents are restarting"))))
+    assert (down.status, down.error_type) == (503, "engine_error")
+    assert error_response(down, openai=False).headers["Retry-After"] == "1"
+    event = openai_stream_error(SequenceError("post-processing its output failed"))
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    assert json.loads(event[6:])["error"]["type"] == "generation_failed"
