@@ -29,6 +29,9 @@ class BenchRequest:
     prompt: str
     max_new_tokens: int
     prompt_tokens: int
+    # Token ids to send instead of the text (OpenAI endpoint only): every system then gets the same ids, so
+    # outputs are comparable across servers whatever their tokenizers do with the text.
+    prompt_ids: list[int] | None = None
 
 
 class TokenCounter:

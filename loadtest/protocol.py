@@ -89,6 +89,7 @@ class BenchConfig:
     return_full_text: bool = True  # the contest's body; the stream's last line then carries the whole text
     request_timeout: float = 600.0
     metrics_interval: float = 0.5  # seconds between GET /metrics scrapes; 0 disables
+    ignore_eos: bool = False  # OpenAI endpoint: vLLM's ignore_eos, so every output has max_new_tokens tokens
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -111,8 +112,14 @@ class BenchConfig:
 
     def body(self, req: BenchRequest) -> dict[str, Any]:
         if self.endpoint == "openai":
-            return {"model": self.model_name, "prompt": req.prompt, "max_tokens": req.max_new_tokens,
-                    "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+            body = {"model": self.model_name, "prompt": req.prompt if req.prompt_ids is None else req.prompt_ids,
+                    "max_tokens": req.max_new_tokens, "temperature": 0.0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            if self.ignore_eos:
+                body["ignore_eos"] = True
+            return body
+        if req.prompt_ids is not None or self.ignore_eos:
+            raise BenchError("token-id prompts and ignore_eos need the openai endpoint")
         params = {"max_new_tokens": req.max_new_tokens, "do_sample": "False",
                   "return_full_text": "True" if self.return_full_text else "False"}
         return {"inputs": req.prompt, "parameters": params, "stream": self.endpoint == "stream"}
