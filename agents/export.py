@@ -15,12 +15,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-import mindspore as ms
 import numpy as np
-from mindspore import Tensor
 
 from agents.backends import OpsBackend, select_backend
-from agents.mindir import FUSED_PRIMITIVES, GraphSummary, TensorInfo, read_mindir  # noqa: F401 (re-exported)
+from agents.mindir import GraphSummary, export_shapes, parse_shape
 from agents.runner import ModelRunner, RunnerConfig
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.wire import AgentSpec
@@ -66,34 +64,15 @@ def export_graphs(runner: ModelRunner, out_dir: str | Path, shapes: list[tuple] 
                   progress: Callable[[str], None] | None = None) -> list[tuple[tuple, GraphSummary]]:
     """Export ``shapes`` (default: every warm-up shape) of the runner's graphs to ``out_dir``, each with the
     inputs ``warmup()`` runs it with."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    done = []
-    for shape in shapes if shapes is not None else runner.graph_shapes():
-        path = out / graph_file_name(shape)
-        inputs = [Tensor(a) for a in runner.warmup_inputs(shape)]
-        ms.export(runner.graphs[shape[0]], *inputs, file_name=str(path), file_format="MINDIR")
-        summary = read_mindir(path.with_suffix(".mindir"))
-        done.append((shape, summary))
-        if progress:
-            progress(describe(shape, summary))
-    return done
-
-
-def _parse_shape(text: str) -> tuple:
-    kind, _, rest = text.partition(":")
-    try:
-        batch, n = (int(v) for v in rest.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected KIND:BATCH:N (e.g. decode:8:16), got {text!r}") from None
-    return kind, batch, n
+    shapes = shapes if shapes is not None else runner.graph_shapes()
+    return export_shapes(runner, lambda kind: runner.graphs[kind], out_dir, shapes, graph_file_name, describe, progress)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="export the step graphs of an agent spec to MindIR (on CPU)")
     parser.add_argument("--spec", required=True, help="AgentSpec as JSON (llm-serving export passes it)")
     parser.add_argument("--out", required=True, help="directory for the .mindir files")
-    parser.add_argument("--shape", action="append", type=_parse_shape, default=None, metavar="KIND:BATCH:N",
+    parser.add_argument("--shape", action="append", type=parse_shape, default=None, metavar="KIND:BATCH:N",
                         help="export only these warm-up shapes (repeatable)")
     args = parser.parse_args(argv)
     spec = AgentSpec.from_json(args.spec)

@@ -1,16 +1,21 @@
-"""Reading a MindIR file back: its op types (counted), inputs and outputs as MindSpore inferred them.
+"""Writing a runner's warm-up graphs to MindIR and reading a MindIR file back: its op types (counted), inputs and
+outputs as MindSpore inferred them.
 
 Kept apart from ``agents.export`` (which builds our runner) so the mindformers backend's export, in its own
-MindSpore 2.7.2 environment, parses its graphs the same way.
+MindSpore 2.7.2 environment, writes and parses its graphs the same way.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import mindspore as ms
+from mindspore import Tensor, nn
 from mindspore.train import mind_ir_pb2
 
 # the fused NPU primitives of the Ascend backend, in the order the summary lists them
@@ -73,3 +78,32 @@ def read_mindir(path: str | Path) -> GraphSummary:
     for out in graph.output:
         outputs += [_tensor_info(t) for t in out.tensor] if out.tensor else list(_attr_tensors(out.attr_info))
     return GraphSummary(Path(path), ops, inputs, tuple(outputs), op_outputs)
+
+
+def export_shapes(runner, graph_of: Callable[[str], nn.Cell], out_dir: str | Path, shapes: list[tuple],
+                  file_name: Callable[[tuple], str], describe: Callable[[tuple, GraphSummary], str],
+                  progress: Callable[[str], None] | None = None) -> list[tuple[tuple, GraphSummary]]:
+    """Export each shape's graph (``graph_of(kind)``) to ``out_dir`` with the inputs the runner's warm-up runs it
+    with (``runner.warmup_inputs(shape)``), and read each file back."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    done = []
+    for shape in shapes:
+        path = out / file_name(shape)
+        inputs = [Tensor(a) for a in runner.warmup_inputs(shape)]
+        ms.export(graph_of(shape[0]), *inputs, file_name=str(path), file_format="MINDIR")
+        summary = read_mindir(path.with_suffix(".mindir"))
+        done.append((shape, summary))
+        if progress:
+            progress(describe(shape, summary))
+    return done
+
+
+def parse_shape(text: str) -> tuple:
+    """``KIND:BATCH:N`` (an export command's ``--shape``) as a warm-up shape."""
+    kind, _, rest = text.partition(":")
+    try:
+        batch, n = (int(v) for v in rest.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected KIND:BATCH:N (e.g. decode:8:16), got {text!r}") from None
+    return kind, batch, n

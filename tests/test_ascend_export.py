@@ -14,7 +14,8 @@ import pytest
 from mindspore import ops
 
 from agents.backends.ascend import AscendAttention, AscendBackend, FusedOps
-from agents.export import FUSED_PRIMITIVES, TensorInfo, export_graphs, export_runner, read_mindir
+from agents.export import export_graphs, export_runner
+from agents.mindir import FUSED_PRIMITIVES, TensorInfo, read_mindir
 from agents.runner import RunnerConfig, warmup_shapes
 from agents.weights import load_weights
 from llm_serving.protocol.model_config import LlamaConfig
