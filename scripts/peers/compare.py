@@ -1,0 +1,380 @@
+"""Peer rows of scripts/benchmark.py (``--peers openvino,ctranslate2``): us against other CPU engines.
+
+Every system gets the same token-id prompts, greedy, EOS ignored (each request generates exactly its
+max_new_tokens, so all produce the same number of tokens), at several concurrency levels: saturation (every
+request at once), 1 and 8 in flight (closed loop: a new request starts when one ends). Reference ids come from
+Hugging Face transformers, one request at a time (the baseline). Our tuned server is served over HTTP
+(/v1/completions, streamed, the load client's --max-concurrency); its answer is text, so ours is compared with
+the HF ids' text, the peers' ids with the HF ids. Each peer runs in its own venv (scripts/peer_env.sh) through
+its runner (run_<peer>.py: request file in, per-request ids and times out, peer_io's formats). Rounds alternate
+the systems, so a slow minute of this shared machine does not land on one system only. Conversion, model load
+and warm-up are outside the timed part and reported apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from peers.peer_io import (
+    SATURATION,
+    LevelRun,
+    PeerRequest,
+    RequestFile,
+    Timing,
+    compare_ids,
+    first_difference,
+    read_results,
+    summarize,
+    write_requests,
+)
+
+from loadtest import BenchError
+from loadtest.client import benchmark, wait_ready
+from loadtest.dataset import BenchRequest
+from loadtest.protocol import BenchConfig
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+EOS = 2
+# torch on 1 thread: on this shared 2-core machine, under other jobs' load, its OpenMP threads spin against
+# them; one greedy request took 1.4 s on 1 thread and 7.9 s on 2 (load average ~7). The same holds for
+# CTranslate2 (its runner's --threads).
+HF_THREADS = 1
+# name -> (peer_env.sh name, runner, extra runner arguments given the work dir)
+PEERS = {
+    "openvino": ("openvino", "run_openvino.py", lambda w: ["--ir-dir", str(w / "peer-openvino-ir"),
+                                                           "--precision", "f32"]),
+    "openvino-default": ("openvino", "run_openvino.py", lambda w: ["--ir-dir", str(w / "peer-openvino-ir"),
+                                                                   "--precision", "default"]),
+    "ctranslate2": ("ctranslate2", "run_ctranslate2.py", lambda w: ["--ct2-dir", str(w / "peer-ctranslate2")]),
+}
+LABELS = {"openvino": "OpenVINO GenAI, f32", "openvino-default": "OpenVINO GenAI, CPU defaults",
+          "ctranslate2": "CTranslate2, float32"}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """benchmark.py's peer options."""
+    p.add_argument("--peers", default="", help=f"comma-separated peers to add ({', '.join(PEERS)}): a section "
+                   "against them, each installed in its own venv on first use (scripts/peer_env.sh)")
+    p.add_argument("--concurrency", default="all,1,8",
+                   help="levels for --peers: 'all' = every request at once, N = N in flight (default all,1,8)")
+    p.add_argument("--low-load-requests", type=int, default=64,
+                   help="levels other than 'all' run only the first this many requests (default 64)")
+    p.add_argument("--peer-rounds", type=int, default=1, help="rounds, alternating the systems (default 1)")
+    p.add_argument("--peers-only", action="store_true",
+                   help="with --peers: only that section (--write-doc then appends it to the file as it is)")
+
+
+def parse_levels(text: str) -> list[int]:
+    """'all,1,8' -> [SATURATION, 1, 8]."""
+    levels = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "all":
+            levels.append(SATURATION)
+        elif part.isdigit() and int(part) >= 1:
+            levels.append(int(part))
+        else:
+            raise SystemExit(f"--concurrency: {part!r} is neither 'all' nor a count >= 1")
+    return levels
+
+
+def level_name(level: int) -> str:
+    return "all at once" if level == SATURATION else f"{level} in flight"
+
+
+@dataclass
+class System:
+    """One row: every round's run of each level, and what its start cost."""
+
+    name: str
+    settings: str
+    startup: str = ""
+    runs: dict[int, list[LevelRun]] = field(default_factory=dict)
+    matched: dict[int, tuple[int, int]] = field(default_factory=dict)  # level -> (equal, compared), all rounds
+    error: str = ""
+
+    def add(self, run: LevelRun, equal: int, compared: int) -> None:
+        self.runs.setdefault(run.level, []).append(run)
+        e, c = self.matched.get(run.level, (0, 0))
+        self.matched[run.level] = (e + equal, c + compared)
+
+
+# ------------------------------------------------------------------------------------------ the reference
+def hf_reference(model_dir: Path, reqs: Sequence[PeerRequest]) -> tuple[LevelRun, float]:
+    """HF transformers greedy, one request at a time, EOS ignored: the reference ids and the baseline's
+    timings (no first-token time: generate returns at the end); also the model load's seconds."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(HF_THREADS)
+    t0 = time.perf_counter()
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # EOS ignored: generate runs to max_new_tokens
+    load_s = time.perf_counter() - t0
+    timings = []
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for r in reqs:
+            start = time.perf_counter() - t0
+            seq = model.generate(torch.tensor([r.prompt_ids]), max_new_tokens=r.max_new_tokens, do_sample=False,
+                                 pad_token_id=0)
+            out = seq[0, len(r.prompt_ids):].tolist()
+            if len(out) != r.max_new_tokens:
+                raise SystemExit(f"HF request {r.index}: {len(out)} tokens, not {r.max_new_tokens}: EOS not ignored")
+            timings.append(Timing(r.index, out, start, time.perf_counter() - t0))
+    return LevelRun(1, time.perf_counter() - t0, timings), load_s
+
+
+def continuation_texts(tokenizer, reqs: Sequence[PeerRequest], outs: Sequence[Sequence[int]]) -> list[str]:
+    """The text each reference output adds to its prompt (special tokens, e.g. an ignored EOS, render as
+    nothing, as in our server's stream)."""
+    texts = []
+    for r, out in zip(reqs, outs):
+        prompt, full = tokenizer.decode(r.prompt_ids), tokenizer.decode(list(r.prompt_ids) + list(out))
+        texts.append(full.removeprefix(prompt))
+    return texts
+
+
+# ------------------------------------------------------------------------------------------ our server
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def served(config: Path, log_path: Path, timeout: float) -> Iterator[tuple[int, float]]:
+    """Our server on a free port: yields (port, seconds from process start to /health answering)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "llm_serving", "serve", "--config", str(config), "--port", str(port)]
+    print(f"[peers] ours: {' '.join(cmd)} (log {log_path})", flush=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    t0 = time.perf_counter()
+    try:
+        cfg = BenchConfig(port=port)
+        while True:  # short rounds, so a server that died is noticed at once
+            try:
+                asyncio.run(wait_ready(cfg, 5.0))
+                break
+            except BenchError as e:
+                if proc.poll() is not None or time.perf_counter() - t0 > timeout:
+                    raise SystemExit(f"our server did not start ({e}); log tail:\n{log_path.read_text()[-1500:]}")
+        yield port, time.perf_counter() - t0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def ours_level(port: int, reqs: Sequence[PeerRequest], level: int, expected: Sequence[str]) -> tuple[LevelRun,
+                                                                                                      int, int]:
+    """One level against our server through the load client: (run, texts equal to HF's, requests)."""
+    bench = [BenchRequest(r.index, "", r.max_new_tokens, len(r.prompt_ids), prompt_ids=list(r.prompt_ids))
+             for r in reqs]
+    cfg = BenchConfig(port=port, endpoint="openai", qps=float("inf"), ignore_eos=True, metrics_interval=0,
+                      max_concurrency=level or None)
+    run = asyncio.run(benchmark(bench, cfg, progress=False))
+    timings, equal = [], 0
+    for res in run.results:
+        if not res.success:
+            print(f"[peers] ours: request {res.index} failed: {res.error}", flush=True)
+            continue
+        equal += res.text == expected[res.index]
+        first = res.send_time + res.ttft if res.ttft is not None else None
+        timings.append(Timing(res.index, None, res.send_time, res.end_time, first, res.output_tokens))
+    return LevelRun(level, run.duration, timings), equal, len(reqs)
+
+
+# ------------------------------------------------------------------------------------------ peers
+def peer_python(env: str) -> str:
+    """The peer venv's python, created on first use."""
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "peer_env.sh"), env], cwd=ROOT, check=False,
+                         stdout=subprocess.PIPE, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"scripts/peer_env.sh {env} failed (exit {out.returncode})")
+    return out.stdout.strip().splitlines()[-1]
+
+
+def peer_model_dir(model_dir: Path, work: Path) -> Path:
+    """The model as the peers' converters want it: our HF directory (linked, not copied) plus the
+    tokenizer_config.json that transformers needs to read a bare tokenizer.model (both converters load the
+    tokenizer; the runs themselves use token ids only)."""
+    view = work / "peer-model"
+    view.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        link = view / f.name
+        if not link.exists():
+            link.symlink_to(f.resolve())
+    (view / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", '
+        '"add_bos_token": true, "add_eos_token": false, "legacy": true}\n')
+    return view
+
+
+def run_peer(name: str, python: str, req_file: Path, work: Path, tag: str) -> tuple[str, str, list[LevelRun]]:
+    """One runner process: (settings with version, start-up text, level runs)."""
+    _env, runner, extra = PEERS[name]
+    out = work / f"peer-{name}-{tag}.json"
+    log = work / f"peer-{name}-{tag}.log"
+    cmd = [python, str(HERE / runner), "--requests", str(req_file), "--out", str(out), *extra(work)]
+    print(f"[peers] {name}: {' '.join(cmd)} (log {log})", flush=True)
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=HERE, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
+    if rc != 0:
+        tail = log.read_text().strip().splitlines() or ["(empty log)"]
+        print(f"[peers] {name} log tail:\n" + "\n".join(tail[-25:]), flush=True)
+        raise RuntimeError(f"{runner} exited {rc}: {tail[-1]}")
+    res = read_results(out)
+    conv = "" if res.convert_s is None else f"conversion {res.convert_s:.1f} s, "
+    return f"{res.version}: {res.settings}", f"{conv}load + warm-up {res.load_s:.1f} s", res.runs
+
+
+# ------------------------------------------------------------------------------------------ the section
+def run_section(args: argparse.Namespace, model_dir: Path, prompts: Sequence[str], max_new: Sequence[int],
+                ours_config: Path, ours_settings: str, work: Path) -> str:
+    """Run every system at every level (args.peer_rounds rounds, alternating) and return the markdown.
+    ``prompts`` are encoded as HF's baseline encodes them (our tokenizer, with BOS); ids go to every system."""
+    from llm_serving.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(model_dir / "tokenizer.model")
+    prompt_ids = [tokenizer.encode(p) for p in prompts]
+    names = [n.strip() for n in args.peers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        raise SystemExit(f"--peers: unknown {unknown} (known: {', '.join(PEERS)})")
+    levels = parse_levels(args.concurrency)
+    reqs = [PeerRequest(i, list(ids), n) for i, (ids, n) in enumerate(zip(prompt_ids, max_new))]
+    rf = RequestFile(str(peer_model_dir(model_dir, work)), EOS, levels, args.low_load_requests, reqs)
+    req_file = work / "peer-requests.json"
+    write_requests(req_file, rf)
+    load_before = os.getloadavg()
+    pythons = {}
+    for n in names:  # installs before anything is timed
+        try:
+            pythons[n] = peer_python(PEERS[n][0])
+        except RuntimeError as e:
+            pythons[n] = e
+
+    print(f"[peers] HF reference, {len(reqs)} requests one at a time, EOS ignored", flush=True)
+    hf_run, hf_load = hf_reference(model_dir, reqs)
+    reference = [t.output_ids for t in hf_run.timings]
+    expected = continuation_texts(tokenizer, reqs, reference)
+    hf = System("HF transformers, 1 at a time", f"generate, greedy, float32, torch threads {HF_THREADS} (the baseline)",
+                f"load {hf_load:.1f} s")
+    hf.add(hf_run, len(reqs), len(reqs))
+    ours = System("ours, served", ours_settings)
+    peers = {n: System(LABELS[n], "") for n in names}
+    with served(ours_config, work / "server_peers.log", args.startup_timeout) as (port, ready_s):
+        ours.startup = f"process start to ready {ready_s:.1f} s"
+        for rnd in range(args.peer_rounds):
+            for level in levels:
+                run, equal, n = ours_level(port, rf.level_requests(level), level, expected)
+                ours.add(run, equal, n)
+                print(f"[peers] round {rnd + 1} ours {level_name(level)}: {run.wall_s:.2f}s, "
+                      f"{run.output_tokens} tokens, {equal}/{n} = HF", flush=True)
+            for n, system in peers.items():
+                if isinstance(pythons[n], Exception):
+                    system.error = str(pythons[n])
+                    continue
+                try:
+                    system.settings, system.startup, runs = run_peer(n, pythons[n], req_file, work, f"r{rnd}")
+                except RuntimeError as e:
+                    system.error = str(e)
+                    print(f"[peers] {n} failed: {e}", flush=True)
+                    continue
+                for run in runs:
+                    equal, compared, differ = compare_ids(reference, run.timings)
+                    system.add(run, equal, compared)
+                    print(f"[peers] round {rnd + 1} {n} {level_name(run.level)}: {run.wall_s:.2f}s, "
+                          f"{run.output_tokens} tokens, {equal}/{compared} = HF", flush=True)
+                    for i in differ[:3]:
+                        got = next(t.output_ids for t in run.timings if t.index == i)
+                        print(f"[peers]   {n} request {i} differs from HF at output position "
+                              f"{first_difference(got, reference[i])}", flush=True)
+    load_after = os.getloadavg()
+    return markdown([hf, ours, *peers.values()], ours, levels, args, load_before, load_after)
+
+
+def _median(runs: list[LevelRun], key: str) -> float | None:
+    values = [v for v in (summarize(r)[key] for r in runs) if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
+    return "" if value is None else f"{value * scale:.{digits}f}"
+
+
+def markdown(systems: list[System], ours: System, levels: list[int], args: argparse.Namespace,
+             load_before: tuple[float, ...], load_after: tuple[float, ...]) -> str:
+    """Tables per level: medians over the rounds; per-round totals in the notes."""
+    hf_all = systems[0].runs[1][0]
+    rounds = (f"medians of {args.peer_rounds} rounds alternating the systems" if args.peer_rounds > 1
+              else "one round")
+    out = [(f"{len(hf_all.timings)} requests, the same token-id prompts for every system, greedy, EOS ignored "
+           f"(max_new_tokens = min(reference output tokens, {args.max_output_tokens})): {hf_all.output_tokens} "
+           f"output tokens at saturation. greedy = HF: output ids equal to HF's (ours: its text equal to the HF "
+           f"ids' text, the HTTP answer being text). TTFT/TPOT are empty where the API gives a request's tokens "
+           f"only at its end. x ours: output tokens/s over ours at the same level; {rounds}. Conversion, model "
+           f"load and warm-up are outside the timed part (listed below).\n")]
+    for level in levels:
+        ours_tps = _median(ours.runs.get(level, []), "tokens_per_s")
+        hf_runs = systems[0].runs[1]
+        if level == SATURATION:
+            title = "All requests at once (saturation)"
+        else:
+            title = f"{level} in flight, the first {args.low_load_requests} requests"
+        out.append(f"#### {title}\n")
+        out.append("| system | greedy = HF | output tokens | total time (s) | output tokens/s | x ours (tokens/s) "
+                   "| mean latency (s) | mean TTFT (ms) | mean TPOT (ms) |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for s in systems:
+            if s is systems[0] and level not in (SATURATION, 1):
+                continue  # HF runs one request at a time only
+            if s is systems[0]:  # HF ran once, one at a time: the same timings serve every level
+                n = len(hf_runs[0].timings) if level == SATURATION else args.low_load_requests
+                runs = [LevelRun(1, 0.0, hf_runs[0].timings[:n])]
+                runs[0].wall_s = sum(t.latency for t in runs[0].timings)
+                eq = f"{n}/{n} (reference)"
+            else:
+                runs = s.runs.get(level, [])
+                e, c = s.matched.get(level, (0, 0))
+                eq = f"{e}/{c}" + (" (text)" if s is ours else "")
+            if not runs:
+                out.append(f"| {s.name} | {s.error.splitlines()[0] if s.error else 'not run'} | | | | | | | |")
+                continue
+            tps = _median(runs, "tokens_per_s")
+            ratio = f"{tps / ours_tps:.2f}x" if ours_tps and tps else ""
+            out.append(f"| {s.name} | {eq} | {runs[0].output_tokens} | {_fmt(_median(runs, 'wall_s'))} "
+                       f"| {_fmt(tps, digits=1)} | {ratio} | {_fmt(_median(runs, 'mean_latency_s'), digits=3)} "
+                       f"| {_fmt(_median(runs, 'mean_ttft_s'), 1e3, 1)} | {_fmt(_median(runs, 'mean_tpot_s'), 1e3, 1)} |")
+        out.append("")
+    out.append("Settings and start-up (outside the timed part):\n")
+    for s in systems:
+        out.append(f"- {s.name}: {s.settings or '?'}" + (f"; {s.startup}" if s.startup else "")
+                   + (f"; FAILED: {s.error.splitlines()[0]}" if s.error else ""))
+    if args.peer_rounds > 1:
+        out.append("\nTotal time of each round (s):\n")
+        for s in systems[1:]:
+            parts = [f"{level_name(lv)} " + ", ".join(f"{r.wall_s:.2f}" for r in s.runs.get(lv, []))
+                     for lv in levels]
+            out.append(f"- {s.name}: " + "; ".join(parts))
+    out.append(f"\nLoad average (1, 5, 15 min) before the section: {', '.join(f'{x:.2f}' for x in load_before)}; "
+               f"after: {', '.join(f'{x:.2f}' for x in load_after)}.")
+    return "\n".join(out) + "\n"

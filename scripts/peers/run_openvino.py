@@ -1,0 +1,135 @@
+"""OpenVINO GenAI peer: runs INSIDE its venv (scripts/peer_env.sh openvino), never in the project's.
+
+    python run_openvino.py --requests REQ.json --out OUT.json --ir-dir DIR [--precision f32|default]
+
+Exports the HF directory once with ``optimum-cli export openvino --weight-format fp32`` (cached in --ir-dir),
+loads it in a ContinuousBatchingPipeline (max_num_batched_tokens 512, its serving engine) and, for each
+concurrency level of the request file, keeps at most that many requests in flight through add_request/step,
+reading each request's new ids after every step (its first-token time). ``--precision f32`` sets
+INFERENCE_PRECISION_HINT=f32 and KV_CACHE_PRECISION=f32 (exact float32, the comparison with ours);
+``default`` keeps the CPU plugin's defaults (bf16 compute and a u8 KV cache on CPUs with bf16 support).
+EOS is ignored and decoding is greedy, so every request generates its max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from peer_io import ClosedLoop, LevelRun, PeerResult, RequestFile, Timing, read_requests, write_results
+
+MAX_BATCHED_TOKENS = 512
+
+
+def export(model_dir: str, ir_dir: Path) -> float | None:
+    """Seconds the export took, or None when the IR of this model is already there."""
+    stamp = ir_dir / "llm-serving-source.txt"
+    if (ir_dir / "openvino_model.xml").exists() and stamp.exists() and stamp.read_text() == model_dir:
+        return None
+    t0 = time.perf_counter()
+    exe = Path(sys.executable).parent / "optimum-cli"
+    cmd = [str(exe), "export", "openvino", "--model", model_dir, "--task", "text-generation-with-past",
+           "--weight-format", "fp32", str(ir_dir)]
+    print("[openvino] " + " ".join(cmd), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True, stdout=sys.stderr)
+    stamp.write_text(model_dir)
+    return time.perf_counter() - t0
+
+
+def load(ir_dir: Path, precision: str):  # -> ContinuousBatchingPipeline
+    import openvino_genai as ov_genai
+
+    sched = ov_genai.SchedulerConfig()
+    sched.max_num_batched_tokens = MAX_BATCHED_TOKENS
+    sched.cache_size = 1  # GB of KV cache: the whole workload at once needs ~0.4
+    sched.dynamic_split_fuse = True
+    props = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"} if precision == "f32" else {}
+    return ov_genai.ContinuousBatchingPipeline(str(ir_dir), sched, "CPU", props)
+
+
+def gen_config(max_new_tokens: int, eos: int):
+    import openvino_genai as ov_genai
+
+    cfg = ov_genai.GenerationConfig()
+    cfg.max_new_tokens = max_new_tokens
+    cfg.ignore_eos = True
+    cfg.do_sample = False
+    cfg.eos_token_id = eos
+    return cfg
+
+
+def run_level(pipe, rf: RequestFile, level: int, next_id: list[int]) -> LevelRun:
+    """Closed loop: at most ``level`` requests in flight (all at 0), new ones added between engine steps."""
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as ov_genai
+
+    running = ov_genai.GenerationStatus.RUNNING
+    reqs = rf.level_requests(level)
+    loop = ClosedLoop(len(reqs), level)
+    handles: dict[int, object] = {}
+    ids: dict[int, list[int]] = {}
+    start: dict[int, float] = {}
+    first: dict[int, float] = {}
+    timings: dict[int, Timing] = {}
+    t0 = time.perf_counter()
+    while not loop.done:
+        for pos in loop.to_start():
+            r = reqs[pos]
+            tensor = ov.Tensor(np.array([r.prompt_ids], dtype=np.int64))
+            handles[pos] = pipe.add_request(next_id[0], tensor, gen_config(r.max_new_tokens, rf.eos_token_id))
+            next_id[0] += 1
+            ids[pos] = []
+            start[pos] = time.perf_counter() - t0
+        pipe.step()
+        now = time.perf_counter() - t0
+        for pos in list(loop.in_flight):
+            h = handles[pos]
+            finished = h.get_status() != running  # read before the ids, so none come after the last read
+            if h.can_read():
+                for out in h.read().values():
+                    ids[pos].extend(out.generated_ids)
+                if ids[pos] and pos not in first:
+                    first[pos] = now
+            if finished:
+                timings[pos] = Timing(reqs[pos].index, ids[pos], start[pos], now, first.get(pos, now))
+                loop.finish(pos)
+                del handles[pos]
+    wall = time.perf_counter() - t0
+    return LevelRun(level, wall, [timings[p] for p in range(len(reqs))])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--ir-dir", required=True, type=Path, help="where the exported IR is cached")
+    p.add_argument("--precision", choices=("f32", "default"), default="f32")
+    args = p.parse_args()
+    import openvino_genai as ov_genai
+
+    rf = read_requests(args.requests)
+    convert_s = export(rf.model_dir, args.ir_dir)
+    t0 = time.perf_counter()
+    pipe = load(args.ir_dir, args.precision)
+    next_id = [0]
+    run_level(pipe, RequestFile(rf.model_dir, rf.eos_token_id, [1], 1, rf.requests[:1]), 1, next_id)  # warm-up
+    load_s = time.perf_counter() - t0
+    runs = []
+    for level in rf.levels:
+        runs.append(run_level(pipe, rf, level, next_id))
+        print(f"[openvino {args.precision}] level {level or 'all'}: {runs[-1].wall_s:.2f}s, "
+              f"{runs[-1].output_tokens} tokens", file=sys.stderr, flush=True)
+    settings = (f"ContinuousBatchingPipeline, max_num_batched_tokens {MAX_BATCHED_TOKENS}, "
+                + ("INFERENCE_PRECISION_HINT=f32, KV_CACHE_PRECISION=f32" if args.precision == "f32"
+                   else "CPU plugin defaults (bf16 compute, u8 KV cache where the CPU has bf16)"))
+    write_results(args.out, PeerResult(f"openvino-{args.precision}", ov_genai.__version__, settings, convert_s,
+                                       load_s, runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

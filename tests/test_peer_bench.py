@@ -1,0 +1,130 @@
+"""The parts of benchmark.py --peers that need no peer venv: the request/result files a runner reads and writes,
+the closed-loop limiter the in-process peers use, the id comparison, and token-id/ignore_eos bodies of the
+load client. The runners themselves (OpenVINO GenAI, CTranslate2) run only in the benchmark (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+from peers.compare import parse_levels
+from peers.peer_io import (
+    SATURATION,
+    ClosedLoop,
+    LevelRun,
+    PeerFileError,
+    PeerRequest,
+    PeerResult,
+    RequestFile,
+    Timing,
+    batches,
+    compare_ids,
+    first_difference,
+    read_requests,
+    read_results,
+    summarize,
+    write_requests,
+    write_results,
+)
+
+from loadtest import BenchError
+from loadtest.dataset import BenchRequest
+from loadtest.protocol import BenchConfig
+
+
+def request_file(n: int = 5, low: int = 3) -> RequestFile:
+    reqs = [PeerRequest(i, [1, 10 + i, 20 + i], 4 + i) for i in range(n)]
+    return RequestFile("/models/x", 2, [SATURATION, 1, 8], low, reqs)
+
+
+def test_request_file_round_trip_and_levels(tmp_path):
+    rf = request_file()
+    write_requests(tmp_path / "r.json", rf)
+    back = read_requests(tmp_path / "r.json")
+    assert back == rf
+    assert [r.index for r in back.level_requests(SATURATION)] == [0, 1, 2, 3, 4]
+    assert [r.index for r in back.level_requests(8)] == [0, 1, 2]  # low-load levels: the first 3
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda o: o.update(format="other"), "not a llm-serving-peer-requests/1"),
+    (lambda o: o["requests"][1].update(prompt_ids=[]), "request 1 prompt_ids"),
+    (lambda o: o["requests"][0].update(prompt_ids=[1, "a"]), "request 0 prompt_ids"),
+    (lambda o: o["requests"][2].update(max_new_tokens=0), "request 2 max_new_tokens"),
+    (lambda o: o.update(levels=[-1]), "levels must be >= 0"),
+])
+def test_request_file_errors_name_the_problem(tmp_path, change, message):
+    write_requests(tmp_path / "r.json", request_file())
+    obj = json.loads((tmp_path / "r.json").read_text())
+    change(obj)
+    (tmp_path / "r.json").write_text(json.dumps(obj))
+    with pytest.raises(PeerFileError, match=message):
+        read_requests(tmp_path / "r.json")
+
+
+def test_results_round_trip_and_summary(tmp_path):
+    timings = [Timing(0, [5, 6, 7], 0.0, 0.5, 0.1), Timing(1, [8], 0.1, 0.3, None)]
+    res = PeerResult("p", "1.0", "settings", None, 1.5, [LevelRun(SATURATION, 0.5, timings)])
+    write_results(tmp_path / "o.json", res)
+    back = read_results(tmp_path / "o.json")
+    assert back == res
+    run = back.runs[0]
+    assert run.output_tokens == 4 and timings[0].tpot == pytest.approx(0.2) and timings[1].tpot is None
+    s = summarize(run)
+    assert s["tokens_per_s"] == pytest.approx(8.0)
+    assert s["mean_latency_s"] == pytest.approx(0.35) and s["mean_ttft_s"] == pytest.approx(0.1)
+    assert s["mean_tpot_s"] == pytest.approx(0.2)
+    # our server's timings carry a token count, not ids
+    assert Timing(3, None, 0.0, 1.0, 0.2, tokens=5).tpot == pytest.approx(0.2)
+
+
+def test_closed_loop_keeps_the_limit_and_the_order():
+    loop = ClosedLoop(5, 2)
+    assert loop.to_start() == [0, 1] and loop.to_start() == []
+    loop.finish(1)
+    assert loop.to_start() == [2]
+    loop.finish(0)
+    loop.finish(2)
+    assert loop.to_start() == [3, 4] and not loop.done
+    with pytest.raises(ValueError, match="not in flight"):
+        loop.finish(0)
+    loop.finish(4)
+    loop.finish(3)
+    assert loop.done and loop.to_start() == []
+    everything = ClosedLoop(4, SATURATION)
+    assert everything.to_start() == [0, 1, 2, 3]
+
+
+def test_static_batches():
+    assert batches(5, 2) == [range(2), range(2, 4), range(4, 5)]
+    assert batches(3, SATURATION) == [range(3)] and batches(0, 8) == []
+
+
+def test_ids_comparison():
+    ref = [[1, 2, 3], [4, 5], [6]]
+    runs = [Timing(0, [1, 2, 3], 0, 1), Timing(1, [4, 9], 0, 1), Timing(2, None, 0, 1, tokens=1)]
+    assert compare_ids(ref, runs) == (1, 3, [1, 2])
+    assert first_difference([1, 2, 3], [1, 2, 4]) == 2
+    assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([1], [1]) is None
+
+
+def test_levels_option():
+    assert parse_levels("all,1,8") == [SATURATION, 1, 8]
+    with pytest.raises(SystemExit, match="'0'"):
+        parse_levels("all,0")
+
+
+def test_token_id_prompts_and_ignore_eos_bodies():
+    req = BenchRequest(0, "text", 7, 3, prompt_ids=[1, 5, 9])
+    body = BenchConfig(endpoint="openai", ignore_eos=True).body(req)
+    assert body["prompt"] == [1, 5, 9] and body["ignore_eos"] is True and body["max_tokens"] == 7
+    plain = BenchConfig(endpoint="openai").body(BenchRequest(0, "text", 7, 3))
+    assert plain["prompt"] == "text" and "ignore_eos" not in plain
+    with pytest.raises(BenchError, match="openai endpoint"):
+        BenchConfig(endpoint="stream").body(req)
