@@ -13,7 +13,8 @@ contest's streaming endpoint. Every request must succeed and its greedy text mus
 fails otherwise). The compute-roofline lower bound is the model FLOPs of all prefill and decode tokens divided
 by the best matmul rate measured in the same run, before and after the runs, of a plain MindSpore matmul and of
 our own packed-weight GEMM on the same sizes (in a subprocess, so torch and MindSpore never share a process).
-Prints a markdown table; ``--write-doc`` also writes it with the command.
+Prints a markdown table; ``--write-doc`` also writes it with the command. ``--peers openvino,ctranslate2``
+adds a section against CPU peers at several concurrency levels (scripts/peers/compare.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))  # bench_model (imported only in the --prepare child)
+sys.path.insert(0, str(ROOT / "scripts"))  # peers; bench_model (imported only in the --prepare child)
+
+from peers.compare import add_args as add_peer_args
+from peers.compare import run_section as peer_section
 
 from llm_serving.protocol.model_config import LlamaConfig
 from loadtest import BenchError
@@ -70,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--write-doc", metavar="MD", help="also write the table and the command to this file")
     p.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)  # child-process modes
     p.add_argument("--matmul-rate", action="store_true", help=argparse.SUPPRESS)
+    add_peer_args(p)
     return p.parse_args(argv)
 
 
@@ -303,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     n_in = sum(r.prompt_tokens for r in reqs)
     print(f"[benchmark] {len(reqs)} requests, {n_in} prompt tokens, max_new_tokens sum "
           f"{sum(r.max_new_tokens for r in reqs)}", flush=True)
+    if args.peers_only:
+        run_peers(args, work, model_dir, reqs)
+        return 0
     hf_s, outs = run_hf(model_dir, reqs)
     expected = expected_texts(model_dir, reqs, outs)
     hf_row = Row("HF transformers, 1 at a time", hf_s, len(reqs), len(reqs), sum(len(o) for o in outs), len(reqs))
@@ -343,7 +351,21 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"FAILED checks (requests failed or differ from HF): {failures}")
     if args.write_doc:
         write_doc(ROOT / args.write_doc, argv, summary, tbl, notes)
+    if args.peers:  # last, so that the peers' installs and runs disturb none of the rows above
+        run_peers(args, work, model_dir, reqs)
     return 1 if failures else 0
+
+
+def run_peers(args: argparse.Namespace, work: Path, model_dir: Path, reqs: list[BenchRequest]) -> None:
+    """The section against CPU peers (scripts/peers/compare.py), appended to --write-doc's file."""
+    cfg_path = write_config(work / "config_peers.yaml", model_dir, TUNED["prefill"], TUNED["decode"],
+                            "longest_output_first", args.max_output_tokens)
+    peer_md = peer_section(args, model_dir, [r.prompt for r in reqs], [r.max_new_tokens for r in reqs], cfg_path,
+                           "/v1/completions streamed, prefill <=8, decode <=128, longest_output_first", work)
+    print("\n" + peer_md, flush=True)
+    if args.write_doc:
+        with open(ROOT / args.write_doc, "a") as f:
+            f.write("\n## Against CPU peers\n\n" + peer_md)
 
 
 if __name__ == "__main__":
