@@ -17,6 +17,11 @@ tokenizer; alpaca-shaped requests of loadtest.workload, seed 0; max_new_tokens =
 3. Speed: one server per mode (the tuned config), the modes alternated for ``--rounds`` rounds, all requests at
    once on the streaming endpoint (EOS stops, as scripts/benchmark.py), output tokens/s and the ratio to exact
    in the same round.
+
+    python scripts/bench_fast_precision.py --steps [--context 256]
+
+instead times single graph calls of the bench model per mode in one process (prefill 8 x 128, decode at batch 1,
+8, 32 and 128; each call's modes alternated, medians of 15).
 """
 
 from __future__ import annotations
@@ -50,7 +55,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--work-dir", default="/tmp/llm-serving-precision")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--steps", action="store_true", help="time graph calls per mode instead (no HF, no servers)")
+    p.add_argument("--context", type=int, default=256, help="decode context of --steps")
     return p.parse_args(argv)
+
+
+def step_times(modes: list[str], context: int) -> None:
+    """Graph-call medians per mode, alternated (MindSpore in this process: never together with torch)."""
+    import mindspore as ms
+    from bench_model import BENCH_MODEL, BLOCK, alternating_ms, decode_batch, prefill_batch
+
+    from agents.runner import ModelRunner, RunnerConfig
+    from agents.weights import fuse_hf_tensors
+    from llm_serving.random_model import random_hf_weights
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    weights = fuse_hf_tensors(random_hf_weights(BENCH_MODEL, seed=0, std=0.05), BENCH_MODEL)
+    width = -(-context // BLOCK)
+    runners = []
+    for mode in modes:
+        rc = RunnerConfig(num_blocks=128 * width + 1, block_size=BLOCK, max_model_len=max(512, context),
+                          prefill_batch_sizes=(1, 8), prefill_seq_lengths=(128,), decode_batch_sizes=(1, 8, 32, 128),
+                          decode_block_widths=(width,), precision=mode)
+        runners.append(ModelRunner(BENCH_MODEL, weights, rc))
+        runners[-1].warmup()
+    calls = [("prefill 8x128", prefill_batch(8, 128))] + [
+        (f"decode B={b} ctx={context}", decode_batch(b, context)) for b in (1, 8, 32, 128)]
+    print("| call | " + " | ".join(f"{m} ms" for m in modes) + " | "
+          + " | ".join(f"{m} / {modes[0]}" for m in modes[1:]) + " |")
+    print("|---|" + "---|" * (2 * len(modes) - 1))
+    for name, batch in calls:
+        times = alternating_ms([lambda r=r, batch=batch: r.step(batch) for r in runners], 15)
+        print(f"| {name} | " + " | ".join(f"{t:.1f}" for t in times) + " | "
+              + " | ".join(f"{times[0] / t:.2f}x" for t in times[1:]) + " |")
 
 
 def hf_reference(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> tuple[list, list]:
@@ -120,10 +157,15 @@ def precision_report(mode: str, ids: list[list[int]], dump: Path, hf_ids: list, 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
     print(f"[precision] start; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    if args.steps:
+        step_times(args.modes, args.context)
+        load = os.getloadavg()
+        print(f"[precision] end; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+        return 0
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
     model_dir = benchmark.build_model(work)
     reqs = benchmark.make_requests(argparse.Namespace(num_prompts=args.num_prompts, seed=args.seed,
                                                       max_output_tokens=args.max_output_tokens), model_dir)

@@ -230,6 +230,15 @@ def test_modes_stay_near_exact_on_the_same_tokens(runners):
     assert (logits["fast"].argmax(-1) == exact_ids).mean() > 0.8
 
 
+@pytest.mark.parametrize("precision", ["half", "fast"])
+def test_a_rows_result_does_not_depend_on_its_batch(runners, precision):
+    """Each row is rounded and summed on its own, so a sequence computes bitwise the same alone or batched (what
+    makes a prefix-cache hit give the cold run's numbers in exact mode holds here too)."""
+    ids = np.random.default_rng(1).integers(3, CONFIG.vocab_size, (4, 20)).astype(np.int32)
+    batched = teacher_forced_logits(runners[precision], ids)
+    np.testing.assert_array_equal(teacher_forced_logits(runners[precision], ids[2:3])[0], batched[2])
+
+
 def test_portable_backend_refuses_the_modes():
     with pytest.raises(ValueError, match="model_config.precision fast needs the native CPU kernels"):
         PortableBackend().with_precision("fast")
