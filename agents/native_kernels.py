@@ -103,9 +103,9 @@ class NativeOps:
     place. ``greedy(logits) -> (token ids, log-probabilities)``
     (``greedy_pick.cc``). The projections (``linear.cc``, weights packed by ``agents.packed_weights``) are made
     per output width by the methods below; the native CPU backend (``agents.backends.native_cpu``) uses them
-    where ``projections`` is true. Each projection takes its packed weight as float32 panels (exact) or as int32
-    bfloat16 pairs (``packed_weights.pack_bf16``: the fast precision mode, where ``bf16`` says the CPU has the
-    instruction for it).
+    where ``projections`` is true. Each projection takes its packed weight as float32 panels (exact), float16
+    panels (precision ``half``) or int32 bfloat16 pairs (``packed_weights.pack_bf16``: precision ``fast``, where
+    ``bf16`` says the CPU has the instruction for it).
     """
 
     decode: ops.Custom
@@ -114,7 +114,7 @@ class NativeOps:
     greedy: ops.Custom
     linear_library: Path
     projections: bool  # the projections' kernel is vectorized (AVX-512); else the backend keeps MindSpore's MatMul
-    bf16: bool = False  # its bfloat16 tiles use AVX512_BF16 (the fast precision mode; int32-packed weights)
+    bf16: bool = False  # its bfloat16 tiles use AVX512_BF16 (precision fast; int32-packed weights)
 
     def linear(self, out_dim: int) -> ops.Custom:
         """``(x, packed w) -> x @ W^T`` of width ``out_dim`` (the benchmarks' reference matmul)."""

@@ -63,8 +63,8 @@ class OpsBackend:
     panel_dtype: str | None = None
 
     def with_precision(self, precision: str) -> OpsBackend:
-        """This backend for ``model_config.precision`` (``exact`` or ``fast``); ``ValueError`` where it has no such
-        mode. Only the native CPU backend has the faster ones (``half``, ``fast``)."""
+        """This backend for ``model_config.precision`` (``exact``, ``half`` or ``fast``); ``ValueError`` where it has
+        no such mode. Only the native CPU backend has the faster ones."""
         if precision != "exact":
             raise ValueError(f"model_config.precision {precision} needs the native CPU kernels (model_config.kernels "
                              f"auto or native, on CPU with g++); the {self.name} ops backend computes exactly only")

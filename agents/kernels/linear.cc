@@ -23,8 +23,11 @@
 // batch of 73 runs in the 128 graph, a packed prefill of 175 tokens in the 192 one), and the padding rows cost
 // as much as real ones in a matmul; the attention ops already skip them.
 // Each returns 0, or an error code that MindSpore raises as a RuntimeError: 1 wrong number of inputs or ranks,
-// 2 a dtype other than float32 (int32 for rows), 3 inconsistent shapes.
+// 2 a dtype other than float32 (int32 for rows; the packed weight may also be float16 or int32, below),
+// 3 inconsistent shapes.
 //
+// Half precision (``model_config.precision: half``): a packed weight given as float16 has the float32 panels'
+// layout; each weight is widened exactly to float32 and everything else is the float32 path's arithmetic.
 // Fast precision (``model_config.precision: fast``): a packed weight given as int32 instead of float32 holds
 // bfloat16 pairs, [panels * ceil(K / 2), 32]: int32 (p, k2, j) = bf16(W[32p + j, 2 k2]) | bf16(W[32p + j, 2 k2 + 1])
 // << 16 (zero past K). The op then rounds its input rows to bfloat16 as well (after the RMSNorm, nearest-even)
