@@ -1,6 +1,6 @@
 """Chunked prefill and prefix caching benchmarks on the bench model, each pair side by side in one run.
 
-    python scripts/bench_chunked.py [--sections prefix,itl] [--requests 256] [--streams 64]
+    python scripts/bench_chunked.py [--sections prefix,itl,alpaca] [--requests 256] [--streams 64] [--rounds 2]
 
 1. ``prefix``: a shared-prefix workload (``--requests`` requests, all sent at once, sharing a ``--system``-token
    system prompt, each with its own 10-40-token question and ``--new-tokens`` new tokens): time to first token and
@@ -9,6 +9,10 @@
    while ``--streams`` streams decode: the running streams' inter-token latency (p50/p99/max of the gaps between
    their tokens while long prompts arrive), chunked prefill (step budget ``--budget`` tokens) vs unchunked (a
    long prompt prefilled whole in its own step), prefix caching off in both (the prompts share nothing).
+3. ``alpaca``: the alpaca-shaped workload of ``scripts/benchmark.py`` (256 requests from loadtest.workload, seed 0,
+   at most 64 new tokens, its tuned settings: prefill batches up to 8, decode up to 128, longest_output_first,
+   prompt buckets 32..512), all sent at once, with both features off (the scheduler as before them), chunked
+   prefill alone, and both on (the default), alternating for ``--rounds`` rounds.
 
 The engine runs in process with real agents (native kernels), as ``scripts/bench_engine.py`` does, on the bench
 model (hidden 512, 8 layers, 8/4 heads, ffn 1408, vocab 8000, random weights, cached under ~/.cache/llm-serving);
@@ -117,7 +121,8 @@ def prefix_section(args) -> None:
 def run_itl(args, chunked: bool) -> dict:
     sched = {"enable_prefix_caching": False, "enable_chunked_prefill": chunked,
              "max_num_batched_tokens": args.budget if chunked else args.max_len}
-    cfg = engine_config(args.max_len, args.streams, sched, args.data_dir)
+    # room in the decode batch for the long prompts too: a batch full of streams would keep them waiting
+    cfg = engine_config(args.max_len, args.streams + args.long_requests, sched, args.data_dir)
     engine = start(cfg, "chunked" if chunked else "unchunked")
     rng = random.Random(args.seed)
     try:
@@ -160,9 +165,60 @@ def itl_section(args) -> None:
     print(flush=True)
 
 
+# ---- 3. the alpaca-shaped benchmark: must not get slower ------------------------------------------------------
+ALPACA_MODES = {"both off": (False, False), "chunked prefill": (True, False), "both on (default)": (True, True)}
+
+
+def alpaca_config(chunked: bool, caching: bool, data_dir: str | None) -> ServingConfig:
+    """scripts/benchmark.py's tuned server settings on the bench model."""
+    max_len = 512 + 64
+    return ServingConfig.from_dict({
+        "model_config": {"seq_length": [32, 64, 128, 256, 512], "prefill_batch_size": [1, 4, 8],
+                         "decode_batch_size": [1, 8, 16, 32, 64, 128], "max_generate_length": 64},
+        "pa_config": {"num_blocks": 128 * max_len // 16 + 2, "block_size": 16, "decode_seq_length": max_len},
+        "serving_config": {"max_queue_size": 100000},
+        "scheduler": {"policy": "longest_output_first", "enable_chunked_prefill": chunked,
+                      "enable_prefix_caching": caching},
+        "default_model": dict(BENCH_MODEL, **({"data_dir": data_dir} if data_dir else {})),
+    })
+
+
+def run_alpaca(args, name: str) -> dict:
+    from scripts.bench_engine import alpaca_requests
+
+    engine = start(alpaca_config(*ALPACA_MODES[name], args.data_dir), name)
+    try:
+        requests = [(prompt, SamplingParams(max_new_tokens=min(p.max_new_tokens, 64), ignore_eos=True))
+                    for prompt, p in alpaca_requests(engine, 256, args.seed)]
+        s0, t0 = engine.stats(), time.perf_counter()
+        results = [s.result() for s in [engine.submit(prompt, p) for prompt, p in requests]]
+        wall, s1 = time.perf_counter() - t0, engine.stats()
+    finally:
+        engine.shutdown()
+    tokens = sum(len(r.token_ids) for r in results)
+    return {"wall": wall, "tok_s": tokens / wall, "steps": s1["steps"] - s0["steps"],
+            "tokens": [r.token_ids for r in results]}
+
+
+def alpaca_section(args) -> None:
+    runs: dict[str, list[dict]] = {name: [] for name in ALPACA_MODES}
+    for _ in range(args.rounds):
+        for name in ALPACA_MODES:
+            runs[name].append(run_alpaca(args, name))
+    first = runs["both off"][0]["tokens"]
+    same = all(r["tokens"] == first for rs in runs.values() for r in rs)
+    print(f"### The alpaca-shaped benchmark (scripts/benchmark.py's workload and tuned settings, in process): "
+          f"{args.rounds} rounds, modes alternating\n")
+    print(table(["chunked prefill / prefix caching", "total s (each round)", "output tokens/s (each round)",
+                 "steps"],
+                [[name, " / ".join(f"{r['wall']:.2f}" for r in rs), " / ".join(f"{r['tok_s']:.0f}" for r in rs),
+                  str(rs[0]["steps"])] for name, rs in runs.items()]))
+    print(f"\nSame tokens in every mode and round: {same}.\n", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sections", default="prefix,itl")
+    p.add_argument("--sections", default="prefix,itl,alpaca")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default=None, help="model cache (default: ~/.cache/llm-serving)")
     p.add_argument("--decode-batch", type=int, default=128, help="largest decode batch of the prefix section")
@@ -176,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=1.0)
     p.add_argument("--budget", type=int, default=256, help="step token budget of the chunked run")
     p.add_argument("--max-len", type=int, default=2048, help="max_model_len of the itl section")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the alpaca section")
     args = p.parse_args(argv)
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}, "
@@ -184,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         prefix_section(args)
     if "itl" in sections:
         itl_section(args)
+    if "alpaca" in sections:
+        alpaca_section(args)
     return 0
 
 
