@@ -36,7 +36,7 @@ from agents.mixed_steps import (
 from agents.model import LlamaModel, LlamaStep, load_weights_into
 from agents.parallel import agreed_costs, sharded_graphs
 from agents.ragged_prefill import plan_ragged, ragged_arrays, token_buckets
-from agents.sampler import sample
+from agents.sampler import step_output
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.model_config import (
     ASCEND_DTYPES,
@@ -471,21 +471,7 @@ class ModelRunner:
         sample on the host (``agents.sampler``). The logits leave the device only for such parts and for parts
         with a sequence in ``want_logits``, whose rows (raw model logits, before any penalty) are returned.
         """
-        ids = np.zeros(batch.batch_size, np.int32)
-        logprobs = np.zeros(batch.batch_size, np.float32)
-        wanted: dict[int, np.ndarray] = {}
-        for group, part, (tok, lp, logits) in self._parts(batch):
-            n = part.batch_size
-            tok, lp = tok.asnumpy()[:n], lp.asnumpy()[:n]
-            sampled = part.sampling is not None and part.sampling.needs_logits
-            if sampled or part.want_logits is not None:
-                host = logits.asnumpy()[:n]
-                if sampled:
-                    tok, lp = sample(host, tok, lp, part.sampling)
-                if part.want_logits is not None:
-                    wanted.update((int(group[i]), host[i].copy()) for i in np.flatnonzero(part.want_logits))
-            ids[group], logprobs[group] = tok, lp
-        return StepOutput(ids, logprobs, logits=wanted)
+        return step_output(batch.batch_size, self._parts(batch))
 
     def step_logits(self, batch: StepBatch) -> np.ndarray:
         """Like ``step`` (the KV cache is written the same way) but returns float32 logits ``[B, vocab]`` of each

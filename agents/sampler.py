@@ -16,10 +16,11 @@ row's seed and draw index, which name a sequence within a step), for the agent t
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 
 import numpy as np
 
-from llm_serving.protocol.batch import FAILED_TOKEN, SamplingBatch
+from llm_serving.protocol.batch import FAILED_TOKEN, SamplingBatch, StepBatch, StepOutput
 
 # Top-p looks at this many best candidates first and falls back to a full sort when they hold < top_p mass.
 _TOP_P_CANDIDATES = 256
@@ -110,3 +111,24 @@ def take_failures(sampling: SamplingBatch | None, token_ids: np.ndarray) -> dict
     if sampling is None:
         return dict.fromkeys(rows, unknown)
     return {r: recorded.get((int(sampling.seeds[r]), int(sampling.draw_index[r])), unknown) for r in rows}
+
+
+def step_output(batch_size: int, parts: Iterable[tuple[np.ndarray, StepBatch, tuple]]) -> StepOutput:
+    """A step's output from its graph calls: ``(rows of the batch, their sub-batch, (ids, logprobs, logits))``
+    each, the outputs device tensors padded to the call's bucket. The logits leave the device only for calls with
+    a sampled sequence (sampled here) or a row in ``want_logits`` (returned raw, before any penalty)."""
+    ids = np.zeros(batch_size, np.int32)
+    logprobs = np.zeros(batch_size, np.float32)
+    wanted: dict[int, np.ndarray] = {}
+    for group, part, (tok, lp, logits) in parts:
+        n = part.batch_size
+        tok, lp = tok.asnumpy()[:n], lp.asnumpy()[:n]
+        sampled = part.sampling is not None and part.sampling.needs_logits
+        if sampled or part.want_logits is not None:
+            host = logits.asnumpy()[:n]
+            if sampled:
+                tok, lp = sample(host, tok, lp, part.sampling)
+            if part.want_logits is not None:
+                wanted.update((int(group[i]), host[i].copy()) for i in np.flatnonzero(part.want_logits))
+        ids[group], logprobs[group] = tok, lp
+    return StepOutput(ids, logprobs, logits=wanted)

@@ -25,7 +25,7 @@ from agents.device import apply_jit_config, setup_device
 from agents.mindformers.inputs import check_whole_prompts, shape_arrays, warmup_batch
 from agents.mindformers.model import build_network, load_weights_into
 from agents.ragged_prefill import plan_ragged, token_buckets
-from agents.sampler import sample
+from agents.sampler import step_output
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.model_config import ASCEND_DTYPES, LlamaConfig, blocks_needed
 
@@ -189,23 +189,9 @@ class MindFormersRunner:
         """One prefill or decode step as planned calls; sampled parts and ``want_logits`` rows read the logits."""
         planned = self.plan(batch)
         self._check_cache_indices(batch)
-        ids = np.zeros(batch.batch_size, np.int32)
-        logprobs = np.zeros(batch.batch_size, np.float32)
-        wanted: dict[int, np.ndarray] = {}
-        for group, shape in planned:
-            part = batch.take(group)
-            tok, lp, logits = self._run(shape, shape_arrays(shape, part))
-            n = part.batch_size
-            tok, lp = tok.asnumpy()[:n], lp.asnumpy()[:n]
-            sampled = part.sampling is not None and part.sampling.needs_logits
-            if sampled or part.want_logits is not None:
-                host = logits.asnumpy()[:n]
-                if sampled:
-                    tok, lp = sample(host, tok, lp, part.sampling)
-                if part.want_logits is not None:
-                    wanted.update((int(group[i]), host[i].copy()) for i in np.flatnonzero(part.want_logits))
-            ids[group], logprobs[group] = tok, lp
-        return StepOutput(ids, logprobs, logits=wanted)
+        parts = ((group, part, self._run(shape, shape_arrays(shape, part)))
+                 for group, shape in planned for part in (batch.take(group),))
+        return step_output(batch.batch_size, parts)
 
 
 def build_runner(spec: Any, rank: int, progress: Callable[[str], None]) -> MindFormersRunner:
