@@ -20,8 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from loadtest.local_server import free_port, stop
+
 MODES = ("off", "cold", "warm")
 
 
@@ -47,12 +47,6 @@ class Run:
     load: float
     phases: dict[str, float] = field(default_factory=dict)
     graphs: int = 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prepare(work: Path) -> dict[str, Path]:
@@ -136,12 +130,7 @@ def run_once(name: str, config: Path, mode: str, log_dir: Path, env: dict[str, s
             time.sleep(0.05)
     finally:
         load = os.getloadavg()[0]
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
         reader.join(5)
         (log_dir / f"{name}_{mode}_{int(time.time())}.log").write_text(
             "".join(f"{t:8.2f} {line}\n" for t, line in lines))

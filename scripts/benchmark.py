@@ -24,8 +24,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +41,7 @@ from llm_serving.protocol.model_config import LlamaConfig
 from loadtest import BenchError
 from loadtest.client import benchmark, wait_ready
 from loadtest.dataset import BenchRequest, TokenCounter, build_requests
+from loadtest.local_server import free_port, stop
 from loadtest.protocol import BenchConfig
 from loadtest.workload import WorkloadSpec, make_workload
 
@@ -139,12 +138,6 @@ def expected_texts(model_dir: Path, reqs: list[BenchRequest], outs: list[list[in
 
 
 # ------------------------------------------------------------------------------------------ our server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def write_config(path: Path, model_dir: Path, prefill: tuple[int, ...], decode: tuple[int, ...],
                  policy: str, max_out: int, precision: str = "exact") -> Path:
     """A serving YAML for the bench model; the cache holds every sequence at full length. ``precision``:
@@ -188,12 +181,7 @@ def run_server(name: str, tag: str, config: Path, reqs: list[BenchRequest], expe
         print(f"[benchmark] {name}: ready after {time.perf_counter() - t_start:.1f}s", flush=True)
         run = asyncio.run(benchmark(reqs, cfg, progress=False))
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
     ok = [r for r in run.results if r.success]
     matched = sum(r.success and r.text == expected[r.index] for r in run.results)
     for r in run.results:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.local_server import stop
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = """\
 model_config: {seq_length: [32], prefill_batch_size: [2], decode_batch_size: [4], kernels: native}
@@ -98,9 +100,4 @@ def test_the_installed_package_serves(installed, tmp_path):
             answer = json.loads(resp.read())
         assert answer["generated_tokens"] == 5 and answer["finish_reason"] == "length"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, signal.SIGTERM)

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +41,7 @@ from peers.peer_io import (
 from loadtest import BenchError
 from loadtest.client import benchmark, wait_ready
 from loadtest.dataset import BenchRequest
+from loadtest.local_server import free_port, stop
 from loadtest.protocol import BenchConfig
 
 HERE = Path(__file__).resolve().parent
@@ -149,16 +148,10 @@ def continuation_texts(tokenizer, reqs: Sequence[PeerRequest], outs: Sequence[Se
 
 
 # ------------------------------------------------------------------------------------------ our server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def served(config: Path, log_path: Path, timeout: float) -> Iterator[tuple[int, float]]:
     """Our server on a free port: yields (port, seconds from process start to /health answering)."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "llm_serving", "serve", "--config", str(config), "--port", str(port)]
     print(f"[peers] ours: {' '.join(cmd)} (log {log_path})", flush=True)
     with open(log_path, "w") as log:
@@ -175,12 +168,7 @@ def served(config: Path, log_path: Path, timeout: float) -> Iterator[tuple[int, 
                     raise SystemExit(f"our server did not start ({e}); log tail:\n{log_path.read_text()[-1500:]}")
         yield port, time.perf_counter() - t0
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def ours_level(port: int, reqs: Sequence[PeerRequest], level: int, expected: Sequence[str]) -> tuple[LevelRun,
