@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", default="/tmp/llm-serving-precision")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--steps", action="store_true", help="time graph calls per mode instead (no HF, no servers)")
+    p.add_argument("--speed-only", action="store_true",
+                   help="only the served rounds: no HF reference, no dumps, texts not compared")
     p.add_argument("--context", type=int, default=256, help="decode context of --steps")
     return p.parse_args(argv)
 
@@ -176,33 +178,35 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [r.max_new_tokens for r in reqs]
     prompts_file = work / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
-    t0 = time.perf_counter()
-    hf_ids, hf_logits = hf_reference(model_dir, prompts, lengths)
-    print(f"[precision] HF reference: {len(reqs)} requests, {sum(lengths)} positions in "
-          f"{time.perf_counter() - t0:.0f}s", flush=True)
-
     configs = {m: benchmark.write_config(work / f"config_{m}.yaml", model_dir, benchmark.TUNED["prefill"],
                                          benchmark.TUNED["decode"], "longest_output_first", args.max_output_tokens,
                                          precision=m) for m in args.modes}
+    hf_ids: list = []
+    if not args.speed_only:
+        t0 = time.perf_counter()
+        hf_ids, hf_logits = hf_reference(model_dir, prompts, lengths)
+        print(f"[precision] HF reference: {len(reqs)} requests, {sum(lengths)} positions in "
+              f"{time.perf_counter() - t0:.0f}s", flush=True)
     reports = []
-    for mode in args.modes:
+    for mode in [] if args.speed_only else args.modes:
         dump = work / f"dump_{mode}"
         ids, seconds = run_generate(configs[mode], prompts_file, dump, max(lengths))
         reports.append(precision_report(mode, ids, dump, hf_ids, hf_logits))
         print(f"[precision] {mode}: generate took {seconds:.0f}s; {reports[-1]}", flush=True)
 
-    print("\n| mode | requests with ids = HF | positions on HF's context | within 5 per mille | worst error "
-          "| median error | requests within 5 per mille at every position | worst error, every position |")
-    print("|---|---|---|---|---|---|---|---|")
+    if reports:
+        print("\n| mode | requests with ids = HF | positions on HF's context | within 5 per mille | worst error "
+              "| median error | requests within 5 per mille at every position | worst error, every position |")
+        print("|---|---|---|---|---|---|---|---|")
     for r in reports:
         print(f"| {r['mode']} | {r['identical']}/{r['requests']} | {r['positions']} | {r['pass_rate']:.2%} "
               f"| {r['worst'] * 1e3:.2f} per mille | {r['median'] * 1e3:.2f} per mille | {r['files_pass']}/{r['requests']} "
               f"| {r['worst_all'] * 1e3:.1f} per mille |")
 
     if args.rounds:
-        expected = benchmark.expected_texts(model_dir, reqs, [
-            ids[: next((k for k, t in enumerate(ids) if t == benchmark.EOS), len(ids))] for ids in hf_ids])
         # the servers stop at EOS: the HF text is its ids up to the first EOS (generation is causal)
+        expected = [""] * len(reqs) if args.speed_only else benchmark.expected_texts(model_dir, reqs, [
+            ids[: next((k for k, t in enumerate(ids) if t == benchmark.EOS), len(ids))] for ids in hf_ids])
         rows: dict[str, list] = {m: [] for m in args.modes}
         server_args = argparse.Namespace(startup_timeout=args.startup_timeout)
         for rnd in range(args.rounds):
