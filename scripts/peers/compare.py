@@ -49,15 +49,16 @@ ROOT = HERE.parent.parent
 EOS = 2
 # torch on 1 thread: on this shared 2-core machine, under other jobs' load, its OpenMP threads spin against
 # them; one greedy request took 1.4 s on 1 thread and 7.9 s on 2 (load average ~7). The same holds for
-# CTranslate2 (its runner's --threads).
-HF_THREADS = 1
+# CTranslate2 (its runner's --threads). On a quiet machine give them every core: LLM_SERVING_PEER_THREADS=2.
+HF_THREADS = int(os.environ.get("LLM_SERVING_PEER_THREADS", "1"))
 # name -> (peer_env.sh name, runner, extra runner arguments given the work dir)
 PEERS = {
     "openvino": ("openvino", "run_openvino.py", lambda w: ["--ir-dir", str(w / "peer-openvino-ir"),
                                                            "--precision", "f32"]),
     "openvino-default": ("openvino", "run_openvino.py", lambda w: ["--ir-dir", str(w / "peer-openvino-ir"),
                                                                    "--precision", "default"]),
-    "ctranslate2": ("ctranslate2", "run_ctranslate2.py", lambda w: ["--ct2-dir", str(w / "peer-ctranslate2")]),
+    "ctranslate2": ("ctranslate2", "run_ctranslate2.py", lambda w: ["--ct2-dir", str(w / "peer-ctranslate2"),
+                                                                    "--threads", str(HF_THREADS)]),
 }
 LABELS = {"openvino": "OpenVINO GenAI, f32", "openvino-default": "OpenVINO GenAI, CPU defaults",
           "ctranslate2": "CTranslate2, float32"}
