@@ -75,6 +75,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-rounds", type=int, default=1, help="rounds, alternating the systems (default 1)")
     p.add_argument("--peers-only", action="store_true",
                    help="with --peers: only that section (--write-doc then appends it to the file as it is)")
+    p.add_argument("--ours-precision", default="exact", choices=["exact", "half", "fast"],
+                   help="model_config.precision of our server in that section (default exact)")
 
 
 def parse_levels(text: str) -> list[int]:
