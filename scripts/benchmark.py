@@ -347,9 +347,10 @@ def main(argv: list[str] | None = None) -> int:
 def run_peers(args: argparse.Namespace, work: Path, model_dir: Path, reqs: list[BenchRequest]) -> None:
     """The section against CPU peers (scripts/peers/compare.py), appended to --write-doc's file."""
     cfg_path = write_config(work / "config_peers.yaml", model_dir, TUNED["prefill"], TUNED["decode"],
-                            "longest_output_first", args.max_output_tokens)
+                            "longest_output_first", args.max_output_tokens, args.ours_precision)
     peer_md = peer_section(args, model_dir, [r.prompt for r in reqs], [r.max_new_tokens for r in reqs], cfg_path,
-                           "/v1/completions streamed, prefill <=8, decode <=128, longest_output_first", work)
+                           "/v1/completions streamed, prefill <=8, decode <=128, longest_output_first, "
+                           f"precision {args.ours_precision}", work)
     print("\n" + peer_md, flush=True)
     if args.write_doc:
         with open(ROOT / args.write_doc, "a") as f:
