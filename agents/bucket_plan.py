@@ -14,6 +14,15 @@ from collections.abc import Callable
 import numpy as np
 
 
+def powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
+    """``start, 2*start, ...`` below ``limit``, then ``limit``: bucket sizes whose padding stays under half."""
+    out, v = [], start
+    while v < limit:
+        out.append(v)
+        v *= 2
+    return tuple(out) + (limit,)
+
+
 def plan_groups(lengths: np.ndarray, batch_buckets: tuple[int, ...],
                 cost: Callable[[int, int], float]) -> list[np.ndarray]:
     """Groups of sequence indices (each sorted by length) minimising the summed ``cost(count, longest)``.

@@ -20,7 +20,7 @@ import numpy as np
 from mindspore import Tensor
 
 from agents.backends import OpsBackend, select_backend
-from agents.bucket_plan import plan_groups
+from agents.bucket_plan import plan_groups, powers_of_two_up_to
 from agents.device import apply_jit_config, setup_device
 from agents.mixed_steps import (
     MixedStep,
@@ -54,18 +54,10 @@ log = logging.getLogger(__name__)
 MS_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}  # keyed by protocol DTYPES
 
 
-def _powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
-    out, v = [], start
-    while v < limit:
-        out.append(v)
-        v *= 2
-    return tuple(out) + (limit,)
-
-
 @dataclass(frozen=True)
 class RunnerConfig:
-    """Cache geometry and shape buckets. ``decode_block_widths`` defaults to powers of two up to the most
-    blocks one sequence can hold (``max_model_len / block_size``)."""
+    """Cache geometry and shape buckets. ``decode_block_widths`` left empty is the runner's choice
+    (``with_decode_widths``)."""
 
     num_blocks: int
     block_size: int
@@ -104,8 +96,15 @@ class RunnerConfig:
         if self.prefill_seq_lengths[-1] > self.max_model_len:
             raise ValueError(f"prefill seq length {self.prefill_seq_lengths[-1]} exceeds max_model_len "
                              f"{self.max_model_len}")
-        if not self.decode_block_widths:
-            object.__setattr__(self, "decode_block_widths", _powers_of_two_up_to(self.max_blocks_per_seq, 4))
+
+    def with_decode_widths(self, full_width: bool) -> RunnerConfig:
+        """This config with ``decode_block_widths`` set where left empty: one full-width block table where a wider
+        table costs nothing (native attention reads each row's own context: measured equal), so fewer shapes to
+        compile; else powers of two up to the most blocks one sequence can hold (``max_model_len / block_size``)."""
+        if self.decode_block_widths:
+            return self
+        top = self.max_blocks_per_seq
+        return replace(self, decode_block_widths=(top,) if full_width else powers_of_two_up_to(top, 4))
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -168,11 +167,7 @@ class ModelRunner:
         # Where the projections skip a bucket's padding rows (the native CPU ones), a padded row costs next to
         # nothing and splitting a decode batch to save padding never pays.
         self.skips_padding = self.backend.skips_padding
-        if self.skips_padding and rc.decode_block_widths == _powers_of_two_up_to(rc.max_blocks_per_seq, 4):
-            # Default widths, native attention (it reads each row's own context: a wider table costs nothing,
-            # measured equal): one full-width graph per decode batch instead of one per power of two, fewer
-            # shapes to compile at start-up (tuned config: 30 -> 6 decode graphs)
-            self.rc = rc = replace(rc, decode_block_widths=(rc.max_blocks_per_seq,))
+        self.rc = rc = rc.with_decode_widths(full_width=self.skips_padding)
         self.token_buckets = token_buckets(rc.prefill_batch_sizes, rc.prefill_seq_lengths, rc.max_model_len)
         self.model = LlamaModel(config, rc.num_blocks, rc.block_size, rc.max_model_len, MS_DTYPES[rc.dtype],
                                 self.backend, self.shard)

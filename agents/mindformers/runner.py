@@ -20,7 +20,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn
 
-from agents.bucket_plan import plan_groups
+from agents.bucket_plan import plan_groups, powers_of_two_up_to
 from agents.device import apply_jit_config, setup_device
 from agents.mindformers.inputs import check_whole_prompts, shape_arrays, warmup_batch
 from agents.mindformers.model import build_network, load_weights_into
@@ -64,12 +64,9 @@ class MindFormersRunnerConfig:
 
     @property
     def decode_block_widths(self) -> tuple[int, ...]:
-        """Powers of two from 4 up to the blocks of one ``max_model_len`` sequence (as ``RunnerConfig``)."""
-        out, v = [], 4
-        while v < self.max_blocks_per_seq:
-            out.append(v)
-            v *= 2
-        return tuple(out) + (self.max_blocks_per_seq,)
+        """Powers of two from 4 up to the blocks of one ``max_model_len`` sequence (as ``RunnerConfig``'s default
+        where wider tables cost more)."""
+        return powers_of_two_up_to(self.max_blocks_per_seq, 4)
 
     def shapes(self) -> list[tuple]:
         """Every graph shape: ragged prefill token buckets, then decode batch x block-table width."""
