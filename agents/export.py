@@ -65,7 +65,8 @@ def export_graphs(runner: ModelRunner, out_dir: str | Path, shapes: list[tuple] 
     """Export ``shapes`` (default: every warm-up shape) of the runner's graphs to ``out_dir``, each with the
     inputs ``warmup()`` runs it with."""
     shapes = shapes if shapes is not None else runner.graph_shapes()
-    return export_shapes(runner, lambda kind: runner.graphs[kind], out_dir, shapes, graph_file_name, describe, progress)
+    return export_shapes(runner, lambda kind: runner.graphs[kind].cell, out_dir, shapes, graph_file_name, describe,
+                         progress)
 
 
 def main(argv: list[str] | None = None) -> int:

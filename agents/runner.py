@@ -22,6 +22,7 @@ from mindspore import Tensor
 from agents.backends import OpsBackend, select_backend
 from agents.bucket_plan import plan_groups, powers_of_two_up_to
 from agents.device import apply_jit_config, setup_device
+from agents.graph_call import CompiledCell
 from agents.mixed_steps import (
     MixedStep,
     chunk_arrays,
@@ -176,6 +177,7 @@ class ModelRunner:
         decode = LlamaStep(self.model, is_prefill=False)
         for step in (prefill, decode):
             apply_jit_config(step, rc.device_target)
+        prefill, decode = CompiledCell(prefill), CompiledCell(decode)
         self.graphs = {"prefill": prefill, "ragged": prefill, "decode": decode}
         if rc.mixed_steps:
             if not self.backend.chunked_prefill:
@@ -183,6 +185,7 @@ class ModelRunner:
                                  "scheduler.enable_chunked_prefill and enable_prefix_caching to false")
             mixed = MixedStep(self.model)
             apply_jit_config(mixed, rc.device_target)
+            mixed = CompiledCell(mixed)
             self.graphs.update(mixed=mixed, chunk=mixed)
         # the mixed-step shapes by kind, largest last: ragged ("mixed") or padded ("chunk")
         self.mixed_shapes = {kind: [s for s in rc.mixed_shapes(self.ragged_prefill) if s[0] == kind]
