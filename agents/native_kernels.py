@@ -96,10 +96,10 @@ class NativeOps:
     """The native ops (built from ``agents/kernels/``).
 
     Attention (``paged_attention.cc``): ``decode(qkv, cos, sin, slot_mapping, block_tables, context_lens,
-    block_offsets, *key_caches, *value_caches)`` and ``prefill(qkv, cos, sin, slot_mapping, query_lens,
-    *key_caches, *value_caches)`` (ragged: the prompts back to back) and ``chunked(qkv, cos, sin, slot_mapping,
-    query_lens, context_lens, block_tables, block_offsets, *key_caches, *value_caches)`` (ragged chunks over cached
-    context, ``agents.mixed_steps``) return ``[tokens, hidden_size]`` and write the step's K/V into the caches in
+    block_offsets, kv_cache)`` and ``prefill(qkv, cos, sin, slot_mapping, query_lens, kv_cache)`` (ragged: the
+    prompts back to back) and ``chunked(qkv, cos, sin, slot_mapping, query_lens, context_lens, block_tables,
+    block_offsets, kv_cache)`` (ragged chunks over cached context, ``agents.mixed_steps``) return ``[tokens,
+    hidden_size]`` and write the step's K/V into the layer's ``kv_cache`` ``[2 * kv_heads, slots, head_dim]`` in
     place. ``greedy(logits) -> (token ids, log-probabilities)``
     (``greedy_pick.cc``). The projections (``linear.cc``, weights packed by ``agents.packed_weights``) are made
     per output width by the methods below; the native CPU backend (``agents.backends.native_cpu``) uses them

@@ -1,7 +1,7 @@
 """The native CPU backend (float32): our C++ ops (``agents.native_kernels``) as MindSpore AOT Custom ops.
 
 Attention is one op per layer and step that ropes, writes the cache in place and attends without copying the
-context; it reads the portable backend's cache layout (one 2-D Parameter per kv head). Prefill takes the prompts
+context; each layer's cache is one Parameter holding every kv head's keys and values. Prefill takes the prompts
 back to back (``agents.ragged_prefill``). Where the projection kernel is vectorized (AVX-512 builds), the
 projections are native too, fused with the norms, SwiGLU and residual adds, with weights in the panel layout of
 ``agents.packed_weights`` and a bucket's padding rows skipped; elsewhere MindSpore's MatMul stays (our plain-loop
@@ -16,7 +16,6 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from agents.backends.base import Attention, OpsBackend
-from agents.backends.portable import kv_head_caches
 from agents.native_kernels import NativeOps, native_ops
 from llm_serving.protocol.model_config import LlamaConfig
 
@@ -30,25 +29,27 @@ class NativeAttention(Attention):
         self.prefill_op = native.prefill
         self.decode_op = native.decode
         self.chunked_op = native.chunked
-        self.key_cache, self.value_cache = kv_head_caches(config.num_key_value_heads, num_blocks * block_size,
-                                                          config.head_dim, dtype)
+        # One Parameter per layer, [2 * kv_heads, slots, head_dim] (the key heads, then the value heads): every
+        # Parameter a graph reads costs MindSpore's runtime microseconds on each call, and a step reads every
+        # layer's cache (one per kv head and kind made a batch-1 decode step measurably slower).
+        shape = (2 * config.num_key_value_heads, num_blocks * block_size, config.head_dim)
+        self.kv_cache = Parameter(Tensor(np.zeros(shape), dtype), name="kv_cache", requires_grad=False)
         self.block_offsets = Tensor(np.arange(block_size, dtype=np.int32))
 
     def caches(self) -> tuple[Parameter, ...]:
-        return (*self.key_cache, *self.value_cache)
+        return (self.kv_cache,)
 
     def construct(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
                   block_tables: Tensor, is_prefill: bool) -> Tensor:
         if is_prefill:
-            return self.prefill_op(qkv, cos, sin, slot_mapping, lens, *self.key_cache, *self.value_cache)
-        return self.decode_op(qkv, cos, sin, slot_mapping, block_tables, lens, self.block_offsets,
-                              *self.key_cache, *self.value_cache)
+            return self.prefill_op(qkv, cos, sin, slot_mapping, lens, self.kv_cache)
+        return self.decode_op(qkv, cos, sin, slot_mapping, block_tables, lens, self.block_offsets, self.kv_cache)
 
     def chunked(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, query_lens: Tensor,
                 context_lens: Tensor, block_tables: Tensor) -> Tensor:
         """Ragged chunks over cached context: one native op (``ChunkedPrefillAttention``)."""
         return self.chunked_op(qkv, cos, sin, slot_mapping, query_lens, context_lens, block_tables,
-                               self.block_offsets, *self.key_cache, *self.value_cache)
+                               self.block_offsets, self.kv_cache)
 
 
 class NativeNormOp(nn.Cell):

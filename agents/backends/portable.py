@@ -22,7 +22,7 @@ _NEG_INF = -1e30
 def kv_head_caches(num_kv: int, num_slots: int, head_dim: int, dtype: ms.Type) -> tuple[ParameterTuple,
                                                                                          ParameterTuple]:
     """Zeroed K and V caches, one ``[num_slots, head_dim]`` Parameter per kv head (``key_cache_{h}``,
-    ``value_cache_{h}``): the layout of this backend, which the native CPU ops read too."""
+    ``value_cache_{h}``): the layout of this backend (the native CPU backend keeps one Parameter per layer)."""
     zeros = np.zeros((num_slots, head_dim))
     return tuple(ParameterTuple([Parameter(Tensor(zeros, dtype), name=f"{kind}_cache_{h}", requires_grad=False)
                                  for h in range(num_kv)]) for kind in ("key", "value"))

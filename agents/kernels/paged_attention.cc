@@ -10,14 +10,15 @@
 //
 // Common inputs (float32 unless noted): qkv [tokens, (heads + 2 * kv_heads) * head_dim], the fused projection;
 // cos, sin [tokens, head_dim], rotary tables at each token's position (rotate-half layout); slot_mapping
-// [tokens] int32, the cache slot of each token's key/value; then kv_heads key caches and kv_heads value caches,
-// each [num_slots, head_dim], written in place at slot_mapping. Output: [tokens, heads * head_dim].
+// [tokens] int32, the cache slot of each token's key/value; then the layer's cache [2 * kv_heads, num_slots,
+// head_dim] (the key heads, then the value heads), written in place at slot_mapping. Output: [tokens, heads *
+// head_dim].
 //
-// PagedDecodeAttention: one token per sequence (tokens = batch). Between slot_mapping and the caches:
+// PagedDecodeAttention: one token per sequence (tokens = batch). Between slot_mapping and the cache:
 //   block_tables [batch, width] int32, context_lens [batch] int32 (the new token included; 0 = padding row, which
 //   writes nothing and gives zeros), block_offsets [block_size] int32 (only its length is read).
 // PackedPrefillAttention: the prompts of the call packed back to back, causal attention within each. Between
-//   slot_mapping and the caches: query_lens [batch] int32 (0 = padding sequence); tokens past their sum are
+//   slot_mapping and the cache: query_lens [batch] int32 (0 = padding sequence); tokens past their sum are
 //   padding: they write nothing and give zeros.
 // ChunkedPrefillAttention (at the end of this file): queries over cached context through the block tables, causal
 //   within each sequence's chunk: chunked prefill, prefill after a prefix-cache hit, and decode tokens in one call.
@@ -366,21 +367,23 @@ struct Layer {
   float *out_row(int64_t token, int64_t h) const { return out + token * heads() * dim + h * rep * dim; }
 };
 
-// Validates the common inputs (the ``n_kv`` key and value caches start at ``first_cache``; 1 unless there is at
-// least one of each, so callers may index the inputs before them) and fills ``layer``.
+// Validates the common inputs (the layer's cache at ``first_cache``: float32 [2 * n_kv, slots, dim], the n_kv
+// key heads then the n_kv value heads; the output after it) and fills ``layer``. One cache input per layer, not
+// one per head: each graph input costs MindSpore's runtime microseconds on every call.
 int parse_layer(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, int first_cache,
                 std::vector<float *> &caches, Layer &layer) {
-  const int n_kv = (nparam - first_cache - 1) / 2;
-  if (n_kv < 1 || nparam != first_cache + 1 + 2 * n_kv) return 1;
-  if (ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || ndims[3] != 1) return 1;
+  if (nparam != first_cache + 2) return 1;
+  if (ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || ndims[3] != 1 || ndims[first_cache] != 3) return 1;
   for (int i = 0; i < nparam - 1; ++i) {
     const bool is_index = i >= 3 && i < first_cache;
     if (!is_dtype(dtypes[i], is_index ? "int32" : "float32")) return 2;
-    if (i >= first_cache && (ndims[i] != 2 || shapes[i][0] != shapes[first_cache][0] ||
-                             shapes[i][1] != shapes[first_cache][1])) return 3;
   }
-  caches.assign(2 * n_kv, nullptr);
-  for (int i = 0; i < 2 * n_kv; ++i) caches[i] = static_cast<float *>(params[first_cache + i]);
+  const int64_t *cache_shape = shapes[first_cache];
+  const int64_t n_kv = cache_shape[0] / 2;
+  if (n_kv < 1 || cache_shape[0] != 2 * n_kv) return 3;
+  auto *cache = static_cast<float *>(params[first_cache]);
+  caches.assign(static_cast<size_t>(2 * n_kv), nullptr);
+  for (int64_t i = 0; i < 2 * n_kv; ++i) caches[i] = cache + i * cache_shape[1] * cache_shape[2];
   layer.qkv = static_cast<const float *>(params[0]);
   layer.cos = static_cast<const float *>(params[1]);
   layer.sin = static_cast<const float *>(params[2]);
@@ -389,8 +392,8 @@ int parse_layer(int nparam, void **params, int *ndims, int64_t **shapes, const c
   layer.values = caches.data() + n_kv;
   layer.out = static_cast<float *>(params[nparam - 1]);
   layer.n_kv = n_kv;
-  layer.dim = shapes[first_cache][1];
-  layer.num_slots = shapes[first_cache][0];
+  layer.dim = cache_shape[2];
+  layer.num_slots = cache_shape[1];
   const int64_t tokens = shapes[0][0], heads = shapes[0][1] / layer.dim - 2 * n_kv;
   layer.rep = heads / n_kv;
   if (layer.dim % 2 != 0 || layer.rep < 1 || layer.rep * n_kv != heads || layer.qkv_width() != shapes[0][1] ||
