@@ -339,9 +339,10 @@ class ModelRunner:
         in context order (the attention op reads each row's own context, so the table's width costs nothing)."""
         if self.shape_for(False, 1, int(context_lens.max())) is None:
             raise ValueError("no compiled width holds the longest context")
-        order = np.argsort(context_lens, kind="stable")
-        calls = -(-len(order) // self.rc.decode_batch_sizes[-1])
-        return np.array_split(order, calls)
+        calls = -(-len(context_lens) // self.rc.decode_batch_sizes[-1])
+        if calls == 1:  # in batch order: the call takes the step as it is (StepBatch.take copies nothing)
+            return [np.arange(len(context_lens))]
+        return np.array_split(np.argsort(context_lens, kind="stable"), calls)
 
     def bucket_inputs(self, batch: StepBatch) -> tuple[tuple, list[np.ndarray]]:
         """The batch padded to its bucket: ``((kind, batch, n), graph input arrays)`` (see ``graph_shapes``)."""

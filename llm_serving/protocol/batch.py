@@ -80,9 +80,14 @@ class StepBatch:
         return int(self.input_ids.shape[0])
 
     def take(self, indices: np.ndarray) -> StepBatch:
-        """A step of only the sequences at ``indices``, in that order (each keeps all its tokens)."""
-        starts = np.concatenate([[0], np.cumsum(self.query_lens)])[:-1]
-        tokens = np.concatenate([np.arange(starts[i], starts[i] + self.query_lens[i]) for i in indices.tolist()])
+        """A step of only the sequences at ``indices``, in that order (each keeps all its tokens); this very
+        step when that is all of them in order (the usual decode call: no copies)."""
+        if len(indices) == self.batch_size and np.array_equal(indices, np.arange(self.batch_size)):
+            return self
+        lens = self.query_lens[indices]
+        starts = (np.cumsum(self.query_lens) - self.query_lens)[indices]  # of each taken sequence's tokens here
+        # token t of the result is token t - (its sequence's start there) + (its start here)
+        tokens = np.arange(int(lens.sum())) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
         want = self.want_logits[indices] if self.want_logits is not None else None
         return StepBatch(self.is_prefill, self.input_ids[tokens], self.positions[tokens], self.slot_mapping[tokens],
                          self.query_lens[indices], self.context_lens[indices], self.block_tables[indices],
