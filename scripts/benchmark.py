@@ -13,8 +13,9 @@ contest's streaming endpoint. Every request must succeed and its greedy text mus
 fails otherwise). The compute-roofline lower bound is the model FLOPs of all prefill and decode tokens divided
 by the best matmul rate measured in the same run, before and after the runs, of a plain MindSpore matmul and of
 our own packed-weight GEMM on the same sizes (in a subprocess, so torch and MindSpore never share a process).
-Prints a markdown table; ``--write-doc`` also writes it with the command. ``--peers openvino,ctranslate2``
-adds a section against CPU peers at several concurrency levels (scripts/peers/compare.py).
+Prints a markdown table; ``--write-doc`` also writes it with the command. ``--peers openvino,ctranslate2,llamacpp``
+adds a section against CPU peers at several concurrency levels (scripts/peers/compare.py; llama.cpp serves one
+sequence at a time and runs only 1 in flight).
 """
 
 from __future__ import annotations

@@ -1,19 +1,22 @@
 """The parts of benchmark.py --peers that need no peer venv: the request/result files a runner reads and writes,
-the closed-loop limiter the in-process peers use, the id comparison, and token-id/ignore_eos bodies of the
-load client. The runners themselves (OpenVINO GenAI, CTranslate2) run only in the benchmark (docs/benchmarks.md).
+the closed-loop limiter the in-process peers use, the id comparison, the section's rows for levels a peer does
+not run, llama.cpp's greedy loop (with fakes for the model) and token-id/ignore_eos bodies of the load client.
+The runners themselves (OpenVINO GenAI, CTranslate2, llama.cpp) run only in the benchmark (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
 
-from peers.compare import parse_levels
+from peers.compare import System, markdown, parse_levels
 from peers.peer_io import (
     SATURATION,
     ClosedLoop,
@@ -82,6 +85,46 @@ def test_results_round_trip_and_summary(tmp_path):
     assert s["mean_tpot_s"] == pytest.approx(0.2)
     # our server's timings carry a token count, not ids
     assert Timing(3, None, 0.0, 1.0, 0.2, tokens=5).tpot == pytest.approx(0.2)
+
+
+def test_results_say_why_levels_were_not_run(tmp_path):
+    res = PeerResult("llamacpp", "0.3", "s", 1.0, 0.5, [LevelRun(1, 1.0, [])], not_run="one sequence at a time")
+    write_results(tmp_path / "o.json", res)
+    assert read_results(tmp_path / "o.json") == res
+    obj = json.loads((tmp_path / "o.json").read_text())
+    del obj["not_run"]  # a file from a runner that runs every level
+    (tmp_path / "o.json").write_text(json.dumps(obj))
+    assert read_results(tmp_path / "o.json").not_run == ""
+
+
+def test_section_rows_of_a_level_a_peer_does_not_run():
+    def run(level: int, wall: float) -> LevelRun:
+        return LevelRun(level, wall, [Timing(0, [5, 6], 0.0, wall, 0.1 * wall)])
+
+    hf = System("HF", "baseline", runs={1: [run(1, 2.0)]})
+    ours = System("ours", "served", runs={1: [run(1, 1.0), run(1, 1.0)], 8: [run(8, 0.5), run(8, 0.5)]})
+    llama = System("llama.cpp, F32", "F32", runs={1: [run(1, 0.5), run(1, 0.5)]}, not_run="one sequence at a time")
+    args = argparse.Namespace(peer_rounds=2, max_output_tokens=2, low_load_requests=1)
+    md = markdown([hf, ours, llama], ours, [1, 8], args, (0.0, 0.0, 0.0), (0.0, 0.0, 0.0))
+    one, eight = md.split("#### 8 in flight")
+    assert "| llama.cpp, F32 | 0/0 | 2 | 0.50 | 4.0 | 2.00x |" in one
+    assert "| llama.cpp, F32 | not run: one sequence at a time | | | | | | | |" in eight
+    assert "- llama.cpp, F32: 1 in flight 0.50, 0.50\n" in eight  # no empty "8 in flight" in the round totals
+
+
+def test_llamacpp_greedy_loop_makes_exactly_n_ids_whatever_they_are(monkeypatch):
+    """Every pick is EOS (2): the loop still makes n ids, evaluating the prompt once and each pick but the last
+    (the runner itself needs llama_cpp, which only its venv has)."""
+    monkeypatch.syspath_prepend(str(SCRIPTS / "peers"))
+    from run_llamacpp import context_size, greedy
+
+    evaluated: list[list[int]] = []
+    clock = iter([7.0, 99.0])
+    ids, first = greedy(lambda ids: evaluated.append(list(ids)), lambda: 2, [1, 10, 11], 4, lambda: next(clock))
+    assert ids == [2, 2, 2, 2] and first == 7.0
+    assert evaluated == [[1, 10, 11], [2], [2], [2]]
+    assert greedy(lambda ids: evaluated.append(list(ids)), lambda: 5, [1], 1)[0] == [5]
+    assert context_size(request_file()) == 3 + 8  # the longest prompt + its max_new_tokens
 
 
 def test_closed_loop_keeps_the_limit_and_the_order():

@@ -1,4 +1,4 @@
-"""Peer rows of scripts/benchmark.py (``--peers openvino,ctranslate2``): us against other CPU engines.
+"""Peer rows of scripts/benchmark.py (``--peers openvino,ctranslate2,llamacpp``): us against other CPU engines.
 
 Every system gets the same token-id prompts, greedy, EOS ignored (each request generates exactly its
 max_new_tokens, so all produce the same number of tokens), at several concurrency levels: saturation (every
@@ -6,9 +6,10 @@ request at once), 1 and 8 in flight (closed loop: a new request starts when one 
 Hugging Face transformers, one request at a time (the baseline). Our tuned server is served over HTTP
 (/v1/completions, streamed, the load client's --max-concurrency); its answer is text, so ours is compared with
 the HF ids' text, the peers' ids with the HF ids. Each peer runs in its own venv (scripts/peer_env.sh) through
-its runner (run_<peer>.py: request file in, per-request ids and times out, peer_io's formats). Rounds alternate
-the systems, so a slow minute of this shared machine does not land on one system only. Conversion, model load
-and warm-up are outside the timed part and reported apart.
+its runner (run_<peer>.py: request file in, per-request ids and times out, peer_io's formats). A peer that
+serves one sequence at a time (llama-cpp-python) runs only the level 1 in flight; its rows at other levels say
+why they are empty. Rounds alternate the systems, so a slow minute of this shared machine does not land on one
+system only. Conversion, model load and warm-up are outside the timed part and reported apart.
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ PEERS = {
                                                                    "--precision", "default"]),
     "ctranslate2": ("ctranslate2", "run_ctranslate2.py", lambda w: ["--ct2-dir", str(w / "peer-ctranslate2"),
                                                                     "--threads", str(HF_THREADS)]),
+    "llamacpp": ("llamacpp", "run_llamacpp.py", lambda w: ["--gguf-dir", str(w / "peer-llamacpp-gguf"),
+                                                           "--threads", str(HF_THREADS)]),
 }
 LABELS = {"openvino": "OpenVINO GenAI, f32", "openvino-default": "OpenVINO GenAI, CPU defaults",
-          "ctranslate2": "CTranslate2, float32"}
+          "ctranslate2": "CTranslate2, float32", "llamacpp": "llama.cpp, F32"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -69,7 +72,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default="", help=f"comma-separated peers to add ({', '.join(PEERS)}): a section "
                    "against them, each installed in its own venv on first use (scripts/peer_env.sh)")
     p.add_argument("--concurrency", default="all,1,8",
-                   help="levels for --peers: 'all' = every request at once, N = N in flight (default all,1,8)")
+                   help="levels for --peers: 'all' = every request at once, N = N in flight (default all,1,8; "
+                   "llamacpp runs only 1)")
     p.add_argument("--low-load-requests", type=int, default=64,
                    help="levels other than 'all' run only the first this many requests (default 64)")
     p.add_argument("--peer-rounds", type=int, default=1, help="rounds, alternating the systems (default 1)")
@@ -107,6 +111,7 @@ class System:
     runs: dict[int, list[LevelRun]] = field(default_factory=dict)
     matched: dict[int, tuple[int, int]] = field(default_factory=dict)  # level -> (equal, compared), all rounds
     error: str = ""
+    not_run: str = ""  # why some levels have no run (the runner says)
 
     def add(self, run: LevelRun, equal: int, compared: int) -> None:
         self.runs.setdefault(run.level, []).append(run)
@@ -219,8 +224,8 @@ def peer_model_dir(model_dir: Path, work: Path) -> Path:
     return view
 
 
-def run_peer(name: str, python: str, req_file: Path, work: Path, tag: str) -> tuple[str, str, list[LevelRun]]:
-    """One runner process: (settings with version, start-up text, level runs)."""
+def run_peer(name: str, python: str, req_file: Path, work: Path, tag: str) -> tuple[str, str, list[LevelRun], str]:
+    """One runner process: (settings with version, start-up text, level runs, why levels were not run)."""
     _env, runner, extra = PEERS[name]
     out = work / f"peer-{name}-{tag}.json"
     log = work / f"peer-{name}-{tag}.log"
@@ -234,7 +239,7 @@ def run_peer(name: str, python: str, req_file: Path, work: Path, tag: str) -> tu
         raise RuntimeError(f"{runner} exited {rc}: {tail[-1]}")
     res = read_results(out)
     conv = "" if res.convert_s is None else f"conversion {res.convert_s:.1f} s, "
-    return f"{res.version}: {res.settings}", f"{conv}load + warm-up {res.load_s:.1f} s", res.runs
+    return f"{res.version}: {res.settings}", f"{conv}load + warm-up {res.load_s:.1f} s", res.runs, res.not_run
 
 
 # ------------------------------------------------------------------------------------------ the section
@@ -285,7 +290,8 @@ def run_section(args: argparse.Namespace, model_dir: Path, prompts: Sequence[str
                     system.error = str(pythons[n])
                     continue
                 try:
-                    system.settings, system.startup, runs = run_peer(n, pythons[n], req_file, work, f"r{rnd}")
+                    system.settings, system.startup, runs, system.not_run = run_peer(n, pythons[n], req_file,
+                                                                                     work, f"r{rnd}")
                 except RuntimeError as e:
                     system.error = str(e)
                     print(f"[peers] {n} failed: {e}", flush=True)
@@ -348,7 +354,8 @@ def markdown(systems: list[System], ours: System, levels: list[int], args: argpa
                 e, c = s.matched.get(level, (0, 0))
                 eq = f"{e}/{c}" + (" (text)" if s is ours else "")
             if not runs:
-                out.append(f"| {s.name} | {s.error.splitlines()[0] if s.error else 'not run'} | | | | | | | |")
+                why = s.error.splitlines()[0] if s.error else f"not run: {s.not_run}" if s.not_run else "not run"
+                out.append(f"| {s.name} | {why} | | | | | | | |")
                 continue
             tps = _median(runs, "tokens_per_s")
             ratio = f"{tps / ours_tps:.2f}x" if ours_tps and tps else ""
@@ -363,8 +370,8 @@ def markdown(systems: list[System], ours: System, levels: list[int], args: argpa
     if args.peer_rounds > 1:
         out.append("\nTotal time of each round (s):\n")
         for s in systems[1:]:
-            parts = [f"{level_name(lv)} " + ", ".join(f"{r.wall_s:.2f}" for r in s.runs.get(lv, []))
-                     for lv in levels]
+            parts = [f"{level_name(lv)} " + ", ".join(f"{r.wall_s:.2f}" for r in s.runs[lv])
+                     for lv in levels if s.runs.get(lv)]
             out.append(f"- {s.name}: " + "; ".join(parts))
     out.append(f"\nLoad average (1, 5, 15 min) before the section: {', '.join(f'{x:.2f}' for x in load_before)}; "
                f"after: {', '.join(f'{x:.2f}' for x in load_after)}.")

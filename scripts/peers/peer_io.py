@@ -117,6 +117,7 @@ class PeerResult:
     convert_s: float | None  # exporting the HF directory to the peer's format (None: reused from a cache)
     load_s: float  # model load and warm-up, outside every timed level
     runs: list[LevelRun]
+    not_run: str = ""  # why levels of the request file have no run (a peer that serves one sequence at a time)
 
 
 def write_results(path: Path, res: PeerResult) -> None:
@@ -128,7 +129,8 @@ def read_results(path: Path) -> PeerResult:
     if not isinstance(obj, dict) or obj.get("format") != RESULTS_FORMAT:
         raise PeerFileError(f"{path}: not a {RESULTS_FORMAT} file")
     runs = [LevelRun(int(r["level"]), float(r["wall_s"]), [Timing(**t) for t in r["timings"]]) for r in obj["runs"]]
-    return PeerResult(obj["peer"], obj["version"], obj["settings"], obj["convert_s"], float(obj["load_s"]), runs)
+    return PeerResult(obj["peer"], obj["version"], obj["settings"], obj["convert_s"], float(obj["load_s"]), runs,
+                      str(obj.get("not_run", "")))
 
 
 class ClosedLoop:
