@@ -2,6 +2,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -51,11 +52,28 @@ int64_t configured_threads() {
   return configured;
 }
 
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// How long an idle helper thread polls for the next call before it sleeps: $LLM_SERVING_KERNEL_SPIN_US
+// microseconds, default 300 (0: sleep at once).
+int64_t spin_microseconds() {
+  const char *env = std::getenv("LLM_SERVING_KERNEL_SPIN_US");
+  const int64_t n = env ? std::atoll(env) : 300;
+  return n > 0 ? n : 0;
+}
+
 // Helper threads that share a call's tasks with the calling thread, started once per library.
 //
 // Why not OpenMP or threads started per call: MindSpore's own workers keep spinning on the cores between graph
-// ops. OpenMP's idle workers spun too and took the cores from MindSpore's next matmul (decode B=128 1.6x
-// slower); a thread started per call had to wait for a core and the caller then waited for it to start and
+// ops. OpenMP's idle workers spun too (for far longer than our helpers poll, see spin_for_next, which is off
+// where MindSpore's MatMul runs between our ops) and took the cores from MindSpore's next matmul (decode B=128
+// 1.6x slower); a thread started per call had to wait for a core and the caller then waited for it to start and
 // join (~1 ms per op). Here the caller never waits for a helper that has not started: tasks are claimed one at
 // a time, the caller works through them too, and at the end it waits only for the tasks a helper is running.
 // A helper that wakes late finds the call closed and sleeps again. A forked child has no helpers (and maybe a
@@ -83,6 +101,7 @@ class TaskPool {
       count_ = count;
       next_.store(0);
       ++generation_;
+      published_.store(generation_, std::memory_order_release);
     }
     const auto wanted = static_cast<size_t>((count - 1) / tasks_per_thread);  // helpers worth waking
     for (size_t i = 0; i < wanted && i < helpers_.size(); ++i) wake_.notify_one();
@@ -100,6 +119,20 @@ class TaskPool {
     for (auto &helper : helpers_) helper.detach();
   }
 
+  // Polls for the next call for a while before sleeping on the condition variable. A sleeping helper costs
+  // the caller a futex system call to wake and joins tens of microseconds late, much of a small op's run (a
+  // batch-1 projection); the calls of one step come microseconds apart, so a polling helper is there for all of
+  // them (one stream served 0.2-0.9 ms per token faster in five alternating rounds, docs/benchmarks.md). Bounded,
+  // so that an idle agent leaves the core to the master process; a rank without helpers (a tensor-parallel rank
+  // on one core) never polls.
+  void spin_for_next(uint64_t seen) const {
+    const auto until = std::chrono::steady_clock::now() + spin_;
+    while (published_.load(std::memory_order_acquire) == seen) {
+      for (int i = 0; i < 64; ++i) cpu_relax();
+      if (std::chrono::steady_clock::now() > until) return;
+    }
+  }
+
   void claim_and_run(const std::function<void(int64_t)> &job, int64_t count) {
     for (int64_t task = next_.fetch_add(1); task < count; task = next_.fetch_add(1)) job(task);
   }
@@ -108,6 +141,9 @@ class TaskPool {
     uint64_t seen = 0;
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
+      lock.unlock();
+      spin_for_next(seen);
+      lock.lock();
       wake_.wait(lock, [&] { return job_ != nullptr && generation_ != seen; });
       seen = generation_;
       const std::function<void(int64_t)> *job = job_;
@@ -129,6 +165,8 @@ class TaskPool {
   int active_ = 0;  // helpers inside the open call
   std::atomic<int64_t> next_{0};
   std::atomic<bool> busy_{false};  // one call at a time uses the helpers
+  std::atomic<uint64_t> published_{0};  // generation_, readable without the mutex (spin_for_next)
+  const std::chrono::microseconds spin_{spin_microseconds()};
   static inline bool forked_ = false;
 };
 
