@@ -144,10 +144,6 @@ def native_ops(hidden_size: int) -> NativeOps:
     """Build (or reuse) the kernel libraries and wrap their entry points as Custom ops."""
     attention, greedy, linear = build("paged_attention"), build("greedy_pick"), build("linear")
     library = ctypes.CDLL(str(linear))
-    if not library.LinearIsVectorized():
-        # MindSpore's MatMul then runs right after our ops: helpers polling for a next call would take its cores
-        # (read by each kernel library when its first call starts its helpers; common.h spin_microseconds)
-        os.environ.setdefault("LLM_SERVING_KERNEL_SPIN_US", "0")
 
     def rows_by_hidden(qkv, *_):
         return [qkv[0], hidden_size]

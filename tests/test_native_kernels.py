@@ -152,10 +152,11 @@ def test_built_library_is_cached_by_source(monkeypatch, tmp_path):
     assert first.stat().st_mtime_ns == mtime
 
 
-@pytest.mark.parametrize("threads", ["1", "4"])
-def test_task_pool_runs_every_task_once_also_after_fork(tmp_path, threads):
+@pytest.mark.parametrize("threads,spin_us", [("1", "0"), ("4", "0"), ("4", "300")])
+def test_task_pool_runs_every_task_once_also_after_fork(tmp_path, threads, spin_us):
     """The helper pool shared by the kernels (agents/kernels/common.h), in a compiled driver: thousands of calls
-    of 1-700 tasks, then a forked child (which has no helpers) and the parent again."""
+    of 1-700 tasks, then a forked child (which has no helpers) and the parent again; with helpers that sleep at
+    once and with helpers that poll for the next call (LLM_SERVING_KERNEL_SPIN_US)."""
     cxx = native_kernels.compiler()
     if cxx is None:
         pytest.skip("no C++ compiler")
@@ -164,7 +165,8 @@ def test_task_pool_runs_every_task_once_also_after_fork(tmp_path, threads):
     subprocess.run([cxx, *flags, f"-I{native_kernels.KERNEL_SOURCES}", "-o", str(driver),
                     str(Path(__file__).parent / "task_pool_check.cc")], check=True, capture_output=True)
     out = subprocess.run([str(driver)], check=False, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "LLM_SERVING_KERNEL_THREADS": threads})
+                         env={**os.environ, "LLM_SERVING_KERNEL_THREADS": threads,
+                              "LLM_SERVING_KERNEL_SPIN_US": spin_us})
     assert (out.returncode, out.stdout.strip()) == (0, "ok")
 
 

@@ -61,20 +61,20 @@ inline void cpu_relax() {
 }
 
 // How long an idle helper thread polls for the next call before it sleeps: $LLM_SERVING_KERNEL_SPIN_US
-// microseconds, default 300 (0: sleep at once).
+// microseconds, default 0 (sleep at once). Opt-in: 300 served one stream ~6% faster per token and all requests
+// at once ~3% slower (seven alternating rounds, docs/benchmarks.md "Fixed cost of a decode step").
 int64_t spin_microseconds() {
   const char *env = std::getenv("LLM_SERVING_KERNEL_SPIN_US");
-  const int64_t n = env ? std::atoll(env) : 300;
+  const int64_t n = env ? std::atoll(env) : 0;
   return n > 0 ? n : 0;
 }
 
 // Helper threads that share a call's tasks with the calling thread, started once per library.
 //
 // Why not OpenMP or threads started per call: MindSpore's own workers keep spinning on the cores between graph
-// ops. OpenMP's idle workers spun too (for far longer than our helpers poll, see spin_for_next, which is off
-// where MindSpore's MatMul runs between our ops) and took the cores from MindSpore's next matmul (decode B=128
-// 1.6x slower); a thread started per call had to wait for a core and the caller then waited for it to start and
-// join (~1 ms per op). Here the caller never waits for a helper that has not started: tasks are claimed one at
+// ops. OpenMP's idle workers spun too (for far longer than our helpers' opt-in polling, spin_for_next) and took
+// the cores from MindSpore's next matmul (decode B=128 1.6x slower); a thread started per call had to wait for
+// a core and the caller then waited for it to start and join (~1 ms per op). Here the caller never waits for a helper that has not started: tasks are claimed one at
 // a time, the caller works through them too, and at the end it waits only for the tasks a helper is running.
 // A helper that wakes late finds the call closed and sleeps again. A forked child has no helpers (and maybe a
 // mutex held at the fork), so there the caller does all the work without touching the pool's state.
@@ -119,12 +119,11 @@ class TaskPool {
     for (auto &helper : helpers_) helper.detach();
   }
 
-  // Polls for the next call for a while before sleeping on the condition variable. A sleeping helper costs
-  // the caller a futex system call to wake and joins tens of microseconds late, much of a small op's run (a
-  // batch-1 projection); the calls of one step come microseconds apart, so a polling helper is there for all of
-  // them (one stream served 0.2-0.9 ms per token faster in five alternating rounds, docs/benchmarks.md). Bounded,
-  // so that an idle agent leaves the core to the master process; a rank without helpers (a tensor-parallel rank
-  // on one core) never polls.
+  // Polls for the next call for a while (spin_microseconds) before sleeping on the condition variable. A
+  // sleeping helper costs the caller a futex system call to wake and joins tens of microseconds late, much of a
+  // small op's run (a batch-1 projection); the calls of one step come microseconds apart, so a polling helper is
+  // there for all of them. But it also holds its core while the master works between steps. Bounded; a rank
+  // without helpers (a tensor-parallel rank on one core) never polls.
   void spin_for_next(uint64_t seen) const {
     const auto until = std::chrono::steady_clock::now() + spin_;
     while (published_.load(std::memory_order_acquire) == seen) {
