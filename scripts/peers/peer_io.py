@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,18 @@ class ClosedLoop:
     @property
     def done(self) -> bool:
         return len(self.finished) == self.count
+
+
+def one_at_a_time(rf: RequestFile, generate: Callable[[PeerRequest], tuple[list[int], float]]) -> LevelRun:
+    """The 1-in-flight level of a runner whose library takes one request at a time: ``generate(request)`` returns
+    its output ids and the ``time.perf_counter()`` at which the first one came."""
+    timings = []
+    t0 = time.perf_counter()
+    for r in rf.level_requests(1):
+        start = time.perf_counter() - t0
+        ids, first = generate(r)
+        timings.append(Timing(r.index, ids, start, time.perf_counter() - t0, first - t0))
+    return LevelRun(1, time.perf_counter() - t0, timings)
 
 
 def batches(count: int, size: int) -> list[range]:

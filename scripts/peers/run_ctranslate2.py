@@ -19,7 +19,17 @@ import sys
 import time
 from pathlib import Path
 
-from peer_io import LevelRun, PeerResult, RequestFile, Timing, batches, read_requests, write_results
+from peer_io import (
+    LevelRun,
+    PeerRequest,
+    PeerResult,
+    RequestFile,
+    Timing,
+    batches,
+    one_at_a_time,
+    read_requests,
+    write_results,
+)
 
 MAX_BATCH = 128
 
@@ -71,18 +81,16 @@ def run_batches(gen, vocab: list[str], rf: RequestFile, level: int) -> LevelRun:
 
 def run_streamed(gen, vocab: list[str], rf: RequestFile) -> LevelRun:
     """One request at a time through generate_tokens: each token is timed as it comes."""
-    reqs = rf.level_requests(1)
-    timings = []
-    t0 = time.perf_counter()
-    for r in reqs:
-        start = time.perf_counter() - t0
+
+    def generate(r: PeerRequest) -> tuple[list[int], float]:
         ids, first = [], None
         for step in gen.generate_tokens([vocab[i] for i in r.prompt_ids], **options(r.max_new_tokens)):
             ids.append(step.token_id)
             if first is None:
-                first = time.perf_counter() - t0
-        timings.append(Timing(r.index, ids, start, time.perf_counter() - t0, first))
-    return LevelRun(1, time.perf_counter() - t0, timings)
+                first = time.perf_counter()
+        return ids, first if first is not None else time.perf_counter()
+
+    return one_at_a_time(rf, generate)
 
 
 def main() -> int:

@@ -23,7 +23,15 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from peer_io import LevelRun, PeerResult, RequestFile, Timing, read_requests, write_results
+from peer_io import (
+    LevelRun,
+    PeerRequest,
+    PeerResult,
+    RequestFile,
+    one_at_a_time,
+    read_requests,
+    write_results,
+)
 
 GGUF_NAME = "model-f32.gguf"
 NOT_RUN = "llama-cpp-python serves one sequence at a time"
@@ -69,15 +77,12 @@ def greedy(evaluate: Callable[[Sequence[int]], None], pick: Callable[[], int], p
 
 def run_level1(llm, pick: Callable[[], int], rf: RequestFile) -> LevelRun:
     """One request at a time, each token timed as it comes."""
-    reqs = rf.level_requests(1)
-    timings = []
-    t0 = time.perf_counter()
-    for r in reqs:
-        start = time.perf_counter() - t0
+
+    def generate(r: PeerRequest) -> tuple[list[int], float]:
         llm.reset()  # the next eval drops the previous request's KV cache
-        ids, first = greedy(llm.eval, pick, r.prompt_ids, r.max_new_tokens)
-        timings.append(Timing(r.index, ids, start, time.perf_counter() - t0, first - t0))
-    return LevelRun(1, time.perf_counter() - t0, timings)
+        return greedy(llm.eval, pick, r.prompt_ids, r.max_new_tokens)
+
+    return one_at_a_time(rf, generate)
 
 
 def main() -> int:
