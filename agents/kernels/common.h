@@ -74,8 +74,9 @@ int64_t spin_microseconds() {
 // Why not OpenMP or threads started per call: MindSpore's own workers keep spinning on the cores between graph
 // ops. OpenMP's idle workers spun too (for far longer than our helpers' opt-in polling, spin_for_next) and took
 // the cores from MindSpore's next matmul (decode B=128 1.6x slower); a thread started per call had to wait for
-// a core and the caller then waited for it to start and join (~1 ms per op). Here the caller never waits for a helper that has not started: tasks are claimed one at
-// a time, the caller works through them too, and at the end it waits only for the tasks a helper is running.
+// a core and the caller then waited for it to start and join (~1 ms per op). Here the caller never waits for a
+// helper that has not started: tasks are claimed one at a time, the caller works through them too, and at the
+// end it waits only for the tasks a helper is running.
 // A helper that wakes late finds the call closed and sleeps again. A forked child has no helpers (and maybe a
 // mutex held at the fork), so there the caller does all the work without touching the pool's state.
 class TaskPool {
@@ -125,6 +126,7 @@ class TaskPool {
   // there for all of them. But it also holds its core while the master works between steps. Bounded; a rank
   // without helpers (a tensor-parallel rank on one core) never polls.
   void spin_for_next(uint64_t seen) const {
+    if (spin_.count() == 0) return;
     const auto until = std::chrono::steady_clock::now() + spin_;
     while (published_.load(std::memory_order_acquire) == seen) {
       for (int i = 0; i < 64; ++i) cpu_relax();
