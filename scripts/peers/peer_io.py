@@ -8,6 +8,7 @@ to run; the runner writes each level's per-request output ids and times (seconds
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -166,6 +167,16 @@ class ClosedLoop:
     @property
     def done(self) -> bool:
         return len(self.finished) == self.count
+
+
+def runner_parser(doc: str, cache_flag: str, cache_help: str) -> argparse.ArgumentParser:
+    """A runner's command line as scripts/benchmark.py calls it: ``--requests``, ``--out`` and the directory
+    ``cache_flag`` where its converted model is kept; the runner adds its own options."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--requests", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument(cache_flag, required=True, type=Path, help=cache_help)
+    return p
 
 
 def one_at_a_time(rf: RequestFile, generate: Callable[[PeerRequest], tuple[list[int], float]]) -> LevelRun:

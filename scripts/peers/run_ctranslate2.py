@@ -12,7 +12,6 @@ request's tokens arrive at its batch's end, so no TTFT there).
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from peer_io import (
     batches,
     one_at_a_time,
     read_requests,
+    runner_parser,
     write_results,
 )
 
@@ -94,10 +94,7 @@ def run_streamed(gen, vocab: list[str], rf: RequestFile) -> LevelRun:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", required=True, type=Path)
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--ct2-dir", required=True, type=Path, help="where the converted model is cached")
+    p = runner_parser(__doc__, "--ct2-dir", "where the converted model is cached")
     # 1 thread: on this shared 2-core machine under load (average ~7), 16 requests in one batch took 4.1 s on 1
     # thread, 105 s on 2 and 19.8 s with CTranslate2's default (its OpenMP threads spin against other jobs)
     p.add_argument("--threads", type=int, default=1, help="intra_threads (default 1; 0: CTranslate2's default)")

@@ -16,7 +16,6 @@ another under a concurrency level's name.
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from peer_io import (
     RequestFile,
     one_at_a_time,
     read_requests,
+    runner_parser,
     write_results,
 )
 
@@ -86,10 +86,7 @@ def run_level1(llm, pick: Callable[[], int], rf: RequestFile) -> LevelRun:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", required=True, type=Path)
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--gguf-dir", required=True, type=Path, help="where the converted GGUF is cached")
+    p = runner_parser(__doc__, "--gguf-dir", "where the converted GGUF is cached")
     p.add_argument("--threads", type=int, default=1, help="n_threads and n_threads_batch (default 1)")
     args = p.parse_args()
     import llama_cpp

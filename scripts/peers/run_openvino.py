@@ -13,13 +13,21 @@ EOS is ignored and decoding is greedy, so every request generates its max_new_to
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from peer_io import ClosedLoop, LevelRun, PeerResult, RequestFile, Timing, read_requests, write_results
+from peer_io import (
+    ClosedLoop,
+    LevelRun,
+    PeerResult,
+    RequestFile,
+    Timing,
+    read_requests,
+    runner_parser,
+    write_results,
+)
 
 MAX_BATCHED_TOKENS = 512
 
@@ -103,10 +111,7 @@ def run_level(pipe, rf: RequestFile, level: int, next_id: list[int]) -> LevelRun
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", required=True, type=Path)
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--ir-dir", required=True, type=Path, help="where the exported IR is cached")
+    p = runner_parser(__doc__, "--ir-dir", "where the exported IR is cached")
     p.add_argument("--precision", choices=("f32", "default"), default="f32")
     args = p.parse_args()
     import openvino_genai as ov_genai
