@@ -205,8 +205,8 @@ def test_disconnect_frees_the_sequence_and_metrics_count(slow):
         async with aiohttp.ClientSession() as s, \
                 s.post(f"{slow.url}/v1/chat/completions", json={**body, "stream": True}) as r:
             assert r.status == 200
-            await r.content.readline()
-            m = await metrics(slow.url)
+            await r.content.readline()  # the role chunk, written before the request's first step: wait for it
+            m = await wait_metric(slow.url, "llm_serving_running_batch_size", lambda v: v == 1)
             assert m["llm_serving_running_batch_size"] == 1 and m["llm_serving_kv_blocks_used"] > 0
         t0 = time.monotonic()
         m = await wait_metric(slow.url, "llm_serving_kv_blocks_used", lambda v: v == 0)
