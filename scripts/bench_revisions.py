@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmark import TUNED, build_model, make_requests, write_config
 
 from llm_serving.tokenizer import Tokenizer
-from loadtest.local_server import free_port, stop
+from loadtest.local_server import ServerStartError, free_port, stop, wait_until_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,25 +78,13 @@ def serve_and_measure(tree: Path, config: Path, prompts: list[tuple[list[int], i
         proc = subprocess.Popen([sys.executable, "-m", "llm_serving", "serve", "--config", str(config), "--port",
                                  str(port)], cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        _wait_ready(port, proc, log)
+        try:
+            wait_until_ready(proc, port, 600.0)
+        except ServerStartError as why:
+            raise SystemExit(f"the server did not get ready ({why}; log {log})") from None
         return asyncio.run(_measure(port, prompts, single_s))
     finally:
         stop(proc)
-
-
-def _wait_ready(port: int, proc: subprocess.Popen, log: Path, timeout_s: float = 600.0) -> None:
-    async def ready() -> bool:
-        try:
-            async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/health") as resp:
-                return '"ready"' in await resp.text()
-        except aiohttp.ClientError:
-            return False
-
-    deadline = time.monotonic() + timeout_s
-    while not asyncio.run(ready()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the server did not get ready (log {log})")
-        time.sleep(1.0)
 
 
 def main() -> None:

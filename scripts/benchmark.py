@@ -39,10 +39,9 @@ from peers.compare import add_args as add_peer_args
 from peers.compare import run_section as peer_section
 
 from llm_serving.protocol.model_config import LlamaConfig
-from loadtest import BenchError
-from loadtest.client import benchmark, wait_ready
+from loadtest.client import benchmark
 from loadtest.dataset import BenchRequest, TokenCounter, build_requests
-from loadtest.local_server import free_port, stop
+from loadtest.local_server import ServerStartError, free_port, stop, wait_until_ready
 from loadtest.protocol import BenchConfig
 from loadtest.workload import WorkloadSpec, make_workload
 
@@ -167,19 +166,13 @@ def run_server(name: str, tag: str, config: Path, reqs: list[BenchRequest], expe
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         cfg = BenchConfig(port=port, endpoint="stream", qps=float("inf"), metrics_interval=0.5)
-        t_start = time.perf_counter()
-        while True:  # poll /health in short rounds so a server that died is noticed at once
-            try:
-                asyncio.run(wait_ready(cfg, 5.0))
-                break
-            except BenchError as e:
-                elapsed = time.perf_counter() - t_start
-                if proc.poll() is not None or elapsed > args.startup_timeout:
-                    why = f"exited {proc.returncode}" if proc.poll() is not None else str(e)
-                    print(f"[benchmark] {name}: server did not start ({why}); log tail:\n"
-                          f"{log_path.read_text()[-1500:]}", flush=True)
-                    return Row(name, float("nan"), len(reqs), 0, 0, 0, f"server did not start ({why})")
-        print(f"[benchmark] {name}: ready after {time.perf_counter() - t_start:.1f}s", flush=True)
+        try:
+            ready_s = wait_until_ready(proc, port, args.startup_timeout)
+        except ServerStartError as why:
+            print(f"[benchmark] {name}: server did not start ({why}); log tail:\n"
+                  f"{log_path.read_text()[-1500:]}", flush=True)
+            return Row(name, float("nan"), len(reqs), 0, 0, 0, f"server did not start ({why})")
+        print(f"[benchmark] {name}: ready after {ready_s:.1f}s", flush=True)
         run = asyncio.run(benchmark(reqs, cfg, progress=False))
     finally:
         stop(proc)

@@ -467,3 +467,15 @@ def test_workload_deterministic_and_alpaca_shaped(tmp_path):
         WorkloadSpec(num=0)
     with pytest.raises(WorkloadError, match="length distribution"):
         LengthDist(10, 0.5, 5, 2)
+
+
+def test_wait_until_ready_notices_a_server_that_exited():
+    import subprocess
+    import sys
+
+    from loadtest.local_server import ServerStartError, free_port, wait_until_ready
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    proc.wait()
+    with pytest.raises(ServerStartError, match="exited 3"):
+        wait_until_ready(proc, free_port(), timeout_s=60.0)

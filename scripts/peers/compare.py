@@ -39,10 +39,9 @@ from peers.peer_io import (
     write_requests,
 )
 
-from loadtest import BenchError
-from loadtest.client import benchmark, wait_ready
+from loadtest.client import benchmark
 from loadtest.dataset import BenchRequest
-from loadtest.local_server import free_port, stop
+from loadtest.local_server import ServerStartError, free_port, stop, wait_until_ready
 from loadtest.protocol import BenchConfig
 
 HERE = Path(__file__).resolve().parent
@@ -164,17 +163,12 @@ def served(config: Path, log_path: Path, timeout: float) -> Iterator[tuple[int, 
     print(f"[peers] ours: {' '.join(cmd)} (log {log_path})", flush=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    t0 = time.perf_counter()
     try:
-        cfg = BenchConfig(port=port)
-        while True:  # short rounds, so a server that died is noticed at once
-            try:
-                asyncio.run(wait_ready(cfg, 5.0))
-                break
-            except BenchError as e:
-                if proc.poll() is not None or time.perf_counter() - t0 > timeout:
-                    raise SystemExit(f"our server did not start ({e}); log tail:\n{log_path.read_text()[-1500:]}")
-        yield port, time.perf_counter() - t0
+        try:
+            ready_s = wait_until_ready(proc, port, timeout)
+        except ServerStartError as e:
+            raise SystemExit(f"our server did not start ({e}); log tail:\n{log_path.read_text()[-1500:]}") from None
+        yield port, ready_s
     finally:
         stop(proc)
 
