@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import os
 import select
 import signal
@@ -149,6 +150,15 @@ def release_freed_memory() -> None:
         pass
 
 
+def freeze_startup_objects() -> None:
+    """Leave everything alive after warm-up (MindSpore's and our modules, the model and its graphs) out of
+    Python's cyclic garbage collection from now on: its collections otherwise walk those objects again and again
+    between steps, ~0.2-0.5 ms of a bench-model decode step (docs/benchmarks.md, "Fixed cost of a decode step").
+    Objects made while serving are collected as usual."""
+    gc.collect()
+    gc.freeze()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="llm-serving device agent (started by the master)")
     parser.add_argument("--rank", type=int, required=True)
@@ -178,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         else:  # a hit's shapes load without running (their saved costs); a miss publishes its graphs
             runner.warmup(progress, known_costs=cache.costs)
             cache.commit(runner.step_costs)
+        freeze_startup_objects()
         release_freed_memory()
     except BaseException as exc:  # noqa: BLE001 - any start-up failure must reach the master as text
         if cache is not None:
