@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import signal
 import sys
 import threading
@@ -184,6 +185,8 @@ def serve(config: ServingConfig, standin_agents: bool = False, standin_step_dela
             engine.shutdown()
             print(f"error: start-up failed: {exc}", file=sys.stderr, flush=True)
             return 1
+        gc.collect()
+        gc.freeze()  # start-up's objects out of the cyclic GC's walks between steps, as in the agents
         server.mark_ready()
         names = ", ".join(server.names)
         log(f"ready in {time.monotonic() - t0:.1f}s: model {config.model_config.model_name} at {url} "
