@@ -1,7 +1,8 @@
 """The parts of benchmark.py --peers that need no peer venv: the request/result files a runner reads and writes,
 the closed-loop limiter the in-process peers use, the id comparison, the section's rows for levels a peer does
-not run, llama.cpp's greedy loop (with fakes for the model) and token-id/ignore_eos bodies of the load client.
-The runners themselves (OpenVINO GenAI, CTranslate2, llama.cpp) run only in the benchmark (docs/benchmarks.md).
+not run, llama.cpp's greedy loop (with fakes for the model), our in-process row's loop (stand-in agents) and
+token-id/ignore_eos bodies of the load client. The peers' runners themselves (OpenVINO GenAI, CTranslate2,
+llama.cpp) run only in the benchmark (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -125,6 +126,35 @@ def test_llamacpp_greedy_loop_makes_exactly_n_ids_whatever_they_are(monkeypatch)
     assert evaluated == [[1, 10, 11], [2], [2], [2]]
     assert greedy(lambda ids: evaluated.append(list(ids)), lambda: 5, [1], 1)[0] == [5]
     assert context_size(request_file()) == 3 + 8  # the longest prompt + its max_new_tokens
+
+
+@pytest.mark.parametrize("level", [SATURATION, 1, 2])
+def test_ours_in_process_runner_keeps_the_limit_and_ignores_eos(monkeypatch, tmp_path, level):
+    """The in-process row's loop (scripts/peers/run_ours.py) on our engine with stand-in agents: every request
+    gets its max_new_tokens ids (the stand-in's rule, EOS included), requests start in file order, and no more
+    than ``level`` overlap."""
+    monkeypatch.syspath_prepend(str(SCRIPTS / "peers"))
+    import asyncio
+
+    from run_ours import run_level
+    from test_engine import standin_expected, tiny_config
+
+    from llm_serving.llm import LLM
+    from llm_serving.sequence import SamplingParams
+
+    reqs = [PeerRequest(i, [1, 10 + i, 20 + i], 3 + i % 4) for i in range(7)]
+    rf = RequestFile("/models/x", 2, [level], 7, reqs)
+    with LLM(tiny_config(tmp_path), standin_agents=True, progress=None) as llm:
+        run = asyncio.run(run_level(llm, rf, level))
+    assert [t.index for t in run.timings] == list(range(7))
+    for t, r in zip(run.timings, reqs):
+        assert t.output_ids == standin_expected(r.prompt_ids, SamplingParams(r.max_new_tokens, ignore_eos=True))[0]
+        assert t.start_s <= t.first_token_s <= t.end_s <= run.wall_s
+    starts = [t.start_s for t in run.timings]
+    assert starts == sorted(starts)
+    limit = level or len(reqs)
+    for t in run.timings:  # requests running when t starts (t included)
+        assert sum(o.start_s <= t.start_s < o.end_s or o is t for o in run.timings) <= limit
 
 
 def test_closed_loop_keeps_the_limit_and_the_order():

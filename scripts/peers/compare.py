@@ -51,7 +51,7 @@ EOS = 2
 # them; one greedy request took 1.4 s on 1 thread and 7.9 s on 2 (load average ~7). The same holds for
 # CTranslate2 (its runner's --threads). On a quiet machine give them every core: LLM_SERVING_PEER_THREADS=2.
 HF_THREADS = int(os.environ.get("LLM_SERVING_PEER_THREADS", "1"))
-# name -> (peer_env.sh name, runner, extra runner arguments given the work dir)
+# name -> (peer_env.sh name or None for ours, runner, extra runner arguments given the work dir)
 PEERS = {
     "openvino": ("openvino", "run_openvino.py", lambda w: ["--ir-dir", str(w / "peer-openvino-ir"),
                                                            "--precision", "f32"]),
@@ -61,9 +61,12 @@ PEERS = {
                                                                     "--threads", str(HF_THREADS)]),
     "llamacpp": ("llamacpp", "run_llamacpp.py", lambda w: ["--gguf-dir", str(w / "peer-llamacpp-gguf"),
                                                            "--threads", str(HF_THREADS)]),
+    # our engine through its offline API, in this project's environment (no venv to make): like for like with
+    # the peers, which run in process too; the config is the one the served row uses (benchmark.run_peers)
+    "ours-in-process": (None, "run_ours.py", lambda w: ["--config", str(w / "config_peers.yaml")]),
 }
 LABELS = {"openvino": "OpenVINO GenAI, f32", "openvino-default": "OpenVINO GenAI, CPU defaults",
-          "ctranslate2": "CTranslate2, float32", "llamacpp": "llama.cpp, F32"}
+          "ctranslate2": "CTranslate2, float32", "llamacpp": "llama.cpp, F32", "ours-in-process": "ours, in process"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -193,8 +196,10 @@ def ours_level(port: int, reqs: Sequence[PeerRequest], level: int, expected: Seq
 
 
 # ------------------------------------------------------------------------------------------ peers
-def peer_python(env: str) -> str:
-    """The peer venv's python, created on first use."""
+def peer_python(env: str | None) -> str:
+    """The peer venv's python, created on first use (None: this project's own python)."""
+    if env is None:
+        return sys.executable
     out = subprocess.run(["bash", str(ROOT / "scripts" / "peer_env.sh"), env], cwd=ROOT, check=False,
                          stdout=subprocess.PIPE, text=True)
     if out.returncode != 0:
