@@ -1,9 +1,9 @@
 """A local server process for benchmarks and tests: a free port to give it, a wait until it is ready, and a
 graceful stop.
 
-The benchmark scripts start ``llm-serving serve`` themselves; ``wait_until_ready`` waits for it while noticing a
-server that died; the stop mirrors Ctrl+C (the server then closes its agents and their shared memory) and kills
-only a server that does not exit in time.
+``running_server`` starts ``llm-serving serve`` on a free port and stops it on leaving; ``wait_until_ready`` waits
+for a started server while noticing one that died; the stop mirrors Ctrl+C (the server then closes its agents and
+their shared memory) and kills only a server that does not exit in time.
 """
 
 from __future__ import annotations
@@ -12,7 +12,11 @@ import asyncio
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 
 from loadtest import BenchError
 from loadtest.client import wait_ready
@@ -54,3 +58,24 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout_s: float = 60
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@contextmanager
+def running_server(config: str | Path, log_path: str | Path, timeout_s: float = 600.0, *,
+                   cwd: str | Path | None = None, env: Mapping[str, str] | None = None,
+                   extra_args: Sequence[str] = (), announce: Callable[[str], None] | None = None,
+                   ) -> Iterator[tuple[int, float]]:
+    """``python -m llm_serving serve --config CONFIG`` on a free port, its output in ``log_path``: yields (port,
+    seconds from start to ready) and stops the server on leaving. ``announce`` gets the command line first;
+    ``ServerStartError`` when it exits or is not ready within ``timeout_s`` (the log says why)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "llm_serving", "serve", "--config", str(config), "--port", str(port), *extra_args]
+    if announce is not None:
+        announce(" ".join(cmd))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=None if env is None else dict(env), stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        yield port, wait_until_ready(proc, port, timeout_s)
+    finally:
+        stop(proc)

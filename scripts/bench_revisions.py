@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmark import TUNED, build_model, make_requests, write_config
 
 from llm_serving.tokenizer import Tokenizer
-from loadtest.local_server import ServerStartError, free_port, stop, wait_until_ready
+from loadtest.local_server import ServerStartError, running_server
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,19 +72,11 @@ async def _measure(port: int, prompts: list[tuple[list[int], int]], single_s: fl
 
 def serve_and_measure(tree: Path, config: Path, prompts: list[tuple[list[int], int]], single_s: float,
                       log: Path) -> tuple[float, list[float]]:
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "llm_serving", "serve", "--config", str(config), "--port",
-                                 str(port)], cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        try:
-            wait_until_ready(proc, port, 600.0)
-        except ServerStartError as why:
-            raise SystemExit(f"the server did not get ready ({why}; log {log})") from None
-        return asyncio.run(_measure(port, prompts, single_s))
-    finally:
-        stop(proc)
+        with running_server(config, log, cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree))) as (port, _):
+            return asyncio.run(_measure(port, prompts, single_s))
+    except ServerStartError as why:
+        raise SystemExit(f"the server did not get ready ({why}; log {log})") from None
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ from peers.compare import run_section as peer_section
 from llm_serving.protocol.model_config import LlamaConfig
 from loadtest.client import benchmark
 from loadtest.dataset import BenchRequest, TokenCounter, build_requests
-from loadtest.local_server import ServerStartError, free_port, stop, wait_until_ready
+from loadtest.local_server import ServerStartError, running_server
 from loadtest.protocol import BenchConfig
 from loadtest.workload import WorkloadSpec, make_workload
 
@@ -158,24 +158,18 @@ def write_config(path: Path, model_dir: Path, prefill: tuple[int, ...], decode: 
 
 def run_server(name: str, tag: str, config: Path, reqs: list[BenchRequest], expected: list[str],
                args: argparse.Namespace, work: Path, show_differences: bool = True) -> Row:
-    port = free_port()
     log_path = work / f"server_{tag}.log"
-    cmd = [sys.executable, "-m", "llm_serving", "serve", "--config", str(config), "--port", str(port)]
-    print(f"[benchmark] {name}: {' '.join(cmd)} (log {log_path})", flush=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        cfg = BenchConfig(port=port, endpoint="stream", qps=float("inf"), metrics_interval=0.5)
-        try:
-            ready_s = wait_until_ready(proc, port, args.startup_timeout)
-        except ServerStartError as why:
-            print(f"[benchmark] {name}: server did not start ({why}); log tail:\n"
-                  f"{log_path.read_text()[-1500:]}", flush=True)
-            return Row(name, float("nan"), len(reqs), 0, 0, 0, f"server did not start ({why})")
-        print(f"[benchmark] {name}: ready after {ready_s:.1f}s", flush=True)
-        run = asyncio.run(benchmark(reqs, cfg, progress=False))
-    finally:
-        stop(proc)
+        with running_server(config, log_path, args.startup_timeout, cwd=ROOT,
+                            announce=lambda cmd: print(f"[benchmark] {name}: {cmd} (log {log_path})", flush=True),
+                            ) as (port, ready_s):
+            print(f"[benchmark] {name}: ready after {ready_s:.1f}s", flush=True)
+            cfg = BenchConfig(port=port, endpoint="stream", qps=float("inf"), metrics_interval=0.5)
+            run = asyncio.run(benchmark(reqs, cfg, progress=False))
+    except ServerStartError as why:
+        print(f"[benchmark] {name}: server did not start ({why}); log tail:\n{log_path.read_text()[-1500:]}",
+              flush=True)
+        return Row(name, float("nan"), len(reqs), 0, 0, 0, f"server did not start ({why})")
     ok = [r for r in run.results if r.success]
     matched = sum(r.success and r.text == expected[r.index] for r in run.results)
     for r in run.results:

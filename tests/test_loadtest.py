@@ -479,3 +479,32 @@ def test_wait_until_ready_notices_a_server_that_exited():
     proc.wait()
     with pytest.raises(ServerStartError, match="exited 3"):
         wait_until_ready(proc, free_port(), timeout_s=60.0)
+
+
+def test_running_server_serves_until_the_block_ends_and_names_a_start_failure(tmp_path):
+    """``running_server`` (the benchmark scripts' way to start ``llm-serving serve``): ready on its port inside
+    the block, stopped after it; a server that cannot start raises ServerStartError."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from loadtest.local_server import ServerStartError, running_server
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(json.dumps({"default_model": {"data_dir": str(tmp_path / "models"), "hidden_size": 64,
+                                                    "intermediate_size": 160, "num_layers": 2, "num_heads": 4,
+                                                    "num_kv_heads": 2, "vocab_size": 1000, "seed": 3}}))
+    announced: list[str] = []
+    with running_server(config, tmp_path / "server.log", 120.0, cwd=tmp_path, extra_args=["--standin-agents"],
+                        announce=announced.append) as (port, ready_s):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as resp:
+            assert resp.status == 200
+        assert ready_s > 0 and f"--port {port}" in announced[0]
+    with pytest.raises(urllib.error.URLError):  # stopped: nothing listens there any more
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("scheduler: {policy: sideways}\n")
+    with pytest.raises(ServerStartError, match="exited"), running_server(bad, tmp_path / "bad.log", 60.0):
+        pass
+    assert "scheduler.policy" in (tmp_path / "bad.log").read_text()

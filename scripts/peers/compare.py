@@ -41,7 +41,7 @@ from peers.peer_io import (
 
 from loadtest.client import benchmark
 from loadtest.dataset import BenchRequest
-from loadtest.local_server import ServerStartError, free_port, stop, wait_until_ready
+from loadtest.local_server import ServerStartError, running_server
 from loadtest.protocol import BenchConfig
 
 HERE = Path(__file__).resolve().parent
@@ -161,19 +161,12 @@ def continuation_texts(tokenizer, reqs: Sequence[PeerRequest], outs: Sequence[Se
 @contextmanager
 def served(config: Path, log_path: Path, timeout: float) -> Iterator[tuple[int, float]]:
     """Our server on a free port: yields (port, seconds from process start to /health answering)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "llm_serving", "serve", "--config", str(config), "--port", str(port)]
-    print(f"[peers] ours: {' '.join(cmd)} (log {log_path})", flush=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        try:
-            ready_s = wait_until_ready(proc, port, timeout)
-        except ServerStartError as e:
-            raise SystemExit(f"our server did not start ({e}); log tail:\n{log_path.read_text()[-1500:]}") from None
-        yield port, ready_s
-    finally:
-        stop(proc)
+        with running_server(config, log_path, timeout, cwd=ROOT,
+                            announce=lambda cmd: print(f"[peers] ours: {cmd} (log {log_path})", flush=True)) as up:
+            yield up
+    except ServerStartError as e:
+        raise SystemExit(f"our server did not start ({e}); log tail:\n{log_path.read_text()[-1500:]}") from None
 
 
 def ours_level(port: int, reqs: Sequence[PeerRequest], level: int, expected: Sequence[str]) -> tuple[LevelRun,
