@@ -51,19 +51,20 @@ EOS = 2
 # them; one greedy request took 1.4 s on 1 thread and 7.9 s on 2 (load average ~7). The same holds for
 # CTranslate2 (its runner's --threads). On a quiet machine give them every core: LLM_SERVING_PEER_THREADS=2.
 HF_THREADS = int(os.environ.get("LLM_SERVING_PEER_THREADS", "1"))
-# name -> (peer_env.sh name or None for ours, runner, extra runner arguments given the work dir)
+# name -> (peer_env.sh name or None for ours, runner, extra runner arguments given the work dir and the
+# served row's config)
 PEERS = {
-    "openvino": ("openvino", "run_openvino.py", lambda w: ["--ir-dir", str(w / "peer-openvino-ir"),
-                                                           "--precision", "f32"]),
-    "openvino-default": ("openvino", "run_openvino.py", lambda w: ["--ir-dir", str(w / "peer-openvino-ir"),
-                                                                   "--precision", "default"]),
-    "ctranslate2": ("ctranslate2", "run_ctranslate2.py", lambda w: ["--ct2-dir", str(w / "peer-ctranslate2"),
-                                                                    "--threads", str(HF_THREADS)]),
-    "llamacpp": ("llamacpp", "run_llamacpp.py", lambda w: ["--gguf-dir", str(w / "peer-llamacpp-gguf"),
-                                                           "--threads", str(HF_THREADS)]),
+    "openvino": ("openvino", "run_openvino.py", lambda w, _: ["--ir-dir", str(w / "peer-openvino-ir"),
+                                                              "--precision", "f32"]),
+    "openvino-default": ("openvino", "run_openvino.py", lambda w, _: ["--ir-dir", str(w / "peer-openvino-ir"),
+                                                                      "--precision", "default"]),
+    "ctranslate2": ("ctranslate2", "run_ctranslate2.py", lambda w, _: ["--ct2-dir", str(w / "peer-ctranslate2"),
+                                                                       "--threads", str(HF_THREADS)]),
+    "llamacpp": ("llamacpp", "run_llamacpp.py", lambda w, _: ["--gguf-dir", str(w / "peer-llamacpp-gguf"),
+                                                              "--threads", str(HF_THREADS)]),
     # our engine through its offline API, in this project's environment (no venv to make): like for like with
-    # the peers, which run in process too; the config is the one the served row uses (benchmark.run_peers)
-    "ours-in-process": (None, "run_ours.py", lambda w: ["--config", str(w / "config_peers.yaml")]),
+    # the peers, which run in process too, on the served row's config
+    "ours-in-process": (None, "run_ours.py", lambda _, ours_config: ["--config", str(ours_config)]),
 }
 LABELS = {"openvino": "OpenVINO GenAI, f32", "openvino-default": "OpenVINO GenAI, CPU defaults",
           "ctranslate2": "CTranslate2, float32", "llamacpp": "llama.cpp, F32", "ours-in-process": "ours, in process"}
@@ -216,12 +217,13 @@ def peer_model_dir(model_dir: Path, work: Path) -> Path:
     return view
 
 
-def run_peer(name: str, python: str, req_file: Path, work: Path, tag: str) -> tuple[str, str, list[LevelRun], str]:
+def run_peer(name: str, python: str, req_file: Path, work: Path, tag: str,
+             ours_config: Path) -> tuple[str, str, list[LevelRun], str]:
     """One runner process: (settings with version, start-up text, level runs, why levels were not run)."""
     _env, runner, extra = PEERS[name]
     out = work / f"peer-{name}-{tag}.json"
     log = work / f"peer-{name}-{tag}.log"
-    cmd = [python, str(HERE / runner), "--requests", str(req_file), "--out", str(out), *extra(work)]
+    cmd = [python, str(HERE / runner), "--requests", str(req_file), "--out", str(out), *extra(work, ours_config)]
     print(f"[peers] {name}: {' '.join(cmd)} (log {log})", flush=True)
     with open(log, "w") as f:
         rc = subprocess.run(cmd, cwd=HERE, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
@@ -283,7 +285,7 @@ def run_section(args: argparse.Namespace, model_dir: Path, prompts: Sequence[str
                     continue
                 try:
                     system.settings, system.startup, runs, system.not_run = run_peer(n, pythons[n], req_file,
-                                                                                     work, f"r{rnd}")
+                                                                                     work, f"r{rnd}", ours_config)
                 except RuntimeError as e:
                     system.error = str(e)
                     print(f"[peers] {n} failed: {e}", flush=True)
