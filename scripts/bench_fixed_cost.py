@@ -97,7 +97,8 @@ def main() -> None:
             config = write_config(work / f"{name}.yaml", dirs[name], TUNED["prefill"], TUNED["decode"],
                                   "longest_output_first", 64)
             step_ms = in_process_ms(name, [1, 8], args.calls)
-            single_ms, _ = serve_and_measure(ROOT, config, prompts, args.single_seconds, work / "server.log")
+            single_ms, _ = serve_and_measure(ROOT, config, prompts, args.single_seconds, work / "server.log",
+                                             saturated_runs=0)
             mb = sum(f.stat().st_size for f in dirs[name].glob("*.safetensors")) / 1e6
             print(f"| {rnd + 1} | {name} | {mb:.0f} | {step_ms[0]:.2f} | {step_ms[1]:.2f} | {single_ms:.2f} | "
                   f"{os.getloadavg()[0]:.1f} |", flush=True)

@@ -54,7 +54,8 @@ async def _complete(session: aiohttp.ClientSession, url: str, prompt: list[int],
         return (await resp.json())["usage"]["completion_tokens"]
 
 
-async def _measure(port: int, prompts: list[tuple[list[int], int]], single_s: float) -> tuple[float, list[float]]:
+async def _measure(port: int, prompts: list[tuple[list[int], int]], single_s: float,
+                   saturated_runs: int) -> tuple[float, list[float]]:
     url = f"http://127.0.0.1:{port}/v1/completions"
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         tokens, t0, i = 0, time.perf_counter(), 0
@@ -63,7 +64,7 @@ async def _measure(port: int, prompts: list[tuple[list[int], int]], single_s: fl
             i += 1
         single_ms = (time.perf_counter() - t0) / tokens * 1e3
         rates = []
-        for _ in range(2):
+        for _ in range(saturated_runs):
             t1 = time.perf_counter()
             done = await asyncio.gather(*[_complete(session, url, p, n) for p, n in prompts])
             rates.append(sum(done) / (time.perf_counter() - t1))
@@ -71,10 +72,11 @@ async def _measure(port: int, prompts: list[tuple[list[int], int]], single_s: fl
 
 
 def serve_and_measure(tree: Path, config: Path, prompts: list[tuple[list[int], int]], single_s: float,
-                      log: Path) -> tuple[float, list[float]]:
+                      log: Path, saturated_runs: int = 2) -> tuple[float, list[float]]:
+    """One stream's ms per output token, then ``saturated_runs`` tokens/s rates with every prompt at once."""
     try:
         with running_server(config, log, cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree))) as (port, _):
-            return asyncio.run(_measure(port, prompts, single_s))
+            return asyncio.run(_measure(port, prompts, single_s, saturated_runs))
     except ServerStartError as why:
         raise SystemExit(f"the server did not get ready ({why}; log {log})") from None
 
