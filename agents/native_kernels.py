@@ -2,7 +2,8 @@
 
 Why: MindSpore's CPU backend has no fused paged-attention op, and the portable gather + batched-matmul decode
 attention copies every sequence's K/V context before reading it again (see docs/model.md). The kernel sources
-live in ``agents/kernels/``; each is built once per source hash and compiler flags into a cache directory
+live in ``agents/kernels/``, built together into one library (so that all ops share one pool of helper threads,
+``kernels/common.h``) once per source hash and compiler flags into a cache directory
 (``$LLM_SERVING_KERNEL_DIR``, default ``~/.cache/llm-serving/kernels``) with the machine's ``g++``, written to a
 temporary name and renamed so that several agent processes may build at once. The cache key includes the CPU's
 model and flags, since the code is compiled for the machine's own instruction set.
@@ -11,6 +12,7 @@ model and flags, since the code is compiled for the machine's own instruction se
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -51,17 +53,17 @@ def _cpu_identity() -> str:
     return platform.machine() + "".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
 
 
-def build(name: str) -> Path:
-    """Compile ``agents/kernels/<name>.cc`` into a shared library (cached) and return its path."""
-    source = KERNEL_SOURCES / f"{name}.cc"
+def build() -> Path:
+    """Compile every ``agents/kernels/*.cc`` into one shared library (cached) and return its path."""
+    sources = sorted(KERNEL_SOURCES.glob("*.cc"))
     cxx = compiler()
     if cxx is None:
         raise KernelBuildError(f"no C++ compiler found (looked for {os.environ.get('CXX', 'g++')!r}); "
                                "install g++ or set model_config.kernels: portable")
     headers = b"".join(h.read_bytes() for h in sorted(KERNEL_SOURCES.glob("*.h")))
-    key = source.read_bytes() + headers + " ".join((cxx, *CXX_FLAGS, _cpu_identity())).encode()
-    digest = hashlib.sha256(key).hexdigest()[:16]
-    target = kernel_dir() / f"{name}-{digest}.so"
+    key = b"".join(s.name.encode() + s.read_bytes() for s in sources) + headers
+    digest = hashlib.sha256(key + " ".join((cxx, *CXX_FLAGS, _cpu_identity())).encode()).hexdigest()[:16]
+    target = kernel_dir() / f"kernels-{digest}.so"
     if target.exists():
         return target
     try:
@@ -72,10 +74,10 @@ def build(name: str) -> Path:
                                "to a writable directory") from exc
     os.close(fd)
     try:
-        result = subprocess.run([cxx, *CXX_FLAGS, "-o", tmp, str(source)], check=False, capture_output=True,
-                                text=True)
+        result = subprocess.run([cxx, *CXX_FLAGS, "-o", tmp, *map(str, sources)], check=False,
+                                capture_output=True, text=True)
         if result.returncode != 0:
-            raise KernelBuildError(f"compiling {source} failed:\n{result.stderr.strip()}")
+            raise KernelBuildError(f"compiling {KERNEL_SOURCES} failed:\n{result.stderr.strip()}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -112,49 +114,59 @@ class NativeOps:
     prefill: ops.Custom
     chunked: ops.Custom
     greedy: ops.Custom
-    linear_library: Path
+    library: Path
     projections: bool  # the projections' kernel is vectorized (AVX-512); else the backend keeps MindSpore's MatMul
     bf16: bool = False  # its bfloat16 tiles use AVX512_BF16 (precision fast; int32-packed weights)
 
+    def rest_helpers(self) -> None:
+        """Ends the kernel helper threads' polling for the next op (``kernels/common.h``): called after each step,
+        when the next op is a master's turnaround away and the master wants the core meanwhile."""
+        _loaded(self.library).KernelHelpersRest()
+
     def linear(self, out_dim: int) -> ops.Custom:
         """``(x, packed w) -> x @ W^T`` of width ``out_dim`` (the benchmarks' reference matmul)."""
-        return _custom(self.linear_library, "Linear", lambda x, *_: [x[0], out_dim], _same)
+        return _custom(self.library, "Linear", lambda x, *_: [x[0], out_dim], _same)
 
     # The fused projections take ``rows`` [1] int32 last: the leading rows of x that are real tokens; the
     # bucket's padding rows after them are not computed and come out as zeros.
     def norm_linear(self, out_dim: int) -> ops.Custom:
         """``(x, norm_weight, eps [1], packed w, rows) -> rmsnorm(x) @ W^T`` of width ``out_dim``."""
-        return _custom(self.linear_library, "NormLinear", lambda x, *_: [x[0], out_dim], _same)
+        return _custom(self.library, "NormLinear", lambda x, *_: [x[0], out_dim], _same)
 
     def norm_swiglu(self, ffn_dim: int) -> ops.Custom:
         """``(x, norm_weight, eps [1], packed [gate; up], rows) -> silu(g) * u`` of width ``ffn_dim``."""
-        return _custom(self.linear_library, "NormSwiGlu", lambda x, *_: [x[0], ffn_dim], _same)
+        return _custom(self.library, "NormSwiGlu", lambda x, *_: [x[0], ffn_dim], _same)
 
     def partial_linear(self, out_dim: int) -> ops.Custom:
         """``(x, packed w, rows) -> x @ W^T`` of width ``out_dim``: a tensor-parallel rank's partial sum of a
         row-parallel projection (``agents.parallel``)."""
-        return _custom(self.linear_library, "PartialLinear", lambda x, *_: [x[0], out_dim], _same)
+        return _custom(self.library, "PartialLinear", lambda x, *_: [x[0], out_dim], _same)
 
     def residual_linear(self) -> ops.Custom:
         """``(x, packed w, residual, rows) -> residual + x @ W^T``."""
-        return _custom(self.linear_library, "ResidualLinear", lambda x, w, residual, rows: residual, _same)
+        return _custom(self.library, "ResidualLinear", lambda x, w, residual, rows: residual, _same)
+
+
+@functools.cache
+def _loaded(library: Path) -> ctypes.CDLL:
+    """The library as MindSpore's Custom ops load it (the same path: the same loaded object and helper pool)."""
+    return ctypes.CDLL(str(library))
 
 
 def native_ops(hidden_size: int) -> NativeOps:
-    """Build (or reuse) the kernel libraries and wrap their entry points as Custom ops."""
-    attention, greedy, linear = build("paged_attention"), build("greedy_pick"), build("linear")
-    library = ctypes.CDLL(str(linear))
+    """Build (or reuse) the kernel library and wrap its entry points as Custom ops."""
+    kernels = build()
 
     def rows_by_hidden(qkv, *_):
         return [qkv[0], hidden_size]
 
     return NativeOps(
-        decode=_custom(attention, "PagedDecodeAttention", rows_by_hidden, _same),
-        prefill=_custom(attention, "PackedPrefillAttention", rows_by_hidden, _same),
-        chunked=_custom(attention, "ChunkedPrefillAttention", rows_by_hidden, _same),
-        greedy=_custom(greedy, "GreedyPick", lambda logits: ([logits[0]], [logits[0]]),
+        decode=_custom(kernels, "PagedDecodeAttention", rows_by_hidden, _same),
+        prefill=_custom(kernels, "PackedPrefillAttention", rows_by_hidden, _same),
+        chunked=_custom(kernels, "ChunkedPrefillAttention", rows_by_hidden, _same),
+        greedy=_custom(kernels, "GreedyPick", lambda logits: ([logits[0]], [logits[0]]),
                        lambda logits: (mstype.int32, mstype.float32)),
-        linear_library=linear,
-        projections=bool(library.LinearIsVectorized()),
-        bf16=bool(library.LinearHasBf16()),
+        library=kernels,
+        projections=bool(_loaded(kernels).LinearIsVectorized()),
+        bf16=bool(_loaded(kernels).LinearHasBf16()),
     )

@@ -1,11 +1,15 @@
 // Driven by tests/test_native_kernels.py: the kernels' TaskPool (agents/kernels/common.h) runs every task exactly
-// once per call, across many calls, with tiny and large task counts, from two threads at once, and in a forked
-// child (no helpers there).
+// once per call, across many calls, with tiny and large task counts, with rest() between some of them, from two
+// threads at once, and in a forked child (no helpers there). With the argument ``rest``: after a call, polling
+// helpers use the CPU until rest() and not after it.
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <ctime>
 #include <thread>
 #include <vector>
 
@@ -18,6 +22,7 @@ bool run_calls(int calls) {
     const int64_t count = 1 + (call * 37) % 700;
     std::vector<std::atomic<int>> hits(static_cast<size_t>(count));
     run_tasks(count, 1 + call % 20, [&](int64_t task) { hits[static_cast<size_t>(task)].fetch_add(1); });
+    if (call % 7 == 0) kernel_pool::TaskPool::instance().rest();
     for (auto &h : hits) {
       if (h.load() != 1) return false;
     }
@@ -25,9 +30,33 @@ bool run_calls(int calls) {
   return true;
 }
 
+// CPU milliseconds the process uses while this thread sleeps ``ms``.
+double cpu_ms_while_sleeping(int ms) {
+  timespec a{}, b{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &a);
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &b);
+  return (b.tv_sec - a.tv_sec) * 1e3 + (b.tv_nsec - a.tv_nsec) / 1e6;
+}
+
+// Run with helpers that poll for longer than the test (LLM_SERVING_KERNEL_SPIN_US): they spin after a call, and
+// stop at rest().
+int check_rest() {
+  std::atomic<int> done{0};  // tasks long enough that the helper surely joins the call
+  run_tasks(64, 1, [&](int64_t) { std::this_thread::sleep_for(std::chrono::microseconds(200)), done.fetch_add(1); });
+  if (done.load() != 64) return std::puts("a task ran other than once"), 1;
+  const double polling = cpu_ms_while_sleeping(300);
+  kernel_pool::TaskPool::instance().rest();
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const double rested = cpu_ms_while_sleeping(300);
+  std::printf("polling %.0f ms, rested %.0f ms\n", polling, rested);
+  return polling > 30 && rested < 15 ? 0 : 1;
+}
+
 }  // namespace
 
-int main() {
+int main(int argc, char **argv) {
+  if (argc > 1 && std::strcmp(argv[1], "rest") == 0) return check_rest();
   if (!run_calls(2000)) return std::puts("parent: a task ran other than once"), 1;
   bool other_ok = false;
   std::thread other([&] { other_ok = run_calls(1000); });

@@ -129,7 +129,7 @@ def test_an_unwritable_kernel_dir_is_a_build_error(monkeypatch, tmp_path):
     blocker.write_text("")
     monkeypatch.setenv("LLM_SERVING_KERNEL_DIR", str(blocker / "kernels"))  # a directory below a regular file
     with pytest.raises(native_kernels.KernelBuildError, match="set LLM_SERVING_KERNEL_DIR"):
-        native_kernels.build("greedy_pick")
+        native_kernels.build()
     assert backend_for(dataclasses.replace(RC, kernels="auto")).kernels == "portable"  # auto falls back
 
 
@@ -140,23 +140,20 @@ def test_compile_errors_carry_the_compiler_output(monkeypatch, tmp_path):
     monkeypatch.setattr(native_kernels, "KERNEL_SOURCES", sources)
     monkeypatch.setenv("LLM_SERVING_KERNEL_DIR", str(tmp_path / "out"))
     with pytest.raises(native_kernels.KernelBuildError, match="broken.cc"):
-        native_kernels.build("broken")
+        native_kernels.build()
     assert list((tmp_path / "out").iterdir()) == []  # no half-written library is left behind
 
 
 def test_built_library_is_cached_by_source(monkeypatch, tmp_path):
     monkeypatch.setenv("LLM_SERVING_KERNEL_DIR", str(tmp_path))
-    first = native_kernels.build("paged_attention")
+    first = native_kernels.build()
     mtime = first.stat().st_mtime_ns
-    assert native_kernels.build("paged_attention") == first
+    assert native_kernels.build() == first
     assert first.stat().st_mtime_ns == mtime
 
 
-@pytest.mark.parametrize("threads,spin_us", [("1", "0"), ("4", "0"), ("4", "300")])
-def test_task_pool_runs_every_task_once_also_after_fork(tmp_path, threads, spin_us):
-    """The helper pool shared by the kernels (agents/kernels/common.h), in a compiled driver: thousands of calls
-    of 1-700 tasks, then a forked child (which has no helpers) and the parent again; with helpers that sleep at
-    once and with helpers that poll for the next call (LLM_SERVING_KERNEL_SPIN_US)."""
+def task_pool_driver(tmp_path: Path) -> Path:
+    """tests/task_pool_check.cc compiled against the kernels' common.h."""
     cxx = native_kernels.compiler()
     if cxx is None:
         pytest.skip("no C++ compiler")
@@ -164,10 +161,41 @@ def test_task_pool_runs_every_task_once_also_after_fork(tmp_path, threads, spin_
     driver = tmp_path / "task_pool_check"
     subprocess.run([cxx, *flags, f"-I{native_kernels.KERNEL_SOURCES}", "-o", str(driver),
                     str(Path(__file__).parent / "task_pool_check.cc")], check=True, capture_output=True)
-    out = subprocess.run([str(driver)], check=False, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "LLM_SERVING_KERNEL_THREADS": threads,
-                              "LLM_SERVING_KERNEL_SPIN_US": spin_us})
+    return driver
+
+
+@pytest.mark.parametrize("threads,spin_us", [("1", "0"), ("4", "0"), ("4", "300"), ("2", None)])
+def test_task_pool_runs_every_task_once_also_after_fork(tmp_path, threads, spin_us):
+    """The helper pool shared by the kernels (agents/kernels/common.h), in a compiled driver: thousands of calls
+    of 1-700 tasks, then a forked child (which has no helpers) and the parent again; with helpers that sleep at
+    once, that poll for the next call (LLM_SERVING_KERNEL_SPIN_US), and with the default."""
+    env = {**os.environ, "LLM_SERVING_KERNEL_THREADS": threads}
+    env.pop("LLM_SERVING_KERNEL_SPIN_US", None)
+    if spin_us is not None:
+        env["LLM_SERVING_KERNEL_SPIN_US"] = spin_us
+    out = subprocess.run([str(task_pool_driver(tmp_path))], check=False, capture_output=True, text=True,
+                         timeout=120, env=env)
     assert (out.returncode, out.stdout.strip()) == (0, "ok")
+
+
+def test_polling_helpers_stop_at_rest(tmp_path):
+    """A helper polling for the next call (bound: 20 s) uses a core until rest(), which the agent calls after
+    each step, and none after it."""
+    env = {**os.environ, "LLM_SERVING_KERNEL_THREADS": "2", "LLM_SERVING_KERNEL_SPIN_US": "20000000"}
+    out = subprocess.run([str(task_pool_driver(tmp_path)), "rest"], check=False, capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 0, out.stdout
+
+
+def test_all_ops_share_one_library_and_pool(native_runner):
+    """Every native op and the agent's rest call (ctypes) use one loaded library: one helper pool per process."""
+    native = native_runner.backend.native
+    library = str(native.library)
+    assert all(op.func.startswith(library + ":") for op in (native.decode, native.prefill, native.chunked,
+                                                             native.greedy, native.norm_linear(64)))
+    native_runner.step(decode(block=1))  # MindSpore has loaded it; the step ends with the rest call
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    assert len([line for line in maps if line.endswith(library) and " r-xp " in line]) == 1  # loaded once
 
 
 KERNEL_GUARD_SCRIPT = """

@@ -128,6 +128,9 @@ class NativeCpuBackend(OpsBackend):
                              "bfloat16 dot products): use exact")
         return NativeCpuBackend(self.native, "bfloat16" if precision == "fast" else "float16")
 
+    def after_step(self) -> None:
+        self.native.rest_helpers()
+
     def attention(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type) -> Attention:
         return NativeAttention(self.native, config, num_blocks, block_size, dtype)
 

@@ -1,4 +1,5 @@
-// Helpers shared by the kernels in this directory (each .cc is built into its own library).
+// Helpers shared by the kernels in this directory, which are built together into one library
+// (agents/native_kernels.py), so that every op of a step shares one pool of helper threads (TaskPool below).
 #pragma once
 
 #include <atomic>
@@ -40,9 +41,16 @@ inline float exp_approx(float x) {
   return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
 }
 
+}  // namespace
+
+// Not in the anonymous namespace: the inline functions' statics (the pool above all) are one object per library,
+// whichever of its translation units calls them.
+// Hidden: a second build of the library in the same process (other flags) keeps its own pool.
+namespace kernel_pool __attribute__((visibility("hidden"))) {
+
 // Threads for a kernel call (the caller's included): $LLM_SERVING_KERNEL_THREADS, else the hardware's up to 16
 // (attention is bound by memory bandwidth long before that on a many-core host).
-int64_t configured_threads() {
+inline int64_t configured_threads() {
   static const int64_t configured = [] {
     const char *env = std::getenv("LLM_SERVING_KERNEL_THREADS");
     const int64_t hardware = static_cast<int64_t>(std::thread::hardware_concurrency());
@@ -61,18 +69,25 @@ inline void cpu_relax() {
 }
 
 // How long an idle helper thread polls for the next call before it sleeps: $LLM_SERVING_KERNEL_SPIN_US
-// microseconds, default 0 (sleep at once). Opt-in: 300 served one stream ~6% faster per token and all requests
-// at once ~3% slower (seven alternating rounds, docs/benchmarks.md "Fixed cost of a decode step").
-int64_t spin_microseconds() {
+// microseconds; by default 1000 where the projections are ours (AVX-512), 0 (sleep at once) elsewhere. The ops of a
+// step come microseconds apart, and the agent ends the polling after each step (TaskPool::rest), so the helper
+// holds its core through a step's ops only (docs/benchmarks.md "One helper pool"). Where MindSpore's MatMul runs
+// between our ops (no AVX-512), a polling helper would take the cores its threads want, as OpenMP's did.
+inline int64_t spin_microseconds() {
+#if defined(__AVX512F__)
+  constexpr int64_t kDefault = 1000;
+#else
+  constexpr int64_t kDefault = 0;
+#endif
   const char *env = std::getenv("LLM_SERVING_KERNEL_SPIN_US");
-  const int64_t n = env ? std::atoll(env) : 0;
+  const int64_t n = env ? std::atoll(env) : kDefault;
   return n > 0 ? n : 0;
 }
 
 // Helper threads that share a call's tasks with the calling thread, started once per library.
 //
 // Why not OpenMP or threads started per call: MindSpore's own workers keep spinning on the cores between graph
-// ops. OpenMP's idle workers spun too (for far longer than our helpers' opt-in polling, spin_for_next) and took
+// ops. OpenMP's idle workers spun too (for far longer than our helpers' bounded polling, spin_for_next) and took
 // the cores from MindSpore's next matmul (decode B=128 1.6x slower); a thread started per call had to wait for
 // a core and the caller then waited for it to start and join (~1 ms per op). Here the caller never waits for a
 // helper that has not started: tasks are claimed one at a time, the caller works through them too, and at the
@@ -113,6 +128,10 @@ class TaskPool {
     busy_.store(false);
   }
 
+  // Ends the helpers' polling now (they sleep until the next call): the agent calls it after each step, when
+  // the next op is a step away and the master wants the core meanwhile.
+  void rest() { rests_.fetch_add(1, std::memory_order_relaxed); }
+
  private:
   explicit TaskPool(int64_t helpers) {
     pthread_atfork(nullptr, nullptr, [] { forked_ = true; });
@@ -123,12 +142,12 @@ class TaskPool {
   // Polls for the next call for a while (spin_microseconds) before sleeping on the condition variable. A
   // sleeping helper costs the caller a futex system call to wake and joins tens of microseconds late, much of a
   // small op's run (a batch-1 projection); the calls of one step come microseconds apart, so a polling helper is
-  // there for all of them. But it also holds its core while the master works between steps. Bounded; a rank
-  // without helpers (a tensor-parallel rank on one core) never polls.
-  void spin_for_next(uint64_t seen) const {
+  // there for all of them. Between steps it would hold a core the master wants: it stops at rest() (or at the
+  // bound). A rank without helpers (a tensor-parallel rank on one core) never polls.
+  void spin_for_next(uint64_t seen, uint64_t rests) const {
     if (spin_.count() == 0) return;
     const auto until = std::chrono::steady_clock::now() + spin_;
-    while (published_.load(std::memory_order_acquire) == seen) {
+    while (published_.load(std::memory_order_acquire) == seen && rests_.load(std::memory_order_relaxed) == rests) {
       for (int i = 0; i < 64; ++i) cpu_relax();
       if (std::chrono::steady_clock::now() > until) return;
     }
@@ -139,14 +158,15 @@ class TaskPool {
   }
 
   void helper_loop() {
-    uint64_t seen = 0;
+    uint64_t seen = 0, rests = 0;
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
       lock.unlock();
-      spin_for_next(seen);
+      spin_for_next(seen, rests);
       lock.lock();
       wake_.wait(lock, [&] { return job_ != nullptr && generation_ != seen; });
       seen = generation_;
+      rests = rests_.load(std::memory_order_relaxed);
       const std::function<void(int64_t)> *job = job_;
       const int64_t count = count_;
       ++active_;
@@ -167,6 +187,7 @@ class TaskPool {
   std::atomic<int64_t> next_{0};
   std::atomic<bool> busy_{false};  // one call at a time uses the helpers
   std::atomic<uint64_t> published_{0};  // generation_, readable without the mutex (spin_for_next)
+  std::atomic<uint64_t> rests_{0};  // calls of rest(): a helper polls only until the next one
   const std::chrono::microseconds spin_{spin_microseconds()};
   static inline bool forked_ = false;
 };
@@ -176,4 +197,6 @@ void run_tasks(int64_t count, int64_t tasks_per_thread, const Work &work) {
   TaskPool::instance().run(count, tasks_per_thread, work);
 }
 
-}  // namespace
+}  // namespace kernel_pool
+
+using kernel_pool::run_tasks;
