@@ -118,10 +118,11 @@ class NativeOps:
     projections: bool  # the projections' kernel is vectorized (AVX-512); else the backend keeps MindSpore's MatMul
     bf16: bool = False  # its bfloat16 tiles use AVX512_BF16 (precision fast; int32-packed weights)
 
-    def rest_helpers(self) -> None:
-        """Ends the kernel helper threads' polling for the next op (``kernels/common.h``): called after each step,
-        when the next op is a master's turnaround away and the master wants the core meanwhile."""
-        _loaded(self.library).KernelHelpersRest()
+    def poll_helpers(self, on: bool) -> None:
+        """Turns the kernel helper threads' polling for the next op on or off (``kernels/common.h``): on for a
+        small step (its ops are short next to a helper's wake-up), off after each step (the master wants the
+        core until the next one)."""
+        _loaded(self.library).KernelHelpersPoll(int(on))
 
     def linear(self, out_dim: int) -> ops.Custom:
         """``(x, packed w) -> x @ W^T`` of width ``out_dim`` (the benchmarks' reference matmul)."""

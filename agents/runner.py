@@ -470,6 +470,7 @@ class ModelRunner:
         sample on the host (``agents.sampler``). The logits leave the device only for such parts and for parts
         with a sequence in ``want_logits``, whose rows (raw model logits, before any penalty) are returned.
         """
+        self.backend.before_step(len(batch.slot_mapping))
         try:
             return step_output(batch.batch_size, self._parts(batch))
         finally:
@@ -479,6 +480,7 @@ class ModelRunner:
         """Like ``step`` (the KV cache is written the same way) but returns float32 logits ``[B, vocab]`` of each
         sequence's last token, for logits checks."""
         out = np.zeros((batch.batch_size, self.config.vocab_size), np.float32)
+        self.backend.before_step(len(batch.slot_mapping))
         try:
             for group, part, outputs in self._parts(batch):
                 out[group] = outputs[2].asnumpy()[: part.batch_size]

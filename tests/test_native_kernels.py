@@ -178,22 +178,23 @@ def test_task_pool_runs_every_task_once_also_after_fork(tmp_path, threads, spin_
     assert (out.returncode, out.stdout.strip()) == (0, "ok")
 
 
-def test_polling_helpers_stop_at_rest(tmp_path):
-    """A helper polling for the next call (bound: 20 s) uses a core until rest(), which the agent calls after
-    each step, and none after it."""
+def test_helpers_poll_only_while_polling_is_on(tmp_path):
+    """A helper polling for the next call (bound: 20 s) uses a core until polling is turned off (the agent does
+    after each step), none after it, and polls again once it is turned on (the agent does for a small step)."""
     env = {**os.environ, "LLM_SERVING_KERNEL_THREADS": "2", "LLM_SERVING_KERNEL_SPIN_US": "20000000"}
-    out = subprocess.run([str(task_pool_driver(tmp_path)), "rest"], check=False, capture_output=True, text=True,
+    out = subprocess.run([str(task_pool_driver(tmp_path)), "poll"], check=False, capture_output=True, text=True,
                          timeout=60, env=env)
     assert out.returncode == 0, out.stdout
 
 
 def test_all_ops_share_one_library_and_pool(native_runner):
-    """Every native op and the agent's rest call (ctypes) use one loaded library: one helper pool per process."""
+    """Every native op and the agent's polling switch (ctypes) use one loaded library: one helper pool per
+    process."""
     native = native_runner.backend.native
     library = str(native.library)
     assert all(op.func.startswith(library + ":") for op in (native.decode, native.prefill, native.chunked,
                                                              native.greedy, native.norm_linear(64)))
-    native_runner.step(decode(block=1))  # MindSpore has loaded it; the step ends with the rest call
+    native_runner.step(decode(block=1))  # MindSpore has loaded it; ctypes switches polling
     maps = Path("/proc/self/maps").read_text().splitlines()
     assert len([line for line in maps if line.endswith(library) and " r-xp " in line]) == 1  # loaded once
 

@@ -98,6 +98,9 @@ class OpsBackend:
         """``logits [batch, vocab] float32 -> (int32 token ids, float32 log-probabilities)``."""
         return graph_ops.GreedyPick()
 
+    def before_step(self, tokens: int) -> None:
+        """Called before a step's graph calls, with the step's token count."""
+
     def after_step(self) -> None:
         """Called when a step's graph calls are done (and their outputs read): the device is idle until the next."""
 

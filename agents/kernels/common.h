@@ -69,9 +69,9 @@ inline void cpu_relax() {
 }
 
 // How long an idle helper thread polls for the next call before it sleeps: $LLM_SERVING_KERNEL_SPIN_US
-// microseconds; by default 1000 where the projections are ours (AVX-512), 0 (sleep at once) elsewhere. The ops of a
-// step come microseconds apart, and the agent ends the polling after each step (TaskPool::rest), so the helper
-// holds its core through a step's ops only (docs/benchmarks.md "One helper pool"). Where MindSpore's MatMul runs
+// microseconds while polling is on (TaskPool::poll); by default 1000 where the projections are ours (AVX-512), 0
+// (sleep at once) elsewhere. The ops of a step come microseconds apart; the agent turns polling on for a small
+// step's ops only and off after the step (docs/benchmarks.md "One helper pool"). Where MindSpore's MatMul runs
 // between our ops (no AVX-512), a polling helper would take the cores its threads want, as OpenMP's did.
 inline int64_t spin_microseconds() {
 #if defined(__AVX512F__)
@@ -128,9 +128,13 @@ class TaskPool {
     busy_.store(false);
   }
 
-  // Ends the helpers' polling now (they sleep until the next call): the agent calls it after each step, when
-  // the next op is a step away and the master wants the core meanwhile.
-  void rest() { rests_.fetch_add(1, std::memory_order_relaxed); }
+  // Whether helpers poll for the next call after their tasks (on at start). The agent turns it on for a step
+  // whose ops are short (a small batch: a helper's wake-up is much of each op) and off after each step, when the
+  // next op is a step away and the master wants the core; off ends the polling now.
+  void poll(bool on) {
+    polling_.store(on, std::memory_order_relaxed);
+    if (!on) rests_.fetch_add(1, std::memory_order_relaxed);
+  }
 
  private:
   explicit TaskPool(int64_t helpers) {
@@ -142,10 +146,11 @@ class TaskPool {
   // Polls for the next call for a while (spin_microseconds) before sleeping on the condition variable. A
   // sleeping helper costs the caller a futex system call to wake and joins tens of microseconds late, much of a
   // small op's run (a batch-1 projection); the calls of one step come microseconds apart, so a polling helper is
-  // there for all of them. Between steps it would hold a core the master wants: it stops at rest() (or at the
-  // bound). A rank without helpers (a tensor-parallel rank on one core) never polls.
+  // there for all of them. Between steps, or beside a large step's long ops, it would hold a core the master
+  // wants: it polls only while poll() is on, until it is turned off (or the bound). A rank without helpers (a
+  // tensor-parallel rank on one core) never polls.
   void spin_for_next(uint64_t seen, uint64_t rests) const {
-    if (spin_.count() == 0) return;
+    if (spin_.count() == 0 || !polling_.load(std::memory_order_relaxed)) return;
     const auto until = std::chrono::steady_clock::now() + spin_;
     while (published_.load(std::memory_order_acquire) == seen && rests_.load(std::memory_order_relaxed) == rests) {
       for (int i = 0; i < 64; ++i) cpu_relax();
@@ -187,7 +192,8 @@ class TaskPool {
   std::atomic<int64_t> next_{0};
   std::atomic<bool> busy_{false};  // one call at a time uses the helpers
   std::atomic<uint64_t> published_{0};  // generation_, readable without the mutex (spin_for_next)
-  std::atomic<uint64_t> rests_{0};  // calls of rest(): a helper polls only until the next one
+  std::atomic<bool> polling_{true};
+  std::atomic<uint64_t> rests_{0};  // calls of poll(false): a helper polls only until the next one
   const std::chrono::microseconds spin_{spin_microseconds()};
   static inline bool forked_ = false;
 };
