@@ -17,6 +17,7 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import initializer
 
 from agents import packed_weights, parallel
 from agents.backends import OpsBackend, PortableBackend
@@ -60,7 +61,7 @@ class ProjectionWeight(nn.Cell):
             stored = packed_weights.packed_shape(out_dim, in_dim, swiglu) if panels else self.shape
             dtype = ms.float16 if panel_dtype == "float16" else dtype
         self.dtype = dtype
-        self.weight = Parameter(Tensor(np.zeros(stored), dtype), name="weight")
+        self.weight = Parameter(initializer("zeros", stored, dtype), name="weight")
 
     def stored(self, w: np.ndarray) -> np.ndarray:
         """The ``[out, in]`` weight ``w`` as this cell holds it."""
@@ -133,7 +134,7 @@ class LlamaModel(nn.Cell):
         vocab = shard.vocab_range[1] - shard.vocab_range[0]  # this rank's vocabulary rows
         self.config = config
         self.dtype = dtype
-        self.embed_tokens = Parameter(Tensor(np.zeros((vocab, config.hidden_size)), dtype), name="embed_tokens")
+        self.embed_tokens = Parameter(initializer("zeros", (vocab, config.hidden_size), dtype), name="embed_tokens")
         self.embed = parallel.embedding(shard)
         self.layers = nn.CellList([LlamaLayer(config, num_blocks, block_size, dtype, backend, shard)
                                    for _ in range(config.num_hidden_layers)])

@@ -64,6 +64,7 @@ def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None 
         raise ConfigError(f"{src}: serving_config.num_agents: {config.num_agents} agents are the tensor-parallel "
                           f"size, which this model cannot be split into: {'; '.join(problems)}",
                           key="serving_config.num_agents", source=src)
+    check_host_memory(config, llama)
     if not tokenizer:
         return ModelFiles(path, llama, None)
     vocab_file = config.vocab_file
@@ -86,6 +87,36 @@ def check_mindformers_route(config: ServingConfig) -> None:
                           f"{sys.executable}: create its environment with `bash scripts/mindformers_env.sh` and run "
                           "llm-serving with the python it prints (docs/mindformers.md)",
                           key="model_config.backend", source=src)
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_memory(config: ServingConfig, llama: LlamaConfig) -> None:
+    """On CPU the agents' KV caches are host memory, mapped at start-up but backed only as tokens fill them; a
+    cache larger than the host's free memory would have an agent killed for memory mid-serving, so refuse it
+    here, naming the key."""
+    m, pa, src = config.model_config, config.pa_config, config.source
+    if m.device_target != "CPU":
+        return
+    itemsize = 4 if m.dtype == "float32" else 2
+    per_agent = (pa.num_blocks * pa.block_size * 2 * llama.num_key_value_heads * llama.head_dim
+                 * llama.num_hidden_layers * itemsize)
+    total, available = per_agent * config.num_agents, available_memory_bytes()
+    if available is not None and total > available:
+        gib = 1 << 30
+        raise ConfigError(f"{src}: pa_config.num_blocks: {pa.num_blocks} blocks of {pa.block_size} tokens make "
+                          f"{total / gib:.1f} GiB of KV cache ({config.num_agents} agent(s) x {per_agent / gib:.1f} "
+                          f"GiB), more than this host's {available / gib:.1f} GiB of available memory: lower it",
+                          key="pa_config.num_blocks", source=src)
 
 
 def kv_cache_blocks(config: ServingConfig, llama: LlamaConfig | None) -> int:

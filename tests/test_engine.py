@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from llm_serving import wiring
 from llm_serving.agent_pool import AgentDiedError, AgentPool
 from llm_serving.config import ConfigError, ServingConfig
 from llm_serving.default_model import default_model_dir, ensure_default_model
@@ -186,6 +187,22 @@ def test_resolve_model_errors_name_the_key(data_dir, tmp_path):
         resolve_model(tiny_config(data_dir, model_config={"vocab_size": 999}))
     with pytest.raises(ConfigError, match="tokenizer.vocab_file: no tokenizer model at"):
         resolve_model(tiny_config(data_dir, tokenizer={"vocab_file": str(tmp_path / "x.model")}))
+
+
+def test_a_kv_cache_larger_than_the_hosts_free_memory_is_refused(data_dir, monkeypatch):
+    """CPU agents back their caches as tokens fill them: a cache that cannot fit is a config error at start-up,
+    not an agent killed for memory mid-serving."""
+    cfg = tiny_config(data_dir)  # 256 blocks of 8 tokens, float32
+    llama = resolve_model(cfg).llama_config
+    per_agent = 256 * 8 * 2 * llama.num_key_value_heads * llama.head_dim * llama.num_hidden_layers * 4
+    monkeypatch.setattr(wiring, "available_memory_bytes", lambda: per_agent - 1)
+    with pytest.raises(ConfigError, match="pa_config.num_blocks: 256 blocks of 8 tokens make .* more than this "
+                                          "host's .* available memory: lower it"):
+        resolve_model(cfg)
+    monkeypatch.setattr(wiring, "available_memory_bytes", lambda: per_agent)
+    assert resolve_model(cfg).llama_config == llama
+    monkeypatch.undo()
+    assert wiring.available_memory_bytes() is None or wiring.available_memory_bytes() > 0
 
 
 def test_default_model_is_built_once_even_by_concurrent_starts(tmp_path):

@@ -27,6 +27,7 @@ from functools import lru_cache
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import initializer
 from mindspore.ops.auto_generate import (
     ApplyRotaryPosEmb,
     ArgMaxWithValue,
@@ -103,8 +104,8 @@ class AscendAttention(Attention):
         self.hidden = config.hidden_size
         self.kv_dim = config.kv_dim
         shape = (num_blocks, block_size, self.n_kv, self.head_dim)
-        self.key_cache = Parameter(Tensor(np.zeros(shape), dtype), name="key_cache", requires_grad=False)
-        self.value_cache = Parameter(Tensor(np.zeros(shape), dtype), name="value_cache", requires_grad=False)
+        self.key_cache = Parameter(initializer("zeros", shape, dtype), name="key_cache", requires_grad=False)
+        self.value_cache = Parameter(initializer("zeros", shape, dtype), name="value_cache", requires_grad=False)
         scale = 1.0 / float(np.sqrt(self.head_dim))
         self.rope = fused.rope()
         self.cache_write = fused.reshape_and_cache()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import initializer
 
 from agents.backends.base import Attention, OpsBackend
 from agents.native_kernels import NativeOps, native_ops
@@ -39,7 +40,7 @@ class NativeAttention(Attention):
         # Parameter a graph reads costs MindSpore's runtime microseconds on each call, and a step reads every
         # layer's cache (one per kv head and kind made a batch-1 decode step measurably slower).
         shape = (2 * config.num_key_value_heads, num_blocks * block_size, config.head_dim)
-        self.kv_cache = Parameter(Tensor(np.zeros(shape), dtype), name="kv_cache", requires_grad=False)
+        self.kv_cache = Parameter(initializer("zeros", shape, dtype), name="kv_cache", requires_grad=False)
         self.block_offsets = Tensor(np.arange(block_size, dtype=np.int32))
 
     def caches(self) -> tuple[Parameter, ...]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, ops
+from mindspore.common.initializer import initializer
 
 from agents.backends.base import Attention, OpsBackend
 from llm_serving.protocol.model_config import LlamaConfig
@@ -23,8 +24,8 @@ def kv_head_caches(num_kv: int, num_slots: int, head_dim: int, dtype: ms.Type) -
                                                                                          ParameterTuple]:
     """Zeroed K and V caches, one ``[num_slots, head_dim]`` Parameter per kv head (``key_cache_{h}``,
     ``value_cache_{h}``): the layout of this backend (the native CPU backend keeps one Parameter per layer)."""
-    zeros = np.zeros((num_slots, head_dim))
-    return tuple(ParameterTuple([Parameter(Tensor(zeros, dtype), name=f"{kind}_cache_{h}", requires_grad=False)
+    return tuple(ParameterTuple([Parameter(initializer("zeros", (num_slots, head_dim), dtype),
+                                           name=f"{kind}_cache_{h}", requires_grad=False)
                                  for h in range(num_kv)]) for kind in ("key", "value"))
 
 
