@@ -71,8 +71,9 @@ inline void cpu_relax() {
 // How long an idle helper thread polls for the next call before it sleeps: $LLM_SERVING_KERNEL_SPIN_US
 // microseconds while polling is on (TaskPool::poll); by default 1000 where the projections are ours (AVX-512), 0
 // (sleep at once) elsewhere. The ops of a step come microseconds apart; the agent turns polling on for a small
-// step's ops only and off after the step (docs/benchmarks.md "One helper pool"). Where MindSpore's MatMul runs
-// between our ops (no AVX-512), a polling helper would take the cores its threads want, as OpenMP's did.
+// step's ops only and off after the step (docs/benchmarks.md "Where a saturated step goes, and one helper
+// pool"). Where MindSpore's MatMul runs between our ops (no AVX-512), a polling helper would take the cores its
+// threads want, as OpenMP's did.
 inline int64_t spin_microseconds() {
 #if defined(__AVX512F__)
   constexpr int64_t kDefault = 1000;
