@@ -23,7 +23,8 @@ from llm_serving.protocol.model_config import LlamaConfig
 # Steps of up to this many tokens keep the kernels' helper threads polling between their ops: such a step's ops
 # are short, so a helper's wake-up is much of each (bench model, in process: batch 1 and 8 ~0.5 ms faster per
 # step). In a larger step the wake-ups are a small share of each op, and a polling helper would take the core
-# the master's HTTP writes and scheduling use meanwhile (served saturation was slower with polling on).
+# the master's HTTP writes and scheduling use meanwhile (polling at every size, served saturation's second runs
+# were slower in two of three rounds: docs/benchmarks.md, "Where a saturated step goes, and one helper pool").
 POLL_MAX_TOKENS = 16
 
 
