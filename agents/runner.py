@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import mindspore as ms
@@ -470,20 +471,23 @@ class ModelRunner:
         sample on the host (``agents.sampler``). The logits leave the device only for such parts and for parts
         with a sequence in ``want_logits``, whose rows (raw model logits, before any penalty) are returned.
         """
-        self.backend.before_step(len(batch.slot_mapping))
-        try:
+        with self._device_step(batch):
             return step_output(batch.batch_size, self._parts(batch))
-        finally:
-            self.backend.after_step()
 
     def step_logits(self, batch: StepBatch) -> np.ndarray:
         """Like ``step`` (the KV cache is written the same way) but returns float32 logits ``[B, vocab]`` of each
         sequence's last token, for logits checks."""
         out = np.zeros((batch.batch_size, self.config.vocab_size), np.float32)
-        self.backend.before_step(len(batch.slot_mapping))
-        try:
+        with self._device_step(batch):
             for group, part, outputs in self._parts(batch):
                 out[group] = outputs[2].asnumpy()[: part.batch_size]
+        return out
+
+    @contextmanager
+    def _device_step(self, batch: StepBatch) -> Iterator[None]:
+        """A step's graph calls, between the backend's ``before_step`` and ``after_step`` (also on errors)."""
+        self.backend.before_step(len(batch.slot_mapping))
+        try:
+            yield
         finally:
             self.backend.after_step()
-        return out
