@@ -35,5 +35,5 @@ setup(
             "ruff==0.17.6",
         ],
     },
-    entry_points={"console_scripts": ["llm-serving=llm_serving.cli:main"]},
+    entry_points={"console_scripts": ["llm-serving=llm_serving.cli.main:main"]},
 )

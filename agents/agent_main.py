@@ -1,4 +1,4 @@
-"""One device agent process: ``python -m agents.agent_main`` (started by ``llm_serving.agent_pool``).
+"""One device agent process: ``python -m agents.agent_main`` (started by ``llm_serving.executor.agent_pool``).
 
 Attach the step segment, build the model runner (or the stand-in), warm every shape bucket, report ready,
 then serve: block on the command pipe for a step number, run the batch in shared memory, rank 0 writes the

@@ -1,7 +1,7 @@
 """The scheduler process of MindSpore's dynamic cluster, one per tensor-parallel agent pool.
 
 ``python -m agents.collective_scheduler --lifeline-fd FD`` with ``MS_ROLE=MS_SCHED``, ``MS_SCHED_HOST``,
-``MS_SCHED_PORT`` and ``MS_WORKER_NUM`` set (``llm_serving.collective_launch`` starts it). The ranks register
+``MS_SCHED_PORT`` and ``MS_WORKER_NUM`` set (``llm_serving.executor.collective_launch`` starts it). The ranks register
 with it in ``init()``; their collectives then run between them.
 
 Why two processes: the scheduler's ``init()`` never returns while its cluster lives and holds the GIL, so no

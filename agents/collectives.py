@@ -1,6 +1,6 @@
 """An agent rank's part in MindSpore's collectives: its share of the host's cores, then joining the cluster.
 
-The pool (``llm_serving.collective_launch``) starts the cluster's scheduler and gives every rank its
+The pool (``llm_serving.executor.collective_launch``) starts the cluster's scheduler and gives every rank its
 ``MS_ROLE`` / ``MS_SCHED_HOST`` / ``MS_SCHED_PORT`` / ``MS_WORKER_NUM`` / ``MS_NODE_ID``; ``init()`` then picks
 HCCL on Ascend and MCCL on CPU.
 

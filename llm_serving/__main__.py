@@ -2,6 +2,6 @@
 
 import sys
 
-from llm_serving.cli import main
+from llm_serving.cli.main import main
 
 sys.exit(main())

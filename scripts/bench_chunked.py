@@ -33,10 +33,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llm_serving.config import ServingConfig
-from llm_serving.engine import Engine
-from llm_serving.request_stream import GenerationResult
-from llm_serving.sequence import SamplingParams
+from llm_serving.config.serving_config import ServingConfig
+from llm_serving.core.sequence import SamplingParams
+from llm_serving.engine.loop import Engine
+from llm_serving.engine.request_stream import GenerationResult
 
 BENCH_MODEL = {"hidden_size": 512, "intermediate_size": 1408, "num_layers": 8, "num_heads": 8,
                "num_kv_heads": 4, "vocab_size": 8000, "seed": 0}

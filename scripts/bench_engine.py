@@ -32,10 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llm_serving.config import ServingConfig
-from llm_serving.engine import Engine
-from llm_serving.request_stream import GenerationResult
-from llm_serving.sequence import SamplingParams
+from llm_serving.config.serving_config import ServingConfig
+from llm_serving.core.sequence import SamplingParams
+from llm_serving.engine.loop import Engine
+from llm_serving.engine.request_stream import GenerationResult
 from loadtest.dataset import contest_prompt
 from loadtest.workload import WorkloadSpec, make_workload
 

@@ -69,7 +69,7 @@ def step_times(modes: list[str], context: int) -> None:
 
     from agents.runner import ModelRunner, RunnerConfig
     from agents.weights import fuse_hf_tensors
-    from llm_serving.random_model import random_hf_weights
+    from llm_serving.models.random_model import random_hf_weights
 
     ms.set_context(mode=ms.GRAPH_MODE)
     weights = fuse_hf_tensors(random_hf_weights(BENCH_MODEL, seed=0, std=0.05), BENCH_MODEL)
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = benchmark.build_model(work)
     reqs = benchmark.make_requests(argparse.Namespace(num_prompts=args.num_prompts, seed=args.seed,
                                                       max_output_tokens=args.max_output_tokens), model_dir)
-    from llm_serving.tokenizer import Tokenizer
+    from llm_serving.tokenization.tokenizer import Tokenizer
 
     tok = Tokenizer(model_dir / "tokenizer.model")
     prompts = [tok.encode(r.prompt) for r in reqs]

@@ -30,9 +30,9 @@ from bench_model import BENCH_MODEL, BLOCK, decode_batch
 from bench_revisions import serve_and_measure
 from benchmark import TUNED, make_requests, write_config
 
-from llm_serving.random_model import build_random_model
-from llm_serving.tokenizer import Tokenizer
-from llm_serving.tokenizer_training import train_tokenizer
+from llm_serving.models.random_model import build_random_model
+from llm_serving.tokenization.tokenizer import Tokenizer
+from llm_serving.tokenization.training import train_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 HOLLOW = dataclasses.replace(BENCH_MODEL, hidden_size=128, intermediate_size=128, num_attention_heads=2,
@@ -52,7 +52,7 @@ def in_process_ms(model: str, batches: list[int], calls: int) -> list[float]:
 def _child(model: str, batches: str, calls: str) -> None:
     from agents.runner import ModelRunner, RunnerConfig
     from agents.weights import fuse_hf_tensors
-    from llm_serving.random_model import random_hf_weights
+    from llm_serving.models.random_model import random_hf_weights
 
     config = MODELS[model]
     sizes = [int(b) for b in batches.split(",")]

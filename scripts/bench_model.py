@@ -33,9 +33,9 @@ from agents.model import LlamaStep
 from agents.native_kernels import KernelBuildError, NativeOps, native_ops
 from agents.runner import ModelRunner, RunnerConfig
 from agents.weights import fuse_hf_tensors
+from llm_serving.models.random_model import random_hf_weights
 from llm_serving.protocol.batch import SamplingBatch, StepBatch
 from llm_serving.protocol.model_config import LlamaConfig
-from llm_serving.random_model import random_hf_weights
 
 BENCH_MODEL = LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                           num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)

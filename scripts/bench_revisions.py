@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmark import TUNED, build_model, make_requests, write_config
 
-from llm_serving.tokenizer import Tokenizer
+from llm_serving.tokenization.tokenizer import Tokenizer
 from loadtest.local_server import ServerStartError, running_server
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -51,8 +51,8 @@ class Run:
 
 def prepare(work: Path) -> dict[str, Path]:
     """The two base configs (the embedded model and the bench model built first, so no run includes a build)."""
-    from llm_serving.config import ServingConfig
-    from llm_serving.default_model import ensure_default_model
+    from llm_serving.config.serving_config import ServingConfig
+    from llm_serving.models.default_model import ensure_default_model
 
     default = ROOT / "configs" / "default.yaml"
     cfg = ServingConfig.from_yaml(default)

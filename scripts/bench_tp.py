@@ -5,7 +5,7 @@
 Writes the bench model (``scripts/bench_model.BENCH_MODEL``, seeded random weights) as a Hugging Face
 directory, then for each size starts the real agent processes (``AgentPool``: the collectives' scheduler,
 shared memory, pipes) with the KV cache the wiring gives ``--num-blocks`` (one device's blocks of all kv
-heads; ranks holding half the kv heads get twice as many, see ``llm_serving.wiring.kv_cache_blocks``) and
+heads; ranks holding half the kv heads get twice as many, see ``llm_serving.engine.wiring.kv_cache_blocks``) and
 prints per agent: resident memory after warm-up (VmRSS, of it anonymous and file-backed) next to the bytes of
 its weight slice and KV cache; then the median time of whole steps through the pool (``run_step``, as the
 engine sends them): prefill 1x128 and 8x128 prompts, decode batch 1/32/128 at context 256 (``--no-steps``:
@@ -29,11 +29,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agents.sharded_weights import shard_shapes
-from llm_serving.agent_pool import AgentPool
+from llm_serving.executor.agent_pool import AgentPool
+from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan, kv_shards
 from llm_serving.protocol.wire import AgentSpec
-from llm_serving.random_model import build_random_model
 from scripts.bench_model import BENCH_MODEL, BLOCK, decode_batch, prefill_batch
 
 CONTEXT, SEQ = 256, 128

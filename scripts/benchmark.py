@@ -82,8 +82,8 @@ def build_model(work: Path) -> Path:
     """The bench model as an HF directory with its own sentencepiece tokenizer (8000 pieces, as the model)."""
     from bench_model import BENCH_MODEL
 
-    from llm_serving.random_model import build_random_model
-    from llm_serving.tokenizer_training import train_tokenizer
+    from llm_serving.models.random_model import build_random_model
+    from llm_serving.tokenization.training import train_tokenizer
 
     tok = train_tokenizer(work / "tokenizer", vocab_size=BENCH_MODEL.vocab_size)
     return build_random_model(work / "model", BENCH_MODEL, seed=0, std=0.05, tokenizer_model=tok)
@@ -106,7 +106,7 @@ def run_hf(model_dir: Path, reqs: list[BenchRequest]) -> tuple[float, list[list[
     import torch
     from transformers import LlamaForCausalLM
 
-    from llm_serving.tokenizer import Tokenizer
+    from llm_serving.tokenization.tokenizer import Tokenizer
 
     tok = Tokenizer(model_dir / "tokenizer.model")
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
@@ -124,7 +124,7 @@ def run_hf(model_dir: Path, reqs: list[BenchRequest]) -> tuple[float, list[list[
 
 def expected_texts(model_dir: Path, reqs: list[BenchRequest], outs: list[list[int]]) -> list[str]:
     """The text each HF output adds to its prompt (a leading "▁" of the first piece is a real space there)."""
-    from llm_serving.tokenizer import Tokenizer
+    from llm_serving.tokenization.tokenizer import Tokenizer
 
     tok = Tokenizer(model_dir / "tokenizer.model")
     texts = []

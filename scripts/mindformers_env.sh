@@ -32,7 +32,7 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" --no-deps -e . >&2
 "${PIP[@]}" sentencepiece pyyaml aiohttp safetensors prometheus_client tqdm jinja2 protobuf pytest "numpy<2" >&2
 # our patches (patches/mindformers-$MINDFORMERS_VERSION): version check, dry run, then applied
-"$VENV/bin/python" -m llm_serving.mindformers_patches >&2
+"$VENV/bin/python" -m llm_serving.cli.commands.patch_mindformers >&2
 "$VENV/bin/python" -c "import mindspore, mindformers; print('mindspore', mindspore.__version__, 'mindformers', mindformers.__version__)" >&2
 echo "$STAMP" > "$VENV/.llm-serving-stamp"
 echo "$VENV/bin/python"

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from llm_serving.agent_pool import AgentDiedError, AgentPool, AgentStartupError, AgentStepError
+from llm_serving.executor.agent_pool import AgentDiedError, AgentPool, AgentStartupError, AgentStepError
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.shm_channel import NAME_PREFIX
 from llm_serving.protocol.wire import AgentSpec
@@ -255,7 +255,7 @@ def test_master_death_takes_the_agents_along(tmp_path):
     script = tmp_path / "master.py"
     script.write_text(textwrap.dedent("""
         import sys, time
-        from llm_serving.agent_pool import AgentPool
+        from llm_serving.executor.agent_pool import AgentPool
         from llm_serving.protocol.wire import AgentSpec
         spec = AgentSpec("standin", None, {"vocab_size": 10}, {}, 8, 4, 2, tensor_parallel_size=2)
         pool = AgentPool(spec)
@@ -287,7 +287,7 @@ def test_clean_shutdown_leaves_no_segment_and_no_tracker_warnings(tmp_path):
     script = tmp_path / "master.py"
     script.write_text(textwrap.dedent("""
         import numpy as np
-        from llm_serving.agent_pool import AgentPool, AgentSpec
+        from llm_serving.executor.agent_pool import AgentPool, AgentSpec
         from llm_serving.protocol.batch import StepBatch
         pool = AgentPool(AgentSpec("standin", None, {"vocab_size": 10}, {}, 8, 4, 2))
         pool.start()
@@ -308,8 +308,8 @@ def test_clean_shutdown_leaves_no_segment_and_no_tracker_warnings(tmp_path):
 def test_real_llama_agent_matches_transformers(tmp_path):
     """One MindSpore agent on a tiny random Llama: greedy tokens equal Hugging Face's; step errors are
     reported without killing the agent."""
+    from llm_serving.models.random_model import build_random_model
     from llm_serving.protocol.model_config import LlamaConfig
-    from llm_serving.random_model import build_random_model
     from tests.hf_reference import hf_greedy, load_hf
     from tests.paged_driver import PagedDriver
 

@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from llm_serving.admission import AdmissionError, RequestLimits
-from llm_serving.api_schema import (
+from llm_serving.api.metrics import ServerMetrics
+from llm_serving.api.openai_routes import OPENAI_FINISH
+from llm_serving.api.schema import (
     ApiError,
     CompletionRequest,
     GenerateRequest,
@@ -17,13 +18,12 @@ from llm_serving.api_schema import (
     parse_generate,
     parse_json,
 )
-from llm_serving.config import ServingConfig
-from llm_serving.metrics import ServerMetrics
-from llm_serving.openai_routes import OPENAI_FINISH
-from llm_serving.scheduler import RequestRejected
-from llm_serving.sequence import FINISH_REASONS, InvalidParameter, SamplingParams
-from llm_serving.stop_strings import StopMatcher, cut_at_stop
-from llm_serving.tgi_routes import TGI_FINISH
+from llm_serving.api.tgi_routes import TGI_FINISH
+from llm_serving.config.serving_config import ServingConfig
+from llm_serving.core.scheduler import RequestRejected
+from llm_serving.core.sequence import FINISH_REASONS, InvalidParameter, SamplingParams
+from llm_serving.engine.admission import AdmissionError, RequestLimits
+from llm_serving.engine.stop_strings import StopMatcher, cut_at_stop
 
 LIMITS = RequestLimits(max_new_tokens=100, max_model_len=128, vocab_size=1000)
 

@@ -12,12 +12,13 @@ from agents import agent_main
 from agents.backends import PortableBackend, select_backend
 from agents.backends.ascend import AscendBackend
 from agents.device import apply_jit_config
-from llm_serving import serve, serve_cli
-from llm_serving.cli import add_config_arguments, config_from_args
-from llm_serving.config import ConfigError, ServingConfig
+from llm_serving.api import launch as serve
+from llm_serving.cli.commands import serve as serve_cli
+from llm_serving.cli.main import add_config_arguments, config_from_args
+from llm_serving.config.serving_config import ConfigError, ServingConfig
+from llm_serving.engine.wiring import ModelFiles, agent_spec, runner_config_dict
+from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
-from llm_serving.random_model import build_random_model
-from llm_serving.wiring import ModelFiles, agent_spec, runner_config_dict
 
 ASCEND = {"model_config": {"device_target": "Ascend", "dtype": "float16"}}
 

@@ -18,8 +18,8 @@ from agents.export import export_graphs, export_runner
 from agents.mindir import FUSED_PRIMITIVES, TensorInfo, read_mindir
 from agents.runner import RunnerConfig, warmup_shapes
 from agents.weights import load_weights
+from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
-from llm_serving.random_model import build_random_model
 from tests.script_runner import ROOT
 
 LAYERS = 2
@@ -141,7 +141,7 @@ def write_config(tmp_path, model_dir, dtype="float16") -> str:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llm_serving.cli", "export", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "llm_serving.cli.main", "export", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=300, check=False)
 
 

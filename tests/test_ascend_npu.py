@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
-from llm_serving.random_model import build_random_model
 from tests.hf_reference import check_greedy_near, load_hf, model_logits
 from tests.script_runner import ROOT
 

@@ -30,8 +30,8 @@ from agents.device import setup_device
 from agents.model import rotary_tables
 from agents.runner import ModelRunner, RunnerConfig
 from agents.weights import load_weights
+from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
-from llm_serving.random_model import build_random_model
 from tests import ascend_contracts as contract
 from tests.hf_reference import check_greedy_near, hf_greedy, hf_last_logits, load_hf
 from tests.paged_driver import PagedDriver, contiguous_prefill

@@ -1,7 +1,7 @@
 import pytest
 
-from llm_serving.block_manager import DUMMY_BLOCK, BlockManager
-from llm_serving.sequence import SamplingParams, Sequence
+from llm_serving.core.block_manager import DUMMY_BLOCK, BlockManager
+from llm_serving.core.sequence import SamplingParams, Sequence
 
 
 def make_seq(rid: str, n: int) -> Sequence:

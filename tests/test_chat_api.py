@@ -22,10 +22,15 @@ import pytest
 import yaml
 from test_server import ROOT, ServerProcess, metrics, post, run, sse_payloads, wait_metric
 
-from llm_serving.chat_template import LLAMA2_CHAT_TEMPLATE, ChatTemplate, check_messages, load_chat_template
-from llm_serving.config import ServingConfig
-from llm_serving.default_model import default_model_dir, ensure_default_model
-from llm_serving.tokenizer import Tokenizer
+from llm_serving.config.serving_config import ServingConfig
+from llm_serving.models.default_model import default_model_dir, ensure_default_model
+from llm_serving.tokenization.chat_template import (
+    LLAMA2_CHAT_TEMPLATE,
+    ChatTemplate,
+    check_messages,
+    load_chat_template,
+)
+from llm_serving.tokenization.tokenizer import Tokenizer
 
 SYSTEM = {"role": "system", "content": "Answer in one short sentence."}
 CHATS = [
@@ -320,7 +325,7 @@ def test_generate_reads_chat_prompt_files(tmp_path):
     res = cli(prompts)
     assert res.returncode == 2 and "item 1 of" in res.stderr and "the chat template refused it" in res.stderr
 
-    from llm_serving.llm import LLM
+    from llm_serving.engine.llm import LLM
 
     with LLM(cfg, standin_agents=True, progress=None) as llm:
         chats = llm.chat(CHATS, max_new_tokens=4)

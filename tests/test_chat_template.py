@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from transformers import LlamaTokenizer
 
-from llm_serving.chat_template import (
+from llm_serving.config.serving_config import ConfigError, ServingConfig
+from llm_serving.tokenization.chat_template import (
     LLAMA2_CHAT_TEMPLATE,
     ChatTemplate,
     ChatTemplateError,
@@ -19,9 +20,8 @@ from llm_serving.chat_template import (
     check_messages,
     load_chat_template,
 )
-from llm_serving.config import ConfigError, ServingConfig
-from llm_serving.tokenizer import Tokenizer
-from llm_serving.tokenizer_training import train_tokenizer
+from llm_serving.tokenization.tokenizer import Tokenizer
+from llm_serving.tokenization.training import train_tokenizer
 
 SYSTEM = {"role": "system", "content": "You answer briefly, in plain words."}
 CONVERSATIONS = [

@@ -10,11 +10,11 @@ import pytest
 
 from agents.runner import ModelRunner, RunnerConfig
 from agents.weights import load_weights
+from llm_serving.core.scheduler import Scheduler, SchedulerConfig
+from llm_serving.core.sequence import SamplingParams, Sequence
+from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.model_config import LlamaConfig
-from llm_serving.random_model import build_random_model
-from llm_serving.scheduler import Scheduler, SchedulerConfig
-from llm_serving.sequence import SamplingParams, Sequence
 from tests.chunk_driver import ChunkDriver
 from tests.hf_reference import hf_greedy, load_hf
 

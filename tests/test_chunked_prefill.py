@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from llm_serving.core.scheduler import Scheduler, SchedulerConfig
+from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.protocol.batch import StepBatch
-from llm_serving.scheduler import Scheduler, SchedulerConfig
-from llm_serving.sequence import SamplingParams, Sequence
 from tests.test_scheduler import EOS, FakeKVModel, expected_output
 
 MAX_LEN = 64

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llm_serving.cli import main
+from llm_serving.cli.main import main
 
 
 def test_top_level_help_lists_every_subcommand(capsys):

@@ -15,12 +15,12 @@ import pytest
 import yaml
 
 from agents.compile_cache import COMPLETE, COSTS_FILE, KEEP, CompileCache, prune, source_digest
-from llm_serving.config import ConfigError, ServingConfig
-from llm_serving.default_model import ensure_default_model
+from llm_serving.config.serving_config import ConfigError, ServingConfig
+from llm_serving.engine.wiring import agent_spec, compile_cache_dir, resolve_model
+from llm_serving.models.default_model import ensure_default_model
+from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.wire import AgentSpec
-from llm_serving.random_model import build_random_model
-from llm_serving.wiring import agent_spec, compile_cache_dir, resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "compile_cache_driver.py"

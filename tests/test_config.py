@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llm_serving.config import ConfigError, ModelSection, PagedAttentionSection, ServingConfig
+from llm_serving.config.serving_config import ConfigError, ModelSection, PagedAttentionSection, ServingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_YAML = ROOT / "configs" / "default.yaml"
@@ -381,5 +381,5 @@ def test_configs_are_frozen():
 
 
 def test_config_module_does_not_import_mindspore():
-    code = "import sys, llm_serving.config; sys.exit('mindspore' in sys.modules)"
+    code = "import sys, llm_serving.config.serving_config; sys.exit('mindspore' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT).returncode == 0

@@ -17,26 +17,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm_serving import wiring
-from llm_serving.agent_pool import AgentDiedError, AgentPool
-from llm_serving.config import ConfigError, ServingConfig
-from llm_serving.default_model import default_model_dir, ensure_default_model
-from llm_serving.engine import (
+from llm_serving.config.serving_config import ConfigError, ServingConfig
+from llm_serving.core.scheduler import Scheduler, SchedulerConfig
+from llm_serving.core.sequence import SamplingParams, Sequence
+from llm_serving.engine import wiring
+from llm_serving.engine.llm import LLM
+from llm_serving.engine.loop import (
     Engine,
     EngineError,
     QueueFull,
     RequestRejected,
 )
-from llm_serving.llm import LLM
+from llm_serving.engine.request_stream import NO_TOKEN
+from llm_serving.engine.wiring import agent_spec, resolve_model, runner_config_dict, scheduler_config
+from llm_serving.executor.agent_pool import AgentDiedError, AgentPool
+from llm_serving.models.default_model import default_model_dir, ensure_default_model
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.shm_channel import NAME_PREFIX
 from llm_serving.protocol.wire import AgentSpec
-from llm_serving.request_stream import NO_TOKEN
-from llm_serving.scheduler import Scheduler, SchedulerConfig
-from llm_serving.sequence import SamplingParams, Sequence
-from llm_serving.tokenizer import Tokenizer
-from llm_serving.wiring import agent_spec, resolve_model, runner_config_dict, scheduler_config
+from llm_serving.tokenization.tokenizer import Tokenizer
 
 VOCAB = 1000
 EOS = 2

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm_serving.config import ServingConfig
-from llm_serving.engine import Engine
-from llm_serving.llm import LLM
-from llm_serving.sequence import SamplingParams
+from llm_serving.config.serving_config import ServingConfig
+from llm_serving.core.sequence import SamplingParams
+from llm_serving.engine.llm import LLM
+from llm_serving.engine.loop import Engine
 
 VOCAB = 1000
 MAX_NEW = 12

@@ -17,12 +17,12 @@ from agents.device import setup_device
 from agents.native_kernels import native_ops
 from agents.runner import ModelRunner, RunnerConfig
 from agents.weights import load_weights
-from llm_serving.config import ConfigError, ServingConfig
-from llm_serving.engine import Engine
+from llm_serving.config.serving_config import ConfigError, ServingConfig
+from llm_serving.core.sequence import SamplingParams
+from llm_serving.engine.loop import Engine
+from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.model_config import LlamaConfig
-from llm_serving.random_model import build_random_model
-from llm_serving.sequence import SamplingParams
 from tests.op_cell import OpCell
 
 pw = packed_weights
@@ -335,7 +335,7 @@ def test_config_errors_name_the_key_and_the_file(tmp_path, model_config, message
 
 
 def test_the_mode_reaches_the_agents(tmp_path):
-    from llm_serving.wiring import runner_config_dict
+    from llm_serving.engine.wiring import runner_config_dict
 
     cfg = ServingConfig.from_dict({"model_config": {"precision": "fast"}})
     assert cfg.model_config.precision == "fast" and runner_config_dict(cfg)["precision"] == "fast"

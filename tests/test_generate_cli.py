@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from agents.convert import convert
+from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
-from llm_serving.random_model import build_random_model
-from llm_serving.tokenizer import Tokenizer
-from llm_serving.tokenizer_training import train_tokenizer
+from llm_serving.tokenization.tokenizer import Tokenizer
+from llm_serving.tokenization.training import train_tokenizer
 from tests.hf_reference import hf_greedy, load_hf
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,16 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llm_serving.api_schema import ApiError, parse_completion, parse_generate, parse_json
-from llm_serving.http_guards import (
+from llm_serving.api.guards import (
     MAX_JSON_DEPTH,
     bearer_matches,
     check_json,
     check_prompt_count,
     exposure_warning,
 )
-from llm_serving.http_responses import MAX_ERROR_CHARS, error_response
-from llm_serving.sequence import InvalidParameter, SamplingParams
+from llm_serving.api.responses import MAX_ERROR_CHARS, error_response
+from llm_serving.api.schema import ApiError, parse_completion, parse_generate, parse_json
+from llm_serving.core.sequence import InvalidParameter, SamplingParams
 
 
 def error_of(fn, *args, **kwargs) -> ApiError:
@@ -140,9 +140,9 @@ def test_engine_failures_map_to_their_status():
     import asyncio
     import json
 
-    from llm_serving.http_responses import engine_errors, openai_stream_error
-    from llm_serving.live_requests import SequenceError
-    from llm_serving.request_stream import EngineError
+    from llm_serving.api.responses import engine_errors, openai_stream_error
+    from llm_serving.engine.live_requests import SequenceError
+    from llm_serving.engine.request_stream import EngineError
 
     async def failing(exc):
         raise exc

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import yaml
 
-from llm_serving.config import ServingConfig
-from llm_serving.default_model import ensure_default_model
-from llm_serving.tokenizer import Tokenizer
+from llm_serving.config.serving_config import ServingConfig
+from llm_serving.models.default_model import ensure_default_model
+from llm_serving.tokenization.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 1000
@@ -154,7 +154,7 @@ def test_bad_config_and_prompts_file(setup):
 def test_help_and_light_import():
     res = run_cli("--help")
     assert res.returncode == 0 and "generate" in res.stdout
-    probe = ("import sys, llm_serving; assert 'llm_serving.engine' not in sys.modules; "
-             "from llm_serving import LLM; assert LLM.__module__ == 'llm_serving.llm'; "
+    probe = ("import sys, llm_serving; assert 'llm_serving.engine.loop' not in sys.modules; "
+             "from llm_serving import LLM; assert LLM.__module__ == 'llm_serving.engine.llm'; "
              "assert 'mindspore' not in sys.modules")
     assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT, check=False).returncode == 0

@@ -19,8 +19,8 @@ import pytest
 from aiohttp import web
 from matplotlib.figure import Figure
 
-from llm_serving.tokenizer import Tokenizer
-from llm_serving.tokenizer_training import train_tokenizer
+from llm_serving.tokenization.tokenizer import Tokenizer
+from llm_serving.tokenization.training import train_tokenizer
 from loadtest import BenchError, plots
 from loadtest.cli import main as loadtest_main
 from loadtest.client import ProgressBar, arrival_offsets, benchmark, parse_gauge, wait_ready

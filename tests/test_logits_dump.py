@@ -18,15 +18,15 @@ import pytest
 import yaml
 
 from agents.standin import StandinRunner
-from llm_serving.agent_pool import AgentPool
-from llm_serving.config import ServingConfig
-from llm_serving.default_model import ensure_default_model
-from llm_serving.engine import Engine
+from llm_serving.config.serving_config import ServingConfig
+from llm_serving.core.scheduler import Scheduler, SchedulerConfig
+from llm_serving.core.sequence import SamplingParams, Sequence
+from llm_serving.engine.loop import Engine
+from llm_serving.executor.agent_pool import AgentPool
+from llm_serving.models.default_model import ensure_default_model
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.shm_channel import ChannelError, ChannelLayout, StepChannel
-from llm_serving.scheduler import Scheduler, SchedulerConfig
-from llm_serving.sequence import SamplingParams, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 1000
@@ -113,8 +113,8 @@ def test_scheduler_asks_once_per_position_across_preemptions():
 
 def test_a_step_rerun_in_parts_keeps_each_rows_logits():
     """``recovery.run_isolated``: the halves' logits rows go back to their rows in the whole step."""
-    from llm_serving.agent_pool import AgentStepError
-    from llm_serving.recovery import run_isolated
+    from llm_serving.engine.recovery import run_isolated
+    from llm_serving.executor.agent_pool import AgentStepError
 
     class HalvesPool:
         def __init__(self) -> None:
@@ -154,7 +154,7 @@ class _Spy:
 def runner(tmp_path_factory):
     from agents.runner import ModelRunner, RunnerConfig
     from agents.weights import load_weights
-    from llm_serving.random_model import build_random_model
+    from llm_serving.models.random_model import build_random_model
 
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -364,6 +364,6 @@ def test_llama2_7b_ascend_config_loads_and_its_kv_cache_fits_a_910b():
 
 
 def _hf_shapes(config: LlamaConfig) -> list[tuple[int, ...]]:
-    from llm_serving.random_model import hf_shapes
+    from llm_serving.models.random_model import hf_shapes
 
     return list(hf_shapes(config).values())

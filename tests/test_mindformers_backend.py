@@ -19,10 +19,10 @@ from agents.mindformers.inputs import (
     shape_arrays,
     warmup_batch,
 )
-from llm_serving.config import ConfigError, ServingConfig
+from llm_serving.config.serving_config import ConfigError, ServingConfig
+from llm_serving.engine.wiring import agent_spec, resolve_model
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.wire import AgentSpec
-from llm_serving.wiring import agent_spec, resolve_model
 
 MF = {"backend": "mindformers", "model_cfg_path": "predict_llama2_7b.yaml", "dtype": "float16",
       "device_target": "Ascend"}

@@ -1,4 +1,4 @@
-"""Our MindFormers patches (patches/) and the command that applies them (llm_serving/mindformers_patches.py),
+"""Our MindFormers patches (patches/) and the command that applies them (llm_serving/cli/commands/patch_mindformers.py),
 checked against the real pinned release: the MindFormers 1.8.0 wheel from PyPI (downloaded once into
 ~/.cache/llm-serving/wheels, no dependencies, nothing imported), unpacked into a temporary directory that stands
 for site-packages.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from llm_serving.mindformers_patches import (
+from llm_serving.cli.commands.patch_mindformers import (
     PATCH_ROOT,
     PINNED_VERSION,
     PatchError,

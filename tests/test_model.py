@@ -8,9 +8,9 @@ import pytest
 from agents.model import model_weights
 from agents.runner import ModelRunner, RunnerConfig
 from agents.weights import load_weights
+from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.model_config import LlamaConfig
-from llm_serving.random_model import build_random_model
 from tests.hf_reference import hf_greedy, hf_last_logits, load_hf
 from tests.paged_driver import PagedDriver, contiguous_prefill
 

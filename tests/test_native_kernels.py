@@ -18,9 +18,9 @@ from agents.backends.native_cpu import NativeResidualLinear
 from agents.native_kernels import native_ops
 from agents.runner import ModelRunner, RunnerConfig
 from agents.weights import load_weights
+from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.model_config import LlamaConfig
-from llm_serving.random_model import build_random_model
 from tests.hf_reference import hf_greedy, load_hf
 from tests.op_cell import OpCell
 from tests.paged_driver import PagedDriver

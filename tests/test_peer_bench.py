@@ -139,8 +139,8 @@ def test_ours_in_process_runner_keeps_the_limit_and_ignores_eos(monkeypatch, tmp
     from run_ours import run_level
     from test_engine import standin_expected, tiny_config
 
-    from llm_serving.llm import LLM
-    from llm_serving.sequence import SamplingParams
+    from llm_serving.core.sequence import SamplingParams
+    from llm_serving.engine.llm import LLM
 
     reqs = [PeerRequest(i, [1, 10 + i, 20 + i], 3 + i % 4) for i in range(7)]
     rf = RequestFile("/models/x", 2, [level], 7, reqs)

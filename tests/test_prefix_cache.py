@@ -9,10 +9,10 @@ import random
 import numpy as np
 import pytest
 
-from llm_serving.block_manager import BlockManager
-from llm_serving.prefix_cache import extend_block_hashes
-from llm_serving.scheduler import Scheduler, SchedulerConfig
-from llm_serving.sequence import SamplingParams, Sequence, SequenceStatus
+from llm_serving.core.block_manager import BlockManager
+from llm_serving.core.prefix_cache import extend_block_hashes
+from llm_serving.core.scheduler import Scheduler, SchedulerConfig
+from llm_serving.core.sequence import SamplingParams, Sequence, SequenceStatus
 from tests.test_scheduler import EOS, FakeKVModel, expected_output
 
 

@@ -10,9 +10,9 @@ import pytest
 from agents.runner import ModelRunner, RunnerConfig
 from agents.sampler import sample, sample_row, take_failures
 from agents.weights import load_weights
+from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.batch import FAILED_TOKEN, SamplingBatch, StepBatch
 from llm_serving.protocol.model_config import LlamaConfig
-from llm_serving.random_model import build_random_model
 from tests.hf_reference import load_hf
 from tests.paged_driver import PagedDriver
 

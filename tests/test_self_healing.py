@@ -20,12 +20,12 @@ import aiohttp
 import numpy as np
 import pytest
 
-from llm_serving.agent_pool import AgentDiedError, AgentPool, AgentStartupError, AgentStepError
-from llm_serving.engine import Engine, EngineError, SequenceError
+from llm_serving.core.sequence import SamplingParams
+from llm_serving.engine.loop import Engine, EngineError, SequenceError
+from llm_serving.engine.recovery import BACKOFF_CAP_S, RecoveryConfig, RestartPolicy
+from llm_serving.executor.agent_pool import AgentDiedError, AgentPool, AgentStartupError, AgentStepError
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.wire import AgentSpec
-from llm_serving.recovery import BACKOFF_CAP_S, RecoveryConfig, RestartPolicy
-from llm_serving.sequence import SamplingParams
 from tests.test_engine import (
     our_segments,
     standin_expected,

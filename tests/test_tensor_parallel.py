@@ -23,14 +23,14 @@ import pytest
 
 from agents.sharded_weights import load_shard, shard_shapes
 from agents.weights import load_weights, save_mindspore_checkpoint
-from llm_serving.agent_pool import AgentPool, AgentStartupError
-from llm_serving.config import ConfigError, ServingConfig
-from llm_serving.engine import Engine
+from llm_serving.config.serving_config import ConfigError, ServingConfig
+from llm_serving.core.sequence import SamplingParams
+from llm_serving.engine.loop import Engine
+from llm_serving.engine.wiring import agent_spec, kv_cache_blocks, resolve_model, scheduler_config
+from llm_serving.executor.agent_pool import AgentPool, AgentStartupError
+from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan, kv_shards, tensor_parallel_problems
-from llm_serving.random_model import build_random_model
-from llm_serving.sequence import SamplingParams
-from llm_serving.wiring import agent_spec, kv_cache_blocks, resolve_model, scheduler_config
 from tests.test_engine import our_segments, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -289,9 +289,9 @@ def test_master_killed_while_ranks_join_leaves_nothing(data_dir, tmp_path):
     script = tmp_path / "master.py"
     script.write_text(textwrap.dedent(f"""
         import sys
-        from llm_serving.agent_pool import AgentPool
-        from llm_serving.config import ServingConfig
-        from llm_serving.wiring import ModelFiles, agent_spec
+        from llm_serving.executor.agent_pool import AgentPool
+        from llm_serving.config.serving_config import ServingConfig
+        from llm_serving.engine.wiring import ModelFiles, agent_spec
         from llm_serving.protocol.model_config import LlamaConfig
         cfg = ServingConfig.from_dict({{"serving_config": {{"num_agents": 2}},
                                        "pa_config": {{"num_blocks": 48, "block_size": 8, "decode_seq_length": 64}},

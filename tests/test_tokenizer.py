@@ -10,8 +10,8 @@ import random
 import pytest
 import sentencepiece as spm
 
-from llm_serving.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
-from llm_serving.tokenizer_training import _LLAMA_OPTIONS, DEFAULT_CORPUS, train_tokenizer
+from llm_serving.tokenization.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
+from llm_serving.tokenization.training import _LLAMA_OPTIONS, DEFAULT_CORPUS, train_tokenizer
 
 TEXTS = [
     "The lighthouse keeper wrote 14 March 1987 in his logbook.",

@@ -22,8 +22,8 @@ from agents.weights import (
     save_mindspore_checkpoint,
     validate_weights,
 )
+from llm_serving.models.random_model import build_random_model, random_hf_weights
 from llm_serving.protocol.model_config import LlamaConfig
-from llm_serving.random_model import build_random_model, random_hf_weights
 
 # GQA (4 heads, 2 kv heads) so q and k/v have different widths in the fused matrix.
 CFG = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2,

@@ -32,10 +32,10 @@ from agents.mindformers.names import gate_up_to_mindformers, qkv_to_mindformers,
 from agents.mindformers.runner import MindFormersRunnerConfig, MindFormersStep
 from agents.mindir import read_mindir
 from agents.weights import load_weights
-from llm_serving.mindformers_patches import apply_patches, default_target, installed_version
+from llm_serving.cli.commands.patch_mindformers import apply_patches, default_target, installed_version
+from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.model_config import LlamaConfig
-from llm_serving.random_model import build_random_model
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=384, num_hidden_layers=2,

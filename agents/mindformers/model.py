@@ -24,7 +24,7 @@ from llm_serving.protocol.model_config import LlamaConfig
 MINDFORMERS_VERSION = "1.8.0"  # the release our patches are for (patches/mindformers-1.8.0)
 ENV_HINT = ("create the MindFormers environment with `bash scripts/mindformers_env.sh` (it prints its python) and "
             "run llm-serving from it")
-PATCH_HINT = "apply our patches with `python -m llm_serving.mindformers_patches` in that environment"
+PATCH_HINT = "apply our patches with `python -m llm_serving.cli.commands.patch_mindformers` in that environment"
 # our LlamaConfig field -> MindFormers model_config key, checked to agree between config.json and the YAML
 ARCH_KEYS = {"hidden_size": "hidden_size", "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
              "num_key_value_heads": "n_kv_heads", "vocab_size": "vocab_size",

@@ -241,7 +241,7 @@ def run_section(args: argparse.Namespace, model_dir: Path, prompts: Sequence[str
                 ours_config: Path, ours_settings: str, work: Path) -> str:
     """Run every system at every level (args.peer_rounds rounds, alternating) and return the markdown.
     ``prompts`` are encoded as HF's baseline encodes them (our tokenizer, with BOS); ids go to every system."""
-    from llm_serving.tokenizer import Tokenizer
+    from llm_serving.tokenization.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(model_dir / "tokenizer.model")
     prompt_ids = [tokenizer.encode(p) for p in prompts]

@@ -23,9 +23,9 @@ from peer_io import LevelRun, PeerResult, RequestFile, Timing, read_requests, ru
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
-from llm_serving.llm import LLM
-from llm_serving.request_stream import NO_TOKEN
-from llm_serving.sequence import SamplingParams
+from llm_serving.core.sequence import SamplingParams
+from llm_serving.engine.llm import LLM
+from llm_serving.engine.request_stream import NO_TOKEN
 
 
 async def run_level(llm: LLM, rf: RequestFile, level: int) -> LevelRun:

@@ -1,0 +1,7 @@
+"""The HTTP front end (aiohttp) over an engine: the server and what every route shares (guards, JSON
+responses and errors, metrics, one request's generation), the request schemas, and one routes module per API
+(llm-serving/TGI, OpenAI completions, OpenAI chat). ``launch`` runs the whole serving process (engine + HTTP,
+graceful drain).
+
+May import: ``llm_serving.protocol``, ``core``, ``config``, ``tokenization``, ``engine`` and ``executor``.
+"""

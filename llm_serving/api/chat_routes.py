@@ -1,0 +1,134 @@
+"""The OpenAI chat route: ``POST /v1/chat/completions``.
+
+The messages become the prompt through the served model's chat template (``chat_template``, loaded once the
+engine has started: ``template``, which ``serve`` calls at start-up so a bad template stops it); from there a
+chat request is a completion with one choice: the same admission, limits, metrics and abort on disconnect
+(``Server.start_generation``, ``Generation``), finish reasons and usage as ``/v1/completions``. Streams are
+Server-Sent Events of ``chat.completion.chunk`` objects: the first delta carries the role, the last one the
+finish reason, then an optional usage chunk (``stream_options.include_usage``) and ``data: [DONE]``.
+``logprobs`` is the chat object (``content``: token, logprob, bytes, top_logprobs per token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from llm_serving.api.chat_schema import ChatRequest, parse_chat
+from llm_serving.api.generation import Generation, TokenInfo
+from llm_serving.api.openai_routes import OPENAI_FINISH, _usage
+from llm_serving.api.responses import (
+    ClientGone,
+    engine_errors,
+    json_response,
+    open_stream,
+    openai_stream_error,
+    write,
+)
+from llm_serving.api.schema import ApiError
+from llm_serving.config.serving_config import ConfigError
+from llm_serving.engine.request_stream import EngineError
+from llm_serving.tokenization.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from llm_serving.tokenization.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from llm_serving.api.server import Server
+
+
+class ChatRoutes:
+    """The handler; ``server`` admits the requests."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self._template: ChatTemplate | None = None
+
+    def template(self) -> ChatTemplate:
+        """The served model's chat template, loaded on first use after the engine started (ConfigError)."""
+        if self._template is None:
+            engine = self.server.engine
+            self._template = load_chat_template(self.server.config, engine.model.model_path, engine.tokenizer)
+        return self._template
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        server = self.server
+        req = parse_chat(await server.read_body(request))
+        model = server.check_model(req.model)
+        max_new = req.max_tokens if req.max_tokens is not None else server.default_max_new_tokens
+        params = req.sampling.to_params(max_new, req.ignore_eos, req.stop, req.field_names)
+        ids = await self._prompt_ids(req)
+        cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        gen = server.start_generation(ids, params, arrival, req.field_names, cid)
+        try:
+            meta = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model}
+            if req.stream:
+                return await self._stream(request, gen, req, {**meta, "object": "chat.completion.chunk"})
+            answer = await engine_errors(gen.collect())
+        finally:
+            gen.close()
+        choice = {"index": 0, "message": {"role": "assistant", "content": answer.text},
+                  "logprobs": self._logprobs(req, answer.tokens),
+                  "finish_reason": OPENAI_FINISH[answer.finish_reason]}
+        return json_response({**meta, "choices": [choice], "usage": _usage([gen])})
+
+    async def _prompt_ids(self, req: ChatRequest) -> list[int]:
+        """The conversation rendered by the model's template and tokenized (long ones off the event loop)."""
+        from llm_serving.api.server import OFFLOAD_ENCODE_CHARS  # (server imports this module)
+
+        server = self.server
+        server.check_accepting()  # the template comes with the model: none while loading
+        try:
+            template = self.template()
+        except ConfigError as exc:  # serve loads it at start-up; this is for apps run another way
+            raise ApiError(500, f"the chat template cannot be used: {exc}", "chat_template_error") from None
+        try:
+            if sum(len(m["content"]) for m in req.messages) > OFFLOAD_ENCODE_CHARS:
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(None, template.prompt_ids, req.messages)
+            return template.prompt_ids(req.messages)
+        except ChatTemplateError as exc:
+            raise ApiError(400, f"the chat template refused the messages: {exc}", "invalid_request",
+                           "messages") from None
+
+    async def _stream(self, request: web.Request, gen: Generation, req: ChatRequest,
+                      meta: dict[str, Any]) -> web.StreamResponse:
+        resp = await open_stream(request, "text/event-stream")
+
+        def chunk(delta: dict[str, Any] | None, logprobs: Any = None, reason: str | None = None,
+                  **extra: Any) -> bytes:
+            choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                                 "finish_reason": reason}]
+            return f"data: {json.dumps({**meta, 'choices': choices, **extra}, ensure_ascii=False)}\n\n".encode()
+
+        try:
+            await write(resp, chunk({"role": "assistant", "content": ""}))
+            async for delta in gen.deltas():
+                tokens = [delta.token] if delta.token else []
+                reason = OPENAI_FINISH[delta.finish_reason] if delta.finish_reason else None
+                content = {"content": delta.text} if delta.text or tokens else {}
+                await write(resp, chunk(content, self._logprobs(req, tokens) if tokens else None, reason))
+            if req.include_usage:
+                await write(resp, chunk(None, usage=_usage([gen])))
+            await write(resp, b"data: [DONE]\n\n")
+        except EngineError as exc:
+            await write(resp, openai_stream_error(exc))
+        except ClientGone:
+            return resp
+        await resp.write_eof()
+        return resp
+
+    def _logprobs(self, req: ChatRequest, tokens: list[TokenInfo]) -> dict[str, Any] | None:
+        if not req.logprobs:
+            return None
+        return {"content": [_token_logprob(self.server.engine.tokenizer, t, req.top_logprobs) for t in tokens]}
+
+
+def _token_logprob(tok: Tokenizer, t: TokenInfo, top: int) -> dict[str, Any]:
+    """One position of the chat ``logprobs.content``; greedy's top-1 alternative is the chosen token itself."""
+    entry = {"token": tok.token_text(t.id), "logprob": t.logprob, "bytes": tok.token_bytes(t.id)}
+    return {**entry, "top_logprobs": [dict(entry)] if top >= 1 else []}

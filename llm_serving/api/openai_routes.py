@@ -1,0 +1,162 @@
+"""The OpenAI routes: ``POST /v1/completions`` (legacy completions) and ``GET /v1/models``.
+
+A completion has one choice per prompt, all admitted or none; streams are Server-Sent Events ending
+``data: [DONE]``, the choices' chunks interleaved as they come. ``logprobs`` is the legacy object
+(``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from llm_serving.api.generation import AnswerDelta, Generation, TokenInfo
+from llm_serving.api.guards import check_prompt_count
+from llm_serving.api.responses import (
+    ClientGone,
+    engine_errors,
+    json_response,
+    open_stream,
+    openai_stream_error,
+    write,
+)
+from llm_serving.api.schema import ApiError, CompletionRequest, parse_completion
+from llm_serving.engine.request_stream import EngineError
+from llm_serving.tokenization.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from llm_serving.api.server import Server
+
+# finish reasons as this API names them (OpenAI's), for each of sequence.FINISH_REASONS
+OPENAI_FINISH = {"eos": "stop", "length": "length", "stop": "stop", "abort": "abort"}
+
+
+class OpenAIRoutes:
+    """The handlers; ``server`` admits the requests."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.monotonic()
+        server = self.server
+        req = parse_completion(await server.read_body(request))
+        model = server.check_model(req.model)
+        check_prompt_count(len(req.prompts), server.config.serving_config.max_queue_size)
+        params = req.sampling.to_params(req.max_tokens, req.ignore_eos, req.stop, req.FIELD_NAMES)
+        cid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        prompts = [await server.tokenize(p) for p in req.prompts]
+        gens: list[Generation] = []
+        try:
+            for i, ids in enumerate(prompts):
+                gens.append(server.start_generation(ids, params, arrival, req.FIELD_NAMES, f"{cid}-{i}"))
+        except ApiError:
+            for g in gens:  # all or nothing: the request is counted once, as refused
+                g.close(record=False)
+            raise
+        try:
+            meta = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model}
+            echoes = [self._echo_text(req, p) for p in req.prompts]
+            if req.stream:
+                return await self._stream(request, gens, req, meta, echoes)
+            answers = await engine_errors(asyncio.gather(*(g.collect() for g in gens)))
+        finally:
+            for g in gens:  # a failed or abandoned choice ends the others too
+                g.close()
+        tok = server.engine.tokenizer
+        choices = []
+        for i, (answer, echo) in enumerate(zip(answers, echoes)):
+            lp = _logprobs(tok, answer.tokens, len(echo), req.logprobs)
+            choices.append({"index": i, "text": echo + answer.text, "logprobs": lp,
+                            "finish_reason": OPENAI_FINISH[answer.finish_reason]})
+        return json_response({**meta, "choices": choices, "usage": _usage(gens)})
+
+    async def models(self, request: web.Request) -> web.Response:
+        server = self.server
+        data = [{"id": name, "object": "model", "created": server.created, "owned_by": "llm-serving",
+                 "root": server.model_name, "max_model_len": server.config.max_model_len}
+                for name in server.names]
+        return json_response({"object": "list", "data": data})
+
+    async def _stream(self, request: web.Request, gens: list[Generation], req: CompletionRequest,
+                      meta: dict[str, Any], echoes: list[str]) -> web.StreamResponse:
+        resp = await open_stream(request, "text/event-stream")
+        tok = self.server.engine.tokenizer
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            return f"data: {json.dumps({**meta, 'choices': choices, **extra}, ensure_ascii=False)}\n\n".encode()
+
+        offsets = [len(e) for e in echoes]
+        try:
+            for i, echo in enumerate(echoes):
+                if echo:
+                    await write(resp, chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]))
+            async for i, delta in _merge([g.deltas() for g in gens]):
+                tokens = [delta.token] if delta.token else []
+                lp = _logprobs(tok, tokens, offsets[i], req.logprobs)
+                offsets[i] += len(delta.text)
+                reason = OPENAI_FINISH[delta.finish_reason] if delta.finish_reason else None
+                await write(resp, chunk([{"index": i, "text": delta.text, "logprobs": lp, "finish_reason": reason}]))
+            if req.include_usage:
+                await write(resp, chunk([], usage=_usage(gens)))
+            await write(resp, b"data: [DONE]\n\n")
+        except EngineError as exc:
+            await write(resp, openai_stream_error(exc))
+        except ClientGone:
+            return resp
+        await resp.write_eof()
+        return resp
+
+    def _echo_text(self, req: CompletionRequest, prompt: str | tuple[int, ...]) -> str:
+        if not req.echo:
+            return ""
+        return prompt if isinstance(prompt, str) else self.server.engine.tokenizer.decode(prompt)
+
+
+async def _merge(iters: list[AsyncIterator[AnswerDelta]]) -> AsyncIterator[tuple[int, AnswerDelta]]:
+    """Items of several async iterators as they come, tagged with the iterator's index."""
+    if len(iters) == 1:
+        async for item in iters[0]:
+            yield 0, item
+        return
+    pending = {asyncio.ensure_future(it.__anext__()): i for i, it in enumerate(iters)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                try:
+                    item = fut.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(iters[i].__anext__())] = i
+                yield i, item
+    finally:
+        for fut in pending:
+            fut.cancel()  # the generator's own cleanup (Generation.close) aborts its request
+
+
+def _usage(gens: list[Generation]) -> dict[str, int]:
+    prompt = sum(g.prompt_len for g in gens)
+    completion = sum(g.num_tokens for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _logprobs(tok: Tokenizer, tokens: list[TokenInfo], offset: int, want: int | None) -> dict[str, Any] | None:
+    """The legacy completions ``logprobs`` object; greedy's top-1 alternative is the chosen token itself."""
+    if want is None:
+        return None
+    names, offsets = [], []
+    for t in tokens:
+        names.append(tok.token_text(t.id))
+        offsets.append(offset)
+        offset += len(t.text)
+    top = [{n: t.logprob} for n, t in zip(names, tokens)] if want >= 1 else None
+    return {"tokens": names, "token_logprobs": [t.logprob for t in tokens], "top_logprobs": top,
+            "text_offset": offsets}

@@ -1,0 +1,400 @@
+"""Request bodies of the HTTP API, parsed and validated into plain dataclasses.
+
+Two dialects are accepted:
+- the TGI-style body of MindSpore llm-serving (``/models/<name>/generate[_stream]``):
+  ``{"inputs": str, "parameters": {...}, "stream": bool}``. Its clients (the contest's load script among
+  them) send booleans and numbers as strings ("True", "0.8"), so this dialect accepts those;
+- the OpenAI completions body (``/v1/completions``), parsed strictly as OpenAI documents it.
+
+Parsing checks the JSON: shapes, types and each dialect's own ranges. The values of the engine's parameters
+(max_new_tokens >= 1, stop strings) are checked once, by ``SamplingParams``, and the limits of the served
+configuration once, when the engine admits the request (``admission``); their ``InvalidParameter`` errors
+become a 400 under the dialect's name of the field (``parameter_error``: ``max_tokens`` on the OpenAI route).
+Every problem becomes an ``ApiError`` carrying the HTTP status and a message that names the parameter, so
+the server answers ``{"error": ..., "error_type": ...}`` instead of failing deep in the engine. Unknown keys
+are errors too: a misspelt ``max_new_token`` silently ignored would be a wrong answer, not a served one.
+Every list and string has a bound past which it is a 400: the body the server's size limit, the prompt its
+tokens (admission), OpenAI's prompt list ``MAX_PROMPTS``, stop strings ``SamplingParams``' limits, ``user``
+``MAX_USER_CHARS``; so no request that can never run is queued, and error messages quote values shortened.
+
+Sampling controls map onto ``SamplingParams`` (``SamplingOptions.to_params``). Temperature 0 means greedy on
+every route: in the llm-serving body ``do_sample`` false means greedy whatever the temperature, ``do_sample``
+true samples at the given temperature, greedy at 0, and at Hugging Face's default 1.0 when none is given;
+OpenAI's temperature defaults to 1 (sampling). ``repetition_penalty`` applies to greedy requests too, as in
+Hugging Face.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from llm_serving.core.sequence import InvalidParameter, SamplingParams
+
+OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+MAX_PROMPTS = 256  # prompts (choices) of one /v1/completions request; each is a sequence in the queue
+MAX_USER_CHARS = 1024  # OpenAI's opaque end-user id: accepted and ignored, within this length
+MAX_TOP_K = 2**31 - 1  # larger is the same as 0 (no limit), but does not fit the int32 step arrays
+HF_DEFAULT_TEMPERATURE = 1.0  # do_sample=true without a temperature
+
+
+class ApiError(Exception):
+    """A request the server answers with an HTTP error; ``error_type`` is a stable machine-readable tag."""
+
+    def __init__(self, status: int, message: str, error_type: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+        self.close_connection = False  # the answer closes the connection (its request left it unusable)
+
+
+def invalid(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request", param)
+
+
+def parameter_error(exc: InvalidParameter, field_names: Mapping[str, str]) -> ApiError:
+    """An engine parameter error as a 400 naming the field as the dialect calls it (``field_names``)."""
+    name = field_names.get(exc.field, exc.field)
+    return ApiError(400, exc.message_for(name), exc.error_type, name)
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Sampling controls as sent (validated ranges); ``to_params`` turns them into the engine's parameters."""
+
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+
+    @property
+    def wants_sampling(self) -> bool:
+        """Whether tokens are drawn at random (else greedy argmax, possibly with a repetition penalty)."""
+        return self.do_sample and self.temperature != 0
+
+    def to_params(self, max_new_tokens: int, ignore_eos: bool = False, stop: tuple[str, ...] = (),
+                  field_names: Mapping[str, str] | None = None) -> SamplingParams:
+        """The engine's parameters; a value SamplingParams refuses becomes a 400 naming the field as
+        ``field_names`` (the dialect) calls it."""
+        penalty = 1.0 if self.repetition_penalty is None else self.repetition_penalty
+        try:
+            if not self.wants_sampling:
+                return SamplingParams(max_new_tokens, ignore_eos, repetition_penalty=penalty, seed=self.seed,
+                                      stop=stop)
+            temperature = HF_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
+            return SamplingParams(max_new_tokens, ignore_eos, temperature=temperature, top_k=self.top_k or 0,
+                                  top_p=1.0 if self.top_p is None else self.top_p, repetition_penalty=penalty,
+                                  seed=self.seed, stop=stop)
+        except InvalidParameter as exc:
+            raise parameter_error(exc, field_names or {}) from None
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """An llm-serving ``generate``/``generate_stream`` body."""
+
+    FIELD_NAMES: ClassVar[Mapping[str, str]] = {"prompt": "inputs"}  # engine field -> this body's name
+
+    inputs: str
+    max_new_tokens: int | None  # None: as many as the context allows, up to model_config.max_generate_length
+    sampling: SamplingOptions
+    stop: tuple[str, ...] = ()
+    return_full_text: bool = False
+    details: bool = False
+    stream: bool = False
+    sse: bool = False
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """An OpenAI ``/v1/completions`` body; ``prompts`` holds one entry per choice."""
+
+    FIELD_NAMES: ClassVar[Mapping[str, str]] = {"max_new_tokens": "max_tokens"}  # engine field -> OpenAI's
+
+    model: str | None
+    prompts: tuple[str | tuple[int, ...], ...]
+    max_tokens: int
+    sampling: SamplingOptions
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+
+# ---- entry points ------------------------------------------------------------------------------------------
+def parse_json(raw: bytes) -> Any:
+    """The request body as JSON, or a 400 naming the parse problem."""
+    if not raw.strip():
+        raise ApiError(400, "the request body is empty; expected a JSON object", "invalid_json")
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError:
+        raise ApiError(400, "the request body is not UTF-8 text", "invalid_json") from None
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON too deeply", "invalid_json") from None
+    except ValueError as exc:  # an integer past Python's int() digit limit (4,300 digits)
+        raise ApiError(400, f"the request body has a number this server does not read: {exc}",
+                       "invalid_json") from None
+
+
+_GENERATE_TOP = ("inputs", "parameters", "stream", "sse")
+_GENERATE_PARAMS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
+                    "seed", "stop", "return_full_text", "details", "sse")
+# TGI parameters that only mean "off" here: accepted at their neutral value, refused otherwise.
+_TGI_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "watermark": (False,), "decoder_input_details": (False,), "truncate": (None,), "typical_p": (None, 1.0),
+    "best_of": (None, 1), "top_n_tokens": (None, 0),
+}
+
+
+def parse_generate(body: Any, stream: bool | None = None) -> GenerateRequest:
+    """Validate an llm-serving body. ``stream`` forces streaming (the generate_stream route)."""
+    body = _object(body, "the request body")
+    _no_unknown(body, _GENERATE_TOP, "the request body")
+    inputs = body.get("inputs")
+    if inputs is None:
+        raise invalid("missing 'inputs': the prompt text", "inputs")
+    if not isinstance(inputs, str):
+        raise invalid(f"'inputs' must be a string, got {_kind(inputs)}", "inputs")
+    if not inputs:
+        raise invalid("'inputs' is empty: the prompt must have at least one character", "inputs")
+    params = body.get("parameters")
+    params = {} if params is None else _object(params, "'parameters'")
+    _no_unknown(params, (*_GENERATE_PARAMS, *_TGI_NEUTRAL), "'parameters'")
+    for key, neutral in _TGI_NEUTRAL.items():
+        if key in params and _neutral_value(params[key]) not in neutral:
+            raise ApiError(422, f"parameters.{key}={_kind(params[key])} is not supported; leave it out",
+                           "unsupported", key)
+    p = _Reader(params, "parameters.", lenient=True)
+    b = _Reader(body, "", lenient=True)
+    stream_flag = b.bool("stream", False)  # validated even where the route decides
+    max_new = p.int("max_new_tokens")  # its value is the engine's to check (SamplingParams, admission)
+    sampling = SamplingOptions(
+        do_sample=p.bool("do_sample", False), temperature=p.float("temperature", lo=0.0),
+        top_k=p.int("top_k", lo=0, hi=MAX_TOP_K), top_p=p.float("top_p", lo=0.0, lo_open=True, hi=1.0),
+        repetition_penalty=p.float("repetition_penalty", lo=0.0, lo_open=True), seed=p.int("seed", lo=0),
+    )
+    return GenerateRequest(
+        inputs=inputs, max_new_tokens=max_new, sampling=sampling, stop=p.stop("stop"),
+        return_full_text=p.bool("return_full_text", False), details=p.bool("details", False),
+        stream=stream if stream is not None else stream_flag,
+        sse=b.bool("sse", False) or p.bool("sse", False),
+    )
+
+
+_COMPLETION_KEYS = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
+                    "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty", "best_of",
+                    "logit_bias", "user", "seed", "suffix", "top_k", "repetition_penalty", "ignore_eos")
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    """Validate an OpenAI completions body (strict JSON types; vLLM's top_k/repetition_penalty/ignore_eos too)."""
+    body = _object(body, "the request body")
+    _no_unknown(body, _COMPLETION_KEYS, "the request body")
+    r = _Reader(body, "", lenient=False)
+    model = r.str("model")
+    prompts = _prompts(body.get("prompt"))
+    max_tokens = r.int("max_tokens")  # its value is the engine's to check (SamplingParams, admission)
+    temperature = r.float("temperature", lo=0.0, hi=2.0)
+    temperature = 1.0 if temperature is None else temperature  # OpenAI's default: sampling
+    sampling = SamplingOptions(
+        do_sample=temperature > 0, temperature=temperature, top_k=r.int("top_k", lo=0, hi=MAX_TOP_K),
+        top_p=r.float("top_p", lo=0.0, lo_open=True, hi=1.0),
+        repetition_penalty=r.float("repetition_penalty", lo=0.0, lo_open=True), seed=r.int("seed"),
+    )
+    n, best_of = r.int("n", lo=1), r.int("best_of", lo=1)
+    if (n or 1) != 1 or (best_of or 1) != 1:
+        raise ApiError(422, "n and best_of above 1 (several choices per prompt) are not supported; send one "
+                            "prompt per choice", "unsupported", "n")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if (r.float(key, lo=-2.0, hi=2.0) or 0.0) != 0.0:
+            raise ApiError(422, f"{key} is not supported yet; send 0 or leave it out", "unsupported", key)
+    if body.get("logit_bias"):
+        raise ApiError(422, "logit_bias is not supported", "unsupported", "logit_bias")
+    if body.get("suffix"):
+        raise ApiError(422, "suffix (insertion) is not supported", "unsupported", "suffix")
+    user = r.str("user")
+    if user is not None and len(user) > MAX_USER_CHARS:
+        raise invalid(f"'user' has {len(user)} characters; at most {MAX_USER_CHARS}", "user")
+    logprobs = r.int("logprobs", lo=0, hi=5)
+    if logprobs is not None and logprobs > 1:
+        raise ApiError(422, "logprobs above 1 (alternatives per position) are not supported; send 0 or 1",
+                       "unsupported", "logprobs")
+    # The most likely token is reported as the chosen one: true only for plain greedy decoding.
+    if logprobs == 1 and (sampling.wants_sampling or (sampling.repetition_penalty or 1.0) != 1.0):
+        raise ApiError(422, "logprobs=1 (the most likely token at each position) is only supported with "
+                            "temperature=0 and no repetition_penalty; send logprobs=0 for the chosen tokens' "
+                            "logprobs", "unsupported", "logprobs")
+    echo = r.bool("echo", False)
+    if echo and logprobs is not None:
+        raise ApiError(422, "echo together with logprobs (prompt logprobs) is not supported",
+                       "unsupported", "echo")
+    stream = r.bool("stream", False)
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        options = _object(options, "'stream_options'")
+        _no_unknown(options, ("include_usage",), "'stream_options'")
+        include_usage = _Reader(options, "stream_options.", lenient=False).bool("include_usage", False)
+        if not stream:
+            raise invalid("stream_options is only allowed with stream=true", "stream_options")
+    return CompletionRequest(
+        model=model, prompts=prompts, sampling=sampling,
+        max_tokens=OPENAI_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+        stop=r.stop("stop"), stream=stream, include_usage=include_usage, echo=echo, logprobs=logprobs,
+        ignore_eos=r.bool("ignore_eos", False),
+    )
+
+
+# ---- helpers -----------------------------------------------------------------------------------------------
+def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
+    """OpenAI's prompt: a string, a list of strings, a list of token ids, or a list of such lists."""
+    if prompt is None:
+        raise invalid("missing 'prompt'", "prompt")
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        items = prompt
+    else:
+        raise invalid(f"'prompt' must be a non-empty string, a list of strings or a list of token ids, got "
+                      f"{_kind(prompt)}", "prompt")
+    if len(items) > MAX_PROMPTS:
+        raise invalid(f"'prompt' has {len(items)} prompts; at most {MAX_PROMPTS} per request", "prompt")
+    out: list[str | tuple[int, ...]] = []
+    for i, item in enumerate(items):
+        where = "'prompt'" if len(items) == 1 else f"'prompt[{i}]'"
+        if isinstance(item, str):
+            if not item:
+                raise invalid(f"{where} is empty", "prompt")
+            out.append(item)
+        elif isinstance(item, list) and item and all(_is_int(t) for t in item):
+            out.append(tuple(item))  # the ids' range is checked at admission
+        else:
+            raise invalid(f"{where} must be a non-empty string or a non-empty list of token ids (ints), "
+                          f"got {_kind(item)}", "prompt")
+    return tuple(out)
+
+
+class _Reader:
+    """Typed access to one JSON object's optional keys; null means absent."""
+
+    def __init__(self, obj: Mapping[str, Any], prefix: str, lenient: bool) -> None:
+        self.obj, self.prefix, self.lenient = obj, prefix, lenient
+
+    def _get(self, key: str) -> Any:
+        return self.obj.get(key)
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self._get(key)
+        if v is None:
+            return default
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, str) and v.strip().lower() in ("true", "false"):
+            return v.strip().lower() == "true"
+        raise invalid(f"{self.prefix}{key} must be a boolean (true/false or the strings \"True\"/\"False\"), "
+                      f"got {_kind(v)}", key)
+
+    def str(self, key: str) -> str | None:
+        v = self._get(key)
+        if v is not None and not isinstance(v, str):
+            raise invalid(f"{self.prefix}{key} must be a string, got {_kind(v)}", key)
+        return v
+
+    def int(self, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
+        v = self._get(key)
+        if v is None:
+            return None
+        if self.lenient and isinstance(v, str):
+            try:
+                v = int(v.strip())
+            except ValueError:
+                raise invalid(f"{self.prefix}{key} must be an integer, got {_kind(self._get(key))}", key) from None
+        if not _is_int(v):
+            raise invalid(f"{self.prefix}{key} must be an integer, got {_kind(v)}", key)
+        if lo is not None and v < lo:
+            raise invalid(f"{self.prefix}{key} must be >= {lo}, got {v}", key)
+        if hi is not None and v > hi:
+            raise invalid(f"{self.prefix}{key} must be <= {hi}, got {v}", key)
+        if v >= 2**63:
+            raise invalid(f"{self.prefix}{key} is too large: {v}", key)
+        return v
+
+    def float(self, key: str, lo: float | None = None, hi: float | None = None,
+              lo_open: bool = False) -> float | None:
+        v = self._get(key)
+        if v is None:
+            return None
+        if self.lenient and isinstance(v, str):
+            try:
+                v = float(v.strip())
+            except ValueError:
+                raise invalid(f"{self.prefix}{key} must be a number, got {_kind(self._get(key))}", key) from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise invalid(f"{self.prefix}{key} must be a finite number, got {_kind(v)}", key)
+        try:
+            v = float(v)  # an integer past float's range raises
+        except OverflowError:
+            v = math.inf
+        if not math.isfinite(v):
+            raise invalid(f"{self.prefix}{key} must be a finite number, got {_kind(self._get(key))}", key)
+        if lo is not None and (v <= lo if lo_open else v < lo):
+            raise invalid(f"{self.prefix}{key} must be {'>' if lo_open else '>='} {lo:g}, got {v:g}", key)
+        if hi is not None and v > hi:
+            raise invalid(f"{self.prefix}{key} must be <= {hi:g}, got {v:g}", key)
+        return v
+
+    def stop(self, key: str) -> tuple[str, ...]:
+        """Stop strings as sent; their number and lengths are SamplingParams' to check."""
+        v = self._get(key)
+        if v is None:
+            return ()
+        items = [v] if isinstance(v, str) else v
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise invalid(f"{self.prefix}{key} must be a string or a list of strings, got {_kind(v)}", key)
+        return tuple(items)
+
+
+def _object(value: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise invalid(f"{what} must be a JSON object, got {_kind(value)}")
+    return value
+
+
+def _no_unknown(obj: Mapping[str, Any], known: tuple[str, ...], what: str) -> None:
+    unknown = [k for k in obj if k not in known]
+    if unknown:
+        shown = ", ".join(repr(k[:40]) for k in unknown[:5])  # bounded: a body may carry thousands
+        if len(unknown) > 5:
+            shown += f" and {len(unknown) - 5} more"
+        raise invalid(f"{what} has unknown key(s) {shown}; known keys: {', '.join(known)}", unknown[0][:40])
+
+
+def _neutral_value(v: Any) -> Any:
+    if isinstance(v, str) and v.strip().lower() in ("true", "false"):
+        return v.strip().lower() == "true"
+    return v
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _kind(v: Any) -> str:
+    text = json.dumps(v) if isinstance(v, (dict, list, str, int, float, bool)) or v is None else repr(v)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({'null' if v is None else type(v).__name__})"

@@ -1,0 +1,1 @@
+"""The ``llm-serving`` subcommands, one module each."""

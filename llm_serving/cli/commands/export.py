@@ -1,0 +1,52 @@
+"""The ``export`` subcommand: ``llm-serving export --config X.yaml [--model DIR] --out DIR``.
+
+Writes one MindIR file per warm-up shape of the configured model, device target and dtype (what MindSpore Lite or
+a GE-based deployment loads) and prints, per graph, its shapes and the fused primitives in it. The graphs are built
+and exported on this machine's CPU, so an Ascend config exports without an NPU. The master never imports
+MindSpore: the config and model are resolved here, and ``python -m agents.export`` does the rest in a child process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from llm_serving.cli.main import Command, add_config_arguments, config_from_args
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    p.add_argument("--out", required=True, metavar="DIR", help="directory for the .mindir files (created)")
+    p.add_argument("--shape", action="append", default=[], metavar="KIND:BATCH:N",
+                   help="export only this warm-up shape, e.g. decode:8:16 or ragged:4:128 (repeatable; "
+                   "default: every warm-up shape)")
+
+
+def export_argv(spec_json: str, out: str, shapes: list[str], module: str = "agents.export") -> list[str]:
+    """The child's command line (``module``: ``agents.mindformers.export`` for backend mindformers)."""
+    argv = [sys.executable, "-m", module, "--spec", spec_json, "--out", out]
+    for shape in shapes:
+        argv += ["--shape", shape]
+    return argv
+
+
+def _run(args: argparse.Namespace) -> int:
+    from llm_serving.engine.wiring import agent_spec, resolve_model
+
+    config = config_from_args(args)
+    model = resolve_model(config, lambda line: print(line, file=sys.stderr, flush=True), tokenizer=False)
+    spec = agent_spec(config, model)
+    root = str(Path(__file__).resolve().parents[3])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    module = "agents.mindformers.export" if spec.backend == "mindformers" else "agents.export"
+    return subprocess.run(export_argv(spec.to_json(), args.out, args.shape, module), env=env,
+                          check=False).returncode
+
+
+COMMAND = Command("export", "write one MindIR per warm-up shape for the configured device target and dtype "
+                  "(built on CPU: no NPU needed) and list each graph's shapes and fused primitives",
+                  _add_arguments, _run)

@@ -1,0 +1,504 @@
+"""Continuous-batching scheduler: picks each model step and applies its result.
+
+Modelled on nano-vllm / vLLM: the scheduler decides *which* sequences run, the BlockManager decides *where*
+their KV lives. One step is in flight at a time: ``schedule()``, run the model, ``postprocess()``. Each
+sequence counts the tokens whose K/V the agents hold (``num_computed_tokens``); a step gives it the next
+``num_scheduled_tokens`` of its tokens, and only a step that reaches its last token produces its next one.
+
+Chunked prefill (``chunked_prefill``, as vLLM's and SGLang's schedulers): a step has a token budget
+(``max_num_batched_tokens``). It carries the decode token of every running sequence, then the next chunk of the
+running sequences still prefilling, then the first chunks of newly admitted ones, as far as the budget goes; a
+prompt longer than what is left is prefilled over several steps, each chunk attending to the K/V the earlier
+ones wrote. So a long prompt neither waits for a step of its own nor stalls the running streams for a whole
+prefill. Without it a step is either a prefill (whole prompts of newly admitted sequences) or a decode.
+
+Prefix caching (``prefix_caching``, ``llm_serving.core.prefix_cache``): a sequence starts on the cached blocks of its
+longest cached prefix (computed by any earlier request, or by itself before a preemption) and computes only the
+rest. Blocks are registered when the step that completes them comes back; ``requeue_running`` (new agents, an
+empty KV cache) forgets them all.
+
+Sampling: all-greedy steps carry no ``SamplingBatch`` (the agents keep the in-graph argmax). A step with a
+sampled or penalised sequence carries every sequence's parameters, its seed (fixed at admission, so a
+preempted and recomputed sequence draws the same) and its draw index (tokens generated so far).
+
+Logits dump: a step marks in ``want_logits`` the sequences still short of their ``logits_tokens`` rows; the row
+it returns for a sequence is that of the token the step produces, so a recompute's prefill adds one row, never
+the rows of tokens generated before its preemption. Steps where no sequence asks carry None (checked in O(1)
+for decode while no running sequence dumps), and the agents then read no logits back.
+
+When a decode step needs a KV block and none is free, the most recently admitted running sequence is
+preempted by recompute: its blocks are freed and it goes back to the front of the queue; its next prefill
+covers prompt + generated tokens, so it resumes exactly where it stopped (greedy results do not change).
+
+Prompt buckets: every prompt up to the model length is served. Without chunked prefill, a prompt or recompute
+longer than ``max_prompt_len`` (the agents' largest multi-prompt bucket) is prefilled alone, in the agents'
+single-sequence shape of up to ``max_model_len`` tokens.
+
+Prefill vs decode interleaving (``min_decode_steps_between_prefills``):
+  0 (default, as vLLM): prefill whenever something can be admitted. Best time-to-first-token and fastest
+    ramp-up of the decode batch, but every prefill stalls the running streams (inter-token latency spikes
+    under a steady stream of arrivals).
+  k > 0: at least k decode steps between two prefills while sequences are running. Smoother inter-token
+    latency for running streams, at the cost of queueing delay (TTFT) for new requests.
+  With chunked prefill the streams are not stalled anyway (a step is bounded by its token budget); k then only
+  spaces out the steps that admit new sequences (chunks of admitted ones go on every step).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from itertools import chain, islice
+
+import numpy as np
+
+from llm_serving.core.block_manager import DUMMY_BLOCK, BlockManager
+from llm_serving.core.sequence import FINISH_REASONS, Sequence, SequenceStatus
+from llm_serving.protocol.batch import SamplingBatch, StepBatch, StepOutput
+from llm_serving.protocol.model_config import blocks_needed
+
+POLICIES = ("fcfs", "longest_output_first")
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served with this configuration (rejected at admission)."""
+
+
+@dataclass
+class SchedulerConfig:
+    num_blocks: int  # KV cache blocks on the agents, dummy block 0 included
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 8  # running sequences = largest decode batch
+    max_prefill_batch: int = 4  # sequences admitted by one prefill step
+    max_num_batched_tokens: int = 2048  # token budget of one step (of one prefill step without chunked prefill)
+    max_model_len: int = 2048  # prompt + max_new_tokens limit per request
+    eos_token_id: int | None = 2  # None: only max_new_tokens ends a request
+    policy: str = "fcfs"  # admission order, see POLICIES
+    max_wait_s: float | None = 30.0  # longest_output_first: admit requests queued this long first
+    min_decode_steps_between_prefills: int = 0  # interleaving knob, see module docstring
+    max_prompt_len: int | None = None  # longest prompt prefilled with others (unchunked); None: max_model_len
+    chunked_prefill: bool = False  # decode tokens and prompt chunks share steps, see the module docstring
+    prefix_caching: bool = False  # reuse the cached KV blocks of a shared prefix
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_prefill_batch",
+                     "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"scheduler config: {name} must be a positive int, got {value!r}")
+        if self.num_blocks < 2:
+            raise ValueError(f"scheduler config: num_blocks must be >= 2 (block 0 is reserved), got "
+                             f"{self.num_blocks}")
+        if self.chunked_prefill and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"scheduler config: max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}): every running sequence's decode token fits a step"
+            )
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"scheduler config: max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}): without chunked prefill a preempted sequence is "
+                "recomputed in one prefill"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduler config: policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.max_wait_s is not None and self.max_wait_s < 0:
+            raise ValueError(f"scheduler config: max_wait_s must be >= 0 or None, got {self.max_wait_s}")
+        if self.min_decode_steps_between_prefills < 0:
+            raise ValueError("scheduler config: min_decode_steps_between_prefills must be >= 0, got "
+                             f"{self.min_decode_steps_between_prefills}")
+        if self.max_prompt_len is not None and not 1 <= self.max_prompt_len <= self.max_model_len:
+            raise ValueError(f"scheduler config: max_prompt_len must be in 1..max_model_len "
+                             f"({self.max_model_len}) or None, got {self.max_prompt_len}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.prefix_caching)
+        self._clock = clock
+        self._waiting: deque[Sequence] = deque()  # new requests, arrival order
+        self._preempted: deque[Sequence] = deque()  # re-admitted before any new request
+        self._running: list[Sequence] = []  # admission order; the last one is preempted first
+        self._live: dict[str, Sequence] = {}
+        self._decodes_since_prefill = 0
+        self.num_preemptions = 0
+        # Block tables of running sequences mirrored in one array (a row each), updated a block at a time, so
+        # a step's table is one gather instead of converting every Python list again on every step.
+        self._tables = np.zeros((config.max_num_seqs, blocks_needed(config.max_model_len, config.block_size)), np.int32)
+        self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self._row: dict[str, int] = {}
+        self._running_sampled = 0  # running sequences whose params need logits; 0 keeps decode on the fast path
+        self._running_dumps = 0  # running sequences with a logits dump; 0: no step asks for logits
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request admitted against the served limits (``llm_serving.engine.admission``: prompt length,
+        context, vocabulary); raises RequestRejected for what only the scheduler knows (a duplicate id, a KV
+        cache too small for the request) and ValueError for a request that skipped admission."""
+        cfg, rid = self.config, seq.request_id
+        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.output_ids:
+            raise ValueError(f"request {rid!r}: only a fresh waiting sequence can be added, got {seq!r}")
+        if rid in self._live:
+            raise RequestRejected(f"request {rid!r}: a request with this id is already in progress")
+        total = seq.num_prompt_tokens + seq.params.max_new_tokens
+        if seq.num_prompt_tokens < 1 or total > cfg.max_model_len:
+            raise ValueError(f"request {rid!r} was not admitted: {seq.num_prompt_tokens} prompt tokens, "
+                             f"{total} in all (admission refuses this)")
+        need = self.block_manager.blocks_needed(total - 1)  # the last generated token is never fed back
+        if need > self.block_manager.num_usable_blocks:
+            raise RequestRejected(
+                f"request {rid!r}: needs up to {need} KV blocks of {cfg.block_size} tokens, but the KV cache "
+                f"has only {self.block_manager.num_usable_blocks}"
+            )
+        if seq.arrival_time is None:
+            seq.arrival_time = self._clock()
+        if seq.seed is None:  # fixed now, so preemption and recompute never change the request's draws
+            seed = seq.params.seed if seq.params.seed is not None else secrets.randbits(64)
+            seq.seed = (seed + 2**63) % 2**64 - 2**63  # as int64: the agents' RNG reads it modulo 2**64
+        self._waiting.append(seq)
+        self._live[rid] = seq
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a waiting or running request now (reason "abort"); False if it is not in progress."""
+        return self.finish_request(request_id, "abort")
+
+    def finish_request(self, request_id: str, reason: str) -> bool:
+        """Finish a request from outside (e.g. "stop" on a stop string); frees its blocks at once.
+
+        Safe while its step is in flight: postprocess() ignores it and it is never scheduled again.
+        """
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"unknown finish_reason {reason!r}; expected one of {FINISH_REASONS}")
+        seq = self._live.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, reason)
+        return True
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._live.get(request_id)
+
+    def requeue_running(self) -> list[Sequence]:
+        """Preempt every running sequence (by recompute) and return them: replaced agents hold no KV cache, so
+        the prefix cache is emptied too."""
+        victims = list(reversed(self._running))  # newest first, so the oldest ends up at the front
+        for seq in victims:
+            self._preempt(seq)
+        self.block_manager.reset_prefix_cache()
+        return victims
+
+    # ---- stepping -------------------------------------------------------------------------------------
+    def schedule(self) -> tuple[list[Sequence], StepBatch] | None:
+        """The next step (its sequences in batch order and its batch), or None when there is nothing to run."""
+        cfg = self.config
+        admit = (self._waiting or self._preempted) and (
+            not self._running or self._decodes_since_prefill >= cfg.min_decode_steps_between_prefills)
+        if cfg.chunked_prefill:  # decode tokens and chunks of the running, then new sequences' chunks
+            seqs, budget, chunks = self._reserve_running(cfg.max_num_batched_tokens)
+            admitted = self._admit(budget, chunks) if admit else []
+            seqs += admitted
+            prefill = bool(chunks or admitted)
+        else:  # a prefill of whole prompts, else a decode of every running sequence
+            seqs = admitted = self._admit(cfg.max_num_batched_tokens, 0) if admit else []
+            prefill = bool(seqs)
+            if not seqs and self._running:
+                seqs = self._reserve_running(0)[0]
+        if not seqs:
+            return None
+        self._decodes_since_prefill = 0 if admitted else self._decodes_since_prefill + 1
+        return seqs, self._build(seqs, prefill)
+
+    def postprocess(self, seqs: list[Sequence], output: StepOutput) -> list[Sequence]:
+        """Append each sequence's new token; return the sequences that finished with this step."""
+        tokens, logprobs = np.asarray(output.token_ids), np.asarray(output.logprobs)
+        if tokens.shape != (len(seqs),) or logprobs.shape != (len(seqs),):
+            raise ValueError(
+                f"step output has token_ids {tokens.shape} and logprobs {logprobs.shape} for {len(seqs)} sequences"
+            )
+        eos, caching = self.config.eos_token_id, self.block_manager.prefix_cache is not None
+        finished = []
+        for row, (seq, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step was in flight
+            n = seq.num_scheduled_tokens
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + n
+            if caching and (n > 1 or not seq.output_ids):  # prompt blocks now (decoded ones when it ends)
+                self.block_manager.cache_computed(seq)
+            if computed < len(seq.prompt_ids) + len(seq.output_ids):
+                continue  # a prompt chunk short of its end: the token it gives is not the sequence's next
+            if seq.num_output_tokens < seq.logits_tokens:  # the step asked for this row (``_want_logits``)
+                if row not in output.logits:
+                    raise ValueError(f"step output has no logits for row {row} ({seq.request_id!r}), which "
+                                     "want_logits asked for")
+                seq.logits.append(output.logits[row])
+            seq.append_token(token, logprob)
+            if eos is not None and token == eos and not seq.params.ignore_eos:
+                reason = "eos"
+            elif seq.num_output_tokens >= seq.params.max_new_tokens:
+                reason = "length"
+            else:
+                continue
+            self._finish(seq, reason)
+            finished.append(seq)
+        return finished
+
+    # ---- introspection --------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting) + len(self._preempted)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.block_manager.num_used_blocks
+
+    @property
+    def block_usage(self) -> float:
+        return self.block_manager.usage
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Idle cached blocks, prompt tokens looked up at admission and how many hit, evictions (all 0 without
+        prefix caching)."""
+        cache = self.block_manager.prefix_cache
+        if cache is None:
+            return dict.fromkeys(("kv_blocks_cached", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
+                                  "prefix_cache_evictions"), 0)
+        return {"kv_blocks_cached": cache.num_idle, "prefix_cache_queried_tokens": cache.queried_tokens,
+                "prefix_cache_hit_tokens": cache.hit_tokens, "prefix_cache_evictions": cache.evictions}
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    @property
+    def running(self) -> tuple[Sequence, ...]:
+        return tuple(self._running)
+
+    @property
+    def waiting(self) -> tuple[Sequence, ...]:
+        """Waiting sequences; preempted ones first, new ones in arrival order (not policy order)."""
+        return tuple(self._preempted) + tuple(self._waiting)
+
+    # ---- internals ------------------------------------------------------------------------------------
+    def _admission_order(self) -> Iterator[Sequence]:
+        yield from self._preempted
+        if self.config.policy == "fcfs":
+            yield from self._waiting
+            return
+        max_wait, now = self.config.max_wait_s, self._clock()
+        starving = [s for s in self._waiting if max_wait is not None and now - s.arrival_time >= max_wait]
+        yield from starving
+        starving_ids = {id(s) for s in starving}
+        rest = [s for s in self._waiting if id(s) not in starving_ids]
+        yield from sorted(rest, key=lambda s: -s.params.max_new_tokens)  # stable: ties keep arrival order
+
+    def _admit(self, budget: int, chunks: int) -> list[Sequence]:
+        """Start waiting sequences, in policy order, on the blocks of their longest cached prefix and new blocks for
+        their first chunk (all their tokens without chunked prefill) out of ``budget`` tokens, ``chunks`` prompt
+        chunks being in the step already; stop at the first that does not fit.
+
+        Besides its chunk, each must leave room for the running sequences' next decode step, so a fresh prefill
+        is not preempted (wasted) right away. Without chunked prefill a sequence of more than ``max_prompt_len``
+        tokens to compute goes alone (the agents' single long prefill shape).
+        """
+        cfg, bm, bs = self.config, self.block_manager, self.config.block_size
+        slots = min(cfg.max_prefill_batch - chunks, cfg.max_num_seqs - len(self._running))
+        ahead = int(cfg.chunked_prefill)  # the running already hold this step's slots: room for the next one
+        free = bm.num_free_blocks - sum(max(0, bm.blocks_needed(s.num_tokens + ahead) - len(s.block_table))
+                                        for s in self._running if not s.is_prefilling)
+        long_limit = cfg.max_prompt_len if cfg.max_prompt_len is not None else cfg.max_model_len
+        chosen: list[Sequence] = []
+        for seq in list(islice(self._admission_order(), max(slots, 0))):  # a copy: _start dequeues
+            if budget < 1:
+                break
+            hit = bm.cached_prefix(seq)
+            start = len(hit) * bs
+            n = min(seq.num_tokens - start, budget) if cfg.chunked_prefill else seq.num_tokens - start
+            alone = not cfg.chunked_prefill and n > long_limit
+            end, last_fed = start + n, seq.num_prompt_tokens + seq.params.max_new_tokens - 1
+            need = bm.blocks_needed(min(end + 1, last_fed) if end == seq.num_tokens else end)
+            need += bm.num_idle(hit) - len(hit)  # idle cached blocks it revives leave the free count
+            if n > budget or need > free or (alone and chosen):
+                break
+            self._start(seq, hit, n)
+            budget -= n
+            free -= need
+            chosen.append(seq)
+            if alone:
+                break
+        return chosen
+
+    def _start(self, seq: Sequence, hit: list[int], n: int) -> None:
+        """Make a waiting sequence running on the cached blocks ``hit``, with blocks for its first ``n`` new
+        tokens scheduled."""
+        bm = self.block_manager
+        self._dequeue(seq)
+        bm.share(seq, hit)
+        seq.num_cached_blocks = len(hit)
+        seq.num_computed_tokens = len(hit) * bm.block_size
+        seq.num_scheduled_tokens = n
+        bm.grow(seq, seq.num_computed_tokens + n)
+        if bm.prefix_cache is not None:
+            bm.prefix_cache.queried_tokens += seq.num_tokens
+            bm.prefix_cache.hit_tokens += seq.num_computed_tokens
+        row = self._row[seq.request_id] = self._free_rows.pop()
+        self._tables[row] = DUMMY_BLOCK
+        self._tables[row, : len(seq.block_table)] = seq.block_table
+        seq.status = SequenceStatus.RUNNING
+        self._running.append(seq)
+        self._running_sampled += seq.params.needs_logits
+        self._running_dumps += seq.logits_tokens > 0
+
+    def _reserve_running(self, budget: int) -> tuple[list[Sequence], int, int]:
+        """Give every running sequence, oldest first, its slots for this step: its decode token, or while it is
+        still prefilling its next chunk out of what ``budget`` leaves after the decode tokens (at most
+        ``max_prefill_batch`` chunks; the rest wait). When blocks run out the newest running sequence is
+        preempted. Returns the sequences scheduled, the budget left and the number of chunks."""
+        scheduled, bs, chunks, decodes = [], self.config.block_size, 0, 0
+        running, max_chunks = SequenceStatus.RUNNING, self.config.max_prefill_batch
+        left = None  # the chunks' budget, counted when a chunk first needs it (never in a decode-only step)
+        for seq in list(self._running):
+            if seq.status is not running:
+                continue  # preempted below, to make room for an older sequence
+            computed = seq.num_computed_tokens  # ``Sequence.is_prefilling`` inline: this runs for every
+            todo = len(seq.prompt_ids) + len(seq.output_ids) - computed  # running sequence at every step
+            if todo == 1 and computed:  # decoding
+                if len(seq.block_table) * bs > computed or self._grow(seq, computed + 1):
+                    seq.num_scheduled_tokens = 1
+                    scheduled.append(seq)
+                    decodes += 1
+                continue  # else it was the newest left and waits; the older ones (already given slots) go on
+            if left is None:
+                left = budget - sum(1 for s in self._running
+                                    if 0 < s.num_computed_tokens == len(s.prompt_ids) + len(s.output_ids) - 1)
+            if left < 1 or chunks >= max_chunks:
+                continue  # its next chunk waits for a later step
+            n = min(todo, left)
+            if len(seq.block_table) * bs < computed + n and not self._grow(seq, computed + n):
+                continue
+            left, chunks = left - n, chunks + 1
+            seq.num_scheduled_tokens = n
+            scheduled.append(seq)
+        if not scheduled and self._running:  # add() guarantees that any one sequence fits the whole cache
+            raise RuntimeError("KV cache too small for a single running sequence")
+        return scheduled, budget - decodes if left is None else left, chunks
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for ``seq``'s first ``num_tokens`` tokens, preempting the newest running sequences (never one
+        scheduled in this step: those are older) as needed; False when ``seq`` itself had to be preempted."""
+        bm = self.block_manager
+        while not bm.can_grow(seq, num_tokens) and self._running[-1] is not seq:
+            self._preempt(self._running[-1])
+        if not bm.can_grow(seq, num_tokens):
+            self._preempt(seq)
+            return False
+        held = len(seq.block_table)
+        bm.grow(seq, num_tokens)
+        self._tables[self._row[seq.request_id], held:len(seq.block_table)] = seq.block_table[held:]
+        return True
+
+    def _release(self, seq: Sequence) -> None:
+        """Take a running sequence off the running list and give back its KV blocks and table row."""
+        self._running.remove(seq)
+        self._running_sampled -= seq.params.needs_logits
+        self._running_dumps -= seq.logits_tokens > 0
+        self.block_manager.cache_computed(seq)  # its decoded blocks too: a recompute or a follow-up hits them
+        self.block_manager.free(seq)
+        self._free_rows.append(self._row.pop(seq.request_id))
+        seq.num_computed_tokens = seq.num_scheduled_tokens = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self._preempted.appendleft(seq)  # victims go newest-first, so the oldest ends up at the front
+        self.num_preemptions += 1
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self._release(seq)
+        else:
+            self._dequeue(seq)
+        seq.finish(reason)
+        del self._live[seq.request_id]
+
+    def _dequeue(self, seq: Sequence) -> None:
+        (self._preempted if seq.num_preemptions and seq in self._preempted else self._waiting).remove(seq)
+
+    def _build(self, seqs: list[Sequence], prefill: bool) -> StepBatch:
+        bs, n = self.config.block_size, len(seqs)
+        width = max(len(seq.block_table) for seq in seqs)
+        table_rows = np.fromiter((self._row[seq.request_id] for seq in seqs), np.intp, n)
+        block_tables = self._tables[table_rows, :width]  # a copy: later steps do not change this batch
+        if prefill:  # each sequence's scheduled tokens after its computed ones: chunks, decode tokens
+            starts = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int32, n)
+            query_lens = np.fromiter((seq.num_scheduled_tokens for seq in seqs), np.int32, n)
+            context_lens = starts + query_lens
+            total = int(query_lens.sum())
+            ids = np.fromiter(chain.from_iterable(seq.token_ids(a, b) for seq, a, b in
+                                                  zip(seqs, starts.tolist(), context_lens.tolist())), np.int32, total)
+            rows = np.repeat(np.arange(n), query_lens)
+            positions = np.arange(total, dtype=np.int32) - (np.cumsum(query_lens) - context_lens)[rows]
+        else:  # one token per sequence: vectorized, this runs every step for the whole decode batch
+            context_lens = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
+            ids = np.fromiter((seq.last_token_id for seq in seqs), np.int32, n)
+            query_lens = np.ones(n, dtype=np.int32)
+            positions = context_lens - 1
+            rows = np.arange(n)
+        slots = block_tables[rows, positions // bs] * bs + positions % bs
+        return StepBatch(
+            is_prefill=prefill,
+            input_ids=ids,
+            positions=positions.astype(np.int32, copy=False),
+            slot_mapping=slots.astype(np.int32, copy=False),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=block_tables,
+            sampling=self._sampling(seqs, prefill),
+            want_logits=self._want_logits(seqs),
+        )
+
+    def _want_logits(self, seqs: list[Sequence]) -> np.ndarray | None:
+        """Which sequences' next-token logits to return: those whose dump still lacks the row of the token this
+        step produces; None when none (O(1) while no running sequence dumps)."""
+        if not self._running_dumps:
+            return None
+        want = np.fromiter((seq.num_output_tokens < seq.logits_tokens for seq in seqs), np.bool_, len(seqs))
+        return want if want.any() else None
+
+    def _sampling(self, seqs: list[Sequence], prefill: bool) -> SamplingBatch | None:
+        """None for an all-greedy step (checked in O(1) for decode); else the per-sequence arrays."""
+        if not prefill and not self._running_sampled:
+            return None
+        if not any(seq.params.needs_logits for seq in seqs):
+            return None
+        return _sampling_batch(seqs)
+
+
+def _sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
+    """Per-sequence sampling arrays; penalty ids are prompt + generated tokens of penalised sequences only."""
+    n, params = len(seqs), [seq.params for seq in seqs]
+    penalised = [p.repetition_penalty != 1.0 for p in params]
+    offsets = np.zeros(n + 1, np.int32)
+    np.cumsum([seq.num_tokens if pen else 0 for seq, pen in zip(seqs, penalised)], out=offsets[1:])
+    lists = chain.from_iterable((seq.prompt_ids, seq.output_ids) for seq, pen in zip(seqs, penalised) if pen)
+    return SamplingBatch(
+        temperature=np.fromiter((p.temperature for p in params), np.float32, n),
+        top_k=np.fromiter((p.top_k for p in params), np.int32, n),
+        top_p=np.fromiter((p.top_p for p in params), np.float32, n),
+        repetition_penalty=np.fromiter((p.repetition_penalty for p in params), np.float32, n),
+        seeds=np.fromiter((seq.seed for seq in seqs), np.int64, n),
+        draw_index=np.fromiter((seq.num_output_tokens for seq in seqs), np.int32, n),
+        penalty_offsets=offsets,
+        penalty_token_ids=np.fromiter(chain.from_iterable(lists), np.int32, int(offsets[-1])),
+    )

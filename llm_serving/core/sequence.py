@@ -1,0 +1,230 @@
+"""One generation request as the scheduler sees it: token ids, sampling parameters and KV block table.
+
+Preemption is by recompute (as in vLLM): a preempted sequence drops its KV blocks but keeps the tokens it
+generated, so its next prefill covers ``all_token_ids`` and only the tokens after that are new output. Its
+random draws depend only on its seed and how many tokens it has generated, so a recompute samples the same,
+and a logits dump asks only for the position being generated, so it keeps one row per generated token.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# Why a request ended: its eos token, its max_new_tokens, an abort (client gone, shutdown), one of its stop
+# strings. The one definition: the scheduler, the metrics' labels and the APIs' names all follow it.
+FINISH_REASONS = ("eos", "length", "stop", "abort")
+
+MAX_STOP_STRINGS = 16  # stop strings of one request; each is matched against every new piece of text
+MAX_STOP_LENGTH = 256  # characters of one stop string
+
+_INT32_MAX = 2**31 - 1
+
+
+class InvalidParameter(ValueError):
+    """A request parameter the engine cannot take; the message names the field.
+
+    ``template`` holds the message with ``{field}`` where the field's name goes, so each front end can show
+    it under its own name (``message_for``): the OpenAI route's ``max_tokens``, the CLI's
+    ``--max-new-tokens``. ``error_type`` is the HTTP API's tag for it.
+    """
+
+    error_type = "invalid_request"
+
+    def __init__(self, field: str, template: str) -> None:
+        super().__init__(template.replace("{field}", field, 1))
+        self.field = field
+        self.template = template
+
+    def message_for(self, name: str) -> str:
+        """The message with the field called ``name``."""
+        return self.template.replace("{field}", name, 1)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation limits and sampling controls (Hugging Face / vLLM semantics).
+
+    ``temperature`` 0 is greedy (top_k/top_p then do not matter); ``top_k`` 0 and ``top_p`` 1.0 mean no limit;
+    ``repetition_penalty`` 1.0 means none (it also applies to greedy requests, as in HF). ``seed`` makes the
+    draws reproducible whatever else is batched with the request; without one the scheduler picks a random
+    seed when the request is admitted. ``stop`` strings (one string or several) end the request where one
+    first appears in the generated text, with finish reason "stop" and the stop string cut from the text.
+    Frozen, so one instance can be shared by many requests.
+
+    Values outside a field's domain raise ``InvalidParameter`` (wrong types ``TypeError``), the float fields
+    checked as the agents hold them, in float32 (one that becomes 0 or infinite there is refused); the limits
+    of the served configuration (max_new_tokens against the context, ...) are checked when the engine admits
+    the request (``admission.RequestLimits``).
+    """
+
+    max_new_tokens: int = 16
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    # Whether the agent must read the logits (sampling or penalty) instead of taking the in-graph argmax.
+    needs_logits: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if _not_int(self.max_new_tokens):
+            raise TypeError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
+        if self.max_new_tokens < 1:
+            raise InvalidParameter("max_new_tokens", f"{{field}} must be >= 1, got {self.max_new_tokens}")
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise TypeError(f"{name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.temperature < 0:
+            raise InvalidParameter("temperature", f"{{field}} must be >= 0 (0 = greedy), got {self.temperature:g}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidParameter("top_p", f"{{field}} must be in (0, 1] (1 = no limit), got {self.top_p:g}")
+        if self.repetition_penalty <= 0:
+            raise InvalidParameter("repetition_penalty",
+                                   f"{{field}} must be > 0 (1 = none), got {self.repetition_penalty:g}")
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            _check_float32(name, getattr(self, name))
+        if _not_int(self.top_k):
+            raise TypeError(f"top_k must be an int, got {self.top_k!r}")
+        if not 0 <= self.top_k <= _INT32_MAX:
+            raise InvalidParameter("top_k", f"{{field}} must be in 0..{_INT32_MAX} (0 = no limit), got {self.top_k}")
+        if self.seed is not None and _not_int(self.seed):
+            raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+        object.__setattr__(self, "stop", _checked_stops(self.stop))
+        object.__setattr__(self, "needs_logits", self.temperature > 0 or self.repetition_penalty != 1.0)
+
+
+def as_float32(value: float) -> float:
+    """``value`` as the step arrays carry it to the agents (float32), overflow giving a signed infinity."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _check_float32(name: str, value: float) -> None:
+    """The agents sample with float32 values: one that becomes 0 or infinite there would mean something else
+    than what was asked (top_p 1e-300 would keep no token at all), so it is refused."""
+    held = as_float32(value)
+    if math.isinf(held) or (held == 0) != (value == 0):
+        raise InvalidParameter(name, f"{{field}} {value:g} is {held:g} in float32, the precision the agents "
+                                     "sample with; send 0 or a value from 1e-44 to 3.4e38")
+
+
+def _not_int(value: object) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
+
+
+def _checked_stops(stop: object) -> tuple[str, ...]:
+    """``stop`` as a tuple of distinct strings in their order; one string is a single stop string."""
+    items = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(items, (tuple, list)) or not all(isinstance(s, str) for s in items):
+        raise TypeError(f"stop must be a string or a sequence of strings, got {stop!r}")
+    if len(items) > MAX_STOP_STRINGS:
+        raise InvalidParameter("stop", f"{{field}} has {len(items)} strings; at most {MAX_STOP_STRINGS}")
+    for s in items:
+        if not s or len(s) > MAX_STOP_LENGTH:
+            raise InvalidParameter("stop", f"{{field}}: every stop string must have 1..{MAX_STOP_LENGTH} "
+                                           f"characters, got {s!r}")
+    return tuple(dict.fromkeys(items))
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued for (re)prefill; holds no KV blocks
+    RUNNING = "running"  # holds KV blocks for its tokens; decoded every step
+    FINISHED = "finished"  # done (see finish_reason); never scheduled again
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's state. Compared by identity: two requests with equal tokens are still different."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float | None = None  # scheduler clock; stamped by Scheduler.add when None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # one of FINISH_REASONS once finished
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    seed: int | None = None  # int64 seed of its random draws; fixed by Scheduler.add (params.seed or random)
+    # KV progress, kept by the scheduler: leading tokens whose K/V the agents hold (0 again after a preemption),
+    # and the tokens of its step in flight (a prompt chunk, or the one token of a decode)
+    num_computed_tokens: int = 0
+    num_scheduled_tokens: int = 0
+    # prefix caching (llm_serving.core.prefix_cache): the keys of its full blocks, computed as they fill, and how many
+    # leading blocks of its block table are in the cache
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    num_cached_blocks: int = 0
+    # Logits dump: the float32 [vocab] logits of its first ``logits_tokens`` generated positions, row k from the
+    # step that produced output token k (a recompute's prefill adds only the row of the token it produces).
+    logits_tokens: int = 0
+    logits: list[np.ndarray] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = [int(t) for t in self.prompt_ids]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens (the length the next step's context grows from)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens ``start:stop`` of prompt + output, without copying the whole sequence."""
+        n = len(self.prompt_ids)
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[max(start - n, 0):stop - n]
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Whether its next step computes more than its last token (a prompt, the rest of one, a recompute)."""
+        return self.num_computed_tokens == 0 or self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        self.output_ids.append(int(token_id))
+        self.output_logprobs.append(float(logprob))
+
+    def finish(self, reason: str) -> None:
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"unknown finish_reason {reason!r}; expected one of {FINISH_REASONS}")
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}/{self.params.max_new_tokens}, blocks={len(self.block_table)})"
+        )

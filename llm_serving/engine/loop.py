@@ -1,0 +1,375 @@
+"""The engine: the scheduler and the agent pool driven by one loop thread, with a stream per request.
+
+One step is in flight at a time: the loop thread takes the engine lock to ``schedule()`` a step, releases
+it while the agents run the step, and takes it again to ``postprocess()`` the answer and schedule the next
+step, which goes to the agents before this step's new tokens are handed to their streams (so the streams'
+consumers work while the agents compute). ``submit`` and ``abort`` take the same lock from any thread, so new
+requests join between steps (continuous batching) and an abort frees the request's KV blocks at once; a
+request aborted while its step is in flight drops that step's token and is never scheduled again. A stop
+string ends its request the same way, when the token that completes it is delivered (``push_token``).
+
+Faults stay with the request that caused them and the agents heal (policy and reasons: ``recovery``): a
+sequence that fails on its own fails alone; a step that fails as a whole is re-run in halves; when an agent
+dies or is stuck (also noticed while idle), ``state`` turns "recovering", the running sequences go back to
+the queue, new agents start and recompute them, and ``state`` turns "ready" again. A bug in the loop, or
+agents that cannot be restarted, fail every request and leave ``state`` "failed" for good.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from llm_serving.config.serving_config import ConfigError, ServingConfig
+from llm_serving.core.scheduler import RequestRejected, Scheduler
+from llm_serving.core.sequence import SamplingParams, Sequence
+from llm_serving.engine.admission import RequestLimits
+from llm_serving.engine.live_requests import LiveRequests, SequenceError
+from llm_serving.engine.recovery import MAX_STRIKES, AgentSupervisor, RecoveryConfig, run_isolated
+from llm_serving.engine.request_stream import (
+    EngineError,
+    GenerationResult,
+    QueueFull,
+    RequestStream,
+    TokenEvent,
+)
+from llm_serving.engine.wiring import ModelFiles, agent_spec, resolve_model, scheduler_config
+from llm_serving.executor.agent_pool import AgentDiedError, AgentPool, AgentStepError
+from llm_serving.protocol.batch import StepBatch
+from llm_serving.protocol.wire import AgentSpec
+from llm_serving.tokenization.tokenizer import Tokenizer
+
+__all__ = ["Engine", "EngineError", "GenerationResult", "QueueFull", "RequestRejected", "RequestStream",
+           "SamplingParams", "SequenceError", "TokenEvent"]
+
+if TYPE_CHECKING:
+    from typing import Self
+
+log = logging.getLogger(__name__)
+
+IDLE_CHECK_S = 0.5  # while idle, how often the loop checks that the agents are alive and not stopped
+SHUTDOWN_JOIN_S = 30.0  # shutdown waits this long for the step in flight before stopping the agents
+
+
+# ---- the engine -------------------------------------------------------------------------------------------
+class Engine:
+    """See the module docstring. ``pool_factory(spec)`` lets tests supply a pool."""
+
+    def __init__(self, config: ServingConfig, standin_agents: bool = False,
+                 pool_factory: Callable[[AgentSpec], Any] | None = None) -> None:
+        self.config = config
+        self.standin_agents = standin_agents
+        self.state = "new"  # new -> starting -> ready <-> recovering; failed or stopped for good
+        self.last_failure: str | None = None  # why the agents were last replaced, or why the engine failed
+        self.tokenizer: Tokenizer | None = None
+        self.model: ModelFiles | None = None
+        self.eos_token_id: int | None = None
+        self.limits: RequestLimits | None = None  # set by start()
+        self._pool_factory = pool_factory or AgentPool
+        self._agents: AgentSupervisor | None = None  # set by start(): owns the agent pool
+        self._scheduler: Scheduler | None = None
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._requests: LiveRequests | None = None  # set by start()
+        self._thread: threading.Thread | None = None
+        self._started = self._stopping = False
+        self._error: EngineError | None = None
+        self._ids = itertools.count()
+        self._counters = dict.fromkeys(
+            ("steps", "prefill_steps", "decode_steps", "tokens_generated", "requests_finished",
+             "requests_aborted", "requests_failed", "requests_recomputed"), 0)
+        self._in_flight: tuple[Sequence, ...] = ()  # the sequences of the step the agents are running
+        self._run_step_s = 0.0  # in AgentPool.submit/collect: sending steps and waiting for the agents
+        self._loop_started: float | None = None
+        self._idle_s = 0.0  # waits for work, finished ones
+        self._idle_since: float | None = None  # the wait for work going on now
+
+    @classmethod
+    def from_config(cls, config: ServingConfig, standin_agents: bool = False) -> Engine:
+        return cls(config, standin_agents=standin_agents)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def error(self) -> EngineError | None:
+        """Why the engine failed for good (``state`` "failed"), else None."""
+        return self._error
+
+    @property
+    def agent_pids(self) -> list[int]:
+        """Process ids of the serving agents, by rank (chaos tests kill them)."""
+        return self._agents.pids if self._agents is not None else []
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+    def start(self, progress: Callable[[str], None] | None = print) -> None:
+        """Prepare the model, start the agents (waits for their warm-up) and the loop thread."""
+        if self._started:
+            raise RuntimeError("Engine.start: an engine starts once; create a new Engine to restart")
+        self._started = True
+        self.state = "starting"
+        cfg = self.config
+        for note in cfg.notes:
+            if progress:
+                progress(f"config note: {note}")
+        self.model = resolve_model(cfg, progress)
+        self.tokenizer = Tokenizer(self.model.tokenizer_path)
+        if self.tokenizer.vocab_size > self.model.llama_config.vocab_size:
+            raise ConfigError(f"{cfg.source}: tokenizer {self.model.tokenizer_path} has "
+                              f"{self.tokenizer.vocab_size} pieces, more than the model's vocab_size "
+                              f"{self.model.llama_config.vocab_size}",
+                              key="tokenizer.vocab_file", source=cfg.source)
+        self.limits = RequestLimits.from_config(cfg, self.tokenizer.vocab_size)
+        end = cfg.model_config.end_token
+        self.eos_token_id = end if end is not None else self.model.llama_config.eos_token_id
+        self._scheduler = Scheduler(scheduler_config(cfg, self.eos_token_id, self.model.llama_config))
+        self._requests = LiveRequests(self._scheduler, self._counters)
+        self._agents = AgentSupervisor(RecoveryConfig.from_config(cfg), self._pool_factory,
+                                       agent_spec(cfg, self.model, self.standin_agents))
+        try:
+            self._agents.start(progress)  # raises (after cleaning up) when an agent cannot start
+        except BaseException:
+            self.state = "failed"
+            raise
+        self.state = "ready"
+        self._thread = threading.Thread(target=self._loop, name="llm-serving-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Abort every request left, stop the loop and the agents (shared memory unlinked). Idempotent."""
+        with self._lock:
+            recovering = self.state == "recovering"
+            self.state = "failed" if self.state == "failed" else "stopped"
+            self._stopping = True
+            self._work.notify_all()
+        if recovering and self._agents is not None:
+            self._agents.close()  # new agents starting up: stop them now rather than after their warm-up
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(SHUTDOWN_JOIN_S)
+            if thread.is_alive() and self._agents is not None:
+                self._agents.close()  # a step that does not come back: stopping the agents ends it
+                thread.join()
+        with self._lock:
+            self.state = "failed" if self.state == "failed" else "stopped"
+            if self._requests is not None:
+                self._requests.finish_all("abort")
+        if self._agents is not None:
+            self._agents.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
+               request_id: str | None = None, clip_to_context: bool = False,
+               logits_tokens: int = 0) -> RequestStream:
+        """Queue a request. Raises RequestRejected (AdmissionError: a limit of the configuration, naming the
+        field), QueueFull, or EngineError (not running).
+
+        ``clip_to_context`` lowers a max_new_tokens beyond the context left after the prompt to fit, instead
+        of refusing it (``RequestLimits.admit``). ``logits_tokens`` > 0 dumps the float32 logits of the first
+        that many generated positions into ``GenerationResult.logits`` (the steps it is in read logits back).
+        """
+        params = params if params is not None else SamplingParams()
+        if isinstance(logits_tokens, bool) or not isinstance(logits_tokens, int) or logits_tokens < 0:
+            raise ValueError(f"logits_tokens must be an int >= 0, got {logits_tokens!r}")
+        self._check_ready()
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            text, ids = prompt, tok.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        params = self.limits.admit(ids, params, clip_to_context)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seq = Sequence(rid, ids, params, logits_tokens=logits_tokens)
+        stream = RequestStream(rid, text, ids, tok, self.abort, params.stop,
+                               seq.logits if logits_tokens else None, self.model.llama_config.vocab_size)
+        with self._lock:
+            self._check_ready()
+            limit = self.config.serving_config.max_queue_size
+            if self._scheduler.num_waiting >= limit:
+                raise QueueFull(f"{self._scheduler.num_waiting} requests are waiting "
+                                f"(serving_config.max_queue_size {limit})")
+            self._scheduler.add(seq)
+            self._requests.add(seq, stream)
+            self._work.notify()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request from any thread; False if it already ended."""
+        return self.finish(request_id, "abort")
+
+    def finish(self, request_id: str, reason: str = "stop") -> bool:
+        """End a request now with ``reason`` from any thread; frees its blocks. False if it already ended.
+
+        Stop strings need no call: the engine ends a request when its stream sees one complete.
+        """
+        with self._lock:
+            return self._requests is not None and self._requests.finish(request_id, reason)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            s = self._scheduler
+            out: dict[str, Any] = {"ready": self.ready, "state": self.state, "num_agents": self.config.num_agents,
+                                   "agent_pids": self.agent_pids}
+            if s is not None:
+                out.update(num_waiting=s.num_waiting, num_running=s.num_running,
+                           kv_blocks_total=s.block_manager.num_usable_blocks,
+                           kv_blocks_used=s.num_used_blocks, kv_blocks_free=s.num_free_blocks,
+                           kv_usage=s.block_usage,
+                           num_preemptions=s.num_preemptions, **s.prefix_cache_stats())
+            if self._agents is not None:
+                out.update(agent_restarts=self._agents.restarts, step_timeout_s=self._agents.step_timeout_s)
+            out.update(self._counters, run_step_s=self._run_step_s, busy_s=self._busy_seconds())
+            return out
+
+    def _busy_seconds(self) -> float:
+        """Seconds the loop has run, less its waits for work."""
+        if self._loop_started is None:
+            return 0.0
+        now = time.perf_counter()
+        idle_now = now - self._idle_since if self._idle_since is not None else 0.0
+        return now - self._loop_started - self._idle_s - idle_now
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        """Run steps until stopped, replacing the agents whenever they die or get stuck."""
+        self._loop_started = time.perf_counter()
+        try:
+            while not self._run_steps():
+                if not self._recover():
+                    return
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting requests
+            self._fail(exc)
+
+    def _run_steps(self) -> bool:
+        """Schedule, run and deliver steps: True once stopping, False when the agents failed.
+
+        The next step is scheduled and sent to the agents right after a step's results are applied, before its
+        tokens are delivered: the streams' consumers (HTTP writes, detokenizing) then run while the agents
+        compute, instead of holding the GIL the scheduler needs while the agents wait for the next step.
+        """
+        sched, pool, counters = self._scheduler, self._agents.pool, self._counters
+        in_flight = None  # (seqs, batch, step number) submitted to the agents, not yet collected
+        try:
+            while True:
+                if in_flight is None:
+                    step = self._wait_for_step()
+                    if step is None:
+                        return True
+                    in_flight = self._submit(step)
+                seqs, batch, number = in_flight
+                t0 = time.perf_counter()
+                try:
+                    output = pool.collect(number, batch.batch_size)
+                except AgentStepError as exc:  # the agents serve on: find the sequences it belongs to
+                    log.warning("step of %d sequence(s) failed, running it again in parts: %s", len(seqs), exc)
+                    output = run_isolated(pool, batch, exc)
+                self._run_step_s += time.perf_counter() - t0
+                self._agents.policy.step_succeeded()
+                with self._lock:
+                    self._in_flight = ()
+                    self._requests.fail_rows(seqs, output.errors)
+                    sched.postprocess(seqs, output)
+                    step = None if self._stopping else sched.schedule()
+                try:
+                    in_flight = None if step is None else self._submit(step)
+                finally:  # this step's tokens reach their streams also when the next step cannot be sent
+                    with self._lock:
+                        self._requests.deliver(seqs)
+                        counters["steps"] += 1
+                        counters["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
+        except AgentDiedError as exc:  # died, stuck, or closed by shutdown
+            if self._stopping:
+                return True
+            self.last_failure = str(exc)
+            return False
+
+    def _recover(self) -> bool:
+        """Replace the agents (see ``recovery``); running requests are recomputed, queued ones kept. False
+        once stopping; EngineError when the agents cannot be restarted."""
+        log.error("agents failed (%s): recomputing the running requests on new agents", self.last_failure)
+        with self._lock:
+            if self._stopping:
+                return False
+            self.state = "recovering"
+            blamed = self._agents.policy.strike(self._in_flight)
+            self._in_flight = ()
+            self._requests.fail(blamed, SequenceError(
+                f"the agents failed during {MAX_STRIKES} steps of this request; it is not computed again "
+                f"(last failure: {self.last_failure})"))
+            self._counters["requests_recomputed"] += len(self._scheduler.requeue_running())
+        t0 = time.monotonic()
+        if not self._agents.replace(self._wait_unless_stopping, self.last_failure or ""):
+            return False
+        with self._lock:
+            if self._stopping:
+                return False
+            self.state = "ready"
+        log.warning("agents replaced in %.1fs (pids %s)", time.monotonic() - t0, self.agent_pids)
+        return True
+
+    def _wait_unless_stopping(self, seconds: float) -> bool:
+        with self._lock:
+            return not self._work.wait_for(lambda: self._stopping, seconds)
+
+    def _wait_for_step(self) -> tuple[list[Sequence], StepBatch] | None:
+        """The next step, waiting (idle) while there is no work; None once stopping."""
+        with self._lock:
+            step = None if self._stopping else self._scheduler.schedule()
+            while step is None:
+                if self._stopping:
+                    return None
+                self._idle_since = time.perf_counter()
+                self._work.wait(IDLE_CHECK_S)
+                self._idle_s += time.perf_counter() - self._idle_since
+                self._idle_since = None
+                failure = None if self._stopping else self._agents.idle_failure()
+                if failure:
+                    raise AgentDiedError(failure)
+                step = None if self._stopping else self._scheduler.schedule()
+            return step
+
+    def _submit(self, step: tuple[list[Sequence], StepBatch]) -> tuple[list[Sequence], StepBatch, int]:
+        """Send a scheduled step to the agents: ``(seqs, batch, step number)`` for ``AgentPool.collect``."""
+        seqs, batch = step
+        t0 = time.perf_counter()
+        self._in_flight = tuple(seqs)
+        number = self._agents.pool.submit(batch)
+        self._run_step_s += time.perf_counter() - t0
+        return seqs, batch, number
+
+    def _fail(self, exc: BaseException) -> None:
+        err = exc if isinstance(exc, EngineError) else EngineError(f"engine step failed: {exc}")
+        if err is not exc:
+            err.__cause__ = exc
+        log.error("engine failed: %s", err)
+        with self._lock:
+            self.state = "failed"
+            self.last_failure = str(err)
+            self._error = err
+            if self._requests is not None:
+                self._requests.fail(self._requests.sequences(), err)
+        try:
+            self._agents.close()
+        except Exception:
+            log.warning("closing the agent pool after an engine failure failed", exc_info=True)
+
+    def _check_ready(self) -> None:
+        """Refuse requests unless serving; while the agents are replaced requests queue, to be served after."""
+        if self.state not in ("ready", "recovering"):
+            if self._stopping:
+                raise EngineError("the engine was shut down; create a new Engine to serve again")
+            if self._error is not None:
+                raise EngineError(f"the engine has stopped: {self._error}")
+            raise EngineError("the engine is not running (call start(); after shutdown create a new Engine)")
+

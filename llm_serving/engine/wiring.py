@@ -1,0 +1,191 @@
+"""Wiring: turns a validated ``ServingConfig`` into the engine's parts.
+
+The model files to serve (the embedded default model is built here when none is configured), the scheduler's
+limits and the ``AgentSpec`` the agent processes start from. Each derived figure (block-table width,
+shared-memory capacities) is computed here once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from llm_serving.config.serving_config import DEFAULT_COMPILE_CACHE, ConfigError, ServingConfig
+from llm_serving.core.scheduler import SchedulerConfig
+from llm_serving.models.default_model import ensure_default_model
+from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
+from llm_serving.protocol.parallel import kv_shards, tensor_parallel_problems
+from llm_serving.protocol.wire import AgentSpec
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """What the agents load and the master tokenizes with."""
+
+    model_path: Path  # HF/converted model directory or checkpoint file
+    llama_config: LlamaConfig
+    tokenizer_path: Path | None  # None where the caller needs no tokenizer (export)
+
+
+# ---- configuration mapping --------------------------------------------------------------------------------
+def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None = None,
+                  tokenizer: bool = True) -> ModelFiles:
+    """The model to serve: ``model_config.model_path``, or the embedded default model (built if needed); its
+    tokenizer is checked only when ``tokenizer``."""
+    src = config.source
+    if config.uses_default_model:
+        path = ensure_default_model(config.default_model, config.max_model_len, progress)
+        config_dir = path
+    else:
+        path = Path(config.model_config.model_path)
+        if not path.exists():
+            raise ConfigError(f"{src}: model_config.model_path: {path} does not exist",
+                              key="model_config.model_path", source=src)
+        config_dir = path if path.is_dir() else path.parent
+    try:
+        llama = LlamaConfig.from_model_dir(config_dir)
+    except (ModelConfigError, ValueError) as exc:
+        raise ConfigError(f"{src}: model_config.model_path: {exc}", key="model_config.model_path",
+                          source=src) from None
+    want_vocab = config.model_config.vocab_size
+    if want_vocab is not None and want_vocab != llama.vocab_size:
+        raise ConfigError(f"{src}: model_config.vocab_size: {want_vocab} does not match the model's "
+                          f"vocab_size {llama.vocab_size} ({config_dir / 'config.json'})",
+                          key="model_config.vocab_size", source=src)
+    if config.uses_mindformers:
+        check_mindformers_route(config)
+    problems = tensor_parallel_problems(llama, config.num_agents)
+    if problems:
+        raise ConfigError(f"{src}: serving_config.num_agents: {config.num_agents} agents are the tensor-parallel "
+                          f"size, which this model cannot be split into: {'; '.join(problems)}",
+                          key="serving_config.num_agents", source=src)
+    check_host_memory(config, llama)
+    if not tokenizer:
+        return ModelFiles(path, llama, None)
+    vocab_file = config.vocab_file
+    tokenizer_path = Path(vocab_file) if vocab_file is not None else path / "tokenizer.model"
+    if not tokenizer_path.is_file():
+        raise ConfigError(f"{src}: tokenizer.vocab_file: no tokenizer model at {tokenizer_path}",
+                          key="tokenizer.vocab_file", source=src)
+    return ModelFiles(path, llama, tokenizer_path)
+
+
+def check_mindformers_route(config: ServingConfig) -> None:
+    """Backend mindformers: its YAML exists and MindFormers is installed where the agents will run (this python),
+    found without importing it (the master never imports MindSpore)."""
+    src, yaml_path = config.source, config.model_config.model_cfg_path
+    if yaml_path is None or not Path(yaml_path).is_file():
+        raise ConfigError(f"{src}: model_config.model_cfg_path: MindFormers predict YAML {yaml_path} does not exist",
+                          key="model_config.model_cfg_path", source=src)
+    if importlib.util.find_spec("mindformers") is None:
+        raise ConfigError(f"{src}: model_config.backend: mindformers, but MindFormers is not installed for "
+                          f"{sys.executable}: create its environment with `bash scripts/mindformers_env.sh` and run "
+                          "llm-serving with the python it prints (docs/mindformers.md)",
+                          key="model_config.backend", source=src)
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_memory(config: ServingConfig, llama: LlamaConfig) -> None:
+    """On CPU the agents' KV caches are host memory, mapped at start-up but backed only as tokens fill them; a
+    cache larger than the host's free memory would have an agent killed for memory mid-serving, so refuse it
+    here, naming the key."""
+    m, pa, src = config.model_config, config.pa_config, config.source
+    if m.device_target != "CPU":
+        return
+    itemsize = 4 if m.dtype == "float32" else 2
+    per_agent = (pa.num_blocks * pa.block_size * 2 * llama.num_key_value_heads * llama.head_dim
+                 * llama.num_hidden_layers * itemsize)
+    total, available = per_agent * config.num_agents, available_memory_bytes()
+    if available is not None and total > available:
+        gib = 1 << 30
+        raise ConfigError(f"{src}: pa_config.num_blocks: {pa.num_blocks} blocks of {pa.block_size} tokens make "
+                          f"{total / gib:.1f} GiB of KV cache ({config.num_agents} agent(s) x {per_agent / gib:.1f} "
+                          f"GiB), more than this host's {available / gib:.1f} GiB of available memory: lower it",
+                          key="pa_config.num_blocks", source=src)
+
+
+def kv_cache_blocks(config: ServingConfig, llama: LlamaConfig | None) -> int:
+    """KV-cache blocks of the served model: ``pa_config.num_blocks`` is what one device's cache holds with the
+    whole model's kv heads; tensor-parallel ranks hold only their share of the kv heads per block, so the same
+    memory on each rank holds ``kv_shards`` times as many blocks (``llm_serving.protocol.parallel``)."""
+    shards = kv_shards(llama, config.num_agents) if llama is not None else 1
+    return config.pa_config.num_blocks * shards
+
+
+def scheduler_config(config: ServingConfig, eos_token_id: int | None,
+                     llama: LlamaConfig | None = None) -> SchedulerConfig:
+    """``llama``: the served model, whose kv heads size the cache under tensor parallelism (``kv_cache_blocks``)."""
+    m, pa, sc = config.model_config, config.pa_config, config.scheduler
+    return SchedulerConfig(
+        num_blocks=kv_cache_blocks(config, llama), block_size=pa.block_size,
+        max_num_seqs=m.decode_batch_size[-1], max_prefill_batch=m.prefill_batch_size[-1],
+        max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
+        eos_token_id=eos_token_id, policy=sc.policy, max_wait_s=sc.max_wait_s,
+        min_decode_steps_between_prefills=sc.min_decode_steps_between_prefills,
+        max_prompt_len=config.max_prompt_len, chunked_prefill=config.chunked_prefill,
+        prefix_caching=config.prefix_caching,
+    )
+
+
+def runner_config_dict(config: ServingConfig) -> dict[str, Any]:
+    """``agents.runner.RunnerConfig`` fields (JSON-able); the runner adds a 1 x max_model_len recompute
+    shape itself."""
+    m, pa = config.model_config, config.pa_config
+    return {
+        "num_blocks": pa.num_blocks, "block_size": pa.block_size, "max_model_len": config.max_model_len,
+        "prefill_batch_sizes": list(m.prefill_batch_size), "prefill_seq_lengths": list(m.seq_length),
+        "decode_batch_sizes": list(m.decode_batch_size), "dtype": m.dtype, "kernels": m.kernels,
+        "precision": m.precision,
+        # chunks and prefix-cache hits are queries over cached context: the agents warm those graphs too
+        "mixed_steps": config.chunked_prefill or config.prefix_caching,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "device_target": m.device_target,
+    }
+
+
+def compile_cache_dir(config: ServingConfig) -> str | None:
+    """The agents' compile-cache root from ``serving_config.compile_cache`` (None: off)."""
+    value = config.serving_config.compile_cache
+    if value is False:
+        return None
+    return os.path.expanduser(DEFAULT_COMPILE_CACHE if value is True else value)
+
+
+def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) -> AgentSpec:
+    """The agents' start-up spec for this configuration (shared-memory capacities included)."""
+    m, pa = config.model_config, config.pa_config
+    max_batch = max(m.prefill_batch_size[-1], m.decode_batch_size[-1])
+    blocks = kv_cache_blocks(config, model.llama_config)
+    return AgentSpec(
+        kind="standin" if standin else "llama",
+        model_path=str(model.model_path),
+        llama_config=asdict(model.llama_config),
+        runner_config={**runner_config_dict(config), "num_blocks": blocks},
+        max_tokens=max(config.max_num_batched_tokens, m.decode_batch_size[-1]),
+        max_batch=max_batch,
+        max_blocks_per_seq=config.max_blocks_per_seq,
+        # every penalty id of a step is a token whose KV is cached: bounded by the cache and the batch
+        max_penalty_tokens=min((blocks - 1) * pa.block_size, max_batch * config.max_model_len),
+        # logits dumps: every sequence of a step may ask (float32 x vocab each; 16 MiB for 128 x 32000)
+        max_logits_rows=max_batch,
+        tensor_parallel_size=config.num_agents,
+        start_device_id=config.serving_config.start_device_id,
+        backend="mindformers" if config.uses_mindformers else "ms",
+        model_cfg_path=config.model_config.model_cfg_path if config.uses_mindformers else None,
+        compile_cache_dir=None if standin else compile_cache_dir(config),
+    )

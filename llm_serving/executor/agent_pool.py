@@ -1,0 +1,471 @@
+"""The master's side of the device agents: one process per rank, a shared-memory step channel, pipe signals.
+
+Each agent is a fresh interpreter (``python -m agents.agent_main``), never a fork of the master: MindSpore is
+loaded only there, and graph mode needs its code in files. Per step the master copies the batch into the
+fixed-layout segment (``shm_channel``), writes an 8-byte step number to every rank's command pipe and sleeps
+in ``poll`` on the ranks' reply pipes; each rank answers with a 16-byte frame after its step, rank 0 having
+written the token ids and logprobs into the segment first. Every rank acknowledges so the master never
+overwrites a batch another rank is still reading (the tensor-parallel layout: all ranks get the same batch).
+
+Failure handling is the point of the design:
+- an agent that dies closes its reply pipe, so ``poll`` wakes at once (EOF) and the pool raises
+  ``AgentDiedError``, kills the other ranks and unlinks the segment (a 1 s poll timeout also checks exit
+  codes, in case something else still holds the pipe open);
+- agents hold the read end of a "lifeline" pipe whose write end only the master has: when the master exits,
+  even by SIGKILL, the agents see EOF and exit, so no orphan keeps a device;
+- a start-up failure in any rank (bad checkpoint path, compile error) becomes one ``AgentStartupError``
+  naming the rank and the cause, after every agent is killed and the segment unlinked;
+- a step not answered within ``step_timeout_s`` (a stuck or stopped agent) is a death too; the engine sets
+  the timeout from ``slowest_warmup_step_s``, which the agents report when ready;
+- rank 0's DONE frame names sequences that failed on their own (``StepOutput.errors``): the step succeeds;
+- tensor-parallel MindSpore ranks share their model through collectives: the pool starts their cluster's
+  scheduler first (``collective_launch``), fails the start-up if it exits, and stops it with the agents.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from llm_serving.executor.collective_launch import CollectiveCluster, needs_cluster
+from llm_serving.protocol.batch import FAILED_TOKEN, StepBatch, StepOutput
+from llm_serving.protocol.shm_channel import StepChannel
+from llm_serving.protocol.wire import (
+    CMD,
+    DONE,
+    ERROR,
+    FRAME,
+    PROGRESS,
+    READY,
+    AgentSpec,
+    parse_done_payload,
+    parse_error_payload,
+    parse_ready_payload,
+)
+
+if TYPE_CHECKING:
+    from typing import Self
+
+class AgentError(RuntimeError):
+    """Base class of the pool's errors."""
+
+
+class AgentStartupError(AgentError):
+    """An agent failed before it was ready; ``rank`` and the agent's ``agent_traceback`` (if any) attached."""
+
+    def __init__(self, message: str, rank: int | None = None, agent_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.agent_traceback = agent_traceback
+
+
+class AgentDiedError(AgentError):
+    """An agent exited, crashed or did not answer a step in time; the pool is closed (agents killed, memory
+    unlinked). The engine replaces the pool."""
+
+
+class AgentStepError(AgentError):
+    """An agent raised while running a step (e.g. a shape beyond its buckets); the agents keep serving."""
+
+    def __init__(self, message: str, rank: int, agent_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.agent_traceback = agent_traceback
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+@dataclass
+class _Agent:
+    rank: int
+    proc: subprocess.Popen
+    cmd_w: int  # master writes step numbers
+    reply_r: int  # master reads frames
+    lifeline_w: int  # never written; closing it (or the master dying) tells the agent to exit
+    buf: bytearray = field(default_factory=bytearray)
+
+
+class AgentPool:
+    """Starts ``spec.tensor_parallel_size`` agent processes and runs steps on them (one caller thread at a time):
+    ``run_step``, or ``submit`` then ``collect`` to work while the agents compute.
+
+    ``close()`` may be called from any thread, also while a step is in flight (``collect`` then raises
+    ``AgentDiedError``). Use as a context manager or call ``close()``; both are idempotent.
+    """
+
+    def __init__(self, spec: AgentSpec, startup_timeout_s: float = 600.0,
+                 step_timeout_s: float | None = None, shutdown_grace_s: float = 5.0) -> None:
+        self.spec = spec
+        self.num_agents = spec.tensor_parallel_size
+        self.startup_timeout_s = startup_timeout_s
+        self.step_timeout_s = step_timeout_s
+        self.shutdown_grace_s = shutdown_grace_s
+        self._agents: list[_Agent] = []
+        self._by_fd: dict[int, _Agent] = {}
+        self._poller = select.poll()
+        self._channel: StepChannel | None = None
+        self._cluster: CollectiveCluster | None = None  # the collectives' scheduler of tensor-parallel ranks
+        self._step = 0
+        self._in_flight: int | None = None  # a submitted step not collected yet
+        self._failed_rows: dict[int, str] = {}  # rank 0's DONE frame of the step being collected
+        self.slowest_warmup_step_s: float | None = None  # the agents' slowest warmed-up step, once ready
+        self._state = "new"  # new -> starting -> ready -> closed
+        self._death: str | None = None
+        self._closing = False
+        self._step_lock = threading.Lock()
+        self._close_lock = threading.RLock()
+
+    # ---- properties ----------------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        """True while every agent is up and serving."""
+        return self._state == "ready" and all(a.proc.poll() is None for a in self._agents)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the agents, by rank (still listed after close, so callers can check they are gone)."""
+        return [a.proc.pid for a in self._agents]
+
+    @property
+    def helper_pids(self) -> list[int]:
+        """Process ids of the pool's helpers (the collectives' scheduler), listed after close too."""
+        return [self._cluster.pid] if self._cluster is not None else []
+
+    @property
+    def shm_name(self) -> str | None:
+        """Name of the step segment (under /dev/shm on Linux) while it exists."""
+        return self._channel.name if self._channel is not None else None
+
+    @property
+    def steps(self) -> int:
+        return self._step
+
+    def stopped_pids(self) -> list[int]:
+        """Agents stopped by a signal (state T in /proc: SIGSTOP, SIGTSTP), which answer nothing until
+        continued; [] where /proc is absent. Lets an idle master notice a stuck agent before any step."""
+        stopped = []
+        for agent in self._agents:
+            try:
+                stat = Path(f"/proc/{agent.proc.pid}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rpartition(")")[2].split()
+            if fields and fields[0] in ("T", "t"):
+                stopped.append(agent.proc.pid)
+        return stopped
+
+    # ---- start-up ------------------------------------------------------------------------------------------
+    def start(self, progress: Callable[[str], None] | None = None) -> None:
+        """Allocate the segment, spawn the ranks and wait until all loaded and warmed up.
+
+        Agent progress lines reach ``progress`` as ``"agent <rank>: <line>"``. Raises ``AgentStartupError``
+        with nothing left behind when any rank fails, the timeout passes or ``close()`` is called meanwhile
+        (from another thread: the engine's shutdown while it replaces its agents).
+        """
+        with self._step_lock:  # close() releases the pipes only once start-up has given up
+            if self._state != "new":
+                raise RuntimeError(f"AgentPool.start() called on a pool that is {self._state}")
+            self._state = "starting"
+            try:
+                self._channel = StepChannel.create(self.spec.layout)
+                if needs_cluster(self.spec):
+                    self._cluster = CollectiveCluster.start(self.spec, self._agent_env(), self.startup_timeout_s)
+                for rank in range(self.num_agents):
+                    self._spawn(rank)
+                self._wait_ready(progress)
+                with self._close_lock:
+                    self._check_not_closing()
+                    self._state = "ready"
+            except BaseException:
+                self._teardown(graceful=False)
+                raise
+
+    def _check_not_closing(self) -> None:
+        if self._closing:
+            raise AgentStartupError("the agent pool was closed during start-up")
+
+    def _spawn(self, rank: int) -> None:
+        assert self._channel is not None
+        cmd_r, cmd_w = os.pipe()
+        reply_r, reply_w = os.pipe()
+        life_r, life_w = os.pipe()
+        child_fds = (cmd_r, reply_w, life_r)
+        root = str(Path(__file__).resolve().parents[2])
+        env = self._agent_env()
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        if self._cluster is not None:
+            env.update(self._cluster.rank_env(rank))
+        argv = [sys.executable, "-m", "agents.agent_main", "--rank", str(rank), "--shm", self._channel.name,
+                "--cmd-fd", str(cmd_r), "--reply-fd", str(reply_w), "--lifeline-fd", str(life_r),
+                "--spec", self.spec.to_json()]
+        try:
+            # stdout goes to our stderr: MindSpore chatter must not mix into the master's stdout output.
+            proc = subprocess.Popen(argv, pass_fds=child_fds, env=env, stdin=subprocess.DEVNULL, stdout=2)
+        except BaseException:
+            for fd in (*child_fds, cmd_w, reply_r, life_w):
+                os.close(fd)
+            raise
+        for fd in child_fds:
+            os.close(fd)
+        agent = _Agent(rank, proc, cmd_w, reply_r, life_w)
+        self._agents.append(agent)
+        self._by_fd[reply_r] = agent
+        self._poller.register(reply_r, select.POLLIN)
+
+    def _agent_env(self) -> dict[str, str]:
+        return {**os.environ, **{k: str(v) for k, v in self.spec.extra_env.items()}}
+
+    def _wait_ready(self, progress: Callable[[str], None] | None) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        pending = {a.rank for a in self._agents}
+        slowest: list[float] = []
+        while pending:
+            self._check_not_closing()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AgentStartupError(
+                    f"agent rank(s) {sorted(pending)} not ready after {self.startup_timeout_s:g}s "
+                    f"(loading weights and compiling every shape bucket)", rank=min(pending))
+            if self._cluster is not None and self._cluster.exited() is not None:
+                raise AgentStartupError(f"the collectives' scheduler (pid {self._cluster.pid}) exited with "
+                                        f"{describe_exit(self._cluster.exited())} before the ranks were ready "
+                                        "(see its stderr)")
+            for agent, frames in self._poll(min(left, 1.0)):
+                if frames is None:
+                    code = self._reap(agent)
+                    self._check_not_closing()
+                    raise AgentStartupError(f"agent rank {agent.rank} (pid {agent.proc.pid}) exited with "
+                                            f"{describe_exit(code)} before it was ready (see its stderr)",
+                                            rank=agent.rank)
+                for _step, kind, payload in frames:
+                    if kind == PROGRESS and progress is not None:
+                        progress(f"agent {agent.rank}: {payload}")
+                    elif kind == READY:
+                        pending.discard(agent.rank)
+                        cost = parse_ready_payload(payload)
+                        if cost is not None:
+                            slowest.append(cost)
+                    elif kind == ERROR:
+                        summary, tb = parse_error_payload(payload)
+                        raise AgentStartupError(f"agent rank {agent.rank} failed to start: {summary}",
+                                                rank=agent.rank, agent_traceback=tb)
+        self.slowest_warmup_step_s = max(slowest) if slowest else None
+
+    # ---- steps ---------------------------------------------------------------------------------------------
+    def run_step(self, batch: StepBatch) -> StepOutput:
+        """Run one step on every rank; rank 0's next tokens and logprobs (copies) in batch order."""
+        return self.collect(self.submit(batch), batch.batch_size)
+
+    def submit(self, batch: StepBatch) -> int:
+        """Start one step on every rank and return its number at once; ``collect`` waits for its answer. One
+        step is in flight at a time: the caller may do other work (not another step) in between."""
+        with self._step_lock:
+            self._check_serving()
+            if self._in_flight is not None:
+                raise RuntimeError(f"step {self._in_flight} is still in flight; collect it first")
+            channel = self._channel
+            assert channel is not None
+            channel.check_fits(batch)
+            self._step += 1
+            step = self._step
+            channel.write_batch(step, batch)
+            cmd = CMD.pack(step)
+            for agent in self._agents:
+                try:
+                    os.write(agent.cmd_w, cmd)
+                except OSError:  # broken pipe: the agent is gone
+                    self._died(agent, step)
+            self._in_flight = step
+            return step
+
+    def collect(self, step: int, batch_size: int) -> StepOutput:
+        """Wait for ``step`` (from ``submit``) on every rank; rank 0's next tokens and logprobs (copies) in batch
+        order."""
+        with self._step_lock:
+            if self._in_flight != step:
+                raise RuntimeError(f"step {step} is not in flight (in flight: {self._in_flight})")
+            try:
+                self._check_serving()
+                self._wait_step(step)
+                assert self._channel is not None
+                output = self._channel.read_output(step, batch_size)
+                output.errors = {r: self._failed_rows.get(r, "failed on the agent")
+                                 for r in np.flatnonzero(output.token_ids == FAILED_TOKEN).tolist()}
+                return output
+            finally:
+                self._in_flight = None
+
+    def _check_serving(self) -> None:
+        if self._state != "ready":
+            raise AgentDiedError(self._death or f"agent pool is {self._state}, not serving")
+
+    def _wait_step(self, step: int) -> None:
+        waiting = len(self._agents)
+        error: AgentStepError | None = None
+        deadline = None if self.step_timeout_s is None else time.monotonic() + self.step_timeout_s
+        self._failed_rows = {}
+        while waiting:
+            timeout = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if timeout <= 0:
+                self._fail(f"agents did not answer step {step} within {self.step_timeout_s:g}s")
+            events = self._poll(timeout)
+            if not events:  # a quiet second: make sure nobody died without closing its pipe
+                for agent in self._agents:
+                    if agent.proc.poll() is not None:
+                        self._died(agent, step)
+            for agent, frames in events:
+                if frames is None:
+                    self._died(agent, step)
+                for got, kind, payload in frames:
+                    if kind == DONE and got == step:
+                        waiting -= 1
+                        if agent.rank == 0:
+                            self._failed_rows = parse_done_payload(payload)
+                    elif kind == ERROR and got == step:
+                        waiting -= 1
+                        summary, tb = parse_error_payload(payload)
+                        error = error or AgentStepError(f"agent rank {agent.rank} failed step {step}: {summary}",
+                                                        agent.rank, tb)
+                    else:
+                        self._fail(f"agent rank {agent.rank} sent unexpected frame (step {got}, kind {kind}) "
+                                   f"while step {step} ran")
+        if error is not None:
+            raise error
+
+    def _poll(self, timeout_s: float) -> list[tuple[_Agent, list[tuple[int, int, str]] | None]]:
+        """Wait for reply-pipe activity: per ready agent, its complete frames, or None at EOF."""
+        out = []
+        for fd, _event in self._poller.poll(max(0, int(timeout_s * 1000))):
+            agent = self._by_fd[fd]
+            data = os.read(fd, 65536)
+            if not data:
+                out.append((agent, None))
+                continue
+            agent.buf += data
+            frames = []
+            while len(agent.buf) >= FRAME.size:
+                got, kind, length = FRAME.unpack_from(agent.buf)
+                if len(agent.buf) < FRAME.size + length:
+                    break
+                payload = bytes(agent.buf[FRAME.size: FRAME.size + length]).decode("utf-8", "replace")
+                del agent.buf[: FRAME.size + length]
+                frames.append((got, kind, payload))
+            out.append((agent, frames))
+        return out
+
+    def _died(self, agent: _Agent, step: int) -> None:
+        code = self._reap(agent)
+        if self._closing:
+            self._fail(f"agent pool was closed while step {step} ran")
+        self._fail(f"agent rank {agent.rank} (pid {agent.proc.pid}) died during step {step}: "
+                   f"{describe_exit(code)}")
+
+    def _fail(self, message: str) -> None:
+        """(Step thread.) Record the death, kill every agent, unlink the segment, raise ``AgentDiedError``."""
+        if self._death is None:
+            self._death = message
+        with self._close_lock:
+            self._stop_processes(graceful=False)
+            self._release()
+        raise AgentDiedError(message)
+
+    @staticmethod
+    def _reap(agent: _Agent, timeout_s: float = 2.0) -> int | None:
+        try:
+            return agent.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    # ---- shutdown ------------------------------------------------------------------------------------------
+    def close(self, graceful: bool = True) -> None:
+        """Stop every agent and unlink the segment; idempotent, and safe while another thread is in run_step or
+        collect. ``graceful``: give serving agents ``shutdown_grace_s`` to exit before they are killed (not
+        worth waiting for when they failed: a stopped agent never exits by itself)."""
+        with self._close_lock:
+            if self._state == "closed":
+                return
+            self._closing = True
+            self._stop_processes(graceful=graceful and self._state == "ready")
+        # A collect blocked in poll() now sees EOF and returns; only then do its fds go away.
+        with self._step_lock, self._close_lock:
+            self._release()
+
+    def _teardown(self, graceful: bool) -> None:
+        with self._close_lock:
+            self._stop_processes(graceful)
+            self._release()
+
+    def _stop_processes(self, graceful: bool) -> None:
+        """Ask every agent to exit (EOF on its lifeline and command pipes), then kill what is left."""
+        self._state = "closed"
+        if self._death is None:
+            self._death = "agent pool is closed"
+        for agent in self._agents:
+            agent.lifeline_w = _close_fd(agent.lifeline_w)
+            agent.cmd_w = _close_fd(agent.cmd_w)
+        deadline = time.monotonic() + (self.shutdown_grace_s if graceful else 0.0)
+        for agent in self._agents:
+            if agent.proc.poll() is None and graceful:
+                try:
+                    agent.proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            if agent.proc.poll() is None:
+                agent.proc.kill()
+                agent.proc.wait()
+        if self._cluster is not None:
+            self._cluster.stop()
+
+    def _release(self) -> None:
+        """Close the reply pipes and unmap + unlink the segment (agents must be gone; no step in flight)."""
+        for agent in self._agents:
+            if agent.reply_r >= 0:
+                self._poller.unregister(agent.reply_r)
+                agent.reply_r = _close_fd(agent.reply_r)
+        self._by_fd.clear()
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_state", "closed") != "closed":
+            try:
+                self._teardown(graceful=False)
+            except Exception:  # noqa: BLE001, S110 - best effort at interpreter exit; close() is the API
+                pass
+
+
+def _close_fd(fd: int) -> int:
+    """Close ``fd`` unless already closed (-1); returns -1 to store back, so no fd is ever closed twice."""
+    if fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    return -1

@@ -1,0 +1,296 @@
+"""Chat prompts: a conversation rendered by the model's chat template (Jinja2) and tokenized as transformers does.
+
+The template, first found: the YAML key ``tokenizer.chat_template`` (a Jinja file), ``chat_template.jinja`` or
+the ``chat_template`` of ``tokenizer_config.json`` in the model directory, else ``LLAMA2_CHAT_TEMPLATE``.
+
+Rendering keeps the contract transformers' ``apply_chat_template`` documents, so the templates that Hugging Face
+model directories carry work unchanged: a sandboxed Jinja environment with ``trim_blocks``/``lstrip_blocks``
+and loop controls, the variables ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``,
+``unk_token`` (``tools``/``documents`` are none), the functions ``raise_exception(message)`` and
+``strftime_now(format)``, and a ``tojson`` that keeps non-ASCII text and does not escape HTML.
+
+The rendered text spells the special tokens (``<s>``, ``</s>``): each becomes its id and the text between them
+is encoded without a BOS, as transformers tokenizes it (``add_special_tokens=False``); special tokens typed
+inside messages become ids too, as there by default. Whether a text piece after a special token gets
+sentencepiece's dummy-prefix space follows the model's ``tokenizer_config.json`` as transformers reads it:
+``legacy`` true or absent: every piece gets it (each turn encoded on its own, as Meta's reference does; absent
+means false to transformers 5, so a model directory that wants that says so); ``legacy`` false: only text at
+the very start; ``add_prefix_space`` false: none. Text pieces are encoded by sentencepiece itself, as prompts
+are on the completions route; the one known difference from transformers 5's converted tokenizer is a piece
+that starts with a space right after a special token, where it leaves out the dummy prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import sentencepiece as spm
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from llm_serving.api.schema import _kind
+from llm_serving.config.serving_config import ConfigError, ServingConfig
+from llm_serving.tokenization.tokenizer import Tokenizer
+
+ROLES = ("system", "user", "assistant")
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system instructions
+# Keys OpenAI clients send back with an assistant message; accepted when null or empty (no tool calls here).
+NEUTRAL_MESSAGE_KEYS = ("tool_calls", "function_call", "refusal", "audio", "annotations")
+
+# The Llama-2 chat format: [INST] turns, the system prompt as a <<SYS>> block inside the first one, each
+# exchange between <s> and </s>, contents stripped. Written for llm-serving from the format's description.
+LLAMA2_CHAT_TEMPLATE = r"""
+{%- if messages and messages[0]['role'] == 'system' -%}
+    {%- set system = messages[0]['content'] -%}
+    {%- set turns = messages[1:] -%}
+{%- else -%}
+    {%- set system = none -%}
+    {%- set turns = messages -%}
+{%- endif -%}
+{%- if not turns -%}
+    {{- raise_exception('Llama-2 chat needs a user message after the system message') -}}
+{%- endif -%}
+{%- for message in turns -%}
+    {%- set expected = 'user' if loop.index0 % 2 == 0 else 'assistant' -%}
+    {%- if message['role'] != expected -%}
+        {{- raise_exception('Llama-2 chat: after an optional first system message the roles must alternate '
+                            ~ 'user, assistant, user, ...; message ' ~ (loop.index0 + (0 if system is none else 1))
+                            ~ ' is ' ~ message['role'] ~ ', expected ' ~ expected) -}}
+    {%- endif -%}
+    {%- if expected == 'user' -%}
+        {%- set text = message['content'] -%}
+        {%- if loop.first and system is not none -%}
+            {%- set text = '<<SYS>>\n' ~ system ~ '\n<</SYS>>\n\n' ~ text -%}
+        {%- endif -%}
+        {{- bos_token ~ '[INST] ' ~ (text | trim) ~ ' [/INST]' -}}
+    {%- else -%}
+        {{- ' ' ~ (message['content'] | trim) ~ ' ' ~ eos_token -}}
+    {%- endif -%}
+{%- endfor -%}
+"""
+
+PREFIX_MODES = ("always", "first", "never")  # where text pieces get the dummy-prefix space (module docstring)
+
+
+class MessageError(ValueError):
+    """Messages that are not a conversation; ``unsupported`` marks valid OpenAI features not served here."""
+
+    def __init__(self, message: str, unsupported: bool = False) -> None:
+        super().__init__(message)
+        self.unsupported = unsupported
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the messages (``raise_exception``) or failed while rendering them."""
+
+
+# ---- messages ----------------------------------------------------------------------------------------------
+def check_messages(raw: Any) -> list[dict[str, str]]:
+    """The messages as the template sees them: ``role``, ``content`` (text) and an optional ``name``.
+
+    Null-valued keys are dropped (as transformers does); a content given as text parts is joined with newlines.
+    """
+    if not isinstance(raw, list) or not raw:
+        raise MessageError(f"'messages' must be a non-empty list of message objects, got {_kind(raw)}")
+    return [_check_message(m, i) for i, m in enumerate(raw)]
+
+
+def _check_message(raw: Any, i: int) -> dict[str, str]:
+    where = f"messages[{i}]"
+    if not isinstance(raw, dict):
+        raise MessageError(f"{where} must be an object with 'role' and 'content', got {_kind(raw)}")
+    msg = {k: v for k, v in raw.items() if v is not None}
+    for key in NEUTRAL_MESSAGE_KEYS:
+        if msg.pop(key, None) not in (None, [], ""):
+            raise MessageError(f"{where}.{key} is not supported (no tool calls or audio here)", unsupported=True)
+    role = msg.get("role")
+    if role in ("tool", "function"):
+        raise MessageError(f"{where}.role {role!r} is not supported (no tool calls here)", unsupported=True)
+    role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
+    if role not in ROLES:
+        raise MessageError(f"{where}.role must be one of {', '.join(ROLES)}, got {_kind(msg.get('role'))}")
+    unknown = [k for k in msg if k not in ("role", "content", "name")]
+    if unknown:
+        raise MessageError(f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; known keys: role, "
+                           f"content, name")
+    if "content" not in msg:
+        raise MessageError(f"{where}.content is missing")
+    out = {"role": role, "content": _content(msg["content"], where)}
+    if "name" in msg:
+        if not isinstance(msg["name"], str):
+            raise MessageError(f"{where}.name must be a string, got {_kind(msg['name'])}")
+        out["name"] = msg["name"]
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise MessageError(f"{where}.content must be a string or a list of text parts, got {_kind(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str) and set(part) <= {"type", "text"}:
+            texts.append(part["text"])
+        elif isinstance(kind, str) and kind != "text":
+            raise MessageError(f"{where}.content[{j}] has type {kind!r}; only text parts are supported",
+                               unsupported=True)
+        else:
+            raise MessageError(f"{where}.content[{j}] must be {{\"type\": \"text\", \"text\": string}}, got "
+                               f"{_kind(part)}")
+    return "\n".join(texts)
+
+
+# ---- the template --------------------------------------------------------------------------------------------
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _environment() -> jinja2.Environment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class ChatTemplate:
+    """A compiled chat template bound to the served tokenizer; ``origin`` says where it came from.
+
+    Raises ``jinja2.TemplateSyntaxError`` for a template that does not compile.
+    """
+
+    def __init__(self, source: str, origin: str, tokenizer: Tokenizer, prefix: str = "always") -> None:
+        if prefix not in PREFIX_MODES:
+            raise ValueError(f"prefix must be one of {PREFIX_MODES}, got {prefix!r}")
+        self.source, self.origin, self.prefix = source, origin, prefix
+        self._template = _environment().from_string(source)
+        self._tok = tokenizer
+        self._special = {tokenizer.id_to_piece(i): i for i in range(tokenizer.vocab_size) if tokenizer.is_special(i)}
+        longest_first = sorted(self._special, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+        self._variables = {"bos_token": tokenizer.id_to_piece(tokenizer.bos_id),
+                           "eos_token": tokenizer.id_to_piece(tokenizer.eos_id),
+                           "unk_token": tokenizer.id_to_piece(tokenizer.unk_id)}
+        self._bare = None if prefix == "always" else _without_dummy_prefix(tokenizer)
+
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text; ChatTemplateError with the template's message when it refuses the messages."""
+        try:
+            return self._template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **self._variables)
+        except jinja2.TemplateError as exc:  # raise_exception, an undefined name, a sandbox refusal
+            raise ChatTemplateError(str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - the template's own code failed on these messages
+            raise ChatTemplateError(f"{type(exc).__name__}: {exc}") from None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of rendered text: special-token spellings as their ids, the text between them encoded."""
+        ids: list[int] = []
+        offset = 0
+        for k, part in enumerate(self._split.split(text)):
+            if k % 2:
+                ids.append(self._special[part])
+            elif part:
+                if self.prefix == "always" or (self.prefix == "first" and offset == 0):
+                    ids.extend(self._tok.encode(part, add_bos=False))
+                else:
+                    ids.extend(self._bare.encode(part))
+            offset += len(part)
+        return ids
+
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """The conversation's prompt token ids (``check_messages`` output in, BOS included by the template)."""
+        return self.encode(self.render(messages, add_generation_prompt))
+
+
+def _without_dummy_prefix(tokenizer: Tokenizer) -> spm.SentencePieceProcessor:
+    """The tokenizer's sentencepiece model with the dummy-prefix space switched off (needs protobuf)."""
+    from sentencepiece import sentencepiece_model_pb2  # protobuf: only models with legacy false need it
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(Path(tokenizer.path).read_bytes())
+    proto.normalizer_spec.add_dummy_prefix = False
+    return spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+
+
+# ---- where the template comes from -----------------------------------------------------------------------------
+def load_chat_template(config: ServingConfig, model_path: str | Path, tokenizer: Tokenizer) -> ChatTemplate:
+    """The served model's chat template (see the module docstring); a bad one is a ConfigError at start-up."""
+    path = Path(model_path)
+    model_dir = path if path.is_dir() else path.parent
+    src = config.source
+    settings, settings_file = {}, model_dir / "tokenizer_config.json"
+    if settings_file.is_file():
+        settings = _read_json(settings_file, src)
+    key = "model_config.model_path"
+    if config.tokenizer.chat_template is not None:
+        key = "tokenizer.chat_template"
+        file = Path(config.tokenizer.chat_template)
+        source, origin = _read_text(file, key, src), f"{file} (tokenizer.chat_template)"
+    elif (model_dir / "chat_template.jinja").is_file():
+        file = model_dir / "chat_template.jinja"
+        source, origin = _read_text(file, key, src), str(file)
+    elif settings.get("chat_template") is not None:
+        source, origin = _named_default(settings["chat_template"], settings_file, src), f"{settings_file}"
+    else:
+        source, origin = LLAMA2_CHAT_TEMPLATE, "the Llama-2 chat format (default)"
+    prefix = _prefix_mode(settings)
+    try:
+        return ChatTemplate(source, origin, tokenizer, prefix)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"{src}: {key}: the chat template of {origin} is not valid Jinja: line {exc.lineno}: "
+                          f"{exc.message}", key=key, source=src) from None
+    except ImportError as exc:
+        raise ConfigError(f"{src}: {key}: {settings_file} sets legacy false or add_prefix_space false, whose "
+                          f"tokenization needs the protobuf package: {exc}", key=key, source=src) from None
+
+
+def _prefix_mode(settings: Mapping[str, Any]) -> str:
+    if settings.get("add_prefix_space") is False:
+        return "never"
+    return "first" if settings.get("legacy") is False else "always"
+
+
+def _named_default(value: Any, file: Path, src: str) -> str:
+    """tokenizer_config.json's chat_template: a template, or a list of named ones (the "default" one is used)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+    raise ConfigError(f"{src}: model_config.model_path: {file}: chat_template must be a template string or a list "
+                      f"of {{\"name\", \"template\"}} objects with a \"default\" one", key="model_config.model_path",
+                      source=src)
+
+
+def _read_text(file: Path, key: str, src: str) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{src}: {key}: cannot read the chat template {file}: {exc}", key=key, source=src) from None
+
+
+def _read_json(file: Path, src: str) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{src}: model_config.model_path: cannot read {file} as JSON: {exc}",
+                          key="model_config.model_path", source=src) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{src}: model_config.model_path: {file} must hold a JSON object",
+                          key="model_config.model_path", source=src)
+    return data
