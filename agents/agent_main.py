@@ -20,8 +20,8 @@ import sys
 import threading
 from collections.abc import Callable
 
-from agents.compile_cache import open_cache
-from agents.sampler import take_failures
+from agents.runtime.compile_cache import open_cache
+from agents.runtime.sampler import take_failures
 from llm_serving.protocol.shm_channel import StepChannel
 from llm_serving.protocol.wire import (
     CMD,
@@ -78,13 +78,13 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     """The runner for this rank: the instant stand-in, or MindSpore's ModelRunner on the checkpoint (under
     tensor parallelism: on this rank's slice of it, after joining the ranks' collective cluster)."""
     if spec.kind == "standin":
-        from agents.standin import StandinRunner
+        from agents.runtime.standin import StandinRunner
         return StandinRunner(int(spec.llama_config["vocab_size"]), spec.step_delay_s)
     if spec.backend == "mindformers":  # MindFormers' Llama (its own environment: scripts/mindformers_env.sh)
         from agents.mindformers.runner import build_runner as build_mindformers_runner
         return build_mindformers_runner(spec, rank, progress)
-    from agents.collectives import join_cluster, share_cpus
-    from agents.sharded_weights import load_rank_weights
+    from agents.runtime.collectives import join_cluster, share_cpus
+    from agents.weights.sharded import load_rank_weights
     from llm_serving.protocol.model_config import LlamaConfig
     from llm_serving.protocol.parallel import ShardPlan
 
@@ -93,7 +93,7 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     cpu_threads = share_cpus(shard) if shard.tp > 1 else 0  # before MindSpore starts any thread
     progress(f"loading weights from {spec.model_path}" + (f" (rank {rank} of {shard.tp})" if shard.tp > 1 else ""))
     weights = load_rank_weights(spec.model_path, config, shard)  # before importing MindSpore: fails fast
-    from agents.runner import ModelRunner, RunnerConfig
+    from agents.runtime.runner import ModelRunner, RunnerConfig
 
     runner_config = RunnerConfig(**{**spec.runner_config, "device_id": spec.start_device_id + rank})
     if shard.tp > 1:

@@ -67,8 +67,8 @@ def step_times(modes: list[str], context: int) -> None:
     import mindspore as ms
     from bench_model import BENCH_MODEL, BLOCK, alternating_ms, decode_batch, prefill_batch
 
-    from agents.runner import ModelRunner, RunnerConfig
-    from agents.weights import fuse_hf_tensors
+    from agents.runtime.runner import ModelRunner, RunnerConfig
+    from agents.weights.checkpoints import fuse_hf_tensors
     from llm_serving.models.random_model import random_hf_weights
 
     ms.set_context(mode=ms.GRAPH_MODE)

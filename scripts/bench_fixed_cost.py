@@ -50,8 +50,8 @@ def in_process_ms(model: str, batches: list[int], calls: int) -> list[float]:
 
 
 def _child(model: str, batches: str, calls: str) -> None:
-    from agents.runner import ModelRunner, RunnerConfig
-    from agents.weights import fuse_hf_tensors
+    from agents.runtime.runner import ModelRunner, RunnerConfig
+    from agents.weights.checkpoints import fuse_hf_tensors
     from llm_serving.models.random_model import random_hf_weights
 
     config = MODELS[model]

@@ -1,11 +1,11 @@
-// Our float32 GEMM (agents/kernels/linear.cc ``Linear``) called directly, without MindSpore's graph call around it.
+// Our float32 GEMM (agents/model/kernels/linear.cc ``Linear``) called directly, without MindSpore's graph call around it.
 //
 //     g++ -O3 -march=native -fopenmp-simd -fno-math-errno -pthread -std=c++17 scripts/bench_gemm_kernel.cc \
-//         agents/kernels/linear.cc -o /tmp/bench_gemm_kernel && /tmp/bench_gemm_kernel
+//         agents/model/kernels/linear.cc -o /tmp/bench_gemm_kernel && /tmp/bench_gemm_kernel
 //
 // Why: through a one-op graph (scripts/bench_model.py, benchmark.py's roofline rate) every call also pays
 // MindSpore's ~0.2 ms, a tenth of a 128-row projection; this shows the kernel's own rate, to set against the
-// CPU's FMA peak (scripts/fma_peak.c). Same flags as agents/native_kernels.py. Threads: $LLM_SERVING_KERNEL_THREADS.
+// CPU's FMA peak (scripts/fma_peak.c). Same flags as agents/model/native_kernels.py. Threads: $LLM_SERVING_KERNEL_THREADS.
 #include <chrono>
 #include <cstdint>
 #include <cstdio>

@@ -6,7 +6,7 @@ For each kernel choice (``RunnerConfig.kernels``: native C++ ops for projections
 or portable graph ops; both by default, side by side in one run) prints a markdown table: ms per prefill call
 (batch 1/4/8 x 128 tokens) and per decode step (batch 1/32/128 at the given context), the model GFLOP/s each
 achieves, and the GFLOP/s of one matmul ``[tokens, hidden] x [hidden, N]`` with the same FLOPs, done by
-MindSpore's MatMul and by our native GEMM (``agents/kernels/linear.cc``), timed in turn with the step (so that
+MindSpore's MatMul and by our native GEMM (``agents/model/kernels/linear.cc``), timed in turn with the step (so that
 the machine's drift moves all of them). Also the compile (warm-up) time of every graph shape, and decode step
 times with sampling (first choice only).
 """
@@ -27,12 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from agents import packed_weights
-from agents.backends.graph_ops import greedy_pick
-from agents.model import LlamaStep
-from agents.native_kernels import KernelBuildError, NativeOps, native_ops
-from agents.runner import ModelRunner, RunnerConfig
-from agents.weights import fuse_hf_tensors
+from agents.model.backends.graph_ops import greedy_pick
+from agents.model.llama import LlamaStep
+from agents.model.native_kernels import KernelBuildError, NativeOps, native_ops
+from agents.runtime.runner import ModelRunner, RunnerConfig
+from agents.weights import packed as packed_weights
+from agents.weights.checkpoints import fuse_hf_tensors
 from llm_serving.models.random_model import random_hf_weights
 from llm_serving.protocol.batch import SamplingBatch, StepBatch
 from llm_serving.protocol.model_config import LlamaConfig
@@ -65,7 +65,7 @@ def median_ms(fn, repeats: int) -> float:
 
 def reference_matmul(tokens: int, flops: float, native: NativeOps | None = None):
     """One plain ``[tokens, hidden] x [hidden, n]`` matmul doing ``flops`` work: (call, its FLOPs). MindSpore's
-    MatMul, or with ``native`` our own packed-weight kernel (``agents/kernels/linear.cc``) on the same shape."""
+    MatMul, or with ``native`` our own packed-weight kernel (``agents/model/kernels/linear.cc``) on the same shape."""
     h = BENCH_MODEL.hidden_size
     n = max(1, round(flops / (2 * tokens * h)))
     rng = np.random.default_rng(0)

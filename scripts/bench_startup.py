@@ -1,5 +1,5 @@
 """Start-up time: process start -> /health ready of ``llm-serving serve``, for the default and the tuned configs,
-without the compile cache, with a cold one and with a warm one (agents/compile_cache.py).
+without the compile cache, with a cold one and with a warm one (agents/runtime/compile_cache.py).
 
     python scripts/bench_startup.py [--runs 3] [--configs default,tuned] [--kernels] [--work-dir DIR]
 

@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agents.sharded_weights import shard_shapes
+from agents.weights.sharded import shard_shapes
 from llm_serving.executor.agent_pool import AgentPool
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig

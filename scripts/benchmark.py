@@ -213,11 +213,11 @@ def matmul_rates(work: Path) -> tuple[float, float]:
 
 def _matmul_rate_main() -> None:
     """Child process: print the best GFLOP/s of plain MindSpore matmuls of the model's sizes (graph mode, as the
-    served model runs) and of our packed-weight GEMM (``agents/kernels/linear.cc``) on the same sizes."""
+    served model runs) and of our packed-weight GEMM (``agents/model/kernels/linear.cc``) on the same sizes."""
     from bench_model import BENCH_MODEL, median_ms, reference_matmul
 
-    from agents.device import setup_device
-    from agents.native_kernels import KernelBuildError, native_ops
+    from agents.model.native_kernels import KernelBuildError, native_ops
+    from agents.runtime.device import setup_device
 
     setup_device("CPU")
     try:

@@ -1,6 +1,6 @@
 """numpy references of the Ascend fused primitives' documented contracts, written as plainly as the docs state
 them (loops over sequences, positions and heads, float64), to check the CPU stand-ins of
-``agents.backends.ascend_reference`` on Ascend-layout tensors.
+``agents.model.backends.ascend_reference`` on Ascend-layout tensors.
 
 Sources: the primitives' docstrings in MindSpore 2.10 (``mindspore.ops.auto_generate``) and CANN's
 FlashAttentionVarLenScore (TND) notes; see docs/ascend.md for the table of contracts.

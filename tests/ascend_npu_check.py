@@ -10,8 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from agents.runner import ModelRunner, RunnerConfig
-from agents.weights import load_weights
+from agents.runtime.runner import ModelRunner, RunnerConfig
+from agents.weights.checkpoints import load_weights
 from llm_serving.protocol.model_config import LlamaConfig
 from tests.paged_driver import PagedDriver, contiguous_prefill
 

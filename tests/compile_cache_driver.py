@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agents.agent_main import build_runner
-from agents.compile_cache import open_cache
+from agents.runtime.compile_cache import open_cache
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.wire import AgentSpec
 from tests.paged_driver import PagedDriver

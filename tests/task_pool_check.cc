@@ -1,4 +1,4 @@
-// Driven by tests/test_native_kernels.py: the kernels' TaskPool (agents/kernels/common.h) runs every task exactly
+// Driven by tests/test_native_kernels.py: the kernels' TaskPool (agents/model/kernels/common.h) runs every task exactly
 // once per call, across many calls, with tiny and large task counts, with polling turned off and on between some
 // of them, from two threads at once, and in a forked child (no helpers there). With the argument ``poll``: after a call, polling
 // helpers use the CPU until polling is turned off, and not after it.

@@ -33,7 +33,7 @@ def standin_spec(**overrides) -> AgentSpec:
 
 
 def expected_tokens(batch: StepBatch) -> np.ndarray:
-    """The stand-in's documented rule, written out independently of agents.standin."""
+    """The stand-in's documented rule, written out independently of agents.runtime.standin."""
     out, start = [], 0
     for q, ctx in zip(batch.query_lens.tolist(), batch.context_lens.tolist()):
         start += q

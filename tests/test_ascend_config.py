@@ -9,9 +9,9 @@ import pytest
 from mindspore import nn
 
 from agents import agent_main
-from agents.backends import PortableBackend, select_backend
-from agents.backends.ascend import AscendBackend
-from agents.device import apply_jit_config
+from agents.model.backends import PortableBackend, select_backend
+from agents.model.backends.ascend import AscendBackend
+from agents.runtime.device import apply_jit_config
 from llm_serving.api import launch as serve
 from llm_serving.cli.commands import serve as serve_cli
 from llm_serving.cli.main import add_config_arguments, config_from_args
@@ -75,9 +75,9 @@ def test_each_rank_runs_on_start_device_id_plus_its_rank(tmp_path, monkeypatch):
         def __init__(self, llama, weights, runner_config, **kwargs) -> None:
             built.append(runner_config)
 
-    monkeypatch.setattr("agents.runner.ModelRunner", Recorder)
-    monkeypatch.setattr("agents.collectives.join_cluster", lambda *args: None)  # no cluster of two ranks here
-    monkeypatch.setattr("agents.collectives.share_cpus", lambda shard: 0)
+    monkeypatch.setattr("agents.runtime.runner.ModelRunner", Recorder)
+    monkeypatch.setattr("agents.runtime.collectives.join_cluster", lambda *args: None)  # no cluster of two ranks here
+    monkeypatch.setattr("agents.runtime.collectives.share_cpus", lambda shard: 0)
     for rank in range(spec.tensor_parallel_size):
         agent_main.build_runner(spec, rank, lambda line: None)
     assert [(rc.device_target, rc.device_id) for rc in built] == [("Ascend", 4), ("Ascend", 5)]

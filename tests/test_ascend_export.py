@@ -1,4 +1,4 @@
-"""The Ascend graphs as MindSpore builds them, checked on CPU by export (``agents.export``, ``llm-serving export``).
+"""The Ascend graphs as MindSpore builds them, checked on CPU by export (``agents.tools.export``, ``llm-serving export``).
 
 Export runs MindSpore's front end (type and shape inference, pruning) on graphs whose kernels exist only on the
 NPU. Every warm-up shape of a small Ascend config is exported in float16 and bfloat16, its MindIR parsed, and the
@@ -13,11 +13,11 @@ import sys
 import pytest
 from mindspore import ops
 
-from agents.backends.ascend import AscendAttention, AscendBackend, FusedOps
-from agents.export import export_graphs, export_runner
-from agents.mindir import FUSED_PRIMITIVES, TensorInfo, read_mindir
-from agents.runner import RunnerConfig, warmup_shapes
-from agents.weights import load_weights
+from agents.model.backends.ascend import AscendAttention, AscendBackend, FusedOps
+from agents.runtime.runner import RunnerConfig, warmup_shapes
+from agents.tools.export import export_graphs, export_runner
+from agents.tools.mindir import FUSED_PRIMITIVES, TensorInfo, read_mindir
+from agents.weights.checkpoints import load_weights
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
 from tests.script_runner import ROOT

@@ -1,7 +1,7 @@
 """What the Ascend graphs compute, checked on CPU.
 
 1. Each fused primitive's contract: the numpy reference (tests/ascend_contracts.py) against the CPU stand-in
-   (agents/backends/ascend_reference.py) on Ascend-layout tensors: block caches ``[num_blocks, block_size,
+   (agents/model/backends/ascend_reference.py) on Ascend-layout tensors: block caches ``[num_blocks, block_size,
    kv_heads, head_dim]``, padded block-table entries, context lengths, ``TH`` cumulative lengths, GQA grouping,
    slot mappings with padding slots.
 2. The Ascend backend's wiring (the same cells, caches and graph as on the NPU, with the stand-ins in place of
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from mindspore import Parameter, Tensor, nn
 
-from agents.backends.ascend import AscendBackend
-from agents.backends.ascend_reference import (
+from agents.model.backends.ascend import AscendBackend
+from agents.model.backends.ascend_reference import (
     FlashAttentionThRef,
     PagedAttentionRef,
     ReferenceOps,
@@ -26,10 +26,10 @@ from agents.backends.ascend_reference import (
     RopeRef,
     SwigluRef,
 )
-from agents.device import setup_device
-from agents.model import rotary_tables
-from agents.runner import ModelRunner, RunnerConfig
-from agents.weights import load_weights
+from agents.model.llama import rotary_tables
+from agents.runtime.device import setup_device
+from agents.runtime.runner import ModelRunner, RunnerConfig
+from agents.weights.checkpoints import load_weights
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
 from tests import ascend_contracts as contract

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agents.bucket_plan import plan_groups
+from agents.runtime.bucket_plan import plan_groups
 
 SEQ_BUCKETS = (64, 256)
 BATCH_BUCKETS = (1, 4, 8)

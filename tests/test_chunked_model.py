@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agents.runner import ModelRunner, RunnerConfig
-from agents.weights import load_weights
+from agents.runtime.runner import ModelRunner, RunnerConfig
+from agents.weights.checkpoints import load_weights
 from llm_serving.core.scheduler import Scheduler, SchedulerConfig
 from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.models.random_model import build_random_model

@@ -1,4 +1,4 @@
-"""The agents' graph compile cache (agents/compile_cache.py): a second start loads every warm-up graph from it
+"""The agents' graph compile cache (agents/runtime/compile_cache.py): a second start loads every warm-up graph from it
 and serves the same greedy ids as transformers; a changed configuration never loads another's graphs; new
 weights at the same path are used, not baked into the cached graphs; publishing is atomic; the config key."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agents.compile_cache import COMPLETE, COSTS_FILE, KEEP, CompileCache, prune, source_digest
+from agents.runtime.compile_cache import COMPLETE, COSTS_FILE, KEEP, CompileCache, prune, source_digest
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.engine.wiring import agent_spec, compile_cache_dir, resolve_model
 from llm_serving.models.default_model import ensure_default_model
@@ -54,11 +54,11 @@ def test_each_configuration_rank_and_model_path_gets_its_own_directory(tmp_path)
 
 
 def test_the_source_digest_covers_python_and_kernel_sources(tmp_path):
-    for rel in ("agents/runner.py", "agents/kernels/linear.cc", "llm_serving/protocol/wire.py"):
+    for rel in ("agents/runtime/runner.py", "agents/model/kernels/linear.cc", "llm_serving/protocol/wire.py"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("a")
     before = source_digest(tmp_path)
-    for rel in ("agents/runner.py", "agents/kernels/linear.cc", "llm_serving/protocol/wire.py"):
+    for rel in ("agents/runtime/runner.py", "agents/model/kernels/linear.cc", "llm_serving/protocol/wire.py"):
         (tmp_path / rel).write_text("b")
         after = source_digest(tmp_path)
         assert after != before, rel

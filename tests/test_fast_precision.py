@@ -11,12 +11,13 @@ import pytest
 import yaml
 from mindspore import Tensor
 
-from agents import native_kernels, packed_weights
-from agents.backends import PortableBackend
-from agents.device import setup_device
-from agents.native_kernels import native_ops
-from agents.runner import ModelRunner, RunnerConfig
-from agents.weights import load_weights
+from agents.model import native_kernels
+from agents.model.backends import PortableBackend
+from agents.model.native_kernels import native_ops
+from agents.runtime.device import setup_device
+from agents.runtime.runner import ModelRunner, RunnerConfig
+from agents.weights import packed as packed_weights
+from agents.weights.checkpoints import load_weights
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.loop import Engine

@@ -1,4 +1,4 @@
-"""`python -m agents.generate` end to end: tokenizer + loader + runner + scheduler, against transformers."""
+"""`python -m agents.tools.generate` end to end: tokenizer + loader + runner + scheduler, against transformers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.convert import convert
+from agents.weights.convert import convert
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.tokenization.tokenizer import Tokenizer
@@ -31,7 +31,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def run_generate(model: Path, prompts_file: Path, *extra: str) -> list[dict]:
-    out = subprocess.run([sys.executable, "-m", "agents.generate", "--model", str(model), "--prompts",
+    out = subprocess.run([sys.executable, "-m", "agents.tools.generate", "--model", str(model), "--prompts",
                           str(prompts_file), *extra], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          check=False)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -63,7 +63,7 @@ def test_generate_matches_transformers(model_dir, tmp_path):
 def test_generate_reports_bad_inputs(model_dir, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"not": "a list"}')
-    out = subprocess.run([sys.executable, "-m", "agents.generate", "--model", str(model_dir), "--prompts", str(bad),
+    out = subprocess.run([sys.executable, "-m", "agents.tools.generate", "--model", str(model_dir), "--prompts", str(bad),
                           "--max-new-tokens", "4"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          check=False)
     assert out.returncode != 0

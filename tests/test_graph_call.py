@@ -6,8 +6,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from agents import graph_call
-from agents.graph_call import CompiledCell
+from agents.runtime import graph_call
+from agents.runtime.graph_call import CompiledCell
 
 
 class Accumulate(nn.Cell):

@@ -1,4 +1,4 @@
-"""The native projections (agents/kernels/linear.cc) and their packed weight layout, against numpy in float64."""
+"""The native projections (agents/model/kernels/linear.cc) and their packed weight layout, against numpy in float64."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
-from agents import native_kernels, packed_weights
-from agents.device import setup_device
-from agents.native_kernels import native_ops
+from agents.model import native_kernels
+from agents.model.native_kernels import native_ops
+from agents.runtime.device import setup_device
+from agents.weights import packed as packed_weights
 from tests.op_cell import OpCell
 from tests.script_runner import run_script
 
@@ -125,7 +126,7 @@ def test_residual_linear(ops_, m, k, n, which):
 
 @pytest.mark.parametrize("m,k,n,which", FUSED_CASES)
 def test_partial_linear(ops_, m, k, n, which):
-    """A tensor-parallel rank's partial sum (agents.parallel): x @ W^T of the real rows, zeros after them."""
+    """A tensor-parallel rank's partial sum (agents.model.parallel): x @ W^T of the real rows, zeros after them."""
     rng = np.random.default_rng(m + 3)
     x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32)
     rows = real_rows(m, which)
@@ -138,7 +139,7 @@ def test_partial_linear(ops_, m, k, n, which):
 SHAPE_GUARD_SCRIPT = """
 import numpy as np, mindspore as ms
 from mindspore import Tensor
-from agents.native_kernels import native_ops
+from agents.model.native_kernels import native_ops
 from tests.op_cell import OpCell
 from tests.script_runner import run_script
 ms.set_context(mode=ms.GRAPH_MODE)

@@ -1,5 +1,5 @@
 """``llm-serving generate`` (python -m llm_serving): JSON lines through the whole engine, the same as
-``python -m agents.generate`` on the same model; clear errors; light package import."""
+``python -m agents.tools.generate`` on the same model; clear errors; light package import."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_generate_matches_agents_generate_on_the_same_model(setup):
     ours = run_cli("generate", "--config", str(setup["config"]), "--model", str(setup["model"]),
                    "--decode-batch-size", "4", "--prefill-batch-size", "2", "--policy", "fcfs", *args)
     assert ours.returncode == 0, ours.stderr
-    ref = subprocess.run([sys.executable, "-m", "agents.generate", "--model", str(setup["model"]),
+    ref = subprocess.run([sys.executable, "-m", "agents.tools.generate", "--model", str(setup["model"]),
                           "--batch-size", "1", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          check=False)
     assert ref.returncode == 0, ref.stderr

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
-from agents.standin import StandinRunner
+from agents.runtime.standin import StandinRunner
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.scheduler import Scheduler, SchedulerConfig
 from llm_serving.core.sequence import SamplingParams, Sequence
@@ -152,8 +152,8 @@ class _Spy:
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    from agents.runner import ModelRunner, RunnerConfig
-    from agents.weights import load_weights
+    from agents.runtime.runner import ModelRunner, RunnerConfig
+    from agents.weights.checkpoints import load_weights
     from llm_serving.models.random_model import build_random_model
 
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,

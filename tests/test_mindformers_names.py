@@ -1,4 +1,4 @@
-"""Weights between our fused layout and MindFormers' Llama names (agents/mindformers/names.py), numpy only.
+"""Weights between our fused layout and MindFormers' Llama names (agents/weights/mindformers_names.py), numpy only.
 
 The fused MindFormers order is checked against a hand-built example whose rows name themselves, so a plain
 concatenation (what a naive converter would write) fails; the MindFormers environment's tests compare the same
@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agents.mindformers.names import (
+from agents.weights.checkpoints import canonical_shapes
+from agents.weights.mindformers_names import (
     SplitView,
     from_mindformers,
     gate_up_from_mindformers,
@@ -19,7 +20,6 @@ from agents.mindformers.names import (
     qkv_to_mindformers,
     to_mindformers,
 )
-from agents.weights import canonical_shapes
 from llm_serving.protocol.model_config import LlamaConfig
 
 GQA = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,

@@ -1,4 +1,4 @@
-"""The native CPU backend (agents/backends/native_cpu.py, agents/native_kernels.py) against the portable graph ops
+"""The native CPU backend (agents/model/backends/native_cpu.py, agents/model/native_kernels.py) against the portable graph ops
 and transformers, and the choice of backend."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
-from agents import native_kernels
-from agents.backends import select_backend
-from agents.backends.native_cpu import NativeResidualLinear
-from agents.native_kernels import native_ops
-from agents.runner import ModelRunner, RunnerConfig
-from agents.weights import load_weights
+from agents.model import native_kernels
+from agents.model.backends import select_backend
+from agents.model.backends.native_cpu import NativeResidualLinear
+from agents.model.native_kernels import native_ops
+from agents.runtime.runner import ModelRunner, RunnerConfig
+from agents.weights.checkpoints import load_weights
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.model_config import LlamaConfig
@@ -166,7 +166,7 @@ def task_pool_driver(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("threads,spin_us", [("1", "0"), ("4", "0"), ("4", "300"), ("2", None)])
 def test_task_pool_runs_every_task_once_also_after_fork(tmp_path, threads, spin_us):
-    """The helper pool shared by the kernels (agents/kernels/common.h), in a compiled driver: thousands of calls
+    """The helper pool shared by the kernels (agents/model/kernels/common.h), in a compiled driver: thousands of calls
     of 1-700 tasks, then a forked child (which has no helpers) and the parent again; with helpers that sleep at
     once, that poll for the next call (LLM_SERVING_KERNEL_SPIN_US), and with the default."""
     env = {**os.environ, "LLM_SERVING_KERNEL_THREADS": threads}
@@ -202,7 +202,7 @@ def test_all_ops_share_one_library_and_pool(native_runner):
 KERNEL_GUARD_SCRIPT = """
 import numpy as np, mindspore as ms
 from mindspore import Tensor, nn
-from agents.native_kernels import native_ops
+from agents.model.native_kernels import native_ops
 ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")
 

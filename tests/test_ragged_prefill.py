@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from agents.ragged_prefill import plan_ragged, ragged_arrays, token_buckets
+from agents.runtime.ragged_prefill import plan_ragged, ragged_arrays, token_buckets
 from llm_serving.protocol.batch import StepBatch
 
 

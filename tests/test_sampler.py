@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from agents.runner import ModelRunner, RunnerConfig
-from agents.sampler import sample, sample_row, take_failures
-from agents.weights import load_weights
+from agents.runtime.runner import ModelRunner, RunnerConfig
+from agents.runtime.sampler import sample, sample_row, take_failures
+from agents.weights.checkpoints import load_weights
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.batch import FAILED_TOKEN, SamplingBatch, StepBatch
 from llm_serving.protocol.model_config import LlamaConfig

@@ -421,7 +421,7 @@ def test_serve_exits_non_zero_when_the_agents_cannot_be_replaced(tmp_path):
 
 
 def test_standin_runner_reports_warm_up_costs_and_sampling_failures():
-    from agents.standin import StandinRunner
+    from agents.runtime.standin import StandinRunner
     from llm_serving.protocol.batch import FAILED_TOKEN, SamplingBatch
 
     runner = StandinRunner(50, step_delay_s=0.002)

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agents.sharded_weights import load_shard, shard_shapes
-from agents.weights import load_weights, save_mindspore_checkpoint
+from agents.weights.checkpoints import load_weights, save_mindspore_checkpoint
+from agents.weights.sharded import load_shard, shard_shapes
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.loop import Engine
@@ -309,7 +309,7 @@ def test_master_killed_while_ranks_join_leaves_nothing(data_dir, tmp_path):
             line = master.stdout.readline()
             assert line, "the master exited before its ranks joined"
         deadline = time.monotonic() + 60
-        while not any("agents.lifeline_reaper" in cmdline(p) for p in descendants(master.pid)):  # in init()
+        while not any("agents.runtime.lifeline_reaper" in cmdline(p) for p in descendants(master.pid)):  # in init()
             assert time.monotonic() < deadline, "no rank reached MindSpore's init()"
             time.sleep(0.01)
         family = descendants(master.pid)

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-import agents.weights
-from agents.mindformers.names import gate_up_to_mindformers, qkv_to_mindformers
-from agents.weights import (
+import agents.weights.checkpoints
+from agents.weights.checkpoints import (
     WeightLoadError,
     canonical_shapes,
     load_hf_weights,
@@ -22,6 +21,7 @@ from agents.weights import (
     save_mindspore_checkpoint,
     validate_weights,
 )
+from agents.weights.mindformers_names import gate_up_to_mindformers, qkv_to_mindformers
 from llm_serving.models.random_model import build_random_model, random_hf_weights
 from llm_serving.protocol.model_config import LlamaConfig
 
@@ -63,7 +63,7 @@ def mindformers_names(hf: dict[str, np.ndarray], cfg: LlamaConfig, fused: bool) 
         h, m = f"model.layers.{i}.", f"model.layers.{i}."
         q, k, v = (hf[h + f"self_attn.{x}_proj.weight"] for x in "qkv")
         gate, up = hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]
-        if fused:  # MindFormers 1.8.0's interleaved orders (agents/mindformers/names.py)
+        if fused:  # MindFormers 1.8.0's interleaved orders (agents/weights/mindformers_names.py)
             out[m + "attention.w_qkv.weight"] = qkv_to_mindformers(np.concatenate([q, k, v]), cfg)
             out[m + "feed_forward.w_gate_hidden.weight"] = gate_up_to_mindformers(np.concatenate([gate, up]))
         else:
@@ -137,7 +137,7 @@ def test_bf16_hf_checkpoint_loads_as_float32(tmp_path):
 def test_reads_only_needed_tensors_once_each(tmp_path, monkeypatch):
     """Lazy: tensors come off disk one by one as the fusing needs them; errors found from names read none."""
     reads: list[str] = []
-    real_open = agents.weights.safe_open
+    real_open = agents.weights.checkpoints.safe_open
 
     class SpyOpen:
         def __init__(self, path, framework):
@@ -150,7 +150,7 @@ def test_reads_only_needed_tensors_once_each(tmp_path, monkeypatch):
         def __getattr__(self, attr):
             return getattr(self._file, attr)
 
-    monkeypatch.setattr(agents.weights, "safe_open", SpyOpen)
+    monkeypatch.setattr(agents.weights.checkpoints, "safe_open", SpyOpen)
     tied = replace(CFG, tie_word_embeddings=True)
     hf = random_hf_weights(CFG)  # holds lm_head.weight, which a tied model never reads
     inv_freq = "model.layers.0.self_attn.rotary_emb.inv_freq"

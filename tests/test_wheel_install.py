@@ -68,7 +68,7 @@ def test_the_wheel_holds_the_run_time_files(installed):
             "    print(pathlib.Path(m.__file__).parent)\n")
     dirs = [Path(p) for p in run([python, "-c", code], cwd=installed).stdout.split()]
     assert all(str(d).startswith(str(installed)) for d in dirs), dirs  # not this checkout
-    kernels = dirs[0] / "kernels"
+    kernels = dirs[0] / "model" / "kernels"
     assert (kernels / "common.h").is_file() and list(kernels.glob("*.cc"))
     assert (dirs[2] / "data" / "corpus.txt").is_file()  # the workloads' and the default tokenizer's text
 

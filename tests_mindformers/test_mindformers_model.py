@@ -28,10 +28,10 @@ from mindspore.train import mind_ir_pb2
 from agents.mindformers.export import export_graphs, export_runner
 from agents.mindformers.inputs import shape_arrays
 from agents.mindformers.model import build_network
-from agents.mindformers.names import gate_up_to_mindformers, qkv_to_mindformers, to_mindformers
 from agents.mindformers.runner import MindFormersRunnerConfig, MindFormersStep
-from agents.mindir import read_mindir
-from agents.weights import load_weights
+from agents.tools.mindir import read_mindir
+from agents.weights.checkpoints import load_weights
+from agents.weights.mindformers_names import gate_up_to_mindformers, qkv_to_mindformers, to_mindformers
 from llm_serving.cli.commands.patch_mindformers import apply_patches, default_target, installed_version
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.batch import StepBatch

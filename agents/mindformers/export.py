@@ -16,7 +16,7 @@ from pathlib import Path
 
 from agents.mindformers.inputs import INPUT_NAMES
 from agents.mindformers.runner import MindFormersRunner, MindFormersRunnerConfig
-from agents.mindir import GraphSummary, export_shapes, parse_shape
+from agents.tools.mindir import GraphSummary, export_shapes, parse_shape
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.wire import AgentSpec
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     spec = AgentSpec.from_json(args.spec)
     llama = LlamaConfig(**spec.llama_config)
-    from agents.weights import load_weights
+    from agents.weights.checkpoints import load_weights
 
     try:
         rc = MindFormersRunnerConfig.from_dict(spec.runner_config)

@@ -13,7 +13,7 @@ as its own ``TextGenerator`` passes them:
   ``slot_mapping`` ``[batch]``.
 
 Positions are implied (a prompt starts at 0, a decode token sits at ``len - 1``), so prefill takes whole prompts
-only: no chunks, no cached prefix. Static buckets as in ``agents.runner``: a prefill graph ``("ragged", S, T)``
+only: no chunks, no cached prefix. Static buckets as in ``agents.runtime.runner``: a prefill graph ``("ragged", S, T)``
 holds up to ``S`` prompts of ``T`` tokens in ``T + S`` rows and ``S + 1`` sequence slots, so every padding slot
 gets a row of its own (FlashAttention needs every length positive and the lengths to cover every row) and the
 last slot takes the rest; padding rows are token 0 written to slot 0 (the reserved dummy block). Decode padding

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from agents.mindformers.names import to_mindformers
+from agents.weights.mindformers_names import to_mindformers
 from llm_serving.protocol.model_config import LlamaConfig
 
 MINDFORMERS_VERSION = "1.8.0"  # the release our patches are for (patches/mindformers-1.8.0)

@@ -1,4 +1,4 @@
-"""``MindFormersRunner``: MindFormers' Llama behind the ``agents.runner.ModelRunner`` interface (warm-up shapes,
+"""``MindFormersRunner``: MindFormers' Llama behind the ``agents.runtime.runner.ModelRunner`` interface (warm-up shapes,
 ``warmup``, ``step`` -> ids + logprobs), for ``model_config.backend: mindformers``.
 
 Same static-bucket discipline as ``ModelRunner`` (every graph shape compiled and timed in ``warmup``, nothing
@@ -20,12 +20,12 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn
 
-from agents.bucket_plan import plan_groups, powers_of_two_up_to
-from agents.device import apply_jit_config, setup_device
 from agents.mindformers.inputs import check_whole_prompts, shape_arrays, warmup_batch
 from agents.mindformers.model import build_network, load_weights_into
-from agents.ragged_prefill import plan_ragged, token_buckets
-from agents.sampler import step_output
+from agents.runtime.bucket_plan import plan_groups, powers_of_two_up_to
+from agents.runtime.device import apply_jit_config, setup_device
+from agents.runtime.ragged_prefill import plan_ragged, token_buckets
+from agents.runtime.sampler import step_output
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.model_config import ASCEND_DTYPES, LlamaConfig, blocks_needed
 
@@ -193,7 +193,7 @@ class MindFormersRunner:
 
 def build_runner(spec: Any, rank: int, progress: Callable[[str], None]) -> MindFormersRunner:
     """The agent's runner for an ``AgentSpec`` with backend mindformers (one rank: no tensor parallelism)."""
-    from agents.weights import load_weights
+    from agents.weights.checkpoints import load_weights
 
     if spec.tensor_parallel_size != 1:
         raise ValueError("the mindformers backend runs one agent (serving_config.num_agents 1)")

@@ -102,7 +102,7 @@ class ServingSection:
     # logits of each prompt's first N generated positions in DIR/<prompt index>.npy; None: no dump / every position
     dump_logits_dir: str | None = setting(None, "path", optional=True)
     dump_logits_tokens: int | None = setting(None, "int", optional=True)
-    # the agents' graph compile cache (agents/compile_cache.py): true (under DEFAULT_COMPILE_CACHE), false, or
+    # the agents' graph compile cache (agents/runtime/compile_cache.py): true (under DEFAULT_COMPILE_CACHE), false, or
     # the directory to keep it in; a warm start loads every shape's graph instead of compiling it
     compile_cache: bool | str = setting(True, "switch_or_path")
 

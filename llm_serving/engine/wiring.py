@@ -143,7 +143,7 @@ def scheduler_config(config: ServingConfig, eos_token_id: int | None,
 
 
 def runner_config_dict(config: ServingConfig) -> dict[str, Any]:
-    """``agents.runner.RunnerConfig`` fields (JSON-able); the runner adds a 1 x max_model_len recompute
+    """``agents.runtime.runner.RunnerConfig`` fields (JSON-able); the runner adds a 1 x max_model_len recompute
     shape itself."""
     m, pa = config.model_config, config.pa_config
     return {

@@ -1,5 +1,5 @@
 """What MindSpore's collectives need from the master for a tensor-parallel agent pool: one scheduler process
-(``agents.collective_scheduler``, the dynamic cluster's ``MS_SCHED`` role) on a free port, and the cluster
+(``agents.runtime.collective_scheduler``, the dynamic cluster's ``MS_SCHED`` role) on a free port, and the cluster
 environment of every rank. ``AgentPool`` starts it before the ranks and stops it with them.
 
 Ports: the scheduler's port is one the kernel hands out as free (bound to port 0 on the loopback, then
@@ -58,7 +58,7 @@ class CollectiveCluster:
         child_env.setdefault("GLOG_v", "3")  # MindSpore logs the scheduler's retries every 0.5 s as warnings
         root = str(Path(__file__).resolve().parents[2])
         child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH")) if p)
-        argv = [sys.executable, "-m", "agents.collective_scheduler", "--lifeline-fd", str(life_r)]
+        argv = [sys.executable, "-m", "agents.runtime.collective_scheduler", "--lifeline-fd", str(life_r)]
         try:
             proc = subprocess.Popen(argv, pass_fds=(life_r,), env=child_env, stdin=subprocess.DEVNULL, stdout=2)
         except BaseException:

@@ -81,7 +81,7 @@ class AgentSpec:
     kind: str  # "llama" (MindSpore ModelRunner) or "standin" (answers instantly, no MindSpore)
     model_path: str | None  # HF dir / converted dir / .ckpt / .safetensors for kind="llama"
     llama_config: dict  # llm_serving.protocol.model_config.LlamaConfig fields
-    runner_config: dict  # agents.runner.RunnerConfig fields (device_id is set per rank)
+    runner_config: dict  # agents.runtime.runner.RunnerConfig fields (device_id is set per rank)
     max_tokens: int  # shm capacity: max tokens in one step
     max_batch: int  # shm capacity: max sequences in one step
     max_blocks_per_seq: int  # shm capacity: block-table width
@@ -91,11 +91,11 @@ class AgentSpec:
     start_device_id: int = 0  # rank r runs on device start_device_id + r
     step_delay_s: float = 0.0  # standin only: simulated compute time per step
     extra_env: dict = field(default_factory=dict)  # environment variables for the agent processes
-    # model_config.backend: "ms" (our Llama graph, agents.runner) or "mindformers" (MindFormers' Llama built from
+    # model_config.backend: "ms" (our Llama graph, agents.runtime.runner) or "mindformers" (MindFormers' Llama built from
     # the predict YAML model_cfg_path, agents.mindformers.runner)
     backend: str = "ms"
     model_cfg_path: str | None = None
-    # root of the agents' graph compile caches (agents.compile_cache: one directory per configuration and code
+    # root of the agents' graph compile caches (agents.runtime.compile_cache: one directory per configuration and code
     # under it); None: compile every shape at each start
     compile_cache_dir: str | None = None
 

@@ -3,7 +3,7 @@
 Writes one MindIR file per warm-up shape of the configured model, device target and dtype (what MindSpore Lite or
 a GE-based deployment loads) and prints, per graph, its shapes and the fused primitives in it. The graphs are built
 and exported on this machine's CPU, so an Ascend config exports without an NPU. The master never imports
-MindSpore: the config and model are resolved here, and ``python -m agents.export`` does the rest in a child process.
+MindSpore: the config and model are resolved here, and ``python -m agents.tools.export`` does the rest in a child process.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "default: every warm-up shape)")
 
 
-def export_argv(spec_json: str, out: str, shapes: list[str], module: str = "agents.export") -> list[str]:
+def export_argv(spec_json: str, out: str, shapes: list[str], module: str = "agents.tools.export") -> list[str]:
     """The child's command line (``module``: ``agents.mindformers.export`` for backend mindformers)."""
     argv = [sys.executable, "-m", module, "--spec", spec_json, "--out", out]
     for shape in shapes:
@@ -42,7 +42,7 @@ def _run(args: argparse.Namespace) -> int:
     root = str(Path(__file__).resolve().parents[3])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    module = "agents.mindformers.export" if spec.backend == "mindformers" else "agents.export"
+    module = "agents.mindformers.export" if spec.backend == "mindformers" else "agents.tools.export"
     return subprocess.run(export_argv(spec.to_json(), args.out, args.shape, module), env=env,
                           check=False).returncode
 

@@ -1,0 +1,244 @@
+"""The Ascend backend: MindSpore's fused NPU primitives (``mindspore.ops.auto_generate``) and the KV-cache layout
+they take, ``[num_blocks, block_size, kv_heads, head_dim]`` per layer for K and for V.
+
+Per layer and step: ``ApplyRotaryPosEmb`` ropes Q and K, ``ReshapeAndCache`` writes K/V at ``slot_mapping``, then
+``FlashAttentionScore`` (layout ``TH``: the prompts back to back, causal within each by cumulative lengths)
+attends in prefill and ``PagedAttention`` (GQA, through the block tables) in decode. Projections are ``RmsNorm`` +
+one fused QKV or gate/up ``MatMul`` (+ ``Swiglu``); the greedy pick is ``ArgMaxWithValue`` over float32 logits.
+These kernels have no CPU implementation; on CPU their graphs are exported (``agents.tools.export``) and their wiring
+runs with stand-ins of the same contracts (``agents.model.backends.ascend_reference``), see docs/ascend.md.
+
+Contracts we rely on (and their CPU checks in tests/test_ascend_reference.py):
+- the cache write stays in a graph only where its result is consumed on that graph's path, so the query depends
+  on it before the prefill/decode branch (consumed only in the prefill branch, the write silently left the
+  decode graphs: tests/test_ascend_export.py; the shared notes saw it with ``depend(key, ...)``);
+- padding tokens write to slot 0 of the dummy block 0, which no sequence reads; padding decode rows (context
+  length 0) attend over that slot with length 1, so no kernel sees an empty context;
+- the ``TH`` lengths are strictly increasing and end at the rows passed: each padding sequence gets one row and
+  the last sequence the rest, of ``tokens + max_seqs`` rows (the bucket plus ``max_seqs`` zero rows appended),
+  so no sequence is empty whatever the CANN version says about empty ones. Real prompts come first and are
+  causal, so rows after them never reach them.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import initializer
+from mindspore.ops.auto_generate import (
+    ApplyRotaryPosEmb,
+    ArgMaxWithValue,
+    FlashAttentionScore,
+    PagedAttention,
+    ReshapeAndCache,
+    RmsNorm,
+    Swiglu,
+)
+
+from agents.model.backends.base import Attention, OpsBackend
+from llm_serving.protocol.model_config import ASCEND_DTYPES, LlamaConfig
+
+FLASH_MASK_SIZE = 2048  # the compressed causal mask sparse modes 2/3 take
+# Limits of the kernels MindSpore 2.10 ships (lib/plugin/ascend/ms_kernels_internal, their error strings) and of
+# the primitives' docs; MindSpore's export checks none of them.
+HEAD_DIMS = (64, 128, 256)  # "lower triangle mode can only support head_dim = (64, 128, 256)" (FA); PA: x16, <= 256
+MAX_HEAD_DIM_X_BLOCK = 16384  # PA: "head_dim * table_block_size > 16384 is not supported"
+MAX_HEADS = 256  # FlashAttentionScore doc: N1 in 1..256
+MAX_TH_BATCH = 1024  # FlashAttentionScore doc: TND takes at most 1024 sequences
+
+
+@lru_cache(maxsize=1)
+def causal_mask() -> Tensor:
+    """The compressed causal mask of FlashAttentionScore's sparse modes 2/3 (1 = masked), one for all layers."""
+    return Tensor(np.triu(np.ones((FLASH_MASK_SIZE, FLASH_MASK_SIZE), np.uint8), 1))
+
+
+class FusedOps:
+    """The fused primitives, one factory each. The backend's cells get theirs from here, so CPU tests can pass
+    stand-ins with the same call contracts (``agents.model.backends.ascend_reference.ReferenceOps``)."""
+
+    name = "fused"
+
+    def rms_norm(self, eps: float):
+        """``(x, gamma) -> (y, rstd)``."""
+        return RmsNorm(eps)
+
+    def swiglu(self):
+        """``(x, dim) -> silu(first half) * second half``."""
+        return Swiglu()
+
+    def rope(self):
+        """``(q [T, N*D], k [T, Nkv*D], cos [T, D], sin [T, D], seq_lens) -> (q, k)``: cos/sin gathered per token,
+        rotate-half layout (``cos_format=2``, as MindFormers' Llama)."""
+        return ApplyRotaryPosEmb(cos_format=2)
+
+    def reshape_and_cache(self):
+        """``(key, value [T, Nkv*D], key_cache, value_cache, slot_mapping [T] int32)``, caches written in place."""
+        return ReshapeAndCache()
+
+    def paged_attention(self, heads: int, scale: float, kv_heads: int):
+        """``(query [B, N, D], key_cache, value_cache, block_tables [B, W] int32, context_lens [B] int32)``."""
+        return PagedAttention(heads, scale, kv_heads)
+
+    def flash_attention(self, heads: int, scale: float):
+        """``(q [T, N*D], k, v [T, Nkv*D], ..., attn_mask, prefix, actual_seq_qlen, actual_seq_kvlen)``, output 3;
+        causal (``sparse_mode`` 3 with the 2048 x 2048 mask) within each sequence of the cumulative lengths."""
+        return FlashAttentionScore(heads, scale_value=scale, next_tokens=0, input_layout="TH", sparse_mode=3)
+
+    def argmax_with_value(self):
+        """``(x) -> (index, max)`` over the last axis."""
+        return ArgMaxWithValue(axis=-1)
+
+
+class AscendAttention(Attention):
+    """One layer's block-layout K/V caches and its rope, cache write and attention by the fused primitives."""
+
+    def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type, fused: FusedOps) -> None:
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.hidden = config.hidden_size
+        self.kv_dim = config.kv_dim
+        shape = (num_blocks, block_size, self.n_kv, self.head_dim)
+        self.key_cache = Parameter(initializer("zeros", shape, dtype), name="key_cache", requires_grad=False)
+        self.value_cache = Parameter(initializer("zeros", shape, dtype), name="value_cache", requires_grad=False)
+        scale = 1.0 / float(np.sqrt(self.head_dim))
+        self.rope = fused.rope()
+        self.cache_write = fused.reshape_and_cache()
+        self.paged = fused.paged_attention(self.n_heads, scale, self.n_kv)
+        self.flash = fused.flash_attention(self.n_heads, scale)
+        self.causal_mask = causal_mask()
+
+    def caches(self) -> tuple[Parameter, ...]:
+        return (self.key_cache, self.value_cache)
+
+    def construct(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
+                  block_tables: Tensor, is_prefill: bool) -> Tensor:
+        q = qkv[:, : self.hidden]
+        k = qkv[:, self.hidden: self.hidden + self.kv_dim]
+        v = qkv[:, self.hidden + self.kv_dim:]
+        q, k = self.rope(q, k, cos, sin, lens)
+        written = self.cache_write(k, v, self.key_cache, self.value_cache, slot_mapping)
+        q = ops.depend(q, written)  # keeps the write in the graph, before the attention reads the cache
+        if is_prefill:
+            return self.prefill(q, k, v, lens)
+        return self.decode(q, block_tables, lens)
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, lens: Tensor) -> Tensor:
+        """Causal attention within each prompt, prompts back to back (``TH``), see the module doc for the rows."""
+        tokens, seqs = q.shape[0], lens.shape[0]
+        rows = tokens + seqs
+        q = ops.concat((q, ops.zeros((seqs, self.hidden), q.dtype)))
+        k = ops.concat((k, ops.zeros((seqs, self.kv_dim), k.dtype)))
+        v = ops.concat((v, ops.zeros((seqs, self.kv_dim), v.dtype)))
+        ends = ops.cumsum(ops.maximum(lens, 1), 0).astype(ms.int64)
+        last = (ops.arange(seqs) == seqs - 1).astype(ms.int64)
+        cumulative = ends * (1 - last) + rows * last
+        out = self.flash(q, k, v, None, None, None, self.causal_mask, None, cumulative, cumulative)[3]
+        return out[:tokens]
+
+    def decode(self, q: Tensor, block_tables: Tensor, context_lens: Tensor) -> Tensor:
+        """One query per sequence over its paged context; padding rows (length 0) read the dummy slot."""
+        batch = q.shape[0]
+        out = self.paged(q.reshape(batch, self.n_heads, self.head_dim), self.key_cache, self.value_cache,
+                         block_tables, ops.maximum(context_lens, 1))
+        return out.reshape(batch, self.hidden)
+
+
+class AscendNormLinear(nn.Cell):
+    """``(x, norm_weight, weight, rows) -> RmsNorm(x) @ W^T`` (``rows`` unread: every row is computed)."""
+
+    def __init__(self, eps: float, fused: FusedOps) -> None:
+        super().__init__()
+        self.norm = fused.rms_norm(eps)
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x: Tensor, norm_weight: Tensor, weight: Tensor, rows: Tensor) -> Tensor:
+        return self.matmul(self.norm(x, norm_weight)[0], weight)
+
+
+class AscendNormSwiGlu(nn.Cell):
+    """``(x, norm_weight, [gate; up] weight, rows) -> Swiglu(RmsNorm(x) @ W^T)``."""
+
+    def __init__(self, eps: float, fused: FusedOps) -> None:
+        super().__init__()
+        self.norm = fused.rms_norm(eps)
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.swiglu = fused.swiglu()
+
+    def construct(self, x: Tensor, norm_weight: Tensor, weight: Tensor, rows: Tensor) -> Tensor:
+        return self.swiglu(self.matmul(self.norm(x, norm_weight)[0], weight), -1)
+
+
+class AscendGreedy(nn.Cell):
+    """``logits -> (int32 ids, float32 logprobs)``: ``ArgMaxWithValue`` gives the id and its logit at once, and
+    logit - logsumexp = -log(sum(exp(logits - max))) since the chosen logit is the max."""
+
+    def __init__(self, fused: FusedOps) -> None:
+        super().__init__()
+        self.argmax = fused.argmax_with_value()
+
+    def construct(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        logits = logits.astype(ms.float32)
+        index, top = self.argmax(logits)
+        logprob = -ops.log(ops.sum(ops.exp(logits - top.reshape(-1, 1)), -1))
+        return index.astype(ms.int32), logprob
+
+
+class AscendBackend(OpsBackend):
+    """The fused primitives of ``fused`` (the NPU's by default); prefill ragged (``TH``)."""
+
+    name = "ascend"
+    kernels = "native"
+    ragged_prefill = True
+
+    def __init__(self, fused: FusedOps | None = None) -> None:
+        self.fused = fused if fused is not None else FusedOps()
+        if self.fused.name != "fused":
+            self.name = f"ascend ({self.fused.name} stand-ins)"
+
+    def check(self, config: LlamaConfig, block_size: int, max_prefill_batch: int) -> None:
+        problems = model_problems(config, block_size, max_prefill_batch)
+        if problems:
+            raise ValueError("the Ascend kernels cannot run this model: " + "; ".join(problems))
+
+    def attention(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type) -> Attention:
+        return AscendAttention(config, num_blocks, block_size, dtype, self.fused)
+
+    def norm_linear(self, out_dim: int, eps: float) -> nn.Cell:
+        return AscendNormLinear(eps, self.fused)
+
+    def norm_swiglu(self, ffn_dim: int, eps: float) -> nn.Cell:
+        return AscendNormSwiGlu(eps, self.fused)
+
+    def greedy(self) -> nn.Cell:
+        return AscendGreedy(self.fused)
+
+
+def model_problems(config: LlamaConfig, block_size: int, max_prefill_batch: int) -> list[str]:
+    """What the fused kernels' limits refuse in this model and cache (MindSpore's export checks none of these)."""
+    problems = []
+    if config.head_dim not in HEAD_DIMS:
+        problems.append(f"head_dim {config.head_dim} (hidden_size / num_attention_heads) must be one of "
+                        f"{', '.join(map(str, HEAD_DIMS))} (causal FlashAttentionScore)")
+    elif config.head_dim * block_size > MAX_HEAD_DIM_X_BLOCK:
+        problems.append(f"pa_config.block_size {block_size} x head_dim {config.head_dim} exceeds "
+                        f"{MAX_HEAD_DIM_X_BLOCK} (PagedAttention)")
+    if config.num_attention_heads > MAX_HEADS:
+        problems.append(f"num_attention_heads {config.num_attention_heads} exceeds {MAX_HEADS} per device "
+                        "(FlashAttentionScore)")
+    if max_prefill_batch > MAX_TH_BATCH:
+        problems.append(f"model_config.prefill_batch_size {max_prefill_batch} exceeds {MAX_TH_BATCH} prompts per "
+                        "call (FlashAttentionScore TH)")
+    return problems
+
+
+def create(dtype: str, hidden_size: int) -> AscendBackend:
+    """The backend of the NPU's fused primitives; ``ValueError`` for a dtype they do not take."""
+    if dtype not in ASCEND_DTYPES:
+        raise ValueError(f"the Ascend kernels take float16 or bfloat16 (model_config.dtype), got {dtype}")
+    return AscendBackend()

@@ -1,0 +1,106 @@
+"""The interface every ops backend implements: what the Llama layer and the runner may ask of a device's ops.
+
+Why a seam: the layer's maths is the same everywhere, but the KV-cache layout, the attention ops, whether prefill
+takes prompts back to back and whether the projections are native differ per device and dtype. A backend owns
+those choices; the layer (``agents.model.llama``) calls the cells a backend makes and never asks which backend it has.
+
+The cells are built once per layer at model construction, so every choice is a Python-time one and each backend's
+graphs contain only its own ops. A graph-mode ``construct`` may branch only on literals such as ``is_prefill``.
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn
+
+from agents.model.backends import graph_ops
+from llm_serving.protocol.model_config import LlamaConfig
+
+
+class Attention(nn.Cell):
+    """One layer's paged KV cache (Parameters in the backend's layout, created here) and attention over it.
+
+    ``construct(qkv, cos, sin, slot_mapping, lens, block_tables, is_prefill)``: ``qkv`` token-flat
+    ``[tokens, hidden + 2 * kv_dim]`` before the rotary embedding, ``cos``/``sin`` ``[tokens, head_dim]`` gathered
+    at the tokens' positions. Writes the step's K/V at ``slot_mapping`` (flat slot ``block * block_size +
+    offset``) and returns the attention output ``[tokens, hidden]``. ``lens``: prompt lengths (prefill) or
+    context lengths (decode), ``[batch]``; ``block_tables`` ``[batch, width]`` (decode). ``is_prefill`` is a graph
+    constant; prefill inputs are ragged or a padded bucket as the backend's ``ragged_prefill`` says.
+    """
+
+    def caches(self) -> tuple[Parameter, ...]:
+        """Every cache Parameter of this layer (for checks that the cache is or is not written)."""
+        raise NotImplementedError
+
+    def chunked(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, query_lens: Tensor,
+                context_lens: Tensor, block_tables: Tensor) -> Tensor:
+        """Queries over cached context (chunked prefill, prefill after a prefix-cache hit, decode tokens mixed in;
+        ``agents.runtime.mixed_steps``): sequence ``b`` has ``query_lens[b]`` tokens at positions ``context_lens[b] -
+        query_lens[b]`` on; each writes its K/V at ``slot_mapping`` and attends to its context up to itself, read
+        through ``block_tables``. Tokens are back to back where the backend's ``ragged_prefill`` says so, else in
+        a padded ``[batch, seq]`` bucket. Backends with ``chunked_prefill`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} has no attention over cached context")
+
+
+class OpsBackend:
+    """The ops of one device and dtype. Subclasses set the flags and override ``attention``; the projections
+    and the greedy pick default to MindSpore graph ops (``agents.model.backends.graph_ops``).
+
+    The projection cells take the layer's weights as inputs, so the layer keeps the Parameters (and loaders
+    their names), while the backend decides their layout (``panel_weights``) and the ops that read them.
+    Each takes ``rows`` ``[1]`` int32 last: the count of real leading rows of ``x`` (a bucket's padding
+    follows); a backend with ``skips_padding`` computes only those and returns zeros after them.
+    """
+
+    name = "base"  # for logs
+    kernels = "portable"  # the ``RunnerConfig.kernels`` choice this backend is: "portable" or "native"
+    ragged_prefill = False  # prefill takes the prompts back to back (``agents.runtime.ragged_prefill``), not padded
+    panel_weights = False  # projection weights held in ``agents.weights.packed``' panel layout
+    skips_padding = False  # projections skip a bucket's padding rows, so padding rows cost next to nothing
+    chunked_prefill = False  # its attention cell has ``chunked`` (queries over cached context)
+    # panel weights' storage where it is not the model's dtype: "float16", or "bfloat16" (int32 pairs,
+    # ``packed_weights.pack_bf16``); set by ``with_precision``
+    panel_dtype: str | None = None
+
+    def with_precision(self, precision: str) -> OpsBackend:
+        """This backend for ``model_config.precision`` (``exact``, ``half`` or ``fast``); ``ValueError`` where it has
+        no such mode. Only the native CPU backend has the faster ones."""
+        if precision != "exact":
+            raise ValueError(f"model_config.precision {precision} needs the native CPU kernels (model_config.kernels "
+                             f"auto or native, on CPU with g++); the {self.name} ops backend computes exactly only")
+        return self
+
+    def check(self, config: LlamaConfig, block_size: int, max_prefill_batch: int) -> None:
+        """Raise ``ValueError`` naming what this backend's kernels cannot run (before any graph is built)."""
+
+    def attention(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type) -> Attention:
+        """The attention cell of one layer, owning that layer's slice of the paged KV cache."""
+        raise NotImplementedError
+
+    def norm_linear(self, out_dim: int, eps: float) -> nn.Cell:
+        """``(x, norm_weight, weight, rows) -> rmsnorm(x) @ W^T`` of width ``out_dim`` (QKV, lm_head)."""
+        return graph_ops.NormLinear(eps)
+
+    def norm_swiglu(self, ffn_dim: int, eps: float) -> nn.Cell:
+        """``(x, norm_weight, [gate; up] weight, rows) -> silu(gate) * up`` of width ``ffn_dim``."""
+        return graph_ops.NormSwiGlu(ffn_dim, eps)
+
+    def residual_linear(self) -> nn.Cell:
+        """``(x, weight, residual, rows) -> residual + x @ W^T`` (output and down projections)."""
+        return graph_ops.ResidualLinear()
+
+    def partial_linear(self, out_dim: int) -> nn.Cell:
+        """``(x, weight, rows) -> x @ W^T`` of width ``out_dim``: under tensor parallelism, the partial sum of a
+        row-parallel projection on a rank that does not add the residual (``agents.model.parallel``)."""
+        return graph_ops.Linear()
+
+    def greedy(self) -> nn.Cell:
+        """``logits [batch, vocab] float32 -> (int32 token ids, float32 log-probabilities)``."""
+        return graph_ops.GreedyPick()
+
+    def before_step(self, tokens: int) -> None:
+        """Called before a step's graph calls, with the step's token count."""
+
+    def after_step(self) -> None:
+        """Called when a step's graph calls are done (and their outputs read): the device is idle until the next."""
+

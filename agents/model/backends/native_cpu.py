@@ -1,0 +1,177 @@
+"""The native CPU backend (float32): our C++ ops (``agents.model.native_kernels``) as MindSpore AOT Custom ops.
+
+Attention is one op per layer and step that ropes, writes the cache in place and attends without copying the
+context; each layer's cache is one Parameter holding every kv head's keys and values. Prefill takes the prompts
+back to back (``agents.runtime.ragged_prefill``). Where the projection kernel is vectorized (AVX-512 builds), the
+projections are native too, fused with the norms, SwiGLU and residual adds, with weights in the panel layout of
+``agents.weights.packed`` and a bucket's padding rows skipped; elsewhere MindSpore's MatMul stays (our plain-loop
+kernel is slower than it), see docs/model.md. ``with_precision`` gives the same backend with float16 (``half``) or
+bfloat16 (``fast``, AVX512_BF16) projection weights: docs/benchmarks.md "Fast precision mode".
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import initializer
+
+from agents.model.backends.base import Attention, OpsBackend
+from agents.model.native_kernels import NativeOps, native_ops
+from llm_serving.protocol.model_config import LlamaConfig
+
+# Steps of up to this many tokens keep the kernels' helper threads polling between their ops: such a step's ops
+# are short, so a helper's wake-up is much of each (bench model, in process: batch 1 and 8 ~0.5 ms faster per
+# step). In a larger step the wake-ups are a small share of each op, and a polling helper would take the core
+# the master's HTTP writes and scheduling use meanwhile (polling at every size, served saturation's second runs
+# were slower in two of three rounds: docs/benchmarks.md, "Where a saturated step goes, and one helper pool").
+POLL_MAX_TOKENS = 16
+
+
+class NativeAttention(Attention):
+    """The native prefill (ragged) and decode attention ops over per-kv-head caches."""
+
+    def __init__(self, native: NativeOps, config: LlamaConfig, num_blocks: int, block_size: int,
+                 dtype: ms.Type) -> None:
+        super().__init__()
+        self.prefill_op = native.prefill
+        self.decode_op = native.decode
+        self.chunked_op = native.chunked
+        # One Parameter per layer, [2 * kv_heads, slots, head_dim] (the key heads, then the value heads): every
+        # Parameter a graph reads costs MindSpore's runtime microseconds on each call, and a step reads every
+        # layer's cache (one per kv head and kind made a batch-1 decode step measurably slower).
+        shape = (2 * config.num_key_value_heads, num_blocks * block_size, config.head_dim)
+        self.kv_cache = Parameter(initializer("zeros", shape, dtype), name="kv_cache", requires_grad=False)
+        self.block_offsets = Tensor(np.arange(block_size, dtype=np.int32))
+
+    def caches(self) -> tuple[Parameter, ...]:
+        return (self.kv_cache,)
+
+    def construct(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
+                  block_tables: Tensor, is_prefill: bool) -> Tensor:
+        if is_prefill:
+            return self.prefill_op(qkv, cos, sin, slot_mapping, lens, self.kv_cache)
+        return self.decode_op(qkv, cos, sin, slot_mapping, block_tables, lens, self.block_offsets, self.kv_cache)
+
+    def chunked(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, query_lens: Tensor,
+                context_lens: Tensor, block_tables: Tensor) -> Tensor:
+        """Ragged chunks over cached context: one native op (``ChunkedPrefillAttention``)."""
+        return self.chunked_op(qkv, cos, sin, slot_mapping, query_lens, context_lens, block_tables,
+                               self.block_offsets, self.kv_cache)
+
+
+class NativeNormOp(nn.Cell):
+    """A fused native ``(x, norm_weight, eps, packed w, rows)`` op with its ``eps`` held here."""
+
+    def __init__(self, op: ops.Custom, eps: float) -> None:
+        super().__init__()
+        self.op = op
+        self.eps = Tensor(np.array([eps], np.float32))
+
+    def construct(self, x: Tensor, norm_weight: Tensor, weight: Tensor, rows: Tensor) -> Tensor:
+        return self.op(x, norm_weight, self.eps, weight, rows)
+
+
+class NativeResidualLinear(nn.Cell):
+    """The native ``(x, packed w, residual, rows) -> residual + x @ W^T`` op."""
+
+    def __init__(self, op: ops.Custom) -> None:
+        super().__init__()
+        self.op = op
+
+    def construct(self, x: Tensor, weight: Tensor, residual: Tensor, rows: Tensor) -> Tensor:
+        return self.op(x, weight, residual, rows)
+
+
+class NativePartialLinear(nn.Cell):
+    """The native ``(x, packed w, rows) -> x @ W^T`` op."""
+
+    def __init__(self, op: ops.Custom) -> None:
+        super().__init__()
+        self.op = op
+
+    def construct(self, x: Tensor, weight: Tensor, rows: Tensor) -> Tensor:
+        return self.op(x, weight, rows)
+
+
+class NativeGreedy(nn.Cell):
+    """The native greedy pick: ``logits -> (token ids, log-probabilities)``."""
+
+    def __init__(self, op: ops.Custom) -> None:
+        super().__init__()
+        self.op = op
+
+    def construct(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        return self.op(logits)
+
+
+class NativeCpuBackend(OpsBackend):
+    """Native attention and greedy pick; native projections where ``native.projections`` (AVX-512)."""
+
+    name = "native_cpu"
+    kernels = "native"
+    ragged_prefill = True
+    chunked_prefill = True
+
+    def __init__(self, native: NativeOps, panel_dtype: str | None = None) -> None:
+        self.native = native
+        self.panel_weights = self.skips_padding = native.projections
+        self.panel_dtype = panel_dtype
+
+    def with_precision(self, precision: str) -> NativeCpuBackend:
+        """``half``: the projections read float16 weights (half the bytes; every product and sum float32).
+        ``fast``: they read bfloat16 weights and round their inputs to bfloat16 (float32 sums, AVX512_BF16's
+        vdpbf16ps: about twice the float32 GEMM's rate). Attention, norms, the KV cache and the greedy pick stay
+        float32. Refused where the projections are not native (no AVX-512), and ``fast`` where the CPU lacks
+        AVX512_BF16 (its fallback loops would be slower than exact mode, not what the key asks for)."""
+        if precision == "exact":
+            return self
+        if precision not in ("fast", "half"):
+            raise ValueError(f"model_config.precision {precision!r} is not one of exact, half, fast")
+        if not self.native.projections:
+            raise ValueError(f"model_config.precision {precision} needs the native projections (an AVX-512 CPU); "
+                             "use exact")
+        if precision == "fast" and not self.native.bf16:
+            raise ValueError("model_config.precision fast needs a CPU with AVX512_BF16 (the native projections' "
+                             "bfloat16 dot products): use exact")
+        return NativeCpuBackend(self.native, "bfloat16" if precision == "fast" else "float16")
+
+    def before_step(self, tokens: int) -> None:
+        self.native.poll_helpers(tokens <= POLL_MAX_TOKENS)
+
+    def after_step(self) -> None:
+        self.native.poll_helpers(False)
+
+    def attention(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type) -> Attention:
+        return NativeAttention(self.native, config, num_blocks, block_size, dtype)
+
+    def norm_linear(self, out_dim: int, eps: float) -> nn.Cell:
+        if not self.native.projections:
+            return super().norm_linear(out_dim, eps)
+        return NativeNormOp(self.native.norm_linear(out_dim), eps)
+
+    def norm_swiglu(self, ffn_dim: int, eps: float) -> nn.Cell:
+        if not self.native.projections:
+            return super().norm_swiglu(ffn_dim, eps)
+        return NativeNormOp(self.native.norm_swiglu(ffn_dim), eps)
+
+    def residual_linear(self) -> nn.Cell:
+        if not self.native.projections:
+            return super().residual_linear()
+        return NativeResidualLinear(self.native.residual_linear())
+
+    def partial_linear(self, out_dim: int) -> nn.Cell:
+        if not self.native.projections:
+            return super().partial_linear(out_dim)
+        return NativePartialLinear(self.native.partial_linear(out_dim))
+
+    def greedy(self) -> nn.Cell:
+        return NativeGreedy(self.native.greedy)
+
+
+def create(dtype: str, hidden_size: int) -> NativeCpuBackend:
+    """The backend with its kernels built (or reused from the cache); ``KernelBuildError`` when they cannot be,
+    ``ValueError`` for a dtype the kernels do not handle."""
+    if dtype != "float32":
+        raise ValueError(f"native kernels run on CPU with float32 only (got CPU, {dtype}); use auto or portable")
+    return NativeCpuBackend(native_ops(hidden_size))

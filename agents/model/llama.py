@@ -1,0 +1,239 @@
+"""Llama-2 as MindSpore Cells for serving: fused projections, paged KV cache, in-graph greedy argmax.
+
+The layer's maths is written once here; the ops that run it come from the runner's ops backend
+(``agents.model.backends``): the projections (each fused with the RMSNorm before it, the SwiGLU or the residual add
+after it), the attention with the KV cache it owns, and the greedy pick. The layer holds the weights, in the
+layout the backend asks for; it never branches on which backend it has.
+
+Choices made for every backend (measured on CPU, see docs/model.md and the shared notes):
+- Activations stay token-flat ``[tokens, hidden]`` for every projection (3-D activations hit a slow matmul path).
+- Q, K, V are one fused projection and gate/up another; the rotary tables are gathered once per step.
+- The graph ends in a greedy argmax and the chosen token's log-probability, so an all-greedy step reads only
+  ``2 x batch`` numbers back. The logits are a third output, read only for sampled batches and logits checks.
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import initializer
+
+from agents.model import parallel
+from agents.model.backends import OpsBackend, PortableBackend
+from agents.weights import packed as packed_weights
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.protocol.parallel import ShardPlan
+
+
+def rotary_tables(config: LlamaConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin ``[max_positions, head_dim]`` in Hugging Face's rotate-half layout (frequencies repeated twice)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
+    angles = np.concatenate([angles, angles], axis=-1)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def norm_weight(hidden: int, dtype: ms.Type, name: str) -> Parameter:
+    """An RMSNorm's weight (ones until loaded); the backend's ops apply it."""
+    return Parameter(Tensor(np.ones(hidden), dtype), name=name)
+
+
+class ProjectionWeight(nn.Cell):
+    """A projection's ``W [out, in]`` (Hugging Face's layout), held as the backend's ops read it: as is, or
+    in the native GEMM's panel layout (``panels``; ``swiglu`` for the fused ``[gate; up]`` weight, see
+    ``agents.weights.packed``), in the model's dtype or, for a faster precision mode (``panel_dtype``), as
+    float16 panels or int32 bfloat16 pairs. Loaders convert through ``stored`` and ``unstored`` (which gives the
+    rounded values back as float32)."""
+
+    def __init__(self, in_dim: int, out_dim: int, dtype: ms.Type, panels: bool = False, swiglu: bool = False,
+                 panel_dtype: str | None = None) -> None:
+        super().__init__()
+        if panel_dtype is not None and not panels:
+            raise ValueError(f"{panel_dtype} projection weights exist only in the native panel layout")
+        self.shape = (out_dim, in_dim)
+        self.panels = panels
+        self.swiglu = swiglu
+        self.panel_dtype = panel_dtype
+        if panel_dtype == "bfloat16":
+            stored, dtype = packed_weights.packed_shape_bf16(out_dim, in_dim, swiglu), ms.int32
+        else:
+            stored = packed_weights.packed_shape(out_dim, in_dim, swiglu) if panels else self.shape
+            dtype = ms.float16 if panel_dtype == "float16" else dtype
+        self.dtype = dtype
+        self.weight = Parameter(initializer("zeros", stored, dtype), name="weight")
+
+    def stored(self, w: np.ndarray) -> np.ndarray:
+        """The ``[out, in]`` weight ``w`` as this cell holds it."""
+        if self.panel_dtype == "bfloat16":
+            return packed_weights.pack_bf16(w, self.swiglu)
+        if self.panel_dtype == "float16":
+            return packed_weights.pack(w.astype(np.float32), self.swiglu).astype(np.float16)
+        return packed_weights.pack(w, self.swiglu) if self.panels else w
+
+    def unstored(self, held: np.ndarray) -> np.ndarray:
+        """The ``[out, in]`` weight back from what this cell holds."""
+        if self.panel_dtype == "bfloat16":
+            return packed_weights.unpack_bf16(held, self.shape[0], self.shape[1], self.swiglu)
+        if self.panel_dtype == "float16":
+            return packed_weights.unpack(held.astype(np.float32), self.shape[0], self.swiglu)
+        return packed_weights.unpack(held, self.shape[0], self.swiglu) if self.panels else held
+
+
+class LlamaLayer(nn.Cell):
+    """One decoder layer: its weights, and the backend's cells that run it (the attention cell owns the
+    layer's slice of the paged KV cache). Under tensor parallelism (``shard``) it holds one rank's heads and
+    FFN slice, and its two row-parallel projections end in an all-reduce (``agents.model.parallel``)."""
+
+    def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type,
+                 backend: OpsBackend, shard: ShardPlan | None = None) -> None:
+        super().__init__()
+        hidden, eps, panels = config.hidden_size, config.rms_norm_eps, backend.panel_weights
+        fmt = backend.panel_dtype
+        shard = shard if shard is not None else ShardPlan(config)
+        heads = shard.attention_config  # this rank's heads; its hidden_size is their width
+        self.attention_norm = norm_weight(hidden, dtype, "attention_norm")
+        self.ffn_norm = norm_weight(hidden, dtype, "ffn_norm")
+        self.w_qkv = ProjectionWeight(hidden, heads.qkv_dim, dtype, panels, panel_dtype=fmt)
+        self.wo = ProjectionWeight(heads.hidden_size, hidden, dtype, panels, panel_dtype=fmt)
+        self.w_gate_up = ProjectionWeight(hidden, 2 * shard.ffn, dtype, panels, swiglu=True, panel_dtype=fmt)
+        self.w_down = ProjectionWeight(shard.ffn, hidden, dtype, panels, panel_dtype=fmt)
+        self.norm_qkv = backend.norm_linear(heads.qkv_dim, eps)
+        self.attention = backend.attention(heads, num_blocks, block_size, dtype)
+        self.norm_gate_up = backend.norm_swiglu(shard.ffn, eps)
+        self.residual_linear = backend.residual_linear()  # the output and the down projection
+        # that same cell at tp 1; else this rank's share of each projection, then an all-reduce
+        self.output_projection = parallel.row_parallel(shard, backend, self.residual_linear, hidden)
+        self.down_projection = parallel.row_parallel(shard, backend, self.residual_linear, hidden)
+
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
+                  block_tables: Tensor, rows: Tensor, is_prefill: bool, context_lens: Tensor | None = None) -> Tensor:
+        """``rows`` [1]: the real (leading) token rows of ``x``, for backends that skip the padding after them.
+        ``context_lens``: given in steps whose queries attend to cached context (``agents.runtime.mixed_steps``; ``lens``
+        then holds the query lengths); None, a graph constant, in the prefill and decode graphs."""
+        qkv = self.norm_qkv(x, self.attention_norm, self.w_qkv.weight, rows)
+        if context_lens is None:
+            attn = self.attention(qkv, cos, sin, slot_mapping, lens, block_tables, is_prefill)
+        else:
+            attn = self.attention.chunked(qkv, cos, sin, slot_mapping, lens, context_lens, block_tables)
+        x = self.output_projection(attn, self.wo.weight, x, rows)
+        act = self.norm_gate_up(x, self.ffn_norm, self.w_gate_up.weight, rows)
+        return self.down_projection(act, self.w_down.weight, x, rows)
+
+
+class LlamaModel(nn.Cell):
+    """Weights and KV cache of the whole model, or of one tensor-parallel rank's slice of it (``shard``: its
+    heads, FFN and vocabulary range); ``LlamaStep`` cells run it as prefill or decode graphs."""
+
+    def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, max_positions: int,
+                 dtype: ms.Type = ms.float32, backend: OpsBackend | None = None,
+                 shard: ShardPlan | None = None) -> None:
+        super().__init__()
+        backend = backend if backend is not None else PortableBackend()
+        shard = shard if shard is not None else ShardPlan(config)
+        vocab = shard.vocab_range[1] - shard.vocab_range[0]  # this rank's vocabulary rows
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = Parameter(initializer("zeros", (vocab, config.hidden_size), dtype), name="embed_tokens")
+        self.embed = parallel.embedding(shard)
+        self.layers = nn.CellList([LlamaLayer(config, num_blocks, block_size, dtype, backend, shard)
+                                   for _ in range(config.num_hidden_layers)])
+        self.norm = norm_weight(config.hidden_size, dtype, "norm")
+        self.lm_head = ProjectionWeight(config.hidden_size, vocab, dtype, backend.panel_weights,
+                                        panel_dtype=backend.panel_dtype)
+        self.norm_lm_head = backend.norm_linear(vocab, config.rms_norm_eps)
+        self.greedy = parallel.greedy(shard, backend.greedy())
+        cos, sin = rotary_tables(config, max_positions)
+        self.cos = Tensor(cos, dtype)
+        self.sin = Tensor(sin, dtype)
+
+    @staticmethod
+    def real_rows(lens: Tensor, is_prefill: bool) -> tuple[Tensor, Tensor]:
+        """``[1]`` int32 counts of the real token rows and sequence rows of a step, which lead its padded
+        bucket: sequences with a length > 0; tokens are one per sequence in decode, the prompts' sum in a
+        (ragged) prefill."""
+        sequences = (lens > 0).astype(ms.int32).sum().astype(ms.int32).reshape(1)  # sum gives int64
+        return (lens.sum().astype(ms.int32).reshape(1) if is_prefill else sequences), sequences
+
+    def hidden_states(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, lens: Tensor,
+                      block_tables: Tensor, token_rows: Tensor, is_prefill: bool,
+                      context_lens: Tensor | None = None) -> Tensor:
+        x = self.embed(self.embed_tokens, input_ids)
+        cos = ops.gather(self.cos, positions, 0)
+        sin = ops.gather(self.sin, positions, 0)
+        for layer in self.layers:
+            x = layer(x, cos, sin, slot_mapping, lens, block_tables, token_rows, is_prefill, context_lens)
+        return x
+
+    def logits(self, last_hidden: Tensor, sequence_rows: Tensor) -> Tensor:
+        """float32 logits ``[batch, vocab]`` of the final norm + lm_head (a rank's vocabulary range under
+        tensor parallelism)."""
+        return self.norm_lm_head(last_hidden, self.norm, self.lm_head.weight, sequence_rows).astype(ms.float32)
+
+
+class LlamaStep(nn.Cell):
+    """One compiled step (``is_prefill`` is a graph constant).
+
+    Inputs (static bucket shapes): input_ids/positions/slot_mapping ``[tokens]``; ``lens`` ``[batch]`` (prefill:
+    prompt lengths, decode: context lengths); ``block_tables`` ``[batch, width]``; ``last_index`` ``[batch]``
+    flat index of each sequence's last token (prefill only; decode uses every token).
+
+    Returns greedy token ids, their log-probabilities and the float32 logits ``[batch, vocab]``. The logits are
+    an output the caller may leave on the device: only sampled batches and logits checks read them (returning
+    them did not change decode step time measurably, and it saves compiling a second graph per shape).
+    """
+
+    def __init__(self, model: LlamaModel, is_prefill: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.is_prefill = is_prefill
+
+    def construct(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, lens: Tensor,
+                  block_tables: Tensor, last_index: Tensor):
+        token_rows, sequence_rows = self.model.real_rows(lens, self.is_prefill)
+        hidden = self.model.hidden_states(input_ids, positions, slot_mapping, lens, block_tables, token_rows,
+                                          self.is_prefill)
+        if self.is_prefill:
+            hidden = ops.gather(hidden, last_index, 0)
+        logits = self.model.logits(hidden, sequence_rows)
+        token_ids, logprobs = self.model.greedy(logits)
+        return token_ids, logprobs, logits
+
+
+def _canonical_parameters(model: LlamaModel) -> dict[str, tuple[Parameter, ProjectionWeight | None]]:
+    """The model's Parameters under their canonical fused weight names (see ``agents.weights.checkpoints``), each with its
+    ProjectionWeight where it is a projection (which may hold it in the panel layout)."""
+    params = {"embed_tokens": (model.embed_tokens, None), "norm": (model.norm, None),
+              "lm_head": (model.lm_head.weight, model.lm_head)}
+    for i, layer in enumerate(model.layers):
+        for name in ("attention_norm", "ffn_norm"):
+            params[f"layers.{i}.{name}"] = (getattr(layer, name), None)
+        for name in ("w_qkv", "wo", "w_gate_up", "w_down"):
+            cell = getattr(layer, name)
+            params[f"layers.{i}.{name}"] = (cell.weight, cell)
+    return params
+
+
+def load_weights_into(model: LlamaModel, weights: dict[str, np.ndarray]) -> None:
+    """Copy a canonical fused weight dict into the model's Parameters."""
+    targets = _canonical_parameters(model)
+    missing = sorted(set(targets) - set(weights))
+    if missing:
+        raise KeyError(f"weights are missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    for name, (param, linear) in targets.items():
+        value = weights[name]
+        expected = linear.shape if linear is not None else tuple(param.shape)
+        if tuple(value.shape) != tuple(expected):
+            raise ValueError(f"parameter {name}: expected shape {tuple(expected)}, got {tuple(value.shape)}")
+        dtype = model.dtype
+        if linear is not None:
+            value = linear.stored(value)
+            dtype = linear.dtype
+        param.set_data(Tensor(np.ascontiguousarray(value), dtype))
+
+
+def model_weights(model: LlamaModel) -> dict[str, np.ndarray]:
+    """The model's weights as a canonical fused dict (e.g. to save a converted ``.ckpt``)."""
+    return {name: linear.unstored(param.asnumpy()) if linear is not None else param.asnumpy()
+            for name, (param, linear) in _canonical_parameters(model).items()}

@@ -1,0 +1,108 @@
+"""``python -m agents.tools.export``: one MindIR file per warm-up shape of a model, for its configured device target and
+dtype, built and exported on this machine's CPU, and a line per graph with its shapes and fused primitives.
+
+Why on CPU: exporting runs MindSpore's front end (type and shape inference, pruning) on graphs whose kernels exist
+only on the NPU, so an Ascend graph is checked, and its MindIR written for MindSpore Lite or a GE-based
+deployment, on a machine without one. ``llm-serving export`` starts this module in a child process (the master
+never imports MindSpore) with the agents' ``AgentSpec``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from agents.model.backends import OpsBackend, select_backend
+from agents.runtime.runner import ModelRunner, RunnerConfig
+from agents.tools.mindir import GraphSummary, export_shapes, parse_shape
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.protocol.wire import AgentSpec
+
+INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "lens", "block_tables", "last_index")
+MIXED_INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "query_lens", "context_lens", "block_tables",
+                     "last_index")  # agents.runtime.mixed_steps.MixedStep
+# graph kind -> (what its n counts, file-name tag)
+_UNITS = {"decode": ("blocks", "w"), "ragged": ("tokens", "t"), "prefill": ("seq", "s"), "mixed": ("tokens", "m"),
+          "chunk": ("seq", "c")}
+
+
+def graph_file_name(shape: tuple) -> str:
+    """``decode_b8_w16``, ``ragged_b4_t128``, ``prefill_b4_s64`` (MindSpore adds ``.mindir``)."""
+    kind, batch, n = shape
+    return f"{kind}_b{batch}_{_UNITS[kind][1]}{n}"
+
+
+def describe(shape: tuple, summary: GraphSummary) -> str:
+    """One line per graph: its shape, inputs, outputs and fused primitives."""
+    kind, batch, n = shape
+    unit = _UNITS[kind][0]
+    names = MIXED_INPUT_NAMES if kind in ("mixed", "chunk") else INPUT_NAMES
+    inputs = " ".join(f"{name}={info}" for name, info in zip(names, summary.inputs))
+    fused = ", ".join(f"{name} x{count}" for name, count in summary.fused().items()) or "none"
+    if summary.ops["Custom"]:  # the native CPU backend's C++ ops
+        fused += f"; native Custom x{summary.ops['Custom']}"
+    outputs = ", ".join(map(str, summary.outputs))
+    return (f"{kind} batch={batch} {unit}={n}: inputs {inputs}; outputs (ids, logprobs, logits) {outputs}; "
+            f"fused {fused} -> {summary.path}")
+
+
+def export_runner(config: LlamaConfig, rc: RunnerConfig, weights: dict[str, np.ndarray],
+                  backend: OpsBackend | None = None) -> ModelRunner:
+    """A runner with ``rc.device_target``'s backend (or ``backend``) and its checks, built on this process's CPU:
+    the same model, graphs and warm-up inputs as on the device, compiled only by export."""
+    if backend is None:
+        backend = select_backend(rc.kernels, rc.device_target, rc.dtype, config.hidden_size)
+    return ModelRunner(config, weights, replace(rc, device_target="CPU", device_id=0), backend)
+
+
+def export_graphs(runner: ModelRunner, out_dir: str | Path, shapes: list[tuple] | None = None,
+                  progress: Callable[[str], None] | None = None) -> list[tuple[tuple, GraphSummary]]:
+    """Export ``shapes`` (default: every warm-up shape) of the runner's graphs to ``out_dir``, each with the
+    inputs ``warmup()`` runs it with."""
+    shapes = shapes if shapes is not None else runner.graph_shapes()
+    return export_shapes(runner, lambda kind: runner.graphs[kind].cell, out_dir, shapes, graph_file_name, describe,
+                         progress)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="export the step graphs of an agent spec to MindIR (on CPU)")
+    parser.add_argument("--spec", required=True, help="AgentSpec as JSON (llm-serving export passes it)")
+    parser.add_argument("--out", required=True, help="directory for the .mindir files")
+    parser.add_argument("--shape", action="append", type=parse_shape, default=None, metavar="KIND:BATCH:N",
+                        help="export only these warm-up shapes (repeatable)")
+    args = parser.parse_args(argv)
+    spec = AgentSpec.from_json(args.spec)
+    config = LlamaConfig(**spec.llama_config)
+    try:
+        rc = RunnerConfig(**spec.runner_config)
+        backend = select_backend(rc.kernels, rc.device_target, rc.dtype, config.hidden_size)
+        backend.check(config, rc.block_size, rc.prefill_batch_sizes[-1])
+    except ValueError as exc:  # before loading weights: a config mistake answers at once
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from agents.weights.checkpoints import load_weights
+
+    try:
+        runner = export_runner(config, rc, load_weights(spec.model_path, config), backend)
+        shapes = runner.graph_shapes()
+        unknown = [s for s in args.shape or [] if s not in shapes]
+        if unknown:
+            raise ValueError(f"--shape {unknown} are not warm-up shapes of this config: {shapes}")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    note = f" (tensor_parallel_size {spec.tensor_parallel_size}: one device's unsharded graphs)" \
+        if spec.tensor_parallel_size > 1 else ""
+    print(f"exporting {len(args.shape or shapes)} graphs of {rc.device_target} {rc.dtype} ({backend.name} ops) "
+          f"to {args.out}{note}", flush=True)
+    export_graphs(runner, args.out, args.shape or shapes, lambda line: print(line, flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,383 @@
+"""A tensor-parallel rank's weights: only its slice of every tensor is read from the checkpoint.
+
+Why not load and cut: the point of tensor parallelism is a model larger than one device, and on the host a
+full load per rank would take ``tp`` times the model's memory at start-up. So each source is opened for
+slicing (``SliceSource``: shape and dtype from the file's header, rows or columns read through a memory map):
+- safetensors, one file or an index with shards: the header gives every tensor's dtype and byte span;
+- our (MindSpore) ``.ckpt``: a scan of its protobuf messages gives every tensor's chunks (MindSpore writes a
+  large tensor as consecutive row slices); a file the scan does not understand (e.g. encrypted) is loaded
+  whole by MindSpore and cut, with a warning.
+Names, their alternatives (Hugging Face, MindFormers, canonical) and the shape checks against the config are
+``agents.weights.checkpoints``'; the cut of every canonical tensor is ``llm_serving.protocol.parallel.ShardPlan``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from agents.weights import checkpoints as w
+from llm_serving.protocol.model_config import HF_INDEX_FILE, HF_SINGLE_FILE, LlamaConfig
+from llm_serving.protocol.parallel import ShardPlan
+
+log = logging.getLogger(__name__)
+
+Span = tuple[int, int] | None  # [start, end) of rows or columns; None: all
+
+_SAFETENSORS_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+_CKPT_DTYPES = {"Float64": "<f8", "Float32": "<f4", "Float16": "<f2", "BFloat16": "<u2"}
+
+
+def _widen(arr: np.ndarray, dtype: str) -> np.ndarray:
+    """bf16 bits (read as uint16) to float32; other dtypes as read."""
+    return (arr.astype(np.uint32) << 16).view(np.float32) if dtype == "<u2" else arr
+
+
+def _cut(view: np.ndarray, rows: Span, cols: Span) -> np.ndarray:
+    if rows is not None:
+        view = view[rows[0]: rows[1]]
+    if cols is not None:
+        view = view[:, cols[0]: cols[1]]
+    return view
+
+
+class SliceSource(Mapping):
+    """Tensor name -> full shape, with ``read(name, rows, cols)`` reading only that slice (a copy)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], label: str) -> None:
+        self.shapes = shapes
+        self.label = label
+
+    def read(self, name: str, rows: Span = None, cols: Span = None) -> np.ndarray:
+        raise NotImplementedError
+
+    def __getitem__(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+    def __iter__(self):
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+class SafetensorsSlices(SliceSource):
+    """One ``.safetensors`` file (validated by ``safe_open`` first, as ``agents.weights.checkpoints`` does)."""
+
+    def __init__(self, path: Path) -> None:
+        file = w._SafetensorsFile(path)
+        self.path = path
+        self.spans = file._byte_spans()
+        self.dtypes: dict[str, str] = {}
+        shapes = {}
+        for name in file:
+            view = file._file.get_slice(name)
+            shapes[name] = tuple(view.get_shape())
+            self.dtypes[name] = view.get_dtype()
+        super().__init__(shapes, str(path))
+
+    def read(self, name: str, rows: Span = None, cols: Span = None) -> np.ndarray:
+        code = self.dtypes[name]
+        if code not in _SAFETENSORS_DTYPES:
+            raise w.WeightLoadError(f"{self.path}: tensor {name!r} has unsupported dtype {code} "
+                                    f"(supported: {', '.join(_SAFETENSORS_DTYPES)})")
+        dtype = _SAFETENSORS_DTYPES[code]
+        begin, _ = self.spans[name]
+        shape = self.shapes[name]
+        if not int(np.prod(shape)):
+            return np.zeros(shape, np.float32 if dtype == "<u2" else dtype)
+        view = np.memmap(self.path, dtype=dtype, mode="r", offset=begin, shape=shape)
+        return _widen(np.array(_cut(view, rows, cols)), dtype)
+
+
+class ShardedSafetensorsSlices(SliceSource):
+    """The shards of an HF index (``weight_map``), each tensor read from its shard."""
+
+    def __init__(self, index_path: Path) -> None:
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise w.WeightLoadError(f"{index_path}: not a valid safetensors index ({exc!r})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise w.WeightLoadError(f"{index_path}: weight_map must map tensor names to shard file names")
+        files = {}
+        for shard in sorted(set(weight_map.values())):
+            path = index_path.parent / shard
+            if not path.is_file():
+                raise w.WeightLoadError(f"{index_path}: missing shard file {path}")
+            files[shard] = SafetensorsSlices(path)
+        self.files = {}
+        for tensor, shard in weight_map.items():
+            if tensor not in files[shard].shapes:
+                raise w.WeightLoadError(f"{index_path}: index maps {tensor!r} to {files[shard].path}, "
+                                        "which does not contain it")
+            self.files[tensor] = files[shard]
+        super().__init__({t: f.shapes[t] for t, f in self.files.items()}, str(index_path))
+
+    def read(self, name: str, rows: Span = None, cols: Span = None) -> np.ndarray:
+        return self.files[name].read(name, rows, cols)
+
+
+class _Unparsed(ValueError):
+    """A ``.ckpt`` the scan does not understand (it is then loaded by MindSpore)."""
+
+
+def _varint(buf: np.ndarray, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise _Unparsed("truncated varint")
+        byte = int(buf[pos])
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(buf: np.ndarray, start: int, end: int):
+    """(field number, wire type, value or (offset, length)) of a protobuf message's fields."""
+    pos = start
+    while pos < end:
+        key, pos = _varint(buf, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos)
+            yield field, wire, value
+        elif wire == 2:
+            length, pos = _varint(buf, pos)
+            if pos + length > end:
+                raise _Unparsed("a field runs past its message")
+            yield field, wire, (pos, length)
+            pos += length
+        else:
+            raise _Unparsed(f"unexpected wire type {wire}")
+
+
+class CkptSlices(SliceSource):
+    """A MindSpore ``.ckpt``: consecutive ``Checkpoint`` messages, each ``value {tag, tensor {dims,
+    tensor_type, tensor_content}}``; a tensor larger than MindSpore's slice size spans several messages with
+    the same tag, its rows split between them in order. A CRC trailer (``crc_num``) ends the scan."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        buf = np.memmap(path, dtype=np.uint8, mode="r")
+        self.chunks: dict[str, list[tuple[int, int]]] = {}
+        self.dtypes: dict[str, str] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        pos = 0
+        while pos < len(buf):
+            if bytes(buf[pos: pos + 7]) == b"crc_num":
+                break
+            key, body = _varint(buf, pos)
+            if key != (1 << 3 | 2):
+                raise _Unparsed(f"unexpected top-level field {key >> 3} at byte {pos}")
+            length, body = _varint(buf, body)
+            self._value(buf, body, body + length, shapes)
+            pos = body + length
+        for name, shape in shapes.items():
+            size = int(np.prod(shape)) * np.dtype(self.dtypes[name]).itemsize
+            if sum(n for _, n in self.chunks[name]) != size:
+                raise _Unparsed(f"tensor {name!r}: its chunks do not add up to its shape {shape}")
+        super().__init__(shapes, str(path))
+
+    def _value(self, buf: np.ndarray, start: int, end: int, shapes: dict) -> None:
+        tag, dims, dtype, content = None, [], None, None
+        for field, _, value in _fields(buf, start, end):
+            if field == 1:
+                tag = bytes(buf[value[0]: value[0] + value[1]]).decode()
+            elif field == 3:
+                raise _Unparsed("map tensors are not Llama weights")
+            elif field == 2:
+                for f2, wire, v2 in _fields(buf, value[0], value[0] + value[1]):
+                    if f2 == 1 and wire == 0:
+                        dims.append(v2)
+                    elif f2 == 1:  # packed dims
+                        p = v2[0]
+                        while p < v2[0] + v2[1]:
+                            d, p = _varint(buf, p)
+                            dims.append(d)
+                    elif f2 == 2:
+                        dtype = bytes(buf[v2[0]: v2[0] + v2[1]]).decode()
+                    elif f2 == 3:
+                        content = v2
+        if tag is None or content is None or dtype not in _CKPT_DTYPES:
+            raise _Unparsed(f"tensor {tag!r}: no content or an unsupported type {dtype!r}")
+        if tag in shapes and shapes[tag] != tuple(dims):
+            raise _Unparsed(f"tensor {tag!r}: chunks of different shapes")
+        shapes[tag] = tuple(dims)
+        self.dtypes[tag] = _CKPT_DTYPES[dtype]
+        self.chunks.setdefault(tag, []).append(content)
+
+    def read(self, name: str, rows: Span = None, cols: Span = None) -> np.ndarray:
+        shape, dtype = self.shapes[name], self.dtypes[name]
+        row_items = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        itemsize = np.dtype(dtype).itemsize
+        want = rows if rows is not None else (0, shape[0] if shape else 1)
+        parts, first = [], 0
+        for offset, length in self.chunks[name]:
+            n = length // (itemsize * row_items)
+            lo, hi = max(want[0], first), min(want[1], first + n)
+            if lo < hi:
+                view = np.memmap(self.path, dtype=dtype, mode="r", offset=offset, shape=(n, *shape[1:]))
+                parts.append(np.array(_cut(view, (lo - first, hi - first), cols)))
+            first += n
+        return _widen(np.concatenate(parts) if parts else np.zeros((0, *shape[1:]), dtype), dtype)
+
+
+class LoadedSlices(SliceSource):
+    """Tensors already in memory (a ``.ckpt`` MindSpore had to load whole), cut on request."""
+
+    def __init__(self, tensors: Mapping[str, np.ndarray], label: str) -> None:
+        self.tensors = tensors
+        super().__init__({n: tuple(np.shape(tensors[n])) for n in tensors}, label)
+
+    def read(self, name: str, rows: Span = None, cols: Span = None) -> np.ndarray:
+        return np.array(_cut(np.asarray(self.tensors[name]), rows, cols))
+
+
+def _ckpt_source(path: Path) -> SliceSource:
+    try:
+        return CkptSlices(path)
+    except _Unparsed as exc:
+        log.warning("%s: reading it whole through MindSpore, each rank then keeping its slice (%s)", path, exc)
+    import mindspore as ms
+
+    try:
+        params = ms.load_checkpoint(str(path))
+    except (ValueError, RuntimeError, TypeError) as exc:
+        raise w.WeightLoadError(f"{path}: cannot read MindSpore checkpoint: {exc}") from None
+    return LoadedSlices(w._MindSporeTensors(params), str(path))
+
+
+def open_source(path: Path) -> tuple[SliceSource, dict[str, list[list[str]]], bool]:
+    """The slicing source of a model directory or checkpoint file, its naming and strictness (as
+    ``agents.weights.checkpoints.load_weights`` dispatches)."""
+    if path.is_dir():
+        w._check_architecture(path)
+        single, index, ckpt = path / HF_SINGLE_FILE, path / HF_INDEX_FILE, path / w.CKPT_FILE
+        if single.is_file():
+            return SafetensorsSlices(single), w.HF_NAMES, True
+        if index.is_file():
+            return ShardedSafetensorsSlices(index), w.HF_NAMES, True
+        if ckpt.is_file():
+            return open_source(ckpt)
+        raise w.WeightLoadError(f"{path}: no {HF_SINGLE_FILE}, {HF_INDEX_FILE} or {w.CKPT_FILE}")
+    if path.is_file() and path.suffix == ".safetensors":
+        return SafetensorsSlices(path), w.HF_NAMES, True
+    if path.is_file() and path.suffix == ".ckpt":
+        source = _ckpt_source(path)
+        if "embed_tokens" in source:
+            return source, w.CANONICAL_NAMES, True
+        if "model.tok_embeddings.embedding_weight" in source:
+            if any(n.endswith(("attention.w_qkv.weight", "feed_forward.w_gate_hidden.weight")) for n in source):
+                raise w.WeightLoadError(
+                    f"{path}: a fused MindFormers checkpoint (qkv_concat: w_qkv / w_gate_hidden rows interleaved "
+                    "per head group) cannot be sliced per rank; convert it once with `python -m agents.weights.convert "
+                    f"--model {path} --config-from DIR_WITH_CONFIG_JSON --out DIR` and serve DIR")
+            return source, w.MINDFORMERS_NAMES, False
+        raise w.WeightLoadError(f"{path}: unexpected architecture: neither canonical ('embed_tokens') nor "
+                                f"MindFormers Llama names; first tensors: {list(source)[:3]}")
+    if path.is_file():
+        raise w.WeightLoadError(f"unsupported weights file {path}: expected a directory, .ckpt or .safetensors")
+    raise w.WeightLoadError(f"weights not found: {path}")
+
+
+def shard_shapes(config: LlamaConfig, plan: ShardPlan) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor of this rank with its shape (``agents.weights.checkpoints.canonical_shapes``, cut)."""
+    h, start_end = config.hidden_size, plan.vocab_range
+    vocab, qkv = start_end[1] - start_end[0], plan.attention_config.qkv_dim
+    out = {}
+    for key, shape in w.canonical_shapes(config).items():
+        kind = key.rsplit(".", 1)[-1]
+        out[key] = {"embed_tokens": (vocab, h), "lm_head": (vocab, h), "w_qkv": (qkv, h),
+                    "wo": (h, plan.heads * config.head_dim), "w_gate_up": (2 * plan.ffn, h),
+                    "w_down": (h, plan.ffn)}.get(kind, shape)
+    return out
+
+
+def _cuts(kind: str, parts: int, config: LlamaConfig, plan: ShardPlan) -> list[tuple[int, Span, Span]]:
+    """(source part, rows, cols) read for one canonical tensor, in the order they are concatenated."""
+    vocab = plan.vocab_range
+    if kind in ("embed_tokens", "lm_head"):
+        return [(0, vocab, None)]
+    if kind == "wo":
+        return [(0, None, plan.attention_columns())]
+    if kind == "w_down":
+        return [(0, None, plan.ffn_range())]
+    if kind == "w_qkv":
+        rows = plan.qkv_rows()
+        if parts == 1:
+            return [(0, r, None) for r in rows]
+        starts = [0, config.hidden_size, config.hidden_size + config.kv_dim]
+        return [(i, (r[0] - s, r[1] - s), None) for i, (r, s) in enumerate(zip(rows, starts))]
+    if kind == "w_gate_up":
+        lo, hi = plan.ffn_range()
+        f = config.intermediate_size
+        return [(0, (lo, hi), None), (0, (f + lo, f + hi), None)] if parts == 1 else [(0, (lo, hi), None),
+                                                                                     (1, (lo, hi), None)]
+    return [(0, None, None)]  # norms: replicated
+
+
+def _assemble_shard(source: SliceSource, names: dict[str, list[list[str]]], config: LlamaConfig,
+                    plan: ShardPlan, strict: bool) -> dict[str, np.ndarray]:
+    """This rank's canonical tensors: names and full shapes checked as ``agents.weights.checkpoints`` does, then only the
+    slices read."""
+    label = source.label
+    for name in source:
+        m = w._LAYER_INDEX.search(name)
+        if m and int(m.group(1)) >= config.num_hidden_layers:
+            raise w.WeightLoadError(f"{label}: tensor {name!r} belongs to layer {m.group(1)} but the config has "
+                                    f"num_hidden_layers={config.num_hidden_layers}")
+    if names["embed_tokens"][0][0] not in source:
+        raise w.WeightLoadError(f"{label}: unexpected architecture: no {names['embed_tokens'][0][0]!r}, so not a "
+                                f"Llama checkpoint in the expected naming; first tensors: {list(source)[:3]}")
+    out, used = {}, set()
+    for key, shape in w.canonical_shapes(config).items():
+        kind = key.rsplit(".", 1)[-1]
+        layer = key.split(".")[1] if key.startswith("layers.") else ""
+        alternatives = [[n.format(i=layer) for n in alt] for alt in names[kind]]
+        if kind == "lm_head" and config.tie_word_embeddings:
+            used.update(n for n in alternatives[0] if n in source)
+            out[key] = out["embed_tokens"].copy()
+            continue
+        chosen = w._pick(alternatives, source, label)
+        for name, rows in zip(chosen, w._part_rows(kind, len(chosen), config, shape[0])):
+            if tuple(source[name]) != (rows, *shape[1:]):
+                raise w.WeightLoadError(f"{label}: shape mismatch for {name!r}: expected {(rows, *shape[1:])} "
+                                        f"from the config, got {tuple(source[name])}")
+            used.add(name)
+        pieces = [source.read(chosen[part], rows, cols) for part, rows, cols in _cuts(kind, len(chosen), config,
+                                                                                      plan)]
+        out[key] = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
+    if strict:
+        extra = sorted(n for n in source if n not in used and not w._IGNORED_HF.search(n))
+        if extra:
+            raise w.WeightLoadError(f"{label}: {len(extra)} tensor(s) not used by a Llama model with this config, "
+                                    f"e.g. {extra[:3]} (unexpected architecture or config mismatch)")
+    return out
+
+
+def load_shard(model_dir_or_file: str | Path, config: LlamaConfig, plan: ShardPlan,
+               dtype: npt.DTypeLike = np.float32) -> dict[str, np.ndarray]:
+    """This rank's canonical weights (``shard_shapes``), as owned ``dtype`` arrays, reading only its slices."""
+    source, names, strict = open_source(Path(model_dir_or_file))
+    weights = _assemble_shard(source, names, config, plan, strict)
+    for key, shape in shard_shapes(config, plan).items():
+        if tuple(weights[key].shape) != shape:
+            raise w.WeightLoadError(f"shape mismatch for {key!r} of rank {plan.rank}: expected {shape}, "
+                                    f"got {tuple(weights[key].shape)}")
+    return {k: np.ascontiguousarray(v, dtype=dtype) for k, v in weights.items()}
+
+
+def load_rank_weights(model_dir_or_file: str | Path, config: LlamaConfig, plan: ShardPlan,
+                      dtype: npt.DTypeLike = np.float32) -> dict[str, np.ndarray]:
+    """The whole model's weights at ``tp == 1`` (``agents.weights.checkpoints.load_weights``), else this rank's slice."""
+    if plan.tp == 1:
+        return w.load_weights(model_dir_or_file, config, dtype)
+    return load_shard(model_dir_or_file, config, plan, dtype)
