@@ -12,9 +12,8 @@ from agents import agent_main
 from agents.model.backends import PortableBackend, select_backend
 from agents.model.backends.ascend import AscendBackend
 from agents.runtime.device import apply_jit_config
-from llm_serving.api import launch as serve
 from llm_serving.cli.commands import serve as serve_cli
-from llm_serving.cli.main import add_config_arguments, config_from_args
+from llm_serving.cli.options import add_config_arguments, config_from_args
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.engine.wiring import ModelFiles, agent_spec, runner_config_dict
 from llm_serving.models.random_model import build_random_model
@@ -58,7 +57,7 @@ def test_device_target_option_overrides_the_yaml_for_generate_export_and_serve(t
     serve_parser = argparse.ArgumentParser()
     serve_cli.add_arguments(serve_parser)
     args = serve_parser.parse_args(["--config", str(path), "--device-target", "Ascend"])
-    assert serve.load_config(args).model_config.device_target == "Ascend"
+    assert serve_cli.load_config(args).model_config.device_target == "Ascend"
     with pytest.raises(ConfigError, match="float32 is not served on Ascend"):
         config_from_args(parser.parse_args(["--device-target", "Ascend"]))
 

@@ -11,7 +11,6 @@ the agents (their shared memory is unlinked) and exit 0. A second signal skips t
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import gc
@@ -22,12 +21,11 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-import yaml
 from aiohttp import web
 
 from llm_serving.api.guards import exposure_warning
 from llm_serving.api.server import Server
-from llm_serving.config.serving_config import ConfigError, ServingConfig
+from llm_serving.config.serving_config import ServingConfig
 from llm_serving.protocol.wire import AgentSpec
 
 ABORT_GRACE_S = 5.0  # after aborting, how long handlers get to write their last frame
@@ -36,29 +34,6 @@ SHUTDOWN_TIMEOUT_S = 5.0  # aiohttp's wait for handlers when the runner is clean
 
 def log(message: str) -> None:
     print(f"[llm-serving {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def load_config(args: argparse.Namespace) -> ServingConfig:
-    """The YAML file (or defaults) with ``--set`` and the named flags applied, in that order."""
-    cfg = ServingConfig.from_yaml(args.config) if args.config else ServingConfig()
-    values: dict[str, Any] = {}
-    for item in args.set:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE", key=item, source="--set")
-        try:
-            values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"--set {item!r}: VALUE is not valid YAML: {exc}", key=key, source="--set") from None
-    if getattr(args, "api_key", None):
-        values["serving_config.api_key"] = args.api_key
-    if getattr(args, "device_target", None):
-        values["model_config.device_target"] = args.device_target
-    if values:
-        cfg = cfg.with_values(values)
-    return cfg.with_overrides(model_path=args.model, host=args.host, port=args.port, policy=args.policy,
-                              decode_batch_size=args.decode_batch_size,
-                              prefill_batch_size=args.prefill_batch_size, num_agents=args.agents)
 
 
 class _HttpThread:
@@ -212,20 +187,3 @@ def serve(config: ServingConfig, standin_agents: bool = False, standin_step_dela
         http.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
-
-
-def main(args: argparse.Namespace) -> int:
-    """Entry point of ``llm-serving serve`` (the CLI passes its parsed arguments)."""
-    try:
-        config = load_config(args)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    return serve(config, standin_agents=args.standin_agents,
-                 standin_step_delay=getattr(args, "standin_step_delay", 0.0))
-
-
-if __name__ == "__main__":
-    from llm_serving.cli.commands.serve import build_parser
-
-    sys.exit(main(build_parser().parse_args()))

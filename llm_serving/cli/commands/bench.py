@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from llm_serving.cli.main import Command
+from llm_serving.cli.options import Command
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llm_serving.cli.main import Command, add_config_arguments, config_from_args
+from llm_serving.cli.options import Command, add_config_arguments, config_from_args
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:

@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from llm_serving.cli.options import Command
+
 PATCH_ROOT = Path(__file__).resolve().parents[3] / "patches"
 PINNED_VERSION = "1.8.0"  # the MindFormers release scripts/mindformers_env.sh installs
 ENV_COMMAND = "bash scripts/mindformers_env.sh"
@@ -166,10 +168,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llm_serving.cli.commands.patch_mindformers", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m llm_serving.cli.commands.patch_mindformers",
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+COMMAND = Command("patch-mindformers", "apply llm-serving's patches (patches/) to the installed MindFormers: "
+                  "version check and dry run first (--check: only those)", add_arguments, run)
 
 
 if __name__ == "__main__":

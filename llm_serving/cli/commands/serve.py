@@ -1,11 +1,17 @@
-"""The ``serve`` subcommand's arguments, registered with ``llm_serving.cli.main`` (kept light for ``--help``)."""
+"""The ``serve`` command's arguments and configuration (YAML, ``--set``, then the named flags); the serving
+process itself is ``llm_serving.api.launch`` (imported when the command runs, so ``--help`` stays light)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+from typing import TYPE_CHECKING, Any
 
-from llm_serving.cli.main import Command, add_config_arguments
+from llm_serving.cli.options import Command, add_config_arguments
+
+if TYPE_CHECKING:
+    from llm_serving.config.serving_config import ServingConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,10 +32,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="testing only: simulated compute time of each stand-in step")
 
 
-def _run(args: argparse.Namespace) -> int:
-    from llm_serving.api.launch import main
+def load_config(args: argparse.Namespace) -> ServingConfig:
+    """The YAML file (or defaults) with ``--set`` and the named flags applied, in that order."""
+    import yaml
 
-    return main(args)
+    from llm_serving.config.serving_config import ConfigError, ServingConfig
+
+    cfg = ServingConfig.from_yaml(args.config) if args.config else ServingConfig()
+    values: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE", key=item, source="--set")
+        try:
+            values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {item!r}: VALUE is not valid YAML: {exc}", key=key, source="--set") from None
+    if getattr(args, "api_key", None):
+        values["serving_config.api_key"] = args.api_key
+    if getattr(args, "device_target", None):
+        values["model_config.device_target"] = args.device_target
+    if values:
+        cfg = cfg.with_values(values)
+    return cfg.with_overrides(model_path=args.model, host=args.host, port=args.port, policy=args.policy,
+                              decode_batch_size=args.decode_batch_size,
+                              prefill_batch_size=args.prefill_batch_size, num_agents=args.agents)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of ``llm-serving serve`` (the CLI passes its parsed arguments)."""
+    from llm_serving.config.serving_config import ConfigError
+
+    try:
+        config = load_config(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    from llm_serving.api.launch import serve
+
+    return serve(config, standin_agents=args.standin_agents,
+                 standin_step_delay=getattr(args, "standin_step_delay", 0.0))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,4 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMAND = Command("serve", "serve a model over HTTP (llm-serving and OpenAI APIs) until SIGINT/SIGTERM",
-                  add_arguments, _run)
+                  add_arguments, main)
+
+
+if __name__ == "__main__":
+    sys.exit(main(build_parser().parse_args()))
