@@ -3,7 +3,7 @@
 The messages become the prompt through the served model's chat template (``chat_template``, loaded once the
 engine has started: ``template``, which ``serve`` calls at start-up so a bad template stops it); from there a
 chat request is a completion with one choice: the same admission, limits, metrics and abort on disconnect
-(``Server.start_generation``, ``Generation``), finish reasons and usage as ``/v1/completions``. Streams are
+(``RouteContext.start_generation``, ``Generation``), finish reasons and usage as ``/v1/completions``. Streams are
 Server-Sent Events of ``chat.completion.chunk`` objects: the first delta carries the role, the last one the
 finish reason, then an optional usage chunk (``stream_options.include_usage``) and ``data: [DONE]``.
 ``logprobs`` is the chat object (``content``: token, logprob, bytes, top_logprobs per token).
@@ -30,6 +30,7 @@ from llm_serving.api.responses import (
     openai_stream_error,
     write,
 )
+from llm_serving.api.route_context import OFFLOAD_ENCODE_CHARS
 from llm_serving.api.schema import ApiError
 from llm_serving.config.serving_config import ConfigError
 from llm_serving.engine.request_stream import EngineError
@@ -37,21 +38,21 @@ from llm_serving.tokenization.chat_template import ChatTemplate, ChatTemplateErr
 from llm_serving.tokenization.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from llm_serving.api.server import Server
+    from llm_serving.api.route_context import RouteContext
 
 
 class ChatRoutes:
     """The handler; ``server`` admits the requests."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: RouteContext) -> None:
         self.server = server
         self._template: ChatTemplate | None = None
 
     def template(self) -> ChatTemplate:
         """The served model's chat template, loaded on first use after the engine started (ConfigError)."""
         if self._template is None:
-            engine = self.server.engine
-            self._template = load_chat_template(self.server.config, engine.model.model_path, engine.tokenizer)
+            server = self.server
+            self._template = load_chat_template(server.config, server.model_path, server.tokenizer)
         return self._template
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -78,8 +79,6 @@ class ChatRoutes:
 
     async def _prompt_ids(self, req: ChatRequest) -> list[int]:
         """The conversation rendered by the model's template and tokenized (long ones off the event loop)."""
-        from llm_serving.api.server import OFFLOAD_ENCODE_CHARS  # (server imports this module)
-
         server = self.server
         server.check_accepting()  # the template comes with the model: none while loading
         try:
@@ -125,7 +124,7 @@ class ChatRoutes:
     def _logprobs(self, req: ChatRequest, tokens: list[TokenInfo]) -> dict[str, Any] | None:
         if not req.logprobs:
             return None
-        return {"content": [_token_logprob(self.server.engine.tokenizer, t, req.top_logprobs) for t in tokens]}
+        return {"content": [_token_logprob(self.server.tokenizer, t, req.top_logprobs) for t in tokens]}
 
 
 def _token_logprob(tok: Tokenizer, t: TokenInfo, top: int) -> dict[str, Any]:

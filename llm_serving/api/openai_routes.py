@@ -31,7 +31,7 @@ from llm_serving.engine.request_stream import EngineError
 from llm_serving.tokenization.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from llm_serving.api.server import Server
+    from llm_serving.api.route_context import RouteContext
 
 # finish reasons as this API names them (OpenAI's), for each of sequence.FINISH_REASONS
 OPENAI_FINISH = {"eos": "stop", "length": "length", "stop": "stop", "abort": "abort"}
@@ -40,7 +40,7 @@ OPENAI_FINISH = {"eos": "stop", "length": "length", "stop": "stop", "abort": "ab
 class OpenAIRoutes:
     """The handlers; ``server`` admits the requests."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: RouteContext) -> None:
         self.server = server
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -69,7 +69,7 @@ class OpenAIRoutes:
         finally:
             for g in gens:  # a failed or abandoned choice ends the others too
                 g.close()
-        tok = server.engine.tokenizer
+        tok = server.tokenizer
         choices = []
         for i, (answer, echo) in enumerate(zip(answers, echoes)):
             lp = _logprobs(tok, answer.tokens, len(echo), req.logprobs)
@@ -87,7 +87,7 @@ class OpenAIRoutes:
     async def _stream(self, request: web.Request, gens: list[Generation], req: CompletionRequest,
                       meta: dict[str, Any], echoes: list[str]) -> web.StreamResponse:
         resp = await open_stream(request, "text/event-stream")
-        tok = self.server.engine.tokenizer
+        tok = self.server.tokenizer
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
             return f"data: {json.dumps({**meta, 'choices': choices, **extra}, ensure_ascii=False)}\n\n".encode()
@@ -116,7 +116,7 @@ class OpenAIRoutes:
     def _echo_text(self, req: CompletionRequest, prompt: str | tuple[int, ...]) -> str:
         if not req.echo:
             return ""
-        return prompt if isinstance(prompt, str) else self.server.engine.tokenizer.decode(prompt)
+        return prompt if isinstance(prompt, str) else self.server.tokenizer.decode(prompt)
 
 
 async def _merge(iters: list[AsyncIterator[AnswerDelta]]) -> AsyncIterator[tuple[int, AnswerDelta]]:

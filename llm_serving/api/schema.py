@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from llm_serving.core.sequence import InvalidParameter, SamplingParams
+from llm_serving.describe import json_kind
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 MAX_PROMPTS = 256  # prompts (choices) of one /v1/completions request; each is a sequence in the queue
@@ -166,7 +167,7 @@ def parse_generate(body: Any, stream: bool | None = None) -> GenerateRequest:
     if inputs is None:
         raise invalid("missing 'inputs': the prompt text", "inputs")
     if not isinstance(inputs, str):
-        raise invalid(f"'inputs' must be a string, got {_kind(inputs)}", "inputs")
+        raise invalid(f"'inputs' must be a string, got {json_kind(inputs)}", "inputs")
     if not inputs:
         raise invalid("'inputs' is empty: the prompt must have at least one character", "inputs")
     params = body.get("parameters")
@@ -174,7 +175,7 @@ def parse_generate(body: Any, stream: bool | None = None) -> GenerateRequest:
     _no_unknown(params, (*_GENERATE_PARAMS, *_TGI_NEUTRAL), "'parameters'")
     for key, neutral in _TGI_NEUTRAL.items():
         if key in params and _neutral_value(params[key]) not in neutral:
-            raise ApiError(422, f"parameters.{key}={_kind(params[key])} is not supported; leave it out",
+            raise ApiError(422, f"parameters.{key}={json_kind(params[key])} is not supported; leave it out",
                            "unsupported", key)
     p = _Reader(params, "parameters.", lenient=True)
     b = _Reader(body, "", lenient=True)
@@ -270,7 +271,7 @@ def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
         items = prompt
     else:
         raise invalid(f"'prompt' must be a non-empty string, a list of strings or a list of token ids, got "
-                      f"{_kind(prompt)}", "prompt")
+                      f"{json_kind(prompt)}", "prompt")
     if len(items) > MAX_PROMPTS:
         raise invalid(f"'prompt' has {len(items)} prompts; at most {MAX_PROMPTS} per request", "prompt")
     out: list[str | tuple[int, ...]] = []
@@ -284,7 +285,7 @@ def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
             out.append(tuple(item))  # the ids' range is checked at admission
         else:
             raise invalid(f"{where} must be a non-empty string or a non-empty list of token ids (ints), "
-                          f"got {_kind(item)}", "prompt")
+                          f"got {json_kind(item)}", "prompt")
     return tuple(out)
 
 
@@ -306,12 +307,12 @@ class _Reader:
         if isinstance(v, str) and v.strip().lower() in ("true", "false"):
             return v.strip().lower() == "true"
         raise invalid(f"{self.prefix}{key} must be a boolean (true/false or the strings \"True\"/\"False\"), "
-                      f"got {_kind(v)}", key)
+                      f"got {json_kind(v)}", key)
 
     def str(self, key: str) -> str | None:
         v = self._get(key)
         if v is not None and not isinstance(v, str):
-            raise invalid(f"{self.prefix}{key} must be a string, got {_kind(v)}", key)
+            raise invalid(f"{self.prefix}{key} must be a string, got {json_kind(v)}", key)
         return v
 
     def int(self, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
@@ -322,9 +323,10 @@ class _Reader:
             try:
                 v = int(v.strip())
             except ValueError:
-                raise invalid(f"{self.prefix}{key} must be an integer, got {_kind(self._get(key))}", key) from None
+                got = json_kind(self._get(key))
+                raise invalid(f"{self.prefix}{key} must be an integer, got {got}", key) from None
         if not _is_int(v):
-            raise invalid(f"{self.prefix}{key} must be an integer, got {_kind(v)}", key)
+            raise invalid(f"{self.prefix}{key} must be an integer, got {json_kind(v)}", key)
         if lo is not None and v < lo:
             raise invalid(f"{self.prefix}{key} must be >= {lo}, got {v}", key)
         if hi is not None and v > hi:
@@ -342,15 +344,16 @@ class _Reader:
             try:
                 v = float(v.strip())
             except ValueError:
-                raise invalid(f"{self.prefix}{key} must be a number, got {_kind(self._get(key))}", key) from None
+                got = json_kind(self._get(key))
+                raise invalid(f"{self.prefix}{key} must be a number, got {got}", key) from None
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise invalid(f"{self.prefix}{key} must be a finite number, got {_kind(v)}", key)
+            raise invalid(f"{self.prefix}{key} must be a finite number, got {json_kind(v)}", key)
         try:
             v = float(v)  # an integer past float's range raises
         except OverflowError:
             v = math.inf
         if not math.isfinite(v):
-            raise invalid(f"{self.prefix}{key} must be a finite number, got {_kind(self._get(key))}", key)
+            raise invalid(f"{self.prefix}{key} must be a finite number, got {json_kind(self._get(key))}", key)
         if lo is not None and (v <= lo if lo_open else v < lo):
             raise invalid(f"{self.prefix}{key} must be {'>' if lo_open else '>='} {lo:g}, got {v:g}", key)
         if hi is not None and v > hi:
@@ -364,13 +367,13 @@ class _Reader:
             return ()
         items = [v] if isinstance(v, str) else v
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-            raise invalid(f"{self.prefix}{key} must be a string or a list of strings, got {_kind(v)}", key)
+            raise invalid(f"{self.prefix}{key} must be a string or a list of strings, got {json_kind(v)}", key)
         return tuple(items)
 
 
 def _object(value: Any, what: str) -> Mapping[str, Any]:
     if not isinstance(value, dict):
-        raise invalid(f"{what} must be a JSON object, got {_kind(value)}")
+        raise invalid(f"{what} must be a JSON object, got {json_kind(value)}")
     return value
 
 
@@ -391,10 +394,3 @@ def _neutral_value(v: Any) -> Any:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _kind(v: Any) -> str:
-    text = json.dumps(v) if isinstance(v, (dict, list, str, int, float, bool)) or v is None else repr(v)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{text} ({'null' if v is None else type(v).__name__})"

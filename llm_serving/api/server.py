@@ -10,9 +10,9 @@ Routes (each group in its own module):
 - ``GET /metrics``: Prometheus text (``metrics``).
 
 The server admits requests for the routes: it refuses them unless ready, reads the body within its size
-limit (declared JSON, readable, no deeper than any request needs: ``http_guards``, which also checks the API
+limit (declared JSON, readable, no deeper than any request needs: ``guards``, which also checks the API
 key when one is configured), tokenizes (long prompts off the event loop) and submits to the engine, whose
-admission check (``admission``) is the one check of the request's limits; every refusal becomes a JSON error
+admission check (``engine.admission``) is the one check of the request's limits; every refusal becomes a JSON error
 naming the field as the route's API calls it, counted by outcome in the metrics. A client that disconnects
 aborts its request, which frees its KV blocks at once; that needs the handler to be cancelled on disconnect,
 so run the app with ``make_runner`` (``handler_cancellation=True``, and the HTTP parser's errors as JSON).
@@ -25,6 +25,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -35,23 +36,25 @@ from llm_serving.api.guards import JsonErrorRunner, api_key_middleware, read_jso
 from llm_serving.api.metrics import CONTENT_TYPE, ServerMetrics
 from llm_serving.api.openai_routes import OpenAIRoutes
 from llm_serving.api.responses import error_response, json_response
+from llm_serving.api.route_context import OFFLOAD_ENCODE_CHARS
 from llm_serving.api.schema import ApiError, parameter_error
 from llm_serving.api.tgi_routes import TgiRoutes
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.scheduler import RequestRejected
 from llm_serving.core.sequence import InvalidParameter, SamplingParams
 from llm_serving.engine.request_stream import EngineError, QueueFull
+from llm_serving.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
-OFFLOAD_ENCODE_CHARS = 1 << 16  # longer prompts are tokenized off the event loop
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class Server:
-    """Owns the aiohttp application; ``state`` is "loading", "ready", "draining" or "failed"."""
+    """Owns the aiohttp application; ``state`` is "loading", "ready", "draining" or "failed". The routes see it
+    as a ``route_context.RouteContext``."""
 
     def __init__(self, engine: Any, config: ServingConfig, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.engine = engine
@@ -152,7 +155,16 @@ class Server:
 
         return guarded
 
-    # ---- admitting requests (the routes' shared steps) ------------------------------------------------
+    # ---- the served model and admitting requests (the routes' RouteContext) -------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def model_path(self) -> Path:
+        """The served model's directory or checkpoint (known once the engine has started)."""
+        return self.engine.model.model_path
+
     def check_model(self, name: str | None) -> str:
         """The served name a request asks for (the main one when it names none); 404 if not served here."""
         if name is None:
@@ -163,7 +175,7 @@ class Server:
         return name
 
     async def read_body(self, request: web.Request) -> Any:
-        """The request's JSON body within ``max_body_bytes`` (declared JSON, readable: ``http_guards``)."""
+        """The request's JSON body within ``max_body_bytes`` (declared JSON, readable: ``guards``)."""
         return await read_json_body(request, self.max_body_bytes)
 
     async def tokenize(self, prompt: str | tuple[int, ...]) -> list[int]:
@@ -171,7 +183,7 @@ class Server:
         self.check_accepting()
         if not isinstance(prompt, str):
             return list(prompt)
-        tok = self.engine.tokenizer
+        tok = self.tokenizer
         if len(prompt) > OFFLOAD_ENCODE_CHARS:
             return await asyncio.get_running_loop().run_in_executor(None, tok.encode, prompt)
         return tok.encode(prompt)
@@ -194,7 +206,7 @@ class Server:
         except EngineError as exc:
             raise ApiError(503, str(exc), "engine_error") from None
         self.metrics.prompt_tokens.inc(len(ids))
-        return Generation(stream, self.engine.tokenizer, self.metrics, arrival, self._live)
+        return Generation(stream, self.tokenizer, self.metrics, arrival, self._live)
 
     def check_accepting(self) -> None:
         """503 unless ready to serve (loading, recovering, draining, failed)."""

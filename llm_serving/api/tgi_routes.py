@@ -28,7 +28,7 @@ from llm_serving.api.schema import GenerateRequest, parse_generate
 from llm_serving.engine.request_stream import EngineError
 
 if TYPE_CHECKING:
-    from llm_serving.api.server import Server
+    from llm_serving.api.route_context import RouteContext
 
 STREAM_RETRY_MS = 30000
 # finish reasons as this API names them (TGI's), for each of sequence.FINISH_REASONS
@@ -38,7 +38,7 @@ TGI_FINISH = {"eos": "eos_token", "length": "length", "stop": "stop_sequence", "
 class TgiRoutes:
     """The handlers; ``server`` admits the requests."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: RouteContext) -> None:
         self.server = server
 
     async def generate(self, request: web.Request) -> web.StreamResponse:

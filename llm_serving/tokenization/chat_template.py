@@ -33,8 +33,8 @@ import jinja2
 import sentencepiece as spm
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from llm_serving.api.schema import _kind
 from llm_serving.config.serving_config import ConfigError, ServingConfig
+from llm_serving.describe import json_kind
 from llm_serving.tokenization.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")
@@ -96,14 +96,14 @@ def check_messages(raw: Any) -> list[dict[str, str]]:
     Null-valued keys are dropped (as transformers does); a content given as text parts is joined with newlines.
     """
     if not isinstance(raw, list) or not raw:
-        raise MessageError(f"'messages' must be a non-empty list of message objects, got {_kind(raw)}")
+        raise MessageError(f"'messages' must be a non-empty list of message objects, got {json_kind(raw)}")
     return [_check_message(m, i) for i, m in enumerate(raw)]
 
 
 def _check_message(raw: Any, i: int) -> dict[str, str]:
     where = f"messages[{i}]"
     if not isinstance(raw, dict):
-        raise MessageError(f"{where} must be an object with 'role' and 'content', got {_kind(raw)}")
+        raise MessageError(f"{where} must be an object with 'role' and 'content', got {json_kind(raw)}")
     msg = {k: v for k, v in raw.items() if v is not None}
     for key in NEUTRAL_MESSAGE_KEYS:
         if msg.pop(key, None) not in (None, [], ""):
@@ -113,7 +113,7 @@ def _check_message(raw: Any, i: int) -> dict[str, str]:
         raise MessageError(f"{where}.role {role!r} is not supported (no tool calls here)", unsupported=True)
     role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
     if role not in ROLES:
-        raise MessageError(f"{where}.role must be one of {', '.join(ROLES)}, got {_kind(msg.get('role'))}")
+        raise MessageError(f"{where}.role must be one of {', '.join(ROLES)}, got {json_kind(msg.get('role'))}")
     unknown = [k for k in msg if k not in ("role", "content", "name")]
     if unknown:
         raise MessageError(f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; known keys: role, "
@@ -123,7 +123,7 @@ def _check_message(raw: Any, i: int) -> dict[str, str]:
     out = {"role": role, "content": _content(msg["content"], where)}
     if "name" in msg:
         if not isinstance(msg["name"], str):
-            raise MessageError(f"{where}.name must be a string, got {_kind(msg['name'])}")
+            raise MessageError(f"{where}.name must be a string, got {json_kind(msg['name'])}")
         out["name"] = msg["name"]
     return out
 
@@ -132,7 +132,7 @@ def _content(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise MessageError(f"{where}.content must be a string or a list of text parts, got {_kind(content)}")
+        raise MessageError(f"{where}.content must be a string or a list of text parts, got {json_kind(content)}")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -143,7 +143,7 @@ def _content(content: Any, where: str) -> str:
                                unsupported=True)
         else:
             raise MessageError(f"{where}.content[{j}] must be {{\"type\": \"text\", \"text\": string}}, got "
-                               f"{_kind(part)}")
+                               f"{json_kind(part)}")
     return "\n".join(texts)
 
 
