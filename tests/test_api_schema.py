@@ -1,4 +1,4 @@
-"""Request parsing/validation (api_schema), the admission check, stop strings and the metrics text format,
+"""Request parsing/validation (api.schema), the admission check, stop strings and the metrics text format,
 without a server."""
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ class NativeOps:
     (``greedy_pick.cc``). The projections (``linear.cc``, weights packed by ``agents.weights.packed``) are made
     per output width by the methods below; the native CPU backend (``agents.model.backends.native_cpu``) uses them
     where ``projections`` is true. Each projection takes its packed weight as float32 panels (exact), float16
-    panels (precision ``half``) or int32 bfloat16 pairs (``packed_weights.pack_bf16``: precision ``fast``, where
+    panels (precision ``half``) or int32 bfloat16 pairs (``agents.weights.packed.pack_bf16``: precision ``fast``, where
     ``bf16`` says the CPU has the instruction for it).
     """
 

@@ -1,6 +1,6 @@
 """The OpenAI chat completions body (``/v1/chat/completions``), parsed strictly as OpenAI documents it.
 
-It shares the completions body's conventions (``api_schema``): unknown keys are errors, OpenAI's default
+It shares the completions body's conventions (``schema``): unknown keys are errors, OpenAI's default
 temperature is 1, vLLM's ``top_k``/``repetition_penalty``/``ignore_eos`` are accepted, the engine's own
 checks name the field as this body calls it. ``max_completion_tokens`` is OpenAI's current name for
 ``max_tokens``; without either, a chat answer may fill the context (up to ``model_config.max_generate_length``).

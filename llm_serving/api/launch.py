@@ -1,4 +1,4 @@
-"""The ``serve`` command: YAML config + flag overrides -> engine + HTTP server, with a graceful drain.
+"""The serve process: a validated config -> engine + HTTP server, with a graceful drain (``llm-serving serve``).
 
 Threads: the main thread starts the engine (model build, agent start-up and warm-up can take minutes) while
 the HTTP server already runs on its own event-loop thread, so ``/health`` answers "loading" meanwhile.

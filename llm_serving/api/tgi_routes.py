@@ -1,6 +1,6 @@
 """The llm-serving (TGI-style) routes: ``POST /models/<name>/generate`` and ``/models/<name>/generate_stream``.
 
-The body is MindSpore llm-serving's (see ``api_schema``); the model answers under
+The body is MindSpore llm-serving's (see ``schema``); the model answers under
 ``model_config.model_name`` and every alias. ``generate`` answers one JSON object; streams are one JSON
 object per line, or Server-Sent Events when the client sends ``Accept: text/event-stream`` or ``"sse": true``
 (body, parameters or ``?sse=true``). Each stream line is ``{"event": "message", "retry": ms, "data": [...]}``

@@ -59,7 +59,7 @@ class OpsBackend:
     skips_padding = False  # projections skip a bucket's padding rows, so padding rows cost next to nothing
     chunked_prefill = False  # its attention cell has ``chunked`` (queries over cached context)
     # panel weights' storage where it is not the model's dtype: "float16", or "bfloat16" (int32 pairs,
-    # ``packed_weights.pack_bf16``); set by ``with_precision``
+    # ``agents.weights.packed.pack_bf16``); set by ``with_precision``
     panel_dtype: str | None = None
 
     def with_precision(self, precision: str) -> OpsBackend:
