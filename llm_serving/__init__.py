@@ -1,6 +1,9 @@
-"""llm-serving: the master process (HTTP, tokenizer, scheduler, engine). Never imports MindSpore.
+"""llm-serving: the master process (HTTP, tokenizer, scheduler, engine). Never imports MindSpore nor ``agents``.
 
-``LLM`` (the offline API) is imported lazily, so ``import llm_serving.config.serving_config`` and the CLI stay light.
+Sub-packages by concern, lowest first: ``protocol`` (shared with the agents), ``core`` (scheduler, block
+manager, prefix cache), ``config``, ``tokenization``, ``models``, ``executor`` (the agent pool), ``engine``,
+``api`` (HTTP) and ``cli``; each one's docstring says what it may import (docs/architecture.md, "Packages").
+``LLM`` (the offline API) is imported lazily, so ``import llm_serving.config`` and the CLI stay light.
 """
 
 from __future__ import annotations
