@@ -16,7 +16,7 @@ from mindspore import ops
 from agents.model.backends.ascend import AscendAttention, AscendBackend, FusedOps
 from agents.runtime.runner import RunnerConfig, warmup_shapes
 from agents.tools.export import export_graphs, export_runner
-from agents.tools.mindir import FUSED_PRIMITIVES, TensorInfo, read_mindir
+from agents.tools.mindir import FUSED_PRIMITIVES, TensorInfo, read_graph, read_mindir
 from agents.weights.checkpoints import load_weights
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
@@ -73,6 +73,29 @@ def test_every_warmup_shape_exports_with_the_fused_primitives_and_greedy_outputs
         else:  # the bucket plus one appended row per sequence slot
             assert graph.op_outputs["FlashAttentionScore"][3] == TensorInfo(dtype, (n + batch, CONFIG.hidden_size))
         assert graph.op_outputs["ArgMaxWithValue"][1] == TensorInfo("float32", (batch,))
+
+
+def test_each_layer_writes_and_reads_its_own_cache_parameters(exported):
+    """Traced node by node (``read_graph``): every layer's ReshapeAndCache writes that layer's two cache
+    Parameters at the graph input ``slot_mapping``, and in decode its PagedAttention reads the same two, in the same
+    order, through the graph input ``block_tables``, with the config's head counts."""
+    _, _, graphs = exported
+    for (kind, _, _), summary in graphs:
+        graph = read_graph(summary.path)
+        writes = graph.of("ReshapeAndCache")
+        caches = [tuple(s.name for s in w.inputs[2:4]) for w in writes]
+        assert caches == [(f"model.layers.{i}.attention.key_cache", f"model.layers.{i}.attention.value_cache")
+                          for i in range(LAYERS)], kind
+        assert all(w.inputs[2].kind == w.inputs[3].kind == "parameter" for w in writes)
+        assert all((w.inputs[4].kind, w.inputs[4].name) == ("input", "slot_mapping") for w in writes)
+        if kind != "decode":
+            continue
+        for attend, cache in zip(graph.of("PagedAttention"), caches):
+            assert tuple(s.name for s in attend.inputs[1:3]) == cache
+            assert (attend.inputs[3].kind, attend.inputs[3].name) == ("input", "block_tables")
+            constants = [s.value for s in attend.inputs if s.kind == "constant"]
+            assert constants[5:8] == [CONFIG.num_attention_heads, pytest.approx(CONFIG.head_dim ** -0.5),
+                                      CONFIG.num_key_value_heads]
 
 
 class WriteOrderedOnlyInPrefill(AscendAttention):

@@ -1,5 +1,7 @@
 """Writing a runner's warm-up graphs to MindIR and reading a MindIR file back: its op types (counted), inputs and
-outputs as MindSpore inferred them.
+outputs as MindSpore inferred them (``read_mindir``), and node by node (``read_graph``): each op's inputs traced to
+what feeds them (a named graph input, a Parameter, a constant with its value, or another op), the ground a check
+of each fused op's contract stands on (an export alone proves only that a graph builds).
 
 Kept apart from ``agents.tools.export`` (which builds our runner) so the mindformers backend's export, in its own
 MindSpore 2.7.2 environment, writes and parses its graphs the same way.
@@ -13,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mindspore as ms
 from mindspore import Tensor, nn
@@ -78,6 +81,104 @@ def read_mindir(path: str | Path) -> GraphSummary:
     for out in graph.output:
         outputs += [_tensor_info(t) for t in out.tensor] if out.tensor else list(_attr_tensors(out.attr_info))
     return GraphSummary(Path(path), ops, inputs, tuple(outputs), op_outputs)
+
+
+@dataclass(frozen=True)
+class Source:
+    """What feeds one input of an op. ``kind``: ``input`` (a graph input, by its name in ``construct``),
+    ``parameter`` (a Parameter, by name), ``constant`` (``value``: int, float, bool, str, None, a tuple of them, or a
+    constant tensor's ``TensorInfo``) or ``node`` (computed in the graph by op ``op``). ``Load`` and ``Depend`` are
+    looked through: they pass their first input on unchanged."""
+
+    kind: str
+    name: str
+    op: str | None = None
+    value: Any = None
+    info: TensorInfo | None = None
+
+
+@dataclass(frozen=True)
+class OpNode:
+    op: str  # the primitive's name, e.g. PagedAttention
+    name: str
+    inputs: tuple[Source, ...]  # in the primitive's argument order (2.10 passes its attributes as inputs too)
+    outputs: tuple[TensorInfo, ...]  # as MindSpore inferred them
+
+
+@dataclass(frozen=True)
+class GraphNodes:
+    path: Path
+    inputs: dict[str, TensorInfo]  # graph inputs by name, in order
+    nodes: tuple[OpNode, ...]
+
+    def of(self, op: str) -> list[OpNode]:
+        return [n for n in self.nodes if n.op == op]
+
+
+_PASS_THROUGH = ("Load", "Depend")
+_INT_TYPES = {"UINT8", "INT8", "UINT16", "INT16", "INT32", "INT64", "UINT32", "UINT64"}
+
+
+def _constant(attr) -> Any:
+    """A Constant node's value from its ``value`` attribute (MindIR's AttributeProto)."""
+    kind = mind_ir_pb2.AttributeProto.AttributeType.Name(attr.type)
+    if kind in _INT_TYPES:
+        return int(attr.i)
+    if kind == "BOOL":
+        return bool(attr.i)
+    if kind == "FLOAT":
+        return float(attr.f)
+    if kind == "DOUBLE":
+        return float(attr.d)
+    if kind == "STRING":
+        return attr.s.decode()
+    if kind == "NONE":
+        return None
+    if kind in ("TENSOR", "TENSORS"):
+        tensors = [attr.t] if kind == "TENSOR" else list(attr.tensors)
+        return _tensor_info(tensors[0]) if tensors else None
+    if kind in ("TUPLE", "LIST"):
+        return tuple(_constant(v) for v in attr.values)
+    return kind.lower()  # monads and the like: markers, not values
+
+
+def _short(name: str, prefix: str) -> str:
+    return name[len(prefix):] if prefix and name.startswith(prefix) else name
+
+
+def read_graph(path: str | Path) -> GraphNodes:
+    """Every op node of a MindIR file with its inputs traced to their sources (see ``Source``)."""
+    model = mind_ir_pb2.ModelProto()
+    model.ParseFromString(Path(path).read_bytes())
+    graph = model.graph
+    names = [i.name for i in graph.input] + [p.name for p in graph.parameter]
+    # exported names may carry the graph's own name ("5_1___main___Net_construct_4:q"); inputs are shown without it
+    prefix = names[0].rpartition(":")[0] + ":" if names and ":" in names[0] else ""
+    sources: dict[str, Source] = {}
+    inputs: dict[str, TensorInfo] = {}
+    for i in graph.input:
+        info = _tensor_info(i.tensor[0]) if i.tensor else None
+        sources[i.name] = Source("input", _short(i.name, prefix), info=info)
+        if info is not None:
+            inputs[_short(i.name, prefix)] = info
+    for param in graph.parameter:
+        sources[param.name] = Source("parameter", _short(param.name, prefix), info=_tensor_info(param))
+    nodes = []
+    for node in graph.node:
+        if node.op_type == "Constant":
+            value = _constant(node.attribute[0]) if node.attribute else None
+            sources[node.name] = Source("constant", node.name, value=value)
+            continue
+        op = re.sub(r"^REF::|:\d+$", "", node.op_type)
+        args = tuple(sources.get(name, Source("node", name)) for name in node.input)
+        if op in _PASS_THROUGH and args:
+            sources[node.name] = args[0]
+            continue
+        shape = next((a for a in node.attribute if a.name == "shape"), None)
+        outputs = _attr_tensors(shape) if shape is not None else ()
+        sources[node.name] = Source("node", node.name, op=op, info=outputs[0] if len(outputs) == 1 else None)
+        nodes.append(OpNode(op, node.name, args, outputs))
+    return GraphNodes(Path(path), inputs, tuple(nodes))
 
 
 def export_shapes(runner, graph_of: Callable[[str], nn.Cell], out_dir: str | Path, shapes: list[tuple],
