@@ -184,6 +184,22 @@ def test_export_command_writes_and_describes_the_ascend_graphs_without_an_npu(tm
     assert set(FUSED_PRIMITIVES) >= set(read_mindir(out / "ragged_b2_t48.mindir").fused())
 
 
+def test_export_check_reports_what_our_ascend_graphs_still_get_wrong(tmp_path):
+    """``--check`` runs the contract checker on every exported graph (tests/test_ascend_contract_check.py shows each
+    rule refusing a mistake; tests_mindformers shows MindFormers' serving graphs passing all of them). Today our
+    decode graph passes the context lengths it computes (max(len, 1)) where the internal PagedAttention reads the
+    graph input ``batch_valid_length``: the first contract of issue 28 to fix; then this test expects exit 0."""
+    model_dir = build_random_model(tmp_path / "llama", CONFIG, seed=3, std=0.2)
+    res = cli("--config", write_config(tmp_path, model_dir), "--out", str(tmp_path / "mindir"), "--check",
+              "--shape", "decode:4:4", "--shape", "ragged:2:48")
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "check ragged_b2_t48.mindir: every contract rule holds" in res.stdout
+    assert f"check decode_b4_w4.mindir: {LAYERS} violation(s)" in res.stdout
+    found = [line for line in res.stdout.splitlines() if line.startswith("  PagedAttention")]
+    assert len(found) == LAYERS and all("[lengths-from-graph-input]" in line and "computed by Maximum" in line
+                                        for line in found), res.stdout
+
+
 def test_export_command_refuses_misconfigurations_with_our_message(tmp_path):
     model_dir = build_random_model(tmp_path / "llama", CONFIG, seed=3, std=0.2)
     res = cli("--config", write_config(tmp_path, model_dir, "float32"), "--out", str(tmp_path / "x"))

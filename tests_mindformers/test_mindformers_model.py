@@ -29,7 +29,8 @@ from agents.mindformers.export import export_graphs, export_runner
 from agents.mindformers.inputs import shape_arrays
 from agents.mindformers.model import build_network
 from agents.mindformers.runner import MindFormersRunnerConfig, MindFormersStep
-from agents.tools.mindir import read_mindir
+from agents.tools.contracts import check_graph
+from agents.tools.mindir import read_graph, read_mindir
 from agents.weights.checkpoints import load_weights
 from agents.weights.mindformers_names import gate_up_to_mindformers, qkv_to_mindformers, to_mindformers
 from llm_serving.cli.commands.patch_mindformers import apply_patches, default_target, installed_version
@@ -129,6 +130,8 @@ def test_export_through_our_backend(tmp_path: Path, model_dir: Path, weights: di
         assert summary.ops["ReshapeAndCache"] == layers, shape
         attention = "FlashAttentionScore" if kind == "ragged" else "PagedAttention"
         assert summary.ops[attention] == layers and summary.ops["ApplyRotaryPosEmb"] == layers, shape
+        # MindFormers' serving graphs, a stack that runs on 910B, meet the contracts we check ours against
+        assert [str(v) for v in check_graph(read_graph(summary.path))] == [], shape
     held = parameters(summary.path)
     want = to_mindformers(weights, LLAMA, fused=qkv_concat)
     for name in ("model.layers.1.attention.w_qkv.weight" if qkv_concat else "model.layers.1.attention.wk.weight",

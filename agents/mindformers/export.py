@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", required=True, help="AgentSpec as JSON (llm-serving export passes it)")
     parser.add_argument("--out", required=True, help="directory for the .mindir files")
     parser.add_argument("--shape", action="append", type=parse_shape, default=None, metavar="KIND:BATCH:N")
+    parser.add_argument("--check", action="store_true", help="check every exported graph against the fused ops' "
+                        "contracts (agents.tools.contracts); exit 1 on a violation")
     args = parser.parse_args(argv)
     spec = AgentSpec.from_json(args.spec)
     llama = LlamaConfig(**spec.llama_config)
@@ -75,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"exporting {len(args.shape or shapes)} MindFormers graphs of {rc.device_target} {rc.dtype} to {args.out}",
           flush=True)
-    export_graphs(runner, args.out, args.shape or shapes, lambda line: print(line, flush=True))
+    done = export_graphs(runner, args.out, args.shape or shapes, lambda line: print(line, flush=True))
+    if args.check:
+        from agents.tools.contracts import report
+
+        return 1 if report([summary.path for _, summary in done], lambda line: print(line, flush=True)) else 0
     return 0
 
 

@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="directory for the .mindir files")
     parser.add_argument("--shape", action="append", type=parse_shape, default=None, metavar="KIND:BATCH:N",
                         help="export only these warm-up shapes (repeatable)")
+    parser.add_argument("--check", action="store_true", help="check every exported graph against the fused ops' "
+                        "contracts (agents.tools.contracts); exit 1 on a violation")
     args = parser.parse_args(argv)
     spec = AgentSpec.from_json(args.spec)
     config = LlamaConfig(**spec.llama_config)
@@ -100,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         if spec.tensor_parallel_size > 1 else ""
     print(f"exporting {len(args.shape or shapes)} graphs of {rc.device_target} {rc.dtype} ({backend.name} ops) "
           f"to {args.out}{note}", flush=True)
-    export_graphs(runner, args.out, args.shape or shapes, lambda line: print(line, flush=True))
+    done = export_graphs(runner, args.out, args.shape or shapes, lambda line: print(line, flush=True))
+    if args.check:
+        from agents.tools.contracts import report
+
+        return 1 if report([summary.path for _, summary in done], lambda line: print(line, flush=True)) else 0
     return 0
 
 

@@ -4,6 +4,7 @@ Writes one MindIR file per warm-up shape of the configured model, device target 
 a GE-based deployment loads) and prints, per graph, its shapes and the fused primitives in it. The graphs are built
 and exported on this machine's CPU, so an Ascend config exports without an NPU. The master never imports
 MindSpore: the config and model are resolved here, and ``python -m agents.tools.export`` does the rest in a child process.
+``--check`` also checks every graph against the fused Ascend ops' real contracts (``agents.tools.contracts``).
 """
 
 from __future__ import annotations
@@ -23,14 +24,18 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", action="append", default=[], metavar="KIND:BATCH:N",
                    help="export only this warm-up shape, e.g. decode:8:16 or ragged:4:128 (repeatable; "
                    "default: every warm-up shape)")
+    p.add_argument("--check", action="store_true", help="check every exported graph against the fused Ascend ops' "
+                   "real contracts (what feeds each input, attributes, dtypes, layouts; docs/ascend.md); exit 1 "
+                   "on a violation")
 
 
-def export_argv(spec_json: str, out: str, shapes: list[str], module: str = "agents.tools.export") -> list[str]:
+def export_argv(spec_json: str, out: str, shapes: list[str], module: str = "agents.tools.export",
+                check: bool = False) -> list[str]:
     """The child's command line (``module``: ``agents.mindformers.export`` for backend mindformers)."""
     argv = [sys.executable, "-m", module, "--spec", spec_json, "--out", out]
     for shape in shapes:
         argv += ["--shape", shape]
-    return argv
+    return argv + ["--check"] if check else argv
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -43,7 +48,7 @@ def _run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     module = "agents.mindformers.export" if spec.backend == "mindformers" else "agents.tools.export"
-    return subprocess.run(export_argv(spec.to_json(), args.out, args.shape, module), env=env,
+    return subprocess.run(export_argv(spec.to_json(), args.out, args.shape, module, args.check), env=env,
                           check=False).returncode
 
 

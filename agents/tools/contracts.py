@@ -1,0 +1,195 @@
+"""The fused Ascend ops' real contracts, checked on an exported graph (``mindir.read_graph``): an export proves
+only that MindSpore's front end could infer types and shapes, and it accepts graphs that no 910B kernel would run
+as meant (swapped caches, heads and kv heads swapped, lengths computed in the graph, int64 tables). Each rule
+says where it was read; a violation names the op, the node and the rule.
+
+Rules so far cover ReshapeAndCache and PagedAttention, as MindSpore 2.10 runs them with ``infer_boost`` on (the
+internal kernels every working 910B stack uses); FlashAttentionScore and ApplyRotaryPosEmb are still to come
+(docs/ascend.md, "What is verified without hardware").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from agents.tools.mindir import GraphNodes, OpNode, Source, read_graph
+
+# PagedAttention's inputs in MindSpore 2.10's order (ops.auto_generate.PagedAttention; the internal kernel reads
+# head_num, scale and kv_head_num at indices 10-12: ops/kernel/ascend/internal/paged_attention.cc, CreateKernel)
+PA_QUERY, PA_KEY_CACHE, PA_VALUE_CACHE, PA_BLOCK_TABLES, PA_CONTEXT_LENS = range(5)
+PA_HEAD_NUM, PA_SCALE, PA_KV_HEAD_NUM = 10, 11, 12
+# ReshapeAndCache(key, value, key_cache, value_cache, slot_mapping)
+RC_KEY, RC_VALUE, RC_KEY_CACHE, RC_VALUE_CACHE, RC_SLOTS = range(5)
+# the graph input the internal PagedAttention takes each sequence's context length from, by name
+KV_LENGTHS_INPUT = "batch_valid_length"
+
+
+@dataclass(frozen=True)
+class Violation:
+    op: str
+    node: str
+    rule: str
+    message: str
+
+    def __str__(self) -> str:
+        parts = self.node.split(":")  # "<graph>:CNode_14:10": the node's own name is the middle part
+        return f"{self.op} ({parts[-2] if len(parts) > 2 else parts[-1]}): [{self.rule}] {self.message}"
+
+
+Check = Callable[[GraphNodes, OpNode], Iterator[str]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    op: str
+    name: str
+    source: str  # where the contract was read
+    check: Check
+
+
+def _dims(source: Source) -> tuple[int, ...] | None:
+    return source.info.shape if source.info is not None else None
+
+
+def _dtype(source: Source) -> str | None:
+    return source.info.dtype if source.info is not None else None
+
+
+def _where(source: Source) -> str:
+    if source.kind == "node":
+        return f"computed by {source.op}"
+    return f"{source.kind} {source.name!r}"
+
+
+# ---- PagedAttention ---------------------------------------------------------------------------------------------
+def _pa_lengths_from_graph_input(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+    lens = node.inputs[PA_CONTEXT_LENS]
+    if not (lens.kind == "input" and lens.name == KV_LENGTHS_INPUT):
+        yield (f"context_lens must be the graph input {KV_LENGTHS_INPUT!r} (the internal kernel reads the lengths "
+               f"from that input's host values, not from the tensor passed), got {_where(lens)}")
+
+
+def _pa_int32(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+    for index, what in ((PA_BLOCK_TABLES, "block_tables"), (PA_CONTEXT_LENS, "context_lens")):
+        dtype = _dtype(node.inputs[index])
+        if dtype is not None and dtype != "int32":
+            yield f"{what} must be int32, got {dtype}"
+
+
+def _pa_heads(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+    heads, kv_heads = node.inputs[PA_HEAD_NUM].value, node.inputs[PA_KV_HEAD_NUM].value
+    query, cache = _dims(node.inputs[PA_QUERY]), _dims(node.inputs[PA_KEY_CACHE])
+    if cache is None or len(cache) != 4:
+        yield f"the caches must be 4-D (num_blocks, block_size, kv_heads, head_dim), got shape {cache}"
+        return
+    head_dim = cache[3]
+    if cache[2] != kv_heads:
+        yield f"kv_head_num {kv_heads} differs from the caches' {cache[2]} kv heads (dim 2 of BSND blocks)"
+    if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads and heads % kv_heads:
+        yield f"head_num {heads} is not a multiple of kv_head_num {kv_heads}"
+    if query is None or len(query) != 3:
+        yield f"query must be 3-D, (tokens, head_num, head_dim) or (batch, 1, head_num * head_dim), got {query}"
+    elif query[1:] not in ((heads, head_dim), (1, heads * head_dim)):
+        yield (f"query {query} is neither (tokens, head_num {heads}, head_dim {head_dim}) nor (batch, 1, "
+               f"{heads * head_dim}) for head_num {heads}")
+
+
+def _pa_scale(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+    cache, scale = _dims(node.inputs[PA_KEY_CACHE]), node.inputs[PA_SCALE].value
+    if cache and len(cache) == 4 and isinstance(scale, float) and not math.isclose(scale, cache[3] ** -0.5,
+                                                                                     rel_tol=1e-6):
+        yield f"scale_value {scale:g} is not 1/sqrt(head_dim {cache[3]}) = {cache[3] ** -0.5:g}"
+
+
+def _written_caches(graph: GraphNodes) -> list[tuple[str, str]]:
+    return [(w.inputs[RC_KEY_CACHE].name, w.inputs[RC_VALUE_CACHE].name) for w in graph.of("ReshapeAndCache")]
+
+
+def _pa_reads_what_was_written(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+    key, value = node.inputs[PA_KEY_CACHE], node.inputs[PA_VALUE_CACHE]
+    if key.kind != "parameter" or value.kind != "parameter":
+        yield f"the caches must be Parameters written in place, got {_where(key)} and {_where(value)}"
+        return
+    written = _written_caches(graph)
+    if (key.name, value.name) in written:
+        return
+    if (value.name, key.name) in written:
+        yield f"key_cache and value_cache are swapped against the ReshapeAndCache that writes {key.name!r}"
+    else:
+        yield f"no ReshapeAndCache writes the caches {key.name!r}, {value.name!r} in this graph"
+
+
+# ---- ReshapeAndCache --------------------------------------------------------------------------------------------
+def _rc_slots(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+    slots, key, cache = _dims(node.inputs[RC_SLOTS]), _dims(node.inputs[RC_KEY]), _dims(node.inputs[RC_KEY_CACHE])
+    if _dtype(node.inputs[RC_SLOTS]) not in (None, "int32"):
+        yield f"slot_mapping must be int32, got {_dtype(node.inputs[RC_SLOTS])}"
+    if slots is not None and len(slots) != 1:
+        yield f"slot_mapping must be 1-D (one slot per token), got shape {slots}"
+    elif slots and key and cache and len(cache) == 4 and math.prod(key) != slots[0] * cache[2] * cache[3]:
+        yield (f"slot_mapping's {slots[0]} slots are not one per token of the key {key} "
+               f"({math.prod(key) // max(cache[2] * cache[3], 1)} tokens of {cache[2]} x {cache[3]})")
+
+
+def _rc_layout(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+    key, cache = _dims(node.inputs[RC_KEY]), _dims(node.inputs[RC_KEY_CACHE])
+    if cache is None or len(cache) != 4:
+        yield f"the caches must be 4-D (num_blocks, block_size, kv_heads, head_dim), got shape {cache}"
+    elif key and key[-1] not in (cache[3], cache[2] * cache[3]):
+        yield (f"the key's last dimension {key[-1]} is neither head_dim {cache[3]} nor a token's row "
+               f"{cache[2]} x {cache[3]} of the cache")
+    if _dims(node.inputs[RC_KEY_CACHE]) != _dims(node.inputs[RC_VALUE_CACHE]):
+        yield "key_cache and value_cache differ in shape"
+
+
+_PA_DOC = "mindspore.ops.auto_generate.PagedAttention (2.10 docstring)"
+_PA_KERNEL = "MindSpore 2.10 ops/kernel/ascend/internal/paged_attention.cc"
+_RC_DOC = "mindspore.ops.auto_generate.reshape_and_cache (2.10 docstring)"
+RULES = (
+    Rule("PagedAttention", "lengths-from-graph-input",
+         f"{_PA_KERNEL}: CreateKernel/UpdateParam take kv_seq_len from GetSeqLenFromGraphAndCheckUpadate("
+         f"{{\"{KV_LENGTHS_INPUT}\"}}), i.e. LLMManager's copy of the graph input of that name",
+         _pa_lengths_from_graph_input),
+    Rule("PagedAttention", "int32-tables-and-lengths",
+         f"{_PA_DOC}: block_tables and context_lens int32; internal_kernel_utils.cc reads the lengths as int32_t",
+         _pa_int32),
+    Rule("PagedAttention", "head-counts-and-layout",
+         f"{_PA_DOC}: query (num_tokens, num_head, head_dim), caches (num_blocks, block_size, num_head, "
+         f"head_dim); MindFormers 1.8's decode passes the query as (batch, 1, num_head * head_dim); {_PA_KERNEL}: "
+         "head_num and kv_head_num read from inputs 10 and 12", _pa_heads),
+    Rule("PagedAttention", "scale", "the Llama attention: scores scaled by 1/sqrt(head_dim)", _pa_scale),
+    Rule("PagedAttention", "reads-the-written-caches",
+         "the paged cache: PagedAttention must read, as key and value, the Parameters ReshapeAndCache wrote",
+         _pa_reads_what_was_written),
+    Rule("ReshapeAndCache", "int32-slots", f"{_RC_DOC}: slot_mapping int32 (num_tokens,); the tokens are the key's "
+         "rows however it is shaped (MindFormers 1.8 passes (1, tokens, kv_heads * head_dim) in prefill)", _rc_slots),
+    Rule("ReshapeAndCache", "cache-layout",
+         f"{_RC_DOC}: caches (num_blocks, block_size, num_head, head_dim), key/value (num_tokens, num_head, "
+         "head_dim) or, as MindFormers passes them, (..., num_head * head_dim)", _rc_layout),
+)
+
+
+def check_graph(graph: GraphNodes, rules: tuple[Rule, ...] = RULES) -> list[Violation]:
+    """Every rule on every node of its op, in graph order."""
+    out = []
+    for node in graph.nodes:
+        for rule in rules:
+            if rule.op == node.op:
+                out += [Violation(node.op, node.name, rule.name, msg) for msg in rule.check(graph, node)]
+    return out
+
+
+def report(paths: Iterable[Path], out: Callable[[str], None]) -> int:
+    """``export --check``: check each MindIR file, write one line per violation (or that the file passed) and
+    return how many violations there were."""
+    total = 0
+    for path in paths:
+        found = check_graph(read_graph(path))
+        total += len(found)
+        out(f"check {path.name}: " + ("every contract rule holds" if not found else f"{len(found)} violation(s)"))
+        for v in found:
+            out(f"  {v}")
+    return total
