@@ -175,9 +175,10 @@ class LlamaModel(nn.Cell):
 class LlamaStep(nn.Cell):
     """One compiled step (``is_prefill`` is a graph constant).
 
-    Inputs (static bucket shapes): input_ids/positions/slot_mapping ``[tokens]``; ``lens`` ``[batch]`` (prefill:
-    prompt lengths, decode: context lengths); ``block_tables`` ``[batch, width]``; ``last_index`` ``[batch]``
-    flat index of each sequence's last token (prefill only; decode uses every token).
+    Inputs (static bucket shapes): input_ids/positions/slot_mapping ``[tokens]``; ``batch_valid_length``
+    ``[batch]`` (prefill: prompt lengths, decode: context lengths; the name is the graph input's, which Ascend's
+    internal kernels read by name); ``block_tables`` ``[batch, width]``; ``last_index`` ``[batch]`` flat index of
+    each sequence's last token (prefill only; decode uses every token).
 
     Returns greedy token ids, their log-probabilities and the float32 logits ``[batch, vocab]``. The logits are
     an output the caller may leave on the device: only sampled batches and logits checks read them (returning
@@ -189,11 +190,12 @@ class LlamaStep(nn.Cell):
         self.model = model
         self.is_prefill = is_prefill
 
-    def construct(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, lens: Tensor,
+    def construct(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, batch_valid_length: Tensor,
                   block_tables: Tensor, last_index: Tensor):
-        token_rows, sequence_rows = self.model.real_rows(lens, self.is_prefill)
-        hidden = self.model.hidden_states(input_ids, positions, slot_mapping, lens, block_tables, token_rows,
-                                          self.is_prefill)
+        # not rebound to a shorter name: MindSpore would name the graph input after it
+        token_rows, sequence_rows = self.model.real_rows(batch_valid_length, self.is_prefill)
+        hidden = self.model.hidden_states(input_ids, positions, slot_mapping, batch_valid_length, block_tables,
+                                          token_rows, self.is_prefill)
         if self.is_prefill:
             hidden = ops.gather(hidden, last_index, 0)
         logits = self.model.logits(hidden, sequence_rows)

@@ -384,6 +384,7 @@ class ModelRunner:
         n = batch.batch_size
         ids[:n], pos[:n], slots[:n], lens[:n] = batch.input_ids, batch.positions, batch.slot_mapping, \
             batch.context_lens
+        lens[n:] = self.backend.decode_padding_length
         cols = min(w, batch.block_tables.shape[1])
         tables[:n, :cols] = batch.block_tables[:, :cols]
         return arrays

@@ -23,7 +23,7 @@ from agents.tools.mindir import GraphSummary, export_shapes, parse_shape
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.wire import AgentSpec
 
-INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "lens", "block_tables", "last_index")
+INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "batch_valid_length", "block_tables", "last_index")
 MIXED_INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "query_lens", "context_lens", "block_tables",
                      "last_index")  # agents.runtime.mixed_steps.MixedStep
 # graph kind -> (what its n counts, file-name tag)

@@ -12,8 +12,10 @@ Contracts we rely on (and their CPU checks in tests/test_ascend_reference.py):
 - the cache write stays in a graph only where its result is consumed on that graph's path, so the query depends
   on it before the prefill/decode branch (consumed only in the prefill branch, the write silently left the
   decode graphs: tests/test_ascend_export.py; the shared notes saw it with ``depend(key, ...)``);
-- padding tokens write to slot 0 of the dummy block 0, which no sequence reads; padding decode rows (context
-  length 0) attend over that slot with length 1, so no kernel sees an empty context;
+- padding tokens write to slot 0 of the dummy block 0, which no sequence reads; padding decode rows get context
+  length 1 from the runner (``decode_padding_length``) and attend over that slot, so no kernel sees an empty
+  context; PagedAttention takes the step's graph input ``batch_valid_length`` itself, since the internal kernel
+  reads the lengths from that named input (``agents.tools.contracts``);
 - the ``TH`` lengths are strictly increasing and end at the rows passed: each padding sequence gets one row and
   the last sequence the rest, of ``tokens + max_seqs`` rows (the bucket plus ``max_seqs`` zero rows appended),
   so no sequence is empty whatever the CANN version says about empty ones. Real prompts come first and are
@@ -142,10 +144,11 @@ class AscendAttention(Attention):
         return out[:tokens]
 
     def decode(self, q: Tensor, block_tables: Tensor, context_lens: Tensor) -> Tensor:
-        """One query per sequence over its paged context; padding rows (length 0) read the dummy slot."""
+        """One query per sequence over its paged context; padding rows (length 1 from the runner) read the dummy
+        slot. ``context_lens`` must be the graph input ``batch_valid_length`` itself, not computed from it."""
         batch = q.shape[0]
         out = self.paged(q.reshape(batch, self.n_heads, self.head_dim), self.key_cache, self.value_cache,
-                         block_tables, ops.maximum(context_lens, 1))
+                         block_tables, context_lens)
         return out.reshape(batch, self.hidden)
 
 
@@ -195,6 +198,7 @@ class AscendBackend(OpsBackend):
     name = "ascend"
     kernels = "native"
     ragged_prefill = True
+    decode_padding_length = 1
 
     def __init__(self, fused: FusedOps | None = None) -> None:
         self.fused = fused if fused is not None else FusedOps()

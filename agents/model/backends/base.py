@@ -58,6 +58,10 @@ class OpsBackend:
     panel_weights = False  # projection weights held in ``agents.weights.packed``' panel layout
     skips_padding = False  # projections skip a bucket's padding rows, so padding rows cost next to nothing
     chunked_prefill = False  # its attention cell has ``chunked`` (queries over cached context)
+    # a padding decode row's context length as the runner passes it: 0 where the graph clamps it, 1 where the
+    # attention kernel takes the lengths as given (Ascend: the internal PagedAttention reads the graph input
+    # ``batch_valid_length`` itself, so a clamp inside the graph would not reach it)
+    decode_padding_length = 0
     # panel weights' storage where it is not the model's dtype: "float16", or "bfloat16" (int32 pairs,
     # ``agents.weights.packed.pack_bf16``); set by ``with_precision``
     panel_dtype: str | None = None
