@@ -16,6 +16,7 @@ from pathlib import Path
 
 from agents.mindformers.inputs import INPUT_NAMES
 from agents.mindformers.runner import MindFormersRunner, MindFormersRunnerConfig
+from agents.tools.contracts import add_check_argument, check_exported
 from agents.tools.mindir import GraphSummary, export_shapes, parse_shape
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.wire import AgentSpec
@@ -57,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", required=True, help="AgentSpec as JSON (llm-serving export passes it)")
     parser.add_argument("--out", required=True, help="directory for the .mindir files")
     parser.add_argument("--shape", action="append", type=parse_shape, default=None, metavar="KIND:BATCH:N")
-    parser.add_argument("--check", action="store_true", help="check every exported graph against the fused ops' "
-                        "contracts (agents.tools.contracts); exit 1 on a violation")
+    add_check_argument(parser)
     args = parser.parse_args(argv)
     spec = AgentSpec.from_json(args.spec)
     llama = LlamaConfig(**spec.llama_config)
@@ -78,11 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exporting {len(args.shape or shapes)} MindFormers graphs of {rc.device_target} {rc.dtype} to {args.out}",
           flush=True)
     done = export_graphs(runner, args.out, args.shape or shapes, lambda line: print(line, flush=True))
-    if args.check:
-        from agents.tools.contracts import report
-
-        return 1 if report([summary.path for _, summary in done], lambda line: print(line, flush=True)) else 0
-    return 0
+    return check_exported(summary.path for _, summary in done) if args.check else 0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ internal kernels every working 910B stack uses); FlashAttentionScore and ApplyRo
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -180,6 +181,17 @@ def check_graph(graph: GraphNodes, rules: tuple[Rule, ...] = RULES) -> list[Viol
             if rule.op == node.op:
                 out += [Violation(node.op, node.name, rule.name, msg) for msg in rule.check(graph, node)]
     return out
+
+
+def add_check_argument(parser: argparse.ArgumentParser) -> None:
+    """``--check`` of both exporters (ours and the mindformers backend's)."""
+    parser.add_argument("--check", action="store_true", help="check every exported graph against the fused ops' "
+                        "contracts (agents.tools.contracts); exit 1 on a violation")
+
+
+def check_exported(files: Iterable[Path]) -> int:
+    """An exporter's exit status after ``--check``: 1 if any exported file breaks a rule (each printed), else 0."""
+    return 1 if report(files, lambda line: print(line, flush=True)) else 0
 
 
 def report(paths: Iterable[Path], out: Callable[[str], None]) -> int:
