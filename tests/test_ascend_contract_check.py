@@ -1,4 +1,4 @@
-"""The contract checker (``agents.tools.contracts``) on exported decode graphs: the right wiring passes, and each
+"""The contract checker (``agents.tools.contracts``) on exported decode and prefill graphs: the right wiring passes, and each
 wiring mistake that MindSpore's export accepts without complaint is refused, naming the op and the rule. The
 graphs are built here, each with one mistake, exported to MindIR and read back, as ``llm-serving export`` does.
 """
@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 from mindspore import Parameter, Tensor, export, nn, ops
-from mindspore.ops.auto_generate import PagedAttention, ReshapeAndCache
+from mindspore.ops.auto_generate import FlashAttentionScore, PagedAttention, ReshapeAndCache
 
 from agents.tools.contracts import RULES, check_graph
 from agents.tools.mindir import read_graph
@@ -120,4 +120,58 @@ def test_each_wiring_mistake_is_refused_naming_the_op_and_the_rule(tmp_path, mis
 
 def test_every_rule_says_where_it_was_read():
     assert len({r.name for r in RULES}) == len(RULES)
-    assert all(r.source and r.op in ("PagedAttention", "ReshapeAndCache") for r in RULES)
+    assert all(r.source and r.op in ("PagedAttention", "ReshapeAndCache", "FlashAttentionScore") for r in RULES)
+
+
+@dataclass(frozen=True)
+class PrefillWiring:
+    """One ragged prefill's FlashAttentionScore (layout TH); the defaults are as MindFormers 1.8 passes it."""
+
+    lengths: str = "input"  # input (batch_valid_length per sequence) or cumulative (computed in the graph)
+    sparse_mode: int = 0
+    mask: tuple[int, int] = (128, 128)
+    mask_dtype: type = np.float16
+
+
+class PrefillStep(nn.Cell):
+    def __init__(self, w: PrefillWiring) -> None:
+        super().__init__()
+        self.w = w
+        self.flash = FlashAttentionScore(HEADS, scale_value=HEAD_DIM ** -0.5, next_tokens=0, input_layout="TH",
+                                         sparse_mode=w.sparse_mode)
+        self.mask = Tensor(np.triu(np.ones(w.mask, w.mask_dtype), 1))
+
+    def construct(self, query, key, value, batch_valid_length):
+        lengths = ops.cumsum(batch_valid_length, 0) if self.w.lengths == "cumulative" else batch_valid_length
+        return self.flash(query, key, value, None, None, None, self.mask, None, lengths, lengths)[3]
+
+
+def checked_prefill(tmp_path, w: PrefillWiring) -> list[str]:
+    tokens = 2 * 8
+    inputs = [np.zeros((tokens, HEADS * HEAD_DIM), np.float16), np.zeros((tokens, KV_HEADS * HEAD_DIM), np.float16),
+              np.zeros((tokens, KV_HEADS * HEAD_DIM), np.float16), np.full(2, 8, np.int32)]
+    path = tmp_path / "prefill"
+    export(PrefillStep(w), *(Tensor(a) for a in inputs), file_name=str(path), file_format="MINDIR")
+    return [str(v) for v in check_graph(read_graph(path.with_suffix(".mindir")))]
+
+
+PREFILL_MISTAKES = {
+    "cumulative lengths computed in the graph": (PrefillWiring(lengths="cumulative"), "per-sequence-lengths",
+                                                 "got computed by"),
+    "sparse_mode 3": (PrefillWiring(sparse_mode=3), "mask-and-sparse-mode", "sparse_mode must be 0"),
+    "a 2048 x 2048 uint8 mask": (PrefillWiring(mask=(2048, 2048), mask_dtype=np.uint8), "mask-and-sparse-mode",
+                                 "128 x 128 in the compute dtype"),
+    "a float32 mask": (PrefillWiring(mask_dtype=np.float32), "mask-and-sparse-mode", "got float32[128,128]"),
+}
+
+
+def test_the_right_prefill_wiring_passes(tmp_path):
+    assert checked_prefill(tmp_path, PrefillWiring()) == []
+
+
+@pytest.mark.parametrize("mistake", list(PREFILL_MISTAKES))
+def test_each_prefill_mistake_is_refused_naming_the_rule(tmp_path, mistake):
+    wiring, rule, phrase = PREFILL_MISTAKES[mistake]
+    found = checked_prefill(tmp_path, wiring)
+    assert found and all(v.startswith("FlashAttentionScore") for v in found), found
+    assert any(f"[{rule}]" in v and phrase in v for v in found), found

@@ -3,9 +3,9 @@ only that MindSpore's front end could infer types and shapes, and it accepts gra
 as meant (swapped caches, heads and kv heads swapped, lengths computed in the graph, int64 tables). Each rule
 says where it was read; a violation names the op, the node and the rule.
 
-Rules so far cover ReshapeAndCache and PagedAttention, as MindSpore 2.10 runs them with ``infer_boost`` on (the
-internal kernels every working 910B stack uses); FlashAttentionScore and ApplyRotaryPosEmb are still to come
-(docs/ascend.md, "What is verified without hardware").
+Rules so far cover ReshapeAndCache, PagedAttention and FlashAttentionScore, as MindSpore 2.10 runs them with
+``infer_boost`` on (the internal kernels every working 910B stack uses); ApplyRotaryPosEmb and the kernels' size
+limits are still to come (docs/ascend.md, "What is verified without hardware").
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ PA_HEAD_NUM, PA_SCALE, PA_KV_HEAD_NUM = 10, 11, 12
 RC_KEY, RC_VALUE, RC_KEY_CACHE, RC_VALUE_CACHE, RC_SLOTS = range(5)
 # the graph input the internal PagedAttention takes each sequence's context length from, by name
 KV_LENGTHS_INPUT = "batch_valid_length"
+# FlashAttentionScore(q, k, v, real_shift, drop_mask, padding_mask, attn_mask, prefix, actual_seq_qlen,
+# actual_seq_kvlen, head_num, keep_prob, scale_value, pre_tokens, next_tokens, inner_precise, input_layout,
+# sparse_mode): the internal kernel's indices (ops/kernel/ascend/internal/flash_attention_score.cc, CreateKernel)
+FA_MASK, FA_Q_LENS, FA_KV_LENS, FA_SPARSE_MODE = 6, 8, 9, 17
+# the graph inputs the internal FlashAttentionScore reads per-sequence lengths from when they are not a tuple
+FA_KV_LENGTH_INPUTS, FA_Q_LENGTH_INPUTS = ("batch_valid_length", "actual_seq_kvlen"), ("q_seq_lens", "actual_seq_qlen")
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,41 @@ def _pa_reads_what_was_written(graph: GraphNodes, node: OpNode) -> Iterator[str]
         yield f"no ReshapeAndCache writes the caches {key.name!r}, {value.name!r} in this graph"
 
 
+# ---- FlashAttentionScore ----------------------------------------------------------------------------------------
+def _per_sequence_lengths(graph: GraphNodes, source: Source, names: tuple[str, ...]) -> str | None:
+    """None if ``source`` is a constant tuple or one of the named graph inputs (through the ``TensorToTuple`` that
+    MindSpore inserts for a tensor passed as a tuple, and a ``Cast``, which keeps the values), else what it is."""
+    if source.kind == "constant" and isinstance(source.value, tuple):
+        return None
+    producer = graph.producer(source)
+    while producer is not None and producer.op in ("TensorToTuple", "Cast") and producer.inputs:
+        source = producer.inputs[0]
+        producer = graph.producer(source)
+    if source.kind == "input" and source.name in names:
+        return None
+    return _where(source)
+
+
+def _fa_lengths(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+    for index, what, names in ((FA_Q_LENS, "actual_seq_qlen", FA_Q_LENGTH_INPUTS + FA_KV_LENGTH_INPUTS),
+                               (FA_KV_LENS, "actual_seq_kvlen", FA_KV_LENGTH_INPUTS)):
+        got = _per_sequence_lengths(graph, node.inputs[index], names)
+        if got is not None:
+            yield (f"{what} must be each sequence's length, the graph input {' or '.join(map(repr, names))} (the "
+                   f"internal kernel reads per-sequence lengths), got {got}")
+
+
+def _fa_mask_and_sparse_mode(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+    sparse_mode, mask, query = node.inputs[FA_SPARSE_MODE].value, node.inputs[FA_MASK], _dtype(node.inputs[0])
+    if sparse_mode != 0:
+        yield f"sparse_mode must be 0 on the internal kernel's variable-length path, got {sparse_mode}"
+    info = mask.value if mask.kind == "constant" else mask.info
+    shape = getattr(info, "shape", None)
+    if shape != (128, 128) or getattr(info, "dtype", None) != query:
+        yield (f"the causal mask must be 128 x 128 in the compute dtype ({query}), got "
+               f"{info if info is not None else _where(mask)}")
+
+
 # ---- ReshapeAndCache --------------------------------------------------------------------------------------------
 def _rc_slots(graph: GraphNodes, node: OpNode) -> Iterator[str]:
     slots, key, cache = _dims(node.inputs[RC_SLOTS]), _dims(node.inputs[RC_KEY]), _dims(node.inputs[RC_KEY_CACHE])
@@ -149,6 +190,8 @@ def _rc_layout(graph: GraphNodes, node: OpNode) -> Iterator[str]:
 _PA_DOC = "mindspore.ops.auto_generate.PagedAttention (2.10 docstring)"
 _PA_KERNEL = "MindSpore 2.10 ops/kernel/ascend/internal/paged_attention.cc"
 _RC_DOC = "mindspore.ops.auto_generate.reshape_and_cache (2.10 docstring)"
+_FA_KERNEL = "MindSpore 2.10 ops/kernel/ascend/internal/flash_attention_score.cc"
+_MF_ATTENTION = "MindFormers 1.8 modules/infer_attention.py, whose exported prefill graphs pass it (tests_mindformers)"
 RULES = (
     Rule("PagedAttention", "lengths-from-graph-input",
          f"{_PA_KERNEL}: CreateKernel/UpdateParam take kv_seq_len from GetSeqLenFromGraphAndCheckUpadate("
@@ -165,6 +208,14 @@ RULES = (
     Rule("PagedAttention", "reads-the-written-caches",
          "the paged cache: PagedAttention must read, as key and value, the Parameters ReshapeAndCache wrote",
          _pa_reads_what_was_written),
+    Rule("FlashAttentionScore", "per-sequence-lengths",
+         f"{_FA_KERNEL}: UpdateSeqLen takes q_seq_len/kv_seq_len from inputs 8 and 9 as tuples (else from the graph "
+         f"inputs batch_valid_length/actual_seq_kvlen, q_seq_lens/actual_seq_qlen): one length per sequence; "
+         f"{_MF_ATTENTION}: batch_valid_length", _fa_lengths),
+    Rule("FlashAttentionScore", "mask-and-sparse-mode",
+         f"{_FA_KERNEL} (sparse_mode, mask dtype and dims handed to the kernel); {_MF_ATTENTION}: sparse_mode 0 "
+         "with a 128 x 128 causal mask in the compute dtype; docs/ascend.md: the internal kernel takes TH "
+         "only with sparse_mode 0", _fa_mask_and_sparse_mode),
     Rule("ReshapeAndCache", "int32-slots", f"{_RC_DOC}: slot_mapping int32 (num_tokens,); the tokens are the key's "
          "rows however it is shaped (MindFormers 1.8 passes (1, tokens, kv_heads * head_dim) in prefill)", _rc_slots),
     Rule("ReshapeAndCache", "cache-layout",

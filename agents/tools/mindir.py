@@ -114,6 +114,10 @@ class GraphNodes:
     def of(self, op: str) -> list[OpNode]:
         return [n for n in self.nodes if n.op == op]
 
+    def producer(self, source: Source) -> OpNode | None:
+        """The op node a ``node`` source comes from (None for graph inputs, Parameters and constants)."""
+        return next((n for n in self.nodes if n.name == source.name), None) if source.kind == "node" else None
+
 
 _PASS_THROUGH = ("Load", "Depend")
 _INT_TYPES = {"UINT8", "INT8", "UINT16", "INT16", "INT32", "INT64", "UINT32", "UINT64"}
