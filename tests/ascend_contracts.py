@@ -2,8 +2,8 @@
 them (loops over sequences, positions and heads, float64), to check the CPU stand-ins of
 ``agents.model.backends.ascend_reference`` on Ascend-layout tensors.
 
-Sources: the primitives' docstrings in MindSpore 2.10 (``mindspore.ops.auto_generate``) and CANN's
-FlashAttentionVarLenScore (TND) notes; see docs/ascend.md for the table of contracts.
+Sources: the primitives' docstrings in MindSpore 2.10 (``mindspore.ops.auto_generate``) and what the internal
+kernels read (``agents.tools.contracts`` cites each); see docs/ascend.md for the table of contracts.
 """
 
 from __future__ import annotations
@@ -73,18 +73,21 @@ def paged_attention(query: np.ndarray, key_cache: np.ndarray, value_cache: np.nd
     return out
 
 
-def flash_attention_th(query: np.ndarray, key: np.ndarray, value: np.ndarray, cum_q: np.ndarray,
-                       cum_kv: np.ndarray, heads: int, scale: float) -> np.ndarray:
-    """``FlashAttentionScore`` layout ``TH`` (rows ``[T, heads * head_dim]``), ``sparse_mode`` 3: sequence ``i``
-    is rows ``[cum[i-1], cum[i])`` of each side; query position ``p`` of a sequence of ``Lq`` rows attends to its
-    kv positions ``<= p + Lkv - Lq``; GQA as ``paged_attention``."""
+def flash_attention_th(query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: np.ndarray, q_lens: np.ndarray,
+                       kv_lens: np.ndarray, heads: int, scale: float) -> np.ndarray:
+    """``FlashAttentionScore`` layout ``TH`` (rows ``[T, heads * head_dim]``) on the internal kernel's path:
+    ``sparse_mode`` 0, ``mask`` the 128 x 128 causal mask (1 above the diagonal), per-sequence lengths: sequence
+    ``i`` is the next ``q_lens[i]`` rows of the query and ``kv_lens[i]`` of key and value; query position ``p`` of
+    a sequence of ``Lq`` rows attends to its kv positions ``<= p + Lkv - Lq``; GQA as ``paged_attention``."""
+    assert mask.shape == (128, 128) and (mask == np.triu(np.ones((128, 128)), 1)).all(), "not the causal mask"
+    assert (q_lens > 0).all() and (kv_lens > 0).all(), "an empty sequence"
+    assert q_lens.sum() == len(query) and kv_lens.sum() == len(key), "the lengths do not cover the rows"
     head_dim = query.shape[1] // heads
     kv_heads = key.shape[1] // head_dim
     group = heads // kv_heads
     out = np.zeros(query.shape)
     q_start = kv_start = 0
-    for q_end, kv_end in zip(cum_q, cum_kv):
-        lq, lk = q_end - q_start, kv_end - kv_start
+    for lq, lk in zip(q_lens, kv_lens):
         for p in range(lq):
             visible = range(kv_start, kv_start + min(lk, p + lk - lq + 1))
             for h in range(heads):
@@ -93,7 +96,7 @@ def flash_attention_th(query: np.ndarray, key: np.ndarray, value: np.ndarray, cu
                 keys = np.array([key[r, g * head_dim:(g + 1) * head_dim] for r in visible], np.float64)
                 values = np.array([value[r, g * head_dim:(g + 1) * head_dim] for r in visible], np.float64)
                 out[q_start + p, h * head_dim:(h + 1) * head_dim] = softmax(scale * keys @ q) @ values
-        q_start, kv_start = q_end, kv_end
+        q_start, kv_start = q_start + lq, kv_start + lk
     return out
 
 

@@ -2,7 +2,7 @@
 
 1. Each fused primitive's contract: the numpy reference (tests/ascend_contracts.py) against the CPU stand-in
    (agents/model/backends/ascend_reference.py) on Ascend-layout tensors: block caches ``[num_blocks, block_size,
-   kv_heads, head_dim]``, padded block-table entries, context lengths, ``TH`` cumulative lengths, GQA grouping,
+   kv_heads, head_dim]``, padded block-table entries, context lengths, ``TH`` per-sequence lengths, GQA grouping,
    slot mappings with padding slots.
 2. The Ascend backend's wiring (the same cells, caches and graph as on the NPU, with the stand-ins in place of
    the primitives) against Hugging Face: greedy ids equal in float32; in float16, against Hugging Face in float16,
@@ -133,30 +133,38 @@ def test_paged_attention_reads_each_context_through_its_block_table_with_gqa(dty
     np.testing.assert_array_equal(again, got)
 
 
+CAUSAL = np.triu(np.ones((128, 128)), 1)
+
+
 @pytest.mark.parametrize("q_lens,kv_lens", [((5, 7, 1, 3), (5, 7, 1, 3)), ((2, 3), (4, 3))],
                          ids=["prefill", "bottom-right"])
-def test_flash_attention_th_is_causal_within_each_cumulative_sequence(q_lens, kv_lens):
+def test_flash_attention_th_is_causal_within_each_sequence_of_its_lengths(q_lens, kv_lens):
     rng = np.random.default_rng(4)
-    cum_q, cum_kv = np.cumsum(q_lens), np.cumsum(kv_lens)
-    q = rng.normal(size=(cum_q[-1], HEADS * HEAD_DIM)).astype(np.float16)
-    k, v = (rng.normal(size=(cum_kv[-1], KV_HEADS * HEAD_DIM)).astype(np.float16) for _ in range(2))
+    q_lens, kv_lens = np.array(q_lens, np.int32), np.array(kv_lens, np.int32)
+    q = rng.normal(size=(q_lens.sum(), HEADS * HEAD_DIM)).astype(np.float16)
+    k, v = (rng.normal(size=(kv_lens.sum(), KV_HEADS * HEAD_DIM)).astype(np.float16) for _ in range(2))
     scale = HEAD_DIM ** -0.5
-    out = run(FlashAttentionThRef(HEADS, scale), q, k, v, None, None, None, None, None, cum_q.astype(np.int64),
-              cum_kv.astype(np.int64))[3]
-    want = contract.flash_attention_th(q, k, v, cum_q, cum_kv, HEADS, scale)
+    mask = CAUSAL.astype(np.float16)
+    out = run(FlashAttentionThRef(HEADS, scale), q, k, v, None, None, None, mask, None, q_lens, kv_lens)[3]
+    want = contract.flash_attention_th(q, k, v, mask, q_lens, kv_lens, HEADS, scale)
     np.testing.assert_allclose(out, want, atol=2e-3, rtol=2e-3)
 
 
 def test_stand_ins_answer_nan_outside_the_kernels_preconditions():
-    """So that a wiring mistake (an empty TH sequence, lengths not ending at the rows passed, an empty decode
-    context) fails the tests below instead of passing on a plausible answer."""
+    """So that a wiring mistake (an empty TH sequence, lengths not covering the rows passed, cumulative lengths,
+    another mask, an empty decode context) fails the tests below instead of passing on a plausible answer."""
     rng = np.random.default_rng(5)
     q = rng.normal(size=(8, HEADS * HEAD_DIM)).astype(np.float16)
     k = rng.normal(size=(8, KV_HEADS * HEAD_DIM)).astype(np.float16)
     flash = FlashAttentionThRef(HEADS, 0.25)
-    for cumulative in ([3, 3, 8], [3, 6, 7]):
-        cum = np.array(cumulative, np.int64)
-        assert np.isnan(run(flash, q, k, k, None, None, None, None, None, cum, cum)[3]).all()
+    mask = CAUSAL.astype(np.float16)
+    assert not np.isnan(run(flash, q, k, k, None, None, None, mask, None, *[np.array([3, 5], np.int32)] * 2)[3]).any()
+    for lengths in ([3, 0, 5], [3, 3, 1], [3, 6, 8]):  # empty, short of the rows, cumulative
+        lens = np.array(lengths, np.int32)
+        assert np.isnan(run(flash, q, k, k, None, None, None, mask, None, lens, lens)[3]).all()
+    for other in (np.triu(np.ones((128, 128)), 0), np.tril(np.ones((128, 128)), -1)):
+        lens = np.array([3, 5], np.int32)
+        assert np.isnan(run(flash, q, k, k, None, None, None, other.astype(np.float16), None, lens, lens)[3]).all()
     caches = [rng.normal(size=(4, 4, KV_HEADS, HEAD_DIM)).astype(np.float16) for _ in range(2)]
     out = run(PagedAttentionRef(HEADS, 0.25, KV_HEADS), q[:2].reshape(2, HEADS, HEAD_DIM), *caches,
               np.array([[1, 2], [3, 1]], np.int32), np.array([0, 5], np.int32))
@@ -183,8 +191,8 @@ def wired(request, tmp_path_factory):
     config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=320, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # head_dim 64
     model_dir = build_random_model(tmp_path_factory.mktemp("llama"), config, seed=7, std=0.2)
-    rc = RunnerConfig(num_blocks=80, block_size=4, max_model_len=64, prefill_batch_sizes=(3,),
-                      prefill_seq_lengths=(32,), decode_batch_sizes=(8,), decode_block_widths=(16,), dtype=dtype)
+    rc = RunnerConfig(num_blocks=40, block_size=16, max_model_len=64, prefill_batch_sizes=(3,),
+                      prefill_seq_lengths=(32,), decode_batch_sizes=(8,), decode_block_widths=(4,), dtype=dtype)
     runner = ModelRunner(config, load_weights(model_dir, config), rc, AscendBackend(ReferenceOps(config.head_dim)))
     runner.warmup()
     hf = load_hf(model_dir)
@@ -218,9 +226,13 @@ def test_greedy_matches_hugging_face(wired):
 
 def test_prompts_filling_their_bucket_leave_the_padding_sequence_only_the_appended_rows(wired):
     """A lone 32- or 48-token prompt fills its token bucket: the two empty sequences get one of the rows appended
-    in the graph each, so every TH length stays positive; the decode bucket of eight has seven padding rows
-    (context length 0), which attend over the dummy slot."""
+    in the graph each, so every TH length stays positive (the stand-in answers NaN otherwise); the decode bucket
+    of eight has seven padding rows (context length 1), which attend over the dummy slot."""
     config, runner, hf = wired
+    backend = runner.backend
+    assert backend.ragged_lengths(np.array([32, 0, 0], np.int32), 32).tolist() == [32, 1, 2]
+    assert backend.ragged_lengths(np.array([5, 9, 0], np.int32), 16).tolist() == [5, 9, 5]
+    assert backend.ragged_lengths(np.array([5, 9, 2], np.int32), 16).tolist() == [5, 9, 5]
     for n in (32, 48):
         (prompt,) = prompts(config, (n,), seed=n)
         assert runner.plan(contiguous_prefill([prompt], runner.rc.block_size))[0].tolist() == [0]
@@ -230,7 +242,7 @@ def test_prompts_filling_their_bucket_leave_the_padding_sequence_only_the_append
 def test_cache_has_the_block_layout_and_the_logits_output_is_kept(wired):
     config, runner, hf = wired
     for cache in runner.model.layers[0].attention.caches():
-        assert tuple(cache.shape) == (80, 4, config.num_key_value_heads, config.head_dim)
+        assert tuple(cache.shape) == (40, 16, config.num_key_value_heads, config.head_dim)
     batch_prompts = prompts(config, (6, 11), seed=3)
     logits = runner.step_logits(contiguous_prefill(batch_prompts, runner.rc.block_size))
     assert logits.dtype == np.float32 and logits.shape == (2, config.vocab_size)

@@ -242,7 +242,10 @@ class ModelRunner:
         kind, b, n = shape
         if kind in ("mixed", "chunk"):
             return warmup_arrays(kind, b, n, self.rc.max_blocks_per_seq, self.rc.max_model_len)
-        return self._warmup_inputs(kind, b, n)
+        arrays = self._warmup_inputs(kind, b, n)
+        if kind == "ragged":
+            arrays[3] = self.backend.ragged_lengths(arrays[3], n)
+        return arrays
 
     @staticmethod
     def _padded_inputs(batch: int, tokens: int, width: int) -> list[np.ndarray]:
@@ -354,7 +357,9 @@ class ModelRunner:
             shape = self._ragged_shape(total)
             if shape is None or batch.batch_size > shape[1]:
                 raise ValueError(f"no ragged prefill bucket holds {batch.batch_size} prompts of {total} tokens")
-            return shape, ragged_arrays(batch, shape[1], shape[2])
+            arrays = ragged_arrays(batch, shape[1], shape[2])
+            arrays[3] = self.backend.ragged_lengths(arrays[3], shape[2])
+            return shape, arrays
         lengths = batch.query_lens if batch.is_prefill else batch.context_lens
         shape = self.shape_for(batch.is_prefill, batch.batch_size, int(lengths.max()))
         if shape is None:

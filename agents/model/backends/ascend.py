@@ -2,24 +2,26 @@
 they take, ``[num_blocks, block_size, kv_heads, head_dim]`` per layer for K and for V.
 
 Per layer and step: ``ApplyRotaryPosEmb`` ropes Q and K, ``ReshapeAndCache`` writes K/V at ``slot_mapping``, then
-``FlashAttentionScore`` (layout ``TH``: the prompts back to back, causal within each by cumulative lengths)
-attends in prefill and ``PagedAttention`` (GQA, through the block tables) in decode. Projections are ``RmsNorm`` +
-one fused QKV or gate/up ``MatMul`` (+ ``Swiglu``); the greedy pick is ``ArgMaxWithValue`` over float32 logits.
-These kernels have no CPU implementation; on CPU their graphs are exported (``agents.tools.export``) and their wiring
-runs with stand-ins of the same contracts (``agents.model.backends.ascend_reference``), see docs/ascend.md.
+``FlashAttentionScore`` (layout ``TH``: the prompts back to back) attends in prefill and ``PagedAttention`` (GQA,
+through the block tables) in decode. Projections are ``RmsNorm`` + one fused QKV or gate/up ``MatMul`` (+
+``Swiglu``); the greedy pick is ``ArgMaxWithValue`` over float32 logits. These kernels have no CPU implementation;
+on CPU their graphs are exported (``agents.tools.export``), checked against the contracts the internal kernels
+read (``agents.tools.contracts``) and their wiring runs with stand-ins of the same contracts
+(``agents.model.backends.ascend_reference``), see docs/ascend.md.
 
-Contracts we rely on (and their CPU checks in tests/test_ascend_reference.py):
+Conventions, as MindSpore 2.10's internal kernels (``infer_boost`` on) read them and the working 910B stacks pass
+them (MindFormers 1.8, vllm-mindspore):
+- both attention kernels take each sequence's length from the step's graph input ``batch_valid_length`` itself
+  (its host values, by name), so the graph never computes lengths: the runner prepares them
+  (``decode_padding_length``, ``ragged_lengths``);
+- prefill FlashAttention: ``sparse_mode`` 0 with the 128 x 128 causal mask in the compute dtype, per-sequence
+  lengths (not cumulative) that cover every row passed, none empty: the graph appends ``max_seqs`` zero rows to
+  the bucket's ``tokens``, each padding sequence gets one row and the last sequence the rest. Real prompts come
+  first and are causal, so rows after them never reach them;
 - the cache write stays in a graph only where its result is consumed on that graph's path, so the query depends
-  on it before the prefill/decode branch (consumed only in the prefill branch, the write silently left the
-  decode graphs: tests/test_ascend_export.py; the shared notes saw it with ``depend(key, ...)``);
+  on it before the prefill/decode branch (tests/test_ascend_export.py);
 - padding tokens write to slot 0 of the dummy block 0, which no sequence reads; padding decode rows get context
-  length 1 from the runner (``decode_padding_length``) and attend over that slot, so no kernel sees an empty
-  context; PagedAttention takes the step's graph input ``batch_valid_length`` itself, since the internal kernel
-  reads the lengths from that named input (``agents.tools.contracts``);
-- the ``TH`` lengths are strictly increasing and end at the rows passed: each padding sequence gets one row and
-  the last sequence the rest, of ``tokens + max_seqs`` rows (the bucket plus ``max_seqs`` zero rows appended),
-  so no sequence is empty whatever the CANN version says about empty ones. Real prompts come first and are
-  causal, so rows after them never reach them.
+  length 1 and attend over that slot, so no kernel sees an empty context.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from mindspore.ops.auto_generate import (
 from agents.model.backends.base import Attention, OpsBackend
 from llm_serving.protocol.model_config import ASCEND_DTYPES, LlamaConfig
 
-FLASH_MASK_SIZE = 2048  # the compressed causal mask sparse modes 2/3 take
+CAUSAL_MASK_SIZE = 128  # the internal FlashAttention's causal mask with sparse_mode 0, in the compute dtype
 # Limits of the kernels MindSpore 2.10 ships (lib/plugin/ascend/ms_kernels_internal, their error strings) and of
 # the primitives' docs; MindSpore's export checks none of them.
 HEAD_DIMS = (64, 128, 256)  # "lower triangle mode can only support head_dim = (64, 128, 256)" (FA); PA: x16, <= 256
@@ -52,10 +54,11 @@ MAX_HEADS = 256  # FlashAttentionScore doc: N1 in 1..256
 MAX_TH_BATCH = 1024  # FlashAttentionScore doc: TND takes at most 1024 sequences
 
 
-@lru_cache(maxsize=1)
-def causal_mask() -> Tensor:
-    """The compressed causal mask of FlashAttentionScore's sparse modes 2/3 (1 = masked), one for all layers."""
-    return Tensor(np.triu(np.ones((FLASH_MASK_SIZE, FLASH_MASK_SIZE), np.uint8), 1))
+@lru_cache(maxsize=2)
+def causal_mask(dtype: ms.Type) -> Tensor:
+    """The causal mask the internal FlashAttention takes with ``sparse_mode`` 0 (1 = masked; MindFormers 1.8 and
+    vllm-mindspore pass the same), one for all layers."""
+    return Tensor(np.triu(np.ones((CAUSAL_MASK_SIZE, CAUSAL_MASK_SIZE)), 1), dtype)
 
 
 class FusedOps:
@@ -87,8 +90,8 @@ class FusedOps:
 
     def flash_attention(self, heads: int, scale: float):
         """``(q [T, N*D], k, v [T, Nkv*D], ..., attn_mask, prefix, actual_seq_qlen, actual_seq_kvlen)``, output 3;
-        causal (``sparse_mode`` 3 with the 2048 x 2048 mask) within each sequence of the cumulative lengths."""
-        return FlashAttentionScore(heads, scale_value=scale, next_tokens=0, input_layout="TH", sparse_mode=3)
+        causal within each sequence of the per-sequence lengths (``sparse_mode`` 0 with the 128 x 128 mask)."""
+        return FlashAttentionScore(heads, scale_value=scale, next_tokens=0, input_layout="TH", sparse_mode=0)
 
     def argmax_with_value(self):
         """``(x) -> (index, max)`` over the last axis."""
@@ -113,7 +116,7 @@ class AscendAttention(Attention):
         self.cache_write = fused.reshape_and_cache()
         self.paged = fused.paged_attention(self.n_heads, scale, self.n_kv)
         self.flash = fused.flash_attention(self.n_heads, scale)
-        self.causal_mask = causal_mask()
+        self.causal_mask = causal_mask(dtype)
 
     def caches(self) -> tuple[Parameter, ...]:
         return (self.key_cache, self.value_cache)
@@ -131,16 +134,13 @@ class AscendAttention(Attention):
         return self.decode(q, block_tables, lens)
 
     def prefill(self, q: Tensor, k: Tensor, v: Tensor, lens: Tensor) -> Tensor:
-        """Causal attention within each prompt, prompts back to back (``TH``), see the module doc for the rows."""
+        """Causal attention within each prompt, prompts back to back (``TH``); ``lens`` is the graph input
+        ``batch_valid_length`` as ``ragged_lengths`` fills it, covering the bucket plus the rows appended here."""
         tokens, seqs = q.shape[0], lens.shape[0]
-        rows = tokens + seqs
         q = ops.concat((q, ops.zeros((seqs, self.hidden), q.dtype)))
         k = ops.concat((k, ops.zeros((seqs, self.kv_dim), k.dtype)))
         v = ops.concat((v, ops.zeros((seqs, self.kv_dim), v.dtype)))
-        ends = ops.cumsum(ops.maximum(lens, 1), 0).astype(ms.int64)
-        last = (ops.arange(seqs) == seqs - 1).astype(ms.int64)
-        cumulative = ends * (1 - last) + rows * last
-        out = self.flash(q, k, v, None, None, None, self.causal_mask, None, cumulative, cumulative)[3]
+        out = self.flash(q, k, v, None, None, None, self.causal_mask, None, lens, lens)[3]
         return out[:tokens]
 
     def decode(self, q: Tensor, block_tables: Tensor, context_lens: Tensor) -> Tensor:
@@ -199,6 +199,14 @@ class AscendBackend(OpsBackend):
     kernels = "native"
     ragged_prefill = True
     decode_padding_length = 1
+
+    @staticmethod
+    def ragged_lengths(lens: np.ndarray, tokens: int) -> np.ndarray:
+        """``batch_valid_length`` of a ragged prefill as FlashAttention reads it: every sequence at least one row,
+        the lengths summing to the ``tokens + len(lens)`` rows it attends over (``AscendAttention.prefill``)."""
+        out = np.maximum(lens, 1).astype(np.int32)
+        out[-1] += tokens + len(lens) - int(out.sum())
+        return out
 
     def __init__(self, fused: FusedOps | None = None) -> None:
         self.fused = fused if fused is not None else FusedOps()

@@ -11,6 +11,7 @@ float32 and cast back, as the NPU kernels accumulate; they are for checks, not s
 from __future__ import annotations
 
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, nn, ops
 
 
@@ -113,32 +114,33 @@ class PagedAttentionRef(nn.Cell):
 
 
 class FlashAttentionThRef(nn.Cell):
-    """``FlashAttentionScore`` in layout ``TH`` with ``sparse_mode`` 3 (causal aligned at the bottom right):
-    rows ``[cum[i-1], cum[i])`` are sequence ``i`` for the cumulative ``actual_seq_qlen``/``actual_seq_kvlen``;
-    query row at position ``p`` of a sequence of ``Lq`` rows attends to that sequence's kv positions ``<= p + Lkv -
-    Lq``; GQA as PagedAttention. Returns the primitive's four outputs, the attention at index 3 (the softmax
-    statistics are not computed: the backend never reads them). All NaN unless every sequence has rows on both
-    sides and the last cumulative lengths equal the rows passed (TND's documented preconditions)."""
+    """``FlashAttentionScore`` in layout ``TH`` as the internal kernel runs it with ``sparse_mode`` 0 and the 128 x
+    128 causal mask: ``actual_seq_qlen``/``actual_seq_kvlen`` are per-sequence lengths, sequence ``i`` the next
+    ``len[i]`` rows of each side; query position ``p`` of a sequence of ``Lq`` rows attends to its kv positions
+    ``<= p + Lkv - Lq``; GQA as PagedAttention. Returns the primitive's four outputs, the attention at index 3
+    (the softmax statistics are not computed: the backend never reads them). All NaN unless the mask is that
+    causal mask and every sequence has rows on both sides, the lengths summing to the rows passed."""
 
     def __init__(self, heads: int, scale: float) -> None:
         super().__init__()
         self.heads = heads
         self.scale = scale
+        self.causal = Tensor(np.triu(np.ones((128, 128), np.float32), 1))
 
     @staticmethod
-    def well_formed(rows: int, cumulative: Tensor) -> Tensor:
-        lengths = cumulative - ops.concat((ops.zeros(1, cumulative.dtype), cumulative[:-1]))
-        return ops.logical_and((lengths > 0).all(), cumulative[-1] == rows)
+    def well_formed(rows: int, lengths: Tensor) -> Tensor:
+        return ops.logical_and((lengths > 0).all(), lengths.astype(ms.int64).sum() == rows)
 
-    def positions(self, rows: int, cumulative: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    @staticmethod
+    def positions(rows: int, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Per row: its sequence, its position in it and the sequence's length."""
+        lengths = lengths.astype(ms.int64)
+        ends = ops.cumsum(lengths, 0)
         idx = ops.arange(rows).astype(ms.int64)
-        seq = (idx.reshape(rows, 1) >= cumulative.reshape(1, -1)).astype(ms.int32).sum(1).astype(ms.int32)
-        seq = ops.minimum(seq, cumulative.shape[0] - 1)  # rows past the last length (ill-formed: poisoned)
-        starts = ops.concat((ops.zeros(1, ms.int64), cumulative[:-1]))
-        start = ops.gather(starts, seq, 0)
-        length = ops.gather(cumulative, seq, 0) - start
-        return seq, idx - start, length
+        seq = (idx.reshape(rows, 1) >= ends.reshape(1, -1)).astype(ms.int32).sum(1).astype(ms.int32)
+        seq = ops.minimum(seq, lengths.shape[0] - 1)  # rows past the last length (ill-formed: poisoned)
+        start = ops.gather(ends - lengths, seq, 0)
+        return seq, idx - start, ops.gather(lengths, seq, 0)
 
     def construct(self, query: Tensor, key: Tensor, value: Tensor, real_shift, drop_mask, padding_mask, attn_mask,
                   prefix, actual_seq_qlen: Tensor, actual_seq_kvlen: Tensor):
@@ -161,6 +163,7 @@ class FlashAttentionThRef(nn.Cell):
         probs = ops.softmax(scores, -1).reshape(kv_heads, rep * tq, tk)
         out = ops.BatchMatMul()(probs, v).reshape(kv_heads, rep, tq, head_dim).transpose(2, 0, 1, 3)
         valid = ops.logical_and(self.well_formed(tq, actual_seq_qlen), self.well_formed(tk, actual_seq_kvlen))
+        valid = ops.logical_and(valid, (_f32(attn_mask) == self.causal).all())
         out = _poison(out.reshape(tq, self.heads * head_dim), valid).astype(query.dtype)
         return out, out, out, out
 

@@ -11,6 +11,7 @@ graphs contain only its own ops. A graph-mode ``construct`` may branch only on l
 from __future__ import annotations
 
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, nn
 
 from agents.model.backends import graph_ops
@@ -73,6 +74,13 @@ class OpsBackend:
             raise ValueError(f"model_config.precision {precision} needs the native CPU kernels (model_config.kernels "
                              f"auto or native, on CPU with g++); the {self.name} ops backend computes exactly only")
         return self
+
+    @staticmethod
+    def ragged_lengths(lens: np.ndarray, tokens: int) -> np.ndarray:
+        """The ``batch_valid_length`` input of a ragged prefill of ``tokens`` rows from its prompt lengths (0 for
+        padding sequences): as they are, where the graph reads them; a backend whose kernel reads the lengths
+        itself fills them as that kernel requires (Ascend)."""
+        return lens
 
     def check(self, config: LlamaConfig, block_size: int, max_prefill_batch: int) -> None:
         """Raise ``ValueError`` naming what this backend's kernels cannot run (before any graph is built)."""
