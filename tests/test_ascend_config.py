@@ -4,6 +4,9 @@ the Ascend graph settings and backend choice, and the float32-on-Ascend refusal 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 
 import pytest
 from mindspore import nn
@@ -18,6 +21,7 @@ from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.engine.wiring import ModelFiles, agent_spec, runner_config_dict
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
+from tests.script_runner import ROOT
 
 ASCEND = {"model_config": {"device_target": "Ascend", "dtype": "float16"}}
 
@@ -82,12 +86,22 @@ def test_each_rank_runs_on_start_device_id_plus_its_rank(tmp_path, monkeypatch):
     assert [(rc.device_target, rc.device_id) for rc in built] == [("Ascend", 4), ("Ascend", 5)]
 
 
-def test_ascend_step_graphs_run_kernel_by_kernel_and_cpu_graphs_keep_the_defaults():
+def test_ascend_step_graphs_run_kernel_by_kernel_with_infer_boost_and_cpu_graphs_keep_the_defaults():
     ascend, cpu = nn.Cell(), nn.Cell()
     apply_jit_config(ascend, "Ascend")
     apply_jit_config(cpu, "CPU")
-    assert ascend.jit_config_dict["jit_level"] == "O0"
+    assert ascend.jit_config_dict["jit_level"] == "O0" and ascend.jit_config_dict["infer_boost"] == "on"
     assert not cpu.jit_config_dict
+
+
+def test_an_ascend_process_turns_infer_boost_and_the_internal_kernels_on_before_choosing_its_device():
+    """In a process of its own (the context is global): MindSpore selects the internal kernels only with
+    ``infer_boost`` on (agents/runtime/device.py); ``set_device`` is recorded, since this machine has no NPU."""
+    out = subprocess.run([sys.executable, "tests/ascend_setup_probe.py"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120, check=True).stdout
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen == {"set_device": [["Ascend", 3]], "jit_config": {"jit_level": "O0", "infer_boost": "on"},
+                    "mode": 0, "env": "on"}
 
 
 def test_the_ascend_backend_is_the_devices_own_for_half_precision():
