@@ -10,12 +10,17 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 from mindspore import Parameter, Tensor, export, nn, ops
-from mindspore.ops.auto_generate import FlashAttentionScore, PagedAttention, ReshapeAndCache
+from mindspore.ops.auto_generate import (
+    ApplyRotaryPosEmb,
+    FlashAttentionScore,
+    PagedAttention,
+    ReshapeAndCache,
+)
 
 from agents.tools.contracts import RULES, check_graph
 from agents.tools.mindir import read_graph
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCKS, BLOCK_SIZE, BATCH, WIDTH = 4, 2, 32, 8, 16, 4, 2
+HEADS, KV_HEADS, HEAD_DIM, BLOCKS, BLOCK_SIZE, BATCH, WIDTH = 4, 2, 64, 8, 16, 4, 2
 
 
 @dataclass(frozen=True)
@@ -27,32 +32,46 @@ class Wiring:
     scale: float = HEAD_DIM ** -0.5
     query: str = "BND"  # BND (tokens, heads, head_dim), BH (tokens, heads * head_dim) or B1ND
     cache: str = "BSND"  # the caches' block layout: BSND (blocks, block_size, kv_heads, d) or BNSD
+    block_size: int = BLOCK_SIZE
     read_swapped: bool = False  # PagedAttention reads value_cache as its key cache and the other way round
     tables_and_lens_swapped: bool = False
     lens: str = "input"  # input (the graph input batch_valid_length), computed (max(., 1)) or renamed (lens)
     tables_dtype: type = np.int32
     slots_dtype: type = np.int32
     lens_dtype: type = np.int32
+    cos_format: int = 2
+    rope_on: str = "key"  # what ApplyRotaryPosEmb ropes beside the query: key, or value (the mistake)
+    cos_width: int = HEAD_DIM
+    rope_positions: str = "lengths"  # lengths (batch_valid_length) or positions (another graph input)
+    attend_raw_query: bool = False  # PagedAttention reads the query before the rotary embedding
 
 
 class DecodeStep(nn.Cell):
     def __init__(self, w: Wiring) -> None:
         super().__init__()
         self.w = w
+        self.rope = ApplyRotaryPosEmb(w.cos_format)
         self.attend = PagedAttention(w.heads, w.scale, w.kv_heads)
         self.write = ReshapeAndCache()
-        shape = ((BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM) if w.cache == "BSND"
-                 else (BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD_DIM))
+        shape = ((BLOCKS, w.block_size, KV_HEADS, HEAD_DIM) if w.cache == "BSND"
+                 else (BLOCKS, KV_HEADS, w.block_size, HEAD_DIM))
         self.key_cache = Parameter(Tensor(np.zeros(shape, np.float16)), name="key_cache")
         self.value_cache = Parameter(Tensor(np.zeros(shape, np.float16)), name="value_cache")
 
-    def step(self, query, key, value, slot_mapping, block_tables, lengths):
+    def step(self, query, key, value, cos, sin, positions, slot_mapping, block_tables, lengths):
+        at = lengths if self.w.rope_positions == "lengths" else positions
+        if self.w.rope_on == "key":
+            roped_query, key = self.rope(query, key, cos, sin, at)
+        else:
+            roped_query, value = self.rope(query, value, cos, sin, at)
         written = self.write(key, value, self.key_cache, self.value_cache, slot_mapping)
-        query = ops.depend(query, written)
+        query = ops.depend(query if self.w.attend_raw_query else roped_query, written)
         if self.w.query == "BH":
             query = query.reshape(BATCH, HEADS * HEAD_DIM)
         elif self.w.query == "B1ND":
             query = query.reshape(BATCH, 1, HEADS, HEAD_DIM)
+        else:
+            query = query.reshape(BATCH, HEADS, HEAD_DIM)
         if self.w.lens == "computed":
             lengths = ops.maximum(lengths, 1)
         caches = (self.value_cache, self.key_cache) if self.w.read_swapped else (self.key_cache, self.value_cache)
@@ -61,19 +80,20 @@ class DecodeStep(nn.Cell):
 
 
 class DecodeStepNamed(DecodeStep):
-    def construct(self, query, key, value, slot_mapping, block_tables, batch_valid_length):
-        return self.step(query, key, value, slot_mapping, block_tables, batch_valid_length)
+    def construct(self, query, key, value, cos, sin, positions, slot_mapping, block_tables, batch_valid_length):
+        return self.step(query, key, value, cos, sin, positions, slot_mapping, block_tables, batch_valid_length)
 
 
 class DecodeStepOtherName(DecodeStep):
-    def construct(self, query, key, value, slot_mapping, block_tables, lens):
-        return self.step(query, key, value, slot_mapping, block_tables, lens)
+    def construct(self, query, key, value, cos, sin, positions, slot_mapping, block_tables, lens):
+        return self.step(query, key, value, cos, sin, positions, slot_mapping, block_tables, lens)
 
 
 def checked(tmp_path, w: Wiring) -> list[str]:
     cell = (DecodeStepOtherName if w.lens == "renamed" else DecodeStepNamed)(w)
-    inputs = [np.zeros((BATCH, HEADS, HEAD_DIM), np.float16), np.zeros((BATCH, KV_HEADS * HEAD_DIM), np.float16),
-              np.zeros((BATCH, KV_HEADS * HEAD_DIM), np.float16), np.zeros(BATCH, w.slots_dtype),
+    rows = np.zeros((BATCH, KV_HEADS * HEAD_DIM), np.float16)
+    inputs = [np.zeros((BATCH, HEADS * HEAD_DIM), np.float16), rows, rows, np.ones((BATCH, w.cos_width), np.float16),
+              np.zeros((BATCH, w.cos_width), np.float16), np.zeros(BATCH, np.int32), np.zeros(BATCH, w.slots_dtype),
               np.zeros((BATCH, WIDTH), w.tables_dtype), np.ones(BATCH, w.lens_dtype)]
     path = tmp_path / "step"
     export(cell, *(Tensor(a) for a in inputs), file_name=str(path), file_format="MINDIR")
@@ -83,11 +103,13 @@ def checked(tmp_path, w: Wiring) -> list[str]:
 RIGHT = Wiring()
 MISTAKES = {  # each exports without complaint; the rule that refuses it, and a phrase of its message
     "heads and kv_heads swapped": (replace(RIGHT, heads=KV_HEADS, kv_heads=HEADS), "head-counts-and-layout",
-                                   "is neither (tokens, head_num 2, head_dim 32)"),
+                                   "is neither (tokens, head_num 2, head_dim 64)"),
     "head_num doubled": (replace(RIGHT, heads=2 * HEADS), "head-counts-and-layout", "for head_num 8"),
     "2-D query": (replace(RIGHT, query="BH"), "head-counts-and-layout", "query must be 3-D"),
     "4-D query": (replace(RIGHT, query="B1ND"), "head-counts-and-layout", "query must be 3-D"),
     "BNSD cache": (replace(RIGHT, cache="BNSD"), "head-counts-and-layout", "caches' 16 kv heads"),
+    "BNSD cache, as the write sees it": (replace(RIGHT, cache="BNSD"), "cache-layout",
+                                         "is neither head_dim 64 nor a token's row 16 x 64"),
     "key and value caches swapped": (replace(RIGHT, read_swapped=True), "reads-the-written-caches", "swapped"),
     "block_tables and context_lens swapped": (replace(RIGHT, tables_and_lens_swapped=True),
                                               "lengths-from-graph-input", "got input 'block_tables'"),
@@ -100,7 +122,17 @@ MISTAKES = {  # each exports without complaint; the rule that refuses it, and a 
     "int64 context lengths": (replace(RIGHT, lens_dtype=np.int64), "int32-tables-and-lengths",
                               "context_lens must be int32, got int64"),
     "int64 slot mapping": (replace(RIGHT, slots_dtype=np.int64), "int32-slots", "slot_mapping must be int32"),
-    "wrong scale": (replace(RIGHT, scale=1.0), "scale", "scale_value 1 is not 1/sqrt(head_dim 32)"),
+    "wrong scale": (replace(RIGHT, scale=1.0), "scale", "scale_value 1 is not 1/sqrt(head_dim 64)"),
+    "block size 8": (replace(RIGHT, block_size=8), "kernel-limits", "block_size 8 (dim 1 of the caches) is not one"),
+    "block size 256": (replace(RIGHT, block_size=256), "kernel-limits", "is not one of 16, 32"),
+    "cos_format 0": (replace(RIGHT, cos_format=0), "cos-format", "cos_format must be 2"),
+    "RoPE applied to V": (replace(RIGHT, rope_on="value"), "caches-the-roped-key", "the key must be output 1"),
+    "half-width cos/sin": (replace(RIGHT, cos_width=HEAD_DIM // 2), "tables-and-positions",
+                           "rows of 32 values are not head_dim 64 wide"),
+    "RoPE positions from another input": (replace(RIGHT, rope_positions="positions"), "tables-and-positions",
+                                          "position_ids must be the graph input 'batch_valid_length'"),
+    "attending the query before RoPE": (replace(RIGHT, attend_raw_query=True), "roped-query",
+                                        "the query must be output 0 of ApplyRotaryPosEmb"),
 }
 
 
@@ -114,42 +146,58 @@ def test_each_wiring_mistake_is_refused_naming_the_op_and_the_rule(tmp_path, mis
     found = checked(tmp_path, wiring)
     assert any(f"[{rule}]" in v and phrase in v for v in found), found
     op = next(r.op for r in RULES if r.name == rule)
-    assert all(v.startswith(("PagedAttention", "ReshapeAndCache")) for v in found)
     assert any(v.startswith(op) and f"[{rule}]" in v for v in found)
 
 
-def test_every_rule_says_where_it_was_read():
+def test_every_rule_says_where_it_was_read_and_is_shown_failing():
     assert len({r.name for r in RULES}) == len(RULES)
-    assert all(r.source and r.op in ("PagedAttention", "ReshapeAndCache", "FlashAttentionScore") for r in RULES)
+    assert all(r.source and r.op in ("PagedAttention", "ReshapeAndCache", "FlashAttentionScore",
+                                     "ApplyRotaryPosEmb") for r in RULES)
+    shown = {rule for _, rule, _ in [*MISTAKES.values(), *PREFILL_MISTAKES.values()]}
+    assert shown == {r.name for r in RULES}
 
 
 @dataclass(frozen=True)
 class PrefillWiring:
-    """One ragged prefill's FlashAttentionScore (layout TH); the defaults are as MindFormers 1.8 passes it."""
+    """One ragged prefill (layout TH): rope, cache write and FlashAttentionScore; the defaults are as MindFormers
+    1.8 passes them."""
 
     lengths: str = "input"  # input (batch_valid_length per sequence) or cumulative (computed in the graph)
     sparse_mode: int = 0
     mask: tuple[int, int] = (128, 128)
     mask_dtype: type = np.float16
+    heads: int = HEADS
+    scale: float = HEAD_DIM ** -0.5
+    attend_raw_key: bool = False  # FlashAttention reads the key before the rotary embedding
 
 
 class PrefillStep(nn.Cell):
     def __init__(self, w: PrefillWiring) -> None:
         super().__init__()
         self.w = w
-        self.flash = FlashAttentionScore(HEADS, scale_value=HEAD_DIM ** -0.5, next_tokens=0, input_layout="TH",
+        self.rope = ApplyRotaryPosEmb(2)
+        self.write = ReshapeAndCache()
+        self.flash = FlashAttentionScore(w.heads, scale_value=w.scale, next_tokens=0, input_layout="TH",
                                          sparse_mode=w.sparse_mode)
         self.mask = Tensor(np.triu(np.ones(w.mask, w.mask_dtype), 1))
+        shape = (BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        self.key_cache = Parameter(Tensor(np.zeros(shape, np.float16)), name="key_cache")
+        self.value_cache = Parameter(Tensor(np.zeros(shape, np.float16)), name="value_cache")
 
-    def construct(self, query, key, value, batch_valid_length):
+    def construct(self, query, key, value, cos, sin, slot_mapping, batch_valid_length):
+        roped_query, roped_key = self.rope(query, key, cos, sin, batch_valid_length)
+        written = self.write(roped_key, value, self.key_cache, self.value_cache, slot_mapping)
+        roped_query = ops.depend(roped_query, written)
         lengths = ops.cumsum(batch_valid_length, 0) if self.w.lengths == "cumulative" else batch_valid_length
-        return self.flash(query, key, value, None, None, None, self.mask, None, lengths, lengths)[3]
+        attended_key = key if self.w.attend_raw_key else roped_key
+        return self.flash(roped_query, attended_key, value, None, None, None, self.mask, None, lengths, lengths)[3]
 
 
 def checked_prefill(tmp_path, w: PrefillWiring) -> list[str]:
     tokens = 2 * 8
-    inputs = [np.zeros((tokens, HEADS * HEAD_DIM), np.float16), np.zeros((tokens, KV_HEADS * HEAD_DIM), np.float16),
-              np.zeros((tokens, KV_HEADS * HEAD_DIM), np.float16), np.full(2, 8, np.int32)]
+    rows = np.zeros((tokens, KV_HEADS * HEAD_DIM), np.float16)
+    inputs = [np.zeros((tokens, HEADS * HEAD_DIM), np.float16), rows, rows, np.ones((tokens, HEAD_DIM), np.float16),
+              np.zeros((tokens, HEAD_DIM), np.float16), np.zeros(tokens, np.int32), np.full(2, 8, np.int32)]
     path = tmp_path / "prefill"
     export(PrefillStep(w), *(Tensor(a) for a in inputs), file_name=str(path), file_format="MINDIR")
     return [str(v) for v in check_graph(read_graph(path.with_suffix(".mindir")))]
@@ -162,6 +210,12 @@ PREFILL_MISTAKES = {
     "a 2048 x 2048 uint8 mask": (PrefillWiring(mask=(2048, 2048), mask_dtype=np.uint8), "mask-and-sparse-mode",
                                  "128 x 128 in the compute dtype"),
     "a float32 mask": (PrefillWiring(mask_dtype=np.float32), "mask-and-sparse-mode", "got float32[128,128]"),
+    "FlashAttention head_num doubled": (PrefillWiring(heads=2 * HEADS), "heads-scale-and-head-dim",
+                                        "head_num 8 x head_dim 64 (the caches') is not the query's width 256"),
+    "FlashAttention wrong scale": (PrefillWiring(scale=1.0), "heads-scale-and-head-dim",
+                                   "scale_value 1 is not 1/sqrt(head_dim 64)"),
+    "FlashAttention reads the key before RoPE": (PrefillWiring(attend_raw_key=True), "roped-query-and-key",
+                                                 "the key must be output 1 of ApplyRotaryPosEmb"),
 }
 
 
@@ -175,3 +229,4 @@ def test_each_prefill_mistake_is_refused_naming_the_rule(tmp_path, mistake):
     found = checked_prefill(tmp_path, wiring)
     assert found and all(v.startswith("FlashAttentionScore") for v in found), found
     assert any(f"[{rule}]" in v and phrase in v for v in found), found
+

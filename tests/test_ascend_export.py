@@ -15,6 +15,7 @@ from mindspore import ops
 
 from agents.model.backends.ascend import AscendAttention, AscendBackend, FusedOps
 from agents.runtime.runner import RunnerConfig, warmup_shapes
+from agents.tools.contracts import check_graph
 from agents.tools.export import export_graphs, export_runner
 from agents.tools.mindir import FUSED_PRIMITIVES, TensorInfo, read_graph, read_mindir
 from agents.weights.checkpoints import load_weights
@@ -145,9 +146,16 @@ def test_kernel_limits_that_export_does_not_check_are_ours(tmp_path):
 
     ((_, graph),) = export_graphs(runner(odd_weights, rc, Unchecked(), odd), tmp_path, [("decode", 1, 4)])
     assert graph.fused()["PagedAttention"] == LAYERS
+    found = [str(v) for v in check_graph(read_graph(graph.path))]  # export --check refuses the graph too
+    assert found and all("[kernel-limits] head_dim 24 must be a multiple of 16" in v for v in found), found
     backend = AscendBackend()
-    with pytest.raises(ValueError, match="block_size 512 x head_dim 64 exceeds 16384"):
-        backend.check(CONFIG, 512, 2)
+    for block_size in (8, 512):
+        with pytest.raises(ValueError, match=f"pa_config.block_size {block_size} must be one of 16, 32, 64, 128"):
+            backend.check(CONFIG, block_size, 2)
+    wide = LlamaConfig(**{**CONFIG.__dict__, "hidden_size": 1024})  # head_dim 256
+    backend.check(wide, 64, 2)
+    with pytest.raises(ValueError, match="block_size 128 x head_dim 256 exceeds 16384"):
+        backend.check(wide, 128, 2)
     with pytest.raises(ValueError, match="prefill_batch_size 2000 exceeds 1024"):
         backend.check(CONFIG, 16, 2000)
 

@@ -3,9 +3,10 @@ only that MindSpore's front end could infer types and shapes, and it accepts gra
 as meant (swapped caches, heads and kv heads swapped, lengths computed in the graph, int64 tables). Each rule
 says where it was read; a violation names the op, the node and the rule.
 
-Rules so far cover ReshapeAndCache, PagedAttention and FlashAttentionScore, as MindSpore 2.10 runs them with
-``infer_boost`` on (the internal kernels every working 910B stack uses); ApplyRotaryPosEmb and the kernels' size
-limits are still to come (docs/ascend.md, "What is verified without hardware").
+The rules cover ReshapeAndCache, PagedAttention, FlashAttentionScore and ApplyRotaryPosEmb as MindSpore 2.10 runs
+them with ``infer_boost`` on (the internal kernels every working 910B stack uses): inputs, attributes, dtypes,
+layouts, what feeds each length input, the kernels' size limits, and which tensors are roped, cached and attended
+(docs/ascend.md, "What is verified without hardware").
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from agents.tools.mindir import GraphNodes, OpNode, Source, read_graph
+from agents.model.backends.ascend_limits import (
+    FA_CAUSAL_HEAD_DIMS,
+    HEAD_DIM_MULTIPLE,
+    MAX_HEAD_DIM,
+    PA_BLOCK_SIZES,
+    PA_MAX_HEAD_DIM_X_BLOCK,
+)
+from agents.tools.mindir import GraphNodes, OpNode, Source, TensorInfo, read_graph
 
 # PagedAttention's inputs in MindSpore 2.10's order (ops.auto_generate.PagedAttention; the internal kernel reads
 # head_num, scale and kv_head_num at indices 10-12: ops/kernel/ascend/internal/paged_attention.cc, CreateKernel)
@@ -30,8 +38,13 @@ KV_LENGTHS_INPUT = "batch_valid_length"
 # actual_seq_kvlen, head_num, keep_prob, scale_value, pre_tokens, next_tokens, inner_precise, input_layout,
 # sparse_mode): the internal kernel's indices (ops/kernel/ascend/internal/flash_attention_score.cc, CreateKernel)
 FA_MASK, FA_Q_LENS, FA_KV_LENS, FA_SPARSE_MODE = 6, 8, 9, 17
+FA_QUERY, FA_KEY, FA_VALUE, FA_HEAD_NUM, FA_SCALE = 0, 1, 2, 10, 12
 # the graph inputs the internal FlashAttentionScore reads per-sequence lengths from when they are not a tuple
 FA_KV_LENGTH_INPUTS, FA_Q_LENGTH_INPUTS = ("batch_valid_length", "actual_seq_kvlen"), ("q_seq_lens", "actual_seq_qlen")
+# ApplyRotaryPosEmb(query, key, cos, sin, position_ids, cos_format): the internal kernel reads all five tensors and
+# cos_format at index 5 (ops/kernel/ascend/internal/apply_rotary_pos_emb.cc)
+ROPE_QUERY, ROPE_KEY, ROPE_COS, ROPE_SIN, ROPE_POSITIONS, ROPE_COS_FORMAT = range(6)
+ROTATE_HALF = 2  # cos_format of the rotate-half (Llama, NeoX) layout with full-width cos/sin rows
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,56 @@ def _where(source: Source) -> str:
     if source.kind == "node":
         return f"computed by {source.op}"
     return f"{source.kind} {source.name!r}"
+
+
+_SAME_VALUES = ("Reshape", "Cast", "ExpandDims", "Squeeze", "Contiguous")
+
+
+def _origin(graph: GraphNodes, source: Source) -> tuple[OpNode | None, int | None]:
+    """The op (and its output index, for ops with several) whose values ``source`` carries: reshapes and casts are
+    looked through, and a ``Concat``'s first part (rows of padding appended after the real ones)."""
+    while True:
+        node = graph.producer(source)
+        if node is None:
+            return None, None
+        if node.op in _SAME_VALUES:
+            source = node.inputs[0]
+        elif node.op == "Concat" and (parts := graph.producer(node.inputs[0])) is not None and parts.op == "MakeTuple":
+            source = parts.inputs[0]
+        elif node.op == "TupleGetItem":
+            return graph.producer(node.inputs[0]), node.inputs[1].value
+        else:
+            return node, None
+
+
+def _roped(graph: GraphNodes, source: Source, output: int) -> bool:
+    """Whether ``source`` is output ``output`` (0: query, 1: key) of an ApplyRotaryPosEmb."""
+    node, index = _origin(graph, source)
+    return node is not None and node.op == "ApplyRotaryPosEmb" and index == output
+
+
+def _from_rope(graph: GraphNodes, source: Source) -> bool:
+    node, _ = _origin(graph, source)
+    return node is not None and node.op == "ApplyRotaryPosEmb"
+
+
+def _head_dim(graph: GraphNodes) -> int | None:
+    """head_dim as the paged caches hold it (their last dimension), or None in a graph without them."""
+    for node in graph.of("ReshapeAndCache") + graph.of("PagedAttention"):
+        cache = _dims(node.inputs[RC_KEY_CACHE if node.op == "ReshapeAndCache" else PA_KEY_CACHE])
+        if cache and len(cache) == 4:
+            return cache[3]
+    return None
+
+
+def _roped_inputs(graph: GraphNodes, node: OpNode, query: int, key: int, value: int) -> Iterator[str]:
+    """The query and key roped by an ApplyRotaryPosEmb, its outputs 0 and 1; the value never roped."""
+    if not _roped(graph, node.inputs[query], 0):
+        yield f"the query must be output 0 of ApplyRotaryPosEmb (the roped query), got {_where(node.inputs[query])}"
+    if not _roped(graph, node.inputs[key], 1):
+        yield f"the key must be output 1 of ApplyRotaryPosEmb (the roped key), got {_where(node.inputs[key])}"
+    if _from_rope(graph, node.inputs[value]):
+        yield "the value must not be roped, but it comes from ApplyRotaryPosEmb"
 
 
 # ---- PagedAttention ---------------------------------------------------------------------------------------------
@@ -109,6 +172,25 @@ def _pa_scale(graph: GraphNodes, node: OpNode) -> Iterator[str]:
     if cache and len(cache) == 4 and isinstance(scale, float) and not math.isclose(scale, cache[3] ** -0.5,
                                                                                      rel_tol=1e-6):
         yield f"scale_value {scale:g} is not 1/sqrt(head_dim {cache[3]}) = {cache[3] ** -0.5:g}"
+
+
+def _pa_limits(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+    cache = _dims(node.inputs[PA_KEY_CACHE])
+    if not cache or len(cache) != 4:
+        return
+    block_size, head_dim = cache[1], cache[3]
+    if block_size not in PA_BLOCK_SIZES:
+        yield f"block_size {block_size} (dim 1 of the caches) is not one of {', '.join(map(str, PA_BLOCK_SIZES))}"
+    if head_dim % HEAD_DIM_MULTIPLE or head_dim > MAX_HEAD_DIM:
+        yield f"head_dim {head_dim} must be a multiple of {HEAD_DIM_MULTIPLE} and at most {MAX_HEAD_DIM}"
+    elif head_dim * block_size > PA_MAX_HEAD_DIM_X_BLOCK:
+        yield f"head_dim {head_dim} x block_size {block_size} exceeds {PA_MAX_HEAD_DIM_X_BLOCK}"
+
+
+def _pa_roped_query(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+    if not _roped(graph, node.inputs[PA_QUERY], 0):
+        yield (f"the query must be output 0 of ApplyRotaryPosEmb (the roped query), got "
+               f"{_where(node.inputs[PA_QUERY])}")
 
 
 def _written_caches(graph: GraphNodes) -> list[tuple[str, str]]:
@@ -164,6 +246,64 @@ def _fa_mask_and_sparse_mode(graph: GraphNodes, node: OpNode) -> Iterator[str]:
                f"{info if info is not None else _where(mask)}")
 
 
+def _fa_heads_and_scale(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+    head_dim, heads = _head_dim(graph), node.inputs[FA_HEAD_NUM].value
+    query, key = _dims(node.inputs[FA_QUERY]), _dims(node.inputs[FA_KEY])
+    if query is None or len(query) != 2:
+        yield f"the query must be 2-D (tokens, head_num * head_dim) in layout TH, got {query}"
+        return
+    if head_dim is None or not isinstance(heads, int):
+        return
+    if query[1] != heads * head_dim:
+        yield f"head_num {heads} x head_dim {head_dim} (the caches') is not the query's width {query[1]}"
+    if key and (key[-1] % head_dim or heads % max(key[-1] // head_dim, 1)):
+        yield f"the key's width {key[-1]} is not a number of kv heads of {head_dim} dividing head_num {heads}"
+    scale = node.inputs[FA_SCALE].value
+    if isinstance(scale, float) and not math.isclose(scale, head_dim ** -0.5, rel_tol=1e-6):
+        yield f"scale_value {scale:g} is not 1/sqrt(head_dim {head_dim}) = {head_dim ** -0.5:g}"
+    if head_dim not in FA_CAUSAL_HEAD_DIMS:
+        yield f"head_dim {head_dim} is not one of {', '.join(map(str, FA_CAUSAL_HEAD_DIMS))} (causal mode)"
+
+
+def _fa_roped(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+    yield from _roped_inputs(graph, node, FA_QUERY, FA_KEY, FA_VALUE)
+
+
+# ---- ApplyRotaryPosEmb ------------------------------------------------------------------------------------------
+def _rope_format(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+    cos_format = node.inputs[ROPE_COS_FORMAT].value
+    if cos_format != ROTATE_HALF:
+        yield (f"cos_format must be {ROTATE_HALF} (rotate-half with full-width cos/sin rows, Llama's layout), "
+               f"got {cos_format}")
+
+
+def _rope_tables(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+    query, key = _dims(node.inputs[ROPE_QUERY]), _dims(node.inputs[ROPE_KEY])
+    cos, sin = _dims(node.inputs[ROPE_COS]), _dims(node.inputs[ROPE_SIN])
+    if node.inputs[ROPE_COS].kind == "constant" and isinstance(node.inputs[ROPE_COS].value, TensorInfo):
+        cos = node.inputs[ROPE_COS].value.shape  # the whole table, folded into the graph
+        sin = getattr(node.inputs[ROPE_SIN].value, "shape", sin)
+    head_dim, positions = _head_dim(graph), node.inputs[ROPE_POSITIONS]
+    if cos is None or len(cos) != 2 or cos != sin:
+        yield f"cos and sin must be 2-D and alike, (rows, head_dim), got {cos} and {sin}"
+        return
+    if head_dim is not None and cos[1] != head_dim:
+        yield f"cos/sin rows of {cos[1]} values are not head_dim {head_dim} wide (the caches')"
+    if not (positions.kind == "input" and positions.name == KV_LENGTHS_INPUT):
+        yield (f"position_ids must be the graph input {KV_LENGTHS_INPUT!r}, as MindFormers 1.8 and vllm-mindspore "
+               f"pass it, got {_where(positions)}")
+    if query and key:
+        tokens = math.prod(query[:-1])
+        if math.prod(key[:-1]) != tokens:
+            yield f"query {query} and key {key} differ in tokens"
+        if head_dim is not None and (query[-1] % head_dim or key[-1] % head_dim):
+            yield f"query {query} and key {key} are not whole heads of head_dim {head_dim}"
+        whole_table = node.inputs[ROPE_COS].kind == "constant"
+        if cos[0] != tokens and not whole_table:
+            yield (f"cos/sin have {cos[0]} rows for {tokens} tokens: one row per token, or the whole table as a "
+                   "constant")
+
+
 # ---- ReshapeAndCache --------------------------------------------------------------------------------------------
 def _rc_slots(graph: GraphNodes, node: OpNode) -> Iterator[str]:
     slots, key, cache = _dims(node.inputs[RC_SLOTS]), _dims(node.inputs[RC_KEY]), _dims(node.inputs[RC_KEY_CACHE])
@@ -174,6 +314,13 @@ def _rc_slots(graph: GraphNodes, node: OpNode) -> Iterator[str]:
     elif slots and key and cache and len(cache) == 4 and math.prod(key) != slots[0] * cache[2] * cache[3]:
         yield (f"slot_mapping's {slots[0]} slots are not one per token of the key {key} "
                f"({math.prod(key) // max(cache[2] * cache[3], 1)} tokens of {cache[2]} x {cache[3]})")
+
+
+def _rc_roped(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+    if not _roped(graph, node.inputs[RC_KEY], 1):
+        yield f"the key must be output 1 of ApplyRotaryPosEmb (the roped key), got {_where(node.inputs[RC_KEY])}"
+    if _from_rope(graph, node.inputs[RC_VALUE]):
+        yield "the value must not be roped, but it comes from ApplyRotaryPosEmb"
 
 
 def _rc_layout(graph: GraphNodes, node: OpNode) -> Iterator[str]:
@@ -187,6 +334,10 @@ def _rc_layout(graph: GraphNodes, node: OpNode) -> Iterator[str]:
         yield "key_cache and value_cache differ in shape"
 
 
+_INTERNAL_LIB = "MindSpore 2.10 lib/plugin/ascend/ms_kernels_internal/internal_kernel/lib/libms_kernels_internal.so"
+_ROPE_KERNEL = "MindSpore 2.10 ops/kernel/ascend/internal/apply_rotary_pos_emb.cc"
+_STACKS_ROPE = ("MindFormers 1.8 modules/infer_rotary_embedding (exported graphs in tests_mindformers) and "
+                "vllm-mindspore model_executor/layers/rotary_embedding.py (InferRotaryEmbedding, MRotaryEmbedding)")
 _PA_DOC = "mindspore.ops.auto_generate.PagedAttention (2.10 docstring)"
 _PA_KERNEL = "MindSpore 2.10 ops/kernel/ascend/internal/paged_attention.cc"
 _RC_DOC = "mindspore.ops.auto_generate.reshape_and_cache (2.10 docstring)"
@@ -205,6 +356,13 @@ RULES = (
          f"head_dim); MindFormers 1.8's decode passes the query as (batch, 1, num_head * head_dim); {_PA_KERNEL}: "
          "head_num and kv_head_num read from inputs 10 and 12", _pa_heads),
     Rule("PagedAttention", "scale", "the Llama attention: scores scaled by 1/sqrt(head_dim)", _pa_scale),
+    Rule("PagedAttention", "kernel-limits",
+         f"{_INTERNAL_LIB}, its error strings: \"table block size can only in {{16,32,64,128}}\", \"head_dim * "
+         "table_block_size > 16384 is not supported\", \"PA: 'head_dim' must be an integer multiple of 16\", "
+         "\"... less than or equal to 256 when is not MLA mode\"", _pa_limits),
+    Rule("PagedAttention", "roped-query",
+         "the Llama attention: queries are roped before attending (MindFormers 1.8 and vllm-mindspore pass "
+         "ApplyRotaryPosEmb's output 0)", _pa_roped_query),
     Rule("PagedAttention", "reads-the-written-caches",
          "the paged cache: PagedAttention must read, as key and value, the Parameters ReshapeAndCache wrote",
          _pa_reads_what_was_written),
@@ -216,6 +374,24 @@ RULES = (
          f"{_FA_KERNEL} (sparse_mode, mask dtype and dims handed to the kernel); {_MF_ATTENTION}: sparse_mode 0 "
          "with a 128 x 128 causal mask in the compute dtype; docs/ascend.md: the internal kernel takes TH "
          "only with sparse_mode 0", _fa_mask_and_sparse_mode),
+    Rule("FlashAttentionScore", "heads-scale-and-head-dim",
+         f"{_FA_KERNEL}: head_num and scale_value read from inputs 10 and 12; layout TH: query (T, head_num * "
+         f"head_dim); {_INTERNAL_LIB}: \"lower triangle mode can only support head_dim = (64, 128, 256)\"",
+         _fa_heads_and_scale),
+    Rule("FlashAttentionScore", "roped-query-and-key",
+         "the Llama attention: query and key roped (ApplyRotaryPosEmb's outputs 0 and 1), the value not",
+         _fa_roped),
+    Rule("ApplyRotaryPosEmb", "cos-format",
+         f"{_ROPE_KERNEL}: cos_format read from input 5; {_STACKS_ROPE}: ApplyRotaryPosEmb(2) for Llama's "
+         "rotate-half layout with cos/sin rows of head_dim values (the halves repeated)", _rope_format),
+    Rule("ApplyRotaryPosEmb", "tables-and-positions",
+         f"{_ROPE_KERNEL}: query, key, cos, sin, position_ids passed to the kernel as inputs 0-4; {_STACKS_ROPE}: "
+         "cos/sin (rows, head_dim), one row per token gathered at its position or the whole table with "
+         "batch_valid_length as position_ids (prefill in both), query and key (..., heads * head_dim)", _rope_tables),
+    Rule("ReshapeAndCache", "caches-the-roped-key",
+         "the paged cache holds keys after the rotary embedding (PagedAttention does not rope them again) and "
+         "values without it: MindFormers 1.8's graphs write ApplyRotaryPosEmb's output 1 and the raw value",
+         _rc_roped),
     Rule("ReshapeAndCache", "int32-slots", f"{_RC_DOC}: slot_mapping int32 (num_tokens,); the tokens are the key's "
          "rows however it is shaped (MindFormers 1.8 passes (1, tokens, kv_heads * head_dim) in prefill)", _rc_slots),
     Rule("ReshapeAndCache", "cache-layout",

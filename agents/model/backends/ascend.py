@@ -42,16 +42,17 @@ from mindspore.ops.auto_generate import (
     Swiglu,
 )
 
+from agents.model.backends.ascend_limits import (
+    FA_CAUSAL_HEAD_DIMS,
+    MAX_HEADS,
+    MAX_TH_BATCH,
+    PA_BLOCK_SIZES,
+    PA_MAX_HEAD_DIM_X_BLOCK,
+)
 from agents.model.backends.base import Attention, OpsBackend
 from llm_serving.protocol.model_config import ASCEND_DTYPES, LlamaConfig
 
 CAUSAL_MASK_SIZE = 128  # the internal FlashAttention's causal mask with sparse_mode 0, in the compute dtype
-# Limits of the kernels MindSpore 2.10 ships (lib/plugin/ascend/ms_kernels_internal, their error strings) and of
-# the primitives' docs; MindSpore's export checks none of them.
-HEAD_DIMS = (64, 128, 256)  # "lower triangle mode can only support head_dim = (64, 128, 256)" (FA); PA: x16, <= 256
-MAX_HEAD_DIM_X_BLOCK = 16384  # PA: "head_dim * table_block_size > 16384 is not supported"
-MAX_HEADS = 256  # FlashAttentionScore doc: N1 in 1..256
-MAX_TH_BATCH = 1024  # FlashAttentionScore doc: TND takes at most 1024 sequences
 
 
 @lru_cache(maxsize=2)
@@ -232,14 +233,18 @@ class AscendBackend(OpsBackend):
 
 
 def model_problems(config: LlamaConfig, block_size: int, max_prefill_batch: int) -> list[str]:
-    """What the fused kernels' limits refuse in this model and cache (MindSpore's export checks none of these)."""
+    """What the fused kernels' limits (``ascend_limits``) refuse in this model and cache; MindSpore's export checks
+    none of these."""
     problems = []
-    if config.head_dim not in HEAD_DIMS:
+    if config.head_dim not in FA_CAUSAL_HEAD_DIMS:
         problems.append(f"head_dim {config.head_dim} (hidden_size / num_attention_heads) must be one of "
-                        f"{', '.join(map(str, HEAD_DIMS))} (causal FlashAttentionScore)")
-    elif config.head_dim * block_size > MAX_HEAD_DIM_X_BLOCK:
+                        f"{', '.join(map(str, FA_CAUSAL_HEAD_DIMS))} (causal FlashAttentionScore)")
+    if block_size not in PA_BLOCK_SIZES:
+        problems.append(f"pa_config.block_size {block_size} must be one of {', '.join(map(str, PA_BLOCK_SIZES))} "
+                        "(PagedAttention)")
+    elif config.head_dim * block_size > PA_MAX_HEAD_DIM_X_BLOCK:
         problems.append(f"pa_config.block_size {block_size} x head_dim {config.head_dim} exceeds "
-                        f"{MAX_HEAD_DIM_X_BLOCK} (PagedAttention)")
+                        f"{PA_MAX_HEAD_DIM_X_BLOCK} (PagedAttention)")
     if config.num_attention_heads > MAX_HEADS:
         problems.append(f"num_attention_heads {config.num_attention_heads} exceeds {MAX_HEADS} per device "
                         "(FlashAttentionScore)")

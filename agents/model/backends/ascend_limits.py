@@ -1,0 +1,13 @@
+"""What MindSpore 2.10's internal Ascend kernels (``infer_boost`` on) accept, read from their error strings in
+``lib/plugin/ascend/ms_kernels_internal/internal_kernel/lib/libms_kernels_internal.so`` and from the primitives'
+docs. MindSpore's export checks none of them: the backend refuses a model or cache outside them at load
+(``agents.model.backends.ascend.model_problems``) and the contract checker refuses a graph (``agents.tools.contracts``).
+"""
+
+PA_BLOCK_SIZES = (16, 32, 64, 128)  # "table block size can only in {16,32,64,128}"
+PA_MAX_HEAD_DIM_X_BLOCK = 16384  # "head_dim * table_block_size > 16384 is not supported"
+MAX_HEAD_DIM = 256  # "PA: 'head_dim' must be less than or equal to 256 when is not MLA mode" (FA: the same)
+HEAD_DIM_MULTIPLE = 16  # "PA: 'head_dim' must be an integer multiple of 16" (FA: the same)
+FA_CAUSAL_HEAD_DIMS = (64, 128, 256)  # "lower triangle mode can only support head_dim = (64, 128, 256)"
+MAX_HEADS = 256  # FlashAttentionScore doc: N1 in 1..256
+MAX_TH_BATCH = 1024  # FlashAttentionScore doc: TND/TH take at most 1024 sequences
