@@ -73,13 +73,15 @@ def paged_attention(query: np.ndarray, key_cache: np.ndarray, value_cache: np.nd
     return out
 
 
-def flash_attention_th(query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: np.ndarray, q_lens: np.ndarray,
-                       kv_lens: np.ndarray, heads: int, scale: float) -> np.ndarray:
+def flash_attention_th(query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: np.ndarray, mask_dtype: str,
+                       q_lens: np.ndarray, kv_lens: np.ndarray, heads: int, scale: float) -> np.ndarray:
     """``FlashAttentionScore`` layout ``TH`` (rows ``[T, heads * head_dim]``) on the internal kernel's path:
-    ``sparse_mode`` 0, ``mask`` the 128 x 128 causal mask (1 above the diagonal), per-sequence lengths: sequence
+    ``sparse_mode`` 0, ``mask`` the 128 x 128 causal mask (0 on and below the diagonal; above it 1 in bfloat16,
+    -10000 in float16, as vllm-mindspore's and MindFormers' masks hold), per-sequence lengths: sequence
     ``i`` is the next ``q_lens[i]`` rows of the query and ``kv_lens[i]`` of key and value; query position ``p`` of
     a sequence of ``Lq`` rows attends to its kv positions ``<= p + Lkv - Lq``; GQA as ``paged_attention``."""
-    assert mask.shape == (128, 128) and (mask == np.triu(np.ones((128, 128)), 1)).all(), "not the causal mask"
+    above = 1.0 if mask_dtype == "bfloat16" else -10000.0
+    assert mask.shape == (128, 128) and (mask == np.triu(np.ones((128, 128)), 1) * above).all(), "not the mask"
     assert (q_lens > 0).all() and (kv_lens > 0).all(), "an empty sequence"
     assert q_lens.sum() == len(query) and kv_lens.sum() == len(key), "the lengths do not cover the rows"
     head_dim = query.shape[1] // heads

@@ -166,6 +166,7 @@ class PrefillWiring:
     sparse_mode: int = 0
     mask: tuple[int, int] = (128, 128)
     mask_dtype: type = np.float16
+    mask_value: float = -10000.0  # above the diagonal: float16's (bfloat16 takes 1)
     heads: int = HEADS
     scale: float = HEAD_DIM ** -0.5
     attend_raw_key: bool = False  # FlashAttention reads the key before the rotary embedding
@@ -179,7 +180,7 @@ class PrefillStep(nn.Cell):
         self.write = ReshapeAndCache()
         self.flash = FlashAttentionScore(w.heads, scale_value=w.scale, next_tokens=0, input_layout="TH",
                                          sparse_mode=w.sparse_mode)
-        self.mask = Tensor(np.triu(np.ones(w.mask, w.mask_dtype), 1))
+        self.mask = Tensor((np.triu(np.ones(w.mask), 1) * w.mask_value).astype(w.mask_dtype))
         shape = (BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
         self.key_cache = Parameter(Tensor(np.zeros(shape, np.float16)), name="key_cache")
         self.value_cache = Parameter(Tensor(np.zeros(shape, np.float16)), name="value_cache")
@@ -207,7 +208,10 @@ PREFILL_MISTAKES = {
     "cumulative lengths computed in the graph": (PrefillWiring(lengths="cumulative"), "per-sequence-lengths",
                                                  "got computed by"),
     "sparse_mode 3": (PrefillWiring(sparse_mode=3), "mask-and-sparse-mode", "sparse_mode must be 0"),
-    "a 2048 x 2048 uint8 mask": (PrefillWiring(mask=(2048, 2048), mask_dtype=np.uint8), "mask-and-sparse-mode",
+    "a 0/1 float16 mask (bfloat16's values)": (PrefillWiring(mask_value=1.0), "mask-and-sparse-mode",
+                                               "-10000 above it in float16, got 1 above it"),
+    "a 2048 x 2048 uint8 mask": (PrefillWiring(mask=(2048, 2048), mask_dtype=np.uint8, mask_value=1.0),
+                                 "mask-and-sparse-mode",
                                  "128 x 128 in the compute dtype"),
     "a float32 mask": (PrefillWiring(mask_dtype=np.float32), "mask-and-sparse-mode", "got float32[128,128]"),
     "FlashAttention head_num doubled": (PrefillWiring(heads=2 * HEADS), "heads-scale-and-head-dim",

@@ -74,6 +74,7 @@ def test_every_warmup_shape_exports_with_the_fused_primitives_and_greedy_outputs
         else:  # the bucket plus one appended row per sequence slot
             assert graph.op_outputs["FlashAttentionScore"][3] == TensorInfo(dtype, (n + batch, CONFIG.hidden_size))
         assert graph.op_outputs["ArgMaxWithValue"][1] == TensorInfo("float32", (batch,))
+        assert [str(v) for v in check_graph(read_graph(graph.path))] == [], (kind, batch, n)  # export --check
 
 
 def test_each_layer_writes_and_reads_its_own_cache_parameters(exported):

@@ -133,7 +133,7 @@ def test_paged_attention_reads_each_context_through_its_block_table_with_gqa(dty
     np.testing.assert_array_equal(again, got)
 
 
-CAUSAL = np.triu(np.ones((128, 128)), 1)
+CAUSAL = np.triu(np.ones((128, 128)), 1) * -10000.0  # float16's (and float32's) values; bfloat16's are 0/1
 
 
 @pytest.mark.parametrize("q_lens,kv_lens", [((5, 7, 1, 3), (5, 7, 1, 3)), ((2, 3), (4, 3))],
@@ -146,7 +146,7 @@ def test_flash_attention_th_is_causal_within_each_sequence_of_its_lengths(q_lens
     scale = HEAD_DIM ** -0.5
     mask = CAUSAL.astype(np.float16)
     out = run(FlashAttentionThRef(HEADS, scale), q, k, v, None, None, None, mask, None, q_lens, kv_lens)[3]
-    want = contract.flash_attention_th(q, k, v, mask, q_lens, kv_lens, HEADS, scale)
+    want = contract.flash_attention_th(q, k, v, mask, "float16", q_lens, kv_lens, HEADS, scale)
     np.testing.assert_allclose(out, want, atol=2e-3, rtol=2e-3)
 
 
@@ -162,7 +162,7 @@ def test_stand_ins_answer_nan_outside_the_kernels_preconditions():
     for lengths in ([3, 0, 5], [3, 3, 1], [3, 6, 8]):  # empty, short of the rows, cumulative
         lens = np.array(lengths, np.int32)
         assert np.isnan(run(flash, q, k, k, None, None, None, mask, None, lens, lens)[3]).all()
-    for other in (np.triu(np.ones((128, 128)), 0), np.tril(np.ones((128, 128)), -1)):
+    for other in (np.triu(np.ones((128, 128)), 1), CAUSAL.T, np.triu(np.ones((128, 128)), 0) * -10000.0):
         lens = np.array([3, 5], np.int32)
         assert np.isnan(run(flash, q, k, k, None, None, None, other.astype(np.float16), None, lens, lens)[3]).all()
     caches = [rng.normal(size=(4, 4, KV_HEADS, HEAD_DIM)).astype(np.float16) for _ in range(2)]

@@ -17,12 +17,16 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from agents.model.backends.ascend_limits import (
     FA_CAUSAL_HEAD_DIMS,
+    FA_MASK_SIZE,
     HEAD_DIM_MULTIPLE,
     MAX_HEAD_DIM,
     PA_BLOCK_SIZES,
     PA_MAX_HEAD_DIM_X_BLOCK,
+    fa_mask_value,
 )
 from agents.tools.mindir import GraphNodes, OpNode, Source, TensorInfo, read_graph
 
@@ -241,9 +245,16 @@ def _fa_mask_and_sparse_mode(graph: GraphNodes, node: OpNode) -> Iterator[str]:
         yield f"sparse_mode must be 0 on the internal kernel's variable-length path, got {sparse_mode}"
     info = mask.value if mask.kind == "constant" else mask.info
     shape = getattr(info, "shape", None)
-    if shape != (128, 128) or getattr(info, "dtype", None) != query:
-        yield (f"the causal mask must be 128 x 128 in the compute dtype ({query}), got "
+    if shape != (FA_MASK_SIZE, FA_MASK_SIZE) or getattr(info, "dtype", None) != query:
+        yield (f"the causal mask must be {FA_MASK_SIZE} x {FA_MASK_SIZE} in the compute dtype ({query}), got "
                f"{info if info is not None else _where(mask)}")
+    elif mask.array is not None and query is not None:
+        value = fa_mask_value(query)
+        want = np.triu(np.ones((FA_MASK_SIZE, FA_MASK_SIZE)), 1) * value
+        if not np.array_equal(mask.array.astype(np.float64), want):
+            above = sorted({float(v) for v in mask.array[np.triu_indices(FA_MASK_SIZE, 1)]})[:3]
+            yield (f"the causal mask must hold 0 on and below the diagonal and {value:g} above it in {query}, got "
+                   f"{', '.join(f'{v:g}' for v in above)} above it")
 
 
 def _fa_heads_and_scale(graph: GraphNodes, node: OpNode) -> Iterator[str]:
@@ -372,8 +383,9 @@ RULES = (
          f"{_MF_ATTENTION}: batch_valid_length", _fa_lengths),
     Rule("FlashAttentionScore", "mask-and-sparse-mode",
          f"{_FA_KERNEL} (sparse_mode, mask dtype and dims handed to the kernel); {_MF_ATTENTION}: sparse_mode 0 "
-         "with a 128 x 128 causal mask in the compute dtype; docs/ascend.md: the internal kernel takes TH "
-         "only with sparse_mode 0", _fa_mask_and_sparse_mode),
+         "with a 128 x 128 causal mask in the compute dtype; its values, 0/1 in bfloat16 and 0/-10000 in "
+         "float16: vllm-mindspore model_executor/models/attention_mask.py (\"FA: normal: mask BF16(0/1), FP16 "
+         "mask(0/-10000)\") and MindFormers 1.8 LowerTriangularMaskWithDynamic", _fa_mask_and_sparse_mode),
     Rule("FlashAttentionScore", "heads-scale-and-head-dim",
          f"{_FA_KERNEL}: head_num and scale_value read from inputs 10 and 12; layout TH: query (T, head_num * "
          f"head_dim); {_INTERNAL_LIB}: \"lower triangle mode can only support head_dim = (64, 128, 256)\"",

@@ -13,11 +13,12 @@ import argparse
 import re
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, nn
 from mindspore.train import mind_ir_pb2
 
@@ -95,6 +96,7 @@ class Source:
     op: str | None = None
     value: Any = None
     info: TensorInfo | None = None
+    array: np.ndarray | None = field(default=None, compare=False, repr=False)  # a small constant tensor's values
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,9 @@ class GraphNodes:
 
 
 _PASS_THROUGH = ("Load", "Depend")
+_NUMPY_TYPES = {"FLOAT16": np.float16, "FLOAT": np.float32, "INT32": np.int32, "INT64": np.int64, "UINT8": np.uint8,
+                "INT8": np.int8, "BOOL": np.bool_}
+MAX_CONSTANT_VALUES = 1 << 16  # constant tensors up to this many values keep them (masks; not weight tables)
 _INT_TYPES = {"UINT8", "INT8", "UINT16", "INT16", "INT32", "INT64", "UINT32", "UINT64"}
 
 
@@ -144,6 +149,23 @@ def _constant(attr) -> Any:
     if kind in ("TUPLE", "LIST"):
         return tuple(_constant(v) for v in attr.values)
     return kind.lower()  # monads and the like: markers, not values
+
+
+def _constant_array(attr) -> np.ndarray | None:
+    """A small constant tensor's values (bfloat16 widened to float32), or None."""
+    tensors = [attr.t] if attr.HasField("t") else list(attr.tensors)
+    if len(tensors) != 1 or not tensors[0].raw_data:
+        return None
+    t = tensors[0]
+    kind, shape = mind_ir_pb2.TensorProto.DataType.Name(t.data_type), tuple(int(d) for d in t.dims)
+    if kind == "BFLOAT16":
+        raw = np.frombuffer(t.raw_data, np.uint16)
+        values = (raw.astype(np.uint32) << 16).view(np.float32)
+    elif kind in _NUMPY_TYPES:
+        values = np.frombuffer(t.raw_data, _NUMPY_TYPES[kind])
+    else:
+        return None
+    return values.reshape(shape) if values.size <= MAX_CONSTANT_VALUES and values.size == np.prod(shape) else None
 
 
 def _short(name: str, prefix: str) -> str:
@@ -171,7 +193,8 @@ def read_graph(path: str | Path) -> GraphNodes:
     for node in graph.node:
         if node.op_type == "Constant":
             value = _constant(node.attribute[0]) if node.attribute else None
-            sources[node.name] = Source("constant", node.name, value=value)
+            array = _constant_array(node.attribute[0]) if isinstance(value, TensorInfo) else None
+            sources[node.name] = Source("constant", node.name, value=value, array=array)
             continue
         op = re.sub(r"^REF::|:\d+$", "", node.op_type)
         args = tuple(sources.get(name, Source("node", name)) for name in node.input)

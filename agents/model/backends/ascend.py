@@ -44,22 +44,23 @@ from mindspore.ops.auto_generate import (
 
 from agents.model.backends.ascend_limits import (
     FA_CAUSAL_HEAD_DIMS,
+    FA_MASK_SIZE,
     MAX_HEADS,
     MAX_TH_BATCH,
     PA_BLOCK_SIZES,
     PA_MAX_HEAD_DIM_X_BLOCK,
+    fa_mask_value,
 )
 from agents.model.backends.base import Attention, OpsBackend
 from llm_serving.protocol.model_config import ASCEND_DTYPES, LlamaConfig
 
-CAUSAL_MASK_SIZE = 128  # the internal FlashAttention's causal mask with sparse_mode 0, in the compute dtype
 
-
-@lru_cache(maxsize=2)
+@lru_cache(maxsize=3)
 def causal_mask(dtype: ms.Type) -> Tensor:
-    """The causal mask the internal FlashAttention takes with ``sparse_mode`` 0 (1 = masked; MindFormers 1.8 and
-    vllm-mindspore pass the same), one for all layers."""
-    return Tensor(np.triu(np.ones((CAUSAL_MASK_SIZE, CAUSAL_MASK_SIZE)), 1), dtype)
+    """The causal mask the internal FlashAttention takes with ``sparse_mode`` 0 (``ascend_limits.fa_mask_value``),
+    in the compute dtype; one for all layers."""
+    value = fa_mask_value("bfloat16" if dtype == ms.bfloat16 else "float16")
+    return Tensor(np.triu(np.ones((FA_MASK_SIZE, FA_MASK_SIZE)), 1) * value, dtype)
 
 
 class FusedOps:

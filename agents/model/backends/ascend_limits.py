@@ -11,3 +11,13 @@ HEAD_DIM_MULTIPLE = 16  # "PA: 'head_dim' must be an integer multiple of 16" (FA
 FA_CAUSAL_HEAD_DIMS = (64, 128, 256)  # "lower triangle mode can only support head_dim = (64, 128, 256)"
 MAX_HEADS = 256  # FlashAttentionScore doc: N1 in 1..256
 MAX_TH_BATCH = 1024  # FlashAttentionScore doc: TND/TH take at most 1024 sequences
+
+# FlashAttention's causal mask on the internal path (sparse_mode 0): 128 x 128, 0 on and below the diagonal and,
+# above it, 1 in bfloat16 or -10000 in float16 ("FA: normal: mask BF16(0/1), FP16 mask(0/-10000)": vllm-mindspore
+# model_executor/models/attention_mask.py; MindFormers 1.8 LowerTriangularMaskWithDynamic builds the same)
+FA_MASK_SIZE = 128
+
+
+def fa_mask_value(dtype: str) -> float:
+    """The masked entries' value of FlashAttention's causal mask in ``dtype`` (``"bfloat16"``, ``"float16"``)."""
+    return 1.0 if dtype == "bfloat16" else -10000.0

@@ -119,7 +119,8 @@ class FlashAttentionThRef(nn.Cell):
     ``len[i]`` rows of each side; query position ``p`` of a sequence of ``Lq`` rows attends to its kv positions
     ``<= p + Lkv - Lq``; GQA as PagedAttention. Returns the primitive's four outputs, the attention at index 3
     (the softmax statistics are not computed: the backend never reads them). All NaN unless the mask is that
-    causal mask and every sequence has rows on both sides, the lengths summing to the rows passed."""
+    causal mask (above the diagonal 1 in bfloat16, -10000 otherwise) and every sequence has rows on both sides,
+    the lengths summing to the rows passed."""
 
     def __init__(self, heads: int, scale: float) -> None:
         super().__init__()
@@ -163,7 +164,8 @@ class FlashAttentionThRef(nn.Cell):
         probs = ops.softmax(scores, -1).reshape(kv_heads, rep * tq, tk)
         out = ops.BatchMatMul()(probs, v).reshape(kv_heads, rep, tq, head_dim).transpose(2, 0, 1, 3)
         valid = ops.logical_and(self.well_formed(tq, actual_seq_qlen), self.well_formed(tk, actual_seq_kvlen))
-        valid = ops.logical_and(valid, (_f32(attn_mask) == self.causal).all())
+        above = 1.0 if attn_mask.dtype == ms.bfloat16 else -10000.0  # ascend_limits.fa_mask_value
+        valid = ops.logical_and(valid, (_f32(attn_mask) == self.causal * above).all())
         out = _poison(out.reshape(tq, self.heads * head_dim), valid).astype(query.dtype)
         return out, out, out, out
 
