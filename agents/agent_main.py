@@ -79,6 +79,8 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     tensor parallelism: on this rank's slice of it, after joining the ranks' collective cluster)."""
     if spec.kind == "standin":
         from agents.runtime.standin import StandinRunner
+        if spec.runner_config.get("num_blocks") is None:
+            raise ValueError("stand-in agents have no device to size a cache from: set pa_config.num_blocks")
         return StandinRunner(int(spec.llama_config["vocab_size"]), spec.step_delay_s)
     if spec.backend == "mindformers":  # MindFormers' Llama (its own environment: scripts/mindformers_env.sh)
         from agents.mindformers.runner import build_runner as build_mindformers_runner
@@ -95,12 +97,39 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     weights = load_rank_weights(spec.model_path, config, shard)  # before importing MindSpore: fails fast
     from agents.runtime.runner import ModelRunner, RunnerConfig
 
-    runner_config = RunnerConfig(**{**spec.runner_config, "device_id": spec.start_device_id + rank})
+    fields = {**spec.runner_config, "device_id": spec.start_device_id + rank}
+    utilization = fields.pop("memory_utilization", None)
     if shard.tp > 1:
         progress(f"joining the collective cluster of {shard.tp} ranks")
-        join_cluster(shard, runner_config.device_target, runner_config.device_id, cpu_threads, lifeline_fd)
+        join_cluster(shard, fields["device_target"], fields["device_id"], cpu_threads, lifeline_fd)
+    if fields["num_blocks"] is None:  # pa_config.num_blocks auto
+        budget = size_kv_cache(fields, shard, weights, utilization)
+        progress(budget.describe())
+        fields["num_blocks"] = budget.num_blocks
+    runner_config = RunnerConfig(**fields)
     progress(f"building model on {runner_config.device_target} device {runner_config.device_id}")
     return ModelRunner(config, weights, runner_config, shard=shard)
+
+
+def size_kv_cache(fields: dict, shard, weights: dict, utilization: float):
+    """This rank's KV blocks from its device's memory (``agents.runtime.kv_budget``), on the device it serves on."""
+    from agents.runtime import kv_budget
+    from agents.runtime.device import setup_device
+
+    target = fields["device_target"]
+    setup_device(target, fields["device_id"])
+    dtype, block_size, max_len = fields["dtype"], fields["block_size"], fields["max_model_len"]
+    batch = max(fields["decode_batch_sizes"][-1], fields["prefill_batch_sizes"][-1])
+    tokens = max(fields["max_num_batched_tokens"] or 0, fields["prefill_batch_sizes"][-1]
+                 * fields["prefill_seq_lengths"][-1], max_len) + batch  # the largest step, its appended rows
+    device = kv_budget.device_memory_bytes(target, fields["device_id"])
+    if target == "CPU":  # the ranks share the host's memory
+        device //= shard.tp
+    return kv_budget.plan_blocks(
+        device, utilization,
+        kv_budget.weight_bytes(weights, dtype),
+        kv_budget.step_reserve_bytes(shard, tokens, batch + 1, dtype, fields["device_target"]),
+        kv_budget.block_bytes(shard, block_size, dtype), block_size, max_len)
 
 
 def serve(channel: StepChannel, runner, cmd_fd: int, replier: Replier, rank: int) -> None:
@@ -196,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
         replier.error(STARTUP_STEP, exc)
         _exit(1)
     costs = getattr(runner, "step_costs", None) or {}  # seconds per warmed shape: the step timeout's base
-    replier.send(STARTUP_STEP, READY, ready_payload(max(costs.values()) if costs else None))
+    blocks = getattr(getattr(runner, "rc", None), "num_blocks", None)
+    replier.send(STARTUP_STEP, READY, ready_payload(max(costs.values()) if costs else None, blocks))
     serve(channel, runner, args.cmd_fd, replier, args.rank)
     _exit(0)
 

@@ -73,6 +73,32 @@ def paged_attention(query: np.ndarray, key_cache: np.ndarray, value_cache: np.nd
     return out
 
 
+def paged_attention_queries(query: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
+                            block_tables: np.ndarray, context_lens: np.ndarray, q_seq_lens: np.ndarray,
+                            mask: np.ndarray, scale: float) -> np.ndarray:
+    """PagedAttention with multi-token queries (``q_seq_lens``, the internal kernel's path for chunks and
+    prefix-cache hits): sequence ``b`` is the next ``q_seq_lens[b]`` query rows, the last of its
+    ``context_lens[b]`` positions (so ``q_seq_lens[b] <= context_lens[b]``); each row's scores over its context
+    are scaled, ``mask`` (``[T, >= context]``, 0 or -10000) added, then softmaxed; GQA and block reads as
+    ``paged_attention``."""
+    assert (q_seq_lens >= 1).all() and (q_seq_lens <= context_lens).all() and q_seq_lens.sum() == len(query)
+    rows, heads, head_dim = query.shape
+    _, block_size, kv_heads, _ = key_cache.shape
+    group = heads // kv_heads
+    out = np.zeros((rows, heads, head_dim))
+    row = 0
+    for b, (n, ctx) in enumerate(zip(q_seq_lens, context_lens)):
+        places = [(block_tables[b, j // block_size], j % block_size) for j in range(ctx)]
+        for _ in range(n):
+            for h in range(heads):
+                keys = np.array([key_cache[blk, off, h // group] for blk, off in places], np.float64)
+                values = np.array([value_cache[blk, off, h // group] for blk, off in places], np.float64)
+                scores = scale * keys @ query[row, h].astype(np.float64) + mask[row, :ctx].astype(np.float64)
+                out[row, h] = softmax(scores) @ values
+            row += 1
+    return out
+
+
 def flash_attention_th(query: np.ndarray, key: np.ndarray, value: np.ndarray, mask: np.ndarray, mask_dtype: str,
                        q_lens: np.ndarray, kv_lens: np.ndarray, heads: int, scale: float) -> np.ndarray:
     """``FlashAttentionScore`` layout ``TH`` (rows ``[T, heads * head_dim]``) on the internal kernel's path:

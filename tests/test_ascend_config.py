@@ -110,3 +110,10 @@ def test_the_ascend_backend_is_the_devices_own_for_half_precision():
     assert isinstance(select_backend("portable", "Ascend", "float16", 64), PortableBackend)
     with pytest.raises(ValueError, match="the Ascend kernels take float16 or bfloat16"):
         select_backend("native", "Ascend", "float32", 64)
+
+
+def test_ascend_serves_chunked_prefill_and_prefix_caching_by_default():
+    """Queries over cached context run on Ascend through PagedAttention's ``q_seq_lens`` (tests/test_ascend_chunked.py)."""
+    cfg = ServingConfig.from_dict(ASCEND)
+    assert cfg.chunked_prefill and cfg.prefix_caching
+    assert runner_config_dict(cfg)["mixed_steps"]

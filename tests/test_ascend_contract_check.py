@@ -149,11 +149,95 @@ def test_each_wiring_mistake_is_refused_naming_the_op_and_the_rule(tmp_path, mis
     assert any(v.startswith(op) and f"[{rule}]" in v for v in found)
 
 
+@dataclass(frozen=True)
+class ChunkWiring:
+    """One step of queries over cached context through PagedAttention's multi-token path (``q_seq_lens``); the
+    defaults are as vllm-mindspore passes it."""
+
+    q_lens_name: str = "q_seq_lens"  # or another graph input name
+    mask: str = "rows"  # rows (one per query token, reaching the table), none, float32 or narrow
+    decode_mask: bool = False  # a one-token decode step that passes a mask anyway
+
+
+class ChunkStep(nn.Cell):
+    def __init__(self, w: ChunkWiring) -> None:
+        super().__init__()
+        self.w = w
+        self.rope = ApplyRotaryPosEmb(2)
+        self.write = ReshapeAndCache()
+        self.attend = PagedAttention(HEADS, HEAD_DIM ** -0.5, KV_HEADS)
+        shape = (BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        self.key_cache = Parameter(Tensor(np.zeros(shape, np.float16)), name="key_cache")
+        self.value_cache = Parameter(Tensor(np.zeros(shape, np.float16)), name="value_cache")
+
+    def step(self, query, key, value, cos, sin, slot_mapping, block_tables, positions, q_lens, lengths):
+        query, key = self.rope(query, key, cos, sin, lengths)
+        written = self.write(key, value, self.key_cache, self.value_cache, slot_mapping)
+        query = ops.depend(query, written).reshape(-1, HEADS, HEAD_DIM)
+        span = WIDTH * BLOCK_SIZE // (2 if self.w.mask == "narrow" else 1)
+        later = ops.arange(span).astype(positions.dtype).reshape(1, span) > positions.reshape(-1, 1)
+        mask = later.astype(np.float32 if self.w.mask == "float32" else np.float16) * -10000.0
+        if self.w.mask == "none":
+            return self.attend(query, self.key_cache, self.value_cache, block_tables, lengths, None, None, None, q_lens)
+        if self.w.decode_mask:
+            return self.attend(query, self.key_cache, self.value_cache, block_tables, lengths, None, None, mask)
+        return self.attend(query, self.key_cache, self.value_cache, block_tables, lengths, None, None, mask, q_lens)
+
+
+class ChunkStepNamed(ChunkStep):
+    def construct(self, query, key, value, cos, sin, slot_mapping, block_tables, positions, q_seq_lens,
+                  batch_valid_length):
+        return self.step(query, key, value, cos, sin, slot_mapping, block_tables, positions, q_seq_lens,
+                         batch_valid_length)
+
+
+class ChunkStepOtherName(ChunkStep):
+    def construct(self, query, key, value, cos, sin, slot_mapping, block_tables, positions, query_lens,
+                  batch_valid_length):
+        return self.step(query, key, value, cos, sin, slot_mapping, block_tables, positions, query_lens,
+                         batch_valid_length)
+
+
+def checked_chunk(tmp_path, w: ChunkWiring) -> list[str]:
+    tokens = 8
+    rows = np.zeros((tokens, KV_HEADS * HEAD_DIM), np.float16)
+    inputs = [np.zeros((tokens, HEADS * HEAD_DIM), np.float16), rows, rows, np.ones((tokens, HEAD_DIM), np.float16),
+              np.zeros((tokens, HEAD_DIM), np.float16), np.zeros(tokens, np.int32),
+              np.zeros((BATCH, WIDTH), np.int32), np.zeros(tokens, np.int32), np.full(BATCH, 2, np.int32),
+              np.full(BATCH, 9, np.int32)]
+    cell = (ChunkStepNamed if w.q_lens_name == "q_seq_lens" else ChunkStepOtherName)(w)
+    path = tmp_path / "chunk"
+    export(cell, *(Tensor(a) for a in inputs), file_name=str(path), file_format="MINDIR")
+    return [str(v) for v in check_graph(read_graph(path.with_suffix(".mindir")))]
+
+
+CHUNK_MISTAKES = {
+    "query lengths under another name": (ChunkWiring(q_lens_name="query_lens"), "multi-token-queries",
+                                         "q_seq_lens must be the graph input 'q_seq_lens'"),
+    "multi-token queries without a mask": (ChunkWiring(mask="none"), "multi-token-queries", "got none"),
+    "a float32 mask": (ChunkWiring(mask="float32"), "multi-token-queries", "in the compute dtype"),
+    "a mask short of the table's reach": (ChunkWiring(mask="narrow"), "multi-token-queries",
+                                          "positions do not reach the 32"),
+    "a mask on a one-token decode": (ChunkWiring(decode_mask=True), "multi-token-queries", "passes no mask"),
+}
+
+
+def test_the_right_chunk_wiring_passes(tmp_path):
+    assert checked_chunk(tmp_path, ChunkWiring()) == []
+
+
+@pytest.mark.parametrize("mistake", list(CHUNK_MISTAKES))
+def test_each_chunk_mistake_is_refused_naming_the_rule(tmp_path, mistake):
+    wiring, rule, phrase = CHUNK_MISTAKES[mistake]
+    found = checked_chunk(tmp_path, wiring)
+    assert any(v.startswith("PagedAttention") and f"[{rule}]" in v and phrase in v for v in found), found
+
+
 def test_every_rule_says_where_it_was_read_and_is_shown_failing():
     assert len({r.name for r in RULES}) == len(RULES)
     assert all(r.source and r.op in ("PagedAttention", "ReshapeAndCache", "FlashAttentionScore",
                                      "ApplyRotaryPosEmb") for r in RULES)
-    shown = {rule for _, rule, _ in [*MISTAKES.values(), *PREFILL_MISTAKES.values()]}
+    shown = {rule for _, rule, _ in [*MISTAKES.values(), *PREFILL_MISTAKES.values(), *CHUNK_MISTAKES.values()]}
     assert shown == {r.name for r in RULES}
 
 

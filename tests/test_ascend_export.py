@@ -167,7 +167,8 @@ def write_config(tmp_path, model_dir, dtype="float16") -> str:
     path.write_text(f"model_config:\n  model_path: {model_dir}\n  dtype: {dtype}\n  device_target: Ascend\n"
                     "  seq_length: [32]\n  prefill_batch_size: [2]\n  decode_batch_size: [1, 4]\n"
                     "pa_config:\n  num_blocks: 40\n  block_size: 16\n  decode_seq_length: 64\n"
-                    # the Ascend attention has no queries over cached context (yet)
+                    # whole prompts only, so the command exports the shapes asked for quickly (mixed graphs:
+                    # tests/test_ascend_chunked.py)
                     "scheduler:\n  enable_chunked_prefill: false\n  enable_prefix_caching: false\n")
     return str(path)
 

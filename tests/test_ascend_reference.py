@@ -133,6 +133,31 @@ def test_paged_attention_reads_each_context_through_its_block_table_with_gqa(dty
     np.testing.assert_array_equal(again, got)
 
 
+def test_paged_attention_takes_several_queries_per_sequence_with_q_seq_lens():
+    """Chunks and prefix-cache hits: each sequence's queries are the last of its context, masked past their
+    positions (the mask rows as AscendAttention.chunked builds them)."""
+    rng = np.random.default_rng(6)
+    blocks, block_size, width = 12, 4, 4
+    key_cache, value_cache = (rng.normal(size=(blocks, block_size, KV_HEADS, HEAD_DIM)).astype(np.float16)
+                              for _ in range(2))
+    q_lens, context_lens = np.array([3, 1, 5], np.int32), np.array([9, 4, 5], np.int32)  # a chunk, a decode, a prompt
+    tables = rng.integers(1, blocks, size=(3, width)).astype(np.int32)
+    positions = np.concatenate([np.arange(c - q, c) for q, c in zip(q_lens, context_lens)])
+    mask = (np.arange(width * block_size)[None, :] > positions[:, None]) * -10000.0
+    query = rng.normal(size=(q_lens.sum(), HEADS, HEAD_DIM)).astype(np.float16)
+    scale = HEAD_DIM ** -0.5
+    paged = PagedAttentionRef(HEADS, scale, KV_HEADS)
+    got = run(paged, query, key_cache, value_cache, tables, context_lens, None, None, mask.astype(np.float16), q_lens)
+    want = contract.paged_attention_queries(query, key_cache, value_cache, tables, context_lens, q_lens, mask, scale)
+    np.testing.assert_allclose(got, want, atol=2e-3, rtol=2e-3)
+    decode = run(paged, query[3:4], key_cache, value_cache, tables[1:2], context_lens[1:2])  # the same row alone
+    np.testing.assert_allclose(got[3:4], decode, atol=1e-3)
+    for bad_q, bad_ctx in (([3, 0, 5], [9, 4, 5]), ([3, 1, 5], [2, 4, 5]), ([3, 1, 4], [9, 4, 5])):
+        out = run(paged, query, key_cache, value_cache, tables, np.array(bad_ctx, np.int32), None, None,
+                  mask.astype(np.float16), np.array(bad_q, np.int32))
+        assert np.isnan(out).all(), (bad_q, bad_ctx)  # empty, longer than its context, short of the rows
+
+
 CAUSAL = np.triu(np.ones((128, 128)), 1) * -10000.0  # float16's (and float32's) values; bfloat16's are 0/1
 
 

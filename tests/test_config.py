@@ -204,8 +204,6 @@ def test_sections_must_be_mappings(d, match):
      "scheduler.max_num_batched_tokens", "below pa_config.decode_seq_length 512"),
     ({"scheduler": {"max_num_batched_tokens": 16}}, "scheduler.max_num_batched_tokens",
      "below the largest decode batch 32"),
-    ({"model_config": {"device_target": "Ascend", "dtype": "float16"}, "scheduler": {"enable_chunked_prefill": True}},
-     "scheduler.enable_chunked_prefill", "Ascend agents cannot attend over cached context yet"),
     ({"scheduler": {"min_decode_steps_between_prefills": -1}}, "scheduler.min_decode_steps_between_prefills",
      ">= 0"),
     ({"default_model": {"num_heads": 3}}, "default_model", "not divisible by num_attention_heads 3"),

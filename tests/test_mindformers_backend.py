@@ -51,9 +51,9 @@ def test_backend_mindformers_config(tmp_path: Path) -> None:
     ({"device_target": "CPU"}, {}, "model_config.device_target", "backend mindformers serves on Ascend only"),
     ({}, {"serving_config": {"num_agents": 2}}, "serving_config.num_agents", "backend mindformers runs one agent"),
     ({}, {"scheduler": {"enable_chunked_prefill": True}}, "scheduler.enable_chunked_prefill",
-     "cannot attend over cached context"),
+     "prefills whole prompts from position 0"),
     ({}, {"scheduler": {"enable_prefix_caching": True}}, "scheduler.enable_prefix_caching",
-     "cannot attend over cached context"),
+     "prefills whole prompts from position 0"),
 ])
 def test_config_mistakes_name_the_key(tmp_path: Path, model: dict, sections: dict, key: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as err:

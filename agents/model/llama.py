@@ -108,15 +108,17 @@ class LlamaLayer(nn.Cell):
         self.down_projection = parallel.row_parallel(shard, backend, self.residual_linear, hidden)
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
-                  block_tables: Tensor, rows: Tensor, is_prefill: bool, context_lens: Tensor | None = None) -> Tensor:
+                  block_tables: Tensor, rows: Tensor, is_prefill: bool, context_lens: Tensor | None = None,
+                  positions: Tensor | None = None) -> Tensor:
         """``rows`` [1]: the real (leading) token rows of ``x``, for backends that skip the padding after them.
         ``context_lens``: given in steps whose queries attend to cached context (``agents.runtime.mixed_steps``; ``lens``
-        then holds the query lengths); None, a graph constant, in the prefill and decode graphs."""
+        then holds the query lengths, and ``positions`` the tokens'); None, a graph constant, in the prefill and decode
+        graphs."""
         qkv = self.norm_qkv(x, self.attention_norm, self.w_qkv.weight, rows)
         if context_lens is None:
             attn = self.attention(qkv, cos, sin, slot_mapping, lens, block_tables, is_prefill)
         else:
-            attn = self.attention.chunked(qkv, cos, sin, slot_mapping, lens, context_lens, block_tables)
+            attn = self.attention.chunked(qkv, cos, sin, slot_mapping, lens, context_lens, block_tables, positions)
         x = self.output_projection(attn, self.wo.weight, x, rows)
         act = self.norm_gate_up(x, self.ffn_norm, self.w_gate_up.weight, rows)
         return self.down_projection(act, self.w_down.weight, x, rows)
@@ -163,7 +165,7 @@ class LlamaModel(nn.Cell):
         cos = ops.gather(self.cos, positions, 0)
         sin = ops.gather(self.sin, positions, 0)
         for layer in self.layers:
-            x = layer(x, cos, sin, slot_mapping, lens, block_tables, token_rows, is_prefill, context_lens)
+            x = layer(x, cos, sin, slot_mapping, lens, block_tables, token_rows, is_prefill, context_lens, positions)
         return x
 
     def logits(self, last_hidden: Tensor, sequence_rows: Tensor) -> Tensor:

@@ -61,16 +61,18 @@ def consecutive_groups(query_lens: np.ndarray, max_seqs: int, max_tokens: int) -
     return groups + [np.arange(start, len(query_lens))] if len(query_lens) else groups
 
 
-def warmup_arrays(kind: str, batch: int, n: int, width: int, max_model_len: int) -> list[np.ndarray]:
+def warmup_arrays(kind: str, batch: int, n: int, width: int, max_model_len: int,
+                  max_real: int | None = None) -> list[np.ndarray]:
     """Inputs of a mixed or chunk shape in which every row is a real token of dummy block 0 (as the runner's
     other warm-up inputs): ragged, ``n`` tokens in as few sequences as the model length allows (the most
-    attention a call of that many tokens can do: its timing bounds the step timeout); padded, ``batch`` sequences
-    of ``n`` tokens each."""
+    attention a call of that many tokens can do: its timing bounds the step timeout), at most ``max_real`` of
+    them; padded, ``batch`` sequences of ``n`` tokens each."""
     tokens = n if kind == "mixed" else batch * n
     ids, pos, slots = (np.zeros(tokens, np.int32) for _ in range(3))
     if kind == "mixed":
-        real = min(n, batch * max_model_len)  # no sequence longer than the model
-        parts = np.array_split(np.arange(real), min(batch, -(-real // max_model_len)))
+        seqs = batch if max_real is None else max_real
+        real = min(n, seqs * max_model_len)  # no sequence longer than the model
+        parts = np.array_split(np.arange(real), min(seqs, -(-real // max_model_len)))
         lens = np.zeros(batch, np.int32)
         lens[: len(parts)] = [len(p) for p in parts]
         last = np.maximum(np.cumsum(lens) - 1, 0).astype(np.int32)
@@ -131,18 +133,21 @@ def decode_view(batch: StepBatch) -> StepBatch:
 
 class MixedStep(nn.Cell):
     """One compiled mixed (or chunk) step of ``agents.model.llama.LlamaModel``: inputs ``input_ids``, ``positions``,
-    ``slot_mapping`` ``[tokens]``, ``query_lens``, ``context_lens`` ``[batch]``, ``block_tables`` ``[batch,
-    width]``, ``last_index`` ``[batch]``; returns what ``LlamaStep`` does (greedy ids, logprobs, logits)."""
+    ``slot_mapping`` ``[tokens]``, ``q_seq_lens`` (query lengths), ``batch_valid_length`` (context lengths, the
+    query included) ``[batch]``, ``block_tables`` ``[batch, width]``, ``last_index`` ``[batch]``; returns what
+    ``LlamaStep`` does (greedy ids, logprobs, logits)."""
 
     def __init__(self, model: nn.Cell) -> None:
         super().__init__()
         self.model = model
 
-    def construct(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, query_lens: Tensor,
-                  context_lens: Tensor, block_tables: Tensor, last_index: Tensor):
-        token_rows, sequence_rows = self.model.real_rows(query_lens, True)
-        hidden = self.model.hidden_states(input_ids, positions, slot_mapping, query_lens, block_tables,
-                                          token_rows, True, context_lens)
+    def construct(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, q_seq_lens: Tensor,
+                  batch_valid_length: Tensor, block_tables: Tensor, last_index: Tensor):
+        # query and context lengths under the graph input names Ascend's internal kernels read them by
+        # (agents.tools.contracts); not rebound to shorter names, since MindSpore names the inputs after that
+        token_rows, sequence_rows = self.model.real_rows(q_seq_lens, True)
+        hidden = self.model.hidden_states(input_ids, positions, slot_mapping, q_seq_lens, block_tables,
+                                          token_rows, True, batch_valid_length)
         logits = self.model.logits(ops.gather(hidden, last_index, 0), sequence_rows)
         token_ids, logprobs = self.model.greedy(logits)
         return token_ids, logprobs, logits

@@ -191,11 +191,26 @@ class ModelRunner:
         # the mixed-step shapes by kind, largest last: ragged ("mixed") or padded ("chunk")
         self.mixed_shapes = {kind: [s for s in rc.mixed_shapes(self.ragged_prefill) if s[0] == kind]
                              for kind in ("mixed", "chunk")}
+        self._check_padding_reach()
         self.graphs = sharded_graphs(self.graphs, self.shard)  # tensor parallel: logits gathered when read
         self.warmed: set[tuple] = set()
         self.compile_times: dict[tuple, float] = {}
         self.step_costs: dict[tuple, float] = {}  # steady-state seconds per call, measured in warm-up
         self._costs: dict[tuple, float] = {}  # (is_prefill, count, longest) -> cost, memoised for plan()
+
+    def _check_padding_reach(self) -> None:
+        """Where a mixed call's padding rows form a sequence of their own (``mixed_padding_slots``), that sequence
+        reads as many positions through its table row as it has rows: at most a bucket's step up from the one
+        below plus the appended rows, which must stay within one table's reach."""
+        buckets = [s[2] for s in self.mixed_shapes["mixed"]]
+        if not self.backend.mixed_padding_slots or not buckets:
+            return
+        reach = self.rc.max_blocks_per_seq * self.rc.block_size
+        worst = max(t - below for t, below in zip(buckets, [0] + buckets[:-1])) + self.rc.mixed_max_seqs
+        if worst > reach:
+            raise ValueError(f"scheduler.max_num_batched_tokens: the mixed-step buckets {buckets} leave up to {worst} "
+                             f"padding rows, more than one block table reaches ({reach} positions, max_model_len): "
+                             "lower the token budget or raise max_model_len")
 
     @property
     def ragged_prefill(self) -> bool:
@@ -241,7 +256,11 @@ class ModelRunner:
         """The inputs ``warmup()`` runs ``shape`` with (``agents.tools.export`` exports each graph with them)."""
         kind, b, n = shape
         if kind in ("mixed", "chunk"):
-            return warmup_arrays(kind, b, n, self.rc.max_blocks_per_seq, self.rc.max_model_len)
+            arrays = warmup_arrays(kind, b, n, self.rc.max_blocks_per_seq, self.rc.max_model_len,
+                                   b - self.backend.mixed_padding_slots)
+            if kind == "mixed":
+                arrays[3], arrays[4] = self.backend.mixed_lengths(arrays[3], arrays[4], n)
+            return arrays
         arrays = self._warmup_inputs(kind, b, n)
         if kind == "ragged":
             arrays[3] = self.backend.ragged_lengths(arrays[3], n)
@@ -413,7 +432,8 @@ class ModelRunner:
         if not self.rc.mixed_steps:
             raise ValueError("a step with queries over cached context needs the mixed-step graphs (mixed_steps)")
         if self.ragged_prefill:  # padding rows cost next to nothing here: as few calls as the largest bucket allows
-            return consecutive_groups(batch.query_lens, self.rc.mixed_max_seqs, self.mixed_shapes["mixed"][-1][2])
+            return consecutive_groups(batch.query_lens, self.rc.mixed_max_seqs - self.backend.mixed_padding_slots,
+                                      self.mixed_shapes["mixed"][-1][2])
         groups = []
         for kind, rows in padded_kinds(batch).items():
             part = batch.take(rows)
@@ -430,9 +450,11 @@ class ModelRunner:
         if self.ragged_prefill:
             total = int(batch.query_lens.sum())
             shape = self._mixed_shape(total)
-            if shape is None or batch.batch_size > shape[1]:
+            if shape is None or batch.batch_size > shape[1] - self.backend.mixed_padding_slots:
                 raise ValueError(f"no mixed-step bucket holds {batch.batch_size} sequences of {total} tokens")
-            return shape, mixed_arrays(batch, shape[1], shape[2], width)
+            arrays = mixed_arrays(batch, shape[1], shape[2], width)
+            arrays[3], arrays[4] = self.backend.mixed_lengths(arrays[3], arrays[4], shape[2])
+            return shape, arrays
         if np.all(batch.query_lens == 1):
             return self.bucket_inputs(decode_view(batch))
         shape = self._chunk_shape(batch.batch_size, int(batch.query_lens.max()))

@@ -33,7 +33,10 @@ from agents.tools.mindir import GraphNodes, OpNode, Source, TensorInfo, read_gra
 # PagedAttention's inputs in MindSpore 2.10's order (ops.auto_generate.PagedAttention; the internal kernel reads
 # head_num, scale and kv_head_num at indices 10-12: ops/kernel/ascend/internal/paged_attention.cc, CreateKernel)
 PA_QUERY, PA_KEY_CACHE, PA_VALUE_CACHE, PA_BLOCK_TABLES, PA_CONTEXT_LENS = range(5)
+PA_MASK, PA_Q_LENS = 7, 8
 PA_HEAD_NUM, PA_SCALE, PA_KV_HEAD_NUM = 10, 11, 12
+# the graph input the internal PagedAttention takes each sequence's query length from (multi-token queries)
+Q_LENGTHS_INPUT = "q_seq_lens"
 # ReshapeAndCache(key, value, key_cache, value_cache, slot_mapping)
 RC_KEY, RC_VALUE, RC_KEY_CACHE, RC_VALUE_CACHE, RC_SLOTS = range(5)
 # the graph input the internal PagedAttention takes each sequence's context length from, by name
@@ -144,6 +147,35 @@ def _pa_lengths_from_graph_input(graph: GraphNodes, node: OpNode) -> Iterator[st
     if not (lens.kind == "input" and lens.name == KV_LENGTHS_INPUT):
         yield (f"context_lens must be the graph input {KV_LENGTHS_INPUT!r} (the internal kernel reads the lengths "
                f"from that input's host values, not from the tensor passed), got {_where(lens)}")
+
+
+def _pa_queries(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+    """Multi-token queries: ``q_seq_lens`` from its graph input and a mask row per query token; one token per
+    sequence: no mask."""
+    q_lens, mask = node.inputs[PA_Q_LENS], node.inputs[PA_MASK]
+    query, cache, tables = _dims(node.inputs[PA_QUERY]), _dims(node.inputs[PA_KEY_CACHE]), _dims(node.inputs[
+        PA_BLOCK_TABLES])
+    if q_lens.kind == "constant" and q_lens.value is None:
+        if not (mask.kind == "constant" and mask.value is None):
+            yield "a decode step (no q_seq_lens) passes no mask"
+        return
+    if not (q_lens.kind == "input" and q_lens.name == Q_LENGTHS_INPUT):
+        yield (f"q_seq_lens must be the graph input {Q_LENGTHS_INPUT!r} (the internal kernel reads it by name), got "
+               f"{_where(q_lens)}")
+    elif _dtype(q_lens) not in (None, "int32"):
+        yield f"q_seq_lens must be int32, got {_dtype(q_lens)}"
+    info = mask.value if isinstance(mask.value, TensorInfo) else mask.info
+    dims, dtype = (info.shape, info.dtype) if info is not None else (None, None)
+    if dims == (1, 1):
+        return  # vllm-mindspore's "hard mask" for steps of one-token queries: no mask
+    if mask.kind == "constant" and mask.value is None:
+        yield "multi-token queries (q_seq_lens) need a mask row per query token, got none"
+    elif dims is None or len(dims) != 2 or dtype != _dtype(node.inputs[PA_QUERY]):
+        yield f"the mask must be 2-D (query tokens, positions) in the compute dtype, got {info or _where(mask)}"
+    elif query and dims[0] != query[0]:
+        yield f"the mask has {dims[0]} rows for {query[0]} query tokens"
+    elif cache and tables and len(cache) == 4 and dims[1] < tables[1] * cache[1]:
+        yield f"the mask's {dims[1]} positions do not reach the {tables[1] * cache[1]} a block table covers"
 
 
 def _pa_int32(graph: GraphNodes, node: OpNode) -> Iterator[str]:
@@ -359,6 +391,10 @@ RULES = (
          f"{_PA_KERNEL}: CreateKernel/UpdateParam take kv_seq_len from GetSeqLenFromGraphAndCheckUpadate("
          f"{{\"{KV_LENGTHS_INPUT}\"}}), i.e. LLMManager's copy of the graph input of that name",
          _pa_lengths_from_graph_input),
+    Rule("PagedAttention", "multi-token-queries",
+         f"{_PA_KERNEL} (q_seq_len from GetSeqLenFromGraphAndCheckUpadate({{\"{Q_LENGTHS_INPUT}\"}})); vllm-mindspore "
+         "attention/layer.py and models/attention_mask.py: chunks and prefix-cache hits pass q_seq_lens with a mask "
+         "row per query token (decode_mask rows gathered by position, 0/-10000), decode no mask", _pa_queries),
     Rule("PagedAttention", "int32-tables-and-lengths",
          f"{_PA_DOC}: block_tables and context_lens int32; internal_kernel_utils.cc reads the lengths as int32_t",
          _pa_int32),

@@ -81,7 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     spec = AgentSpec.from_json(args.spec)
     config = LlamaConfig(**spec.llama_config)
     try:
-        rc = RunnerConfig(**spec.runner_config)
+        fields = dict(spec.runner_config)
+        if fields.pop("memory_utilization", None) is not None and fields["num_blocks"] is None:
+            # the cache's block count sizes only dim 0 of its Parameters: the fewest that hold one sequence
+            fields["num_blocks"] = 1 + -(-fields["max_model_len"] // fields["block_size"])
+            print(f"pa_config.num_blocks auto: exporting with {fields['num_blocks']} blocks (the agents size the "
+                  "cache from the device's memory when they start)", flush=True)
+        rc = RunnerConfig(**fields)
         backend = select_backend(rc.kernels, rc.device_target, rc.dtype, config.hidden_size)
         backend.check(config, rc.block_size, rc.prefill_batch_sizes[-1])
     except ValueError as exc:  # before loading weights: a config mistake answers at once

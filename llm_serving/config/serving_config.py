@@ -47,9 +47,9 @@ __all__ = ["ConfigError", "DefaultModelSection", "ModelSection", "PagedAttention
 
 TOKENIZER_TYPES = ("LlamaTokenizer",)
 _CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors", ".bin")
-# devices whose agents' ops attend over cached context (chunked prefill, prefix caching): the CPU backends have
-# it; the Ascend backend has not yet (its fused PagedAttention would take the chunks with q_seq_lens)
-CACHED_CONTEXT_DEVICES = ("CPU",)
+# devices whose agents' ops attend over cached context (chunked prefill, prefix caching): the CPU backends, and
+# the Ascend backend through PagedAttention's multi-token queries (q_seq_lens)
+CACHED_CONTEXT_DEVICES = ("CPU", "Ascend")
 # model_config.backend: llm-serving's 'ms' / 'ge' / 'kbk' all run our Llama graph; 'mindformers' runs MindFormers'
 # LlamaForCausalLM built from model_cfg_path (agents/mindformers, its own environment: docs/mindformers.md)
 MODEL_BACKENDS = ("ms", "ge", "kbk", "mindformers")
@@ -118,9 +118,20 @@ DEFAULT_COMPILE_CACHE = "~/.cache/llm-serving/compile-cache"  # serving_config.c
 class PagedAttentionSection:
     """``pa_config``: the paged KV cache."""
 
-    num_blocks: int = setting(512, "int")
+    num_blocks: int | str = setting(512, "int_or_auto")  # per device; auto: from its memory (memory_utilization)
     block_size: int = setting(16, "int")
     decode_seq_length: int = setting(512, "int")  # max tokens (prompt + output) of one sequence
+    # the share of each device's memory that weights, steps and the KV cache may take, with num_blocks auto
+    memory_utilization: float | None = setting(None, "float", optional=True)
+
+    @property
+    def auto_blocks(self) -> bool:
+        return self.num_blocks == "auto"
+
+    @property
+    def utilization(self) -> float:
+        """``memory_utilization``, 0.9 when left empty (vLLM's default)."""
+        return self.memory_utilization if self.memory_utilization is not None else 0.9
 
 
 @dataclass(frozen=True)
@@ -141,7 +152,7 @@ class SchedulerSection:
     max_num_batched_tokens: int | None = setting(None, "int", optional=True)
     min_decode_steps_between_prefills: int = setting(0, "int")
     # decode tokens and prompt chunks share steps; reuse the KV blocks of a cached prefix. None: on where the
-    # agents' ops attend over cached context (CPU), off where they do not yet (Ascend)
+    # agents' ops attend over cached context (CACHED_CONTEXT_DEVICES; not backend mindformers)
     enable_chunked_prefill: bool | None = setting(None, "bool", optional=True)
     enable_prefix_caching: bool | None = setting(None, "bool", optional=True)
 
@@ -391,8 +402,14 @@ def _validate(cfg: ServingConfig) -> None:
     need(s.dump_logits_tokens is None or s.dump_logits_tokens >= 1, "serving_config.dump_logits_tokens",
          f"must be >= 1 (empty: every generated position), got {s.dump_logits_tokens}")
 
-    for key in ("num_blocks", "block_size", "decode_seq_length"):
+    for key in ("block_size", "decode_seq_length") + (() if pa.auto_blocks else ("num_blocks",)):
         need(getattr(pa, key) > 0, f"pa_config.{key}", f"must be positive, got {getattr(pa, key)}")
+    need(pa.memory_utilization is None or pa.auto_blocks, "pa_config.memory_utilization",
+         f"sizes the cache only with pa_config.num_blocks: auto (num_blocks is {pa.num_blocks})")
+    need(pa.memory_utilization is None or 0 < pa.memory_utilization <= 1, "pa_config.memory_utilization",
+         f"must be in (0, 1], got {pa.memory_utilization}")
+    need(not (pa.auto_blocks and cfg.uses_mindformers), "pa_config.num_blocks",
+         "auto is not served by backend mindformers (MindFormers sizes its own cache): set a number")
     need(m.kernels in KERNEL_CHOICES, "model_config.kernels",
          f"expected one of {', '.join(KERNEL_CHOICES)}, got {m.kernels!r}")
     need(m.precision in PRECISIONS, "model_config.precision",
@@ -401,7 +418,7 @@ def _validate(cfg: ServingConfig) -> None:
          "model_config.precision", f"{m.precision} runs on the native CPU kernels only: it needs "
          "model_config.device_target CPU, dtype float32 and kernels auto or native (got "
          f"{m.device_target}, {m.dtype}, {m.kernels})")
-    usable = (pa.num_blocks - 1) * pa.block_size  # block 0 is the reserved padding block
+    usable = (pa.num_blocks - 1) * pa.block_size if not pa.auto_blocks else pa.decode_seq_length  # block 0: padding
     need(pa.decode_seq_length <= usable, "pa_config.decode_seq_length",
          f"{pa.decode_seq_length} tokens do not fit in the cache of (num_blocks - 1) * block_size = "
          f"({pa.num_blocks} - 1) * {pa.block_size} = {usable} tokens (block 0 is reserved for padding)")

@@ -21,6 +21,7 @@ KIND_TEXT = {
     "int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean (true/false)",
     "path": "a path string", "ints": "a list of integers", "buckets": "a list of integers",
     "strs": "a list of strings", "switch_or_path": "true, false or a directory path",
+    "int_or_auto": "an integer or auto",
 }
 
 
@@ -103,7 +104,9 @@ def coerce(value: Any, kind: str, key: str, source: str, base: Path) -> Any:
     if value is None:
         return None
     ok = True
-    if kind == "int":
+    if kind == "int_or_auto" and isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if kind in ("int", "int_or_auto"):
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif kind == "float":
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)

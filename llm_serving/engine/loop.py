@@ -127,18 +127,32 @@ class Engine:
         self.limits = RequestLimits.from_config(cfg, self.tokenizer.vocab_size)
         end = cfg.model_config.end_token
         self.eos_token_id = end if end is not None else self.model.llama_config.eos_token_id
-        self._scheduler = Scheduler(scheduler_config(cfg, self.eos_token_id, self.model.llama_config))
-        self._requests = LiveRequests(self._scheduler, self._counters)
+        auto = cfg.pa_config.auto_blocks  # the agents size their caches; the scheduler follows their count
+        if not auto:
+            self._start_scheduler()
         self._agents = AgentSupervisor(RecoveryConfig.from_config(cfg), self._pool_factory,
                                        agent_spec(cfg, self.model, self.standin_agents))
         try:
             self._agents.start(progress)  # raises (after cleaning up) when an agent cannot start
+            if auto:
+                blocks = self._agents.fix_kv_blocks()
+                if progress:
+                    progress(f"KV cache: {blocks} blocks of {cfg.pa_config.block_size} tokens "
+                             "(pa_config.num_blocks auto)")
+                self._start_scheduler(blocks)
         except BaseException:
             self.state = "failed"
+            if self._agents is not None:
+                self._agents.close()
             raise
         self.state = "ready"
         self._thread = threading.Thread(target=self._loop, name="llm-serving-engine", daemon=True)
         self._thread.start()
+
+    def _start_scheduler(self, num_blocks: int | None = None) -> None:
+        self._scheduler = Scheduler(scheduler_config(self.config, self.eos_token_id, self.model.llama_config,
+                                                     num_blocks))
+        self._requests = LiveRequests(self._scheduler, self._counters)
 
     def shutdown(self) -> None:
         """Abort every request left, stop the loop and the agents (shared memory unlinked). Idempotent."""

@@ -18,6 +18,7 @@ the request that caused it and the service heals itself.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -169,6 +170,15 @@ class AgentSupervisor:
             self.pool = pool = self._factory(self._spec)
         pool.start(progress)
         self._adopt(pool)
+
+    def fix_kv_blocks(self) -> int:
+        """With ``pa_config.num_blocks: auto``: the count the ranks sized their caches to (the smallest), which
+        later agents are then given, so a restart allocates the cache the scheduler plans with."""
+        blocks = getattr(self.pool, "kv_blocks", None)
+        if blocks is None:
+            raise EngineError("pa_config.num_blocks auto: the agents reported no KV block count")
+        self._spec = dataclasses.replace(self._spec, runner_config={**self._spec.runner_config, "num_blocks": blocks})
+        return blocks
 
     def replace(self, wait: Callable[[float], bool], failure: str) -> bool:
         """Kill the failed pool and start new agents until one pool is up: True. False when ``wait`` (the

@@ -105,7 +105,7 @@ def check_host_memory(config: ServingConfig, llama: LlamaConfig) -> None:
     cache larger than the host's free memory would have an agent killed for memory mid-serving, so refuse it
     here, naming the key."""
     m, pa, src = config.model_config, config.pa_config, config.source
-    if m.device_target != "CPU":
+    if m.device_target != "CPU" or pa.auto_blocks:  # auto: each agent sizes its cache from what is available
         return
     itemsize = 4 if m.dtype == "float32" else 2
     per_agent = (pa.num_blocks * pa.block_size * 2 * llama.num_key_value_heads * llama.head_dim
@@ -119,20 +119,27 @@ def check_host_memory(config: ServingConfig, llama: LlamaConfig) -> None:
                           key="pa_config.num_blocks", source=src)
 
 
-def kv_cache_blocks(config: ServingConfig, llama: LlamaConfig | None) -> int:
+def kv_cache_blocks(config: ServingConfig, llama: LlamaConfig | None) -> int | None:
     """KV-cache blocks of the served model: ``pa_config.num_blocks`` is what one device's cache holds with the
     whole model's kv heads; tensor-parallel ranks hold only their share of the kv heads per block, so the same
-    memory on each rank holds ``kv_shards`` times as many blocks (``llm_serving.protocol.parallel``)."""
+    memory on each rank holds ``kv_shards`` times as many blocks (``llm_serving.protocol.parallel``). None with
+    ``num_blocks: auto``: the agents size their caches and report the count when ready."""
+    if config.pa_config.auto_blocks:
+        return None
     shards = kv_shards(llama, config.num_agents) if llama is not None else 1
     return config.pa_config.num_blocks * shards
 
 
-def scheduler_config(config: ServingConfig, eos_token_id: int | None,
-                     llama: LlamaConfig | None = None) -> SchedulerConfig:
-    """``llama``: the served model, whose kv heads size the cache under tensor parallelism (``kv_cache_blocks``)."""
+def scheduler_config(config: ServingConfig, eos_token_id: int | None, llama: LlamaConfig | None = None,
+                     num_blocks: int | None = None) -> SchedulerConfig:
+    """``llama``: the served model, whose kv heads size the cache under tensor parallelism (``kv_cache_blocks``);
+    ``num_blocks``: the agents' reported count, with ``num_blocks: auto``."""
     m, pa, sc = config.model_config, config.pa_config, config.scheduler
+    blocks = num_blocks if num_blocks is not None else kv_cache_blocks(config, llama)
+    if blocks is None:
+        raise ValueError("pa_config.num_blocks auto: the scheduler needs the count the agents reported")
     return SchedulerConfig(
-        num_blocks=kv_cache_blocks(config, llama), block_size=pa.block_size,
+        num_blocks=blocks, block_size=pa.block_size,
         max_num_seqs=m.decode_batch_size[-1], max_prefill_batch=m.prefill_batch_size[-1],
         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
         eos_token_id=eos_token_id, policy=sc.policy, max_wait_s=sc.max_wait_s,
@@ -147,7 +154,8 @@ def runner_config_dict(config: ServingConfig) -> dict[str, Any]:
     shape itself."""
     m, pa = config.model_config, config.pa_config
     return {
-        "num_blocks": pa.num_blocks, "block_size": pa.block_size, "max_model_len": config.max_model_len,
+        "num_blocks": None if pa.auto_blocks else pa.num_blocks, "block_size": pa.block_size,
+        "max_model_len": config.max_model_len,
         "prefill_batch_sizes": list(m.prefill_batch_size), "prefill_seq_lengths": list(m.seq_length),
         "decode_batch_sizes": list(m.decode_batch_size), "dtype": m.dtype, "kernels": m.kernels,
         "precision": m.precision,
@@ -155,6 +163,7 @@ def runner_config_dict(config: ServingConfig) -> dict[str, Any]:
         "mixed_steps": config.chunked_prefill or config.prefix_caching,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "device_target": m.device_target,
+        **({"memory_utilization": pa.utilization} if pa.auto_blocks else {}),
     }
 
 
@@ -180,7 +189,8 @@ def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) 
         max_batch=max_batch,
         max_blocks_per_seq=config.max_blocks_per_seq,
         # every penalty id of a step is a token whose KV is cached: bounded by the cache and the batch
-        max_penalty_tokens=min((blocks - 1) * pa.block_size, max_batch * config.max_model_len),
+        max_penalty_tokens=min((blocks - 1) * pa.block_size if blocks else max_batch * config.max_model_len,
+                               max_batch * config.max_model_len),
         # logits dumps: every sequence of a step may ask (float32 x vocab each; 16 MiB for 128 x 32000)
         max_logits_rows=max_batch,
         tensor_parallel_size=config.num_agents,

@@ -129,6 +129,7 @@ class AgentPool:
         self._in_flight: int | None = None  # a submitted step not collected yet
         self._failed_rows: dict[int, str] = {}  # rank 0's DONE frame of the step being collected
         self.slowest_warmup_step_s: float | None = None  # the agents' slowest warmed-up step, once ready
+        self.kv_blocks: int | None = None  # the fewest KV blocks a rank's cache holds, as the ranks reported
         self._state = "new"  # new -> starting -> ready -> closed
         self._death: str | None = None
         self._closing = False
@@ -262,9 +263,11 @@ class AgentPool:
                         progress(f"agent {agent.rank}: {payload}")
                     elif kind == READY:
                         pending.discard(agent.rank)
-                        cost = parse_ready_payload(payload)
+                        cost, blocks = parse_ready_payload(payload)
                         if cost is not None:
                             slowest.append(cost)
+                        if blocks is not None:
+                            self.kv_blocks = blocks if self.kv_blocks is None else min(self.kv_blocks, blocks)
                     elif kind == ERROR:
                         summary, tb = parse_error_payload(payload)
                         raise AgentStartupError(f"agent rank {agent.rank} failed to start: {summary}",

@@ -43,18 +43,20 @@ def parse_error_payload(payload: str) -> tuple[str, str]:
         return payload, ""
 
 
-def ready_payload(slowest_step_s: float | None) -> str:
+def ready_payload(slowest_step_s: float | None, num_blocks: int | None = None) -> str:
     """A READY frame's payload: the slowest warmed-up step (seconds), which the master's step timeout is
-    derived from."""
-    return json.dumps({"slowest_step_s": slowest_step_s})
+    derived from, and the KV blocks the agent's cache holds (the count ``pa_config.num_blocks: auto`` sized)."""
+    return json.dumps({"slowest_step_s": slowest_step_s, "num_blocks": num_blocks})
 
 
-def parse_ready_payload(payload: str) -> float | None:
+def parse_ready_payload(payload: str) -> tuple[float | None, int | None]:
+    """``(slowest_step_s, num_blocks)``, None for what the payload leaves out."""
     try:
-        value = json.loads(payload)["slowest_step_s"] if payload else None
-        return float(value) if value is not None else None
-    except (ValueError, KeyError, TypeError):
-        return None
+        values = json.loads(payload) if payload else {}
+        slowest, blocks = values.get("slowest_step_s"), values.get("num_blocks")
+        return (float(slowest) if slowest is not None else None), (int(blocks) if blocks is not None else None)
+    except (ValueError, AttributeError, TypeError):
+        return None, None
 
 
 def done_payload(failed: dict[int, str]) -> str:

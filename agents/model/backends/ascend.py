@@ -43,6 +43,7 @@ from mindspore.ops.auto_generate import (
 )
 
 from agents.model.backends.ascend_limits import (
+    CHUNK_MASK_VALUE,
     FA_CAUSAL_HEAD_DIMS,
     FA_MASK_SIZE,
     MAX_HEADS,
@@ -110,6 +111,8 @@ class AscendAttention(Attention):
         self.head_dim = config.head_dim
         self.hidden = config.hidden_size
         self.kv_dim = config.kv_dim
+        self.block_size = block_size
+        self.dtype = dtype
         shape = (num_blocks, block_size, self.n_kv, self.head_dim)
         self.key_cache = Parameter(initializer("zeros", shape, dtype), name="key_cache", requires_grad=False)
         self.value_cache = Parameter(initializer("zeros", shape, dtype), name="value_cache", requires_grad=False)
@@ -154,6 +157,31 @@ class AscendAttention(Attention):
         return out.reshape(batch, self.hidden)
 
 
+    def chunked(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, query_lens: Tensor,
+                context_lens: Tensor, block_tables: Tensor, positions: Tensor) -> Tensor:
+        """Queries over cached context by PagedAttention's multi-token path, as vllm-mindspore runs chunked prefill
+        and prefix-cache hits: ``q_seq_lens`` (``query_lens``) rows per sequence, the last of its
+        ``batch_valid_length`` (``context_lens``) positions, each row masked past its position. The lengths are the
+        step's graph inputs of those names, filled by ``mixed_lengths`` to cover the bucket and ``max_seqs``
+        appended rows (as ``prefill``)."""
+        q = qkv[:, : self.hidden]
+        k = qkv[:, self.hidden: self.hidden + self.kv_dim]
+        v = qkv[:, self.hidden + self.kv_dim:]
+        q, k = self.rope(q, k, cos, sin, context_lens)
+        written = self.cache_write(k, v, self.key_cache, self.value_cache, slot_mapping)
+        q = ops.depend(q, written)
+        tokens, seqs = q.shape[0], query_lens.shape[0]
+        rows = tokens + seqs
+        q = ops.concat((q, ops.zeros((seqs, self.hidden), q.dtype))).reshape(rows, self.n_heads, self.head_dim)
+        at = ops.concat((positions, ops.zeros(seqs, positions.dtype)))  # appended rows: position 0
+        span = block_tables.shape[1] * self.block_size  # the kv positions a table reaches
+        later = ops.arange(span).astype(at.dtype).reshape(1, span) > at.reshape(rows, 1)
+        mask = later.astype(self.dtype) * CHUNK_MASK_VALUE
+        out = self.paged(q, self.key_cache, self.value_cache, block_tables, context_lens, None, None, mask,
+                         query_lens)
+        return out.reshape(rows, self.hidden)[:tokens]
+
+
 class AscendNormLinear(nn.Cell):
     """``(x, norm_weight, weight, rows) -> RmsNorm(x) @ W^T`` (``rows`` unread: every row is computed)."""
 
@@ -195,12 +223,30 @@ class AscendGreedy(nn.Cell):
 
 
 class AscendBackend(OpsBackend):
-    """The fused primitives of ``fused`` (the NPU's by default); prefill ragged (``TH``)."""
+    """The fused primitives of ``fused`` (the NPU's by default); prefill ragged (``TH``); chunks and prefix-cache
+    hits ragged through PagedAttention's ``q_seq_lens``."""
 
     name = "ascend"
     kernels = "native"
     ragged_prefill = True
+    chunked_prefill = True
     decode_padding_length = 1
+    mixed_padding_slots = 1
+
+    @staticmethod
+    def mixed_lengths(query_lens: np.ndarray, context_lens: np.ndarray, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """``q_seq_lens`` and ``batch_valid_length`` of a ragged mixed call as PagedAttention reads them: the rows
+        of the bucket after the real tokens and the ``len(query_lens)`` rows ``chunked`` appends belong to the
+        padding sequences (at least the last slot, ``mixed_padding_slots``): one row over one position of the
+        dummy block each, the last slot the rest, as a prompt of its own."""
+        query, context = query_lens.astype(np.int32), context_lens.astype(np.int32)
+        pad = query == 0
+        if not pad[-1]:
+            raise ValueError("a mixed call on Ascend keeps its last sequence slot for the padding rows")
+        query[pad], context[pad] = 1, 1
+        query[-1] += tokens + len(query) - int(query.sum())
+        context[-1] = query[-1]
+        return query, context
 
     @staticmethod
     def ragged_lengths(lens: np.ndarray, tokens: int) -> np.ndarray:

@@ -21,3 +21,9 @@ FA_MASK_SIZE = 128
 def fa_mask_value(dtype: str) -> float:
     """The masked entries' value of FlashAttention's causal mask in ``dtype`` (``"bfloat16"``, ``"float16"``)."""
     return 1.0 if dtype == "bfloat16" else -10000.0
+
+
+# PagedAttention's mask with multi-token queries (q_seq_lens): a row per query token, 0 up to its position and
+# -10000 past it, in bfloat16 as in float16 ("normal + Q_seqlen > 1: BF16 mask(0/-10000), FP16 mask(0/-10000)":
+# vllm-mindspore model_executor/models/attention_mask.py, whose decode_mask rows are gathered by position)
+CHUNK_MASK_VALUE = -10000.0

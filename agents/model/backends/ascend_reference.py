@@ -81,10 +81,16 @@ class ReshapeAndCacheRef(nn.Cell):
 
 
 class PagedAttentionRef(nn.Cell):
-    """Decode attention: query ``[B, N, D]`` of sequence ``b`` over context positions ``j < context_lens[b]``,
-    position ``j`` at ``cache[block_tables[b, j // block_size], j % block_size]``; query head ``h`` reads kv head
-    ``h // (N / kv_heads)``; softmax of ``scale * q.k``. Table entries past the context are never read. A row
-    whose context is empty or longer than its table is NaN (no kernel promises anything for it)."""
+    """PagedAttention: sequence ``b`` attends over its context positions ``j < context_lens[b]``, position ``j`` at
+    ``cache[block_tables[b, j // block_size], j % block_size]``; query head ``h`` reads kv head ``h // (N /
+    kv_heads)``; softmax of ``scale * q.k``. Table entries past the context are never read.
+
+    Decode (no ``q_seq_lens``): query ``[B, N, D]``, one token per sequence, the context's last. With
+    ``q_seq_lens`` (the internal kernel's multi-token queries, as vllm-mindspore runs chunked prefill and
+    prefix-cache hits): query ``[T, N, D]``, sequence ``b`` the next ``q_seq_lens[b]`` rows, the last of its
+    context; ``attn_mask`` ``[T, L]`` is added to each row's scores (0 where visible, -10000 past the row's
+    position). NaN where no kernel promises anything: an empty context, one longer than its table, or (with
+    ``q_seq_lens``) an empty query, a query longer than its context, lengths not covering the rows."""
 
     def __init__(self, heads: int, scale: float, kv_heads: int) -> None:
         super().__init__()
@@ -92,25 +98,48 @@ class PagedAttentionRef(nn.Cell):
         self.scale = scale
         self.kv_heads = kv_heads
 
-    def construct(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-                  context_lens: Tensor) -> Tensor:
-        batch, width = block_tables.shape
+    def context(self, cache: Tensor, tables: Tensor) -> Tensor:
+        """``[rows, kv_heads, ctx, D]``: each row's table gathered from ``cache``."""
+        rows, width = tables.shape
+        _, block_size, kv_heads, head_dim = cache.shape
+        gathered = ops.gather(cache, tables.reshape(-1), 0).reshape(rows, width * block_size, kv_heads, head_dim)
+        return _f32(gathered).transpose(0, 2, 1, 3)
+
+    def attend(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, tables: Tensor, context_lens: Tensor,
+               mask: Tensor | None) -> Tensor:
+        """One query row per table row: ``[rows, N, D]`` over that row's context of ``context_lens`` positions."""
+        rows, width = tables.shape
         _, block_size, kv_heads, head_dim = key_cache.shape
-        ctx = width * block_size
-        rep = self.heads // self.kv_heads
-
-        def context(cache: Tensor) -> Tensor:  # [B, kv_heads, ctx, D]
-            rows = ops.gather(cache, block_tables.reshape(-1), 0).reshape(batch, ctx, kv_heads, head_dim)
-            return _f32(rows).transpose(0, 2, 1, 3)
-
-        q = _f32(query).reshape(batch, kv_heads, rep, head_dim)
-        scores = ops.BatchMatMul(transpose_b=True)(q, context(key_cache)) * self.scale  # [B, kv, rep, ctx]
-        keep = ops.arange(ctx).astype(ms.int32).reshape(1, ctx) < context_lens.reshape(batch, 1)
-        scores = ops.select(keep.reshape(batch, 1, 1, ctx).broadcast_to(scores.shape), scores,
+        ctx, rep = width * block_size, self.heads // self.kv_heads
+        q = _f32(query).reshape(rows, kv_heads, rep, head_dim)
+        scores = ops.BatchMatMul(transpose_b=True)(q, self.context(key_cache, tables)) * self.scale
+        if mask is not None:
+            scores = scores + _f32(mask)[:, :ctx].reshape(rows, 1, 1, ctx)
+        keep = ops.arange(ctx).astype(ms.int32).reshape(1, ctx) < context_lens.reshape(rows, 1)
+        scores = ops.select(keep.reshape(rows, 1, 1, ctx).broadcast_to(scores.shape), scores,
                             ops.full_like(scores, -1e30))
-        out = ops.BatchMatMul()(ops.softmax(scores, -1), context(value_cache))
-        valid = ops.logical_and(context_lens >= 1, context_lens <= ctx).reshape(batch, 1, 1)
-        return _poison(out.reshape(batch, self.heads, head_dim), valid).astype(query.dtype)
+        out = ops.BatchMatMul()(ops.softmax(scores, -1), self.context(value_cache, tables))
+        return out.reshape(rows, self.heads, head_dim)
+
+    def construct(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
+                  context_lens: Tensor, antiquant_scale=None, antiquant_offset=None, attn_mask=None,
+                  q_seq_lens=None) -> Tensor:
+        batch, width = block_tables.shape
+        ctx = width * key_cache.shape[1]
+        fits = ops.logical_and(context_lens >= 1, context_lens <= ctx)
+        if q_seq_lens is None:
+            out = self.attend(query, key_cache, value_cache, block_tables, context_lens, None)
+            return _poison(out, fits.reshape(batch, 1, 1)).astype(query.dtype)
+        rows = query.shape[0]
+        q_lens = q_seq_lens.astype(ms.int64)
+        ends = ops.cumsum(q_lens, 0)
+        seq = (ops.arange(rows).astype(ms.int64).reshape(rows, 1) >= ends.reshape(1, -1)).astype(ms.int32).sum(1)
+        seq = ops.minimum(seq.astype(ms.int32), batch - 1)  # rows past the last length (ill-formed: poisoned)
+        out = self.attend(query, key_cache, value_cache, ops.gather(block_tables, seq, 0),
+                          ops.gather(context_lens, seq, 0), attn_mask)
+        valid = ops.logical_and(fits, ops.logical_and(q_seq_lens >= 1, q_seq_lens <= context_lens)).all()
+        valid = ops.logical_and(valid, ends[-1] == rows)
+        return _poison(out, valid).astype(query.dtype)
 
 
 class FlashAttentionThRef(nn.Cell):

@@ -34,12 +34,13 @@ class Attention(nn.Cell):
         raise NotImplementedError
 
     def chunked(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, query_lens: Tensor,
-                context_lens: Tensor, block_tables: Tensor) -> Tensor:
+                context_lens: Tensor, block_tables: Tensor, positions: Tensor) -> Tensor:
         """Queries over cached context (chunked prefill, prefill after a prefix-cache hit, decode tokens mixed in;
         ``agents.runtime.mixed_steps``): sequence ``b`` has ``query_lens[b]`` tokens at positions ``context_lens[b] -
         query_lens[b]`` on; each writes its K/V at ``slot_mapping`` and attends to its context up to itself, read
         through ``block_tables``. Tokens are back to back where the backend's ``ragged_prefill`` says so, else in
-        a padded ``[batch, seq]`` bucket. Backends with ``chunked_prefill`` implement it."""
+        a padded ``[batch, seq]`` bucket; ``positions`` are theirs (for kernels that take a mask by position).
+        Backends with ``chunked_prefill`` implement it."""
         raise NotImplementedError(f"{type(self).__name__} has no attention over cached context")
 
 
@@ -63,6 +64,9 @@ class OpsBackend:
     # attention kernel takes the lengths as given (Ascend: the internal PagedAttention reads the graph input
     # ``batch_valid_length`` itself, so a clamp inside the graph would not reach it)
     decode_padding_length = 0
+    # sequence slots of a ragged mixed call kept for its padding rows (Ascend: their own sequence, see
+    # ``mixed_lengths``), so at most ``mixed_max_seqs`` minus these carry real sequences
+    mixed_padding_slots = 0
     # panel weights' storage where it is not the model's dtype: "float16", or "bfloat16" (int32 pairs,
     # ``agents.weights.packed.pack_bf16``); set by ``with_precision``
     panel_dtype: str | None = None
@@ -74,6 +78,12 @@ class OpsBackend:
             raise ValueError(f"model_config.precision {precision} needs the native CPU kernels (model_config.kernels "
                              f"auto or native, on CPU with g++); the {self.name} ops backend computes exactly only")
         return self
+
+    @staticmethod
+    def mixed_lengths(query_lens: np.ndarray, context_lens: np.ndarray, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``q_seq_lens`` and ``batch_valid_length`` inputs of a ragged mixed call of ``tokens`` rows (0 for
+        padding sequences): as they are, where the graph reads them (see ``ragged_lengths``)."""
+        return query_lens, context_lens
 
     @staticmethod
     def ragged_lengths(lens: np.ndarray, tokens: int) -> np.ndarray:

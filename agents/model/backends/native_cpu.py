@@ -54,7 +54,7 @@ class NativeAttention(Attention):
         return self.decode_op(qkv, cos, sin, slot_mapping, block_tables, lens, self.block_offsets, self.kv_cache)
 
     def chunked(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, query_lens: Tensor,
-                context_lens: Tensor, block_tables: Tensor) -> Tensor:
+                context_lens: Tensor, block_tables: Tensor, positions: Tensor) -> Tensor:
         """Ragged chunks over cached context: one native op (``ChunkedPrefillAttention``)."""
         return self.chunked_op(qkv, cos, sin, slot_mapping, query_lens, context_lens, block_tables,
                                self.block_offsets, self.kv_cache)

@@ -123,7 +123,7 @@ class PortableAttention(Attention):
         return self.decode_attention(q, written, block_tables, lens)
 
     def chunked(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, query_lens: Tensor,
-                context_lens: Tensor, block_tables: Tensor) -> Tensor:
+                context_lens: Tensor, block_tables: Tensor, positions: Tensor) -> Tensor:
         """Chunks over cached context in a padded ``[batch, seq]`` bucket: the chunk's K/V are written first, then
         each sequence's whole table is gathered once per kv head and row ``i`` of sequence ``b`` (position
         ``context_lens[b] - query_lens[b] + i``) attends to the context rows up to its position. Padding rows
