@@ -79,7 +79,7 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     tensor parallelism: on this rank's slice of it, after joining the ranks' collective cluster)."""
     if spec.kind == "standin":
         from agents.runtime.standin import StandinRunner
-        if spec.runner_config.get("num_blocks") is None:
+        if "num_blocks" in spec.runner_config and spec.runner_config["num_blocks"] is None:  # auto
             raise ValueError("stand-in agents have no device to size a cache from: set pa_config.num_blocks")
         return StandinRunner(int(spec.llama_config["vocab_size"]), spec.step_delay_s)
     if spec.backend == "mindformers":  # MindFormers' Llama (its own environment: scripts/mindformers_env.sh)
@@ -94,7 +94,10 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     shard = ShardPlan(config, spec.tensor_parallel_size, rank)
     cpu_threads = share_cpus(shard) if shard.tp > 1 else 0  # before MindSpore starts any thread
     progress(f"loading weights from {spec.model_path}" + (f" (rank {rank} of {shard.tp})" if shard.tp > 1 else ""))
-    weights = load_rank_weights(spec.model_path, config, shard)  # before importing MindSpore: fails fast
+    # float16 serving reads each slice as float16 (a float16 checkpoint's bytes as they are): no float32 copy of a
+    # rank's slice on the host; numpy has no bfloat16, so bfloat16 serving still goes through float32
+    host_dtype = "float16" if spec.runner_config.get("dtype") == "float16" else "float32"
+    weights = load_rank_weights(spec.model_path, config, shard, host_dtype)  # before importing MindSpore: fails fast
     from agents.runtime.runner import ModelRunner, RunnerConfig
 
     fields = {**spec.runner_config, "device_id": spec.start_device_id + rank}

@@ -233,11 +233,62 @@ def test_each_chunk_mistake_is_refused_naming_the_rule(tmp_path, mistake):
     assert any(v.startswith("PagedAttention") and f"[{rule}]" in v and phrase in v for v in found), found
 
 
+@dataclass(frozen=True)
+class CollectiveWiring:
+    """A rank's row-parallel sum and candidate gather, as agents/model/parallel.py builds them for 2 ranks."""
+
+    op: str = ops.ReduceOp.SUM
+    group: str = "hccl_world_group"
+    rank_size: int = 2
+    checked_as: int = 2  # the tensor_parallel_size the checker is told
+
+
+class CollectiveStep(nn.Cell):
+    def __init__(self, w: CollectiveWiring) -> None:
+        super().__init__()
+        self.reduce = ops.AllReduce(w.op, w.group)
+        self.gather = ops.AllGather(w.group)
+        self.gather.add_prim_attr("rank_size", w.rank_size)
+
+    def construct(self, x):
+        return self.gather(self.reduce(x))
+
+
+def checked_collectives(tmp_path, w: CollectiveWiring) -> list[str]:
+    path = tmp_path / "collectives"
+    export(CollectiveStep(w), Tensor(np.zeros((4, 8), np.float16)), file_name=str(path), file_format="MINDIR")
+    return [str(v) for v in check_graph(read_graph(path.with_suffix(".mindir")), tensor_parallel=w.checked_as)]
+
+
+COLLECTIVE_MISTAKES = {
+    "a max where the partial sums add": (CollectiveWiring(op=ops.ReduceOp.MAX), "world-group-collectives",
+                                         "op must be 'sum', got 'max'"),
+    "the CPU world group in an Ascend graph": (CollectiveWiring(group="mccl_world_group"), "world-group-collectives",
+                                               "got 'mccl_world_group'"),
+    "an all-gather of one rank (no group joined)": (CollectiveWiring(rank_size=1), "world-group-collectives-gather",
+                                                    "rank_size 1 is not the 2 ranks"),
+    "collectives in a graph of one device": (CollectiveWiring(checked_as=1), "world-group-collectives",
+                                             "holds no AllReduce"),
+}
+
+
+def test_the_right_collectives_pass(tmp_path):
+    assert checked_collectives(tmp_path, CollectiveWiring()) == []
+
+
+@pytest.mark.parametrize("mistake", list(COLLECTIVE_MISTAKES))
+def test_each_collective_mistake_is_refused_naming_the_rule(tmp_path, mistake):
+    wiring, rule, phrase = COLLECTIVE_MISTAKES[mistake]
+    found = checked_collectives(tmp_path, wiring)
+    assert any(f"[{rule}]" in v and phrase in v for v in found), found
+
+
 def test_every_rule_says_where_it_was_read_and_is_shown_failing():
     assert len({r.name for r in RULES}) == len(RULES)
     assert all(r.source and r.op in ("PagedAttention", "ReshapeAndCache", "FlashAttentionScore",
-                                     "ApplyRotaryPosEmb") for r in RULES)
-    shown = {rule for _, rule, _ in [*MISTAKES.values(), *PREFILL_MISTAKES.values(), *CHUNK_MISTAKES.values()]}
+                                     "ApplyRotaryPosEmb", "AllReduce", "AllGather") for r in RULES)
+    shown = {rule for _, rule, _ in [*MISTAKES.values(), *PREFILL_MISTAKES.values(), *CHUNK_MISTAKES.values(),
+                                     *COLLECTIVE_MISTAKES.values()]}
     assert shown == {r.name for r in RULES}
 
 

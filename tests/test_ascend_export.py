@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mindspore import ops
@@ -217,3 +218,36 @@ def test_export_command_refuses_misconfigurations_with_our_message(tmp_path):
     assert res.returncode == 2 and "head_dim 24" in res.stderr and not (tmp_path / "y").exists()
     res = cli("--config", write_config(tmp_path, model_dir), "--out", str(tmp_path / "z"), "--shape", "decode:3:4")
     assert res.returncode == 2 and "not warm-up shapes" in res.stderr
+
+
+TP_CONFIG = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=512, num_hidden_layers=LAYERS,
+                        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)  # head_dim 64
+
+
+@pytest.mark.parametrize("tp,rank", [(2, 1), (8, 7)])
+def test_tensor_parallel_ranks_export_their_slice_with_the_collectives_and_pass_the_check(tmp_path, tp, rank):
+    """``export --rank R`` with ``num_agents`` ranks: rank R's graphs hold its heads (at TP 8 each rank keeps one of
+    the 4 kv heads), an all-reduce after the embedding and after each row-parallel projection and the greedy
+    pick's all-gather over all ``tp`` ranks, in HCCL's world group; ``--check`` passes them."""
+    model_dir = build_random_model(tmp_path / "llama", TP_CONFIG, seed=3, std=0.2)
+    path = tmp_path / "tp.yaml"
+    path.write_text(Path(write_config(tmp_path, model_dir)).read_text() + f"serving_config:\n  num_agents: {tp}\n")
+    out = tmp_path / "mindir"
+    res = cli("--config", str(path), "--out", str(out), "--rank", str(rank), "--check", "--shape", "decode:4:4",
+              "--shape", "ragged:2:48")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert f"(rank {rank} of {tp}: its slice, with the collectives)" in res.stdout
+    assert res.stdout.count("every contract rule holds") == 2
+    heads, kv_heads = 8 // tp, 4 // min(tp, 4)
+    for name in ("decode_b4_w4", "ragged_b2_t48"):
+        graph = read_graph(out / f"{name}.mindir")
+        reduces, gathers = graph.of("AllReduce"), graph.of("AllGather")
+        assert len(reduces) == 2 * LAYERS + 1 and len(gathers) == 1, name
+        assert {n.attrs["group"] for n in reduces + gathers} == {"hccl_world_group"}
+        assert gathers[0].attrs["rank_size"] == tp
+        for write in graph.of("ReshapeAndCache"):
+            assert write.inputs[2].info.shape == (40 * min(tp, 4), 16, kv_heads, 64)  # the same memory, more blocks
+        attention = graph.of("PagedAttention") or graph.of("FlashAttentionScore")
+        assert {n.inputs[10].value for n in attention} == {heads}
+    res = cli("--config", str(path), "--out", str(tmp_path / "x"), "--rank", str(tp))
+    assert res.returncode == 2 and f"--rank {tp} is not a rank" in res.stderr

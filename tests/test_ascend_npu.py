@@ -1,8 +1,10 @@
-"""The Ascend backend on a real NPU: MindSpore's fused kernels against Hugging Face in the same dtype.
+"""The Ascend backend on a real NPU: each fused kernel against its numpy reference (tests/ascend_contracts.py),
+and the whole model against Hugging Face in the same dtype.
 
-These run where ``ms.set_device("Ascend")`` works (a 910B with the CANN toolkit MindSpore 2.10 needs) and skip
-elsewhere, saying why. Each runs ``tests/ascend_npu_check.py`` in a child process: this test process has already
-put MindSpore on the CPU, and a process can hold one device target.
+The NPU tests run where ``ms.set_device("Ascend")`` works (a 910B with the CANN toolkit MindSpore 2.10 needs) and
+skip elsewhere, saying why. Each runs a child process (``tests/ascend_npu_ops.py``, ``tests/ascend_npu_check.py``):
+this test process has already put MindSpore on the CPU, and a process can hold one device target. The per-op
+check also runs everywhere on the CPU stand-ins, so its script and its comparison are tested without an NPU.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
+from tests import ascend_contracts as contract
 from tests.hf_reference import check_greedy_near, load_hf, model_logits
 from tests.script_runner import ROOT
 
@@ -69,6 +72,50 @@ def test_fused_kernels_on_the_npu_match_hugging_face(npu, dtype, tmp_path):
     hf = load_hf(model_dir).to(getattr(torch, dtype))
     for prompt, row in zip(prompts[:2], got["logits"]):
         np.testing.assert_allclose(row, model_logits(hf, prompt).numpy(), atol=atol)
-    identical = sum(check_greedy_near(hf, p, t, lp, tie, atol)
-                    for p, t, lp in zip(prompts, got["tokens"], got["logprobs"]))
-    assert identical >= len(prompts) - 2
+    for tokens, logprobs in ((got["tokens"], got["logprobs"]), (got["chunked"], got["chunked_logprobs"])):
+        identical = sum(check_greedy_near(hf, p, t, lp, tie, atol) for p, t, lp in zip(prompts, tokens, logprobs))
+        assert identical >= len(prompts) - 2
+
+
+def run_ops(device: str, out) -> dict[str, np.ndarray]:
+    res = subprocess.run([sys.executable, "-m", "tests.ascend_npu_ops", "--device", device, str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return dict(np.load(out))
+
+
+def check_ops(got: dict[str, np.ndarray]) -> None:
+    """Every primitive's outputs against its numpy reference (float16 in, float64 references)."""
+    from tests.ascend_npu_ops import EPS, HEAD_DIM, HEADS, SCALE
+
+    a = {k.removeprefix("in_"): v for k, v in got.items() if k.startswith("in_")}
+    close = {"atol": 2e-2, "rtol": 2e-2}
+    np.testing.assert_allclose(got["out_norm_swiglu_0"], contract.rms_norm(a["x"], a["gamma"], EPS)[0], **close)
+    np.testing.assert_allclose(got["out_norm_swiglu_1"], contract.swiglu(a["gate_up"]), **close)
+    np.testing.assert_allclose(got["out_rope_0"], contract.rope(a["rope_q"], a["cos"], a["sin"], HEAD_DIM), **close)
+    np.testing.assert_allclose(got["out_rope_1"], contract.rope(a["rope_k"], a["cos"], a["sin"], HEAD_DIM), **close)
+    want_k, want_v = contract.reshape_and_cache(a["key"], a["value"], a["key_cache"], a["value_cache"], a["slots"])
+    np.testing.assert_array_equal(got["out_write_0"][1:], want_k[1:])  # block 0: the padding's, in any order
+    np.testing.assert_array_equal(got["out_write_1"][1:], want_v[1:])
+    np.testing.assert_allclose(got["out_decode_0"], contract.paged_attention(
+        a["decode_query"], a["key_cache"], a["value_cache"], a["tables"], a["context_lens"], SCALE), **close)
+    np.testing.assert_allclose(got["out_chunk_0"], contract.paged_attention_queries(
+        a["chunk_query"], a["key_cache"], a["value_cache"], a["tables"], a["context_lens"], a["q_seq_lens"],
+        a["chunk_mask"], SCALE), **close)
+    np.testing.assert_allclose(got["out_flash_0"], contract.flash_attention_th(
+        a["flash_q"], a["flash_k"], a["flash_v"], a["flash_mask"], "float16", a["flash_lens"], a["flash_lens"],
+        HEADS, SCALE), **close)
+
+
+def test_the_per_op_check_runs_and_compares_on_the_cpu_stand_ins(tmp_path):
+    """The script the NPU test runs, on the stand-ins: the comparison passes, and fails when a kernel's answer is
+    off (the check can fail)."""
+    got = run_ops("CPU", tmp_path / "ops.npz")
+    check_ops(got)
+    broken = {**got, "out_chunk_0": got["out_chunk_0"][::-1].copy()}
+    with pytest.raises(AssertionError):
+        check_ops(broken)
+
+
+def test_each_fused_kernel_on_the_npu_matches_its_reference(npu, tmp_path):
+    check_ops(run_ops("Ascend", tmp_path / "ops.npz"))

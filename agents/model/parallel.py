@@ -36,6 +36,17 @@ def _world_group() -> str:
     return GlobalComm.WORLD_COMM_GROUP
 
 
+def all_gather(ranks: int) -> ops.AllGather:
+    """An all-gather over the world group of ``ranks`` ranks. Its ``rank_size`` (which shapes its output) comes
+    from the group MindSpore joined; where none was joined (a rank's graph exported on a CPU,
+    ``agents.tools.export``) it would read 1, so the plan's count is set."""
+    gather = ops.AllGather(_world_group())
+    if gather.rank_size != ranks:
+        gather.add_prim_attr("rank_size", ranks)
+        gather.rank_size = ranks
+    return gather
+
+
 class AllReduceSum(nn.Cell):
     def __init__(self) -> None:
         super().__init__()
@@ -109,7 +120,7 @@ class ShardedGreedy(nn.Cell):
         self.local = local
         self.start = plan.vocab_range[0]
         self.tp = plan.tp
-        self.gather = ops.AllGather(_world_group())
+        self.gather = all_gather(plan.tp)
 
     def construct(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         ids, logprob = self.local(logits)

@@ -66,7 +66,14 @@ class Violation:
         return f"{self.op} ({parts[-2] if len(parts) > 2 else parts[-1]}): [{self.rule}] {self.message}"
 
 
-Check = Callable[[GraphNodes, OpNode], Iterator[str]]
+@dataclass(frozen=True)
+class Expect:
+    """What the exporter knows beyond the graph: the ranks of a tensor-parallel rank's graph (1: no collectives)."""
+
+    tensor_parallel: int = 1
+
+
+Check = Callable[[GraphNodes, OpNode, Expect], Iterator[str]]
 
 
 @dataclass(frozen=True)
@@ -142,14 +149,14 @@ def _roped_inputs(graph: GraphNodes, node: OpNode, query: int, key: int, value: 
 
 
 # ---- PagedAttention ---------------------------------------------------------------------------------------------
-def _pa_lengths_from_graph_input(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+def _pa_lengths_from_graph_input(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
     lens = node.inputs[PA_CONTEXT_LENS]
     if not (lens.kind == "input" and lens.name == KV_LENGTHS_INPUT):
         yield (f"context_lens must be the graph input {KV_LENGTHS_INPUT!r} (the internal kernel reads the lengths "
                f"from that input's host values, not from the tensor passed), got {_where(lens)}")
 
 
-def _pa_queries(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+def _pa_queries(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
     """Multi-token queries: ``q_seq_lens`` from its graph input and a mask row per query token; one token per
     sequence: no mask."""
     q_lens, mask = node.inputs[PA_Q_LENS], node.inputs[PA_MASK]
@@ -178,14 +185,14 @@ def _pa_queries(graph: GraphNodes, node: OpNode) -> Iterator[str]:
         yield f"the mask's {dims[1]} positions do not reach the {tables[1] * cache[1]} a block table covers"
 
 
-def _pa_int32(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+def _pa_int32(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
     for index, what in ((PA_BLOCK_TABLES, "block_tables"), (PA_CONTEXT_LENS, "context_lens")):
         dtype = _dtype(node.inputs[index])
         if dtype is not None and dtype != "int32":
             yield f"{what} must be int32, got {dtype}"
 
 
-def _pa_heads(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+def _pa_heads(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
     heads, kv_heads = node.inputs[PA_HEAD_NUM].value, node.inputs[PA_KV_HEAD_NUM].value
     query, cache = _dims(node.inputs[PA_QUERY]), _dims(node.inputs[PA_KEY_CACHE])
     if cache is None or len(cache) != 4:
@@ -203,14 +210,14 @@ def _pa_heads(graph: GraphNodes, node: OpNode) -> Iterator[str]:
                f"{heads * head_dim}) for head_num {heads}")
 
 
-def _pa_scale(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+def _pa_scale(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
     cache, scale = _dims(node.inputs[PA_KEY_CACHE]), node.inputs[PA_SCALE].value
     if cache and len(cache) == 4 and isinstance(scale, float) and not math.isclose(scale, cache[3] ** -0.5,
                                                                                      rel_tol=1e-6):
         yield f"scale_value {scale:g} is not 1/sqrt(head_dim {cache[3]}) = {cache[3] ** -0.5:g}"
 
 
-def _pa_limits(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+def _pa_limits(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
     cache = _dims(node.inputs[PA_KEY_CACHE])
     if not cache or len(cache) != 4:
         return
@@ -223,7 +230,7 @@ def _pa_limits(graph: GraphNodes, node: OpNode) -> Iterator[str]:
         yield f"head_dim {head_dim} x block_size {block_size} exceeds {PA_MAX_HEAD_DIM_X_BLOCK}"
 
 
-def _pa_roped_query(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+def _pa_roped_query(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
     if not _roped(graph, node.inputs[PA_QUERY], 0):
         yield (f"the query must be output 0 of ApplyRotaryPosEmb (the roped query), got "
                f"{_where(node.inputs[PA_QUERY])}")
@@ -233,7 +240,7 @@ def _written_caches(graph: GraphNodes) -> list[tuple[str, str]]:
     return [(w.inputs[RC_KEY_CACHE].name, w.inputs[RC_VALUE_CACHE].name) for w in graph.of("ReshapeAndCache")]
 
 
-def _pa_reads_what_was_written(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+def _pa_reads_what_was_written(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
     key, value = node.inputs[PA_KEY_CACHE], node.inputs[PA_VALUE_CACHE]
     if key.kind != "parameter" or value.kind != "parameter":
         yield f"the caches must be Parameters written in place, got {_where(key)} and {_where(value)}"
@@ -262,7 +269,7 @@ def _per_sequence_lengths(graph: GraphNodes, source: Source, names: tuple[str, .
     return _where(source)
 
 
-def _fa_lengths(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+def _fa_lengths(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
     for index, what, names in ((FA_Q_LENS, "actual_seq_qlen", FA_Q_LENGTH_INPUTS + FA_KV_LENGTH_INPUTS),
                                (FA_KV_LENS, "actual_seq_kvlen", FA_KV_LENGTH_INPUTS)):
         got = _per_sequence_lengths(graph, node.inputs[index], names)
@@ -271,7 +278,7 @@ def _fa_lengths(graph: GraphNodes, node: OpNode) -> Iterator[str]:
                    f"internal kernel reads per-sequence lengths), got {got}")
 
 
-def _fa_mask_and_sparse_mode(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+def _fa_mask_and_sparse_mode(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
     sparse_mode, mask, query = node.inputs[FA_SPARSE_MODE].value, node.inputs[FA_MASK], _dtype(node.inputs[0])
     if sparse_mode != 0:
         yield f"sparse_mode must be 0 on the internal kernel's variable-length path, got {sparse_mode}"
@@ -289,7 +296,7 @@ def _fa_mask_and_sparse_mode(graph: GraphNodes, node: OpNode) -> Iterator[str]:
                    f"{', '.join(f'{v:g}' for v in above)} above it")
 
 
-def _fa_heads_and_scale(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+def _fa_heads_and_scale(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
     head_dim, heads = _head_dim(graph), node.inputs[FA_HEAD_NUM].value
     query, key = _dims(node.inputs[FA_QUERY]), _dims(node.inputs[FA_KEY])
     if query is None or len(query) != 2:
@@ -308,19 +315,19 @@ def _fa_heads_and_scale(graph: GraphNodes, node: OpNode) -> Iterator[str]:
         yield f"head_dim {head_dim} is not one of {', '.join(map(str, FA_CAUSAL_HEAD_DIMS))} (causal mode)"
 
 
-def _fa_roped(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+def _fa_roped(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
     yield from _roped_inputs(graph, node, FA_QUERY, FA_KEY, FA_VALUE)
 
 
 # ---- ApplyRotaryPosEmb ------------------------------------------------------------------------------------------
-def _rope_format(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+def _rope_format(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
     cos_format = node.inputs[ROPE_COS_FORMAT].value
     if cos_format != ROTATE_HALF:
         yield (f"cos_format must be {ROTATE_HALF} (rotate-half with full-width cos/sin rows, Llama's layout), "
                f"got {cos_format}")
 
 
-def _rope_tables(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+def _rope_tables(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
     query, key = _dims(node.inputs[ROPE_QUERY]), _dims(node.inputs[ROPE_KEY])
     cos, sin = _dims(node.inputs[ROPE_COS]), _dims(node.inputs[ROPE_SIN])
     if node.inputs[ROPE_COS].kind == "constant" and isinstance(node.inputs[ROPE_COS].value, TensorInfo):
@@ -347,8 +354,25 @@ def _rope_tables(graph: GraphNodes, node: OpNode) -> Iterator[str]:
                    "constant")
 
 
-# ---- ReshapeAndCache --------------------------------------------------------------------------------------------
-def _rc_slots(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+# ---- collectives (tensor parallelism) ---------------------------------------------------------------------------
+WORLD_GROUP = "hccl_world_group"  # the group MindSpore's init() creates over every rank on Ascend (HCCL)
+
+
+def _collective_group(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
+    if expect.tensor_parallel == 1:
+        yield f"a graph of one device holds no {node.op} (tensor_parallel_size 1)"
+        return
+    group = node.attrs.get("group")
+    if group != WORLD_GROUP:
+        yield f"group must be {WORLD_GROUP!r}, the world group of the tensor-parallel ranks on Ascend, got {group!r}"
+    if node.op == "AllReduce" and node.attrs.get("op") != "sum":
+        yield f"a row-parallel projection's partial sums are added: op must be 'sum', got {node.attrs.get('op')!r}"
+    if node.op == "AllGather" and node.attrs.get("rank_size") != expect.tensor_parallel:
+        yield (f"rank_size {node.attrs.get('rank_size')} is not the {expect.tensor_parallel} ranks (the gathered "
+               "rows would be cut short)")
+
+
+def _rc_slots(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
     slots, key, cache = _dims(node.inputs[RC_SLOTS]), _dims(node.inputs[RC_KEY]), _dims(node.inputs[RC_KEY_CACHE])
     if _dtype(node.inputs[RC_SLOTS]) not in (None, "int32"):
         yield f"slot_mapping must be int32, got {_dtype(node.inputs[RC_SLOTS])}"
@@ -359,14 +383,14 @@ def _rc_slots(graph: GraphNodes, node: OpNode) -> Iterator[str]:
                f"({math.prod(key) // max(cache[2] * cache[3], 1)} tokens of {cache[2]} x {cache[3]})")
 
 
-def _rc_roped(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+def _rc_roped(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
     if not _roped(graph, node.inputs[RC_KEY], 1):
         yield f"the key must be output 1 of ApplyRotaryPosEmb (the roped key), got {_where(node.inputs[RC_KEY])}"
     if _from_rope(graph, node.inputs[RC_VALUE]):
         yield "the value must not be roped, but it comes from ApplyRotaryPosEmb"
 
 
-def _rc_layout(graph: GraphNodes, node: OpNode) -> Iterator[str]:
+def _rc_layout(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
     key, cache = _dims(node.inputs[RC_KEY]), _dims(node.inputs[RC_KEY_CACHE])
     if cache is None or len(cache) != 4:
         yield f"the caches must be 4-D (num_blocks, block_size, kv_heads, head_dim), got shape {cache}"
@@ -440,6 +464,12 @@ RULES = (
          "the paged cache holds keys after the rotary embedding (PagedAttention does not rope them again) and "
          "values without it: MindFormers 1.8's graphs write ApplyRotaryPosEmb's output 1 and the raw value",
          _rc_roped),
+    Rule("AllReduce", "world-group-collectives",
+         "MindSpore 2.10 communication/management.py: init() on Ascend creates HCCL's world group "
+         f"{WORLD_GROUP!r} (GlobalComm.WORLD_COMM_GROUP); agents/model/parallel.py: partial sums all-reduced, the "
+         "greedy pick's candidates all-gathered from every rank", _collective_group),
+    Rule("AllGather", "world-group-collectives-gather", "as world-group-collectives; AllGather's rank_size shapes "
+         "its output (ops.AllGather reads it from the group joined)", _collective_group),
     Rule("ReshapeAndCache", "int32-slots", f"{_RC_DOC}: slot_mapping int32 (num_tokens,); the tokens are the key's "
          "rows however it is shaped (MindFormers 1.8 passes (1, tokens, kv_heads * head_dim) in prefill)", _rc_slots),
     Rule("ReshapeAndCache", "cache-layout",
@@ -448,13 +478,14 @@ RULES = (
 )
 
 
-def check_graph(graph: GraphNodes, rules: tuple[Rule, ...] = RULES) -> list[Violation]:
-    """Every rule on every node of its op, in graph order."""
+def check_graph(graph: GraphNodes, rules: tuple[Rule, ...] = RULES, tensor_parallel: int = 1) -> list[Violation]:
+    """Every rule on every node of its op, in graph order; ``tensor_parallel``: the ranks the graph is one of."""
+    expect = Expect(tensor_parallel)
     out = []
     for node in graph.nodes:
         for rule in rules:
             if rule.op == node.op:
-                out += [Violation(node.op, node.name, rule.name, msg) for msg in rule.check(graph, node)]
+                out += [Violation(node.op, node.name, rule.name, msg) for msg in rule.check(graph, node, expect)]
     return out
 
 
@@ -464,17 +495,17 @@ def add_check_argument(parser: argparse.ArgumentParser) -> None:
                         "contracts (agents.tools.contracts); exit 1 on a violation")
 
 
-def check_exported(files: Iterable[Path]) -> int:
+def check_exported(files: Iterable[Path], tensor_parallel: int = 1) -> int:
     """An exporter's exit status after ``--check``: 1 if any exported file breaks a rule (each printed), else 0."""
-    return 1 if report(files, lambda line: print(line, flush=True)) else 0
+    return 1 if report(files, lambda line: print(line, flush=True), tensor_parallel) else 0
 
 
-def report(paths: Iterable[Path], out: Callable[[str], None]) -> int:
+def report(paths: Iterable[Path], out: Callable[[str], None], tensor_parallel: int = 1) -> int:
     """``export --check``: check each MindIR file, write one line per violation (or that the file passed) and
     return how many violations there were."""
     total = 0
     for path in paths:
-        found = check_graph(read_graph(path))
+        found = check_graph(read_graph(path), tensor_parallel=tensor_parallel)
         total += len(found)
         out(f"check {path.name}: " + ("every contract rule holds" if not found else f"{len(found)} violation(s)"))
         for v in found:

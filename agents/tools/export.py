@@ -16,16 +16,18 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from mindspore import nn
 
 from agents.model.backends import OpsBackend, select_backend
 from agents.runtime.runner import ModelRunner, RunnerConfig
 from agents.tools.contracts import add_check_argument, check_exported
 from agents.tools.mindir import GraphSummary, export_shapes, parse_shape
 from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.protocol.parallel import ShardPlan
 from llm_serving.protocol.wire import AgentSpec
 
 INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "batch_valid_length", "block_tables", "last_index")
-MIXED_INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "query_lens", "context_lens", "block_tables",
+MIXED_INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "q_seq_lens", "batch_valid_length", "block_tables",
                      "last_index")  # agents.runtime.mixed_steps.MixedStep
 # graph kind -> (what its n counts, file-name tag)
 _UNITS = {"decode": ("blocks", "w"), "ragged": ("tokens", "t"), "prefill": ("seq", "s"), "mixed": ("tokens", "m"),
@@ -53,12 +55,13 @@ def describe(shape: tuple, summary: GraphSummary) -> str:
 
 
 def export_runner(config: LlamaConfig, rc: RunnerConfig, weights: dict[str, np.ndarray],
-                  backend: OpsBackend | None = None) -> ModelRunner:
+                  backend: OpsBackend | None = None, shard: ShardPlan | None = None) -> ModelRunner:
     """A runner with ``rc.device_target``'s backend (or ``backend``) and its checks, built on this process's CPU:
-    the same model, graphs and warm-up inputs as on the device, compiled only by export."""
+    the same model, graphs and warm-up inputs as on the device, compiled only by export. ``shard``: one
+    tensor-parallel rank's (its slice of ``weights``; its graphs hold the collectives, in no joined group)."""
     if backend is None:
         backend = select_backend(rc.kernels, rc.device_target, rc.dtype, config.hidden_size)
-    return ModelRunner(config, weights, replace(rc, device_target="CPU", device_id=0), backend)
+    return ModelRunner(config, weights, replace(rc, device_target="CPU", device_id=0), backend, shard=shard)
 
 
 def export_graphs(runner: ModelRunner, out_dir: str | Path, shapes: list[tuple] | None = None,
@@ -66,8 +69,13 @@ def export_graphs(runner: ModelRunner, out_dir: str | Path, shapes: list[tuple] 
     """Export ``shapes`` (default: every warm-up shape) of the runner's graphs to ``out_dir``, each with the
     inputs ``warmup()`` runs it with."""
     shapes = shapes if shapes is not None else runner.graph_shapes()
-    return export_shapes(runner, lambda kind: runner.graphs[kind].cell, out_dir, shapes, graph_file_name, describe,
-                         progress)
+    return export_shapes(runner, lambda kind: step_cell(runner.graphs[kind]), out_dir, shapes, graph_file_name,
+                         describe, progress)
+
+
+def step_cell(graph) -> nn.Cell:
+    """The compiled step's cell (a tensor-parallel rank's graph is wrapped once more, to gather its logits)."""
+    return getattr(graph, "step", graph).cell
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="directory for the .mindir files")
     parser.add_argument("--shape", action="append", type=parse_shape, default=None, metavar="KIND:BATCH:N",
                         help="export only these warm-up shapes (repeatable)")
+    parser.add_argument("--rank", type=int, default=0, help="under tensor parallelism: the rank whose graphs to "
+                        "export (default 0)")
     add_check_argument(parser)
     args = parser.parse_args(argv)
     spec = AgentSpec.from_json(args.spec)
@@ -93,10 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # before loading weights: a config mistake answers at once
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from agents.weights.checkpoints import load_weights
+    from agents.weights.sharded import load_rank_weights
 
     try:
-        runner = export_runner(config, rc, load_weights(spec.model_path, config), backend)
+        shard = ShardPlan(config, spec.tensor_parallel_size, args.rank)
+        runner = export_runner(config, rc, load_rank_weights(spec.model_path, config, shard), backend, shard)
         shapes = runner.graph_shapes()
         unknown = [s for s in args.shape or [] if s not in shapes]
         if unknown:
@@ -104,12 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    note = f" (tensor_parallel_size {spec.tensor_parallel_size}: one device's unsharded graphs)" \
-        if spec.tensor_parallel_size > 1 else ""
+    note = f" (rank {args.rank} of {shard.tp}: its slice, with the collectives)" if shard.tp > 1 else ""
     print(f"exporting {len(args.shape or shapes)} graphs of {rc.device_target} {rc.dtype} ({backend.name} ops) "
           f"to {args.out}{note}", flush=True)
     done = export_graphs(runner, args.out, args.shape or shapes, lambda line: print(line, flush=True))
-    return check_exported(summary.path for _, summary in done) if args.check else 0
+    return check_exported((summary.path for _, summary in done), shard.tp) if args.check else 0
 
 
 if __name__ == "__main__":

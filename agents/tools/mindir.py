@@ -105,6 +105,8 @@ class OpNode:
     name: str
     inputs: tuple[Source, ...]  # in the primitive's argument order (2.10 passes its attributes as inputs too)
     outputs: tuple[TensorInfo, ...]  # as MindSpore inferred them
+    # attributes a primitive keeps as such (older-style ones: AllReduce's group and op, AllGather's rank_size)
+    attrs: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,7 @@ def read_graph(path: str | Path) -> GraphNodes:
     model = mind_ir_pb2.ModelProto()
     model.ParseFromString(Path(path).read_bytes())
     graph = model.graph
+    attrs = {prim.name: {a.name: _constant(a) for a in prim.attribute} for prim in model.primitives}
     names = [i.name for i in graph.input] + [p.name for p in graph.parameter]
     # exported names may carry the graph's own name ("5_1___main___Net_construct_4:q"); inputs are shown without it
     prefix = names[0].rpartition(":")[0] + ":" if names and ":" in names[0] else ""
@@ -204,7 +207,7 @@ def read_graph(path: str | Path) -> GraphNodes:
         shape = next((a for a in node.attribute if a.name == "shape"), None)
         outputs = _attr_tensors(shape) if shape is not None else ()
         sources[node.name] = Source("node", node.name, op=op, info=outputs[0] if len(outputs) == 1 else None)
-        nodes.append(OpNode(op, node.name, args, outputs))
+        nodes.append(OpNode(op, node.name, args, outputs, attrs.get(node.op_type.removeprefix("REF::"), {})))
     return GraphNodes(Path(path), inputs, tuple(nodes))
 
 

@@ -2,8 +2,9 @@
 they take, ``[num_blocks, block_size, kv_heads, head_dim]`` per layer for K and for V.
 
 Per layer and step: ``ApplyRotaryPosEmb`` ropes Q and K, ``ReshapeAndCache`` writes K/V at ``slot_mapping``, then
-``FlashAttentionScore`` (layout ``TH``: the prompts back to back) attends in prefill and ``PagedAttention`` (GQA,
-through the block tables) in decode. Projections are ``RmsNorm`` + one fused QKV or gate/up ``MatMul`` (+
+``FlashAttentionScore`` (layout ``TH``: the prompts back to back) attends in prefill, ``PagedAttention`` (GQA,
+through the block tables) in decode, and ``PagedAttention`` with ``q_seq_lens`` over cached context (chunks,
+prefix-cache hits). Projections are ``RmsNorm`` + one fused QKV or gate/up ``MatMul`` (+
 ``Swiglu``); the greedy pick is ``ArgMaxWithValue`` over float32 logits. These kernels have no CPU implementation;
 on CPU their graphs are exported (``agents.tools.export``), checked against the contracts the internal kernels
 read (``agents.tools.contracts``) and their wiring runs with stand-ins of the same contracts
@@ -12,8 +13,8 @@ read (``agents.tools.contracts``) and their wiring runs with stand-ins of the sa
 Conventions, as MindSpore 2.10's internal kernels (``infer_boost`` on) read them and the working 910B stacks pass
 them (MindFormers 1.8, vllm-mindspore):
 - both attention kernels take each sequence's length from the step's graph input ``batch_valid_length`` itself
-  (its host values, by name), so the graph never computes lengths: the runner prepares them
-  (``decode_padding_length``, ``ragged_lengths``);
+  (its host values, by name; query lengths from ``q_seq_lens``), so the graph never computes lengths: the runner
+  prepares them (``decode_padding_length``, ``ragged_lengths``, ``mixed_lengths``);
 - prefill FlashAttention: ``sparse_mode`` 0 with the 128 x 128 causal mask in the compute dtype, per-sequence
   lengths (not cumulative) that cover every row passed, none empty: the graph appends ``max_seqs`` zero rows to
   the bucket's ``tokens``, each padding sequence gets one row and the last sequence the rest. Real prompts come

@@ -24,15 +24,19 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", action="append", default=[], metavar="KIND:BATCH:N",
                    help="export only this warm-up shape, e.g. decode:8:16 or ragged:4:128 (repeatable; "
                    "default: every warm-up shape)")
+    p.add_argument("--rank", type=int, default=0, metavar="R", help="with serving_config.num_agents > 1 (tensor "
+                   "parallelism): export rank R's graphs, its slice of the model and its collectives (default 0)")
     p.add_argument("--check", action="store_true", help="check every exported graph against the fused Ascend ops' "
                    "real contracts (what feeds each input, attributes, dtypes, layouts; docs/ascend.md); exit 1 "
                    "on a violation")
 
 
 def export_argv(spec_json: str, out: str, shapes: list[str], module: str = "agents.tools.export",
-                check: bool = False) -> list[str]:
+                check: bool = False, rank: int = 0) -> list[str]:
     """The child's command line (``module``: ``agents.mindformers.export`` for backend mindformers)."""
     argv = [sys.executable, "-m", module, "--spec", spec_json, "--out", out]
+    if rank:
+        argv += ["--rank", str(rank)]
     for shape in shapes:
         argv += ["--shape", shape]
     return argv + ["--check"] if check else argv
@@ -48,7 +52,11 @@ def _run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     module = "agents.mindformers.export" if spec.backend == "mindformers" else "agents.tools.export"
-    return subprocess.run(export_argv(spec.to_json(), args.out, args.shape, module, args.check), env=env,
+    if args.rank and not 0 <= args.rank < spec.tensor_parallel_size:
+        print(f"llm-serving export: error: --rank {args.rank} is not a rank of serving_config.num_agents "
+              f"{spec.tensor_parallel_size}", file=sys.stderr)
+        return 2
+    return subprocess.run(export_argv(spec.to_json(), args.out, args.shape, module, args.check, args.rank), env=env,
                           check=False).returncode
 
 

@@ -1,0 +1,148 @@
+"""Child process of tests/test_ascend_npu.py: each fused primitive the Ascend backend uses, run alone in a graph of
+its own (inputs named as the backend's graphs name them, since the internal kernels read lengths by graph input
+name) on seeded inputs, inputs and outputs saved to one ``.npz`` that the test checks against the numpy
+references of tests/ascend_contracts.py.
+
+On an NPU (``--device Ascend``) the primitives are MindSpore's kernels with ``infer_boost`` on, as the backend
+serves; ``--device CPU`` runs the backend's CPU stand-ins through the same cells and inputs, which is how this
+script and the comparison are tested where no NPU is.
+
+Usage (from the repository root): python -m tests.ascend_npu_ops --device Ascend|CPU OUT_NPZ
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from agents.model.backends.ascend import FusedOps, causal_mask
+from agents.model.backends.ascend_reference import ReferenceOps
+from agents.runtime.device import apply_jit_config, setup_device
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCKS, BLOCK_SIZE, EPS = 4, 2, 64, 16, 16, 1e-5
+SCALE = HEAD_DIM ** -0.5
+
+
+class NormSwiglu(nn.Cell):
+    def __init__(self, fused) -> None:
+        super().__init__()
+        self.norm, self.swiglu = fused.rms_norm(EPS), fused.swiglu()
+
+    def construct(self, x, gamma, gate_up):
+        return self.norm(x, gamma)[0], self.swiglu(gate_up, -1)
+
+
+class Rope(nn.Cell):
+    def __init__(self, fused) -> None:
+        super().__init__()
+        self.rope = fused.rope()
+
+    def construct(self, query, key, cos, sin, batch_valid_length):
+        return self.rope(query, key, cos, sin, batch_valid_length)
+
+
+class CachedAttention(nn.Cell):
+    """Caches as Parameters (as the backend holds them): the write, then decode and multi-token reads."""
+
+    def __init__(self, fused, key_cache: np.ndarray, value_cache: np.ndarray) -> None:
+        super().__init__()
+        self.key_cache = Parameter(Tensor(key_cache), name="key_cache")
+        self.value_cache = Parameter(Tensor(value_cache), name="value_cache")
+        self.write = fused.reshape_and_cache()
+        self.paged = fused.paged_attention(HEADS, SCALE, KV_HEADS)
+
+
+class Write(CachedAttention):
+    def construct(self, key, value, slot_mapping):
+        written = self.write(key, value, self.key_cache, self.value_cache, slot_mapping)
+        return ops.depend(self.key_cache * 1, written), ops.depend(self.value_cache * 1, written)
+
+
+class Decode(CachedAttention):
+    def construct(self, query, block_tables, batch_valid_length):
+        return self.paged(query, self.key_cache, self.value_cache, block_tables, batch_valid_length)
+
+
+class Chunk(CachedAttention):
+    def construct(self, query, block_tables, batch_valid_length, q_seq_lens, attn_mask):
+        return self.paged(query, self.key_cache, self.value_cache, block_tables, batch_valid_length, None, None,
+                          attn_mask, q_seq_lens)
+
+
+class Flash(nn.Cell):
+    def __init__(self, fused, mask: Tensor) -> None:
+        super().__init__()
+        self.flash, self.mask = fused.flash_attention(HEADS, SCALE), mask
+
+    def construct(self, query, key, value, batch_valid_length):
+        return self.flash(query, key, value, None, None, None, self.mask, None, batch_valid_length,
+                          batch_valid_length)[3]
+
+
+def inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Seeded inputs of every case, float16 as the backend serves (GQA: two query heads per kv head)."""
+    h = lambda *shape: rng.normal(size=shape).astype(np.float16)
+    q_lens, ctx = np.array([3, 1, 5], np.int32), np.array([40, 17, 5], np.int32)  # a chunk, a decode, a prompt
+    positions = np.concatenate([np.arange(c - q, c) for q, c in zip(q_lens, ctx)])
+    width = 4
+    tables = rng.permutation(np.arange(1, BLOCKS))[: 3 * width].reshape(3, width).astype(np.int32)
+    angles = rng.uniform(0, 6.3, size=(7, HEAD_DIM // 2))
+    return {
+        "x": h(5, 256), "gamma": h(256), "gate_up": h(5, 2 * 96),
+        "rope_q": h(7, HEADS * HEAD_DIM), "rope_k": h(7, KV_HEADS * HEAD_DIM),
+        "cos": np.cos(np.concatenate([angles, angles], 1)).astype(np.float16),
+        "sin": np.sin(np.concatenate([angles, angles], 1)).astype(np.float16),
+        "rope_lens": np.array([3, 4], np.int32),
+        "key_cache": h(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM), "value_cache": h(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM),
+        "key": h(6, KV_HEADS * HEAD_DIM), "value": h(6, KV_HEADS * HEAD_DIM),
+        "slots": np.array([17, 18, 19, 33, 0, 0], np.int32),  # two sequences' tokens, then padding (dummy block 0)
+        "decode_query": h(3, HEADS, HEAD_DIM), "tables": tables, "context_lens": ctx,
+        "chunk_query": h(int(q_lens.sum()), HEADS, HEAD_DIM), "q_seq_lens": q_lens,
+        "chunk_mask": ((np.arange(width * BLOCK_SIZE)[None, :] > positions[:, None]) * -10000.0).astype(np.float16),
+        "flash_q": h(12, HEADS * HEAD_DIM), "flash_k": h(12, KV_HEADS * HEAD_DIM),
+        "flash_v": h(12, KV_HEADS * HEAD_DIM), "flash_lens": np.array([5, 1, 6], np.int32),
+    }
+
+
+def run(device: str, out: str) -> None:
+    setup_device(device, 0)
+    fused = FusedOps() if device == "Ascend" else ReferenceOps(HEAD_DIM)
+    a = inputs(np.random.default_rng(0))
+    t = {k: Tensor(v) for k, v in a.items()}
+    import mindspore as ms
+
+    mask = causal_mask(ms.float16)
+    cells = {"norm_swiglu": NormSwiglu(fused), "rope": Rope(fused), "write": Write(fused, a["key_cache"],
+             a["value_cache"]), "decode": Decode(fused, a["key_cache"], a["value_cache"]),
+             "chunk": Chunk(fused, a["key_cache"], a["value_cache"]), "flash": Flash(fused, mask)}
+    for cell in cells.values():
+        apply_jit_config(cell, device)
+    results = {
+        "norm_swiglu": cells["norm_swiglu"](t["x"], t["gamma"], t["gate_up"]),
+        "rope": cells["rope"](t["rope_q"], t["rope_k"], t["cos"], t["sin"], t["rope_lens"]),
+        "write": cells["write"](t["key"], t["value"], t["slots"]),
+        "decode": (cells["decode"](t["decode_query"], t["tables"], t["context_lens"]),),
+        "chunk": (cells["chunk"](t["chunk_query"], t["tables"], t["context_lens"], t["q_seq_lens"],
+                                 t["chunk_mask"]),),
+        "flash": (cells["flash"](t["flash_q"], t["flash_k"], t["flash_v"], t["flash_lens"]),),
+    }
+    saved = {f"in_{k}": v for k, v in a.items()}
+    saved["in_flash_mask"] = mask.asnumpy()
+    for name, outputs in results.items():
+        for i, value in enumerate(outputs):
+            saved[f"out_{name}_{i}"] = value.asnumpy()
+    np.savez(out, **saved)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("Ascend", "CPU"), required=True)
+    parser.add_argument("out")
+    args = parser.parse_args()
+    run(args.device, args.out)
+
+
+if __name__ == "__main__":
+    main()
