@@ -274,3 +274,72 @@ def test_cache_has_the_block_layout_and_the_logits_output_is_kept(wired):
     atol = 1e-4 if runner.rc.dtype == "float32" else FP16_TIE
     for row, prompt in zip(logits, batch_prompts):
         np.testing.assert_allclose(row, hf_last_logits(hf, prompt).float().numpy(), atol=atol)
+
+
+# ---- 3. the numpy references alone, as a whole model -------------------------------------------------------------
+def numpy_llama_generate(weights: dict, config: LlamaConfig, prompts: list[list[int]], steps: int,
+                         block_size: int = 16) -> list[list[int]]:
+    """Greedy generation with nothing but the numpy references of tests/ascend_contracts.py: both prompts in one
+    ``TH`` prefill (per-sequence lengths, the causal mask), their K/V written into block caches, then decode
+    steps through PagedAttention's block tables. Independent of our graphs, so it checks the references
+    themselves against Hugging Face."""
+    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    hidden, kv_dim, scale = config.hidden_size, config.kv_dim, d ** -0.5
+    inv_freq = 1.0 / config.rope_theta ** (np.arange(0, d, 2) / d)
+
+    def tables(positions):
+        angles = np.outer(positions, inv_freq)
+        return np.cos(np.concatenate([angles, angles], 1)), np.sin(np.concatenate([angles, angles], 1))
+
+    blocks = [[1 + 8 * b + j for j in range(8)] for b in range(len(prompts))]  # 8 blocks each, block 0 unused
+    caches = [[np.zeros((1 + 8 * len(prompts), block_size, kv_heads, d)) for _ in range(2)]
+              for _ in range(config.num_hidden_layers)]
+    sequences = [list(p) for p in prompts]
+
+    def forward(ids, positions, lens, prefill):
+        x = weights["embed_tokens"][ids].astype(np.float64)
+        cos, sin = tables(positions)
+        slots = np.array([blocks[b][p // block_size] * block_size + p % block_size
+                          for b, n in enumerate(lens) for p in positions[sum(lens[:b]): sum(lens[:b]) + n]])
+        for i in range(config.num_hidden_layers):
+            w = {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")}
+            qkv = contract.rms_norm(x, w["attention_norm"], config.rms_norm_eps)[0] @ w["w_qkv"].T
+            q, k, v = qkv[:, :hidden], qkv[:, hidden:hidden + kv_dim], qkv[:, hidden + kv_dim:]
+            q, k = contract.rope(q, cos, sin, d), contract.rope(k, cos, sin, d)
+            caches[i] = list(contract.reshape_and_cache(k, v, *caches[i], slots))
+            if prefill:
+                lengths = np.array(lens)
+                attn = contract.flash_attention_th(q, k, v, CAUSAL, "float16", lengths, lengths, heads, scale)
+            else:
+                context = np.array([len(s) for s in sequences])
+                attn = contract.paged_attention(q.reshape(-1, heads, d), *caches[i], np.array(blocks), context,
+                                                scale).reshape(-1, hidden)
+            x = x + attn @ w["wo"].T
+            x = x + contract.swiglu(contract.rms_norm(x, w["ffn_norm"], config.rms_norm_eps)[0]
+                                    @ w["w_gate_up"].T) @ w["w_down"].T
+        last = np.cumsum(lens) - 1
+        logits = contract.rms_norm(x[last], weights["norm"], config.rms_norm_eps)[0] @ weights["lm_head"].T
+        return contract.argmax_with_value(logits)[0]
+
+    lens = [len(p) for p in prompts]
+    positions = np.concatenate([np.arange(n) for n in lens])
+    out = [[int(t)] for t in forward(np.concatenate(prompts), positions, lens, True)]
+    for _ in range(steps - 1):
+        for seq, o in zip(sequences, out):
+            seq.append(o[-1])
+        ids = np.array([s[-1] for s in sequences])
+        nxt = forward(ids, np.array([len(s) - 1 for s in sequences]), [1] * len(sequences), False)
+        for o, t in zip(out, nxt):
+            o.append(int(t))
+    return out
+
+
+def test_the_numpy_references_alone_compute_llama_as_hugging_face(tmp_path):
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)  # head_dim 64
+    model_dir = build_random_model(tmp_path, config, seed=11, std=0.2)
+    weights = load_weights(model_dir, config)
+    batch_prompts = prompts(config, (6, 11), seed=4)
+    got = numpy_llama_generate(weights, config, batch_prompts, 5)
+    hf = load_hf(model_dir)
+    assert got == [hf_greedy(hf, p, 5)[0] for p in batch_prompts]
