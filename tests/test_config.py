@@ -152,7 +152,7 @@ def test_unknown_key_names_it_the_file_and_the_known_keys():
     ({"model_config": {"seq_length": [64, "128"]}}, "model_config.seq_length", "a list of integers"),
     ({"model_config": {"max_generate_length": 1.5}}, "model_config.max_generate_length", "an integer"),
     ({"serving_config": {"server_port": "8000"}}, "serving_config.server_port", "an integer"),
-    ({"pa_config": {"num_blocks": True}}, "pa_config.num_blocks", "an integer"),
+    ({"pa_config": {"num_blocks": True}}, "pa_config.num_blocks", "an integer or auto"),
     ({"scheduler": {"max_wait_s": "fast"}}, "scheduler.max_wait_s", "a number"),
     ({"serving_config": {"model_aliases": [7]}}, "serving_config.model_aliases", "a list of strings"),
     ({"model_config": {"page_attention": "maybe"}}, "model_config.page_attention", "a boolean (true/false)"),
