@@ -94,9 +94,11 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     shard = ShardPlan(config, spec.tensor_parallel_size, rank)
     cpu_threads = share_cpus(shard) if shard.tp > 1 else 0  # before MindSpore starts any thread
     progress(f"loading weights from {spec.model_path}" + (f" (rank {rank} of {shard.tp})" if shard.tp > 1 else ""))
-    # float16 serving reads each slice as float16 (a float16 checkpoint's bytes as they are): no float32 copy of a
-    # rank's slice on the host; numpy has no bfloat16, so bfloat16 serving still goes through float32
-    host_dtype = "float16" if spec.runner_config.get("dtype") == "float16" else "float32"
+    # on Ascend each tensor of a rank's slice is read into the serving dtype as it is read (bfloat16 as uint16 bits:
+    # numpy has none), so no float32 copy of the slice is held; CPU backends pack from float32
+    serving = spec.runner_config.get("dtype")
+    on_npu = spec.runner_config.get("device_target") == "Ascend" and serving in ("float16", "bfloat16")
+    host_dtype = serving if on_npu else "float32"
     weights = load_rank_weights(spec.model_path, config, shard, host_dtype)  # before importing MindSpore: fails fast
     from agents.runtime.runner import ModelRunner, RunnerConfig
 

@@ -189,6 +189,53 @@ def test_every_format_gives_each_rank_exactly_its_slice(tmp_path, tp):
     assert sum(load_shard(ckpt, cfg, ShardPlan(cfg, tp, r))["lm_head"].shape[0] for r in range(tp)) == 998
 
 
+def as_bfloat16_checkpoint(model_dir: Path) -> Path:
+    """The directory's model.safetensors rewritten in BF16, as the format lays it out (numpy cannot write it)."""
+    import json
+    import struct
+
+    from safetensors.numpy import load_file
+
+    from agents.weights.sharded import bf16_bits
+
+    path = model_dir / "model.safetensors"
+    tensors = {name: bf16_bits(value) for name, value in load_file(path).items()}
+    header, blobs, offset = {}, [], 0
+    for name, bits in tensors.items():
+        header[name] = {"dtype": "BF16", "shape": list(bits.shape), "data_offsets": [offset, offset + bits.nbytes]}
+        blobs.append(bits.tobytes())
+        offset += bits.nbytes
+    head = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+    return model_dir
+
+
+def test_a_rank_reads_its_slice_straight_into_the_serving_dtype(tmp_path):
+    """float16 and bfloat16 (uint16 bits: numpy has no bfloat16) per tensor as read, a bfloat16 checkpoint's bits
+    kept exactly; into a bfloat16 model they load as the float32 slice rounded would."""
+    import mindspore as ms
+
+    from agents.model.llama import LlamaModel, load_weights_into, model_weights
+    from agents.weights.sharded import bf16_bits
+
+    cfg = LlamaConfig(vocab_size=998, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    plan = ShardPlan(cfg, 2, 1)
+    source = as_bfloat16_checkpoint(build_random_model(tmp_path / "bf16", cfg, seed=2))
+    wide = load_shard(source, cfg, plan)
+    half, bits = load_shard(source, cfg, plan, np.float16), load_shard(source, cfg, plan, "bfloat16")
+    for key, value in wide.items():
+        assert half[key].dtype == np.float16 and bits[key].dtype == np.uint16, key
+        np.testing.assert_array_equal(half[key], value.astype(np.float16))
+        np.testing.assert_array_equal((bits[key].astype(np.uint32) << 16).view(np.float32), value)  # exact
+    assert bf16_bits(np.array([1.0, 1.00390625, 1.01171875], np.float32)).tolist() == [0x3F80, 0x3F80, 0x3F82]
+    model = LlamaModel(cfg, 8, 16, 64, ms.bfloat16, shard=plan)
+    load_weights_into(model, bits)
+    held = model_weights(model)
+    for key, value in wide.items():
+        np.testing.assert_array_equal(held[key].astype(np.float32), value, err_msg=key)
+
+
 # ---- the whole engine --------------------------------------------------------------------------------------
 def workload() -> list[tuple[list[int], SamplingParams]]:
     rng = random.Random(14)

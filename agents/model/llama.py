@@ -231,6 +231,12 @@ def load_weights_into(model: LlamaModel, weights: dict[str, np.ndarray]) -> None
         if tuple(value.shape) != tuple(expected):
             raise ValueError(f"parameter {name}: expected shape {tuple(expected)}, got {tuple(value.shape)}")
         dtype = model.dtype
+        if value.dtype == np.uint16:  # bfloat16 bits (agents.weights.sharded.bf16_bits)
+            if linear is None or not linear.panels:  # held as they are: no float32 copy
+                bits = Tensor(np.ascontiguousarray(value)).view(ms.bfloat16)
+                param.set_data(bits if param.dtype == ms.bfloat16 else bits.astype(param.dtype))
+                continue
+            value = (value.astype(np.uint32) << 16).view(np.float32)
         if linear is not None:
             value = linear.stored(value)
             dtype = linear.dtype

@@ -324,10 +324,25 @@ def _cuts(kind: str, parts: int, config: LlamaConfig, plan: ShardPlan) -> list[t
     return [(0, None, None)]  # norms: replicated
 
 
+def bf16_bits(arr: np.ndarray) -> np.ndarray:
+    """bfloat16 values as numpy holds them (uint16 bits; numpy has no bfloat16), rounded to nearest even."""
+    if arr.dtype == np.uint16:
+        return arr
+    bits = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def as_host_dtype(arr: np.ndarray, dtype: npt.DTypeLike | str) -> np.ndarray:
+    """One tensor in the dtype the rank holds it in: a numpy float dtype, or ``"bfloat16"`` (``bf16_bits``)."""
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        return bf16_bits(arr)
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
 def _assemble_shard(source: SliceSource, names: dict[str, list[list[str]]], config: LlamaConfig,
-                    plan: ShardPlan, strict: bool) -> dict[str, np.ndarray]:
+                    plan: ShardPlan, strict: bool, dtype: npt.DTypeLike | str = np.float32) -> dict[str, np.ndarray]:
     """This rank's canonical tensors: names and full shapes checked as ``agents.weights.checkpoints`` does, then only the
-    slices read."""
+    slices read, each turned into ``dtype`` as it is read (so no wider copy of the whole slice exists)."""
     label = source.label
     for name in source:
         m = w._LAYER_INDEX.search(name)
@@ -352,8 +367,8 @@ def _assemble_shard(source: SliceSource, names: dict[str, list[list[str]]], conf
                 raise w.WeightLoadError(f"{label}: shape mismatch for {name!r}: expected {(rows, *shape[1:])} "
                                         f"from the config, got {tuple(source[name])}")
             used.add(name)
-        pieces = [source.read(chosen[part], rows, cols) for part, rows, cols in _cuts(kind, len(chosen), config,
-                                                                                      plan)]
+        pieces = [as_host_dtype(source.read(chosen[part], rows, cols), dtype)
+                  for part, rows, cols in _cuts(kind, len(chosen), config, plan)]
         out[key] = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
     if strict:
         extra = sorted(n for n in source if n not in used and not w._IGNORED_HF.search(n))
@@ -364,20 +379,24 @@ def _assemble_shard(source: SliceSource, names: dict[str, list[list[str]]], conf
 
 
 def load_shard(model_dir_or_file: str | Path, config: LlamaConfig, plan: ShardPlan,
-               dtype: npt.DTypeLike = np.float32) -> dict[str, np.ndarray]:
-    """This rank's canonical weights (``shard_shapes``), as owned ``dtype`` arrays, reading only its slices."""
+               dtype: npt.DTypeLike | str = np.float32) -> dict[str, np.ndarray]:
+    """This rank's canonical weights (``shard_shapes``), as owned ``dtype`` arrays (``"bfloat16"``: uint16 bits),
+    reading only its slices."""
     source, names, strict = open_source(Path(model_dir_or_file))
-    weights = _assemble_shard(source, names, config, plan, strict)
+    weights = _assemble_shard(source, names, config, plan, strict, dtype)
     for key, shape in shard_shapes(config, plan).items():
         if tuple(weights[key].shape) != shape:
             raise w.WeightLoadError(f"shape mismatch for {key!r} of rank {plan.rank}: expected {shape}, "
                                     f"got {tuple(weights[key].shape)}")
-    return {k: np.ascontiguousarray(v, dtype=dtype) for k, v in weights.items()}
+    return {k: as_host_dtype(v, dtype) for k, v in weights.items()}
 
 
 def load_rank_weights(model_dir_or_file: str | Path, config: LlamaConfig, plan: ShardPlan,
-                      dtype: npt.DTypeLike = np.float32) -> dict[str, np.ndarray]:
-    """The whole model's weights at ``tp == 1`` (``agents.weights.checkpoints.load_weights``), else this rank's slice."""
+                      dtype: npt.DTypeLike | str = np.float32) -> dict[str, np.ndarray]:
+    """The whole model's weights at ``tp == 1`` (``agents.weights.checkpoints.load_weights``, bfloat16 through
+    float32), else this rank's slice read straight into ``dtype``."""
     if plan.tp == 1:
+        if isinstance(dtype, str) and dtype == "bfloat16":
+            return {k: bf16_bits(v) for k, v in w.load_weights(model_dir_or_file, config).items()}
         return w.load_weights(model_dir_or_file, config, dtype)
     return load_shard(model_dir_or_file, config, plan, dtype)
