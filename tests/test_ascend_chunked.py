@@ -23,6 +23,7 @@ from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
 from tests.chunk_driver import ChunkDriver
 from tests.hf_reference import hf_greedy, load_hf
+from tests.test_chunked_model import serve
 
 CONFIG = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=192, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # head_dim 64
@@ -75,14 +76,6 @@ def test_mixed_lengths_cover_every_row_with_a_padding_sequence_of_their_own(runn
     assert query.tolist() == [3, 1, 1, 15] and context.tolist() == [9, 4, 1, 15]  # 16 rows + 4 appended
     with pytest.raises(ValueError, match="keeps its last sequence slot"):
         backend.mixed_lengths(np.array([3, 1, 2, 1], np.int32), np.array([9, 4, 2, 1], np.int32), 16)
-
-
-def serve(scheduler: Scheduler, runner: ModelRunner, seqs: list[Sequence]) -> None:
-    for seq in seqs:
-        scheduler.add(seq)
-    while scheduler.has_unfinished():
-        stepped, batch = scheduler.schedule()
-        scheduler.postprocess(stepped, runner.step(batch))
 
 
 def test_a_prefix_cache_hit_gives_the_cold_runs_tokens(runner):
