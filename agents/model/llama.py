@@ -21,18 +21,10 @@ from mindspore.common.initializer import initializer
 
 from agents.model import parallel
 from agents.model.backends import OpsBackend, PortableBackend
+from agents.model.rope import rotary_tables
 from agents.weights import packed as packed_weights
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan
-
-
-def rotary_tables(config: LlamaConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin ``[max_positions, head_dim]`` in Hugging Face's rotate-half layout (frequencies repeated twice)."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
-    angles = np.concatenate([angles, angles], axis=-1)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 def norm_weight(hidden: int, dtype: ms.Type, name: str) -> Parameter:

@@ -14,6 +14,10 @@ DTYPES = ("float32", "float16", "bfloat16")
 KERNEL_CHOICES = ("auto", "native", "portable")  # CPU ops: native C++ where they build, portable graph ops
 DEVICE_TARGETS = ("CPU", "Ascend")  # model_config.device_target
 ASCEND_DTYPES = ("float16", "bfloat16")  # what the Ascend fused kernels take (PagedAttention refuses float32)
+# rope_scaling types the rotary tables compute as transformers does (agents.model.rope), with the keys each needs
+ROPE_TYPES = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                              "original_max_position_embeddings"),
+              "yarn": ("original_max_position_embeddings",)}
 # model_config.precision: exact (the dtype's own arithmetic); half / fast: the native CPU projections with float16
 # weights (float32 arithmetic) / bfloat16 weights and inputs (float32 sums); docs/benchmarks.md "Fast precision mode"
 PRECISIONS = ("exact", "fast", "half")
@@ -43,6 +47,8 @@ class LlamaConfig:
     eos_token_id: int = 2
     pad_token_id: int = 0
     tie_word_embeddings: bool = False
+    # {"rope_type": linear | llama3 | yarn, and its parameters}; None: plain RoPE (agents.model.rope)
+    rope_scaling: dict | None = None
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -84,9 +90,11 @@ class LlamaConfig:
             )
         if raw.get("model_type", "llama") != "llama":
             raise ModelConfigError(f"{source}: unsupported model_type {raw.get('model_type')!r}")
+        refuse_unserved_keys(raw, source)
         try:
             heads = int(raw["num_attention_heads"])
             eos = raw.get("eos_token_id", 2)
+            theta, scaling = rope_settings(raw, source)
             return cls(
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=int(raw["hidden_size"]),
@@ -96,11 +104,12 @@ class LlamaConfig:
                 num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(raw.get("rope_theta", 10000.0)),
+                rope_theta=theta,
                 bos_token_id=int(raw.get("bos_token_id", 1)),
                 eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
                 pad_token_id=int(raw.get("pad_token_id") or 0),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                rope_scaling=scaling,
             )
         except KeyError as exc:
             raise ModelConfigError(f"{source}: missing required key {exc.args[0]!r}") from None
@@ -117,4 +126,59 @@ class LlamaConfig:
         d = asdict(self)
         d.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
                  torch_dtype="float32", attention_bias=False, mlp_bias=False)
+        if self.rope_scaling is None:
+            del d["rope_scaling"]
         return d
+
+
+def rope_settings(raw: dict, source: str) -> tuple[float, dict | None]:
+    """``(rope_theta, rope_scaling)`` from ``rope_scaling`` (or transformers 5's ``rope_parameters``, which also
+    holds rope_theta); a type without an implementation, or a missing parameter, is refused naming the key."""
+    scaling = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    if not isinstance(scaling, dict):
+        raise ModelConfigError(f"{source}: {key}: expected a mapping, got {scaling!r}")
+    theta = float(scaling.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    params = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type", "rope_type")}
+    if kind == "default":
+        return theta, None
+    if kind == "dynamic":
+        raise ModelConfigError(f"{source}: {key}: rope_type 'dynamic' is not served: transformers rescales the "
+                               "frequencies by the current sequence length, so a cached key's rotation would not "
+                               "match what it computes; remove it (plain RoPE up to max_position_embeddings) or use "
+                               "a static type")
+    if kind not in ROPE_TYPES:
+        raise ModelConfigError(f"{source}: {key}: rope_type {kind!r} is not served; served: default, "
+                               f"{', '.join(ROPE_TYPES)}")
+    missing = [k for k in ROPE_TYPES[kind] if params.get(k) is None]
+    if missing:
+        raise ModelConfigError(f"{source}: {key}: rope_type {kind!r} needs {', '.join(missing)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelConfigError(f"{source}: {key}: partial_rotary_factor {params['partial_rotary_factor']} is not "
+                               "served (every head dimension is rotated)")
+    return theta, {"rope_type": kind, **params}
+
+
+# config.json keys that change the maths, with the value the Llama layer computes; any other value is refused
+_ONLY_SERVED = {"hidden_act": ("silu",), "attention_bias": (False, None), "mlp_bias": (False, None),
+                "partial_rotary_factor": (1.0, 1, None)}
+
+
+def refuse_unserved_keys(raw: dict, source: str) -> None:
+    """Refuse a config.json whose keys would change the model's maths in ways the layer does not compute, naming
+    the key and file: a model is never served with a key silently ignored."""
+    for key, served in _ONLY_SERVED.items():
+        if key in raw and raw[key] not in served:
+            raise ModelConfigError(f"{source}: {key}: {raw[key]!r} is not served (only {served[0]!r})")
+    heads = raw.get("num_attention_heads")
+    head_dim = raw.get("head_dim")
+    if head_dim is not None and heads and head_dim * heads != raw.get("hidden_size"):
+        raise ModelConfigError(f"{source}: head_dim: {head_dim} differs from hidden_size / num_attention_heads "
+                               f"({raw.get('hidden_size')} / {heads}), which is not served")
+    window = raw.get("sliding_window")
+    if window is not None and raw.get("use_sliding_window", True) and window < raw.get("max_position_embeddings",
+                                                                                           4096):
+        raise ModelConfigError(f"{source}: sliding_window: {window} (shorter than max_position_embeddings "
+                               f"{raw.get('max_position_embeddings')}) is not served: attention here sees the whole "
+                               "context")
