@@ -76,6 +76,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (of one prefill step without chunked prefill)
     max_model_len: int = 2048  # prompt + max_new_tokens limit per request
     eos_token_id: int | None = 2  # None: only max_new_tokens ends a request
+    other_eos_token_ids: tuple[int, ...] = ()  # further ids that end a request as eos does (Llama 3's <|eot_id|>)
     policy: str = "fcfs"  # admission order, see POLICIES
     max_wait_s: float | None = 30.0  # longest_output_first: admit requests queued this long first
     min_decode_steps_between_prefills: int = 0  # interleaving knob, see module docstring
@@ -219,7 +220,8 @@ class Scheduler:
             raise ValueError(
                 f"step output has token_ids {tokens.shape} and logprobs {logprobs.shape} for {len(seqs)} sequences"
             )
-        eos, caching = self.config.eos_token_id, self.block_manager.prefix_cache is not None
+        eos = {self.config.eos_token_id, *self.config.other_eos_token_ids} - {None}
+        caching = self.block_manager.prefix_cache is not None
         finished = []
         for row, (seq, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
             if seq.status is not SequenceStatus.RUNNING:
@@ -236,7 +238,7 @@ class Scheduler:
                                      "want_logits asked for")
                 seq.logits.append(output.logits[row])
             seq.append_token(token, logprob)
-            if eos is not None and token == eos and not seq.params.ignore_eos:
+            if token in eos and not seq.params.ignore_eos:
                 reason = "eos"
             elif seq.num_output_tokens >= seq.params.max_new_tokens:
                 reason = "length"

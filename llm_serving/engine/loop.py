@@ -68,6 +68,7 @@ class Engine:
         self.tokenizer: Tokenizer | None = None
         self.model: ModelFiles | None = None
         self.eos_token_id: int | None = None
+        self.other_eos_token_ids: tuple[int, ...] = ()
         self.limits: RequestLimits | None = None  # set by start()
         self._pool_factory = pool_factory or AgentPool
         self._agents: AgentSupervisor | None = None  # set by start(): owns the agent pool
@@ -127,6 +128,8 @@ class Engine:
         self.limits = RequestLimits.from_config(cfg, self.tokenizer.vocab_size)
         end = cfg.model_config.end_token
         self.eos_token_id = end if end is not None else self.model.llama_config.eos_token_id
+        # model_config.end_token replaces the model's ids; else every id the model's configs list ends a request
+        self.other_eos_token_ids = () if end is not None else self.model.llama_config.stop_ids[1:]
         auto = cfg.pa_config.auto_blocks  # the agents size their caches; the scheduler follows their count
         if not auto:
             self._start_scheduler()
@@ -151,7 +154,7 @@ class Engine:
 
     def _start_scheduler(self, num_blocks: int | None = None) -> None:
         self._scheduler = Scheduler(scheduler_config(self.config, self.eos_token_id, self.model.llama_config,
-                                                     num_blocks))
+                                                     num_blocks, self.other_eos_token_ids))
         self._requests = LiveRequests(self._scheduler, self._counters)
 
     def shutdown(self) -> None:

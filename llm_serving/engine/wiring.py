@@ -131,7 +131,7 @@ def kv_cache_blocks(config: ServingConfig, llama: LlamaConfig | None) -> int | N
 
 
 def scheduler_config(config: ServingConfig, eos_token_id: int | None, llama: LlamaConfig | None = None,
-                     num_blocks: int | None = None) -> SchedulerConfig:
+                     num_blocks: int | None = None, other_eos_token_ids: tuple[int, ...] = ()) -> SchedulerConfig:
     """``llama``: the served model, whose kv heads size the cache under tensor parallelism (``kv_cache_blocks``);
     ``num_blocks``: the agents' reported count, with ``num_blocks: auto``."""
     m, pa, sc = config.model_config, config.pa_config, config.scheduler
@@ -142,7 +142,7 @@ def scheduler_config(config: ServingConfig, eos_token_id: int | None, llama: Lla
         num_blocks=blocks, block_size=pa.block_size,
         max_num_seqs=m.decode_batch_size[-1], max_prefill_batch=m.prefill_batch_size[-1],
         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
-        eos_token_id=eos_token_id, policy=sc.policy, max_wait_s=sc.max_wait_s,
+        eos_token_id=eos_token_id, other_eos_token_ids=other_eos_token_ids, policy=sc.policy, max_wait_s=sc.max_wait_s,
         min_decode_steps_between_prefills=sc.min_decode_steps_between_prefills,
         max_prompt_len=config.max_prompt_len, chunked_prefill=config.chunked_prefill,
         prefix_caching=config.prefix_caching,

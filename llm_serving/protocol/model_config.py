@@ -3,6 +3,7 @@ dtypes, kernel sets and devices an agent can run, which the master validates its
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,6 +50,14 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     # {"rope_type": linear | llama3 | yarn, and its parameters}; None: plain RoPE (agents.model.rope)
     rope_scaling: dict | None = None
+    # every end-of-sequence id (config.json's and generation_config.json's lists; Llama 3 instruct: <|end_of_text|>,
+    # <|eom_id|>, <|eot_id|>): any of them ends a sequence. Empty: eos_token_id alone
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a sequence, eos_token_id first."""
+        return tuple(dict.fromkeys((self.eos_token_id, *self.eos_token_ids)))
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -107,6 +116,7 @@ class LlamaConfig:
                 rope_theta=theta,
                 bos_token_id=int(raw.get("bos_token_id", 1)),
                 eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
+                eos_token_ids=tuple(int(e) for e in (eos if isinstance(eos, list) else [eos])),
                 pad_token_id=int(raw.get("pad_token_id") or 0),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 rope_scaling=scaling,
@@ -116,10 +126,17 @@ class LlamaConfig:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> LlamaConfig:
+        """config.json, with the end-of-sequence ids of generation_config.json added where there is one."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ModelConfigError(f"no config.json in model directory {model_dir}")
-        return cls.from_dict(json.loads(path.read_text()), source=str(path))
+        config = cls.from_dict(json.loads(path.read_text()), source=str(path))
+        generation = Path(model_dir) / "generation_config.json"
+        if generation.is_file():
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+            more = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+            config = dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys([*config.stop_ids, *more])))
+        return config
 
     def to_hf_dict(self) -> dict:
         """The config.json content Hugging Face ``LlamaForCausalLM`` expects."""
@@ -128,6 +145,8 @@ class LlamaConfig:
                  torch_dtype="float32", attention_bias=False, mlp_bias=False)
         if self.rope_scaling is None:
             del d["rope_scaling"]
+        d["eos_token_id"] = list(self.stop_ids) if len(self.stop_ids) > 1 else self.eos_token_id
+        del d["eos_token_ids"]
         return d
 
 
