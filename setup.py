@@ -15,6 +15,7 @@ setup(
         "mindspore==2.10.0",
         "numpy<2",
         "sentencepiece",
+        "tokenizers",  # Hugging Face tokenizer.json (Llama 3, Qwen): the field's library, not our own BPE
         "pyyaml",
         "aiohttp",
         "safetensors",

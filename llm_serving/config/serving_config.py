@@ -45,7 +45,9 @@ from llm_serving.protocol.model_config import (
 __all__ = ["ConfigError", "DefaultModelSection", "ModelSection", "PagedAttentionSection", "SchedulerSection",
            "ServingConfig", "ServingSection", "TokenizerSection"]
 
-TOKENIZER_TYPES = ("LlamaTokenizer",)
+# tokenizer.type -> the file it reads: sentencepiece's tokenizer.model, Hugging Face's tokenizer.json, or auto
+# (whichever the model directory has, tokenizer.model first)
+TOKENIZER_TYPES = {"auto": None, "LlamaTokenizer": "tokenizer.model", "PreTrainedTokenizerFast": "tokenizer.json"}
 _CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors", ".bin")
 # devices whose agents' ops attend over cached context (chunked prefill, prefix caching): the CPU backends, and
 # the Ascend backend through PagedAttention's multi-token queries (q_seq_lens)
@@ -136,9 +138,9 @@ class PagedAttentionSection:
 
 @dataclass(frozen=True)
 class TokenizerSection:
-    """``tokenizer``: a SentencePiece ``tokenizer.model``."""
+    """``tokenizer``: a SentencePiece ``tokenizer.model`` or a Hugging Face ``tokenizer.json``."""
 
-    type: str = setting("LlamaTokenizer", "str")
+    type: str = setting("auto", "str")
     vocab_file: str | None = setting(None, "path", optional=True)
     chat_template: str | None = setting(None, "path", optional=True)  # a Jinja file; None: the model's own
 

@@ -41,6 +41,7 @@ from llm_serving.engine.wiring import ModelFiles, agent_spec, resolve_model, sch
 from llm_serving.executor.agent_pool import AgentDiedError, AgentPool, AgentStepError
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.wire import AgentSpec
+from llm_serving.tokenization.hf_tokenizer import HFTokenizer, load_tokenizer
 from llm_serving.tokenization.tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineError", "GenerationResult", "QueueFull", "RequestRejected", "RequestStream",
@@ -65,7 +66,7 @@ class Engine:
         self.standin_agents = standin_agents
         self.state = "new"  # new -> starting -> ready <-> recovering; failed or stopped for good
         self.last_failure: str | None = None  # why the agents were last replaced, or why the engine failed
-        self.tokenizer: Tokenizer | None = None
+        self.tokenizer: Tokenizer | HFTokenizer | None = None
         self.model: ModelFiles | None = None
         self.eos_token_id: int | None = None
         self.other_eos_token_ids: tuple[int, ...] = ()
@@ -119,7 +120,7 @@ class Engine:
             if progress:
                 progress(f"config note: {note}")
         self.model = resolve_model(cfg, progress)
-        self.tokenizer = Tokenizer(self.model.tokenizer_path)
+        self.tokenizer = load_tokenizer(self.model.tokenizer_path)
         if self.tokenizer.vocab_size > self.model.llama_config.vocab_size:
             raise ConfigError(f"{cfg.source}: tokenizer {self.model.tokenizer_path} has "
                               f"{self.tokenizer.vocab_size} pieces, more than the model's vocab_size "

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llm_serving.engine.stop_strings import StopMatcher
-from llm_serving.tokenization.tokenizer import IncrementalDecoder, Tokenizer
+from llm_serving.tokenization.tokenizer import Tokenizer
 
 NO_TOKEN = -1  # token_id of the last event of an aborted (or externally finished) request: no new token
 
@@ -103,7 +103,7 @@ class RequestStream:
         self._future: asyncio.Future | None = None
         self._async_waiting = False
         # the side that decodes: the producer with stop strings (it matches them), else the consumer
-        self._decoder = IncrementalDecoder(tokenizer, prompt_ids)
+        self._decoder = tokenizer.incremental_decoder(prompt_ids)
         self._stop_matcher = StopMatcher(stop) if stop else None
         # consumer side
         self._texts: list[str] = []  # text of each event read

@@ -15,7 +15,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from llm_serving.config.serving_config import DEFAULT_COMPILE_CACHE, ConfigError, ServingConfig
+from llm_serving.config.serving_config import (
+    DEFAULT_COMPILE_CACHE,
+    TOKENIZER_TYPES,
+    ConfigError,
+    ServingConfig,
+)
 from llm_serving.core.scheduler import SchedulerConfig
 from llm_serving.models.default_model import ensure_default_model
 from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
@@ -67,11 +72,17 @@ def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None 
     check_host_memory(config, llama)
     if not tokenizer:
         return ModelFiles(path, llama, None)
-    vocab_file = config.vocab_file
-    tokenizer_path = Path(vocab_file) if vocab_file is not None else path / "tokenizer.model"
+    vocab_file = config.tokenizer.vocab_file
+    model_dir = path if path.is_dir() else path.parent
+    # tokenizer.type's file; auto: a sentencepiece tokenizer.model (Llama 2) first, else a Hugging Face
+    # tokenizer.json (Llama 3, Qwen)
+    wanted = TOKENIZER_TYPES[config.tokenizer.type]
+    names = (wanted,) if wanted else ("tokenizer.model", "tokenizer.json")
+    found = [model_dir / name for name in names if (model_dir / name).is_file()]
+    tokenizer_path = Path(vocab_file) if vocab_file is not None else (found[0] if found else model_dir / names[0])
     if not tokenizer_path.is_file():
-        raise ConfigError(f"{src}: tokenizer.vocab_file: no tokenizer model at {tokenizer_path}",
-                          key="tokenizer.vocab_file", source=src)
+        raise ConfigError(f"{src}: tokenizer.vocab_file: no tokenizer at {tokenizer_path} (a sentencepiece "
+                          "tokenizer.model or a Hugging Face tokenizer.json)", key="tokenizer.vocab_file", source=src)
     return ModelFiles(path, llama, tokenizer_path)
 
 

@@ -178,12 +178,14 @@ class ChatTemplate:
         self.source, self.origin, self.prefix = source, origin, prefix
         self._template = _environment().from_string(source)
         self._tok = tokenizer
+        self._variables = tokenizer.template_variables()
+        # a tokenizers tokenizer matches the special tokens written in the text itself (encode_rendered)
+        self._rendered = getattr(tokenizer, "encode_rendered", None)
+        if self._rendered is not None:
+            return
         self._special = {tokenizer.id_to_piece(i): i for i in range(tokenizer.vocab_size) if tokenizer.is_special(i)}
         longest_first = sorted(self._special, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
-        self._variables = {"bos_token": tokenizer.id_to_piece(tokenizer.bos_id),
-                           "eos_token": tokenizer.id_to_piece(tokenizer.eos_id),
-                           "unk_token": tokenizer.id_to_piece(tokenizer.unk_id)}
         self._bare = None if prefix == "always" else _without_dummy_prefix(tokenizer)
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -198,6 +200,8 @@ class ChatTemplate:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text: special-token spellings as their ids, the text between them encoded."""
+        if self._rendered is not None:
+            return self._rendered(text)
         ids: list[int] = []
         offset = 0
         for k, part in enumerate(self._split.split(text)):

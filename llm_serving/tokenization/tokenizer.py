@@ -144,6 +144,16 @@ class Tokenizer:
             return [int(self._sp.id_to_piece(token_id)[3:5], 16)]
         return list(self.token_text(token_id).encode("utf-8"))
 
+    def template_variables(self) -> dict[str, str]:
+        """The special tokens a chat template may name, as their pieces."""
+        return {"bos_token": self.id_to_piece(self.bos_id), "eos_token": self.id_to_piece(self.eos_id),
+                "unk_token": self.id_to_piece(self.unk_id)}
+
+    def incremental_decoder(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+                            ) -> IncrementalDecoder:
+        """A streaming decoder of one request's generated ids (``IncrementalDecoder``)."""
+        return IncrementalDecoder(self, prompt_ids, skip_special_tokens)
+
     def _decode_anchor(self) -> tuple[int, str]:
         """A piece that renders as itself, a non-space text, wherever it stands: after it, ids decode exactly
         as they do inside a longer text (no dummy prefix stripped, no bytes merged). Used for streaming."""

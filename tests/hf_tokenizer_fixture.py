@@ -1,0 +1,47 @@
+"""A Llama-3-style Hugging Face tokenizer directory trained here: byte-level BPE (the ``tokenizers`` library) on
+text every machine has (Python's own sources) plus some multi-byte text, ``<|begin_of_text|>`` added by the
+post-processor, Llama 3's header tokens and chat template in ``tokenizer_config.json``."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+SPECIAL = ["<|reserved_special_token_0|>", "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+MULTIBYTE = ["naïve café déjà vu", "数据并行与张量并行", "東京の天気は晴れです", "emoji 🙂🚀 end", "ΑΒΓ αβγ"]
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+
+
+def corpus() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    lines = []
+    for name in ("textwrap.py", "string.py", "json/__init__.py", "heapq.py"):
+        lines += (stdlib / name).read_text(encoding="utf-8").splitlines()
+    return lines + MULTIBYTE * 3
+
+
+def build_hf_tokenizer(out: Path, vocab_size: int = 600) -> Path:
+    """Write tokenizer.json and tokenizer_config.json to ``out``; returns ``out``."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), trainer)
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                       pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+                                                       special_tokens=[("<|begin_of_text|>", bos)])
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+        "chat_template": LLAMA3_CHAT_TEMPLATE, "clean_up_tokenization_spaces": False}))
+    return out
