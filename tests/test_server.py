@@ -160,6 +160,51 @@ def test_health_models_and_metrics(fast):
     run(go())
 
 
+def test_served_model_names_max_model_len_and_one_models_card(data_dir):
+    """``--served-model-name`` (the first is the main name; ids may hold slashes), ``--max-model-len`` and
+    ``GET /v1/models/{id}`` (404 with OpenAI's error body for a name not served)."""
+    server = ServerProcess(data_dir, "--standin-agents", "--served-model-name", "org/llama-3", "short",
+                           "--max-model-len", "256")
+    try:
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"{server.url}/v1/models") as r:
+                    cards = (await r.json())["data"]
+                assert [c["id"] for c in cards] == ["org/llama-3", "short"]
+                assert {c["max_model_len"] for c in cards} == {256} and {c["root"] for c in cards} == {"org/llama-3"}
+                async with s.get(f"{server.url}/v1/models/org/llama-3") as r:
+                    assert r.status == 200 and (await r.json())["id"] == "org/llama-3"
+                async with s.get(f"{server.url}/v1/models/llama2") as r:
+                    body = await r.json()
+                    assert r.status == 404 and body["error"]["type"] == "model_not_found", body
+            status, res, _ = await post(generate_url(server, name="short"), {"inputs": "hi",
+                                                                            "parameters": {"max_new_tokens": 2}})
+            assert status == 200, res
+        run(go())
+    finally:
+        assert server.stop() == 0, server.output
+
+
+def test_max_model_len_from_the_model_is_capped_by_the_kv_cache(data_dir, capsys):
+    from llm_serving.cli.commands.serve import build_parser, load_config
+    from llm_serving.config.serving_config import ConfigError
+    from llm_serving.engine.wiring import resolve_model
+
+    base = ["--set", f"default_model.data_dir={data_dir}"]
+    cfg = load_config(build_parser().parse_args([*base, "--max-model-len", "model"]))
+    positions = resolve_model(load_config(build_parser().parse_args(base)), None, tokenizer=False
+                              ).llama_config.max_position_embeddings
+    assert cfg.max_model_len == min(positions, (cfg.pa_config.num_blocks - 1) * cfg.pa_config.block_size)
+    assert "max model length" in capsys.readouterr().err
+    blocks = positions // 16  # one block short of the model's positions (block 0 is the padding block)
+    small = load_config(build_parser().parse_args([*base, "--set", f"pa_config.num_blocks={blocks}",
+                                                   "--max-model-len", "model"]))
+    assert small.max_model_len == (blocks - 1) * 16 < positions
+    assert "below the model's max_position_embeddings" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--max-model-len: expected a number of tokens or 'model'"):
+        load_config(build_parser().parse_args([*base, "--max-model-len", "lots"]))
+
+
 def test_generate_and_stream_agree(fast):
     async def one(prompt: str, n: int):
         body = {"inputs": prompt, "parameters": {"max_new_tokens": n, "do_sample": "False",

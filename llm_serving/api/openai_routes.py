@@ -21,6 +21,7 @@ from llm_serving.api.guards import check_prompt_count
 from llm_serving.api.responses import (
     ClientGone,
     engine_errors,
+    error_response,
     json_response,
     open_stream,
     openai_stream_error,
@@ -77,12 +78,20 @@ class OpenAIRoutes:
                             "finish_reason": OPENAI_FINISH[answer.finish_reason]})
         return json_response({**meta, "choices": choices, "usage": _usage(gens)})
 
-    async def models(self, request: web.Request) -> web.Response:
+    def _model_card(self, name: str) -> dict[str, Any]:
         server = self.server
-        data = [{"id": name, "object": "model", "created": server.created, "owned_by": "llm-serving",
-                 "root": server.model_name, "max_model_len": server.config.max_model_len}
-                for name in server.names]
-        return json_response({"object": "list", "data": data})
+        return {"id": name, "object": "model", "created": server.created, "owned_by": "llm-serving",
+                "root": server.model_name, "max_model_len": server.config.max_model_len}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response({"object": "list", "data": [self._model_card(name) for name in self.server.names]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{id}``: one served name's card (ids may hold slashes), 404 otherwise."""
+        try:
+            return json_response(self._model_card(self.server.check_model(request.match_info["model_id"])))
+        except ApiError as err:
+            return error_response(err, openai=True)
 
     async def _stream(self, request: web.Request, gens: list[Generation], req: CompletionRequest,
                       meta: dict[str, Any], echoes: list[str]) -> web.StreamResponse:

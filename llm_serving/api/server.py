@@ -3,7 +3,7 @@
 Routes (each group in its own module):
 - ``POST /models/<name>/generate`` and ``/models/<name>/generate_stream``: the llm-serving body
   (``tgi_routes``).
-- ``POST /v1/completions`` and ``GET /v1/models``: the OpenAI API (``openai_routes``).
+- ``POST /v1/completions``, ``GET /v1/models`` and ``GET /v1/models/{id}``: the OpenAI API (``openai_routes``).
 - ``POST /v1/chat/completions``: OpenAI chat, messages rendered by the model's chat template (``chat_routes``).
 - ``GET /health``: 200 when ready, 503 while loading, recovering (agents being replaced), draining or after
   an engine failure; the agents' process ids with it.
@@ -117,6 +117,7 @@ class Server:
         self.chat = ChatRoutes(self)
         app.router.add_post("/v1/chat/completions", self._guard(self.chat.chat_completions, "openai"))
         app.router.add_get("/v1/models", openai.models)
+        app.router.add_get("/v1/models/{model_id:.+}", openai.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
         return app

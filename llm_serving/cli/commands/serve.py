@@ -24,6 +24,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("LLM_SERVING_API_KEY") or None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(serving_config.api_key; default $LLM_SERVING_API_KEY, which keeps it out of ps)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME", help="the names the API answers to, the first "
+                   "the main one (model_config.model_name, then serving_config.model_aliases, which they replace)")
+    p.add_argument("--max-model-len", metavar="N", help="most tokens (prompt + output) of one sequence "
+                   "(pa_config.decode_seq_length), or 'model': the model's max_position_embeddings, capped by what "
+                   "the KV cache holds")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any config key, VALUE in YAML (e.g. --set pa_config.num_blocks=1024)")
     p.add_argument("--standin-agents", action="store_true",
@@ -52,11 +57,42 @@ def load_config(args: argparse.Namespace) -> ServingConfig:
         values["serving_config.api_key"] = args.api_key
     if getattr(args, "device_target", None):
         values["model_config.device_target"] = args.device_target
+    names = getattr(args, "served_model_name", None)
+    if names:
+        values["model_config.model_name"] = names[0]
+        values["serving_config.model_aliases"] = list(names[1:])
     if values:
         cfg = cfg.with_values(values)
+    if getattr(args, "max_model_len", None):
+        cfg = with_max_model_len(cfg, args.max_model_len, args.model)
     return cfg.with_overrides(model_path=args.model, host=args.host, port=args.port, policy=args.policy,
                               decode_batch_size=args.decode_batch_size,
                               prefill_batch_size=args.prefill_batch_size, num_agents=args.agents)
+
+
+def with_max_model_len(cfg: ServingConfig, value: str, model: str | None) -> ServingConfig:
+    """``--max-model-len N``, or ``model``: the model's max_position_embeddings, capped by the KV cache
+    (``(num_blocks - 1) x block_size`` per sequence); what was chosen and why is printed."""
+    from llm_serving.config.serving_config import ConfigError
+    from llm_serving.engine.wiring import resolve_model
+
+    if value != "model":
+        try:
+            length = int(value)
+        except ValueError:
+            raise ConfigError(f"--max-model-len: expected a number of tokens or 'model', got {value!r}",
+                              key="pa_config.decode_seq_length", source="--max-model-len") from None
+    else:
+        cfg = cfg.with_overrides(model_path=model)
+        positions = resolve_model(cfg, None, tokenizer=False).llama_config.max_position_embeddings
+        pa = cfg.pa_config
+        length, why = positions, "the model's max_position_embeddings"
+        if not pa.auto_blocks and (pa.num_blocks - 1) * pa.block_size < positions:
+            length = (pa.num_blocks - 1) * pa.block_size
+            why = (f"what the KV cache holds ((pa_config.num_blocks {pa.num_blocks} - 1) x block_size "
+                   f"{pa.block_size}), below the model's max_position_embeddings {positions}")
+        print(f"max model length {length}: {why}", file=sys.stderr, flush=True)
+    return cfg.with_values({"pa_config.decode_seq_length": length})
 
 
 def main(args: argparse.Namespace) -> int:
