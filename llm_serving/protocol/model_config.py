@@ -8,7 +8,9 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# architecture -> its config.json model_type: Mistral is Llama's layer (without a sliding window shorter than the
+# context, which refuse_unserved_keys refuses)
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
 HF_SINGLE_FILE = "model.safetensors"  # a Hugging Face model directory's weights: one file,
 HF_INDEX_FILE = "model.safetensors.index.json"  # or shards listed in this index
 DTYPES = ("float32", "float16", "bfloat16")
@@ -93,12 +95,13 @@ class LlamaConfig:
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config") -> LlamaConfig:
         archs = raw.get("architectures") or ["LlamaForCausalLM"]
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
             raise ModelConfigError(
                 f"{source}: unsupported architecture {archs}; supported: {list(SUPPORTED_ARCHITECTURES)}"
             )
-        if raw.get("model_type", "llama") != "llama":
-            raise ModelConfigError(f"{source}: unsupported model_type {raw.get('model_type')!r}")
+        if raw.get("model_type", SUPPORTED_ARCHITECTURES[arch]) != SUPPORTED_ARCHITECTURES[arch]:
+            raise ModelConfigError(f"{source}: unsupported model_type {raw.get('model_type')!r} for {arch}")
         refuse_unserved_keys(raw, source)
         try:
             heads = int(raw["num_attention_heads"])

@@ -1,0 +1,66 @@
+"""Families built on Llama's layer: a Mistral checkpoint (``MistralForCausalLM``, no sliding window shorter than the
+context) served with transformers' own Mistral model's greedy ids; architectures not served are refused by name."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from agents.runtime.runner import ModelRunner, RunnerConfig
+from agents.weights.checkpoints import load_weights
+from llm_serving.models.random_model import build_random_model
+from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
+from tests.paged_driver import PagedDriver
+
+CONFIG = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=160, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def as_family(model_dir, **changes):
+    raw = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**raw, **changes}))
+    return model_dir
+
+
+def hf_greedy_auto(model_dir, prompt: list[int], steps: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_a_mistral_checkpoint_gives_transformers_mistral_greedy_ids(tmp_path):
+    model_dir = as_family(build_random_model(tmp_path, CONFIG, seed=6, std=0.25),
+                          architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
+    config = LlamaConfig.from_model_dir(model_dir)
+    rc = RunnerConfig(num_blocks=40, block_size=16, max_model_len=128, prefill_batch_sizes=(2,),
+                      prefill_seq_lengths=(64,), decode_batch_sizes=(2,), decode_block_widths=(8,))
+    runner = ModelRunner(config, load_weights(model_dir, config), rc)
+    runner.warmup()
+    rng = np.random.default_rng(3)
+    prompts = [[1] + rng.integers(3, 256, n - 1).tolist() for n in (9, 30)]
+    tokens, _ = PagedDriver(runner, seed=1).generate(prompts, 10)
+    assert tokens == [hf_greedy_auto(model_dir, p, 10) for p in prompts]
+
+
+@pytest.mark.parametrize("changes, phrase", [
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64,
+      "max_position_embeddings": 32768}, "sliding_window: 64 (shorter than max_position_embeddings 32768)"),
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, "unsupported architecture ['Qwen2ForCausalLM']"),
+    ({"architectures": ["MistralForCausalLM"], "model_type": "llama"}, "unsupported model_type 'llama' for Mistral"),
+])
+def test_what_is_not_served_is_refused_by_name(changes, phrase):
+    with pytest.raises(ModelConfigError, match=f"config.json: .*{re.escape(phrase)}"):
+        LlamaConfig.from_dict({**CONFIG.to_hf_dict(), **changes}, source="config.json")
+
+
+def test_a_sliding_window_that_covers_the_context_is_served():
+    raw = {**CONFIG.to_hf_dict(), "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+           "sliding_window": 4096, "max_position_embeddings": 4096}
+    assert LlamaConfig.from_dict(raw).max_position_embeddings == 4096
