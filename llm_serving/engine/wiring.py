@@ -64,6 +64,11 @@ def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None 
                           key="model_config.vocab_size", source=src)
     if config.uses_mindformers:
         check_mindformers_route(config)
+        if llama.rope_scaling is not None:  # MindFormers builds its rope from its YAML, never from config.json
+            raise ConfigError(f"{src}: model_config.backend: mindformers does not read config.json's rope_scaling "
+                              f"({llama.rope_scaling['rope_type']}) of {config_dir / 'config.json'}, so its model "
+                              "would differ: serve this model with our graph (backend ms)",
+                              key="model_config.backend", source=src)
     problems = tensor_parallel_problems(llama, config.num_agents)
     if problems:
         raise ConfigError(f"{src}: serving_config.num_agents: {config.num_agents} agents are the tensor-parallel "
