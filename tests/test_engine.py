@@ -185,7 +185,7 @@ def test_resolve_model_errors_name_the_key(data_dir, tmp_path):
         resolve_model(tiny_config(data_dir, model_config={"model_path": str(tmp_path / "m")}))
     with pytest.raises(ConfigError, match="model_config.vocab_size: 999 does not match .* vocab_size 1000"):
         resolve_model(tiny_config(data_dir, model_config={"vocab_size": 999}))
-    with pytest.raises(ConfigError, match="tokenizer.vocab_file: no tokenizer model at"):
+    with pytest.raises(ConfigError, match="tokenizer.vocab_file: no tokenizer at"):
         resolve_model(tiny_config(data_dir, tokenizer={"vocab_file": str(tmp_path / "x.model")}))
 
 

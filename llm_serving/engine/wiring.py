@@ -11,7 +11,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -199,7 +199,7 @@ def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) 
     return AgentSpec(
         kind="standin" if standin else "llama",
         model_path=str(model.model_path),
-        llama_config=asdict(model.llama_config),
+        llama_config=model.llama_config.as_dict(),
         runner_config={**runner_config_dict(config), "num_blocks": blocks},
         max_tokens=max(config.max_num_batched_tokens, m.decode_batch_size[-1]),
         max_batch=max_batch,

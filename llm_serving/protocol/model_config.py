@@ -141,6 +141,12 @@ class LlamaConfig:
             config = dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys([*config.stop_ids, *more])))
         return config
 
+    def as_dict(self) -> dict:
+        """The fields as JSON keeps them (lists, not tuples), so a config survives an AgentSpec round trip."""
+        d = asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
     def to_hf_dict(self) -> dict:
         """The config.json content Hugging Face ``LlamaForCausalLM`` expects."""
         d = asdict(self)
