@@ -27,11 +27,11 @@ from tests.test_chunked_model import serve
 
 CONFIG = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=192, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # head_dim 64
-MAX_LEN, BUDGET = 128, 64
-RC = RunnerConfig(num_blocks=60, block_size=16, max_model_len=MAX_LEN, prefill_batch_sizes=(4,),
-                  prefill_seq_lengths=(32,), decode_batch_sizes=(8,), decode_block_widths=(8,), mixed_steps=True,
+MAX_LEN, BUDGET = 96, 48
+RC = RunnerConfig(num_blocks=60, block_size=16, max_model_len=MAX_LEN, prefill_batch_sizes=(2,),
+                  prefill_seq_lengths=(32,), decode_batch_sizes=(8,), decode_block_widths=(6,), mixed_steps=True,
                   max_num_batched_tokens=BUDGET)
-LENGTHS = (1, 2, 15, 17, 33, 63, 65, 127)  # around the block size (16), the prefill bucket and the budget
+LENGTHS = (1, 2, 15, 17, 33, 47, 49, 95)  # around the block size (16), the prefill bucket and the budget
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_mixed_lengths_cover_every_row_with_a_padding_sequence_of_their_own(runn
 
 
 def test_a_prefix_cache_hit_gives_the_cold_runs_tokens(runner):
-    cfg = SchedulerConfig(num_blocks=RC.num_blocks, block_size=RC.block_size, max_num_seqs=7, max_prefill_batch=4,
+    cfg = SchedulerConfig(num_blocks=RC.num_blocks, block_size=RC.block_size, max_num_seqs=7, max_prefill_batch=2,
                           max_num_batched_tokens=BUDGET, max_model_len=MAX_LEN, eos_token_id=None,
                           chunked_prefill=True, prefix_caching=True)
     rng = np.random.default_rng(3)

@@ -49,14 +49,17 @@ def test_the_configs_lists_are_read_in_order(tmp_path):
 
 
 def test_any_listed_id_ends_the_request(tmp_path):
-    free = generate(config(tmp_path))  # the default model's own ids: eos 2 only
-    assert free.finish_reason == "length" and len(free.token_ids) == 12
-    cut = next(i for i in range(3, 12) if free.token_ids[i] not in free.token_ids[:i] and free.token_ids[i] != 2)
-    stop = free.token_ids[cut]
+    from tests.hf_reference import hf_greedy, load_hf
+
+    model_dir = resolve_model(config(tmp_path)).model_path
+    free = hf_greedy(load_hf(model_dir), PROMPT, 12, eos_token_id=2)[0]  # the default model's own ids: eos 2 only
+    assert len(free) == 12
+    cut = next(i for i in range(3, 12) if free[i] not in free[:i] and free[i] != 2)
+    stop = free[cut]
     model = tmp_path / "listed"
-    shutil.copytree(resolve_model(config(tmp_path)).model_path, model)
+    shutil.copytree(model_dir, model)
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, stop]}))
     listed = generate(config(tmp_path, model))
-    assert listed.token_ids == free.token_ids[: cut + 1] and listed.finish_reason == "eos"
+    assert listed.token_ids == free[: cut + 1] and listed.finish_reason == "eos"
     replaced = generate(config(tmp_path, model, end_token=2))  # end_token: that id alone
-    assert replaced.token_ids == free.token_ids and replaced.finish_reason == "length"
+    assert replaced.token_ids == free and replaced.finish_reason == "length"

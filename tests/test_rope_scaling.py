@@ -25,10 +25,12 @@ SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 4.0},
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32},
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
     "yarn-mscale": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 0.707,
                     "mscale_all_dim": 1.0, "beta_fast": 16},
 }
+
+
+PLAIN_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 
 
 def test_the_frequencies_are_transformers_own():
@@ -36,7 +38,7 @@ def test_the_frequencies_are_transformers_own():
     from transformers import LlamaConfig as HFConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    for name, scaling in SCALINGS.items():
+    for name, scaling in {**SCALINGS, "yarn": PLAIN_YARN}.items():
         ours = LlamaConfig.from_dict({**BASE, "rope_scaling": scaling, "rope_theta": 10000.0})
         hf = HFConfig(**BASE, rope_scaling={**scaling, "rope_theta": 10000.0})
         want, want_attention = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf, torch.device("cpu"))
