@@ -64,3 +64,21 @@ def test_a_sliding_window_that_covers_the_context_is_served():
     raw = {**CONFIG.to_hf_dict(), "architectures": ["MistralForCausalLM"], "model_type": "mistral",
            "sliding_window": 4096, "max_position_embeddings": 4096}
     assert LlamaConfig.from_dict(raw).max_position_embeddings == 4096
+
+
+def test_the_converter_carries_a_llama3_directory(tmp_path):
+    """rope_scaling and the eos lists in the written config.json, tokenizer.json and generation_config.json
+    copied: the converted directory is served as the source is."""
+    from agents.weights.convert import convert
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    source = as_family(build_random_model(tmp_path / "src", CONFIG, seed=6), rope_scaling=scaling,
+                       eos_token_id=[2, 5])
+    (source / "tokenizer.json").write_text("{}")
+    (source / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5, 7]}))
+    out = convert(source, tmp_path / "converted")
+    assert (out / "tokenizer.json").read_text() == "{}" and (out / "generation_config.json").is_file()
+    assert LlamaConfig.from_model_dir(out) == LlamaConfig.from_model_dir(source)
+    assert LlamaConfig.from_model_dir(out).rope_scaling["rope_type"] == "llama3"
+    assert LlamaConfig.from_model_dir(out).stop_ids == (2, 5, 7)

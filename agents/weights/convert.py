@@ -3,8 +3,9 @@
     python -m agents.weights.convert --model <HF dir | .ckpt> --config-from <dir with config.json> --out <dir>
 
 The output directory holds ``config.json``, ``model.ckpt`` (fused q/k/v and gate/up, canonical names) and the
-tokenizer files the source has (``tokenizer.model``, and ``tokenizer_config.json``/``chat_template.jinja``,
-which carry the chat template); every loader in this project accepts it as ``--model``.
+tokenizer files the source has (``tokenizer.model`` or ``tokenizer.json``, and ``tokenizer_config.json``/
+``chat_template.jinja``, which carry the chat template) and ``generation_config.json`` (its end-of-sequence
+ids); every loader in this project accepts it as ``--model``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 from agents.weights.checkpoints import CKPT_FILE, load_weights, save_mindspore_checkpoint
 from llm_serving.protocol.model_config import LlamaConfig
 
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer_config.json", "chat_template.jinja")
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
 
 
 def convert(model: Path, out: Path, config_dir: Path | None = None) -> Path:
