@@ -73,12 +73,11 @@ def test_logits_and_greedy_ids_equal_transformers_with_the_scaling(scaled):
     assert tokens == [hf_greedy(hf, p, 12)[0] for p in prompts]
 
 
+@pytest.mark.parametrize("scaled", ["llama3"], indirect=True)
 def test_without_the_scaling_the_same_weights_answer_otherwise(scaled):
     """What serving the config with rope_scaling ignored would do: the check above would catch it (shown for
     llama3, the type a Llama 3.1 config names)."""
     config, model_dir, runner = scaled
-    if config.rope_scaling["rope_type"] != "llama3":
-        pytest.skip("shown once, for llama3")
     hf = load_hf(model_dir)
     plain = LlamaConfig.from_dict({**BASE})
     prompt = [1] + np.random.default_rng(1).integers(3, config.vocab_size, 39).tolist()

@@ -119,6 +119,7 @@ class SchedulerConfig:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self._eos_ids = {config.eos_token_id, *config.other_eos_token_ids} - {None}  # ids that end a request
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.prefix_caching)
         self._clock = clock
         self._waiting: deque[Sequence] = deque()  # new requests, arrival order
@@ -220,8 +221,7 @@ class Scheduler:
             raise ValueError(
                 f"step output has token_ids {tokens.shape} and logprobs {logprobs.shape} for {len(seqs)} sequences"
             )
-        eos = {self.config.eos_token_id, *self.config.other_eos_token_ids} - {None}
-        caching = self.block_manager.prefix_cache is not None
+        eos, caching = self._eos_ids, self.block_manager.prefix_cache is not None
         finished = []
         for row, (seq, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
             if seq.status is not SequenceStatus.RUNNING:

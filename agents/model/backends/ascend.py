@@ -127,14 +127,25 @@ class AscendAttention(Attention):
     def caches(self) -> tuple[Parameter, ...]:
         return (self.key_cache, self.value_cache)
 
-    def construct(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
-                  block_tables: Tensor, is_prefill: bool) -> Tensor:
+    def rope_and_write(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor,
+                       lens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Q, K, V of the step's tokens, Q and K roped, K and V written to the cache; the query depends on the
+        write, which keeps it in the graph, before the attention reads the cache."""
         q = qkv[:, : self.hidden]
         k = qkv[:, self.hidden: self.hidden + self.kv_dim]
         v = qkv[:, self.hidden + self.kv_dim:]
         q, k = self.rope(q, k, cos, sin, lens)
         written = self.cache_write(k, v, self.key_cache, self.value_cache, slot_mapping)
-        q = ops.depend(q, written)  # keeps the write in the graph, before the attention reads the cache
+        return ops.depend(q, written), k, v
+
+    @staticmethod
+    def appended(x: Tensor, seqs: int) -> Tensor:
+        """``x`` with ``seqs`` zero rows after it: the padding sequences' own rows (see the module doc)."""
+        return ops.concat((x, ops.zeros((seqs, x.shape[1]), x.dtype)))
+
+    def construct(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
+                  block_tables: Tensor, is_prefill: bool) -> Tensor:
+        q, k, v = self.rope_and_write(qkv, cos, sin, slot_mapping, lens)
         if is_prefill:
             return self.prefill(q, k, v, lens)
         return self.decode(q, block_tables, lens)
@@ -143,9 +154,7 @@ class AscendAttention(Attention):
         """Causal attention within each prompt, prompts back to back (``TH``); ``lens`` is the graph input
         ``batch_valid_length`` as ``ragged_lengths`` fills it, covering the bucket plus the rows appended here."""
         tokens, seqs = q.shape[0], lens.shape[0]
-        q = ops.concat((q, ops.zeros((seqs, self.hidden), q.dtype)))
-        k = ops.concat((k, ops.zeros((seqs, self.kv_dim), k.dtype)))
-        v = ops.concat((v, ops.zeros((seqs, self.kv_dim), v.dtype)))
+        q, k, v = self.appended(q, seqs), self.appended(k, seqs), self.appended(v, seqs)
         out = self.flash(q, k, v, None, None, None, self.causal_mask, None, lens, lens)[3]
         return out[:tokens]
 
@@ -157,7 +166,6 @@ class AscendAttention(Attention):
                          block_tables, context_lens)
         return out.reshape(batch, self.hidden)
 
-
     def chunked(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, query_lens: Tensor,
                 context_lens: Tensor, block_tables: Tensor, positions: Tensor) -> Tensor:
         """Queries over cached context by PagedAttention's multi-token path, as vllm-mindspore runs chunked prefill
@@ -165,15 +173,10 @@ class AscendAttention(Attention):
         ``batch_valid_length`` (``context_lens``) positions, each row masked past its position. The lengths are the
         step's graph inputs of those names, filled by ``mixed_lengths`` to cover the bucket and ``max_seqs``
         appended rows (as ``prefill``)."""
-        q = qkv[:, : self.hidden]
-        k = qkv[:, self.hidden: self.hidden + self.kv_dim]
-        v = qkv[:, self.hidden + self.kv_dim:]
-        q, k = self.rope(q, k, cos, sin, context_lens)
-        written = self.cache_write(k, v, self.key_cache, self.value_cache, slot_mapping)
-        q = ops.depend(q, written)
+        q, _, _ = self.rope_and_write(qkv, cos, sin, slot_mapping, context_lens)
         tokens, seqs = q.shape[0], query_lens.shape[0]
         rows = tokens + seqs
-        q = ops.concat((q, ops.zeros((seqs, self.hidden), q.dtype))).reshape(rows, self.n_heads, self.head_dim)
+        q = self.appended(q, seqs).reshape(rows, self.n_heads, self.head_dim)
         at = ops.concat((positions, ops.zeros(seqs, positions.dtype)))  # appended rows: position 0
         span = block_tables.shape[1] * self.block_size  # the kv positions a table reaches
         later = ops.arange(span).astype(at.dtype).reshape(1, span) > at.reshape(rows, 1)

@@ -14,6 +14,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
+from agents.model.backends.ascend_limits import FA_MASK_SIZE
+
 
 def _f32(x: Tensor) -> Tensor:
     return x.astype(ms.float32)
@@ -155,7 +157,7 @@ class FlashAttentionThRef(nn.Cell):
         super().__init__()
         self.heads = heads
         self.scale = scale
-        self.causal = Tensor(np.triu(np.ones((128, 128), np.float32), 1))
+        self.causal = Tensor(np.triu(np.ones((FA_MASK_SIZE, FA_MASK_SIZE), np.float32), 1))
 
     @staticmethod
     def well_formed(rows: int, lengths: Tensor) -> Tensor:
