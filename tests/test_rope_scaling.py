@@ -1,6 +1,7 @@
-"""``rope_scaling`` in config.json: the types served (linear, llama3, yarn) computed as transformers does, checked
-through the model against transformers' logits and greedy ids; types and keys that would change the maths
-without an implementation are refused naming the key and file (never a silently different model)."""
+"""``rope_scaling`` in config.json: the types served (linear, dynamic, llama3, yarn) computed as transformers does,
+checked through the model against transformers' logits and greedy ids (dynamic: within max_position_embeddings, where
+it is plain RoPE); types and keys that would change the maths without an implementation are refused naming the key
+and file (never a silently different model)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def test_the_frequencies_are_transformers_own():
     from transformers import LlamaConfig as HFConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    for name, scaling in {**SCALINGS, "yarn": PLAIN_YARN}.items():
+    for name, scaling in {**SCALINGS, "yarn": PLAIN_YARN, "dynamic": {"rope_type": "dynamic", "factor": 4.0}}.items():
         ours = LlamaConfig.from_dict({**BASE, "rope_scaling": scaling, "rope_theta": 10000.0})
         hf = HFConfig(**BASE, rope_scaling={**scaling, "rope_theta": 10000.0})
         want, want_attention = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf, torch.device("cpu"))
@@ -88,14 +89,13 @@ def test_without_the_scaling_the_same_weights_answer_otherwise(scaled):
 
 
 @pytest.mark.parametrize("changes, key, phrase", [
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling", "rope_type 'dynamic' is not served"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling", "rope_type 'longrope' is not served"),
     ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, "rope_scaling", "needs low_freq_factor"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 5e5}}, "rope_parameters", "needs factor"),
     ({"hidden_act": "gelu"}, "hidden_act", "'gelu' is not served"),
     ({"attention_bias": True}, "attention_bias", "True is not served"),
     ({"mlp_bias": True}, "mlp_bias", "True is not served"),
-    ({"head_dim": 32}, "head_dim", "differs from hidden_size / num_attention_heads"),
+    ({"head_dim": 33}, "head_dim", "33 must be even"),
     ({"sliding_window": 64}, "sliding_window", "64 (shorter than max_position_embeddings 256) is not served"),
 ])
 def test_keys_that_change_the_maths_without_an_implementation_are_refused(changes, key, phrase):
@@ -110,3 +110,27 @@ def test_what_is_served_as_is():
     assert LlamaConfig.from_dict({**BASE, "sliding_window": None, "head_dim": 64, "hidden_act": "silu"})
     scaled = LlamaConfig.from_dict({**BASE, "rope_scaling": {"type": "linear", "factor": 2}})  # the older key
     assert scaled.rope_scaling == {"rope_type": "linear", "factor": 2}
+
+
+def test_a_dynamic_model_is_served_within_max_position_embeddings_only(tmp_path):
+    """transformers' dynamic NTK keeps the plain frequencies up to max_position_embeddings (checked above) and
+    rescales the whole sequence beyond it, which cached keys cannot follow: the rotary tables and the served length
+    stop there, the latter with the config key named."""
+    from agents.model.rope import rotary_tables
+    from llm_serving.config.serving_config import ConfigError, ServingConfig
+    from llm_serving.engine.wiring import resolve_model
+
+    config = LlamaConfig.from_dict({**BASE, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
+    assert config.rope_position_limit == 256 and LlamaConfig.from_dict(BASE).rope_position_limit is None
+    assert rotary_tables(config, 256)[0].shape == (256, 64)
+    with pytest.raises(ValueError, match="257 positions exceed max_position_embeddings 256"):
+        rotary_tables(config, 257)
+    model_dir = build_random_model(tmp_path / "dynamic", config, seed=1)
+
+    def served(length: int) -> ServingConfig:
+        return ServingConfig.from_dict({"model_config": {"model_path": str(model_dir), "seq_length": [32]},
+                                        "pa_config": {"num_blocks": 64, "block_size": 16,
+                                                      "decode_seq_length": length}})
+    assert resolve_model(served(256), tokenizer=False).llama_config.rope_scaling["rope_type"] == "dynamic"
+    with pytest.raises(ConfigError, match="pa_config.decode_seq_length: 512 tokens exceed the 256 positions"):
+        resolve_model(served(512), tokenizer=False)

@@ -67,6 +67,8 @@ def inverse_frequencies(config: LlamaConfig) -> tuple[np.ndarray, float]:
         return inv_freq, 1.0
     if kind == "linear":
         return inv_freq / p["factor"], 1.0
+    if kind == "dynamic":  # up to max_position_embeddings, where transformers keeps the plain frequencies
+        return inv_freq, 1.0
     if kind == "llama3":
         return _llama3(inv_freq, p), 1.0
     if kind == "yarn":
@@ -76,6 +78,10 @@ def inverse_frequencies(config: LlamaConfig) -> tuple[np.ndarray, float]:
 
 def rotary_tables(config: LlamaConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin ``[max_positions, head_dim]`` in Hugging Face's rotate-half layout (frequencies repeated twice)."""
+    limit = config.rope_position_limit
+    if limit is not None and max_positions > limit:
+        raise ValueError(f"rope_scaling dynamic: {max_positions} positions exceed max_position_embeddings {limit}, "
+                         "beyond which transformers rescales every position's frequencies by the sequence's length")
     inv_freq, attention = inverse_frequencies(config)
     angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
     angles = np.concatenate([angles, angles], axis=-1)
