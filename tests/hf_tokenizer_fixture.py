@@ -1,6 +1,8 @@
-"""A Llama-3-style Hugging Face tokenizer directory trained here: byte-level BPE (the ``tokenizers`` library) on
-text every machine has (Python's own sources) plus some multi-byte text, ``<|begin_of_text|>`` added by the
-post-processor, Llama 3's header tokens and chat template in ``tokenizer_config.json``."""
+"""Hugging Face tokenizer directories trained here: byte-level BPE (the ``tokenizers`` library) on text every
+machine has (Python's own sources) plus some multi-byte text. Llama 3's style: ``<|begin_of_text|>`` added by the
+post-processor, its header tokens and chat template in ``tokenizer_config.json``. Qwen's (``build_chatml_tokenizer``):
+no BOS, ChatML's ``<|im_start|>``/``<|im_end|>`` and its template (a default system turn), ``<|im_end|>`` the
+eos_token of tokenizer_config.json while config.json names ``<|endoftext|>``."""
 
 from __future__ import annotations
 
@@ -17,6 +19,15 @@ LLAMA3_CHAT_TEMPLATE = (
     "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
     " + '<|eot_id|>' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+
+
+CHATML_SPECIAL = ["<|fim_pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # id 0 a filler: HF masks pad id 0
+CHATML_TEMPLATE = (
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
 def corpus() -> list[str]:
@@ -44,4 +55,20 @@ def build_hf_tokenizer(out: Path, vocab_size: int = 600) -> Path:
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
         "chat_template": LLAMA3_CHAT_TEMPLATE, "clean_up_tokenization_spaces": False}))
+    return out
+
+
+def build_chatml_tokenizer(out: Path, vocab_size: int = 600) -> Path:
+    """Write a Qwen-style tokenizer.json and tokenizer_config.json to ``out``; returns ``out``."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHATML_SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "chat_template": CHATML_TEMPLATE, "clean_up_tokenization_spaces": False}))
     return out

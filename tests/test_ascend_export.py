@@ -139,7 +139,7 @@ def test_kernel_limits_that_export_does_not_check_are_ours(tmp_path):
     odd = LlamaConfig(**{**CONFIG.__dict__, "hidden_size": 96})
     odd_weights = load_weights(build_random_model(tmp_path / "odd", odd, seed=3), odd)
     rc = runner_config("float16")
-    with pytest.raises(ValueError, match="head_dim 24 .* must be one of 64, 128, 256"):
+    with pytest.raises(ValueError, match="head_dim 24 must be one of 64, 128, 256"):
         runner(odd_weights, rc, config=odd)
 
     class Unchecked(AscendBackend):

@@ -52,12 +52,26 @@ def test_a_mistral_checkpoint_gives_transformers_mistral_greedy_ids(tmp_path):
 @pytest.mark.parametrize("changes, phrase", [
     ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64,
       "max_position_embeddings": 32768}, "sliding_window: 64 (shorter than max_position_embeddings 32768)"),
-    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, "unsupported architecture ['Qwen2ForCausalLM']"),
+    ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "unsupported architecture ['GemmaForCausalLM']"),
+    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": True},
+     "attention_bias: True is not served"),
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64,
+      "max_window_layers": 1, "max_position_embeddings": 32768}, "sliding_window: 64"),
+    ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 64}, "sliding_window: 64"),
     ({"architectures": ["MistralForCausalLM"], "model_type": "llama"}, "unsupported model_type 'llama' for Mistral"),
 ])
 def test_what_is_not_served_is_refused_by_name(changes, phrase):
     with pytest.raises(ModelConfigError, match=f"config.json: .*{re.escape(phrase)}"):
         LlamaConfig.from_dict({**CONFIG.to_hf_dict(), **changes}, source="config.json")
+
+
+def test_a_sliding_window_no_layer_uses_is_served():
+    """Qwen's configs carry a sliding_window that only use_sliding_window, from layer max_window_layers on, turns on
+    (transformers' Qwen2Config); its own q/k/v biases are not refused by Llama's attention_bias rule."""
+    raw = {**CONFIG.to_hf_dict(), "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+           "sliding_window": 64, "max_position_embeddings": 32768, "attention_bias": True}
+    assert LlamaConfig.from_dict(raw).qkv_bias
+    assert LlamaConfig.from_dict({**raw, "use_sliding_window": True, "max_window_layers": 2}).qkv_bias
 
 
 def test_a_sliding_window_that_covers_the_context_is_served():

@@ -1,4 +1,4 @@
-"""Llama-2 as MindSpore Cells for serving: fused projections, paged KV cache, in-graph greedy argmax.
+"""The Llama family as MindSpore Cells for serving: fused projections, paged KV cache, in-graph greedy argmax.
 
 The layer's maths is written once here; the ops that run it come from the runner's ops backend
 (``agents.model.backends``): the projections (each fused with the RMSNorm before it, the SwiGLU or the residual add
@@ -8,6 +8,8 @@ layout the backend asks for; it never branches on which backend it has.
 Choices made for every backend (measured on CPU, see docs/model.md and the shared notes):
 - Activations stay token-flat ``[tokens, hidden]`` for every projection (3-D activations hit a slow matmul path).
 - Q, K, V are one fused projection and gate/up another; the rotary tables are gathered once per step.
+- The families differ by switches of this one layer (``LlamaConfig.family``): Qwen2's q/k/v biases are added to
+  the fused QKV output, Qwen3's per-head q/k norms applied to it before the attention cell ropes it.
 - The graph ends in a greedy argmax and the chosen token's log-probability, so an all-greedy step reads only
   ``2 x batch`` numbers back. The logits are a third output, read only for sampled batches and logits checks.
 """
@@ -91,6 +93,13 @@ class LlamaLayer(nn.Cell):
         self.wo = ProjectionWeight(heads.hidden_size, hidden, dtype, panels, panel_dtype=fmt)
         self.w_gate_up = ProjectionWeight(hidden, 2 * shard.ffn, dtype, panels, swiglu=True, panel_dtype=fmt)
         self.w_down = ProjectionWeight(shard.ffn, hidden, dtype, panels, panel_dtype=fmt)
+        self.has_qkv_bias, self.has_qk_norm = config.qkv_bias, config.qk_norm
+        # this rank's q/k/v bias rows, cut as w_qkv's; the head norms' weights are per head_dim, so every rank's
+        self.qkv_bias = Parameter(initializer("zeros", (heads.qkv_dim,), dtype), name="qkv_bias") \
+            if config.qkv_bias else None
+        self.q_norm = norm_weight(config.head_dim, dtype, "q_norm") if config.qk_norm else None
+        self.k_norm = norm_weight(config.head_dim, dtype, "k_norm") if config.qk_norm else None
+        self.head_norm = backend.head_norm(heads, eps) if config.qk_norm else None
         self.norm_qkv = backend.norm_linear(heads.qkv_dim, eps)
         self.attention = backend.attention(heads, num_blocks, block_size, dtype)
         self.norm_gate_up = backend.norm_swiglu(shard.ffn, eps)
@@ -107,6 +116,10 @@ class LlamaLayer(nn.Cell):
         then holds the query lengths, and ``positions`` the tokens'); None, a graph constant, in the prefill and decode
         graphs."""
         qkv = self.norm_qkv(x, self.attention_norm, self.w_qkv.weight, rows)
+        if self.has_qkv_bias:
+            qkv = qkv + self.qkv_bias
+        if self.has_qk_norm:
+            qkv = self.head_norm(qkv, self.q_norm, self.k_norm)
         if context_lens is None:
             attn = self.attention(qkv, cos, sin, slot_mapping, lens, block_tables, is_prefill)
         else:
@@ -203,8 +216,9 @@ def _canonical_parameters(model: LlamaModel) -> dict[str, tuple[Parameter, Proje
     params = {"embed_tokens": (model.embed_tokens, None), "norm": (model.norm, None),
               "lm_head": (model.lm_head.weight, model.lm_head)}
     for i, layer in enumerate(model.layers):
-        for name in ("attention_norm", "ffn_norm"):
-            params[f"layers.{i}.{name}"] = (getattr(layer, name), None)
+        for name in ("attention_norm", "ffn_norm", "qkv_bias", "q_norm", "k_norm"):
+            if getattr(layer, name) is not None:
+                params[f"layers.{i}.{name}"] = (getattr(layer, name), None)
         for name in ("w_qkv", "wo", "w_gate_up", "w_down"):
             cell = getattr(layer, name)
             params[f"layers.{i}.{name}"] = (cell.weight, cell)

@@ -58,7 +58,7 @@ def step_reserve_bytes(shard: ShardPlan, max_tokens: int, max_batch: int, dtype:
     rows in the compute dtype, the float32 logits of ``max_batch`` sequences twice (the full vocabulary under
     tensor parallelism), and the runtime's own reserve."""
     config = shard.config
-    widest = max(config.hidden_size + 2 * config.kv_dim, 2 * shard.ffn, config.hidden_size)
+    widest = max(config.qkv_dim, 2 * shard.ffn, config.hidden_size)
     activations = 4 * max_tokens * widest * DTYPE_BYTES[dtype]
     logits = 2 * max_batch * config.vocab_size * 4
     return activations + logits + RUNTIME_RESERVE_BYTES[device_target]

@@ -60,7 +60,8 @@ def export_runner(config: LlamaConfig, rc: RunnerConfig, weights: dict[str, np.n
     the same model, graphs and warm-up inputs as on the device, compiled only by export. ``shard``: one
     tensor-parallel rank's (its slice of ``weights``; its graphs hold the collectives, in no joined group)."""
     if backend is None:
-        backend = select_backend(rc.kernels, rc.device_target, rc.dtype, config.hidden_size)
+        backend = select_backend(rc.kernels, rc.device_target, rc.dtype,
+                                 (shard or ShardPlan(config)).attention_config.hidden_size)
     return ModelRunner(config, weights, replace(rc, device_target="CPU", device_id=0), backend, shard=shard)
 
 
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pa_config.num_blocks auto: exporting with {fields['num_blocks']} blocks (the agents size the "
                   "cache from the device's memory when they start)", flush=True)
         rc = RunnerConfig(**fields)
-        backend = select_backend(rc.kernels, rc.device_target, rc.dtype, config.hidden_size)
+        backend = select_backend(rc.kernels, rc.device_target, rc.dtype, config.q_dim)
         backend.check(config, rc.block_size, rc.prefill_batch_sizes[-1])
     except ValueError as exc:  # before loading weights: a config mistake answers at once
         print(f"error: {exc}", file=sys.stderr)

@@ -3,7 +3,8 @@
 The model consumes one flat ``dict[str, np.ndarray]`` with q/k/v and gate/up already fused, so every
 projection is a single matmul over token-flat activations. Matrices keep the HF ``[out, in]`` orientation:
 ``embed_tokens``, ``layers.{i}.{attention_norm, w_qkv, wo, ffn_norm, w_gate_up, w_down}``, ``norm``,
-``lm_head`` (see :func:`canonical_shapes`). Safetensors are read with the ``safetensors`` package, one
+``lm_head``, and where the family has them ``layers.{i}.qkv_bias`` (Qwen2) and ``layers.{i}.{q_norm, k_norm}``
+(Qwen3) (see :func:`canonical_shapes`). Safetensors are read with the ``safetensors`` package, one
 tensor at a time as the fusing asks for it, so a checkpoint is never held in memory whole. MindSpore is
 imported only by the ``.ckpt`` functions, so a bad HF path fails before that slow import.
 """
@@ -36,6 +37,9 @@ HF_NAMES: dict[str, list[list[str]]] = {
     "embed_tokens": [["model.embed_tokens.weight"]],
     "attention_norm": [[_LAYER_PREFIX + "input_layernorm.weight"]],
     "w_qkv": [[_LAYER_PREFIX + f"self_attn.{p}_proj.weight" for p in "qkv"]],
+    "qkv_bias": [[_LAYER_PREFIX + f"self_attn.{p}_proj.bias" for p in "qkv"]],
+    "q_norm": [[_LAYER_PREFIX + "self_attn.q_norm.weight"]],
+    "k_norm": [[_LAYER_PREFIX + "self_attn.k_norm.weight"]],
     "wo": [[_LAYER_PREFIX + "self_attn.o_proj.weight"]],
     "ffn_norm": [[_LAYER_PREFIX + "post_attention_layernorm.weight"]],
     "w_gate_up": [[_LAYER_PREFIX + "mlp.gate_proj.weight", _LAYER_PREFIX + "mlp.up_proj.weight"]],
@@ -43,11 +47,13 @@ HF_NAMES: dict[str, list[list[str]]] = {
     "norm": [["model.norm.weight"]],
     "lm_head": [["lm_head.weight"]],
 }
+# MindFormers' Llama names (its legacy Llama model, which MindFormers' own Qwen2 configs reuse with biases on)
 MINDFORMERS_NAMES: dict[str, list[list[str]]] = {
     "embed_tokens": [["model.tok_embeddings.embedding_weight"]],
     "attention_norm": [[_LAYER_PREFIX + "attention_norm.weight"]],
     "w_qkv": [[_LAYER_PREFIX + f"attention.{p}.weight" for p in ("wq", "wk", "wv")],
               [_LAYER_PREFIX + "attention.w_qkv.weight"]],
+    "qkv_bias": [[_LAYER_PREFIX + f"attention.{p}.bias" for p in ("wq", "wk", "wv")]],
     "wo": [[_LAYER_PREFIX + "attention.wo.weight"]],
     "ffn_norm": [[_LAYER_PREFIX + "ffn_norm.weight"]],
     "w_gate_up": [[_LAYER_PREFIX + "feed_forward.w1.weight", _LAYER_PREFIX + "feed_forward.w3.weight"],
@@ -57,9 +63,7 @@ MINDFORMERS_NAMES: dict[str, list[list[str]]] = {
     "lm_head": [["lm_head.weight"]],
 }
 CANONICAL_NAMES: dict[str, list[list[str]]] = {
-    kind: [["layers.{i}." + kind if kind in ("attention_norm", "w_qkv", "wo", "ffn_norm", "w_gate_up",
-                                               "w_down") else kind]]
-    for kind in HF_NAMES
+    kind: [[kind if kind in ("embed_tokens", "norm", "lm_head") else "layers.{i}." + kind]] for kind in HF_NAMES
 }
 _IGNORED_HF = re.compile(r"rotary_emb\.inv_freq$")
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -74,10 +78,14 @@ def canonical_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens": (v, h)}
     for i in range(config.num_hidden_layers):
+        shapes[f"layers.{i}.attention_norm"] = (h,)
+        shapes[f"layers.{i}.w_qkv"] = (config.qkv_dim, h)
+        if config.qkv_bias:
+            shapes[f"layers.{i}.qkv_bias"] = (config.qkv_dim,)
+        if config.qk_norm:
+            shapes.update({f"layers.{i}.q_norm": (config.head_dim,), f"layers.{i}.k_norm": (config.head_dim,)})
         shapes.update({
-            f"layers.{i}.attention_norm": (h,),
-            f"layers.{i}.w_qkv": (config.qkv_dim, h),
-            f"layers.{i}.wo": (h, h),
+            f"layers.{i}.wo": (h, config.q_dim),
             f"layers.{i}.ffn_norm": (h,),
             f"layers.{i}.w_gate_up": (2 * f, h),
             f"layers.{i}.w_down": (h, f),
@@ -90,11 +98,21 @@ def _part_rows(kind: str, n_parts: int, config: LlamaConfig, rows: int) -> list[
     """Output rows of each source tensor that is concatenated into a canonical one."""
     if n_parts == 1:
         return [rows]
-    if kind == "w_qkv" and n_parts == 3:
+    if kind in ("w_qkv", "qkv_bias") and n_parts == 3:
         return [config.num_attention_heads * config.head_dim, config.kv_dim, config.kv_dim]
     if kind == "w_gate_up" and n_parts == 2:
         return [config.intermediate_size] * 2
     raise AssertionError(f"no split rule for {kind} in {n_parts} parts")
+
+
+def alternatives_for(kind: str, layer: str, names: dict[str, list[list[str]]], source: str) -> list[list[str]]:
+    """The source names that may hold canonical ``kind`` of ``layer``; a naming without it (MindFormers' has no
+    Qwen3 head norms) is refused by name."""
+    if kind not in names:
+        raise WeightLoadError(f"{source}: this checkpoint's naming has no {kind} weights (MindFormers' Llama names "
+                              "carry no Qwen3 q/k norms); serve the Hugging Face directory or convert it with "
+                              "python -m agents.weights.convert")
+    return [[n.format(i=layer) for n in alt] for alt in names[kind]]
 
 
 def _pick(alternatives: list[list[str]], tensors: Mapping[str, object], source: str) -> list[str]:
@@ -134,7 +152,7 @@ def _assemble(tensors: Mapping[str, np.ndarray], names: dict[str, list[list[str]
     for key, shape in canonical_shapes(config).items():
         kind = key.rsplit(".", 1)[-1]
         layer = key.split(".")[1] if key.startswith("layers.") else ""
-        alternatives = [[n.format(i=layer) for n in alt] for alt in names[kind]]
+        alternatives = alternatives_for(kind, layer, names, source)
         if kind == "lm_head" and config.tie_word_embeddings:
             used.update(n for n in alternatives[0] if n in tensors)
             out[key] = np.array(out["embed_tokens"])
@@ -152,14 +170,21 @@ def _assemble(tensors: Mapping[str, np.ndarray], names: dict[str, list[list[str]
             parts.append(arr)
             used.add(name)
         out[key] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
-    if strict:
-        extra = sorted(n for n in tensors if n not in used and not _IGNORED_HF.search(n))
-        if extra:
-            raise WeightLoadError(
-                f"{source}: {len(extra)} tensor(s) not used by a Llama model with this config, e.g. "
-                f"{extra[:3]} (unexpected architecture or config mismatch)"
-            )
+    refuse_unused(tensors, used, source, strict)
     return out
+
+
+def refuse_unused(tensors: Mapping[str, object], used: set[str], source: str, strict: bool) -> None:
+    """A tensor the model would not read means another architecture or config (Qwen2 biases under a Llama
+    config.json would be dropped silently). ``strict``: any tensor; else (training checkpoints, which carry
+    optimizer state under prefixed names) the model's own ``model.*`` tensors only."""
+    extra = sorted(n for n in tensors if n not in used and not _IGNORED_HF.search(n)
+                   and (strict or n.startswith("model.")))
+    if extra:
+        raise WeightLoadError(
+            f"{source}: {len(extra)} tensor(s) not used by a model with this config, e.g. "
+            f"{extra[:3]} (unexpected architecture or config mismatch)"
+        )
 
 
 def fuse_hf_tensors(tensors: Mapping[str, np.ndarray], config: LlamaConfig,

@@ -47,7 +47,7 @@ def qkv_to_mindformers(w_qkv: np.ndarray, config: LlamaConfig) -> np.ndarray:
     """Our ``[q; k; v]`` rows in MindFormers' per-kv-group order."""
     rep, d = _qkv_parts(config)
     g, hidden = config.num_key_value_heads, w_qkv.shape[-1]
-    q, k, v = np.split(w_qkv, [config.hidden_size, config.hidden_size + config.kv_dim])
+    q, k, v = np.split(w_qkv, [config.q_dim, config.q_dim + config.kv_dim])
     grouped = np.concatenate([q.reshape(g, rep * d, hidden), k.reshape(g, d, hidden), v.reshape(g, d, hidden)],
                              axis=1)
     return grouped.reshape(w_qkv.shape)
@@ -90,7 +90,7 @@ def to_mindformers(weights: Mapping[str, np.ndarray], config: LlamaConfig, fused
             out[FUSED_QKV.format(i=i)] = qkv_to_mindformers(qkv, config)
             out[FUSED_GATE_UP.format(i=i)] = gate_up_to_mindformers(gate_up)
         else:
-            parts = np.split(qkv, [config.hidden_size, config.hidden_size + config.kv_dim])
+            parts = np.split(qkv, [config.q_dim, config.q_dim + config.kv_dim])
             out.update((name.format(i=i), part) for name, part in zip(SPLIT_QKV, parts))
             out.update((name.format(i=i), part) for name, part in zip(SPLIT_GATE_UP, np.split(gate_up, 2)))
     return out
@@ -134,7 +134,7 @@ class SplitView(Mapping):
         value = np.asarray(self._tensors[fused])
         c = self._config
         if fused.endswith("w_qkv.weight"):
-            return np.split(qkv_from_mindformers(value, c), [c.hidden_size, c.hidden_size + c.kv_dim])
+            return np.split(qkv_from_mindformers(value, c), [c.q_dim, c.q_dim + c.kv_dim])
         return np.split(gate_up_from_mindformers(value), 2)
 
     def __contains__(self, name: object) -> bool:

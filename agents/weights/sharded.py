@@ -297,7 +297,7 @@ def shard_shapes(config: LlamaConfig, plan: ShardPlan) -> dict[str, tuple[int, .
         kind = key.rsplit(".", 1)[-1]
         out[key] = {"embed_tokens": (vocab, h), "lm_head": (vocab, h), "w_qkv": (qkv, h),
                     "wo": (h, plan.heads * config.head_dim), "w_gate_up": (2 * plan.ffn, h),
-                    "w_down": (h, plan.ffn)}.get(kind, shape)
+                    "w_down": (h, plan.ffn), "qkv_bias": (qkv,)}.get(kind, shape)
     return out
 
 
@@ -310,18 +310,18 @@ def _cuts(kind: str, parts: int, config: LlamaConfig, plan: ShardPlan) -> list[t
         return [(0, None, plan.attention_columns())]
     if kind == "w_down":
         return [(0, None, plan.ffn_range())]
-    if kind == "w_qkv":
+    if kind in ("w_qkv", "qkv_bias"):
         rows = plan.qkv_rows()
         if parts == 1:
             return [(0, r, None) for r in rows]
-        starts = [0, config.hidden_size, config.hidden_size + config.kv_dim]
+        starts = [0, config.q_dim, config.q_dim + config.kv_dim]
         return [(i, (r[0] - s, r[1] - s), None) for i, (r, s) in enumerate(zip(rows, starts))]
     if kind == "w_gate_up":
         lo, hi = plan.ffn_range()
         f = config.intermediate_size
         return [(0, (lo, hi), None), (0, (f + lo, f + hi), None)] if parts == 1 else [(0, (lo, hi), None),
                                                                                      (1, (lo, hi), None)]
-    return [(0, None, None)]  # norms: replicated
+    return [(0, None, None)]  # norms (and q/k head norms): replicated
 
 
 def bf16_bits(arr: np.ndarray) -> np.ndarray:
@@ -356,7 +356,7 @@ def _assemble_shard(source: SliceSource, names: dict[str, list[list[str]]], conf
     for key, shape in w.canonical_shapes(config).items():
         kind = key.rsplit(".", 1)[-1]
         layer = key.split(".")[1] if key.startswith("layers.") else ""
-        alternatives = [[n.format(i=layer) for n in alt] for alt in names[kind]]
+        alternatives = w.alternatives_for(kind, layer, names, label)
         if kind == "lm_head" and config.tie_word_embeddings:
             used.update(n for n in alternatives[0] if n in source)
             out[key] = out["embed_tokens"].copy()
@@ -370,11 +370,7 @@ def _assemble_shard(source: SliceSource, names: dict[str, list[list[str]]], conf
         pieces = [as_host_dtype(source.read(chosen[part], rows, cols), dtype)
                   for part, rows, cols in _cuts(kind, len(chosen), config, plan)]
         out[key] = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
-    if strict:
-        extra = sorted(n for n in source if n not in used and not w._IGNORED_HF.search(n))
-        if extra:
-            raise w.WeightLoadError(f"{label}: {len(extra)} tensor(s) not used by a Llama model with this config, "
-                                    f"e.g. {extra[:3]} (unexpected architecture or config mismatch)")
+    w.refuse_unused(source, used, label, strict)
     return out
 
 

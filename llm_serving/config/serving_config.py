@@ -455,11 +455,13 @@ def _validate(cfg: ServingConfig) -> None:
     for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
         need(getattr(dm, key) > 0, f"default_model.{key}", f"must be positive, got {getattr(dm, key)}")
     need(dm.seed >= 0, "default_model.seed", f"must be >= 0, got {dm.seed}")
+    if dm.num_heads > 0 and dm.hidden_size % dm.num_heads == 0:
+        need(dm.hidden_size // dm.num_heads % 2 == 0, "default_model.hidden_size",
+             f"head_dim {dm.hidden_size // dm.num_heads} must be even for RoPE")
     try:
-        arch = dm.llama_config(pa.decode_seq_length)
+        dm.llama_config(pa.decode_seq_length)  # its own checks
     except ModelConfigError as exc:
         raise bad_value(src, "default_model", str(exc)) from None
-    need(arch.head_dim % 2 == 0, "default_model.hidden_size", f"head_dim {arch.head_dim} must be even for RoPE")
 
 
 def _as_list(value: int | list[int] | tuple[int, ...] | None) -> list[int] | None:

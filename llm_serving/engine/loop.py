@@ -129,8 +129,12 @@ class Engine:
         self.limits = RequestLimits.from_config(cfg, self.tokenizer.vocab_size)
         end = cfg.model_config.end_token
         self.eos_token_id = end if end is not None else self.model.llama_config.eos_token_id
-        # model_config.end_token replaces the model's ids; else every id the model's configs list ends a request
-        self.other_eos_token_ids = () if end is not None else self.model.llama_config.stop_ids[1:]
+        # model_config.end_token replaces the model's ids; else every id the model's configs list ends a request, and
+        # the tokenizer's eos_token too, as vLLM stops: an instruct model's end of turn (Qwen's <|im_end|>) may be
+        # named only in its tokenizer_config.json
+        eos = self.tokenizer.eos_id
+        stops = self.model.llama_config.stop_ids + ((eos,) if eos is not None and eos >= 0 else ())
+        self.other_eos_token_ids = () if end is not None else tuple(dict.fromkeys(stops))[1:]
         auto = cfg.pa_config.auto_blocks  # the agents size their caches; the scheduler follows their count
         if not auto:
             self._start_scheduler()

@@ -64,11 +64,23 @@ def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None 
                           key="model_config.vocab_size", source=src)
     if config.uses_mindformers:
         check_mindformers_route(config)
+        if llama.qkv_bias or llama.qk_norm or llama.q_dim != llama.hidden_size:
+            raise ConfigError(f"{src}: model_config.backend: mindformers builds its Llama from its own YAML, without "
+                              f"{llama.architecture}'s q/k/v biases, q/k norms or a head_dim of its own "
+                              f"({config_dir / 'config.json'}): serve this model with our graph (backend ms)",
+                              key="model_config.backend", source=src)
         if llama.rope_scaling is not None:  # MindFormers builds its rope from its YAML, never from config.json
             raise ConfigError(f"{src}: model_config.backend: mindformers does not read config.json's rope_scaling "
                               f"({llama.rope_scaling['rope_type']}) of {config_dir / 'config.json'}, so its model "
                               "would differ: serve this model with our graph (backend ms)",
                               key="model_config.backend", source=src)
+    limit = llama.rope_position_limit
+    if limit is not None and config.max_model_len > limit:
+        raise ConfigError(f"{src}: pa_config.decode_seq_length: {config.max_model_len} tokens exceed the "
+                          f"{limit} positions a rope_scaling dynamic model is served for ({config_dir / 'config.json'}"
+                          ": beyond max_position_embeddings transformers rescales every position by the sequence's "
+                          "length, which a KV cache cannot follow); serve at most that many",
+                          key="pa_config.decode_seq_length", source=src)
     problems = tensor_parallel_problems(llama, config.num_agents)
     if problems:
         raise ConfigError(f"{src}: serving_config.num_agents: {config.num_agents} agents are the tensor-parallel "

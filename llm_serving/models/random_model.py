@@ -21,7 +21,7 @@ NORM_NOISE = 0.05  # norm weights are 1 + NORM_NOISE * N(0, 1): near the usual i
 
 
 def hf_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """HF Llama tensor names and shapes (``lm_head.weight`` omitted when tied, as HF saves it)."""
+    """HF tensor names and shapes of the config's family (``lm_head.weight`` omitted when tied, as HF saves it)."""
     h, f, v, kv = config.hidden_size, config.intermediate_size, config.vocab_size, config.kv_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
     for i in range(config.num_hidden_layers):
@@ -31,12 +31,18 @@ def hf_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.q_proj.weight": (config.num_attention_heads * config.head_dim, h),
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, h),
+            p + "self_attn.o_proj.weight": (h, config.q_dim),
             p + "post_attention_layernorm.weight": (h,),
             p + "mlp.gate_proj.weight": (f, h),
             p + "mlp.up_proj.weight": (f, h),
             p + "mlp.down_proj.weight": (h, f),
         })
+        if config.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (config.q_dim,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if config.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (config.head_dim,),
+                           p + "self_attn.k_norm.weight": (config.head_dim,)})
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
@@ -52,7 +58,7 @@ def random_hf_weights(config: LlamaConfig, seed: int = 0, std: float = 0.2,
     out = {}
     for name, shape in hf_shapes(config).items():
         noise = rng.standard_normal(shape, dtype=np.float32)
-        values = 1.0 + NORM_NOISE * noise if len(shape) == 1 else std * noise
+        values = 1.0 + NORM_NOISE * noise if name.endswith("norm.weight") else std * noise
         out[name] = values.astype(_DTYPES[dtype])
     return out
 

@@ -1,4 +1,4 @@
-"""Llama architecture hyper-parameters (read from a Hugging Face ``config.json``) and the names of the
+"""Llama-family architecture hyper-parameters (read from a Hugging Face ``config.json``) and the names of the
 dtypes, kernel sets and devices an agent can run, which the master validates its configuration against."""
 
 from __future__ import annotations
@@ -8,9 +8,22 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# architecture -> its config.json model_type: Mistral is Llama's layer (without a sliding window shorter than the
-# context, which refuse_unserved_keys refuses)
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
+
+@dataclass(frozen=True)
+class Family:
+    """Where an architecture's layer differs from Llama's (one layer definition takes these switches)."""
+
+    model_type: str  # config.json's model_type for the architecture
+    qkv_bias: bool = False  # q, k and v projections have biases (Qwen2's, always; the output projection has none)
+    qk_norm: bool = False  # an RMSNorm over each query and key head before the rotary embedding (Qwen3's)
+
+
+# architecture -> its family. Mistral is Llama's layer (without a sliding window shorter than the context, which
+# refuse_unserved_keys refuses); Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms (its attention_bias, which would
+# add an output bias too, is refused)
+FAMILIES = {"LlamaForCausalLM": Family("llama"), "MistralForCausalLM": Family("mistral"),
+            "Qwen2ForCausalLM": Family("qwen2", qkv_bias=True), "Qwen3ForCausalLM": Family("qwen3", qk_norm=True)}
+SUPPORTED_ARCHITECTURES = {arch: family.model_type for arch, family in FAMILIES.items()}
 HF_SINGLE_FILE = "model.safetensors"  # a Hugging Face model directory's weights: one file,
 HF_INDEX_FILE = "model.safetensors.index.json"  # or shards listed in this index
 DTYPES = ("float32", "float16", "bfloat16")
@@ -18,7 +31,8 @@ KERNEL_CHOICES = ("auto", "native", "portable")  # CPU ops: native C++ where the
 DEVICE_TARGETS = ("CPU", "Ascend")  # model_config.device_target
 ASCEND_DTYPES = ("float16", "bfloat16")  # what the Ascend fused kernels take (PagedAttention refuses float32)
 # rope_scaling types the rotary tables compute as transformers does (agents.model.rope), with the keys each needs
-ROPE_TYPES = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+# (dynamic: transformers computes plain RoPE up to max_position_embeddings, the most a dynamic model is served)
+ROPE_TYPES = {"linear": ("factor",), "dynamic": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                               "original_max_position_embeddings"),
               "yarn": ("original_max_position_embeddings",)}
 # model_config.precision: exact (the dtype's own arithmetic); half / fast: the native CPU projections with float16
@@ -55,6 +69,29 @@ class LlamaConfig:
     # every end-of-sequence id (config.json's and generation_config.json's lists; Llama 3 instruct: <|end_of_text|>,
     # <|eom_id|>, <|eot_id|>): any of them ends a sequence. Empty: eos_token_id alone
     eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "LlamaForCausalLM"  # a FAMILIES key: where the layer differs from Llama's
+    # config.json's head_dim where it is not hidden_size / num_attention_heads (Qwen3, Mistral Nemo); else None
+    explicit_head_dim: int | None = None
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.architecture]
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.family.qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family.qk_norm
+
+    @property
+    def rope_position_limit(self) -> int | None:
+        """The most positions this model is served for, where rope_scaling sets one (None: none). A ``dynamic``
+        model's: max_position_embeddings, within which transformers' dynamic NTK keeps the plain frequencies; beyond
+        it, it recomputes them for the whole sequence at its current length, which keys already in a KV cache cannot
+        follow."""
+        return self.max_position_embeddings if (self.rope_scaling or {}).get("rope_type") == "dynamic" else None
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -62,11 +99,15 @@ class LlamaConfig:
         return tuple(dict.fromkeys((self.eos_token_id, *self.eos_token_ids)))
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
+        if self.architecture not in FAMILIES:
+            raise ModelConfigError(f"unsupported architecture {self.architecture!r}; supported: {list(FAMILIES)}")
+        if self.explicit_head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ModelConfigError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
                 f"{self.num_attention_heads}"
             )
+        if self.head_dim % 2:
+            raise ModelConfigError(f"head_dim: {self.head_dim} must be even for the rotary embedding")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelConfigError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
@@ -75,7 +116,12 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query heads together (the attention output's, the output projection's input)."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -84,12 +130,12 @@ class LlamaConfig:
 
     @property
     def qkv_dim(self) -> int:
-        return self.hidden_size + 2 * self.kv_dim
+        return self.q_dim + 2 * self.kv_dim
 
     def flops_per_token(self, context_len: int = 0) -> float:
         """Matmul FLOPs for one token (projections, lm_head and attention over ``context_len``)."""
         h, f = self.hidden_size, self.intermediate_size
-        per_layer = 2 * h * (self.qkv_dim + h + 3 * f) + 4 * self.hidden_size * context_len
+        per_layer = 2 * h * (self.qkv_dim + self.q_dim + 3 * f) + 4 * self.q_dim * context_len
         return self.num_hidden_layers * per_layer + 2 * h * self.vocab_size
 
     @classmethod
@@ -102,11 +148,12 @@ class LlamaConfig:
             )
         if raw.get("model_type", SUPPORTED_ARCHITECTURES[arch]) != SUPPORTED_ARCHITECTURES[arch]:
             raise ModelConfigError(f"{source}: unsupported model_type {raw.get('model_type')!r} for {arch}")
-        refuse_unserved_keys(raw, source)
+        refuse_unserved_keys(raw, source, FAMILIES[arch])
         try:
             heads = int(raw["num_attention_heads"])
             eos = raw.get("eos_token_id", 2)
             theta, scaling = rope_settings(raw, source)
+            head_dim = raw.get("head_dim")
             return cls(
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=int(raw["hidden_size"]),
@@ -123,9 +170,13 @@ class LlamaConfig:
                 pad_token_id=int(raw.get("pad_token_id") or 0),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 rope_scaling=scaling,
+                architecture=arch,
+                explicit_head_dim=int(head_dim) if head_dim and head_dim * heads != raw["hidden_size"] else None,
             )
         except KeyError as exc:
             raise ModelConfigError(f"{source}: missing required key {exc.args[0]!r}") from None
+        except ModelConfigError as exc:  # the dataclass's own checks, named with the file
+            raise ModelConfigError(f"{source}: {exc}") from None
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> LlamaConfig:
@@ -148,10 +199,13 @@ class LlamaConfig:
         return d
 
     def to_hf_dict(self) -> dict:
-        """The config.json content Hugging Face ``LlamaForCausalLM`` expects."""
+        """The config.json content Hugging Face's class of ``architecture`` expects."""
         d = asdict(self)
-        d.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-                 torch_dtype="float32", attention_bias=False, mlp_bias=False)
+        del d["architecture"], d["explicit_head_dim"]
+        d.update(architectures=[self.architecture], model_type=self.family.model_type, hidden_act="silu",
+                 torch_dtype="float32", head_dim=self.head_dim)
+        if not self.qkv_bias:  # Qwen2 has no such key: its q/k/v biases are always there
+            d.update(attention_bias=False, mlp_bias=False)
         if self.rope_scaling is None:
             del d["rope_scaling"]
         d["eos_token_id"] = list(self.stop_ids) if len(self.stop_ids) > 1 else self.eos_token_id
@@ -171,11 +225,6 @@ def rope_settings(raw: dict, source: str) -> tuple[float, dict | None]:
     params = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type", "rope_type")}
     if kind == "default":
         return theta, None
-    if kind == "dynamic":
-        raise ModelConfigError(f"{source}: {key}: rope_type 'dynamic' is not served: transformers rescales the "
-                               "frequencies by the current sequence length, so a cached key's rotation would not "
-                               "match what it computes; remove it (plain RoPE up to max_position_embeddings) or use "
-                               "a static type")
     if kind not in ROPE_TYPES:
         raise ModelConfigError(f"{source}: {key}: rope_type {kind!r} is not served; served: default, "
                                f"{', '.join(ROPE_TYPES)}")
@@ -193,20 +242,24 @@ _ONLY_SERVED = {"hidden_act": ("silu",), "attention_bias": (False, None), "mlp_b
                 "partial_rotary_factor": (1.0, 1, None)}
 
 
-def refuse_unserved_keys(raw: dict, source: str) -> None:
+def refuse_unserved_keys(raw: dict, source: str, family: Family | None = None) -> None:
     """Refuse a config.json whose keys would change the model's maths in ways the layer does not compute, naming
     the key and file: a model is never served with a key silently ignored."""
+    family = family or FAMILIES["LlamaForCausalLM"]
     for key, served in _ONLY_SERVED.items():
+        if key == "attention_bias" and family.qkv_bias:
+            continue  # transformers' Qwen2 reads no attention_bias: its q/k/v biases are always there
         if key in raw and raw[key] not in served:
             raise ModelConfigError(f"{source}: {key}: {raw[key]!r} is not served (only {served[0]!r})")
-    heads = raw.get("num_attention_heads")
-    head_dim = raw.get("head_dim")
-    if head_dim is not None and heads and head_dim * heads != raw.get("hidden_size"):
-        raise ModelConfigError(f"{source}: head_dim: {head_dim} differs from hidden_size / num_attention_heads "
-                               f"({raw.get('hidden_size')} / {heads}), which is not served")
     window = raw.get("sliding_window")
-    if window is not None and raw.get("use_sliding_window", True) and window < raw.get("max_position_embeddings",
-                                                                                           4096):
+    if "layer_types" in raw:  # transformers 5 names each layer's attention
+        slides = "sliding_attention" in raw["layer_types"]
+    elif family.model_type.startswith("qwen"):  # with use_sliding_window, from layer max_window_layers on
+        slides = raw.get("use_sliding_window", False) and raw.get("max_window_layers", 28) < raw.get(
+            "num_hidden_layers", 0)
+    else:  # Mistral slides wherever a window is set
+        slides = raw.get("use_sliding_window", True)
+    if window is not None and slides and window < raw.get("max_position_embeddings", 4096):
         raise ModelConfigError(f"{source}: sliding_window: {window} (shorter than max_position_embeddings "
                                f"{raw.get('max_position_embeddings')}) is not served: attention here sees the whole "
                                "context")

@@ -13,7 +13,7 @@ The plan for ``tp`` ranks, rank ``r``:
 - vocabulary: the embedding and the lm_head split by rows into contiguous ranges of ``ceil(vocab / tp)``
   (the last range may be shorter); the embedding's lookups are all-reduced, the greedy pick combines each
   rank's best token, max logit and log-sum-exp;
-- norms are replicated.
+- q/k/v biases are cut as the QKV rows are; norms (and Qwen3's per-head q/k norms) are replicated.
 """
 
 from __future__ import annotations
@@ -97,14 +97,15 @@ class ShardPlan:
     @property
     def attention_config(self) -> LlamaConfig:
         """The model as one rank's attention sees it: its query and kv heads, ``hidden_size`` their width."""
-        if self.tp == 1:
+        if self.tp == 1 and self.config.q_dim == self.config.hidden_size:
             return self.config
         return dataclasses.replace(self.config, hidden_size=self.heads * self.config.head_dim,
-                                   num_attention_heads=self.heads, num_key_value_heads=self.kv_heads)
+                                   num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+                                   explicit_head_dim=self.config.head_dim)
 
     def qkv_rows(self) -> list[tuple[int, int]]:
         """``[start, end)`` rows of the fused ``[q; k; v]`` weight this rank holds, in order."""
-        hd, q_width, kv_dim = self.config.head_dim, self.config.hidden_size, self.config.kv_dim
+        hd, q_width, kv_dim = self.config.head_dim, self.config.q_dim, self.config.kv_dim
         q = (self.rank * self.heads * hd, (self.rank + 1) * self.heads * hd)
         k = (q_width + self.kv_head_start * hd, q_width + (self.kv_head_start + self.kv_heads) * hd)
         return [q, k, (k[0] + kv_dim, k[1] + kv_dim)]

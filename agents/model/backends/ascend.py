@@ -43,6 +43,7 @@ from mindspore.ops.auto_generate import (
     Swiglu,
 )
 
+from agents.model.backends import graph_ops
 from agents.model.backends.ascend_limits import (
     CHUNK_MASK_VALUE,
     FA_CAUSAL_HEAD_DIMS,
@@ -211,6 +212,17 @@ class AscendNormSwiGlu(nn.Cell):
         return self.swiglu(self.matmul(self.norm(x, norm_weight)[0], weight), -1)
 
 
+class AscendHeadNorm(graph_ops.HeadNorm):
+    """Qwen3's per-head q/k norms by the fused ``RmsNorm``, which normalizes over the last axis (``head_dim``)."""
+
+    def __init__(self, config: LlamaConfig, eps: float, fused: FusedOps) -> None:
+        super().__init__(config, eps)
+        self.norm = fused.rms_norm(eps)
+
+    def normalize(self, x: Tensor, weight: Tensor) -> Tensor:
+        return self.norm(x, weight)[0]
+
+
 class AscendGreedy(nn.Cell):
     """``logits -> (int32 ids, float32 logprobs)``: ``ArgMaxWithValue`` gives the id and its logit at once, and
     logit - logsumexp = -log(sum(exp(logits - max))) since the chosen logit is the max."""
@@ -279,6 +291,9 @@ class AscendBackend(OpsBackend):
     def norm_swiglu(self, ffn_dim: int, eps: float) -> nn.Cell:
         return AscendNormSwiGlu(eps, self.fused)
 
+    def head_norm(self, config: LlamaConfig, eps: float) -> nn.Cell:
+        return AscendHeadNorm(config, eps, self.fused)
+
     def greedy(self) -> nn.Cell:
         return AscendGreedy(self.fused)
 
@@ -288,7 +303,7 @@ def model_problems(config: LlamaConfig, block_size: int, max_prefill_batch: int)
     none of these."""
     problems = []
     if config.head_dim not in FA_CAUSAL_HEAD_DIMS:
-        problems.append(f"head_dim {config.head_dim} (hidden_size / num_attention_heads) must be one of "
+        problems.append(f"head_dim {config.head_dim} must be one of "
                         f"{', '.join(map(str, FA_CAUSAL_HEAD_DIMS))} (causal FlashAttentionScore)")
     if block_size not in PA_BLOCK_SIZES:
         problems.append(f"pa_config.block_size {block_size} must be one of {', '.join(map(str, PA_BLOCK_SIZES))} "

@@ -107,6 +107,11 @@ class OpsBackend:
         """``(x, norm_weight, [gate; up] weight, rows) -> silu(gate) * up`` of width ``ffn_dim``."""
         return graph_ops.NormSwiGlu(ffn_dim, eps)
 
+    def head_norm(self, config: LlamaConfig, eps: float) -> nn.Cell:
+        """``(qkv, q_norm_weight, k_norm_weight) -> qkv`` with each query and key head RMS-normalized (Qwen3's q/k
+        norms); ``config``: the heads as the attention sees them."""
+        return graph_ops.HeadNorm(config, eps)
+
     def residual_linear(self) -> nn.Cell:
         """``(x, weight, residual, rows) -> residual + x @ W^T`` (output and down projections)."""
         return graph_ops.ResidualLinear()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
+from llm_serving.protocol.model_config import LlamaConfig
+
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Llama's RMSNorm, in float32 as Hugging Face's ``LlamaRMSNorm``, cast back before the weight."""
@@ -71,6 +73,30 @@ class Linear(nn.Cell):
 
     def construct(self, x: Tensor, weight: Tensor, rows: Tensor) -> Tensor:
         return self.matmul(x, weight)
+
+
+class HeadNorm(nn.Cell):
+    """``(qkv, q_weight, k_weight) -> qkv`` with every query and key head RMS-normalized over its ``head_dim`` and
+    V as it is: Qwen3's q/k norms, before the rotary embedding. ``config``: the heads as the attention sees them
+    (one rank's under tensor parallelism)."""
+
+    def __init__(self, config: LlamaConfig, eps: float) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.q_dim, self.kv_dim = config.q_dim, config.kv_dim
+        self.eps = eps
+
+    def normalize(self, x: Tensor, weight: Tensor) -> Tensor:
+        """``rms_norm`` over the last axis of ``[tokens, heads, head_dim]``."""
+        return rms_norm(x, weight, self.eps)
+
+    def construct(self, qkv: Tensor, q_weight: Tensor, k_weight: Tensor) -> Tensor:
+        tokens = qkv.shape[0]
+        q = self.normalize(qkv[:, : self.q_dim].reshape(tokens, self.heads, self.head_dim), q_weight)
+        k = self.normalize(qkv[:, self.q_dim: self.q_dim + self.kv_dim].reshape(tokens, self.kv_heads, self.head_dim),
+                           k_weight)
+        return ops.concat((q.reshape(tokens, self.q_dim), k.reshape(tokens, self.kv_dim),
+                           qkv[:, self.q_dim + self.kv_dim:]), 1)
 
 
 class GreedyPick(nn.Cell):
