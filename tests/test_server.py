@@ -564,3 +564,24 @@ def test_tiny_default_model_end_to_end(data_dir):
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
+
+
+def test_a_model_directory_is_served_at_its_own_length_unless_a_config_sets_one(tmp_path, capsys):
+    """As vLLM: ``--model DIR`` with no length chosen serves the model's max_position_embeddings (capped by the KV
+    cache); the prefill buckets longer than that are dropped; a YAML or ``--set`` length is kept."""
+    from llm_serving.cli.commands.serve import build_parser, load_config
+    from llm_serving.models.random_model import build_random_model
+    from llm_serving.protocol.model_config import LlamaConfig
+
+    model = build_random_model(tmp_path / "m", LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                                           num_hidden_layers=1, num_attention_heads=2,
+                                                           num_key_value_heads=1, max_position_embeddings=200))
+    cfg = load_config(build_parser().parse_args(["--model", str(model)]))
+    assert cfg.max_model_len == 200 and cfg.model_config.seq_length == (64, 200)
+    err = capsys.readouterr().err
+    assert "max model length 200: the model's max_position_embeddings" in err and "-> [64, 200]" in err
+    assert load_config(build_parser().parse_args(["--model", str(model), "--set", "pa_config.decode_seq_length=300"])
+                       ).max_model_len == 300
+    (tmp_path / "c.yaml").write_text("pa_config:\n  decode_seq_length: 96\nmodel_config:\n  seq_length: [64]\n")
+    assert load_config(build_parser().parse_args(["--model", str(model), "--config", str(tmp_path / "c.yaml")])
+                       ).max_model_len == 96

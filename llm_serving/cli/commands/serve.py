@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llm_serving.cli.options import Command, add_config_arguments
@@ -28,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the main one (model_config.model_name, then serving_config.model_aliases, which they replace)")
     p.add_argument("--max-model-len", metavar="N", help="most tokens (prompt + output) of one sequence "
                    "(pa_config.decode_seq_length), or 'model': the model's max_position_embeddings, capped by what "
-                   "the KV cache holds")
+                   "the KV cache holds (the default for --model / model_config.model_path when no config sets the "
+                   "length)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any config key, VALUE in YAML (e.g. --set pa_config.num_blocks=1024)")
     p.add_argument("--standin-agents", action="store_true",
@@ -65,9 +67,25 @@ def load_config(args: argparse.Namespace) -> ServingConfig:
         cfg = cfg.with_values(values)
     if getattr(args, "max_model_len", None):
         cfg = with_max_model_len(cfg, args.max_model_len, args.model)
+    elif (args.model or not cfg.uses_default_model) and not sets_model_len(args.config, values):
+        # a model directory of the user's with no length chosen: the model's own, as vLLM serves it (the embedded
+        # model's config is built for the configured length)
+        cfg = with_max_model_len(cfg, "model", args.model)
     return cfg.with_overrides(model_path=args.model, host=args.host, port=args.port, policy=args.policy,
                               decode_batch_size=args.decode_batch_size,
                               prefill_batch_size=args.prefill_batch_size, num_agents=args.agents)
+
+
+def sets_model_len(config_file: str | None, values: dict[str, Any]) -> bool:
+    """Whether the YAML file or ``--set`` chose ``pa_config.decode_seq_length``."""
+    import yaml
+
+    if "pa_config.decode_seq_length" in values:
+        return True
+    if not config_file:
+        return False
+    raw = yaml.safe_load(Path(os.path.expanduser(config_file)).read_text(encoding="utf-8")) or {}
+    return "decode_seq_length" in (raw.get("pa_config") or {})
 
 
 def with_max_model_len(cfg: ServingConfig, value: str, model: str | None) -> ServingConfig:
@@ -92,6 +110,12 @@ def with_max_model_len(cfg: ServingConfig, value: str, model: str | None) -> Ser
             why = (f"what the KV cache holds ((pa_config.num_blocks {pa.num_blocks} - 1) x block_size "
                    f"{pa.block_size}), below the model's max_position_embeddings {positions}")
         print(f"max model length {length}: {why}", file=sys.stderr, flush=True)
+        buckets = cfg.model_config.seq_length
+        if buckets[-1] > length:  # prefill buckets beyond what one sequence may hold would never be used
+            kept = [b for b in buckets if b < length] + [length]
+            print(f"prefill buckets (model_config.seq_length) {list(buckets)} -> {kept}: none longer than the "
+                  "model length", file=sys.stderr, flush=True)
+            return cfg.with_values({"pa_config.decode_seq_length": length, "model_config.seq_length": kept})
     return cfg.with_values({"pa_config.decode_seq_length": length})
 
 
