@@ -6,6 +6,7 @@ inputs.py, numpy only). The graphs themselves are exported by tests_mindformers/
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,8 @@ MF = {"backend": "mindformers", "model_cfg_path": "predict_llama2_7b.yaml", "dty
 
 
 def config(tmp_path: Path, model: dict | None = None, **sections) -> ServingConfig:
+    """The embedded model, if resolved, is built under ``tmp_path`` (never in the user's cache)."""
+    sections.setdefault("default_model", {"data_dir": str(tmp_path / "models")})
     return ServingConfig.from_dict({"model_config": {**MF, **(model or {})}, **sections}, source="mf.yaml",
                                    base_dir=tmp_path)
 
@@ -67,6 +70,29 @@ def test_missing_yaml_is_named(tmp_path: Path) -> None:
                                           r"predict_llama2_7b.yaml does not exist") as err:
         resolve_model(config(tmp_path), tokenizer=False)
     assert err.value.key == "model_config.model_cfg_path"
+
+
+@pytest.mark.parametrize("changes, phrase", [
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, "without Qwen2ForCausalLM's q/k/v biases"),
+    ({"head_dim": 64}, "a head_dim of its own"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "does not read config.json's rope_scaling (linear)"),
+])
+def test_a_model_mindformers_would_build_otherwise_is_refused(tmp_path: Path, changes: dict, phrase: str) -> None:
+    """MindFormers builds its Llama from its YAML: what config.json says beyond it would be lost, so it is refused
+    (whether or not MindFormers is installed)."""
+    import json
+
+    from llm_serving.models.random_model import build_random_model
+    from llm_serving.protocol.model_config import LlamaConfig
+
+    model = build_random_model(tmp_path / "m", LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96,
+                                                           num_hidden_layers=1, num_attention_heads=2,
+                                                           num_key_value_heads=1))
+    raw = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**raw, **changes}))
+    with pytest.raises(ConfigError, match=re.escape(phrase)) as err:
+        resolve_model(config(tmp_path, {"model_path": str(model)}), tokenizer=False)
+    assert err.value.key == "model_config.backend"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mindformers") is not None, reason="MindFormers is installed here")

@@ -62,8 +62,7 @@ def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None 
         raise ConfigError(f"{src}: model_config.vocab_size: {want_vocab} does not match the model's "
                           f"vocab_size {llama.vocab_size} ({config_dir / 'config.json'})",
                           key="model_config.vocab_size", source=src)
-    if config.uses_mindformers:
-        check_mindformers_route(config)
+    if config.uses_mindformers:  # what MindFormers' Llama cannot be first: no installation makes it servable
         if llama.qkv_bias or llama.qk_norm or llama.q_dim != llama.hidden_size:
             raise ConfigError(f"{src}: model_config.backend: mindformers builds its Llama from its own YAML, without "
                               f"{llama.architecture}'s q/k/v biases, q/k norms or a head_dim of its own "
@@ -74,6 +73,7 @@ def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None 
                               f"({llama.rope_scaling['rope_type']}) of {config_dir / 'config.json'}, so its model "
                               "would differ: serve this model with our graph (backend ms)",
                               key="model_config.backend", source=src)
+        check_mindformers_route(config)
     limit = llama.rope_position_limit
     if limit is not None and config.max_model_len > limit:
         raise ConfigError(f"{src}: pa_config.decode_seq_length: {config.max_model_len} tokens exceed the "
