@@ -91,7 +91,8 @@ def engine_checked(body: dict, completion: bool = False, prompt_len: int = 10) -
     check with the HTTP routes' clip), refusals named as the route does (``Server.start_generation``)."""
     req = parse_completion(body) if completion else parse_generate(body)
     if completion:
-        params = req.sampling.to_params(req.max_tokens, req.ignore_eos, req.stop, req.FIELD_NAMES)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default, as the route sends it
+        params = req.sampling.to_params(max_tokens, req.ignore_eos, req.stop, req.FIELD_NAMES)
     else:
         max_new = LIMITS.max_new_tokens if req.max_new_tokens is None else req.max_new_tokens
         params = req.sampling.to_params(max_new, stop=req.stop, field_names=req.FIELD_NAMES)
@@ -153,11 +154,11 @@ def test_completion_body():
     req = parse_completion({"model": "m", "prompt": "hi", "temperature": 0, "max_tokens": 5, "stream": True,
                             "stream_options": {"include_usage": True}, "stop": ["a", "b"], "logprobs": 1,
                             "ignore_eos": True, "n": 1, "presence_penalty": 0})
-    assert (req.model, req.prompts, req.max_tokens, req.stream, req.include_usage) == ("m", ("hi",), 5, True, True)
+    assert (req.model, req.prompts, req.max_tokens, req.stream, req.usage.include) == ("m", ("hi",), 5, True, True)
     assert req.stop == ("a", "b") and req.logprobs == 1 and req.ignore_eos
     assert parse_completion({"prompt": [1, 2, 3], "temperature": 0}).prompts == ((1, 2, 3),)
     assert parse_completion({"prompt": ["a", [5]], "temperature": 0}).prompts == ("a", (5,))
-    assert parse_completion({"prompt": "a", "temperature": 0}).max_tokens == 16  # OpenAI's default
+    assert parse_completion({"prompt": "a", "temperature": 0}).max_tokens is None  # the route: 16, clipped
 
 
 @pytest.mark.parametrize("body, expected", [
@@ -183,16 +184,16 @@ def test_completion_sampling_maps_to_engine_params(body, expected):
     ({"prompt": "x", "top_k": -1}, "top_k", 400),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", 400),
     ({"prompt": "x", "seed": 1.5}, "seed", 400),
-    ({"prompt": "x", "logprobs": 1}, "logprobs", 422),  # the top-1 alternative is unknown when sampling
-    ({"prompt": "x", "temperature": 0, "repetition_penalty": 1.2, "logprobs": 1}, "logprobs", 422),
+    ({"prompt": "x", "logprobs": 1}, "logprobs", 400),  # the top-1 alternative is unknown when sampling
+    ({"prompt": "x", "temperature": 0, "repetition_penalty": 1.2, "logprobs": 1}, "logprobs", 400),
     ({"temperature": 0}, "prompt", 400),
     ({"prompt": "", "temperature": 0}, "prompt", 400),
     ({"prompt": [], "temperature": 0}, "prompt", 400),
     ({"prompt": [[1], "x", 3], "temperature": 0}, "prompt", 400),
     ({"prompt": "x", "temperature": 0, "max_tokens": "5"}, "max_tokens", 400),
-    ({"prompt": "x", "temperature": 0, "n": 2}, "n", 422),
-    ({"prompt": "x", "temperature": 0, "logprobs": 3}, "logprobs", 422),
-    ({"prompt": "x", "temperature": 0, "frequency_penalty": 0.5}, "frequency_penalty", 422),
+    ({"prompt": "x", "temperature": 0, "n": 2}, "n", 400),
+    ({"prompt": "x", "temperature": 0, "logprobs": 3}, "logprobs", 400),
+    ({"prompt": "x", "temperature": 0, "frequency_penalty": 0.5}, "frequency_penalty", 400),
     ({"prompt": "x", "temperature": 0, "stream_options": {"include_usage": True}}, "stream_options", 400),
     ({"prompt": "x", "temperature": 0, "bogus": 1}, "bogus", 400),
 ])

@@ -155,4 +155,4 @@ def test_engine_failures_map_to_their_status():
     assert error_response(down, openai=False).headers["Retry-After"] == "1"
     event = openai_stream_error(SequenceError("post-processing its output failed"))
     assert event.startswith(b"data: ") and event.endswith(b"\n\n")
-    assert json.loads(event[6:])["error"]["type"] == "generation_failed"
+    assert json.loads(event[6:])["error"]["code"] == "generation_failed"

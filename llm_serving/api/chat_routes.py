@@ -64,7 +64,7 @@ class ChatRoutes:
         params = req.sampling.to_params(max_new, req.ignore_eos, req.stop, req.field_names)
         ids = await self._prompt_ids(req)
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        gen = server.start_generation(ids, params, arrival, req.field_names, cid)
+        gen = server.start_generation(ids, params, arrival, req.field_names, cid, clip=req.max_tokens is None)
         try:
             meta = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model}
             if req.stream:
@@ -105,13 +105,15 @@ class ChatRoutes:
             return f"data: {json.dumps({**meta, 'choices': choices, **extra}, ensure_ascii=False)}\n\n".encode()
 
         try:
-            await write(resp, chunk({"role": "assistant", "content": ""}))
+            usage = req.usage.chunk_usage
+            await write(resp, chunk({"role": "assistant", "content": ""}, **usage(lambda: _usage([gen]))))
             async for delta in gen.deltas():
                 tokens = [delta.token] if delta.token else []
                 reason = OPENAI_FINISH[delta.finish_reason] if delta.finish_reason else None
                 content = {"content": delta.text} if delta.text or tokens else {}
-                await write(resp, chunk(content, self._logprobs(req, tokens) if tokens else None, reason))
-            if req.include_usage:
+                await write(resp, chunk(content, self._logprobs(req, tokens) if tokens else None, reason,
+                                        **usage(lambda: _usage([gen]))))
+            if req.usage.include:
                 await write(resp, chunk(None, usage=_usage([gen])))
             await write(resp, b"data: [DONE]\n\n")
         except EngineError as exc:

@@ -4,23 +4,25 @@ It shares the completions body's conventions (``schema``): unknown keys are erro
 temperature is 1, vLLM's ``top_k``/``repetition_penalty``/``ignore_eos`` are accepted, the engine's own
 checks name the field as this body calls it. ``max_completion_tokens`` is OpenAI's current name for
 ``max_tokens``; without either, a chat answer may fill the context (up to ``model_config.max_generate_length``).
-Features that only mean "off" here (tools, response formats) are accepted at that value and 422 otherwise.
+Features that only mean "off" here (tools, response formats) are accepted at that value and a 400 otherwise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llm_serving.api.schema import (
     MAX_TOP_K,
-    ApiError,
     SamplingOptions,
+    StreamUsage,
     _no_unknown,
     _object,
     _Reader,
     invalid,
+    parse_stream_options,
+    unsupported,
 )
 from llm_serving.tokenization.chat_template import MessageError, check_messages
 
@@ -43,14 +45,14 @@ class ChatRequest:
     field_names: Mapping[str, str]  # engine field -> this body's name (max_tokens or max_completion_tokens)
     stop: tuple[str, ...] = ()
     stream: bool = False
-    include_usage: bool = False
+    usage: StreamUsage = field(default_factory=StreamUsage)
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per position; 1 is the chosen token (greedy only)
     ignore_eos: bool = False
 
 
 def parse_chat(body: Any) -> ChatRequest:
-    """Validate a chat completions body; bad messages are a 400 (422 for tools, images) naming the message."""
+    """Validate a chat completions body; bad messages (tools, images included) are a 400 naming the message."""
     body = _object(body, "the request body")
     _no_unknown(body, _CHAT_KEYS, "the request body")
     r = _Reader(body, "", lenient=False)
@@ -61,7 +63,7 @@ def parse_chat(body: Any) -> ChatRequest:
         messages = tuple(check_messages(body["messages"]))
     except MessageError as exc:
         if exc.unsupported:
-            raise ApiError(422, str(exc), "unsupported", "messages") from None
+            raise unsupported(str(exc), "messages") from None
         raise invalid(str(exc), "messages") from None
     max_tokens, max_name = _max_tokens(r)
     temperature = r.float("temperature", lo=0.0, hi=2.0)
@@ -72,29 +74,20 @@ def parse_chat(body: Any) -> ChatRequest:
         repetition_penalty=r.float("repetition_penalty", lo=0.0, lo_open=True), seed=r.int("seed"),
     )
     if (r.int("n", lo=1) or 1) != 1:
-        raise ApiError(422, "n above 1 (several choices) is not supported; send one request per choice",
-                       "unsupported", "n")
+        raise unsupported("n above 1 (several choices) is not supported; send one request per choice", "n")
     for key in ("presence_penalty", "frequency_penalty"):
         if (r.float(key, lo=-2.0, hi=2.0) or 0.0) != 0.0:
-            raise ApiError(422, f"{key} is not supported yet; send 0 or leave it out", "unsupported", key)
+            raise unsupported(f"{key} is not supported yet; send 0 or leave it out", key)
     if body.get("logit_bias"):
-        raise ApiError(422, "logit_bias is not supported", "unsupported", "logit_bias")
+        raise unsupported("logit_bias is not supported", "logit_bias")
     _neutral_features(body, r)
     r.str("user")
     logprobs, top_logprobs = _logprobs(r, sampling)
     stream = r.bool("stream", False)
-    include_usage = False
-    options = body.get("stream_options")
-    if options is not None:
-        options = _object(options, "'stream_options'")
-        _no_unknown(options, ("include_usage",), "'stream_options'")
-        include_usage = _Reader(options, "stream_options.", lenient=False).bool("include_usage", False)
-        if not stream:
-            raise invalid("stream_options is only allowed with stream=true", "stream_options")
     return ChatRequest(
         model=model, messages=messages, max_tokens=max_tokens, sampling=sampling,
         field_names={"max_new_tokens": max_name, "prompt": "messages"}, stop=r.stop("stop"), stream=stream,
-        include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,
+        usage=parse_stream_options(body, stream), logprobs=logprobs, top_logprobs=top_logprobs,
         ignore_eos=r.bool("ignore_eos", False),
     )
 
@@ -113,15 +106,15 @@ def _max_tokens(r: _Reader) -> tuple[int | None, str]:
 def _neutral_features(body: Mapping[str, Any], r: _Reader) -> None:
     """Tools and response formats: accepted only when they ask for nothing."""
     if body.get("tools"):
-        raise ApiError(422, "tools (function calling) are not supported", "unsupported", "tools")
+        raise unsupported("tools (function calling) are not supported", "tools")
     if body.get("tool_choice") not in (None, "none", "auto"):
-        raise ApiError(422, "tool_choice is not supported (no tools here); send \"none\" or leave it out",
-                       "unsupported", "tool_choice")
+        raise unsupported("tool_choice is not supported (no tools here); send \"none\" or leave it out",
+                          "tool_choice")
     r.bool("parallel_tool_calls", False)
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        raise ApiError(422, "response_format other than {\"type\": \"text\"} (JSON mode, schemas) is not supported",
-                       "unsupported", "response_format")
+        raise unsupported("response_format other than {\"type\": \"text\"} (JSON mode, schemas) is not supported",
+                          "response_format")
 
 
 def _logprobs(r: _Reader, sampling: SamplingOptions) -> tuple[bool, int]:
@@ -131,10 +124,10 @@ def _logprobs(r: _Reader, sampling: SamplingOptions) -> tuple[bool, int]:
     if top is not None and not logprobs:
         raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
     if top is not None and top > 1:
-        raise ApiError(422, "top_logprobs above 1 (alternatives per position) are not supported; send 0 or 1",
-                       "unsupported", "top_logprobs")
+        raise unsupported("top_logprobs above 1 (alternatives per position) are not supported; send 0 or 1",
+                          "top_logprobs")
     if top == 1 and (sampling.wants_sampling or (sampling.repetition_penalty or 1.0) != 1.0):
-        raise ApiError(422, "top_logprobs=1 (the most likely token at each position) is only supported with "
-                            "temperature=0 and no repetition_penalty; send 0 for the chosen tokens' logprobs",
-                       "unsupported", "top_logprobs")
+        raise unsupported("top_logprobs=1 (the most likely token at each position) is only supported with "
+                          "temperature=0 and no repetition_penalty; send 0 for the chosen tokens' logprobs",
+                          "top_logprobs")
     return logprobs, top or 0

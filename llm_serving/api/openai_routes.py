@@ -27,7 +27,7 @@ from llm_serving.api.responses import (
     openai_stream_error,
     write,
 )
-from llm_serving.api.schema import ApiError, CompletionRequest, parse_completion
+from llm_serving.api.schema import OPENAI_DEFAULT_MAX_TOKENS, ApiError, CompletionRequest, parse_completion
 from llm_serving.engine.request_stream import EngineError
 from llm_serving.tokenization.tokenizer import Tokenizer
 
@@ -50,13 +50,15 @@ class OpenAIRoutes:
         req = parse_completion(await server.read_body(request))
         model = server.check_model(req.model)
         check_prompt_count(len(req.prompts), server.config.serving_config.max_queue_size)
-        params = req.sampling.to_params(req.max_tokens, req.ignore_eos, req.stop, req.FIELD_NAMES)
+        max_tokens = OPENAI_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        params = req.sampling.to_params(max_tokens, req.ignore_eos, req.stop, req.FIELD_NAMES)
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         prompts = [await server.tokenize(p) for p in req.prompts]
         gens: list[Generation] = []
         try:
             for i, ids in enumerate(prompts):
-                gens.append(server.start_generation(ids, params, arrival, req.FIELD_NAMES, f"{cid}-{i}"))
+                gens.append(server.start_generation(ids, params, arrival, req.FIELD_NAMES, f"{cid}-{i}",
+                                                    clip=req.max_tokens is None))
         except ApiError:
             for g in gens:  # all or nothing: the request is counted once, as refused
                 g.close(record=False)
@@ -105,14 +107,16 @@ class OpenAIRoutes:
         try:
             for i, echo in enumerate(echoes):
                 if echo:
-                    await write(resp, chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}]))
+                    await write(resp, chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}],
+                                            **req.usage.chunk_usage(lambda: _usage(gens))))
             async for i, delta in _merge([g.deltas() for g in gens]):
                 tokens = [delta.token] if delta.token else []
                 lp = _logprobs(tok, tokens, offsets[i], req.logprobs)
                 offsets[i] += len(delta.text)
                 reason = OPENAI_FINISH[delta.finish_reason] if delta.finish_reason else None
-                await write(resp, chunk([{"index": i, "text": delta.text, "logprobs": lp, "finish_reason": reason}]))
-            if req.include_usage:
+                await write(resp, chunk([{"index": i, "text": delta.text, "logprobs": lp, "finish_reason": reason}],
+                                        **req.usage.chunk_usage(lambda: _usage(gens))))
+            if req.usage.include:
                 await write(resp, chunk([], usage=_usage(gens)))
             await write(resp, b"data: [DONE]\n\n")
         except EngineError as exc:

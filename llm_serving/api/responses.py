@@ -1,7 +1,8 @@
 """The HTTP responses every route shares: JSON bodies, JSON errors, and streamed responses.
 
 Errors are JSON ``{"error": message, "error_type": tag}``; the OpenAI routes nest the message as OpenAI
-clients expect: ``{"error": {"message", "type", "param", "code"}, "error_type": tag}``.
+clients expect: ``{"error": {"message", "type", "param", "code"}, "error_type": tag}``, ``type`` OpenAI's class
+(``invalid_request_error`` for a 4xx, ``server_error`` for a 5xx) and ``code`` our tag, a string as OpenAI's.
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ def error_response(err: ApiError, openai: bool) -> web.Response:
     if len(message) > MAX_ERROR_CHARS:
         message = message[:MAX_ERROR_CHARS - 3] + "..."
     if openai:
-        body: dict[str, Any] = {"error": {"message": message, "type": err.error_type, "param": err.param,
-                                          "code": err.status}, "error_type": err.error_type}
+        body: dict[str, Any] = {"error": openai_error(err, message), "error_type": err.error_type}
     else:
         body = {"error": message, "error_type": err.error_type}
     headers = {"Retry-After": "1"} if err.status == 503 else None
@@ -45,6 +45,13 @@ def error_response(err: ApiError, openai: bool) -> web.Response:
     if err.close_connection:
         resp.force_close()
     return resp
+
+
+def openai_error(err: ApiError, message: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object for ``err``."""
+    kind = "invalid_request_error" if err.status < 500 else "server_error"
+    return {"message": err.message if message is None else message, "type": kind, "param": err.param,
+            "code": err.error_type}
 
 
 def too_large(size: int | None, limit: int) -> ApiError:
@@ -80,8 +87,7 @@ def engine_failure(exc: EngineError) -> ApiError:
 
 def openai_stream_error(exc: EngineError) -> bytes:
     """The server-sent event that ends an OpenAI stream the engine failed."""
-    err = engine_failure(exc)
-    body = {"error": {"message": err.message, "type": err.error_type, "param": None, "code": err.status}}
+    body = {"error": openai_error(engine_failure(exc))}
     return f"data: {json.dumps(body)}\n\n".encode()
 
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from llm_serving.core.sequence import InvalidParameter, SamplingParams
@@ -56,6 +56,12 @@ class ApiError(Exception):
 
 def invalid(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request", param)
+
+
+def unsupported(message: str, param: str | None = None) -> ApiError:
+    """A parameter value the OpenAI routes do not serve: 400, as OpenAI and vLLM answer an invalid parameter (their
+    clients raise ``BadRequestError`` for it; a 422 would raise another exception type)."""
+    return ApiError(400, message, "unsupported", param)
 
 
 def parameter_error(exc: InvalidParameter, field_names: Mapping[str, str]) -> ApiError:
@@ -98,6 +104,35 @@ class SamplingOptions:
 
 
 @dataclass(frozen=True)
+class StreamUsage:
+    """``stream_options`` of the OpenAI routes: ``include_usage`` (a last chunk with the usage, and ``"usage": null``
+    in every other chunk, as OpenAI sends them) and vLLM's ``continuous_usage_stats`` (the usage so far in every
+    chunk; benchmark clients such as guidellm always send it)."""
+
+    include: bool = False
+    continuous: bool = False
+
+    def chunk_usage(self, usage: Callable[[], dict[str, int]]) -> dict[str, Any]:
+        """The ``usage`` key of a content chunk: none, null, or the usage so far."""
+        if self.continuous:
+            return {"usage": usage()}
+        return {"usage": None} if self.include else {}
+
+
+def parse_stream_options(body: Mapping[str, Any], stream: bool) -> StreamUsage:
+    options = body.get("stream_options")
+    if options is None:
+        return StreamUsage()
+    options = _object(options, "'stream_options'")
+    _no_unknown(options, ("include_usage", "continuous_usage_stats"), "'stream_options'")
+    r = _Reader(options, "stream_options.", lenient=False)
+    usage = StreamUsage(r.bool("include_usage", False), r.bool("continuous_usage_stats", False))
+    if not stream:
+        raise invalid("stream_options is only allowed with stream=true", "stream_options")
+    return usage
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """An llm-serving ``generate``/``generate_stream`` body."""
 
@@ -121,11 +156,11 @@ class CompletionRequest:
 
     model: str | None
     prompts: tuple[str | tuple[int, ...], ...]
-    max_tokens: int
+    max_tokens: int | None  # None: OpenAI's default 16, clipped to the context left
     sampling: SamplingOptions
     stop: tuple[str, ...] = ()
     stream: bool = False
-    include_usage: bool = False
+    usage: StreamUsage = field(default_factory=StreamUsage)
     echo: bool = False
     logprobs: int | None = None
     ignore_eos: bool = False
@@ -216,44 +251,34 @@ def parse_completion(body: Any) -> CompletionRequest:
     )
     n, best_of = r.int("n", lo=1), r.int("best_of", lo=1)
     if (n or 1) != 1 or (best_of or 1) != 1:
-        raise ApiError(422, "n and best_of above 1 (several choices per prompt) are not supported; send one "
-                            "prompt per choice", "unsupported", "n")
+        raise unsupported("n and best_of above 1 (several choices per prompt) are not supported; send one "
+                          "prompt per choice", "n")
     for key in ("presence_penalty", "frequency_penalty"):
         if (r.float(key, lo=-2.0, hi=2.0) or 0.0) != 0.0:
-            raise ApiError(422, f"{key} is not supported yet; send 0 or leave it out", "unsupported", key)
+            raise unsupported(f"{key} is not supported yet; send 0 or leave it out", key)
     if body.get("logit_bias"):
-        raise ApiError(422, "logit_bias is not supported", "unsupported", "logit_bias")
+        raise unsupported("logit_bias is not supported", "logit_bias")
     if body.get("suffix"):
-        raise ApiError(422, "suffix (insertion) is not supported", "unsupported", "suffix")
+        raise unsupported("suffix (insertion) is not supported", "suffix")
     user = r.str("user")
     if user is not None and len(user) > MAX_USER_CHARS:
         raise invalid(f"'user' has {len(user)} characters; at most {MAX_USER_CHARS}", "user")
     logprobs = r.int("logprobs", lo=0, hi=5)
     if logprobs is not None and logprobs > 1:
-        raise ApiError(422, "logprobs above 1 (alternatives per position) are not supported; send 0 or 1",
-                       "unsupported", "logprobs")
+        raise unsupported("logprobs above 1 (alternatives per position) are not supported; send 0 or 1", "logprobs")
     # The most likely token is reported as the chosen one: true only for plain greedy decoding.
     if logprobs == 1 and (sampling.wants_sampling or (sampling.repetition_penalty or 1.0) != 1.0):
-        raise ApiError(422, "logprobs=1 (the most likely token at each position) is only supported with "
-                            "temperature=0 and no repetition_penalty; send logprobs=0 for the chosen tokens' "
-                            "logprobs", "unsupported", "logprobs")
+        raise unsupported("logprobs=1 (the most likely token at each position) is only supported with "
+                          "temperature=0 and no repetition_penalty; send logprobs=0 for the chosen tokens' "
+                          "logprobs", "logprobs")
     echo = r.bool("echo", False)
     if echo and logprobs is not None:
-        raise ApiError(422, "echo together with logprobs (prompt logprobs) is not supported",
-                       "unsupported", "echo")
+        raise unsupported("echo together with logprobs (prompt logprobs) is not supported", "echo")
     stream = r.bool("stream", False)
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        options = _object(options, "'stream_options'")
-        _no_unknown(options, ("include_usage",), "'stream_options'")
-        include_usage = _Reader(options, "stream_options.", lenient=False).bool("include_usage", False)
-        if not stream:
-            raise invalid("stream_options is only allowed with stream=true", "stream_options")
     return CompletionRequest(
         model=model, prompts=prompts, sampling=sampling,
-        max_tokens=OPENAI_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-        stop=r.stop("stop"), stream=stream, include_usage=include_usage, echo=echo, logprobs=logprobs,
+        max_tokens=max_tokens,
+        stop=r.stop("stop"), stream=stream, usage=parse_stream_options(body, stream), echo=echo, logprobs=logprobs,
         ignore_eos=r.bool("ignore_eos", False),
     )
 

@@ -39,6 +39,7 @@ from llm_serving.api.responses import error_response, json_response
 from llm_serving.api.route_context import OFFLOAD_ENCODE_CHARS
 from llm_serving.api.schema import ApiError, parameter_error
 from llm_serving.api.tgi_routes import TgiRoutes
+from llm_serving.api.tokenizer_routes import TokenizerRoutes
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.scheduler import RequestRejected
 from llm_serving.core.sequence import InvalidParameter, SamplingParams
@@ -116,6 +117,10 @@ class Server:
         app.router.add_post("/v1/completions", self._guard(openai.completions, "openai"))
         self.chat = ChatRoutes(self)
         app.router.add_post("/v1/chat/completions", self._guard(self.chat.chat_completions, "openai"))
+        tokenizer = TokenizerRoutes(self, self.chat)
+        app.router.add_post("/tokenize", tokenizer.tokenize)
+        app.router.add_post("/detokenize", tokenizer.detokenize)
+        app.router.add_get("/tokenizer_info", tokenizer.tokenizer_info)
         app.router.add_get("/v1/models", openai.models)
         app.router.add_get("/v1/models/{model_id:.+}", openai.model)
         app.router.add_get("/health", self.health)
@@ -190,14 +195,17 @@ class Server:
         return tok.encode(prompt)
 
     def start_generation(self, ids: list[int], params: SamplingParams, arrival: float,
-                         field_names: Mapping[str, str], request_id: str | None = None) -> Generation:
+                         field_names: Mapping[str, str], request_id: str | None = None,
+                         clip: bool = True) -> Generation:
         """Submit a tokenized request; the engine's refusals become ApiErrors, fields named as
-        ``field_names`` (the route's API) calls them. A max_new_tokens beyond the context left after the
-        prompt is clipped to it, the answer then ending with finish reason "length" (as the config documents).
+        ``field_names`` (the route's API) calls them. With ``clip``, a max_new_tokens beyond the context left after
+        the prompt is clipped to it, the answer then ending with finish reason "length" (as the config documents
+        for the llm-serving route, and for an OpenAI request that sent no max_tokens); without, it is a 400 with
+        the numbers, as vLLM answers an explicit one.
         """
         rid = request_id or f"gen-{uuid.uuid4().hex[:16]}"
         try:
-            stream = self.engine.submit(ids, params, rid, clip_to_context=True)
+            stream = self.engine.submit(ids, params, rid, clip_to_context=clip)
         except InvalidParameter as exc:  # the admission check: a limit of the configuration
             raise parameter_error(exc, field_names) from None
         except QueueFull as exc:
