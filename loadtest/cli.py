@@ -18,7 +18,7 @@ from dataclasses import asdict
 
 from loadtest import BenchError, report
 from loadtest.client import ARRIVALS, RUNNING_BATCH_GAUGE, arrival_offsets, benchmark, save_run, wait_ready
-from loadtest.dataset import DEFAULT_DATASET, TokenCounter, build_requests, load_dataset
+from loadtest.dataset import DEFAULT_DATASET, TokenCounter, build_requests, default_dataset, load_dataset
 from loadtest.protocol import DEFAULT_PORT, ENDPOINTS, BenchConfig
 
 PROG = "test_serving_performance"
@@ -100,6 +100,7 @@ def run_args(args: argparse.Namespace, prog: str = PROG) -> int:
         arrival_offsets(2, cfg.qps, cfg.arrival, cfg.burstiness)  # validate before loading anything
         n = _num_prompts(args)
         counter = TokenCounter(args.tokenizer, args.tokens_per_word)
+        args.dataset_path = default_dataset(args.dataset_path)
         requests = build_requests(load_dataset(args.dataset_path), n, counter, args.shuffle, args.seed)
         if args.wait_ready > 0:
             asyncio.run(wait_ready(cfg, args.wait_ready))

@@ -109,7 +109,10 @@ def test_prune_keeps_the_most_recently_used_and_removes_dead_starts_leftovers(tm
 
 
 def test_config_key_true_false_path_and_errors_name_the_key(tmp_path):
-    assert compile_cache_dir(ServingConfig()) == os.path.expanduser("~/.cache/llm-serving/compile-cache")
+    from llm_serving.protocol.paths import cache_root
+
+    assert compile_cache_dir(ServingConfig()) == str(cache_root() / "compile-cache")
+    assert not compile_cache_dir(ServingConfig()).startswith(os.path.expanduser("~/.cache"))  # tests/conftest.py
     off = ServingConfig.from_dict({"serving_config": {"compile_cache": False}})
     assert compile_cache_dir(off) is None
     there = ServingConfig.from_dict({"serving_config": {"compile_cache": str(tmp_path / "cc")}})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 import yaml
 
 from llm_serving.config.serving_config import ConfigError, ModelSection, PagedAttentionSection, ServingConfig
+from llm_serving.protocol.paths import cache_root
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_YAML = ROOT / "configs" / "default.yaml"
@@ -82,7 +82,7 @@ def test_default_yaml_is_the_builtin_defaults_and_serves_the_embedded_model():
     assert cfg.notes == ()
     assert cfg.uses_default_model and cfg.vocab_file is None
     assert (cfg.serving_config.server_ip, cfg.serving_config.server_port) == ("127.0.0.1", 8000)
-    assert cfg.default_model.data_dir == os.path.expanduser("~/.cache/llm-serving")
+    assert cfg.default_model.data_dir == str(cache_root())  # tests/conftest.py's, not the user's
     arch = cfg.default_model.llama_config(cfg.max_model_len)
     assert (arch.hidden_size, arch.num_hidden_layers, arch.head_dim, arch.kv_dim) == (256, 4, 64, 128)
     assert arch.max_position_embeddings == 512

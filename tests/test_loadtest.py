@@ -508,3 +508,19 @@ def test_running_server_serves_until_the_block_ends_and_names_a_start_failure(tm
     with pytest.raises(ServerStartError, match="exited"), running_server(bad, tmp_path / "bad.log", 60.0):
         pass
     assert "scheduler.policy" in (tmp_path / "bad.log").read_text()
+
+
+def test_the_default_dataset_is_made_on_first_use_outside_the_working_directory(tmp_path, server, monkeypatch,
+                                                                                  capsys):
+    """``./alpaca_5010.json`` (the contest's default) missing: the default workload is written to the cache root
+    (tests/conftest.py's temporary one) once and used; the working directory stays clean."""
+    from llm_serving.protocol.paths import cache_root
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["-P", str(server.port), "-O", str(tmp_path / "out"), "--num-prompts", "2", "--no-progress",
+            "--tokens-per-word", "1"]
+    assert loadtest_main(argv) == 0
+    cached = cache_root() / "workloads" / "alpaca_5010.json"
+    assert len(json.loads(cached.read_text())) == 5010 and "wrote the default workload" in capsys.readouterr().err
+    assert not (tmp_path / "alpaca_5010.json").exists()
+    assert loadtest_main(argv) == 0 and "wrote" not in capsys.readouterr().err  # made once

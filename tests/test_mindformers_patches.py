@@ -1,13 +1,12 @@
 """Our MindFormers patches (patches/) and the command that applies them (llm_serving/cli/commands/patch_mindformers.py),
 checked against the real pinned release: the MindFormers 1.8.0 wheel from PyPI (downloaded once into
-~/.cache/llm-serving/wheels, no dependencies, nothing imported), unpacked into a temporary directory that stands
+the cache root's wheels/, no dependencies, nothing imported), unpacked into a temporary directory that stands
 for site-packages.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shutil
 import subprocess
@@ -26,9 +25,10 @@ from llm_serving.cli.commands.patch_mindformers import (
     patches_for,
     read_patch,
 )
+from llm_serving.protocol.paths import cache_root
 
 ROOT = Path(__file__).resolve().parents[1]
-WHEEL_CACHE = Path(os.path.expanduser("~/.cache/llm-serving/wheels"))
+WHEEL_CACHE = cache_root() / "wheels"
 LLAMA = "mindformers/models/llama/llama.py"
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from agents.weights.mindformers_names import to_mindformers
 from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.protocol.paths import cache_root
 
 MINDFORMERS_VERSION = "1.8.0"  # the release our patches are for (patches/mindformers-1.8.0)
 ENV_HINT = ("create the MindFormers environment with `bash scripts/mindformers_env.sh` (it prints its python) and "
@@ -35,7 +36,7 @@ def import_mindformers() -> Any:
     """The ``mindformers`` module, at the pinned version, or a RuntimeError saying how to get it."""
     # MindFormers logs under $LOCAL_DEFAULT_PATH (default ./output, wherever the agent was started): keep it in
     # our cache unless the user chose a place
-    os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.expanduser("~/.cache/llm-serving/mindformers-output"))
+    os.environ.setdefault("LOCAL_DEFAULT_PATH", str(cache_root() / "mindformers-output"))
     try:
         import mindformers
     except ImportError as exc:

@@ -4,7 +4,7 @@ Why: MindSpore's CPU backend has no fused paged-attention op, and the portable g
 attention copies every sequence's K/V context before reading it again (see docs/model.md). The kernel sources
 live in ``agents/model/kernels/``, built together into one library (so that all ops share one pool of helper threads,
 ``kernels/common.h``) once per source hash and compiler flags into a cache directory
-(``$LLM_SERVING_KERNEL_DIR``, default ``~/.cache/llm-serving/kernels``) with the machine's ``g++``, written to a
+(``$LLM_SERVING_KERNEL_DIR``, default ``kernels/`` under the cache root, ``llm_serving.protocol.paths``) with the machine's ``g++``, written to a
 temporary name and renamed so that several agent processes may build at once. The cache key includes the CPU's
 model and flags, since the code is compiled for the machine's own instruction set.
 """
@@ -25,6 +25,8 @@ from pathlib import Path
 from mindspore import dtype as mstype
 from mindspore import ops
 
+from llm_serving.protocol.paths import cache_root
+
 KERNEL_SOURCES = Path(__file__).resolve().parent / "kernels"
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-pthread", "-shared", "-fPIC", "-std=c++17")
 
@@ -34,7 +36,7 @@ class KernelBuildError(RuntimeError):
 
 
 def kernel_dir() -> Path:
-    return Path(os.environ.get("LLM_SERVING_KERNEL_DIR", Path.home() / ".cache" / "llm-serving" / "kernels"))
+    return Path(os.environ.get("LLM_SERVING_KERNEL_DIR") or cache_root() / "kernels")
 
 
 def compiler() -> str | None:

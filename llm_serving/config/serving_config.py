@@ -41,6 +41,7 @@ from llm_serving.protocol.model_config import (
     ModelConfigError,
     blocks_needed,
 )
+from llm_serving.protocol.paths import cache_root
 
 __all__ = ["ConfigError", "DefaultModelSection", "ModelSection", "PagedAttentionSection", "SchedulerSection",
            "ServingConfig", "ServingSection", "TokenizerSection"]
@@ -104,16 +105,14 @@ class ServingSection:
     # logits of each prompt's first N generated positions in DIR/<prompt index>.npy; None: no dump / every position
     dump_logits_dir: str | None = setting(None, "path", optional=True)
     dump_logits_tokens: int | None = setting(None, "int", optional=True)
-    # the agents' graph compile cache (agents/runtime/compile_cache.py): true (under DEFAULT_COMPILE_CACHE), false, or
+    # the agents' graph compile cache (agents/runtime/compile_cache.py): true (compile-cache/ under the cache root,
+    # llm_serving.protocol.paths), false, or
     # the directory to keep it in; a warm start loads every shape's graph instead of compiling it
     compile_cache: bool | str = setting(True, "switch_or_path")
 
     @property
     def effective_num_agents(self) -> int:
         return self.num_agents if self.num_agents is not None else len(self.agent_ports)
-
-
-DEFAULT_COMPILE_CACHE = "~/.cache/llm-serving/compile-cache"  # serving_config.compile_cache: true
 
 
 @dataclass(frozen=True)
@@ -163,7 +162,7 @@ class SchedulerSection:
 class DefaultModelSection:
     """``default_model``: the small Llama built and cached locally when no model_path is given."""
 
-    data_dir: str = setting(os.path.expanduser("~/.cache/llm-serving"), "path")
+    data_dir: str = setting(str(cache_root()), "path")
     seed: int = setting(0, "int")
     hidden_size: int = setting(256, "int")
     intermediate_size: int = setting(688, "int")

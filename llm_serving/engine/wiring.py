@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from llm_serving.config.serving_config import (
-    DEFAULT_COMPILE_CACHE,
     TOKENIZER_TYPES,
     ConfigError,
     ServingConfig,
@@ -25,6 +24,7 @@ from llm_serving.core.scheduler import SchedulerConfig
 from llm_serving.models.default_model import ensure_default_model
 from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
 from llm_serving.protocol.parallel import kv_shards, tensor_parallel_problems
+from llm_serving.protocol.paths import cache_root
 from llm_serving.protocol.wire import AgentSpec
 
 
@@ -200,7 +200,7 @@ def compile_cache_dir(config: ServingConfig) -> str | None:
     value = config.serving_config.compile_cache
     if value is False:
         return None
-    return os.path.expanduser(DEFAULT_COMPILE_CACHE if value is True else value)
+    return str(cache_root() / "compile-cache") if value is True else os.path.expanduser(value)
 
 
 def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) -> AgentSpec:

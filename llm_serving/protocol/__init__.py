@@ -3,7 +3,8 @@
 - ``wire``: the pipe frames and the ``AgentSpec`` an agent process starts from;
 - ``batch``: the per-step batch and its answer (numpy, token-flat);
 - ``shm_channel``: the fixed shared-memory layout that carries them;
-- ``model_config``: the Llama hyper-parameters and the dtypes/kernel choices both sides name.
+- ``model_config``: the Llama hyper-parameters and the dtypes/kernel choices both sides name;
+- ``paths``: the cache root both sides write under.
 
 Nothing here imports MindSpore or any other part of ``llm_serving`` (a test enforces both).
 """

@@ -1,0 +1,15 @@
+"""The test suite keeps llm-serving's caches (compiled graphs, embedded models, native kernels) in a temporary
+directory of its own, never in the user's ``~/.cache/llm-serving``: set before any test module imports llm_serving
+(whose defaults read it), inherited by every server and agent process a test starts."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+
+_ROOT = tempfile.mkdtemp(prefix="llm-serving-test-cache-")
+os.environ["LLM_SERVING_CACHE_DIR"] = _ROOT
+os.environ.pop("LLM_SERVING_KERNEL_DIR", None)  # under the root too
+atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
