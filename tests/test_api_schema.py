@@ -184,15 +184,13 @@ def test_completion_sampling_maps_to_engine_params(body, expected):
     ({"prompt": "x", "top_k": -1}, "top_k", 400),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", 400),
     ({"prompt": "x", "seed": 1.5}, "seed", 400),
-    ({"prompt": "x", "logprobs": 1}, "logprobs", 400),  # the top-1 alternative is unknown when sampling
-    ({"prompt": "x", "temperature": 0, "repetition_penalty": 1.2, "logprobs": 1}, "logprobs", 400),
+    ({"prompt": "x", "logprobs": 6}, "logprobs", 400),  # OpenAI's range is 0..5
     ({"temperature": 0}, "prompt", 400),
     ({"prompt": "", "temperature": 0}, "prompt", 400),
     ({"prompt": [], "temperature": 0}, "prompt", 400),
     ({"prompt": [[1], "x", 3], "temperature": 0}, "prompt", 400),
     ({"prompt": "x", "temperature": 0, "max_tokens": "5"}, "max_tokens", 400),
     ({"prompt": "x", "temperature": 0, "n": 2}, "n", 400),
-    ({"prompt": "x", "temperature": 0, "logprobs": 3}, "logprobs", 400),
     ({"prompt": "x", "temperature": 0, "frequency_penalty": 0.5}, "frequency_penalty", 400),
     ({"prompt": "x", "temperature": 0, "stream_options": {"include_usage": True}}, "stream_options", 400),
     ({"prompt": "x", "temperature": 0, "bogus": 1}, "bogus", 400),

@@ -335,8 +335,8 @@ def test_openai_client(fast):
     assert sampled.choices[0].finish_reason in ("stop", "length") and sampled.usage.completion_tokens >= 1
     with pytest.raises(openai.BadRequestError, match="top_p must be <= 1"):
         client.completions.create(model="llama2", prompt="hi", max_tokens=4, top_p=1.5)
-    with pytest.raises(openai.BadRequestError, match="logprobs=1 .* only supported with temperature=0"):
-        client.completions.create(model="llama2", prompt="hi", max_tokens=4, logprobs=1)
+    with pytest.raises(openai.BadRequestError, match="logprobs must be <= 5"):
+        client.completions.create(model="llama2", prompt="hi", max_tokens=4, logprobs=6)
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=4, temperature=0)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
@@ -359,7 +359,7 @@ BAD_REQUESTS = [  # (path, body or raw bytes, status, error_type)
     ("/models/llama2/generate_stream", {"inputs": "word " * 2000}, 400, "prompt_too_long"),
     ("/models/llama2/generate", {"inputs": "x" * (2 << 20)}, 413, "payload_too_large"),
     ("/models/llama_7b/generate", {"inputs": "x"}, 404, "model_not_found"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 1}, 400, "unsupported"),  # no top-1 alternative when sampling
+    ("/v1/completions", {"prompt": "x", "logprobs": 6}, 400, "invalid_request"),  # OpenAI's range is 0..5
     ("/v1/completions", {"prompt": "x", "temperature": 0, "max_tokens": "5"}, 400, "invalid_request"),
     ("/v1/completions", {"prompt": [10**6], "temperature": 0}, 400, "invalid_request"),
     ("/v1/completions", {"prompt": "x", "temperature": 0, "model": "nope"}, 404, "model_not_found"),

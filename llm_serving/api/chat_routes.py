@@ -61,7 +61,7 @@ class ChatRoutes:
         req = parse_chat(await server.read_body(request))
         model = server.check_model(req.model)
         max_new = req.max_tokens if req.max_tokens is not None else server.default_max_new_tokens
-        params = req.sampling.to_params(max_new, req.ignore_eos, req.stop, req.field_names)
+        params = req.sampling.to_params(max_new, req.ignore_eos, req.stop, req.field_names, req.top_logprobs)
         ids = await self._prompt_ids(req)
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         gen = server.start_generation(ids, params, arrival, req.field_names, cid, clip=req.max_tokens is None)
@@ -130,6 +130,9 @@ class ChatRoutes:
 
 
 def _token_logprob(tok: Tokenizer, t: TokenInfo, top: int) -> dict[str, Any]:
-    """One position of the chat ``logprobs.content``; greedy's top-1 alternative is the chosen token itself."""
-    entry = {"token": tok.token_text(t.id), "logprob": t.logprob, "bytes": tok.token_bytes(t.id)}
-    return {**entry, "top_logprobs": [dict(entry)] if top >= 1 else []}
+    """One position of the chat ``logprobs.content``: the chosen token, and the ``top`` most likely tokens of the
+    model's distribution there."""
+    alternatives = [{"token": tok.token_text(i), "logprob": lp, "bytes": tok.token_bytes(i)}
+                    for i, lp in (t.top or ())[:top]]
+    return {"token": tok.token_text(t.id), "logprob": t.logprob, "bytes": tok.token_bytes(t.id),
+            "top_logprobs": alternatives}

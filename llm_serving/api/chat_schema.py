@@ -24,9 +24,8 @@ from llm_serving.api.schema import (
     parse_stream_options,
     unsupported,
 )
+from llm_serving.core.logprobs import MAX_TOP_LOGPROBS
 from llm_serving.tokenization.chat_template import MessageError, check_messages
-
-MAX_TOP_LOGPROBS = 20  # OpenAI's range; only 0 and 1 are served (see parse_chat)
 
 _CHAT_KEYS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
               "stream_options", "stop", "seed", "logprobs", "top_logprobs", "presence_penalty",
@@ -47,7 +46,7 @@ class ChatRequest:
     stream: bool = False
     usage: StreamUsage = field(default_factory=StreamUsage)
     logprobs: bool = False
-    top_logprobs: int = 0  # alternatives per position; 1 is the chosen token (greedy only)
+    top_logprobs: int = 0  # alternatives per position, the model's most likely tokens there
     ignore_eos: bool = False
 
 
@@ -82,7 +81,7 @@ def parse_chat(body: Any) -> ChatRequest:
         raise unsupported("logit_bias is not supported", "logit_bias")
     _neutral_features(body, r)
     r.str("user")
-    logprobs, top_logprobs = _logprobs(r, sampling)
+    logprobs, top_logprobs = _logprobs(r)
     stream = r.bool("stream", False)
     return ChatRequest(
         model=model, messages=messages, max_tokens=max_tokens, sampling=sampling,
@@ -117,17 +116,10 @@ def _neutral_features(body: Mapping[str, Any], r: _Reader) -> None:
                           "response_format")
 
 
-def _logprobs(r: _Reader, sampling: SamplingOptions) -> tuple[bool, int]:
-    """``logprobs`` and ``top_logprobs``; the most likely token is known to be the chosen one only when greedy."""
+def _logprobs(r: _Reader) -> tuple[bool, int]:
+    """``logprobs`` and ``top_logprobs`` (alternatives per position, from the model's raw distribution)."""
     logprobs = r.bool("logprobs", False)
     top = r.int("top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
     if top is not None and not logprobs:
         raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
-    if top is not None and top > 1:
-        raise unsupported("top_logprobs above 1 (alternatives per position) are not supported; send 0 or 1",
-                          "top_logprobs")
-    if top == 1 and (sampling.wants_sampling or (sampling.repetition_penalty or 1.0) != 1.0):
-        raise unsupported("top_logprobs=1 (the most likely token at each position) is only supported with "
-                          "temperature=0 and no repetition_penalty; send 0 for the chosen tokens' logprobs",
-                          "top_logprobs")
     return logprobs, top or 0

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llm_serving.api.metrics import ServerMetrics
+from llm_serving.core.logprobs import TopLogprobs
 from llm_serving.engine.request_stream import NO_TOKEN, EngineError, RequestStream
 from llm_serving.tokenization.tokenizer import Tokenizer
 
@@ -25,6 +26,7 @@ class TokenInfo:
     logprob: float
     text: str  # text this token released (stop strings cut): the texts concatenate to the answer
     special: bool
+    top: TopLogprobs | None = None  # its position's most likely tokens, when the request asked
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "logprob": self.logprob, "text": self.text, "special": self.special}
@@ -74,7 +76,8 @@ class Generation:
                 token = None
                 if ev.token_id != NO_TOKEN:
                     self._count_token(time.monotonic())
-                    token = TokenInfo(ev.token_id, ev.logprob, ev.text, self.tokenizer.is_special(ev.token_id))
+                    token = TokenInfo(ev.token_id, ev.logprob, ev.text, self.tokenizer.is_special(ev.token_id),
+                                      ev.top_logprobs)
                 if ev.finish_reason is not None:
                     self.finish_reason = ev.finish_reason
                 yield AnswerDelta(ev.text, token, ev.finish_reason)

@@ -51,7 +51,7 @@ class OpenAIRoutes:
         model = server.check_model(req.model)
         check_prompt_count(len(req.prompts), server.config.serving_config.max_queue_size)
         max_tokens = OPENAI_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        params = req.sampling.to_params(max_tokens, req.ignore_eos, req.stop, req.FIELD_NAMES)
+        params = req.sampling.to_params(max_tokens, req.ignore_eos, req.stop, req.FIELD_NAMES, req.logprobs or 0)
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         prompts = [await server.tokenize(p) for p in req.prompts]
         gens: list[Generation] = []
@@ -161,8 +161,18 @@ def _usage(gens: list[Generation]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def _alternatives(tok: Tokenizer, name: str, t: TokenInfo) -> dict[str, float]:
+    """One position's ``top_logprobs`` entry: text -> logprob of the most likely tokens, and the chosen one."""
+    top = t.top or ()
+    out = {tok.token_text(i): lp for i, lp in top}
+    if all(i != t.id for i, _ in top):
+        out[name] = t.logprob
+    return out
+
+
 def _logprobs(tok: Tokenizer, tokens: list[TokenInfo], offset: int, want: int | None) -> dict[str, Any] | None:
-    """The legacy completions ``logprobs`` object; greedy's top-1 alternative is the chosen token itself."""
+    """The legacy completions ``logprobs`` object: per position the ``want`` most likely tokens of the model's
+    distribution, and the chosen one where it is not among them (as vLLM answers)."""
     if want is None:
         return None
     names, offsets = [], []
@@ -170,6 +180,6 @@ def _logprobs(tok: Tokenizer, tokens: list[TokenInfo], offset: int, want: int | 
         names.append(tok.token_text(t.id))
         offsets.append(offset)
         offset += len(t.text)
-    top = [{n: t.logprob} for n, t in zip(names, tokens)] if want >= 1 else None
+    top = [_alternatives(tok, n, t) for n, t in zip(names, tokens)] if want >= 1 else None
     return {"tokens": names, "token_logprobs": [t.logprob for t in tokens], "top_logprobs": top,
             "text_offset": offsets}

@@ -38,6 +38,7 @@ from llm_serving.describe import json_kind
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 MAX_PROMPTS = 256  # prompts (choices) of one /v1/completions request; each is a sequence in the queue
 MAX_USER_CHARS = 1024  # OpenAI's opaque end-user id: accepted and ignored, within this length
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on /v1/completions' logprobs (alternatives per position)
 MAX_TOP_K = 2**31 - 1  # larger is the same as 0 (no limit), but does not fit the int32 step arrays
 HF_DEFAULT_TEMPERATURE = 1.0  # do_sample=true without a temperature
 
@@ -87,18 +88,18 @@ class SamplingOptions:
         return self.do_sample and self.temperature != 0
 
     def to_params(self, max_new_tokens: int, ignore_eos: bool = False, stop: tuple[str, ...] = (),
-                  field_names: Mapping[str, str] | None = None) -> SamplingParams:
+                  field_names: Mapping[str, str] | None = None, top_logprobs: int = 0) -> SamplingParams:
         """The engine's parameters; a value SamplingParams refuses becomes a 400 naming the field as
         ``field_names`` (the dialect) calls it."""
         penalty = 1.0 if self.repetition_penalty is None else self.repetition_penalty
         try:
             if not self.wants_sampling:
                 return SamplingParams(max_new_tokens, ignore_eos, repetition_penalty=penalty, seed=self.seed,
-                                      stop=stop)
+                                      stop=stop, top_logprobs=top_logprobs)
             temperature = HF_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
             return SamplingParams(max_new_tokens, ignore_eos, temperature=temperature, top_k=self.top_k or 0,
                                   top_p=1.0 if self.top_p is None else self.top_p, repetition_penalty=penalty,
-                                  seed=self.seed, stop=stop)
+                                  seed=self.seed, stop=stop, top_logprobs=top_logprobs)
         except InvalidParameter as exc:
             raise parameter_error(exc, field_names or {}) from None
 
@@ -263,14 +264,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     user = r.str("user")
     if user is not None and len(user) > MAX_USER_CHARS:
         raise invalid(f"'user' has {len(user)} characters; at most {MAX_USER_CHARS}", "user")
-    logprobs = r.int("logprobs", lo=0, hi=5)
-    if logprobs is not None and logprobs > 1:
-        raise unsupported("logprobs above 1 (alternatives per position) are not supported; send 0 or 1", "logprobs")
-    # The most likely token is reported as the chosen one: true only for plain greedy decoding.
-    if logprobs == 1 and (sampling.wants_sampling or (sampling.repetition_penalty or 1.0) != 1.0):
-        raise unsupported("logprobs=1 (the most likely token at each position) is only supported with "
-                          "temperature=0 and no repetition_penalty; send logprobs=0 for the chosen tokens' "
-                          "logprobs", "logprobs")
+    logprobs = r.int("logprobs", lo=0, hi=MAX_COMPLETION_LOGPROBS)  # alternatives per position: OpenAI's range
     echo = r.bool("echo", False)
     if echo and logprobs is not None:
         raise unsupported("echo together with logprobs (prompt logprobs) is not supported", "echo")

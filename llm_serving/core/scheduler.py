@@ -21,10 +21,11 @@ Sampling: all-greedy steps carry no ``SamplingBatch`` (the agents keep the in-gr
 sampled or penalised sequence carries every sequence's parameters, its seed (fixed at admission, so a
 preempted and recomputed sequence draws the same) and its draw index (tokens generated so far).
 
-Logits dump: a step marks in ``want_logits`` the sequences still short of their ``logits_tokens`` rows; the row
-it returns for a sequence is that of the token the step produces, so a recompute's prefill adds one row, never
+Logits back: a step marks in ``want_logits`` the sequences still short of their ``logits_tokens`` rows (a logits
+dump) and those that report alternatives (``top_logprobs``, computed here from the row: ``core.logprobs``); the
+row it returns for a sequence is that of the token the step produces, so a recompute's prefill adds one row, never
 the rows of tokens generated before its preemption. Steps where no sequence asks carry None (checked in O(1)
-for decode while no running sequence dumps), and the agents then read no logits back.
+for decode while no running sequence reads logits), and the agents then read no logits back.
 
 When a decode step needs a KV block and none is free, the most recently admitted running sequence is
 preempted by recompute: its blocks are freed and it goes back to the front of the queue; its next prefill
@@ -56,6 +57,7 @@ from itertools import chain, islice
 import numpy as np
 
 from llm_serving.core.block_manager import DUMMY_BLOCK, BlockManager
+from llm_serving.core.logprobs import top_logprobs
 from llm_serving.core.sequence import FINISH_REASONS, Sequence, SequenceStatus
 from llm_serving.protocol.batch import SamplingBatch, StepBatch, StepOutput
 from llm_serving.protocol.model_config import blocks_needed
@@ -134,7 +136,7 @@ class Scheduler:
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self._row: dict[str, int] = {}
         self._running_sampled = 0  # running sequences whose params need logits; 0 keeps decode on the fast path
-        self._running_dumps = 0  # running sequences with a logits dump; 0: no step asks for logits
+        self._running_dumps = 0  # running sequences that read logits back; 0: no step asks for logits
 
     # ---- requests -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -232,11 +234,14 @@ class Scheduler:
                 self.block_manager.cache_computed(seq)
             if computed < len(seq.prompt_ids) + len(seq.output_ids):
                 continue  # a prompt chunk short of its end: the token it gives is not the sequence's next
-            if seq.num_output_tokens < seq.logits_tokens:  # the step asked for this row (``_want_logits``)
+            if seq.wants_logits_row():  # the step asked for this row (``_want_logits``)
                 if row not in output.logits:
                     raise ValueError(f"step output has no logits for row {row} ({seq.request_id!r}), which "
                                      "want_logits asked for")
-                seq.logits.append(output.logits[row])
+                if seq.num_output_tokens < seq.logits_tokens:
+                    seq.logits.append(output.logits[row])
+                if seq.params.top_logprobs:
+                    seq.output_top.append(top_logprobs(output.logits[row], seq.params.top_logprobs))
             seq.append_token(token, logprob)
             if token in eos and not seq.params.ignore_eos:
                 reason = "eos"
@@ -359,7 +364,7 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self._running.append(seq)
         self._running_sampled += seq.params.needs_logits
-        self._running_dumps += seq.logits_tokens > 0
+        self._running_dumps += seq.reads_logits
 
     def _reserve_running(self, budget: int) -> tuple[list[Sequence], int, int]:
         """Give every running sequence, oldest first, its slots for this step: its decode token, or while it is
@@ -413,7 +418,7 @@ class Scheduler:
         """Take a running sequence off the running list and give back its KV blocks and table row."""
         self._running.remove(seq)
         self._running_sampled -= seq.params.needs_logits
-        self._running_dumps -= seq.logits_tokens > 0
+        self._running_dumps -= seq.reads_logits
         self.block_manager.cache_computed(seq)  # its decoded blocks too: a recompute or a follow-up hits them
         self.block_manager.free(seq)
         self._free_rows.append(self._row.pop(seq.request_id))
@@ -475,7 +480,7 @@ class Scheduler:
         step produces; None when none (O(1) while no running sequence dumps)."""
         if not self._running_dumps:
             return None
-        want = np.fromiter((seq.num_output_tokens < seq.logits_tokens for seq in seqs), np.bool_, len(seqs))
+        want = np.fromiter((seq.wants_logits_row() for seq in seqs), np.bool_, len(seqs))
         return want if want.any() else None
 
     def _sampling(self, seqs: list[Sequence], prefill: bool) -> SamplingBatch | None:

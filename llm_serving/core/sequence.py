@@ -14,6 +14,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from llm_serving.core.logprobs import MAX_TOP_LOGPROBS, TopLogprobs
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -72,6 +74,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    top_logprobs: int = 0  # alternatives reported per generated token (their raw-logits logprobs), 0..20
     # Whether the agent must read the logits (sampling or penalty) instead of taking the in-graph argmax.
     needs_logits: bool = field(init=False, repr=False, compare=False)
 
@@ -101,6 +104,11 @@ class SamplingParams:
         if self.seed is not None and _not_int(self.seed):
             raise TypeError(f"seed must be an int or None, got {self.seed!r}")
         object.__setattr__(self, "stop", _checked_stops(self.stop))
+        if _not_int(self.top_logprobs):
+            raise TypeError(f"top_logprobs must be an int, got {self.top_logprobs!r}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidParameter("top_logprobs", f"{{field}} must be in 0..{MAX_TOP_LOGPROBS}, got "
+                                                   f"{self.top_logprobs}")
         object.__setattr__(self, "needs_logits", self.temperature > 0 or self.repetition_penalty != 1.0)
 
 
@@ -155,6 +163,7 @@ class Sequence:
     arrival_time: float | None = None  # scheduler clock; stamped by Scheduler.add when None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[TopLogprobs] = field(default_factory=list)  # per generated token, with params.top_logprobs
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # one of FINISH_REASONS once finished
     block_table: list[int] = field(default_factory=list)
@@ -212,6 +221,15 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def reads_logits(self) -> bool:
+        """Whether its steps may need its logits back: a logits dump, or alternatives to report."""
+        return self.logits_tokens > 0 or self.params.top_logprobs > 0
+
+    def wants_logits_row(self) -> bool:
+        """Whether the step producing its next token must return that token's logits."""
+        return self.num_output_tokens < self.logits_tokens or self.params.top_logprobs > 0
 
     def append_token(self, token_id: int, logprob: float) -> None:
         self.output_ids.append(int(token_id))

@@ -65,8 +65,9 @@ class LiveRequests:
             entry.delivered = len(seq.output_ids)
             reason = None if seq.status is running else seq.finish_reason
             try:
+                top = seq.output_top[-1] if seq.params.top_logprobs else None
                 ended = entry.stream.push_token(seq.output_ids[-1], seq.output_logprobs[-1], reason, now,
-                                                wakeups)
+                                                wakeups, top)
             except Exception as exc:
                 log.exception("post-processing request %s failed", seq.request_id)
                 self.fail([seq], SequenceError(f"post-processing its output failed: {type(exc).__name__}: "

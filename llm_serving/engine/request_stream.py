@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from llm_serving.core.logprobs import TopLogprobs
 from llm_serving.engine.stop_strings import StopMatcher
 from llm_serving.tokenization.tokenizer import Tokenizer
 
@@ -55,6 +56,7 @@ class TokenEvent:
     text: str
     finished: bool
     finish_reason: str | None
+    top_logprobs: TopLogprobs | None = None  # the most likely tokens of its position, when the request asked
 
 
 @dataclass
@@ -70,14 +72,15 @@ class GenerationResult:
     first_token_time: float | None = None  # when the engine produced the first token
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # when the engine produced each token
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per token, when the request asked
     # float32 [n, vocab]: the logits of the first n generated positions (row k: the distribution token k was
     # picked from) when the request asked for a logits dump; n = min(asked, generated). None otherwise.
     logits: np.ndarray | None = None
 
 
-# Item pushed by the engine: (token_id, logprob, finish_reason, monotonic time, text) or an EngineError; the
-# text is None when the consumer decodes it (no stop strings).
-_Item = tuple[int, float, "str | None", float, "str | None"]
+# Item pushed by the engine: (token_id, logprob, finish_reason, monotonic time, text, top logprobs) or an
+# EngineError; the text is None when the consumer decodes it (no stop strings).
+_Item = tuple[int, float, "str | None", float, "str | None", "TopLogprobs | None"]
 
 _WAIT_NONE, _WAIT_ANY, _WAIT_FINAL = 0, 1, 2
 
@@ -188,7 +191,7 @@ class RequestStream:
 
     # ---- producer side (engine thread, under the engine lock) ------------------------------------------
     def push_token(self, token_id: int, logprob: float, finish_reason: str | None, now: float,
-                   wakeups: Wakeups) -> str | None:
+                   wakeups: Wakeups, top: TopLogprobs | None = None) -> str | None:
         """A new token; returns the reason the request ends with: ``finish_reason``, or "stop" when the text
         completed one of its stop strings (the engine then ends the request), None while it goes on."""
         if self._final_pushed:
@@ -196,7 +199,7 @@ class RequestStream:
         text = None
         if self._stop_matcher is not None:
             text, finish_reason = self._match_stops(self._decoder.push(token_id), finish_reason)
-        self._append((token_id, logprob, finish_reason, now, text), wakeups)
+        self._append((token_id, logprob, finish_reason, now, text, top), wakeups)
         return finish_reason
 
     def push_end(self, reason: str, now: float, wakeups: Wakeups) -> None:
@@ -206,7 +209,7 @@ class RequestStream:
         text = None
         if self._stop_matcher is not None:
             text, reason = self._match_stops("", reason)
-        self._append((NO_TOKEN, 0.0, reason, now, text), wakeups)
+        self._append((NO_TOKEN, 0.0, reason, now, text, None), wakeups)
 
     def push_error(self, error: EngineError, wakeups: Wakeups) -> None:
         """The engine cannot serve the request; the consumer gets ``error`` raised."""
@@ -259,10 +262,12 @@ class RequestStream:
             self._done = True
             self._error = item
             raise item
-        token, logprob, reason, t, text = item
+        token, logprob, reason, t, text, top = item
         if token != NO_TOKEN:
             res.token_ids.append(token)
             res.logprobs.append(logprob)
+            if top is not None:
+                res.top_logprobs.append(top)
             res.token_times.append(t)
             if res.first_token_time is None:
                 res.first_token_time = t
@@ -279,7 +284,7 @@ class RequestStream:
                 rows = self._logits_rows
                 res.logits = np.stack(rows) if rows else np.zeros((0, self._logits_width), np.float32)
             self._done = True
-        return TokenEvent(token, logprob, text, reason is not None, reason)
+        return TokenEvent(token, logprob, text, reason is not None, reason, top)
 
     def _finished_result(self) -> GenerationResult:
         if self._error is not None:

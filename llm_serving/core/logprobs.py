@@ -1,0 +1,26 @@
+"""The most likely tokens of one step and their log-probabilities, from the logits the agent returned.
+
+Only requests that ask for alternatives (OpenAI's ``logprobs`` > 0 on completions, ``top_logprobs`` on chat) get
+their rows' logits back (``StepBatch.want_logits``); every other step keeps the in-graph greedy pick and reads no
+logits. The distribution is the model's raw one (log-softmax of the logits, before temperature, penalties and
+top-k/top-p), as vLLM reports by default and as the chosen token's own logprob is computed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on alternatives per position
+
+TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+def top_logprobs(logits: np.ndarray, k: int) -> TopLogprobs:
+    """The ``k`` most likely tokens of one float32 ``[vocab]`` row, best first (ties: lower id first)."""
+    x = np.asarray(logits, dtype=np.float64)
+    top = float(x.max())
+    lse = top + float(np.log(np.exp(x - top).sum()))
+    k = min(k, x.shape[0])
+    ids = np.argpartition(-x, k - 1)[:k]
+    ids = ids[np.lexsort((ids, -x[ids]))]
+    return tuple((int(i), float(x[i] - lse)) for i in ids)

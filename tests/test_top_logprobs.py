@@ -1,0 +1,109 @@
+"""Alternatives per generated token (OpenAI's ``logprobs`` / ``top_logprobs``): the most likely tokens of the
+model's raw distribution at each position, equal to transformers' log-softmax of the same model (ids, order and
+values), greedy and sampled, the chosen token's own logprob from the same distribution; only the sequences that
+ask read logits back; and the shapes the OpenAI routes answer with."""
+
+from __future__ import annotations
+
+import numpy as np
+import openai
+import pytest
+import torch
+from test_server import ServerProcess
+
+from llm_serving.config.serving_config import ServingConfig
+from llm_serving.core.logprobs import top_logprobs
+from llm_serving.core.sequence import InvalidParameter, SamplingParams
+from llm_serving.engine.loop import Engine
+from llm_serving.engine.wiring import resolve_model
+
+TINY = {"hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+        "vocab_size": 1000, "seed": 3}
+PROMPTS = [[1, 17, 230, 45, 9, 301], [1, 88, 12, 900, 4, 4, 51, 7, 300]]
+
+
+def test_top_logprobs_orders_the_distribution_and_bounds_k():
+    logits = np.array([0.0, 3.0, 1.0, 3.0, -2.0], np.float32)
+    top = top_logprobs(logits, 3)
+    lse = np.log(np.exp(logits.astype(np.float64)).sum())
+    assert [i for i, _ in top] == [1, 3, 2]  # a tie keeps the lower id first
+    np.testing.assert_allclose([lp for _, lp in top], logits[[1, 3, 2]] - lse)
+    assert len(top_logprobs(logits, 20)) == 5
+    with pytest.raises(InvalidParameter, match="top_logprobs must be in 0..20"):
+        SamplingParams(top_logprobs=21)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Two greedy requests (one asking for 20 alternatives), a seeded sampled one asking for 5."""
+    cfg = ServingConfig.from_dict({
+        "default_model": {"data_dir": str(tmp_path_factory.mktemp("top")), **TINY},
+        "model_config": {"seq_length": [32], "prefill_batch_size": [4], "decode_batch_size": [4]},
+        "pa_config": {"num_blocks": 32, "block_size": 8, "decode_seq_length": 64},
+        "serving_config": {"compile_cache": False}})
+    with Engine(cfg) as engine:
+        engine.start(progress=None)
+        streams = [engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=6, ignore_eos=True, top_logprobs=20)),
+                   engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=6, ignore_eos=True)),
+                   engine.submit(PROMPTS[1], SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.9,
+                                                            seed=5, top_logprobs=5))]
+        results = [s.result(timeout=120) for s in streams]
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(resolve_model(cfg).model_path, dtype=torch.float32).eval()
+    return results, hf
+
+
+def hf_log_softmax(hf, ids: list[int]) -> np.ndarray:
+    """float64 log-softmax of every position's next-token logits."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].double()
+    return torch.log_softmax(logits, -1).numpy()
+
+
+@pytest.mark.parametrize("which, k", [(0, 20), (2, 5)])
+def test_the_alternatives_are_transformers_log_softmax(served, which, k):
+    results, hf = served
+    res = results[which]
+    prompt = PROMPTS[0] if which == 0 else PROMPTS[1]
+    assert len(res.top_logprobs) == len(res.token_ids) == 6
+    table = hf_log_softmax(hf, prompt + res.token_ids)
+    for pos, (token, logprob, top) in enumerate(zip(res.token_ids, res.logprobs, res.top_logprobs)):
+        row = table[len(prompt) - 1 + pos]
+        want = np.argsort(-row, kind="stable")[:k]
+        assert [i for i, _ in top] == want.tolist(), pos
+        np.testing.assert_allclose([lp for _, lp in top], row[want], atol=1e-4)
+        assert logprob == pytest.approx(row[token], abs=1e-4)  # the chosen token, from the same distribution
+    if which == 0:  # greedy: the chosen token is the first alternative
+        assert [top[0][0] for top in res.top_logprobs] == res.token_ids
+    else:
+        assert any(top[0][0] != t for top, t in zip(res.top_logprobs, res.token_ids))  # sampled off the argmax
+
+
+def test_a_request_without_alternatives_gets_none_and_the_same_tokens(served):
+    results, _ = served
+    assert results[1].top_logprobs == [] and results[1].token_ids == results[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = ServerProcess(tmp_path_factory.mktemp("top-serve"), "--standin-agents")
+    yield server
+    assert server.stop() == 0, server.output
+
+
+def test_the_routes_answer_alternatives_in_openais_shapes(server):
+    """Stand-in agents (one peaked logit per row): the chosen token is each position's most likely one."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    done = client.completions.create(model="llama2", prompt="hello", max_tokens=4, logprobs=5, seed=1)
+    lp = done.choices[0].logprobs
+    assert all(len(top) == 5 and max(top, key=top.get) == token for top, token in zip(lp.top_logprobs, lp.tokens))
+    chat = client.chat.completions.create(model="llama2", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=3, logprobs=True, top_logprobs=3, temperature=0.7, seed=2)
+    for c in chat.choices[0].logprobs.content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+        assert [a.logprob for a in c.top_logprobs] == sorted((a.logprob for a in c.top_logprobs), reverse=True)
+    streamed = [c for c in client.chat.completions.create(
+        model="llama2", messages=[{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True, top_logprobs=2,
+        temperature=0, stream=True) if c.choices and c.choices[0].logprobs]
+    assert streamed and all(len(c.choices[0].logprobs.content[0].top_logprobs) == 2 for c in streamed)
