@@ -187,3 +187,47 @@ def test_block_accounting_after_aborts_preemptions_evictions_and_agent_restarts(
             continue
         out, reason = expected_output(seq.prompt_ids, seq.params)
         assert (seq.output_ids, seq.finish_reason) == (out, reason)
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "unchunked"])
+def test_the_choices_of_one_prompt_share_its_kv_blocks(chunked):
+    """OpenAI's n: the choices after the first wait for its prompt, then start on its cached blocks and compute
+    only the prompt's last partial block themselves; outputs are those of separate requests."""
+    cfg = chunked_prefix(chunked_prefill=chunked, max_num_batched_tokens=32 if chunked else 64)
+    prompt = [10 + i % 23 for i in range(22)]  # 5 full blocks of 4 and 2 tokens
+    s, model = Scheduler(cfg), FakeKVModel(cfg.num_blocks, cfg.block_size)
+    choices = [Sequence(f"c{j}", prompt, SamplingParams(5, ignore_eos=True, temperature=0.8, seed=7 + j))
+               for j in range(4)]
+    s.add(choices[0])
+    for seq in choices[1:]:
+        s.add(seq, follows="c0")
+    first, _ = step_once(s, model)
+    assert first == [choices[0]]  # the others wait for its prompt
+    seqs, batch = step_once(s, model)
+    started = [seq for seq in seqs if seq is not choices[0]]
+    assert started == choices[1:] and batch.is_prefill
+    assert all(seq.num_cached_blocks == 5 for seq in started)  # each computed 2 tokens of its own
+    held = {b for seq in choices for b in seq.block_table}
+    assert len(held) == 5 + 4 < 4 * 6  # the shared prompt blocks and each choice's own last block
+    while s.has_unfinished():
+        step_once(s, model)
+    alone, model2 = Scheduler(cfg), FakeKVModel(cfg.num_blocks, cfg.block_size)
+    separate = [Sequence(f"s{j}", prompt, SamplingParams(5, ignore_eos=True, temperature=0.8, seed=7 + j))
+                for j in range(4)]
+    for seq in separate:
+        alone.add(seq)
+        while alone.has_unfinished():
+            step_once(alone, model2)
+    assert [c.output_ids for c in choices] == [c.output_ids for c in separate]
+    assert len({tuple(c.output_ids) for c in choices}) > 1  # the seeds differ
+
+
+def test_a_choice_whose_first_choice_ended_does_not_wait():
+    cfg = chunked_prefix()
+    s = Scheduler(cfg)
+    first = Sequence("c0", [5, 6, 7, 8, 9], SamplingParams(3))
+    s.add(first)
+    s.add(Sequence("c1", [5, 6, 7, 8, 9], SamplingParams(3)), follows="c0")
+    s.abort("c0")
+    seqs, _ = s.schedule()
+    assert [q.request_id for q in seqs] == ["c1"]

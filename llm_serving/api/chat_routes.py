@@ -2,10 +2,11 @@
 
 The messages become the prompt through the served model's chat template (``chat_template``, loaded once the
 engine has started: ``template``, which ``serve`` calls at start-up so a bad template stops it); from there a
-chat request is a completion with one choice: the same admission, limits, metrics and abort on disconnect
+chat request is a completion of its choices: the same admission, limits, metrics and abort on disconnect
 (``RouteContext.start_generation``, ``Generation``), finish reasons and usage as ``/v1/completions``. Streams are
-Server-Sent Events of ``chat.completion.chunk`` objects: the first delta carries the role, the last one the
-finish reason, then an optional usage chunk (``stream_options.include_usage``) and ``data: [DONE]``.
+Server-Sent Events of ``chat.completion.chunk`` objects: each choice's first delta carries the role, its last one
+the finish reason (``n`` choices interleaved by ``index``, sharing the prompt's KV blocks), then an optional usage
+chunk (``stream_options.include_usage``) and ``data: [DONE]``.
 ``logprobs`` is the chat object (``content``: token, logprob, bytes, top_logprobs per token).
 """
 
@@ -21,7 +22,8 @@ from aiohttp import web
 
 from llm_serving.api.chat_schema import ChatRequest, parse_chat
 from llm_serving.api.generation import Generation, TokenInfo
-from llm_serving.api.openai_routes import OPENAI_FINISH, _usage
+from llm_serving.api.guards import check_prompt_count
+from llm_serving.api.openai_routes import OPENAI_FINISH, _usage, merge_streams, start_choices
 from llm_serving.api.responses import (
     ClientGone,
     engine_errors,
@@ -63,19 +65,21 @@ class ChatRoutes:
         max_new = req.max_tokens if req.max_tokens is not None else server.default_max_new_tokens
         params = req.sampling.to_params(max_new, req.ignore_eos, req.stop, req.field_names, req.top_logprobs)
         ids = await self._prompt_ids(req)
+        check_prompt_count(req.n, server.config.serving_config.max_queue_size)
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        gen = server.start_generation(ids, params, arrival, req.field_names, cid, clip=req.max_tokens is None)
+        gens = start_choices(server, ids, params, arrival, req.field_names, cid, req.n, clip=req.max_tokens is None)
         try:
             meta = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model}
             if req.stream:
-                return await self._stream(request, gen, req, {**meta, "object": "chat.completion.chunk"})
-            answer = await engine_errors(gen.collect())
+                return await self._stream(request, gens, req, {**meta, "object": "chat.completion.chunk"})
+            answers = await engine_errors(asyncio.gather(*(g.collect() for g in gens)))
         finally:
-            gen.close()
-        choice = {"index": 0, "message": {"role": "assistant", "content": answer.text},
-                  "logprobs": self._logprobs(req, answer.tokens),
-                  "finish_reason": OPENAI_FINISH[answer.finish_reason]}
-        return json_response({**meta, "choices": [choice], "usage": _usage([gen])})
+            for g in gens:  # a failed or abandoned choice ends the others too
+                g.close()
+        choices = [{"index": j, "message": {"role": "assistant", "content": answer.text},
+                    "logprobs": self._logprobs(req, answer.tokens), "finish_reason": OPENAI_FINISH[answer.finish_reason]}
+                   for j, answer in enumerate(answers)]
+        return json_response({**meta, "choices": choices, "usage": _usage(gens, req.n)})
 
     async def _prompt_ids(self, req: ChatRequest) -> list[int]:
         """The conversation rendered by the model's template and tokenized (long ones off the event loop)."""
@@ -94,27 +98,28 @@ class ChatRoutes:
             raise ApiError(400, f"the chat template refused the messages: {exc}", "invalid_request",
                            "messages") from None
 
-    async def _stream(self, request: web.Request, gen: Generation, req: ChatRequest,
+    async def _stream(self, request: web.Request, gens: list[Generation], req: ChatRequest,
                       meta: dict[str, Any]) -> web.StreamResponse:
         resp = await open_stream(request, "text/event-stream")
 
-        def chunk(delta: dict[str, Any] | None, logprobs: Any = None, reason: str | None = None,
-                  **extra: Any) -> bytes:
-            choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs,
+        def chunk(index: int | None, delta: dict[str, Any] | None = None, logprobs: Any = None,
+                  reason: str | None = None, **extra: Any) -> bytes:
+            choices = [] if index is None else [{"index": index, "delta": delta, "logprobs": logprobs,
                                                  "finish_reason": reason}]
             return f"data: {json.dumps({**meta, 'choices': choices, **extra}, ensure_ascii=False)}\n\n".encode()
 
         try:
             usage = req.usage.chunk_usage
-            await write(resp, chunk({"role": "assistant", "content": ""}, **usage(lambda: _usage([gen]))))
-            async for delta in gen.deltas():
+            for j in range(len(gens)):
+                await write(resp, chunk(j, {"role": "assistant", "content": ""}, **usage(lambda: _usage(gens, req.n))))
+            async for j, delta in merge_streams([g.deltas() for g in gens]):
                 tokens = [delta.token] if delta.token else []
                 reason = OPENAI_FINISH[delta.finish_reason] if delta.finish_reason else None
                 content = {"content": delta.text} if delta.text or tokens else {}
-                await write(resp, chunk(content, self._logprobs(req, tokens) if tokens else None, reason,
-                                        **usage(lambda: _usage([gen]))))
+                await write(resp, chunk(j, content, self._logprobs(req, tokens) if tokens else None, reason,
+                                        **usage(lambda: _usage(gens, req.n))))
             if req.usage.include:
-                await write(resp, chunk(None, usage=_usage([gen])))
+                await write(resp, chunk(None, usage=_usage(gens, req.n)))
             await write(resp, b"data: [DONE]\n\n")
         except EngineError as exc:
             await write(resp, openai_stream_error(exc))

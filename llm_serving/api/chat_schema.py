@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llm_serving.api.schema import (
+    MAX_CHOICES,
     MAX_TOP_K,
     SamplingOptions,
     StreamUsage,
@@ -48,6 +49,7 @@ class ChatRequest:
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per position, the model's most likely tokens there
     ignore_eos: bool = False
+    n: int = 1  # choices
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -72,8 +74,7 @@ def parse_chat(body: Any) -> ChatRequest:
         top_p=r.float("top_p", lo=0.0, lo_open=True, hi=1.0),
         repetition_penalty=r.float("repetition_penalty", lo=0.0, lo_open=True), seed=r.int("seed"),
     )
-    if (r.int("n", lo=1) or 1) != 1:
-        raise unsupported("n above 1 (several choices) is not supported; send one request per choice", "n")
+    n = r.int("n", lo=1, hi=MAX_CHOICES) or 1
     for key in ("presence_penalty", "frequency_penalty"):
         if (r.float(key, lo=-2.0, hi=2.0) or 0.0) != 0.0:
             raise unsupported(f"{key} is not supported yet; send 0 or leave it out", key)
@@ -87,7 +88,7 @@ def parse_chat(body: Any) -> ChatRequest:
         model=model, messages=messages, max_tokens=max_tokens, sampling=sampling,
         field_names={"max_new_tokens": max_name, "prompt": "messages"}, stop=r.stop("stop"), stream=stream,
         usage=parse_stream_options(body, stream), logprobs=logprobs, top_logprobs=top_logprobs,
-        ignore_eos=r.bool("ignore_eos", False),
+        ignore_eos=r.bool("ignore_eos", False), n=n,
     )
 
 

@@ -1,17 +1,20 @@
 """The OpenAI routes: ``POST /v1/completions`` (legacy completions) and ``GET /v1/models``.
 
-A completion has one choice per prompt, all admitted or none; streams are Server-Sent Events ending
-``data: [DONE]``, the choices' chunks interleaved as they come. ``logprobs`` is the legacy object
-(``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``).
+A completion has ``n`` choices per prompt (choice ``i * n + j`` is prompt ``i``'s ``j``-th), all admitted or none;
+the choices of a prompt share its KV blocks (``start_choices``); with ``best_of`` > n, best_of are generated and the
+n of highest total logprob returned. Streams are Server-Sent Events ending ``data: [DONE]``, the choices' chunks
+interleaved as they come. ``logprobs`` is the legacy object (``tokens``, ``token_logprobs``, ``top_logprobs``,
+``text_offset``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -28,6 +31,7 @@ from llm_serving.api.responses import (
     write,
 )
 from llm_serving.api.schema import OPENAI_DEFAULT_MAX_TOKENS, ApiError, CompletionRequest, parse_completion
+from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.request_stream import EngineError
 from llm_serving.tokenization.tokenizer import Tokenizer
 
@@ -49,7 +53,7 @@ class OpenAIRoutes:
         server = self.server
         req = parse_completion(await server.read_body(request))
         model = server.check_model(req.model)
-        check_prompt_count(len(req.prompts), server.config.serving_config.max_queue_size)
+        check_prompt_count(len(req.prompts) * req.best_of, server.config.serving_config.max_queue_size)
         max_tokens = OPENAI_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         params = req.sampling.to_params(max_tokens, req.ignore_eos, req.stop, req.FIELD_NAMES, req.logprobs or 0)
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
@@ -57,16 +61,16 @@ class OpenAIRoutes:
         gens: list[Generation] = []
         try:
             for i, ids in enumerate(prompts):
-                gens.append(server.start_generation(ids, params, arrival, req.FIELD_NAMES, f"{cid}-{i}",
-                                                    clip=req.max_tokens is None))
+                gens += start_choices(server, ids, params, arrival, req.FIELD_NAMES, f"{cid}-{i}", req.best_of,
+                                      clip=req.max_tokens is None)
         except ApiError:
             for g in gens:  # all or nothing: the request is counted once, as refused
                 g.close(record=False)
             raise
         try:
             meta = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model}
-            echoes = [self._echo_text(req, p) for p in req.prompts]
-            if req.stream:
+            echoes = [self._echo_text(req, p) for p in req.prompts for _ in range(req.best_of)]
+            if req.stream:  # best_of == n (parse_completion)
                 return await self._stream(request, gens, req, meta, echoes)
             answers = await engine_errors(asyncio.gather(*(g.collect() for g in gens)))
         finally:
@@ -74,11 +78,15 @@ class OpenAIRoutes:
                 g.close()
         tok = server.tokenizer
         choices = []
-        for i, (answer, echo) in enumerate(zip(answers, echoes)):
-            lp = _logprobs(tok, answer.tokens, len(echo), req.logprobs)
-            choices.append({"index": i, "text": echo + answer.text, "logprobs": lp,
-                            "finish_reason": OPENAI_FINISH[answer.finish_reason]})
-        return json_response({**meta, "choices": choices, "usage": _usage(gens)})
+        for i in range(len(prompts)):
+            group = range(i * req.best_of, (i + 1) * req.best_of)
+            best = sorted(group, key=lambda g: -sum(t.logprob for t in answers[g].tokens))[: req.n]
+            for j, g in enumerate(sorted(best) if req.best_of == req.n else best):
+                answer, echo = answers[g], echoes[g]
+                lp = _logprobs(tok, answer.tokens, len(echo), req.logprobs)
+                choices.append({"index": i * req.n + j, "text": echo + answer.text, "logprobs": lp,
+                                "finish_reason": OPENAI_FINISH[answer.finish_reason]})
+        return json_response({**meta, "choices": choices, "usage": _usage(gens, req.best_of)})
 
     def _model_card(self, name: str) -> dict[str, Any]:
         server = self.server
@@ -108,16 +116,16 @@ class OpenAIRoutes:
             for i, echo in enumerate(echoes):
                 if echo:
                     await write(resp, chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}],
-                                            **req.usage.chunk_usage(lambda: _usage(gens))))
-            async for i, delta in _merge([g.deltas() for g in gens]):
+                                            **req.usage.chunk_usage(lambda: _usage(gens, req.n))))
+            async for i, delta in merge_streams([g.deltas() for g in gens]):
                 tokens = [delta.token] if delta.token else []
                 lp = _logprobs(tok, tokens, offsets[i], req.logprobs)
                 offsets[i] += len(delta.text)
                 reason = OPENAI_FINISH[delta.finish_reason] if delta.finish_reason else None
                 await write(resp, chunk([{"index": i, "text": delta.text, "logprobs": lp, "finish_reason": reason}],
-                                        **req.usage.chunk_usage(lambda: _usage(gens))))
+                                        **req.usage.chunk_usage(lambda: _usage(gens, req.n))))
             if req.usage.include:
-                await write(resp, chunk([], usage=_usage(gens)))
+                await write(resp, chunk([], usage=_usage(gens, req.n)))
             await write(resp, b"data: [DONE]\n\n")
         except EngineError as exc:
             await write(resp, openai_stream_error(exc))
@@ -132,7 +140,7 @@ class OpenAIRoutes:
         return prompt if isinstance(prompt, str) else self.server.tokenizer.decode(prompt)
 
 
-async def _merge(iters: list[AsyncIterator[AnswerDelta]]) -> AsyncIterator[tuple[int, AnswerDelta]]:
+async def merge_streams(iters: list[AsyncIterator[AnswerDelta]]) -> AsyncIterator[tuple[int, AnswerDelta]]:
     """Items of several async iterators as they come, tagged with the iterator's index."""
     if len(iters) == 1:
         async for item in iters[0]:
@@ -155,8 +163,27 @@ async def _merge(iters: list[AsyncIterator[AnswerDelta]]) -> AsyncIterator[tuple
             fut.cancel()  # the generator's own cleanup (Generation.close) aborts its request
 
 
-def _usage(gens: list[Generation]) -> dict[str, int]:
-    prompt = sum(g.prompt_len for g in gens)
+def start_choices(server: RouteContext, ids: list[int], params: SamplingParams, arrival: float,
+                  field_names: Mapping[str, str], request_id: str, n: int, clip: bool) -> list[Generation]:
+    """``n`` choices of one prompt: each its own seed stream (``seed + j`` when a seed is given, as vLLM's
+    parallel sampling; else each its own random seed), the first computing the prompt and the others starting on
+    its KV blocks (``follows``). A refusal closes those already started."""
+    gens: list[Generation] = []
+    try:
+        for j in range(n):
+            choice = params if params.seed is None else dataclasses.replace(params, seed=params.seed + j)
+            gens.append(server.start_generation(ids, choice, arrival, field_names, f"{request_id}-{j}", clip=clip,
+                                                follows=f"{request_id}-0" if j else None))
+    except ApiError:
+        for g in gens:
+            g.close(record=False)
+        raise
+    return gens
+
+
+def _usage(gens: list[Generation], per_prompt: int = 1) -> dict[str, int]:
+    """Tokens of the prompts (each counted once, ``per_prompt`` choices apiece) and of every choice generated."""
+    prompt = sum(g.prompt_len for g in gens[::per_prompt])
     completion = sum(g.num_tokens for g in gens)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 

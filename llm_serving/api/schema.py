@@ -36,7 +36,8 @@ from llm_serving.core.sequence import InvalidParameter, SamplingParams
 from llm_serving.describe import json_kind
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
-MAX_PROMPTS = 256  # prompts (choices) of one /v1/completions request; each is a sequence in the queue
+MAX_PROMPTS = 256  # prompts of one /v1/completions request; each choice of each is a sequence in the queue
+MAX_CHOICES = 128  # n / best_of: choices of one prompt
 MAX_USER_CHARS = 1024  # OpenAI's opaque end-user id: accepted and ignored, within this length
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on /v1/completions' logprobs (alternatives per position)
 MAX_TOP_K = 2**31 - 1  # larger is the same as 0 (no limit), but does not fit the int32 step arrays
@@ -165,6 +166,8 @@ class CompletionRequest:
     echo: bool = False
     logprobs: int | None = None
     ignore_eos: bool = False
+    n: int = 1  # choices per prompt
+    best_of: int = 1  # choices generated per prompt, the n with the highest total logprob returned (>= n)
 
 
 # ---- entry points ------------------------------------------------------------------------------------------
@@ -250,10 +253,10 @@ def parse_completion(body: Any) -> CompletionRequest:
         top_p=r.float("top_p", lo=0.0, lo_open=True, hi=1.0),
         repetition_penalty=r.float("repetition_penalty", lo=0.0, lo_open=True), seed=r.int("seed"),
     )
-    n, best_of = r.int("n", lo=1), r.int("best_of", lo=1)
-    if (n or 1) != 1 or (best_of or 1) != 1:
-        raise unsupported("n and best_of above 1 (several choices per prompt) are not supported; send one "
-                          "prompt per choice", "n")
+    n = r.int("n", lo=1, hi=MAX_CHOICES) or 1
+    best_of = r.int("best_of", lo=1, hi=MAX_CHOICES) or n
+    if best_of < n:
+        raise invalid(f"best_of ({best_of}) must be >= n ({n})", "best_of")
     for key in ("presence_penalty", "frequency_penalty"):
         if (r.float(key, lo=-2.0, hi=2.0) or 0.0) != 0.0:
             raise unsupported(f"{key} is not supported yet; send 0 or leave it out", key)
@@ -269,11 +272,13 @@ def parse_completion(body: Any) -> CompletionRequest:
     if echo and logprobs is not None:
         raise unsupported("echo together with logprobs (prompt logprobs) is not supported", "echo")
     stream = r.bool("stream", False)
+    if stream and best_of > n:
+        raise invalid("best_of above n cannot be streamed (the best choices are known only at the end)", "best_of")
     return CompletionRequest(
         model=model, prompts=prompts, sampling=sampling,
         max_tokens=max_tokens,
         stop=r.stop("stop"), stream=stream, usage=parse_stream_options(body, stream), echo=echo, logprobs=logprobs,
-        ignore_eos=r.bool("ignore_eos", False),
+        ignore_eos=r.bool("ignore_eos", False), n=n, best_of=best_of,
     )
 
 

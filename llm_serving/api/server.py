@@ -196,16 +196,17 @@ class Server:
 
     def start_generation(self, ids: list[int], params: SamplingParams, arrival: float,
                          field_names: Mapping[str, str], request_id: str | None = None,
-                         clip: bool = True) -> Generation:
+                         clip: bool = True, follows: str | None = None) -> Generation:
         """Submit a tokenized request; the engine's refusals become ApiErrors, fields named as
         ``field_names`` (the route's API) calls them. With ``clip``, a max_new_tokens beyond the context left after
         the prompt is clipped to it, the answer then ending with finish reason "length" (as the config documents
         for the llm-serving route, and for an OpenAI request that sent no max_tokens); without, it is a 400 with
-        the numbers, as vLLM answers an explicit one.
+        the numbers, as vLLM answers an explicit one. ``follows``: the request id of another choice of the same
+        prompt (OpenAI's ``n``), whose prompt KV blocks this one shares (``Scheduler.add``).
         """
         rid = request_id or f"gen-{uuid.uuid4().hex[:16]}"
         try:
-            stream = self.engine.submit(ids, params, rid, clip_to_context=clip)
+            stream = self.engine.submit(ids, params, rid, clip_to_context=clip, follows=follows)
         except InvalidParameter as exc:  # the admission check: a limit of the configuration
             raise parameter_error(exc, field_names) from None
         except QueueFull as exc:

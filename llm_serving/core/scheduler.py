@@ -139,10 +139,15 @@ class Scheduler:
         self._running_dumps = 0  # running sequences that read logits back; 0: no step asks for logits
 
     # ---- requests -------------------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, follows: str | None = None) -> None:
         """Queue a new request admitted against the served limits (``llm_serving.engine.admission``: prompt length,
         context, vocabulary); raises RequestRejected for what only the scheduler knows (a duplicate id, a KV
-        cache too small for the request) and ValueError for a request that skipped admission."""
+        cache too small for the request) and ValueError for a request that skipped admission.
+
+        ``follows``: the id of another choice of the same prompt (OpenAI's ``n``). With prefix caching this one
+        waits until that choice has computed the prompt, then starts on its cached blocks and computes only the
+        prompt's last partial block: the choices share the prompt's KV blocks (reference-counted, each writing
+        its own from the first block they may differ in, as copy-on-write would)."""
         cfg, rid = self.config, seq.request_id
         if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.output_ids:
             raise ValueError(f"request {rid!r}: only a fresh waiting sequence can be added, got {seq!r}")
@@ -163,6 +168,9 @@ class Scheduler:
         if seq.seed is None:  # fixed now, so preemption and recompute never change the request's draws
             seed = seq.params.seed if seq.params.seed is not None else secrets.randbits(64)
             seq.seed = (seed + 2**63) % 2**64 - 2**63  # as int64: the agents' RNG reads it modulo 2**64
+        leader = self._live.get(follows) if follows is not None else None
+        if leader is not None and leader.prompt_ids == seq.prompt_ids:
+            seq.follows = leader
         self._waiting.append(seq)
         self._live[rid] = seq
 
@@ -299,14 +307,16 @@ class Scheduler:
     # ---- internals ------------------------------------------------------------------------------------
     def _admission_order(self) -> Iterator[Sequence]:
         yield from self._preempted
+        # a choice following another of its prompt waits for that one's cached prompt blocks
+        waiting = [s for s in self._waiting if not s.waits_for_leader] if self.config.prefix_caching else self._waiting
         if self.config.policy == "fcfs":
-            yield from self._waiting
+            yield from waiting
             return
         max_wait, now = self.config.max_wait_s, self._clock()
-        starving = [s for s in self._waiting if max_wait is not None and now - s.arrival_time >= max_wait]
+        starving = [s for s in waiting if max_wait is not None and now - s.arrival_time >= max_wait]
         yield from starving
         starving_ids = {id(s) for s in starving}
-        rest = [s for s in self._waiting if id(s) not in starving_ids]
+        rest = [s for s in waiting if id(s) not in starving_ids]
         yield from sorted(rest, key=lambda s: -s.params.max_new_tokens)  # stable: ties keep arrival order
 
     def _admit(self, budget: int, chunks: int) -> list[Sequence]:
@@ -350,6 +360,7 @@ class Scheduler:
         tokens scheduled."""
         bm = self.block_manager
         self._dequeue(seq)
+        seq.follows = None  # started: it no longer waits (nor keeps the other choice alive)
         bm.share(seq, hit)
         seq.num_cached_blocks = len(hit)
         seq.num_computed_tokens = len(hit) * bm.block_size

@@ -181,6 +181,9 @@ class Sequence:
     # step that produced output token k (a recompute's prefill adds only the row of the token it produces).
     logits_tokens: int = 0
     logits: list[np.ndarray] = field(default_factory=list, repr=False)
+    # Parallel sampling (OpenAI's n): the first choice of its prompt, whose computed prompt blocks this one waits for
+    # so it starts on them through the prefix cache (``Scheduler.add``'s ``follows``); None for a request of its own
+    follows: Sequence | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]
@@ -221,6 +224,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def waits_for_leader(self) -> bool:
+        """Whether the choice it follows has yet to compute its prompt (and has not ended)."""
+        leader = self.follows
+        return leader is not None and not leader.is_finished and leader.num_computed_tokens < leader.num_prompt_tokens
 
     @property
     def reads_logits(self) -> bool:

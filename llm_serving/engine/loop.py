@@ -193,13 +193,15 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
                request_id: str | None = None, clip_to_context: bool = False,
-               logits_tokens: int = 0) -> RequestStream:
+               logits_tokens: int = 0, follows: str | None = None) -> RequestStream:
         """Queue a request. Raises RequestRejected (AdmissionError: a limit of the configuration, naming the
         field), QueueFull, or EngineError (not running).
 
         ``clip_to_context`` lowers a max_new_tokens beyond the context left after the prompt to fit, instead
         of refusing it (``RequestLimits.admit``). ``logits_tokens`` > 0 dumps the float32 logits of the first
         that many generated positions into ``GenerationResult.logits`` (the steps it is in read logits back).
+        ``follows``: the id of another choice of the same prompt, whose prompt KV blocks this one starts on
+        (``Scheduler.add``).
         """
         params = params if params is not None else SamplingParams()
         if isinstance(logits_tokens, bool) or not isinstance(logits_tokens, int) or logits_tokens < 0:
@@ -221,7 +223,7 @@ class Engine:
             if self._scheduler.num_waiting >= limit:
                 raise QueueFull(f"{self._scheduler.num_waiting} requests are waiting "
                                 f"(serving_config.max_queue_size {limit})")
-            self._scheduler.add(seq)
+            self._scheduler.add(seq, follows)
             self._requests.add(seq, stream)
             self._work.notify()
         return stream
