@@ -192,7 +192,10 @@ def test_completion_sampling_maps_to_engine_params(body, expected):
     ({"prompt": "x", "temperature": 0, "max_tokens": "5"}, "max_tokens", 400),
     ({"prompt": "x", "temperature": 0, "n": 0}, "n", 400),
     ({"prompt": "x", "temperature": 0, "n": 3, "best_of": 2}, "best_of", 400),
-    ({"prompt": "x", "temperature": 0, "frequency_penalty": 0.5}, "frequency_penalty", 400),
+    ({"prompt": "x", "temperature": 0, "frequency_penalty": 2.5}, "frequency_penalty", 400),
+    ({"prompt": "x", "temperature": 0, "logit_bias": {"a": 1}}, "logit_bias", 400),
+    ({"prompt": "x", "temperature": 0, "stop_token_ids": "2"}, "stop_token_ids", 400),
+    ({"prompt": "x", "temperature": 0, "min_p": 1.5}, "min_p", 400),
     ({"prompt": "x", "temperature": 0, "stream_options": {"include_usage": True}}, "stream_options", 400),
     ({"prompt": "x", "temperature": 0, "bogus": 1}, "bogus", 400),
 ])

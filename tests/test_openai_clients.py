@@ -90,10 +90,10 @@ def test_an_explicit_max_tokens_past_the_context_is_a_400_an_absent_one_is_clipp
 def test_unsupported_parameters_are_bad_requests_with_openais_error_object(server):
     client = client_for(server)
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="llama2", prompt="hi", max_tokens=2, presence_penalty=0.5, temperature=0)
+        client.completions.create(model="llama2", prompt="hi", max_tokens=2, suffix="!", temperature=0)
     assert err.value.status_code == 400
     assert err.value.body == {"message": err.value.body["message"], "type": "invalid_request_error",
-                              "param": "presence_penalty", "code": "unsupported"}
+                              "param": "suffix", "code": "unsupported"}
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
     assert err.value.body["code"] == "model_not_found" and isinstance(err.value.body["code"], str)

@@ -3,10 +3,13 @@
 Why here: the logits are already in the agent's memory, and only token ids + logprobs cross to the master (no
 ``batch x vocab`` transfer per step). All-greedy steps never come here: they use the in-graph argmax.
 
-Semantics follow Hugging Face ``generate`` / vLLM: repetition penalty over prompt + generated tokens (the CTRL
-rule: positive logits divided by the penalty, negative ones multiplied), then temperature, then top-k, then top-p
-(nucleus) over the temperature-scaled, top-k-filtered distribution. Temperature 0 is greedy over the penalised
-logits. The returned logprob is the chosen token's log-softmax under the model's raw logits, as for greedy.
+Semantics follow Hugging Face ``generate`` / vLLM: the logit adjustments first (``logit_bias``; -inf on the end ids
+of a sequence short of its ``min_tokens``), then the repetition penalty over prompt + generated tokens (the CTRL
+rule: positive logits divided by the penalty, negative ones multiplied), OpenAI's presence and frequency penalties
+over the generated tokens, then temperature, then ``min_p`` (tokens less likely than that fraction of the most
+likely one dropped), then top-k, then top-p (nucleus) over what is left. Temperature 0 is greedy over the
+adjusted, penalised logits. The returned logprob is the chosen token's log-softmax under the model's raw logits,
+as for greedy.
 
 Containment: a row whose sampling raises gets ``FAILED_TOKEN`` and the other rows are sampled as usual, so one
 request's parameters never fail its step's other requests. The reasons wait in ``take_failures`` (keyed by the
@@ -17,10 +20,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 
-from llm_serving.protocol.batch import FAILED_TOKEN, SamplingBatch, StepBatch, StepOutput
+from llm_serving.protocol.batch import FAILED_TOKEN, SamplingBatch, SamplingExtras, StepBatch, StepOutput
 
 # Top-p looks at this many best candidates first and falls back to a full sort when they hold < top_p mass.
 _TOP_P_CANDIDATES = 256
@@ -44,6 +48,11 @@ def apply_repetition_penalty(logits: np.ndarray, token_ids: np.ndarray, penalty:
     return out
 
 
+def apply_min_p(scaled: np.ndarray, min_p: float) -> np.ndarray:
+    """``scaled`` with -inf for tokens whose probability is below ``min_p`` times the most likely one's."""
+    return np.where(scaled >= scaled.max() + np.log(min_p), scaled, -np.inf)
+
+
 def filtered_probs(scaled: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
     """Candidate token ids and their renormalised probabilities after top-k, then top-p."""
     vocab = scaled.shape[0]
@@ -63,14 +72,53 @@ def filtered_probs(scaled: np.ndarray, top_k: int, top_p: float) -> tuple[np.nda
     return pool[keep], probs / probs.sum()
 
 
+@dataclass(frozen=True)
+class RowExtras:
+    """One sequence's rarer controls (``protocol.batch.SamplingExtras``' row)."""
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    output_start: int = 0  # where its generated ids start among its penalty ids
+    adjust_ids: np.ndarray | None = None
+    adjust_values: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, extras: SamplingExtras | None, i: int) -> RowExtras | None:
+        if extras is None:
+            return None
+        lo, hi = extras.adjust_offsets[i], extras.adjust_offsets[i + 1]
+        return cls(float(extras.presence_penalty[i]), float(extras.frequency_penalty[i]), float(extras.min_p[i]),
+                   int(extras.output_start[i]), extras.adjust_ids[lo:hi], extras.adjust_values[lo:hi])
+
+
+def adjusted_logits(logits: np.ndarray, penalty: float, penalty_ids: np.ndarray,
+                    extras: RowExtras | None) -> np.ndarray:
+    """float64 logits of one row after the adjustments and every penalty (before temperature)."""
+    if extras is None:
+        return apply_repetition_penalty(logits, penalty_ids, penalty)
+    out = logits.astype(np.float64)
+    if extras.adjust_ids is not None and extras.adjust_ids.size:
+        np.add.at(out, extras.adjust_ids, extras.adjust_values.astype(np.float64))
+    out = apply_repetition_penalty(out, penalty_ids, penalty)
+    if extras.presence_penalty or extras.frequency_penalty:
+        ids, counts = np.unique(penalty_ids[extras.output_start:], return_counts=True)
+        out[ids] -= extras.frequency_penalty * counts + extras.presence_penalty
+    return out
+
+
 def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float, penalty: float,
-               penalty_ids: np.ndarray, seed: int, draw_index: int) -> tuple[int, float]:
+               penalty_ids: np.ndarray, seed: int, draw_index: int,
+               extras: RowExtras | None = None) -> tuple[int, float]:
     """Next token of one sequence and its raw-logits logprob."""
-    penalised = apply_repetition_penalty(logits, penalty_ids, penalty)
+    penalised = adjusted_logits(logits, penalty, penalty_ids, extras)
     if temperature <= 0:
         token = int(np.argmax(penalised))
     else:
-        ids, probs = filtered_probs(penalised / temperature, top_k, top_p)
+        scaled = penalised / temperature
+        if extras is not None and extras.min_p > 0:
+            scaled = apply_min_p(scaled, extras.min_p)
+        ids, probs = filtered_probs(scaled, top_k, top_p)
         u = np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, draw_index]).random()
         token = int(ids[min(int(np.searchsorted(np.cumsum(probs), u, side="right")), len(ids) - 1)])
     return token, _log_softmax_at(logits, token)
@@ -81,14 +129,14 @@ def sample(logits: np.ndarray, greedy_ids: np.ndarray, greedy_logprobs: np.ndarr
     """Token ids and logprobs for a batch: rows without sampling or penalty keep the in-graph greedy result."""
     ids = greedy_ids.astype(np.int32).copy()
     logprobs = greedy_logprobs.astype(np.float32).copy()
-    special = np.nonzero((sampling.temperature > 0) | (sampling.repetition_penalty != 1.0))[0]
+    special = np.nonzero(sampling.special_rows())[0]
     for i in special.tolist():
         lo, hi = sampling.penalty_offsets[i], sampling.penalty_offsets[i + 1]
         try:
             ids[i], logprobs[i] = sample_row(
                 logits[i], float(sampling.temperature[i]), int(sampling.top_k[i]), float(sampling.top_p[i]),
                 float(sampling.repetition_penalty[i]), sampling.penalty_token_ids[lo:hi], int(sampling.seeds[i]),
-                int(sampling.draw_index[i]))
+                int(sampling.draw_index[i]), RowExtras.of(sampling.extras, i))
         except Exception as exc:  # noqa: BLE001 - this row fails alone; the others are unaffected
             ids[i], logprobs[i] = FAILED_TOKEN, 0.0
             reason = (f"sampling failed: {type(exc).__name__}: {exc} (temperature {sampling.temperature[i]}, "

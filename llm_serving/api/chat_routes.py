@@ -77,8 +77,8 @@ class ChatRoutes:
             for g in gens:  # a failed or abandoned choice ends the others too
                 g.close()
         choices = [{"index": j, "message": {"role": "assistant", "content": answer.text},
-                    "logprobs": self._logprobs(req, answer.tokens), "finish_reason": OPENAI_FINISH[answer.finish_reason]}
-                   for j, answer in enumerate(answers)]
+                    "logprobs": self._logprobs(req, answer.tokens),
+                    "finish_reason": OPENAI_FINISH[answer.finish_reason]} for j, answer in enumerate(answers)]
         return json_response({**meta, "choices": choices, "usage": _usage(gens, req.n)})
 
     async def _prompt_ids(self, req: ChatRequest) -> list[int]:

@@ -15,22 +15,22 @@ from typing import Any
 
 from llm_serving.api.schema import (
     MAX_CHOICES,
-    MAX_TOP_K,
+    OPENAI_SAMPLING_KEYS,
     SamplingOptions,
     StreamUsage,
     _no_unknown,
     _object,
     _Reader,
     invalid,
+    openai_sampling,
     parse_stream_options,
     unsupported,
 )
 from llm_serving.core.logprobs import MAX_TOP_LOGPROBS
 from llm_serving.tokenization.chat_template import MessageError, check_messages
 
-_CHAT_KEYS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
-              "stream_options", "stop", "seed", "logprobs", "top_logprobs", "presence_penalty",
-              "frequency_penalty", "logit_bias", "user", "top_k", "repetition_penalty", "ignore_eos", "tools",
+_CHAT_KEYS = ("model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "stop",
+              "logprobs", "top_logprobs", "user", *OPENAI_SAMPLING_KEYS, "tools",
               "tool_choice", "parallel_tool_calls", "response_format")
 
 
@@ -67,19 +67,8 @@ def parse_chat(body: Any) -> ChatRequest:
             raise unsupported(str(exc), "messages") from None
         raise invalid(str(exc), "messages") from None
     max_tokens, max_name = _max_tokens(r)
-    temperature = r.float("temperature", lo=0.0, hi=2.0)
-    temperature = 1.0 if temperature is None else temperature  # OpenAI's default: sampling
-    sampling = SamplingOptions(
-        do_sample=temperature > 0, temperature=temperature, top_k=r.int("top_k", lo=0, hi=MAX_TOP_K),
-        top_p=r.float("top_p", lo=0.0, lo_open=True, hi=1.0),
-        repetition_penalty=r.float("repetition_penalty", lo=0.0, lo_open=True), seed=r.int("seed"),
-    )
+    sampling = openai_sampling(body, r)
     n = r.int("n", lo=1, hi=MAX_CHOICES) or 1
-    for key in ("presence_penalty", "frequency_penalty"):
-        if (r.float(key, lo=-2.0, hi=2.0) or 0.0) != 0.0:
-            raise unsupported(f"{key} is not supported yet; send 0 or leave it out", key)
-    if body.get("logit_bias"):
-        raise unsupported("logit_bias is not supported", "logit_bias")
     _neutral_features(body, r)
     r.str("user")
     logprobs, top_logprobs = _logprobs(r)

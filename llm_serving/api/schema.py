@@ -82,6 +82,13 @@ class SamplingOptions:
     top_p: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
+    # OpenAI's and vLLM's further controls (``SamplingParams`` checks their values)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def wants_sampling(self) -> bool:
@@ -93,14 +100,15 @@ class SamplingOptions:
         """The engine's parameters; a value SamplingParams refuses becomes a 400 naming the field as
         ``field_names`` (the dialect) calls it."""
         penalty = 1.0 if self.repetition_penalty is None else self.repetition_penalty
+        common = {"repetition_penalty": penalty, "seed": self.seed, "stop": stop, "top_logprobs": top_logprobs,
+                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                  "logit_bias": self.logit_bias, "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids}
         try:
             if not self.wants_sampling:
-                return SamplingParams(max_new_tokens, ignore_eos, repetition_penalty=penalty, seed=self.seed,
-                                      stop=stop, top_logprobs=top_logprobs)
+                return SamplingParams(max_new_tokens, ignore_eos, **common)
             temperature = HF_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
             return SamplingParams(max_new_tokens, ignore_eos, temperature=temperature, top_k=self.top_k or 0,
-                                  top_p=1.0 if self.top_p is None else self.top_p, repetition_penalty=penalty,
-                                  seed=self.seed, stop=stop, top_logprobs=top_logprobs)
+                                  top_p=1.0 if self.top_p is None else self.top_p, min_p=self.min_p, **common)
         except InvalidParameter as exc:
             raise parameter_error(exc, field_names or {}) from None
 
@@ -233,9 +241,37 @@ def parse_generate(body: Any, stream: bool | None = None) -> GenerateRequest:
     )
 
 
-_COMPLETION_KEYS = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
-                    "logprobs", "echo", "stop", "presence_penalty", "frequency_penalty", "best_of",
-                    "logit_bias", "user", "seed", "suffix", "top_k", "repetition_penalty", "ignore_eos")
+# OpenAI's sampling keys, and vLLM's extras, of both OpenAI routes
+OPENAI_SAMPLING_KEYS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
+                        "top_k", "repetition_penalty", "ignore_eos", "min_p", "min_tokens", "stop_token_ids")
+_COMPLETION_KEYS = ("model", "prompt", "max_tokens", "n", "stream", "stream_options", "logprobs", "echo", "stop",
+                    "best_of", "user", "suffix", *OPENAI_SAMPLING_KEYS)
+
+
+def openai_sampling(body: Mapping[str, Any], r: _Reader) -> SamplingOptions:
+    """The sampling controls of an OpenAI body (temperature defaults to OpenAI's 1: sampling)."""
+    temperature = r.float("temperature", lo=0.0, hi=2.0)
+    temperature = 1.0 if temperature is None else temperature
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise invalid(f"logit_bias must be an object mapping token ids to biases, got {json_kind(bias)}",
+                      "logit_bias")
+    try:
+        pairs = tuple((int(k), v) for k, v in bias.items())
+    except ValueError:
+        raise invalid("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
+        raise invalid(f"stop_token_ids must be a list of token ids, got {json_kind(stop_ids)}", "stop_token_ids")
+    return SamplingOptions(
+        do_sample=temperature > 0, temperature=temperature, top_k=r.int("top_k", lo=0, hi=MAX_TOP_K),
+        top_p=r.float("top_p", lo=0.0, lo_open=True, hi=1.0),
+        repetition_penalty=r.float("repetition_penalty", lo=0.0, lo_open=True), seed=r.int("seed"),
+        presence_penalty=r.float("presence_penalty", lo=-2.0, hi=2.0) or 0.0,
+        frequency_penalty=r.float("frequency_penalty", lo=-2.0, hi=2.0) or 0.0,
+        min_p=r.float("min_p", lo=0.0, hi=1.0) or 0.0, logit_bias=pairs, min_tokens=r.int("min_tokens", lo=0) or 0,
+        stop_token_ids=tuple(stop_ids),
+    )
 
 
 def parse_completion(body: Any) -> CompletionRequest:
@@ -246,22 +282,11 @@ def parse_completion(body: Any) -> CompletionRequest:
     model = r.str("model")
     prompts = _prompts(body.get("prompt"))
     max_tokens = r.int("max_tokens")  # its value is the engine's to check (SamplingParams, admission)
-    temperature = r.float("temperature", lo=0.0, hi=2.0)
-    temperature = 1.0 if temperature is None else temperature  # OpenAI's default: sampling
-    sampling = SamplingOptions(
-        do_sample=temperature > 0, temperature=temperature, top_k=r.int("top_k", lo=0, hi=MAX_TOP_K),
-        top_p=r.float("top_p", lo=0.0, lo_open=True, hi=1.0),
-        repetition_penalty=r.float("repetition_penalty", lo=0.0, lo_open=True), seed=r.int("seed"),
-    )
+    sampling = openai_sampling(body, r)
     n = r.int("n", lo=1, hi=MAX_CHOICES) or 1
     best_of = r.int("best_of", lo=1, hi=MAX_CHOICES) or n
     if best_of < n:
         raise invalid(f"best_of ({best_of}) must be >= n ({n})", "best_of")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if (r.float(key, lo=-2.0, hi=2.0) or 0.0) != 0.0:
-            raise unsupported(f"{key} is not supported yet; send 0 or leave it out", key)
-    if body.get("logit_bias"):
-        raise unsupported("logit_bias is not supported", "logit_bias")
     if body.get("suffix"):
         raise unsupported("suffix (insertion) is not supported", "suffix")
     user = r.str("user")

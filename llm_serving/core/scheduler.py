@@ -59,7 +59,7 @@ import numpy as np
 from llm_serving.core.block_manager import DUMMY_BLOCK, BlockManager
 from llm_serving.core.logprobs import top_logprobs
 from llm_serving.core.sequence import FINISH_REASONS, Sequence, SequenceStatus
-from llm_serving.protocol.batch import SamplingBatch, StepBatch, StepOutput
+from llm_serving.protocol.batch import SamplingBatch, SamplingExtras, StepBatch, StepOutput
 from llm_serving.protocol.model_config import blocks_needed
 
 POLICIES = ("fcfs", "longest_output_first")
@@ -253,6 +253,8 @@ class Scheduler:
             seq.append_token(token, logprob)
             if token in eos and not seq.params.ignore_eos:
                 reason = "eos"
+            elif token in seq.params.stop_token_ids:
+                reason = "stop"
             elif seq.num_output_tokens >= seq.params.max_new_tokens:
                 reason = "length"
             else:
@@ -500,13 +502,13 @@ class Scheduler:
             return None
         if not any(seq.params.needs_logits for seq in seqs):
             return None
-        return _sampling_batch(seqs)
+        return _sampling_batch(seqs, self._eos_ids)
 
 
-def _sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
+def _sampling_batch(seqs: list[Sequence], eos_ids: set[int]) -> SamplingBatch:
     """Per-sequence sampling arrays; penalty ids are prompt + generated tokens of penalised sequences only."""
     n, params = len(seqs), [seq.params for seq in seqs]
-    penalised = [p.repetition_penalty != 1.0 for p in params]
+    penalised = [p.penalises_history for p in params]
     offsets = np.zeros(n + 1, np.int32)
     np.cumsum([seq.num_tokens if pen else 0 for seq, pen in zip(seqs, penalised)], out=offsets[1:])
     lists = chain.from_iterable((seq.prompt_ids, seq.output_ids) for seq, pen in zip(seqs, penalised) if pen)
@@ -519,4 +521,31 @@ def _sampling_batch(seqs: list[Sequence]) -> SamplingBatch:
         draw_index=np.fromiter((seq.num_output_tokens for seq in seqs), np.int32, n),
         penalty_offsets=offsets,
         penalty_token_ids=np.fromiter(chain.from_iterable(lists), np.int32, int(offsets[-1])),
+        extras=_extras(seqs, eos_ids) if any(p.uses_extras for p in params) else None,
+    )
+
+
+def _extras(seqs: list[Sequence], eos_ids: set[int]) -> SamplingExtras:
+    """The rarer controls: presence/frequency penalties over the generated ids (which start after the prompt among
+    the penalty ids), min_p, and each sequence's logit adjustments (its logit_bias; while it is short of min_tokens,
+    -inf on the ids that would end it)."""
+    n, params = len(seqs), [seq.params for seq in seqs]
+    adjustments = []
+    for seq, p in zip(seqs, params):
+        entries = dict(p.logit_bias)
+        if seq.num_output_tokens < p.min_tokens:
+            ends = (set() if p.ignore_eos else eos_ids) | set(p.stop_token_ids)
+            entries.update(dict.fromkeys(ends, -np.inf))
+        adjustments.append(entries)
+    offsets = np.zeros(n + 1, np.int32)
+    np.cumsum([len(a) for a in adjustments], out=offsets[1:])
+    return SamplingExtras(
+        presence_penalty=np.fromiter((p.presence_penalty for p in params), np.float32, n),
+        frequency_penalty=np.fromiter((p.frequency_penalty for p in params), np.float32, n),
+        min_p=np.fromiter((p.min_p for p in params), np.float32, n),
+        output_start=np.fromiter((seq.num_prompt_tokens if p.penalises_history else 0
+                                  for seq, p in zip(seqs, params)), np.int32, n),
+        adjust_offsets=offsets,
+        adjust_ids=np.fromiter(chain.from_iterable(adjustments), np.int32, int(offsets[-1])),
+        adjust_values=np.fromiter(chain.from_iterable(a.values() for a in adjustments), np.float32, int(offsets[-1])),
     )

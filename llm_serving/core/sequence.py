@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 FINISH_REASONS = ("eos", "length", "stop", "abort")
 
 MAX_STOP_STRINGS = 16  # stop strings of one request; each is matched against every new piece of text
+MAX_LOGIT_BIAS = 300  # logit_bias entries of one request
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids of one request (with the model's end ids, within MAX_LOGIT_ADJUSTMENTS)
 MAX_STOP_LENGTH = 256  # characters of one stop string
 
 _INT32_MAX = 2**31 - 1
@@ -54,9 +56,13 @@ class SamplingParams:
     """Per-request generation limits and sampling controls (Hugging Face / vLLM semantics).
 
     ``temperature`` 0 is greedy (top_k/top_p then do not matter); ``top_k`` 0 and ``top_p`` 1.0 mean no limit;
-    ``repetition_penalty`` 1.0 means none (it also applies to greedy requests, as in HF). ``seed`` makes the
-    draws reproducible whatever else is batched with the request; without one the scheduler picks a random
-    seed when the request is admitted. ``stop`` strings (one string or several) end the request where one
+    ``repetition_penalty`` 1.0 means none (it also applies to greedy requests, as in HF); OpenAI's
+    ``presence_penalty``/``frequency_penalty`` (-2..2) subtract from the logit of every token generated so far
+    once / per occurrence; ``min_p`` drops tokens less likely than that fraction of the most likely one (sampling
+    only); ``logit_bias`` adds to chosen tokens' logits (-100..100); ``min_tokens`` bans the end ids (the model's,
+    and ``stop_token_ids``, which end a request with finish reason "stop") until that many are generated.
+    ``seed`` makes the draws reproducible whatever else is batched with the request; without one the scheduler
+    picks a random seed when the request is admitted. ``stop`` strings (one string or several) end the request where one
     first appears in the generated text, with finish reason "stop" and the stop string cut from the text.
     Frozen, so one instance can be shared by many requests.
 
@@ -75,6 +81,12 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     top_logprobs: int = 0  # alternatives reported per generated token (their raw-logits logprobs), 0..20
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), or a mapping of them
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
     # Whether the agent must read the logits (sampling or penalty) instead of taking the in-graph argmax.
     needs_logits: bool = field(init=False, repr=False, compare=False)
 
@@ -83,7 +95,7 @@ class SamplingParams:
             raise TypeError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 1:
             raise InvalidParameter("max_new_tokens", f"{{field}} must be >= 1, got {self.max_new_tokens}")
-        for name in ("temperature", "top_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise TypeError(f"{name} must be a finite number, got {value!r}")
@@ -104,12 +116,40 @@ class SamplingParams:
         if self.seed is not None and _not_int(self.seed):
             raise TypeError(f"seed must be an int or None, got {self.seed!r}")
         object.__setattr__(self, "stop", _checked_stops(self.stop))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidParameter(name, f"{{field}} must be in -2..2 (0 = none), got {getattr(self, name):g}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidParameter("min_p", f"{{field}} must be in 0..1 (0 = none), got {self.min_p:g}")
+        object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
+        if _not_int(self.min_tokens):
+            raise TypeError(f"min_tokens must be an int, got {self.min_tokens!r}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidParameter("min_tokens", f"{{field}} must be in 0..max_new_tokens ({self.max_new_tokens}), "
+                                                 f"got {self.min_tokens}")
+        stop_ids = tuple(self.stop_token_ids)
+        if any(_not_int(t) or t < 0 for t in stop_ids) or len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidParameter("stop_token_ids", f"{{field}} must be at most {MAX_STOP_TOKEN_IDS} token ids "
+                                                     f"(ints >= 0), got {list(stop_ids)[:5]}")
+        object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(stop_ids)))
         if _not_int(self.top_logprobs):
             raise TypeError(f"top_logprobs must be an int, got {self.top_logprobs!r}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidParameter("top_logprobs", f"{{field}} must be in 0..{MAX_TOP_LOGPROBS}, got "
                                                    f"{self.top_logprobs}")
-        object.__setattr__(self, "needs_logits", self.temperature > 0 or self.repetition_penalty != 1.0)
+        object.__setattr__(self, "needs_logits", self.temperature > 0 or self.repetition_penalty != 1.0
+                           or self.uses_extras)
+
+    @property
+    def uses_extras(self) -> bool:
+        """Whether the agents need its rarer controls (``protocol.batch.SamplingExtras``)."""
+        return bool(self.presence_penalty or self.frequency_penalty or (self.min_p and self.temperature > 0)
+                    or self.logit_bias or self.min_tokens)
+
+    @property
+    def penalises_history(self) -> bool:
+        """Whether its penalties read the tokens so far (repetition: prompt and output; presence, frequency)."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty)
 
 
 def as_float32(value: float) -> float:
@@ -131,6 +171,23 @@ def _check_float32(name: str, value: float) -> None:
 
 def _not_int(value: object) -> bool:
     return isinstance(value, bool) or not isinstance(value, int)
+
+
+def _checked_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as ``((token id, bias), ...)`` sorted by id, from a mapping or pairs; ids are the admission's
+    to check against the vocabulary."""
+    items = list(bias.items()) if isinstance(bias, dict) else list(bias)  # type: ignore[union-attr]
+    if len(items) > MAX_LOGIT_BIAS:
+        raise InvalidParameter("logit_bias", f"{{field}} has {len(items)} entries; at most {MAX_LOGIT_BIAS}")
+    out = {}
+    for item in items:
+        token, value = item
+        if _not_int(token) or token < 0 or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not -100 <= value <= 100:
+            raise InvalidParameter("logit_bias", f"{{field}} maps token ids (ints >= 0) to biases in -100..100, "
+                                                 f"got {token!r}: {value!r}")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def _checked_stops(stop: object) -> tuple[str, ...]:

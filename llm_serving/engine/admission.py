@@ -53,6 +53,12 @@ class RequestLimits:
         if bad:
             raise AdmissionError("prompt", f"{{field}} token ids {bad[:5]} are outside the vocabulary "
                                            f"0..{self.vocab_size - 1}")
+        for field, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                           ("stop_token_ids", params.stop_token_ids)):
+            outside = [t for t in ids if t >= self.vocab_size]
+            if outside:
+                raise AdmissionError(field, f"{{field}} token ids {outside[:5]} are outside the vocabulary "
+                                            f"0..{self.vocab_size - 1}")
         want = params.max_new_tokens
         if want > self.max_new_tokens:
             raise AdmissionError("max_new_tokens", f"{{field}} {want} exceeds model_config.max_generate_length "

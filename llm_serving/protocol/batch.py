@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# Logit adjustments of one sequence in one step at most (its logit_bias entries, and while it is short of its
+# min_tokens its end ids banned): the shared-memory channel holds this many per sequence
+MAX_LOGIT_ADJUSTMENTS = 384
+
 # Token id of a sequence whose sampling or post-processing failed on the agent: that sequence fails, the other
 # sequences of its step go on (the reason travels in rank 0's DONE frame, ``wire.done_payload``).
 FAILED_TOKEN = -1
@@ -23,7 +27,12 @@ class SamplingBatch:
     ``temperature`` 0 means greedy. The random draw of a sequence depends only on ``(seeds[i], draw_index[i])``
     (``draw_index`` = tokens generated so far), so a seeded request samples the same tokens whatever else is in
     its batch and across preemption. ``penalty_token_ids[penalty_offsets[i]:penalty_offsets[i+1]]`` are the
-    prompt + generated token ids of sequence ``i`` that its repetition penalty applies to (empty when 1.0).
+    prompt + generated token ids of sequence ``i`` that its penalties apply to (empty without any).
+
+    ``extras`` is absent (None) from steps where no sequence uses them: OpenAI's ``presence_penalty`` and
+    ``frequency_penalty`` (over the generated ids, from ``output_start[i]`` among its penalty ids), vLLM's
+    ``min_p``, and per-sequence logit adjustments added to the logits before anything else (``logit_bias``, and
+    -inf for the end ids a sequence short of its ``min_tokens`` may not produce yet).
     """
 
     temperature: np.ndarray  # float32 [B]
@@ -34,20 +43,56 @@ class SamplingBatch:
     draw_index: np.ndarray  # int32 [B]
     penalty_offsets: np.ndarray  # int32 [B + 1]
     penalty_token_ids: np.ndarray  # int32 [penalty_offsets[-1]]
+    extras: SamplingExtras | None = None  # None: no sequence of the step uses them
 
     @property
     def needs_logits(self) -> bool:
         """Whether any sequence needs more than the in-graph greedy argmax."""
-        return bool(np.any(self.temperature > 0) or np.any(self.repetition_penalty != 1.0))
+        return bool(np.any(self.special_rows()))
+
+    def special_rows(self) -> np.ndarray:
+        """bool [B]: the sequences sampled, penalised or adjusted (the others keep the in-graph greedy pick)."""
+        rows = (self.temperature > 0) | (self.repetition_penalty != 1.0)
+        return rows | self.extras.active() if self.extras is not None else rows
 
     def take(self, indices: np.ndarray) -> SamplingBatch:
         """The parameters of the sequences at ``indices``, in that order."""
-        starts, ends = self.penalty_offsets[indices], self.penalty_offsets[indices + 1]
-        ids = [self.penalty_token_ids[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
-        offsets = np.concatenate([[0], np.cumsum(ends - starts)]).astype(np.int32)
+        offsets, ids = _take_ragged(self.penalty_offsets, self.penalty_token_ids, indices)
         return SamplingBatch(self.temperature[indices], self.top_k[indices], self.top_p[indices],
                              self.repetition_penalty[indices], self.seeds[indices], self.draw_index[indices],
-                             offsets, np.concatenate(ids).astype(np.int32) if ids else self.penalty_token_ids[:0])
+                             offsets, ids, self.extras.take(indices) if self.extras is not None else None)
+
+
+@dataclass
+class SamplingExtras:
+    """The sampling controls most steps lack (see ``SamplingBatch``); every array has a row per sequence."""
+
+    presence_penalty: np.ndarray  # float32 [B], 0 = none
+    frequency_penalty: np.ndarray  # float32 [B], 0 = none
+    min_p: np.ndarray  # float32 [B], 0 = none
+    output_start: np.ndarray  # int32 [B]: where its generated ids start among its penalty ids
+    adjust_offsets: np.ndarray  # int32 [B + 1]
+    adjust_ids: np.ndarray  # int32 [adjust_offsets[-1]]
+    adjust_values: np.ndarray  # float32 [adjust_offsets[-1]]: added to the logits (-inf bans the token)
+
+    def active(self) -> np.ndarray:
+        """bool [B]: the sequences these controls change."""
+        return ((self.presence_penalty != 0) | (self.frequency_penalty != 0) | (self.min_p > 0)
+                | (np.diff(self.adjust_offsets) > 0))
+
+    def take(self, indices: np.ndarray) -> SamplingExtras:
+        offsets, ids = _take_ragged(self.adjust_offsets, self.adjust_ids, indices)
+        _, values = _take_ragged(self.adjust_offsets, self.adjust_values, indices)
+        return SamplingExtras(self.presence_penalty[indices], self.frequency_penalty[indices], self.min_p[indices],
+                              self.output_start[indices], offsets, ids, values)
+
+
+def _take_ragged(offsets: np.ndarray, values: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The runs ``values[offsets[i]:offsets[i+1]]`` of the rows at ``indices``, with their new offsets."""
+    starts, ends = offsets[indices], offsets[indices + 1]
+    parts = [values[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
+    new = np.concatenate([[0], np.cumsum(ends - starts)]).astype(np.int32)
+    return new, (np.concatenate(parts).astype(values.dtype) if parts else values[:0])
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 One POSIX shared-memory segment is allocated at start and never resized: a small int64 header, the
 token-flat input arrays of a ``StepBatch`` at their maximum sizes, its per-sequence sampling arrays (a header
-flag says whether the step has any; all-greedy steps copy none of them), and an output area where rank 0
+flag says whether the step has any; all-greedy steps copy none of them; another whether it has the rarer
+``SamplingExtras``), and an output area where rank 0
 writes the next token id and logprob of every sequence, and the float32 logits of the sequences whose
 ``want_logits`` is set (``max_logits_rows`` rows of ``logits_width``; a header flag says whether a step asks for
 any, so steps that ask for none copy nothing more). A step is then a handful of ``memcpy``s into numpy views;
@@ -25,9 +26,15 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from llm_serving.protocol.batch import SamplingBatch, StepBatch, StepOutput
+from llm_serving.protocol.batch import (
+    MAX_LOGIT_ADJUSTMENTS,
+    SamplingBatch,
+    SamplingExtras,
+    StepBatch,
+    StepOutput,
+)
 
-MAGIC = 0x4C4C4D534833  # "LLMSH3": bump the digit when the layout changes
+MAGIC = 0x4C4C4D534834  # "LLMSH4": bump the digit when the layout changes
 NAME_PREFIX = "llmserving_"
 _ALIGN = 64
 _HEADER_SLOTS = 24
@@ -37,7 +44,9 @@ _STEP, _IS_PREFILL, _NUM_TOKENS, _BATCH_SIZE, _WIDTH = 4, 5, 6, 7, 8
 _OUT_STEP, _OUT_BATCH_SIZE = 9, 10
 _MAX_PENALTY, _SAMPLING, _PENALTY_TOKENS = 11, 12, 13
 _MAX_LOGITS_ROWS, _LOGITS_WIDTH, _WANT_LOGITS, _OUT_LOGITS_ROWS = 14, 15, 16, 17
+_EXTRAS, _ADJUSTMENTS = 18, 19
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "seeds", "draw_index")
+_EXTRA_FIELDS = ("presence_penalty", "frequency_penalty", "min_p", "output_start")
 
 
 class ChannelError(RuntimeError):
@@ -76,6 +85,10 @@ class ChannelLayout:
                 ("temperature", np.float32, b), ("top_k", np.int32, b), ("top_p", np.float32, b),
                 ("repetition_penalty", np.float32, b), ("seeds", np.int64, b), ("draw_index", np.int32, b),
                 ("penalty_offsets", np.int32, b + 1), ("penalty_token_ids", np.int32, self.max_penalty_tokens),
+                ("presence_penalty", np.float32, b), ("frequency_penalty", np.float32, b), ("min_p", np.float32, b),
+                ("output_start", np.int32, b), ("adjust_offsets", np.int32, b + 1),
+                ("adjust_ids", np.int32, b * MAX_LOGIT_ADJUSTMENTS),
+                ("adjust_values", np.float32, b * MAX_LOGIT_ADJUSTMENTS),
                 ("want_logits", np.uint8, b), ("out_token_ids", np.int32, b), ("out_logprobs", np.float32, b),
                 ("out_logits_rows", np.int32, self.max_logits_rows),
                 ("out_logits", np.float32, self.max_logits_rows * self.logits_width)]
@@ -206,12 +219,15 @@ class StepChannel:
         lay = self.layout
         width = batch.block_tables.shape[1] if batch.block_tables.ndim == 2 else -1
         penalty = batch.sampling.penalty_token_ids.shape[0] if batch.sampling is not None else 0
+        extras = batch.sampling.extras if batch.sampling is not None else None
+        adjustments = extras.adjust_ids.shape[0] if extras is not None else 0
         want = batch.want_logits
         logits_rows = int(np.count_nonzero(want)) if want is not None else 0
         for what, value, limit in (("num_tokens", batch.num_tokens, lay.max_tokens),
                                    ("batch_size", batch.batch_size, lay.max_batch),
                                    ("block table width", width, lay.max_blocks_per_seq),
                                    ("repetition-penalty token count", penalty, lay.max_penalty_tokens),
+                                   ("logit adjustment count", adjustments, lay.max_batch * MAX_LOGIT_ADJUSTMENTS),
                                    ("logits row count", logits_rows, lay.max_logits_rows)):
             if value > limit:
                 raise ValueError(f"step {what} {value} exceeds the shared-memory capacity {limit} (AgentSpec "
@@ -243,6 +259,15 @@ class StepChannel:
             p = sampling.penalty_token_ids.shape[0]
             v["penalty_token_ids"][:p] = sampling.penalty_token_ids
             h[_PENALTY_TOKENS] = p
+        extras = sampling.extras if sampling is not None else None
+        if extras is not None:
+            for name in _EXTRA_FIELDS:
+                v[name][:b] = getattr(extras, name)
+            v["adjust_offsets"][: b + 1] = extras.adjust_offsets
+            a = extras.adjust_ids.shape[0]
+            v["adjust_ids"][:a], v["adjust_values"][:a] = extras.adjust_ids, extras.adjust_values
+            h[_ADJUSTMENTS] = a
+        h[_EXTRAS] = extras is not None
         h[_SAMPLING] = sampling is not None
         if batch.want_logits is not None:
             v["want_logits"][:b] = batch.want_logits
@@ -271,8 +296,13 @@ class StepChannel:
         n, b, width = int(h[_NUM_TOKENS]), int(h[_BATCH_SIZE]), int(h[_WIDTH])
         sampling = None
         if h[_SAMPLING]:
+            extras = None
+            if h[_EXTRAS]:
+                a = int(h[_ADJUSTMENTS])
+                extras = SamplingExtras(*(v[name][:b] for name in _EXTRA_FIELDS), v["adjust_offsets"][: b + 1],
+                                        v["adjust_ids"][:a], v["adjust_values"][:a])
             sampling = SamplingBatch(*(v[name][:b] for name in _SAMPLING_FIELDS), v["penalty_offsets"][: b + 1],
-                                     v["penalty_token_ids"][: int(h[_PENALTY_TOKENS])])
+                                     v["penalty_token_ids"][: int(h[_PENALTY_TOKENS])], extras)
         want = v["want_logits"][:b].view(np.bool_) if h[_WANT_LOGITS] else None
         batch = StepBatch(bool(h[_IS_PREFILL]), v["input_ids"][:n], v["positions"][:n], v["slot_mapping"][:n],
                           v["query_lens"][:b], v["context_lens"][:b],
