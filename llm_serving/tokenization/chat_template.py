@@ -15,9 +15,9 @@ inside messages become ids too, as there by default. Whether a text piece after 
 sentencepiece's dummy-prefix space follows the model's ``tokenizer_config.json`` as transformers reads it:
 ``legacy`` true or absent: every piece gets it (each turn encoded on its own, as Meta's reference does; absent
 means false to transformers 5, so a model directory that wants that says so); ``legacy`` false: only text at
-the very start; ``add_prefix_space`` false: none. Text pieces are encoded by sentencepiece itself, as prompts
-are on the completions route; the one known difference from transformers 5's converted tokenizer is a piece
-that starts with a space right after a special token, where it leaves out the dummy prefix.
+the very start; ``add_prefix_space`` false: none. Text pieces are encoded as prompts are on the completions route
+(``Tokenizer.encode``, ``sp_prompt``): a piece that starts with a space gets no dummy prefix of its own, as in
+transformers 5's converted tokenizer.
 """
 
 from __future__ import annotations

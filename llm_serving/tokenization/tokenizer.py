@@ -10,6 +10,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from llm_serving.tokenization.sp_prompt import PromptEncoder, prefix_scheme
+
 SPACE_MARK = "\u2581"  # sentencepiece's visible space "▁"
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -24,7 +26,9 @@ class Tokenizer:
     Special ids (control pieces and ``<unk>``) are dropped from decoded text by default, as Hugging Face does.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, prefix: str | None = None):
+        """``prefix``: where prompt text gets the dummy-prefix space (``sp_prompt.PREFIX_SCHEMES``); None: as the
+        ``tokenizer_config.json`` beside the model says (``sp_prompt.prefix_scheme``)."""
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.model"
@@ -46,6 +50,9 @@ class Tokenizer:
         space = sp.piece_to_id(SPACE_MARK)
         self._drops_dummy_prefix = space != sp.unk_id() and sp.decode([space]) == ""
         self._anchor: tuple[int, str] | None = None  # see _decode_anchor
+        special = {sp.id_to_piece(i): i for i in range(n) if self._special[i]}
+        scheme = prefix if prefix is not None else prefix_scheme(path.parent / "tokenizer_config.json")
+        self._prompt = PromptEncoder(sp, path, special, scheme)
 
     # -- vocabulary -----------------------------------------------------------------------------------------
     @property
@@ -89,7 +96,7 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TokenizerError(f"encode expects str, got {type(text).__name__}")
-        ids = self._sp.encode(text)
+        ids = self._prompt.encode(text)
         return [self.bos_id, *ids] if add_bos else ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
