@@ -107,3 +107,54 @@ def test_the_routes_answer_alternatives_in_openais_shapes(server):
         model="llama2", messages=[{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True, top_logprobs=2,
         temperature=0, stream=True) if c.choices and c.choices[0].logprobs]
     assert streamed and all(len(c.choices[0].logprobs.content[0].top_logprobs) == 2 for c in streamed)
+
+
+# ---- the prompt's logprobs (OpenAI's echo with logprobs; lm-evaluation-harness' loglikelihood requests) --------
+def test_a_scored_prompt_has_transformers_logprobs_and_the_same_answer(tmp_path):
+    """Each prompt token after the first: its logprob under the position before it, and that position's most
+    likely tokens, equal to transformers' log-softmax; generating after scoring gives the unscored answer; a
+    request of 0 tokens ends after scoring."""
+    cfg = ServingConfig.from_dict({
+        "default_model": {"data_dir": str(tmp_path), **TINY},
+        "model_config": {"seq_length": [32], "prefill_batch_size": [4], "decode_batch_size": [4]},
+        "pa_config": {"num_blocks": 32, "block_size": 8, "decode_seq_length": 64},
+        "serving_config": {"compile_cache": False}})
+    prompt = PROMPTS[1] + [77, 88, 12]
+    with Engine(cfg) as engine:
+        engine.start(progress=None)
+        scored = engine.submit(prompt, SamplingParams(0, prompt_logprobs=3))
+        generated = engine.submit(prompt, SamplingParams(4, ignore_eos=True, prompt_logprobs=0))
+        plain = engine.submit(prompt, SamplingParams(4, ignore_eos=True))
+        scored, generated, plain = (s.result(timeout=120) for s in (scored, generated, plain))
+        with pytest.raises(InvalidParameter, match="scoring a prompt .* needs two or more"):
+            engine.submit([5], SamplingParams(0, prompt_logprobs=1))
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(resolve_model(cfg).model_path, dtype=torch.float32).eval()
+    table = hf_log_softmax(hf, prompt)
+    assert scored.finish_reason == "length" and scored.token_ids == [] and len(scored.prompt_logprobs) == 11
+    for pos, (logprob, top) in enumerate(scored.prompt_logprobs, start=1):
+        row = table[pos - 1]
+        assert logprob == pytest.approx(row[prompt[pos]], abs=1e-4)
+        assert [i for i, _ in top] == np.argsort(-row, kind="stable")[:3].tolist()
+    assert generated.token_ids == plain.token_ids and plain.prompt_logprobs is None
+    assert [lp for lp, _ in generated.prompt_logprobs] == pytest.approx([lp for lp, _ in scored.prompt_logprobs],
+                                                                        abs=1e-6)
+
+
+def test_lm_evals_loglikelihood_request_is_answered(server):
+    """lm-evaluation-harness' local-completions body for a loglikelihood request: token ids, max_tokens 0 or 1,
+    logprobs 1, echo; the first prompt token's logprob is null; a streamed one is refused."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    ids = [1, 40, 41, 42, 43]
+    for max_tokens in (0, 1):
+        done = client.completions.create(model="llama2", prompt=[ids], max_tokens=max_tokens, logprobs=1,
+                                         echo=True, temperature=0)
+        lp = done.choices[0].logprobs
+        assert len(lp.tokens) == len(ids) + max_tokens and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(isinstance(x, float) for x in lp.token_logprobs[1:]) and all(lp.top_logprobs[1:])
+        assert done.usage.completion_tokens == max_tokens and done.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError, match="served without stream"):
+        client.completions.create(model="llama2", prompt=[ids], max_tokens=1, logprobs=1, echo=True, stream=True)
+    with pytest.raises(openai.BadRequestError, match="0 only when scoring the prompt"):
+        client.completions.create(model="llama2", prompt=[ids], max_tokens=0)

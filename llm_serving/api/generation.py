@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llm_serving.api.metrics import ServerMetrics
-from llm_serving.core.logprobs import TopLogprobs
+from llm_serving.core.logprobs import PromptLogprob, TopLogprobs
 from llm_serving.engine.request_stream import NO_TOKEN, EngineError, RequestStream
 from llm_serving.tokenization.tokenizer import Tokenizer
 
@@ -49,6 +49,7 @@ class FullAnswer:
     text: str = ""
     tokens: list[TokenInfo] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None  # when the request scored its prompt
 
 
 class Generation:
@@ -97,6 +98,7 @@ class Generation:
                 answer.tokens.append(delta.token)
             answer.finish_reason = delta.finish_reason
         answer.text = "".join(parts)
+        answer.prompt_logprobs = self.stream.prompt_logprobs
         return answer
 
     def abort(self) -> None:

@@ -31,6 +31,7 @@ from llm_serving.api.responses import (
     write,
 )
 from llm_serving.api.schema import OPENAI_DEFAULT_MAX_TOKENS, ApiError, CompletionRequest, parse_completion
+from llm_serving.core.logprobs import PromptLogprob
 from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.request_stream import EngineError
 from llm_serving.tokenization.tokenizer import Tokenizer
@@ -55,7 +56,9 @@ class OpenAIRoutes:
         model = server.check_model(req.model)
         check_prompt_count(len(req.prompts) * req.best_of, server.config.serving_config.max_queue_size)
         max_tokens = OPENAI_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        params = req.sampling.to_params(max_tokens, req.ignore_eos, req.stop, req.FIELD_NAMES, req.logprobs or 0)
+        scored = req.logprobs if req.echo else None  # echo with logprobs: the prompt's too (max_tokens may be 0)
+        params = req.sampling.to_params(max_tokens, req.ignore_eos, req.stop, req.FIELD_NAMES, req.logprobs or 0,
+                                        prompt_logprobs=scored)
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         prompts = [await server.tokenize(p) for p in req.prompts]
         gens: list[Generation] = []
@@ -84,6 +87,8 @@ class OpenAIRoutes:
             for j, g in enumerate(sorted(best) if req.best_of == req.n else best):
                 answer, echo = answers[g], echoes[g]
                 lp = _logprobs(tok, answer.tokens, len(echo), req.logprobs)
+                if lp is not None and answer.prompt_logprobs is not None:
+                    lp = _with_prompt(tok, prompts[i], answer.prompt_logprobs, req.logprobs, lp)
                 choices.append({"index": i * req.n + j, "text": echo + answer.text, "logprobs": lp,
                                 "finish_reason": OPENAI_FINISH[answer.finish_reason]})
         return json_response({**meta, "choices": choices, "usage": _usage(gens, req.best_of)})
@@ -195,6 +200,25 @@ def _alternatives(tok: Tokenizer, name: str, t: TokenInfo) -> dict[str, float]:
     if all(i != t.id for i, _ in top):
         out[name] = t.logprob
     return out
+
+
+def _with_prompt(tok: Tokenizer, ids: list[int], scores: list[PromptLogprob], want: int,
+                 generated: dict[str, Any]) -> dict[str, Any]:
+    """The legacy ``logprobs`` object of an echoed prompt followed by its answer's: the first prompt token has no
+    logprob (null, as OpenAI and vLLM answer), every later one its logprob and ``want`` most likely tokens."""
+    decoder = tok.incremental_decoder()
+    names, offsets, offset = [], [], 0
+    for token in ids:
+        names.append(tok.token_text(token))
+        offsets.append(offset)
+        offset += len(decoder.push(token))
+    tops: list[dict[str, float] | None] = [None]
+    for token, (logprob, top) in zip(ids[1:], scores):
+        tops.append(_alternatives(tok, tok.token_text(token), TokenInfo(token, logprob, "", False, top)))
+    return {"tokens": names + generated["tokens"],
+            "token_logprobs": [None, *(lp for lp, _ in scores), *generated["token_logprobs"]],
+            "top_logprobs": tops + generated["top_logprobs"] if generated["top_logprobs"] is not None else None,
+            "text_offset": offsets + generated["text_offset"]}
 
 
 def _logprobs(tok: Tokenizer, tokens: list[TokenInfo], offset: int, want: int | None) -> dict[str, Any] | None:

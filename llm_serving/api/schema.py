@@ -96,11 +96,13 @@ class SamplingOptions:
         return self.do_sample and self.temperature != 0
 
     def to_params(self, max_new_tokens: int, ignore_eos: bool = False, stop: tuple[str, ...] = (),
-                  field_names: Mapping[str, str] | None = None, top_logprobs: int = 0) -> SamplingParams:
+                  field_names: Mapping[str, str] | None = None, top_logprobs: int = 0,
+                  prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters; a value SamplingParams refuses becomes a 400 naming the field as
         ``field_names`` (the dialect) calls it."""
         penalty = 1.0 if self.repetition_penalty is None else self.repetition_penalty
         common = {"repetition_penalty": penalty, "seed": self.seed, "stop": stop, "top_logprobs": top_logprobs,
+                  "prompt_logprobs": prompt_logprobs,
                   "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                   "logit_bias": self.logit_bias, "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids}
         try:
@@ -294,9 +296,9 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise invalid(f"'user' has {len(user)} characters; at most {MAX_USER_CHARS}", "user")
     logprobs = r.int("logprobs", lo=0, hi=MAX_COMPLETION_LOGPROBS)  # alternatives per position: OpenAI's range
     echo = r.bool("echo", False)
-    if echo and logprobs is not None:
-        raise unsupported("echo together with logprobs (prompt logprobs) is not supported", "echo")
     stream = r.bool("stream", False)
+    if stream and echo and logprobs is not None:
+        raise unsupported("echo with logprobs (the prompt's logprobs) is served without stream only", "stream")
     if stream and best_of > n:
         raise invalid("best_of above n cannot be streamed (the best choices are known only at the end)", "best_of")
     return CompletionRequest(

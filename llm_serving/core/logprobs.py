@@ -13,6 +13,15 @@ import numpy as np
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on alternatives per position
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+PromptLogprob = tuple[float, TopLogprobs]  # a prompt token's logprob, and its position's most likely tokens
+
+
+def prompt_logprob(logits: np.ndarray, token: int, k: int) -> PromptLogprob:
+    """The logprob of prompt ``token`` under the row of the position before it, and that row's ``k`` best."""
+    x = np.asarray(logits, dtype=np.float64)
+    top = float(x.max())
+    lse = top + float(np.log(np.exp(x - top).sum()))
+    return float(x[token] - lse), top_logprobs(logits, k) if k else ()
 
 
 def top_logprobs(logits: np.ndarray, k: int) -> TopLogprobs:

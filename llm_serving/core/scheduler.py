@@ -57,7 +57,7 @@ from itertools import chain, islice
 import numpy as np
 
 from llm_serving.core.block_manager import DUMMY_BLOCK, BlockManager
-from llm_serving.core.logprobs import top_logprobs
+from llm_serving.core.logprobs import prompt_logprob, top_logprobs
 from llm_serving.core.sequence import FINISH_REASONS, Sequence, SequenceStatus
 from llm_serving.protocol.batch import SamplingBatch, SamplingExtras, StepBatch, StepOutput
 from llm_serving.protocol.model_config import blocks_needed
@@ -151,10 +151,13 @@ class Scheduler:
         cfg, rid = self.config, seq.request_id
         if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.output_ids:
             raise ValueError(f"request {rid!r}: only a fresh waiting sequence can be added, got {seq!r}")
+        if seq.params.prompt_logprobs is not None and not cfg.chunked_prefill:
+            raise RequestRejected(f"request {rid!r}: scoring the prompt (prompt logprobs) needs chunked prefill "
+                                  "(scheduler.enable_chunked_prefill), which computes it a token a step")
         if rid in self._live:
             raise RequestRejected(f"request {rid!r}: a request with this id is already in progress")
         total = seq.num_prompt_tokens + seq.params.max_new_tokens
-        if seq.num_prompt_tokens < 1 or total > cfg.max_model_len:
+        if seq.num_prompt_tokens < 1 or total > cfg.max_model_len or (total < 2 and not seq.params.max_new_tokens):
             raise ValueError(f"request {rid!r} was not admitted: {seq.num_prompt_tokens} prompt tokens, "
                              f"{total} in all (admission refuses this)")
         need = self.block_manager.blocks_needed(total - 1)  # the last generated token is never fed back
@@ -237,19 +240,25 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step was in flight
             n = seq.num_scheduled_tokens
+            scoring = seq.scores_prompt
             computed = seq.num_computed_tokens = seq.num_computed_tokens + n
             if caching and (n > 1 or not seq.output_ids):  # prompt blocks now (decoded ones when it ends)
                 self.block_manager.cache_computed(seq)
+            if scoring and len(seq.prompt_scores) == computed - 1:  # this step's row: prompt token ``computed``'s
+                seq.prompt_scores.append(prompt_logprob(self._logits_row(output, row, seq),
+                                                        seq.prompt_ids[computed], seq.params.prompt_logprobs))
+            if seq.params.max_new_tokens == 0 and not seq.scores_prompt:  # the prompt scored, nothing to generate
+                self._finish(seq, "length")
+                finished.append(seq)
+                continue
             if computed < len(seq.prompt_ids) + len(seq.output_ids):
                 continue  # a prompt chunk short of its end: the token it gives is not the sequence's next
             if seq.wants_logits_row():  # the step asked for this row (``_want_logits``)
-                if row not in output.logits:
-                    raise ValueError(f"step output has no logits for row {row} ({seq.request_id!r}), which "
-                                     "want_logits asked for")
+                logits = self._logits_row(output, row, seq)
                 if seq.num_output_tokens < seq.logits_tokens:
-                    seq.logits.append(output.logits[row])
+                    seq.logits.append(logits)
                 if seq.params.top_logprobs:
-                    seq.output_top.append(top_logprobs(output.logits[row], seq.params.top_logprobs))
+                    seq.output_top.append(top_logprobs(logits, seq.params.top_logprobs))
             seq.append_token(token, logprob)
             if token in eos and not seq.params.ignore_eos:
                 reason = "eos"
@@ -262,6 +271,13 @@ class Scheduler:
             self._finish(seq, reason)
             finished.append(seq)
         return finished
+
+    @staticmethod
+    def _logits_row(output: StepOutput, row: int, seq: Sequence) -> np.ndarray:
+        if row not in output.logits:
+            raise ValueError(f"step output has no logits for row {row} ({seq.request_id!r}), which want_logits "
+                             "asked for")
+        return output.logits[row]
 
     # ---- introspection --------------------------------------------------------------------------------
     @property
@@ -340,9 +356,11 @@ class Scheduler:
         for seq in list(islice(self._admission_order(), max(slots, 0))):  # a copy: _start dequeues
             if budget < 1:
                 break
-            hit = bm.cached_prefix(seq)
+            scoring = seq.scores_prompt  # a token a step, each position computed here (its logits are wanted)
+            hit = [] if scoring else bm.cached_prefix(seq)
             start = len(hit) * bs
             n = min(seq.num_tokens - start, budget) if cfg.chunked_prefill else seq.num_tokens - start
+            n = min(n, 1) if scoring else n
             alone = not cfg.chunked_prefill and n > long_limit
             end, last_fed = start + n, seq.num_prompt_tokens + seq.params.max_new_tokens - 1
             need = bm.blocks_needed(min(end + 1, last_fed) if end == seq.num_tokens else end)
@@ -403,7 +421,7 @@ class Scheduler:
                                     if 0 < s.num_computed_tokens == len(s.prompt_ids) + len(s.output_ids) - 1)
             if left < 1 or chunks >= max_chunks:
                 continue  # its next chunk waits for a later step
-            n = min(todo, left)
+            n = 1 if seq.scores_prompt else min(todo, left)
             if len(seq.block_table) * bs < computed + n and not self._grow(seq, computed + n):
                 continue
             left, chunks = left - n, chunks + 1

@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from llm_serving.core.logprobs import MAX_TOP_LOGPROBS, TopLogprobs
+from llm_serving.core.logprobs import MAX_TOP_LOGPROBS, PromptLogprob, TopLogprobs
 
 if TYPE_CHECKING:
     import numpy as np
@@ -81,6 +81,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     top_logprobs: int = 0  # alternatives reported per generated token (their raw-logits logprobs), 0..20
+    # None: no prompt scoring; k >= 0: the logprob of every prompt token after the first under the model, with k
+    # alternatives per position (OpenAI's echo with logprobs); max_new_tokens may then be 0
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_p: float = 0.0
@@ -93,8 +96,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if _not_int(self.max_new_tokens):
             raise TypeError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
-        if self.max_new_tokens < 1:
-            raise InvalidParameter("max_new_tokens", f"{{field}} must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise InvalidParameter("max_new_tokens", f"{{field}} must be >= 1, got {self.max_new_tokens} (0 only "
+                                                     "when scoring the prompt: echo with logprobs)")
+        if self.prompt_logprobs is not None and (_not_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidParameter("prompt_logprobs", f"{{field}} must be in 0..{MAX_TOP_LOGPROBS}, got "
+                                                      f"{self.prompt_logprobs!r}")
         for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -221,6 +229,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[TopLogprobs] = field(default_factory=list)  # per generated token, with params.top_logprobs
+    prompt_scores: list[PromptLogprob] = field(default_factory=list)  # prompt tokens 1.., with prompt_logprobs
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # one of FINISH_REASONS once finished
     block_table: list[int] = field(default_factory=list)
@@ -289,13 +298,19 @@ class Sequence:
         return leader is not None and not leader.is_finished and leader.num_computed_tokens < leader.num_prompt_tokens
 
     @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt positions are still to be scored: it is computed one token a step, each step's logits
+        giving the next prompt token's logprob (no prefix-cache hit: a cached position has no logits)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_scores) < self.num_prompt_tokens - 1
+
+    @property
     def reads_logits(self) -> bool:
-        """Whether its steps may need its logits back: a logits dump, or alternatives to report."""
-        return self.logits_tokens > 0 or self.params.top_logprobs > 0
+        """Whether its steps may need its logits back: a logits dump, alternatives to report, a prompt to score."""
+        return self.logits_tokens > 0 or self.params.top_logprobs > 0 or self.params.prompt_logprobs is not None
 
     def wants_logits_row(self) -> bool:
-        """Whether the step producing its next token must return that token's logits."""
-        return self.num_output_tokens < self.logits_tokens or self.params.top_logprobs > 0
+        """Whether its next step must return its logits row (the next token's, or the next prompt token's)."""
+        return self.num_output_tokens < self.logits_tokens or self.params.top_logprobs > 0 or self.scores_prompt
 
     def append_token(self, token_id: int, logprob: float) -> None:
         self.output_ids.append(int(token_id))

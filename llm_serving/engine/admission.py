@@ -60,11 +60,14 @@ class RequestLimits:
                 raise AdmissionError(field, f"{{field}} token ids {outside[:5]} are outside the vocabulary "
                                             f"0..{self.vocab_size - 1}")
         want = params.max_new_tokens
+        if not want and n < 2:
+            raise AdmissionError("prompt", "{field} has one token: scoring a prompt (0 tokens to generate) gives the "
+                                           "logprobs of its tokens after the first, so it needs two or more")
         if want > self.max_new_tokens:
             raise AdmissionError("max_new_tokens", f"{{field}} {want} exceeds model_config.max_generate_length "
                                                    f"{self.max_new_tokens}")
         room = self.max_model_len - n
-        if room < 1:
+        if room < (1 if want else 0):
             raise AdmissionError("prompt", f"{{field}} has {n} tokens and leaves no room to generate within the "
                                            f"context of {self.max_model_len} tokens (pa_config.decode_seq_length)",
                                  "prompt_too_long")

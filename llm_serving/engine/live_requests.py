@@ -61,7 +61,11 @@ class LiveRequests:
             if entry is None or entry.sequence is not seq:
                 continue  # ended from outside while the step was in flight (its id may be reused already)
             if len(seq.output_ids) == entry.delivered:
-                continue  # its step computed a prompt chunk short of the end: no new token
+                if seq.status is not running:  # ended without a token: a scored prompt with nothing to generate
+                    del live[seq.request_id]
+                    entry.stream.push_end(seq.finish_reason, now, wakeups)
+                    finished += 1
+                continue  # else its step computed a prompt chunk short of the end: no new token
             entry.delivered = len(seq.output_ids)
             reason = None if seq.status is running else seq.finish_reason
             try:

@@ -216,7 +216,8 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(rid, ids, params, logits_tokens=logits_tokens)
         stream = RequestStream(rid, text, ids, tok, self.abort, params.stop,
-                               seq.logits if logits_tokens else None, self.model.llama_config.vocab_size)
+                               seq.logits if logits_tokens else None, self.model.llama_config.vocab_size,
+                               seq.prompt_scores if params.prompt_logprobs is not None else None)
         with self._lock:
             self._check_ready()
             limit = self.config.serving_config.max_queue_size

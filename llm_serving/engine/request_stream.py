@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llm_serving.core.logprobs import TopLogprobs
+from llm_serving.core.logprobs import PromptLogprob, TopLogprobs
 from llm_serving.engine.stop_strings import StopMatcher
 from llm_serving.tokenization.tokenizer import Tokenizer
 
@@ -73,6 +73,8 @@ class GenerationResult:
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # when the engine produced each token
     top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per token, when the request asked
+    # (logprob, alternatives) of every prompt token after the first, when the request scored its prompt
+    prompt_logprobs: list[PromptLogprob] | None = None
     # float32 [n, vocab]: the logits of the first n generated positions (row k: the distribution token k was
     # picked from) when the request asked for a logits dump; n = min(asked, generated). None otherwise.
     logits: np.ndarray | None = None
@@ -90,9 +92,11 @@ class RequestStream:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], tokenizer: Tokenizer,
                  abort: Callable[[str], None], stop: tuple[str, ...] = (),
-                 logits_rows: list[np.ndarray] | None = None, logits_width: int = 0) -> None:
+                 logits_rows: list[np.ndarray] | None = None, logits_width: int = 0,
+                 prompt_scores: list[PromptLogprob] | None = None) -> None:
         """``logits_rows``: the list the engine appends the request's dumped logits rows to (``Sequence.logits``),
-        stacked into the result when the request ends."""
+        stacked into the result when the request ends; ``prompt_scores``: the list of its prompt tokens' logprobs
+        (``Sequence.prompt_scores``), complete in the result when it ends."""
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self._abort = abort
@@ -112,10 +116,16 @@ class RequestStream:
         self._texts: list[str] = []  # text of each event read
         self._result = GenerationResult(request_id, prompt, prompt_ids, arrival_time=time.monotonic())
         self._logits_rows, self._logits_width = logits_rows, logits_width
+        self._prompt_scores = prompt_scores
         self._done = False
         self._error: EngineError | None = None
 
     # ---- public -----------------------------------------------------------------------------------------
+    @property
+    def prompt_logprobs(self) -> list[PromptLogprob] | None:
+        """Its prompt tokens' scores once the consumer has read the last event (None: it scored none)."""
+        return self._result.prompt_logprobs
+
     @property
     def finished(self) -> bool:
         """True once the consumer has read the last event (or the error)."""
@@ -280,6 +290,8 @@ class RequestStream:
             res.finish_reason = reason
             res.finish_time = t
             res.text = "".join(self._texts)
+            if self._prompt_scores is not None:  # complete: scored before the first token or the end
+                res.prompt_logprobs = list(self._prompt_scores)
             if self._logits_rows is not None:  # complete: the engine appends rows before it pushes their token
                 rows = self._logits_rows
                 res.logits = np.stack(rows) if rows else np.zeros((0, self._logits_width), np.float32)
