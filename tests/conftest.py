@@ -9,7 +9,20 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 _ROOT = tempfile.mkdtemp(prefix="llm-serving-test-cache-")
 os.environ["LLM_SERVING_CACHE_DIR"] = _ROOT
 os.environ.pop("LLM_SERVING_KERNEL_DIR", None)  # under the root too
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def standin_server(tmp_path_factory):
+    """``llm-serving serve --standin-agents`` (tests/test_server.py's ServerProcess) for one test module: the real
+    HTTP front end, tokenizer and chat template, agents that answer by a fixed rule."""
+    from test_server import ServerProcess
+
+    server = ServerProcess(tmp_path_factory.mktemp("standin-serve"), "--standin-agents")
+    yield server
+    assert server.stop() == 0, server.output

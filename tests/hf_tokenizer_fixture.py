@@ -38,14 +38,20 @@ def corpus() -> list[str]:
     return lines + MULTIBYTE * 3
 
 
-def build_hf_tokenizer(out: Path, vocab_size: int = 600) -> Path:
-    """Write tokenizer.json and tokenizer_config.json to ``out``; returns ``out``."""
+def byte_level_bpe(special: list[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE trained on ``corpus()`` with ``special`` first in its vocabulary."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus(), trainer)
+    return tok
+
+
+def build_hf_tokenizer(out: Path, vocab_size: int = 600) -> Path:
+    """Write tokenizer.json and tokenizer_config.json to ``out``; returns ``out``."""
+    tok = byte_level_bpe(SPECIAL, vocab_size)
     bos = tok.token_to_id("<|begin_of_text|>")
     tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
                                                        pair="<|begin_of_text|> $A <|begin_of_text|> $B",
@@ -60,12 +66,7 @@ def build_hf_tokenizer(out: Path, vocab_size: int = 600) -> Path:
 
 def build_chatml_tokenizer(out: Path, vocab_size: int = 600) -> Path:
     """Write a Qwen-style tokenizer.json and tokenizer_config.json to ``out``; returns ``out``."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHATML_SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus(), trainer)
+    tok = byte_level_bpe(CHATML_SPECIAL, vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({

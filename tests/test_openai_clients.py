@@ -8,38 +8,30 @@ remote tokenizer reads. One server with stand-in agents (the real tokenizer and 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
-from test_server import ServerProcess, post, run, sse_payloads
+from test_server import post, run, sse_payloads
 
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.models.default_model import default_model_dir
 from llm_serving.tokenization.tokenizer import Tokenizer
+from tests.tiny_engine import openai_client
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("clients-serve-data")
+def server(standin_server):
+    return standin_server
 
 
 @pytest.fixture(scope="module")
-def server(data_dir):
-    server = ServerProcess(data_dir, "--standin-agents")
-    yield server
-    assert server.stop() == 0, server.output
-
-
-@pytest.fixture(scope="module")
-def tokenizer(server, data_dir) -> Tokenizer:
-    cfg = ServingConfig().with_values({"default_model.data_dir": str(data_dir)})
+def tokenizer(server) -> Tokenizer:
+    cfg = ServingConfig().with_values({"default_model.data_dir": str(server.data_dir)})
     return Tokenizer(default_model_dir(cfg.default_model, cfg.max_model_len) / "tokenizer.model")
 
 
-def client_for(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+client_for = openai_client
 
 
 async def stream_chunks(url: str, body: dict) -> list[dict]:

@@ -11,23 +11,19 @@ import json
 import aiohttp
 import openai
 import pytest
-from test_server import ServerProcess, run, sse_payloads
+from test_server import run, sse_payloads
 
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.loop import Engine
+from tests.tiny_engine import openai_client, tiny_engine_config
 
-TINY = {"hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-        "vocab_size": 1000, "seed": 3}
 PROMPT = [1] + [17 + (i * 37) % 900 for i in range(37)]  # 38 tokens: 4 full blocks of 8 and 6 more
 
 
 def test_choices_share_the_prompt_blocks_and_equal_separate_seeded_requests(tmp_path):
-    cfg = ServingConfig.from_dict({
-        "default_model": {"data_dir": str(tmp_path), **TINY},
-        "model_config": {"seq_length": [64], "prefill_batch_size": [4], "decode_batch_size": [4]},
-        "pa_config": {"num_blocks": 40, "block_size": 8, "decode_seq_length": 96},
-        "serving_config": {"compile_cache": False}})
+    cfg = tiny_engine_config(tmp_path, model_config={"seq_length": [64]},
+                             pa_config={"num_blocks": 40, "decode_seq_length": 96})
     sampled = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.8)
     with Engine(cfg) as engine:
         engine.start(progress=None)
@@ -51,15 +47,8 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return dataclasses.replace(params, seed=seed)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = ServerProcess(tmp_path_factory.mktemp("n-serve"), "--standin-agents")
-    yield server
-    assert server.stop() == 0, server.output
-
-
-def test_the_routes_answer_n_and_best_of(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+def test_the_routes_answer_n_and_best_of(standin_server):
+    client = openai_client(standin_server)
     done = client.completions.create(model="llama2", prompt=["hello", "world wide"], max_tokens=3, n=3, seed=4)
     assert [c.index for c in done.choices] == list(range(6))
     one = client.completions.create(model="llama2", prompt="hello", max_tokens=3, seed=4)
@@ -83,9 +72,9 @@ def test_the_routes_answer_n_and_best_of(server):
     ("/v1/completions", {"prompt": "hello", "max_tokens": 3, "n": 2}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2}),
 ])
-def test_a_stream_interleaves_the_choices_by_index(server, path, body):
+def test_a_stream_interleaves_the_choices_by_index(standin_server, path, body):
     async def go() -> list[dict]:
-        async with aiohttp.ClientSession() as s, s.post(server.url + path, json={**body, "stream": True}) as r:
+        async with aiohttp.ClientSession() as s, s.post(standin_server.url + path, json={**body, "stream": True}) as r:
             assert r.status == 200
             lines = [x for x in (await r.text()).split("\n") if x]
         return [json.loads(p) for p in sse_payloads(lines)[:-1]]

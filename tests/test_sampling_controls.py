@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import openai
 import pytest
-from test_server import ServerProcess
 
 from agents.runtime.sampler import RowExtras, adjusted_logits, apply_min_p, sample, sample_row
 from llm_serving.core.scheduler import Scheduler
@@ -17,6 +16,7 @@ from llm_serving.protocol.batch import SamplingBatch
 from llm_serving.protocol.shm_channel import ChannelLayout, StepChannel
 from tests.test_prefix_cache import chunked_prefix, step_once
 from tests.test_scheduler import EOS, FakeKVModel
+from tests.tiny_engine import openai_client, tiny_engine_config
 
 RNG = np.random.default_rng(0)
 LOGITS = RNG.standard_normal(50).astype(np.float32)
@@ -132,17 +132,10 @@ def test_sample_applies_them_per_row_and_keeps_greedy_rows():
     assert ids[0] != best and ids[1] == best  # row 0 banned its argmax; row 1 kept the in-graph pick
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = ServerProcess(tmp_path_factory.mktemp("controls-serve"), "--standin-agents")
-    yield server
-    assert server.stop() == 0, server.output
-
-
-def test_the_routes_serve_them(server):
+def test_the_routes_serve_them(standin_server):
     """Accepted and checked on both routes (the stand-in agents' tokens follow their own rule, so the effect on
     tokens is shown by the engine test below)."""
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    client = openai_client(standin_server)
     assert client.completions.create(model="llama2", prompt="hello", max_tokens=4, temperature=0,
                                      logit_bias={"77": 100}, presence_penalty=1.0).choices
     assert client.chat.completions.create(
@@ -155,15 +148,9 @@ def test_the_routes_serve_them(server):
 
 
 def test_on_the_model_a_bias_decides_and_a_stop_token_id_stops(tmp_path):
-    from llm_serving.config.serving_config import ServingConfig
     from llm_serving.engine.loop import Engine
 
-    cfg = ServingConfig.from_dict({
-        "default_model": {"data_dir": str(tmp_path), "hidden_size": 64, "intermediate_size": 160, "num_layers": 2,
-                          "num_heads": 4, "num_kv_heads": 2, "vocab_size": 1000, "seed": 3},
-        "model_config": {"seq_length": [32], "prefill_batch_size": [2], "decode_batch_size": [2]},
-        "pa_config": {"num_blocks": 32, "block_size": 8, "decode_seq_length": 64},
-        "serving_config": {"compile_cache": False}})
+    cfg = tiny_engine_config(tmp_path)
     prompt = [1, 17, 230, 45, 9, 301]
     with Engine(cfg) as engine:
         engine.start(progress=None)

@@ -34,6 +34,7 @@ class ServerProcess:
     """``llm-serving serve`` on port 0; the URL comes from its "ready" line."""
 
     def __init__(self, data_dir: Path, *args: str, timeout: float = 120.0) -> None:
+        self.data_dir = data_dir  # where the embedded model it serves is built
         cmd = [sys.executable, "-m", "llm_serving", "serve", "--port", "0",
                "--set", f"default_model.data_dir={data_dir}", *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

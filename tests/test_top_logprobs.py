@@ -9,16 +9,13 @@ import numpy as np
 import openai
 import pytest
 import torch
-from test_server import ServerProcess
 
-from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.logprobs import top_logprobs
 from llm_serving.core.sequence import InvalidParameter, SamplingParams
 from llm_serving.engine.loop import Engine
 from llm_serving.engine.wiring import resolve_model
+from tests.tiny_engine import openai_client, tiny_engine_config
 
-TINY = {"hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-        "vocab_size": 1000, "seed": 3}
 PROMPTS = [[1, 17, 230, 45, 9, 301], [1, 88, 12, 900, 4, 4, 51, 7, 300]]
 
 
@@ -36,11 +33,7 @@ def test_top_logprobs_orders_the_distribution_and_bounds_k():
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """Two greedy requests (one asking for 20 alternatives), a seeded sampled one asking for 5."""
-    cfg = ServingConfig.from_dict({
-        "default_model": {"data_dir": str(tmp_path_factory.mktemp("top")), **TINY},
-        "model_config": {"seq_length": [32], "prefill_batch_size": [4], "decode_batch_size": [4]},
-        "pa_config": {"num_blocks": 32, "block_size": 8, "decode_seq_length": 64},
-        "serving_config": {"compile_cache": False}})
+    cfg = tiny_engine_config(tmp_path_factory.mktemp("top"))
     with Engine(cfg) as engine:
         engine.start(progress=None)
         streams = [engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=6, ignore_eos=True, top_logprobs=20)),
@@ -85,16 +78,9 @@ def test_a_request_without_alternatives_gets_none_and_the_same_tokens(served):
     assert results[1].top_logprobs == [] and results[1].token_ids == results[0].token_ids
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = ServerProcess(tmp_path_factory.mktemp("top-serve"), "--standin-agents")
-    yield server
-    assert server.stop() == 0, server.output
-
-
-def test_the_routes_answer_alternatives_in_openais_shapes(server):
+def test_the_routes_answer_alternatives_in_openais_shapes(standin_server):
     """Stand-in agents (one peaked logit per row): the chosen token is each position's most likely one."""
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    client = openai_client(standin_server)
     done = client.completions.create(model="llama2", prompt="hello", max_tokens=4, logprobs=5, seed=1)
     lp = done.choices[0].logprobs
     assert all(len(top) == 5 and max(top, key=top.get) == token for top, token in zip(lp.top_logprobs, lp.tokens))
@@ -114,11 +100,7 @@ def test_a_scored_prompt_has_transformers_logprobs_and_the_same_answer(tmp_path)
     """Each prompt token after the first: its logprob under the position before it, and that position's most
     likely tokens, equal to transformers' log-softmax; generating after scoring gives the unscored answer; a
     request of 0 tokens ends after scoring."""
-    cfg = ServingConfig.from_dict({
-        "default_model": {"data_dir": str(tmp_path), **TINY},
-        "model_config": {"seq_length": [32], "prefill_batch_size": [4], "decode_batch_size": [4]},
-        "pa_config": {"num_blocks": 32, "block_size": 8, "decode_seq_length": 64},
-        "serving_config": {"compile_cache": False}})
+    cfg = tiny_engine_config(tmp_path)
     prompt = PROMPTS[1] + [77, 88, 12]
     with Engine(cfg) as engine:
         engine.start(progress=None)
@@ -142,10 +124,10 @@ def test_a_scored_prompt_has_transformers_logprobs_and_the_same_answer(tmp_path)
                                                                         abs=1e-6)
 
 
-def test_lm_evals_loglikelihood_request_is_answered(server):
+def test_lm_evals_loglikelihood_request_is_answered(standin_server):
     """lm-evaluation-harness' local-completions body for a loglikelihood request: token ids, max_tokens 0 or 1,
     logprobs 1, echo; the first prompt token's logprob is null; a streamed one is refused."""
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    client = openai_client(standin_server)
     ids = [1, 40, 41, 42, 43]
     for max_tokens in (0, 1):
         done = client.completions.create(model="llama2", prompt=[ids], max_tokens=max_tokens, logprobs=1,
