@@ -140,3 +140,36 @@ def test_lm_evals_loglikelihood_request_is_answered(standin_server):
         client.completions.create(model="llama2", prompt=[ids], max_tokens=1, logprobs=1, echo=True, stream=True)
     with pytest.raises(openai.BadRequestError, match="0 only when scoring the prompt"):
         client.completions.create(model="llama2", prompt=[ids], max_tokens=0)
+
+
+def test_only_a_finished_sequence_without_a_new_token_ends_its_stream():
+    """A scored prompt with nothing to generate ends without a token; a sequence preempted (waiting again) or
+    still short of its prompt's end with no new token must not (its stream would end without a finish reason)."""
+    from llm_serving.core.scheduler import Scheduler
+    from llm_serving.core.sequence import Sequence, SequenceStatus
+    from llm_serving.engine.live_requests import LiveRequests
+    from llm_serving.engine.request_stream import RequestStream
+    from tests.test_prefix_cache import chunked_prefix
+
+    class NoText:  # the streams' decoder; no token text is needed here
+        def incremental_decoder(self, prompt_ids=()):
+            return self
+
+        def push(self, token_id: int) -> str:
+            return ""
+
+        def flush(self) -> str:
+            return ""
+
+    live = LiveRequests(Scheduler(chunked_prefix()), {"requests_finished": 0, "tokens_generated": 0,
+                                                      "requests_aborted": 0})
+    waiting, done = Sequence("w", [5, 6, 7]), Sequence("d", [5, 6, 7], SamplingParams(0, prompt_logprobs=0))
+    streams = {s.request_id: RequestStream(s.request_id, None, s.prompt_ids, NoText(), lambda rid: None)
+               for s in (waiting, done)}
+    for seq in (waiting, done):
+        live.add(seq, streams[seq.request_id])
+    waiting.status = SequenceStatus.WAITING  # preempted while its step was in flight
+    done.finish("length")
+    live.deliver([waiting, done])
+    assert [s.request_id for s in live.sequences()] == ["w"]
+    assert streams["d"].result(timeout=1).finish_reason == "length" and not streams["w"].finished

@@ -61,7 +61,7 @@ class LiveRequests:
             if entry is None or entry.sequence is not seq:
                 continue  # ended from outside while the step was in flight (its id may be reused already)
             if len(seq.output_ids) == entry.delivered:
-                if seq.status is not running:  # ended without a token: a scored prompt with nothing to generate
+                if seq.is_finished:  # ended without a token: a scored prompt with nothing to generate
                     del live[seq.request_id]
                     entry.stream.push_end(seq.finish_reason, now, wakeups)
                     finished += 1
