@@ -23,18 +23,17 @@ transformers 5's converted tokenizer.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import sentencepiece as spm
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.describe import json_kind
+from llm_serving.tokenization.sp_prompt import PREFIX_SCHEMES
 from llm_serving.tokenization.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")
@@ -74,7 +73,6 @@ LLAMA2_CHAT_TEMPLATE = r"""
 {%- endfor -%}
 """
 
-PREFIX_MODES = ("always", "first", "never")  # where text pieces get the dummy-prefix space (module docstring)
 
 
 class MessageError(ValueError):
@@ -173,20 +171,15 @@ class ChatTemplate:
     """
 
     def __init__(self, source: str, origin: str, tokenizer: Tokenizer, prefix: str = "always") -> None:
-        if prefix not in PREFIX_MODES:
-            raise ValueError(f"prefix must be one of {PREFIX_MODES}, got {prefix!r}")
+        if prefix not in PREFIX_SCHEMES:
+            raise ValueError(f"prefix must be one of {PREFIX_SCHEMES}, got {prefix!r}")
         self.source, self.origin, self.prefix = source, origin, prefix
         self._template = _environment().from_string(source)
-        self._tok = tokenizer
         self._variables = tokenizer.template_variables()
-        # a tokenizers tokenizer matches the special tokens written in the text itself (encode_rendered)
-        self._rendered = getattr(tokenizer, "encode_rendered", None)
-        if self._rendered is not None:
-            return
-        self._special = {tokenizer.id_to_piece(i): i for i in range(tokenizer.vocab_size) if tokenizer.is_special(i)}
-        longest_first = sorted(self._special, key=len, reverse=True)
-        self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
-        self._bare = None if prefix == "always" else _without_dummy_prefix(tokenizer)
+        # a tokenizers tokenizer matches the special tokens written in the text itself (encode_rendered); a
+        # sentencepiece one splits them out with the template's dummy-prefix scheme (sp_prompt)
+        rendered = getattr(tokenizer, "encode_rendered", None)
+        self._encode = rendered if rendered is not None else tokenizer.prompt_encoder(prefix).encode
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt text; ChatTemplateError with the template's message when it refuses the messages."""
@@ -200,34 +193,11 @@ class ChatTemplate:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text: special-token spellings as their ids, the text between them encoded."""
-        if self._rendered is not None:
-            return self._rendered(text)
-        ids: list[int] = []
-        offset = 0
-        for k, part in enumerate(self._split.split(text)):
-            if k % 2:
-                ids.append(self._special[part])
-            elif part:
-                if self.prefix == "always" or (self.prefix == "first" and offset == 0):
-                    ids.extend(self._tok.encode(part, add_bos=False))
-                else:
-                    ids.extend(self._bare.encode(part))
-            offset += len(part)
-        return ids
+        return self._encode(text)
 
     def prompt_ids(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """The conversation's prompt token ids (``check_messages`` output in, BOS included by the template)."""
         return self.encode(self.render(messages, add_generation_prompt))
-
-
-def _without_dummy_prefix(tokenizer: Tokenizer) -> spm.SentencePieceProcessor:
-    """The tokenizer's sentencepiece model with the dummy-prefix space switched off (needs protobuf)."""
-    from sentencepiece import sentencepiece_model_pb2  # protobuf: only models with legacy false need it
-
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(Path(tokenizer.path).read_bytes())
-    proto.normalizer_spec.add_dummy_prefix = False
-    return spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
 
 
 # ---- where the template comes from -----------------------------------------------------------------------------

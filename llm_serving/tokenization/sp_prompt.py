@@ -55,7 +55,9 @@ class PromptEncoder:
         self._special = special
         longest_first = sorted(special, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if special else None
-        self._bare: spm.SentencePieceProcessor | None = None
+        # the other schemes need it for most pieces: built now, so a missing protobuf fails at load; "always" only
+        # for a piece that starts with a space, built then
+        self._bare = bare_model(model_file) if scheme != "always" else None
 
     def encode(self, text: str) -> list[int]:
         parts = self._split.split(text) if self._split is not None else [text]

@@ -50,9 +50,9 @@ class Tokenizer:
         space = sp.piece_to_id(SPACE_MARK)
         self._drops_dummy_prefix = space != sp.unk_id() and sp.decode([space]) == ""
         self._anchor: tuple[int, str] | None = None  # see _decode_anchor
-        special = {sp.id_to_piece(i): i for i in range(n) if self._special[i]}
+        self._special_pieces = {sp.id_to_piece(i): i for i in range(n) if self._special[i]}
         scheme = prefix if prefix is not None else prefix_scheme(path.parent / "tokenizer_config.json")
-        self._prompt = PromptEncoder(sp, path, special, scheme)
+        self._prompt = PromptEncoder(sp, path, self._special_pieces, scheme)
 
     # -- vocabulary -----------------------------------------------------------------------------------------
     @property
@@ -98,6 +98,13 @@ class Tokenizer:
             raise TokenizerError(f"encode expects str, got {type(text).__name__}")
         ids = self._prompt.encode(text)
         return [self.bos_id, *ids] if add_bos else ids
+
+    def prompt_encoder(self, scheme: str) -> PromptEncoder:
+        """This model's prompt encoder with the dummy-prefix ``scheme`` (a chat template may read the model's
+        tokenizer_config.json otherwise than plain prompts are: ``chat_template``)."""
+        if scheme == self._prompt.scheme:
+            return self._prompt
+        return PromptEncoder(self._sp, self.path, self._special_pieces, scheme)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``. Kept special tokens render as their piece (``<s>``), with a space after as in text.
