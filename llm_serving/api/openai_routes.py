@@ -31,7 +31,7 @@ from llm_serving.api.responses import (
     write,
 )
 from llm_serving.api.schema import OPENAI_DEFAULT_MAX_TOKENS, ApiError, CompletionRequest, parse_completion
-from llm_serving.core.logprobs import PromptLogprob
+from llm_serving.core.logprobs import PromptLogprob, TopLogprobs
 from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.request_stream import EngineError
 from llm_serving.tokenization.tokenizer import Tokenizer
@@ -88,7 +88,7 @@ class OpenAIRoutes:
                 answer, echo = answers[g], echoes[g]
                 lp = _logprobs(tok, answer.tokens, len(echo), req.logprobs)
                 if lp is not None and answer.prompt_logprobs is not None:
-                    lp = _with_prompt(tok, prompts[i], answer.prompt_logprobs, req.logprobs, lp)
+                    lp = _with_prompt(tok, prompts[i], answer.prompt_logprobs, lp)
                 choices.append({"index": i * req.n + j, "text": echo + answer.text, "logprobs": lp,
                                 "finish_reason": OPENAI_FINISH[answer.finish_reason]})
         return json_response({**meta, "choices": choices, "usage": _usage(gens, req.best_of)})
@@ -193,19 +193,20 @@ def _usage(gens: list[Generation], per_prompt: int = 1) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _alternatives(tok: Tokenizer, name: str, t: TokenInfo) -> dict[str, float]:
-    """One position's ``top_logprobs`` entry: text -> logprob of the most likely tokens, and the chosen one."""
-    top = t.top or ()
+def _alternatives(tok: Tokenizer, name: str, token: int, logprob: float, top: TopLogprobs | None) -> dict[str, float]:
+    """One position's ``top_logprobs`` entry: text -> logprob of the most likely tokens, and the chosen one
+    (``token``, whose text is ``name``)."""
+    top = top or ()
     out = {tok.token_text(i): lp for i, lp in top}
-    if all(i != t.id for i, _ in top):
-        out[name] = t.logprob
+    if all(i != token for i, _ in top):
+        out[name] = logprob
     return out
 
 
-def _with_prompt(tok: Tokenizer, ids: list[int], scores: list[PromptLogprob], want: int,
+def _with_prompt(tok: Tokenizer, ids: list[int], scores: list[PromptLogprob],
                  generated: dict[str, Any]) -> dict[str, Any]:
     """The legacy ``logprobs`` object of an echoed prompt followed by its answer's: the first prompt token has no
-    logprob (null, as OpenAI and vLLM answer), every later one its logprob and ``want`` most likely tokens."""
+    logprob (null, as OpenAI and vLLM answer), every later one its logprob and its position's most likely tokens."""
     decoder = tok.incremental_decoder()
     names, offsets, offset = [], [], 0
     for token in ids:
@@ -213,8 +214,8 @@ def _with_prompt(tok: Tokenizer, ids: list[int], scores: list[PromptLogprob], wa
         offsets.append(offset)
         offset += len(decoder.push(token))
     tops: list[dict[str, float] | None] = [None]
-    for token, (logprob, top) in zip(ids[1:], scores):
-        tops.append(_alternatives(tok, tok.token_text(token), TokenInfo(token, logprob, "", False, top)))
+    tops += [_alternatives(tok, name, token, logprob, top)
+             for name, token, (logprob, top) in zip(names[1:], ids[1:], scores)]
     return {"tokens": names + generated["tokens"],
             "token_logprobs": [None, *(lp for lp, _ in scores), *generated["token_logprobs"]],
             "top_logprobs": tops + generated["top_logprobs"] if generated["top_logprobs"] is not None else None,
@@ -231,6 +232,6 @@ def _logprobs(tok: Tokenizer, tokens: list[TokenInfo], offset: int, want: int | 
         names.append(tok.token_text(t.id))
         offsets.append(offset)
         offset += len(t.text)
-    top = [_alternatives(tok, n, t) for n, t in zip(names, tokens)] if want >= 1 else None
+    top = [_alternatives(tok, n, t.id, t.logprob, t.top) for n, t in zip(names, tokens)] if want >= 1 else None
     return {"tokens": names, "token_logprobs": [t.logprob for t in tokens], "top_logprobs": top,
             "text_offset": offsets}

@@ -18,17 +18,23 @@ PromptLogprob = tuple[float, TopLogprobs]  # a prompt token's logprob, and its p
 
 def prompt_logprob(logits: np.ndarray, token: int, k: int) -> PromptLogprob:
     """The logprob of prompt ``token`` under the row of the position before it, and that row's ``k`` best."""
-    x = np.asarray(logits, dtype=np.float64)
-    top = float(x.max())
-    lse = top + float(np.log(np.exp(x - top).sum()))
-    return float(x[token] - lse), top_logprobs(logits, k) if k else ()
+    x, lse = _with_logsumexp(logits)
+    return float(x[token] - lse), _best(x, lse, k) if k else ()
 
 
 def top_logprobs(logits: np.ndarray, k: int) -> TopLogprobs:
     """The ``k`` most likely tokens of one float32 ``[vocab]`` row, best first (ties: lower id first)."""
+    return _best(*_with_logsumexp(logits), k)
+
+
+def _with_logsumexp(logits: np.ndarray) -> tuple[np.ndarray, float]:
+    """The row in float64 and its log-sum-exp (a logit minus it is that token's logprob)."""
     x = np.asarray(logits, dtype=np.float64)
     top = float(x.max())
-    lse = top + float(np.log(np.exp(x - top).sum()))
+    return x, top + float(np.log(np.exp(x - top).sum()))
+
+
+def _best(x: np.ndarray, lse: float, k: int) -> TopLogprobs:
     k = min(k, x.shape[0])
     ids = np.argpartition(-x, k - 1)[:k]
     ids = ids[np.lexsort((ids, -x[ids]))]

@@ -507,8 +507,9 @@ class Scheduler:
         )
 
     def _want_logits(self, seqs: list[Sequence]) -> np.ndarray | None:
-        """Which sequences' next-token logits to return: those whose dump still lacks the row of the token this
-        step produces; None when none (O(1) while no running sequence dumps)."""
+        """Which sequences' logits rows to return (``Sequence.wants_logits_row``: a dump short of this step's row,
+        alternatives to report, a prompt position to score); None when none (O(1) while no running sequence
+        reads logits)."""
         if not self._running_dumps:
             return None
         want = np.fromiter((seq.wants_logits_row() for seq in seqs), np.bool_, len(seqs))
