@@ -31,8 +31,6 @@ def tokenizer(server) -> Tokenizer:
     return Tokenizer(default_model_dir(cfg.default_model, cfg.max_model_len) / "tokenizer.model")
 
 
-client_for = openai_client
-
 
 async def stream_chunks(url: str, body: dict) -> list[dict]:
     async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
@@ -64,7 +62,7 @@ def test_stream_usage_null_then_the_total_and_continuous_usage(server, path, bod
 
 
 def test_an_explicit_max_tokens_past_the_context_is_a_400_an_absent_one_is_clipped(server, tokenizer):
-    client = client_for(server)
+    client = openai_client(server)
     prompt = "word " * 150  # about 300 tokens of the 512 the default config serves
     n = len(tokenizer.encode(prompt))
     with pytest.raises(openai.BadRequestError, match=rf"prompt \({n} tokens\) \+ max_tokens \(300\) = {n + 300} "
@@ -80,7 +78,7 @@ def test_an_explicit_max_tokens_past_the_context_is_a_400_an_absent_one_is_clipp
 
 
 def test_unsupported_parameters_are_bad_requests_with_openais_error_object(server):
-    client = client_for(server)
+    client = openai_client(server)
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="llama2", prompt="hi", max_tokens=2, suffix="!", temperature=0)
     assert err.value.status_code == 400
@@ -106,7 +104,7 @@ def test_tokenize_detokenize_and_tokenizer_info_in_vllms_shapes(server, tokenize
     assert with_bos["tokens"] == tokenizer.encode(text) and with_bos["token_strs"][0] == "<s>"
     messages = [{"role": "user", "content": "Hello"}]
     _, chat, _ = run(post(f"{url}/tokenize", {"messages": messages}))
-    completion = client_for(server).chat.completions.create(model="llama2", messages=messages, max_tokens=1)
+    completion = openai_client(server).chat.completions.create(model="llama2", messages=messages, max_tokens=1)
     assert chat["count"] == completion.usage.prompt_tokens
     status, res, _ = run(post(f"{url}/detokenize", {"tokens": tokenizer.encode(text, add_bos=False)}))
     assert status == 200 and res == {"prompt": text}
