@@ -24,6 +24,10 @@ setup(
         "tqdm",
         "jinja2",
         "protobuf",  # sentencepiece's model proto: chat templates of tokenizers with legacy false
+        # structured output (JSON schema, regex): chosen over outlines-core (~150 ms to compile a small schema,
+        # 30-50 us a mask, integer bounds not enforced) and xgrammar (needs torch, transformers and triton):
+        # ~1 ms to compile, ~25 us median a mask on a 32k vocabulary (docs/benchmarks.md, bench_structured)
+        "llguidance>=1.0",
     ],
     # MindFormers (model_config.backend: mindformers) needs MindSpore 2.7.2, not our pin: it gets its own
     # environment from scripts/mindformers_env.sh rather than an extra here
@@ -33,6 +37,7 @@ setup(
             "torch==2.13.0",
             "transformers",
             "openai",
+            "jsonschema",  # structured answers checked against their schema by the reference validator
             "ruff==0.17.6",
         ],
     },

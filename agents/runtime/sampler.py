@@ -4,7 +4,7 @@ Why here: the logits are already in the agent's memory, and only token ids + log
 ``batch x vocab`` transfer per step). All-greedy steps never come here: they use the in-graph argmax.
 
 Semantics follow Hugging Face ``generate`` / vLLM: the logit adjustments first (``logit_bias``; -inf on the end ids
-of a sequence short of its ``min_tokens``), then the repetition penalty over prompt + generated tokens (the CTRL
+of a sequence short of its ``min_tokens``; -inf on every token a structured-output row's mask bans), then the repetition penalty over prompt + generated tokens (the CTRL
 rule: positive logits divided by the penalty, negative ones multiplied), OpenAI's presence and frequency penalties
 over the generated tokens, then temperature, then ``min_p`` (tokens less likely than that fraction of the most
 likely one dropped), then top-k, then top-p (nucleus) over what is left. Temperature 0 is greedy over the
@@ -82,14 +82,17 @@ class RowExtras:
     output_start: int = 0  # where its generated ids start among its penalty ids
     adjust_ids: np.ndarray | None = None
     adjust_values: np.ndarray | None = None
+    token_mask: np.ndarray | None = None  # int32 bitmask of the tokens it may produce; None: any
 
     @classmethod
     def of(cls, extras: SamplingExtras | None, i: int) -> RowExtras | None:
         if extras is None:
             return None
         lo, hi = extras.adjust_offsets[i], extras.adjust_offsets[i + 1]
+        mask = extras.token_masks[i] if extras.token_masks is not None else None
         return cls(float(extras.presence_penalty[i]), float(extras.frequency_penalty[i]), float(extras.min_p[i]),
-                   int(extras.output_start[i]), extras.adjust_ids[lo:hi], extras.adjust_values[lo:hi])
+                   int(extras.output_start[i]), extras.adjust_ids[lo:hi], extras.adjust_values[lo:hi],
+                   None if mask is None or (mask == -1).all() else mask)
 
 
 def adjusted_logits(logits: np.ndarray, penalty: float, penalty_ids: np.ndarray,
@@ -100,6 +103,9 @@ def adjusted_logits(logits: np.ndarray, penalty: float, penalty_ids: np.ndarray,
     out = logits.astype(np.float64)
     if extras.adjust_ids is not None and extras.adjust_ids.size:
         np.add.at(out, extras.adjust_ids, extras.adjust_values.astype(np.float64))
+    if extras.token_mask is not None:
+        allowed = np.unpackbits(extras.token_mask.view(np.uint8), bitorder="little")[: out.shape[0]]
+        out[allowed == 0] = -np.inf
     out = apply_repetition_penalty(out, penalty_ids, penalty)
     if extras.presence_penalty or extras.frequency_penalty:
         ids, counts = np.unique(penalty_ids[extras.output_start:], return_counts=True)

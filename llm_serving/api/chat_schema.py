@@ -4,7 +4,8 @@ It shares the completions body's conventions (``schema``): unknown keys are erro
 temperature is 1, vLLM's ``top_k``/``repetition_penalty``/``ignore_eos`` are accepted, the engine's own
 checks name the field as this body calls it. ``max_completion_tokens`` is OpenAI's current name for
 ``max_tokens``; without either, a chat answer may fill the context (up to ``model_config.max_generate_length``).
-Features that only mean "off" here (tools, response formats) are accepted at that value and a 400 otherwise.
+Structured output (``response_format`` and vLLM's keys) is ``structured_schema``'s; tools are accepted only when
+they ask for nothing, a 400 otherwise.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from llm_serving.api.schema import (
     parse_stream_options,
     unsupported,
 )
+from llm_serving.api.structured_schema import STRUCTURED_KEYS
 from llm_serving.core.logprobs import MAX_TOP_LOGPROBS
 from llm_serving.tokenization.chat_template import MessageError, check_messages
 
 _CHAT_KEYS = ("model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "stop",
               "logprobs", "top_logprobs", "user", *OPENAI_SAMPLING_KEYS, "tools",
-              "tool_choice", "parallel_tool_calls", "response_format")
+              "tool_choice", "parallel_tool_calls", *STRUCTURED_KEYS)
 
 
 @dataclass(frozen=True)
@@ -93,17 +95,13 @@ def _max_tokens(r: _Reader) -> tuple[int | None, str]:
 
 
 def _neutral_features(body: Mapping[str, Any], r: _Reader) -> None:
-    """Tools and response formats: accepted only when they ask for nothing."""
+    """Tools: accepted only when they ask for nothing."""
     if body.get("tools"):
         raise unsupported("tools (function calling) are not supported", "tools")
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise unsupported("tool_choice is not supported (no tools here); send \"none\" or leave it out",
                           "tool_choice")
     r.bool("parallel_tool_calls", False)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise unsupported("response_format other than {\"type\": \"text\"} (JSON mode, schemas) is not supported",
-                          "response_format")
 
 
 def _logprobs(r: _Reader) -> tuple[bool, int]:

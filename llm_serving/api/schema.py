@@ -32,7 +32,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from llm_serving.core.sequence import InvalidParameter, SamplingParams
+from llm_serving.api.errors import ApiError, invalid, parameter_error, unsupported
+from llm_serving.api.structured_schema import STRUCTURED_KEYS, parse_constraint
+from llm_serving.core.sequence import InvalidParameter, OutputConstraint, SamplingParams
 from llm_serving.describe import json_kind
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -42,34 +44,6 @@ MAX_USER_CHARS = 1024  # OpenAI's opaque end-user id: accepted and ignored, with
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on /v1/completions' logprobs (alternatives per position)
 MAX_TOP_K = 2**31 - 1  # larger is the same as 0 (no limit), but does not fit the int32 step arrays
 HF_DEFAULT_TEMPERATURE = 1.0  # do_sample=true without a temperature
-
-
-class ApiError(Exception):
-    """A request the server answers with an HTTP error; ``error_type`` is a stable machine-readable tag."""
-
-    def __init__(self, status: int, message: str, error_type: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.error_type = error_type
-        self.param = param
-        self.close_connection = False  # the answer closes the connection (its request left it unusable)
-
-
-def invalid(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, "invalid_request", param)
-
-
-def unsupported(message: str, param: str | None = None) -> ApiError:
-    """A parameter value the OpenAI routes do not serve: 400, as OpenAI and vLLM answer an invalid parameter (their
-    clients raise ``BadRequestError`` for it; a 422 would raise another exception type)."""
-    return ApiError(400, message, "unsupported", param)
-
-
-def parameter_error(exc: InvalidParameter, field_names: Mapping[str, str]) -> ApiError:
-    """An engine parameter error as a 400 naming the field as the dialect calls it (``field_names``)."""
-    name = field_names.get(exc.field, exc.field)
-    return ApiError(400, exc.message_for(name), exc.error_type, name)
 
 
 @dataclass(frozen=True)
@@ -89,6 +63,7 @@ class SamplingOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    constraint: OutputConstraint | None = None  # structured output (``structured_schema``)
 
     @property
     def wants_sampling(self) -> bool:
@@ -104,7 +79,8 @@ class SamplingOptions:
         common = {"repetition_penalty": penalty, "seed": self.seed, "stop": stop, "top_logprobs": top_logprobs,
                   "prompt_logprobs": prompt_logprobs,
                   "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                  "logit_bias": self.logit_bias, "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids}
+                  "logit_bias": self.logit_bias, "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids,
+                  "constraint": self.constraint}
         try:
             if not self.wants_sampling:
                 return SamplingParams(max_new_tokens, ignore_eos, **common)
@@ -247,11 +223,12 @@ def parse_generate(body: Any, stream: bool | None = None) -> GenerateRequest:
 OPENAI_SAMPLING_KEYS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
                         "top_k", "repetition_penalty", "ignore_eos", "min_p", "min_tokens", "stop_token_ids")
 _COMPLETION_KEYS = ("model", "prompt", "max_tokens", "n", "stream", "stream_options", "logprobs", "echo", "stop",
-                    "best_of", "user", "suffix", *OPENAI_SAMPLING_KEYS)
+                    "best_of", "user", "suffix", *OPENAI_SAMPLING_KEYS, *STRUCTURED_KEYS)
 
 
 def openai_sampling(body: Mapping[str, Any], r: _Reader) -> SamplingOptions:
-    """The sampling controls of an OpenAI body (temperature defaults to OpenAI's 1: sampling)."""
+    """The sampling controls of an OpenAI body (temperature defaults to OpenAI's 1: sampling), structured output
+    among them."""
     temperature = r.float("temperature", lo=0.0, hi=2.0)
     temperature = 1.0 if temperature is None else temperature
     bias = body.get("logit_bias") or {}
@@ -272,7 +249,7 @@ def openai_sampling(body: Mapping[str, Any], r: _Reader) -> SamplingOptions:
         presence_penalty=r.float("presence_penalty", lo=-2.0, hi=2.0) or 0.0,
         frequency_penalty=r.float("frequency_penalty", lo=-2.0, hi=2.0) or 0.0,
         min_p=r.float("min_p", lo=0.0, hi=1.0) or 0.0, logit_bias=pairs, min_tokens=r.int("min_tokens", lo=0) or 0,
-        stop_token_ids=tuple(stop_ids),
+        stop_token_ids=tuple(stop_ids), constraint=parse_constraint(body),
     )
 
 

@@ -260,9 +260,10 @@ class Scheduler:
                 if seq.params.top_logprobs:
                     seq.output_top.append(top_logprobs(logits, seq.params.top_logprobs))
             seq.append_token(token, logprob)
+            complete = seq.constraint is not None and seq.constraint.advance(token)
             if token in eos and not seq.params.ignore_eos:
                 reason = "eos"
-            elif token in seq.params.stop_token_ids:
+            elif token in seq.params.stop_token_ids or complete:  # a stop id, or the whole structured answer
                 reason = "stop"
             elif seq.num_output_tokens >= seq.params.max_new_tokens:
                 reason = "length"
@@ -546,8 +547,8 @@ def _sampling_batch(seqs: list[Sequence], eos_ids: set[int]) -> SamplingBatch:
 
 def _extras(seqs: list[Sequence], eos_ids: set[int]) -> SamplingExtras:
     """The rarer controls: presence/frequency penalties over the generated ids (which start after the prompt among
-    the penalty ids), min_p, and each sequence's logit adjustments (its logit_bias; while it is short of min_tokens,
-    -inf on the ids that would end it)."""
+    the penalty ids), min_p, each sequence's logit adjustments (its logit_bias; while it is short of min_tokens,
+    -inf on the ids that would end it), and the token masks of the sequences held to a grammar."""
     n, params = len(seqs), [seq.params for seq in seqs]
     adjustments = []
     for seq, p in zip(seqs, params):
@@ -567,4 +568,17 @@ def _extras(seqs: list[Sequence], eos_ids: set[int]) -> SamplingExtras:
         adjust_offsets=offsets,
         adjust_ids=np.fromiter(chain.from_iterable(adjustments), np.int32, int(offsets[-1])),
         adjust_values=np.fromiter(chain.from_iterable(a.values() for a in adjustments), np.float32, int(offsets[-1])),
+        token_masks=_token_masks(seqs),
     )
+
+
+def _token_masks(seqs: list[Sequence]) -> np.ndarray | None:
+    """Each constrained sequence's allowed next tokens (``grammar.TokenMatcher.fill_mask``), the others' rows all
+    ones; None when no sequence is constrained."""
+    constrained = [(i, seq.constraint) for i, seq in enumerate(seqs) if seq.constraint is not None]
+    if not constrained:
+        return None
+    masks = np.full((len(seqs), constrained[0][1].mask_words), -1, np.int32)
+    for i, matcher in constrained:
+        matcher.fill_mask(masks[i])
+    return masks

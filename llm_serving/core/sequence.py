@@ -19,6 +19,8 @@ from llm_serving.core.logprobs import MAX_TOP_LOGPROBS, PromptLogprob, TopLogpro
 if TYPE_CHECKING:
     import numpy as np
 
+    from llm_serving.core.grammar import TokenMatcher
+
 # Why a request ended: its eos token, its max_new_tokens, an abort (client gone, shutdown), one of its stop
 # strings. The one definition: the scheduler, the metrics' labels and the APIs' names all follow it.
 FINISH_REASONS = ("eos", "length", "stop", "abort")
@@ -51,6 +53,27 @@ class InvalidParameter(ValueError):
         return self.template.replace("{field}", name, 1)
 
 
+CONSTRAINT_KINDS = ("json", "regex", "choice")
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """What a request's answer must match (structured output, ``core.grammar``).
+
+    ``kind`` "json": ``spec`` is a JSON schema as JSON text (``{"type": "object"}``: any object); "regex": a regular
+    expression the whole answer matches; "choice": a JSON list of the allowed answers. ``field`` is the request
+    key it came from, named in the error a bad one gets.
+    """
+
+    kind: str
+    spec: str
+    field: str = "response_format"
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"constraint kind must be one of {CONSTRAINT_KINDS}, got {self.kind!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request generation limits and sampling controls (Hugging Face / vLLM semantics).
@@ -64,6 +87,7 @@ class SamplingParams:
     ``seed`` makes the draws reproducible whatever else is batched with the request; without one the scheduler
     picks a random seed when the request is admitted. ``stop`` strings (one string or several) end the request where one
     first appears in the generated text, with finish reason "stop" and the stop string cut from the text.
+    ``constraint`` holds the answer to a JSON schema, a regex or a list of choices (``core.grammar``).
     Frozen, so one instance can be shared by many requests.
 
     Values outside a field's domain raise ``InvalidParameter`` (wrong types ``TypeError``), the float fields
@@ -90,6 +114,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), or a mapping of them
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    constraint: OutputConstraint | None = None  # structured output: the answer matches it, then ends ("stop")
     # Whether the agent must read the logits (sampling or penalty) instead of taking the in-graph argmax.
     needs_logits: bool = field(init=False, repr=False, compare=False)
 
@@ -145,6 +170,8 @@ class SamplingParams:
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidParameter("top_logprobs", f"{{field}} must be in 0..{MAX_TOP_LOGPROBS}, got "
                                                    f"{self.top_logprobs}")
+        if self.constraint is not None and not isinstance(self.constraint, OutputConstraint):
+            raise TypeError(f"constraint must be an OutputConstraint or None, got {self.constraint!r}")
         object.__setattr__(self, "needs_logits", self.temperature > 0 or self.repetition_penalty != 1.0
                            or self.uses_extras)
 
@@ -152,7 +179,7 @@ class SamplingParams:
     def uses_extras(self) -> bool:
         """Whether the agents need its rarer controls (``protocol.batch.SamplingExtras``)."""
         return bool(self.presence_penalty or self.frequency_penalty or (self.min_p and self.temperature > 0)
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.constraint is not None)
 
     @property
     def penalises_history(self) -> bool:
@@ -250,6 +277,8 @@ class Sequence:
     # Parallel sampling (OpenAI's n): the first choice of its prompt, whose computed prompt blocks this one waits for
     # so it starts on them through the prefix cache (``Scheduler.add``'s ``follows``); None for a request of its own
     follows: Sequence | None = field(default=None, repr=False)
+    # Structured output (``params.constraint``): where its answer stands in the grammar; set by the engine
+    constraint: TokenMatcher | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from llm_serving.config.serving_config import ConfigError, ServingConfig
+from llm_serving.core.grammar import GrammarCompiler, compiler_for, masked_rows
 from llm_serving.core.scheduler import RequestRejected, Scheduler
 from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.engine.admission import RequestLimits
@@ -77,6 +78,8 @@ class Engine:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._requests: LiveRequests | None = None  # set by start()
+        self._grammars: GrammarCompiler | None = None  # see _grammar_compiler
+        self._grammar_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._started = self._stopping = False
         self._error: EngineError | None = None
@@ -215,6 +218,8 @@ class Engine:
         params = self.limits.admit(ids, params, clip_to_context)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(rid, ids, params, logits_tokens=logits_tokens)
+        if params.constraint is not None:
+            seq.constraint = self._grammar_compiler().matcher(params.constraint)
         stream = RequestStream(rid, text, ids, tok, self.abort, params.stop,
                                seq.logits if logits_tokens else None, self.model.llama_config.vocab_size,
                                seq.prompt_scores if params.prompt_logprobs is not None else None)
@@ -228,6 +233,15 @@ class Engine:
             self._requests.add(seq, stream)
             self._work.notify()
         return stream
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler of the served vocabulary, built at the first constrained request (it
+        indexes every token: ~0.1 s for 32k tokens)."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                ends = {self.eos_token_id, *self.other_eos_token_ids} - {None}
+                self._grammars = compiler_for(self.tokenizer, ends, self.model.llama_config.vocab_size)
+            return self._grammars
 
     def abort(self, request_id: str) -> bool:
         """Abort a request from any thread; False if it already ended."""
@@ -303,7 +317,7 @@ class Engine:
                 self._agents.policy.step_succeeded()
                 with self._lock:
                     self._in_flight = ()
-                    self._requests.fail_rows(seqs, output.errors)
+                    self._requests.fail_rows(seqs, {**output.errors, **masked_rows(seqs, batch, output.token_ids)})
                     sched.postprocess(seqs, output)
                     step = None if self._stopping else sched.schedule()
                 try:

@@ -32,7 +32,9 @@ class SamplingBatch:
     ``extras`` is absent (None) from steps where no sequence uses them: OpenAI's ``presence_penalty`` and
     ``frequency_penalty`` (over the generated ids, from ``output_start[i]`` among its penalty ids), vLLM's
     ``min_p``, and per-sequence logit adjustments added to the logits before anything else (``logit_bias``, and
-    -inf for the end ids a sequence short of its ``min_tokens`` may not produce yet).
+    -inf for the end ids a sequence short of its ``min_tokens`` may not produce yet). ``token_masks`` (structured
+    output) is a bitmask row per sequence of the tokens it may produce (bit ``t % 32`` of word ``t // 32``; all bits
+    set for an unconstrained row): the others' logits become -inf after the adjustments, before the penalties.
     """
 
     temperature: np.ndarray  # float32 [B]
@@ -74,17 +76,26 @@ class SamplingExtras:
     adjust_offsets: np.ndarray  # int32 [B + 1]
     adjust_ids: np.ndarray  # int32 [adjust_offsets[-1]]
     adjust_values: np.ndarray  # float32 [adjust_offsets[-1]]: added to the logits (-inf bans the token)
+    token_masks: np.ndarray | None = None  # int32 [B, ceil(vocab / 32)]; None: no sequence is constrained
 
     def active(self) -> np.ndarray:
         """bool [B]: the sequences these controls change."""
-        return ((self.presence_penalty != 0) | (self.frequency_penalty != 0) | (self.min_p > 0)
+        rows = ((self.presence_penalty != 0) | (self.frequency_penalty != 0) | (self.min_p > 0)
                 | (np.diff(self.adjust_offsets) > 0))
+        return rows | self.constrained() if self.token_masks is not None else rows
+
+    def constrained(self) -> np.ndarray:
+        """bool [B]: the sequences whose token mask bans some token."""
+        if self.token_masks is None:
+            return np.zeros(self.min_p.shape[0], np.bool_)
+        return (self.token_masks != -1).any(axis=1)
 
     def take(self, indices: np.ndarray) -> SamplingExtras:
         offsets, ids = _take_ragged(self.adjust_offsets, self.adjust_ids, indices)
         _, values = _take_ragged(self.adjust_offsets, self.adjust_values, indices)
         return SamplingExtras(self.presence_penalty[indices], self.frequency_penalty[indices], self.min_p[indices],
-                              self.output_start[indices], offsets, ids, values)
+                              self.output_start[indices], offsets, ids, values,
+                              self.token_masks[indices] if self.token_masks is not None else None)
 
 
 def _take_ragged(offsets: np.ndarray, values: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

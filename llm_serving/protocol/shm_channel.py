@@ -3,7 +3,7 @@
 One POSIX shared-memory segment is allocated at start and never resized: a small int64 header, the
 token-flat input arrays of a ``StepBatch`` at their maximum sizes, its per-sequence sampling arrays (a header
 flag says whether the step has any; all-greedy steps copy none of them; another whether it has the rarer
-``SamplingExtras``), and an output area where rank 0
+``SamplingExtras``, a third whether these carry token masks, ``ceil(logits_width / 32)`` words a sequence), and an output area where rank 0
 writes the next token id and logprob of every sequence, and the float32 logits of the sequences whose
 ``want_logits`` is set (``max_logits_rows`` rows of ``logits_width``; a header flag says whether a step asks for
 any, so steps that ask for none copy nothing more). A step is then a handful of ``memcpy``s into numpy views;
@@ -34,7 +34,7 @@ from llm_serving.protocol.batch import (
     StepOutput,
 )
 
-MAGIC = 0x4C4C4D534834  # "LLMSH4": bump the digit when the layout changes
+MAGIC = 0x4C4C4D534835  # "LLMSH5": bump the digit when the layout changes
 NAME_PREFIX = "llmserving_"
 _ALIGN = 64
 _HEADER_SLOTS = 24
@@ -44,7 +44,7 @@ _STEP, _IS_PREFILL, _NUM_TOKENS, _BATCH_SIZE, _WIDTH = 4, 5, 6, 7, 8
 _OUT_STEP, _OUT_BATCH_SIZE = 9, 10
 _MAX_PENALTY, _SAMPLING, _PENALTY_TOKENS = 11, 12, 13
 _MAX_LOGITS_ROWS, _LOGITS_WIDTH, _WANT_LOGITS, _OUT_LOGITS_ROWS = 14, 15, 16, 17
-_EXTRAS, _ADJUSTMENTS = 18, 19
+_EXTRAS, _ADJUSTMENTS, _MASKS = 18, 19, 20
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "seeds", "draw_index")
 _EXTRA_FIELDS = ("presence_penalty", "frequency_penalty", "min_p", "output_start")
 
@@ -89,6 +89,7 @@ class ChannelLayout:
                 ("output_start", np.int32, b), ("adjust_offsets", np.int32, b + 1),
                 ("adjust_ids", np.int32, b * MAX_LOGIT_ADJUSTMENTS),
                 ("adjust_values", np.float32, b * MAX_LOGIT_ADJUSTMENTS),
+                ("token_masks", np.int32, b * self.mask_words),
                 ("want_logits", np.uint8, b), ("out_token_ids", np.int32, b), ("out_logprobs", np.float32, b),
                 ("out_logits_rows", np.int32, self.max_logits_rows),
                 ("out_logits", np.float32, self.max_logits_rows * self.logits_width)]
@@ -97,6 +98,11 @@ class ChannelLayout:
             out[name] = (offset, np.dtype(dtype), count)
             offset += -(-count * np.dtype(dtype).itemsize // _ALIGN) * _ALIGN
         return out
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words of one sequence's token mask (a bit per logit)."""
+        return (self.logits_width + 31) // 32
 
     @property
     def nbytes(self) -> int:
@@ -232,6 +238,10 @@ class StepChannel:
             if value > limit:
                 raise ValueError(f"step {what} {value} exceeds the shared-memory capacity {limit} (AgentSpec "
                                  f"max_tokens/max_batch/max_blocks_per_seq/max_penalty_tokens/max_logits_rows)")
+        masks = extras.token_masks if extras is not None else None
+        if masks is not None and (lay.mask_words == 0 or masks.shape != (batch.batch_size, lay.mask_words)):
+            raise ValueError(f"token_masks has shape {masks.shape}, expected ({batch.batch_size}, {lay.mask_words}) "
+                             "(AgentSpec llama_config vocab_size)")
         if want is not None and want.shape != (batch.batch_size,):
             raise ValueError(f"want_logits has shape {want.shape}, expected ({batch.batch_size},)")
         sampling = batch.sampling
@@ -267,6 +277,9 @@ class StepChannel:
             a = extras.adjust_ids.shape[0]
             v["adjust_ids"][:a], v["adjust_values"][:a] = extras.adjust_ids, extras.adjust_values
             h[_ADJUSTMENTS] = a
+            if extras.token_masks is not None:
+                v["token_masks"][: extras.token_masks.size] = extras.token_masks.ravel()
+        h[_MASKS] = extras is not None and extras.token_masks is not None
         h[_EXTRAS] = extras is not None
         h[_SAMPLING] = sampling is not None
         if batch.want_logits is not None:
@@ -298,9 +311,10 @@ class StepChannel:
         if h[_SAMPLING]:
             extras = None
             if h[_EXTRAS]:
-                a = int(h[_ADJUSTMENTS])
+                a, words = int(h[_ADJUSTMENTS]), self.layout.mask_words
+                masks = v["token_masks"][: b * words].reshape(b, words) if h[_MASKS] else None
                 extras = SamplingExtras(*(v[name][:b] for name in _EXTRA_FIELDS), v["adjust_offsets"][: b + 1],
-                                        v["adjust_ids"][:a], v["adjust_values"][:a])
+                                        v["adjust_ids"][:a], v["adjust_values"][:a], masks)
             sampling = SamplingBatch(*(v[name][:b] for name in _SAMPLING_FIELDS), v["penalty_offsets"][: b + 1],
                                      v["penalty_token_ids"][: int(h[_PENALTY_TOKENS])], extras)
         want = v["want_logits"][:b].view(np.bool_) if h[_WANT_LOGITS] else None

@@ -63,6 +63,10 @@ class HFTokenizer:
         self._size = self._tok.get_vocab_size(with_added_tokens=True)
         self._byte_level = "ByteLevel" in json.dumps(json.loads(file.read_text()).get("decoder"))
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (for libraries that load the ``tokenizers`` format)."""
+        return self._tok.to_str()
+
     # -- vocabulary -----------------------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from llm_serving.tokenization.sp_prompt import PromptEncoder, prefix_scheme
+from llm_serving.tokenization.sp_prompt import PromptEncoder, bare_model, prefix_scheme
 
 SPACE_MARK = "\u2581"  # sentencepiece's visible space "▁"
 REPLACEMENT_CHAR = "\ufffd"
@@ -53,6 +53,7 @@ class Tokenizer:
         self._special_pieces = {sp.id_to_piece(i): i for i in range(n) if self._special[i]}
         scheme = prefix if prefix is not None else prefix_scheme(path.parent / "tokenizer_config.json")
         self._prompt = PromptEncoder(sp, path, self._special_pieces, scheme)
+        self._bare: spm.SentencePieceProcessor | None = None  # see encode_exact
 
     # -- vocabulary -----------------------------------------------------------------------------------------
     @property
@@ -98,6 +99,13 @@ class Tokenizer:
             raise TokenizerError(f"encode expects str, got {type(text).__name__}")
         ids = self._prompt.encode(text)
         return [self.bos_id, *ids] if add_bos else ids
+
+    def encode_exact(self, text: str) -> list[int]:
+        """Ids whose bytes (``token_bytes``) are exactly ``text``: no BOS, no dummy-prefix space (what a grammar
+        engine needs to turn text it forces into tokens)."""
+        if self._bare is None:
+            self._bare = bare_model(self.path)
+        return self._bare.encode(text)
 
     def prompt_encoder(self, scheme: str) -> PromptEncoder:
         """This model's prompt encoder with the dummy-prefix ``scheme`` (a chat template may read the model's
