@@ -106,7 +106,8 @@ def test_the_masks_cross_shared_memory_only_in_steps_that_have_them(tokenizers):
     tok = tokenizers[0]
     compiler = compiler_for(tok, [tok.eos_id], tok.vocab_size)
     sched = Scheduler(chunked_prefix(prefix_caching=False))
-    constrained = Sequence("json", [5, 6, 7], SamplingParams(4, constraint=OutputConstraint("json", json.dumps({"type": "object"}))))
+    any_object = OutputConstraint("json", json.dumps({"type": "object"}))
+    constrained = Sequence("json", [5, 6, 7], SamplingParams(4, constraint=any_object))
     constrained.constraint = compiler.matcher(constrained.params.constraint)
     sched.add(constrained)
     sched.add(Sequence("free", [5, 6, 8], SamplingParams(4, temperature=0.5)))
@@ -147,7 +148,7 @@ def _kv_blocks_used(server: ServerProcess) -> float:
     import urllib.request
 
     metrics = urllib.request.urlopen(f"{server.url}/metrics", timeout=10).read().decode()
-    return float(re.search(r"^llm_serving_kv_blocks_used (\S+)", metrics, re.M).group(1))
+    return float(re.search(r"^llm_serving_kv_blocks_used (\S+)", metrics, re.MULTILINE).group(1))
 
 
 def test_json_schema_answers_validate_greedy_sampled_and_streamed(served):
@@ -183,7 +184,8 @@ def test_vllms_keys_on_completions_and_the_blocks_come_back(served):
     picked = client.completions.create(model="llama2", prompt="Pick a colour:", max_tokens=10, temperature=0,
                                        extra_body={"structured_outputs": {"choice": ["crimson red", "teal"]}})
     assert picked.choices[0].text in ("crimson red", "teal")
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
     guided = client.completions.create(model="llama2", prompt="Status:", max_tokens=30, temperature=0,
                                        extra_body={"guided_json": json.dumps(schema)})
     jsonschema.validate(json.loads(guided.choices[0].text), schema)
