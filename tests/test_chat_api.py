@@ -164,7 +164,7 @@ BAD_CHATS = [  # (body, status, error_type, text the message must contain)
      "unsupported", "only text parts"),
     ({"messages": [{"role": "tool", "content": "1", "tool_call_id": "a"}]}, 400, "unsupported", "no tool calls"),
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "unsupported", "tools"),
-    ({"messages": USER, "response_format": {"type": "json_object"}}, 400, "unsupported", "response_format"),
+    ({"messages": USER, "response_format": {"type": "grammar"}}, 400, "unsupported", "response_format type"),
     ({"messages": USER, "n": 200}, 400, "invalid_request", "n must be <= 128"),
     ({"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "invalid_request", "top_logprobs must be <= 20"),
     ({"messages": USER, "top_logprobs": 0}, 400, "invalid_request", "top_logprobs needs logprobs=true"),

@@ -20,7 +20,7 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import llguidance
 import numpy as np
@@ -30,8 +30,6 @@ from llm_serving.core.sequence import InvalidParameter, OutputConstraint
 if TYPE_CHECKING:
     from llm_serving.core.sequence import Sequence
     from llm_serving.protocol.batch import StepBatch
-    from llm_serving.tokenization.hf_tokenizer import HFTokenizer
-    from llm_serving.tokenization.tokenizer import Tokenizer
 
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _SPECIAL_MARK = b"\xff"  # llguidance's spelling of a special token: bytes no text can produce
@@ -118,7 +116,19 @@ class _Vocabulary:
         return self.encode(text)
 
 
-def compiler_for(tokenizer: Tokenizer | HFTokenizer, end_ids: Iterable[int], vocab_size: int) -> GrammarCompiler:
+class ServedTokenizer(Protocol):
+    """What ``compiler_for`` reads of a served tokenizer (``tokenization``'s ``Tokenizer`` or ``HFTokenizer``, which
+    also has ``to_json``)."""
+
+    vocab_size: int
+
+    def token_bytes(self, token_id: int) -> list[int]: ...
+    def is_special(self, token_id: int) -> bool: ...
+    def id_to_piece(self, token_id: int) -> str: ...
+    def encode_exact(self, text: str) -> list[int]: ...
+
+
+def compiler_for(tokenizer: ServedTokenizer, end_ids: Iterable[int], vocab_size: int) -> GrammarCompiler:
     """The compiler of a served tokenizer; ``end_ids`` end a request (allowed where the grammar is complete),
     ``vocab_size`` is the model's (its logits rows; the ids past the tokenizer's never allowed).
 

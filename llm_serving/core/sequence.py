@@ -12,14 +12,12 @@ import enum
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from llm_serving.core.logprobs import MAX_TOP_LOGPROBS, PromptLogprob, TopLogprobs
 
 if TYPE_CHECKING:
     import numpy as np
-
-    from llm_serving.core.grammar import TokenMatcher
 
 # Why a request ended: its eos token, its max_new_tokens, an abort (client gone, shutdown), one of its stop
 # strings. The one definition: the scheduler, the metrics' labels and the APIs' names all follow it.
@@ -54,6 +52,16 @@ class InvalidParameter(ValueError):
 
 
 CONSTRAINT_KINDS = ("json", "regex", "choice")
+
+
+class AnswerMatcher(Protocol):
+    """Where a constrained answer stands in its grammar (``core.grammar.TokenMatcher``)."""
+
+    mask_words: int
+
+    def fill_mask(self, row: np.ndarray) -> None: ...
+    def allows(self, token: int) -> bool: ...
+    def advance(self, token: int) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -278,7 +286,7 @@ class Sequence:
     # so it starts on them through the prefix cache (``Scheduler.add``'s ``follows``); None for a request of its own
     follows: Sequence | None = field(default=None, repr=False)
     # Structured output (``params.constraint``): where its answer stands in the grammar; set by the engine
-    constraint: TokenMatcher | None = field(default=None, repr=False)
+    constraint: AnswerMatcher | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]
