@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable
 
 from agents.runtime.compile_cache import open_cache
+from agents.runtime.multi_step import run_decode_steps
 from agents.runtime.sampler import take_failures
 from llm_serving.protocol.shm_channel import StepChannel
 from llm_serving.protocol.wire import (
@@ -137,8 +138,9 @@ def size_kv_cache(fields: dict, shard, weights: dict, utilization: float):
         kv_budget.block_bytes(shard, block_size, dtype), block_size, max_len)
 
 
-def serve(channel: StepChannel, runner, cmd_fd: int, replier: Replier, rank: int) -> None:
-    """Run steps until the master closes the command pipe or sends a negative step number."""
+def serve(channel: StepChannel, runner, cmd_fd: int, replier: Replier, rank: int, block_size: int | None) -> None:
+    """Run steps until the master closes the command pipe or sends a negative step number (a batch of several
+    decode steps: ``multi_step``)."""
     while True:
         data = _read_exact(cmd_fd, CMD.size)
         if data is None:
@@ -150,7 +152,7 @@ def serve(channel: StepChannel, runner, cmd_fd: int, replier: Replier, rank: int
             seen, batch = channel.read_batch()
             if seen != step:
                 raise RuntimeError(f"shared memory holds step {seen}, the master signalled step {step}")
-            output = runner.step(batch)
+            output = runner.step(batch) if batch.num_steps == 1 else run_decode_steps(runner.step, batch, block_size)
             failed = take_failures(batch.sampling, output.token_ids)  # sequences that failed on their own
             del batch  # views into shared memory: never keep them past the step
             if rank == 0:
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     costs = getattr(runner, "step_costs", None) or {}  # seconds per warmed shape: the step timeout's base
     blocks = getattr(getattr(runner, "rc", None), "num_blocks", None)
     replier.send(STARTUP_STEP, READY, ready_payload(max(costs.values()) if costs else None, blocks))
-    serve(channel, runner, args.cmd_fd, replier, args.rank)
+    serve(channel, runner, args.cmd_fd, replier, args.rank, spec.runner_config.get("block_size"))
     _exit(0)
 
 

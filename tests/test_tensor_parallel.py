@@ -253,6 +253,7 @@ def serve(cfg: ServingConfig, kill_rank: int | None = None) -> dict:
            "helpers": engine._agents.pool.helper_pids}
     try:
         out["results"] = [s.result(timeout=120) for s in [engine.submit(p, sp) for p, sp in workload()]]
+        out["multi_step_batches"] = engine.stats()["multi_step_batches"]
         if kill_rank is not None:
             pool = engine._agents.pool
             segment, before = pool.shm_name, engine.stats()
@@ -271,9 +272,11 @@ def serve(cfg: ServingConfig, kill_rank: int | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(data_dir) -> dict:
-    """tp 1, 2 (native, then portable) and 4, one engine at a time; the tp-2 native one loses rank 1 midway."""
+    """tp 1, 2 (native, then portable) and 4, one engine at a time; the tp-2 native one loses rank 1 midway; tp 4
+    decodes up to four steps per round trip (multi-step: every rank feeds the tokens of the exact greedy pick)."""
     out = {"tp1": serve(tp_config(data_dir, 1)), "tp2": serve(tp_config(data_dir, 2), kill_rank=1),
-           "tp2_portable": serve(tp_config(data_dir, 2, kernels="portable")), "tp4": serve(tp_config(data_dir, 4))}
+           "tp2_portable": serve(tp_config(data_dir, 2, kernels="portable")),
+           "tp4": serve(tp_config(data_dir, 4, scheduler={"decode_steps": 4}))}
     from tests.hf_reference import hf_greedy, load_hf
 
     hf = load_hf(resolve_model(tp_config(data_dir, 1)).model_path)
@@ -291,6 +294,7 @@ def test_tensor_parallel_greedy_matches_tp1_and_transformers(runs, name):
         np.testing.assert_allclose(got.logprobs, hf_logprobs, atol=1e-4)
         np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-4)
     assert len({t for r in runs[name]["results"][:greedy] for t in r.token_ids}) > 30  # not degenerate
+    assert (runs[name]["multi_step_batches"] > 0) == (name == "tp4")
 
 
 @pytest.mark.parametrize("name", ["tp2", "tp2_portable", "tp4"])

@@ -56,6 +56,7 @@ CACHED_CONTEXT_DEVICES = ("CPU", "Ascend")
 # model_config.backend: llm-serving's 'ms' / 'ge' / 'kbk' all run our Llama graph; 'mindformers' runs MindFormers'
 # LlamaForCausalLM built from model_cfg_path (agents/mindformers, its own environment: docs/mindformers.md)
 MODEL_BACKENDS = ("ms", "ge", "kbk", "mindformers")
+MAX_DECODE_STEPS = 16  # scheduler.decode_steps: more only delays what a client sees (tokens come k at a time)
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class SchedulerSection:
     max_wait_s: float = setting(5.0, "float")
     max_num_batched_tokens: int | None = setting(None, "int", optional=True)
     min_decode_steps_between_prefills: int = setting(0, "int")
+    decode_steps: int = setting(1, "int")  # decode steps per agent round trip when nothing waits (multi-step)
     # decode tokens and prompt chunks share steps; reuse the KV blocks of a cached prefix. None: on where the
     # agents' ops attend over cached context (CACHED_CONTEXT_DEVICES; not backend mindformers)
     enable_chunked_prefill: bool | None = setting(None, "bool", optional=True)
@@ -434,6 +436,8 @@ def _validate(cfg: ServingConfig) -> None:
     need(sc.max_wait_s >= 0, "scheduler.max_wait_s", f"must be >= 0, got {sc.max_wait_s}")
     need(sc.min_decode_steps_between_prefills >= 0, "scheduler.min_decode_steps_between_prefills",
          f"must be >= 0, got {sc.min_decode_steps_between_prefills}")
+    need(1 <= sc.decode_steps <= MAX_DECODE_STEPS, "scheduler.decode_steps",
+         f"must be in 1..{MAX_DECODE_STEPS}, got {sc.decode_steps}")
     for key in ("enable_chunked_prefill", "enable_prefix_caching"):
         need(not getattr(sc, key) or m.device_target in CACHED_CONTEXT_DEVICES, f"scheduler.{key}",
              f"the {m.device_target} agents cannot attend over cached context yet: set it false or leave it "

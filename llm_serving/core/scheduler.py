@@ -27,6 +27,11 @@ row it returns for a sequence is that of the token the step produces, so a recom
 the rows of tokens generated before its preemption. Steps where no sequence asks carry None (checked in O(1)
 for decode while no running sequence reads logits), and the agents then read no logits back.
 
+Multi-step decoding (``decode_steps`` k > 1, ``_steps_ahead``): while no request waits to be admitted and every running
+sequence is greedy with nothing to report between tokens, a decode batch asks the agents for up to k steps at once
+(``StepBatch.num_steps``), its blocks reserved for all of them; ``postprocess`` appends the later tokens up to an
+end (EOS, a stop id, the limit), discarding the rest. The master's turnaround is then paid once per k tokens.
+
 When a decode step needs a KV block and none is free, the most recently admitted running sequence is
 preempted by recompute: its blocks are freed and it goes back to the front of the queue; its next prefill
 covers prompt + generated tokens, so it resumes exactly where it stopped (greedy results do not change).
@@ -85,10 +90,11 @@ class SchedulerConfig:
     max_prompt_len: int | None = None  # longest prompt prefilled with others (unchunked); None: max_model_len
     chunked_prefill: bool = False  # decode tokens and prompt chunks share steps, see the module docstring
     prefix_caching: bool = False  # reuse the cached KV blocks of a shared prefix
+    decode_steps: int = 1  # decode steps one batch may run while nothing waits (``_steps_ahead``)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_prefill_batch",
-                     "max_num_batched_tokens", "max_model_len"):
+                     "max_num_batched_tokens", "max_model_len", "decode_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"scheduler config: {name} must be a positive int, got {value!r}")
@@ -225,7 +231,10 @@ class Scheduler:
         if not seqs:
             return None
         self._decodes_since_prefill = 0 if admitted else self._decodes_since_prefill + 1
-        return seqs, self._build(seqs, prefill)
+        steps = 1 if prefill else self._steps_ahead(seqs)
+        batch = self._build(seqs, prefill)
+        batch.num_steps = steps
+        return seqs, batch
 
     def postprocess(self, seqs: list[Sequence], output: StepOutput) -> list[Sequence]:
         """Append each sequence's new token; return the sequences that finished with this step."""
@@ -234,7 +243,8 @@ class Scheduler:
             raise ValueError(
                 f"step output has token_ids {tokens.shape} and logprobs {logprobs.shape} for {len(seqs)} sequences"
             )
-        eos, caching = self._eos_ids, self.block_manager.prefix_cache is not None
+        caching = self.block_manager.prefix_cache is not None
+        more, more_logprobs = output.more_token_ids, output.more_logprobs
         finished = []
         for row, (seq, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
             if seq.status is not SequenceStatus.RUNNING:
@@ -259,19 +269,30 @@ class Scheduler:
                     seq.logits.append(logits)
                 if seq.params.top_logprobs:
                     seq.output_top.append(top_logprobs(logits, seq.params.top_logprobs))
-            seq.append_token(token, logprob)
-            complete = seq.constraint is not None and seq.constraint.advance(token)
-            if token in eos and not seq.params.ignore_eos:
-                reason = "eos"
-            elif token in seq.params.stop_token_ids or complete:  # a stop id, or the whole structured answer
-                reason = "stop"
-            elif seq.num_output_tokens >= seq.params.max_new_tokens:
-                reason = "length"
-            else:
+            reason = self._append(seq, token, logprob)
+            if reason is None and more is not None:  # a multi-step batch: its later tokens, up to an end
+                for later, later_logprob in zip(more[row].tolist(), more_logprobs[row].tolist()):
+                    seq.num_computed_tokens += 1
+                    reason = self._append(seq, later, later_logprob)
+                    if reason is not None:
+                        break
+            if reason is None:
                 continue
             self._finish(seq, reason)
             finished.append(seq)
         return finished
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> str | None:
+        """Append a generated token; the finish reason it brings, if any."""
+        seq.append_token(token, logprob)
+        complete = seq.constraint is not None and seq.constraint.advance(token)
+        if token in self._eos_ids and not seq.params.ignore_eos:
+            return "eos"
+        if token in seq.params.stop_token_ids or complete:  # a stop id, or the whole structured answer
+            return "stop"
+        if seq.num_output_tokens >= seq.params.max_new_tokens:
+            return "length"
+        return None
 
     @staticmethod
     def _logits_row(output: StepOutput, row: int, seq: Sequence) -> np.ndarray:
@@ -431,6 +452,27 @@ class Scheduler:
         if not scheduled and self._running:  # add() guarantees that any one sequence fits the whole cache
             raise RuntimeError("KV cache too small for a single running sequence")
         return scheduled, budget - decodes if left is None else left, chunks
+
+    def _steps_ahead(self, seqs: list[Sequence]) -> int:
+        """Decode steps this decode batch runs at once (multi-step decoding): up to ``decode_steps`` while no
+        request waits to be admitted and every running sequence is greedy without logits to report (sampling,
+        penalties and masks need the master between tokens), no more than any sequence may still generate, and
+        only with the blocks of every position free now (it never preempts for them)."""
+        k = self.config.decode_steps
+        if k == 1 or self._waiting or self._preempted or self._running_sampled or self._running_dumps:
+            return 1
+        k = min(k, min(seq.params.max_new_tokens - len(seq.output_ids) for seq in seqs))
+        if k == 1:
+            return 1
+        bm = self.block_manager
+        for seq in seqs:  # the inputs of steps 2..k sit at the positions after its last token
+            target = seq.num_tokens + k - 1
+            if not bm.can_grow(seq, target):
+                return 1  # the blocks grown so far stay: the next tokens need them anyway
+            held = len(seq.block_table)
+            bm.grow(seq, target)
+            self._tables[self._row[seq.request_id], held:len(seq.block_table)] = seq.block_table[held:]
+        return k
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Blocks for ``seq``'s first ``num_tokens`` tokens, preempting the newest running sequences (never one

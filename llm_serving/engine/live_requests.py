@@ -48,7 +48,8 @@ class LiveRequests:
         return [entry.sequence for entry in self._live.values()]
 
     def deliver(self, seqs: list[Sequence]) -> None:
-        """Hand each sequence's new token to its stream; one wake-up per event loop.
+        """Hand each sequence's new tokens to its stream (one, or several after a multi-step batch); one wake-up
+        per event loop.
 
         A request whose stream saw a stop string complete ends here, its blocks freed before the next step; one
         whose post-processing raises (detokenizing, stop strings) fails alone.
@@ -66,23 +67,26 @@ class LiveRequests:
                     entry.stream.push_end(seq.finish_reason, now, wakeups)
                     finished += 1
                 continue  # else its step computed a prompt chunk short of the end: no new token
-            entry.delivered = len(seq.output_ids)
-            reason = None if seq.status is running else seq.finish_reason
-            try:
-                top = seq.output_top[-1] if seq.params.top_logprobs else None
-                ended = entry.stream.push_token(seq.output_ids[-1], seq.output_logprobs[-1], reason, now,
-                                                wakeups, top)
-            except Exception as exc:
-                log.exception("post-processing request %s failed", seq.request_id)
-                self.fail([seq], SequenceError(f"post-processing its output failed: {type(exc).__name__}: "
-                                               f"{exc}"), wakeups)
-                continue
-            if ended is not None:
-                del live[seq.request_id]
-                finished += 1
-                if reason is None:  # a stop string: the sequence is still running in the scheduler
-                    self._scheduler.finish_request(seq.request_id, ended)
-            delivered += 1
+            first, last = entry.delivered, len(seq.output_ids)  # several after a multi-step batch
+            entry.delivered = last
+            for i in range(first, last):
+                reason = None if seq.status is running or i < last - 1 else seq.finish_reason
+                try:
+                    top = seq.output_top[i] if seq.params.top_logprobs else None
+                    ended = entry.stream.push_token(seq.output_ids[i], seq.output_logprobs[i], reason, now,
+                                                    wakeups, top)
+                except Exception as exc:
+                    log.exception("post-processing request %s failed", seq.request_id)
+                    self.fail([seq], SequenceError(f"post-processing its output failed: {type(exc).__name__}: "
+                                                   f"{exc}"), wakeups)
+                    break
+                delivered += 1
+                if ended is not None:
+                    del live[seq.request_id]
+                    finished += 1
+                    if reason is None and seq.status is running:  # a stop string: still running in the scheduler
+                        self._scheduler.finish_request(seq.request_id, ended)
+                    break
         self._counters["tokens_generated"] += delivered
         self._counters["requests_finished"] += finished
         wakeups.send()

@@ -85,8 +85,8 @@ class Engine:
         self._error: EngineError | None = None
         self._ids = itertools.count()
         self._counters = dict.fromkeys(
-            ("steps", "prefill_steps", "decode_steps", "tokens_generated", "requests_finished",
-             "requests_aborted", "requests_failed", "requests_recomputed"), 0)
+            ("steps", "prefill_steps", "decode_steps", "multi_step_batches", "tokens_generated",
+             "requests_finished", "requests_aborted", "requests_failed", "requests_recomputed"), 0)
         self._in_flight: tuple[Sequence, ...] = ()  # the sequences of the step the agents are running
         self._run_step_s = 0.0  # in AgentPool.submit/collect: sending steps and waiting for the agents
         self._loop_started: float | None = None
@@ -325,8 +325,9 @@ class Engine:
                 finally:  # this step's tokens reach their streams also when the next step cannot be sent
                     with self._lock:
                         self._requests.deliver(seqs)
-                        counters["steps"] += 1
-                        counters["prefill_steps" if batch.is_prefill else "decode_steps"] += 1
+                        counters["steps"] += batch.num_steps
+                        counters["prefill_steps" if batch.is_prefill else "decode_steps"] += batch.num_steps
+                        counters["multi_step_batches"] += batch.num_steps > 1
         except AgentDiedError as exc:  # died, stuck, or closed by shutdown
             if self._stopping:
                 return True

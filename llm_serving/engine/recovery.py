@@ -108,6 +108,8 @@ def run_isolated(pool: Any, batch: StepBatch, error: AgentStepError) -> StepOutp
     ids, logprobs = np.full(n, FAILED_TOKEN, np.int32), np.zeros(n, np.float32)
     errors: dict[int, str] = {}
     logits: dict[int, np.ndarray] = {}
+    more = batch.num_steps - 1  # a multi-step batch's later tokens
+    more_ids, more_logprobs = np.full((n, more), FAILED_TOKEN, np.int32), np.zeros((n, more), np.float32)
 
     def run(rows: np.ndarray, failure: AgentStepError, alone_already: bool) -> None:
         if len(rows) == 1 and alone_already:
@@ -120,11 +122,13 @@ def run_isolated(pool: Any, batch: StepBatch, error: AgentStepError) -> StepOutp
                 run(part, exc, len(part) == 1)
                 continue
             ids[part], logprobs[part] = out.token_ids, out.logprobs
+            if more:
+                more_ids[part], more_logprobs[part] = out.more_token_ids, out.more_logprobs
             errors.update({int(part[row]): reason for row, reason in out.errors.items()})
             logits.update({int(part[row]): values for row, values in out.logits.items()})
 
     run(np.arange(n), error, False)
-    return StepOutput(ids, logprobs, errors, logits)
+    return StepOutput(ids, logprobs, errors, logits, *((more_ids, more_logprobs) if more else (None, None)))
 
 
 class StallWatch:

@@ -171,7 +171,7 @@ def scheduler_config(config: ServingConfig, eos_token_id: int | None, llama: Lla
         max_num_seqs=m.decode_batch_size[-1], max_prefill_batch=m.prefill_batch_size[-1],
         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
         eos_token_id=eos_token_id, other_eos_token_ids=other_eos_token_ids, policy=sc.policy, max_wait_s=sc.max_wait_s,
-        min_decode_steps_between_prefills=sc.min_decode_steps_between_prefills,
+        min_decode_steps_between_prefills=sc.min_decode_steps_between_prefills, decode_steps=sc.decode_steps,
         max_prompt_len=config.max_prompt_len, chunked_prefill=config.chunked_prefill,
         prefix_caching=config.prefix_caching,
     )
@@ -221,6 +221,7 @@ def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) 
                                max_batch * config.max_model_len),
         # logits dumps: every sequence of a step may ask (float32 x vocab each; 16 MiB for 128 x 32000)
         max_logits_rows=max_batch,
+        max_decode_steps=config.scheduler.decode_steps,
         tensor_parallel_size=config.num_agents,
         start_device_id=config.serving_config.start_device_id,
         backend="mindformers" if config.uses_mindformers else "ms",

@@ -127,6 +127,7 @@ class AgentPool:
         self._cluster: CollectiveCluster | None = None  # the collectives' scheduler of tensor-parallel ranks
         self._step = 0
         self._in_flight: int | None = None  # a submitted step not collected yet
+        self._in_flight_steps = 1  # its decode steps (StepBatch.num_steps)
         self._failed_rows: dict[int, str] = {}  # rank 0's DONE frame of the step being collected
         self.slowest_warmup_step_s: float | None = None  # the agents' slowest warmed-up step, once ready
         self.kv_blocks: int | None = None  # the fewest KV blocks a rank's cache holds, as the ranks reported
@@ -299,6 +300,7 @@ class AgentPool:
                 except OSError:  # broken pipe: the agent is gone
                     self._died(agent, step)
             self._in_flight = step
+            self._in_flight_steps = batch.num_steps  # a batch of several decode steps gets as many timeouts
             return step
 
     def collect(self, step: int, batch_size: int) -> StepOutput:
@@ -325,12 +327,13 @@ class AgentPool:
     def _wait_step(self, step: int) -> None:
         waiting = len(self._agents)
         error: AgentStepError | None = None
-        deadline = None if self.step_timeout_s is None else time.monotonic() + self.step_timeout_s
+        timeout_s = None if self.step_timeout_s is None else self.step_timeout_s * self._in_flight_steps
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._failed_rows = {}
         while waiting:
             timeout = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
             if timeout <= 0:
-                self._fail(f"agents did not answer step {step} within {self.step_timeout_s:g}s")
+                self._fail(f"agents did not answer step {step} within {timeout_s:g}s")
             events = self._poll(timeout)
             if not events:  # a quiet second: make sure nobody died without closing its pipe
                 for agent in self._agents:

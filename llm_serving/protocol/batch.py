@@ -115,6 +115,10 @@ class StepBatch:
 
     ``want_logits[i]``: return sequence ``i``'s float32 logits of this step (the distribution its next token is
     picked from) in ``StepOutput.logits``; None when no sequence asks, and then the agents never read logits back.
+
+    ``num_steps`` > 1 (multi-step decoding; all-greedy decode steps only): the agents run that many decode steps
+    before answering, each feeding every sequence the token the previous one chose, at the next position (its
+    slot from the block table, which covers them all); ``StepOutput.more_token_ids`` holds the later tokens.
     """
 
     is_prefill: bool
@@ -126,6 +130,7 @@ class StepBatch:
     block_tables: np.ndarray  # int32 [B, W], block ids of each sequence; unused entries are 0
     sampling: SamplingBatch | None = None  # None: every sequence is greedy
     want_logits: np.ndarray | None = None  # bool [B]; None: no sequence wants its logits back
+    num_steps: int = 1
 
     @property
     def batch_size(self) -> int:
@@ -140,6 +145,10 @@ class StepBatch:
         step when that is all of them in order (the usual decode call: no copies)."""
         if len(indices) == self.batch_size and np.array_equal(indices, np.arange(self.batch_size)):
             return self
+        if self.num_steps > 1:  # decode: one token a sequence
+            return StepBatch(False, self.input_ids[indices], self.positions[indices], self.slot_mapping[indices],
+                             self.query_lens[indices], self.context_lens[indices], self.block_tables[indices],
+                             num_steps=self.num_steps)
         lens = self.query_lens[indices]
         starts = (np.cumsum(self.query_lens) - self.query_lens)[indices]  # of each taken sequence's tokens here
         # token t of the result is token t - (its sequence's start there) + (its start here)
@@ -162,6 +171,8 @@ class StepBatch:
             raise ValueError(f"query_lens sum to {int(self.query_lens.sum())}, but there are {n} tokens")
         if not self.is_prefill and not np.all(self.query_lens == 1):
             raise ValueError("a decode step takes exactly one token per sequence")
+        if self.num_steps > 1 and (self.is_prefill or self.sampling is not None or self.want_logits is not None):
+            raise ValueError("several steps at once are for all-greedy decode steps without logits")
         if self.want_logits is not None and self.want_logits.shape != (b,):
             raise ValueError(f"want_logits has shape {self.want_logits.shape}, expected ({b},)")
 
@@ -178,3 +189,6 @@ class StepOutput:
     logprobs: np.ndarray  # float32 [B]
     errors: dict[int, str] = field(default_factory=dict)  # row -> why that sequence failed
     logits: dict[int, np.ndarray] = field(default_factory=dict)  # row -> float32 [vocab] logits of this step
+    # a batch of num_steps > 1: the tokens (and logprobs) of its later steps, int32/float32 [B, num_steps - 1]
+    more_token_ids: np.ndarray | None = None
+    more_logprobs: np.ndarray | None = None

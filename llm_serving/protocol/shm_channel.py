@@ -34,7 +34,7 @@ from llm_serving.protocol.batch import (
     StepOutput,
 )
 
-MAGIC = 0x4C4C4D534835  # "LLMSH5": bump the digit when the layout changes
+MAGIC = 0x4C4C4D534836  # "LLMSH6": bump the digit when the layout changes
 NAME_PREFIX = "llmserving_"
 _ALIGN = 64
 _HEADER_SLOTS = 24
@@ -45,6 +45,7 @@ _OUT_STEP, _OUT_BATCH_SIZE = 9, 10
 _MAX_PENALTY, _SAMPLING, _PENALTY_TOKENS = 11, 12, 13
 _MAX_LOGITS_ROWS, _LOGITS_WIDTH, _WANT_LOGITS, _OUT_LOGITS_ROWS = 14, 15, 16, 17
 _EXTRAS, _ADJUSTMENTS, _MASKS = 18, 19, 20
+_NUM_STEPS, _OUT_MORE_STEPS, _MAX_DECODE_STEPS = 21, 22, 23
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "seeds", "draw_index")
 _EXTRA_FIELDS = ("presence_penalty", "frequency_penalty", "min_p", "output_start")
 
@@ -65,11 +66,12 @@ class ChannelLayout:
     max_penalty_tokens: int | None = None
     max_logits_rows: int = 0  # sequences of one step that may get their logits back (0: none can)
     logits_width: int = 0  # floats per logits row: the vocabulary size
+    max_decode_steps: int = 1  # decode steps one batch may ask for (StepBatch.num_steps)
 
     def __post_init__(self) -> None:
         if self.max_penalty_tokens is None:
             object.__setattr__(self, "max_penalty_tokens", self.max_tokens)
-        for name in ("max_tokens", "max_batch", "max_blocks_per_seq", "max_penalty_tokens"):
+        for name in ("max_tokens", "max_batch", "max_blocks_per_seq", "max_penalty_tokens", "max_decode_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"channel layout: {name} must be positive, got {getattr(self, name)}")
         if self.max_logits_rows < 0 or (self.max_logits_rows and self.logits_width <= 0):
@@ -91,6 +93,8 @@ class ChannelLayout:
                 ("adjust_values", np.float32, b * MAX_LOGIT_ADJUSTMENTS),
                 ("token_masks", np.int32, b * self.mask_words),
                 ("want_logits", np.uint8, b), ("out_token_ids", np.int32, b), ("out_logprobs", np.float32, b),
+                ("out_more_ids", np.int32, b * (self.max_decode_steps - 1)),
+                ("out_more_logprobs", np.float32, b * (self.max_decode_steps - 1)),
                 ("out_logits_rows", np.int32, self.max_logits_rows),
                 ("out_logits", np.float32, self.max_logits_rows * self.logits_width)]
         out, offset = {}, 0
@@ -171,6 +175,7 @@ class StepChannel:
         h[_MAGIC], h[_MAX_TOKENS], h[_MAX_BATCH], h[_MAX_BLOCKS], h[_MAX_PENALTY] = (
             MAGIC, layout.max_tokens, layout.max_batch, layout.max_blocks_per_seq, layout.max_penalty_tokens)
         h[_MAX_LOGITS_ROWS], h[_LOGITS_WIDTH] = layout.max_logits_rows, layout.logits_width
+        h[_MAX_DECODE_STEPS] = layout.max_decode_steps
         h[_STEP] = h[_OUT_STEP] = -1
         return channel
 
@@ -188,13 +193,14 @@ class StepChannel:
         channel = cls(segment, layout, owner=False)
         h = channel.header
         found = tuple(int(h[i]) for i in (_MAGIC, _MAX_TOKENS, _MAX_BATCH, _MAX_BLOCKS, _MAX_PENALTY,
-                                          _MAX_LOGITS_ROWS, _LOGITS_WIDTH))
+                                          _MAX_LOGITS_ROWS, _LOGITS_WIDTH, _MAX_DECODE_STEPS))
         wanted = (MAGIC, layout.max_tokens, layout.max_batch, layout.max_blocks_per_seq, layout.max_penalty_tokens,
-                  layout.max_logits_rows, layout.logits_width)
+                  layout.max_logits_rows, layout.logits_width, layout.max_decode_steps)
         if found != wanted:
             channel.close()
             raise ChannelError(f"shared memory segment {name!r} has layout (magic, max_tokens, max_batch, "
-                               f"max_blocks_per_seq, max_penalty_tokens, max_logits_rows, logits_width) = "
+                               f"max_blocks_per_seq, max_penalty_tokens, max_logits_rows, logits_width, "
+                               f"max_decode_steps) = "
                                f"{found}, expected {wanted}")
         return channel
 
@@ -244,6 +250,9 @@ class StepChannel:
                              "(AgentSpec llama_config vocab_size)")
         if want is not None and want.shape != (batch.batch_size,):
             raise ValueError(f"want_logits has shape {want.shape}, expected ({batch.batch_size},)")
+        if not 1 <= batch.num_steps <= lay.max_decode_steps:
+            raise ValueError(f"step asks for {batch.num_steps} decode steps; the shared memory holds 1 to "
+                             f"{lay.max_decode_steps} (AgentSpec max_decode_steps)")
         sampling = batch.sampling
         if sampling is not None and sampling.penalty_offsets.shape != (batch.batch_size + 1,):
             raise ValueError(f"sampling.penalty_offsets has shape {sampling.penalty_offsets.shape}, expected "
@@ -286,6 +295,7 @@ class StepChannel:
             v["want_logits"][:b] = batch.want_logits
         h[_WANT_LOGITS] = batch.want_logits is not None
         h[_IS_PREFILL], h[_NUM_TOKENS], h[_BATCH_SIZE], h[_WIDTH] = int(batch.is_prefill), n, b, width
+        h[_NUM_STEPS] = batch.num_steps
         h[_STEP] = step
 
     def read_output(self, step: int, batch_size: int) -> StepOutput:
@@ -296,6 +306,10 @@ class StepChannel:
                                f"sequences, expected step {step} with {batch_size}")
         v = self._views
         output = StepOutput(v["out_token_ids"][:batch_size].copy(), v["out_logprobs"][:batch_size].copy())
+        more = int(h[_OUT_MORE_STEPS])
+        if more:
+            output.more_token_ids = v["out_more_ids"][: batch_size * more].reshape(batch_size, more).copy()
+            output.more_logprobs = v["out_more_logprobs"][: batch_size * more].reshape(batch_size, more).copy()
         k = int(h[_OUT_LOGITS_ROWS])
         if k:
             logits = v["out_logits"][: k * self.layout.logits_width].reshape(k, -1).copy()
@@ -320,7 +334,7 @@ class StepChannel:
         want = v["want_logits"][:b].view(np.bool_) if h[_WANT_LOGITS] else None
         batch = StepBatch(bool(h[_IS_PREFILL]), v["input_ids"][:n], v["positions"][:n], v["slot_mapping"][:n],
                           v["query_lens"][:b], v["context_lens"][:b],
-                          v["block_tables"][: b * width].reshape(b, width), sampling, want)
+                          v["block_tables"][: b * width].reshape(b, width), sampling, want, int(h[_NUM_STEPS]))
         return int(h[_STEP]), batch
 
     def write_output(self, step: int, output: StepOutput) -> None:
@@ -335,6 +349,14 @@ class StepChannel:
         v = self._views
         v["out_token_ids"][:b] = output.token_ids
         v["out_logprobs"][:b] = output.logprobs
+        more = 0 if output.more_token_ids is None else output.more_token_ids.shape[1]
+        if more:
+            if more >= lay.max_decode_steps or output.more_token_ids.shape != (b, more):
+                raise ValueError(f"later steps' tokens of shape {output.more_token_ids.shape} do not fit "
+                                 f"max_decode_steps {lay.max_decode_steps} for {b} sequences")
+            v["out_more_ids"][: b * more] = output.more_token_ids.ravel()
+            v["out_more_logprobs"][: b * more] = output.more_logprobs.ravel()
+        self.header[_OUT_MORE_STEPS] = more
         if rows:
             v["out_logits_rows"][: len(rows)] = rows
             area = v["out_logits"][: len(rows) * lay.logits_width].reshape(len(rows), lay.logits_width)

@@ -89,6 +89,7 @@ class AgentSpec:
     max_blocks_per_seq: int  # shm capacity: block-table width
     max_penalty_tokens: int | None = None  # shm capacity: repetition-penalty ids per step (None: max_tokens)
     max_logits_rows: int = 0  # shm capacity: sequences per step whose float32 logits come back (0: none)
+    max_decode_steps: int = 1  # shm capacity: decode steps one batch may ask for (scheduler.decode_steps)
     tensor_parallel_size: int = 1  # ranks of this model, one agent process each
     start_device_id: int = 0  # rank r runs on device start_device_id + r
     step_delay_s: float = 0.0  # standin only: simulated compute time per step
@@ -119,7 +120,7 @@ class AgentSpec:
     @property
     def layout(self) -> ChannelLayout:
         return ChannelLayout(self.max_tokens, self.max_batch, self.max_blocks_per_seq, self.max_penalty_tokens,
-                             self.max_logits_rows, int(self.llama_config["vocab_size"]))
+                             self.max_logits_rows, int(self.llama_config["vocab_size"]), self.max_decode_steps)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
