@@ -26,3 +26,16 @@ def standin_server(tmp_path_factory):
     server = ServerProcess(tmp_path_factory.mktemp("standin-serve"), "--standin-agents")
     yield server
     assert server.stop() == 0, server.output
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory):
+    """``llm-serving serve`` of the small real model (``tests.tiny_engine.TINY_SERVED``), one for the whole session:
+    several modules' checks of real answers over HTTP share its start-up."""
+    from test_server import ServerProcess
+
+    from tests.tiny_engine import TINY_SERVED, set_args
+
+    server = ServerProcess(tmp_path_factory.mktemp("tiny-serve"), *set_args(TINY_SERVED))
+    yield server
+    assert server.stop() == 0, server.output

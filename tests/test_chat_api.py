@@ -31,6 +31,7 @@ from llm_serving.tokenization.chat_template import (
     load_chat_template,
 )
 from llm_serving.tokenization.tokenizer import Tokenizer
+from tests.tiny_engine import TINY_SERVED
 
 SYSTEM = {"role": "system", "content": "Answer in one short sentence."}
 CHATS = [
@@ -269,29 +270,17 @@ def test_served_template_comes_from_the_model_directory_or_the_yaml(data_dir, fa
 
 
 # ---- the real (tiny) model ---------------------------------------------------------------------------------------
-TINY = {"default_model.hidden_size": 64, "default_model.intermediate_size": 128, "default_model.num_layers": 2,
-        "model_config.seq_length": [128], "model_config.prefill_batch_size": [2],
-        "model_config.decode_batch_size": [4], "pa_config.num_blocks": 40, "pa_config.decode_seq_length": 160,
-        "model_config.max_generate_length": 64}
-
-
-def test_tiny_model_greedy_chat_equals_completions(data_dir):
-    server = ServerProcess(data_dir, *(a for k, v in TINY.items() for a in ("--set", f"{k}={json.dumps(v)}")))
-    try:
-        client, template = client_for(server, timeout=60), default_template(data_dir, TINY)
-        for chat in CHATS:
-            ids = template.prompt_ids(check_messages(chat))
-            ref = client.completions.create(model="llama2", prompt=ids, max_tokens=10, temperature=0)
-            done = client.chat.completions.create(model="llama2", messages=chat, max_tokens=10, temperature=0)
-            assert done.choices[0].message.content == ref.choices[0].text
-            assert done.usage.model_dump() == ref.usage.model_dump()
-            streamed = client.chat.completions.create(model="llama2", messages=chat, max_tokens=10, temperature=0,
-                                                      stream=True)
-            assert "".join(c.choices[0].delta.content or "" for c in streamed) == ref.choices[0].text
-        assert server.stop() == 0, server.output
-    finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
+def test_tiny_model_greedy_chat_equals_completions(tiny_server):
+    client, template = client_for(tiny_server, timeout=60), default_template(tiny_server.data_dir, TINY_SERVED)
+    for chat in CHATS:
+        ids = template.prompt_ids(check_messages(chat))
+        ref = client.completions.create(model="llama2", prompt=ids, max_tokens=10, temperature=0)
+        done = client.chat.completions.create(model="llama2", messages=chat, max_tokens=10, temperature=0)
+        assert done.choices[0].message.content == ref.choices[0].text
+        assert done.usage.model_dump() == ref.usage.model_dump()
+        streamed = client.chat.completions.create(model="llama2", messages=chat, max_tokens=10, temperature=0,
+                                                  stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == ref.choices[0].text
 
 
 # ---- offline: llm-serving generate and LLM.chat -------------------------------------------------------------------

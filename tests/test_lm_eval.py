@@ -16,19 +16,16 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from test_server import ServerProcess
 
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.models.default_model import default_model_dir
 from llm_serving.tokenization.tokenizer import Tokenizer
+from tests.tiny_engine import TINY_SERVED
 
 LM_EVAL_PYTHON = os.environ.get("LLM_SERVING_LM_EVAL_PYTHON")
 pytestmark = pytest.mark.skipif(not LM_EVAL_PYTHON, reason="no lm-eval environment: LLM_SERVING_LM_EVAL_PYTHON="
                                 "$(bash scripts/lm_eval_env.sh) (scripts/test.sh sets it for whole-suite runs)")
 
-TINY = {"default_model.hidden_size": 64, "default_model.intermediate_size": 128, "default_model.num_layers": 2,
-        "model_config.seq_length": [64], "model_config.prefill_batch_size": [2],
-        "model_config.decode_batch_size": [4], "pa_config.num_blocks": 48, "pa_config.decode_seq_length": 160}
 QUESTIONS = [
     {"question": "What colour is the sky on a clear day?", "choices": ["blue", "green", "red"], "answer": 0},
     {"question": "How many legs does a spider have?", "choices": ["six", "eight", "ten"], "answer": 1},
@@ -49,32 +46,25 @@ metric_list:
 """
 
 
-def test_lm_evals_multiple_choice_loglikelihoods_are_transformers(tmp_path):
+def test_lm_evals_multiple_choice_loglikelihoods_are_transformers(tmp_path, tiny_server):
     data, tasks = tmp_path / "tiny_mc.jsonl", tmp_path / "tasks"
     data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     tasks.mkdir()
     (tasks / "tiny_mc.yaml").write_text(TASK.format(data=data))
-    settings = (a for k, v in TINY.items() for a in ("--set", f"{k}={json.dumps(v)}"))
-    server = ServerProcess(tmp_path / "models", *settings)
-    try:
-        env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "hf-datasets"),
-               "TOKENIZERS_PARALLELISM": "false"}
-        res = subprocess.run([LM_EVAL_PYTHON, "-m", "lm_eval", "--model", "local-completions", "--model_args",
-                              f"model=llama2,base_url={server.url}/v1/completions,num_concurrent=2,max_retries=1",
-                              "--tasks", "tiny_mc", "--include_path", str(tasks), "--output_path",
-                              str(tmp_path / "out"), "--log_samples"],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-        assert "Using remote tokenizer" in res.stderr, res.stderr[-3000:]  # our /tokenizer_info and /tokenize
-        assert server.stop() == 0, server.output
-    finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "hf-datasets"),
+           "TOKENIZERS_PARALLELISM": "false"}
+    res = subprocess.run([LM_EVAL_PYTHON, "-m", "lm_eval", "--model", "local-completions", "--model_args",
+                          f"model=llama2,base_url={tiny_server.url}/v1/completions,num_concurrent=2,max_retries=1",
+                          "--tasks", "tiny_mc", "--include_path", str(tasks), "--output_path", str(tmp_path / "out"),
+                          "--log_samples"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    assert "Using remote tokenizer" in res.stderr, res.stderr[-3000:]  # our /tokenizer_info and /tokenize
     samples = [json.loads(line) for f in (tmp_path / "out").rglob("samples_tiny_mc_*.jsonl")
                for line in f.read_text().splitlines()]
     assert sorted(s["doc_id"] for s in samples) == [0, 1, 2]
 
-    cfg = ServingConfig().with_values({**TINY, "default_model.data_dir": str(tmp_path / "models")})
+    cfg = ServingConfig().with_values({**TINY_SERVED, "default_model.data_dir": str(tiny_server.data_dir)})
     model_dir = default_model_dir(cfg.default_model, cfg.max_model_len)
     tok = Tokenizer(model_dir / "tokenizer.model")
     from transformers import LlamaForCausalLM

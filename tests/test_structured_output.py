@@ -130,18 +130,12 @@ def test_the_masks_cross_shared_memory_only_in_steps_that_have_them(tokenizers):
 
 
 # ---- the real (tiny) model through the openai client --------------------------------------------------------------
-TINY = {"default_model.hidden_size": 64, "default_model.intermediate_size": 128, "default_model.num_layers": 2,
-        "model_config.seq_length": [64], "model_config.prefill_batch_size": [2],
-        "model_config.decode_batch_size": [4], "pa_config.num_blocks": 48, "pa_config.decode_seq_length": 160}
 CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    server = ServerProcess(tmp_path_factory.mktemp("structured"),
-                           *(a for k, v in TINY.items() for a in ("--set", f"{k}={json.dumps(v)}")))
-    yield server
-    assert server.stop() == 0, server.output
+def served(tiny_server):
+    return tiny_server
 
 
 def _kv_blocks_used(server: ServerProcess) -> float:

@@ -3,6 +3,7 @@ client tests point at a server."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import openai
@@ -22,6 +23,19 @@ def tiny_engine_config(data_dir: Path, **sections: dict) -> ServingConfig:
     for name, values in sections.items():
         d[name] = {**d.get(name, {}), **values}
     return ServingConfig.from_dict(d)
+
+
+# ``llm-serving serve --set`` values of the small real model that several modules query over HTTP (conftest's
+# session-wide ``tiny_server``)
+TINY_SERVED = {"default_model.hidden_size": 64, "default_model.intermediate_size": 128,
+               "default_model.num_layers": 2, "model_config.seq_length": [128],
+               "model_config.prefill_batch_size": [2], "model_config.decode_batch_size": [4],
+               "pa_config.num_blocks": 48, "pa_config.decode_seq_length": 160}
+
+
+def set_args(values: dict) -> list[str]:
+    """``--set key=value`` arguments of ``llm-serving serve`` (values as JSON)."""
+    return [a for k, v in values.items() for a in ("--set", f"{k}={json.dumps(v)}")]
 
 
 def openai_client(server) -> openai.OpenAI:
