@@ -163,8 +163,10 @@ BAD_CHATS = [  # (body, status, error_type, text the message must contain)
     ({"messages": [SYSTEM]}, 400, "invalid_request", "needs a user message"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "unsupported", "only text parts"),
-    ({"messages": [{"role": "tool", "content": "1", "tool_call_id": "a"}]}, 400, "unsupported", "no tool calls"),
-    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "unsupported", "tools"),
+    ({"messages": [{"role": "tool", "content": "1", "tool_call_id": "a"}]}, 400, "invalid_request",
+     "the chat template refused the messages"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f g"}}]}, 400, "invalid_request",
+     "tools[0].function.name must be"),
     ({"messages": USER, "response_format": {"type": "grammar"}}, 400, "unsupported", "response_format type"),
     ({"messages": USER, "n": 200}, 400, "invalid_request", "n must be <= 128"),
     ({"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "invalid_request", "top_logprobs must be <= 20"),
@@ -195,8 +197,8 @@ def test_bad_chat_requests_get_json_4xx_and_leave_the_server_serving(fast):
     client = client_for(fast)
     with pytest.raises(openai.BadRequestError, match="roles must alternate"):
         client.chat.completions.create(model="llama2", messages=[SYSTEM, *USER, *USER], temperature=0)
-    with pytest.raises(openai.BadRequestError, match="tools"):
-        client.chat.completions.create(model="llama2", messages=USER, tools=[
+    with pytest.raises(openai.BadRequestError, match="tool_choice must be none, auto, required"):
+        client.chat.completions.create(model="llama2", messages=USER, tool_choice={"type": "function"}, tools=[
             {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
     assert client.chat.completions.create(model="llama2", messages=USER, max_tokens=2).usage.completion_tokens >= 1
 

@@ -195,8 +195,12 @@ def test_messages_are_normalized():
     ([{"role": "user", "content": "hi", "extra": 1}], False, "unknown key"),
     ([{"role": "user", "content": "hi", "name": 3}], False, "name must be a string"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], True, "only text parts"),
-    ([{"role": "tool", "content": "42", "tool_call_id": "c1"}], True, "no tool calls"),
-    ([{"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}], True, "tool_calls is not supported"),
+    ([{"role": "tool", "content": "42"}], False, "tool_call_id must be the id of the call it answers"),
+    ([{"role": "function", "content": "42"}], True, "role 'function' is not supported"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}], False, r"tool_calls\[0\] must be"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}],
+     False, "arguments is not JSON"),
+    ([{"role": "user", "content": "hi", "tool_calls": []}], False, "unknown key"),
 ])
 def test_bad_messages(messages, unsupported, match):
     with pytest.raises(MessageError, match=match) as err:

@@ -7,7 +7,9 @@ chat request is a completion of its choices: the same admission, limits, metrics
 Server-Sent Events of ``chat.completion.chunk`` objects: each choice's first delta carries the role, its last one
 the finish reason (``n`` choices interleaved by ``index``, sharing the prompt's KV blocks), then an optional usage
 chunk (``stream_options.include_usage``) and ``data: [DONE]``.
-``logprobs`` is the chat object (``content``: token, logprob, bytes, top_logprobs per token).
+``logprobs`` is the chat object (``content``: token, logprob, bytes, top_logprobs per token). With tools
+(``api.tools``) the answer is read for tool calls when it ends; a streamed choice that may call a tool is then sent
+as one delta at its end (its content or its calls), since calls are known only from the whole answer.
 """
 
 from __future__ import annotations
@@ -76,9 +78,11 @@ class ChatRoutes:
         finally:
             for g in gens:  # a failed or abandoned choice ends the others too
                 g.close()
-        choices = [{"index": j, "message": {"role": "assistant", "content": answer.text},
-                    "logprobs": self._logprobs(req, answer.tokens),
-                    "finish_reason": OPENAI_FINISH[answer.finish_reason]} for j, answer in enumerate(answers)]
+        choices = []
+        for j, answer in enumerate(answers):
+            message, reason = _message(req, answer.text, OPENAI_FINISH[answer.finish_reason])
+            choices.append({"index": j, "message": {"role": "assistant", **message},
+                            "logprobs": self._logprobs(req, answer.tokens), "finish_reason": reason})
         return json_response({**meta, "choices": choices, "usage": _usage(gens, req.n)})
 
     async def _prompt_ids(self, req: ChatRequest) -> list[int]:
@@ -90,10 +94,11 @@ class ChatRoutes:
         except ConfigError as exc:  # serve loads it at start-up; this is for apps run another way
             raise ApiError(500, f"the chat template cannot be used: {exc}", "chat_template_error") from None
         try:
+            tools = req.tools.template_tools() if req.tools is not None else None
             if sum(len(m["content"]) for m in req.messages) > OFFLOAD_ENCODE_CHARS:
                 loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(None, template.prompt_ids, req.messages)
-            return template.prompt_ids(req.messages)
+                return await loop.run_in_executor(None, template.prompt_ids, req.messages, True, tools)
+            return template.prompt_ids(req.messages, tools=tools)
         except ChatTemplateError as exc:
             raise ApiError(400, f"the chat template refused the messages: {exc}", "invalid_request",
                            "messages") from None
@@ -112,10 +117,23 @@ class ChatRoutes:
             usage = req.usage.chunk_usage
             for j in range(len(gens)):
                 await write(resp, chunk(j, {"role": "assistant", "content": ""}, **usage(lambda: _usage(gens, req.n))))
+            held: list[list] = [[] for _ in gens]  # a choice's deltas while it may turn out to be tool calls
+            calls = req.tools is not None and req.tools.choice != "none"
             async for j, delta in merge_streams([g.deltas() for g in gens]):
-                tokens = [delta.token] if delta.token else []
-                reason = OPENAI_FINISH[delta.finish_reason] if delta.finish_reason else None
-                content = {"content": delta.text} if delta.text or tokens else {}
+                if calls:
+                    held[j].append(delta)
+                    if delta.finish_reason is None:
+                        continue
+                    text = "".join(d.text for d in held[j])
+                    tokens = [d.token for d in held[j] if d.token]
+                    message, reason = _message(req, text, OPENAI_FINISH[delta.finish_reason])
+                    if message.get("tool_calls"):
+                        message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+                    content = {k: v for k, v in message.items() if v is not None}
+                else:
+                    tokens = [delta.token] if delta.token else []
+                    reason = OPENAI_FINISH[delta.finish_reason] if delta.finish_reason else None
+                    content = {"content": delta.text} if delta.text or tokens else {}
                 await write(resp, chunk(j, content, self._logprobs(req, tokens) if tokens else None, reason,
                                         **usage(lambda: _usage(gens, req.n))))
             if req.usage.include:
@@ -132,6 +150,17 @@ class ChatRoutes:
         if not req.logprobs:
             return None
         return {"content": [_token_logprob(self.server.tokenizer, t, req.top_logprobs) for t in tokens]}
+
+
+def _message(req: ChatRequest, text: str, reason: str) -> tuple[dict[str, Any], str]:
+    """The assistant message of a finished choice (its content, or its tool calls) and its finish reason. Only a
+    complete answer is read for calls: one cut short by its token limit is its content."""
+    if req.tools is None or reason != "stop":
+        return {"content": text}, reason
+    content, calls = req.tools.read(text)
+    if not calls:
+        return {"content": text}, reason
+    return {"content": content, "tool_calls": calls}, "tool_calls"
 
 
 def _token_logprob(tok: Tokenizer, t: TokenInfo, top: int) -> dict[str, Any]:

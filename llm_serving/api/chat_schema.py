@@ -4,14 +4,13 @@ It shares the completions body's conventions (``schema``): unknown keys are erro
 temperature is 1, vLLM's ``top_k``/``repetition_penalty``/``ignore_eos`` are accepted, the engine's own
 checks name the field as this body calls it. ``max_completion_tokens`` is OpenAI's current name for
 ``max_tokens``; without either, a chat answer may fill the context (up to ``model_config.max_generate_length``).
-Structured output (``response_format`` and vLLM's keys) is ``structured_schema``'s; tools are accepted only when
-they ask for nothing, a 400 otherwise.
+Structured output (``response_format`` and vLLM's keys) is ``structured_schema``'s, tools ``tools``'.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from llm_serving.api.schema import (
@@ -28,6 +27,7 @@ from llm_serving.api.schema import (
     unsupported,
 )
 from llm_serving.api.structured_schema import STRUCTURED_KEYS
+from llm_serving.api.tools import ToolRequest, parse_tools
 from llm_serving.core.logprobs import MAX_TOP_LOGPROBS
 from llm_serving.tokenization.chat_template import MessageError, check_messages
 
@@ -41,7 +41,7 @@ class ChatRequest:
     """An OpenAI chat completions body; ``messages`` as ``chat_template.check_messages`` returns them."""
 
     model: str | None
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     max_tokens: int | None  # None: as many as the context allows, up to model_config.max_generate_length
     sampling: SamplingOptions
     field_names: Mapping[str, str]  # engine field -> this body's name (max_tokens or max_completion_tokens)
@@ -52,6 +52,7 @@ class ChatRequest:
     top_logprobs: int = 0  # alternatives per position, the model's most likely tokens there
     ignore_eos: bool = False
     n: int = 1  # choices
+    tools: ToolRequest | None = None  # the tools the model may call (``api.tools``); None: no calls are read
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -71,7 +72,13 @@ def parse_chat(body: Any) -> ChatRequest:
     max_tokens, max_name = _max_tokens(r)
     sampling = openai_sampling(body, r)
     n = r.int("n", lo=1, hi=MAX_CHOICES) or 1
-    _neutral_features(body, r)
+    tools = parse_tools(body)
+    held = tools.constraint() if tools is not None else None
+    if held is not None:
+        if sampling.constraint is not None:
+            raise invalid(f"tool_choice {tools.choice} holds the answer to tool calls; {sampling.constraint.field} "
+                          "cannot hold it too", sampling.constraint.field)
+        sampling = replace(sampling, constraint=held)
     r.str("user")
     logprobs, top_logprobs = _logprobs(r)
     stream = r.bool("stream", False)
@@ -79,7 +86,7 @@ def parse_chat(body: Any) -> ChatRequest:
         model=model, messages=messages, max_tokens=max_tokens, sampling=sampling,
         field_names={"max_new_tokens": max_name, "prompt": "messages"}, stop=r.stop("stop"), stream=stream,
         usage=parse_stream_options(body, stream), logprobs=logprobs, top_logprobs=top_logprobs,
-        ignore_eos=r.bool("ignore_eos", False), n=n,
+        ignore_eos=r.bool("ignore_eos", False), n=n, tools=tools,
     )
 
 
@@ -92,16 +99,6 @@ def _max_tokens(r: _Reader) -> tuple[int | None, str]:
     if new is not None:
         return new, "max_completion_tokens"
     return old, "max_tokens"
-
-
-def _neutral_features(body: Mapping[str, Any], r: _Reader) -> None:
-    """Tools: accepted only when they ask for nothing."""
-    if body.get("tools"):
-        raise unsupported("tools (function calling) are not supported", "tools")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise unsupported("tool_choice is not supported (no tools here); send \"none\" or leave it out",
-                          "tool_choice")
-    r.bool("parallel_tool_calls", False)
 
 
 def _logprobs(r: _Reader) -> tuple[bool, int]:

@@ -6,8 +6,9 @@ the ``chat_template`` of ``tokenizer_config.json`` in the model directory, else 
 Rendering keeps the contract transformers' ``apply_chat_template`` documents, so the templates that Hugging Face
 model directories carry work unchanged: a sandboxed Jinja environment with ``trim_blocks``/``lstrip_blocks``
 and loop controls, the variables ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``,
-``unk_token`` (``tools``/``documents`` are none), the functions ``raise_exception(message)`` and
-``strftime_now(format)``, and a ``tojson`` that keeps non-ASCII text and does not escape HTML.
+``unk_token``, ``tools`` (a request's tools, else none; ``documents`` is none), the functions
+``raise_exception(message)`` and ``strftime_now(format)``, and a ``tojson`` that keeps non-ASCII text and does not
+escape HTML.
 
 The rendered text spells the special tokens (``<s>``, ``</s>``): each becomes its id and the text between them
 is encoded without a BOS, as transformers tokenizes it (``add_special_tokens=False``); special tokens typed
@@ -36,10 +37,10 @@ from llm_serving.describe import json_kind
 from llm_serving.tokenization.sp_prompt import PREFIX_SCHEMES
 from llm_serving.tokenization.tokenizer import Tokenizer
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system instructions
-# Keys OpenAI clients send back with an assistant message; accepted when null or empty (no tool calls here).
-NEUTRAL_MESSAGE_KEYS = ("tool_calls", "function_call", "refusal", "audio", "annotations")
+# Keys OpenAI clients send back with an assistant message; accepted when null or empty.
+NEUTRAL_MESSAGE_KEYS = ("function_call", "refusal", "audio", "annotations")
 
 # The Llama-2 chat format: [INST] turns, the system prompt as a <<SYS>> block inside the first one, each
 # exchange between <s> and </s>, contents stripped. Written for llm-serving from the format's description.
@@ -88,8 +89,10 @@ class ChatTemplateError(ValueError):
 
 
 # ---- messages ----------------------------------------------------------------------------------------------
-def check_messages(raw: Any) -> list[dict[str, str]]:
-    """The messages as the template sees them: ``role``, ``content`` (text) and an optional ``name``.
+def check_messages(raw: Any) -> list[dict[str, Any]]:
+    """The messages as the template sees them: ``role``, ``content`` (text) and an optional ``name``; an assistant
+    message's ``tool_calls`` (each call's ``arguments`` as an object, as transformers' templates read them) and a
+    tool message's ``tool_call_id``.
 
     Null-valued keys are dropped (as transformers does); a content given as text parts is joined with newlines.
     """
@@ -98,31 +101,59 @@ def check_messages(raw: Any) -> list[dict[str, str]]:
     return [_check_message(m, i) for i, m in enumerate(raw)]
 
 
-def _check_message(raw: Any, i: int) -> dict[str, str]:
+def _check_message(raw: Any, i: int) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(raw, dict):
         raise MessageError(f"{where} must be an object with 'role' and 'content', got {json_kind(raw)}")
     msg = {k: v for k, v in raw.items() if v is not None}
     for key in NEUTRAL_MESSAGE_KEYS:
         if msg.pop(key, None) not in (None, [], ""):
-            raise MessageError(f"{where}.{key} is not supported (no tool calls or audio here)", unsupported=True)
+            raise MessageError(f"{where}.{key} is not supported (no function_call or audio here)", unsupported=True)
     role = msg.get("role")
-    if role in ("tool", "function"):
-        raise MessageError(f"{where}.role {role!r} is not supported (no tool calls here)", unsupported=True)
+    if role == "function":
+        raise MessageError(f"{where}.role 'function' is not supported (use tool)", unsupported=True)
     role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
     if role not in ROLES:
         raise MessageError(f"{where}.role must be one of {', '.join(ROLES)}, got {json_kind(msg.get('role'))}")
-    unknown = [k for k in msg if k not in ("role", "content", "name")]
+    extra = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}.get(role, ())
+    unknown = [k for k in msg if k not in ("role", "content", "name", *extra)]
     if unknown:
         raise MessageError(f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; known keys: role, "
-                           f"content, name")
-    if "content" not in msg:
+                           f"content, name{''.join(', ' + k for k in extra)}")
+    calls = msg.pop("tool_calls", [])
+    if "content" not in msg and not calls:
         raise MessageError(f"{where}.content is missing")
-    out = {"role": role, "content": _content(msg["content"], where)}
+    out: dict[str, Any] = {"role": role, "content": _content(msg.get("content", ""), where)}
     if "name" in msg:
         if not isinstance(msg["name"], str):
             raise MessageError(f"{where}.name must be a string, got {json_kind(msg['name'])}")
         out["name"] = msg["name"]
+    if calls:
+        out["tool_calls"] = _tool_calls(calls, where)
+    if role == "tool":
+        if not isinstance(msg.get("tool_call_id"), str):
+            raise MessageError(f"{where}.tool_call_id must be the id of the call it answers, got "
+                               f"{json_kind(msg.get('tool_call_id'))}")
+        out["tool_call_id"] = msg["tool_call_id"]
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool calls, each ``arguments`` JSON text read into an object."""
+    if not isinstance(calls, list):
+        raise MessageError(f"{where}.tool_calls must be a list, got {json_kind(calls)}")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise MessageError(f"{where}.tool_calls[{j}] must be {{\"id\", \"type\": \"function\", \"function\": "
+                               f"{{\"name\", \"arguments\"}}}}, got {json_kind(call)}")
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            raise MessageError(f"{where}.tool_calls[{j}].function.arguments is not JSON") from None
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
     return out
 
 
@@ -181,10 +212,11 @@ class ChatTemplate:
         rendered = getattr(tokenizer, "encode_rendered", None)
         self._encode = rendered if rendered is not None else tokenizer.prompt_encoder(prefix).encode
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The prompt text; ChatTemplateError with the template's message when it refuses the messages."""
         try:
-            return self._template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
+            return self._template.render(messages=[dict(m) for m in messages], tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt, **self._variables)
         except jinja2.TemplateError as exc:  # raise_exception, an undefined name, a sandbox refusal
             raise ChatTemplateError(str(exc)) from None
@@ -195,9 +227,10 @@ class ChatTemplate:
         """Token ids of rendered text: special-token spellings as their ids, the text between them encoded."""
         return self._encode(text)
 
-    def prompt_ids(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                   tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """The conversation's prompt token ids (``check_messages`` output in, BOS included by the template)."""
-        return self.encode(self.render(messages, add_generation_prompt))
+        return self.encode(self.render(messages, add_generation_prompt, tools))
 
 
 # ---- where the template comes from -----------------------------------------------------------------------------

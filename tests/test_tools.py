@@ -1,0 +1,110 @@
+"""Tool calling on the chat route: the tools reach the chat template, a named function or ``required`` holds the
+answer to valid calls (structured output), ``auto`` reads the calls open models write (Hermes' ``<tool_call>``
+blocks, Llama 3.1's JSON) and leaves other text as content; calls come back in OpenAI's shape, streamed as one
+delta; history with calls and tool results reaches the template; bad tools are 400s. The real tiny model (random
+weights) through the official openai client."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from llm_serving.api.errors import ApiError
+from llm_serving.api.tools import parse_tools
+from llm_serving.tokenization.chat_template import ChatTemplate, check_messages
+from llm_serving.tokenization.tokenizer import Tokenizer
+from llm_serving.tokenization.training import train_tokenizer
+from tests.tiny_engine import openai_client
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def schema_of(name: str) -> dict:
+    return next(t["function"]["parameters"] for t in (WEATHER, TIME) if t["function"]["name"] == name)
+
+
+def test_auto_reads_hermes_blocks_and_llama_json_and_leaves_text_alone():
+    tools = parse_tools({"tools": [WEATHER, TIME]})
+    assert tools.choice == "auto" and tools.constraint() is None
+    content, calls = tools.read('Let me look. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n'
+                                '</tool_call><tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", '
+                                '"unit": "C"}}</tool_call>')
+    assert content == "Let me look." and [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Oslo", "unit": "C"}
+    assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
+    content, calls = tools.read('{"name": "get_time", "parameters": {"zone": "CET"}}')  # Llama 3.1's JSON
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"zone": "CET"}
+    for text in ("It is sunny.", '{"name": "unknown_tool", "arguments": {}}', "<tool_call>not json</tool_call>"):
+        assert tools.read(text) == (text, [])
+    assert parse_tools({"tools": [WEATHER], "tool_choice": "none"}).read('{"name": "get_weather"}')[1] == []
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"tool_choice": "required"}, "tool_choice needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "must be 1-64 letters"),
+    ({"tools": [WEATHER, WEATHER]}, "the same function name twice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "one of ['get_weather']"),
+    ({"tools": [{"type": "retrieval"}]}, "must be {\"type\": \"function\""),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls must be a boolean"),
+])
+def test_bad_tools_are_400s(body, message):
+    with pytest.raises(ApiError, match=re.escape(message)) as err:
+        parse_tools(body)
+    assert err.value.status == 400
+
+
+def test_tools_and_calls_in_the_history_reach_the_template(tmp_path):
+    tok = Tokenizer(train_tokenizer(tmp_path / "sp", 1000))
+    template = ChatTemplate("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}"
+                            "{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
+                            "({{ c.function.name }} {{ c.function.arguments.city }}){% endfor %}"
+                            "{{ m.tool_call_id or '' }};{% endfor %}", "test", tok)
+    history = check_messages([*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}])
+    assert template.render(history, tools=[WEATHER, TIME]) == (
+        "[get_weather][get_time]user:What is the weather in Paris?;assistant:(get_weather Paris);tool:18 Ccall_1;")
+
+
+def test_a_named_function_and_required_give_valid_calls(tiny_server):
+    client = openai_client(tiny_server)
+    named = client.chat.completions.create(model="llama2", messages=ASK, max_tokens=60, temperature=0,
+                                           tools=[WEATHER, TIME],
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), schema_of("get_weather"))
+    one = client.chat.completions.create(model="llama2", messages=ASK, max_tokens=80, temperature=0.9, seed=5, n=3,
+                                         tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    for choice in one.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        call = choice.message.tool_calls[0].function
+        jsonschema.validate(json.loads(call.arguments), schema_of(call.name))
+    streamed = client.chat.completions.create(model="llama2", messages=ASK, max_tokens=60, temperature=0,
+                                              tools=[WEATHER, TIME], stream=True,
+                                              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    deltas = [c.choices[0] for c in streamed if c.choices]
+    calls = [d.delta.tool_calls for d in deltas if d.delta.tool_calls]
+    assert deltas[-1].finish_reason == "tool_calls" and len(calls) == 1
+    assert calls[0][0].function.arguments == named.choices[0].message.tool_calls[0].function.arguments
+    free = client.chat.completions.create(model="llama2", messages=ASK, max_tokens=8, temperature=0,
+                                          tools=[WEATHER])  # auto: the random model writes no call
+    assert free.choices[0].message.tool_calls is None and free.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="cannot hold it too"):
+        client.chat.completions.create(model="llama2", messages=ASK, max_tokens=8, tools=[WEATHER],
+                                       tool_choice="required", response_format={"type": "json_object"})
