@@ -1,8 +1,8 @@
 """Tool calling on the chat route: the tools reach the chat template, a named function or ``required`` holds the
 answer to valid calls (structured output), ``auto`` reads the calls open models write (Hermes' ``<tool_call>``
-blocks, Llama 3.1's JSON) and leaves other text as content; calls come back in OpenAI's shape, streamed as one
-delta; history with calls and tool results reaches the template; bad tools are 400s. The real tiny model (random
-weights) through the official openai client."""
+blocks, Llama 3.1's JSON) and leaves other text as content; calls come back in OpenAI's shape (streamed: a named
+function's arguments as they come, other calls as one delta); history with calls and tool results reaches the
+template; bad tools are 400s. The real tiny model (random weights) through the official openai client."""
 
 from __future__ import annotations
 
@@ -99,9 +99,16 @@ def test_a_named_function_and_required_give_valid_calls(tiny_server):
                                               tools=[WEATHER, TIME], stream=True,
                                               tool_choice={"type": "function", "function": {"name": "get_weather"}})
     deltas = [c.choices[0] for c in streamed if c.choices]
-    calls = [d.delta.tool_calls for d in deltas if d.delta.tool_calls]
-    assert deltas[-1].finish_reason == "tool_calls" and len(calls) == 1
-    assert calls[0][0].function.arguments == named.choices[0].message.tool_calls[0].function.arguments
+    calls = [d.delta.tool_calls[0] for d in deltas if d.delta.tool_calls]
+    assert deltas[-1].finish_reason == "tool_calls" and len(calls) > 3  # the arguments as they are generated
+    assert calls[0].function.name == "get_weather" and calls[0].id.startswith("call_") and calls[1].id is None
+    assert "".join(c.function.arguments for c in calls) == named.choices[0].message.tool_calls[0].function.arguments
+    buffered = client.chat.completions.create(model="llama2", messages=ASK, max_tokens=80, temperature=0, stream=True,
+                                              tools=[WEATHER, TIME], tool_choice="required")
+    deltas = [c.choices[0] for c in buffered if c.choices]
+    (call,) = [d.delta.tool_calls for d in deltas if d.delta.tool_calls]  # one delta with the calls, at the end
+    assert deltas[-1].finish_reason == "tool_calls" and call[0].index == 0
+    jsonschema.validate(json.loads(call[0].function.arguments), schema_of(call[0].function.name))
     free = client.chat.completions.create(model="llama2", messages=ASK, max_tokens=8, temperature=0,
                                           tools=[WEATHER])  # auto: the random model writes no call
     assert free.choices[0].message.tool_calls is None and free.choices[0].message.content

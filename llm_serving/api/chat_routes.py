@@ -8,8 +8,9 @@ Server-Sent Events of ``chat.completion.chunk`` objects: each choice's first del
 the finish reason (``n`` choices interleaved by ``index``, sharing the prompt's KV blocks), then an optional usage
 chunk (``stream_options.include_usage``) and ``data: [DONE]``.
 ``logprobs`` is the chat object (``content``: token, logprob, bytes, top_logprobs per token). With tools
-(``api.tools``) the answer is read for tool calls when it ends; a streamed choice that may call a tool is then sent
-as one delta at its end (its content or its calls), since calls are known only from the whole answer.
+(``api.tools``) the answer is read for tool calls when it ends; streamed, a named function's arguments come as they
+are generated, and a choice that may or may not call a tool (auto, required) as one delta at its end (its content or
+its calls), since those calls are known only from the whole answer.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from llm_serving.api.responses import (
 )
 from llm_serving.api.route_context import OFFLOAD_ENCODE_CHARS
 from llm_serving.api.schema import ApiError
+from llm_serving.api.tools import tool_call
 from llm_serving.config.serving_config import ConfigError
 from llm_serving.engine.request_stream import EngineError
 from llm_serving.tokenization.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
@@ -118,21 +120,31 @@ class ChatRoutes:
             for j in range(len(gens)):
                 await write(resp, chunk(j, {"role": "assistant", "content": ""}, **usage(lambda: _usage(gens, req.n))))
             held: list[list] = [[] for _ in gens]  # a choice's deltas while it may turn out to be tool calls
-            calls = req.tools is not None and req.tools.choice != "none"
+            mode = req.tools.choice if req.tools is not None else "none"
+            call_ids = [tool_call(req.tools.function, "")["id"] for _ in gens] if mode == "function" else []
             async for j, delta in merge_streams([g.deltas() for g in gens]):
-                if calls:
+                reason = OPENAI_FINISH[delta.finish_reason] if delta.finish_reason else None
+                if mode == "function":  # the whole answer is the named call's arguments: streamed as they come
+                    tokens = [delta.token] if delta.token else []
+                    first, held[j] = not held[j], [True]
+                    call = {"index": 0, "function": {"arguments": delta.text}}
+                    if first:
+                        call = {"index": 0, "id": call_ids[j], "type": "function",
+                                "function": {"name": req.tools.function, "arguments": delta.text}}
+                    content = {"tool_calls": [call]} if delta.text or first else {}
+                    reason = "tool_calls" if reason == "stop" else reason
+                elif mode != "none":  # calls are known only from the whole answer: one delta at its end
                     held[j].append(delta)
-                    if delta.finish_reason is None:
+                    if reason is None:
                         continue
                     text = "".join(d.text for d in held[j])
                     tokens = [d.token for d in held[j] if d.token]
-                    message, reason = _message(req, text, OPENAI_FINISH[delta.finish_reason])
+                    message, reason = _message(req, text, reason)
                     if message.get("tool_calls"):
                         message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
                     content = {k: v for k, v in message.items() if v is not None}
                 else:
                     tokens = [delta.token] if delta.token else []
-                    reason = OPENAI_FINISH[delta.finish_reason] if delta.finish_reason else None
                     content = {"content": delta.text} if delta.text or tokens else {}
                 await write(resp, chunk(j, content, self._logprobs(req, tokens) if tokens else None, reason,
                                         **usage(lambda: _usage(gens, req.n))))
