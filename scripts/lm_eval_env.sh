@@ -13,17 +13,10 @@ cd "$(dirname "$0")/.."
 LM_EVAL_VERSION=0.4.13
 VENV="${LLM_SERVING_LM_EVAL_VENV:-${LLM_SERVING_CACHE_DIR:-$HOME/.cache/llm-serving}/venv-lm-eval-$LM_EVAL_VERSION}"
 STAMP="lm-eval==$LM_EVAL_VERSION $(sha1sum < scripts/lm_eval_env.sh | cut -c1-12)"
-if [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.llm-serving-stamp" 2>/dev/null)" = "$STAMP" ]; then
-  echo "$VENV/bin/python"
-  exit 0
-fi
+source scripts/cached_venv.sh
+reuse_venv "$VENV" "$STAMP"
 echo "creating the lm-evaluation-harness environment in $VENV (lm-eval $LM_EVAL_VERSION)" >&2
-rm -rf "$VENV"
-mkdir -p "$(dirname "$VENV")"
-python3 -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
-"${PIP[@]}" --upgrade pip >&2
+new_venv "$VENV"
 "${PIP[@]}" "torch==2.13.0" "lm-eval[api]==$LM_EVAL_VERSION" >&2
 "$VENV/bin/python" -c "import lm_eval; print('lm-eval', lm_eval.__version__)" >&2
-echo "$STAMP" > "$VENV/.llm-serving-stamp"
-echo "$VENV/bin/python"
+stamp_venv "$VENV" "$STAMP"

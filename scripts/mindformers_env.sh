@@ -16,16 +16,10 @@ MINDFORMERS_VERSION=1.8.0
 VENV="${LLM_SERVING_MF_VENV:-$HOME/.cache/llm-serving/venv-mindformers-$MINDFORMERS_VERSION}"
 # a change to this script (pins, dependencies) or to the patches makes a new environment
 STAMP="mindspore==$MINDSPORE_VERSION mindformers==$MINDFORMERS_VERSION $(cat scripts/mindformers_env.sh patches/mindformers-$MINDFORMERS_VERSION/*.patch | sha1sum | cut -c1-12)"
-if [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.llm-serving-stamp" 2>/dev/null)" = "$STAMP" ]; then
-  echo "$VENV/bin/python"
-  exit 0
-fi
+source scripts/cached_venv.sh
+reuse_venv "$VENV" "$STAMP"
 echo "creating the MindFormers environment in $VENV (MindSpore $MINDSPORE_VERSION, MindFormers $MINDFORMERS_VERSION)" >&2
-rm -rf "$VENV"
-mkdir -p "$(dirname "$VENV")"
-python3 -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
-"${PIP[@]}" --upgrade pip >&2
+new_venv "$VENV"
 "${PIP[@]}" "mindspore==$MINDSPORE_VERSION" "mindformers==$MINDFORMERS_VERSION" "numpy<2" >&2
 # this project without its mindspore pin, then the dependencies the agents and the tests need (pip then reports
 # that pin as a conflict: expected, MindSpore 2.7.2 is this environment's point)
@@ -34,5 +28,4 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 # our patches (patches/mindformers-$MINDFORMERS_VERSION): version check, dry run, then applied
 "$VENV/bin/python" -m llm_serving.cli.commands.patch_mindformers >&2
 "$VENV/bin/python" -c "import mindspore, mindformers; print('mindspore', mindspore.__version__, 'mindformers', mindformers.__version__)" >&2
-echo "$STAMP" > "$VENV/.llm-serving-stamp"
-echo "$VENV/bin/python"
+stamp_venv "$VENV" "$STAMP"

@@ -71,18 +71,11 @@ POST=""
 if declare -F "post_$NAME" >/dev/null; then POST="post_$NAME"; fi
 STAMP="$NAME ${PKGS[*]}${SDIST:+ | $SDIST}${BUILD:+ | $BUILD}${BUILD_CPU:+ | cpu flags $BUILD_CPU}"
 STAMP+="${POST:+ | $POST $(declare -f "$POST" | sha1sum | cut -c1-12)}"
-if [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.llm-serving-stamp" 2>/dev/null)" = "$STAMP" ]; then
-  echo "$VENV/bin/python"
-  exit 0
-fi
+source scripts/cached_venv.sh
+reuse_venv "$VENV" "$STAMP"
 echo "creating the $NAME environment in $VENV (${PKGS[*]})" >&2
-rm -rf "$VENV"
-mkdir -p "$(dirname "$VENV")"
-python3 -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
-"${PIP[@]}" --upgrade pip >&2
+new_venv "$VENV"
 "${PIP[@]}" "${PKGS[@]}" >&2
 if [ -n "$POST" ]; then "$POST" >&2; fi
 "$VENV/bin/python" -c "$CHECK" >&2
-echo "$STAMP" > "$VENV/.llm-serving-stamp"
-echo "$VENV/bin/python"
+stamp_venv "$VENV" "$STAMP"
