@@ -115,3 +115,24 @@ def test_a_named_function_and_required_give_valid_calls(tiny_server):
     with pytest.raises(openai.BadRequestError, match="cannot hold it too"):
         client.chat.completions.create(model="llama2", messages=ASK, max_tokens=8, tools=[WEATHER],
                                        tool_choice="required", response_format={"type": "json_object"})
+
+
+def test_tokenize_takes_the_tools_as_the_chat_route_does(standin_server):
+    import urllib.error
+    import urllib.request
+
+    def tokenize(body: dict) -> tuple[int, dict]:
+        req = urllib.request.Request(f"{standin_server.url}/tokenize", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    status, plain = tokenize({"messages": ASK})
+    assert status == 200
+    status, with_tools = tokenize({"messages": ASK, "tools": [WEATHER]})
+    assert status == 200 and with_tools["tokens"] == plain["tokens"]  # the Llama-2 format has no place for tools
+    status, bad = tokenize({"messages": ASK, "tools": [{"type": "function", "function": {"name": "a b"}}]})
+    assert status == 400 and "tools[0].function.name" in bad["error"]["message"]

@@ -3,7 +3,8 @@
 Clients that count tokens on the server use them: lm-evaluation-harness' ``tokenizer_backend=remote`` reads
 ``/tokenizer_info`` (the special tokens and the chat template), then encodes and decodes through the other two.
 The bodies and answers are vLLM's: ``/tokenize`` takes a ``prompt`` (``add_special_tokens``, default true) or chat
-``messages`` (rendered by the served chat template, ``add_generation_prompt`` default true) and answers
+``messages`` (rendered by the served chat template with the request's ``tools``, ``add_generation_prompt`` default
+true) and answers
 ``{"count", "max_model_len", "tokens", "token_strs"}``; ``/detokenize`` takes ``tokens`` and answers ``{"prompt"}``.
 These requests do not reach the engine, so they are not counted as generation requests.
 """
@@ -16,6 +17,7 @@ from aiohttp import web
 
 from llm_serving.api.responses import error_response, json_response
 from llm_serving.api.schema import ApiError, _no_unknown, _object, _Reader, invalid
+from llm_serving.api.tools import parse_tools
 from llm_serving.config.serving_config import ConfigError
 from llm_serving.describe import json_kind
 from llm_serving.tokenization.chat_template import ChatTemplateError, MessageError, check_messages
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
     from llm_serving.api.chat_routes import ChatRoutes
     from llm_serving.api.route_context import RouteContext
 
-_TOKENIZE_KEYS = ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+_TOKENIZE_KEYS = ("model", "prompt", "messages", "tools", "add_special_tokens", "add_generation_prompt",
                   "return_token_strs", "continue_final_message")
 
 
@@ -63,9 +65,11 @@ class TokenizerRoutes:
         if r.bool("continue_final_message", False):
             raise invalid("continue_final_message is not served; end the messages with the user's turn",
                           "continue_final_message")
+        tools = parse_tools({"tools": body.get("tools")})  # as the chat route renders them
         try:
             messages = check_messages(body["messages"])
-            return self.chat.template().prompt_ids(messages, r.bool("add_generation_prompt", True))
+            return self.chat.template().prompt_ids(messages, r.bool("add_generation_prompt", True),
+                                                   tools.template_tools() if tools is not None else None)
         except (MessageError, ChatTemplateError) as exc:
             raise invalid(str(exc), "messages") from None
         except ConfigError as exc:  # serve loads the template at start-up; this is for apps run another way
