@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from llm_serving.protocol.batch import StepBatch, StepOutput
+from llm_serving.protocol.batch import StepBatch, StepOutput, kv_slots
 
 
 def run_decode_steps(step: Callable[[StepBatch], StepOutput], batch: StepBatch,
@@ -32,7 +32,7 @@ def run_decode_steps(step: Callable[[StepBatch], StepOutput], batch: StepBatch,
     rows = np.arange(batch.batch_size)
     for j in range(k - 1):
         positions = current.positions + 1
-        slots = current.block_tables[rows, positions // block_size] * block_size + positions % block_size
+        slots = kv_slots(current.block_tables, rows, positions, block_size)
         current = replace(current, input_ids=np.maximum(ids, 0).astype(np.int32), positions=positions,
                           slot_mapping=slots.astype(np.int32), context_lens=current.context_lens + 1, num_steps=1)
         out = step(current)

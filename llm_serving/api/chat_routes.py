@@ -37,7 +37,7 @@ from llm_serving.api.responses import (
 )
 from llm_serving.api.route_context import OFFLOAD_ENCODE_CHARS
 from llm_serving.api.schema import ApiError
-from llm_serving.api.tools import tool_call
+from llm_serving.api.tools import call_id
 from llm_serving.config.serving_config import ConfigError
 from llm_serving.engine.request_stream import EngineError
 from llm_serving.tokenization.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
@@ -121,7 +121,7 @@ class ChatRoutes:
                 await write(resp, chunk(j, {"role": "assistant", "content": ""}, **usage(lambda: _usage(gens, req.n))))
             held: list[list] = [[] for _ in gens]  # a choice's deltas while it may turn out to be tool calls
             mode = req.tools.choice if req.tools is not None else "none"
-            call_ids = [tool_call(req.tools.function, "")["id"] for _ in gens] if mode == "function" else []
+            call_ids = [call_id() for _ in gens] if mode == "function" else []
             async for j, delta in merge_streams([g.deltas() for g in gens]):
                 reason = OPENAI_FINISH[delta.finish_reason] if delta.finish_reason else None
                 if mode == "function":  # the whole answer is the named call's arguments: streamed as they come

@@ -89,9 +89,12 @@ class ToolRequest:
         return (None, [whole]) if whole is not None else (text, [])
 
 
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def tool_call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _call_of(text: str, names: set[str]) -> dict[str, Any] | None:

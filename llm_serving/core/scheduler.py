@@ -64,7 +64,7 @@ import numpy as np
 from llm_serving.core.block_manager import DUMMY_BLOCK, BlockManager
 from llm_serving.core.logprobs import prompt_logprob, top_logprobs
 from llm_serving.core.sequence import FINISH_REASONS, Sequence, SequenceStatus
-from llm_serving.protocol.batch import SamplingBatch, SamplingExtras, StepBatch, StepOutput
+from llm_serving.protocol.batch import SamplingBatch, SamplingExtras, StepBatch, StepOutput, kv_slots
 from llm_serving.protocol.model_config import blocks_needed
 
 POLICIES = ("fcfs", "longest_output_first")
@@ -469,9 +469,7 @@ class Scheduler:
             target = seq.num_tokens + k - 1
             if not bm.can_grow(seq, target):
                 return 1  # the blocks grown so far stay: the next tokens need them anyway
-            held = len(seq.block_table)
-            bm.grow(seq, target)
-            self._tables[self._row[seq.request_id], held:len(seq.block_table)] = seq.block_table[held:]
+            self._extend(seq, target)
         return k
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
@@ -483,10 +481,14 @@ class Scheduler:
         if not bm.can_grow(seq, num_tokens):
             self._preempt(seq)
             return False
-        held = len(seq.block_table)
-        bm.grow(seq, num_tokens)
-        self._tables[self._row[seq.request_id], held:len(seq.block_table)] = seq.block_table[held:]
+        self._extend(seq, num_tokens)
         return True
+
+    def _extend(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow ``seq``'s blocks to ``num_tokens`` tokens (they must be free) and mirror them in its table row."""
+        held = len(seq.block_table)
+        self.block_manager.grow(seq, num_tokens)
+        self._tables[self._row[seq.request_id], held:len(seq.block_table)] = seq.block_table[held:]
 
     def _release(self, seq: Sequence) -> None:
         """Take a running sequence off the running list and give back its KV blocks and table row."""
@@ -536,7 +538,7 @@ class Scheduler:
             query_lens = np.ones(n, dtype=np.int32)
             positions = context_lens - 1
             rows = np.arange(n)
-        slots = block_tables[rows, positions // bs] * bs + positions % bs
+        slots = kv_slots(block_tables, rows, positions, bs)
         return StepBatch(
             is_prefill=prefill,
             input_ids=ids,

@@ -106,6 +106,11 @@ def _take_ragged(offsets: np.ndarray, values: np.ndarray, indices: np.ndarray) -
     return new, (np.concatenate(parts).astype(values.dtype) if parts else values[:0])
 
 
+def kv_slots(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Flat KV-cache slots of tokens at ``positions`` of the sequences whose block-table rows are ``rows``."""
+    return block_tables[rows, positions // block_size] * block_size + positions % block_size
+
+
 @dataclass
 class StepBatch:
     """One model step for ``B`` sequences.
@@ -145,10 +150,6 @@ class StepBatch:
         step when that is all of them in order (the usual decode call: no copies)."""
         if len(indices) == self.batch_size and np.array_equal(indices, np.arange(self.batch_size)):
             return self
-        if self.num_steps > 1:  # decode: one token a sequence
-            return StepBatch(False, self.input_ids[indices], self.positions[indices], self.slot_mapping[indices],
-                             self.query_lens[indices], self.context_lens[indices], self.block_tables[indices],
-                             num_steps=self.num_steps)
         lens = self.query_lens[indices]
         starts = (np.cumsum(self.query_lens) - self.query_lens)[indices]  # of each taken sequence's tokens here
         # token t of the result is token t - (its sequence's start there) + (its start here)
@@ -157,7 +158,7 @@ class StepBatch:
         return StepBatch(self.is_prefill, self.input_ids[tokens], self.positions[tokens], self.slot_mapping[tokens],
                          self.query_lens[indices], self.context_lens[indices], self.block_tables[indices],
                          self.sampling.take(indices) if self.sampling is not None else None,
-                         want if want is not None and want.any() else None)
+                         want if want is not None and want.any() else None, self.num_steps)
 
     def validate(self) -> None:
         """Raise ValueError when the arrays disagree with each other (cheap; for tests and loaders)."""
