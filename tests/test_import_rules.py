@@ -94,6 +94,7 @@ LAYERS = {
         "runtime": {"weights", "model"},
         "tools": {"weights", "model", "runtime"},
         "mindformers": {"weights", "runtime", "tools"},
+        "training": {"weights", "model"},
         "agent_main": {"*"},
         "__init__": set(),
     },
