@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 from agents.runtime.compile_cache import open_cache
 from agents.runtime.multi_step import run_decode_steps
@@ -102,6 +103,20 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     host_dtype = serving if on_npu else "float32"
     weights = load_rank_weights(spec.model_path, config, shard, host_dtype)  # before importing MindSpore: fails fast
     from agents.runtime.runner import ModelRunner, RunnerConfig
+    from agents.runtime.speculative_runner import SpeculativeRunner, layer_prefix
+
+    if spec.exit_layer is not None:
+        progress(f"early exit: serving layers 1..{spec.exit_layer} of {config.num_hidden_layers}")
+        config, weights = layer_prefix(config, weights, spec.exit_layer)
+        shard = ShardPlan(config, spec.tensor_parallel_size, rank)
+    draft_model = None
+    if spec.draft is not None and "layers" in spec.draft:  # self-speculation: the target's first layers
+        draft_model = layer_prefix(config, weights, int(spec.draft["layers"]))
+    elif spec.draft is not None:
+        draft_config = LlamaConfig(**spec.draft["llama_config"])
+        progress(f"loading the draft model from {spec.draft['model_path']}")
+        draft_model = draft_config, load_rank_weights(spec.draft["model_path"], draft_config,
+                                                      ShardPlan(draft_config, shard.tp, rank), host_dtype)
 
     fields = {**spec.runner_config, "device_id": spec.start_device_id + rank}
     utilization = fields.pop("memory_utilization", None)
@@ -109,16 +124,25 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
         progress(f"joining the collective cluster of {shard.tp} ranks")
         join_cluster(shard, fields["device_target"], fields["device_id"], cpu_threads, lifeline_fd)
     if fields["num_blocks"] is None:  # pa_config.num_blocks auto
-        budget = size_kv_cache(fields, shard, weights, utilization)
+        draft_share = None if draft_model is None else (ShardPlan(draft_model[0], shard.tp, rank), draft_model[1])
+        budget = size_kv_cache(fields, shard, weights, utilization, draft_share)
         progress(budget.describe())
         fields["num_blocks"] = budget.num_blocks
     runner_config = RunnerConfig(**fields)
     progress(f"building model on {runner_config.device_target} device {runner_config.device_id}")
-    return ModelRunner(config, weights, runner_config, shard=shard)
+    runner = ModelRunner(config, weights, runner_config, shard=shard)
+    if draft_model is None:
+        return runner
+    draft_config, draft_weights = draft_model
+    progress(f"building the draft model ({draft_config.num_hidden_layers} layers)")
+    draft = ModelRunner(draft_config, draft_weights, replace(runner_config, verify_tokens=0),
+                        shard=ShardPlan(draft_config, shard.tp, rank))
+    return SpeculativeRunner(runner, draft)
 
 
-def size_kv_cache(fields: dict, shard, weights: dict, utilization: float):
-    """This rank's KV blocks from its device's memory (``agents.runtime.kv_budget``), on the device it serves on."""
+def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft: tuple | None = None):
+    """This rank's KV blocks from its device's memory (``agents.runtime.kv_budget``), on the device it serves on;
+    ``draft``: (shard plan, weights) of a draft model, whose cache has as many blocks as the target's."""
     from agents.runtime import kv_budget
     from agents.runtime.device import setup_device
 
@@ -131,11 +155,15 @@ def size_kv_cache(fields: dict, shard, weights: dict, utilization: float):
     device = kv_budget.device_memory_bytes(target, fields["device_id"])
     if target == "CPU":  # the ranks share the host's memory
         device //= shard.tp
+    per_block = kv_budget.block_bytes(shard, block_size, dtype)
+    held = kv_budget.weight_bytes(weights, dtype)
+    if draft is not None:
+        per_block += kv_budget.block_bytes(draft[0], block_size, dtype)
+        held += kv_budget.weight_bytes(draft[1], dtype)
     return kv_budget.plan_blocks(
-        device, utilization,
-        kv_budget.weight_bytes(weights, dtype),
+        device, utilization, held,
         kv_budget.step_reserve_bytes(shard, tokens, batch + 1, dtype, fields["device_target"]),
-        kv_budget.block_bytes(shard, block_size, dtype), block_size, max_len)
+        per_block, block_size, max_len)
 
 
 def serve(channel: StepChannel, runner, cmd_fd: int, replier: Replier, rank: int, block_size: int | None) -> None:

@@ -39,6 +39,7 @@ from agents.runtime.mixed_steps import (
 )
 from agents.runtime.ragged_prefill import plan_ragged, ragged_arrays, token_buckets
 from agents.runtime.sampler import step_output
+from agents.runtime.verify_steps import VerifyStep, accept, verify_shapes, verify_warmup_arrays
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.model_config import (
     ASCEND_DTYPES,
@@ -77,6 +78,9 @@ class RunnerConfig:
     # budget of one step they are bucketed up to (None: the ragged prefill's largest call)
     mixed_steps: bool = False
     max_num_batched_tokens: int | None = None
+    # speculative decoding: the most proposals one sequence has verified in a step (agents.runtime.verify_steps);
+    # 0: no verify graphs
+    verify_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -138,6 +142,7 @@ def warmup_shapes(rc: RunnerConfig, ragged_prefill: bool) -> list[tuple]:
         if rc.max_model_len > rc.prefill_seq_lengths[-1]:
             shapes.append(("prefill", 1, rc.max_model_len))  # recompute of one preempted sequence
     shapes += rc.mixed_shapes(ragged_prefill)
+    shapes += verify_shapes(rc.mixed_max_seqs, rc.decode_batch_sizes[-1], rc.verify_tokens)
     return shapes + [("decode", b, w) for b in rc.decode_batch_sizes for w in rc.decode_block_widths]
 
 
@@ -188,6 +193,14 @@ class ModelRunner:
             apply_jit_config(mixed, rc.device_target)
             mixed = CompiledCell(mixed)
             self.graphs.update(mixed=mixed, chunk=mixed)
+        if rc.verify_tokens:
+            if not self.backend.ragged_prefill:
+                raise ValueError(f"speculative decoding verifies proposals in ragged mixed steps, which the "
+                                 f"{self.backend.name} ops backend lacks (model_config.kernels: native)")
+            verify = VerifyStep(self.model)
+            apply_jit_config(verify, rc.device_target)
+            self.graphs["verify"] = CompiledCell(verify)
+        self.verify_shapes = [s for s in self.graph_shapes() if s[0] == "verify"]
         # the mixed-step shapes by kind, largest last: ragged ("mixed") or padded ("chunk")
         self.mixed_shapes = {kind: [s for s in rc.mixed_shapes(self.ragged_prefill) if s[0] == kind]
                              for kind in ("mixed", "chunk")}
@@ -246,7 +259,8 @@ class ModelRunner:
                 self._run(kind, shape, inputs)[0].asnumpy()
                 self.step_costs[shape] = time.perf_counter() - t1
             if progress:
-                unit = {"prefill": "seq", "ragged": "tokens", "decode": "blocks", "mixed": "tokens", "chunk": "seq"}[kind]
+                unit = {"prefill": "seq", "ragged": "tokens", "decode": "blocks", "mixed": "tokens", "chunk": "seq",
+                        "verify": "tokens"}[kind]
                 progress(f"warmed {kind} batch={b} {unit}={n} in {self.compile_times[shape]:.2f}s")
         self.step_costs = agreed_costs(self.step_costs, self.shard)  # tensor-parallel ranks plan alike
         self._costs.clear()
@@ -255,6 +269,11 @@ class ModelRunner:
     def warmup_inputs(self, shape: tuple) -> list[np.ndarray]:
         """The inputs ``warmup()`` runs ``shape`` with (``agents.tools.export`` exports each graph with them)."""
         kind, b, n = shape
+        if kind == "verify":
+            arrays = verify_warmup_arrays(b, n, self.rc.max_blocks_per_seq, self.rc.max_model_len,
+                                          b - self.backend.mixed_padding_slots)
+            arrays[3], arrays[4] = self.backend.mixed_lengths(arrays[3], arrays[4], n)
+            return arrays
         if kind in ("mixed", "chunk"):
             arrays = warmup_arrays(kind, b, n, self.rc.max_blocks_per_seq, self.rc.max_model_len,
                                    b - self.backend.mixed_padding_slots)
@@ -499,8 +518,30 @@ class ModelRunner:
         sample on the host (``agents.runtime.sampler``). The logits leave the device only for such parts and for parts
         with a sequence in ``want_logits``, whose rows (raw model logits, before any penalty) are returned.
         """
+        if batch.draft_lens is not None:
+            return self._verify(batch)
         with self._device_step(batch):
             return step_output(batch.batch_size, self._parts(batch))
+
+    def _verify(self, batch: StepBatch) -> StepOutput:
+        """A step of proposals to verify (``agents.runtime.verify_steps``): consecutive groups, one verify call each."""
+        if not self.verify_shapes:
+            raise ValueError("a step with proposals to verify needs the verify graphs (runner_config verify_tokens)")
+        self._check_cache_indices(batch)
+        picks, logprobs = np.zeros(batch.num_tokens, np.int32), np.zeros(batch.num_tokens, np.float32)
+        starts = np.cumsum(batch.query_lens) - batch.query_lens
+        max_seqs = self.verify_shapes[0][1] - self.backend.mixed_padding_slots
+        with self._device_step(batch):
+            for group in consecutive_groups(batch.query_lens, max_seqs, self.verify_shapes[-1][2]):
+                part = batch.take(group)
+                used = part.num_tokens
+                shape = next(s for s in self.verify_shapes if s[2] >= used)
+                arrays = mixed_arrays(part, shape[1], shape[2], self.rc.max_blocks_per_seq)[:6]
+                arrays[3], arrays[4] = self.backend.mixed_lengths(arrays[3], arrays[4], shape[2])
+                ids, lps, _ = self._run("verify", shape, arrays)
+                first = int(starts[group[0]])
+                picks[first:first + used], logprobs[first:first + used] = ids.asnumpy()[:used], lps.asnumpy()[:used]
+        return accept(batch, picks, logprobs)
 
     def step_logits(self, batch: StepBatch) -> np.ndarray:
         """Like ``step`` (the KV cache is written the same way) but returns float32 logits ``[B, vocab]`` of each

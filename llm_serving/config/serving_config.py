@@ -31,6 +31,7 @@ from llm_serving.config.yaml_sections import (
     suggest,
 )
 from llm_serving.core.scheduler import POLICIES
+from llm_serving.core.speculative import METHODS as SPECULATIVE_METHODS
 from llm_serving.protocol.model_config import (
     ASCEND_DTYPES,
     DEVICE_TARGETS,
@@ -79,6 +80,8 @@ class ModelSection:
     precision: str = setting("exact", "str")  # exact; half / fast: float16 / bfloat16 weights of native projections
     backend: str = setting("ms", "str")
     model_cfg_path: str | None = setting(None, "path", optional=True)
+    # early exit: serve only the first N decoder layers (then the final norm and lm_head); None: every layer
+    early_exit_layer: int | None = setting(None, "int", optional=True)
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,18 @@ class SchedulerSection:
 
 
 @dataclass(frozen=True)
+class SpeculativeSection:
+    """``speculative``: proposed tokens verified by the model several per step (``llm_serving.core.speculative``)."""
+
+    method: str = setting("", "str")  # "" (off), ngram, draft (draft_model_path) or self (the first draft_layers)
+    num_tokens: int = setting(4, "int")  # most proposals one sequence has verified in a step
+    prompt_lookup_min: int = setting(1, "int")
+    prompt_lookup_max: int = setting(4, "int")
+    draft_model_path: str | None = setting(None, "path", optional=True)
+    draft_layers: int | None = setting(None, "int", optional=True)
+
+
+@dataclass(frozen=True)
 class DefaultModelSection:
     """``default_model``: the small Llama built and cached locally when no model_path is given."""
 
@@ -188,6 +203,7 @@ SECTIONS: dict[str, type] = {
     "pa_config": PagedAttentionSection,
     "tokenizer": TokenizerSection,
     "scheduler": SchedulerSection,
+    "speculative": SpeculativeSection,
     "default_model": DefaultModelSection,
 }
 
@@ -200,6 +216,7 @@ class ServingConfig:
     pa_config: PagedAttentionSection = field(default_factory=PagedAttentionSection)
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
     default_model: DefaultModelSection = field(default_factory=DefaultModelSection)
     source: str = field(default="<defaults>", compare=False)
     notes: tuple[str, ...] = field(default=(), compare=False)  # ignored compatibility keys, for the log
@@ -438,6 +455,22 @@ def _validate(cfg: ServingConfig) -> None:
          f"must be >= 0, got {sc.min_decode_steps_between_prefills}")
     need(1 <= sc.decode_steps <= MAX_DECODE_STEPS, "scheduler.decode_steps",
          f"must be in 1..{MAX_DECODE_STEPS}, got {sc.decode_steps}")
+    sp = cfg.speculative
+    need(sp.method in SPECULATIVE_METHODS, "speculative.method",
+         f"expected one of {', '.join(map(repr, SPECULATIVE_METHODS))}, got {sp.method!r}")
+    need(1 <= sp.num_tokens < MAX_DECODE_STEPS, "speculative.num_tokens",
+         f"must be in 1..{MAX_DECODE_STEPS - 1}, got {sp.num_tokens}")
+    need(1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max, "speculative.prompt_lookup_min",
+         f"must be >= 1 and <= prompt_lookup_max ({sp.prompt_lookup_max}), got {sp.prompt_lookup_min}")
+    need((sp.method == "draft") == (sp.draft_model_path is not None), "speculative.draft_model_path",
+         "is the draft model of method draft, and only of it")
+    need((sp.method == "self") == (sp.draft_layers is not None), "speculative.draft_layers",
+         "is the number of the model's own layers that draft for method self, and only for it")
+    need(not sp.method or sc.decode_steps == 1, "speculative.method",
+         "speculative decoding and scheduler.decode_steps > 1 both run several tokens per step: choose one")
+    need(not sp.method or (m.device_target in CACHED_CONTEXT_DEVICES and not cfg.uses_mindformers),
+         "speculative.method", "proposals are verified as queries over cached context, which backend mindformers "
+         "lacks")
     for key in ("enable_chunked_prefill", "enable_prefix_caching"):
         need(not getattr(sc, key) or m.device_target in CACHED_CONTEXT_DEVICES, f"scheduler.{key}",
              f"the {m.device_target} agents cannot attend over cached context yet: set it false or leave it "

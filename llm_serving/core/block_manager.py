@@ -205,6 +205,20 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_blocks = 0
 
+    def truncate(self, seq: Sequence, keep: int) -> None:
+        """Drop ``seq``'s hold on its blocks past the first ``keep`` (grown for tokens it did not keep)."""
+        tail = seq.block_table[keep:]
+        for block in reversed(tail):
+            holders = self._holders.get(block)
+            if holders is None or seq.request_id not in holders:
+                raise RuntimeError(f"sequence {seq.request_id!r} truncates block {block}, which it does not hold")
+            holders.discard(seq.request_id)
+            if not holders:
+                del self._holders[block]
+                if self.prefix_cache is None or not self.prefix_cache.release(block):
+                    self._free.append(block)
+        del seq.block_table[keep:]
+
     def slot(self, seq: Sequence, position: int) -> int:
         """Flat KV slot of token ``position`` of ``seq``."""
         index, offset = divmod(position, self.block_size)

@@ -64,6 +64,7 @@ import numpy as np
 from llm_serving.core.block_manager import DUMMY_BLOCK, BlockManager
 from llm_serving.core.logprobs import prompt_logprob, top_logprobs
 from llm_serving.core.sequence import FINISH_REASONS, Sequence, SequenceStatus
+from llm_serving.core.speculative import AGENT_METHODS, METHODS, AgentProposer, NgramProposer
 from llm_serving.protocol.batch import SamplingBatch, SamplingExtras, StepBatch, StepOutput, kv_slots
 from llm_serving.protocol.model_config import blocks_needed
 
@@ -91,6 +92,10 @@ class SchedulerConfig:
     chunked_prefill: bool = False  # decode tokens and prompt chunks share steps, see the module docstring
     prefix_caching: bool = False  # reuse the cached KV blocks of a shared prefix
     decode_steps: int = 1  # decode steps one batch may run while nothing waits (``_steps_ahead``)
+    speculative: str = ""  # proposer of speculative decoding (``core.speculative.METHODS``); "": none
+    num_speculative_tokens: int = 4  # most proposals one sequence has verified in a step
+    prompt_lookup_min: int = 1  # n-gram lengths the ngram proposer matches
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_prefill_batch",
@@ -112,6 +117,11 @@ class SchedulerConfig:
                 f"max_model_len ({self.max_model_len}): without chunked prefill a preempted sequence is "
                 "recomputed in one prefill"
             )
+        if self.speculative not in METHODS:
+            raise ValueError(f"scheduler config: speculative must be one of {METHODS}, got {self.speculative!r}")
+        if self.speculative and self.decode_steps > 1:
+            raise ValueError("scheduler config: speculative decoding and decode_steps > 1 both run several tokens per "
+                             "step; choose one")
         if self.policy not in POLICIES:
             raise ValueError(f"scheduler config: policy must be one of {POLICIES}, got {self.policy!r}")
         if self.max_wait_s is not None and self.max_wait_s < 0:
@@ -143,6 +153,11 @@ class Scheduler:
         self._row: dict[str, int] = {}
         self._running_sampled = 0  # running sequences whose params need logits; 0 keeps decode on the fast path
         self._running_dumps = 0  # running sequences that read logits back; 0: no step asks for logits
+        self._proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+                          if config.speculative == "ngram" else AgentProposer()
+                          if config.speculative in AGENT_METHODS else None)
+        # speculative decoding: verify steps, proposals sent, proposals accepted (engine metrics read them)
+        self.spec_steps = self.spec_proposed = self.spec_accepted = 0
 
     # ---- requests -------------------------------------------------------------------------------------
     def add(self, seq: Sequence, follows: str | None = None) -> None:
@@ -232,6 +247,9 @@ class Scheduler:
             return None
         self._decodes_since_prefill = 0 if admitted else self._decodes_since_prefill + 1
         steps = 1 if prefill else self._steps_ahead(seqs)
+        drafts = self._propose(seqs) if not prefill and self._proposer is not None else None
+        if drafts is not None:
+            return seqs, self._build_verify(seqs, drafts)
         batch = self._build(seqs, prefill)
         batch.num_steps = steps
         return seqs, batch
@@ -270,13 +288,18 @@ class Scheduler:
                 if seq.params.top_logprobs:
                     seq.output_top.append(top_logprobs(logits, seq.params.top_logprobs))
             reason = self._append(seq, token, logprob)
-            if reason is None and more is not None:  # a multi-step batch: its later tokens, up to an end
-                for later, later_logprob in zip(more[row].tolist(), more_logprobs[row].tolist()):
+            if reason is None and more is not None:  # later tokens (multi-step, accepted proposals), up to an end
+                count = more.shape[1] if output.num_more is None else int(output.num_more[row])
+                for later, later_logprob in zip(more[row, :count].tolist(), more_logprobs[row, :count].tolist()):
                     seq.num_computed_tokens += 1
                     reason = self._append(seq, later, later_logprob)
                     if reason is not None:
                         break
+            if output.num_more is not None:
+                self.spec_accepted += int(output.num_more[row])
             if reason is None:
+                if output.num_more is not None:  # blocks grown for rejected proposals go back
+                    self._trim(seq)
                 continue
             self._finish(seq, reason)
             finished.append(seq)
@@ -472,6 +495,30 @@ class Scheduler:
             self._extend(seq, target)
         return k
 
+    def _propose(self, seqs: list[Sequence]) -> list[list[int]] | None:
+        """Speculative decoding: each sequence's proposals (``core.speculative``) for a verify step, under the
+        conditions of ``_steps_ahead`` (nothing waits, all plain greedy), fewer than it may still generate and
+        within the blocks that are free now (never preempting for them); None when no sequence has any."""
+        if self._waiting or self._preempted or self._running_sampled or self._running_dumps:
+            return None
+        k, bm, drafts = self.config.num_speculative_tokens, self.block_manager, []
+        for seq in seqs:
+            room = min(k, seq.params.max_new_tokens - len(seq.output_ids) - 1)  # the last pick is a token too
+            proposal = self._proposer.propose(seq.prompt_ids + seq.output_ids, room) if room > 0 else []
+            while proposal and not bm.can_grow(seq, seq.num_tokens + len(proposal)):
+                proposal.pop()
+            if proposal:
+                self._extend(seq, seq.num_tokens + len(proposal))
+            drafts.append(proposal)
+        return drafts if any(drafts) else None
+
+    def _trim(self, seq: Sequence) -> None:
+        """Free the blocks past ``seq``'s next input token (grown for proposals it rejected)."""
+        keep = self.block_manager.blocks_needed(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            self.block_manager.truncate(seq, keep)
+            self._tables[self._row[seq.request_id], keep:] = DUMMY_BLOCK
+
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Blocks for ``seq``'s first ``num_tokens`` tokens, preempting the newest running sequences (never one
         scheduled in this step: those are older) as needed; False when ``seq`` itself had to be preempted."""
@@ -550,6 +597,24 @@ class Scheduler:
             sampling=self._sampling(seqs, prefill),
             want_logits=self._want_logits(seqs),
         )
+
+    def _build_verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> StepBatch:
+        """A step of each sequence's last token followed by its proposals, over its cached context."""
+        bs, n = self.config.block_size, len(seqs)
+        width = max(len(seq.block_table) for seq in seqs)
+        table_rows = np.fromiter((self._row[seq.request_id] for seq in seqs), np.intp, n)
+        block_tables = self._tables[table_rows, :width]
+        draft_lens = np.fromiter(map(len, drafts), np.int32, n)
+        query_lens = draft_lens + 1
+        context_lens = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n) + draft_lens
+        ids = np.fromiter(chain.from_iterable([seq.last_token_id, *d] for seq, d in zip(seqs, drafts)), np.int32,
+                          int(query_lens.sum()))
+        rows = np.repeat(np.arange(n), query_lens)
+        positions = np.arange(len(ids), dtype=np.int32) - (np.cumsum(query_lens) - context_lens)[rows]
+        self.spec_steps += 1
+        self.spec_proposed += int(draft_lens.sum())
+        return StepBatch(True, ids, positions.astype(np.int32), kv_slots(block_tables, rows, positions, bs).astype(np.int32),
+                         query_lens, context_lens, block_tables, draft_lens=draft_lens)
 
     def _want_logits(self, seqs: list[Sequence]) -> np.ndarray | None:
         """Which sequences' logits rows to return (``Sequence.wants_logits_row``: a dump short of this step's row,

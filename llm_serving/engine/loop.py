@@ -265,7 +265,10 @@ class Engine:
                            kv_blocks_total=s.block_manager.num_usable_blocks,
                            kv_blocks_used=s.num_used_blocks, kv_blocks_free=s.num_free_blocks,
                            kv_usage=s.block_usage,
-                           num_preemptions=s.num_preemptions, **s.prefix_cache_stats())
+                           num_preemptions=s.num_preemptions, **s.prefix_cache_stats(),
+                           spec_verify_steps=s.spec_steps, spec_proposed_tokens=s.spec_proposed,
+                           spec_accepted_tokens=s.spec_accepted,
+                           spec_acceptance_rate=s.spec_accepted / s.spec_proposed if s.spec_proposed else 0.0)
             if self._agents is not None:
                 out.update(agent_restarts=self._agents.restarts, step_timeout_s=self._agents.step_timeout_s)
             out.update(self._counters, run_step_s=self._run_step_s, busy_s=self._busy_seconds())
@@ -326,7 +329,8 @@ class Engine:
                     with self._lock:
                         self._requests.deliver(seqs)
                         counters["steps"] += batch.num_steps
-                        counters["prefill_steps" if batch.is_prefill else "decode_steps"] += batch.num_steps
+                        decoding = not batch.is_prefill or batch.draft_lens is not None  # a verify step decodes
+                        counters["decode_steps" if decoding else "prefill_steps"] += batch.num_steps
                         counters["multi_step_batches"] += batch.num_steps > 1
         except AgentDiedError as exc:  # died, stuck, or closed by shutdown
             if self._stopping:

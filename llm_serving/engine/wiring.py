@@ -87,6 +87,7 @@ def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None 
                           f"size, which this model cannot be split into: {'; '.join(problems)}",
                           key="serving_config.num_agents", source=src)
     check_host_memory(config, llama)
+    check_layers(config, llama)
     if not tokenizer:
         return ModelFiles(path, llama, None)
     vocab_file = config.tokenizer.vocab_file
@@ -101,6 +102,48 @@ def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None 
         raise ConfigError(f"{src}: tokenizer.vocab_file: no tokenizer at {tokenizer_path} (a sentencepiece "
                           "tokenizer.model or a Hugging Face tokenizer.json)", key="tokenizer.vocab_file", source=src)
     return ModelFiles(path, llama, tokenizer_path)
+
+
+def check_layers(config: ServingConfig, llama: LlamaConfig) -> None:
+    """Early exit and self-speculation name layers of the served model, which must have them."""
+    src, layers = config.source, llama.num_hidden_layers
+    exit_layer, draft_layers = config.model_config.early_exit_layer, config.speculative.draft_layers
+    if exit_layer is not None and not 1 <= exit_layer <= layers:
+        raise ConfigError(f"{src}: model_config.early_exit_layer: {exit_layer} is not one of the model's layers "
+                          f"1..{layers}", key="model_config.early_exit_layer", source=src)
+    served = exit_layer or layers
+    if draft_layers is not None and not 1 <= draft_layers < served:
+        raise ConfigError(f"{src}: speculative.draft_layers: {draft_layers} must be fewer than the {served} layers "
+                          f"served (1..{served - 1})", key="speculative.draft_layers", source=src)
+    if config.uses_mindformers and exit_layer is not None:
+        raise ConfigError(f"{src}: model_config.early_exit_layer: backend mindformers builds every layer of its "
+                          "YAML; serve early exit with our graph (backend ms)", key="model_config.early_exit_layer",
+                          source=src)
+
+
+def draft_spec(config: ServingConfig, llama: LlamaConfig) -> dict | None:
+    """The agents' draft (``AgentSpec.draft``) of speculative decoding, checked against the served model."""
+    sp, src = config.speculative, config.source
+    if sp.method == "self":
+        return {"layers": sp.draft_layers}
+    if sp.method != "draft":
+        return None
+    path = Path(sp.draft_model_path)
+    try:
+        draft = LlamaConfig.from_model_dir(path if path.is_dir() else path.parent)
+    except (ModelConfigError, ValueError, OSError) as exc:
+        raise ConfigError(f"{src}: speculative.draft_model_path: {exc}", key="speculative.draft_model_path",
+                          source=src) from None
+    if draft.vocab_size != llama.vocab_size:
+        raise ConfigError(f"{src}: speculative.draft_model_path: the draft's vocabulary ({draft.vocab_size}) is not "
+                          f"the served model's ({llama.vocab_size}): a draft shares the target's tokenizer",
+                          key="speculative.draft_model_path", source=src)
+    problems = tensor_parallel_problems(draft, config.num_agents)
+    if problems:
+        raise ConfigError(f"{src}: speculative.draft_model_path: each of the {config.num_agents} ranks runs its slice "
+                          f"of the draft, which cannot be split so: {'; '.join(problems)}",
+                          key="speculative.draft_model_path", source=src)
+    return {"model_path": str(path), "llama_config": draft.as_dict()}
 
 
 def check_mindformers_route(config: ServingConfig) -> None:
@@ -162,7 +205,7 @@ def scheduler_config(config: ServingConfig, eos_token_id: int | None, llama: Lla
                      num_blocks: int | None = None, other_eos_token_ids: tuple[int, ...] = ()) -> SchedulerConfig:
     """``llama``: the served model, whose kv heads size the cache under tensor parallelism (``kv_cache_blocks``);
     ``num_blocks``: the agents' reported count, with ``num_blocks: auto``."""
-    m, pa, sc = config.model_config, config.pa_config, config.scheduler
+    m, pa, sc, sp = config.model_config, config.pa_config, config.scheduler, config.speculative
     blocks = num_blocks if num_blocks is not None else kv_cache_blocks(config, llama)
     if blocks is None:
         raise ValueError("pa_config.num_blocks auto: the scheduler needs the count the agents reported")
@@ -173,7 +216,8 @@ def scheduler_config(config: ServingConfig, eos_token_id: int | None, llama: Lla
         eos_token_id=eos_token_id, other_eos_token_ids=other_eos_token_ids, policy=sc.policy, max_wait_s=sc.max_wait_s,
         min_decode_steps_between_prefills=sc.min_decode_steps_between_prefills, decode_steps=sc.decode_steps,
         max_prompt_len=config.max_prompt_len, chunked_prefill=config.chunked_prefill,
-        prefix_caching=config.prefix_caching,
+        prefix_caching=config.prefix_caching, speculative=sp.method, num_speculative_tokens=sp.num_tokens,
+        prompt_lookup_min=sp.prompt_lookup_min, prompt_lookup_max=sp.prompt_lookup_max,
     )
 
 
@@ -190,6 +234,7 @@ def runner_config_dict(config: ServingConfig) -> dict[str, Any]:
         # chunks and prefix-cache hits are queries over cached context: the agents warm those graphs too
         "mixed_steps": config.chunked_prefill or config.prefix_caching,
         "max_num_batched_tokens": config.max_num_batched_tokens,
+        "verify_tokens": config.speculative.num_tokens if config.speculative.method else 0,
         "device_target": m.device_target,
         **({"memory_utilization": pa.utilization} if pa.auto_blocks else {}),
     }
@@ -221,10 +266,14 @@ def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) 
                                max_batch * config.max_model_len),
         # logits dumps: every sequence of a step may ask (float32 x vocab each; 16 MiB for 128 x 32000)
         max_logits_rows=max_batch,
-        max_decode_steps=config.scheduler.decode_steps,
+        # tokens one sequence may get back from a step: multi-step's, or a verify step's accepted proposals + 1
+        max_decode_steps=max(config.scheduler.decode_steps,
+                             config.speculative.num_tokens + 1 if config.speculative.method else 1),
         tensor_parallel_size=config.num_agents,
         start_device_id=config.serving_config.start_device_id,
         backend="mindformers" if config.uses_mindformers else "ms",
         model_cfg_path=config.model_config.model_cfg_path if config.uses_mindformers else None,
         compile_cache_dir=None if standin else compile_cache_dir(config),
+        exit_layer=config.model_config.early_exit_layer,
+        draft=draft_spec(config, model.llama_config),
     )

@@ -124,6 +124,11 @@ class StepBatch:
     ``num_steps`` > 1 (multi-step decoding; all-greedy decode steps only): the agents run that many decode steps
     before answering, each feeding every sequence the token the previous one chose, at the next position (its
     slot from the block table, which covers them all); ``StepOutput.more_token_ids`` holds the later tokens.
+
+    ``draft_lens`` (speculative decoding; all-greedy steps only): the last ``draft_lens[i]`` query tokens of
+    sequence ``i`` are proposed tokens to verify. The agents pick greedily after every query token and accept the
+    longest run of proposals equal to the picks before them: ``token_ids[i]`` is the pick after the sequence's last
+    real token, ``more_token_ids[i, :num_more[i]]`` the picks after each accepted proposal.
     """
 
     is_prefill: bool
@@ -136,6 +141,7 @@ class StepBatch:
     sampling: SamplingBatch | None = None  # None: every sequence is greedy
     want_logits: np.ndarray | None = None  # bool [B]; None: no sequence wants its logits back
     num_steps: int = 1
+    draft_lens: np.ndarray | None = None  # int32 [B]; None: no proposals to verify
 
     @property
     def batch_size(self) -> int:
@@ -158,7 +164,8 @@ class StepBatch:
         return StepBatch(self.is_prefill, self.input_ids[tokens], self.positions[tokens], self.slot_mapping[tokens],
                          self.query_lens[indices], self.context_lens[indices], self.block_tables[indices],
                          self.sampling.take(indices) if self.sampling is not None else None,
-                         want if want is not None and want.any() else None, self.num_steps)
+                         want if want is not None and want.any() else None, self.num_steps,
+                         self.draft_lens[indices] if self.draft_lens is not None else None)
 
     def validate(self) -> None:
         """Raise ValueError when the arrays disagree with each other (cheap; for tests and loaders)."""
@@ -176,6 +183,11 @@ class StepBatch:
             raise ValueError("several steps at once are for all-greedy decode steps without logits")
         if self.want_logits is not None and self.want_logits.shape != (b,):
             raise ValueError(f"want_logits has shape {self.want_logits.shape}, expected ({b},)")
+        if self.draft_lens is not None:
+            if self.draft_lens.shape != (b,) or np.any(self.draft_lens < 0) or np.any(self.draft_lens >= self.query_lens):
+                raise ValueError("draft_lens must hold, per sequence, fewer proposals than its query tokens")
+            if not self.is_prefill or self.sampling is not None or self.want_logits is not None or self.num_steps > 1:
+                raise ValueError("proposals are verified in all-greedy single steps without logits")
 
 
 @dataclass
@@ -193,3 +205,6 @@ class StepOutput:
     # a batch of num_steps > 1: the tokens (and logprobs) of its later steps, int32/float32 [B, num_steps - 1]
     more_token_ids: np.ndarray | None = None
     more_logprobs: np.ndarray | None = None
+    # a batch with draft_lens: how many leading entries of each more_token_ids row are tokens (accepted proposals'
+    # picks); None: every entry is
+    num_more: np.ndarray | None = None

@@ -34,10 +34,10 @@ from llm_serving.protocol.batch import (
     StepOutput,
 )
 
-MAGIC = 0x4C4C4D534836  # "LLMSH6": bump the digit when the layout changes
+MAGIC = 0x4C4C4D534837  # "LLMSH7": bump the digit when the layout changes
 NAME_PREFIX = "llmserving_"
 _ALIGN = 64
-_HEADER_SLOTS = 24
+_HEADER_SLOTS = 26
 # header slots (int64)
 _MAGIC, _MAX_TOKENS, _MAX_BATCH, _MAX_BLOCKS = 0, 1, 2, 3
 _STEP, _IS_PREFILL, _NUM_TOKENS, _BATCH_SIZE, _WIDTH = 4, 5, 6, 7, 8
@@ -46,6 +46,7 @@ _MAX_PENALTY, _SAMPLING, _PENALTY_TOKENS = 11, 12, 13
 _MAX_LOGITS_ROWS, _LOGITS_WIDTH, _WANT_LOGITS, _OUT_LOGITS_ROWS = 14, 15, 16, 17
 _EXTRAS, _ADJUSTMENTS, _MASKS = 18, 19, 20
 _NUM_STEPS, _OUT_MORE_STEPS, _MAX_DECODE_STEPS = 21, 22, 23
+_DRAFTS, _OUT_NUM_MORE = 24, 25
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "seeds", "draw_index")
 _EXTRA_FIELDS = ("presence_penalty", "frequency_penalty", "min_p", "output_start")
 
@@ -66,7 +67,9 @@ class ChannelLayout:
     max_penalty_tokens: int | None = None
     max_logits_rows: int = 0  # sequences of one step that may get their logits back (0: none can)
     logits_width: int = 0  # floats per logits row: the vocabulary size
-    max_decode_steps: int = 1  # decode steps one batch may ask for (StepBatch.num_steps)
+    # decode steps one batch may ask for (StepBatch.num_steps), and one more than the proposals a sequence may have
+    # verified in one step (StepBatch.draft_lens): the tokens one sequence may get back from a step
+    max_decode_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.max_penalty_tokens is None:
@@ -92,9 +95,9 @@ class ChannelLayout:
                 ("adjust_ids", np.int32, b * MAX_LOGIT_ADJUSTMENTS),
                 ("adjust_values", np.float32, b * MAX_LOGIT_ADJUSTMENTS),
                 ("token_masks", np.int32, b * self.mask_words),
-                ("want_logits", np.uint8, b), ("out_token_ids", np.int32, b), ("out_logprobs", np.float32, b),
+                ("want_logits", np.uint8, b), ("draft_lens", np.int32, b), ("out_token_ids", np.int32, b), ("out_logprobs", np.float32, b),
                 ("out_more_ids", np.int32, b * (self.max_decode_steps - 1)),
-                ("out_more_logprobs", np.float32, b * (self.max_decode_steps - 1)),
+                ("out_more_logprobs", np.float32, b * (self.max_decode_steps - 1)), ("out_num_more", np.int32, b),
                 ("out_logits_rows", np.int32, self.max_logits_rows),
                 ("out_logits", np.float32, self.max_logits_rows * self.logits_width)]
         out, offset = {}, 0
@@ -253,6 +256,10 @@ class StepChannel:
         if not 1 <= batch.num_steps <= lay.max_decode_steps:
             raise ValueError(f"step asks for {batch.num_steps} decode steps; the shared memory holds 1 to "
                              f"{lay.max_decode_steps} (AgentSpec max_decode_steps)")
+        drafts = batch.draft_lens
+        if drafts is not None and (drafts.shape != (batch.batch_size,) or int(drafts.max(initial=0)) >= lay.max_decode_steps):
+            raise ValueError(f"draft_lens {drafts.tolist()} exceed the shared memory's {lay.max_decode_steps - 1} proposals a "
+                             "sequence (AgentSpec max_decode_steps)")
         sampling = batch.sampling
         if sampling is not None and sampling.penalty_offsets.shape != (batch.batch_size + 1,):
             raise ValueError(f"sampling.penalty_offsets has shape {sampling.penalty_offsets.shape}, expected "
@@ -294,6 +301,9 @@ class StepChannel:
         if batch.want_logits is not None:
             v["want_logits"][:b] = batch.want_logits
         h[_WANT_LOGITS] = batch.want_logits is not None
+        if batch.draft_lens is not None:
+            v["draft_lens"][:b] = batch.draft_lens
+        h[_DRAFTS] = batch.draft_lens is not None
         h[_IS_PREFILL], h[_NUM_TOKENS], h[_BATCH_SIZE], h[_WIDTH] = int(batch.is_prefill), n, b, width
         h[_NUM_STEPS] = batch.num_steps
         h[_STEP] = step
@@ -310,6 +320,8 @@ class StepChannel:
         if more:
             output.more_token_ids = v["out_more_ids"][: batch_size * more].reshape(batch_size, more).copy()
             output.more_logprobs = v["out_more_logprobs"][: batch_size * more].reshape(batch_size, more).copy()
+            if h[_OUT_NUM_MORE]:
+                output.num_more = v["out_num_more"][:batch_size].copy()
         k = int(h[_OUT_LOGITS_ROWS])
         if k:
             logits = v["out_logits"][: k * self.layout.logits_width].reshape(k, -1).copy()
@@ -334,7 +346,8 @@ class StepChannel:
         want = v["want_logits"][:b].view(np.bool_) if h[_WANT_LOGITS] else None
         batch = StepBatch(bool(h[_IS_PREFILL]), v["input_ids"][:n], v["positions"][:n], v["slot_mapping"][:n],
                           v["query_lens"][:b], v["context_lens"][:b],
-                          v["block_tables"][: b * width].reshape(b, width), sampling, want, int(h[_NUM_STEPS]))
+                          v["block_tables"][: b * width].reshape(b, width), sampling, want, int(h[_NUM_STEPS]),
+                          v["draft_lens"][:b] if h[_DRAFTS] else None)
         return int(h[_STEP]), batch
 
     def write_output(self, step: int, output: StepOutput) -> None:
@@ -356,6 +369,9 @@ class StepChannel:
                                  f"max_decode_steps {lay.max_decode_steps} for {b} sequences")
             v["out_more_ids"][: b * more] = output.more_token_ids.ravel()
             v["out_more_logprobs"][: b * more] = output.more_logprobs.ravel()
+            if output.num_more is not None:
+                v["out_num_more"][:b] = output.num_more
+        self.header[_OUT_NUM_MORE] = more > 0 and output.num_more is not None
         self.header[_OUT_MORE_STEPS] = more
         if rows:
             v["out_logits_rows"][: len(rows)] = rows

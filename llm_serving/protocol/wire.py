@@ -101,6 +101,11 @@ class AgentSpec:
     # root of the agents' graph compile caches (agents.runtime.compile_cache: one directory per configuration and code
     # under it); None: compile every shape at each start
     compile_cache_dir: str | None = None
+    # early exit: serve the model's first exit_layer layers (then its final norm and lm_head); None: all of them
+    exit_layer: int | None = None
+    # speculative decoding with a draft in the agents (agents.runtime.speculative_runner): {"model_path", "llama_config"}
+    # of a draft model, or {"layers": n} for the target's own first n layers (self-speculation); None: no draft
+    draft: dict | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

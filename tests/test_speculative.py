@@ -1,0 +1,217 @@
+"""Speculative decoding (issue 32): proposals (prompt lookup) verified by the model in one step per sequence
+(``agents.runtime.verify_steps``). Greedy output is that of plain decoding, token for token (a fake model that
+reads every context back through the cache, then the real tiny model through the engine); the blocks grown for
+rejected proposals are given back; proposals, the step and the accepted tokens cross shared memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from agents.runtime.verify_steps import accept
+from llm_serving.core.scheduler import Scheduler
+from llm_serving.core.sequence import SamplingParams, Sequence
+from llm_serving.core.speculative import NgramProposer
+from llm_serving.protocol.batch import StepBatch, StepOutput
+from llm_serving.protocol.shm_channel import ChannelLayout, StepChannel
+from tests.test_scheduler import EOS, FakeKVModel, config, logprob_of
+from tests.tiny_engine import tiny_engine_config
+
+
+def echo_token(tokens: list[int]) -> int:
+    """A fake model that mostly repeats itself (period 5), so prompt lookup is often right, and sometimes not."""
+    if len(tokens) % 7 == 0:
+        return (tokens[-1] * 3 + 1) % 40
+    return tokens[-5] if len(tokens) >= 5 else (tokens[-1] + 1) % 40
+
+
+def expected(prompt: list[int], params: SamplingParams) -> tuple[list[int], str]:
+    tokens, out = list(prompt), []
+    while True:
+        t = echo_token(tokens)
+        tokens.append(t)
+        out.append(t)
+        if t == EOS and not params.ignore_eos:
+            return out, "eos"
+        if len(out) >= params.max_new_tokens:
+            return out, "length"
+
+
+class FakeVerifier(FakeKVModel):
+    """Picks ``echo_token`` of the context read through the cache after every query token of a verify step."""
+
+    def step(self, batch: StepBatch) -> StepOutput:
+        batch.validate()
+        bs = self.block_size
+        self.kv[batch.slot_mapping] = batch.input_ids
+        picks = []
+        for i in range(batch.batch_size):
+            q, c = int(batch.query_lens[i]), int(batch.context_lens[i])
+            rows = range(c - q + 1, c + 1) if batch.draft_lens is not None else [c]
+            for n in rows:
+                pos = np.arange(n)
+                ctx = self.kv[batch.block_tables[i, pos // bs] * bs + pos % bs].tolist()
+                assert min(ctx) >= 0
+                picks.append(echo_token(ctx))
+        picks = np.array(picks, np.int32)
+        lps = np.array([logprob_of(t) for t in picks.tolist()], np.float32)
+        return accept(batch, picks, lps) if batch.draft_lens is not None else StepOutput(picks, lps)
+
+
+def serve(s: Scheduler, seqs: list[Sequence]) -> list[StepBatch]:
+    model = FakeVerifier(s.config.num_blocks, s.config.block_size)
+    for seq in seqs:
+        s.add(seq)
+    batches = []
+    while s.has_unfinished():
+        scheduled, batch = s.schedule()
+        batches.append(batch)
+        s.postprocess(scheduled, model.step(batch))
+        held = sum(len(q.block_table) for q in s.running)
+        assert held == s.num_used_blocks  # nothing held but the running sequences' tables
+        for q in s.running:  # no block past the next input is kept
+            assert len(q.block_table) <= s.block_manager.blocks_needed(q.num_tokens) or q.is_prefilling
+    return batches
+
+
+def prompts() -> list[Sequence]:
+    limits = [1, 2, 6, 11, 17, 30]
+    return [Sequence(f"r{i}", [3 + (5 * i + j) % 31 for j in range(4 + i)],
+                     SamplingParams(max_new_tokens=n, ignore_eos=i % 2 == 0)) for i, n in enumerate(limits)]
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_matching_tail():
+    p = NgramProposer(1, 3)
+    assert p.propose([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]
+    assert p.propose([5, 2, 3, 8, 1, 2, 3], 3) == [8, 1, 2]  # the 2-gram [2, 3] matched: the 3-gram did not
+    assert p.propose([4, 7, 4, 8, 4], 5) == [8, 4]  # the latest occurrence, up to the end
+    assert p.propose([1, 2, 3], 4) == [] and p.propose([1, 1], 0) == []
+    assert NgramProposer(2, 2).propose([1, 2, 3, 2], 3) == []
+    with pytest.raises(ValueError, match="min n-gram"):
+        NgramProposer(3, 2)
+
+
+def test_accept_keeps_the_picks_up_to_the_first_wrong_proposal():
+    # two sequences: last token + 3 proposals, last token + 1 proposal
+    batch = StepBatch(True, np.array([7, 1, 2, 3, 9, 4], np.int32), np.arange(6, dtype=np.int32),
+                      np.arange(6, dtype=np.int32), np.array([4, 2], np.int32), np.array([10, 6], np.int32),
+                      np.zeros((2, 2), np.int32), draft_lens=np.array([3, 1], np.int32))
+    picks = np.array([1, 2, 5, 6, 8, 0], np.int32)  # sequence 0 accepts 1, 2 (3 != 5); sequence 1 rejects 4
+    out = accept(batch, picks, -picks.astype(np.float32))
+    assert out.token_ids.tolist() == [1, 8] and out.num_more.tolist() == [2, 0]
+    assert out.more_token_ids[0, :2].tolist() == [2, 5] and out.more_logprobs[0, :2].tolist() == [-2, -5]
+
+
+@pytest.mark.parametrize("kw", [{}, {"chunked_prefill": True, "max_num_batched_tokens": 16, "prefix_caching": True}],
+                         ids=["whole-prompts", "chunked-cached"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_output_is_plain_greedy_output(kw, k):
+    s = Scheduler(config(speculative="ngram", num_speculative_tokens=k, max_num_seqs=8, **kw))
+    seqs = prompts()
+    batches = serve(s, seqs)
+    for seq in seqs:
+        assert (seq.output_ids, seq.finish_reason) == expected(seq.prompt_ids, seq.params), seq
+        assert len(seq.output_logprobs) == len(seq.output_ids)
+    verify = [b for b in batches if b.draft_lens is not None]
+    assert verify and max(int(b.draft_lens.max()) for b in verify) == k
+    assert 0 < s.spec_accepted < s.spec_proposed  # some proposals right, some wrong
+    assert len(batches) < len(serve(Scheduler(config(max_num_seqs=8, **kw)), prompts()))  # fewer model steps
+    assert s.num_used_blocks == 0 and s.block_manager.accounting()
+
+
+def test_no_proposals_while_the_master_is_needed_between_tokens():
+    s = Scheduler(config(speculative="ngram", max_num_seqs=8))
+    sampled = Sequence("s", [3, 4, 3, 4, 3], SamplingParams(max_new_tokens=6, temperature=0.7, seed=1))
+    plain = Sequence("p", [3, 4, 3, 4, 3], SamplingParams(max_new_tokens=6))
+    batches = serve(s, [sampled, plain])
+    assert all(b.draft_lens is None for b in batches)
+
+
+def test_proposals_and_accepted_tokens_cross_shared_memory():
+    s = Scheduler(config(speculative="ngram", num_speculative_tokens=3))
+    s.add(Sequence("a", [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(9, ignore_eos=True)))
+    first, prefill = s.schedule()
+    s.postprocess(first, FakeVerifier(s.config.num_blocks, s.config.block_size).step(prefill))
+    _, batch = s.schedule()
+    assert batch.draft_lens is not None
+    channel = StepChannel.create(ChannelLayout(max_tokens=32, max_batch=4, max_blocks_per_seq=16, max_decode_steps=4))
+    try:
+        channel.write_batch(3, batch)
+        back = channel.read_batch()[1]
+        assert back.draft_lens.tolist() == batch.draft_lens.tolist() and back.input_ids.tolist() == batch.input_ids.tolist()
+        out = StepOutput(np.array([5], np.int32), np.array([-1.0], np.float32), more_token_ids=np.array([[6, 7, 0]], np.int32),
+                         more_logprobs=np.array([[-2, -3, 0]], np.float32), num_more=np.array([2], np.int32))
+        channel.write_output(3, out)
+        assert channel.read_output(3, 1).num_more.tolist() == [2]
+        channel.write_output(4, StepOutput(np.array([5], np.int32), np.array([-1.0], np.float32)))
+        assert channel.read_output(4, 1).num_more is None
+        small = StepChannel.create(ChannelLayout(max_tokens=32, max_batch=4, max_blocks_per_seq=16, max_decode_steps=2))
+        try:
+            with pytest.raises(ValueError, match="proposals a sequence"):
+                small.write_batch(5, batch)
+        finally:
+            small.close()
+    finally:
+        channel.close()
+
+
+def test_on_the_model_greedy_tokens_are_those_of_plain_decoding(tmp_path):
+    from llm_serving.engine.loop import Engine
+
+    prompts = [[1, 17, 230, 45, 9, 17, 230, 45], [1, 5, 6, 7, 5, 6, 7, 5, 6], [1, 400, 401, 402, 403, 404, 405]]
+    limits = [20, 25, 14]
+    results = {}
+    for method in ("", "ngram"):
+        cfg = tiny_engine_config(tmp_path, speculative={"method": method, "num_tokens": 3})
+        with Engine(cfg) as engine:
+            engine.start(progress=None)
+            streams = [engine.submit(p, SamplingParams(n, ignore_eos=True)) for p, n in zip(prompts, limits)]
+            done = [s.result(timeout=120) for s in streams]
+            stats = engine.stats()
+            assert stats["kv_blocks_used"] == 0
+        results[method] = [r.token_ids for r in done], [r.finish_reason for r in done]
+        if method:
+            assert stats["spec_proposed_tokens"] > 0 and stats["spec_verify_steps"] > 0
+    assert results["ngram"] == results[""]
+
+
+@pytest.mark.parametrize("method", ["draft", "self"])
+def test_a_draft_in_the_agent_keeps_greedy_tokens_and_frees_every_block(tmp_path, method):
+    """The draft (a random model of the same vocabulary, or the target's first layer) proposes in the agent."""
+    from llm_serving.engine.loop import Engine
+    from llm_serving.models.random_model import build_random_model
+    from llm_serving.protocol.model_config import LlamaConfig
+
+    draft_dir = tmp_path / "draft"
+    build_random_model(draft_dir, LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1),
+                       seed=9)
+    spec = {"draft": {"method": "draft", "draft_model_path": str(draft_dir)},
+            "self": {"method": "self", "draft_layers": 1}}[method]
+    prompts = [[1, 17, 230, 45, 9], [1, 5, 6, 7, 5, 6], [1, 400, 401, 402]]
+    limits = [21, 9, 30]
+    results = {}
+    for sections in ({}, {"speculative": {**spec, "num_tokens": 3}}):
+        with Engine(tiny_engine_config(tmp_path, **sections)) as engine:
+            engine.start(progress=None)
+            streams = [engine.submit(p, SamplingParams(n, ignore_eos=True)) for p, n in zip(prompts, limits)]
+            done = [s.result(timeout=120) for s in streams]
+            late = engine.submit(prompts[0], SamplingParams(5, ignore_eos=True)).result(timeout=120)  # alone
+            stats = engine.stats()
+            assert stats["kv_blocks_used"] == 0
+        results[bool(sections)] = [r.token_ids for r in done] + [late.token_ids]
+    assert results[True] == results[False]
+    assert stats["spec_verify_steps"] > 0 and stats["spec_proposed_tokens"] > 0
+    if method == "self":  # the first layer of two agrees with the model sometimes, never always on random weights
+        assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
+
+
+def test_early_exit_serves_the_first_layers(tmp_path):
+    from llm_serving.engine.loop import Engine
+
+    prompt, outputs = [1, 17, 230, 45, 9], {}
+    for layer in (None, 1, 2):
+        with Engine(tiny_engine_config(tmp_path, model_config={"early_exit_layer": layer})) as engine:
+            engine.start(progress=None)
+            outputs[layer] = engine.submit(prompt, SamplingParams(12, ignore_eos=True)).result(timeout=120).token_ids
+    assert outputs[2] == outputs[None] != outputs[1]  # all of the tiny model's 2 layers, or only its first
