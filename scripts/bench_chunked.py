@@ -38,7 +38,7 @@ from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.loop import Engine
 from llm_serving.engine.request_stream import GenerationResult
 
-BENCH_MODEL = {"hidden_size": 512, "intermediate_size": 1408, "num_layers": 8, "num_heads": 8,
+BENCH_MODEL = {"weights": "random", "hidden_size": 512, "intermediate_size": 1408, "num_layers": 8, "num_heads": 8,
                "num_kv_heads": 4, "vocab_size": 8000, "seed": 0}
 
 

@@ -15,7 +15,7 @@ from agents.runtime.device import setup_device
 from agents.runtime.runner import ModelRunner, RunnerConfig
 from agents.tools.contracts import check_graph
 from agents.tools.export import export_graphs, export_runner
-from agents.tools.mindir import read_graph
+from agents.tools.mindir import TensorInfo, read_graph
 from agents.weights.checkpoints import load_weights
 from llm_serving.core.scheduler import Scheduler, SchedulerConfig
 from llm_serving.core.sequence import SamplingParams, Sequence
@@ -24,6 +24,7 @@ from llm_serving.protocol.model_config import LlamaConfig
 from tests.chunk_driver import ChunkDriver
 from tests.hf_reference import hf_greedy, load_hf
 from tests.test_chunked_model import serve
+from tests.test_speculative import OracleProposer
 
 CONFIG = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=192, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # head_dim 64
@@ -106,5 +107,52 @@ def test_the_mixed_graphs_export_and_pass_the_contract_check(tmp_path, model_dir
     assert shapes
     for shape, graph in export_graphs(exporter, tmp_path, shapes[:2]):
         assert graph.fused()["PagedAttention"] == CONFIG.num_hidden_layers, shape
+        assert "q_seq_lens" in read_graph(graph.path).inputs, shape
+        assert [str(v) for v in check_graph(read_graph(graph.path))] == [], shape
+
+
+@pytest.fixture(scope="module")
+def verify_runner(model_dir):
+    """The Ascend graphs with verify steps (speculative decoding), on the reference ops."""
+    setup_device("CPU", 0)
+    rc = RunnerConfig(**{**RC.__dict__, "verify_tokens": 3})
+    runner = ModelRunner(CONFIG, load_weights(model_dir, CONFIG), rc, AscendBackend(ReferenceOps(CONFIG.head_dim)))
+    runner.warmup()
+    assert "verify" in {shape[0] for shape in runner.warmed}
+    return runner
+
+
+def test_verified_proposals_give_hugging_faces_greedy_tokens(verify_runner, model_dir):
+    """The verify graph (PagedAttention over the cache with q_seq_lens, a pick after every query token) keeps
+    exactly the greedy tokens, whether it accepts every proposal, some or none."""
+    hf = load_hf(model_dir)
+    batch_prompts = prompts(4)[2:7]  # none a prefix of another
+    references = {tuple(p): hf_greedy(hf, p, min(12, MAX_LEN - len(p))) for p in batch_prompts}
+    cfg = SchedulerConfig(num_blocks=RC.num_blocks, block_size=RC.block_size, max_num_seqs=7, max_prefill_batch=2,
+                          max_num_batched_tokens=BUDGET, max_model_len=MAX_LEN, eos_token_id=None,
+                          chunked_prefill=True, speculative="ngram", num_speculative_tokens=3)
+    scheduler = Scheduler(cfg)
+    scheduler._proposer = OracleProposer({p: ref for p, (ref, _) in references.items()}, CONFIG.vocab_size)
+    seqs = [Sequence(f"s{i}", p, SamplingParams(len(references[tuple(p)][0]))) for i, p in enumerate(batch_prompts)]
+    serve(scheduler, verify_runner, seqs)
+    assert scheduler.spec_proposed > scheduler.spec_accepted > scheduler.spec_steps > 0
+    for seq, prompt in zip(seqs, batch_prompts):
+        ref, ref_logprobs = references[tuple(prompt)]
+        assert seq.output_ids == ref
+        np.testing.assert_allclose(seq.output_logprobs, ref_logprobs, atol=1e-4)
+    assert scheduler.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_verify_graphs_export_and_pass_the_contract_check(tmp_path, model_dir, dtype):
+    rc = RunnerConfig(**{**RC.__dict__, "dtype": dtype, "device_target": "Ascend", "verify_tokens": 3})
+    exporter = export_runner(CONFIG, rc, load_weights(model_dir, CONFIG))
+    shapes = [s for s in exporter.graph_shapes() if s[0] == "verify"]
+    assert shapes and shapes[-1][2] >= RC.decode_batch_sizes[-1] * 4  # a full decode batch of 3 proposals each
+    for shape, graph in export_graphs(exporter, tmp_path, [shapes[0], shapes[-1]]):
+        tokens = shape[2]
+        assert graph.fused()["PagedAttention"] == CONFIG.num_hidden_layers, shape
+        assert graph.outputs == (TensorInfo("int32", (tokens,)), TensorInfo("float32", (tokens,)),
+                                 TensorInfo("float32", (tokens, CONFIG.vocab_size))), shape  # a pick per row
         assert "q_seq_lens" in read_graph(graph.path).inputs, shape
         assert [str(v) for v in check_graph(read_graph(graph.path))] == [], shape

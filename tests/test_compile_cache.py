@@ -192,7 +192,7 @@ def test_llm_serving_generate_twice_second_start_hits_the_cache(tmp_path):
     """The whole path: config key -> AgentSpec -> agent process; the second start reports a hit and answers the
     same ids."""
     sections = {
-        "default_model": {"data_dir": str(tmp_path / "models"), "hidden_size": 64, "intermediate_size": 160,
+        "default_model": {"data_dir": str(tmp_path / "models"), "weights": "random", "hidden_size": 64, "intermediate_size": 160,
                           "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 1000, "seed": 5},
         "model_config": {"seq_length": [32], "prefill_batch_size": [2], "decode_batch_size": [4]},
         "pa_config": {"num_blocks": 64, "block_size": 8, "decode_seq_length": 64},

@@ -40,7 +40,7 @@ from llm_serving.tokenization.tokenizer import Tokenizer
 
 VOCAB = 1000
 EOS = 2
-TINY_MODEL = {"hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+TINY_MODEL = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
               "vocab_size": VOCAB, "seed": 3}
 
 

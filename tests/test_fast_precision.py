@@ -248,7 +248,7 @@ def test_portable_backend_refuses_the_modes():
 
 
 # ---- the whole engine ------------------------------------------------------------------------------------------
-TINY = {"hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+TINY = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
         "vocab_size": 998, "seed": 5}
 
 

@@ -491,7 +491,7 @@ def test_running_server_serves_until_the_block_ends_and_names_a_start_failure(tm
     from loadtest.local_server import ServerStartError, running_server
 
     config = tmp_path / "serve.yaml"
-    config.write_text(json.dumps({"default_model": {"data_dir": str(tmp_path / "models"), "hidden_size": 64,
+    config.write_text(json.dumps({"default_model": {"data_dir": str(tmp_path / "models"), "weights": "random", "hidden_size": 64,
                                                     "intermediate_size": 160, "num_layers": 2, "num_heads": 4,
                                                     "num_kv_heads": 2, "vocab_size": 1000, "seed": 3}}))
     announced: list[str] = []

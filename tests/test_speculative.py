@@ -58,6 +58,23 @@ class FakeVerifier(FakeKVModel):
         return accept(batch, picks, lps) if batch.draft_lens is not None else StepOutput(picks, lps)
 
 
+class OracleProposer:
+    """Proposes each sequence's known greedy continuation (by its longest matching prompt), the last proposal wrong
+    every other time, so steps accept all, some or none of the proposals: for the verify graphs on real models."""
+
+    def __init__(self, references: dict[tuple, list[int]], vocab_size: int) -> None:
+        self.references, self.vocab_size, self.calls = references, vocab_size, 0
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        prompt = max((p for p in self.references if tuple(tokens[: len(p)]) == p), key=len)
+        done = len(tokens) - len(prompt)
+        proposal = self.references[prompt][done: done + k]
+        self.calls += 1
+        if proposal and self.calls % 2:
+            proposal[-1] = (proposal[-1] + 1) % self.vocab_size
+        return proposal
+
+
 def serve(s: Scheduler, seqs: list[Sequence]) -> list[StepBatch]:
     model = FakeVerifier(s.config.num_blocks, s.config.block_size)
     for seq in seqs:
@@ -215,3 +232,39 @@ def test_early_exit_serves_the_first_layers(tmp_path):
             engine.start(progress=None)
             outputs[layer] = engine.submit(prompt, SamplingParams(12, ignore_eos=True)).result(timeout=120).token_ids
     assert outputs[2] == outputs[None] != outputs[1]  # all of the tiny model's 2 layers, or only its first
+
+
+def test_on_the_native_cpu_ops_verified_tokens_are_hugging_faces(tmp_path):
+    """The oracle proposes the greedy continuation (wrong at the end every other time): the verify graph of the
+    native CPU ops keeps exactly transformers' greedy tokens and logprobs. The portable ops refuse verify graphs."""
+    from agents.runtime.runner import ModelRunner, RunnerConfig
+    from agents.weights.checkpoints import load_weights
+    from llm_serving.core.scheduler import SchedulerConfig
+    from llm_serving.models.random_model import build_random_model
+    from tests.hf_reference import hf_greedy, load_hf
+    from tests.test_chunked_model import CONFIG, RC
+    from tests.test_chunked_model import serve as serve_on
+
+    model_dir = build_random_model(tmp_path, CONFIG, seed=5, std=0.15)
+    rc = RunnerConfig(**{**RC.__dict__, "verify_tokens": 4, "kernels": "native"})
+    with pytest.raises(ValueError, match="ragged mixed steps, which the portable ops backend lacks"):
+        ModelRunner(CONFIG, load_weights(model_dir, CONFIG), RunnerConfig(**{**rc.__dict__, "kernels": "portable"}))
+    runner = ModelRunner(CONFIG, load_weights(model_dir, CONFIG), rc)
+    runner.warmup()
+    hf = load_hf(model_dir)
+    rng = np.random.default_rng(11)
+    prompts = [[1] + rng.integers(3, CONFIG.vocab_size, n).tolist() for n in (3, 17, 40, 70)]
+    references = {tuple(p): hf_greedy(hf, p, 15) for p in prompts}
+    scheduler = Scheduler(SchedulerConfig(num_blocks=rc.num_blocks, block_size=rc.block_size, max_num_seqs=8,
+                                          max_prefill_batch=8, max_num_batched_tokens=64, max_model_len=rc.max_model_len,
+                                          eos_token_id=None, chunked_prefill=True, speculative="ngram",
+                                          num_speculative_tokens=4))
+    scheduler._proposer = OracleProposer({p: ref for p, (ref, _) in references.items()}, CONFIG.vocab_size)
+    seqs = [Sequence(f"s{i}", p, SamplingParams(15)) for i, p in enumerate(prompts)]
+    serve_on(scheduler, runner, seqs)
+    assert scheduler.spec_proposed > scheduler.spec_accepted > scheduler.spec_steps > 0
+    for seq, prompt in zip(seqs, prompts):
+        ref, ref_logprobs = references[tuple(prompt)]
+        assert seq.output_ids == ref
+        np.testing.assert_allclose(seq.output_logprobs, ref_logprobs, atol=1e-4)
+    assert scheduler.num_used_blocks == 0

@@ -36,7 +36,7 @@ from tests.test_engine import our_segments, wait_for
 ROOT = Path(__file__).resolve().parents[1]
 EOS = 2
 # vocab 998: 4 ranks hold 250, 250, 250 and 248 rows (the last range shorter, its gather padded)
-TINY = {"hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+TINY = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
         "vocab_size": 998, "seed": 5}
 SAMPLED = SamplingParams(max_new_tokens=10, temperature=0.8, top_k=40, top_p=0.9, seed=11)
 
@@ -253,10 +253,11 @@ def serve(cfg: ServingConfig, kill_rank: int | None = None) -> dict:
            "helpers": engine._agents.pool.helper_pids}
     try:
         out["results"] = [s.result(timeout=120) for s in [engine.submit(p, sp) for p, sp in workload()]]
-        if cfg.scheduler.decode_steps > 1:  # the greedy requests alone: nothing sampled, so several steps a batch
-            greedy = [(p, sp) for p, sp in workload() if sp.temperature == 0]
+        if cfg.scheduler.decode_steps > 1 or cfg.speculative.method:  # the greedy requests alone: nothing sampled,
+            greedy = [(p, sp) for p, sp in workload() if sp.temperature == 0]  # so several tokens a step
             out["greedy_again"] = [s.result(timeout=120) for s in [engine.submit(p, sp) for p, sp in greedy]]
             out["multi_step_batches"] = engine.stats()["multi_step_batches"]
+            out["spec_verify_steps"] = engine.stats()["spec_verify_steps"]
         if kill_rank is not None:
             pool = engine._agents.pool
             segment, before = pool.shm_name, engine.stats()
@@ -275,9 +276,12 @@ def serve(cfg: ServingConfig, kill_rank: int | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(data_dir) -> dict:
-    """tp 1, 2 (native, then portable) and 4, one engine at a time; the tp-2 native one loses rank 1 midway; tp 4
-    decodes up to four steps per round trip (multi-step: every rank feeds the tokens of the exact greedy pick)."""
-    out = {"tp1": serve(tp_config(data_dir, 1)), "tp2": serve(tp_config(data_dir, 2), kill_rank=1),
+    """tp 1, 2 (native, then portable) and 4, one engine at a time; the tp-2 native one speculates (its own first
+    layer drafts, sliced as the model on each rank) and loses rank 1 midway; tp 4 decodes up to four steps per round
+    trip (multi-step: every rank feeds the tokens of the exact greedy pick)."""
+    self_spec = {"method": "self", "draft_layers": 1}
+    out = {"tp1": serve(tp_config(data_dir, 1)),
+           "tp2": serve(tp_config(data_dir, 2, speculative=self_spec), kill_rank=1),
            "tp2_portable": serve(tp_config(data_dir, 2, kernels="portable")),
            "tp4": serve(tp_config(data_dir, 4, scheduler={"decode_steps": 4}))}
     from tests.hf_reference import hf_greedy, load_hf
@@ -297,8 +301,8 @@ def test_tensor_parallel_greedy_matches_tp1_and_transformers(runs, name):
         np.testing.assert_allclose(got.logprobs, hf_logprobs, atol=1e-4)
         np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-4)
     assert len({t for r in runs[name]["results"][:greedy] for t in r.token_ids}) > 30  # not degenerate
-    if name == "tp4":  # decoded four steps a round trip: every rank fed the same tokens
-        assert runs[name]["multi_step_batches"] > 0
+    if name in ("tp2", "tp4"):  # verified proposals, or four steps a round trip: every rank fed the same tokens
+        assert runs[name]["multi_step_batches" if name == "tp4" else "spec_verify_steps"] > 0
         again = [r.token_ids for r in runs[name]["greedy_again"]]
         assert again == [r.token_ids for r in runs["tp1"]["results"][:greedy]]
 

@@ -29,9 +29,10 @@ from llm_serving.protocol.wire import AgentSpec
 INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "batch_valid_length", "block_tables", "last_index")
 MIXED_INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "q_seq_lens", "batch_valid_length", "block_tables",
                      "last_index")  # agents.runtime.mixed_steps.MixedStep
+VERIFY_INPUT_NAMES = MIXED_INPUT_NAMES[:-1]  # agents.runtime.verify_steps.VerifyStep: every row's pick
 # graph kind -> (what its n counts, file-name tag)
 _UNITS = {"decode": ("blocks", "w"), "ragged": ("tokens", "t"), "prefill": ("seq", "s"), "mixed": ("tokens", "m"),
-          "chunk": ("seq", "c")}
+          "chunk": ("seq", "c"), "verify": ("tokens", "v")}
 
 
 def graph_file_name(shape: tuple) -> str:
@@ -44,7 +45,7 @@ def describe(shape: tuple, summary: GraphSummary) -> str:
     """One line per graph: its shape, inputs, outputs and fused primitives."""
     kind, batch, n = shape
     unit = _UNITS[kind][0]
-    names = MIXED_INPUT_NAMES if kind in ("mixed", "chunk") else INPUT_NAMES
+    names = {"mixed": MIXED_INPUT_NAMES, "chunk": MIXED_INPUT_NAMES, "verify": VERIFY_INPUT_NAMES}.get(kind, INPUT_NAMES)
     inputs = " ".join(f"{name}={info}" for name, info in zip(names, summary.inputs))
     fused = ", ".join(f"{name} x{count}" for name, count in summary.fused().items()) or "none"
     if summary.ops["Custom"]:  # the native CPU backend's C++ ops

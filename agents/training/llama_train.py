@@ -109,20 +109,34 @@ class TrainLlama(nn.Cell):
     def construct(self, ids: Tensor, labels: Tensor) -> Tensor:
         return ops.cross_entropy(self.logits(ids), labels.reshape(-1))
 
-    def hf_tensors(self) -> dict[str, np.ndarray]:
-        """Every weight under its ``LlamaForCausalLM`` name, float32."""
-        out = {"model.embed_tokens.weight": self.embed_tokens.asnumpy(), "model.norm.weight": self.norm.asnumpy()}
+    def named_parameters_hf(self) -> dict[str, Parameter]:
+        """Every weight under its ``LlamaForCausalLM`` name (no ``lm_head.weight`` when tied, as HF saves it)."""
+        params = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
         if self.lm_head is not None:
-            out["lm_head.weight"] = self.lm_head.asnumpy()
+            params["lm_head.weight"] = self.lm_head
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                out[f"{p}self_attn.{name}.weight"] = getattr(layer, name).asnumpy()
+                params[f"{p}self_attn.{name}.weight"] = getattr(layer, name)
             for name in ("gate_proj", "up_proj", "down_proj"):
-                out[f"{p}mlp.{name}.weight"] = getattr(layer, name).asnumpy()
-            out[f"{p}input_layernorm.weight"] = layer.input_layernorm.asnumpy()
-            out[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm.asnumpy()
-        return out
+                params[f"{p}mlp.{name}.weight"] = getattr(layer, name)
+            params[f"{p}input_layernorm.weight"] = layer.input_layernorm
+            params[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm
+        return params
+
+    def hf_tensors(self) -> dict[str, np.ndarray]:
+        """Every weight under its ``LlamaForCausalLM`` name, float32."""
+        return {name: param.asnumpy() for name, param in self.named_parameters_hf().items()}
+
+
+def load_hf_tensors(net: TrainLlama, tensors: dict[str, np.ndarray]) -> None:
+    """Set ``net``'s weights from ``LlamaForCausalLM``-named tensors (the inverse of ``hf_tensors``; a net of fewer
+    layers takes the first ones: early exit)."""
+    for name, param in net.named_parameters_hf().items():
+        value = np.ascontiguousarray(tensors[name], np.float32)
+        if value.shape != tuple(param.shape):
+            raise ValueError(f"{name}: shape {value.shape}, expected {tuple(param.shape)}")
+        param.set_data(Tensor(value))
 
 
 class TrainStep(nn.Cell):

@@ -175,10 +175,17 @@ class SpeculativeSection:
     draft_layers: int | None = setting(None, "int", optional=True)
 
 
+DEFAULT_WEIGHTS = ("trained", "random")
+RANDOM_RECIPE_KEYS = ("seed", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                      "vocab_size")
+
+
 @dataclass(frozen=True)
 class DefaultModelSection:
-    """``default_model``: the small Llama built and cached locally when no model_path is given."""
+    """``default_model``: the small Llama served when no model_path is given: the trained pydoc model the project
+    ships (``weights: trained``), or a seeded random one built and cached locally from the keys below."""
 
+    weights: str = setting("trained", "str")
     data_dir: str = setting(str(cache_root()), "path")
     seed: int = setting(0, "int")
     hidden_size: int = setting(256, "int")
@@ -488,6 +495,14 @@ def _validate(cfg: ServingConfig) -> None:
          "carries every running sequence's decode token")
 
     dm = cfg.default_model
+    need(dm.weights in DEFAULT_WEIGHTS, "default_model.weights",
+         f"expected one of {', '.join(DEFAULT_WEIGHTS)}, got {dm.weights!r}")
+    if dm.weights == "trained":
+        for key in RANDOM_RECIPE_KEYS:
+            default = DefaultModelSection.__dataclass_fields__[key].default
+            need(getattr(dm, key) == default, f"default_model.{key}",
+                 f"describes the random model (default_model.weights: random); the shipped trained model has its "
+                 f"own sizes (leave it at {default})")
     for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
         need(getattr(dm, key) > 0, f"default_model.{key}", f"must be positive, got {getattr(dm, key)}")
     need(dm.seed >= 0, "default_model.seed", f"must be >= 0, got {dm.seed}")

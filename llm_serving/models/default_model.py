@@ -1,7 +1,9 @@
-"""The embedded default model: a small random-weight Llama and its tokenizer, built once and cached.
+"""The embedded default model: the shipped trained model, or a small random-weight Llama built once and cached.
 
-With no ``model_config.model_path`` the server still has to serve something without downloads, so the
-``default_model`` section describes a Llama that is generated locally: a sentencepiece tokenizer trained on
+With no ``model_config.model_path`` the server still has to serve something without downloads. By default
+(``default_model.weights: trained``) that is the target of the trained pair in ``pydoc/`` (scripts/train_model_pair.py):
+readable text, nothing to build. With ``weights: random`` the ``default_model`` section describes a Llama that is
+generated locally: a sentencepiece tokenizer trained on
 the packaged corpus and seeded random weights in Hugging Face format. The build is deterministic, so the
 cache directory is named by a hash of everything that determines its content; a changed section builds a
 new directory instead of serving stale weights. Concurrent first starts (several servers, test workers)
@@ -28,6 +30,8 @@ from llm_serving.tokenization.training import train_tokenizer
 FORMAT_VERSION = 1  # bump when the build recipe changes, so old caches are not reused
 WEIGHT_STD = 0.2  # std of the random weights: well-separated logits, so greedy output is stable
 MIN_POSITIONS = 4096  # max_position_embeddings written to config.json (at least the served context)
+# the target of the trained pair (scripts/train_model_pair.py), shipped with the package
+TRAINED_MODEL = Path(__file__).resolve().parent / "pydoc" / "target"
 _READY_FILE = "BUILD_INFO.json"  # written last inside the temporary dir: its presence marks a whole build
 
 
@@ -53,7 +57,13 @@ def default_model_dir(section: DefaultModelSection, max_model_len: int = 0) -> P
 
 def ensure_default_model(section: DefaultModelSection, max_model_len: int = 0,
                          progress: Callable[[str], None] | None = None) -> Path:
-    """The cached model directory (config.json, model.safetensors, tokenizer.model), built if missing."""
+    """The model directory (config.json, model.safetensors, tokenizer.model): the shipped trained model, or the
+    cached random one, built if missing."""
+    if section.weights == "trained":
+        if not (TRAINED_MODEL / "model.safetensors").is_file():
+            raise OSError(f"default_model.weights trained: the shipped model is missing from {TRAINED_MODEL} (an "
+                          "install without package data?); python scripts/train_model_pair.py makes it again")
+        return TRAINED_MODEL
     final = default_model_dir(section, max_model_len)
     if (final / _READY_FILE).is_file():
         return final

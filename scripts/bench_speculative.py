@@ -1,0 +1,183 @@
+"""Speculative decoding and early exit on the shipped trained pair (llm_serving/models/pydoc), side by side in one run.
+
+    python scripts/bench_speculative.py [--methods plain,ngram,draft,self] [--levels 1,8,32] [--rounds 2]
+                                        [--num-prompts 32] [--max-output-tokens 64] [--exit-layers 1,2,3]
+
+Workload: the first ``--prompt-tokens`` tokens of held-out standard-library docstrings (text the model never
+trained on), greedy, EOS ignored, ``--max-output-tokens`` each. For every method, in alternating rounds, the engine
+in process (``Engine.submit``) with at most N requests in flight: output tokens/s, median time per output token,
+the acceptance rate (accepted / proposed) and tokens per verify step; every method's tokens are checked equal to
+plain greedy's. Early exit: teacher-forced agreement of the first N layers' greedy pick with the whole model's on
+the held-out text (and their perplexities), and one stream's tokens/s served with ``early_exit_layer`` N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from agents.training.corpus import stdlib_corpus
+from llm_serving.config.serving_config import ServingConfig
+from llm_serving.core.sequence import SamplingParams
+from llm_serving.engine.loop import Engine
+from llm_serving.engine.request_stream import NO_TOKEN
+from llm_serving.tokenization.tokenizer import Tokenizer
+
+PAIR = ROOT / "llm_serving" / "models" / "pydoc"
+METHODS = {"plain": {}, "ngram": {"method": "ngram"},
+           "draft": {"method": "draft", "draft_model_path": str(PAIR / "draft")},
+           "self": {"method": "self", "draft_layers": 1}}
+
+
+def engine_config(args: argparse.Namespace, speculative: dict, exit_layer: int | None = None) -> ServingConfig:
+    max_len = 256
+    return ServingConfig.from_dict({
+        "model_config": {"model_path": str(PAIR / "target"), "seq_length": [64, 128], "prefill_batch_size": [1, 4, 8],
+                         "decode_batch_size": [1, 8, 32], "max_generate_length": args.max_output_tokens,
+                         "early_exit_layer": exit_layer},
+        "pa_config": {"num_blocks": 32 * max_len // 16 + 2, "block_size": 16, "decode_seq_length": max_len},
+        "scheduler": {"policy": "fcfs"},
+        "speculative": {**speculative, "num_tokens": args.num_tokens} if speculative else {},
+        "serving_config": {"compile_cache": False},
+    })
+
+
+def held_out_prompts(args: argparse.Namespace, tok: Tokenizer) -> list[list[int]]:
+    docs = [tok.encode(doc) for doc in stdlib_corpus().held_out]
+    long = [ids[: args.prompt_tokens] for ids in docs if len(ids) >= args.prompt_tokens]
+    if len(long) < args.num_prompts:
+        raise SystemExit(f"only {len(long)} held-out docstrings have {args.prompt_tokens} tokens")
+    return long[: args.num_prompts]
+
+
+async def run_level(engine: Engine, prompts: list[list[int]], n: int, level: int) -> tuple[float, float, list]:
+    """(output tokens/s, median ms per output token after the first, every request's tokens)."""
+    slots = asyncio.Semaphore(level)
+    per_token: list[float] = []
+
+    async def one(ids: list[int]) -> list[int]:
+        async with slots:
+            stream = engine.submit(ids, SamplingParams(n, ignore_eos=True))
+            times, tokens = [], []
+            async for event in stream:
+                if event.token_id != NO_TOKEN:
+                    times.append(time.perf_counter())
+                    tokens.append(event.token_id)
+            if len(times) > 1:
+                per_token.append((times[-1] - times[0]) / (len(times) - 1))
+            return tokens
+
+    t0 = time.perf_counter()
+    outputs = await asyncio.gather(*(one(ids) for ids in prompts))
+    rate = sum(map(len, outputs)) / (time.perf_counter() - t0)
+    return rate, statistics.median(per_token) * 1e3, outputs
+
+
+def early_exit_agreement(layers: list[int], windows: int = 24, seq_len: int = 256) -> list[tuple]:
+    """(layer, agreement with the whole model's greedy pick, perplexity) on held-out text, teacher-forced."""
+    import numpy as np
+    from mindspore import Tensor, ops
+
+    from agents.training.llama_train import TrainLlama, load_hf_tensors, set_graph_mode
+    from agents.training.trainer import token_stream
+    from agents.weights.checkpoints import _SafetensorsFile
+    from llm_serving.protocol.model_config import LlamaConfig
+
+    set_graph_mode()
+    target = LlamaConfig.from_model_dir(PAIR / "target")
+    tensors = dict(_SafetensorsFile(PAIR / "target" / "model.safetensors").items())
+    tok = Tokenizer(PAIR / "target" / "tokenizer.model")
+    stream = token_stream([tok.encode(d) for d in stdlib_corpus().held_out], 1, 2)
+    n = min(windows, (len(stream) - 1) // seq_len)
+    ids = stream[: n * seq_len].reshape(n, seq_len)
+    labels = stream[1: n * seq_len + 1].reshape(n, seq_len).reshape(-1)
+    picks, rows = {}, []
+    for layer in sorted(set(layers) | {target.num_hidden_layers}, reverse=True):
+        from dataclasses import replace
+        net = TrainLlama(replace(target, num_hidden_layers=layer), seq_len, 0)
+        load_hf_tensors(net, tensors)
+        logits = np.concatenate([net.logits(Tensor(ids[i:i + 4])).asnumpy() for i in range(0, n, 4)])
+        logp = ops.log_softmax(Tensor(logits), -1).asnumpy()
+        picks[layer] = logits.argmax(-1)
+        ppl = math.exp(-float(logp[np.arange(len(labels)), labels].mean()))
+        rows.append((layer, float((picks[layer] == picks[target.num_hidden_layers]).mean()), ppl))
+    return sorted(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", default="plain,ngram,draft,self")
+    ap.add_argument("--levels", default="1,8,32", help="requests in flight")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=48)
+    ap.add_argument("--max-output-tokens", type=int, default=64)
+    ap.add_argument("--num-tokens", type=int, default=4, help="speculative.num_tokens")
+    ap.add_argument("--exit-layers", default="1,2,3")
+    args = ap.parse_args()
+    methods = args.methods.split(",")
+    levels = [int(n) for n in args.levels.split(",")]
+    exits = [int(n) for n in args.exit_layers.split(",") if n]
+    prompts = held_out_prompts(args, Tokenizer(PAIR / "target" / "tokenizer.model"))
+    rows: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    spec: dict[str, list[tuple[int, int, int]]] = {}
+    reference: dict[int, list] = {}
+    mismatches: dict[str, int] = {}
+    for rnd in range(args.rounds):
+        for method in methods if rnd % 2 == 0 else methods[::-1]:
+            with Engine(engine_config(args, METHODS[method])) as engine:
+                engine.start(progress=None)
+                engine.submit(prompts[0], SamplingParams(4)).result(timeout=600)  # warm
+                for level in levels:
+                    before = engine.stats()
+                    rate, tpot, outputs = asyncio.run(run_level(engine, prompts, args.max_output_tokens, level))
+                    after = engine.stats()
+                    rows.setdefault((method, level), []).append((rate, tpot))
+                    spec.setdefault(method, []).append(tuple(after[k] - before[k] for k in (
+                        "spec_verify_steps", "spec_proposed_tokens", "spec_accepted_tokens")))
+                    if method == "plain":
+                        reference.setdefault(level, outputs)
+                    elif level in reference:
+                        mismatches[method] = mismatches.get(method, 0) + sum(
+                            a != b for a, b in zip(outputs, reference[level]))
+            print(f"round {rnd + 1}: {method} done", file=sys.stderr, flush=True)
+    print("| method | in flight | output tokens/s | ms per output token | vs plain |")
+    print("|---|---|---|---|---|")
+    for level in levels:
+        base = statistics.median(r for r, _ in rows.get(("plain", level), [(math.nan, 0)]))
+        for method in methods:
+            runs = rows[(method, level)]
+            rate = statistics.median(r for r, _ in runs)
+            print(f"| {method} | {level} | {rate:.1f} | {statistics.median(t for _, t in runs):.2f} | "
+                  f"{rate / base:.2f}x |")
+    print("\n| method | verify steps | proposed | accepted | acceptance | tokens per verify step | outputs != plain |")
+    print("|---|---|---|---|---|---|---|")
+    for method in methods:
+        steps, proposed, accepted = (sum(x[i] for x in spec[method]) for i in range(3))
+        if steps:
+            print(f"| {method} | {steps} | {proposed} | {accepted} | {accepted / max(proposed, 1):.2f} | "
+                  f"{(steps + accepted) / steps:.2f} | {mismatches.get(method, 0)} |")
+    if exits:
+        print("\n| early exit layer | greedy agreement with all layers (held-out, teacher-forced) | perplexity |"
+              " one stream tokens/s |")
+        print("|---|---|---|---|")
+        speeds = {}
+        for layer in exits + [None]:
+            with Engine(engine_config(args, {}, layer)) as engine:
+                engine.start(progress=None)
+                speeds[layer] = asyncio.run(run_level(engine, prompts[:8], args.max_output_tokens, 1))[0]
+        for layer, agree, ppl in early_exit_agreement(exits):
+            speed = speeds.get(layer, speeds[None])
+            print(f"| {layer} | {agree:.3f} | {ppl:.1f} | {speed:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
