@@ -6,8 +6,6 @@ models load and beat the unigram baseline they report."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +14,7 @@ import pytest
 from agents.training.corpus import HELD_OUT_EVERY, stdlib_corpus
 from agents.training.export import from_bf16_bits, to_bf16_bits
 from llm_serving.protocol.model_config import LlamaConfig
+from tests.script_runner import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIR = ROOT / "llm_serving" / "models" / "pydoc"
@@ -68,11 +67,8 @@ def trained_tiny(tmp_path_factory) -> tuple[Path, list]:
 
     d = tmp_path_factory.mktemp("training")
     tok = train_tokenizer(d / "tok", vocab_size=1000)  # any tokenizer: the tests feed ids
-    script = d / "train.py"  # graph mode compiles only code in a file
-    script.write_text(TRAIN_SCRIPT)
     out = d / "model"
-    res = subprocess.run([sys.executable, str(script), str(out), str(tok)], capture_output=True, text=True,
-                         cwd=ROOT, timeout=600, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    res = run_script(d, f"import sys\nsys.argv = ['train', {str(out)!r}, {str(tok)!r}]\n" + TRAIN_SCRIPT)
     assert res.returncode == 0, res.stderr[-2000:]
     return out, json.loads(res.stdout.strip().splitlines()[-1])
 
