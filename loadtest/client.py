@@ -30,6 +30,10 @@ from loadtest.protocol import BenchConfig, RequestResult, send_request
 
 ARRIVALS = ("poisson", "gamma", "constant")
 RUNNING_BATCH_GAUGE = "llm_serving_running_batch_size"
+# the server's speculative-decoding counters, read before and after a run (absent: not reported)
+SPEC_COUNTERS = {"drafts": "llm_serving_spec_decode_drafts_total",
+                 "proposed": "llm_serving_spec_decode_proposed_tokens_total",
+                 "accepted": "llm_serving_spec_decode_accepted_tokens_total"}
 
 
 def arrival_offsets(n: int, qps: float, process: str = "poisson", burstiness: float = 1.0,
@@ -63,6 +67,18 @@ def parse_gauge(text: str, name: str) -> float | None:
     pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+(\S+)", re.MULTILINE)
     values = [float(m.group(1)) for m in pattern.finditer(text)]
     return sum(values) if values else None
+
+
+async def read_counters(cfg: BenchConfig) -> dict[str, float]:
+    """The server's speculative-decoding counters now ({} when /metrics or the counters are not there)."""
+    try:
+        async with (aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session,
+                    session.get(f"{cfg.base_url}/metrics") as resp):
+            text = await resp.text() if resp.status == 200 else ""
+    except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError):
+        return {}
+    values = {key: parse_gauge(text, name) for key, name in SPEC_COUNTERS.items()}
+    return {} if None in values.values() else values
 
 
 async def _scrape(cfg: BenchConfig, now: Callable[[], float], samples: list[tuple[float, float]],
@@ -130,6 +146,7 @@ async def benchmark(requests: Sequence[BenchRequest], cfg: BenchConfig, progress
     connector = aiohttp.TCPConnector(limit=0)  # aiohttp would silently cap concurrency at 100
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout)
     samples: list[tuple[float, float]] = []
+    before = await read_counters(cfg) if cfg.metrics_interval else {}
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         t0 = time.perf_counter()
 
@@ -159,7 +176,9 @@ async def benchmark(requests: Sequence[BenchRequest], cfg: BenchConfig, progress
         if scraper is not None:
             await scraper
     bar.close()
-    return BenchRun(cfg, results, duration, samples, compute_metrics(results, duration, samples))
+    after = await read_counters(cfg) if before else {}
+    spec = {key: after[key] - before[key] for key in after}
+    return BenchRun(cfg, results, duration, samples, compute_metrics(results, duration, samples, spec))
 
 
 async def wait_ready(cfg: BenchConfig, seconds: float) -> None:

@@ -45,8 +45,10 @@ def in_flight(results: Sequence[RequestResult]) -> tuple[np.ndarray, np.ndarray]
 
 
 def compute_metrics(results: Sequence[RequestResult], duration: float,
-                    server_batch: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
-    """Summary numbers; latency statistics are in ms and None when there is no sample."""
+                    server_batch: Sequence[tuple[float, float]] = (),
+                    spec: dict[str, float] | None = None) -> dict[str, Any]:
+    """Summary numbers; latency statistics are in ms and None when there is no sample. ``spec``: the server's
+    speculative-decoding counters over the run (drafts, proposed, accepted), when it has them."""
     ok = [r for r in results if r.success]
     failed = [r for r in results if not r.success]
     total_in = sum(r.prompt_tokens for r in ok)
@@ -71,6 +73,10 @@ def compute_metrics(results: Sequence[RequestResult], duration: float,
     _, counts = in_flight(results)
     m["max_in_flight"] = int(counts.max()) if counts.size else 0
     m["max_server_running_batch"] = max((v for _, v in server_batch), default=None)
+    drafts = (spec or {}).get("drafts", 0)
+    m["spec_acceptance_rate"] = spec["accepted"] / spec["proposed"] if drafts and spec["proposed"] else None
+    # tokens a sequence gets from one verification: its accepted proposals and the model's own pick
+    m["spec_mean_acceptance_length"] = 1 + spec["accepted"] / drafts if drafts else None
     errors: dict[str, dict[str, Any]] = {}
     for r in failed:  # grouped by what precedes the first ":" (e.g. "HTTP 400 prompt_too_long")
         group = errors.setdefault(r.error.split(":", 1)[0], {"count": 0, "example": r.error})

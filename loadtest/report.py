@@ -34,6 +34,8 @@ def _general_rows(m: dict[str, Any]) -> list[tuple[str, str]]:
         ("Total token throughput (tok/s)", _fmt(m["total_token_throughput"])),
         ("Max requests in flight (client)", _fmt(m["max_in_flight"])),
         ("Max running batch (server /metrics)", _fmt(m["max_server_running_batch"], 0)),
+        ("Speculative acceptance rate (server /metrics)", _fmt(m.get("spec_acceptance_rate"))),
+        ("Mean acceptance length (tokens per draft)", _fmt(m.get("spec_mean_acceptance_length"))),
     ]
 
 

@@ -6,7 +6,8 @@
 Workload: the first ``--prompt-tokens`` tokens of held-out standard-library docstrings (text the model never
 trained on), greedy, EOS ignored, ``--max-output-tokens`` each. For every method, in alternating rounds, the engine
 in process (``Engine.submit``) with at most N requests in flight: output tokens/s, median time per output token,
-the acceptance rate (accepted / proposed) and tokens per verify step; every method's tokens are checked equal to
+the acceptance rate (accepted / proposed) and mean acceptance length (tokens a sequence gets per verified draft,
+the model's own pick included); every method's tokens are checked equal to
 plain greedy's. Early exit: teacher-forced agreement of the first N layers' greedy pick with the whole model's on
 the held-out text (and their perplexities), and one stream's tokens/s served with ``early_exit_layer`` N.
 """
@@ -142,7 +143,7 @@ def main() -> None:
                     after = engine.stats()
                     rows.setdefault((method, level), []).append((rate, tpot))
                     spec.setdefault(method, []).append(tuple(after[k] - before[k] for k in (
-                        "spec_verify_steps", "spec_proposed_tokens", "spec_accepted_tokens")))
+                        "spec_verify_steps", "spec_drafts", "spec_proposed_tokens", "spec_accepted_tokens")))
                     if method == "plain":
                         reference.setdefault(level, outputs)
                     elif level in reference:
@@ -158,13 +159,14 @@ def main() -> None:
             rate = statistics.median(r for r, _ in runs)
             print(f"| {method} | {level} | {rate:.1f} | {statistics.median(t for _, t in runs):.2f} | "
                   f"{rate / base:.2f}x |")
-    print("\n| method | verify steps | proposed | accepted | acceptance | tokens per verify step | outputs != plain |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| method | verify steps | drafts | proposed | accepted | acceptance | mean acceptance length |"
+          " outputs != plain |")
+    print("|---|---|---|---|---|---|---|---|")
     for method in methods:
-        steps, proposed, accepted = (sum(x[i] for x in spec[method]) for i in range(3))
+        steps, drafts, proposed, accepted = (sum(x[i] for x in spec[method]) for i in range(4))
         if steps:
-            print(f"| {method} | {steps} | {proposed} | {accepted} | {accepted / max(proposed, 1):.2f} | "
-                  f"{(steps + accepted) / steps:.2f} | {mismatches.get(method, 0)} |")
+            print(f"| {method} | {steps} | {drafts} | {proposed} | {accepted} | {accepted / max(proposed, 1):.2f} | "
+                  f"{1 + accepted / max(drafts, 1):.2f} | {mismatches.get(method, 0)} |")
     if exits:
         print("\n| early exit layer | greedy agreement with all layers (held-out, teacher-forced) | perplexity |"
               " one stream tokens/s |")

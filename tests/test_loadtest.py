@@ -43,6 +43,7 @@ class FakeServer:
         self.running = 0
         self.max_running = 0
         self.send_usage = True  # honour OpenAI stream_options.include_usage
+        self.speculating = False  # /metrics has the speculative-decoding counters
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -154,6 +155,10 @@ class FakeServer:
 
     async def metrics(self, request: web.Request) -> web.Response:
         text = f"# TYPE llm_serving_running_batch_size gauge\nllm_serving_running_batch_size {self.running}\n"
+        if self.speculating:  # per request so far: 2 drafts of 4 proposals, 5 accepted
+            n = len(self.bodies)
+            text += (f"llm_serving_spec_decode_drafts_total {2.0 * n}\nllm_serving_spec_decode_proposed_tokens_total "
+                     f"{8.0 * n}\nllm_serving_spec_decode_accepted_tokens_total {5.0 * n}\n")
         return web.Response(text=text)
 
 
@@ -242,9 +247,21 @@ def test_no_full_text_and_concurrency_cap_and_server_gauge(tmp_path, server):
     assert all(r["output_tokens"] == 6 and r["full_text_checked"] is None for r in results)
     assert server.max_running == 2 and m["max_in_flight"] == 2
     assert m["max_server_running_batch"] is not None and 1 <= m["max_server_running_batch"] <= 2
+    assert m["spec_acceptance_rate"] is None and m["spec_mean_acceptance_length"] is None  # no counters served
     # Three waves of two: the run takes about three request latencies.
     one = TTFT + 5 * ITL
     assert 3 * one <= m["total_time_s"] < 3 * one + 0.25
+
+
+def test_the_servers_speculative_counters_over_the_run_reach_the_report(tmp_path, server):
+    server.speculating = True
+    server.bodies.extend([{}] * 3)  # counted before the run: only the run's change is reported
+    rc, m, _ = run_cli(tmp_path, server, write_dataset(tmp_path / "d.json", [3] * 4), "-X", "inf", "--num-prompts", "4")
+    assert rc == 0
+    assert m["spec_acceptance_rate"] == pytest.approx(5 / 8) and m["spec_mean_acceptance_length"] == pytest.approx(3.5)
+    report = (tmp_path / "out" / "report_inf_x.md").read_text()
+    assert "| Speculative acceptance rate (server /metrics) | 0.62 |" in report
+    assert "| Mean acceptance length (tokens per draft) | 3.50 |" in report
 
 
 def test_stream_counts_token_lines_only(tmp_path, server):

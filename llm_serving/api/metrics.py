@@ -51,6 +51,7 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
                            "Decode batches of several steps at once (scheduler.decode_steps)"),
     "spec_verify_steps": ("spec_decode_verify_steps_total", "counter",
                           "Decode steps that verified proposed tokens (speculative decoding)"),
+    "spec_drafts": ("spec_decode_drafts_total", "counter", "Sequences' proposals verified (one per sequence a step)"),
     "spec_proposed_tokens": ("spec_decode_proposed_tokens_total", "counter", "Tokens proposed for verification"),
     "spec_accepted_tokens": ("spec_decode_accepted_tokens_total", "counter",
                              "Proposed tokens the model agreed with (each one a token gained)"),

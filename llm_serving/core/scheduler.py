@@ -156,8 +156,8 @@ class Scheduler:
         self._proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
                           if config.speculative == "ngram" else AgentProposer()
                           if config.speculative in AGENT_METHODS else None)
-        # speculative decoding: verify steps, proposals sent, proposals accepted (engine metrics read them)
-        self.spec_steps = self.spec_proposed = self.spec_accepted = 0
+        # speculative decoding: verify steps, sequences' drafts verified, proposals sent and accepted (engine metrics)
+        self.spec_steps = self.spec_drafts = self.spec_proposed = self.spec_accepted = 0
 
     # ---- requests -------------------------------------------------------------------------------------
     def add(self, seq: Sequence, follows: str | None = None) -> None:
@@ -612,6 +612,7 @@ class Scheduler:
         rows = np.repeat(np.arange(n), query_lens)
         positions = np.arange(len(ids), dtype=np.int32) - (np.cumsum(query_lens) - context_lens)[rows]
         self.spec_steps += 1
+        self.spec_drafts += int(np.count_nonzero(draft_lens))
         self.spec_proposed += int(draft_lens.sum())
         return StepBatch(True, ids, positions.astype(np.int32), kv_slots(block_tables, rows, positions, bs).astype(np.int32),
                          query_lens, context_lens, block_tables, draft_lens=draft_lens)

@@ -266,7 +266,7 @@ class Engine:
                            kv_blocks_used=s.num_used_blocks, kv_blocks_free=s.num_free_blocks,
                            kv_usage=s.block_usage,
                            num_preemptions=s.num_preemptions, **s.prefix_cache_stats(),
-                           spec_verify_steps=s.spec_steps, spec_proposed_tokens=s.spec_proposed,
+                           spec_verify_steps=s.spec_steps, spec_drafts=s.spec_drafts, spec_proposed_tokens=s.spec_proposed,
                            spec_accepted_tokens=s.spec_accepted,
                            spec_acceptance_rate=s.spec_accepted / s.spec_proposed if s.spec_proposed else 0.0)
             if self._agents is not None:
