@@ -136,12 +136,52 @@ def test_greedy_output_is_plain_greedy_output(kw, k):
     assert s.num_used_blocks == 0 and s.block_manager.accounting()
 
 
-def test_no_proposals_while_the_master_is_needed_between_tokens():
-    s = Scheduler(config(speculative="ngram", max_num_seqs=8))
-    sampled = Sequence("s", [3, 4, 3, 4, 3], SamplingParams(max_new_tokens=6, temperature=0.7, seed=1))
-    plain = Sequence("p", [3, 4, 3, 4, 3], SamplingParams(max_new_tokens=6))
-    batches = serve(s, [sampled, plain])
-    assert all(b.draft_lens is None for b in batches)
+def test_proposals_only_where_rejection_sampling_keeps_the_distribution():
+    """Greedy and plain sampled sequences get proposals; penalised or adjusted ones none (their next logits depend on
+    the tokens accepted); a sequence reporting top logprobs stops speculation (it needs every token's logits)."""
+    def first_verify(*params: SamplingParams) -> StepBatch | None:
+        s = Scheduler(config(speculative="ngram", max_num_seqs=8))
+        seqs = [Sequence(f"r{i}", [3, 4, 3, 4, 3], p) for i, p in enumerate(params)]
+        for seq in seqs:
+            s.add(seq)
+        scheduled, prefill = s.schedule()
+        rows = {i: np.zeros(40, np.float32) for i in range(len(seqs))}  # for the one reporting top logprobs
+        s.postprocess(scheduled, StepOutput(np.full(len(seqs), 4, np.int32), np.zeros(len(seqs), np.float32),
+                                            logits=rows))
+        return s.schedule()[1]
+
+    batch = first_verify(SamplingParams(6), SamplingParams(6, temperature=0.7, top_k=5, top_p=0.9, seed=1),
+                         SamplingParams(6, temperature=0.7, repetition_penalty=1.2),
+                         SamplingParams(6, temperature=0.7, logit_bias={5: 1.0}))
+    assert (batch.draft_lens > 0).tolist() == [True, True, False, False] and batch.sampling is not None
+    assert first_verify(SamplingParams(6), SamplingParams(6, top_logprobs=2)).draft_lens is None
+
+
+def test_rejection_sampling_keeps_the_models_distribution():
+    """Chi-square over 6 tokens: the first kept token follows p_0 and, given the first proposal was kept, the second
+    follows p_1, whatever was proposed (a likely token, an unlikely one, one top-k removes)."""
+    from scipy.stats import chisquare
+
+    from agents.runtime.sampler import filtered_probs, speculative_sample_row
+
+    logits = np.log(np.array([[0.4, 0.25, 0.15, 0.1, 0.06, 0.04], [0.05, 0.1, 0.5, 0.2, 0.1, 0.05],
+                              [0.3, 0.3, 0.1, 0.1, 0.1, 0.1]], np.float32))
+    for proposals, top_k in (([1, 2], 0), ([5, 3], 0), ([4, 2], 3)):
+        runs = [speculative_sample_row(logits, proposals, 1.0, top_k, 1.0, seed, 7) for seed in range(12000)]
+        for j in range(2):
+            ids, probs = filtered_probs(logits[j].astype(np.float64), top_k, 1.0)
+            p = np.zeros(6)
+            p[ids] = probs
+            tokens = [run[j] for run in runs if len(run) > j and run[:j] == proposals[:j]]
+            if j and not tokens:  # a first proposal top-k removes is never kept (checked below)
+                continue
+            observed = np.bincount(tokens, minlength=6)
+            support = p > 0
+            assert observed[~support].sum() == 0, (proposals, j)
+            assert chisquare(observed[support], p[support] * len(tokens)).pvalue > 1e-3, (proposals, j, observed)
+        kept = np.mean([len(run) > 1 for run in runs])  # the first proposal kept as often as p_0 gives it
+        ids, probs = filtered_probs(logits[0].astype(np.float64), top_k, 1.0)
+        assert abs(kept - probs[ids == proposals[0]].sum()) < 0.02
 
 
 def test_proposals_and_accepted_tokens_cross_shared_memory():
@@ -173,6 +213,8 @@ def test_proposals_and_accepted_tokens_cross_shared_memory():
 
 
 def test_on_the_model_greedy_tokens_are_those_of_plain_decoding(tmp_path):
+    """Greedy requests, and sampled ones of top_k 1 (a one-token distribution: rejection sampling must keep exactly
+    the greedy tokens, through the sampled path's logits)."""
     from llm_serving.engine.loop import Engine
 
     prompts = [[1, 17, 230, 45, 9, 17, 230, 45], [1, 5, 6, 7, 5, 6, 7, 5, 6], [1, 400, 401, 402, 403, 404, 405]]
@@ -184,9 +226,12 @@ def test_on_the_model_greedy_tokens_are_those_of_plain_decoding(tmp_path):
             engine.start(progress=None)
             streams = [engine.submit(p, SamplingParams(n, ignore_eos=True)) for p, n in zip(prompts, limits)]
             done = [s.result(timeout=120) for s in streams]
+            one_token = SamplingParams(20, ignore_eos=True, temperature=1.0, top_k=1, seed=3)
+            sampled = engine.submit(prompts[0], one_token).result(timeout=120)
             stats = engine.stats()
             assert stats["kv_blocks_used"] == 0
         results[method] = [r.token_ids for r in done], [r.finish_reason for r in done]
+        assert sampled.token_ids == done[0].token_ids
         if method:
             assert stats["spec_proposed_tokens"] > 0 and stats["spec_verify_steps"] > 0
     assert results["ngram"] == results[""]

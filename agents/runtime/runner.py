@@ -529,6 +529,8 @@ class ModelRunner:
             raise ValueError("a step with proposals to verify needs the verify graphs (runner_config verify_tokens)")
         self._check_cache_indices(batch)
         picks, logprobs = np.zeros(batch.num_tokens, np.int32), np.zeros(batch.num_tokens, np.float32)
+        sampled = batch.sampling is not None and batch.sampling.needs_logits
+        logits = np.zeros((batch.num_tokens, self.config.vocab_size), np.float32) if sampled else None
         starts = np.cumsum(batch.query_lens) - batch.query_lens
         max_seqs = self.verify_shapes[0][1] - self.backend.mixed_padding_slots
         with self._device_step(batch):
@@ -538,10 +540,12 @@ class ModelRunner:
                 shape = next(s for s in self.verify_shapes if s[2] >= used)
                 arrays = mixed_arrays(part, shape[1], shape[2], self.rc.max_blocks_per_seq)[:6]
                 arrays[3], arrays[4] = self.backend.mixed_lengths(arrays[3], arrays[4], shape[2])
-                ids, lps, _ = self._run("verify", shape, arrays)
+                ids, lps, rows = self._run("verify", shape, arrays)
                 first = int(starts[group[0]])
                 picks[first:first + used], logprobs[first:first + used] = ids.asnumpy()[:used], lps.asnumpy()[:used]
-        return accept(batch, picks, logprobs)
+                if sampled:
+                    logits[first:first + used] = rows.asnumpy()[:used]
+        return accept(batch, picks, logprobs, logits)
 
     def step_logits(self, batch: StepBatch) -> np.ndarray:
         """Like ``step`` (the KV cache is written the same way) but returns float32 logits ``[B, vocab]`` of each

@@ -125,9 +125,44 @@ def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
         if extras is not None and extras.min_p > 0:
             scaled = apply_min_p(scaled, extras.min_p)
         ids, probs = filtered_probs(scaled, top_k, top_p)
-        u = np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, draw_index]).random()
-        token = int(ids[min(int(np.searchsorted(np.cumsum(probs), u, side="right")), len(ids) - 1)])
+        token = _pick(ids, probs, _draw(seed, draw_index))
     return token, _log_softmax_at(logits, token)
+
+
+def _draw(seed: int, draw_index: int, stream: int = 0) -> float:
+    return np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, draw_index, *([stream] if stream else [])]).random()
+
+
+def _pick(ids: np.ndarray, probs: np.ndarray, u: float) -> int:
+    return int(ids[min(int(np.searchsorted(np.cumsum(probs), u, side="right")), len(ids) - 1)])
+
+
+def speculative_sample_row(logits: np.ndarray, proposals: list[int], temperature: float, top_k: int, top_p: float,
+                           seed: int, draw_index: int) -> list[int]:
+    """The tokens a plainly sampled sequence keeps from a verify step: rejection sampling against proposals that
+    were chosen deterministically (prompt lookup, a greedy draft). ``logits`` ``[len(proposals) + 1, vocab]``: the
+    model's after its last token and after each proposal.
+
+    Proposal ``d`` at position ``j`` is kept with probability ``p_j(d)`` (``p_j``: the distribution ``sample_row``
+    draws from); the first one rejected is replaced by a draw from ``p_j`` without ``d``, renormalised, and the
+    step ends there; after the last kept proposal one more token is drawn from its ``p``. So every token has exactly
+    the distribution of sampling one step at a time: ``p(d) + (1 - p(d)) * 0`` for ``d``, ``(1 - p(d)) * p(x) / (1 -
+    p(d))`` for any other ``x``. Each token's draws depend only on the seed and its output position, as
+    ``sample_row``'s.
+    """
+    out = []
+    for j, proposed in enumerate(proposals):
+        ids, probs = filtered_probs(logits[j].astype(np.float64) / temperature, top_k, top_p)
+        kept = float(probs[ids == proposed].sum())
+        if _draw(seed, draw_index + j, stream=1) < kept:
+            out.append(int(proposed))
+            continue
+        other = ids != proposed  # kept < 1, so some other token has probability left
+        out.append(_pick(ids[other], probs[other] / probs[other].sum(), _draw(seed, draw_index + j)))
+        return out
+    j = len(proposals)
+    ids, probs = filtered_probs(logits[j].astype(np.float64) / temperature, top_k, top_p)
+    return out + [_pick(ids, probs, _draw(seed, draw_index + j))]
 
 
 def sample(logits: np.ndarray, greedy_ids: np.ndarray, greedy_logprobs: np.ndarray,
@@ -145,12 +180,35 @@ def sample(logits: np.ndarray, greedy_ids: np.ndarray, greedy_logprobs: np.ndarr
                 int(sampling.draw_index[i]), RowExtras.of(sampling.extras, i))
         except Exception as exc:  # noqa: BLE001 - this row fails alone; the others are unaffected
             ids[i], logprobs[i] = FAILED_TOKEN, 0.0
-            reason = (f"sampling failed: {type(exc).__name__}: {exc} (temperature {sampling.temperature[i]}, "
-                      f"top_k {sampling.top_k[i]}, top_p {sampling.top_p[i]}, "
-                      f"repetition_penalty {sampling.repetition_penalty[i]})")
-            _failures[(int(sampling.seeds[i]), int(sampling.draw_index[i]))] = reason
-            print(f"sampler: {reason}", file=sys.stderr, flush=True)
+            record_failure(sampling, i, exc)
     return ids, logprobs
+
+
+def sample_verified(logits: np.ndarray, proposals: list[int], sampling: SamplingBatch, i: int) -> list[int]:
+    """Row ``i``'s tokens from a verify step (``logits``: after its last token and each proposal): rejection
+    sampling over its proposals, or with none the usual draw with every control."""
+    seed, index = int(sampling.seeds[i]), int(sampling.draw_index[i])
+    if not proposals:
+        lo, hi = sampling.penalty_offsets[i], sampling.penalty_offsets[i + 1]
+        return [sample_row(logits[0], float(sampling.temperature[i]), int(sampling.top_k[i]),
+                           float(sampling.top_p[i]), float(sampling.repetition_penalty[i]),
+                           sampling.penalty_token_ids[lo:hi], seed, index, RowExtras.of(sampling.extras, i))[0]]
+    return speculative_sample_row(logits, proposals, float(sampling.temperature[i]), int(sampling.top_k[i]),
+                                  float(sampling.top_p[i]), seed, index)
+
+
+def raw_logprob(logits: np.ndarray, token: int) -> float:
+    """A token's log-softmax under the model's raw logits (the logprob every path reports)."""
+    return _log_softmax_at(logits, token)
+
+
+def record_failure(sampling: SamplingBatch, i: int, exc: BaseException) -> None:
+    """Remember why row ``i`` failed (``take_failures`` reports it after the step)."""
+    reason = (f"sampling failed: {type(exc).__name__}: {exc} (temperature {sampling.temperature[i]}, "
+              f"top_k {sampling.top_k[i]}, top_p {sampling.top_p[i]}, "
+              f"repetition_penalty {sampling.repetition_penalty[i]})")
+    _failures[(int(sampling.seeds[i]), int(sampling.draw_index[i]))] = reason
+    print(f"sampler: {reason}", file=sys.stderr, flush=True)
 
 
 def take_failures(sampling: SamplingBatch | None, token_ids: np.ndarray) -> dict[int, str]:

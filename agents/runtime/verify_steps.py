@@ -5,7 +5,8 @@ cached context as a prompt chunk does; its K/V are written for all of them. The 
 its log-probability after *every* token (``("verify", max_seqs, tokens)``: the mixed step's inputs, the final
 norm and lm_head over all token rows), and ``accept`` keeps the picks up to the first proposal that differs from
 the pick before it. The kept picks are exactly what plain greedy decoding would produce one step at a time; the
-K/V written for rejected proposals lie past the sequence's end, and the master overwrites or frees them.
+K/V written for rejected proposals lie past the sequence's end, and the master overwrites or frees them. A sampled
+sequence keeps its proposals by rejection sampling instead, from the logits of every row (read back only then).
 Only ragged backends run it (the tokens back to back, as their mixed steps).
 """
 
@@ -15,7 +16,8 @@ import numpy as np
 from mindspore import Tensor, nn
 
 from agents.runtime.mixed_steps import mixed_token_buckets, warmup_arrays
-from llm_serving.protocol.batch import StepBatch, StepOutput
+from agents.runtime.sampler import raw_logprob, record_failure, sample_verified
+from llm_serving.protocol.batch import FAILED_TOKEN, StepBatch, StepOutput
 
 
 def verify_shapes(max_seqs: int, max_decode_batch: int, proposals: int) -> list[tuple]:
@@ -48,15 +50,30 @@ class VerifyStep(nn.Cell):
         return token_ids, logprobs, logits
 
 
-def accept(batch: StepBatch, picks: np.ndarray, logprobs: np.ndarray) -> StepOutput:
-    """The step's answer from the picks after every query token (``[num_tokens]``, batch order)."""
+def accept(batch: StepBatch, picks: np.ndarray, logprobs: np.ndarray, logits: np.ndarray | None = None) -> StepOutput:
+    """The step's answer from the greedy picks after every query token (``[num_tokens]``, batch order); a sampled
+    sequence's tokens come from its rows of ``logits`` (``[num_tokens, vocab]``, read back for sampled steps only)
+    by rejection sampling (``sampler.sample_verified``)."""
     n, most = batch.batch_size, int(batch.draft_lens.max(initial=0))
     ends = np.cumsum(batch.query_lens)
     ids, lps = np.zeros(n, np.int32), np.zeros(n, np.float32)
     more_ids, more_lps = np.zeros((n, max(most, 1)), np.int32), np.zeros((n, max(most, 1)), np.float32)
     num_more = np.zeros(n, np.int32)
+    sampled = batch.sampling.special_rows() if batch.sampling is not None else np.zeros(n, np.bool_)
     for i, (end, d) in enumerate(zip(ends.tolist(), batch.draft_lens.tolist())):
         first = end - d - 1  # the sequence's last real token: its pick is the next token in any case
+        if sampled[i]:
+            try:
+                tokens = sample_verified(logits[first:end], batch.input_ids[first + 1:end].tolist(), batch.sampling, i)
+            except Exception as exc:  # noqa: BLE001 - this row fails alone; the others are unaffected
+                ids[i] = FAILED_TOKEN
+                record_failure(batch.sampling, i, exc)
+                continue
+            ids[i], lps[i] = tokens[0], raw_logprob(logits[first], tokens[0])
+            for j, token in enumerate(tokens[1:]):
+                more_ids[i, j], more_lps[i, j] = token, raw_logprob(logits[first + 1 + j], token)
+            num_more[i] = len(tokens) - 1
+            continue
         ids[i], lps[i] = picks[first], logprobs[first]
         accepted = 0
         while accepted < d and batch.input_ids[first + accepted + 1] == picks[first + accepted]:

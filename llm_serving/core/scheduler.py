@@ -496,14 +496,17 @@ class Scheduler:
         return k
 
     def _propose(self, seqs: list[Sequence]) -> list[list[int]] | None:
-        """Speculative decoding: each sequence's proposals (``core.speculative``) for a verify step, under the
-        conditions of ``_steps_ahead`` (nothing waits, all plain greedy), fewer than it may still generate and
-        within the blocks that are free now (never preempting for them); None when no sequence has any."""
-        if self._waiting or self._preempted or self._running_sampled or self._running_dumps:
+        """Speculative decoding: each sequence's proposals (``core.speculative``) for a verify step, while nothing
+        waits to be admitted and no running sequence reports logits; for the sequences whose sampling allows it
+        (``SamplingParams.speculable``: greedy, or plain sampling checked by rejection on the agents), fewer than
+        it may still generate and within the blocks that are free now (never preempting for them); None when no
+        sequence has any."""
+        if self._waiting or self._preempted or self._running_dumps:
             return None
         k, bm, drafts = self.config.num_speculative_tokens, self.block_manager, []
         for seq in seqs:
             room = min(k, seq.params.max_new_tokens - len(seq.output_ids) - 1)  # the last pick is a token too
+            room = room if seq.params.speculable else 0
             proposal = self._proposer.propose(seq.prompt_ids + seq.output_ids, room) if room > 0 else []
             while proposal and not bm.can_grow(seq, seq.num_tokens + len(proposal)):
                 proposal.pop()
@@ -615,7 +618,8 @@ class Scheduler:
         self.spec_drafts += int(np.count_nonzero(draft_lens))
         self.spec_proposed += int(draft_lens.sum())
         return StepBatch(True, ids, positions.astype(np.int32), kv_slots(block_tables, rows, positions, bs).astype(np.int32),
-                         query_lens, context_lens, block_tables, draft_lens=draft_lens)
+                         query_lens, context_lens, block_tables, sampling=self._sampling(seqs, True),
+                         draft_lens=draft_lens)
 
     def _want_logits(self, seqs: list[Sequence]) -> np.ndarray | None:
         """Which sequences' logits rows to return (``Sequence.wants_logits_row``: a dump short of this step's row,

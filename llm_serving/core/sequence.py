@@ -190,6 +190,14 @@ class SamplingParams:
                     or self.logit_bias or self.min_tokens or self.constraint is not None)
 
     @property
+    def speculable(self) -> bool:
+        """Whether proposals may be verified for it several a step: greedy, or sampled with temperature, top-k and
+        top-p alone (rejection sampling keeps that distribution; penalties and adjustments would change with
+        every accepted token, and per-token logits to report need a step each)."""
+        return (not self.needs_logits or (self.temperature > 0 and not self.penalises_history
+                                          and not self.uses_extras)) and not self.top_logprobs
+
+    @property
     def penalises_history(self) -> bool:
         """Whether its penalties read the tokens so far (repetition: prompt and output; presence, frequency)."""
         return self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty)

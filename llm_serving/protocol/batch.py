@@ -125,10 +125,11 @@ class StepBatch:
     before answering, each feeding every sequence the token the previous one chose, at the next position (its
     slot from the block table, which covers them all); ``StepOutput.more_token_ids`` holds the later tokens.
 
-    ``draft_lens`` (speculative decoding; all-greedy steps only): the last ``draft_lens[i]`` query tokens of
-    sequence ``i`` are proposed tokens to verify. The agents pick greedily after every query token and accept the
-    longest run of proposals equal to the picks before them: ``token_ids[i]`` is the pick after the sequence's last
-    real token, ``more_token_ids[i, :num_more[i]]`` the picks after each accepted proposal.
+    ``draft_lens`` (speculative decoding): the last ``draft_lens[i]`` query tokens of sequence ``i`` are proposed
+    tokens to verify. The agents pick after every query token (greedily, or for a sampled sequence by rejection
+    sampling, ``agents.runtime.sampler.speculative_sample_row``) and accept the proposals up to the first that
+    differs: ``token_ids[i]`` is the pick after the sequence's last real token, ``more_token_ids[i, :num_more[i]]``
+    the picks after each accepted proposal.
     """
 
     is_prefill: bool
@@ -186,8 +187,8 @@ class StepBatch:
         if self.draft_lens is not None:
             if self.draft_lens.shape != (b,) or np.any(self.draft_lens < 0) or np.any(self.draft_lens >= self.query_lens):
                 raise ValueError("draft_lens must hold, per sequence, fewer proposals than its query tokens")
-            if not self.is_prefill or self.sampling is not None or self.want_logits is not None or self.num_steps > 1:
-                raise ValueError("proposals are verified in all-greedy single steps without logits")
+            if not self.is_prefill or self.want_logits is not None or self.num_steps > 1:
+                raise ValueError("proposals are verified in single steps without logits to return")
 
 
 @dataclass
