@@ -144,7 +144,7 @@ def test_proposals_only_where_rejection_sampling_keeps_the_distribution():
         seqs = [Sequence(f"r{i}", [3, 4, 3, 4, 3], p) for i, p in enumerate(params)]
         for seq in seqs:
             s.add(seq)
-        scheduled, prefill = s.schedule()
+        scheduled, _ = s.schedule()
         rows = {i: np.zeros(40, np.float32) for i in range(len(seqs))}  # for the one reporting top logprobs
         s.postprocess(scheduled, StepOutput(np.full(len(seqs), 4, np.int32), np.zeros(len(seqs), np.float32),
                                             logits=rows))
