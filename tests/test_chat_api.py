@@ -63,7 +63,8 @@ def slow(data_dir):
 
 def served_model_dir(data_dir: Path, sets: dict | None = None) -> Path:
     """The embedded model a server started with ``--set k=v`` for ``sets`` serves."""
-    cfg = ServingConfig().with_values({"default_model.data_dir": str(data_dir), **(sets or {})})
+    cfg = ServingConfig().with_values({"default_model.data_dir": str(data_dir), "default_model.weights": "random",
+                                       **(sets or {})})
     return default_model_dir(cfg.default_model, cfg.max_model_len)
 
 
@@ -287,7 +288,7 @@ def test_tiny_model_greedy_chat_equals_completions(tiny_server):
 
 # ---- offline: llm-serving generate and LLM.chat -------------------------------------------------------------------
 def test_generate_reads_chat_prompt_files(tmp_path):
-    sections = {"default_model": {"data_dir": str(tmp_path / "models")},
+    sections = {"default_model": {"data_dir": str(tmp_path / "models"), "weights": "random"},
                 "model_config": {"seq_length": [128], "prefill_batch_size": [2], "decode_batch_size": [4]}}
     config = tmp_path / "chat.yaml"
     config.write_text(yaml.safe_dump(sections))

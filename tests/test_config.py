@@ -10,6 +10,8 @@ import pytest
 import yaml
 
 from llm_serving.config.serving_config import ConfigError, ModelSection, PagedAttentionSection, ServingConfig
+from llm_serving.engine.wiring import resolve_model
+from llm_serving.models.default_model import TRAINED_MODEL
 from llm_serving.protocol.paths import cache_root
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,9 +85,11 @@ def test_default_yaml_is_the_builtin_defaults_and_serves_the_embedded_model():
     assert cfg.uses_default_model and cfg.vocab_file is None
     assert (cfg.serving_config.server_ip, cfg.serving_config.server_port) == ("127.0.0.1", 8000)
     assert cfg.default_model.data_dir == str(cache_root())  # tests/conftest.py's, not the user's
-    arch = cfg.default_model.llama_config(cfg.max_model_len)
-    assert (arch.hidden_size, arch.num_hidden_layers, arch.head_dim, arch.kv_dim) == (256, 4, 64, 128)
-    assert arch.max_position_embeddings == 512
+    served = resolve_model(cfg)  # the shipped trained model: nothing built, nothing downloaded
+    assert served.model_path == TRAINED_MODEL and served.tokenizer_path == TRAINED_MODEL / "tokenizer.model"
+    arch = served.llama_config
+    assert (arch.hidden_size, arch.num_hidden_layers, arch.head_dim, arch.kv_dim, arch.vocab_size) == (256, 4, 64, 128,
+                                                                                                       4096)
     assert cfg.max_num_batched_tokens == 4 * 256 and cfg.max_prompt_len == 256
     assert cfg.num_agents == 1
 
@@ -206,11 +210,18 @@ def test_sections_must_be_mappings(d, match):
      "below the largest decode batch 32"),
     ({"scheduler": {"min_decode_steps_between_prefills": -1}}, "scheduler.min_decode_steps_between_prefills",
      ">= 0"),
-    ({"default_model": {"num_heads": 3}}, "default_model", "not divisible by num_attention_heads 3"),
-    ({"default_model": {"num_kv_heads": 3}}, "default_model", "multiple of num_key_value_heads 3"),
-    ({"default_model": {"hidden_size": 12, "num_heads": 4, "num_kv_heads": 2}}, "default_model.hidden_size",
-     "even"),
-    ({"default_model": {"vocab_size": 0}}, "default_model.vocab_size", "positive"),
+    ({"default_model": {"weights": "random", "num_heads": 3}}, "default_model", "not divisible by num_attention_heads 3"),
+    ({"default_model": {"weights": "random", "num_kv_heads": 3}}, "default_model", "multiple of num_key_value_heads 3"),
+    ({"default_model": {"weights": "random", "hidden_size": 12, "num_heads": 4, "num_kv_heads": 2}},
+     "default_model.hidden_size", "even"),
+    ({"default_model": {"weights": "random", "vocab_size": 0}}, "default_model.vocab_size", "positive"),
+    ({"default_model": {"hidden_size": 128}}, "default_model.hidden_size", "describes the random model"),
+    ({"default_model": {"weights": "pretrained"}}, "default_model.weights", "trained, random"),
+    ({"speculative": {"method": "medusa"}}, "speculative.method", "'ngram', 'draft', 'self'"),
+    ({"speculative": {"method": "draft"}}, "speculative.draft_model_path", "only of it"),
+    ({"speculative": {"method": "ngram", "draft_layers": 2}}, "speculative.draft_layers", "only for it"),
+    ({"speculative": {"method": "ngram"}, "scheduler": {"decode_steps": 4}}, "speculative.method", "choose one"),
+    ({"speculative": {"num_tokens": 16}}, "speculative.num_tokens", "1..15"),
     ({"model_config": {"vocab_size": 0}}, "model_config.vocab_size", "positive"),
     ({"model_config": {"end_token": -1}}, "model_config.end_token", "token id >= 0"),
 ])

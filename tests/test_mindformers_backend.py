@@ -31,7 +31,7 @@ MF = {"backend": "mindformers", "model_cfg_path": "predict_llama2_7b.yaml", "dty
 
 def config(tmp_path: Path, model: dict | None = None, **sections) -> ServingConfig:
     """The embedded model, if resolved, is built under ``tmp_path`` (never in the user's cache)."""
-    sections.setdefault("default_model", {"data_dir": str(tmp_path / "models")})
+    sections.setdefault("default_model", {"data_dir": str(tmp_path / "models"), "weights": "random"})
     return ServingConfig.from_dict({"model_config": {**MF, **(model or {})}, **sections}, source="mf.yaml",
                                    base_dir=tmp_path)
 

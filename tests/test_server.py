@@ -34,9 +34,9 @@ class ServerProcess:
     """``llm-serving serve`` on port 0; the URL comes from its "ready" line."""
 
     def __init__(self, data_dir: Path, *args: str, timeout: float = 120.0) -> None:
-        self.data_dir = data_dir  # where the embedded model it serves is built
+        self.data_dir = data_dir  # where the embedded (seeded random) model it serves is built
         cmd = [sys.executable, "-m", "llm_serving", "serve", "--port", "0",
-               "--set", f"default_model.data_dir={data_dir}", *args]
+               "--set", f"default_model.data_dir={data_dir}", "--set", "default_model.weights=random", *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -192,7 +192,7 @@ def test_max_model_len_from_the_model_is_capped_by_the_kv_cache(data_dir, capsys
     from llm_serving.config.serving_config import ConfigError
     from llm_serving.engine.wiring import resolve_model
 
-    base = ["--set", f"default_model.data_dir={data_dir}"]
+    base = ["--set", f"default_model.data_dir={data_dir}", "--set", "default_model.weights=random"]
     cfg = load_config(build_parser().parse_args([*base, "--max-model-len", "model"]))
     positions = resolve_model(load_config(build_parser().parse_args(base)), None, tokenizer=False
                               ).llama_config.max_position_embeddings

@@ -29,7 +29,7 @@ CONFIG = """\
 model_config: {seq_length: [32], prefill_batch_size: [2], decode_batch_size: [4], kernels: native}
 pa_config: {num_blocks: 64, block_size: 8, decode_seq_length: 64}
 serving_config: {server_port: 0}
-default_model: {data_dir: DATA, hidden_size: 64, intermediate_size: 160, num_layers: 2, num_heads: 4,
+default_model: {data_dir: DATA, weights: random, hidden_size: 64, intermediate_size: 160, num_layers: 2, num_heads: 4,
                 num_kv_heads: 2, vocab_size: 1000}
 """
 
@@ -71,6 +71,9 @@ def test_the_wheel_holds_the_run_time_files(installed):
     kernels = dirs[0] / "model" / "kernels"
     assert (kernels / "common.h").is_file() and list(kernels.glob("*.cc"))
     assert (dirs[2] / "data" / "corpus.txt").is_file()  # the workloads' and the default tokenizer's text
+    for model in ("target", "draft"):  # the shipped trained pair (default_model.weights: trained)
+        assert {p.name for p in (dirs[1] / "models" / "pydoc" / model).iterdir()} >= {
+            "config.json", "model.safetensors", "tokenizer.model"}
 
 
 def test_the_installed_package_serves(installed, tmp_path):

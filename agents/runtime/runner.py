@@ -81,6 +81,7 @@ class RunnerConfig:
     # speculative decoding: the most proposals one sequence has verified in a step (agents.runtime.verify_steps);
     # 0: no verify graphs
     verify_tokens: int = 0
+    verify_step_tokens: int | None = None  # the tokens one verify step carries at most (None: a full decode batch's)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -142,7 +143,7 @@ def warmup_shapes(rc: RunnerConfig, ragged_prefill: bool) -> list[tuple]:
         if rc.max_model_len > rc.prefill_seq_lengths[-1]:
             shapes.append(("prefill", 1, rc.max_model_len))  # recompute of one preempted sequence
     shapes += rc.mixed_shapes(ragged_prefill)
-    shapes += verify_shapes(rc.mixed_max_seqs, rc.decode_batch_sizes[-1], rc.verify_tokens)
+    shapes += verify_shapes(rc.mixed_max_seqs, rc.decode_batch_sizes[-1], rc.verify_tokens, rc.verify_step_tokens)
     return shapes + [("decode", b, w) for b in rc.decode_batch_sizes for w in rc.decode_block_widths]
 
 

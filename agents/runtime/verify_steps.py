@@ -20,11 +20,13 @@ from agents.runtime.sampler import raw_logprob, record_failure, sample_verified
 from llm_serving.protocol.batch import FAILED_TOKEN, StepBatch, StepOutput
 
 
-def verify_shapes(max_seqs: int, max_decode_batch: int, proposals: int) -> list[tuple]:
-    """Token buckets up to a full decode batch with ``proposals`` proposals each (none when 0)."""
+def verify_shapes(max_seqs: int, max_decode_batch: int, proposals: int, step_tokens: int | None = None) -> list[tuple]:
+    """Token buckets up to a full decode batch with ``proposals`` proposals each, or ``step_tokens`` if fewer (the
+    scheduler's cap on a verify step); none when ``proposals`` is 0."""
     if proposals <= 0:
         return []
-    return [("verify", max_seqs, t) for t in mixed_token_buckets(max_decode_batch * (proposals + 1))]
+    top = max_decode_batch * (proposals + 1)
+    return [("verify", max_seqs, t) for t in mixed_token_buckets(min(top, step_tokens or top))]
 
 
 def verify_warmup_arrays(batch: int, tokens: int, width: int, max_model_len: int, max_real: int) -> list[np.ndarray]:

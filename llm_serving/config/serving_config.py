@@ -173,6 +173,7 @@ class SpeculativeSection:
     prompt_lookup_max: int = setting(4, "int")
     draft_model_path: str | None = setting(None, "path", optional=True)
     draft_layers: int | None = setting(None, "int", optional=True)
+    max_step_tokens: int = setting(64, "int")  # a verify step's tokens at most: proposals back off as batches grow
 
 
 DEFAULT_WEIGHTS = ("trained", "random")
@@ -467,6 +468,8 @@ def _validate(cfg: ServingConfig) -> None:
          f"expected one of {', '.join(map(repr, SPECULATIVE_METHODS))}, got {sp.method!r}")
     need(1 <= sp.num_tokens < MAX_DECODE_STEPS, "speculative.num_tokens",
          f"must be in 1..{MAX_DECODE_STEPS - 1}, got {sp.num_tokens}")
+    need(sp.max_step_tokens >= 2, "speculative.max_step_tokens",
+         f"must be >= 2 (a sequence's last token and one proposal), got {sp.max_step_tokens}")
     need(1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max, "speculative.prompt_lookup_min",
          f"must be >= 1 and <= prompt_lookup_max ({sp.prompt_lookup_max}), got {sp.prompt_lookup_min}")
     need((sp.method == "draft") == (sp.draft_model_path is not None), "speculative.draft_model_path",

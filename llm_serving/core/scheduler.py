@@ -96,6 +96,9 @@ class SchedulerConfig:
     num_speculative_tokens: int = 4  # most proposals one sequence has verified in a step
     prompt_lookup_min: int = 1  # n-gram lengths the ngram proposer matches
     prompt_lookup_max: int = 4
+    # tokens one verify step carries at most (its sequences' last tokens and proposals): fewer proposals each as the
+    # batch grows, none from this many running sequences on (at saturation verifying costs more than it saves)
+    speculative_step_tokens: int = 64
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_prefill_batch",
@@ -500,10 +503,14 @@ class Scheduler:
         waits to be admitted and no running sequence reports logits; for the sequences whose sampling allows it
         (``SamplingParams.speculable``: greedy, or plain sampling checked by rejection on the agents), fewer than
         it may still generate and within the blocks that are free now (never preempting for them); None when no
-        sequence has any."""
+        sequence has any. The step's tokens stay within ``speculative_step_tokens``."""
         if self._waiting or self._preempted or self._running_dumps:
             return None
-        k, bm, drafts = self.config.num_speculative_tokens, self.block_manager, []
+        cfg = self.config
+        k = min(cfg.num_speculative_tokens, cfg.speculative_step_tokens // len(seqs) - 1)  # backs off with the batch
+        if k < 1:
+            return None
+        bm, drafts = self.block_manager, []
         for seq in seqs:
             room = min(k, seq.params.max_new_tokens - len(seq.output_ids) - 1)  # the last pick is a token too
             room = room if seq.params.speculable else 0

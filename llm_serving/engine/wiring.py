@@ -218,6 +218,7 @@ def scheduler_config(config: ServingConfig, eos_token_id: int | None, llama: Lla
         max_prompt_len=config.max_prompt_len, chunked_prefill=config.chunked_prefill,
         prefix_caching=config.prefix_caching, speculative=sp.method, num_speculative_tokens=sp.num_tokens,
         prompt_lookup_min=sp.prompt_lookup_min, prompt_lookup_max=sp.prompt_lookup_max,
+        speculative_step_tokens=sp.max_step_tokens,
     )
 
 
@@ -235,6 +236,7 @@ def runner_config_dict(config: ServingConfig) -> dict[str, Any]:
         "mixed_steps": config.chunked_prefill or config.prefix_caching,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "verify_tokens": config.speculative.num_tokens if config.speculative.method else 0,
+        "verify_step_tokens": config.speculative.max_step_tokens,
         "device_target": m.device_target,
         **({"memory_utilization": pa.utilization} if pa.auto_blocks else {}),
     }
