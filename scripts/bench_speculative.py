@@ -1,10 +1,11 @@
 """Speculative decoding and early exit on the shipped trained pair (llm_serving/models/pydoc), side by side in one run.
 
-    python scripts/bench_speculative.py [--methods plain,ngram,draft,self] [--levels 1,8,32] [--rounds 2]
+    python scripts/bench_speculative.py [--methods plain,ngram,draft,self1,self2] [--levels 1,8,32] [--rounds 2]
                                         [--num-prompts 32] [--max-output-tokens 64] [--exit-layers 1,2,3]
 
-Workload: the first ``--prompt-tokens`` tokens of held-out standard-library docstrings (text the model never
-trained on), greedy, EOS ignored, ``--max-output-tokens`` each. For every method, in alternating rounds, the engine
+Workloads: ``continue``, the first ``--prompt-tokens`` tokens of held-out standard-library docstrings (text the model
+never trained on); ``copy``, the same followed by their first half again (the output can copy the input, what prompt
+lookup is for). Greedy, EOS ignored, ``--max-output-tokens`` each; one stream runs the first 8 prompts. For every method, in alternating rounds, the engine
 in process (``Engine.submit``) with at most N requests in flight: output tokens/s, median time per output token,
 the acceptance rate (accepted / proposed) and mean acceptance length (tokens a sequence gets per verified draft,
 the model's own pick included); every method's tokens are checked equal to
@@ -33,9 +34,14 @@ from llm_serving.engine.request_stream import NO_TOKEN
 from llm_serving.tokenization.tokenizer import Tokenizer
 
 PAIR = ROOT / "llm_serving" / "models" / "pydoc"
-METHODS = {"plain": {}, "ngram": {"method": "ngram"},
-           "draft": {"method": "draft", "draft_model_path": str(PAIR / "draft")},
-           "self": {"method": "self", "draft_layers": 1}}
+
+
+def method_section(name: str) -> dict:
+    """plain, ngram, draft (the shipped draft) or selfN (the target's first N layers draft)."""
+    if name.startswith("self"):
+        return {"method": "self", "draft_layers": int(name[4:] or 1)}
+    return {"plain": {}, "ngram": {"method": "ngram"},
+            "draft": {"method": "draft", "draft_model_path": str(PAIR / "draft")}}[name]
 
 
 def engine_config(args: argparse.Namespace, speculative: dict, exit_layer: int | None = None) -> ServingConfig:
@@ -46,17 +52,19 @@ def engine_config(args: argparse.Namespace, speculative: dict, exit_layer: int |
                          "early_exit_layer": exit_layer},
         "pa_config": {"num_blocks": 32 * max_len // 16 + 2, "block_size": 16, "decode_seq_length": max_len},
         "scheduler": {"policy": "fcfs"},
-        "speculative": {**speculative, "num_tokens": args.num_tokens} if speculative else {},
+        "speculative": {**speculative, "num_tokens": args.num_tokens, "max_step_tokens": args.max_step_tokens}
+        if speculative else {},
         "serving_config": {"compile_cache": False},
     })
 
 
-def held_out_prompts(args: argparse.Namespace, tok: Tokenizer) -> list[list[int]]:
+def workloads(args: argparse.Namespace, tok: Tokenizer) -> dict[str, list[list[int]]]:
     docs = [tok.encode(doc) for doc in stdlib_corpus().held_out]
     long = [ids[: args.prompt_tokens] for ids in docs if len(ids) >= args.prompt_tokens]
     if len(long) < args.num_prompts:
         raise SystemExit(f"only {len(long)} held-out docstrings have {args.prompt_tokens} tokens")
-    return long[: args.num_prompts]
+    chosen = long[: args.num_prompts]
+    return {"continue": chosen, "copy": [ids + ids[1: len(ids) // 2] for ids in chosen]}
 
 
 async def run_level(engine: Engine, prompts: list[list[int]], n: int, level: int) -> tuple[float, float, list]:
@@ -115,58 +123,62 @@ def early_exit_agreement(layers: list[int], windows: int = 24, seq_len: int = 25
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--methods", default="plain,ngram,draft,self")
+    ap.add_argument("--methods", default="plain,ngram,draft,self1,self2")
     ap.add_argument("--levels", default="1,8,32", help="requests in flight")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=48)
     ap.add_argument("--max-output-tokens", type=int, default=64)
     ap.add_argument("--num-tokens", type=int, default=4, help="speculative.num_tokens")
+    ap.add_argument("--max-step-tokens", type=int, default=64, help="speculative.max_step_tokens")
     ap.add_argument("--exit-layers", default="1,2,3")
     args = ap.parse_args()
     methods = args.methods.split(",")
     levels = [int(n) for n in args.levels.split(",")]
     exits = [int(n) for n in args.exit_layers.split(",") if n]
-    prompts = held_out_prompts(args, Tokenizer(PAIR / "target" / "tokenizer.model"))
-    rows: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    spec: dict[str, list[tuple[int, int, int]]] = {}
-    reference: dict[int, list] = {}
+    loads = workloads(args, Tokenizer(PAIR / "target" / "tokenizer.model"))
+    rows: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
+    spec: dict[tuple[str, str], list[tuple[int, ...]]] = {}
+    reference: dict[tuple[str, int], list] = {}
     mismatches: dict[str, int] = {}
     for rnd in range(args.rounds):
         for method in methods if rnd % 2 == 0 else methods[::-1]:
-            with Engine(engine_config(args, METHODS[method])) as engine:
+            with Engine(engine_config(args, method_section(method))) as engine:
                 engine.start(progress=None)
-                engine.submit(prompts[0], SamplingParams(4)).result(timeout=600)  # warm
-                for level in levels:
-                    before = engine.stats()
-                    rate, tpot, outputs = asyncio.run(run_level(engine, prompts, args.max_output_tokens, level))
-                    after = engine.stats()
-                    rows.setdefault((method, level), []).append((rate, tpot))
-                    spec.setdefault(method, []).append(tuple(after[k] - before[k] for k in (
-                        "spec_verify_steps", "spec_drafts", "spec_proposed_tokens", "spec_accepted_tokens")))
-                    if method == "plain":
-                        reference.setdefault(level, outputs)
-                    elif level in reference:
-                        mismatches[method] = mismatches.get(method, 0) + sum(
-                            a != b for a, b in zip(outputs, reference[level]))
+                engine.submit(loads["continue"][0], SamplingParams(4)).result(timeout=600)  # warm
+                for load, prompts in loads.items():
+                    for level in levels:
+                        before = engine.stats()
+                        batch = prompts[:8] if level == 1 else prompts
+                        rate, tpot, outputs = asyncio.run(run_level(engine, batch, args.max_output_tokens, level))
+                        after = engine.stats()
+                        rows.setdefault((load, method, level), []).append((rate, tpot))
+                        spec.setdefault((load, method), []).append(tuple(after[k] - before[k] for k in (
+                            "spec_verify_steps", "spec_drafts", "spec_proposed_tokens", "spec_accepted_tokens")))
+                        if method == "plain":
+                            reference.setdefault((load, level), outputs)
+                        elif (load, level) in reference:
+                            mismatches[method] = mismatches.get(method, 0) + sum(
+                                a != b for a, b in zip(outputs, reference[(load, level)]))
             print(f"round {rnd + 1}: {method} done", file=sys.stderr, flush=True)
-    print("| method | in flight | output tokens/s | ms per output token | vs plain |")
-    print("|---|---|---|---|---|")
-    for level in levels:
-        base = statistics.median(r for r, _ in rows.get(("plain", level), [(math.nan, 0)]))
-        for method in methods:
-            runs = rows[(method, level)]
-            rate = statistics.median(r for r, _ in runs)
-            print(f"| {method} | {level} | {rate:.1f} | {statistics.median(t for _, t in runs):.2f} | "
-                  f"{rate / base:.2f}x |")
-    print("\n| method | verify steps | drafts | proposed | accepted | acceptance | mean acceptance length |"
-          " outputs != plain |")
+    print("| workload | method | in flight | output tokens/s | ms per output token | vs plain |")
+    print("|---|---|---|---|---|---|")
+    for load in loads:
+        for level in levels:
+            base = statistics.median(r for r, _ in rows.get((load, "plain", level), [(math.nan, 0)]))
+            for method in methods:
+                runs = rows[(load, method, level)]
+                rate = statistics.median(r for r, _ in runs)
+                print(f"| {load} | {method} | {level} | {rate:.1f} | {statistics.median(t for _, t in runs):.2f} | "
+                      f"{rate / base:.2f}x |")
+    print("\n| workload | method | verify steps | drafts | proposed | accepted | acceptance | mean acceptance length |")
     print("|---|---|---|---|---|---|---|---|")
-    for method in methods:
-        steps, drafts, proposed, accepted = (sum(x[i] for x in spec[method]) for i in range(4))
+    for (load, method), counts in spec.items():
+        steps, drafts, proposed, accepted = (sum(x[i] for x in counts) for i in range(4))
         if steps:
-            print(f"| {method} | {steps} | {drafts} | {proposed} | {accepted} | {accepted / max(proposed, 1):.2f} | "
-                  f"{1 + accepted / max(drafts, 1):.2f} | {mismatches.get(method, 0)} |")
+            print(f"| {load} | {method} | {steps} | {drafts} | {proposed} | {accepted} | "
+                  f"{accepted / max(proposed, 1):.2f} | {1 + accepted / max(drafts, 1):.2f} |")
+    print(f"\noutputs different from plain greedy's: {mismatches or 'none'}")
     if exits:
         print("\n| early exit layer | greedy agreement with all layers (held-out, teacher-forced) | perplexity |"
               " one stream tokens/s |")
@@ -175,7 +187,7 @@ def main() -> None:
         for layer in exits + [None]:
             with Engine(engine_config(args, {}, layer)) as engine:
                 engine.start(progress=None)
-                speeds[layer] = asyncio.run(run_level(engine, prompts[:8], args.max_output_tokens, 1))[0]
+                speeds[layer] = asyncio.run(run_level(engine, loads["continue"][:8], args.max_output_tokens, 1))[0]
         for layer, agree, ppl in early_exit_agreement(exits):
             speed = speeds.get(layer, speeds[None])
             print(f"| {layer} | {agree:.3f} | {ppl:.1f} | {speed:.1f} |")

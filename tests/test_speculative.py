@@ -313,3 +313,22 @@ def test_on_the_native_cpu_ops_verified_tokens_are_hugging_faces(tmp_path):
         assert seq.output_ids == ref
         np.testing.assert_allclose(seq.output_logprobs, ref_logprobs, atol=1e-4)
     assert scheduler.num_used_blocks == 0
+
+
+class WrongProposer:
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return [99] * k  # the fake model's tokens are < 40: never kept
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_a_sequence_whose_proposals_keep_failing_pauses_them(threshold):
+    s = Scheduler(config(speculative="ngram", speculative_min_accepted=threshold, max_model_len=64))
+    s._proposer = WrongProposer()
+    seq = Sequence("a", [3, 4, 5], SamplingParams(40, ignore_eos=True))
+    batches = serve(s, [seq])
+    assert (seq.output_ids, seq.finish_reason) == expected(seq.prompt_ids, seq.params)
+    verified = sum(b.draft_lens is not None for b in batches)
+    if threshold:  # one verification, then 8 plain steps, again and again
+        assert verified == len(range(0, 39, 9)) and s.spec_accepted == 0
+    else:
+        assert verified == 38  # every decode step after the prefill but the last (its one token is its last)

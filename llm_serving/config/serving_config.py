@@ -174,6 +174,7 @@ class SpeculativeSection:
     draft_model_path: str | None = setting(None, "path", optional=True)
     draft_layers: int | None = setting(None, "int", optional=True)
     max_step_tokens: int = setting(64, "int")  # a verify step's tokens at most: proposals back off as batches grow
+    min_accepted: float = setting(0.5, "float")  # below this mean of accepted proposals a sequence pauses proposing
 
 
 DEFAULT_WEIGHTS = ("trained", "random")
@@ -468,6 +469,7 @@ def _validate(cfg: ServingConfig) -> None:
          f"expected one of {', '.join(map(repr, SPECULATIVE_METHODS))}, got {sp.method!r}")
     need(1 <= sp.num_tokens < MAX_DECODE_STEPS, "speculative.num_tokens",
          f"must be in 1..{MAX_DECODE_STEPS - 1}, got {sp.num_tokens}")
+    need(sp.min_accepted >= 0, "speculative.min_accepted", f"must be >= 0, got {sp.min_accepted}")
     need(sp.max_step_tokens >= 2, "speculative.max_step_tokens",
          f"must be >= 2 (a sequence's last token and one proposal), got {sp.max_step_tokens}")
     need(1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max, "speculative.prompt_lookup_min",

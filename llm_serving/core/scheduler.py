@@ -69,6 +69,8 @@ from llm_serving.protocol.batch import SamplingBatch, SamplingExtras, StepBatch,
 from llm_serving.protocol.model_config import blocks_needed
 
 POLICIES = ("fcfs", "longest_output_first")
+SPEC_PAUSE_STEPS = 8  # decode steps a sequence sits out of speculation after its proposals kept failing
+SPEC_MEAN_WEIGHT = 0.3  # weight of the newest verification in a sequence's running mean of accepted proposals
 
 
 class RequestRejected(ValueError):
@@ -99,6 +101,9 @@ class SchedulerConfig:
     # tokens one verify step carries at most (its sequences' last tokens and proposals): fewer proposals each as the
     # batch grows, none from this many running sequences on (at saturation verifying costs more than it saves)
     speculative_step_tokens: int = 64
+    # a sequence whose recent verifications accepted fewer proposals than this on average sits out
+    # ``SPEC_PAUSE_STEPS`` decode steps, then tries again (a verify step costs more than a decode step)
+    speculative_min_accepted: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_prefill_batch",
@@ -161,6 +166,7 @@ class Scheduler:
                           if config.speculative in AGENT_METHODS else None)
         # speculative decoding: verify steps, sequences' drafts verified, proposals sent and accepted (engine metrics)
         self.spec_steps = self.spec_drafts = self.spec_proposed = self.spec_accepted = 0
+        self._verifying: dict[str, int] = {}  # the step in flight's proposals per request (a verify step's)
 
     # ---- requests -------------------------------------------------------------------------------------
     def add(self, seq: Sequence, follows: str | None = None) -> None:
@@ -298,8 +304,8 @@ class Scheduler:
                     reason = self._append(seq, later, later_logprob)
                     if reason is not None:
                         break
-            if output.num_more is not None:
-                self.spec_accepted += int(output.num_more[row])
+            if output.num_more is not None and self._verifying.get(seq.request_id):
+                self._note_acceptance(seq, int(output.num_more[row]))
             if reason is None:
                 if output.num_more is not None:  # blocks grown for rejected proposals go back
                     self._trim(seq)
@@ -513,6 +519,9 @@ class Scheduler:
         bm, drafts = self.block_manager, []
         for seq in seqs:
             room = min(k, seq.params.max_new_tokens - len(seq.output_ids) - 1)  # the last pick is a token too
+            if seq.spec_pause:  # its proposals kept failing: plain decode steps for a while
+                seq.spec_pause -= 1
+                room = 0
             room = room if seq.params.speculable else 0
             proposal = self._proposer.propose(seq.prompt_ids + seq.output_ids, room) if room > 0 else []
             while proposal and not bm.can_grow(seq, seq.num_tokens + len(proposal)):
@@ -521,6 +530,15 @@ class Scheduler:
                 self._extend(seq, seq.num_tokens + len(proposal))
             drafts.append(proposal)
         return drafts if any(drafts) else None
+
+    def _note_acceptance(self, seq: Sequence, accepted: int) -> None:
+        """Count a sequence's verification and pause its proposals while they keep failing."""
+        self.spec_accepted += accepted
+        mean = seq.spec_accepted_mean
+        mean = accepted if mean == float("inf") else (1 - SPEC_MEAN_WEIGHT) * mean + SPEC_MEAN_WEIGHT * accepted
+        if mean < self.config.speculative_min_accepted:
+            seq.spec_pause, mean = SPEC_PAUSE_STEPS, float("inf")  # then a fresh start
+        seq.spec_accepted_mean = mean
 
     def _trim(self, seq: Sequence) -> None:
         """Free the blocks past ``seq``'s next input token (grown for proposals it rejected)."""
@@ -622,6 +640,7 @@ class Scheduler:
         rows = np.repeat(np.arange(n), query_lens)
         positions = np.arange(len(ids), dtype=np.int32) - (np.cumsum(query_lens) - context_lens)[rows]
         self.spec_steps += 1
+        self._verifying = {seq.request_id: len(d) for seq, d in zip(seqs, drafts)}
         self.spec_drafts += int(np.count_nonzero(draft_lens))
         self.spec_proposed += int(draft_lens.sum())
         return StepBatch(True, ids, positions.astype(np.int32), kv_slots(block_tables, rows, positions, bs).astype(np.int32),

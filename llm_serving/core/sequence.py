@@ -295,6 +295,10 @@ class Sequence:
     follows: Sequence | None = field(default=None, repr=False)
     # Structured output (``params.constraint``): where its answer stands in the grammar; set by the engine
     constraint: AnswerMatcher | None = field(default=None, repr=False)
+    # Speculative decoding: a running mean of the proposals it accepted per verification (optimistic at first) and
+    # the decode steps it sits out after the mean fell below the scheduler's threshold (``Scheduler._propose``)
+    spec_accepted_mean: float = field(default=float("inf"), repr=False)
+    spec_pause: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]
