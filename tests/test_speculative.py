@@ -221,7 +221,8 @@ def test_on_the_model_greedy_tokens_are_those_of_plain_decoding(tmp_path):
     limits = [20, 25, 14]
     results = {}
     for method in ("", "ngram"):
-        cfg = tiny_engine_config(tmp_path, speculative={"method": method, "num_tokens": 3})
+        every_step = {"adaptive": False, "min_accepted": 0}  # the mechanism, not the policy, under test
+        cfg = tiny_engine_config(tmp_path, speculative={"method": method, "num_tokens": 3, **every_step})
         with Engine(cfg) as engine:
             engine.start(progress=None)
             streams = [engine.submit(p, SamplingParams(n, ignore_eos=True)) for p, n in zip(prompts, limits)]
@@ -253,7 +254,7 @@ def test_a_draft_in_the_agent_keeps_greedy_tokens_and_frees_every_block(tmp_path
     prompts = [[1, 17, 230, 45, 9], [1, 5, 6, 7, 5, 6], [1, 400, 401, 402]]
     limits = [21, 9, 30]
     results = {}
-    for sections in ({}, {"speculative": {**spec, "num_tokens": 3}}):
+    for sections in ({}, {"speculative": {**spec, "num_tokens": 3, "adaptive": False, "min_accepted": 0}}):
         with Engine(tiny_engine_config(tmp_path, **sections)) as engine:
             engine.start(progress=None)
             streams = [engine.submit(p, SamplingParams(n, ignore_eos=True)) for p, n in zip(prompts, limits)]
@@ -332,3 +333,31 @@ def test_a_sequence_whose_proposals_keep_failing_pauses_them(threshold):
         assert verified == len(range(0, 39, 9)) and s.spec_accepted == 0
     else:
         assert verified == 38  # every decode step after the prefill but the last (its one token is its last)
+
+
+def verify_share(verify_s: float | None) -> tuple[list[bool], float]:
+    """Decode steps of one long request (whether each speculated), reporting each step's wall time as the engine
+    does: ``verify_s`` for a verify step, 0.01 s for a plain one (None: no times reported)."""
+    s = Scheduler(config(speculative="ngram", max_model_len=256, num_blocks=128, max_num_batched_tokens=256))
+    model = FakeVerifier(s.config.num_blocks, s.config.block_size)
+    s.add(Sequence("a", [3, 4, 5, 6, 7], SamplingParams(150, ignore_eos=True)))
+    kinds = []
+    while s.has_unfinished():
+        scheduled, batch = s.schedule()
+        s.postprocess(scheduled, model.step(batch))
+        if not batch.is_prefill or batch.draft_lens is not None:
+            kinds.append(batch.draft_lens is not None)
+            if verify_s is not None:
+                s.note_step_time(verify_s if batch.draft_lens is not None else 0.01)
+    return kinds, sum(kinds[2:]) / len(kinds[2:])
+
+
+def test_decode_steps_speculate_only_where_measured_faster():
+    """With verify steps slower than plain ones (per token) a batch speculates only to measure again every 16th
+    step; faster, it speculates as often as without measurements (where proposals and pauses allow)."""
+    slow, slow_share = verify_share(1.0)
+    fast, fast_share = verify_share(0.001)
+    _, unmeasured_share = verify_share(None)
+    assert slow[:2] == fast[:2] == [True, False]  # each mode measured first
+    # the faster mode loses one step in 16 to probing the other
+    assert slow_share < 0.12 and fast_share >= unmeasured_share - 0.1, (slow_share, fast_share, unmeasured_share)

@@ -70,6 +70,8 @@ from llm_serving.protocol.model_config import blocks_needed
 
 POLICIES = ("fcfs", "longest_output_first")
 SPEC_PAUSE_STEPS = 8  # decode steps a sequence sits out of speculation after its proposals kept failing
+SPEC_PROBE_EVERY = 16  # decode steps of a batch size between two tries of the mode measured slower
+SPEC_RATE_WEIGHT = 0.2  # weight of the newest step in a mode's running tokens/s
 SPEC_MEAN_WEIGHT = 0.3  # weight of the newest verification in a sequence's running mean of accepted proposals
 
 
@@ -104,6 +106,8 @@ class SchedulerConfig:
     # a sequence whose recent verifications accepted fewer proposals than this on average sits out
     # ``SPEC_PAUSE_STEPS`` decode steps, then tries again (a verify step costs more than a decode step)
     speculative_min_accepted: float = 0.5
+    # speculate only at the batch sizes where verify steps measured faster (tokens/s) than plain ones
+    speculative_adaptive: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_prefill_batch",
@@ -167,6 +171,12 @@ class Scheduler:
         # speculative decoding: verify steps, sequences' drafts verified, proposals sent and accepted (engine metrics)
         self.spec_steps = self.spec_drafts = self.spec_proposed = self.spec_accepted = 0
         self._verifying: dict[str, int] = {}  # the step in flight's proposals per request (a verify step's)
+        # measured choice (``note_step_time``): running tokens/s of decode steps by (batch size class, speculated),
+        # the decode steps seen per class, and what the last step was (class, speculated, tokens appended)
+        self._spec_rates: dict[tuple[int, bool], float] = {}
+        self._spec_turns: dict[int, int] = {}
+        self._last_decode: tuple[int, bool, int] | None = None
+        self._scheduled_decode = False  # the step last scheduled is a decode (or verify) step
 
     # ---- requests -------------------------------------------------------------------------------------
     def add(self, seq: Sequence, follows: str | None = None) -> None:
@@ -256,6 +266,7 @@ class Scheduler:
             return None
         self._decodes_since_prefill = 0 if admitted else self._decodes_since_prefill + 1
         steps = 1 if prefill else self._steps_ahead(seqs)
+        self._scheduled_decode = not prefill
         drafts = self._propose(seqs) if not prefill and self._proposer is not None else None
         if drafts is not None:
             return seqs, self._build_verify(seqs, drafts)
@@ -272,6 +283,8 @@ class Scheduler:
             )
         caching = self.block_manager.prefix_cache is not None
         more, more_logprobs = output.more_token_ids, output.more_logprobs
+        decode = self._proposer is not None and self._scheduled_decode
+        generated = sum(len(seq.output_ids) for seq in seqs) if decode else 0
         finished = []
         for row, (seq, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
             if seq.status is not SequenceStatus.RUNNING:
@@ -312,7 +325,14 @@ class Scheduler:
                 continue
             self._finish(seq, reason)
             finished.append(seq)
+        if decode:
+            self._note_decode(seqs, generated, output.num_more is not None)
         return finished
+
+    def _note_decode(self, seqs: list[Sequence], generated_before: int, speculated: bool) -> None:
+        """Remember a decode step's batch size class and tokens for ``note_step_time``."""
+        tokens = sum(len(seq.output_ids) for seq in seqs) - generated_before
+        self._last_decode = (len(seqs).bit_length(), speculated, tokens)
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> str | None:
         """Append a generated token; the finish reason it brings, if any."""
@@ -514,7 +534,7 @@ class Scheduler:
             return None
         cfg = self.config
         k = min(cfg.num_speculative_tokens, cfg.speculative_step_tokens // len(seqs) - 1)  # backs off with the batch
-        if k < 1:
+        if k < 1 or (cfg.speculative_adaptive and not self._speculation_pays(len(seqs))):
             return None
         bm, drafts = self.block_manager, []
         for seq in seqs:
@@ -530,6 +550,29 @@ class Scheduler:
                 self._extend(seq, seq.num_tokens + len(proposal))
             drafts.append(proposal)
         return drafts if any(drafts) else None
+
+    def _speculation_pays(self, batch_size: int) -> bool:
+        """Whether this decode step of ``batch_size`` sequences speculates: by the tokens/s measured for both
+        modes at this batch size (its power-of-two class), trying each mode first and the slower one again every
+        ``SPEC_PROBE_EVERY`` steps (costs change with the contexts and the acceptance)."""
+        size = batch_size.bit_length()
+        turn = self._spec_turns[size] = self._spec_turns.get(size, 0) + 1
+        spec, plain = self._spec_rates.get((size, True)), self._spec_rates.get((size, False))
+        if spec is None or plain is None:
+            return spec is None  # measure speculation first, then plain steps
+        faster = spec >= plain
+        return faster != (turn % SPEC_PROBE_EVERY == 0)
+
+    def note_step_time(self, seconds: float) -> None:
+        """The wall time of the step ``postprocess`` last applied (the engine measures it): a decode step's tokens/s
+        feed the measured choice of ``_speculation_pays``."""
+        if self._last_decode is None or seconds <= 0:
+            return
+        size, speculated, tokens = self._last_decode
+        self._last_decode = None
+        rate, key = tokens / seconds, (size, speculated)
+        old = self._spec_rates.get(key)
+        self._spec_rates[key] = rate if old is None else (1 - SPEC_RATE_WEIGHT) * old + SPEC_RATE_WEIGHT * rate
 
     def _note_acceptance(self, seq: Sequence, accepted: int) -> None:
         """Count a sequence's verification and pause its proposals while they keep failing."""

@@ -89,6 +89,7 @@ class Engine:
              "requests_finished", "requests_aborted", "requests_failed", "requests_recomputed"), 0)
         self._in_flight: tuple[Sequence, ...] = ()  # the sequences of the step the agents are running
         self._run_step_s = 0.0  # in AgentPool.submit/collect: sending steps and waiting for the agents
+        self._submitted_at = 0.0  # when the step in flight was sent
         self._loop_started: float | None = None
         self._idle_s = 0.0  # waits for work, finished ones
         self._idle_since: float | None = None  # the wait for work going on now
@@ -316,12 +317,14 @@ class Engine:
                 except AgentStepError as exc:  # the agents serve on: find the sequences it belongs to
                     log.warning("step of %d sequence(s) failed, running it again in parts: %s", len(seqs), exc)
                     output = run_isolated(pool, batch, exc)
-                self._run_step_s += time.perf_counter() - t0
+                done = time.perf_counter()
+                self._run_step_s += done - t0
                 self._agents.policy.step_succeeded()
                 with self._lock:
                     self._in_flight = ()
                     self._requests.fail_rows(seqs, {**output.errors, **masked_rows(seqs, batch, output.token_ids)})
                     sched.postprocess(seqs, output)
+                    sched.note_step_time(done - self._submitted_at)  # speculation's measured choice
                     step = None if self._stopping else sched.schedule()
                 try:
                     in_flight = None if step is None else self._submit(step)
@@ -386,7 +389,7 @@ class Engine:
     def _submit(self, step: tuple[list[Sequence], StepBatch]) -> tuple[list[Sequence], StepBatch, int]:
         """Send a scheduled step to the agents: ``(seqs, batch, step number)`` for ``AgentPool.collect``."""
         seqs, batch = step
-        t0 = time.perf_counter()
+        t0 = self._submitted_at = time.perf_counter()
         self._in_flight = tuple(seqs)
         number = self._agents.pool.submit(batch)
         self._run_step_s += time.perf_counter() - t0
