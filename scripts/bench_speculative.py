@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=48)
     ap.add_argument("--max-output-tokens", type=int, default=64)
     ap.add_argument("--num-tokens", type=int, default=4, help="speculative.num_tokens")
-    ap.add_argument("--max-step-tokens", type=int, default=64, help="speculative.max_step_tokens")
+    ap.add_argument("--max-step-tokens", type=int, default=8, help="speculative.max_step_tokens")
     ap.add_argument("--exit-layers", default="1,2,3")
     args = ap.parse_args()
     methods = args.methods.split(",")

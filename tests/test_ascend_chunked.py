@@ -130,7 +130,8 @@ def test_verified_proposals_give_hugging_faces_greedy_tokens(verify_runner, mode
     references = {tuple(p): hf_greedy(hf, p, min(12, MAX_LEN - len(p))) for p in batch_prompts}
     cfg = SchedulerConfig(num_blocks=RC.num_blocks, block_size=RC.block_size, max_num_seqs=7, max_prefill_batch=2,
                           max_num_batched_tokens=BUDGET, max_model_len=MAX_LEN, eos_token_id=None,
-                          chunked_prefill=True, speculative="ngram", num_speculative_tokens=3)
+                          chunked_prefill=True, speculative="ngram", num_speculative_tokens=3,
+                          speculative_step_tokens=64, speculative_min_accepted=0)
     scheduler = Scheduler(cfg)
     scheduler._proposer = OracleProposer({p: ref for p, (ref, _) in references.items()}, CONFIG.vocab_size)
     seqs = [Sequence(f"s{i}", p, SamplingParams(len(references[tuple(p)][0]))) for i, p in enumerate(batch_prompts)]

@@ -221,7 +221,7 @@ def test_on_the_model_greedy_tokens_are_those_of_plain_decoding(tmp_path):
     limits = [20, 25, 14]
     results = {}
     for method in ("", "ngram"):
-        every_step = {"adaptive": False, "min_accepted": 0}  # the mechanism, not the policy, under test
+        every_step = {"adaptive": False, "min_accepted": 0, "max_step_tokens": 64}  # the mechanism, not the policy
         cfg = tiny_engine_config(tmp_path, speculative={"method": method, "num_tokens": 3, **every_step})
         with Engine(cfg) as engine:
             engine.start(progress=None)
@@ -254,7 +254,8 @@ def test_a_draft_in_the_agent_keeps_greedy_tokens_and_frees_every_block(tmp_path
     prompts = [[1, 17, 230, 45, 9], [1, 5, 6, 7, 5, 6], [1, 400, 401, 402]]
     limits = [21, 9, 30]
     results = {}
-    for sections in ({}, {"speculative": {**spec, "num_tokens": 3, "adaptive": False, "min_accepted": 0}}):
+    every_step = {"adaptive": False, "min_accepted": 0, "max_step_tokens": 64}  # the mechanism, not the policy
+    for sections in ({}, {"speculative": {**spec, "num_tokens": 3, **every_step}}):
         with Engine(tiny_engine_config(tmp_path, **sections)) as engine:
             engine.start(progress=None)
             streams = [engine.submit(p, SamplingParams(n, ignore_eos=True)) for p, n in zip(prompts, limits)]
@@ -304,7 +305,8 @@ def test_on_the_native_cpu_ops_verified_tokens_are_hugging_faces(tmp_path):
     scheduler = Scheduler(SchedulerConfig(num_blocks=rc.num_blocks, block_size=rc.block_size, max_num_seqs=8,
                                           max_prefill_batch=8, max_num_batched_tokens=64, max_model_len=rc.max_model_len,
                                           eos_token_id=None, chunked_prefill=True, speculative="ngram",
-                                          num_speculative_tokens=4))
+                                          num_speculative_tokens=4, speculative_step_tokens=64,
+                                          speculative_min_accepted=0))
     scheduler._proposer = OracleProposer({p: ref for p, (ref, _) in references.items()}, CONFIG.vocab_size)
     seqs = [Sequence(f"s{i}", p, SamplingParams(15)) for i, p in enumerate(prompts)]
     serve_on(scheduler, runner, seqs)

@@ -279,7 +279,7 @@ def runs(data_dir) -> dict:
     """tp 1, 2 (native, then portable) and 4, one engine at a time; the tp-2 native one speculates (its own first
     layer drafts, sliced as the model on each rank) and loses rank 1 midway; tp 4 decodes up to four steps per round
     trip (multi-step: every rank feeds the tokens of the exact greedy pick)."""
-    self_spec = {"method": "self", "draft_layers": 1, "adaptive": False, "min_accepted": 0}
+    self_spec = {"method": "self", "draft_layers": 1, "adaptive": False, "min_accepted": 0, "max_step_tokens": 64}
     out = {"tp1": serve(tp_config(data_dir, 1)),
            "tp2": serve(tp_config(data_dir, 2, speculative=self_spec), kill_rank=1),
            "tp2_portable": serve(tp_config(data_dir, 2, kernels="portable")),

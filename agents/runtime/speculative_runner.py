@@ -2,8 +2,11 @@
 
 The draft is a small model of the same vocabulary (``draft_model_path``) or the target's own first layers with its
 final norm and lm_head (self-speculation: no second model, ``layer_prefix``). Both keep a KV cache of the same
-geometry, addressed by the same block tables, so every step the target runs the draft runs too (greedy, its output
-unused): its cache always holds the context the target's does. A verify step (``StepBatch.draft_lens``, the
+geometry, addressed by the same block tables. Every prefill or chunk step the target runs, the draft runs too (greedy,
+its output unused), so the draft's cache holds every prompt. Plain decode steps (the scheduler chose not to speculate:
+the batch is large, or speculation measured slower) run the target alone, so that they cost what they cost without a
+draft; the draft's K/V of the tokens they produced are missing (stale slots), which can only lower its acceptance,
+never change the output (the target verifies every token). A verify step (``StepBatch.draft_lens``, the
 proposals left as placeholders by the master) becomes:
 
 1. ``max(draft_lens)`` draft decode steps, each over the sequences still short of their proposals, each feeding the
@@ -71,7 +74,8 @@ class SpeculativeRunner:
         if batch.draft_lens is not None:
             return self._speculate(batch)
         output = self.target.step(batch)
-        self.draft.step(replace(batch, sampling=None, want_logits=None))  # the same K/V slots, in the draft's cache
+        if batch.is_prefill:  # prompts and chunks: the same K/V slots in the draft's cache
+            self.draft.step(replace(batch, sampling=None, want_logits=None))
         return output
 
     def _speculate(self, batch: StepBatch) -> StepOutput:

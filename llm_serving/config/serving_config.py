@@ -173,7 +173,7 @@ class SpeculativeSection:
     prompt_lookup_max: int = setting(4, "int")
     draft_model_path: str | None = setting(None, "path", optional=True)
     draft_layers: int | None = setting(None, "int", optional=True)
-    max_step_tokens: int = setting(64, "int")  # a verify step's tokens at most: proposals back off as batches grow
+    max_step_tokens: int = setting(8, "int")  # a verify step's tokens at most: proposals back off as batches grow
     min_accepted: float = setting(0.5, "float")  # below this mean of accepted proposals a sequence pauses proposing
     adaptive: bool = setting(True, "bool")  # speculate only at batch sizes where it measured faster
 

@@ -102,7 +102,7 @@ class SchedulerConfig:
     prompt_lookup_max: int = 4
     # tokens one verify step carries at most (its sequences' last tokens and proposals): fewer proposals each as the
     # batch grows, none from this many running sequences on (at saturation verifying costs more than it saves)
-    speculative_step_tokens: int = 64
+    speculative_step_tokens: int = 8
     # a sequence whose recent verifications accepted fewer proposals than this on average sits out
     # ``SPEC_PAUSE_STEPS`` decode steps, then tries again (a verify step costs more than a decode step)
     speculative_min_accepted: float = 0.5
