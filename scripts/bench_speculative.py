@@ -183,13 +183,16 @@ def main() -> None:
         print("\n| early exit layer | greedy agreement with all layers (held-out, teacher-forced) | perplexity |"
               " one stream tokens/s |")
         print("|---|---|---|---|")
-        speeds = {}
-        for layer in exits + [None]:
-            with Engine(engine_config(args, {}, layer)) as engine:
-                engine.start(progress=None)
-                speeds[layer] = asyncio.run(run_level(engine, loads["continue"][:8], args.max_output_tokens, 1))[0]
+        speeds: dict[int | None, list[float]] = {}
+        for rnd in range(args.rounds):
+            for layer in (exits + [None]) if rnd % 2 == 0 else ([None] + exits[::-1]):
+                with Engine(engine_config(args, {}, layer)) as engine:
+                    engine.start(progress=None)
+                    engine.submit(loads["continue"][0], SamplingParams(4)).result(timeout=600)  # warm
+                    speeds.setdefault(layer, []).append(
+                        asyncio.run(run_level(engine, loads["continue"], args.max_output_tokens, 1))[0])
         for layer, agree, ppl in early_exit_agreement(exits):
-            speed = speeds.get(layer, speeds[None])
+            speed = statistics.median(speeds.get(layer, speeds[None]))
             print(f"| {layer} | {agree:.3f} | {ppl:.1f} | {speed:.1f} |")
 
 
