@@ -24,7 +24,7 @@ from llm_serving.protocol.model_config import LlamaConfig
 from tests.chunk_driver import ChunkDriver
 from tests.hf_reference import hf_greedy, load_hf
 from tests.test_chunked_model import serve
-from tests.test_speculative import OracleProposer
+from tests.test_speculative import check_oracle_run
 
 CONFIG = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=192, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # head_dim 64
@@ -132,16 +132,7 @@ def test_verified_proposals_give_hugging_faces_greedy_tokens(verify_runner, mode
                           max_num_batched_tokens=BUDGET, max_model_len=MAX_LEN, eos_token_id=None,
                           chunked_prefill=True, speculative="ngram", num_speculative_tokens=3,
                           speculative_step_tokens=64, speculative_min_accepted=0)
-    scheduler = Scheduler(cfg)
-    scheduler._proposer = OracleProposer({p: ref for p, (ref, _) in references.items()}, CONFIG.vocab_size)
-    seqs = [Sequence(f"s{i}", p, SamplingParams(len(references[tuple(p)][0]))) for i, p in enumerate(batch_prompts)]
-    serve(scheduler, verify_runner, seqs)
-    assert scheduler.spec_proposed > scheduler.spec_accepted > scheduler.spec_steps > 0
-    for seq, prompt in zip(seqs, batch_prompts):
-        ref, ref_logprobs = references[tuple(prompt)]
-        assert seq.output_ids == ref
-        np.testing.assert_allclose(seq.output_logprobs, ref_logprobs, atol=1e-4)
-    assert scheduler.num_used_blocks == 0
+    check_oracle_run(Scheduler(cfg), verify_runner, references, CONFIG.vocab_size)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

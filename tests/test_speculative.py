@@ -75,6 +75,22 @@ class OracleProposer:
         return proposal
 
 
+def check_oracle_run(scheduler: Scheduler, runner, references: dict[tuple, tuple[list, list]], vocab_size: int) -> None:
+    """Serve each prompt of ``references`` (prompt -> transformers' greedy ids and logprobs) on the real ``runner``
+    with the oracle proposing: every token and logprob is transformers', some proposals kept, every block returned."""
+    from tests.test_chunked_model import serve as serve_on
+
+    scheduler._proposer = OracleProposer({p: ref for p, (ref, _) in references.items()}, vocab_size)
+    seqs = [Sequence(f"s{i}", list(p), SamplingParams(len(ref))) for i, (p, (ref, _)) in enumerate(references.items())]
+    serve_on(scheduler, runner, seqs)
+    assert scheduler.spec_proposed > scheduler.spec_accepted > scheduler.spec_steps > 0
+    for seq in seqs:
+        ref, ref_logprobs = references[tuple(seq.prompt_ids)]
+        assert seq.output_ids == ref
+        np.testing.assert_allclose(seq.output_logprobs, ref_logprobs, atol=1e-4)
+    assert scheduler.num_used_blocks == 0
+
+
 def serve(s: Scheduler, seqs: list[Sequence]) -> list[StepBatch]:
     model = FakeVerifier(s.config.num_blocks, s.config.block_size)
     for seq in seqs:
@@ -290,7 +306,6 @@ def test_on_the_native_cpu_ops_verified_tokens_are_hugging_faces(tmp_path):
     from llm_serving.models.random_model import build_random_model
     from tests.hf_reference import hf_greedy, load_hf
     from tests.test_chunked_model import CONFIG, RC
-    from tests.test_chunked_model import serve as serve_on
 
     model_dir = build_random_model(tmp_path, CONFIG, seed=5, std=0.15)
     rc = RunnerConfig(**{**RC.__dict__, "verify_tokens": 4, "kernels": "native"})
@@ -307,15 +322,7 @@ def test_on_the_native_cpu_ops_verified_tokens_are_hugging_faces(tmp_path):
                                           eos_token_id=None, chunked_prefill=True, speculative="ngram",
                                           num_speculative_tokens=4, speculative_step_tokens=64,
                                           speculative_min_accepted=0))
-    scheduler._proposer = OracleProposer({p: ref for p, (ref, _) in references.items()}, CONFIG.vocab_size)
-    seqs = [Sequence(f"s{i}", p, SamplingParams(15)) for i, p in enumerate(prompts)]
-    serve_on(scheduler, runner, seqs)
-    assert scheduler.spec_proposed > scheduler.spec_accepted > scheduler.spec_steps > 0
-    for seq, prompt in zip(seqs, prompts):
-        ref, ref_logprobs = references[tuple(prompt)]
-        assert seq.output_ids == ref
-        np.testing.assert_allclose(seq.output_logprobs, ref_logprobs, atol=1e-4)
-    assert scheduler.num_used_blocks == 0
+    check_oracle_run(scheduler, runner, references, CONFIG.vocab_size)
 
 
 class WrongProposer:
