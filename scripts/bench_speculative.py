@@ -11,6 +11,9 @@ the acceptance rate (accepted / proposed) and mean acceptance length (tokens a s
 the model's own pick included); every method's tokens are checked equal to
 plain greedy's. Early exit: teacher-forced agreement of the first N layers' greedy pick with the whole model's on
 the held-out text (and their perplexities), and one stream's tokens/s served with ``early_exit_layer`` N.
+
+``--openvino-python PY`` (``bash scripts/peer_env.sh openvino``) also runs OpenVINO GenAI f32 on the same token
+ids at one stream: plain, prompt lookup and the same draft (scripts/peers/run_openvino.py), after ours.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 from agents.training.corpus import stdlib_corpus
 from llm_serving.config.serving_config import ServingConfig
@@ -121,6 +125,39 @@ def early_exit_agreement(layers: list[int], windows: int = 24, seq_len: int = 25
     return sorted(rows)
 
 
+def openvino_rows(python: str, loads: dict[str, list[list[int]]], args: argparse.Namespace,
+                  reference: dict[tuple[str, int], list]) -> list[str]:
+    """One stream of each workload on OpenVINO GenAI f32: plain, prompt lookup, the draft; tokens/s, ms per output
+    token and whether its ids equal our plain greedy ones."""
+    import subprocess
+    import tempfile
+
+    from peers.peer_io import PeerRequest, RequestFile, compare_ids, read_results, summarize, write_requests
+
+    work = Path(tempfile.mkdtemp(prefix="bench-speculative-ov-"))
+    runner = ROOT / "scripts" / "peers" / "run_openvino.py"
+    lines = []
+    for load, prompts in loads.items():
+        requests = [PeerRequest(i, ids, args.max_output_tokens) for i, ids in enumerate(prompts[:8])]
+        rf = RequestFile(str(PAIR / "target"), 2, [1], 8, requests)
+        write_requests(work / f"{load}.json", rf)
+        for mode in ("none", "prompt_lookup", "draft"):
+            out = work / f"{load}-{mode}.out.json"
+            cmd = [python, str(runner), "--requests", str(work / f"{load}.json"), "--out", str(out),
+                   "--ir-dir", str(work / "ir-target"), "--speculative", mode, "--assistant-tokens",
+                   str(args.num_tokens), "--draft-model", str(PAIR / "draft"), "--draft-ir-dir", str(work / "ir-draft")]
+            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if res.returncode:
+                lines.append(f"| {load} | openvino {mode} | failed: {res.stderr.strip().splitlines()[-1][:200]} |")
+                continue
+            run = read_results(out).runs[0]
+            stats = summarize(run)
+            equal, compared, _ = compare_ids(reference[(load, 1)], run.timings)
+            lines.append(f"| {load} | openvino f32 {mode} | {stats['tokens_per_s']:.1f} | "
+                         f"{stats['mean_tpot_s'] * 1e3:.2f} | {equal}/{compared} equal to our plain greedy ids |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", default="plain,ngram,draft,self1,self2")
@@ -132,6 +169,7 @@ def main() -> None:
     ap.add_argument("--num-tokens", type=int, default=4, help="speculative.num_tokens")
     ap.add_argument("--max-step-tokens", type=int, default=8, help="speculative.max_step_tokens")
     ap.add_argument("--exit-layers", default="1,2,3")
+    ap.add_argument("--openvino-python", help="the OpenVINO peer's python (bash scripts/peer_env.sh openvino)")
     args = ap.parse_args()
     methods = args.methods.split(",")
     levels = [int(n) for n in args.levels.split(",")]
@@ -179,6 +217,15 @@ def main() -> None:
             print(f"| {load} | {method} | {steps} | {drafts} | {proposed} | {accepted} | "
                   f"{accepted / max(proposed, 1):.2f} | {1 + accepted / max(drafts, 1):.2f} |")
     print(f"\noutputs different from plain greedy's: {mismatches or 'none'}")
+    if args.openvino_python and 1 in levels and "plain" in methods:
+        print("\n| workload | system | one stream tokens/s | ms per output token | ids |")
+        print("|---|---|---|---|---|")
+        for load in loads:
+            for method in methods:
+                runs = rows[(load, method, 1)]
+                print(f"| {load} | ours {method} | {statistics.median(r for r, _ in runs):.1f} | "
+                      f"{statistics.median(t for _, t in runs):.2f} | |")
+        print("\n".join(openvino_rows(args.openvino_python, loads, args, reference)))
     if exits:
         print("\n| early exit layer | greedy agreement with all layers (held-out, teacher-forced) | perplexity |"
               " one stream tokens/s |")

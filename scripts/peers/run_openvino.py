@@ -9,6 +9,10 @@ reading each request's new ids after every step (its first-token time). ``--prec
 INFERENCE_PRECISION_HINT=f32 and KV_CACHE_PRECISION=f32 (exact float32, the comparison with ours);
 ``default`` keeps the CPU plugin's defaults (bf16 compute and a u8 KV cache on CPUs with bf16 support).
 EOS is ignored and decoding is greedy, so every request generates its max_new_tokens.
+
+``--speculative prompt_lookup`` (the pipeline's ``prompt_lookup`` property, n-grams up to 4) or ``draft`` (a draft
+model exported the same way from ``--draft-model`` into ``--draft-ir-dir``, the ``draft_model`` property) proposes
+``--assistant-tokens`` tokens a step, as scripts/bench_speculative.py compares with ours.
 """
 
 from __future__ import annotations
@@ -47,7 +51,11 @@ def export(model_dir: str, ir_dir: Path) -> float | None:
     return time.perf_counter() - t0
 
 
-def load(ir_dir: Path, precision: str):  # -> ContinuousBatchingPipeline
+ASSISTANT = [0]  # tokens proposed a step (--assistant-tokens with --speculative; 0: none)
+NGRAM = 4  # prompt lookup's longest n-gram, as ours (speculative.prompt_lookup_max)
+
+
+def load(ir_dir: Path, precision: str, speculative: str = "none", draft_ir: Path | None = None):
     import openvino_genai as ov_genai
 
     sched = ov_genai.SchedulerConfig()
@@ -55,10 +63,14 @@ def load(ir_dir: Path, precision: str):  # -> ContinuousBatchingPipeline
     sched.cache_size = 1  # GB of KV cache: the whole workload at once needs ~0.4
     sched.dynamic_split_fuse = True
     props = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"} if precision == "f32" else {}
+    if speculative == "prompt_lookup":
+        props["prompt_lookup"] = True
+    elif speculative == "draft":
+        props["draft_model"] = ov_genai.draft_model(str(draft_ir), "CPU", **props)
     return ov_genai.ContinuousBatchingPipeline(str(ir_dir), sched, "CPU", props)
 
 
-def gen_config(max_new_tokens: int, eos: int):
+def gen_config(max_new_tokens: int, eos: int, assistant_tokens: int = 0):
     import openvino_genai as ov_genai
 
     cfg = ov_genai.GenerationConfig()
@@ -66,6 +78,9 @@ def gen_config(max_new_tokens: int, eos: int):
     cfg.ignore_eos = True
     cfg.do_sample = False
     cfg.eos_token_id = eos
+    if assistant_tokens:
+        cfg.num_assistant_tokens = assistant_tokens
+        cfg.max_ngram_size = NGRAM
     return cfg
 
 
@@ -88,7 +103,8 @@ def run_level(pipe, rf: RequestFile, level: int, next_id: list[int]) -> LevelRun
         for pos in loop.to_start():
             r = reqs[pos]
             tensor = ov.Tensor(np.array([r.prompt_ids], dtype=np.int64))
-            handles[pos] = pipe.add_request(next_id[0], tensor, gen_config(r.max_new_tokens, rf.eos_token_id))
+            handles[pos] = pipe.add_request(next_id[0], tensor, gen_config(r.max_new_tokens, rf.eos_token_id,
+                                                                           ASSISTANT[0]))
             next_id[0] += 1
             ids[pos] = []
             start[pos] = time.perf_counter() - t0
@@ -113,13 +129,20 @@ def run_level(pipe, rf: RequestFile, level: int, next_id: list[int]) -> LevelRun
 def main() -> int:
     p = runner_parser(__doc__, "--ir-dir", "where the exported IR is cached")
     p.add_argument("--precision", choices=("f32", "default"), default="f32")
+    p.add_argument("--speculative", choices=("none", "prompt_lookup", "draft"), default="none")
+    p.add_argument("--assistant-tokens", type=int, default=4)
+    p.add_argument("--draft-model", help="HF directory of the draft (--speculative draft)")
+    p.add_argument("--draft-ir-dir", type=Path, help="where the draft's exported IR is cached")
     args = p.parse_args()
     import openvino_genai as ov_genai
 
     rf = read_requests(args.requests)
     convert_s = export(rf.model_dir, args.ir_dir)
+    if args.speculative == "draft":
+        export(args.draft_model, args.draft_ir_dir)
+    ASSISTANT[0] = args.assistant_tokens if args.speculative != "none" else 0
     t0 = time.perf_counter()
-    pipe = load(args.ir_dir, args.precision)
+    pipe = load(args.ir_dir, args.precision, args.speculative, args.draft_ir_dir)
     next_id = [0]
     run_level(pipe, RequestFile(rf.model_dir, rf.eos_token_id, [1], 1, rf.requests[:1]), 1, next_id)  # warm-up
     load_s = time.perf_counter() - t0
@@ -131,8 +154,10 @@ def main() -> int:
     settings = (f"ContinuousBatchingPipeline, max_num_batched_tokens {MAX_BATCHED_TOKENS}, "
                 + ("INFERENCE_PRECISION_HINT=f32, KV_CACHE_PRECISION=f32" if args.precision == "f32"
                    else "CPU plugin defaults (bf16 compute, u8 KV cache where the CPU has bf16)"))
-    write_results(args.out, PeerResult(f"openvino-{args.precision}", ov_genai.__version__, settings, convert_s,
-                                       load_s, runs))
+    if args.speculative != "none":
+        settings += f", {args.speculative} with {args.assistant_tokens} assistant tokens"
+    name = f"openvino-{args.precision}" + ("" if args.speculative == "none" else f"-{args.speculative}")
+    write_results(args.out, PeerResult(name, ov_genai.__version__, settings, convert_s, load_s, runs))
     return 0
 
 
