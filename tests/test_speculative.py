@@ -175,10 +175,11 @@ def test_proposals_only_where_rejection_sampling_keeps_the_distribution():
 
 def test_rejection_sampling_keeps_the_models_distribution():
     """Chi-square over 6 tokens: the first kept token follows p_0 and, given the first proposal was kept, the second
-    follows p_1, whatever was proposed (a likely token, an unlikely one, one top-k removes)."""
+    follows p_1, whatever was proposed (a likely token, an unlikely one, one top-k removes); and every token is the
+    one plain seeded sampling draws at its position."""
     from scipy.stats import chisquare
 
-    from agents.runtime.sampler import filtered_probs, speculative_sample_row
+    from agents.runtime.sampler import filtered_probs, sample_row, speculative_sample_row
 
     logits = np.log(np.array([[0.4, 0.25, 0.15, 0.1, 0.06, 0.04], [0.05, 0.1, 0.5, 0.2, 0.1, 0.05],
                               [0.3, 0.3, 0.1, 0.1, 0.1, 0.1]], np.float32))
@@ -198,6 +199,10 @@ def test_rejection_sampling_keeps_the_models_distribution():
         kept = np.mean([len(run) > 1 for run in runs])  # the first proposal kept as often as p_0 gives it
         ids, probs = filtered_probs(logits[0].astype(np.float64), top_k, 1.0)
         assert abs(kept - probs[ids == proposals[0]].sum()) < 0.02
+        for seed, run in enumerate(runs[:300]):  # the draws of plain sampling, position by position
+            plain = [sample_row(logits[j], 1.0, top_k, 1.0, 1.0, np.zeros(0, np.int32), seed, 7 + j)[0]
+                     for j in range(len(run))]
+            assert run == plain
 
 
 def test_proposals_and_accepted_tokens_cross_shared_memory():

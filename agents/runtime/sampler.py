@@ -129,8 +129,8 @@ def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
     return token, _log_softmax_at(logits, token)
 
 
-def _draw(seed: int, draw_index: int, stream: int = 0) -> float:
-    return np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, draw_index, *([stream] if stream else [])]).random()
+def _draw(seed: int, draw_index: int) -> float:
+    return np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, draw_index]).random()
 
 
 def _pick(ids: np.ndarray, probs: np.ndarray, u: float) -> int:
@@ -139,30 +139,23 @@ def _pick(ids: np.ndarray, probs: np.ndarray, u: float) -> int:
 
 def speculative_sample_row(logits: np.ndarray, proposals: list[int], temperature: float, top_k: int, top_p: float,
                            seed: int, draw_index: int) -> list[int]:
-    """The tokens a plainly sampled sequence keeps from a verify step: rejection sampling against proposals that
-    were chosen deterministically (prompt lookup, a greedy draft). ``logits`` ``[len(proposals) + 1, vocab]``: the
-    model's after its last token and after each proposal.
+    """The tokens a plainly sampled sequence keeps from a verify step. ``logits`` ``[len(proposals) + 1, vocab]``:
+    the model's after its last token and after each proposal.
 
-    Proposal ``d`` at position ``j`` is kept with probability ``p_j(d)`` (``p_j``: the distribution ``sample_row``
-    draws from); the first one rejected is replaced by a draw from ``p_j`` without ``d``, renormalised, and the
-    step ends there; after the last kept proposal one more token is drawn from its ``p``. So every token has exactly
-    the distribution of sampling one step at a time: ``p(d) + (1 - p(d)) * 0`` for ``d``, ``(1 - p(d)) * p(x) / (1 -
-    p(d))`` for any other ``x``. Each token's draws depend only on the seed and its output position, as
-    ``sample_row``'s.
+    Each position draws its token exactly as ``sample_row`` would there (the same distribution, the same draw of
+    the seed and output position), and the proposal is kept when the draw equals it; the first that differs ends
+    the step with the drawn token. For proposals chosen deterministically (prompt lookup, a greedy draft) this is
+    speculative sampling's rejection rule (a proposal ``d`` is kept with probability ``p(d)``, else replaced by a
+    draw from ``p`` without ``d``) with the draws coupled to plain sampling's: a seeded request gives the same
+    tokens whether or not its steps speculate.
     """
     out = []
-    for j, proposed in enumerate(proposals):
+    for j in range(len(proposals) + 1):
         ids, probs = filtered_probs(logits[j].astype(np.float64) / temperature, top_k, top_p)
-        kept = float(probs[ids == proposed].sum())
-        if _draw(seed, draw_index + j, stream=1) < kept:
-            out.append(int(proposed))
-            continue
-        other = ids != proposed  # kept < 1, so some other token has probability left
-        out.append(_pick(ids[other], probs[other] / probs[other].sum(), _draw(seed, draw_index + j)))
-        return out
-    j = len(proposals)
-    ids, probs = filtered_probs(logits[j].astype(np.float64) / temperature, top_k, top_p)
-    return out + [_pick(ids, probs, _draw(seed, draw_index + j))]
+        out.append(_pick(ids, probs, _draw(seed, draw_index + j)))
+        if j == len(proposals) or out[-1] != proposals[j]:
+            return out
+    return out
 
 
 def sample(logits: np.ndarray, greedy_ids: np.ndarray, greedy_logprobs: np.ndarray,

@@ -6,7 +6,8 @@ its log-probability after *every* token (``("verify", max_seqs, tokens)``: the m
 norm and lm_head over all token rows), and ``accept`` keeps the picks up to the first proposal that differs from
 the pick before it. The kept picks are exactly what plain greedy decoding would produce one step at a time; the
 K/V written for rejected proposals lie past the sequence's end, and the master overwrites or frees them. A sampled
-sequence keeps its proposals by rejection sampling instead, from the logits of every row (read back only then).
+sequence keeps its proposals while the token plain sampling draws at each position equals them (rejection sampling
+for deterministic proposals), from the logits of every row (read back only then).
 Only ragged backends run it (the tokens back to back, as their mixed steps).
 """
 
@@ -55,7 +56,7 @@ class VerifyStep(nn.Cell):
 def accept(batch: StepBatch, picks: np.ndarray, logprobs: np.ndarray, logits: np.ndarray | None = None) -> StepOutput:
     """The step's answer from the greedy picks after every query token (``[num_tokens]``, batch order); a sampled
     sequence's tokens come from its rows of ``logits`` (``[num_tokens, vocab]``, read back for sampled steps only)
-    by rejection sampling (``sampler.sample_verified``)."""
+    (``sampler.sample_verified``)."""
     n, most = batch.batch_size, int(batch.draft_lens.max(initial=0))
     ends = np.cumsum(batch.query_lens)
     ids, lps = np.zeros(n, np.int32), np.zeros(n, np.float32)

@@ -126,8 +126,8 @@ class StepBatch:
     slot from the block table, which covers them all); ``StepOutput.more_token_ids`` holds the later tokens.
 
     ``draft_lens`` (speculative decoding): the last ``draft_lens[i]`` query tokens of sequence ``i`` are proposed
-    tokens to verify. The agents pick after every query token (greedily, or for a sampled sequence by rejection
-    sampling, ``agents.runtime.sampler.speculative_sample_row``) and accept the proposals up to the first that
+    tokens to verify. The agents pick after every query token (greedily, or for a sampled sequence by its seeded
+    draw there, ``agents.runtime.sampler.speculative_sample_row``) and accept the proposals up to the first that
     differs: ``token_ids[i]`` is the pick after the sequence's last real token, ``more_token_ids[i, :num_more[i]]``
     the picks after each accepted proposal.
     """
