@@ -352,7 +352,8 @@ def test_a_sequence_whose_proposals_keep_failing_pauses_them(threshold):
 def verify_share(verify_s: float | None) -> tuple[list[bool], float]:
     """Decode steps of one long request (whether each speculated), reporting each step's wall time as the engine
     does: ``verify_s`` for a verify step, 0.01 s for a plain one (None: no times reported)."""
-    s = Scheduler(config(speculative="ngram", max_model_len=256, num_blocks=128, max_num_batched_tokens=256))
+    s = Scheduler(config(speculative="ngram", speculative_adaptive=True, max_model_len=256, num_blocks=128,
+                         max_num_batched_tokens=256))
     model = FakeVerifier(s.config.num_blocks, s.config.block_size)
     s.add(Sequence("a", [3, 4, 5, 6, 7], SamplingParams(150, ignore_eos=True)))
     kinds = []

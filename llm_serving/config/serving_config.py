@@ -174,8 +174,8 @@ class SpeculativeSection:
     draft_model_path: str | None = setting(None, "path", optional=True)
     draft_layers: int | None = setting(None, "int", optional=True)
     max_step_tokens: int = setting(8, "int")  # a verify step's tokens at most: proposals back off as batches grow
-    min_accepted: float = setting(0.5, "float")  # below this mean of accepted proposals a sequence pauses proposing
-    adaptive: bool = setting(True, "bool")  # speculate only at batch sizes where it measured faster
+    min_accepted: float = setting(0.0, "float")  # below this mean of accepted proposals a sequence pauses (0: never)
+    adaptive: bool = setting(False, "bool")  # speculate only at batch sizes where it measured faster
 
 
 DEFAULT_WEIGHTS = ("trained", "random")

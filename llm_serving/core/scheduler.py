@@ -105,9 +105,9 @@ class SchedulerConfig:
     speculative_step_tokens: int = 8
     # a sequence whose recent verifications accepted fewer proposals than this on average sits out
     # ``SPEC_PAUSE_STEPS`` decode steps, then tries again (a verify step costs more than a decode step)
-    speculative_min_accepted: float = 0.5
+    speculative_min_accepted: float = 0.0
     # speculate only at the batch sizes where verify steps measured faster (tokens/s) than plain ones
-    speculative_adaptive: bool = True
+    speculative_adaptive: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_prefill_batch",
