@@ -67,9 +67,6 @@ class SpeculativeRunner:
         draft_times = self.draft.warmup(tell, drafts or None)
         return {**times, **{("draft", *k): v for k, v in draft_times.items()}}
 
-    def graph_shapes(self) -> list[tuple]:
-        return self.target.graph_shapes() + [("draft", *s) for s in self.draft.graph_shapes()]
-
     def step(self, batch: StepBatch) -> StepOutput:
         if batch.draft_lens is not None:
             return self._speculate(batch)
