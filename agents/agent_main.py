@@ -101,7 +101,8 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     serving = spec.runner_config.get("dtype")
     on_npu = spec.runner_config.get("device_target") == "Ascend" and serving in ("float16", "bfloat16")
     host_dtype = serving if on_npu else "float32"
-    weights = load_rank_weights(spec.model_path, config, shard, host_dtype)  # before importing MindSpore: fails fast
+    quantize = spec.runner_config.get("quantization", "none") != "none"  # tp > 1: int8 slices with whole-row scales
+    weights = load_rank_weights(spec.model_path, config, shard, host_dtype, quantize)  # before MindSpore: fails fast
     from agents.runtime.runner import ModelRunner, RunnerConfig
     from agents.runtime.speculative_runner import SpeculativeRunner, layer_prefix
 
@@ -116,7 +117,7 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
         draft_config = LlamaConfig(**spec.draft["llama_config"])
         progress(f"loading the draft model from {spec.draft['model_path']}")
         draft_model = draft_config, load_rank_weights(spec.draft["model_path"], draft_config,
-                                                      ShardPlan(draft_config, shard.tp, rank), host_dtype)
+                                                      ShardPlan(draft_config, shard.tp, rank), host_dtype, quantize)
 
     fields = {**spec.runner_config, "device_id": spec.start_device_id + rank}
     utilization = fields.pop("memory_utilization", None)
@@ -156,10 +157,11 @@ def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft:
     if target == "CPU":  # the ranks share the host's memory
         device //= shard.tp
     per_block = kv_budget.block_bytes(shard, block_size, dtype)
-    held = kv_budget.weight_bytes(weights, dtype)
+    quantized = fields.get("quantization", "none") != "none"
+    held = kv_budget.weight_bytes(weights, dtype, quantized)
     if draft is not None:
         per_block += kv_budget.block_bytes(draft[0], block_size, dtype)
-        held += kv_budget.weight_bytes(draft[1], dtype)
+        held += kv_budget.weight_bytes(draft[1], dtype, quantized)
     return kv_budget.plan_blocks(
         device, utilization, held,
         kv_budget.step_reserve_bytes(shard, tokens, batch + 1, dtype, fields["device_target"]),

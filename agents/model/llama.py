@@ -38,7 +38,7 @@ class ProjectionWeight(nn.Cell):
     """A projection's ``W [out, in]`` (Hugging Face's layout), held as the backend's ops read it: as is, or
     in the native GEMM's panel layout (``panels``; ``swiglu`` for the fused ``[gate; up]`` weight, see
     ``agents.weights.packed``), in the model's dtype or, for a faster precision mode (``panel_dtype``), as
-    float16 panels or int32 bfloat16 pairs. Loaders convert through ``stored`` and ``unstored`` (which gives the
+    float16 panels or int32 bfloat16 pairs, or quantized (int8 panels with scales). Loaders convert through ``stored`` and ``unstored`` (which gives the
     rounded values back as float32)."""
 
     def __init__(self, in_dim: int, out_dim: int, dtype: ms.Type, panels: bool = False, swiglu: bool = False,
@@ -52,14 +52,24 @@ class ProjectionWeight(nn.Cell):
         self.panel_dtype = panel_dtype
         if panel_dtype == "bfloat16":
             stored, dtype = packed_weights.packed_shape_bf16(out_dim, in_dim, swiglu), ms.int32
+        elif panel_dtype == "int8":
+            stored, dtype = packed_weights.packed_shape_int8(out_dim, in_dim, swiglu), ms.int8
         else:
             stored = packed_weights.packed_shape(out_dim, in_dim, swiglu) if panels else self.shape
             dtype = ms.float16 if panel_dtype == "float16" else dtype
         self.dtype = dtype
         self.weight = Parameter(initializer("zeros", stored, dtype), name="weight")
 
-    def stored(self, w: np.ndarray) -> np.ndarray:
-        """The ``[out, in]`` weight ``w`` as this cell holds it."""
+    def stored(self, w: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
+        """The ``[out, in]`` weight ``w`` as this cell holds it. For int8 panels, ``w`` is either float (quantized
+        here, per output row) or already int8 with its ``scale [out]`` (``agents.weights.packed.quantize_rows``)."""
+        if self.panel_dtype == "int8":
+            if scale is None:
+                w, scale = packed_weights.quantize_rows(w)
+            return packed_weights.pack_int8(w, scale, self.swiglu)
+        if scale is not None:
+            raise ValueError("int8 weights with scales (a quantized checkpoint) need model_config.quantization "
+                             f"w8a16; this projection holds {self.panel_dtype or 'float'} weights")
         if self.panel_dtype == "bfloat16":
             return packed_weights.pack_bf16(w, self.swiglu)
         if self.panel_dtype == "float16":
@@ -67,7 +77,9 @@ class ProjectionWeight(nn.Cell):
         return packed_weights.pack(w, self.swiglu) if self.panels else w
 
     def unstored(self, held: np.ndarray) -> np.ndarray:
-        """The ``[out, in]`` weight back from what this cell holds."""
+        """The ``[out, in]`` weight back from what this cell holds (int8: dequantized, as the kernel forms it)."""
+        if self.panel_dtype == "int8":
+            return packed_weights.dequantize_rows(*packed_weights.unpack_int8(held, *self.shape, self.swiglu))
         if self.panel_dtype == "bfloat16":
             return packed_weights.unpack_bf16(held, self.shape[0], self.shape[1], self.swiglu)
         if self.panel_dtype == "float16":
@@ -84,7 +96,7 @@ class LlamaLayer(nn.Cell):
                  backend: OpsBackend, shard: ShardPlan | None = None) -> None:
         super().__init__()
         hidden, eps, panels = config.hidden_size, config.rms_norm_eps, backend.panel_weights
-        fmt = backend.panel_dtype
+        fmt = backend.layer_panel_dtype or backend.panel_dtype
         shard = shard if shard is not None else ShardPlan(config)
         heads = shard.attention_config  # this rank's heads; its hidden_size is their width
         self.attention_norm = norm_weight(hidden, dtype, "attention_norm")
@@ -244,7 +256,7 @@ def load_weights_into(model: LlamaModel, weights: dict[str, np.ndarray]) -> None
                 continue
             value = (value.astype(np.uint32) << 16).view(np.float32)
         if linear is not None:
-            value = linear.stored(value)
+            value = linear.stored(value, weights.get(f"{name}.scale"))  # int8 with scales: pre-quantized
             dtype = linear.dtype
         param.set_data(Tensor(np.ascontiguousarray(value), dtype))
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from agents.weights.sharded import QUANTIZED_KINDS
 from llm_serving.protocol.parallel import ShardPlan
 
 GIB = 1 << 30
@@ -48,9 +49,18 @@ def block_bytes(shard: ShardPlan, block_size: int, dtype: str) -> int:
     return 2 * config.num_hidden_layers * block_size * shard.kv_heads * config.head_dim * DTYPE_BYTES[dtype]
 
 
-def weight_bytes(weights: Mapping[str, np.ndarray], dtype: str) -> int:
-    """This rank's weights as the device holds them (in the serving dtype)."""
-    return sum(int(w.size) for w in weights.values()) * DTYPE_BYTES[dtype]
+def weight_bytes(weights: Mapping[str, np.ndarray], dtype: str, quantized: bool = False) -> int:
+    """This rank's weights as the device holds them: in the serving dtype, or (``quantized``, w8a16) the layers'
+    projections as one byte a weight and a float32 scale a row (``agents.weights.packed.pack_int8``)."""
+    total = 0
+    for name, w in weights.items():
+        if name.endswith(".scale"):
+            total += int(w.size) * 4
+        elif quantized and name.rsplit(".", 1)[-1] in QUANTIZED_KINDS:
+            total += int(w.size) + (0 if f"{name}.scale" in weights else int(w.shape[0]) * 4)
+        else:
+            total += int(w.size) * DTYPE_BYTES[dtype]
+    return total
 
 
 def step_reserve_bytes(shard: ShardPlan, max_tokens: int, max_batch: int, dtype: str, device_target: str) -> int:

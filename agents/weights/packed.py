@@ -119,3 +119,53 @@ def packed_shape_bf16(out: int, inner: int, swiglu: bool = False) -> tuple[int, 
     """The shape ``pack_bf16`` gives a ``[out, in]`` weight."""
     rows = packed_shape(out, inner, swiglu)[0] // inner
     return rows * -(-inner // 2), PANEL
+
+
+# ---- int8 weights (model_config.quantization: w8a16) -------------------------------------------------------------
+# Symmetric per-output-channel int8: W[o, :] ~ scale[o] * q[o, :], scale = max |W[o, :]| / 127, q in [-127, 127].
+# Held as int8 panels with each panel's 32 float32 scales appended as 4 more rows of 32 bytes:
+# ``[panels * (in + 4), 32]`` int8, panel p = ``in`` rows of q (the float32 panel layout) then its scales. One
+# tensor per projection, as every other mode, so the ops and the model's wiring do not change with the format.
+SCALE_ROWS = 4  # 32 float32 scales = 128 bytes = 4 rows of 32 int8
+
+
+def quantize_rows(w: np.ndarray, absmax: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``W [out, in]`` -> (int8 ``q``, float32 ``scale [out]``), symmetric per output row. ``absmax``: each row's
+    largest magnitude when ``w`` is a slice of the row (a row-parallel shard: its scale is the whole row's, so
+    that every tensor-parallel degree holds the same numbers). All-zero rows get scale 0."""
+    w = np.asarray(w, dtype=np.float32)
+    top = np.abs(w).max(axis=1) if absmax is None else np.asarray(absmax, np.float32)
+    scale = (top / np.float32(127)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    q = np.clip(np.rint(w / safe[:, None]), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def dequantize_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The float32 weight an int8 ``q`` with ``scale`` stands for (one float32 product each, as the kernel forms
+    it)."""
+    return q.astype(np.float32) * np.asarray(scale, np.float32)[:, None]
+
+
+def pack_int8(q: np.ndarray, scale: np.ndarray, swiglu: bool = False) -> np.ndarray:
+    """int8 ``q [out, in]`` and ``scale [out]`` in the kernel's int8 panel layout (see above)."""
+    out, inner = q.shape
+    panels = pack(np.asarray(q, np.int8), swiglu)
+    count = panels.shape[0] // inner
+    scales = pack(np.asarray(scale, np.float32).reshape(out, 1), swiglu)  # [count, 32]: each panel's columns
+    blocks = np.concatenate([panels.reshape(count, inner, PANEL),
+                             scales.view(np.int8).reshape(count, SCALE_ROWS, PANEL)], axis=1)
+    return np.ascontiguousarray(blocks.reshape(-1, PANEL))
+
+
+def unpack_int8(packed: np.ndarray, out: int, inner: int, swiglu: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(``q [out, in]``, ``scale [out]``) back from ``pack_int8``."""
+    blocks = np.ascontiguousarray(packed).reshape(-1, inner + SCALE_ROWS, PANEL)
+    q = unpack(np.ascontiguousarray(blocks[:, :inner]).reshape(-1, PANEL), out, swiglu)
+    scales = np.ascontiguousarray(blocks[:, inner:]).view(np.float32).reshape(-1, 1 * PANEL)
+    return q, unpack(scales, out, swiglu)[:, 0]
+
+
+def packed_shape_int8(out: int, inner: int, swiglu: bool = False) -> tuple[int, int]:
+    """The shape ``pack_int8`` gives a ``[out, in]`` weight."""
+    return packed_shape(out, inner, swiglu)[0] // inner * (inner + SCALE_ROWS), PANEL

@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from agents.weights import checkpoints as w
+from agents.weights.packed import quantize_rows
 from llm_serving.protocol.model_config import HF_INDEX_FILE, HF_SINGLE_FILE, LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan
 
@@ -339,10 +340,26 @@ def as_host_dtype(arr: np.ndarray, dtype: npt.DTypeLike | str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=dtype)
 
 
+# the decoder layers' projections that model_config.quantization w8a16 holds as int8 (agents.weights.packed)
+QUANTIZED_KINDS = ("w_qkv", "wo", "w_gate_up", "w_down")
+ROW_PARALLEL_KINDS = ("wo", "w_down")  # cut by columns: a rank holds part of each output row
+ABSMAX_ROWS = 1024  # rows of a whole tensor read at a time to find each row's largest magnitude
+
+
+def _row_absmax(source: SliceSource, name: str) -> np.ndarray:
+    """Each row's largest magnitude over the whole tensor, read ``ABSMAX_ROWS`` rows at a time."""
+    rows = source[name][0]
+    return np.concatenate([np.abs(source.read(name, (r, min(r + ABSMAX_ROWS, rows)), None).astype(np.float32)).max(1)
+                           for r in range(0, rows, ABSMAX_ROWS)])
+
+
 def _assemble_shard(source: SliceSource, names: dict[str, list[list[str]]], config: LlamaConfig,
-                    plan: ShardPlan, strict: bool, dtype: npt.DTypeLike | str = np.float32) -> dict[str, np.ndarray]:
+                    plan: ShardPlan, strict: bool, dtype: npt.DTypeLike | str = np.float32,
+                    quantize: bool = False) -> dict[str, np.ndarray]:
     """This rank's canonical tensors: names and full shapes checked as ``agents.weights.checkpoints`` does, then only the
-    slices read, each turned into ``dtype`` as it is read (so no wider copy of the whole slice exists)."""
+    slices read, each turned into ``dtype`` as it is read (so no wider copy of the whole slice exists). ``quantize``:
+    the layers' projections as int8 with a ``<key>.scale`` each (``agents.weights.packed.quantize_rows``), a
+    row-parallel slice scaled by its whole rows, so that every tensor-parallel degree holds the same numbers."""
     label = source.label
     for name in source:
         m = w._LAYER_INDEX.search(name)
@@ -370,27 +387,34 @@ def _assemble_shard(source: SliceSource, names: dict[str, list[list[str]]], conf
         pieces = [as_host_dtype(source.read(chosen[part], rows, cols), dtype)
                   for part, rows, cols in _cuts(kind, len(chosen), config, plan)]
         out[key] = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
+        if quantize and kind in QUANTIZED_KINDS:
+            absmax = _row_absmax(source, chosen[0]) if kind in ROW_PARALLEL_KINDS else None
+            out[key], out[f"{key}.scale"] = quantize_rows(out[key], absmax)
     w.refuse_unused(source, used, label, strict)
     return out
 
 
 def load_shard(model_dir_or_file: str | Path, config: LlamaConfig, plan: ShardPlan,
-               dtype: npt.DTypeLike | str = np.float32) -> dict[str, np.ndarray]:
+               dtype: npt.DTypeLike | str = np.float32, quantize: bool = False) -> dict[str, np.ndarray]:
     """This rank's canonical weights (``shard_shapes``), as owned ``dtype`` arrays (``"bfloat16"``: uint16 bits),
-    reading only its slices."""
+    reading only its slices; ``quantize``: the layers' projections int8 with scales (``_assemble_shard``)."""
     source, names, strict = open_source(Path(model_dir_or_file))
-    weights = _assemble_shard(source, names, config, plan, strict, dtype)
+    weights = _assemble_shard(source, names, config, plan, strict, dtype, quantize)
     for key, shape in shard_shapes(config, plan).items():
         if tuple(weights[key].shape) != shape:
             raise w.WeightLoadError(f"shape mismatch for {key!r} of rank {plan.rank}: expected {shape}, "
                                     f"got {tuple(weights[key].shape)}")
-    return {k: as_host_dtype(v, dtype) for k, v in weights.items()}
+    return {k: v if v.dtype == np.int8 or k.endswith(".scale") else as_host_dtype(v, dtype)
+            for k, v in weights.items()}
 
 
 def load_rank_weights(model_dir_or_file: str | Path, config: LlamaConfig, plan: ShardPlan,
-                      dtype: npt.DTypeLike | str = np.float32) -> dict[str, np.ndarray]:
+                      dtype: npt.DTypeLike | str = np.float32, quantize: bool = False) -> dict[str, np.ndarray]:
     """The whole model's weights at ``tp == 1`` (``agents.weights.checkpoints.load_weights``, bfloat16 through
-    float32), else this rank's slice read straight into ``dtype``."""
+    float32; ``quantize`` happens as the model packs them), else this rank's slice read straight into ``dtype``
+    (``quantize``: int8 with scales, see ``_assemble_shard``)."""
+    if plan.tp > 1 and quantize:
+        return load_shard(model_dir_or_file, config, plan, dtype, quantize=True)
     if plan.tp == 1:
         if isinstance(dtype, str) and dtype == "bfloat16":
             return {k: bf16_bits(v) for k, v in w.load_weights(model_dir_or_file, config).items()}

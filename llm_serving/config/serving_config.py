@@ -38,6 +38,7 @@ from llm_serving.protocol.model_config import (
     DTYPES,
     KERNEL_CHOICES,
     PRECISIONS,
+    QUANTIZATIONS,
     LlamaConfig,
     ModelConfigError,
     blocks_needed,
@@ -78,6 +79,7 @@ class ModelSection:
     page_attention: bool = setting(True, "bool")
     kernels: str = setting("auto", "str")  # native C++ ops on CPU (attention, greedy, projections), portable or auto
     precision: str = setting("exact", "str")  # exact; half / fast: float16 / bfloat16 weights of native projections
+    quantization: str = setting("none", "str")  # none; w8a16: int8 weights of the layers' projections
     backend: str = setting("ms", "str")
     model_cfg_path: str | None = setting(None, "path", optional=True)
     # early exit: serve only the first N decoder layers (then the final norm and lm_head); None: every layer
@@ -448,6 +450,15 @@ def _validate(cfg: ServingConfig) -> None:
          "model_config.precision", f"{m.precision} runs on the native CPU kernels only: it needs "
          "model_config.device_target CPU, dtype float32 and kernels auto or native (got "
          f"{m.device_target}, {m.dtype}, {m.kernels})")
+    need(m.quantization in QUANTIZATIONS, "model_config.quantization",
+         f"expected one of {', '.join(QUANTIZATIONS)}, got {m.quantization!r}")
+    need(m.quantization == "none" or (m.device_target == "CPU" and m.kernels != "portable" and m.dtype == "float32"
+                                      and m.precision == "exact"),
+         "model_config.quantization", f"{m.quantization} runs on the native CPU projections with float32 "
+         "activations: it needs model_config.device_target CPU, dtype float32, kernels auto or native and precision "
+         f"exact (got {m.device_target}, {m.dtype}, {m.kernels}, {m.precision})")
+    need(m.quantization == "none" or not cfg.uses_mindformers, "model_config.quantization",
+         "is not served by backend mindformers")
     usable = (pa.num_blocks - 1) * pa.block_size if not pa.auto_blocks else pa.decode_seq_length  # block 0: padding
     need(pa.decode_seq_length <= usable, "pa_config.decode_seq_length",
          f"{pa.decode_seq_length} tokens do not fit in the cache of (num_blocks - 1) * block_size = "

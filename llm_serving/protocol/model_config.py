@@ -38,6 +38,9 @@ ROPE_TYPES = {"linear": ("factor",), "dynamic": ("factor",), "llama3": ("factor"
 # model_config.precision: exact (the dtype's own arithmetic); half / fast: the native CPU projections with float16
 # weights (float32 arithmetic) / bfloat16 weights and inputs (float32 sums); docs/benchmarks.md "Fast precision mode"
 PRECISIONS = ("exact", "fast", "half")
+# model_config.quantization: none, or w8a16 (int8 weights of the decoder layers' projections, per output channel,
+# float activations; agents.weights.packed "int8 weights"); docs/quantization.md
+QUANTIZATIONS = ("none", "w8a16")
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -70,6 +70,9 @@ class OpsBackend:
     # panel weights' storage where it is not the model's dtype: "float16", or "bfloat16" (int32 pairs,
     # ``agents.weights.packed.pack_bf16``); set by ``with_precision``
     panel_dtype: str | None = None
+    # the decoder layers' projections as int8 panels with scales (``agents.weights.packed.pack_int8``); set by
+    # ``with_quantization``. The lm_head keeps ``panel_dtype``: its errors land on the logits directly.
+    layer_panel_dtype: str | None = None
 
     def with_precision(self, precision: str) -> OpsBackend:
         """This backend for ``model_config.precision`` (``exact``, ``half`` or ``fast``); ``ValueError`` where it has
@@ -77,6 +80,15 @@ class OpsBackend:
         if precision != "exact":
             raise ValueError(f"model_config.precision {precision} needs the native CPU kernels (model_config.kernels "
                              f"auto or native, on CPU with g++); the {self.name} ops backend computes exactly only")
+        return self
+
+    def with_quantization(self, quantization: str) -> OpsBackend:
+        """This backend for ``model_config.quantization`` (``none`` or ``w8a16``); ``ValueError`` where it has no
+        such kernels."""
+        if quantization != "none":
+            raise ValueError(f"model_config.quantization {quantization} needs the native CPU projections "
+                             f"(model_config.kernels auto or native, on an AVX-512 CPU with g++); the {self.name} "
+                             "ops backend has no int8 projections")
         return self
 
     @staticmethod

@@ -113,10 +113,13 @@ class NativeCpuBackend(OpsBackend):
     ragged_prefill = True
     chunked_prefill = True
 
-    def __init__(self, native: NativeOps, panel_dtype: str | None = None) -> None:
+    def __init__(self, native: NativeOps, panel_dtype: str | None = None, layer_panel_dtype: str | None = None) -> None:
         self.native = native
-        self.panel_weights = self.skips_padding = native.projections
+        # int8 weights use the native projections on any CPU (the plain-loop build is their portable fallback:
+        # MindSpore's MatMul has no int8-weight form on CPU)
+        self.panel_weights = self.skips_padding = native.projections or layer_panel_dtype is not None
         self.panel_dtype = panel_dtype
+        self.layer_panel_dtype = layer_panel_dtype
 
     def with_precision(self, precision: str) -> NativeCpuBackend:
         """``half``: the projections read float16 weights (half the bytes; every product and sum float32).
@@ -134,7 +137,22 @@ class NativeCpuBackend(OpsBackend):
         if precision == "fast" and not self.native.bf16:
             raise ValueError("model_config.precision fast needs a CPU with AVX512_BF16 (the native projections' "
                              "bfloat16 dot products): use exact")
-        return NativeCpuBackend(self.native, "bfloat16" if precision == "fast" else "float16")
+        return NativeCpuBackend(self.native, "bfloat16" if precision == "fast" else "float16", self.layer_panel_dtype)
+
+    def with_quantization(self, quantization: str) -> NativeCpuBackend:
+        """``w8a16``: the decoder layers' projections read int8 weights with a float32 scale per output channel
+        (``agents.weights.packed.pack_int8``), each formed as float(q) * scale and used as a float32 weight, so the
+        model computes what the float32 model on the dequantized weights computes, reading a quarter of the bytes.
+        The lm_head, embeddings, norms, attention and KV cache stay float32. Only with precision exact (the
+        kernels' int8 tiles take float32 inputs)."""
+        if quantization == "none":
+            return self
+        if quantization != "w8a16":
+            raise ValueError(f"model_config.quantization {quantization!r} is not one of none, w8a16")
+        if self.panel_dtype is not None:
+            raise ValueError("model_config.quantization w8a16 takes float32 activations: set model_config.precision "
+                             "exact")
+        return NativeCpuBackend(self.native, self.panel_dtype, "int8")
 
     def before_step(self, tokens: int) -> None:
         self.native.poll_helpers(tokens <= POLL_MAX_TOKENS)
@@ -146,22 +164,22 @@ class NativeCpuBackend(OpsBackend):
         return NativeAttention(self.native, config, num_blocks, block_size, dtype)
 
     def norm_linear(self, out_dim: int, eps: float) -> nn.Cell:
-        if not self.native.projections:
+        if not self.panel_weights:
             return super().norm_linear(out_dim, eps)
         return NativeNormOp(self.native.norm_linear(out_dim), eps)
 
     def norm_swiglu(self, ffn_dim: int, eps: float) -> nn.Cell:
-        if not self.native.projections:
+        if not self.panel_weights:
             return super().norm_swiglu(ffn_dim, eps)
         return NativeNormOp(self.native.norm_swiglu(ffn_dim), eps)
 
     def residual_linear(self) -> nn.Cell:
-        if not self.native.projections:
+        if not self.panel_weights:
             return super().residual_linear()
         return NativeResidualLinear(self.native.residual_linear())
 
     def partial_linear(self, out_dim: int) -> nn.Cell:
-        if not self.native.projections:
+        if not self.panel_weights:
             return super().partial_linear(out_dim)
         return NativePartialLinear(self.native.partial_linear(out_dim))
 

@@ -23,7 +23,7 @@
 // batch of 73 runs in the 128 graph, a packed prefill of 175 tokens in the 192 one), and the padding rows cost
 // as much as real ones in a matmul; the attention ops already skip them.
 // Each returns 0, or an error code that MindSpore raises as a RuntimeError: 1 wrong number of inputs or ranks,
-// 2 a dtype other than float32 (int32 for rows; the packed weight may also be float16 or int32, below),
+// 2 a dtype other than float32 (int32 for rows; the packed weight may also be float16, int32 or int8, below),
 // 3 inconsistent shapes.
 //
 // Half precision (``model_config.precision: half``): a packed weight given as float16 has the float32 panels'
@@ -34,6 +34,11 @@
 // and accumulates the products in float32 with AVX512_BF16's vdpbf16ps (two products per lane per instruction:
 // twice the float32 FMA's work per instruction, half the weight bytes). Epilogues (SwiGLU, residual) stay float32.
 // ``LinearHasBf16()`` says whether the build has that instruction; without it the same maths runs in plain loops.
+// Int8 weights (``model_config.quantization: w8a16``): a packed weight given as int8 holds, per panel, K rows of
+// 32 int8 weights q (the float32 panels' layout) then 4 rows (128 bytes) holding the panel's 32 float32 scales:
+// [panels * (K + 4), 32]. Each weight is formed as float(q) * scale in float32 and then used exactly as a float32
+// weight (same FMAs, same order): the op equals the float32 op on the dequantized weight bit for bit, and reads a
+// quarter of its bytes (decode is bound by reading weights). Inputs and epilogues stay float32.
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -49,6 +54,7 @@ namespace {
 
 constexpr int64_t kPanel = 32;  // output columns per packed panel (two AVX-512 registers)
 constexpr int kMaxRows = 12;    // rows per tile: 24 accumulator registers of 32
+constexpr int64_t kScaleRows = 4;  // an int8 panel's 32 float32 scales, as rows of 32 int8
 
 // Asks for the panel row 48 rows (6 KB) ahead of row ``k``: the weights of a decode step do not fit in the cache
 // and come from memory once per panel, which the hardware prefetcher alone followed too late (measured over
@@ -217,6 +223,60 @@ void tile_f16_upto(int rows, const float *a, int64_t lda, const uint16_t *panel,
   tile_f16<kRows>(a, lda, panel, k_dim, out);
 }
 
+// out[i][j] = sum_k a[i * lda + k] * W[k][j] for ``kRows`` float32 rows of a and one int8 panel (the header's
+// layout: ``k_dim`` rows of 32 int8, then 32 float32 scales), each weight float(q) * scale in float32.
+template <int kRows>
+void tile_i8(const float *a, int64_t lda, const int8_t *panel, int64_t k_dim, float (*out)[kPanel]) {
+  const float *scales = reinterpret_cast<const float *>(panel + k_dim * kPanel);
+#if defined(__AVX512F__)
+  const __m512 s0 = _mm512_loadu_ps(scales), s1 = _mm512_loadu_ps(scales + 16);
+  __m512 lo[kRows], hi[kRows];
+  for (int i = 0; i < kRows; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_dim; ++k) {
+    __builtin_prefetch(panel + (k + 192) * kPanel);  // 6 KB ahead, as prefetch_ahead for float32 panels
+    const __m128i *q = reinterpret_cast<const __m128i *>(panel + k * kPanel);
+    const __m512 b0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), s0);
+    const __m512 b1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), s1);
+    for (int i = 0; i < kRows; ++i) {
+      const __m512 ai = _mm512_set1_ps(a[i * lda + k]);
+      lo[i] = _mm512_fmadd_ps(ai, b0, lo[i]);
+      hi[i] = _mm512_fmadd_ps(ai, b1, hi[i]);
+    }
+  }
+  for (int i = 0; i < kRows; ++i) {
+    _mm512_storeu_ps(out[i], lo[i]);
+    _mm512_storeu_ps(out[i] + 16, hi[i]);
+  }
+#else
+  for (int i = 0; i < kRows; ++i)
+    for (int64_t j = 0; j < kPanel; ++j) out[i][j] = 0.0f;
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const int8_t *qk = panel + k * kPanel;
+    for (int i = 0; i < kRows; ++i) {
+      const float ai = a[i * lda + k];
+      for (int64_t j = 0; j < kPanel; ++j) out[i][j] += ai * (static_cast<float>(qk[j]) * scales[j]);
+    }
+  }
+#endif
+}
+
+// dst [k_dim, 32] = float(q) * scale for one int8 panel (the weights tile_i8 forms, formed once).
+void widen_i8(const int8_t *panel, int64_t k_dim, float *dst) {
+  const float *scales = reinterpret_cast<const float *>(panel + k_dim * kPanel);
+  for (int64_t k = 0; k < k_dim; ++k) {
+#pragma omp simd
+    for (int64_t j = 0; j < kPanel; ++j) dst[k * kPanel + j] = static_cast<float>(panel[k * kPanel + j]) * scales[j];
+  }
+}
+
+template <int kRows>
+void tile_i8_upto(int rows, const float *a, int64_t lda, const int8_t *panel, int64_t k_dim, float (*out)[kPanel]) {
+  if constexpr (kRows > 1) {
+    if (rows < kRows) return tile_i8_upto<kRows - 1>(rows, a, lda, panel, k_dim, out);
+  }
+  tile_i8<kRows>(a, lda, panel, k_dim, out);
+}
+
 template <int kRows>
 void tile_bf16_upto(int rows, const uint16_t *a, int64_t lda, const int32_t *panel, int64_t pairs,
                     float (*out)[kPanel]) {
@@ -259,6 +319,7 @@ struct Operands {
   const float *x = nullptr, *w = nullptr;
   const uint16_t *x_bf16 = nullptr, *w_f16 = nullptr;
   const int32_t *w_bf16 = nullptr;
+  const int8_t *w_i8 = nullptr;
   int64_t k_dim = 0;
 };
 
@@ -271,6 +332,30 @@ void gemm(const Operands &op, int64_t m, int64_t panels, const Finish &finish) {
     gemm_tiles(m, k_dim, panels, [&](int64_t begin, int64_t rows, int64_t p, float (*out)[kPanel]) {
       tile_bf16_upto<kMaxRows>(static_cast<int>(rows), op.x_bf16 + begin * 2 * pairs, 2 * pairs,
                                op.w_bf16 + p * pairs * kPanel, pairs, out);
+    }, finish);
+    return;
+  }
+  if (op.w_i8 != nullptr) {
+    // As for float16 panels: one tile forms its weights as it reads them; with several tiles per task the panel's
+    // float32 weights are formed once into the thread's scratch (the same numbers, so the same result).
+    static std::atomic<uint64_t> i8_calls{0};
+    const uint64_t call = ++i8_calls;
+    gemm_tiles(m, k_dim, panels, [&](int64_t begin, int64_t rows, int64_t p, float (*out)[kPanel]) {
+      const int8_t *panel = op.w_i8 + p * (k_dim + kScaleRows) * kPanel;
+      if (m <= kMaxRows) {
+        tile_i8_upto<kMaxRows>(static_cast<int>(rows), op.x + begin * k_dim, k_dim, panel, k_dim, out);
+        return;
+      }
+      thread_local std::vector<float> wide;
+      thread_local uint64_t wide_call = 0;
+      thread_local int64_t wide_panel = -1;
+      if (wide_call != call || wide_panel != p) {
+        wide.resize(static_cast<size_t>(k_dim * kPanel));
+        widen_i8(panel, k_dim, wide.data());
+        wide_call = call;
+        wide_panel = p;
+      }
+      tile_upto<kMaxRows>(static_cast<int>(rows), op.x + begin * k_dim, k_dim, wide.data(), k_dim, out);
     }, finish);
     return;
   }
@@ -339,11 +424,11 @@ void rms_norm(const float *x, int64_t m, int64_t k_dim, const float *weight, flo
 }
 
 // Whether every input but ``rows_at`` (the int32 row count; -1 for none) and ``weight_at`` (the packed weight:
-// float32, or int32 bfloat16 pairs) and the output is float32.
+// float32, float16, int32 bfloat16 pairs or int8 with scales) and the output is float32.
 bool dtypes_ok(int nparam, const char **dtypes, int rows_at, int weight_at) {
   for (int i = 0; i < nparam; ++i) {
     if (i == weight_at ? !(is_dtype(dtypes[i], "float32") || is_dtype(dtypes[i], "float16") ||
-                           is_dtype(dtypes[i], "int32"))
+                           is_dtype(dtypes[i], "int32") || is_dtype(dtypes[i], "int8"))
                        : !is_dtype(dtypes[i], i == rows_at ? "int32" : "float32"))
       return false;
   }
@@ -362,9 +447,11 @@ void zero_padding(float *y, int64_t from, int64_t m, int64_t n) {
 }
 
 // Whether a packed weight of the shape [shape[0], shape[1]] and ``dtype`` holds ``panels`` panels over ``k_dim``
-// inputs (``k_dim`` rows of floats, or ceil(k_dim / 2) rows of bfloat16 pairs).
+// inputs (``k_dim`` rows of floats, ceil(k_dim / 2) rows of bfloat16 pairs, or k_dim + 4 rows of int8 and scales).
 bool packed_shape(const int64_t *shape, const char *dtype, int64_t panels, int64_t k_dim) {
-  const int64_t rows = is_dtype(dtype, "int32") ? (k_dim + 1) / 2 : k_dim;
+  const int64_t rows = is_dtype(dtype, "int32") ? (k_dim + 1) / 2
+                       : is_dtype(dtype, "int8") ? k_dim + kScaleRows
+                                                 : k_dim;
   return shape[1] == kPanel && shape[0] == panels * rows;
 }
 
@@ -376,6 +463,9 @@ Operands operands(const float *x, int64_t m, int64_t k_dim, const void *w, const
   if (is_dtype(dtype, "int32")) {
     op.w_bf16 = static_cast<const int32_t *>(w);
     op.x_bf16 = bf16_rows(x, m, k_dim);
+  } else if (is_dtype(dtype, "int8")) {
+    op.w_i8 = static_cast<const int8_t *>(w);
+    op.x = x;
   } else if (is_dtype(dtype, "float16")) {
     op.w_f16 = static_cast<const uint16_t *>(w);
     op.x = x;

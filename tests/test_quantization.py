@@ -1,0 +1,299 @@
+"""int8 weight-only quantization (``model_config.quantization: w8a16``): the quantizer and the int8 panel layout,
+the int8 projections against the float32 ones on the dequantized weights (bit for bit, both kernel builds), the
+model and the whole engine (chunked prefill, prefix caching, tensor parallelism) against the float32 model on the
+dequantized checkpoint and Hugging Face, the loader's tensor-parallel slices, and the configuration errors. The
+measured quality and speed on the trained pair are in docs/quantization.md."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import yaml
+from mindspore import Tensor
+from safetensors.numpy import load_file, save_file
+
+from agents.model import native_kernels
+from agents.model.backends import PortableBackend
+from agents.model.native_kernels import native_ops
+from agents.runtime import kv_budget
+from agents.runtime.device import setup_device
+from agents.runtime.runner import ModelRunner, RunnerConfig
+from agents.weights import packed as pw
+from agents.weights.checkpoints import load_weights
+from agents.weights.sharded import load_rank_weights
+from llm_serving.config.serving_config import ConfigError, ServingConfig
+from llm_serving.models.default_model import ensure_default_model
+from llm_serving.models.random_model import build_random_model
+from llm_serving.protocol.parallel import ShardPlan
+from tests.op_cell import OpCell
+from tests.test_fast_precision import CONFIG, RC, engine_run, teacher_forced_logits
+
+PROJECTIONS = ("w_qkv", "wo", "w_gate_up", "w_down")
+HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# ---- the quantizer and the layout ------------------------------------------------------------------------------
+def test_rows_are_quantized_symmetrically_to_half_a_step():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 50)).astype(np.float32) * np.array([[1], [10], [0.01], [1], [0], [3]], np.float32)
+    q, scale = pw.quantize_rows(w)
+    assert q.dtype == np.int8 and scale.dtype == np.float32 and np.abs(q).max() == 127
+    np.testing.assert_allclose(scale, np.abs(w).max(1) / 127, rtol=1e-6)
+    assert scale[4] == 0 and not q[4].any()  # an all-zero row
+    err = np.abs(pw.dequantize_rows(q, scale) - w)
+    assert (err <= scale[:, None] * 0.5 * (1 + 1e-5)).all()
+    # a row-parallel slice scaled by its whole row's magnitude: the same numbers as the whole row's quantization
+    part_q, part_scale = pw.quantize_rows(w[:, 10:30], np.abs(w).max(1))
+    np.testing.assert_array_equal(part_q, q[:, 10:30])
+    np.testing.assert_array_equal(part_scale, scale)
+
+
+@pytest.mark.parametrize("out,inner,swiglu", [(40, 37, False), (64, 8, False), (1, 3, False), (40, 37, True),
+                                              (2, 9, True)])
+def test_int8_pack_appends_each_panels_scales_and_unpacks(out, inner, swiglu):
+    w = np.random.default_rng(1).standard_normal((out, inner)).astype(np.float32)
+    q, scale = pw.quantize_rows(w)
+    packed = pw.pack_int8(q, scale, swiglu)
+    assert packed.dtype == np.int8 and packed.shape == pw.packed_shape_int8(out, inner, swiglu)
+    back_q, back_scale = pw.unpack_int8(packed, out, inner, swiglu)
+    np.testing.assert_array_equal(back_q, q)
+    np.testing.assert_array_equal(back_scale, scale)
+    panel = packed.reshape(-1, inner + pw.SCALE_ROWS, 32)[0]
+    np.testing.assert_array_equal(panel[:inner], pw.pack(q, swiglu)[:inner])  # q in the float32 panels' layout
+    # then the scales of panel 0's 32 columns (outputs 0..31; SwiGLU: gate rows 0..15, then up rows 0..15)
+    np.testing.assert_array_equal(np.ascontiguousarray(panel[inner:]).view(np.float32).reshape(32),
+                                  pw.pack(scale.reshape(out, 1), swiglu)[0])
+    assert np.ascontiguousarray(panel[inner:]).view(np.float32)[0, 0] == scale[0]
+
+
+# ---- kernels ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["default", "generic"])
+def ops_(request, tmp_path_factory):
+    """The kernels as built here (AVX-512), and built without AVX-512 (the plain loops: int8's portable fallback)."""
+    setup_device("CPU")
+    if request.param == "default":
+        ops = native_ops(64)
+        if not ops.projections:
+            pytest.skip("this CPU has no AVX-512")
+        return ops
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native_kernels, "CXX_FLAGS", native_kernels.CXX_FLAGS + ("-mno-avx512f",))
+        patch.setenv("LLM_SERVING_KERNEL_DIR", str(tmp_path_factory.mktemp("generic-kernels")))
+        return native_ops(64)
+
+
+def quantized(w: np.ndarray, swiglu: bool = False) -> tuple[Tensor, Tensor]:
+    """The int8 packed weight, and the float32 panels of the weight it stands for."""
+    q, scale = pw.quantize_rows(w)
+    return Tensor(pw.pack_int8(q, scale, swiglu)), Tensor(pw.pack(pw.dequantize_rows(q, scale), swiglu))
+
+
+# rows: one, a partial tile, two tiles (the panel formed once into scratch), past one task's chunk; odd K
+SHAPES = [(1, 37, 40), (5, 64, 72), (13, 37, 8), (130, 1100, 40)]
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_int8_ops_equal_the_float32_ops_on_the_dequantized_weight(ops_, m, k, n):
+    rng = np.random.default_rng(m + k)
+    x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32)
+    w_gu = rng.standard_normal((2 * n, k)).astype(np.float32)
+    residual = rng.standard_normal((m, n)).astype(np.float32)
+    norm_w, eps = Tensor(rng.uniform(0.5, 1.5, k).astype(np.float32)), Tensor(np.array([1e-5], np.float32))
+    rows = Tensor(np.array([max(m // 2, 1)], np.int32))
+    int8, deq = quantized(w)
+    int8_gu, deq_gu = quantized(w_gu, swiglu=True)
+    calls = [(ops_.linear(n), lambda v: (Tensor(x), v)),
+             (ops_.partial_linear(n), lambda v: (Tensor(x), v, rows)),
+             (ops_.residual_linear(), lambda v: (Tensor(x), v, Tensor(residual), rows)),
+             (ops_.norm_linear(n), lambda v: (Tensor(x), norm_w, eps, v, rows))]
+    for op, inputs in calls:
+        np.testing.assert_array_equal(OpCell(op)(*inputs(int8)).asnumpy(), OpCell(op)(*inputs(deq)).asnumpy())
+    swiglu = OpCell(ops_.norm_swiglu(n))
+    np.testing.assert_array_equal(swiglu(Tensor(x), norm_w, eps, int8_gu, rows).asnumpy(),
+                                  swiglu(Tensor(x), norm_w, eps, deq_gu, rows).asnumpy())
+    got = OpCell(ops_.linear(n))(Tensor(x), int8).asnumpy()  # and near the unquantized product
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()
+
+
+def test_a_wrongly_shaped_int8_weight_is_refused(ops_):
+    w = np.random.default_rng(2).standard_normal((40, 37)).astype(np.float32)
+    packed = pw.pack_int8(*pw.quantize_rows(w))
+    with pytest.raises(RuntimeError):
+        OpCell(ops_.linear(40))(Tensor(np.ones((2, 37), np.float32)), Tensor(packed[:-32]))  # scales cut off
+
+
+# ---- the model -------------------------------------------------------------------------------------------------
+def dequantized(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The canonical weights with the layers' projections replaced by what w8a16 holds (dequantized)."""
+    return {k: pw.dequantize_rows(*pw.quantize_rows(v)) if k.rsplit(".", 1)[-1] in PROJECTIONS else v
+            for k, v in weights.items()}
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    return load_weights(build_random_model(tmp_path_factory.mktemp("w8"), CONFIG, seed=3, std=0.08), CONFIG)
+
+
+@pytest.fixture(scope="module")
+def runners(weights):
+    setup_device("CPU")
+    out = {"w8a16": ModelRunner(CONFIG, weights, RunnerConfig(**{**RC.__dict__, "quantization": "w8a16"})),
+           "dequantized": ModelRunner(CONFIG, dequantized(weights), RC),
+           "exact": ModelRunner(CONFIG, weights, RC)}
+    for runner in out.values():
+        runner.warmup()
+    return out
+
+
+def test_the_layers_hold_int8_and_the_lm_head_float(runners):
+    model = runners["w8a16"].model
+    assert all(str(getattr(layer, name).weight.dtype) == "Int8" for layer in model.layers for name in PROJECTIONS)
+    assert model.lm_head.weight.dtype == runners["exact"].model.lm_head.weight.dtype
+    held = sum(getattr(layer, name).weight.nbytes for layer in model.layers for name in PROJECTIONS)
+    float_held = sum(getattr(layer, name).weight.nbytes for layer in runners["exact"].model.layers
+                     for name in PROJECTIONS)
+    assert held < 0.27 * float_held  # a byte a weight, plus 4 bytes of scale per output row
+
+
+def test_the_quantized_model_computes_the_dequantized_float_model_bit_for_bit(runners):
+    ids = np.random.default_rng(0).integers(3, CONFIG.vocab_size, (4, 40)).astype(np.int32)
+    w8 = teacher_forced_logits(runners["w8a16"], ids)
+    np.testing.assert_array_equal(w8, teacher_forced_logits(runners["dequantized"], ids))
+    exact = teacher_forced_logits(runners["exact"], ids)
+    assert 0 < np.abs(w8 - exact).max()  # really quantized
+    # a row's result does not depend on its batch
+    np.testing.assert_array_equal(teacher_forced_logits(runners["w8a16"], ids[1:2])[0], w8[1])
+
+
+def test_weight_bytes_count_a_byte_a_quantized_weight(weights):
+    float_bytes = kv_budget.weight_bytes(weights, "float32")
+    int8_bytes = kv_budget.weight_bytes(weights, "float32", quantized=True)
+    projections = sum(v.size for k, v in weights.items() if k.rsplit(".", 1)[-1] in PROJECTIONS)
+    rows = sum(v.shape[0] for k, v in weights.items() if k.rsplit(".", 1)[-1] in PROJECTIONS)
+    assert float_bytes - int8_bytes == 3 * projections - 4 * rows
+
+
+# ---- tensor-parallel slices --------------------------------------------------------------------------------------
+def test_a_ranks_slices_are_the_whole_models_quantization_cut(tmp_path, weights):
+    """Column-parallel slices hold whole rows; a row-parallel slice (wo, w_down) is scaled by its whole rows,
+    so tp 2 holds exactly the numbers tp 1 does."""
+    model = build_random_model(tmp_path / "m", CONFIG, seed=3, std=0.08)
+    for rank in (0, 1):
+        plan = ShardPlan(CONFIG, 2, rank)
+        shard = load_rank_weights(model, CONFIG, plan, quantize=True)
+        for key in ("layers.1.wo", "layers.0.w_down"):
+            q, scale = pw.quantize_rows(weights[key])
+            cols = plan.attention_columns() if key.endswith("wo") else plan.ffn_range()
+            np.testing.assert_array_equal(shard[key], q[:, cols[0]:cols[1]])
+            np.testing.assert_array_equal(shard[f"{key}.scale"], scale)
+        q, scale = pw.quantize_rows(weights["layers.0.w_gate_up"])
+        lo, hi = plan.ffn_range()
+        f = CONFIG.intermediate_size
+        np.testing.assert_array_equal(shard["layers.0.w_gate_up"], np.concatenate([q[lo:hi], q[f + lo:f + hi]]))
+        assert shard["layers.0.w_gate_up.scale"].shape == (2 * (hi - lo),)
+        assert shard["lm_head"].dtype == np.float32 and "lm_head.scale" not in shard
+
+
+# ---- the whole engine ------------------------------------------------------------------------------------------
+ENGINE = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4,
+          "num_kv_heads": 2, "vocab_size": 998, "seed": 5}
+
+
+def engine_config(data_dir, quantization: str, tp: int = 1, model_path=None) -> ServingConfig:
+    """Chunked prefill (a 24-token step budget) and prefix caching on, as tests/test_fast_precision.py serves."""
+    return ServingConfig.from_dict({
+        "default_model": {"data_dir": str(data_dir), **ENGINE},
+        "model_config": {"seq_length": [32], "prefill_batch_size": [2], "decode_batch_size": [8],
+                         "quantization": quantization,
+                         **({"model_path": str(model_path)} if model_path else {})},
+        "pa_config": {"num_blocks": 64, "block_size": 8, "decode_seq_length": 96},
+        "serving_config": {"num_agents": tp, "agent_restart_backoff_s": 0.01},
+        "scheduler": {"policy": "fcfs", "enable_chunked_prefill": True, "enable_prefix_caching": True,
+                      "max_num_batched_tokens": 24}})
+
+
+def dequantized_checkpoint(model_dir, out_dir):
+    """A copy of an HF model directory whose layer projections are their w8a16 values (per output row, so the
+    fused and the separate projections quantize alike)."""
+    shutil.copytree(model_dir, out_dir)
+    tensors = load_file(out_dir / "model.safetensors")
+    for name, value in tensors.items():
+        if name.split(".")[-2] in HF_PROJECTIONS:
+            tensors[name] = pw.dequantize_rows(*pw.quantize_rows(value))
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory):
+    setup_device("CPU")
+    data_dir = tmp_path_factory.mktemp("w8_engine")
+    cfg = engine_config(data_dir, "w8a16")
+    model_dir = ensure_default_model(cfg.default_model, cfg.max_model_len)
+    deq_dir = dequantized_checkpoint(model_dir, data_dir / "dequantized")
+    runs = {"w8a16": engine_run(cfg), "w8a16_tp2": engine_run(engine_config(data_dir, "w8a16", tp=2)),
+            "dequantized": engine_run(engine_config(data_dir, "none", model_path=deq_dir))}
+    return runs, deq_dir
+
+
+def test_engine_serves_the_dequantized_models_tokens_and_logits(engine_runs):
+    runs, _ = engine_runs
+    for ours, ref in zip(runs["w8a16"], runs["dequantized"]):
+        assert ours.token_ids == ref.token_ids
+        np.testing.assert_array_equal(ours.logits, ref.logits)
+
+
+def test_engine_at_tp2_gives_tp1s_tokens(engine_runs):
+    """The ranks hold tp 1's int8 numbers (whole-row scales); only the order of float32 sums differs."""
+    runs, _ = engine_runs
+    for ours, ref in zip(runs["w8a16_tp2"], runs["w8a16"]):
+        assert ours.token_ids == ref.token_ids
+        np.testing.assert_allclose(ours.logits, ref.logits, rtol=0, atol=1e-4 * np.abs(ref.logits).max())
+
+
+def test_engine_greedy_equals_hugging_face_on_the_dequantized_checkpoint(engine_runs):
+    from tests.hf_reference import hf_greedy, load_hf
+
+    runs, deq_dir = engine_runs
+    hf = load_hf(deq_dir)
+    rng = np.random.default_rng(8)  # engine_run's prompts
+    shared = [1] + rng.integers(3, 998, 39).tolist()
+    prompts = [shared + [5, 6], shared + [7]] + [[1] + rng.integers(3, 998, n).tolist() for n in (3, 17, 33, 50)]
+    for prompt, ours in zip(prompts, runs["w8a16"]):
+        assert hf_greedy(hf, prompt, 12)[0] == ours.token_ids
+
+
+# ---- configuration -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("model_config,message", [
+    ({"quantization": "int4"}, "model_config.quantization.*expected one of none, w8a16, got 'int4'"),
+    ({"quantization": "w8a16", "precision": "fast"}, "model_config.quantization.*precision exact"),
+    ({"quantization": "w8a16", "kernels": "portable"}, "model_config.quantization.*kernels auto or native"),
+    ({"quantization": "w8a16", "device_target": "Ascend", "dtype": "float16"},
+     "model_config.quantization.*device_target CPU"),
+])
+def test_config_errors_name_the_key_and_the_file(tmp_path, model_config, message):
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({"model_config": model_config}))
+    with pytest.raises(ConfigError, match=message) as info:
+        ServingConfig.from_yaml(path)
+    assert str(path) in str(info.value)
+
+
+def test_backends_without_int8_projections_refuse(weights):
+    with pytest.raises(ValueError, match="quantization w8a16 needs the native CPU projections"):
+        PortableBackend().with_quantization("w8a16")
+    with pytest.raises(ValueError, match="quantization 'int4'"):
+        RunnerConfig(num_blocks=8, block_size=8, max_model_len=32, prefill_seq_lengths=(32,), quantization="int4")
+    with pytest.raises(ValueError, match="need model_config.quantization w8a16"):
+        ModelRunner(CONFIG, {**weights, "layers.0.wo.scale": np.ones(CONFIG.hidden_size, np.float32)}, RC)
+
+
+def test_the_choice_reaches_the_agents():
+    from llm_serving.engine.wiring import runner_config_dict
+
+    cfg = ServingConfig.from_dict({"model_config": {"quantization": "w8a16"}})
+    assert runner_config_dict(cfg)["quantization"] == "w8a16"
+    assert ServingConfig.from_dict({}).model_config.quantization == "none"
