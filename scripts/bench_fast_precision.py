@@ -1,10 +1,13 @@
-"""The precision modes (model_config.precision exact / half / fast) on the bench model: the contest's logits rule,
-greedy-id agreement with Hugging Face, and served speed, all from one run.
+"""The precision modes (model_config.precision exact / half / fast) and int8 weights (model_config.quantization
+w8a16) on the bench model or the trained model: the contest's logits rule, greedy-id agreement with Hugging Face,
+and served speed, all from one run.
 
-    python scripts/bench_fast_precision.py [--num-prompts 256] [--max-output-tokens 64] [--rounds 2]
+    python scripts/bench_fast_precision.py [--model bench|trained] [--modes exact w8a16 ...]
+                                           [--num-prompts 256] [--max-output-tokens 64] [--rounds 2]
 
-Model and workload as scripts/benchmark.py (bench model of scripts/bench_model.py, random weights std 0.05, its own
-tokenizer; alpaca-shaped requests of loadtest.workload, seed 0; max_new_tokens = min(reference output, 64)).
+Model and workload as scripts/benchmark.py (``--model bench``: the bench model of scripts/bench_model.py, random
+weights std 0.05, its own tokenizer; ``trained``: the shipped trained target, llm_serving/models/pydoc/target;
+alpaca-shaped requests of loadtest.workload, seed 0; max_new_tokens = min(reference output, 64)).
 1. Reference: Hugging Face transformers float32, greedy, EOS ignored, keeping the logits of every generated
    position (prompts of equal length batched, without padding).
 2. Each mode through the whole engine: ``llm-serving generate --ignore-eos --dump-logits DIR`` (token-id prompts,
@@ -20,8 +23,14 @@ tokenizer; alpaca-shaped requests of loadtest.workload, seed 0; max_new_tokens =
 
     python scripts/bench_fast_precision.py --steps [--context 256]
 
-instead times single graph calls of the bench model per mode in one process (prefill 8 x 128, decode at batch 1,
-8, 32 and 128; each call's modes alternated, medians of 15).
+instead times single graph calls of the model per mode in one process (prefill 8 x 128, decode at batch 1,
+8, 32 and 128; each call's modes alternated, medians of 15), after each mode's weight bytes.
+
+    python scripts/bench_fast_precision.py --quality [--model trained]
+
+instead measures each mode on held-out text (standard-library docstrings the trained model never saw), teacher-
+forced through the serving runner: perplexity, how often its greedy pick equals exact mode's, and the contest
+rule's error per position against exact mode.
 """
 
 from __future__ import annotations
@@ -43,7 +52,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import benchmark  # scripts/benchmark.py: model, workload, servers
 from check_precision import TOLERANCE
 
-MODES = ("exact", "half", "fast")
+MODES = ("exact", "half", "fast", "w8a16")
+# mode -> (model_config.precision, model_config.quantization)
+SETTINGS = {"exact": ("exact", "none"), "half": ("half", "none"), "fast": ("fast", "none"),
+            "w8a16": ("exact", "w8a16")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,28 +71,121 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speed-only", action="store_true",
                    help="only the served rounds: no HF reference, no dumps, texts not compared")
     p.add_argument("--context", type=int, default=256, help="decode context of --steps")
+    p.add_argument("--model", choices=("bench", "trained"), default="bench")
+    p.add_argument("--quality", action="store_true",
+                   help="held-out perplexity and agreement per mode instead (no HF, no servers)")
+    p.add_argument("--windows", type=int, default=32, help="held-out windows of --quality")
+    p.add_argument("--window-tokens", type=int, default=128, help="tokens per window of --quality")
     return p.parse_args(argv)
 
 
-def step_times(modes: list[str], context: int) -> None:
-    """Graph-call medians per mode, alternated (MindSpore in this process: never together with torch)."""
-    import mindspore as ms
-    from bench_model import BENCH_MODEL, BLOCK, alternating_ms, decode_batch, prefill_batch
+def model_weights(model: str):
+    """(config, canonical float32 weights) of the bench model (random, as scripts/benchmark.py builds it) or the
+    shipped trained target."""
+    from agents.weights.checkpoints import fuse_hf_tensors, load_weights
+    from llm_serving.models.default_model import TRAINED_MODEL
+    from llm_serving.protocol.model_config import LlamaConfig
 
-    from agents.runtime.runner import ModelRunner, RunnerConfig
-    from agents.weights.checkpoints import fuse_hf_tensors
+    if model == "trained":
+        config = LlamaConfig.from_model_dir(TRAINED_MODEL)
+        return config, load_weights(TRAINED_MODEL, config)
+    from bench_model import BENCH_MODEL
+
     from llm_serving.models.random_model import random_hf_weights
 
+    return BENCH_MODEL, fuse_hf_tensors(random_hf_weights(BENCH_MODEL, seed=0, std=0.05), BENCH_MODEL)
+
+
+def held_bytes(runner) -> int:
+    """Bytes of the model's Parameters other than the KV cache (the weights as the runner holds them)."""
+    return sum(p.nbytes for p in runner.model.get_parameters() if "kv_cache" not in p.name)
+
+
+def teacher_forced(runner, ids) -> np.ndarray:
+    """Logits ``[windows, positions - 1, vocab]``: each window's first token prefilled, then one decode step per
+    following token, every step fed the text's own token (so every mode sees the same context)."""
+    from llm_serving.protocol.batch import StepBatch
+
+    b, n = ids.shape
+    block = runner.rc.block_size
+    width = -(-n // block)
+    tables = (1 + np.arange(b * width, dtype=np.int32)).reshape(b, width)
+    rows = [runner.step_logits(StepBatch(True, ids[:, 0].copy(), np.zeros(b, np.int32), tables[:, 0] * block,
+                                         np.ones(b, np.int32), np.ones(b, np.int32), tables))]
+    for t in range(1, n - 1):
+        rows.append(runner.step_logits(StepBatch(False, ids[:, t].copy(), np.full(b, t, np.int32),
+                                                 (tables[:, t // block] * block + t % block).astype(np.int32),
+                                                 np.ones(b, np.int32), np.full(b, t + 1, np.int32), tables)))
+    return np.stack(rows, 1)
+
+
+def quality(args: argparse.Namespace) -> None:
+    """Per mode on held-out text: perplexity, greedy agreement with exact mode, the rule's error against it."""
+    import mindspore as ms
+
+    from agents.runtime.runner import ModelRunner, RunnerConfig
+    from agents.training.corpus import stdlib_corpus
+    from agents.training.trainer import token_stream
+    from llm_serving.tokenization.tokenizer import Tokenizer
+
     ms.set_context(mode=ms.GRAPH_MODE)
-    weights = fuse_hf_tensors(random_hf_weights(BENCH_MODEL, seed=0, std=0.05), BENCH_MODEL)
+    config, weights = model_weights(args.model)
+    from llm_serving.models.default_model import TRAINED_MODEL
+
+    tok = Tokenizer(TRAINED_MODEL / "tokenizer.model")  # the bench model's vocabulary is larger: ids stay valid
+    stream = token_stream([tok.encode(d) for d in stdlib_corpus().held_out], 1, 2)
+    n, length = args.windows, args.window_tokens
+    if len(stream) < n * length + 1:
+        raise SystemExit(f"held-out text has {len(stream)} tokens, fewer than {n} x {length}")
+    ids = stream[: n * length].reshape(n, length).astype(np.int32)
+    labels = ids[:, 1:]
+    width = -(-length // 16)
+    results = {}
+    for mode in args.modes:
+        precision, quantization = SETTINGS[mode]
+        rc = RunnerConfig(num_blocks=n * width + 1, block_size=16, max_model_len=max(length, 64),
+                          prefill_batch_sizes=(n,), prefill_seq_lengths=(min(64, length),), decode_batch_sizes=(n,),
+                          decode_block_widths=(width,), precision=precision, quantization=quantization)
+        runner = ModelRunner(config, weights, rc)
+        runner.warmup()
+        logits = teacher_forced(runner, ids).astype(np.float64)
+        shifted = logits - logits.max(-1, keepdims=True)
+        logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+        nll = -np.take_along_axis(logp, labels[..., None], -1).mean()
+        results[mode] = (logits, float(np.exp(nll)), held_bytes(runner))
+        del runner
+    exact = results[args.modes[0]][0]
+    print(f"\n{args.model} model, {n} held-out windows of {length} tokens ({n * (length - 1)} positions), "
+          f"teacher-forced; against {args.modes[0]}:")
+    print(f"| mode | weights held (MiB) | perplexity | greedy pick = {args.modes[0]} | rule error median "
+          "| rule error worst | positions within 5 per mille |")
+    print("|---|---|---|---|---|---|---|")
+    for mode, (logits, ppl, nbytes) in results.items():
+        errors = rule(logits, exact)
+        agree = (logits.argmax(-1) == exact.argmax(-1)).mean()
+        print(f"| {mode} | {nbytes / 2 ** 20:.1f} | {ppl:.2f} | {agree:.2%} | {np.median(errors) * 1e3:.2f} per mille "
+              f"| {errors.max() * 1e3:.2f} per mille | {(errors <= TOLERANCE).mean():.2%} |")
+
+
+def step_times(modes: list[str], context: int, model: str) -> None:
+    """Graph-call medians per mode, alternated (MindSpore in this process: never together with torch)."""
+    import mindspore as ms
+    from bench_model import BLOCK, alternating_ms, decode_batch, prefill_batch
+
+    from agents.runtime.runner import ModelRunner, RunnerConfig
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    config, weights = model_weights(model)
     width = -(-context // BLOCK)
     runners = []
     for mode in modes:
+        precision, quantization = SETTINGS[mode]
         rc = RunnerConfig(num_blocks=128 * width + 1, block_size=BLOCK, max_model_len=max(512, context),
                           prefill_batch_sizes=(1, 8), prefill_seq_lengths=(128,), decode_batch_sizes=(1, 8, 32, 128),
-                          decode_block_widths=(width,), precision=mode)
-        runners.append(ModelRunner(BENCH_MODEL, weights, rc))
+                          decode_block_widths=(width,), precision=precision, quantization=quantization)
+        runners.append(ModelRunner(config, weights, rc))
         runners[-1].warmup()
+        print(f"[precision] {mode}: weights held {held_bytes(runners[-1]) / 2 ** 20:.1f} MiB", flush=True)
     calls = [("prefill 8x128", prefill_batch(8, 128))] + [
         (f"decode B={b} ctx={context}", decode_batch(b, context)) for b in (1, 8, 32, 128)]
     print("| call | " + " | ".join(f"{m} ms" for m in modes) + " | "
@@ -161,14 +266,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load = os.getloadavg()
     print(f"[precision] start; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
-    if args.steps:
-        step_times(args.modes, args.context)
+    if args.steps or args.quality:
+        if args.steps:
+            step_times(args.modes, args.context, args.model)
+        else:
+            quality(args)
         load = os.getloadavg()
         print(f"[precision] end; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
         return 0
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = benchmark.build_model(work)
+    from llm_serving.models.default_model import TRAINED_MODEL
+
+    model_dir = benchmark.build_model(work) if args.model == "bench" else TRAINED_MODEL
     reqs = benchmark.make_requests(argparse.Namespace(num_prompts=args.num_prompts, seed=args.seed,
                                                       max_output_tokens=args.max_output_tokens), model_dir)
     from llm_serving.tokenization.tokenizer import Tokenizer
@@ -180,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts_file.write_text(json.dumps(prompts))
     configs = {m: benchmark.write_config(work / f"config_{m}.yaml", model_dir, benchmark.TUNED["prefill"],
                                          benchmark.TUNED["decode"], "longest_output_first", args.max_output_tokens,
-                                         precision=m) for m in args.modes}
+                                         *SETTINGS[m]) for m in args.modes}
     hf_ids: list = []
     if not args.speed_only:
         t0 = time.perf_counter()

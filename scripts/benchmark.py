@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT / "scripts"))  # peers; bench_model (imported only i
 from peers.compare import add_args as add_peer_args
 from peers.compare import run_section as peer_section
 
+from llm_serving.models.default_model import TRAINED_MODEL
 from llm_serving.protocol.model_config import LlamaConfig
 from loadtest.client import benchmark
 from loadtest.dataset import BenchRequest, TokenCounter, build_requests
@@ -71,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", default="/tmp/llm-serving-benchmark", help="model, configs and server logs")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a server to warm up")
     p.add_argument("--write-doc", metavar="MD", help="also write the table and the command to this file")
+    p.add_argument("--model", choices=("bench", "trained"), default="bench",
+                   help="bench: the random-weight bench model (built in the work dir); trained: the shipped "
+                   "trained target (llm_serving/models/pydoc/target)")
     p.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)  # child-process modes
     p.add_argument("--matmul-rate", action="store_true", help=argparse.SUPPRESS)
     add_peer_args(p)
@@ -139,16 +143,16 @@ def expected_texts(model_dir: Path, reqs: list[BenchRequest], outs: list[list[in
 
 # ------------------------------------------------------------------------------------------ our server
 def write_config(path: Path, model_dir: Path, prefill: tuple[int, ...], decode: tuple[int, ...],
-                 policy: str, max_out: int, precision: str = "exact") -> Path:
-    """A serving YAML for the bench model; the cache holds every sequence at full length. ``precision``:
-    model_config.precision (scripts/bench_fast_precision.py compares the modes)."""
+                 policy: str, max_out: int, precision: str = "exact", quantization: str = "none") -> Path:
+    """A serving YAML for the bench model; the cache holds every sequence at full length. ``precision``,
+    ``quantization``: model_config's (scripts/bench_fast_precision.py compares the modes)."""
     max_len = SEQ_BUCKETS[-1] + max_out
     blocks = (max(decode) * max_len) // 16 + 2
     cfg = {
         "model_config": {"model_name": "llama2", "model_path": str(model_dir), "dtype": "float32",
                          "max_generate_length": max_out, "seq_length": list(SEQ_BUCKETS),
                          "prefill_batch_size": list(prefill), "decode_batch_size": list(decode),
-                         "precision": precision},
+                         "precision": precision, "quantization": quantization},
         "pa_config": {"num_blocks": max(blocks, max_len // 16 + 2), "block_size": 16, "decode_seq_length": max_len},
         "scheduler": {"policy": policy},
     }
@@ -275,10 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.matmul_rate:
         _matmul_rate_main()
         return 0
-    _child("--prepare", work)
+    if args.model == "bench":
+        _child("--prepare", work)
+    model_dir = work / "model" if args.model == "bench" else TRAINED_MODEL
     rates = [matmul_rates(work)]
-    print(f"[benchmark] model in {work / 'model'}; matmul rates (MindSpore, native) {rates[0]} GFLOP/s", flush=True)
-    model_dir = work / "model"
+    print(f"[benchmark] model in {model_dir}; matmul rates (MindSpore, native) {rates[0]} GFLOP/s", flush=True)
     config = LlamaConfig.from_model_dir(model_dir)
     reqs = make_requests(args, model_dir)
     n_in = sum(r.prompt_tokens for r in reqs)
@@ -335,10 +340,11 @@ def main(argv: list[str] | None = None) -> int:
 def run_peers(args: argparse.Namespace, work: Path, model_dir: Path, reqs: list[BenchRequest]) -> None:
     """The section against CPU peers (scripts/peers/compare.py), appended to --write-doc's file."""
     cfg_path = write_config(work / "config_peers.yaml", model_dir, TUNED["prefill"], TUNED["decode"],
-                            "longest_output_first", args.max_output_tokens, args.ours_precision)
+                            "longest_output_first", args.max_output_tokens, args.ours_precision,
+                            args.ours_quantization)
     peer_md = peer_section(args, model_dir, [r.prompt for r in reqs], [r.max_new_tokens for r in reqs], cfg_path,
                            "/v1/completions streamed, prefill <=8, decode <=128, longest_output_first, "
-                           f"precision {args.ours_precision}", work)
+                           f"precision {args.ours_precision}, quantization {args.ours_quantization}", work)
     print("\n" + peer_md, flush=True)
     if args.write_doc:
         with open(ROOT / args.write_doc, "a") as f:

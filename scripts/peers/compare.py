@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -56,6 +57,8 @@ HF_THREADS = int(os.environ.get("LLM_SERVING_PEER_THREADS", "1"))
 PEERS = {
     "openvino": ("openvino", "run_openvino.py", lambda w, _: ["--ir-dir", str(w / "peer-openvino-ir"),
                                                               "--precision", "f32"]),
+    "openvino-int8": ("openvino", "run_openvino.py", lambda w, _: ["--ir-dir", str(w / "peer-openvino-int8-ir"),
+                                                                   "--precision", "f32", "--weight-format", "int8"]),
     "openvino-default": ("openvino", "run_openvino.py", lambda w, _: ["--ir-dir", str(w / "peer-openvino-ir"),
                                                                       "--precision", "default"]),
     "ctranslate2": ("ctranslate2", "run_ctranslate2.py", lambda w, _: ["--ct2-dir", str(w / "peer-ctranslate2"),
@@ -65,9 +68,21 @@ PEERS = {
     # our engine through its offline API, in this project's environment (no venv to make): like for like with
     # the peers, which run in process too, on the served row's config
     "ours-in-process": (None, "run_ours.py", lambda _, ours_config: ["--config", str(ours_config)]),
+    # the same in process with int8 weights (model_config.quantization w8a16), beside float32 in one run
+    "ours-w8a16": (None, "run_ours.py", lambda w, ours_config: ["--config", str(with_model_config(
+        ours_config, w / "config_peers_w8a16.yaml", quantization="w8a16"))]),
 }
 LABELS = {"openvino": "OpenVINO GenAI, f32", "openvino-default": "OpenVINO GenAI, CPU defaults",
+          "openvino-int8": "OpenVINO GenAI, int8 weights, f32", "ours-w8a16": "ours, in process, w8a16",
           "ctranslate2": "CTranslate2, float32", "llamacpp": "llama.cpp, F32", "ours-in-process": "ours, in process"}
+
+
+def with_model_config(config: Path, out: Path, **values: str) -> Path:
+    """A copy of a served row's config (JSON, as scripts/benchmark.py writes it) with model_config keys set."""
+    cfg = json.loads(config.read_text())
+    cfg["model_config"].update(values)
+    out.write_text(json.dumps(cfg, indent=1) + "\n")
+    return out
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -84,6 +99,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="with --peers: only that section (--write-doc then appends it to the file as it is)")
     p.add_argument("--ours-precision", default="exact", choices=["exact", "half", "fast"],
                    help="model_config.precision of our server in that section (default exact)")
+    p.add_argument("--ours-quantization", default="none", choices=["none", "w8a16"],
+                   help="model_config.quantization of our server in that section (default none)")
 
 
 def parse_levels(text: str) -> list[int]:
@@ -205,7 +222,7 @@ def peer_model_dir(model_dir: Path, work: Path) -> Path:
     """The model as the peers' converters want it: our HF directory (linked, not copied) plus the
     tokenizer_config.json that transformers needs to read a bare tokenizer.model (both converters load the
     tokenizer; the runs themselves use token ids only)."""
-    view = work / "peer-model"
+    view = work / f"peer-model-{model_dir.name}"
     view.mkdir(parents=True, exist_ok=True)
     for f in model_dir.iterdir():
         link = view / f.name

@@ -10,6 +10,9 @@ INFERENCE_PRECISION_HINT=f32 and KV_CACHE_PRECISION=f32 (exact float32, the comp
 ``default`` keeps the CPU plugin's defaults (bf16 compute and a u8 KV cache on CPUs with bf16 support).
 EOS is ignored and decoding is greedy, so every request generates its max_new_tokens.
 
+``--weight-format int8`` exports with optimum's int8 weight compression instead (weights int8 per output channel,
+activations as ``--precision`` says): the peer of our ``model_config.quantization: w8a16``.
+
 ``--speculative prompt_lookup`` (the pipeline's ``prompt_lookup`` property, n-grams up to 4) or ``draft`` (a draft
 model exported the same way from ``--draft-model`` into ``--draft-ir-dir``, the ``draft_model`` property) proposes
 ``--assistant-tokens`` tokens a step, as scripts/bench_speculative.py compares with ours.
@@ -36,18 +39,19 @@ from peer_io import (
 MAX_BATCHED_TOKENS = 512
 
 
-def export(model_dir: str, ir_dir: Path) -> float | None:
-    """Seconds the export took, or None when the IR of this model is already there."""
+def export(model_dir: str, ir_dir: Path, weight_format: str = "fp32") -> float | None:
+    """Seconds the export took, or None when the IR of this model in this weight format is already there."""
     stamp = ir_dir / "llm-serving-source.txt"
-    if (ir_dir / "openvino_model.xml").exists() and stamp.exists() and stamp.read_text() == model_dir:
+    source = model_dir if weight_format == "fp32" else f"{model_dir} {weight_format}"
+    if (ir_dir / "openvino_model.xml").exists() and stamp.exists() and stamp.read_text() == source:
         return None
     t0 = time.perf_counter()
     exe = Path(sys.executable).parent / "optimum-cli"
     cmd = [str(exe), "export", "openvino", "--model", model_dir, "--task", "text-generation-with-past",
-           "--weight-format", "fp32", str(ir_dir)]
+           "--weight-format", weight_format, str(ir_dir)]
     print("[openvino] " + " ".join(cmd), file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True, stdout=sys.stderr)
-    stamp.write_text(model_dir)
+    stamp.write_text(source)
     return time.perf_counter() - t0
 
 
@@ -129,6 +133,8 @@ def run_level(pipe, rf: RequestFile, level: int, next_id: list[int]) -> LevelRun
 def main() -> int:
     p = runner_parser(__doc__, "--ir-dir", "where the exported IR is cached")
     p.add_argument("--precision", choices=("f32", "default"), default="f32")
+    p.add_argument("--weight-format", choices=("fp32", "int8"), default="fp32",
+                   help="optimum-cli's weight format: int8 = its int8 weight compression (per output channel)")
     p.add_argument("--speculative", choices=("none", "prompt_lookup", "draft"), default="none")
     p.add_argument("--assistant-tokens", type=int, default=4)
     p.add_argument("--draft-model", help="HF directory of the draft (--speculative draft)")
@@ -137,7 +143,7 @@ def main() -> int:
     import openvino_genai as ov_genai
 
     rf = read_requests(args.requests)
-    convert_s = export(rf.model_dir, args.ir_dir)
+    convert_s = export(rf.model_dir, args.ir_dir, args.weight_format)
     if args.speculative == "draft":
         export(args.draft_model, args.draft_ir_dir)
     ASSISTANT[0] = args.assistant_tokens if args.speculative != "none" else 0
@@ -154,9 +160,12 @@ def main() -> int:
     settings = (f"ContinuousBatchingPipeline, max_num_batched_tokens {MAX_BATCHED_TOKENS}, "
                 + ("INFERENCE_PRECISION_HINT=f32, KV_CACHE_PRECISION=f32" if args.precision == "f32"
                    else "CPU plugin defaults (bf16 compute, u8 KV cache where the CPU has bf16)"))
+    if args.weight_format != "fp32":
+        settings += f", weights exported --weight-format {args.weight_format}"
     if args.speculative != "none":
         settings += f", {args.speculative} with {args.assistant_tokens} assistant tokens"
-    name = f"openvino-{args.precision}" + ("" if args.speculative == "none" else f"-{args.speculative}")
+    name = f"openvino-{args.precision}" + ("" if args.weight_format == "fp32" else f"-{args.weight_format}") \
+        + ("" if args.speculative == "none" else f"-{args.speculative}")
     write_results(args.out, PeerResult(name, ov_genai.__version__, settings, convert_s, load_s, runs))
     return 0
 
