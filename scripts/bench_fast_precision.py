@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speed-only", action="store_true",
                    help="only the served rounds: no HF reference, no dumps, texts not compared")
     p.add_argument("--context", type=int, default=256, help="decode context of --steps")
-    p.add_argument("--model", choices=("bench", "trained"), default="bench")
+    p.add_argument("--model", choices=("bench", "trained", "draft"), default="bench",
+                   help="bench (random weights), trained (the shipped target) or draft (the shipped draft)")
     p.add_argument("--quality", action="store_true",
                    help="held-out perplexity and agreement per mode instead (no HF, no servers)")
     p.add_argument("--windows", type=int, default=32, help="held-out windows of --quality")
@@ -79,16 +80,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def trained_dir(model: str) -> Path:
+    """The shipped trained target or draft (llm_serving/models/pydoc)."""
+    from llm_serving.models.default_model import TRAINED_MODEL
+
+    return TRAINED_MODEL if model == "trained" else TRAINED_MODEL.parent / "draft"
+
+
 def model_weights(model: str):
     """(config, canonical float32 weights) of the bench model (random, as scripts/benchmark.py builds it) or the
-    shipped trained target."""
+    shipped trained target or draft."""
     from agents.weights.checkpoints import fuse_hf_tensors, load_weights
-    from llm_serving.models.default_model import TRAINED_MODEL
     from llm_serving.protocol.model_config import LlamaConfig
 
-    if model == "trained":
-        config = LlamaConfig.from_model_dir(TRAINED_MODEL)
-        return config, load_weights(TRAINED_MODEL, config)
+    if model != "bench":
+        model_dir = trained_dir(model)
+        config = LlamaConfig.from_model_dir(model_dir)
+        return config, load_weights(model_dir, config)
     from bench_model import BENCH_MODEL
 
     from llm_serving.models.random_model import random_hf_weights
@@ -276,9 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    from llm_serving.models.default_model import TRAINED_MODEL
-
-    model_dir = benchmark.build_model(work) if args.model == "bench" else TRAINED_MODEL
+    model_dir = benchmark.build_model(work) if args.model == "bench" else trained_dir(args.model)
     reqs = benchmark.make_requests(argparse.Namespace(num_prompts=args.num_prompts, seed=args.seed,
                                                       max_output_tokens=args.max_output_tokens), model_dir)
     from llm_serving.tokenization.tokenizer import Tokenizer

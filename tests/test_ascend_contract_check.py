@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import mindspore as ms
 import numpy as np
 import pytest
 from mindspore import Parameter, Tensor, export, nn, ops
@@ -15,6 +16,7 @@ from mindspore.ops.auto_generate import (
     FlashAttentionScore,
     PagedAttention,
     ReshapeAndCache,
+    WeightQuantBatchMatmul,
 )
 
 from agents.tools.contracts import RULES, check_graph
@@ -286,9 +288,10 @@ def test_each_collective_mistake_is_refused_naming_the_rule(tmp_path, mistake):
 def test_every_rule_says_where_it_was_read_and_is_shown_failing():
     assert len({r.name for r in RULES}) == len(RULES)
     assert all(r.source and r.op in ("PagedAttention", "ReshapeAndCache", "FlashAttentionScore",
-                                     "ApplyRotaryPosEmb", "AllReduce", "AllGather") for r in RULES)
+                                     "ApplyRotaryPosEmb", "AllReduce", "AllGather", "WeightQuantBatchMatmul")
+               for r in RULES)
     shown = {rule for _, rule, _ in [*MISTAKES.values(), *PREFILL_MISTAKES.values(), *CHUNK_MISTAKES.values(),
-                                     *COLLECTIVE_MISTAKES.values()]}
+                                     *COLLECTIVE_MISTAKES.values(), *QUANT_MISTAKES.values()]}
     assert shown == {r.name for r in RULES}
 
 
@@ -369,3 +372,68 @@ def test_each_prefill_mistake_is_refused_naming_the_rule(tmp_path, mistake):
     assert found and all(v.startswith("FlashAttentionScore") for v in found), found
     assert any(f"[{rule}]" in v and phrase in v for v in found), found
 
+
+
+# ---- WeightQuantBatchMatmul (w8a16) ------------------------------------------------------------------------------
+QN, QK = 64, 64  # square, so that a weight read the wrong way round still exports
+
+
+@dataclass(frozen=True)
+class QuantWiring:
+    """One w8a16 projection as the Ascend backend builds it (agents/model/backends/ascend.py AscendProjection)."""
+
+    transpose_weight: bool = True
+    weight: str = "parameter"  # parameter (int8, quantized at load) or cast (a float weight cast in the graph)
+    group_size: int = 0
+    scale_len: int = QN
+    bias: bool = False
+    quant_scale: bool = False
+    in_dim: int = QK
+
+
+class QuantStep(nn.Cell):
+    def __init__(self, w: QuantWiring) -> None:
+        super().__init__()
+        self.w = w
+        self.matmul = WeightQuantBatchMatmul(False, w.transpose_weight, w.group_size)
+        self.weight = Parameter(Tensor(np.ones((QN, w.in_dim), np.int8)), name="weight")
+        self.float_weight = Parameter(Tensor(np.ones((QN, w.in_dim), np.float16)), name="float_weight")
+        self.scale = Parameter(Tensor(np.ones(w.scale_len, np.float16)), name="scale")
+        self.extra = Parameter(Tensor(np.ones(QN, np.float16)), name="extra")
+
+    def construct(self, x):
+        weight = self.weight if self.w.weight == "parameter" else self.float_weight.astype(ms.int8)
+        return self.matmul(x, weight, self.scale, None, self.extra if self.w.quant_scale else None, None,
+                           self.extra if self.w.bias else None)
+
+
+def checked_quant(tmp_path, w: QuantWiring) -> list[str]:
+    path = tmp_path / "quant"
+    export(QuantStep(w), Tensor(np.zeros((4, w.in_dim), np.float16)), file_name=str(path), file_format="MINDIR")
+    return [str(v) for v in check_graph(read_graph(path.with_suffix(".mindir")))]
+
+
+QUANT_MISTAKES = {
+    "the weight read as (in, out)": (QuantWiring(transpose_weight=False), "int8-weight-out-by-in",
+                                     "transpose_weight True"),
+    "an int8 weight cast in the graph": (QuantWiring(weight="cast"), "int8-weight-out-by-in",
+                                         "must be an int8 Parameter"),
+    "group-wise size with per-channel scales": (QuantWiring(group_size=32), "per-channel-scale",
+                                                "antiquant_group_size must be 0"),
+    "scales of half the outputs": (QuantWiring(scale_len=QN // 2), "per-channel-scale", "(n,) or (1, n)"),
+    "a bias in the kernel": (QuantWiring(bias=True), "no-offset-bias-or-output-quantization", "bias must be None"),
+    "an int8 output": (QuantWiring(quant_scale=True), "no-offset-bias-or-output-quantization",
+                       "quant_scale must be None"),
+    "k past the kernel's 65535": (QuantWiring(in_dim=70000), "quant-matmul-limits", "exceeds 65535"),
+}
+
+
+def test_the_right_quant_wiring_passes(tmp_path):
+    assert checked_quant(tmp_path, QuantWiring()) == []
+
+
+@pytest.mark.parametrize("mistake", list(QUANT_MISTAKES))
+def test_each_quant_mistake_is_refused_naming_the_rule(tmp_path, mistake):
+    wiring, rule, phrase = QUANT_MISTAKES[mistake]
+    found = checked_quant(tmp_path, wiring)
+    assert any(f"[{rule}]" in v and phrase in v for v in found), found

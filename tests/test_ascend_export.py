@@ -251,3 +251,38 @@ def test_tensor_parallel_ranks_export_their_slice_with_the_collectives_and_pass_
         assert {n.inputs[10].value for n in attention} == {heads}
     res = cli("--config", str(path), "--out", str(tmp_path / "x"), "--rank", str(tp))
     assert res.returncode == 2 and f"--rank {tp} is not a rank" in res.stderr
+
+
+# ---- w8a16: int8 weights through WeightQuantBatchMatmul ------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_w8a16_graphs_multiply_every_layer_projection_by_the_weight_quant_matmul(weights, tmp_path, dtype):
+    """Each layer's four projections become WeightQuantBatchMatmul over int8 [out, in] Parameters with a scale per
+    output channel in the compute dtype; the lm_head stays a float MatMul; every graph passes the contract check
+    (tests/test_ascend_contract_check.py shows each of its quant rules refusing a mistake)."""
+    rc = runner_config(dtype, quantization="w8a16")
+    for _, summary in export_graphs(runner(weights, rc), tmp_path, [("decode", 4, 4), ("ragged", 2, 48)]):
+        graph = read_graph(summary.path)
+        assert check_graph(graph) == [], summary.path.name
+        quant = graph.of("WeightQuantBatchMatmul")
+        assert len(quant) == 4 * LAYERS and len(graph.of("MatMul")) == 1  # the lm_head
+        names = {n.inputs[1].name.split(".", 3)[-1] for n in quant}
+        assert names == {"w_qkv.weight", "wo.weight", "w_gate_up.weight", "w_down.weight"}
+        for node in quant:
+            out = node.inputs[1].info.shape[0]
+            assert node.inputs[1].info.dtype == "int8" and node.inputs[2].info == TensorInfo(dtype, (out,))
+
+
+def test_w8a16_ranks_export_their_int8_slices_and_pass_the_check(tmp_path):
+    model_dir = build_random_model(tmp_path / "llama", TP_CONFIG, seed=3, std=0.2)
+    path = tmp_path / "tp.yaml"
+    path.write_text(Path(write_config(tmp_path, model_dir)).read_text().replace(
+        "  device_target: Ascend\n", "  device_target: Ascend\n  quantization: w8a16\n")
+        + "serving_config:\n  num_agents: 2\n")
+    out = tmp_path / "mindir"
+    res = cli("--config", str(path), "--out", str(out), "--rank", "1", "--check", "--shape", "decode:4:4")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert "every contract rule holds" in res.stdout
+    graph = read_graph(out / "decode_b4_w4.mindir")
+    shapes = {n.inputs[1].name.split(".", 3)[-1]: n.inputs[1].info.shape for n in graph.of("WeightQuantBatchMatmul")}
+    assert shapes["wo.weight"] == (512, 256) and shapes["w_down.weight"] == (512, 256)  # half of each row
+    assert shapes["w_gate_up.weight"] == (512, 512)

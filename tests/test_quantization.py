@@ -26,6 +26,7 @@ from agents.weights.sharded import load_rank_weights
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.models.default_model import ensure_default_model
 from llm_serving.models.random_model import build_random_model
+from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan
 from tests.op_cell import OpCell
 from tests.test_fast_precision import CONFIG, RC, engine_run, teacher_forced_logits
@@ -177,13 +178,14 @@ def test_weight_bytes_count_a_byte_a_quantized_weight(weights):
 
 
 # ---- tensor-parallel slices --------------------------------------------------------------------------------------
-def test_a_ranks_slices_are_the_whole_models_quantization_cut(tmp_path, weights):
+@pytest.mark.parametrize("host_dtype", ["float32", "bfloat16"])
+def test_a_ranks_slices_are_the_whole_models_quantization_cut(tmp_path, weights, host_dtype):
     """Column-parallel slices hold whole rows; a row-parallel slice (wo, w_down) is scaled by its whole rows,
-    so tp 2 holds exactly the numbers tp 1 does."""
+    so tp 2 holds exactly the numbers tp 1 does (quantized from float32 where the rank holds bfloat16)."""
     model = build_random_model(tmp_path / "m", CONFIG, seed=3, std=0.08)
     for rank in (0, 1):
         plan = ShardPlan(CONFIG, 2, rank)
-        shard = load_rank_weights(model, CONFIG, plan, quantize=True)
+        shard = load_rank_weights(model, CONFIG, plan, host_dtype, quantize=True)
         for key in ("layers.1.wo", "layers.0.w_down"):
             q, scale = pw.quantize_rows(weights[key])
             cols = plan.attention_columns() if key.endswith("wo") else plan.ffn_range()
@@ -194,7 +196,8 @@ def test_a_ranks_slices_are_the_whole_models_quantization_cut(tmp_path, weights)
         f = CONFIG.intermediate_size
         np.testing.assert_array_equal(shard["layers.0.w_gate_up"], np.concatenate([q[lo:hi], q[f + lo:f + hi]]))
         assert shard["layers.0.w_gate_up.scale"].shape == (2 * (hi - lo),)
-        assert shard["lm_head"].dtype == np.float32 and "lm_head.scale" not in shard
+        assert "lm_head.scale" not in shard and shard["lm_head"].dtype == (np.uint16 if host_dtype == "bfloat16"
+                                                                           else np.float32)
 
 
 # ---- the whole engine ------------------------------------------------------------------------------------------
@@ -266,13 +269,35 @@ def test_engine_greedy_equals_hugging_face_on_the_dequantized_checkpoint(engine_
         assert hf_greedy(hf, prompt, 12)[0] == ours.token_ids
 
 
+def test_the_ascend_wiring_gives_hugging_faces_greedy_on_the_dequantized_checkpoint(tmp_path):
+    """The Ascend backend's w8a16 graphs with the CPU stand-ins (WeightQuantBatchMatmul's contract: int8 [out, in]
+    times a scale per output row, transposed) in float32: Hugging Face's greedy ids on the dequantized weights."""
+    from agents.model.backends.ascend import AscendBackend
+    from agents.model.backends.ascend_reference import ReferenceOps
+    from tests.hf_reference import load_hf
+    from tests.test_ascend_reference import PROMPT_LENS, STEPS, check_against_hf, prompts
+
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=320, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model_dir = build_random_model(tmp_path / "llama", config, seed=7, std=0.2)
+    rc = RunnerConfig(num_blocks=40, block_size=16, max_model_len=64, prefill_batch_sizes=(3,),
+                      prefill_seq_lengths=(32,), decode_batch_sizes=(8,), decode_block_widths=(4,),
+                      quantization="w8a16")
+    runner = ModelRunner(config, load_weights(model_dir, config), rc, AscendBackend(ReferenceOps(config.head_dim)))
+    runner.warmup()
+    layer = runner.model.layers[0]
+    assert str(layer.w_gate_up.weight.dtype) == "Int8" and tuple(layer.w_gate_up.weight.shape) == (640, 256)
+    assert tuple(layer.w_gate_up.scale.shape) == (640,)
+    hf = load_hf(dequantized_checkpoint(model_dir, tmp_path / "dequantized"))
+    assert check_against_hf(runner, hf, prompts(config, PROMPT_LENS), STEPS) == len(PROMPT_LENS)
+
+
 # ---- configuration -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("model_config,message", [
     ({"quantization": "int4"}, "model_config.quantization.*expected one of none, w8a16, got 'int4'"),
     ({"quantization": "w8a16", "precision": "fast"}, "model_config.quantization.*precision exact"),
     ({"quantization": "w8a16", "kernels": "portable"}, "model_config.quantization.*kernels auto or native"),
-    ({"quantization": "w8a16", "device_target": "Ascend", "dtype": "float16"},
-     "model_config.quantization.*device_target CPU"),
+    ({"quantization": "w8a16", "dtype": "float16"}, "model_config.quantization.*dtype float32"),
 ])
 def test_config_errors_name_the_key_and_the_file(tmp_path, model_config, message):
     path = tmp_path / "serve.yaml"

@@ -38,21 +38,29 @@ class ProjectionWeight(nn.Cell):
     """A projection's ``W [out, in]`` (Hugging Face's layout), held as the backend's ops read it: as is, or
     in the native GEMM's panel layout (``panels``; ``swiglu`` for the fused ``[gate; up]`` weight, see
     ``agents.weights.packed``), in the model's dtype or, for a faster precision mode (``panel_dtype``), as
-    float16 panels or int32 bfloat16 pairs, or quantized (int8 panels with scales). Loaders convert through ``stored`` and ``unstored`` (which gives the
-    rounded values back as float32)."""
+    float16 panels or int32 bfloat16 pairs. ``quantization`` w8a16: int8 with a scale per output row, as int8
+    panels with the scales inside (native CPU) or as an int8 ``[out, in]`` weight beside a ``scale [out]`` in the
+    model's dtype (the Ascend weight-quant matmul's operands). The ops take ``operands()``: the weight, or
+    ``(weight, scale)``. Loaders go through ``load`` and ``unstored`` (the held values back as float32)."""
 
     def __init__(self, in_dim: int, out_dim: int, dtype: ms.Type, panels: bool = False, swiglu: bool = False,
-                 panel_dtype: str | None = None) -> None:
+                 panel_dtype: str | None = None, quantization: str = "none") -> None:
         super().__init__()
         if panel_dtype is not None and not panels:
             raise ValueError(f"{panel_dtype} projection weights exist only in the native panel layout")
         self.shape = (out_dim, in_dim)
         self.panels = panels
         self.swiglu = swiglu
-        self.panel_dtype = panel_dtype
-        if panel_dtype == "bfloat16":
+        self.quantized = quantization != "none"
+        self.panel_dtype = "int8" if self.quantized and panels else panel_dtype
+        self.scale = None
+        if self.quantized and not panels:
+            stored = self.shape
+            self.scale = Parameter(initializer("zeros", (out_dim,), dtype), name="scale")
+            dtype = ms.int8
+        elif self.panel_dtype == "bfloat16":
             stored, dtype = packed_weights.packed_shape_bf16(out_dim, in_dim, swiglu), ms.int32
-        elif panel_dtype == "int8":
+        elif self.panel_dtype == "int8":
             stored, dtype = packed_weights.packed_shape_int8(out_dim, in_dim, swiglu), ms.int8
         else:
             stored = packed_weights.packed_shape(out_dim, in_dim, swiglu) if panels else self.shape
@@ -60,24 +68,39 @@ class ProjectionWeight(nn.Cell):
         self.dtype = dtype
         self.weight = Parameter(initializer("zeros", stored, dtype), name="weight")
 
-    def stored(self, w: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
-        """The ``[out, in]`` weight ``w`` as this cell holds it. For int8 panels, ``w`` is either float (quantized
-        here, per output row) or already int8 with its ``scale [out]`` (``agents.weights.packed.quantize_rows``)."""
-        if self.panel_dtype == "int8":
-            if scale is None:
-                w, scale = packed_weights.quantize_rows(w)
-            return packed_weights.pack_int8(w, scale, self.swiglu)
-        if scale is not None:
+    def operands(self) -> Tensor | tuple[Tensor, Tensor]:
+        """What the backend's projection ops take: the weight, or (int8 weight, scale)."""
+        if self.scale is None:
+            return self.weight
+        return self.weight, self.scale
+
+    def load(self, w: np.ndarray, scale: np.ndarray | None = None) -> None:
+        """Set the ``[out, in]`` weight: float (quantized here, per output row, where this projection is), or int8
+        with its ``scale [out]`` (``agents.weights.packed.quantize_rows``: a quantized checkpoint or a
+        tensor-parallel slice scaled by its whole rows)."""
+        if scale is not None and not self.quantized:
             raise ValueError("int8 weights with scales (a quantized checkpoint) need model_config.quantization "
                              f"w8a16; this projection holds {self.panel_dtype or 'float'} weights")
-        if self.panel_dtype == "bfloat16":
-            return packed_weights.pack_bf16(w, self.swiglu)
-        if self.panel_dtype == "float16":
-            return packed_weights.pack(w.astype(np.float32), self.swiglu).astype(np.float16)
-        return packed_weights.pack(w, self.swiglu) if self.panels else w
+        if self.quantized and scale is None:
+            w, scale = packed_weights.quantize_rows(w)
+        if self.scale is not None:
+            self.weight.set_data(Tensor(np.ascontiguousarray(w, np.int8), ms.int8))
+            self.scale.set_data(Tensor(np.asarray(scale, np.float32)).astype(self.scale.dtype))
+            return
+        if self.panel_dtype == "int8":
+            held = packed_weights.pack_int8(w, scale, self.swiglu)
+        elif self.panel_dtype == "bfloat16":
+            held = packed_weights.pack_bf16(w, self.swiglu)
+        elif self.panel_dtype == "float16":
+            held = packed_weights.pack(w.astype(np.float32), self.swiglu).astype(np.float16)
+        else:
+            held = packed_weights.pack(w, self.swiglu) if self.panels else w
+        self.weight.set_data(Tensor(np.ascontiguousarray(held), self.dtype))
 
     def unstored(self, held: np.ndarray) -> np.ndarray:
-        """The ``[out, in]`` weight back from what this cell holds (int8: dequantized, as the kernel forms it)."""
+        """The ``[out, in]`` weight back from what ``weight`` holds (int8: dequantized, as the ops form it)."""
+        if self.scale is not None:
+            return packed_weights.dequantize_rows(held, self.scale.astype(ms.float32).asnumpy())
         if self.panel_dtype == "int8":
             return packed_weights.dequantize_rows(*packed_weights.unpack_int8(held, *self.shape, self.swiglu))
         if self.panel_dtype == "bfloat16":
@@ -96,15 +119,16 @@ class LlamaLayer(nn.Cell):
                  backend: OpsBackend, shard: ShardPlan | None = None) -> None:
         super().__init__()
         hidden, eps, panels = config.hidden_size, config.rms_norm_eps, backend.panel_weights
-        fmt = backend.layer_panel_dtype or backend.panel_dtype
+        fmt, quant = backend.panel_dtype, backend.layer_quantization
         shard = shard if shard is not None else ShardPlan(config)
         heads = shard.attention_config  # this rank's heads; its hidden_size is their width
         self.attention_norm = norm_weight(hidden, dtype, "attention_norm")
         self.ffn_norm = norm_weight(hidden, dtype, "ffn_norm")
-        self.w_qkv = ProjectionWeight(hidden, heads.qkv_dim, dtype, panels, panel_dtype=fmt)
-        self.wo = ProjectionWeight(heads.hidden_size, hidden, dtype, panels, panel_dtype=fmt)
-        self.w_gate_up = ProjectionWeight(hidden, 2 * shard.ffn, dtype, panels, swiglu=True, panel_dtype=fmt)
-        self.w_down = ProjectionWeight(shard.ffn, hidden, dtype, panels, panel_dtype=fmt)
+        self.w_qkv = ProjectionWeight(hidden, heads.qkv_dim, dtype, panels, panel_dtype=fmt, quantization=quant)
+        self.wo = ProjectionWeight(heads.hidden_size, hidden, dtype, panels, panel_dtype=fmt, quantization=quant)
+        self.w_gate_up = ProjectionWeight(hidden, 2 * shard.ffn, dtype, panels, swiglu=True, panel_dtype=fmt,
+                                          quantization=quant)
+        self.w_down = ProjectionWeight(shard.ffn, hidden, dtype, panels, panel_dtype=fmt, quantization=quant)
         self.has_qkv_bias, self.has_qk_norm = config.qkv_bias, config.qk_norm
         # this rank's q/k/v bias rows, cut as w_qkv's; the head norms' weights are per head_dim, so every rank's
         self.qkv_bias = Parameter(initializer("zeros", (heads.qkv_dim,), dtype), name="qkv_bias") \
@@ -127,7 +151,7 @@ class LlamaLayer(nn.Cell):
         ``context_lens``: given in steps whose queries attend to cached context (``agents.runtime.mixed_steps``; ``lens``
         then holds the query lengths, and ``positions`` the tokens'); None, a graph constant, in the prefill and decode
         graphs."""
-        qkv = self.norm_qkv(x, self.attention_norm, self.w_qkv.weight, rows)
+        qkv = self.norm_qkv(x, self.attention_norm, self.w_qkv.operands(), rows)
         if self.has_qkv_bias:
             qkv = qkv + self.qkv_bias
         if self.has_qk_norm:
@@ -136,9 +160,9 @@ class LlamaLayer(nn.Cell):
             attn = self.attention(qkv, cos, sin, slot_mapping, lens, block_tables, is_prefill)
         else:
             attn = self.attention.chunked(qkv, cos, sin, slot_mapping, lens, context_lens, block_tables, positions)
-        x = self.output_projection(attn, self.wo.weight, x, rows)
-        act = self.norm_gate_up(x, self.ffn_norm, self.w_gate_up.weight, rows)
-        return self.down_projection(act, self.w_down.weight, x, rows)
+        x = self.output_projection(attn, self.wo.operands(), x, rows)
+        act = self.norm_gate_up(x, self.ffn_norm, self.w_gate_up.operands(), rows)
+        return self.down_projection(act, self.w_down.operands(), x, rows)
 
 
 class LlamaModel(nn.Cell):
@@ -160,7 +184,7 @@ class LlamaModel(nn.Cell):
                                    for _ in range(config.num_hidden_layers)])
         self.norm = norm_weight(config.hidden_size, dtype, "norm")
         self.lm_head = ProjectionWeight(config.hidden_size, vocab, dtype, backend.panel_weights,
-                                        panel_dtype=backend.panel_dtype)
+                                        panel_dtype=backend.panel_dtype)  # float: its errors land on the logits directly
         self.norm_lm_head = backend.norm_linear(vocab, config.rms_norm_eps)
         self.greedy = parallel.greedy(shard, backend.greedy())
         cos, sin = rotary_tables(config, max_positions)
@@ -188,7 +212,7 @@ class LlamaModel(nn.Cell):
     def logits(self, last_hidden: Tensor, sequence_rows: Tensor) -> Tensor:
         """float32 logits ``[batch, vocab]`` of the final norm + lm_head (a rank's vocabulary range under
         tensor parallelism)."""
-        return self.norm_lm_head(last_hidden, self.norm, self.lm_head.weight, sequence_rows).astype(ms.float32)
+        return self.norm_lm_head(last_hidden, self.norm, self.lm_head.operands(), sequence_rows).astype(ms.float32)
 
 
 class LlamaStep(nn.Cell):
@@ -248,17 +272,16 @@ def load_weights_into(model: LlamaModel, weights: dict[str, np.ndarray]) -> None
         expected = linear.shape if linear is not None else tuple(param.shape)
         if tuple(value.shape) != tuple(expected):
             raise ValueError(f"parameter {name}: expected shape {tuple(expected)}, got {tuple(value.shape)}")
-        dtype = model.dtype
         if value.dtype == np.uint16:  # bfloat16 bits (agents.weights.sharded.bf16_bits)
-            if linear is None or not linear.panels:  # held as they are: no float32 copy
+            if linear is None or not (linear.panels or linear.quantized):  # held as they are: no float32 copy
                 bits = Tensor(np.ascontiguousarray(value)).view(ms.bfloat16)
                 param.set_data(bits if param.dtype == ms.bfloat16 else bits.astype(param.dtype))
                 continue
             value = (value.astype(np.uint32) << 16).view(np.float32)
         if linear is not None:
-            value = linear.stored(value, weights.get(f"{name}.scale"))  # int8 with scales: pre-quantized
-            dtype = linear.dtype
-        param.set_data(Tensor(np.ascontiguousarray(value), dtype))
+            linear.load(value, weights.get(f"{name}.scale"))  # int8 with scales: quantized already
+        else:
+            param.set_data(Tensor(np.ascontiguousarray(value), model.dtype))
 
 
 def model_weights(model: LlamaModel) -> dict[str, np.ndarray]:

@@ -4,7 +4,7 @@ as meant (swapped caches, heads and kv heads swapped, lengths computed in the gr
 says where it was read; a violation names the op, the node and the rule.
 
 The rules cover ReshapeAndCache, PagedAttention, FlashAttentionScore and ApplyRotaryPosEmb as MindSpore 2.10 runs
-them with ``infer_boost`` on (the internal kernels every working 910B stack uses): inputs, attributes, dtypes,
+them with ``infer_boost`` on, and WeightQuantBatchMatmul (int8 weights; an ACLNN kernel) (the internal kernels every working 910B stack uses): inputs, attributes, dtypes,
 layouts, what feeds each length input, the kernels' size limits, and which tensors are roped, cached and attended
 (docs/ascend.md, "What is verified without hardware").
 """
@@ -26,6 +26,7 @@ from agents.model.backends.ascend_limits import (
     MAX_HEAD_DIM,
     PA_BLOCK_SIZES,
     PA_MAX_HEAD_DIM_X_BLOCK,
+    WQ_MAX_DIM,
     fa_mask_value,
 )
 from agents.tools.mindir import GraphNodes, OpNode, Source, TensorInfo, read_graph
@@ -52,6 +53,10 @@ FA_KV_LENGTH_INPUTS, FA_Q_LENGTH_INPUTS = ("batch_valid_length", "actual_seq_kvl
 # cos_format at index 5 (ops/kernel/ascend/internal/apply_rotary_pos_emb.cc)
 ROPE_QUERY, ROPE_KEY, ROPE_COS, ROPE_SIN, ROPE_POSITIONS, ROPE_COS_FORMAT = range(6)
 ROTATE_HALF = 2  # cos_format of the rotate-half (Llama, NeoX) layout with full-width cos/sin rows
+# WeightQuantBatchMatmul(x, weight, antiquant_scale, antiquant_offset, quant_scale, quant_offset, bias, transpose_x,
+# transpose_weight, antiquant_group_size): the init attributes follow the inputs (ops.auto_generate, 2.10)
+WQ_X, WQ_WEIGHT, WQ_SCALE, WQ_OFFSET, WQ_QUANT_SCALE, WQ_QUANT_OFFSET, WQ_BIAS = range(7)
+WQ_TRANSPOSE_X, WQ_TRANSPOSE_WEIGHT, WQ_GROUP_SIZE = 7, 8, 9
 
 
 @dataclass(frozen=True)
@@ -354,6 +359,59 @@ def _rope_tables(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[st
                    "constant")
 
 
+# ---- WeightQuantBatchMatmul (w8a16) ------------------------------------------------------------------------------
+def _none(source: Source) -> bool:
+    return source.kind == "constant" and source.value is None
+
+
+def _wq_weight(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
+    x, weight = node.inputs[WQ_X], node.inputs[WQ_WEIGHT]
+    if node.inputs[WQ_TRANSPOSE_X].value is not False or node.inputs[WQ_TRANSPOSE_WEIGHT].value is not True:
+        yield (f"transpose_x must be False and transpose_weight True (the int8 weight held [out, in]), got "
+               f"{node.inputs[WQ_TRANSPOSE_X].value} and {node.inputs[WQ_TRANSPOSE_WEIGHT].value}")
+    if weight.kind != "parameter" or _dtype(weight) != "int8":
+        yield f"the weight must be an int8 Parameter (quantized at load), got {_where(weight)} {_dtype(weight)}"
+    dims, rows = _dims(weight), _dims(x)
+    if dims is None or len(dims) != 2:
+        yield f"the weight must be 2-D (out, in), got shape {dims}"
+    elif rows and rows[-1] != dims[1]:
+        yield f"x's {rows[-1]} inputs are not the weight's {dims[1]} (dim 1 of (out, in))"
+
+
+def _wq_scale(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
+    scale, weight, x = node.inputs[WQ_SCALE], _dims(node.inputs[WQ_WEIGHT]), node.inputs[WQ_X]
+    group = node.inputs[WQ_GROUP_SIZE].value
+    if group != 0:
+        yield f"antiquant_group_size must be 0 (a scale per output channel), got {group}"
+    if scale.kind != "parameter":
+        yield f"antiquant_scale must be a Parameter (the scales loaded with the weight), got {_where(scale)}"
+    if _dtype(scale) != _dtype(x):
+        yield f"antiquant_scale must be in x's dtype {_dtype(x)}, got {_dtype(scale)}"
+    out = weight[0] if weight and len(weight) == 2 else None
+    if out is not None and _dims(scale) not in ((out,), (1, out)):
+        yield f"antiquant_scale must be (n,) or (1, n) for the weight's n = {out} output channels, got {_dims(scale)}"
+
+
+def _wq_plain(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
+    for index, what, why in ((WQ_OFFSET, "antiquant_offset", "symmetric weights have none"),
+                             (WQ_QUANT_SCALE, "quant_scale", "it makes the output int8"),
+                             (WQ_QUANT_OFFSET, "quant_offset", "it makes the output int8"),
+                             (WQ_BIAS, "bias", ("on A2 a bfloat16 x needs a float32 bias, which MindSpore's "
+                                                "inference refuses: the stacks add biases after it"))):
+        if not _none(node.inputs[index]):
+            yield f"{what} must be None ({why}), got {_where(node.inputs[index])}"
+
+
+def _wq_limits(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
+    x, weight = _dims(node.inputs[WQ_X]), _dims(node.inputs[WQ_WEIGHT])
+    if x is None or len(x) != 2:
+        yield f"x must be 2-D (tokens, in), got shape {x}"
+    if _dtype(node.inputs[WQ_X]) not in ("float16", "bfloat16"):
+        yield f"x must be float16 or bfloat16, got {_dtype(node.inputs[WQ_X])}"
+    if weight and len(weight) == 2 and max(weight) > WQ_MAX_DIM:
+        yield f"the weight's (n, k) = {weight} exceeds {WQ_MAX_DIM} (n and k of the ACLNN kernel)"
+
+
 # ---- collectives (tensor parallelism) ---------------------------------------------------------------------------
 WORLD_GROUP = "hccl_world_group"  # the group MindSpore's init() creates over every rank on Ascend (HCCL)
 
@@ -410,6 +468,12 @@ _PA_KERNEL = "MindSpore 2.10 ops/kernel/ascend/internal/paged_attention.cc"
 _RC_DOC = "mindspore.ops.auto_generate.reshape_and_cache (2.10 docstring)"
 _FA_KERNEL = "MindSpore 2.10 ops/kernel/ascend/internal/flash_attention_score.cc"
 _MF_ATTENTION = "MindFormers 1.8 modules/infer_attention.py, whose exported prefill graphs pass it (tests_mindformers)"
+_WQ_DOC = ("CANN aclnnWeightQuantBatchMatmulV2 (hicann ops-nn matmul/weight_quant_batch_matmul_v2/docs), the kernel "
+           "MindSpore 2.10 runs it with (ops/kernel/ascend/aclnn/kernel_mod_impl/customize/"
+           "weight_quant_batch_matmul_aclnn_kernel.h; no internal kernel)")
+_WQ_STACKS = ("Golden Stick ptq/ptq/hal.py WeightQuantMatmul: WeightQuantBatchMatmul(False, linear.transpose_b, "
+              "group_size) on the int8 weight [out, in]; MindFormers r1.7 quantization/golden_stick: "
+              "WeightQuantBatchMatmul(False, True, group_size), offset None")
 RULES = (
     Rule("PagedAttention", "lengths-from-graph-input",
          f"{_PA_KERNEL}: CreateKernel/UpdateParam take kv_seq_len from GetSeqLenFromGraphAndCheckUpadate("
@@ -464,6 +528,17 @@ RULES = (
          "the paged cache holds keys after the rotary embedding (PagedAttention does not rope them again) and "
          "values without it: MindFormers 1.8's graphs write ApplyRotaryPosEmb's output 1 and the raw value",
          _rc_roped),
+    Rule("WeightQuantBatchMatmul", "int8-weight-out-by-in",
+         f"{_WQ_STACKS}; MindSpore 2.10 ops_func_impl/weight_quant_batch_matmul.cc: transpose_weight reads the weight "
+         "as (n, k), x's last dim must be its k", _wq_weight),
+    Rule("WeightQuantBatchMatmul", "per-channel-scale",
+         f"{_WQ_DOC}: per-channel antiquantScale (n,) or (1, n) with antiquantGroupSize 0, in x's dtype "
+         "(weight_quant_batch_matmul.cc checks only the dtype)", _wq_scale),
+    Rule("WeightQuantBatchMatmul", "no-offset-bias-or-output-quantization",
+         f"{_WQ_DOC}: y = x @ ((w + offset) * scale) + bias, int8 y with quant_scale; on A2 a bfloat16 x wants a "
+         f"float32 bias; {_WQ_STACKS} pass no bias", _wq_plain),
+    Rule("WeightQuantBatchMatmul", "quant-matmul-limits",
+         f"{_WQ_DOC}, A2/A3: x 2-D (m, k) float16 or bfloat16, k and n in [1, {WQ_MAX_DIM}]", _wq_limits),
     Rule("AllReduce", "world-group-collectives",
          "MindSpore 2.10 communication/management.py: init() on Ascend creates HCCL's world group "
          f"{WORLD_GROUP!r} (GlobalComm.WORLD_COMM_GROUP); agents/model/parallel.py: partial sums all-reduced, the "

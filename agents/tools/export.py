@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         shard = ShardPlan(config, spec.tensor_parallel_size, args.rank)
-        runner = export_runner(config, rc, load_rank_weights(spec.model_path, config, shard), backend, shard)
+        weights = load_rank_weights(spec.model_path, config, shard, quantize=rc.quantization != "none")
+        runner = export_runner(config, rc, weights, backend, shard)
         shapes = runner.graph_shapes()
         unknown = [s for s in args.shape or [] if s not in shapes]
         if unknown:

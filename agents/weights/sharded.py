@@ -384,10 +384,11 @@ def _assemble_shard(source: SliceSource, names: dict[str, list[list[str]]], conf
                 raise w.WeightLoadError(f"{label}: shape mismatch for {name!r}: expected {(rows, *shape[1:])} "
                                         f"from the config, got {tuple(source[name])}")
             used.add(name)
-        pieces = [as_host_dtype(source.read(chosen[part], rows, cols), dtype)
+        quantized = quantize and kind in QUANTIZED_KINDS  # quantized from float32 (not from bfloat16 bits)
+        pieces = [as_host_dtype(source.read(chosen[part], rows, cols), np.float32 if quantized else dtype)
                   for part, rows, cols in _cuts(kind, len(chosen), config, plan)]
         out[key] = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
-        if quantize and kind in QUANTIZED_KINDS:
+        if quantized:
             absmax = _row_absmax(source, chosen[0]) if kind in ROW_PARALLEL_KINDS else None
             out[key], out[f"{key}.scale"] = quantize_rows(out[key], absmax)
     w.refuse_unused(source, used, label, strict)

@@ -452,11 +452,11 @@ def _validate(cfg: ServingConfig) -> None:
          f"{m.device_target}, {m.dtype}, {m.kernels})")
     need(m.quantization in QUANTIZATIONS, "model_config.quantization",
          f"expected one of {', '.join(QUANTIZATIONS)}, got {m.quantization!r}")
-    need(m.quantization == "none" or (m.device_target == "CPU" and m.kernels != "portable" and m.dtype == "float32"
-                                      and m.precision == "exact"),
-         "model_config.quantization", f"{m.quantization} runs on the native CPU projections with float32 "
-         "activations: it needs model_config.device_target CPU, dtype float32, kernels auto or native and precision "
-         f"exact (got {m.device_target}, {m.dtype}, {m.kernels}, {m.precision})")
+    need(m.quantization == "none" or m.device_target == "Ascend"
+         or (m.kernels != "portable" and m.dtype == "float32" and m.precision == "exact"),
+         "model_config.quantization", f"{m.quantization} runs on Ascend (WeightQuantBatchMatmul) or on the native "
+         "CPU projections with float32 activations: on CPU it needs dtype float32, kernels auto or native and "
+         f"precision exact (got {m.dtype}, {m.kernels}, {m.precision})")
     need(m.quantization == "none" or not cfg.uses_mindformers, "model_config.quantization",
          "is not served by backend mindformers")
     usable = (pa.num_blocks - 1) * pa.block_size if not pa.auto_blocks else pa.decode_seq_length  # block 0: padding

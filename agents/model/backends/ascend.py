@@ -5,7 +5,7 @@ Per layer and step: ``ApplyRotaryPosEmb`` ropes Q and K, ``ReshapeAndCache`` wri
 ``FlashAttentionScore`` (layout ``TH``: the prompts back to back) attends in prefill, ``PagedAttention`` (GQA,
 through the block tables) in decode, and ``PagedAttention`` with ``q_seq_lens`` over cached context (chunks,
 prefix-cache hits). Projections are ``RmsNorm`` + one fused QKV or gate/up ``MatMul`` (+
-``Swiglu``); the greedy pick is ``ArgMaxWithValue`` over float32 logits. These kernels have no CPU implementation;
+``Swiglu``), or with int8 weights (``model_config.quantization: w8a16``) ``WeightQuantBatchMatmul``; the greedy pick is ``ArgMaxWithValue`` over float32 logits. These kernels have no CPU implementation;
 on CPU their graphs are exported (``agents.tools.export``), checked against the contracts the internal kernels
 read (``agents.tools.contracts``) and their wiring runs with stand-ins of the same contracts
 (``agents.model.backends.ascend_reference``), see docs/ascend.md.
@@ -27,6 +27,7 @@ them (MindFormers 1.8, vllm-mindspore):
 
 from __future__ import annotations
 
+import copy
 from functools import lru_cache
 
 import mindspore as ms
@@ -41,6 +42,7 @@ from mindspore.ops.auto_generate import (
     ReshapeAndCache,
     RmsNorm,
     Swiglu,
+    WeightQuantBatchMatmul,
 )
 
 from agents.model.backends import graph_ops
@@ -101,6 +103,13 @@ class FusedOps:
     def argmax_with_value(self):
         """``(x) -> (index, max)`` over the last axis."""
         return ArgMaxWithValue(axis=-1)
+
+    def weight_quant_matmul(self):
+        """``(x [M, K], weight int8 [N, K], antiquant_scale [N] in x's dtype, antiquant_offset, quant_scale,
+        quant_offset, bias) -> x @ (weight * scale)^T``: W8A16 per output channel, the weight as Hugging Face holds
+        it (``transpose_weight``), no offset, bias or output quantization (Golden Stick's and MindFormers'
+        weight-only int8 layers; ACLNN's aclnnWeightQuantBatchMatmulV2 runs it)."""
+        return WeightQuantBatchMatmul(transpose_x=False, transpose_weight=True, antiquant_group_size=0)
 
 
 class AscendAttention(Attention):
@@ -187,16 +196,31 @@ class AscendAttention(Attention):
         return out.reshape(rows, self.hidden)[:tokens]
 
 
+class AscendProjection(nn.Cell):
+    """``x @ W^T`` for a projection's operands (``agents.model.llama.ProjectionWeight.operands``): ``MatMul`` of a
+    float weight, or the weight-quant matmul of an ``(int8 weight, scale)`` pair (w8a16)."""
+
+    def __init__(self, fused: FusedOps) -> None:
+        super().__init__()
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.quant_matmul = fused.weight_quant_matmul()
+
+    def construct(self, x: Tensor, weight) -> Tensor:
+        if isinstance(weight, tuple):
+            return self.quant_matmul(x, weight[0], weight[1], None, None, None, None)
+        return self.matmul(x, weight)
+
+
 class AscendNormLinear(nn.Cell):
     """``(x, norm_weight, weight, rows) -> RmsNorm(x) @ W^T`` (``rows`` unread: every row is computed)."""
 
     def __init__(self, eps: float, fused: FusedOps) -> None:
         super().__init__()
         self.norm = fused.rms_norm(eps)
-        self.matmul = ops.MatMul(transpose_b=True)
+        self.project = AscendProjection(fused)
 
-    def construct(self, x: Tensor, norm_weight: Tensor, weight: Tensor, rows: Tensor) -> Tensor:
-        return self.matmul(self.norm(x, norm_weight)[0], weight)
+    def construct(self, x: Tensor, norm_weight: Tensor, weight, rows: Tensor) -> Tensor:
+        return self.project(self.norm(x, norm_weight)[0], weight)
 
 
 class AscendNormSwiGlu(nn.Cell):
@@ -205,11 +229,33 @@ class AscendNormSwiGlu(nn.Cell):
     def __init__(self, eps: float, fused: FusedOps) -> None:
         super().__init__()
         self.norm = fused.rms_norm(eps)
-        self.matmul = ops.MatMul(transpose_b=True)
+        self.project = AscendProjection(fused)
         self.swiglu = fused.swiglu()
 
-    def construct(self, x: Tensor, norm_weight: Tensor, weight: Tensor, rows: Tensor) -> Tensor:
-        return self.swiglu(self.matmul(self.norm(x, norm_weight)[0], weight), -1)
+    def construct(self, x: Tensor, norm_weight: Tensor, weight, rows: Tensor) -> Tensor:
+        return self.swiglu(self.project(self.norm(x, norm_weight)[0], weight), -1)
+
+
+class AscendResidualLinear(nn.Cell):
+    """``(x, weight, residual, rows) -> residual + x @ W^T``."""
+
+    def __init__(self, fused: FusedOps) -> None:
+        super().__init__()
+        self.project = AscendProjection(fused)
+
+    def construct(self, x: Tensor, weight, residual: Tensor, rows: Tensor) -> Tensor:
+        return residual + self.project(x, weight)
+
+
+class AscendLinear(nn.Cell):
+    """``(x, weight, rows) -> x @ W^T`` (a tensor-parallel rank's partial sum)."""
+
+    def __init__(self, fused: FusedOps) -> None:
+        super().__init__()
+        self.project = AscendProjection(fused)
+
+    def construct(self, x: Tensor, weight, rows: Tensor) -> Tensor:
+        return self.project(x, weight)
 
 
 class AscendHeadNorm(graph_ops.HeadNorm):
@@ -272,10 +318,20 @@ class AscendBackend(OpsBackend):
         out[-1] += tokens + len(lens) - int(out.sum())
         return out
 
-    def __init__(self, fused: FusedOps | None = None) -> None:
+    def __init__(self, fused: FusedOps | None = None, layer_quantization: str = "none") -> None:
         self.fused = fused if fused is not None else FusedOps()
         if self.fused.name != "fused":
             self.name = f"ascend ({self.fused.name} stand-ins)"
+        self.layer_quantization = layer_quantization
+
+    def with_quantization(self, quantization: str) -> AscendBackend:
+        """``w8a16``: the layers' projections hold int8 ``[out, in]`` weights and a scale per output row in the
+        compute dtype, multiplied by the weight-quant matmul (``FusedOps.weight_quant_matmul``)."""
+        if quantization not in ("none", "w8a16"):
+            raise ValueError(f"model_config.quantization {quantization!r} is not one of none, w8a16")
+        quantized = copy.copy(self)  # the same backend (a subclass stays one), its layers' weights quantized
+        quantized.layer_quantization = quantization
+        return quantized
 
     def check(self, config: LlamaConfig, block_size: int, max_prefill_batch: int) -> None:
         problems = model_problems(config, block_size, max_prefill_batch)
@@ -293,6 +349,12 @@ class AscendBackend(OpsBackend):
 
     def head_norm(self, config: LlamaConfig, eps: float) -> nn.Cell:
         return AscendHeadNorm(config, eps, self.fused)
+
+    def residual_linear(self) -> nn.Cell:
+        return AscendResidualLinear(self.fused)
+
+    def partial_linear(self, out_dim: int) -> nn.Cell:
+        return AscendLinear(self.fused)
 
     def greedy(self) -> nn.Cell:
         return AscendGreedy(self.fused)

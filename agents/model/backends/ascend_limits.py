@@ -27,3 +27,7 @@ def fa_mask_value(dtype: str) -> float:
 # -10000 past it, in bfloat16 as in float16 ("normal + Q_seqlen > 1: BF16 mask(0/-10000), FP16 mask(0/-10000)":
 # vllm-mindspore model_executor/models/attention_mask.py, whose decode_mask rows are gathered by position)
 CHUNK_MASK_VALUE = -10000.0
+
+# WeightQuantBatchMatmul (w8a16) on Atlas A2 / 910B, CANN's aclnnWeightQuantBatchMatmulV2 doc (hicann ops-nn,
+# matmul/weight_quant_batch_matmul_v2/docs): "k and n in [1, 65535]" (so a large vocabulary's lm_head stays float)
+WQ_MAX_DIM = 65535

@@ -201,6 +201,19 @@ class FlashAttentionThRef(nn.Cell):
         return out, out, out, out
 
 
+class WeightQuantMatmulRef(nn.Cell):
+    """``WeightQuantBatchMatmul(transpose_x=False, transpose_weight=True, antiquant_group_size=0)``: ``x [M, K] @
+    (weight [N, K] int8 * antiquant_scale [N])^T`` in float32, cast back; an offset, output quantization or bias
+    (which the backend never passes) gives NaN."""
+
+    def construct(self, x: Tensor, weight: Tensor, antiquant_scale: Tensor, antiquant_offset=None, quant_scale=None,
+                  quant_offset=None, bias=None) -> Tensor:
+        w = _f32(weight) * _f32(antiquant_scale).reshape(-1, 1)
+        out = ops.matmul(_f32(x), w.T)
+        valid = Tensor(antiquant_offset is None and quant_scale is None and quant_offset is None and bias is None)
+        return _poison(out, valid).astype(x.dtype)
+
+
 class ReferenceOps:
     """``FusedOps``' factories returning the stand-ins; ``ArgMaxWithValue`` runs on CPU as it is."""
 
@@ -229,3 +242,6 @@ class ReferenceOps:
 
     def argmax_with_value(self):
         return ops.ArgMaxWithValue(axis=-1)
+
+    def weight_quant_matmul(self):
+        return WeightQuantMatmulRef()

@@ -70,9 +70,9 @@ class OpsBackend:
     # panel weights' storage where it is not the model's dtype: "float16", or "bfloat16" (int32 pairs,
     # ``agents.weights.packed.pack_bf16``); set by ``with_precision``
     panel_dtype: str | None = None
-    # the decoder layers' projections as int8 panels with scales (``agents.weights.packed.pack_int8``); set by
-    # ``with_quantization``. The lm_head keeps ``panel_dtype``: its errors land on the logits directly.
-    layer_panel_dtype: str | None = None
+    # model_config.quantization of the decoder layers' projections ("none" or "w8a16": int8 weights with a scale per
+    # output row, ``agents.model.llama.ProjectionWeight``); set by ``with_quantization``
+    layer_quantization: str = "none"
 
     def with_precision(self, precision: str) -> OpsBackend:
         """This backend for ``model_config.precision`` (``exact``, ``half`` or ``fast``); ``ValueError`` where it has

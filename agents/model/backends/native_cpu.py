@@ -113,13 +113,13 @@ class NativeCpuBackend(OpsBackend):
     ragged_prefill = True
     chunked_prefill = True
 
-    def __init__(self, native: NativeOps, panel_dtype: str | None = None, layer_panel_dtype: str | None = None) -> None:
+    def __init__(self, native: NativeOps, panel_dtype: str | None = None, layer_quantization: str = "none") -> None:
         self.native = native
         # int8 weights use the native projections on any CPU (the plain-loop build is their portable fallback:
         # MindSpore's MatMul has no int8-weight form on CPU)
-        self.panel_weights = self.skips_padding = native.projections or layer_panel_dtype is not None
+        self.panel_weights = self.skips_padding = native.projections or layer_quantization != "none"
         self.panel_dtype = panel_dtype
-        self.layer_panel_dtype = layer_panel_dtype
+        self.layer_quantization = layer_quantization
 
     def with_precision(self, precision: str) -> NativeCpuBackend:
         """``half``: the projections read float16 weights (half the bytes; every product and sum float32).
@@ -137,7 +137,7 @@ class NativeCpuBackend(OpsBackend):
         if precision == "fast" and not self.native.bf16:
             raise ValueError("model_config.precision fast needs a CPU with AVX512_BF16 (the native projections' "
                              "bfloat16 dot products): use exact")
-        return NativeCpuBackend(self.native, "bfloat16" if precision == "fast" else "float16", self.layer_panel_dtype)
+        return NativeCpuBackend(self.native, "bfloat16" if precision == "fast" else "float16", self.layer_quantization)
 
     def with_quantization(self, quantization: str) -> NativeCpuBackend:
         """``w8a16``: the decoder layers' projections read int8 weights with a float32 scale per output channel
@@ -152,7 +152,7 @@ class NativeCpuBackend(OpsBackend):
         if self.panel_dtype is not None:
             raise ValueError("model_config.quantization w8a16 takes float32 activations: set model_config.precision "
                              "exact")
-        return NativeCpuBackend(self.native, self.panel_dtype, "int8")
+        return NativeCpuBackend(self.native, self.panel_dtype, quantization)
 
     def before_step(self, tokens: int) -> None:
         self.native.poll_helpers(tokens <= POLL_MAX_TOKENS)
