@@ -156,11 +156,12 @@ def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft:
     device = kv_budget.device_memory_bytes(target, fields["device_id"])
     if target == "CPU":  # the ranks share the host's memory
         device //= shard.tp
-    per_block = kv_budget.block_bytes(shard, block_size, dtype)
+    kv_dtype = fields.get("kv_cache_dtype", "auto")
+    per_block = kv_budget.block_bytes(shard, block_size, dtype, kv_dtype)
     quantized = fields.get("quantization", "none") != "none"
     held = kv_budget.weight_bytes(weights, dtype, quantized)
     if draft is not None:
-        per_block += kv_budget.block_bytes(draft[0], block_size, dtype)
+        per_block += kv_budget.block_bytes(draft[0], block_size, dtype, kv_dtype)
         held += kv_budget.weight_bytes(draft[1], dtype, quantized)
     return kv_budget.plan_blocks(
         device, utilization, held,

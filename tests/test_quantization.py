@@ -205,12 +205,13 @@ ENGINE = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num
           "num_kv_heads": 2, "vocab_size": 998, "seed": 5}
 
 
-def engine_config(data_dir, quantization: str, tp: int = 1, model_path=None) -> ServingConfig:
+def engine_config(data_dir, quantization: str, tp: int = 1, model_path=None,
+                  kv_cache_dtype: str = "auto") -> ServingConfig:
     """Chunked prefill (a 24-token step budget) and prefix caching on, as tests/test_fast_precision.py serves."""
     return ServingConfig.from_dict({
         "default_model": {"data_dir": str(data_dir), **ENGINE},
         "model_config": {"seq_length": [32], "prefill_batch_size": [2], "decode_batch_size": [8],
-                         "quantization": quantization,
+                         "quantization": quantization, "kv_cache_dtype": kv_cache_dtype,
                          **({"model_path": str(model_path)} if model_path else {})},
         "pa_config": {"num_blocks": 64, "block_size": 8, "decode_seq_length": 96},
         "serving_config": {"num_agents": tp, "agent_restart_backoff_s": 0.01},
@@ -238,7 +239,8 @@ def engine_runs(tmp_path_factory):
     model_dir = ensure_default_model(cfg.default_model, cfg.max_model_len)
     deq_dir = dequantized_checkpoint(model_dir, data_dir / "dequantized")
     runs = {"w8a16": engine_run(cfg), "w8a16_tp2": engine_run(engine_config(data_dir, "w8a16", tp=2)),
-            "dequantized": engine_run(engine_config(data_dir, "none", model_path=deq_dir))}
+            "dequantized": engine_run(engine_config(data_dir, "none", model_path=deq_dir)),
+            "w8a16_kv8_tp2": engine_run(engine_config(data_dir, "w8a16", tp=2, kv_cache_dtype="int8"))}
     return runs, deq_dir
 
 
@@ -255,6 +257,19 @@ def test_engine_at_tp2_gives_tp1s_tokens(engine_runs):
     for ours, ref in zip(runs["w8a16_tp2"], runs["w8a16"]):
         assert ours.token_ids == ref.token_ids
         np.testing.assert_allclose(ours.logits, ref.logits, rtol=0, atol=1e-4 * np.abs(ref.logits).max())
+
+
+def test_engine_with_an_int8_cache_too_stays_near_at_tp2(engine_runs):
+    """int8 weights and an int8 KV cache, ranks in two processes, chunks and a prefix-cache hit (engine_run
+    asserts the hit): logits on the same context within a few per cent of the float cache's."""
+    runs, _ = engine_runs
+    for ours, ref in zip(runs["w8a16_kv8_tp2"], runs["w8a16"]):
+        assert len(ours.token_ids) == 12
+        differ = next((i for i, (a, b) in enumerate(zip(ours.token_ids, ref.token_ids)) if a != b), 12)
+        upto = min(differ + 1, 12)
+        errors = np.abs(ours.logits[:upto] - ref.logits[:upto]).max(-1) / np.abs(ref.logits[:upto]).max(-1)
+        assert errors.max() < 0.05
+    assert sum(a.token_ids == b.token_ids for a, b in zip(runs["w8a16_kv8_tp2"], runs["w8a16"])) >= 4
 
 
 def test_engine_greedy_equals_hugging_face_on_the_dequantized_checkpoint(engine_runs):
@@ -322,3 +337,149 @@ def test_the_choice_reaches_the_agents():
     cfg = ServingConfig.from_dict({"model_config": {"quantization": "w8a16"}})
     assert runner_config_dict(cfg)["quantization"] == "w8a16"
     assert ServingConfig.from_dict({}).model_config.quantization == "none"
+
+
+# ---- int8 KV cache (model_config.kv_cache_dtype: int8) -------------------------------------------------------------
+N_KV, REP, BLOCK = 2, 2, 4
+
+
+def rope_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+def quantize_kv(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The reference of an int8 cache row: q = rint(x / scale), scale = max |x| / 127 (float32)."""
+    scale = (np.abs(rows).max(-1) / np.float32(127)).astype(np.float32)
+    q = np.where(scale[..., None] > 0, np.rint(rows / np.where(scale > 0, scale, 1)[..., None]), 0)
+    return np.clip(q, -127, 127).astype(np.int8), scale
+
+
+def int8_cache_rows(cache: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 values [.., dim], float32 scales) of an int8 cache [2 * kv, slots, dim + 4]."""
+    return cache[..., :dim], np.ascontiguousarray(cache[..., dim:]).view(np.float32)[..., 0]
+
+
+class KvStep:
+    """Random qkv rows for tokens at positions, run through one native attention op with a float32 and an int8
+    cache side by side (the same inputs), and the numpy attention over the int8 cache's dequantized rows."""
+
+    def __init__(self, ops, dim: int, slots: int) -> None:
+        self.ops, self.dim = ops, dim
+        self.caches = {"f32": Tensor(np.zeros((2 * N_KV, slots, dim), np.float32)),
+                       "i8": Tensor(np.zeros((2 * N_KV, slots, dim + 4), np.int8))}
+        self.rng = np.random.default_rng(dim)
+
+    def inputs(self, positions: np.ndarray):
+        heads, dim = N_KV * REP, self.dim
+        qkv = self.rng.standard_normal((len(positions), (heads + 2 * N_KV) * dim)).astype(np.float32)
+        inv = 1.0 / 10000 ** (np.arange(0, dim, 2) / dim)
+        angles = np.concatenate([positions[:, None] * inv] * 2, -1)
+        return qkv, np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+    def run(self, op, qkv, cos, sin, slots, *rest) -> dict[str, np.ndarray]:
+        return {kind: OpCell(op)(Tensor(qkv), Tensor(cos), Tensor(sin), Tensor(slots.astype(np.int32)),
+                                 *[Tensor(r) for r in rest], cache).asnumpy()
+                for kind, cache in self.caches.items()}
+
+    def reference(self, qkv, cos, sin, token: int, slots_read: np.ndarray) -> np.ndarray:
+        """Token ``token``'s attention output over the int8 cache's rows at ``slots_read``, dequantized."""
+        heads, dim = N_KV * REP, self.dim
+        q8, scale = int8_cache_rows(self.caches["i8"].asnumpy(), dim)
+        rows = q8[:, slots_read].astype(np.float64) * scale[:, slots_read, None]
+        out = np.zeros((heads, dim))
+        for h in range(heads):
+            q = rope_rows(qkv[token, h * dim:(h + 1) * dim].astype(np.float64), cos[token], sin[token])
+            keys, values = rows[h // REP], rows[N_KV + h // REP]
+            s = keys @ q / np.sqrt(dim)
+            p = np.exp(s - s.max())
+            out[h] = (p / p.sum()) @ values
+        return out.reshape(-1)
+
+
+@pytest.mark.parametrize("build", ["default", "generic"])
+@pytest.mark.parametrize("dim", [64, 48])  # the unrolled head size and the generic loops
+def test_int8_cache_holds_each_rows_quantization_and_attention_reads_it_back(tmp_path, monkeypatch, build, dim):
+    setup_device("CPU")
+    if build == "generic":  # without AVX-512
+        monkeypatch.setattr(native_kernels, "CXX_FLAGS", native_kernels.CXX_FLAGS + ("-mno-avx512f",))
+        monkeypatch.setenv("LLM_SERVING_KERNEL_DIR", str(tmp_path / "generic-kernels"))
+    ops_ = native_ops(N_KV * REP * dim)  # the ops' output width
+    kv = KvStep(ops_, dim, slots=16 * BLOCK)
+    # prefill: prompts of 5 and 7 tokens in blocks 1-2 and 3-4
+    lens = np.array([5, 7], np.int32)
+    positions = np.concatenate([np.arange(5), np.arange(7)]).astype(np.float32)
+    slots = np.concatenate([BLOCK + np.arange(5), 3 * BLOCK + np.arange(7)])
+    qkv, cos, sin = kv.inputs(positions)
+    out = kv.run(ops_.prefill, qkv, cos, sin, slots, lens)
+    f32, i8 = kv.caches["f32"].asnumpy(), kv.caches["i8"].asnumpy()
+    q8, scale = int8_cache_rows(i8, dim)
+    want_q, want_scale = quantize_kv(f32[:, slots])  # the float cache holds the roped keys and the values
+    np.testing.assert_array_equal(q8[:, slots], want_q)
+    np.testing.assert_array_equal(scale[:, slots], want_scale)
+    assert not q8[:, :BLOCK].any()  # nothing else written
+    for t in (0, 4, 5, 11):  # causal within each prompt
+        first = 0 if t < 5 else 5
+        ref = kv.reference(qkv, cos, sin, t, slots[first:t + 1])
+        np.testing.assert_allclose(out["i8"][t], ref, rtol=1e-4, atol=1e-5)
+    assert 0 < np.abs(out["i8"] - out["f32"]).max() < 0.05  # quantized, and near the float cache's answer
+
+    # a decode step of each sequence, then a chunk of three tokens of the second over its cached context
+    tables = np.array([[1, 2, 0], [3, 4, 0]], np.int32)
+    qkv, cos, sin = kv.inputs(np.array([5, 7], np.float32))
+    offsets = np.arange(BLOCK, dtype=np.int32)
+    decode_slots = np.array([BLOCK + 5, 3 * BLOCK + 7])
+    out = kv.run(ops_.decode, qkv, cos, sin, decode_slots, tables, np.array([6, 8], np.int32), offsets)
+    for b, slots_read in enumerate((BLOCK + np.arange(6), 3 * BLOCK + np.arange(8))):
+        np.testing.assert_allclose(out["i8"][b], kv.reference(qkv, cos, sin, b, slots_read), rtol=1e-4, atol=1e-5)
+    qkv, cos, sin = kv.inputs(np.array([8, 9, 10], np.float32))
+    chunk_slots = np.array([3 * BLOCK + 8, 3 * BLOCK + 9, 3 * BLOCK + 10])
+    out = kv.run(ops_.chunked, qkv, cos, sin, chunk_slots, np.array([0, 3], np.int32), np.array([0, 11], np.int32),
+                 np.array([[0, 0, 0], [3, 4, 5]], np.int32), offsets)
+    for i in range(3):
+        ref = kv.reference(qkv, cos, sin, i, 3 * BLOCK + np.arange(9 + i))
+        np.testing.assert_allclose(out["i8"][i], ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def kv_runners(weights):
+    setup_device("CPU")
+    out = {"int8": ModelRunner(CONFIG, weights, RunnerConfig(**{**RC.__dict__, "kv_cache_dtype": "int8"})),
+           "exact": ModelRunner(CONFIG, weights, RC)}
+    for runner in out.values():
+        runner.warmup()
+    return out
+
+
+def test_the_int8_cache_is_a_quarter_of_the_bytes_and_stays_near_float(kv_runners):
+    cache = kv_runners["int8"].model.layers[0].attention.kv_cache
+    float_cache = kv_runners["exact"].model.layers[0].attention.kv_cache
+    assert str(cache.dtype) == "Int8" and cache.nbytes == float_cache.nbytes * (CONFIG.head_dim + 4) // (
+        4 * CONFIG.head_dim)
+    ids = np.random.default_rng(0).integers(3, CONFIG.vocab_size, (4, 40)).astype(np.int32)
+    int8, exact = (teacher_forced_logits(kv_runners[k], ids) for k in ("int8", "exact"))
+    errors = np.abs(int8 - exact).max(-1) / np.abs(exact).max(-1)
+    assert 0 < errors.max() < 0.05
+    assert (int8.argmax(-1) == exact.argmax(-1)).mean() > 0.9
+    # each row is quantized on its own: a sequence's numbers do not depend on its batch
+    np.testing.assert_array_equal(teacher_forced_logits(kv_runners["int8"], ids[3:4])[0], int8[3])
+
+
+def test_block_bytes_of_an_int8_cache():
+    plan = ShardPlan(CONFIG)
+    f32, i8 = kv_budget.block_bytes(plan, 16, "float32"), kv_budget.block_bytes(plan, 16, "float32", "int8")
+    assert i8 == f32 * (CONFIG.head_dim + 4) // (4 * CONFIG.head_dim)
+
+
+def test_kv_cache_dtype_config_errors(tmp_path):
+    for model_config, message in (({"kv_cache_dtype": "fp8"}, "expected one of auto, int8, got 'fp8'"),
+                                  ({"kv_cache_dtype": "int8", "device_target": "Ascend", "dtype": "float16"},
+                                   "not wired yet"),
+                                  ({"kv_cache_dtype": "int8", "kernels": "portable"}, "kernels auto or native")):
+        path = tmp_path / "serve.yaml"
+        path.write_text(yaml.safe_dump({"model_config": model_config}))
+        with pytest.raises(ConfigError, match=f"model_config.kv_cache_dtype.*{message}"):
+            ServingConfig.from_yaml(path)
+    with pytest.raises(ValueError, match="kv_cache_dtype int8 is held by the native CPU attention only"):
+        PortableBackend().with_kv_cache_dtype("int8")

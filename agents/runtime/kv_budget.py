@@ -43,10 +43,12 @@ class KvBudget:
                 f"of weights and {self.reserve_bytes / GIB:.2f} GiB for steps and the runtime")
 
 
-def block_bytes(shard: ShardPlan, block_size: int, dtype: str) -> int:
-    """One block of this rank's cache: K and V of ``block_size`` tokens over its kv heads, every layer."""
+def block_bytes(shard: ShardPlan, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """One block of this rank's cache: K and V of ``block_size`` tokens over its kv heads, every layer; an int8
+    cache row is head_dim bytes and a float32 scale (``kv_cache_dtype`` int8)."""
     config = shard.config
-    return 2 * config.num_hidden_layers * block_size * shard.kv_heads * config.head_dim * DTYPE_BYTES[dtype]
+    row = config.head_dim + 4 if kv_cache_dtype == "int8" else config.head_dim * DTYPE_BYTES[dtype]
+    return 2 * config.num_hidden_layers * block_size * shard.kv_heads * row
 
 
 def weight_bytes(weights: Mapping[str, np.ndarray], dtype: str, quantized: bool = False) -> int:

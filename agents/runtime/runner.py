@@ -46,6 +46,7 @@ from llm_serving.protocol.model_config import (
     DEVICE_TARGETS,
     DTYPES,
     KERNEL_CHOICES,
+    KV_CACHE_DTYPES,
     PRECISIONS,
     QUANTIZATIONS,
     LlamaConfig,
@@ -76,6 +77,7 @@ class RunnerConfig:
     kernels: str = "auto"  # the device's native ops (agents.model.backends; CPU float32: C++ ops), portable, or auto
     precision: str = "exact"  # half / fast: float16 / bfloat16 projection weights (OpsBackend.with_precision)
     quantization: str = "none"  # w8a16: int8 weights of the layers' projections (OpsBackend.with_quantization)
+    kv_cache_dtype: str = "auto"  # int8: the KV cache in int8 with a scale per token and kv head (native CPU)
     # Steps with queries over cached context (chunked prefill, prefix caching; agents.runtime.mixed_steps), and the token
     # budget of one step they are bucketed up to (None: the ragged prefill's largest call)
     mixed_steps: bool = False
@@ -94,6 +96,9 @@ class RunnerConfig:
             raise ValueError(f"model_config.precision {self.precision!r} is not one of {list(PRECISIONS)}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"model_config.quantization {self.quantization!r} is not one of {list(QUANTIZATIONS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"model_config.kv_cache_dtype {self.kv_cache_dtype!r} is not one of "
+                             f"{list(KV_CACHE_DTYPES)}")
         if self.device_target not in DEVICE_TARGETS:
             raise ValueError(f"device_target {self.device_target!r} is not one of {list(DEVICE_TARGETS)}")
         if self.device_target == "Ascend" and self.dtype not in ASCEND_DTYPES:
@@ -172,11 +177,12 @@ class ModelRunner:
             backend = select_backend(rc.kernels, rc.device_target, rc.dtype,
                                      self.shard.attention_config.hidden_size)  # this rank's heads' width
         backend = backend.with_precision(rc.precision).with_quantization(rc.quantization)
+        backend = backend.with_kv_cache_dtype(rc.kv_cache_dtype)
         backend.check(config, rc.block_size, rc.prefill_batch_sizes[-1])
         self.backend = backend
         self.kernels = self.backend.kernels
-        log.info("ops backend: %s (precision %s, quantization %s)", self.backend.name, rc.precision,
-                 rc.quantization)
+        log.info("ops backend: %s (precision %s, quantization %s, kv cache %s)", self.backend.name, rc.precision,
+                 rc.quantization, rc.kv_cache_dtype)
         # Where the projections skip a bucket's padding rows (the native CPU ones), a padded row costs next to
         # nothing and splitting a decode batch to save padding never pays.
         self.skips_padding = self.backend.skips_padding

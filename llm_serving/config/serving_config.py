@@ -37,6 +37,7 @@ from llm_serving.protocol.model_config import (
     DEVICE_TARGETS,
     DTYPES,
     KERNEL_CHOICES,
+    KV_CACHE_DTYPES,
     PRECISIONS,
     QUANTIZATIONS,
     LlamaConfig,
@@ -80,6 +81,7 @@ class ModelSection:
     kernels: str = setting("auto", "str")  # native C++ ops on CPU (attention, greedy, projections), portable or auto
     precision: str = setting("exact", "str")  # exact; half / fast: float16 / bfloat16 weights of native projections
     quantization: str = setting("none", "str")  # none; w8a16: int8 weights of the layers' projections
+    kv_cache_dtype: str = setting("auto", "str")  # auto (the model's dtype); int8: per token and kv head scales
     backend: str = setting("ms", "str")
     model_cfg_path: str | None = setting(None, "path", optional=True)
     # early exit: serve only the first N decoder layers (then the final norm and lm_head); None: every layer
@@ -459,6 +461,14 @@ def _validate(cfg: ServingConfig) -> None:
          f"precision exact (got {m.dtype}, {m.kernels}, {m.precision})")
     need(m.quantization == "none" or not cfg.uses_mindformers, "model_config.quantization",
          "is not served by backend mindformers")
+    need(m.kv_cache_dtype in KV_CACHE_DTYPES, "model_config.kv_cache_dtype",
+         f"expected one of {', '.join(KV_CACHE_DTYPES)}, got {m.kv_cache_dtype!r}")
+    need(m.kv_cache_dtype == "auto" or (m.device_target == "CPU" and m.kernels != "portable" and m.dtype == "float32"
+                                        and not cfg.uses_mindformers),
+         "model_config.kv_cache_dtype", f"{m.kv_cache_dtype} is held and read by the native CPU attention only: it "
+         "needs model_config.device_target CPU, dtype float32 and kernels auto or native (got "
+         f"{m.device_target}, {m.dtype}, {m.kernels}); the Ascend int8 cache (QuantV2 before ReshapeAndCache, "
+         "PagedAttention's antiquant scales) is not wired yet, docs/quantization.md")
     usable = (pa.num_blocks - 1) * pa.block_size if not pa.auto_blocks else pa.decode_seq_length  # block 0: padding
     need(pa.decode_seq_length <= usable, "pa_config.decode_seq_length",
          f"{pa.decode_seq_length} tokens do not fit in the cache of (num_blocks - 1) * block_size = "

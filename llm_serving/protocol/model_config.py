@@ -41,6 +41,9 @@ PRECISIONS = ("exact", "fast", "half")
 # model_config.quantization: none, or w8a16 (int8 weights of the decoder layers' projections, per output channel,
 # float activations; agents.weights.packed "int8 weights"); docs/quantization.md
 QUANTIZATIONS = ("none", "w8a16")
+# model_config.kv_cache_dtype: auto (the model's dtype), or int8 (per token and kv head scales; native CPU kernels,
+# agents/model/kernels/paged_attention.cc); docs/quantization.md
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -73,6 +73,7 @@ class OpsBackend:
     # model_config.quantization of the decoder layers' projections ("none" or "w8a16": int8 weights with a scale per
     # output row, ``agents.model.llama.ProjectionWeight``); set by ``with_quantization``
     layer_quantization: str = "none"
+    kv_cache_dtype: str = "auto"  # model_config.kv_cache_dtype: "auto" (the model's dtype) or "int8"
 
     def with_precision(self, precision: str) -> OpsBackend:
         """This backend for ``model_config.precision`` (``exact``, ``half`` or ``fast``); ``ValueError`` where it has
@@ -89,6 +90,15 @@ class OpsBackend:
             raise ValueError(f"model_config.quantization {quantization} needs the native CPU projections "
                              f"(model_config.kernels auto or native, on an AVX-512 CPU with g++); the {self.name} "
                              "ops backend has no int8 projections")
+        return self
+
+    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> OpsBackend:
+        """This backend with its attention's KV cache in ``kv_cache_dtype`` (``auto``: the model's dtype, or
+        ``int8``); ``ValueError`` where its attention has no such cache."""
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"model_config.kv_cache_dtype {kv_cache_dtype} is held by the native CPU attention only "
+                             f"(model_config.kernels auto or native, on CPU with g++); the {self.name} ops backend "
+                             "keeps the cache in the model's dtype")
         return self
 
     @staticmethod

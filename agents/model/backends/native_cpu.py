@@ -11,6 +11,8 @@ bfloat16 (``fast``, AVX512_BF16) projection weights: docs/benchmarks.md "Fast pr
 
 from __future__ import annotations
 
+import copy
+
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
@@ -32,7 +34,7 @@ class NativeAttention(Attention):
     """The native prefill (ragged) and decode attention ops over per-kv-head caches."""
 
     def __init__(self, native: NativeOps, config: LlamaConfig, num_blocks: int, block_size: int,
-                 dtype: ms.Type) -> None:
+                 dtype: ms.Type, kv_cache_dtype: str = "auto") -> None:
         super().__init__()
         self.prefill_op = native.prefill
         self.decode_op = native.decode
@@ -40,8 +42,11 @@ class NativeAttention(Attention):
         # One Parameter per layer, [2 * kv_heads, slots, head_dim] (the key heads, then the value heads): every
         # Parameter a graph reads costs MindSpore's runtime microseconds on each call, and a step reads every
         # layer's cache (one per kv head and kind made a batch-1 decode step measurably slower).
-        shape = (2 * config.num_key_value_heads, num_blocks * block_size, config.head_dim)
-        self.kv_cache = Parameter(initializer("zeros", shape, dtype), name="kv_cache", requires_grad=False)
+        # An int8 cache row holds head_dim int8 values and a float32 scale (4 bytes): kernels/paged_attention.cc.
+        int8 = kv_cache_dtype == "int8"
+        shape = (2 * config.num_key_value_heads, num_blocks * block_size, config.head_dim + (4 if int8 else 0))
+        self.kv_cache = Parameter(initializer("zeros", shape, ms.int8 if int8 else dtype), name="kv_cache",
+                                  requires_grad=False)
         self.block_offsets = Tensor(np.arange(block_size, dtype=np.int32))
 
     def caches(self) -> tuple[Parameter, ...]:
@@ -113,13 +118,11 @@ class NativeCpuBackend(OpsBackend):
     ragged_prefill = True
     chunked_prefill = True
 
-    def __init__(self, native: NativeOps, panel_dtype: str | None = None, layer_quantization: str = "none") -> None:
+    def __init__(self, native: NativeOps) -> None:
         self.native = native
-        # int8 weights use the native projections on any CPU (the plain-loop build is their portable fallback:
-        # MindSpore's MatMul has no int8-weight form on CPU)
-        self.panel_weights = self.skips_padding = native.projections or layer_quantization != "none"
-        self.panel_dtype = panel_dtype
-        self.layer_quantization = layer_quantization
+        # (int8 weights use the native projections on any CPU, ``with_quantization``: the plain-loop build is their
+        # portable fallback, MindSpore's MatMul having no int8-weight form on CPU)
+        self.panel_weights = self.skips_padding = native.projections
 
     def with_precision(self, precision: str) -> NativeCpuBackend:
         """``half``: the projections read float16 weights (half the bytes; every product and sum float32).
@@ -137,7 +140,9 @@ class NativeCpuBackend(OpsBackend):
         if precision == "fast" and not self.native.bf16:
             raise ValueError("model_config.precision fast needs a CPU with AVX512_BF16 (the native projections' "
                              "bfloat16 dot products): use exact")
-        return NativeCpuBackend(self.native, "bfloat16" if precision == "fast" else "float16", self.layer_quantization)
+        changed = copy.copy(self)
+        changed.panel_dtype = "bfloat16" if precision == "fast" else "float16"
+        return changed
 
     def with_quantization(self, quantization: str) -> NativeCpuBackend:
         """``w8a16``: the decoder layers' projections read int8 weights with a float32 scale per output channel
@@ -152,7 +157,20 @@ class NativeCpuBackend(OpsBackend):
         if self.panel_dtype is not None:
             raise ValueError("model_config.quantization w8a16 takes float32 activations: set model_config.precision "
                              "exact")
-        return NativeCpuBackend(self.native, self.panel_dtype, quantization)
+        changed = copy.copy(self)
+        changed.layer_quantization = quantization
+        changed.panel_weights = changed.skips_padding = True  # the plain-loop build's int8 projections included
+        return changed
+
+    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> NativeCpuBackend:
+        """``int8``: each layer's cache holds int8 keys and values with a float32 scale per token and kv head,
+        quantized as the attention ops write them and dequantized block by block as they read them
+        (``kernels/paged_attention.cc``): a quarter of the bytes per cached token (plus its scales)."""
+        if kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"model_config.kv_cache_dtype {kv_cache_dtype!r} is not one of auto, int8")
+        changed = copy.copy(self)
+        changed.kv_cache_dtype = kv_cache_dtype
+        return changed
 
     def before_step(self, tokens: int) -> None:
         self.native.poll_helpers(tokens <= POLL_MAX_TOKENS)
@@ -161,7 +179,7 @@ class NativeCpuBackend(OpsBackend):
         self.native.poll_helpers(False)
 
     def attention(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type) -> Attention:
-        return NativeAttention(self.native, config, num_blocks, block_size, dtype)
+        return NativeAttention(self.native, config, num_blocks, block_size, dtype, self.kv_cache_dtype)
 
     def norm_linear(self, out_dim: int, eps: float) -> nn.Cell:
         if not self.panel_weights:

@@ -13,6 +13,11 @@
 // [tokens] int32, the cache slot of each token's key/value; then the layer's cache [2 * kv_heads, num_slots,
 // head_dim] (the key heads, then the value heads), written in place at slot_mapping. Output: [tokens, heads *
 // head_dim].
+// An int8 cache (``model_config.kv_cache_dtype: int8``) is [2 * kv_heads, num_slots, head_dim + 4] int8: each row
+// holds head_dim int8 values then its float32 scale (4 bytes), max |x| / 127 of that token's key or value of that
+// head, so q = round(x / scale) in [-127, 127] and x ~ q * scale. Rows are quantized as they are written and
+// dequantized (q * scale in float32) block by block as attention reads them (``KvRows``): a quarter of the bytes
+// per token read and held (plus the scale), the arithmetic after it the float32 path's.
 //
 // PagedDecodeAttention: one token per sequence (tokens = batch). Between slot_mapping and the cache:
 //   block_tables [batch, width] int32, context_lens [batch] int32 (the new token included; 0 = padding row, which
@@ -45,14 +50,68 @@ void rope(const float *x, const float *cos, const float *sin, int64_t head_dim, 
   for (int64_t d = half; d < head_dim; ++d) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
 }
 
-inline void prefetch_block(const float *rows, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(rows + i);
+constexpr int64_t kScaleBytes = 4;  // an int8 cache row's float32 scale, after its values
+
+// ``row`` [dim] float32 -> int8 values then the float32 scale max |x| / 127 (0 for a zero row), q = round(x / scale)
+// to nearest even (numpy's rint, the tests' reference).
+void quantize_row(const float *x, int64_t dim, int8_t *row) {
+  float top = 0.0f;
+  for (int64_t d = 0; d < dim; ++d) top = std::fabs(x[d]) > top ? std::fabs(x[d]) : top;
+  const float scale = top / 127.0f;
+  for (int64_t d = 0; d < dim; ++d) {
+    const float q = scale > 0.0f ? std::nearbyint(x[d] / scale) : 0.0f;
+    row[d] = static_cast<int8_t>(q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q));
+  }
+  std::memcpy(row + dim, &scale, sizeof(float));
 }
 
-inline const float *block_rows(const float *cache, const int32_t *table, int64_t block, int64_t block_size,
-                               int64_t head_dim) {
-  return cache + static_cast<int64_t>(table[block]) * block_size * head_dim;
+// out [dim] = q * scale of one int8 row.
+inline void dequantize_row(const int8_t *row, int64_t dim, float *out) {
+  float scale;
+  std::memcpy(&scale, row + dim, sizeof(float));
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<float>(row[d]) * scale;
 }
+
+// One kv head's key or value rows of a layer's cache: float32 [slots, dim], or int8 [slots, dim + 4] (the header).
+// Readers always get float32 rows: an int8 block is dequantized into the caller's scratch.
+struct KvRows {
+  float *f32 = nullptr;
+  int8_t *i8 = nullptr;
+  int64_t dim = 0;
+
+  int64_t row_bytes() const { return i8 != nullptr ? dim + kScaleBytes : dim * static_cast<int64_t>(sizeof(float)); }
+  const char *bytes(int64_t first) const {
+    return i8 != nullptr ? reinterpret_cast<const char *>(i8 + first * (dim + kScaleBytes))
+                         : reinterpret_cast<const char *>(f32 + first * dim);
+  }
+  // Rows [first, first + n) as float32: the cache's own, or dequantized into ``scratch`` [n, dim].
+  const float *rows(int64_t first, int64_t n, float *scratch) const {
+    if (i8 == nullptr) return f32 + first * dim;
+    for (int64_t r = 0; r < n; ++r) dequantize_row(i8 + (first + r) * (dim + kScaleBytes), dim, scratch + r * dim);
+    return scratch;
+  }
+  void prefetch(int64_t first, int64_t n) const {
+    const char *p = bytes(first);
+    for (int64_t i = 0; i < n * row_bytes(); i += 64) __builtin_prefetch(p + i);
+  }
+  // Stores ``x`` [dim] at ``slot`` (quantized in an int8 cache).
+  void write(int64_t slot, const float *x) const {
+    if (i8 != nullptr) {
+      quantize_row(x, dim, i8 + slot * (dim + kScaleBytes));
+    } else {
+      std::memcpy(f32 + slot * dim, x, sizeof(float) * dim);
+    }
+  }
+  // dst [dim] = the row at ``slot`` as float32 (what attention reads back).
+  void read(int64_t slot, float *dst) const {
+    if (i8 != nullptr) {
+      dequantize_row(i8 + slot * (dim + kScaleBytes), dim, dst);
+    } else {
+      std::memcpy(dst, f32 + slot * dim, sizeof(float) * dim);
+    }
+  }
+};
 
 // scores[r * stride + i] = scale * q_r . k_i for ``rows`` consecutive keys of one block and the ``rep`` query
 // heads sharing their kv head.
@@ -164,24 +223,25 @@ void weigh_rows(const float *probs, const float *v, int64_t rows, int64_t dyn_he
   }
 }
 
-// Calls ``visit(start, rows, cache rows)`` for each block of a sequence's ``len`` cache rows, in order, with the
+// Calls ``visit(start, rows, float32 rows)`` for each block of a sequence's ``len`` cache rows, in order, with the
 // next block prefetched: that keeps the memory system busy across the jumps between non-contiguous blocks.
 template <typename Visit>
-void for_each_block(const float *cache, const int32_t *table, int64_t len, int64_t block_size, int64_t head_dim,
-                    const Visit &visit) {
+void for_each_block(const KvRows &cache, const int32_t *table, int64_t len, int64_t block_size, const Visit &visit) {
+  thread_local std::vector<float> scratch;  // an int8 block, dequantized
+  if (cache.i8 != nullptr) scratch.resize(static_cast<size_t>(block_size * cache.dim));
   const int64_t blocks = (len + block_size - 1) / block_size;
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    if (blk + 1 < blocks) prefetch_block(block_rows(cache, table, blk + 1, block_size, head_dim), block_size * head_dim);
-    const int64_t start = blk * block_size;
-    visit(start, len - start < block_size ? len - start : block_size, block_rows(cache, table, blk, block_size, head_dim));
+    if (blk + 1 < blocks) cache.prefetch(static_cast<int64_t>(table[blk + 1]) * block_size, block_size);
+    const int64_t start = blk * block_size, rows = len - start < block_size ? len - start : block_size;
+    visit(start, rows, cache.rows(static_cast<int64_t>(table[blk]) * block_size, rows, scratch.data()));
   }
 }
 
 // scores[r * len + t] = scale * q_r . k_t over the sequence's blocks.
 template <int64_t kHeadDim>
-void score_keys(const float *q, const int32_t *table, int64_t len, int64_t block_size, const float *keys,
+void score_keys(const float *q, const int32_t *table, int64_t len, int64_t block_size, const KvRows &keys,
                 int64_t head_dim, int64_t rep, float scale, float *scores) {
-  for_each_block(keys, table, len, block_size, head_dim, [&](int64_t start, int64_t rows, const float *k) {
+  for_each_block(keys, table, len, block_size, [&](int64_t start, int64_t rows, const float *k) {
     score_rows<kHeadDim>(q, k, rows, head_dim, rep, scale, scores + start, len);
   });
 }
@@ -210,7 +270,7 @@ void softmax_rows(float *scores, int64_t len, int64_t rep) {
 // them at every block.
 template <int64_t kHeadDim, int kRows>
 void weigh_in_registers(const float *probs, const int32_t *table, int64_t len, int64_t block_size,
-                        const float *values, int64_t r0, float *out) {
+                        const KvRows &values, int64_t r0, float *out) {
   constexpr int64_t kChunks = kHeadDim / 16;
   __m512 even[kRows][kChunks], odd[kRows][kChunks];
   for (int r = 0; r < kRows; ++r) {
@@ -225,7 +285,7 @@ void weigh_in_registers(const float *probs, const int32_t *table, int64_t len, i
       for (int64_t c = 0; c < kChunks; ++c) acc[r][c] = _mm512_fmadd_ps(p, vc[c], acc[r][c]);
     }
   };
-  for_each_block(values, table, len, block_size, kHeadDim, [&](int64_t start, int64_t rows, const float *v) {
+  for_each_block(values, table, len, block_size, [&](int64_t start, int64_t rows, const float *v) {
     int64_t i = 0;
     if (start % 2) add_row(odd, v, start), i = 1;
     for (; i + 2 <= rows; i += 2) {
@@ -244,7 +304,7 @@ void weigh_in_registers(const float *probs, const int32_t *table, int64_t len, i
 
 // out[r] = sum_t probs[r * len + t] * v_t over the sequence's blocks.
 template <int64_t kHeadDim>
-void weigh_values(const float *probs, const int32_t *table, int64_t len, int64_t block_size, const float *values,
+void weigh_values(const float *probs, const int32_t *table, int64_t len, int64_t block_size, const KvRows &values,
                   int64_t head_dim, int64_t rep, float *out) {
 #if defined(__AVX512F__)
   if constexpr (kHeadDim > 0 && kHeadDim % 16 == 0) {  // the query rows' sums in registers, a few rows at a time
@@ -260,7 +320,7 @@ void weigh_values(const float *probs, const int32_t *table, int64_t len, int64_t
   thread_local std::vector<float> odd;
   odd.assign(static_cast<size_t>(rep * head_dim), 0.0f);
   std::memset(out, 0, sizeof(float) * rep * head_dim);
-  for_each_block(values, table, len, block_size, head_dim, [&](int64_t start, int64_t rows, const float *v) {
+  for_each_block(values, table, len, block_size, [&](int64_t start, int64_t rows, const float *v) {
     weigh_rows<kHeadDim>(probs + start, v, rows, head_dim, rep, out, odd.data(), start, len);
   });
 }
@@ -268,16 +328,16 @@ void weigh_values(const float *probs, const int32_t *table, int64_t len, int64_t
 // One sequence and kv head. ``kHeadDim`` fixes the row length at compile time for the common Llama head sizes
 // (64, 128), which let the compiler unroll the row loops (1.4-2x faster than a runtime length); 0 = any.
 template <int64_t kHeadDim>
-void attend(const float *q, const int32_t *table, int64_t len, int64_t block_size, const float *keys,
-            const float *values, int64_t head_dim, int64_t rep, float scale, float *scores, float *out) {
+void attend(const float *q, const int32_t *table, int64_t len, int64_t block_size, const KvRows &keys,
+            const KvRows &values, int64_t head_dim, int64_t rep, float scale, float *scores, float *out) {
   score_keys<kHeadDim>(q, table, len, block_size, keys, head_dim, rep, scale, scores);
   softmax_rows(scores, len, rep);
   weigh_values<kHeadDim>(scores, table, len, block_size, values, head_dim, rep, out);
 }
 
 // ``rep`` query heads over ``len`` key/value rows; dispatches to the unrolled head sizes.
-void attend_any(const float *q, const int32_t *table, int64_t len, int64_t block_size, const float *keys,
-                const float *values, int64_t dim, int64_t rep, float scale, float *scores, float *out) {
+void attend_any(const float *q, const int32_t *table, int64_t len, int64_t block_size, const KvRows &keys,
+                const KvRows &values, int64_t dim, int64_t rep, float scale, float *scores, float *out) {
   if (dim == 64) {
     attend<64>(q, table, len, block_size, keys, values, dim, rep, scale, scores, out);
   } else if (dim == 128) {
@@ -295,12 +355,12 @@ constexpr int64_t kTile = 8;  // queries of one sequence attended together by Ch
 // the same order, so the results are bitwise those of attending query by query.
 template <int64_t kHeadDim>
 void attend_tile(const float *q, const int32_t *table, const int64_t *lens, int64_t tokens, int64_t block_size,
-                 const float *keys, const float *values, int64_t dim, int64_t rep, float scale, float *scores,
+                 const KvRows &keys, const KvRows &values, int64_t dim, int64_t rep, float scale, float *scores,
                  float *odd, float *const *out) {
   const int64_t longest = lens[tokens - 1];
   int64_t at[kTile];  // where query i's ``rep x lens[i]`` scores start
   for (int64_t i = 0, offset = 0; i < tokens; offset += rep * lens[i], ++i) at[i] = offset;
-  for_each_block(keys, table, longest, block_size, dim, [&](int64_t start, int64_t rows, const float *k) {
+  for_each_block(keys, table, longest, block_size, [&](int64_t start, int64_t rows, const float *k) {
     for (int64_t i = 0; i < tokens; ++i) {
       if (start >= lens[i]) continue;
       const int64_t n = lens[i] - start < rows ? lens[i] - start : rows;
@@ -312,7 +372,7 @@ void attend_tile(const float *q, const int32_t *table, const int64_t *lens, int6
     std::memset(out[i], 0, sizeof(float) * rep * dim);
   }
   std::memset(odd, 0, sizeof(float) * tokens * rep * dim);
-  for_each_block(values, table, longest, block_size, dim, [&](int64_t start, int64_t rows, const float *v) {
+  for_each_block(values, table, longest, block_size, [&](int64_t start, int64_t rows, const float *v) {
     for (int64_t i = 0; i < tokens; ++i) {
       if (start >= lens[i]) continue;
       const int64_t n = lens[i] - start < rows ? lens[i] - start : rows;
@@ -329,7 +389,7 @@ void attend_tile(const float *q, const int32_t *table, const int64_t *lens, int6
 }
 
 void attend_tile_any(const float *q, const int32_t *table, const int64_t *lens, int64_t tokens, int64_t block_size,
-                     const float *keys, const float *values, int64_t dim, int64_t rep, float scale, float *scores,
+                     const KvRows &keys, const KvRows &values, int64_t dim, int64_t rep, float scale, float *scores,
                      float *odd, float *const *out) {
   if (dim == 64) {
     attend_tile<64>(q, table, lens, tokens, block_size, keys, values, dim, rep, scale, scores, odd, out);
@@ -344,7 +404,7 @@ void attend_tile_any(const float *q, const int32_t *table, const int64_t *lens, 
 struct Layer {
   const float *qkv, *cos, *sin;
   const int32_t *slots;
-  float *const *keys, *const *values;  // per kv head
+  const KvRows *keys, *values;  // per kv head
   float *out;
   int64_t n_kv, rep, dim, num_slots;
   float scale;
@@ -355,8 +415,11 @@ struct Layer {
   // Ropes token's key of kv head ``h`` and writes it and its value into the cache at the token's slot.
   void write_kv(int64_t token, int64_t h) const {
     const int64_t slot = slots[token];
-    rope(row(token) + (heads() + h) * dim, cos + token * dim, sin + token * dim, dim, keys[h] + slot * dim);
-    std::memcpy(values[h] + slot * dim, row(token) + (heads() + n_kv + h) * dim, sizeof(float) * dim);
+    thread_local std::vector<float> roped;
+    roped.resize(static_cast<size_t>(dim));
+    rope(row(token) + (heads() + h) * dim, cos + token * dim, sin + token * dim, dim, roped.data());
+    keys[h].write(slot, roped.data());
+    values[h].write(slot, row(token) + (heads() + n_kv + h) * dim);
   }
   // Ropes the ``rep`` queries of kv head ``h`` at ``token`` into q [rep, dim].
   void queries(int64_t token, int64_t h, float *q) const {
@@ -367,23 +430,32 @@ struct Layer {
   float *out_row(int64_t token, int64_t h) const { return out + token * heads() * dim + h * rep * dim; }
 };
 
-// Validates the common inputs (the layer's cache at ``first_cache``: float32 [2 * n_kv, slots, dim], the n_kv
-// key heads then the n_kv value heads; the output after it) and fills ``layer``. One cache input per layer, not
-// one per head: each graph input costs MindSpore's runtime microseconds on every call.
+// Validates the common inputs (the layer's cache at ``first_cache``: float32 [2 * n_kv, slots, dim] or int8
+// [2 * n_kv, slots, dim + 4], the n_kv key heads then the n_kv value heads; the output after it) and fills
+// ``layer``. One cache input per layer, not one per head: each graph input costs MindSpore's runtime microseconds
+// on every call.
 int parse_layer(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, int first_cache,
-                std::vector<float *> &caches, Layer &layer) {
+                std::vector<KvRows> &caches, Layer &layer) {
   if (nparam != first_cache + 2) return 1;
   if (ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || ndims[3] != 1 || ndims[first_cache] != 3) return 1;
+  const bool int8_cache = is_dtype(dtypes[first_cache], "int8");
   for (int i = 0; i < nparam - 1; ++i) {
     const bool is_index = i >= 3 && i < first_cache;
+    if (i == first_cache && int8_cache) continue;
     if (!is_dtype(dtypes[i], is_index ? "int32" : "float32")) return 2;
   }
   const int64_t *cache_shape = shapes[first_cache];
-  const int64_t n_kv = cache_shape[0] / 2;
-  if (n_kv < 1 || cache_shape[0] != 2 * n_kv) return 3;
-  auto *cache = static_cast<float *>(params[first_cache]);
-  caches.assign(static_cast<size_t>(2 * n_kv), nullptr);
-  for (int64_t i = 0; i < 2 * n_kv; ++i) caches[i] = cache + i * cache_shape[1] * cache_shape[2];
+  const int64_t n_kv = cache_shape[0] / 2, dim = cache_shape[2] - (int8_cache ? kScaleBytes : 0);
+  if (n_kv < 1 || cache_shape[0] != 2 * n_kv || dim < 2) return 3;
+  caches.assign(static_cast<size_t>(2 * n_kv), KvRows{});
+  for (int64_t i = 0; i < 2 * n_kv; ++i) {
+    caches[i].dim = dim;
+    if (int8_cache) {
+      caches[i].i8 = static_cast<int8_t *>(params[first_cache]) + i * cache_shape[1] * cache_shape[2];
+    } else {
+      caches[i].f32 = static_cast<float *>(params[first_cache]) + i * cache_shape[1] * cache_shape[2];
+    }
+  }
   layer.qkv = static_cast<const float *>(params[0]);
   layer.cos = static_cast<const float *>(params[1]);
   layer.sin = static_cast<const float *>(params[2]);
@@ -392,7 +464,7 @@ int parse_layer(int nparam, void **params, int *ndims, int64_t **shapes, const c
   layer.values = caches.data() + n_kv;
   layer.out = static_cast<float *>(params[nparam - 1]);
   layer.n_kv = n_kv;
-  layer.dim = cache_shape[2];
+  layer.dim = dim;
   layer.num_slots = cache_shape[1];
   const int64_t tokens = shapes[0][0], heads = shapes[0][1] / layer.dim - 2 * n_kv;
   layer.rep = heads / n_kv;
@@ -412,7 +484,7 @@ extern "C" int PagedDecodeAttention(int nparam, void **params, int *ndims, int64
   (void)extra;
   constexpr int kFirstCache = 7;
   Layer layer{};
-  std::vector<float *> caches;
+  std::vector<KvRows> caches;
   if (int rc = parse_layer(nparam, params, ndims, shapes, dtypes, kFirstCache, caches, layer)) return rc;
   if (ndims[4] != 2 || ndims[5] != 1 || ndims[6] != 1) return 1;
   const auto *tables = static_cast<const int32_t *>(params[4]);
@@ -451,7 +523,7 @@ extern "C" int PackedPrefillAttention(int nparam, void **params, int *ndims, int
   (void)extra;
   constexpr int kFirstCache = 5;
   Layer layer{};
-  std::vector<float *> caches;
+  std::vector<KvRows> caches;
   if (int rc = parse_layer(nparam, params, ndims, shapes, dtypes, kFirstCache, caches, layer)) return rc;
   if (ndims[4] != 1) return 1;
   const auto *lens = static_cast<const int32_t *>(params[4]);
@@ -475,19 +547,20 @@ extern "C" int PackedPrefillAttention(int nparam, void **params, int *ndims, int
     // The prompt's own roped keys and values, contiguous: attention reads them as one block of ``len`` rows.
     keys.resize(static_cast<size_t>(len * dim));
     values.resize(static_cast<size_t>(len * dim));
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = 0; t < len; ++t) {  // as the cache holds them (an int8 cache's rows dequantized)
       layer.write_kv(start + t, h);
       const int64_t slot = layer.slots[start + t];
-      std::memcpy(keys.data() + t * dim, layer.keys[h] + slot * dim, sizeof(float) * dim);
-      std::memcpy(values.data() + t * dim, layer.values[h] + slot * dim, sizeof(float) * dim);
+      layer.keys[h].read(slot, keys.data() + t * dim);
+      layer.values[h].read(slot, values.data() + t * dim);
     }
     static const int32_t kOneBlock[1] = {0};
     q.resize(static_cast<size_t>(layer.rep * dim));
     scores.resize(static_cast<size_t>(layer.rep * len));
     for (int64_t t = 0; t < len; ++t) {  // causal: token t attends to tokens 0..t of its prompt
       layer.queries(start + t, h, q.data());
-      attend_any(q.data(), kOneBlock, t + 1, len, keys.data(), values.data(), dim, layer.rep, layer.scale,
-                 scores.data(), layer.out_row(start + t, h));
+      attend_any(q.data(), kOneBlock, t + 1, len, KvRows{keys.data(), nullptr, dim},
+                 KvRows{values.data(), nullptr, dim}, dim, layer.rep, layer.scale, scores.data(),
+                 layer.out_row(start + t, h));
     }
   });
   return 0;
@@ -508,7 +581,7 @@ extern "C" int ChunkedPrefillAttention(int nparam, void **params, int *ndims, in
   (void)extra;
   constexpr int kFirstCache = 8;
   Layer layer{};
-  std::vector<float *> caches;
+  std::vector<KvRows> caches;
   if (int rc = parse_layer(nparam, params, ndims, shapes, dtypes, kFirstCache, caches, layer)) return rc;
   if (ndims[4] != 1 || ndims[5] != 1 || ndims[6] != 2 || ndims[7] != 1) return 1;
   const auto *query_lens = static_cast<const int32_t *>(params[4]);
