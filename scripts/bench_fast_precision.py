@@ -1,5 +1,6 @@
-"""The precision modes (model_config.precision exact / half / fast) and int8 weights (model_config.quantization
-w8a16) on the bench model or the trained model: the contest's logits rule, greedy-id agreement with Hugging Face,
+"""The precision modes (model_config.precision exact / half / fast), int8 weights (model_config.quantization
+w8a16) and the int8 KV cache (model_config.kv_cache_dtype int8: modes kv8, w8a16-kv8) on the bench model or the trained
+model: the contest's logits rule, greedy-id agreement with Hugging Face,
 and served speed, all from one run.
 
     python scripts/bench_fast_precision.py [--model bench|trained] [--modes exact w8a16 ...]
@@ -52,10 +53,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import benchmark  # scripts/benchmark.py: model, workload, servers
 from check_precision import TOLERANCE
 
-MODES = ("exact", "half", "fast", "w8a16")
-# mode -> (model_config.precision, model_config.quantization)
-SETTINGS = {"exact": ("exact", "none"), "half": ("half", "none"), "fast": ("fast", "none"),
-            "w8a16": ("exact", "w8a16")}
+MODES = ("exact", "half", "fast", "w8a16", "kv8", "w8a16-kv8")
+# mode -> (model_config.precision, model_config.quantization, model_config.kv_cache_dtype)
+SETTINGS = {"exact": ("exact", "none", "auto"), "half": ("half", "none", "auto"), "fast": ("fast", "none", "auto"),
+            "w8a16": ("exact", "w8a16", "auto"), "kv8": ("exact", "none", "int8"),
+            "w8a16-kv8": ("exact", "w8a16", "int8")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,6 +111,11 @@ def held_bytes(runner) -> int:
     return sum(p.nbytes for p in runner.model.get_parameters() if "kv_cache" not in p.name)
 
 
+def cache_bytes(runner) -> int:
+    """Bytes of the KV cache's Parameters."""
+    return sum(p.nbytes for p in runner.model.get_parameters() if "kv_cache" in p.name)
+
+
 def teacher_forced(runner, ids) -> np.ndarray:
     """Logits ``[windows, positions - 1, vocab]``: each window's first token prefilled, then one decode step per
     following token, every step fed the text's own token (so every mode sees the same context)."""
@@ -150,10 +157,11 @@ def quality(args: argparse.Namespace) -> None:
     width = -(-length // 16)
     results = {}
     for mode in args.modes:
-        precision, quantization = SETTINGS[mode]
+        precision, quantization, kv_cache = SETTINGS[mode]
         rc = RunnerConfig(num_blocks=n * width + 1, block_size=16, max_model_len=max(length, 64),
                           prefill_batch_sizes=(n,), prefill_seq_lengths=(min(64, length),), decode_batch_sizes=(n,),
-                          decode_block_widths=(width,), precision=precision, quantization=quantization)
+                          decode_block_widths=(width,), precision=precision, quantization=quantization,
+                          kv_cache_dtype=kv_cache)
         runner = ModelRunner(config, weights, rc)
         runner.warmup()
         logits = teacher_forced(runner, ids).astype(np.float64)
@@ -187,13 +195,15 @@ def step_times(modes: list[str], context: int, model: str) -> None:
     width = -(-context // BLOCK)
     runners = []
     for mode in modes:
-        precision, quantization = SETTINGS[mode]
+        precision, quantization, kv_cache = SETTINGS[mode]
         rc = RunnerConfig(num_blocks=128 * width + 1, block_size=BLOCK, max_model_len=max(512, context),
                           prefill_batch_sizes=(1, 8), prefill_seq_lengths=(128,), decode_batch_sizes=(1, 8, 32, 128),
-                          decode_block_widths=(width,), precision=precision, quantization=quantization)
+                          decode_block_widths=(width,), precision=precision, quantization=quantization,
+                          kv_cache_dtype=kv_cache)
         runners.append(ModelRunner(config, weights, rc))
         runners[-1].warmup()
-        print(f"[precision] {mode}: weights held {held_bytes(runners[-1]) / 2 ** 20:.1f} MiB", flush=True)
+        print(f"[precision] {mode}: weights held {held_bytes(runners[-1]) / 2 ** 20:.1f} MiB, KV cache "
+              f"{cache_bytes(runners[-1]) / 2 ** 20:.1f} MiB", flush=True)
     calls = [("prefill 8x128", prefill_batch(8, 128))] + [
         (f"decode B={b} ctx={context}", decode_batch(b, context)) for b in (1, 8, 32, 128)]
     print("| call | " + " | ".join(f"{m} ms" for m in modes) + " | "

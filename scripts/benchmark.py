@@ -143,16 +143,17 @@ def expected_texts(model_dir: Path, reqs: list[BenchRequest], outs: list[list[in
 
 # ------------------------------------------------------------------------------------------ our server
 def write_config(path: Path, model_dir: Path, prefill: tuple[int, ...], decode: tuple[int, ...],
-                 policy: str, max_out: int, precision: str = "exact", quantization: str = "none") -> Path:
+                 policy: str, max_out: int, precision: str = "exact", quantization: str = "none",
+                 kv_cache_dtype: str = "auto") -> Path:
     """A serving YAML for the bench model; the cache holds every sequence at full length. ``precision``,
-    ``quantization``: model_config's (scripts/bench_fast_precision.py compares the modes)."""
+    ``quantization``, ``kv_cache_dtype``: model_config's (scripts/bench_fast_precision.py compares the modes)."""
     max_len = SEQ_BUCKETS[-1] + max_out
     blocks = (max(decode) * max_len) // 16 + 2
     cfg = {
         "model_config": {"model_name": "llama2", "model_path": str(model_dir), "dtype": "float32",
                          "max_generate_length": max_out, "seq_length": list(SEQ_BUCKETS),
                          "prefill_batch_size": list(prefill), "decode_batch_size": list(decode),
-                         "precision": precision, "quantization": quantization},
+                         "precision": precision, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype},
         "pa_config": {"num_blocks": max(blocks, max_len // 16 + 2), "block_size": 16, "decode_seq_length": max_len},
         "scheduler": {"policy": policy},
     }

@@ -71,9 +71,12 @@ PEERS = {
     # the same in process with int8 weights (model_config.quantization w8a16), beside float32 in one run
     "ours-w8a16": (None, "run_ours.py", lambda w, ours_config: ["--config", str(with_model_config(
         ours_config, w / "config_peers_w8a16.yaml", quantization="w8a16"))]),
+    "ours-w8a16-kv8": (None, "run_ours.py", lambda w, ours_config: ["--config", str(with_model_config(
+        ours_config, w / "config_peers_w8a16_kv8.yaml", quantization="w8a16", kv_cache_dtype="int8"))]),
 }
 LABELS = {"openvino": "OpenVINO GenAI, f32", "openvino-default": "OpenVINO GenAI, CPU defaults",
           "openvino-int8": "OpenVINO GenAI, int8 weights, f32", "ours-w8a16": "ours, in process, w8a16",
+          "ours-w8a16-kv8": "ours, in process, w8a16, int8 KV cache",
           "ctranslate2": "CTranslate2, float32", "llamacpp": "llama.cpp, F32", "ours-in-process": "ours, in process"}
 
 

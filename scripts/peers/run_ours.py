@@ -67,7 +67,8 @@ def main() -> int:
                   "tokens", file=sys.stderr, flush=True)
         cfg = llm.config
     settings = (f"offline API (LLM, Engine.submit) in process, config {Path(args.config).name}: policy "
-                f"{cfg.scheduler.policy}, precision {cfg.model_config.precision}, quantization {cfg.model_config.quantization}")
+                f"{cfg.scheduler.policy}, precision {cfg.model_config.precision}, quantization "
+                f"{cfg.model_config.quantization}, kv cache {cfg.model_config.kv_cache_dtype}")
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, check=False).stdout.strip() or "unknown"
     write_results(args.out, PeerResult("ours-in-process", f"commit {commit}", settings, None, load_s, runs))
