@@ -128,6 +128,12 @@ def flash_attention_th(query: np.ndarray, key: np.ndarray, value: np.ndarray, ma
     return out
 
 
+def weight_quant_matmul(x: np.ndarray, weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """``WeightQuantBatchMatmul(transpose_x=False, transpose_weight=True, antiquant_group_size=0)`` without offset:
+    ``x [M, K] @ (weight [N, K] * scale [N])^T``."""
+    return x.astype(np.float64) @ (weight.astype(np.float64) * scale.astype(np.float64)[:, None]).T
+
+
 def argmax_with_value(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Index of the first maximum along the last axis, and the maximum."""
     index = np.array([next(i for i, v in enumerate(row) if v == row.max()) for row in x])

@@ -81,6 +81,19 @@ class Flash(nn.Cell):
                           batch_valid_length)[3]
 
 
+class QuantMatmul(nn.Cell):
+    """A w8a16 projection: int8 [out, in] weight and float16 scales as Parameters, as the backend holds them."""
+
+    def __init__(self, fused, weight: np.ndarray, scale: np.ndarray) -> None:
+        super().__init__()
+        self.weight = Parameter(Tensor(weight), name="weight")
+        self.scale = Parameter(Tensor(scale), name="scale")
+        self.matmul = fused.weight_quant_matmul()
+
+    def construct(self, x):
+        return self.matmul(x, self.weight, self.scale, None, None, None, None)
+
+
 def inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Seeded inputs of every case, float16 as the backend serves (GQA: two query heads per kv head)."""
     h = lambda *shape: rng.normal(size=shape).astype(np.float16)
@@ -103,6 +116,8 @@ def inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
         "chunk_mask": ((np.arange(width * BLOCK_SIZE)[None, :] > positions[:, None]) * -10000.0).astype(np.float16),
         "flash_q": h(12, HEADS * HEAD_DIM), "flash_k": h(12, KV_HEADS * HEAD_DIM),
         "flash_v": h(12, KV_HEADS * HEAD_DIM), "flash_lens": np.array([5, 1, 6], np.int32),
+        "wq_x": h(5, 96), "wq_weight": rng.integers(-127, 128, (64, 96)).astype(np.int8),
+        "wq_scale": rng.uniform(0.001, 0.02, 64).astype(np.float16),
     }
 
 
@@ -116,7 +131,8 @@ def run(device: str, out: str) -> None:
     mask = causal_mask(ms.float16)
     cells = {"norm_swiglu": NormSwiglu(fused), "rope": Rope(fused), "write": Write(fused, a["key_cache"],
              a["value_cache"]), "decode": Decode(fused, a["key_cache"], a["value_cache"]),
-             "chunk": Chunk(fused, a["key_cache"], a["value_cache"]), "flash": Flash(fused, mask)}
+             "chunk": Chunk(fused, a["key_cache"], a["value_cache"]), "flash": Flash(fused, mask),
+             "quant": QuantMatmul(fused, a["wq_weight"], a["wq_scale"])}
     for cell in cells.values():
         apply_jit_config(cell, device)
     results = {
@@ -127,6 +143,7 @@ def run(device: str, out: str) -> None:
         "chunk": (cells["chunk"](t["chunk_query"], t["tables"], t["context_lens"], t["q_seq_lens"],
                                  t["chunk_mask"]),),
         "flash": (cells["flash"](t["flash_q"], t["flash_k"], t["flash_v"], t["flash_lens"]),),
+        "quant": (cells["quant"](t["wq_x"]),),
     }
     saved = {f"in_{k}": v for k, v in a.items()}
     saved["in_flash_mask"] = mask.asnumpy()

@@ -102,6 +102,8 @@ def check_ops(got: dict[str, np.ndarray]) -> None:
     np.testing.assert_allclose(got["out_chunk_0"], contract.paged_attention_queries(
         a["chunk_query"], a["key_cache"], a["value_cache"], a["tables"], a["context_lens"], a["q_seq_lens"],
         a["chunk_mask"], SCALE), **close)
+    np.testing.assert_allclose(got["out_quant_0"], contract.weight_quant_matmul(a["wq_x"], a["wq_weight"],
+                                                                                a["wq_scale"]), **close)
     np.testing.assert_allclose(got["out_flash_0"], contract.flash_attention_th(
         a["flash_q"], a["flash_k"], a["flash_v"], a["flash_mask"], "float16", a["flash_lens"], a["flash_lens"],
         HEADS, SCALE), **close)
