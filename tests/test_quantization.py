@@ -398,13 +398,20 @@ class KvStep:
         return out.reshape(-1)
 
 
+@pytest.fixture(scope="module")
+def generic_kernel_dir(tmp_path_factory):
+    """One build without AVX-512 for the tests below (the library is cached by source and flags)."""
+    return tmp_path_factory.mktemp("generic-kv-kernels")
+
+
 @pytest.mark.parametrize("build", ["default", "generic"])
 @pytest.mark.parametrize("dim", [64, 48])  # the unrolled head size and the generic loops
-def test_int8_cache_holds_each_rows_quantization_and_attention_reads_it_back(tmp_path, monkeypatch, build, dim):
+def test_int8_cache_holds_each_rows_quantization_and_attention_reads_it_back(generic_kernel_dir, monkeypatch, build,
+                                                                             dim):
     setup_device("CPU")
     if build == "generic":  # without AVX-512
         monkeypatch.setattr(native_kernels, "CXX_FLAGS", native_kernels.CXX_FLAGS + ("-mno-avx512f",))
-        monkeypatch.setenv("LLM_SERVING_KERNEL_DIR", str(tmp_path / "generic-kernels"))
+        monkeypatch.setenv("LLM_SERVING_KERNEL_DIR", str(generic_kernel_dir))
     ops_ = native_ops(N_KV * REP * dim)  # the ops' output width
     kv = KvStep(ops_, dim, slots=16 * BLOCK)
     # prefill: prompts of 5 and 7 tokens in blocks 1-2 and 3-4
