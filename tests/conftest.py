@@ -17,6 +17,12 @@ os.environ.pop("LLM_SERVING_KERNEL_DIR", None)  # under the root too
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def generic_kernel_dir(tmp_path_factory):
+    """Where the kernels built without AVX-512 go (tests.op_cell.built_ops), once per session."""
+    return tmp_path_factory.mktemp("generic-kernels")
+
+
 @pytest.fixture(scope="module")
 def standin_server(tmp_path_factory):
     """``llm-serving serve --standin-agents`` (tests/test_server.py's ServerProcess) for one test module: the real

@@ -11,7 +11,6 @@ import pytest
 import yaml
 from mindspore import Tensor
 
-from agents.model import native_kernels
 from agents.model.backends import PortableBackend
 from agents.model.native_kernels import native_ops
 from agents.runtime.device import setup_device
@@ -24,7 +23,7 @@ from llm_serving.engine.loop import Engine
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.model_config import LlamaConfig
-from tests.op_cell import OpCell
+from tests.op_cell import OpCell, built_ops
 
 pw = packed_weights
 
@@ -55,19 +54,13 @@ def test_bf16_pack_holds_pairs_of_inputs_and_unpacks_to_the_rounded_weight(out, 
 
 # ---- kernels ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=["default", "generic"])
-def ops_(request, tmp_path_factory):
+def ops_(request, generic_kernel_dir):
     """The kernels as built here (AVX-512 with BF16), and built without AVX-512 (plain loops: same maths)."""
     setup_device("CPU")
-    if request.param == "default":
-        ops = native_ops(64)
-        if not ops.bf16:
-            pytest.skip("this CPU has no AVX512_BF16")
-        return ops
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(native_kernels, "CXX_FLAGS", native_kernels.CXX_FLAGS + ("-mno-avx512f",))
-        patch.setenv("LLM_SERVING_KERNEL_DIR", str(tmp_path_factory.mktemp("generic-kernels")))
-        ops = native_ops(64)
-    assert not ops.bf16
+    ops = built_ops(request.param, 64, generic_kernel_dir)
+    if request.param == "default" and not ops.bf16:
+        pytest.skip("this CPU has no AVX512_BF16")
+    assert request.param == "default" or not ops.bf16
     return ops
 
 

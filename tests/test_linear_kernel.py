@@ -6,11 +6,9 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
-from agents.model import native_kernels
-from agents.model.native_kernels import native_ops
 from agents.runtime.device import setup_device
 from agents.weights import packed as packed_weights
-from tests.op_cell import OpCell
+from tests.op_cell import OpCell, built_ops
 from tests.script_runner import run_script
 
 EPS = 1e-5
@@ -35,16 +33,11 @@ def test_swiglu_panels_hold_gate_then_up_rows_of_the_same_outputs():
 
 
 @pytest.fixture(scope="module", params=["default", "generic"])
-def ops_(request, tmp_path_factory):
+def ops_(request, generic_kernel_dir):
     """The kernels as built for this machine, and built without AVX-512 (the plain loops other CPUs run)."""
     setup_device("CPU")  # graph mode, as the model runs them (and before any kernel runs in this process)
-    if request.param == "default":
-        return native_ops(64)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(native_kernels, "CXX_FLAGS", native_kernels.CXX_FLAGS + ("-mno-avx512f",))
-        patch.setenv("LLM_SERVING_KERNEL_DIR", str(tmp_path_factory.mktemp("generic-kernels")))
-        ops = native_ops(64)
-    assert not ops.projections  # the model keeps MindSpore's MatMul with these
+    ops = built_ops(request.param, 64, generic_kernel_dir)
+    assert request.param == "default" or not ops.projections  # the model keeps MindSpore's MatMul with these
     return ops
 
 

@@ -14,9 +14,7 @@ import yaml
 from mindspore import Tensor
 from safetensors.numpy import load_file, save_file
 
-from agents.model import native_kernels
 from agents.model.backends import PortableBackend
-from agents.model.native_kernels import native_ops
 from agents.runtime import kv_budget
 from agents.runtime.device import setup_device
 from agents.runtime.runner import ModelRunner, RunnerConfig
@@ -28,7 +26,7 @@ from llm_serving.models.default_model import ensure_default_model
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan
-from tests.op_cell import OpCell
+from tests.op_cell import OpCell, built_ops
 from tests.test_fast_precision import CONFIG, RC, engine_run, teacher_forced_logits
 
 PROJECTIONS = ("w_qkv", "wo", "w_gate_up", "w_down")
@@ -71,18 +69,13 @@ def test_int8_pack_appends_each_panels_scales_and_unpacks(out, inner, swiglu):
 
 # ---- kernels ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=["default", "generic"])
-def ops_(request, tmp_path_factory):
+def ops_(request, generic_kernel_dir):
     """The kernels as built here (AVX-512), and built without AVX-512 (the plain loops: int8's portable fallback)."""
     setup_device("CPU")
-    if request.param == "default":
-        ops = native_ops(64)
-        if not ops.projections:
-            pytest.skip("this CPU has no AVX-512")
-        return ops
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(native_kernels, "CXX_FLAGS", native_kernels.CXX_FLAGS + ("-mno-avx512f",))
-        patch.setenv("LLM_SERVING_KERNEL_DIR", str(tmp_path_factory.mktemp("generic-kernels")))
-        return native_ops(64)
+    ops = built_ops(request.param, 64, generic_kernel_dir)
+    if request.param == "default" and not ops.projections:
+        pytest.skip("this CPU has no AVX-512")
+    return ops
 
 
 def quantized(w: np.ndarray, swiglu: bool = False) -> tuple[Tensor, Tensor]:
@@ -398,21 +391,11 @@ class KvStep:
         return out.reshape(-1)
 
 
-@pytest.fixture(scope="module")
-def generic_kernel_dir(tmp_path_factory):
-    """One build without AVX-512 for the tests below (the library is cached by source and flags)."""
-    return tmp_path_factory.mktemp("generic-kv-kernels")
-
-
 @pytest.mark.parametrize("build", ["default", "generic"])
 @pytest.mark.parametrize("dim", [64, 48])  # the unrolled head size and the generic loops
-def test_int8_cache_holds_each_rows_quantization_and_attention_reads_it_back(generic_kernel_dir, monkeypatch, build,
-                                                                             dim):
+def test_int8_cache_holds_each_rows_quantization_and_attention_reads_it_back(generic_kernel_dir, build, dim):
     setup_device("CPU")
-    if build == "generic":  # without AVX-512
-        monkeypatch.setattr(native_kernels, "CXX_FLAGS", native_kernels.CXX_FLAGS + ("-mno-avx512f",))
-        monkeypatch.setenv("LLM_SERVING_KERNEL_DIR", str(generic_kernel_dir))
-    ops_ = native_ops(N_KV * REP * dim)  # the ops' output width
+    ops_ = built_ops(build, N_KV * REP * dim, generic_kernel_dir)  # the ops' output width
     kv = KvStep(ops_, dim, slots=16 * BLOCK)
     # prefill: prompts of 5 and 7 tokens in blocks 1-2 and 3-4
     lens = np.array([5, 7], np.int32)

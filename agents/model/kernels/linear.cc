@@ -40,6 +40,7 @@
 // weight (same FMAs, same order): the op equals the float32 op on the dequantized weight bit for bit, and reads a
 // quarter of its bytes (decode is bound by reading weights). Inputs and epilogues stay float32.
 #include <atomic>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -99,12 +100,14 @@ void tile(const float *a, int64_t lda, const float *panel, int64_t k_dim, float 
 #endif
 }
 
-template <int kRows>
-void tile_upto(int rows, const float *a, int64_t lda, const float *panel, int64_t k_dim, float (*out)[kPanel]) {
+// Calls ``call(std::integral_constant<int, n>{})`` with n = ``rows`` (1 <= rows <= kRows): a tile's row count as a
+// compile-time constant, so that its accumulators stay in registers.
+template <int kRows, typename Call>
+void with_rows(int rows, const Call &call) {
   if constexpr (kRows > 1) {
-    if (rows < kRows) return tile_upto<kRows - 1>(rows, a, lda, panel, k_dim, out);
+    if (rows < kRows) return with_rows<kRows - 1>(rows, call);
   }
-  tile<kRows>(a, lda, panel, k_dim, out);
+  call(std::integral_constant<int, kRows>{});
 }
 
 // Float32 -> bfloat16, rounded to nearest even (NaN kept a quiet NaN). Plain integer arithmetic, so that it
@@ -214,15 +217,6 @@ void widen_f16(const uint16_t *src, int64_t n, float *dst) {
 #endif
 }
 
-template <int kRows>
-void tile_f16_upto(int rows, const float *a, int64_t lda, const uint16_t *panel, int64_t k_dim,
-                   float (*out)[kPanel]) {
-  if constexpr (kRows > 1) {
-    if (rows < kRows) return tile_f16_upto<kRows - 1>(rows, a, lda, panel, k_dim, out);
-  }
-  tile_f16<kRows>(a, lda, panel, k_dim, out);
-}
-
 // out[i][j] = sum_k a[i * lda + k] * W[k][j] for ``kRows`` float32 rows of a and one int8 panel (the header's
 // layout: ``k_dim`` rows of 32 int8, then 32 float32 scales), each weight float(q) * scale in float32.
 template <int kRows>
@@ -269,23 +263,6 @@ void widen_i8(const int8_t *panel, int64_t k_dim, float *dst) {
   }
 }
 
-template <int kRows>
-void tile_i8_upto(int rows, const float *a, int64_t lda, const int8_t *panel, int64_t k_dim, float (*out)[kPanel]) {
-  if constexpr (kRows > 1) {
-    if (rows < kRows) return tile_i8_upto<kRows - 1>(rows, a, lda, panel, k_dim, out);
-  }
-  tile_i8<kRows>(a, lda, panel, k_dim, out);
-}
-
-template <int kRows>
-void tile_bf16_upto(int rows, const uint16_t *a, int64_t lda, const int32_t *panel, int64_t pairs,
-                    float (*out)[kPanel]) {
-  if constexpr (kRows > 1) {
-    if (rows < kRows) return tile_bf16_upto<kRows - 1>(rows, a, lda, panel, pairs, out);
-  }
-  tile_bf16<kRows>(a, lda, panel, pairs, out);
-}
-
 // Rows handed to one task with the whole of K: at most ~512 KB of x, so that they stay in L2 while the task's panel
 // is applied to them (a prefill of thousands of tokens would otherwise stream x from memory once per panel).
 // The rows are cut into equal chunks, and each chunk into near-equal tiles of at most 12 rows.
@@ -323,6 +300,39 @@ struct Operands {
   int64_t k_dim = 0;
 };
 
+// Runs float32 x against panels of narrow weights (float16, or int8 with scales) that are widened to float32
+// as they are used: ``panel_at(p)`` is panel p, ``narrow_tile(rows, x rows, panel, out)`` a tile that widens
+// each weight as it reads it, ``widen(panel, wide)`` the whole panel at once. With one tile per task (m <= 12) the
+// tile widens as it reads; with several, the panel is widened once into the thread's scratch and the float32 tile
+// reads that: the same weights, products and order (bitwise the same result) without a conversion per tile
+// (which cost ~10% at 128 rows for float16).
+template <typename Finish, typename PanelAt, typename NarrowTile, typename Widen>
+void gemm_widened(const Operands &op, int64_t m, int64_t panels, const Finish &finish, const PanelAt &panel_at,
+                  const NarrowTile &narrow_tile, const Widen &widen) {
+  const int64_t k_dim = op.k_dim;
+  static std::atomic<uint64_t> calls{0};
+  const uint64_t call = ++calls;
+  gemm_tiles(m, k_dim, panels, [&](int64_t begin, int64_t rows, int64_t p, float (*out)[kPanel]) {
+    const auto *panel = panel_at(p);
+    if (m <= kMaxRows) {
+      narrow_tile(static_cast<int>(rows), op.x + begin * k_dim, panel, out);
+      return;
+    }
+    thread_local std::vector<float> wide;
+    thread_local uint64_t wide_call = 0;
+    thread_local int64_t wide_panel = -1;
+    if (wide_call != call || wide_panel != p) {
+      wide.resize(static_cast<size_t>(k_dim * kPanel));
+      widen(panel, wide.data());
+      wide_call = call;
+      wide_panel = p;
+    }
+    with_rows<kMaxRows>(static_cast<int>(rows), [&](auto n) {
+      tile<decltype(n)::value>(op.x + begin * k_dim, k_dim, wide.data(), k_dim, out);
+    });
+  }, finish);
+}
+
 // Runs x [m, k_dim] against every panel of w (see gemm_tiles).
 template <typename Finish>
 void gemm(const Operands &op, int64_t m, int64_t panels, const Finish &finish) {
@@ -330,62 +340,33 @@ void gemm(const Operands &op, int64_t m, int64_t panels, const Finish &finish) {
   if (op.w_bf16 != nullptr) {
     const int64_t pairs = (k_dim + 1) / 2;
     gemm_tiles(m, k_dim, panels, [&](int64_t begin, int64_t rows, int64_t p, float (*out)[kPanel]) {
-      tile_bf16_upto<kMaxRows>(static_cast<int>(rows), op.x_bf16 + begin * 2 * pairs, 2 * pairs,
-                               op.w_bf16 + p * pairs * kPanel, pairs, out);
+      with_rows<kMaxRows>(static_cast<int>(rows), [&](auto n) {
+        tile_bf16<decltype(n)::value>(op.x_bf16 + begin * 2 * pairs, 2 * pairs, op.w_bf16 + p * pairs * kPanel, pairs,
+                                      out);
+      });
     }, finish);
     return;
   }
   if (op.w_i8 != nullptr) {
-    // As for float16 panels: one tile forms its weights as it reads them; with several tiles per task the panel's
-    // float32 weights are formed once into the thread's scratch (the same numbers, so the same result).
-    static std::atomic<uint64_t> i8_calls{0};
-    const uint64_t call = ++i8_calls;
-    gemm_tiles(m, k_dim, panels, [&](int64_t begin, int64_t rows, int64_t p, float (*out)[kPanel]) {
-      const int8_t *panel = op.w_i8 + p * (k_dim + kScaleRows) * kPanel;
-      if (m <= kMaxRows) {
-        tile_i8_upto<kMaxRows>(static_cast<int>(rows), op.x + begin * k_dim, k_dim, panel, k_dim, out);
-        return;
-      }
-      thread_local std::vector<float> wide;
-      thread_local uint64_t wide_call = 0;
-      thread_local int64_t wide_panel = -1;
-      if (wide_call != call || wide_panel != p) {
-        wide.resize(static_cast<size_t>(k_dim * kPanel));
-        widen_i8(panel, k_dim, wide.data());
-        wide_call = call;
-        wide_panel = p;
-      }
-      tile_upto<kMaxRows>(static_cast<int>(rows), op.x + begin * k_dim, k_dim, wide.data(), k_dim, out);
-    }, finish);
+    gemm_widened(op, m, panels, finish, [&](int64_t p) { return op.w_i8 + p * (k_dim + kScaleRows) * kPanel; },
+                 [&](int rows, const float *a, const int8_t *panel, float (*out)[kPanel]) {
+                   with_rows<kMaxRows>(rows, [&](auto n) { tile_i8<decltype(n)::value>(a, k_dim, panel, k_dim, out); });
+                 },
+                 [&](const int8_t *panel, float *wide) { widen_i8(panel, k_dim, wide); });
     return;
   }
   if (op.w_f16 != nullptr) {
-    // One tile widens its panel's weights as it reads them. Where a task has several tiles (m > 12), the panel is
-    // widened once into the thread's scratch and the float32 tile reads that: the same products in the same
-    // order (bitwise the same result) without a conversion per tile (which cost ~10% at 128 rows).
-    static std::atomic<uint64_t> calls{0};
-    const uint64_t call = ++calls;
-    gemm_tiles(m, k_dim, panels, [&](int64_t begin, int64_t rows, int64_t p, float (*out)[kPanel]) {
-      const uint16_t *half = op.w_f16 + p * k_dim * kPanel;
-      if (m <= kMaxRows) {
-        tile_f16_upto<kMaxRows>(static_cast<int>(rows), op.x + begin * k_dim, k_dim, half, k_dim, out);
-        return;
-      }
-      thread_local std::vector<float> wide;
-      thread_local uint64_t wide_call = 0;
-      thread_local int64_t wide_panel = -1;
-      if (wide_call != call || wide_panel != p) {
-        wide.resize(static_cast<size_t>(k_dim * kPanel));
-        widen_f16(half, k_dim * kPanel, wide.data());
-        wide_call = call;
-        wide_panel = p;
-      }
-      tile_upto<kMaxRows>(static_cast<int>(rows), op.x + begin * k_dim, k_dim, wide.data(), k_dim, out);
-    }, finish);
+    gemm_widened(op, m, panels, finish, [&](int64_t p) { return op.w_f16 + p * k_dim * kPanel; },
+                 [&](int rows, const float *a, const uint16_t *panel, float (*out)[kPanel]) {
+                   with_rows<kMaxRows>(rows, [&](auto n) { tile_f16<decltype(n)::value>(a, k_dim, panel, k_dim, out); });
+                 },
+                 [&](const uint16_t *panel, float *wide) { widen_f16(panel, k_dim * kPanel, wide); });
     return;
   }
   gemm_tiles(m, k_dim, panels, [&](int64_t begin, int64_t rows, int64_t p, float (*out)[kPanel]) {
-    tile_upto<kMaxRows>(static_cast<int>(rows), op.x + begin * k_dim, k_dim, op.w + p * k_dim * kPanel, k_dim, out);
+    with_rows<kMaxRows>(static_cast<int>(rows), [&](auto n) {
+      tile<decltype(n)::value>(op.x + begin * k_dim, k_dim, op.w + p * k_dim * kPanel, k_dim, out);
+    });
   }, finish);
 }
 
