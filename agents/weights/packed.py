@@ -11,6 +11,9 @@ The fast precision mode (``model_config.precision: fast``) holds the same panels
 ``[panels * ceil(in / 2), 32]`` packs the weights of inputs ``2k`` (low half) and ``2k + 1`` (high half) of one
 output, the operand order of AVX512_BF16's ``vdpbf16ps``. int32 rather than a bfloat16 tensor: MindSpore passes it
 to the op untouched on any build.
+
+Int8 weights (``model_config.quantization: w8a16``) are the float32 panels' layout in int8 with each panel's
+scales appended (``pack_int8``, below).
 """
 
 from __future__ import annotations

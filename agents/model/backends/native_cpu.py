@@ -6,7 +6,8 @@ back to back (``agents.runtime.ragged_prefill``). Where the projection kernel is
 projections are native too, fused with the norms, SwiGLU and residual adds, with weights in the panel layout of
 ``agents.weights.packed`` and a bucket's padding rows skipped; elsewhere MindSpore's MatMul stays (our plain-loop
 kernel is slower than it), see docs/model.md. ``with_precision`` gives the same backend with float16 (``half``) or
-bfloat16 (``fast``, AVX512_BF16) projection weights: docs/benchmarks.md "Fast precision mode".
+bfloat16 (``fast``, AVX512_BF16) projection weights: docs/benchmarks.md "Fast precision mode";
+``with_quantization`` with int8 layer weights and ``with_kv_cache_dtype`` with an int8 KV cache: docs/quantization.md.
 """
 
 from __future__ import annotations
