@@ -1,6 +1,6 @@
 """Speculative decoding and early exit on the shipped trained pair (llm_serving/models/pydoc), side by side in one run.
 
-    python scripts/bench_speculative.py [--methods plain,ngram,draft,self1,self2,draft+policies] [--levels 1,8,32]
+    python scripts/bench_speculative.py [--methods plain,ngram,draft,self1,self2,draft-policies] [--levels 1,8,32]
                                         [--rounds 2] [--num-prompts 32] [--max-output-tokens 64]
                                         [--exit-layers 1,2,3]
 
@@ -42,10 +42,12 @@ PAIR = ROOT / "llm_serving" / "models" / "pydoc"
 
 
 def method_section(name: str) -> dict:
-    """plain, ngram, draft (the shipped draft) or selfN (the target's first N layers draft); a ``+policies`` suffix
-    turns on the optional policies (``min_accepted`` 0.5: pauses, ``adaptive``: the measured choice)."""
-    if name.endswith("+policies"):
-        return {**method_section(name.removesuffix("+policies")), "min_accepted": 0.5, "adaptive": True}
+    """plain, ngram, draft (the shipped draft) or selfN (the target's first N layers draft), with the method's
+    default policies; a ``+policies`` suffix turns them on (``min_accepted`` 0.5: pauses, ``adaptive``: the
+    measured choice), ``-policies`` off."""
+    if name.endswith(("+policies", "-policies")):
+        on = name.endswith("+policies")
+        return {**method_section(name[: -len("+policies")]), "min_accepted": 0.5 if on else 0.0, "adaptive": on}
     if name.startswith("self"):
         return {"method": "self", "draft_layers": int(name[4:] or 1)}
     return {"plain": {}, "ngram": {"method": "ngram"},

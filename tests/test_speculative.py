@@ -376,3 +376,19 @@ def test_decode_steps_speculate_only_where_measured_faster():
     assert slow[:2] == fast[:2] == [True, False]  # each mode measured first
     # the faster mode loses one step in 16 to probing the other
     assert slow_share < 0.12 and fast_share >= unmeasured_share - 0.1, (slow_share, fast_share, unmeasured_share)
+
+
+def test_the_policies_default_by_method_and_yield_to_the_config():
+    """Pauses and the measured choice: off for prompt lookup, on for the drafts (docs/speculative.md "The policies
+    per method"); a value in the config wins."""
+    from llm_serving.config.serving_config import ServingConfig
+    from llm_serving.engine.wiring import scheduler_config
+
+    def policies(section: dict) -> tuple[float, bool]:
+        cfg = scheduler_config(ServingConfig.from_dict({"speculative": section}), 2)
+        return cfg.speculative_min_accepted, cfg.speculative_adaptive
+
+    assert policies({"method": "ngram"}) == (0.0, False)
+    assert policies({"method": "self", "draft_layers": 1}) == (0.5, True)
+    assert policies({"method": "self", "draft_layers": 1, "min_accepted": 0, "adaptive": False}) == (0.0, False)
+    assert policies({"method": "ngram", "adaptive": True}) == (0.0, True)

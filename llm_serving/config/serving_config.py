@@ -178,8 +178,19 @@ class SpeculativeSection:
     draft_model_path: str | None = setting(None, "path", optional=True)
     draft_layers: int | None = setting(None, "int", optional=True)
     max_step_tokens: int = setting(8, "int")  # a verify step's tokens at most: proposals back off as batches grow
-    min_accepted: float = setting(0.0, "float")  # below this mean of accepted proposals a sequence pauses (0: never)
-    adaptive: bool = setting(False, "bool")  # speculate only at batch sizes where it measured faster
+    # below this mean of accepted proposals a sequence pauses (0: never); None: the method's default (policies())
+    min_accepted: float | None = setting(None, "float", optional=True)
+    # speculate only at batch sizes where it measured faster; None: the method's default (policies())
+    adaptive: bool | None = setting(None, "bool", optional=True)
+
+    def policies(self) -> tuple[float, bool]:
+        """(min_accepted, adaptive), each as set or the method's default: off for ngram (its gains come in bursts
+        that pauses and running means skip), on for draft and self (a draft step costs nearly a target step on
+        CPU, and without them they ran at 0.6-0.76x of plain at one stream, with them 0.93-1.14x:
+        docs/speculative.md "The policies per method")."""
+        drafted = self.method in ("draft", "self")
+        return (self.min_accepted if self.min_accepted is not None else (0.5 if drafted else 0.0),
+                self.adaptive if self.adaptive is not None else drafted)
 
 
 DEFAULT_WEIGHTS = ("trained", "random")
@@ -491,7 +502,8 @@ def _validate(cfg: ServingConfig) -> None:
          f"expected one of {', '.join(map(repr, SPECULATIVE_METHODS))}, got {sp.method!r}")
     need(1 <= sp.num_tokens < MAX_DECODE_STEPS, "speculative.num_tokens",
          f"must be in 1..{MAX_DECODE_STEPS - 1}, got {sp.num_tokens}")
-    need(sp.min_accepted >= 0, "speculative.min_accepted", f"must be >= 0, got {sp.min_accepted}")
+    need(sp.min_accepted is None or sp.min_accepted >= 0, "speculative.min_accepted",
+         f"must be >= 0, got {sp.min_accepted}")
     need(sp.max_step_tokens >= 2, "speculative.max_step_tokens",
          f"must be >= 2 (a sequence's last token and one proposal), got {sp.max_step_tokens}")
     need(1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max, "speculative.prompt_lookup_min",

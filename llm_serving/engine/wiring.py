@@ -218,8 +218,8 @@ def scheduler_config(config: ServingConfig, eos_token_id: int | None, llama: Lla
         max_prompt_len=config.max_prompt_len, chunked_prefill=config.chunked_prefill,
         prefix_caching=config.prefix_caching, speculative=sp.method, num_speculative_tokens=sp.num_tokens,
         prompt_lookup_min=sp.prompt_lookup_min, prompt_lookup_max=sp.prompt_lookup_max,
-        speculative_step_tokens=sp.max_step_tokens, speculative_min_accepted=sp.min_accepted,
-        speculative_adaptive=sp.adaptive,
+        speculative_step_tokens=sp.max_step_tokens, speculative_min_accepted=sp.policies()[0],
+        speculative_adaptive=sp.policies()[1],
     )
 
 
