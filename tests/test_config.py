@@ -224,6 +224,16 @@ def test_sections_must_be_mappings(d, match):
     ({"speculative": {"num_tokens": 16}}, "speculative.num_tokens", "1..15"),
     ({"model_config": {"vocab_size": 0}}, "model_config.vocab_size", "positive"),
     ({"model_config": {"end_token": -1}}, "model_config.end_token", "token id >= 0"),
+    ({"model_config": {"quantization": "int4"}}, "model_config.quantization", "none, w8a16, got 'int4'"),
+    ({"model_config": {"quantization": "w8a16", "precision": "fast"}}, "model_config.quantization", "precision exact"),
+    ({"model_config": {"quantization": "w8a16", "kernels": "portable"}}, "model_config.quantization",
+     "kernels auto or native"),
+    ({"model_config": {"quantization": "w8a16", "dtype": "float16"}}, "model_config.quantization", "dtype float32"),
+    ({"model_config": {"kv_cache_dtype": "fp8"}}, "model_config.kv_cache_dtype", "auto, int8, got 'fp8'"),
+    ({"model_config": {"kv_cache_dtype": "int8", "device_target": "Ascend", "dtype": "float16"}},
+     "model_config.kv_cache_dtype", "not wired yet"),
+    ({"model_config": {"kv_cache_dtype": "int8", "kernels": "portable"}}, "model_config.kv_cache_dtype",
+     "kernels auto or native"),
 ])
 def test_bad_values_name_the_key_and_the_problem(d, key, match):
     err = error_of(d)

@@ -10,7 +10,6 @@ import shutil
 
 import numpy as np
 import pytest
-import yaml
 from mindspore import Tensor
 from safetensors.numpy import load_file, save_file
 
@@ -21,7 +20,7 @@ from agents.runtime.runner import ModelRunner, RunnerConfig
 from agents.weights import packed as pw
 from agents.weights.checkpoints import load_weights
 from agents.weights.sharded import load_rank_weights
-from llm_serving.config.serving_config import ConfigError, ServingConfig
+from llm_serving.config.serving_config import ServingConfig
 from llm_serving.models.default_model import ensure_default_model
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
@@ -301,21 +300,7 @@ def test_the_ascend_wiring_gives_hugging_faces_greedy_on_the_dequantized_checkpo
 
 
 # ---- configuration -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("model_config,message", [
-    ({"quantization": "int4"}, "model_config.quantization.*expected one of none, w8a16, got 'int4'"),
-    ({"quantization": "w8a16", "precision": "fast"}, "model_config.quantization.*precision exact"),
-    ({"quantization": "w8a16", "kernels": "portable"}, "model_config.quantization.*kernels auto or native"),
-    ({"quantization": "w8a16", "dtype": "float16"}, "model_config.quantization.*dtype float32"),
-])
-def test_config_errors_name_the_key_and_the_file(tmp_path, model_config, message):
-    path = tmp_path / "serve.yaml"
-    path.write_text(yaml.safe_dump({"model_config": model_config}))
-    with pytest.raises(ConfigError, match=message) as info:
-        ServingConfig.from_yaml(path)
-    assert str(path) in str(info.value)
-
-
-def test_backends_without_int8_projections_refuse(weights):
+def test_backends_without_int8_projections_refuse(weights):  # the config errors: tests/test_config.py
     with pytest.raises(ValueError, match="quantization w8a16 needs the native CPU projections"):
         PortableBackend().with_quantization("w8a16")
     with pytest.raises(ValueError, match="quantization 'int4'"):
@@ -462,14 +447,6 @@ def test_block_bytes_of_an_int8_cache():
     assert i8 == f32 * (CONFIG.head_dim + 4) // (4 * CONFIG.head_dim)
 
 
-def test_kv_cache_dtype_config_errors(tmp_path):
-    for model_config, message in (({"kv_cache_dtype": "fp8"}, "expected one of auto, int8, got 'fp8'"),
-                                  ({"kv_cache_dtype": "int8", "device_target": "Ascend", "dtype": "float16"},
-                                   "not wired yet"),
-                                  ({"kv_cache_dtype": "int8", "kernels": "portable"}, "kernels auto or native")):
-        path = tmp_path / "serve.yaml"
-        path.write_text(yaml.safe_dump({"model_config": model_config}))
-        with pytest.raises(ConfigError, match=f"model_config.kv_cache_dtype.*{message}"):
-            ServingConfig.from_yaml(path)
+def test_backends_without_an_int8_cache_refuse():  # the config errors: tests/test_config.py
     with pytest.raises(ValueError, match="kv_cache_dtype int8 is held by the native CPU attention only"):
         PortableBackend().with_kv_cache_dtype("int8")
