@@ -124,9 +124,14 @@ def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
         scaled = penalised / temperature
         if extras is not None and extras.min_p > 0:
             scaled = apply_min_p(scaled, extras.min_p)
-        ids, probs = filtered_probs(scaled, top_k, top_p)
-        token = _pick(ids, probs, _draw(seed, draw_index))
+        token = _drawn_token(scaled, top_k, top_p, seed, draw_index)
     return token, _log_softmax_at(logits, token)
+
+
+def _drawn_token(scaled: np.ndarray, top_k: int, top_p: float, seed: int, draw_index: int) -> int:
+    """The token a seeded sampled sequence draws at output position ``draw_index`` from tempered logits."""
+    ids, probs = filtered_probs(scaled, top_k, top_p)
+    return _pick(ids, probs, _draw(seed, draw_index))
 
 
 def _draw(seed: int, draw_index: int) -> float:
@@ -150,11 +155,10 @@ def speculative_sample_row(logits: np.ndarray, proposals: list[int], temperature
     tokens whether or not its steps speculate.
     """
     out = []
-    for j in range(len(proposals) + 1):
-        ids, probs = filtered_probs(logits[j].astype(np.float64) / temperature, top_k, top_p)
-        out.append(_pick(ids, probs, _draw(seed, draw_index + j)))
+    for j, row in enumerate(logits[: len(proposals) + 1]):
+        out.append(_drawn_token(row.astype(np.float64) / temperature, top_k, top_p, seed, draw_index + j))
         if j == len(proposals) or out[-1] != proposals[j]:
-            return out
+            break
     return out
 
 

@@ -318,11 +318,10 @@ class AscendBackend(OpsBackend):
         out[-1] += tokens + len(lens) - int(out.sum())
         return out
 
-    def __init__(self, fused: FusedOps | None = None, layer_quantization: str = "none") -> None:
+    def __init__(self, fused: FusedOps | None = None) -> None:
         self.fused = fused if fused is not None else FusedOps()
         if self.fused.name != "fused":
             self.name = f"ascend ({self.fused.name} stand-ins)"
-        self.layer_quantization = layer_quantization
 
     def with_quantization(self, quantization: str) -> AscendBackend:
         """``w8a16``: the layers' projections hold int8 ``[out, in]`` weights and a scale per output row in the
