@@ -84,6 +84,7 @@ LAYERS = {
         "executor": {"protocol"},
         "engine": {"protocol", "core", "config", "tokenization", "models", "executor"},
         "api": {"protocol", "core", "config", "tokenization", "engine", "executor", "describe"},
+        "simulator": {"protocol", "core", "config", "tokenization", "models", "engine"},
         "cli": {"*"},
         "__init__": {"engine"},  # the lazy ``llm_serving.LLM``
         "__main__": {"cli"},

@@ -28,6 +28,7 @@ from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.core.grammar import GrammarCompiler, compiler_for, masked_rows
 from llm_serving.core.scheduler import RequestRejected, Scheduler
 from llm_serving.core.sequence import SamplingParams, Sequence
+from llm_serving.core.step_shape import StepShape
 from llm_serving.engine.admission import RequestLimits
 from llm_serving.engine.live_requests import LiveRequests, SequenceError
 from llm_serving.engine.recovery import MAX_STRIKES, AgentSupervisor, RecoveryConfig, run_isolated
@@ -93,6 +94,9 @@ class Engine:
         self._loop_started: float | None = None
         self._idle_s = 0.0  # waits for work, finished ones
         self._idle_since: float | None = None  # the wait for work going on now
+        # a list to record every step in: its shape and seconds from being sent to the next step's scheduling
+        # (the loop's whole turn: what the simulator's fitted cost model learns from); None: not recorded
+        self.step_trace: list[tuple[StepShape, float]] | None = None
 
     @classmethod
     def from_config(cls, config: ServingConfig, standin_agents: bool = False) -> Engine:
@@ -326,6 +330,8 @@ class Engine:
                     sched.postprocess(seqs, output)
                     sched.note_step_time(done - self._submitted_at)  # speculation's measured choice
                     step = None if self._stopping else sched.schedule()
+                    if self.step_trace is not None:
+                        self.step_trace.append((StepShape.of(batch), time.perf_counter() - self._submitted_at))
                 try:
                     in_flight = None if step is None else self._submit(step)
                 finally:  # this step's tokens reach their streams also when the next step cannot be sent

@@ -1,0 +1,194 @@
+"""Step-time models: how long the engine takes for one step of a given shape (``core.step_shape.StepShape``).
+
+Two kinds, one interface (``seconds(shape)``):
+
+- ``FittedCost``: a linear model fitted to steps measured on this machine (``llm-serving profile``), each row
+  weighted by 1/measured time so short decode steps count as much as long prefills. Non-negative least squares
+  (scipy's ``nnls``) keeps every term a cost, so the model never predicts a step cheaper for more work.
+- ``DeviceCost``: analytic, for hardware we cannot measure: a step reads the rank's weights and the KV it
+  attends to (memory bound) and multiplies its tokens by them (compute bound), whichever is slower, plus a fixed
+  per-step host and launch time and, with tensor parallelism, two all-reduces per layer. The device numbers are
+  published peaks scaled by efficiencies (``DeviceProfile``); every one is a documented, overridable assumption.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+from scipy.optimize import nnls
+
+from llm_serving.core.step_shape import StepShape
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.protocol.parallel import kv_shards
+
+FEATURES = ("call", "step", "token", "seq", "context", "pair")
+
+
+class CostModelError(ValueError):
+    """A cost model that cannot be built or read (the message says which file or parameter)."""
+
+
+class StepCost(Protocol):
+    def seconds(self, shape: StepShape) -> float: ...
+
+    def describe(self) -> str: ...
+
+
+def features(shape: StepShape) -> np.ndarray:
+    """The linear model's terms: a round trip's fixed cost, then per decode step run in it its fixed cost, its
+    tokens, sequences and cached positions read, and the prefill's query x key pairs."""
+    k = shape.num_steps
+    return np.array([1.0, k, k * shape.num_tokens, k * shape.num_seqs, k * shape.context_tokens,
+                     shape.attention_pairs], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class FittedCost:
+    coefficients: tuple[float, ...]  # seconds per unit of each FEATURES term
+    source: str = ""  # what it was fitted on (the profile's description)
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[StepShape, float]], source: str = "") -> FittedCost:
+        if len(samples) < len(FEATURES):
+            raise CostModelError(f"fitting a step-time model needs at least {len(FEATURES)} measured steps, "
+                                 f"got {len(samples)}")
+        x = np.stack([features(s) for s, _ in samples])
+        t = np.array([max(sec, 1e-6) for _, sec in samples])
+        coef, _ = nnls(x / t[:, None], np.ones_like(t))  # relative error of every step
+        return cls(tuple(float(c) for c in coef), source)
+
+    def seconds(self, shape: StepShape) -> float:
+        return float(features(shape) @ np.asarray(self.coefficients))
+
+    def describe(self) -> str:
+        terms = ", ".join(f"{name} {c * 1e6:.3g} us" for name, c in zip(FEATURES, self.coefficients))
+        return f"fitted ({self.source}): {terms}"
+
+    def relative_errors(self, samples: Iterable[tuple[StepShape, float]]) -> np.ndarray:
+        return np.array([self.seconds(s) / sec - 1.0 for s, sec in samples if sec > 0])
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """A device as the analytic model sees it. Defaults are an Ascend 910B (64 GB HBM2e, as in Atlas 800T A2)."""
+
+    name: str = "ascend-910b"
+    peak_tflops: float = 320.0  # dense float16 matmul peak, as published (~313-320 TFLOPS by SKU)
+    memory_bandwidth_gbs: float = 1600.0  # HBM bandwidth as published (~1.6 TB/s)
+    memory_gib: float = 64.0
+    compute_efficiency: float = 0.5  # share of the peak a prefill's matmuls reach
+    memory_efficiency: float = 0.6  # share of the bandwidth decode's weight and KV reads reach
+    step_overhead_s: float = 0.004  # per step: host scheduling, graph launch, sampling, copies
+    seq_overhead_s: float = 0.00002  # per sequence of a step: its input and output rows on the host
+    interconnect_gbs: float = 56.0  # HCCS per link between two NPUs (all-reduce over tensor-parallel ranks)
+    allreduce_latency_s: float = 0.00002  # fixed cost of one all-reduce
+    memory_utilization: float = 0.9  # share of device memory the agents use (weights + KV cache)
+
+    def with_values(self, overrides: dict[str, str]) -> DeviceProfile:
+        known = {f.name: f.type for f in fields(self)}
+        values = {}
+        for key, raw in overrides.items():
+            if key not in known:
+                raise CostModelError(f"device parameter {key!r} is not one of {sorted(known)}")
+            try:
+                values[key] = raw if key == "name" else float(raw)
+            except ValueError:
+                raise CostModelError(f"device parameter {key}: {raw!r} is not a number") from None
+            if key != "name" and not values[key] >= 0:
+                raise CostModelError(f"device parameter {key}: must be >= 0, got {raw}")
+        return replace(self, **values)
+
+
+DEVICES = {"ascend-910b": DeviceProfile()}
+
+
+@dataclass(frozen=True)
+class DeviceCost:
+    device: DeviceProfile
+    model: LlamaConfig
+    tensor_parallel: int = 1
+    dtype_bytes: int = 2  # float16 / bfloat16 weights and KV
+
+    @property
+    def weight_bytes_per_rank(self) -> float:
+        m = self.model
+        per_layer = m.hidden_size * (m.qkv_dim + m.q_dim + 3 * m.intermediate_size)
+        embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+        return (m.num_hidden_layers * per_layer + embeddings) * self.dtype_bytes / self.tensor_parallel
+
+    @property
+    def kv_bytes_per_token_per_rank(self) -> float:
+        m, tp = self.model, self.tensor_parallel
+        heads = m.num_key_value_heads // kv_shards(m, tp) if tp > 1 else m.num_key_value_heads
+        return 2 * heads * m.head_dim * m.num_hidden_layers * self.dtype_bytes
+
+    def kv_blocks(self, block_size: int) -> int:
+        """KV blocks one rank's memory holds after its weights (what ``num_blocks: auto`` would find)."""
+        free = self.device.memory_gib * (1 << 30) * self.device.memory_utilization - self.weight_bytes_per_rank
+        blocks = int(free // (self.kv_bytes_per_token_per_rank * block_size))
+        if blocks < 2:
+            raise CostModelError(f"{self.device.name}: the weights ({self.weight_bytes_per_rank / 2**30:.1f} GiB a "
+                                 f"rank) leave no room for a KV cache in {self.device.memory_gib:g} GiB: use more "
+                                 "ranks (--tensor-parallel)")
+        return blocks
+
+    def seconds(self, shape: StepShape) -> float:
+        d, m, tp = self.device, self.model, self.tensor_parallel
+        matmul_flops = (m.flops_per_token() - 2 * m.hidden_size * m.vocab_size) * shape.num_tokens
+        flops = (matmul_flops + 2 * m.hidden_size * m.vocab_size * shape.num_seqs
+                 + 4 * m.q_dim * m.num_hidden_layers * shape.attention_pairs) / tp
+        read = self.weight_bytes_per_rank + self.kv_bytes_per_token_per_rank * shape.context_tokens
+        device_s = max(flops / (d.peak_tflops * 1e12 * d.compute_efficiency),
+                       read / (d.memory_bandwidth_gbs * 1e9 * d.memory_efficiency))
+        comm_s = 0.0
+        if tp > 1:  # a ring all-reduce of the step's activations after attention and after the MLP of every layer
+            payload = shape.num_tokens * m.hidden_size * self.dtype_bytes * 2 * (tp - 1) / tp
+            comm_s = 2 * m.num_hidden_layers * (d.allreduce_latency_s + payload / (d.interconnect_gbs * 1e9))
+        per_step = d.step_overhead_s + d.seq_overhead_s * shape.num_seqs + device_s + comm_s
+        return shape.num_steps * per_step
+
+    def describe(self) -> str:
+        d = self.device
+        return (f"analytic {d.name} x{self.tensor_parallel}: {d.peak_tflops:g} TFLOPS x {d.compute_efficiency:g}, "
+                f"{d.memory_bandwidth_gbs:g} GB/s x {d.memory_efficiency:g}, {d.step_overhead_s * 1e3:g} ms a step, "
+                f"weights {self.weight_bytes_per_rank / 2**30:.2f} GiB a rank")
+
+
+# ---- profiles on disk -------------------------------------------------------------------------------------
+def save_profile(path: str | Path, samples: Sequence[tuple[StepShape, float]], meta: dict) -> Path:
+    """The measured steps and what they were measured on, as JSON (``llm-serving profile`` writes it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {**meta, "steps": [{**s.as_dict(), "seconds": sec} for s, sec in samples]}
+    path.write_text(json.dumps(body, indent=1) + "\n")
+    return path
+
+
+def load_profile(path: str | Path) -> tuple[list[tuple[StepShape, float]], dict]:
+    path = Path(path)
+    try:
+        body = json.loads(path.read_text())
+        steps = [(StepShape(**{k: int(v) for k, v in row.items() if k != "seconds"}), float(row["seconds"]))
+                 for row in body.pop("steps")]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CostModelError(f"cannot read step profile {path}: {exc} (write one with `llm-serving profile`)") from None
+    return steps, body
+
+
+def fitted_from_profile(path: str | Path) -> tuple[FittedCost, dict]:
+    steps, meta = load_profile(path)
+    return FittedCost.fit(steps, f"{len(steps)} steps of {Path(path).name}"), meta
+
+
+def shape_summary(errors: np.ndarray) -> str:
+    """Median and p90 of absolute relative errors, in per cent."""
+    if errors.size == 0:
+        return "no steps"
+    a = np.abs(errors) * 100
+    return f"median {np.median(a):.1f}%, p90 {np.percentile(a, 90):.1f}% over {a.size} steps"
+

@@ -1,0 +1,145 @@
+"""The project's own scheduler, block manager and prefix cache on a virtual clock.
+
+The loop is the engine's (``engine.loop``) with the agents replaced by a step-time model: requests that arrived by
+the end of a step join before the next is scheduled, one step is in flight at a time, and its tokens are
+delivered when it ends. Every decision (admission order, chunking, preemption, prefix hits, multi-step) is made
+by ``core.Scheduler`` itself. The tokens a step "produces" are a filler id and every request runs to its
+``max_new_tokens`` (``ignore_eos``), so a replayed load test must replay the lengths its server produced
+(``workload.from_results``). Speculative decoding is refused: what it proposes depends on the real tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from llm_serving.core.scheduler import Scheduler, SchedulerConfig
+from llm_serving.core.sequence import SamplingParams, Sequence
+from llm_serving.core.step_shape import StepShape
+from llm_serving.protocol.batch import StepOutput
+from llm_serving.simulator.costs import StepCost
+from llm_serving.simulator.workload import SimRequest
+from loadtest.metrics import compute_metrics
+from loadtest.protocol import RequestResult
+
+
+@dataclass
+class SimRun:
+    results: list[RequestResult]
+    duration: float  # first arrival -> last token: the contest's total time
+    running: list[tuple[float, float]] = field(default_factory=list)  # (time, running sequences) after each step
+    kv_usage: list[tuple[float, float]] = field(default_factory=list)  # (time, share of KV blocks in use)
+    steps: int = 0
+    prefill_steps: int = 0
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0
+
+    @property
+    def metrics(self) -> dict:
+        m = compute_metrics(self.results, self.duration, self.running)
+        m.update(steps=self.steps, prefill_steps=self.prefill_steps, preemptions=self.preemptions,
+                 max_kv_usage=max((u for _, u in self.kv_usage), default=0.0),
+                 prefix_cache_hit_tokens=self.prefix_hit_tokens)
+        return m
+
+
+def filler_token(config: SchedulerConfig) -> int:
+    """An id that ends no request (the simulated model's every pick)."""
+    ends = {config.eos_token_id, *config.other_eos_token_ids}
+    return next(t for t in range(3, 3 + len(ends) + 1) if t not in ends)
+
+
+def simulate(config: SchedulerConfig, requests: list[SimRequest], cost: StepCost, request_overhead_s: float = 0.0,
+             max_concurrency: int | None = None) -> SimRun:
+    """Serve ``requests`` on the virtual clock. ``request_overhead_s``: what a request spends before the engine
+    sees it and after its token leaves the engine (HTTP, tokenizing, streaming). ``max_concurrency``: the load
+    tool's cap on requests in flight (a request waits for a finished one's slot before it is sent)."""
+    if config.speculative:
+        raise ValueError("simulate: speculative decoding is not modelled (its proposals depend on the real tokens); "
+                         "simulate the configuration without it")
+    now = [0.0]
+    sched = Scheduler(config, clock=lambda: now[0])
+    token = filler_token(config)
+    queue = deque(sorted(requests, key=lambda r: r.arrival_s))  # not sent yet
+    free = [0.0] * max_concurrency if max_concurrency else None  # when each free client slot became free
+    inbox: list[tuple[float, int, SimRequest]] = []  # sent, not yet seen by the engine: (engine time, index, req)
+    results: dict[str, RequestResult] = {}
+    run = SimRun([], 0.0)
+
+    def send_time() -> float | None:  # when the next queued request goes out (None: waits for a slot)
+        if not queue or (free is not None and not free):
+            return None
+        return max(queue[0].arrival_s, free[0]) if free is not None else queue[0].arrival_s
+
+    def send_and_admit() -> None:
+        while (at := send_time()) is not None and at <= now[0]:
+            req = queue.popleft()
+            if free is not None:
+                heapq.heappop(free)
+            heapq.heappush(inbox, (at + request_overhead_s, req.index, req))
+            results[f"sim-{req.index}"] = RequestResult(req.index, req.prompt, len(req.prompt_ids),
+                                                        req.max_new_tokens, send_time=at)
+        while inbox and inbox[0][0] <= now[0]:
+            seen, _, req = heapq.heappop(inbox)
+            seq = Sequence(f"sim-{req.index}", list(req.prompt_ids),
+                           SamplingParams(req.max_new_tokens, ignore_eos=True, seed=0))
+            seq.arrival_time = seen
+            sched.add(seq)
+
+    while queue or inbox or sched.has_unfinished():
+        send_and_admit()
+        step = sched.schedule()
+        if step is None:
+            events = [t for t in (send_time(), inbox[0][0] if inbox else None) if t is not None]
+            if not events:
+                raise RuntimeError("simulate: requests are left but nothing can run or arrive")
+            now[0] = max(now[0], min(events))
+            continue
+        seqs, batch = step
+        before = [len(s.output_ids) for s in seqs]
+        now[0] += cost.seconds(StepShape.of(batch))
+        n = batch.batch_size
+        more = np.full((n, batch.num_steps - 1), token, np.int32) if batch.num_steps > 1 else None
+        sched.postprocess(seqs, StepOutput(np.full(n, token, np.int32), np.zeros(n, np.float32),
+                                           more_token_ids=more,
+                                           more_logprobs=None if more is None else np.zeros(more.shape, np.float32)))
+        seen = now[0] + request_overhead_s
+        for seq, had in zip(seqs, before):
+            res = results[seq.request_id]
+            got = len(seq.output_ids) - had
+            if got > 0:
+                if res.ttft is None:
+                    res.ttft = seen - res.send_time
+                res.chunk_times += [seen] * got
+                res.output_tokens += got
+            if seq.is_finished and not res.success:
+                res.success, res.end_time, res.finish_reason = True, seen, "length"
+                if free is not None:
+                    heapq.heappush(free, seen)
+        run.steps += batch.num_steps
+        run.prefill_steps += batch.is_prefill
+        run.running.append((now[0], float(sched.num_running)))
+        run.kv_usage.append((now[0], sched.block_usage))
+    run.results = sorted(results.values(), key=lambda r: r.index)
+    run.duration = max((r.end_time for r in run.results), default=0.0) - min(r.arrival_s for r in requests)
+    run.preemptions = sched.num_preemptions
+    run.prefix_hit_tokens = sched.prefix_cache_stats()["prefix_cache_hit_tokens"]
+    return run
+
+
+def write_run(run: SimRun, out_dir, qps: float, settings: dict, draw: bool = True) -> dict:
+    """The load tool's files for a simulated run (result json, summary, report, plots), plus KV use over time."""
+    from loadtest.client import BenchRun, save_run
+    from loadtest.protocol import BenchConfig
+
+    bench = BenchRun(BenchConfig(qps=qps), run.results, run.duration, run.running, run.metrics)
+    paths = save_run(bench, out_dir, settings, draw)
+    kv = Path(out_dir) / f"kv_usage_{float(qps)}_x.json"
+    kv.write_text(json.dumps(run.kv_usage))
+    paths["kv_usage"] = kv
+    return paths
