@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Simulated against measured: served load tests of several configurations and loads, each replayed by the simulator.
+
+    python scripts/validate_simulator.py [--work-dir /tmp/llm-serving-sim] [--cases saturation,1-in-flight,...]
+
+For each configuration the step-time model is fitted to a profile measured first on the same engine settings
+(``llm-serving profile``'s sweep, not the load test itself), then the server runs the load test (the contest's
+streaming endpoint) and the simulator replays the same requests with the output lengths the server produced (and
+the load tool's arrival process or concurrency cap). Prints per case total time, median TTFT and TPOT, measured
+vs simulated, and the error of each, as a markdown table (``--write`` adds it to a file). Model: the shipped
+default (the trained pydoc target); every server is started and stopped by the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import yaml
+
+from llm_serving.config.serving_config import ServingConfig
+from llm_serving.simulator.costs import FittedCost, save_profile, shape_summary
+from llm_serving.simulator.profiling import default_sweep, run_sweep
+from llm_serving.simulator.run import simulate
+from llm_serving.simulator.target import build_target
+from llm_serving.simulator.workload import from_results, retimed
+from loadtest.client import benchmark, save_run
+from loadtest.dataset import BenchRequest, TokenCounter, build_requests, load_dataset
+from loadtest.local_server import running_server
+from loadtest.protocol import BenchConfig
+from loadtest.workload import LengthDist, WorkloadSpec, make_workload, write_workload
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    num: int
+    qps: float = math.inf
+    concurrency: int | None = None
+    overrides: dict = field(default_factory=dict)
+    workload: str = "alpaca"  # alpaca | long | shared
+
+
+CASES = (
+    Case("saturation", 256),
+    Case("1-in-flight", 24, concurrency=1),
+    Case("8-in-flight", 96, concurrency=8),
+    Case("poisson-20", 160, qps=20.0),
+    Case("long-prompts", 64, workload="long"),
+    Case("prefix-sharing", 128, overrides={"scheduler.enable_prefix_caching": True}, workload="shared"),
+    Case("fcfs-decode-8", 128, overrides={"scheduler.policy": "fcfs", "model_config.decode_batch_size": [1, 8]}),
+    Case("no-chunking", 128, overrides={"scheduler.enable_chunked_prefill": False}),
+)
+ENGINE_KEYS_IGNORED = ("scheduler.policy",)  # what does not change step times: configs differing only so share a profile
+
+
+def workloads(work: Path) -> dict[str, Path]:
+    paths = {"alpaca": work / "alpaca.json", "long": work / "long.json", "shared": work / "shared.json"}
+    write_workload(make_workload(WorkloadSpec(num=512, seed=0, output_words=LengthDist(40.0, 0.9, 3, 150))),
+                   paths["alpaca"])
+    write_workload(make_workload(WorkloadSpec(num=64, seed=1, input_fraction=1.0,
+                                              input_words=LengthDist(160.0, 0.3, 60, 260),
+                                              output_words=LengthDist(30.0, 0.6, 3, 100))), paths["long"])
+    write_workload(make_workload(WorkloadSpec(num=16, seed=2, input_fraction=1.0,
+                                              input_words=LengthDist(120.0, 0.3, 60, 200),
+                                              output_words=LengthDist(30.0, 0.6, 3, 100))), paths["shared"])
+    return paths
+
+
+def config_for(case: Case, work: Path) -> tuple[ServingConfig, Path]:
+    cfg = ServingConfig().with_values(case.overrides) if case.overrides else ServingConfig()
+    path = work / f"{case.name}.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    return ServingConfig.from_yaml(path), path
+
+
+def profile_for(case: Case, config: ServingConfig, work: Path, log) -> Path:
+    key = "-".join(f"{k}={v}" for k, v in sorted(case.overrides.items()) if k not in ENGINE_KEYS_IGNORED) or "default"
+    path = work / f"profile-{key.replace('/', '_')}.json"
+    if not path.exists():
+        points = default_sweep(config.model_config.decode_batch_size[-1], config.max_model_len)
+        steps, meta = run_sweep(config, points, progress=log)
+        save_profile(path, steps, meta)
+        fit = FittedCost.fit(steps)
+        log(f"profile {path.name}: {len(steps)} steps, fit {shape_summary(fit.relative_errors(steps))}")
+    return path
+
+
+def measure(case: Case, config_path: Path, dataset: Path, work: Path, log) -> Path:
+    out = work / f"measured-{case.name}"
+    results = out / f"result_{float(case.qps)}_x.json"
+    if results.exists():
+        return results
+    counter = TokenCounter(None)
+    requests: list[BenchRequest] = build_requests(load_dataset(dataset), case.num, counter)
+    with running_server(config_path, work / f"server-{case.name}.log") as (port, ready_s):
+        log(f"{case.name}: server ready in {ready_s:.0f} s on port {port}")
+        cfg = BenchConfig(port=port, qps=case.qps, max_concurrency=case.concurrency, metrics_interval=0.0)
+        run = asyncio.run(benchmark(requests, cfg, progress=False))
+    failed = run.metrics["failed_requests"]
+    if failed:
+        raise SystemExit(f"{case.name}: {failed} requests failed: {run.metrics['errors']}")
+    save_run(run, out, {"case": case.name}, draw=False)
+    return results
+
+
+def simulated(case: Case, config: ServingConfig, profile: Path, results: Path) -> dict:
+    target = build_target(config, str(profile))
+    requests = from_results(results, target.encode)
+    if case.concurrency:
+        requests = retimed(requests, case.qps)
+    return simulate(target.scheduler, requests, target.cost, max_concurrency=case.concurrency).metrics
+
+
+METRICS = (("total s", "total_time_s", 1.0), ("median TTFT ms", "median_ttft_ms", 1.0),
+           ("median TPOT ms", "median_tpot_ms", 1.0))
+
+
+def table(rows: list[tuple[Case, dict, dict]]) -> str:
+    head = "| case | " + " | ".join(f"{name} meas. / sim. (error)" for name, _, _ in METRICS) + " |"
+    out = [head, "|---|" + "---:|" * len(METRICS)]
+    for case, meas, sim in rows:
+        cells = []
+        for _, key, _ in METRICS:
+            m, s = meas.get(key), sim.get(key)
+            cells.append("n/a" if m is None or s is None else f"{m:.3g} / {s:.3g} ({(s / m - 1) * 100:+.0f}%)")
+        out.append(f"| {case.name} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work-dir", default="/tmp/llm-serving-sim", help="configs, profiles, results and logs")
+    p.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated case names")
+    p.add_argument("--write", metavar="MD", help="append the table to this file")
+    args = p.parse_args(argv)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    wanted = args.cases.split(",")
+    unknown = set(wanted) - {c.name for c in CASES}
+    if unknown:
+        p.error(f"unknown cases {sorted(unknown)}; known: {[c.name for c in CASES]}")
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    data = workloads(work)
+    rows = []
+    for case in (c for c in CASES if c.name in wanted):
+        config, path = config_for(case, work)
+        profile = profile_for(case, config, work, log)
+        results = measure(case, path, data[case.workload], work, log)
+        meas = json.loads((results.parent / results.name.replace("result_", "summary_")).read_text())["metrics"]
+        sim = simulated(case, config, profile, results)
+        rows.append((case, meas, sim))
+        log(table(rows[-1:]).splitlines()[-1])
+    text = table(rows)
+    print(text)
+    if args.write:
+        with open(args.write, "a") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
