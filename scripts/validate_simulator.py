@@ -67,10 +67,10 @@ def workloads(work: Path) -> dict[str, Path]:
     write_workload(make_workload(WorkloadSpec(num=512, seed=0, output_words=LengthDist(40.0, 0.9, 3, 150))),
                    paths["alpaca"])
     write_workload(make_workload(WorkloadSpec(num=64, seed=1, input_fraction=1.0,
-                                              input_words=LengthDist(160.0, 0.3, 60, 260),
+                                              input_words=LengthDist(110.0, 0.3, 60, 150),
                                               output_words=LengthDist(30.0, 0.6, 3, 100))), paths["long"])
     write_workload(make_workload(WorkloadSpec(num=16, seed=2, input_fraction=1.0,
-                                              input_words=LengthDist(120.0, 0.3, 60, 200),
+                                              input_words=LengthDist(90.0, 0.3, 60, 130),
                                               output_words=LengthDist(30.0, 0.6, 3, 100))), paths["shared"])
     return paths
 
@@ -87,7 +87,7 @@ def profile_for(case: Case, config: ServingConfig, work: Path, log) -> Path:
     path = work / f"profile-{key.replace('/', '_')}.json"
     if not path.exists():
         points = default_sweep(config.model_config.decode_batch_size[-1], config.max_model_len)
-        steps, meta = run_sweep(config, points, progress=log)
+        steps, meta = run_sweep(config, points, work / f"{path.stem}.d", progress=log)
         save_profile(path, steps, meta)
         fit = FittedCost.fit(steps)
         log(f"profile {path.name}: {len(steps)} steps, fit {shape_summary(fit.relative_errors(steps))}")

@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import json
 import signal
 import sys
 import threading
 import time
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -26,6 +28,7 @@ from aiohttp import web
 from llm_serving.api.guards import exposure_warning
 from llm_serving.api.server import Server
 from llm_serving.config.serving_config import ServingConfig
+from llm_serving.core.step_shape import step_rows
 from llm_serving.protocol.wire import AgentSpec
 
 ABORT_GRACE_S = 5.0  # after aborting, how long handlers get to write their last frame
@@ -108,8 +111,21 @@ def _standin_pool_factory(step_delay_s: float) -> Any:
     return factory
 
 
-def serve(config: ServingConfig, standin_agents: bool = False, standin_step_delay: float = 0.0) -> int:
-    """Run until SIGINT/SIGTERM; returns the exit status (0 after a clean drain, 1 when start-up fails)."""
+def _write_steps(path: str, engine: Any, config: ServingConfig) -> None:
+    """The served steps as a step profile (the simulator's ``costs.load_profile`` reads it)."""
+    stats = engine.stats()
+    body = {"model": str(engine.model.model_path), "config": config.source, "served": True,
+            "num_blocks": int(stats["kv_blocks_total"]) + 1, "tensor_parallel": config.num_agents,
+            "steps": step_rows(engine.step_trace or [])}
+    Path(path).write_text(json.dumps(body) + "\n")
+    log(f"{len(body['steps'])} steps recorded in {path}")
+
+
+def serve(config: ServingConfig, standin_agents: bool = False, standin_step_delay: float = 0.0,
+          record_steps: str | None = None) -> int:
+    """Run until SIGINT/SIGTERM; returns the exit status (0 after a clean drain, 1 when start-up fails).
+    ``record_steps``: a file to write every step's shape and time to when stopping (a step profile for the
+    simulator, ``llm-serving profile``)."""
     from llm_serving.engine.loop import Engine  # the engine pulls in the agent pool only when serving
 
     if standin_agents and standin_step_delay > 0:
@@ -162,6 +178,8 @@ def serve(config: ServingConfig, standin_agents: bool = False, standin_step_dela
             return 1
         gc.collect()
         gc.freeze()  # start-up's objects out of the cyclic GC's walks between steps, as in the agents
+        if record_steps:
+            engine.step_trace = []
         server.mark_ready()
         names = ", ".join(server.names)
         log(f"ready in {time.monotonic() - t0:.1f}s: model {config.model_config.model_name} at {url} "
@@ -179,6 +197,8 @@ def serve(config: ServingConfig, standin_agents: bool = False, standin_step_dela
         if not http.drain(sc.drain_timeout_s, force):
             log(f"aborting {http.abort_all()} request(s) still running")
         engine.shutdown()
+        if record_steps:
+            _write_steps(record_steps, engine, config)
         log("stopped")
         return 0
     finally:

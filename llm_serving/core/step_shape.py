@@ -1,9 +1,11 @@
 """What a step costs the device, summed from its batch: the features a step-time model is fitted on.
 
 A step's time grows with the tokens it multiplies by the weights (``num_tokens``), the sequences whose last token
-is sampled and returned (``num_seqs``), the cached positions its attention reads (``context_tokens``: decode is
+is sampled and returned (``num_seqs``), the prompts it starts or continues (``prefill_seqs``: a step with any
+runs another graph and the master admits them), the cached positions its attention reads (``context_tokens``: decode is
 bound by reading them) and the query-by-key pairs it scores (``attention_pairs``: a long prefill's quadratic
-part). The engine records these per step (``Engine.step_trace``) and the simulator's cost models read them.
+part). The engine records these per step (``Engine.step_trace``; ``llm-serving serve --record-steps`` writes them)
+and the simulator's cost models are fitted to them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ class StepShape:
     num_seqs: int
     num_tokens: int  # query tokens of one step (prompt chunks, decode tokens, proposals)
     prefill_tokens: int  # of which belong to sequences with more than one query token
+    prefill_seqs: int  # sequences with more than one query token (a prompt or a chunk of one)
     context_tokens: int  # sum of context lengths after the step: the cached positions attention reads
     attention_pairs: int  # sum over sequences of query tokens x context length
     num_steps: int = 1  # decode steps run in one round trip (multi-step decoding)
@@ -27,8 +30,19 @@ class StepShape:
         q = batch.query_lens.astype("int64")
         ctx = batch.context_lens.astype("int64")
         return cls(num_seqs=batch.batch_size, num_tokens=batch.num_tokens,
-                   prefill_tokens=int(q[q > 1].sum()), context_tokens=int(ctx.sum()),
+                   prefill_tokens=int(q[q > 1].sum()), prefill_seqs=int((q > 1).sum()), context_tokens=int(ctx.sum()),
                    attention_pairs=int((q * ctx).sum()), num_steps=batch.num_steps)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+def step_rows(samples: list[tuple[StepShape, float]]) -> list[dict]:
+    """Measured steps as JSON-able rows (a step profile's ``steps``)."""
+    return [{**shape.as_dict(), "seconds": seconds} for shape, seconds in samples]
+
+
+def steps_from_rows(rows: list[dict]) -> list[tuple[StepShape, float]]:
+    """``step_rows`` read back; KeyError/TypeError/ValueError on a malformed row."""
+    return [(StepShape(**{k: int(v) for k, v in row.items() if k != "seconds"}), float(row["seconds"]))
+            for row in rows]

@@ -22,11 +22,12 @@ from typing import Protocol
 import numpy as np
 from scipy.optimize import nnls
 
-from llm_serving.core.step_shape import StepShape
+from llm_serving.core.step_shape import StepShape, step_rows, steps_from_rows
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import kv_shards
 
-FEATURES = ("call", "step", "token", "seq", "context", "pair")
+FEATURES = ("call", "step", "token", "seq", "context", "prefill call", "prefill seq", "pair")
+REFITS = 4  # reweighting rounds of the fit (see FittedCost.fit)
 
 
 class CostModelError(ValueError):
@@ -41,10 +42,11 @@ class StepCost(Protocol):
 
 def features(shape: StepShape) -> np.ndarray:
     """The linear model's terms: a round trip's fixed cost, then per decode step run in it its fixed cost, its
-    tokens, sequences and cached positions read, and the prefill's query x key pairs."""
+    tokens, sequences and cached positions read; a step with prompt tokens pays a fixed cost (another graph) and a
+    cost per prompt it starts or continues, and its query x key pairs."""
     k = shape.num_steps
     return np.array([1.0, k, k * shape.num_tokens, k * shape.num_seqs, k * shape.context_tokens,
-                     shape.attention_pairs], dtype=np.float64)
+                     float(shape.prefill_seqs > 0), shape.prefill_seqs, shape.attention_pairs], dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,12 @@ class FittedCost:
                                  f"got {len(samples)}")
         x = np.stack([features(s) for s, _ in samples])
         t = np.array([max(sec, 1e-6) for _, sec in samples])
-        coef, _ = nnls(x / t[:, None], np.ones_like(t))  # relative error of every step
+        # errors relative to each step's time, so short steps weigh as much as long ones; then relative to the fitted
+        # time instead, so that the fit is the mean of noisy repeats of a shape (not their harmonic mean)
+        scale = t
+        for _ in range(REFITS):
+            coef, _ = nnls(x / scale[:, None], t / scale)
+            scale = np.maximum(x @ coef, 1e-6)
         return cls(tuple(float(c) for c in coef), source)
 
     def seconds(self, shape: StepShape) -> float:
@@ -164,7 +171,7 @@ def save_profile(path: str | Path, samples: Sequence[tuple[StepShape, float]], m
     """The measured steps and what they were measured on, as JSON (``llm-serving profile`` writes it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = {**meta, "steps": [{**s.as_dict(), "seconds": sec} for s, sec in samples]}
+    body = {**meta, "steps": step_rows(list(samples))}
     path.write_text(json.dumps(body, indent=1) + "\n")
     return path
 
@@ -173,8 +180,7 @@ def load_profile(path: str | Path) -> tuple[list[tuple[StepShape, float]], dict]
     path = Path(path)
     try:
         body = json.loads(path.read_text())
-        steps = [(StepShape(**{k: int(v) for k, v in row.items() if k != "seconds"}), float(row["seconds"]))
-                 for row in body.pop("steps")]
+        steps = steps_from_rows(body.pop("steps"))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CostModelError(f"cannot read step profile {path}: {exc} (write one with `llm-serving profile`)") from None
     return steps, body

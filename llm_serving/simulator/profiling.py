@@ -1,25 +1,29 @@
-"""Measure step times on this machine: the served engine (real agents, this config) run on a sweep of shapes.
+"""Measure step times on this machine: the served engine (HTTP server, real agents, this config) on a sweep.
 
-Each point of the sweep submits ``batch`` requests of ``prompt_len`` random token ids (distinct, so no prefix
-is shared) asking for ``new_tokens`` tokens with EOS ignored, all at once: its prefill (chunked or whole) and
-decode steps at that batch size and context are recorded by the engine (``Engine.step_trace``: each step from
-being sent to the next step's scheduling, the loop's whole turn). A last phase sends requests one by one while
-others decode, for the steps that mix decode tokens and prompt chunks. The result (``costs.save_profile``)
-feeds ``FittedCost``.
+The server runs as ``llm-serving serve --record-steps``: its engine records every step's shape and its loop's
+whole turn (sent to the next step's scheduling, so the HTTP streaming competing for the master's thread is in
+it, as it is under a load test). Each point of the sweep sends ``batch`` streamed completions of ``prompt_len``
+random token ids (distinct, so no prefix is shared) for ``new_tokens`` tokens with EOS ignored, all at once: its
+prefill (chunked or whole) and decode steps at that batch size and context. A last phase sends requests one
+by one while others decode, for the steps that mix decode tokens and prompt chunks. The server writes the
+profile (``costs.load_profile`` reads it) when it stops; ``FittedCost`` is fitted to it.
 """
 
 from __future__ import annotations
 
-import time
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+import aiohttp
 import numpy as np
+import yaml
 
 from llm_serving.config.serving_config import ServingConfig
-from llm_serving.core.sequence import SamplingParams
 from llm_serving.core.step_shape import StepShape
-from llm_serving.engine.llm import LLM
+from llm_serving.simulator.costs import load_profile
+from loadtest.local_server import running_server
 
 
 @dataclass(frozen=True)
@@ -37,38 +41,47 @@ def default_sweep(max_batch: int, max_model_len: int, new_tokens: int = 16) -> l
     return [SweepPoint(b, n, new_tokens) for b in batches for n in lengths if b * n <= 8192]
 
 
-def run_sweep(config: ServingConfig, points: list[SweepPoint], staggered: int = 16, seed: int = 0,
-              progress: Callable[[str], None] | None = None) -> tuple[list[tuple[StepShape, float]], dict]:
-    """Measured steps of every point (and the staggered phase) and what they were measured on."""
-    rng = np.random.default_rng(seed)
-    with LLM(config, progress=progress) as llm:
-        vocab = llm.engine.model.llama_config.vocab_size
-        ends = {llm.engine.eos_token_id, *llm.engine.other_eos_token_ids}
-        ids = np.array([t for t in range(3, vocab) if t not in ends])
+def run_sweep(config: ServingConfig, points: list[SweepPoint], work_dir: str | Path, staggered: int = 16,
+              seed: int = 0, progress: Callable[[str], None] | None = None
+              ) -> tuple[list[tuple[StepShape, float]], dict]:
+    """Measured steps of every point (and the staggered phase) and what they were measured on; the server's
+    config, log and record are kept in ``work_dir``."""
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    config_path, record = work / "profiled-config.yaml", work / "served-steps.json"
+    config_path.write_text(yaml.safe_dump(config.to_dict()))
+    record.unlink(missing_ok=True)
+    with running_server(config_path, work / "profiled-server.log", extra_args=["--record-steps", str(record)],
+                        announce=progress) as (port, ready_s):
+        if progress:
+            progress(f"server ready in {ready_s:.0f} s on port {port}")
+        asyncio.run(_drive(f"http://127.0.0.1:{port}", config.model_config.model_name, points, staggered,
+                           np.random.default_rng(seed), progress))
+    return load_profile(record)
 
-        def prompts(count: int, length: int) -> list[list[int]]:
-            return [rng.choice(ids, length).tolist() for _ in range(count)]
 
-        llm.generate(prompts(2, 16), max_new_tokens=4, ignore_eos=True)  # first calls outside the record
-        trace = llm.engine.step_trace = []
-        t0 = time.perf_counter()
+async def _drive(url: str, model: str, points: list[SweepPoint], staggered: int, rng: np.random.Generator,
+                 progress: Callable[[str], None] | None) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+
+        async def one(prompt_len: int, new_tokens: int) -> None:
+            body = {"model": model, "prompt": rng.integers(3, 200, prompt_len).tolist(), "max_tokens": new_tokens,
+                    "ignore_eos": True, "stream": True, "temperature": 0}
+            async with session.post(f"{url}/v1/completions", json=body) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"profile request failed: HTTP {resp.status}: {await resp.text()}")
+                async for _ in resp.content:
+                    pass
+
+        await one(16, 4)  # first calls
         for i, p in enumerate(points):
             if progress:
                 progress(f"profile {i + 1}/{len(points)}: {p.batch} x {p.prompt_len} prompt tokens, "
                          f"{p.new_tokens} new")
-            llm.generate(prompts(p.batch, p.prompt_len), max_new_tokens=p.new_tokens, ignore_eos=True)
+            await asyncio.gather(*(one(p.prompt_len, p.new_tokens) for _ in range(p.batch)))
         if staggered:
-            length = points[len(points) // 2].prompt_len
-            params = SamplingParams(2 * points[0].new_tokens, ignore_eos=True)
-            streams = []
-            for prompt in prompts(staggered, length):  # each arrives while the earlier ones decode
-                streams.append(llm.engine.submit(prompt, params))
-                time.sleep(0.005)
-            for s in streams:
-                s.result()
-        llm.engine.step_trace = None
-        stats = llm.engine.stats()
-        meta = {"model": str(llm.engine.model.model_path), "config": config.source,
-                "num_blocks": int(stats["kv_blocks_total"]) + 1, "tensor_parallel": config.num_agents,
-                "sweep_s": round(time.perf_counter() - t0, 1)}
-    return list(trace), meta
+            length, tasks = points[len(points) // 2].prompt_len, []
+            for _ in range(staggered):  # each arrives while the earlier ones decode
+                tasks.append(asyncio.create_task(one(length, 2 * points[0].new_tokens)))
+                await asyncio.sleep(0.005)
+            await asyncio.gather(*tasks)

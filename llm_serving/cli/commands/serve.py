@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "length)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any config key, VALUE in YAML (e.g. --set pa_config.num_blocks=1024)")
+    p.add_argument("--record-steps", metavar="FILE.json", help="record every step's shape and time and write them to "
+                   "FILE.json when stopped: a step profile of the served path for `simulate --cost`")
     p.add_argument("--standin-agents", action="store_true",
                    help="testing only: agents answer instantly with deterministic tokens, no model")
     p.add_argument("--standin-step-delay", type=float, default=0.0, metavar="SECONDS",
@@ -131,7 +133,8 @@ def main(args: argparse.Namespace) -> int:
     from llm_serving.api.launch import serve
 
     return serve(config, standin_agents=args.standin_agents,
-                 standin_step_delay=getattr(args, "standin_step_delay", 0.0))
+                 standin_step_delay=getattr(args, "standin_step_delay", 0.0),
+                 record_steps=getattr(args, "record_steps", None))
 
 
 def build_parser() -> argparse.ArgumentParser:
