@@ -27,13 +27,15 @@ sys.path.insert(0, str(ROOT))
 import yaml
 
 from llm_serving.config.serving_config import ServingConfig
+from llm_serving.engine.wiring import resolve_model
 from llm_serving.simulator.costs import FittedCost, save_profile, shape_summary
 from llm_serving.simulator.profiling import default_sweep, run_sweep
 from llm_serving.simulator.run import simulate
 from llm_serving.simulator.target import build_target
 from llm_serving.simulator.workload import from_results, retimed
+from llm_serving.tokenization.hf_tokenizer import load_tokenizer
 from loadtest.client import benchmark, save_run
-from loadtest.dataset import BenchRequest, TokenCounter, build_requests, load_dataset
+from loadtest.dataset import BenchRequest, TokenCounter, build_requests, contest_prompt, load_dataset
 from loadtest.local_server import running_server
 from loadtest.protocol import BenchConfig
 from loadtest.workload import LengthDist, WorkloadSpec, make_workload, write_workload
@@ -59,19 +61,25 @@ CASES = (
     Case("fcfs-decode-8", 128, overrides={"scheduler.policy": "fcfs", "model_config.decode_batch_size": [1, 8]}),
     Case("no-chunking", 128, overrides={"scheduler.enable_chunked_prefill": False}),
 )
+MAX_PROMPT_TOKENS = 384
 ENGINE_KEYS_IGNORED = ("scheduler.policy",)  # what does not change step times: configs differing only so share a profile
 
 
 def workloads(work: Path) -> dict[str, Path]:
-    paths = {"alpaca": work / "alpaca.json", "long": work / "long.json", "shared": work / "shared.json"}
-    write_workload(make_workload(WorkloadSpec(num=512, seed=0, output_words=LengthDist(40.0, 0.9, 3, 150))),
-                   paths["alpaca"])
-    write_workload(make_workload(WorkloadSpec(num=64, seed=1, input_fraction=1.0,
-                                              input_words=LengthDist(110.0, 0.3, 60, 150),
-                                              output_words=LengthDist(30.0, 0.6, 3, 100))), paths["long"])
-    write_workload(make_workload(WorkloadSpec(num=16, seed=2, input_fraction=1.0,
-                                              input_words=LengthDist(90.0, 0.3, 60, 130),
-                                              output_words=LengthDist(30.0, 0.6, 3, 100))), paths["shared"])
+    """The alpaca-shaped workloads, without the records whose prompt the served tokenizer makes longer than
+    ``MAX_PROMPT_TOKENS`` (they would be refused, not served: the default context is 512 tokens)."""
+    tok = load_tokenizer(resolve_model(ServingConfig()).tokenizer_path)
+    specs = {
+        "alpaca": WorkloadSpec(num=512, seed=0, output_words=LengthDist(40.0, 0.9, 3, 150)),
+        "long": WorkloadSpec(num=96, seed=1, input_fraction=1.0, input_words=LengthDist(110.0, 0.3, 60, 150),
+                             output_words=LengthDist(30.0, 0.6, 3, 100)),
+        "shared": WorkloadSpec(num=16, seed=2, input_fraction=1.0, input_words=LengthDist(90.0, 0.3, 60, 130),
+                               output_words=LengthDist(30.0, 0.6, 3, 100)),
+    }
+    paths = {}
+    for name, spec in specs.items():
+        records = [r for r in make_workload(spec) if len(tok.encode(contest_prompt(r))) <= MAX_PROMPT_TOKENS]
+        paths[name] = write_workload(records, work / f"{name}.json")
     return paths
 
 
@@ -101,7 +109,9 @@ def measure(case: Case, config_path: Path, dataset: Path, work: Path, log) -> Pa
         return results
     counter = TokenCounter(None)
     requests: list[BenchRequest] = build_requests(load_dataset(dataset), case.num, counter)
-    with running_server(config_path, work / f"server-{case.name}.log") as (port, ready_s):
+    record = ["--record-steps", str(out / "served-steps.json")]  # the steps as served, to check the cost model on
+    out.mkdir(parents=True, exist_ok=True)
+    with running_server(config_path, work / f"server-{case.name}.log", extra_args=record) as (port, ready_s):
         log(f"{case.name}: server ready in {ready_s:.0f} s on port {port}")
         cfg = BenchConfig(port=port, qps=case.qps, max_concurrency=case.concurrency, metrics_interval=0.0)
         run = asyncio.run(benchmark(requests, cfg, progress=False))
