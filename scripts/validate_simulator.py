@@ -127,7 +127,7 @@ def simulated(case: Case, config: ServingConfig, profile: Path, results: Path) -
     requests = from_results(results, target.encode)
     if case.concurrency:
         requests = retimed(requests, case.qps)
-    return simulate(target.scheduler, requests, target.cost, max_concurrency=case.concurrency).metrics
+    return simulate(target.scheduler, requests, target.cost, target.request_overhead_s, case.concurrency).metrics
 
 
 METRICS = (("total s", "total_time_s", 1.0), ("median TTFT ms", "median_ttft_ms", 1.0),

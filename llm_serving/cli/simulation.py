@@ -23,9 +23,10 @@ def add_simulation_arguments(p: argparse.ArgumentParser) -> None:
                       "llama-3.1-8b, or a directory with config.json); default: the config's model")
     cost.add_argument("--num-blocks", type=int, metavar="N", help="KV blocks (default: the profile's, the "
                       "device's memory after the weights, or pa_config.num_blocks)")
-    cost.add_argument("--request-overhead-ms", type=float, default=0.0, metavar="MS",
-                      help="a request's time outside the engine, before its first step and after its last token "
-                      "(HTTP, tokenizing, streaming; default 0)")
+    cost.add_argument("--request-overhead-ms", type=float, default=None, metavar="MS",
+                      help="a request's time outside the engine on each side, before the engine sees it and after "
+                      "each token leaves it (HTTP, tokenizing, streaming; default: what the profile measured, 0 "
+                      "for a device preset)")
     work = p.add_argument_group("workload (as the load tool sends it)")
     work.add_argument("--results", metavar="RESULT.json", help="replay a load-test result file: its prompts, the "
                       "output lengths its server produced and its send times (with --max-concurrency the send times "
@@ -82,4 +83,8 @@ def build(args: argparse.Namespace, progress=None) -> tuple[Any, Any, list]:
         requests = workload.clip_to_context(requests, target.scheduler.max_model_len)
     except (CostModelError, workload.WorkloadError) as exc:
         raise CliError(str(exc)) from None
+    if args.request_overhead_ms is not None:
+        if args.request_overhead_ms < 0:
+            raise CliError(f"--request-overhead-ms must be >= 0, got {args.request_overhead_ms}")
+        target.request_overhead_s = args.request_overhead_ms / 1e3
     return config, target, requests

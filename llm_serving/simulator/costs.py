@@ -191,6 +191,16 @@ def fitted_from_profile(path: str | Path) -> tuple[FittedCost, dict]:
     return FittedCost.fit(steps, f"{len(steps)} steps of {Path(path).name}"), meta
 
 
+def request_overhead(cost: StepCost, probes: Sequence[tuple[int, float]]) -> float:
+    """Seconds a request spends outside the engine on each side (HTTP, tokenizing, streaming), from requests
+    sent alone to an idle server: their time to first token less the prefill step the model predicts, halved (the
+    simulator adds it before the engine sees a request and after each token leaves it)."""
+    if not probes:
+        return 0.0
+    outside = [ttft - cost.seconds(StepShape(1, n, n, 1, n, n * n)) for n, ttft in probes]
+    return max(float(np.median(outside)) / 2, 0.0)
+
+
 def shape_summary(errors: np.ndarray) -> str:
     """Median and p90 of absolute relative errors, in per cent."""
     if errors.size == 0:

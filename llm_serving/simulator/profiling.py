@@ -2,7 +2,8 @@
 
 The server runs as ``llm-serving serve --record-steps``: its engine records every step's shape and its loop's
 whole turn (sent to the next step's scheduling, so the HTTP streaming competing for the master's thread is in
-it, as it is under a load test). Each point of the sweep sends ``batch`` streamed completions of ``prompt_len``
+it, as it is under a load test). A warm-up runs first and its steps are dropped (a fresh server's first steps
+run up to 1.5x slower). Each point of the sweep sends ``batch`` streamed completions of ``prompt_len``
 random token ids (distinct, so no prefix is shared) for ``new_tokens`` tokens with EOS ignored, all at once: its
 prefill (chunked or whole) and decode steps at that batch size and context. A last phase sends requests one
 by one while others decode, for the steps that mix decode tokens and prompt chunks. The server writes the
@@ -12,6 +13,7 @@ profile (``costs.load_profile`` reads it) when it stops; ``FittedCost`` is fitte
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +25,12 @@ import yaml
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.step_shape import StepShape
 from llm_serving.simulator.costs import load_profile
+from loadtest.client import parse_gauge
 from loadtest.local_server import running_server
+
+PROBES = 4  # requests sent one after another at each batch-1 point (time to first token outside the engine)
+WARM_UP_ROUNDS = 3  # rounds of the largest batch before the sweep: a fresh server's first steps run slower
+STEPS_METRIC = "llm_serving_engine_steps_total"
 
 
 @dataclass(frozen=True)
@@ -33,7 +40,7 @@ class SweepPoint:
     new_tokens: int
 
 
-def default_sweep(max_batch: int, max_model_len: int, new_tokens: int = 16) -> list[SweepPoint]:
+def default_sweep(max_batch: int, max_model_len: int, new_tokens: int = 32) -> list[SweepPoint]:
     """Batch sizes 1, 2, 4, ... up to the largest decode batch, by prompt lengths 16, 64, 256, ... up to half
     the context (at most 8192 prompt tokens a point, so a sweep stays a minute or two on a small model)."""
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch] + [max_batch]
@@ -55,33 +62,52 @@ def run_sweep(config: ServingConfig, points: list[SweepPoint], work_dir: str | P
                         announce=progress) as (port, ready_s):
         if progress:
             progress(f"server ready in {ready_s:.0f} s on port {port}")
-        asyncio.run(_drive(f"http://127.0.0.1:{port}", config.model_config.model_name, points, staggered,
-                           np.random.default_rng(seed), progress))
-    return load_profile(record)
+        probes, warm_up = asyncio.run(_drive(f"http://127.0.0.1:{port}", config.model_config.model_name, points,
+                                             staggered, np.random.default_rng(seed), progress))
+    steps, meta = load_profile(record)
+    done = 0
+    while steps and done < warm_up:  # the warm-up's steps: the first calls of a fresh server run slower
+        done += steps.pop(0)[0].num_steps
+    return steps, {**meta, "first_token_probes": probes, "warm_up_steps": done}
 
 
 async def _drive(url: str, model: str, points: list[SweepPoint], staggered: int, rng: np.random.Generator,
-                 progress: Callable[[str], None] | None) -> None:
+                 progress: Callable[[str], None] | None) -> tuple[list[tuple[int, float]], int]:
+    """Send a warm-up, then the sweep; returns (prompt length, client-side time to first token) of each request
+    sent alone, from which ``costs.request_overhead`` finds the time a request spends outside the engine, and the
+    engine steps the warm-up ran (/metrics)."""
+    probes = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
 
-        async def one(prompt_len: int, new_tokens: int) -> None:
+        async def one(prompt_len: int, new_tokens: int) -> float:
             body = {"model": model, "prompt": rng.integers(3, 200, prompt_len).tolist(), "max_tokens": new_tokens,
                     "ignore_eos": True, "stream": True, "temperature": 0}
+            t0, first = time.perf_counter(), None
             async with session.post(f"{url}/v1/completions", json=body) as resp:
                 if resp.status != 200:
                     raise RuntimeError(f"profile request failed: HTTP {resp.status}: {await resp.text()}")
-                async for _ in resp.content:
-                    pass
+                async for line in resp.content:
+                    if first is None and line.startswith(b"data: {"):
+                        first = time.perf_counter() - t0
+            return first if first is not None else time.perf_counter() - t0
 
-        await one(16, 4)  # first calls
+        for _ in range(WARM_UP_ROUNDS):
+            await asyncio.gather(*(one(32, 32) for _ in range(points[-1].batch)))
+        async with session.get(f"{url}/metrics") as resp:
+            warm_up = int(parse_gauge(await resp.text(), STEPS_METRIC) or 0)
         for i, p in enumerate(points):
             if progress:
                 progress(f"profile {i + 1}/{len(points)}: {p.batch} x {p.prompt_len} prompt tokens, "
                          f"{p.new_tokens} new")
-            await asyncio.gather(*(one(p.prompt_len, p.new_tokens) for _ in range(p.batch)))
+            if p.batch == 1:
+                for _ in range(PROBES):
+                    probes.append((p.prompt_len, await one(p.prompt_len, p.new_tokens)))
+            else:
+                await asyncio.gather(*(one(p.prompt_len, p.new_tokens) for _ in range(p.batch)))
         if staggered:
             length, tasks = points[len(points) // 2].prompt_len, []
             for _ in range(staggered):  # each arrives while the earlier ones decode
                 tasks.append(asyncio.create_task(one(length, 2 * points[0].new_tokens)))
                 await asyncio.sleep(0.005)
             await asyncio.gather(*tasks)
+    return probes, warm_up

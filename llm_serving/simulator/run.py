@@ -3,9 +3,10 @@
 The loop is the engine's (``engine.loop``) with the agents replaced by a step-time model: requests that arrived by
 the end of a step join before the next is scheduled, one step is in flight at a time, and its tokens are
 delivered when it ends. Every decision (admission order, chunking, preemption, prefix hits, multi-step) is made
-by ``core.Scheduler`` itself. The tokens a step "produces" are a filler id and every request runs to its
-``max_new_tokens`` (``ignore_eos``), so a replayed load test must replay the lengths its server produced
-(``workload.from_results``). Speculative decoding is refused: what it proposes depends on the real tokens.
+by ``core.Scheduler`` itself. The tokens a step "produces" are a filler id, and the end-of-sequence id where a
+request's model would end it (``SimRequest.output_tokens``: a replayed load test replays where its server's
+model stopped, ``workload.from_results``), so requests ask for and are ordered by their ``max_new_tokens`` as on
+the server. Speculative decoding is refused: what it proposes depends on the real tokens.
 """
 
 from __future__ import annotations
@@ -48,6 +49,22 @@ class SimRun:
         return m
 
 
+def _output(seqs: list[Sequence], num_steps: int, token: int, end: int | None, lengths: dict[str, int]) -> StepOutput:
+    """The step's picks: the filler, or the end id at the token where a request ends (without an end id the
+    request asked for exactly its length, ``simulate``)."""
+    picks = np.full((len(seqs), num_steps), token, np.int32)
+    if end is not None:
+        for row, seq in enumerate(seqs):
+            if seq.request_id not in lengths:
+                continue
+            at = lengths[seq.request_id] - len(seq.output_ids) - 1  # its last token's index among this step's
+            if 0 <= at < num_steps:
+                picks[row, at] = end
+    more = picks[:, 1:] if num_steps > 1 else None
+    return StepOutput(picks[:, 0].copy(), np.zeros(len(seqs), np.float32), more_token_ids=more,
+                      more_logprobs=None if more is None else np.zeros(more.shape, np.float32))
+
+
 def filler_token(config: SchedulerConfig) -> int:
     """An id that ends no request (the simulated model's every pick)."""
     ends = {config.eos_token_id, *config.other_eos_token_ids}
@@ -64,11 +81,12 @@ def simulate(config: SchedulerConfig, requests: list[SimRequest], cost: StepCost
                          "simulate the configuration without it")
     now = [0.0]
     sched = Scheduler(config, clock=lambda: now[0])
-    token = filler_token(config)
+    token, end = filler_token(config), config.eos_token_id
     queue = deque(sorted(requests, key=lambda r: r.arrival_s))  # not sent yet
     free = [0.0] * max_concurrency if max_concurrency else None  # when each free client slot became free
     inbox: list[tuple[float, int, SimRequest]] = []  # sent, not yet seen by the engine: (engine time, index, req)
     results: dict[str, RequestResult] = {}
+    lengths: dict[str, int] = {}  # tokens of the requests an end token ends (that token included)
     run = SimRun([], 0.0)
 
     def send_time() -> float | None:  # when the next queued request goes out (None: waits for a slot)
@@ -86,10 +104,12 @@ def simulate(config: SchedulerConfig, requests: list[SimRequest], cost: StepCost
                                                         req.max_new_tokens, send_time=at)
         while inbox and inbox[0][0] <= now[0]:
             seen, _, req = heapq.heappop(inbox)
-            seq = Sequence(f"sim-{req.index}", list(req.prompt_ids),
-                           SamplingParams(req.max_new_tokens, ignore_eos=True, seed=0))
+            asked = req.max_new_tokens if end is not None else req.length
+            seq = Sequence(f"sim-{req.index}", list(req.prompt_ids), SamplingParams(asked, seed=0))
             seq.arrival_time = seen
             sched.add(seq)
+            if req.length < asked:  # its model ends it early
+                lengths[seq.request_id] = req.length
 
     while queue or inbox or sched.has_unfinished():
         send_and_admit()
@@ -103,11 +123,7 @@ def simulate(config: SchedulerConfig, requests: list[SimRequest], cost: StepCost
         seqs, batch = step
         before = [len(s.output_ids) for s in seqs]
         now[0] += cost.seconds(StepShape.of(batch))
-        n = batch.batch_size
-        more = np.full((n, batch.num_steps - 1), token, np.int32) if batch.num_steps > 1 else None
-        sched.postprocess(seqs, StepOutput(np.full(n, token, np.int32), np.zeros(n, np.float32),
-                                           more_token_ids=more,
-                                           more_logprobs=None if more is None else np.zeros(more.shape, np.float32)))
+        sched.postprocess(seqs, _output(seqs, batch.num_steps, token, end, lengths))
         seen = now[0] + request_overhead_s
         for seq, had in zip(seqs, before):
             res = results[seq.request_id]
@@ -118,7 +134,7 @@ def simulate(config: SchedulerConfig, requests: list[SimRequest], cost: StepCost
                 res.chunk_times += [seen] * got
                 res.output_tokens += got
             if seq.is_finished and not res.success:
-                res.success, res.end_time, res.finish_reason = True, seen, "length"
+                res.success, res.end_time, res.finish_reason = True, seen, seq.finish_reason
                 if free is not None:
                     heapq.heappush(free, seen)
         run.steps += batch.num_steps

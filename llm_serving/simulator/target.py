@@ -9,15 +9,21 @@ block count is the profile's (what the agents had), the device's memory left aft
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.core.scheduler import SchedulerConfig
 from llm_serving.engine.wiring import kv_cache_blocks, resolve_model, scheduler_config
 from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
-from llm_serving.simulator.costs import DEVICES, CostModelError, DeviceCost, StepCost, fitted_from_profile
+from llm_serving.simulator.costs import (
+    DEVICES,
+    CostModelError,
+    DeviceCost,
+    StepCost,
+    fitted_from_profile,
+    request_overhead,
+)
 from llm_serving.simulator.workload import Encode, word_encoder
 from llm_serving.tokenization.hf_tokenizer import load_tokenizer
 
@@ -36,6 +42,7 @@ class Target:
     cost: StepCost
     encode: Encode
     tokenizer: str  # how prompts became ids (reported)
+    request_overhead_s: float = 0.0  # measured by the profile (``costs.request_overhead``); 0 for a device
 
 
 def model_shape(spec: str) -> LlamaConfig:
@@ -73,8 +80,9 @@ def build_target(config: ServingConfig, cost: str, device_params: dict[str, str]
         if blocks is None:
             raise CostModelError(f"{cost}: no KV block count recorded; give --num-blocks")
         encode, how = load_tokenizer(model.tokenizer_path).encode, str(model.tokenizer_path)
+        overhead = request_overhead(step_cost, meta.get("first_token_probes", []))
     sched = scheduler_config(config, llama.eos_token_id, llama, num_blocks=blocks)
-    return Target(sched, step_cost, encode, how)
+    return Target(sched, step_cost, encode, how, overhead if cost not in DEVICES else 0.0)
 
 
 def _config_model(config: ServingConfig, progress):
@@ -84,10 +92,3 @@ def _config_model(config: ServingConfig, progress):
         raise CostModelError(f"{exc} (for a model that is not here, give --model-shape with a device preset)") from None
 
 
-def with_scheduler(target: Target, **changes) -> Target:
-    return replace(target, scheduler=replace(target.scheduler, **changes))
-
-
-def contest_requests(qps: float, test_time: float) -> int:
-    """The contest script's request count: ``int(test_time * qps)``."""
-    return int(test_time * qps) if not math.isinf(qps) else 0

@@ -122,7 +122,7 @@ def tune(base: ServingConfig, target_for: Callable[[ServingConfig], Target], req
             return None  # a combination the config refuses (e.g. a chunk budget below the decode batch)
         target = target_for(config)
         run = simulate(target.scheduler, clip_to_context(requests, target.scheduler.max_model_len), target.cost,
-                       max_concurrency=max_concurrency)
+                       target.request_overhead_s, max_concurrency)
         metrics = run.metrics
         t = Trial(dict(values), metrics, all(c.holds(metrics) for c in constraints),
                   measured_batch is not None and config.model_config.decode_batch_size[-1] > measured_batch)

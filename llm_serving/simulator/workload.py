@@ -2,8 +2,8 @@
 
 From an alpaca dataset as the load tool sends it (``loadtest``: the contest's prompt, ``max_new_tokens`` = the
 reference output's token count, Poisson / gamma / constant / all-at-once arrivals), or from a load-test result
-file (``result_*.json``): the recorded send times and the output lengths the server actually produced, which is
-how a simulation is set against a measured run. Prompts become token ids through the served tokenizer when there
+file (``result_*.json``): the recorded send times, what each asked for and where the server's model ended it,
+which is how a simulation is set against a measured run. Prompts become token ids through the served tokenizer when there
 is one; otherwise words become ids by hashing (the same word, the same id: shared prefixes stay shared for the
 prefix cache) and each word counts ``tokens_per_word`` tokens, as the load tool estimates.
 """
@@ -14,7 +14,7 @@ import json
 import math
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loadtest import BenchError
@@ -34,7 +34,13 @@ class SimRequest:
     arrival_s: float  # after the first request
     prompt: str
     prompt_ids: tuple[int, ...]
-    max_new_tokens: int
+    max_new_tokens: int  # what the request asks for (the admission policy orders by it)
+    output_tokens: int | None = None  # where the model ends it (an end-of-sequence token); None: max_new_tokens
+
+    @property
+    def length(self) -> int:
+        """Tokens it generates."""
+        return self.max_new_tokens if self.output_tokens is None else min(self.output_tokens, self.max_new_tokens)
 
 
 def word_encoder(vocab_size: int, tokens_per_word: float = 1.3, first_id: int = 3) -> Encode:
@@ -71,13 +77,13 @@ def from_dataset(path: str | Path, num: int, encode: Encode, qps: float = math.i
 
 
 def from_results(path: str | Path, encode: Encode) -> list[SimRequest]:
-    """The requests of a load-test result file, at their recorded send times with the output lengths they got
-    (failed ones are left out: they did no work the server finished)."""
+    """The requests of a load-test result file at their recorded send times, asking for what they asked and ending
+    where the server's model ended them (failed ones are left out: they did no work the server finished)."""
     path = Path(path)
     try:
         rows = json.loads(path.read_text())
         out = [SimRequest(int(r["index"]), float(r["send_time"]), r["input"], tuple(encode(r["input"])),
-                          int(r["output_tokens"]))
+                          max(int(r["max_new_tokens"]), int(r["output_tokens"])), int(r["output_tokens"]))
                for r in rows if r.get("success") and int(r.get("output_tokens") or 0) > 0]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise WorkloadError(f"cannot read load-test results {path}: {exc}") from None
@@ -94,7 +100,7 @@ def retimed(requests: Sequence[SimRequest], qps: float, arrival: str = "poisson"
         offsets = arrival_offsets(len(ordered), qps, arrival, burstiness, seed)
     except BenchError as exc:
         raise WorkloadError(str(exc)) from None
-    return [SimRequest(r.index, float(t), r.prompt, r.prompt_ids, r.max_new_tokens) for r, t in zip(ordered, offsets)]
+    return [replace(r, arrival_s=float(t)) for r, t in zip(ordered, offsets)]
 
 
 def clip_to_context(requests: Sequence[SimRequest], max_model_len: int) -> list[SimRequest]:
@@ -106,6 +112,5 @@ def clip_to_context(requests: Sequence[SimRequest], max_model_len: int) -> list[
         if room < 1:
             raise WorkloadError(f"request {r.index}: its prompt of {len(r.prompt_ids)} tokens leaves no room in "
                                 f"max_model_len {max_model_len}")
-        out.append(r if r.max_new_tokens <= room else
-                   SimRequest(r.index, r.arrival_s, r.prompt, r.prompt_ids, room))
+        out.append(r if r.max_new_tokens <= room else replace(r, max_new_tokens=room))
     return out

@@ -14,8 +14,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     p.add_argument("--out", required=True, metavar="PROFILE.json", help="where to write the measured steps (the "
                    "served config, its log and raw record go beside it, in PROFILE.d/)")
-    p.add_argument("--new-tokens", type=int, default=16, metavar="N", help="decode steps a sweep point runs "
-                   "(default 16)")
+    p.add_argument("--new-tokens", type=int, default=32, metavar="N", help="decode steps a sweep point runs "
+                   "(default 32)")
     p.add_argument("--staggered", type=int, default=16, metavar="N", help="requests of the last phase, sent one "
                    "by one while the others decode (default 16; 0: none)")
 

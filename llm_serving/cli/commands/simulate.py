@@ -25,10 +25,12 @@ def _run(args: argparse.Namespace) -> int:
     from loadtest import report
 
     config, target, requests = build(args, progress=lambda line: print(line, file=sys.stderr))
-    run = simulate(target.scheduler, requests, target.cost, args.request_overhead_ms / 1e3, args.max_concurrency)
+    run = simulate(target.scheduler, requests, target.cost, target.request_overhead_s,
+                   args.max_concurrency)
     metrics = run.metrics
     settings = {"config": config.source, "cost": target.cost.describe(), "kv_blocks": target.scheduler.num_blocks,
                 "tokenizer": target.tokenizer, "requests": len(requests),
+                "request_overhead_ms": round(target.request_overhead_s * 1e3, 3),
                 "workload": args.results or f"{args.dataset} at {args.qps:g} req/s ({args.arrival})"}
     if args.json:
         print(json.dumps({"settings": settings, "metrics": metrics}))

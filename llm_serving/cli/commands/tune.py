@@ -32,7 +32,7 @@ def _run(args: argparse.Namespace) -> int:
     config, target, requests = build(args, progress=log)
     params = dict(item.partition("=")[::2] for item in args.device_param)
     try:
-        constraints = [Constraint.parse(c, set(_metric_names(target, requests))) for c in args.constraint]
+        constraints = [Constraint.parse(c, _metric_names()) for c in args.constraint]
         result = tune(config, lambda cfg: build_target(cfg, args.cost, params, args.model_shape, args.num_blocks,
                                                        args.tokens_per_word),
                       requests, constraints, args.max_concurrency, _measured_batch(args.cost), log)
@@ -49,17 +49,17 @@ def _run(args: argparse.Namespace) -> int:
     print(f"chosen: {best.total_s:.2f} s ({base.total_s / best.total_s:.2f}x) with {changes}"
           f"{'' if best.feasible else ' -- NO candidate meets the constraints'}"
           f"{' (decode batch beyond the profiled ones: extrapolated)' if best.extrapolated else ''}")
-    for c in (c for c in args.constraint):
-        print(f"  {c}: {Constraint.parse(c, set(best.metrics)).metric} = {best.metrics.get(Constraint.parse(c, set(best.metrics)).metric)}")
+    for c in constraints:
+        print(f"  {c}: {c.metric} = {best.metrics.get(c.metric)}")
     print(f"written: {out}")
     return 0 if best.feasible else 1
 
 
-def _metric_names(target, requests) -> list[str]:
+def _metric_names() -> set[str]:
+    """The numeric metrics of a run (what a constraint may bound)."""
     from loadtest.metrics import compute_metrics
 
-    del target, requests
-    return [k for k, v in compute_metrics([], 1.0).items() if v is None or isinstance(v, (int, float))]
+    return {k for k, v in compute_metrics([], 1.0).items() if v is None or isinstance(v, (int, float))}
 
 
 def _measured_batch(cost: str) -> int | None:

@@ -1,0 +1,300 @@
+"""The simulator: step shapes, the cost models, the real scheduler on a virtual clock, workloads, the tuner, the
+commands, and a profile of a real served engine."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+
+from llm_serving.cli.main import main as cli_main
+from llm_serving.config.serving_config import ServingConfig
+from llm_serving.core.scheduler import Scheduler, SchedulerConfig
+from llm_serving.core.sequence import SamplingParams, Sequence
+from llm_serving.core.step_shape import StepShape, step_rows, steps_from_rows
+from llm_serving.simulator.costs import (
+    FEATURES,
+    CostModelError,
+    DeviceCost,
+    DeviceProfile,
+    FittedCost,
+    load_profile,
+    request_overhead,
+    save_profile,
+)
+from llm_serving.simulator.profiling import SweepPoint, run_sweep
+from llm_serving.simulator.run import simulate
+from llm_serving.simulator.target import MODEL_SHAPES, Target, build_target
+from llm_serving.simulator.tuner import Constraint, TuneError, tune, tuned_yaml
+from llm_serving.simulator.workload import (
+    SimRequest,
+    WorkloadError,
+    clip_to_context,
+    from_results,
+    retimed,
+    word_encoder,
+)
+from loadtest.protocol import RequestResult
+from tests.tiny_engine import tiny_engine_config
+
+
+class Constant:
+    """Every step takes ``step_s`` (+ ``per_token_s`` a query token): results that can be worked out by hand."""
+
+    def __init__(self, step_s: float, per_token_s: float = 0.0) -> None:
+        self.step_s, self.per_token_s = step_s, per_token_s
+
+    def seconds(self, shape: StepShape) -> float:
+        return shape.num_steps * self.step_s + self.per_token_s * shape.num_tokens
+
+    def describe(self) -> str:
+        return "constant"
+
+
+def sched_config(**kw) -> SchedulerConfig:
+    base = {"num_blocks": 256, "block_size": 16, "max_num_seqs": 8, "max_prefill_batch": 4,
+            "max_num_batched_tokens": 512, "max_model_len": 512, "chunked_prefill": True}
+    return SchedulerConfig(**{**base, **kw})
+
+
+def req(i: int, prompt_len: int, new: int, at: float = 0.0, first: int = 0) -> SimRequest:
+    ids = tuple(range(3 + first, 3 + first + prompt_len))
+    return SimRequest(i, at, f"p{i}", ids, new)
+
+
+# ---- step shapes ----------------------------------------------------------------------------------------
+def test_step_shape_sums_what_the_scheduler_batched():
+    sched = Scheduler(sched_config(max_num_batched_tokens=40))
+    for i, n in enumerate((30, 20)):
+        sched.add(Sequence(f"r{i}", list(range(3, 3 + n)), SamplingParams(4, ignore_eos=True)))
+    _, batch = sched.schedule()  # 30 tokens of r0 and a 10-token chunk of r1
+    shape = StepShape.of(batch)
+    assert shape == StepShape(num_seqs=2, num_tokens=40, prefill_tokens=40, prefill_seqs=2, context_tokens=40,
+                              attention_pairs=30 * 30 + 10 * 10)
+    assert steps_from_rows(json.loads(json.dumps(step_rows([(shape, 0.5)])))) == [(shape, 0.5)]
+
+
+# ---- cost models ----------------------------------------------------------------------------------------
+def shapes(rng: np.random.Generator, n: int) -> list[StepShape]:
+    out = []
+    for _ in range(n):
+        seqs = int(rng.integers(1, 33))
+        prompts = int(rng.integers(0, 3))
+        tokens = seqs + prompts * int(rng.integers(2, 200))
+        out.append(StepShape(seqs, tokens, tokens - seqs + prompts if prompts else 0, prompts,
+                             int(rng.integers(seqs, 4000)), int(rng.integers(0, 20000))))
+    return out
+
+
+def test_the_fit_recovers_a_linear_cost_and_averages_noise():
+    rng = np.random.default_rng(0)
+    truth = FittedCost((0.0, 2e-3, 5e-5, 3e-5, 4e-7, 1e-3, 2e-4, 1e-8))
+    xs = shapes(rng, 400)
+    exact = FittedCost.fit([(s, truth.seconds(s)) for s in xs])
+    assert np.allclose(exact.coefficients, truth.coefficients, rtol=1e-4, atol=1e-9)
+    noisy = FittedCost.fit([(s, truth.seconds(s) * rng.uniform(0.6, 1.4)) for s in xs])  # mean 1: unbiased
+    ratio = sum(noisy.seconds(s) for s in xs) / sum(truth.seconds(s) for s in xs)
+    assert ratio == pytest.approx(1.0, abs=0.03)
+    assert all(c >= 0 for c in noisy.coefficients)
+    with pytest.raises(CostModelError, match=f"at least {len(FEATURES)}"):
+        FittedCost.fit([(xs[0], 0.01)])
+
+
+def test_profile_files_round_trip_and_name_the_file_when_broken(tmp_path):
+    samples = [(StepShape(1, 1, 0, 0, 10, 10), 0.003), (StepShape(4, 64, 64, 4, 64, 1024), 0.02)]
+    path = save_profile(tmp_path / "p.json", samples, {"num_blocks": 99})
+    assert load_profile(path) == (samples, {"num_blocks": 99})
+    (tmp_path / "bad.json").write_text('{"steps": [{"num_seqs": 1}]}')
+    with pytest.raises(CostModelError, match="bad.json"):
+        load_profile(tmp_path / "bad.json")
+
+
+def test_the_request_overhead_is_what_the_engine_does_not_explain():
+    cost = Constant(0.004)
+    assert request_overhead(cost, [(16, 0.010), (64, 0.012), (16, 0.010)]) == pytest.approx(0.003)
+    assert request_overhead(cost, []) == 0.0
+    assert request_overhead(cost, [(16, 0.001)]) == 0.0
+
+
+def test_device_cost_decode_reads_the_weights_prefill_multiplies_them():
+    d = DeviceProfile(step_overhead_s=0.0, seq_overhead_s=0.0)
+    llama = MODEL_SHAPES["llama-2-7b"]
+    cost = DeviceCost(d, llama)
+    weights = cost.weight_bytes_per_rank
+    assert weights / 2**30 == pytest.approx(12.55, abs=0.05)  # 6.74e9 parameters in float16
+    decode = cost.seconds(StepShape(1, 1, 0, 0, 1, 1))
+    assert decode == pytest.approx(weights / (d.memory_bandwidth_gbs * 1e9 * d.memory_efficiency), rel=1e-3)
+    long_prefill = cost.seconds(StepShape(1, 4096, 4096, 1, 4096, 4096 * 4096))
+    flops = llama.flops_per_token() * 4096 - 2 * 4096 * 32000 * 4095 + 4 * 4096 * 32 * (4096 * 4096 - 0)
+    assert long_prefill == pytest.approx(flops / (d.peak_tflops * 1e12 * d.compute_efficiency), rel=0.01)
+    tp2 = DeviceCost(d, llama, tensor_parallel=2)
+    assert tp2.weight_bytes_per_rank == pytest.approx(weights / 2)
+    assert tp2.seconds(StepShape(1, 1, 0, 0, 1, 1)) > decode / 2  # plus 64 all-reduces
+    assert cost.kv_blocks(16) == int((64 * 2**30 * 0.9 - weights) // (2 * 32 * 128 * 32 * 2 * 16))
+    with pytest.raises(CostModelError, match="no room for a KV cache"):
+        DeviceCost(d, MODEL_SHAPES["llama-2-70b"]).kv_blocks(16)
+    assert DeviceCost(d, MODEL_SHAPES["llama-2-70b"], tensor_parallel=8).kv_blocks(16) > 1000
+    with pytest.raises(CostModelError, match="not one of"):
+        d.with_values({"bandwidth": "1"})
+    with pytest.raises(CostModelError, match="not a number"):
+        d.with_values({"peak_tflops": "fast"})
+    assert d.with_values({"peak_tflops": "100"}).peak_tflops == 100.0
+
+
+# ---- the simulation ----------------------------------------------------------------------------------------
+def test_one_request_takes_its_prefill_and_a_step_per_further_token():
+    run = simulate(sched_config(), [req(0, 40, 5)], Constant(0.010))
+    (r,) = run.results
+    assert r.success and r.output_tokens == 5
+    assert r.ttft == pytest.approx(0.010) and r.end_time == pytest.approx(0.050)
+    assert r.itl == pytest.approx([0.010] * 4) and run.steps == 5 and run.prefill_steps == 1
+    assert run.kv_usage[-1][1] == 0.0  # every block back
+    shifted = simulate(sched_config(), [req(0, 40, 5, at=1.0)], Constant(0.010), request_overhead_s=0.002)
+    assert shifted.results[0].ttft == pytest.approx(0.014) and shifted.duration == pytest.approx(0.054)
+
+
+def test_chunks_batches_and_the_concurrency_cap():
+    chunked = simulate(sched_config(max_num_batched_tokens=32, max_num_seqs=8), [req(0, 100, 2)], Constant(0.01))
+    assert chunked.results[0].ttft == pytest.approx(0.04)  # 100 prompt tokens in chunks of 32
+    many = [req(i, 10, 4, first=20 * i) for i in range(8)]
+    together = simulate(sched_config(max_num_seqs=8), many, Constant(0.01))
+    assert together.duration == pytest.approx(0.05)  # max_prefill_batch 4: the second four start a step later
+    one_at_a_time = simulate(sched_config(max_num_seqs=8), many, Constant(0.01), max_concurrency=1)
+    assert one_at_a_time.duration == pytest.approx(8 * 0.04)
+    assert [r.send_time for r in one_at_a_time.results] == pytest.approx([0.04 * i for i in range(8)])
+
+
+def test_the_policy_is_the_schedulers_own():
+    reqs = [req(0, 10, 3, first=0), req(1, 10, 30, first=50), req(2, 10, 10, first=100)]
+    cfg = {"max_num_seqs": 1, "max_prefill_batch": 1}
+    fcfs = simulate(sched_config(policy="fcfs", **cfg), reqs, Constant(0.01))
+    lof = simulate(sched_config(policy="longest_output_first", **cfg), reqs, Constant(0.01))
+    def order(run):
+        return [r.index for r in sorted(run.results, key=lambda r: r.ttft)]
+
+    assert order(fcfs) == [0, 1, 2] and order(lof) == [1, 2, 0]
+    assert fcfs.duration == pytest.approx(lof.duration)
+
+
+def test_shared_prompts_hit_the_prefix_cache_and_speculation_is_refused():
+    reqs = [req(i, 64, 4, at=0.1 * i) for i in range(4)]  # the same prompt, one after another
+    cached = simulate(sched_config(prefix_caching=True), reqs, Constant(0.01, 1e-3))
+    plain = simulate(sched_config(), reqs, Constant(0.01, 1e-3))
+    assert cached.prefix_hit_tokens == 3 * 48 and plain.prefix_hit_tokens == 0  # whole blocks before the last token
+    assert cached.metrics["median_ttft_ms"] < plain.metrics["median_ttft_ms"]
+    with pytest.raises(ValueError, match="speculative"):
+        simulate(sched_config(speculative="ngram"), reqs, Constant(0.01))
+
+
+def test_preemption_when_the_cache_runs_out_still_finishes_everything():
+    reqs = [req(i, 30, 60, first=40 * i) for i in range(6)]
+    run = simulate(sched_config(num_blocks=12, max_num_seqs=6), reqs, Constant(0.01))
+    assert run.preemptions > 0 and all(r.success and r.output_tokens == 60 for r in run.results)
+    assert run.kv_usage[-1][1] == 0.0
+
+
+def test_multi_step_decoding_delivers_tokens_k_at_a_time():
+    run = simulate(sched_config(decode_steps=4), [req(0, 10, 9)], Constant(0.01))
+    (r,) = run.results
+    assert r.output_tokens == 9 and run.steps == 9
+    assert r.itl == pytest.approx([0.04, 0.0, 0.0, 0.0, 0.04, 0.0, 0.0, 0.0])  # the prefill's token, then 4 + 4
+
+
+# ---- workloads -------------------------------------------------------------------------------------------
+def test_a_request_ends_where_its_model_ended_it_and_asks_for_what_it_asked():
+    reqs = [SimRequest(0, 0.0, "a", tuple(range(3, 13)), 100, output_tokens=5), req(1, 10, 20, first=40)]
+    run = simulate(sched_config(max_num_seqs=1, max_prefill_batch=1, policy="longest_output_first"), reqs,
+                   Constant(0.01))
+    first, second = run.results
+    assert first.output_tokens == 5 and first.finish_reason == "eos" and second.finish_reason == "length"
+    assert first.ttft < second.ttft  # ordered by the 100 tokens it asked for, not the 5 it got
+    assert run.kv_usage[-1][1] == 0.0
+
+
+def test_results_files_replay_their_lengths_and_times(tmp_path):
+    rows = [RequestResult(0, "hello there", 3, 50, success=True, output_tokens=7, send_time=0.5).to_json(),
+            RequestResult(1, "failed one", 3, 50, success=False, error="HTTP 500").to_json(),
+            RequestResult(2, "hello you", 3, 50, success=True, output_tokens=3, send_time=0.1).to_json()]
+    (tmp_path / "r.json").write_text(json.dumps(rows))
+    enc = word_encoder(1000)
+    got = from_results(tmp_path / "r.json", enc)
+    assert [(r.index, r.arrival_s, r.max_new_tokens, r.length) for r in got] == [(2, 0.1, 50, 3), (0, 0.5, 50, 7)]
+    assert got[0].prompt_ids[:2] == got[1].prompt_ids[:2]  # "<s> hello" shared
+    assert len(enc("one two three four")) == 1 + math.ceil(4 * 1.3)
+    assert [r.arrival_s for r in retimed(got, math.inf)] == [0.0, 0.0]
+    (tmp_path / "bad.json").write_text("[{}]")
+    with pytest.raises(WorkloadError, match="bad.json"):
+        from_results(tmp_path / "bad.json", enc)
+    assert clip_to_context([req(0, 10, 100)], 50)[0].max_new_tokens == 40
+    with pytest.raises(WorkloadError, match="request 0"):
+        clip_to_context([req(0, 60, 1)], 50)
+
+
+# ---- the tuner -------------------------------------------------------------------------------------------
+def test_the_tuner_finds_bigger_batches_where_steps_cost_the_same(tmp_path):
+    base = ServingConfig.from_dict({"model_config": {"decode_batch_size": [1, 8], "prefill_batch_size": [1, 4]},
+                                    "pa_config": {"num_blocks": 2048}})
+
+    def target_for(config: ServingConfig) -> Target:
+        from llm_serving.engine.wiring import scheduler_config
+
+        return Target(scheduler_config(config, 2, num_blocks=config.pa_config.num_blocks), Constant(0.01, 1e-5),
+                      word_encoder(1000), "words")
+
+    reqs = [req(i, 20, 50, first=30 * i) for i in range(64)]
+    result = tune(base, target_for, reqs, [])
+    assert result.best.total_s < result.base.total_s / 3
+    assert result.best.values["model_config.decode_batch_size"] >= 64
+    capped = tune(base, target_for, reqs, [Constraint.parse("max_server_running_batch<=16", {"max_server_running_batch"})])
+    assert capped.best.feasible and capped.best.metrics["max_server_running_batch"] <= 16
+    raw = {"model_config": {"model_name": "mine", "decode_batch_size": [1, 8]}}
+    out = tuned_yaml(base, raw, result.best)
+    assert out["model_config"]["model_name"] == "mine"
+    assert out["model_config"]["decode_batch_size"][-1] == result.best.values["model_config.decode_batch_size"]
+    ServingConfig.from_dict(out)  # a valid config
+    with pytest.raises(TuneError, match="unknown metric"):
+        Constraint.parse("speed>=1", {"total_time_s"})
+    with pytest.raises(TuneError, match="expected METRIC"):
+        Constraint.parse("ttft small", {"total_time_s"})
+
+
+# ---- the commands ----------------------------------------------------------------------------------------
+def test_simulate_and_tune_commands_project_a_device(tmp_path, capsys):
+    args = ["--cost", "ascend-910b", "--model-shape", "llama-2-7b", "--num-prompts", "200", "--max-output-tokens",
+            "64", "--config", "configs/llama2_7b_ascend.yaml", "--dataset", "/nonexistent.json"]
+    assert cli_main(["simulate", *args, "--json"]) == 2
+    assert "nonexistent.json" in capsys.readouterr().err
+    args = args[:-2] + ["--device-param", "step_overhead_s=0.01"]
+    assert cli_main(["simulate", *args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["metrics"]["successful_requests"] == 200 and out["metrics"]["total_time_s"] > 0
+    assert "10 ms a step" in out["settings"]["cost"]
+    assert cli_main(["simulate", *args, "-O", str(tmp_path / "sim"), "--no-plots"]) == 0
+    summary = json.loads(next((tmp_path / "sim").glob("summary_*.json")).read_text())
+    assert summary["metrics"]["successful_requests"] == 200
+    tuned = tmp_path / "tuned.yaml"
+    code = cli_main(["tune", *args, "--constraint", "p90_ttft_ms<=1e9", "--out", str(tuned)])
+    assert code == 0, capsys.readouterr().err
+    chosen = yaml.safe_load(tuned.read_text())
+    assert chosen["model_config"]["model_name"] == "llama_7b"  # the given file's keys kept
+    assert "chosen:" in capsys.readouterr().out
+    assert cli_main(["simulate", "--cost", "nothing.json", "--num-prompts", "1"]) == 2
+    assert "nothing.json" in capsys.readouterr().err
+
+
+def test_profile_records_the_served_steps_of_a_real_engine(tmp_path):
+    config = tiny_engine_config(tmp_path / "model")
+    points = [SweepPoint(1, 8, 4), SweepPoint(4, 16, 6)]
+    steps, meta = run_sweep(config, points, tmp_path / "work", staggered=3)
+    assert meta["served"] and meta["num_blocks"] == 32 and len(meta["first_token_probes"]) == 4
+    assert meta["warm_up_steps"] > 0  # left out of the steps
+    decodes = [s for s, _ in steps if s.prefill_tokens == 0]
+    assert {s.num_seqs for s in decodes} >= {1, 4} and all(t > 0 for _, t in steps)
+    assert sum(s.prefill_tokens for s, _ in steps) >= 4 * 8 + 4 * 16 + 3 * 16  # every prompt was prefilled
+    path = save_profile(tmp_path / "profile.json", steps, meta)
+    target = build_target(config, str(path))
+    assert target.scheduler.num_blocks == 32 and target.request_overhead_s >= 0
+    assert target.encode("hello world")  # the served tokenizer
