@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import numpy as np
 import yaml
 
 from llm_serving.config.serving_config import ServingConfig
@@ -32,6 +33,7 @@ from llm_serving.simulator.costs import FittedCost, save_profile, shape_summary
 from llm_serving.simulator.profiling import default_sweep, run_sweep
 from llm_serving.simulator.run import simulate
 from llm_serving.simulator.target import build_target
+from llm_serving.simulator.tuner import tune, tuned_yaml
 from llm_serving.simulator.workload import from_results, retimed
 from llm_serving.tokenization.hf_tokenizer import load_tokenizer
 from loadtest.client import benchmark, save_run
@@ -146,11 +148,47 @@ def table(rows: list[tuple[Case, dict, dict]]) -> str:
     return "\n".join(out)
 
 
+def _row(name: str, simulated_s: float, measured_s: list[float]) -> str:
+    rounds = ", ".join(f"{t:.2f}" for t in measured_s)
+    return f"| {name} | {simulated_s:.2f} | {np.median(measured_s):.2f} ({rounds}) |"
+
+
+def tune_check(work: Path, dataset: Path, log, rounds: int = 2) -> str:
+    """The tuner's choice for the saturation workload (256 requests at once, replayed from the shipped config's
+    measured run) set against the shipped default config, both simulated and both measured (alternating rounds)."""
+    base, base_path = config_for(CASES[0], work)
+    wide = Case("wide-decode", 0, overrides={"model_config.decode_batch_size": [1, 8, 32, 64, 128, 256]})
+    profile = profile_for(wide, config_for(wide, work)[0], work, log)
+    workload = measure(CASES[0], base_path, dataset, work, log)
+    requests = from_results(workload, build_target(base, str(profile)).encode)
+    result = tune(base, lambda cfg: build_target(cfg, str(profile)), requests, [], progress=log)
+    tuned_path = work / "tuned.yaml"
+    tuned_path.write_text(yaml.safe_dump(tuned_yaml(base, None, result.best)))
+    log(f"tuned: {result.best.values}")
+    measured: dict[str, list[float]] = {"shipped": [], "tuned": []}
+    for r in range(rounds):
+        for name, path in (("shipped", base_path), ("tuned", tuned_path)):
+            res = measure(Case(f"{name}-round{r}", CASES[0].num), path, dataset, work, log)
+            summary = json.loads((res.parent / res.name.replace("result_", "summary_")).read_text())
+            measured[name].append(summary["metrics"]["total_time_s"])
+    med = {k: float(np.median(v)) for k, v in measured.items()}  # the speed-up row
+    changes = ", ".join(f"`{k}: {v}`" for k, v in result.best.values.items())
+    return "\n".join([
+        f"Tuned ({len(result.trials)} configurations simulated): {changes}", "",
+        "| config | simulated total s | measured total s (rounds) |", "|---|---:|---:|",
+        _row("shipped default", result.base.total_s, measured["shipped"]),
+        _row("tuned", result.best.total_s, measured["tuned"]),
+        f"| speed-up | {result.base.total_s / result.best.total_s:.2f}x | {med['shipped'] / med['tuned']:.2f}x |",
+    ])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work-dir", default="/tmp/llm-serving-sim", help="configs, profiles, results and logs")
     p.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated case names")
     p.add_argument("--write", metavar="MD", help="append the table to this file")
+    p.add_argument("--tune", action="store_true", help="also tune the saturation workload and measure the choice "
+                   "against the shipped config")
     args = p.parse_args(argv)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -173,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((case, meas, sim))
         log(table(rows[-1:]).splitlines()[-1])
     text = table(rows)
+    if args.tune:
+        text += "\n\n" + tune_check(work, data["alpaca"], log)
     print(text)
     if args.write:
         with open(args.write, "a") as f:

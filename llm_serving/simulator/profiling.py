@@ -41,10 +41,11 @@ class SweepPoint:
 
 
 def default_sweep(max_batch: int, max_model_len: int, new_tokens: int = 32) -> list[SweepPoint]:
-    """Batch sizes 1, 2, 4, ... up to the largest decode batch, by prompt lengths 16, 64, 256, ... up to half
-    the context (at most 8192 prompt tokens a point, so a sweep stays a minute or two on a small model)."""
+    """Batch sizes 1, 2, 4, ... up to the largest decode batch, by prompt lengths 16, 64, 256, ... that leave room
+    for the new tokens in the context (at most 8192 prompt tokens a point, so a sweep stays a minute or two on a
+    small model)."""
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch] + [max_batch]
-    lengths = [n for n in (16, 64, 256, 1024, 4096) if n + new_tokens <= max_model_len // 2] or [8]
+    lengths = [n for n in (16, 64, 256, 1024, 4096) if n + new_tokens <= max_model_len] or [8]
     return [SweepPoint(b, n, new_tokens) for b in batches for n in lengths if b * n <= 8192]
 
 
