@@ -29,7 +29,7 @@ import yaml
 
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.engine.wiring import resolve_model
-from llm_serving.simulator.costs import FittedCost, save_profile, shape_summary
+from llm_serving.simulator.costs import FittedCost, round_spread, save_profile, shape_summary
 from llm_serving.simulator.profiling import default_sweep, run_sweep
 from llm_serving.simulator.run import simulate
 from llm_serving.simulator.target import build_target
@@ -100,7 +100,9 @@ def profile_for(case: Case, config: ServingConfig, work: Path, log) -> Path:
         steps, meta = run_sweep(config, points, work / f"{path.stem}.d", progress=log)
         save_profile(path, steps, meta)
         fit = FittedCost.fit(steps)
-        log(f"profile {path.name}: {len(steps)} steps, fit {shape_summary(fit.relative_errors(steps))}")
+        spread = round_spread(steps, meta["round_steps"])
+        log(f"profile {path.name}: {len(steps)} steps, fit {shape_summary(fit.relative_errors(steps))}, rounds "
+            f"differ by {spread:.0%}")
     return path
 
 

@@ -23,6 +23,7 @@ from llm_serving.simulator.costs import (
     FittedCost,
     load_profile,
     request_overhead,
+    round_spread,
     save_profile,
 )
 from llm_serving.simulator.profiling import SweepPoint, run_sweep
@@ -288,12 +289,13 @@ def test_simulate_and_tune_commands_project_a_device(tmp_path, capsys):
 def test_profile_records_the_served_steps_of_a_real_engine(tmp_path):
     config = tiny_engine_config(tmp_path / "model")
     points = [SweepPoint(1, 8, 4), SweepPoint(4, 16, 6)]
-    steps, meta = run_sweep(config, points, tmp_path / "work", staggered=3)
-    assert meta["served"] and meta["num_blocks"] == 32 and len(meta["first_token_probes"]) == 4
-    assert meta["warm_up_steps"] > 0  # left out of the steps
+    steps, meta = run_sweep(config, points, tmp_path / "work", staggered=3, rounds=2)
+    assert meta["served"] and meta["num_blocks"] == 32 and len(meta["first_token_probes"]) == 2 * 4
+    assert meta["warm_up_steps"] > 0 and sum(meta["round_steps"]) == len(steps)  # the warm-up left out
+    assert round_spread(steps, meta["round_steps"]) >= 0
     decodes = [s for s, _ in steps if s.prefill_tokens == 0]
     assert {s.num_seqs for s in decodes} >= {1, 4} and all(t > 0 for _, t in steps)
-    assert sum(s.prefill_tokens for s, _ in steps) >= 4 * 8 + 4 * 16 + 3 * 16  # every prompt was prefilled
+    assert sum(s.prefill_tokens for s, _ in steps) >= 2 * (4 * 8 + 4 * 16 + 3 * 16)  # every prompt was prefilled
     path = save_profile(tmp_path / "profile.json", steps, meta)
     target = build_target(config, str(path))
     assert target.scheduler.num_blocks == 32 and target.request_overhead_s >= 0

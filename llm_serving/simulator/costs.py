@@ -13,6 +13,7 @@ Two kinds, one interface (``seconds(shape)``):
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -189,6 +190,17 @@ def load_profile(path: str | Path) -> tuple[list[tuple[StepShape, float]], dict]
 def fitted_from_profile(path: str | Path) -> tuple[FittedCost, dict]:
     steps, meta = load_profile(path)
     return FittedCost.fit(steps, f"{len(steps)} steps of {Path(path).name}"), meta
+
+
+def round_spread(steps: Sequence[tuple[StepShape, float]], round_steps: Sequence[int]) -> float | None:
+    """How far the profile's rounds disagree: a model fitted to each round alone predicts all the steps; the
+    slowest prediction over the fastest, less 1 (None with fewer than two rounds). Large on a machine that was
+    busy with something else for part of the profile."""
+    bounds = np.cumsum([0, *round_steps])
+    if len(round_steps) < 2 or bounds[-1] > len(steps):
+        return None
+    totals = [sum(FittedCost.fit(steps[a:b]).seconds(s) for s, _ in steps) for a, b in itertools.pairwise(bounds)]
+    return max(totals) / min(totals) - 1
 
 
 def request_overhead(cost: StepCost, probes: Sequence[tuple[int, float]]) -> float:

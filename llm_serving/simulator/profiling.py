@@ -13,6 +13,7 @@ profile (``costs.load_profile`` reads it) when it stops; ``FittedCost`` is fitte
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,10 +51,11 @@ def default_sweep(max_batch: int, max_model_len: int, new_tokens: int = 32) -> l
 
 
 def run_sweep(config: ServingConfig, points: list[SweepPoint], work_dir: str | Path, staggered: int = 16,
-              seed: int = 0, progress: Callable[[str], None] | None = None
+              seed: int = 0, progress: Callable[[str], None] | None = None, rounds: int = 2
               ) -> tuple[list[tuple[StepShape, float]], dict]:
-    """Measured steps of every point (and the staggered phase) and what they were measured on; the server's
-    config, log and record are kept in ``work_dir``."""
+    """Measured steps of ``rounds`` sweeps of every point (and the staggered phase) and what they were measured
+    on (``round_steps``: how many of the steps each round ran, in order); the server's config, log and record
+    are kept in ``work_dir``."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     config_path, record = work / "profiled-config.yaml", work / "served-steps.json"
@@ -63,21 +65,28 @@ def run_sweep(config: ServingConfig, points: list[SweepPoint], work_dir: str | P
                         announce=progress) as (port, ready_s):
         if progress:
             progress(f"server ready in {ready_s:.0f} s on port {port}")
-        probes, warm_up = asyncio.run(_drive(f"http://127.0.0.1:{port}", config.model_config.model_name, points,
-                                             staggered, np.random.default_rng(seed), progress))
+        probes, marks = asyncio.run(_drive(f"http://127.0.0.1:{port}", config.model_config.model_name, points,
+                                           staggered, rounds, np.random.default_rng(seed), progress))
     steps, meta = load_profile(record)
-    done = 0
-    while steps and done < warm_up:  # the warm-up's steps: the first calls of a fresh server run slower
-        done += steps.pop(0)[0].num_steps
-    return steps, {**meta, "first_token_probes": probes, "warm_up_steps": done}
+    cuts, done, index = [], 0, 0  # the step counter's marks -> indices into the recorded round trips
+    for mark in marks:
+        while index < len(steps) and done < mark:
+            done += steps[index][0].num_steps
+            index += 1
+        cuts.append(index)
+    round_steps = [b - a for a, b in itertools.pairwise(cuts)]
+    # the warm-up's steps are dropped: the first calls of a fresh server run slower
+    return steps[cuts[0]:cuts[-1]], {**meta, "first_token_probes": probes, "warm_up_steps": cuts[0],
+                                     "round_steps": round_steps}
 
 
-async def _drive(url: str, model: str, points: list[SweepPoint], staggered: int, rng: np.random.Generator,
-                 progress: Callable[[str], None] | None) -> tuple[list[tuple[int, float]], int]:
-    """Send a warm-up, then the sweep; returns (prompt length, client-side time to first token) of each request
-    sent alone, from which ``costs.request_overhead`` finds the time a request spends outside the engine, and the
-    engine steps the warm-up ran (/metrics)."""
-    probes = []
+async def _drive(url: str, model: str, points: list[SweepPoint], staggered: int, rounds: int,
+                 rng: np.random.Generator, progress: Callable[[str], None] | None
+                 ) -> tuple[list[tuple[int, float]], list[int]]:
+    """Send a warm-up, then the sweep ``rounds`` times; returns (prompt length, client-side time to first token)
+    of each request sent alone, from which ``costs.request_overhead`` finds the time a request spends outside the
+    engine, and the engine's step counter (/metrics) after the warm-up and after each round."""
+    probes, marks = [], []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
 
         async def one(prompt_len: int, new_tokens: int) -> float:
@@ -94,21 +103,26 @@ async def _drive(url: str, model: str, points: list[SweepPoint], staggered: int,
 
         for _ in range(WARM_UP_ROUNDS):
             await asyncio.gather(*(one(32, 32) for _ in range(points[-1].batch)))
-        async with session.get(f"{url}/metrics") as resp:
-            warm_up = int(parse_gauge(await resp.text(), STEPS_METRIC) or 0)
-        for i, p in enumerate(points):
-            if progress:
-                progress(f"profile {i + 1}/{len(points)}: {p.batch} x {p.prompt_len} prompt tokens, "
-                         f"{p.new_tokens} new")
-            if p.batch == 1:
-                for _ in range(PROBES):
-                    probes.append((p.prompt_len, await one(p.prompt_len, p.new_tokens)))
-            else:
-                await asyncio.gather(*(one(p.prompt_len, p.new_tokens) for _ in range(p.batch)))
-        if staggered:
-            length, tasks = points[len(points) // 2].prompt_len, []
-            for _ in range(staggered):  # each arrives while the earlier ones decode
-                tasks.append(asyncio.create_task(one(length, 2 * points[0].new_tokens)))
-                await asyncio.sleep(0.005)
-            await asyncio.gather(*tasks)
-    return probes, warm_up
+        async def mark() -> None:
+            async with session.get(f"{url}/metrics") as resp:
+                marks.append(int(parse_gauge(await resp.text(), STEPS_METRIC) or 0))
+
+        await mark()
+        for r in range(rounds):
+            for i, p in enumerate(points):
+                if progress:
+                    progress(f"profile round {r + 1}/{rounds}, {i + 1}/{len(points)}: {p.batch} x {p.prompt_len} "
+                             f"prompt tokens, {p.new_tokens} new")
+                if p.batch == 1:
+                    for _ in range(PROBES):
+                        probes.append((p.prompt_len, await one(p.prompt_len, p.new_tokens)))
+                else:
+                    await asyncio.gather(*(one(p.prompt_len, p.new_tokens) for _ in range(p.batch)))
+            if staggered:
+                length, tasks = points[len(points) // 2].prompt_len, []
+                for _ in range(staggered):  # each arrives while the earlier ones decode
+                    tasks.append(asyncio.create_task(one(length, 2 * points[0].new_tokens)))
+                    await asyncio.sleep(0.005)
+                await asyncio.gather(*tasks)
+            await mark()
+    return probes, marks

@@ -16,26 +16,32 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "served config, its log and raw record go beside it, in PROFILE.d/)")
     p.add_argument("--new-tokens", type=int, default=32, metavar="N", help="decode steps a sweep point runs "
                    "(default 32)")
+    p.add_argument("--rounds", type=int, default=2, metavar="N", help="times the sweep runs (default 2; their "
+                   "agreement says whether the machine was quiet)")
     p.add_argument("--staggered", type=int, default=16, metavar="N", help="requests of the last phase, sent one "
                    "by one while the others decode (default 16; 0: none)")
 
 
 def _run(args: argparse.Namespace) -> int:
-    from llm_serving.simulator.costs import FittedCost, save_profile, shape_summary
+    from llm_serving.simulator.costs import FittedCost, round_spread, save_profile, shape_summary
     from llm_serving.simulator.profiling import default_sweep, run_sweep
 
-    if args.new_tokens < 1 or args.staggered < 0:
-        raise CliError("--new-tokens must be >= 1 and --staggered >= 0")
+    if args.new_tokens < 1 or args.staggered < 0 or args.rounds < 1:
+        raise CliError("--new-tokens and --rounds must be >= 1, --staggered >= 0")
     config = config_from_args(args)
     points = default_sweep(config.model_config.decode_batch_size[-1], config.max_model_len, args.new_tokens)
     out = Path(args.out)
     steps, meta = run_sweep(config, points, out.with_suffix(".d"), args.staggered,
-                            progress=lambda line: print(line, file=sys.stderr))
+                            progress=lambda line: print(line, file=sys.stderr), rounds=args.rounds)
     path = save_profile(out, steps, meta)
     model = FittedCost.fit(steps, path.name)
     print(f"{len(steps)} served steps measured -> {path}")
     print(model.describe())
     print(f"fit on these steps: {shape_summary(model.relative_errors(steps))}")
+    spread = round_spread(steps, meta["round_steps"])
+    if spread is not None:
+        print(f"the {len(meta['round_steps'])} rounds' fits differ by {spread:.0%} on these steps"
+              + (": the machine was not quiet throughout; measure again before trusting it" if spread > 0.1 else ""))
     return 0
 
 
