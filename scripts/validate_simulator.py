@@ -29,7 +29,7 @@ import yaml
 
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.engine.wiring import resolve_model
-from llm_serving.simulator.costs import FittedCost, round_spread, save_profile, shape_summary
+from llm_serving.simulator.costs import FittedCost, load_profile, round_spread, save_profile, shape_summary
 from llm_serving.simulator.profiling import default_sweep, run_sweep
 from llm_serving.simulator.run import simulate
 from llm_serving.simulator.target import build_target
@@ -59,7 +59,7 @@ CASES = (
     Case("8-in-flight", 96, concurrency=8),
     Case("poisson-20", 160, qps=20.0),
     Case("long-prompts", 64, workload="long"),
-    Case("prefix-sharing", 128, overrides={"scheduler.enable_prefix_caching": True}, workload="shared"),
+    Case("prefix-sharing", 128, workload="shared"),  # prefix caching is on by default
     Case("fcfs-decode-8", 128, overrides={"scheduler.policy": "fcfs", "model_config.decode_batch_size": [1, 8]}),
     Case("no-chunking", 128, overrides={"scheduler.enable_chunked_prefill": False}),
 )
@@ -127,11 +127,17 @@ def measure(case: Case, config_path: Path, dataset: Path, work: Path, log) -> Pa
 
 
 def simulated(case: Case, config: ServingConfig, profile: Path, results: Path) -> dict:
+    """The simulation's metrics, its step count, and how the cost model does on the steps the server recorded
+    (the model's time for those very steps over their measured time: the error that is the cost model's alone,
+    not the scheduling's)."""
     target = build_target(config, str(profile))
     requests = from_results(results, target.encode)
     if case.concurrency:
         requests = retimed(requests, case.qps)
-    return simulate(target.scheduler, requests, target.cost, target.request_overhead_s, case.concurrency).metrics
+    run = simulate(target.scheduler, requests, target.cost, target.request_overhead_s, case.concurrency)
+    served, _ = load_profile(results.parent / "served-steps.json")
+    return {**run.metrics, "steps": run.steps, "served_steps": sum(s.num_steps for s, _ in served),
+            "cost_on_served": sum(target.cost.seconds(s) for s, _ in served) / sum(t for _, t in served) - 1}
 
 
 METRICS = (("total s", "total_time_s", 1.0), ("median TTFT ms", "median_ttft_ms", 1.0),
@@ -139,13 +145,15 @@ METRICS = (("total s", "total_time_s", 1.0), ("median TTFT ms", "median_ttft_ms"
 
 
 def table(rows: list[tuple[Case, dict, dict]]) -> str:
-    head = "| case | " + " | ".join(f"{name} meas. / sim. (error)" for name, _, _ in METRICS) + " |"
-    out = [head, "|---|" + "---:|" * len(METRICS)]
+    head = ("| case | " + " | ".join(f"{name} meas. / sim. (error)" for name, _, _ in METRICS)
+            + " | steps served / sim. | cost model on the served steps |")
+    out = [head, "|---|" + "---:|" * (len(METRICS) + 2)]
     for case, meas, sim in rows:
         cells = []
         for _, key, _ in METRICS:
             m, s = meas.get(key), sim.get(key)
             cells.append("n/a" if m is None or s is None else f"{m:.3g} / {s:.3g} ({(s / m - 1) * 100:+.0f}%)")
+        cells += [f"{sim['served_steps']} / {sim['steps']}", f"{sim['cost_on_served'] * 100:+.0f}%"]
         out.append(f"| {case.name} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 

@@ -134,6 +134,8 @@ def test_device_cost_decode_reads_the_weights_prefill_multiplies_them():
     tp2 = DeviceCost(d, llama, tensor_parallel=2)
     assert tp2.weight_bytes_per_rank == pytest.approx(weights / 2)
     assert tp2.seconds(StepShape(1, 1, 0, 0, 1, 1)) > decode / 2  # plus 64 all-reduces
+    int8 = DeviceCost(d, llama, int8_projections=True)
+    assert int8.weight_bytes_per_rank / weights == pytest.approx(0.52, abs=0.02)  # embeddings stay float16
     assert cost.kv_blocks(16) == int((64 * 2**30 * 0.9 - weights) // (2 * 32 * 128 * 32 * 2 * 16))
     with pytest.raises(CostModelError, match="no room for a KV cache"):
         DeviceCost(d, MODEL_SHAPES["llama-2-70b"]).kv_blocks(16)

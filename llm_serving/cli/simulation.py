@@ -55,6 +55,9 @@ def build(args: argparse.Namespace, progress=None) -> tuple[Any, Any, list]:
     from llm_serving.simulator.target import build_target
 
     config = config_from_args(args)
+    if config.speculative.method:
+        raise CliError(f"{config.source}: speculative.method: {config.speculative.method} is not simulated (what it "
+                       "proposes depends on the real tokens); simulate the configuration without it")
     params = {}
     for item in args.device_param:
         key, sep, value = item.partition("=")

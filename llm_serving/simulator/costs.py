@@ -121,13 +121,16 @@ class DeviceCost:
     model: LlamaConfig
     tensor_parallel: int = 1
     dtype_bytes: int = 2  # float16 / bfloat16 weights and KV
+    int8_projections: bool = False  # model_config.quantization w8a16: a byte a weight, a scale a row
 
     @property
     def weight_bytes_per_rank(self) -> float:
         m = self.model
-        per_layer = m.hidden_size * (m.qkv_dim + m.q_dim + 3 * m.intermediate_size)
-        embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
-        return (m.num_hidden_layers * per_layer + embeddings) * self.dtype_bytes / self.tensor_parallel
+        rows = m.qkv_dim + m.q_dim + 3 * m.intermediate_size  # output rows of the four projections
+        per_layer = m.hidden_size * rows * (1 if self.int8_projections else self.dtype_bytes)
+        per_layer += rows * self.dtype_bytes if self.int8_projections else 0
+        embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2) * self.dtype_bytes
+        return (m.num_hidden_layers * per_layer + embeddings) / self.tensor_parallel
 
     @property
     def kv_bytes_per_token_per_rank(self) -> float:

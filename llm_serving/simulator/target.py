@@ -63,7 +63,8 @@ def build_target(config: ServingConfig, cost: str, device_params: dict[str, str]
         llama = model_shape(shape) if shape else _config_model(config, progress).llama_config
         device = DEVICES[cost].with_values(device_params or {})
         dtype_bytes = 4 if config.model_config.dtype == "float32" else 2
-        step_cost = DeviceCost(device, llama, config.num_agents, dtype_bytes)
+        step_cost = DeviceCost(device, llama, config.num_agents, dtype_bytes,
+                               config.model_config.quantization == "w8a16")
         blocks = num_blocks or kv_cache_blocks(config, llama)
         if config.pa_config.auto_blocks and not num_blocks:
             blocks = step_cost.kv_blocks(config.pa_config.block_size) + 1
