@@ -5,8 +5,9 @@ whole turn (sent to the next step's scheduling, so the HTTP streaming competing 
 it, as it is under a load test). A warm-up runs first and its steps are dropped (a fresh server's first steps
 run up to 1.5x slower). Each point of the sweep sends ``batch`` streamed completions of ``prompt_len``
 random token ids (distinct, so no prefix is shared) for ``new_tokens`` tokens with EOS ignored, all at once: its
-prefill (chunked or whole) and decode steps at that batch size and context. A last phase sends requests one
-by one while others decode, for the steps that mix decode tokens and prompt chunks. The server writes the
+prefill (chunked or whole) and decode steps at that batch size and context. Then one phase sends requests one
+by one while others decode, for the steps that mix decode tokens and prompt chunks, and one sends prompts just
+computed again (prefix-cache hits: a few query tokens over a long cached context). The server writes the
 profile (``costs.load_profile`` reads it) when it stops; ``FittedCost`` is fitted to it.
 """
 
@@ -32,6 +33,7 @@ from loadtest.local_server import running_server
 PROBES = 4  # requests sent one after another at each batch-1 point (time to first token outside the engine)
 WARM_UP_ROUNDS = 3  # rounds of the largest batch before the sweep: a fresh server's first steps run slower
 STEPS_METRIC = "llm_serving_engine_steps_total"
+SHARED_PREFIX_BATCH = 4  # requests sent at once on a prompt just computed (with prefix caching: cache hits)
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,9 @@ async def _drive(url: str, model: str, points: list[SweepPoint], staggered: int,
     probes, marks = [], []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
 
-        async def one(prompt_len: int, new_tokens: int) -> float:
-            body = {"model": model, "prompt": rng.integers(3, 200, prompt_len).tolist(), "max_tokens": new_tokens,
+        async def one(prompt_len: int, new_tokens: int, prompt: list[int] | None = None) -> float:
+            prompt = prompt if prompt is not None else rng.integers(3, 200, prompt_len).tolist()
+            body = {"model": model, "prompt": prompt, "max_tokens": new_tokens,
                     "ignore_eos": True, "stream": True, "temperature": 0}
             t0, first = time.perf_counter(), None
             async with session.post(f"{url}/v1/completions", json=body) as resp:
@@ -124,5 +127,9 @@ async def _drive(url: str, model: str, points: list[SweepPoint], staggered: int,
                     tasks.append(asyncio.create_task(one(length, 2 * points[0].new_tokens)))
                     await asyncio.sleep(0.005)
                 await asyncio.gather(*tasks)
+            for n in sorted({p.prompt_len for p in points}):  # prefix-cache hits: short queries over long contexts
+                shared = rng.integers(3, 200, n).tolist()
+                await one(n, 2, shared)
+                await asyncio.gather(*(one(n, points[0].new_tokens, shared) for _ in range(SHARED_PREFIX_BATCH)))
             await mark()
     return probes, marks
