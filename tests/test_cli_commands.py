@@ -1,4 +1,4 @@
-"""The ``llm-serving`` command registers generate, serve and bench."""
+"""The ``llm-serving`` command registers its subcommands (generate, serve, bench, profile, simulate, tune, ...)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def test_top_level_help_lists_every_subcommand(capsys):
         main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for name in ("generate", "serve", "bench"):
+    for name in ("generate", "serve", "bench", "profile", "simulate", "tune"):
         assert name in out
 
 

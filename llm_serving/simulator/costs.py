@@ -95,7 +95,6 @@ class DeviceProfile:
     seq_overhead_s: float = 0.00002  # per sequence of a step: its input and output rows on the host
     interconnect_gbs: float = 56.0  # HCCS per link between two NPUs (all-reduce over tensor-parallel ranks)
     allreduce_latency_s: float = 0.00002  # fixed cost of one all-reduce
-    memory_utilization: float = 0.9  # share of device memory the agents use (weights + KV cache)
 
     def with_values(self, overrides: dict[str, str]) -> DeviceProfile:
         known = {f.name: f.type for f in fields(self)}
@@ -138,9 +137,10 @@ class DeviceCost:
         heads = m.num_key_value_heads // kv_shards(m, tp) if tp > 1 else m.num_key_value_heads
         return 2 * heads * m.head_dim * m.num_hidden_layers * self.dtype_bytes
 
-    def kv_blocks(self, block_size: int) -> int:
-        """KV blocks one rank's memory holds after its weights (what ``num_blocks: auto`` would find)."""
-        free = self.device.memory_gib * (1 << 30) * self.device.memory_utilization - self.weight_bytes_per_rank
+    def kv_blocks(self, block_size: int, utilization: float = 0.9) -> int:
+        """KV blocks one rank's memory holds after its weights when the agents use ``utilization`` of it (what
+        ``num_blocks: auto`` would find)."""
+        free = self.device.memory_gib * (1 << 30) * utilization - self.weight_bytes_per_rank
         blocks = int(free // (self.kv_bytes_per_token_per_rank * block_size))
         if blocks < 2:
             raise CostModelError(f"{self.device.name}: the weights ({self.weight_bytes_per_rank / 2**30:.1f} GiB a "

@@ -67,7 +67,7 @@ def build_target(config: ServingConfig, cost: str, device_params: dict[str, str]
                                config.model_config.quantization == "w8a16")
         blocks = num_blocks or kv_cache_blocks(config, llama)
         if config.pa_config.auto_blocks and not num_blocks:
-            blocks = step_cost.kv_blocks(config.pa_config.block_size) + 1
+            blocks = step_cost.kv_blocks(config.pa_config.block_size, config.pa_config.utilization) + 1
         encode, how = word_encoder(llama.vocab_size, tokens_per_word), f"estimate: words x {tokens_per_word}"
     else:
         if device_params:
