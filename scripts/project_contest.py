@@ -4,7 +4,7 @@ one Ascend 910B by the simulator's analytic cost model, for the contest's baseli
 the tuned one; then again with the per-step overhead calibrated so that the baseline settings take the contest's
 reported baseline time.
 
-    python scripts/project_contest.py [--config configs/llama2_7b_ascend.yaml] [--write docs/simulator.md]
+    python scripts/project_contest.py [--config configs/llama2_7b_ascend.yaml]
 
 Prints a markdown table. The workload is the generated alpaca-shaped default (the contest's alpaca_5010.json is
 not here), tokens estimated as words x 1.3 (Llama-2's tokenizer is not here either).
@@ -51,7 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(ROOT / "configs" / "llama2_7b_ascend.yaml"))
     p.add_argument("--constraint", default="p90_tpot_ms<=100", help="the tuner's latency bound (%(default)s)")
-    p.add_argument("--write", metavar="MD", help="append the table to this file")
     args = p.parse_args(argv)
     shipped = ServingConfig.from_yaml(args.config)
     baseline = shipped.with_values(BASELINE)
@@ -80,11 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {label} | {name} | {m['total_time_s']:.1f} | {m['output_throughput']:.0f} | "
                          f"{m['median_ttft_ms']:.0f} | {m['median_tpot_ms']:.1f} | {changes} |")
     lines += ["", f"Contest reference: baseline {CONTEST_BASELINE_S:g} s, best entry {CONTEST_BEST_S} s."]
-    text = "\n".join(lines)
-    print(text)
-    if args.write:
-        with open(args.write, "a") as f:
-            f.write(text + "\n")
+    print("\n".join(lines))
     return 0
 
 
