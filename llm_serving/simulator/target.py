@@ -9,12 +9,13 @@ block count is the profile's (what the agents had), the device's memory left aft
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.core.scheduler import SchedulerConfig
-from llm_serving.engine.wiring import kv_cache_blocks, resolve_model, scheduler_config
+from llm_serving.engine.wiring import ModelFiles, kv_cache_blocks, resolve_model, scheduler_config
 from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
 from llm_serving.simulator.costs import (
     DEVICES,
@@ -58,7 +59,8 @@ def model_shape(spec: str) -> LlamaConfig:
 
 def build_target(config: ServingConfig, cost: str, device_params: dict[str, str] | None = None,
                  shape: str | None = None, num_blocks: int | None = None, tokens_per_word: float = 1.3,
-                 progress=None) -> Target:
+                 progress: Callable[[str], None] | None = None) -> Target:
+    """``cost``: a device preset name or a profile file (see the module docstring)."""
     if cost in DEVICES:
         llama = model_shape(shape) if shape else _config_model(config, progress).llama_config
         device = DEVICES[cost].with_values(device_params or {})
@@ -69,6 +71,7 @@ def build_target(config: ServingConfig, cost: str, device_params: dict[str, str]
         if config.pa_config.auto_blocks and not num_blocks:
             blocks = step_cost.kv_blocks(config.pa_config.block_size, config.pa_config.utilization) + 1
         encode, how = word_encoder(llama.vocab_size, tokens_per_word), f"estimate: words x {tokens_per_word}"
+        overhead = 0.0  # a device has no HTTP front end to measure
     else:
         if device_params:
             raise CostModelError("--device-param applies to a device preset (--cost "
@@ -82,14 +85,13 @@ def build_target(config: ServingConfig, cost: str, device_params: dict[str, str]
             raise CostModelError(f"{cost}: no KV block count recorded; give --num-blocks")
         encode, how = load_tokenizer(model.tokenizer_path).encode, str(model.tokenizer_path)
         overhead = request_overhead(step_cost, meta.get("first_token_probes", []))
-    sched = scheduler_config(config, llama.eos_token_id, llama, num_blocks=blocks)
-    return Target(sched, step_cost, encode, how, overhead if cost not in DEVICES else 0.0)
+    end = config.model_config.end_token
+    sched = scheduler_config(config, end if end is not None else llama.eos_token_id, llama, num_blocks=blocks)
+    return Target(sched, step_cost, encode, how, overhead)
 
 
-def _config_model(config: ServingConfig, progress):
+def _config_model(config: ServingConfig, progress: Callable[[str], None] | None) -> ModelFiles:
     try:
         return resolve_model(config, progress)
     except ConfigError as exc:
         raise CostModelError(f"{exc} (for a model that is not here, give --model-shape with a device preset)") from None
-
-

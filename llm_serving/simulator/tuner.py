@@ -144,7 +144,19 @@ def tune(base: ServingConfig, target_for: Callable[[ServingConfig], Target], req
                     best, improved = t, True
         if not improved:
             break
+    best.values = _changed(base, best.values)
     return TuneResult(base_trial, best, list(cache.values()))
+
+
+def _changed(base: ServingConfig, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` less the keys whose value the base config has already."""
+    before = base.to_dict()
+    out = {}
+    for key, value in values.items():
+        section, name = key.split(".")
+        if _config_with(base, {key: value}).to_dict()[section][name] != before[section][name]:
+            out[key] = value
+    return out
 
 
 def _better(a: Trial, b: Trial) -> bool:

@@ -18,21 +18,26 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default 32)")
     p.add_argument("--rounds", type=int, default=2, metavar="N", help="times the sweep runs (default 2; their "
                    "agreement says whether the machine was quiet)")
-    p.add_argument("--staggered", type=int, default=16, metavar="N", help="requests of the last phase, sent one "
-                   "by one while the others decode (default 16; 0: none)")
+    p.add_argument("--staggered", type=int, default=16, metavar="N", help="requests sent one by one while the "
+                   "others decode, each round (default 16; 0: none)")
 
 
 def _run(args: argparse.Namespace) -> int:
     from llm_serving.simulator.costs import FittedCost, round_spread, save_profile, shape_summary
     from llm_serving.simulator.profiling import default_sweep, run_sweep
+    from loadtest.local_server import ServerStartError
 
     if args.new_tokens < 1 or args.staggered < 0 or args.rounds < 1:
         raise CliError("--new-tokens and --rounds must be >= 1, --staggered >= 0")
     config = config_from_args(args)
     points = default_sweep(config.model_config.decode_batch_size[-1], config.max_model_len, args.new_tokens)
     out = Path(args.out)
-    steps, meta = run_sweep(config, points, out.with_suffix(".d"), args.staggered,
-                            progress=lambda line: print(line, file=sys.stderr), rounds=args.rounds)
+    try:
+        steps, meta = run_sweep(config, points, out.with_suffix(".d"), args.staggered,
+                                progress=lambda line: print(line, file=sys.stderr), rounds=args.rounds)
+    except ServerStartError as exc:
+        raise CliError(f"the profiled server did not start ({exc}): see {out.with_suffix('.d') / 'profiled-server.log'}"
+                       ) from None
     path = save_profile(out, steps, meta)
     model = FittedCost.fit(steps, path.name)
     print(f"{len(steps)} served steps measured -> {path}")
