@@ -99,8 +99,8 @@ def profile_for(case: Case, config: ServingConfig, work: Path, log) -> Path:
         points = default_sweep(config.model_config.decode_batch_size[-1], config.max_model_len)
         steps, meta = run_sweep(config, points, work / f"{path.stem}.d", progress=log)
         save_profile(path, steps, meta)
-        fit = FittedCost.fit(steps)
-        spread = round_spread(steps, meta["round_steps"])
+        fit = FittedCost.fit(steps, buckets=meta["decode_buckets"])
+        spread = round_spread(steps, meta["round_steps"], meta["decode_buckets"])
         log(f"profile {path.name}: {len(steps)} steps, fit {shape_summary(fit.relative_errors(steps))}, rounds "
             f"differ by {spread:.0%}")
     return path

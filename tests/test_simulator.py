@@ -102,6 +102,12 @@ def test_the_fit_recovers_a_linear_cost_and_averages_noise():
     assert all(c >= 0 for c in noisy.coefficients)
     with pytest.raises(CostModelError, match=f"at least {len(FEATURES)}"):
         FittedCost.fit([(xs[0], 0.01)])
+    # the served decode buckets: each step also pays for the graph its batch pads to
+    bucketed = FittedCost((0.0, 1e-3, 5e-5, 0.0, 4e-7, 1e-3, 0.0, 0.0, 1e-4, 2e-3, 5e-3), buckets=(1, 8, 32))
+    assert bucketed.seconds(StepShape(9, 9, 0, 0, 90, 90)) == pytest.approx(1e-3 + 9 * 5e-5 + 90 * 4e-7 + 5e-3)
+    refit = FittedCost.fit([(s, bucketed.seconds(s)) for s in xs], buckets=[32, 1, 8])
+    assert refit.buckets == (1, 8, 32) and "bucket 32" in refit.describe()
+    assert sum(refit.seconds(s) for s in xs) == pytest.approx(sum(bucketed.seconds(s) for s in xs), rel=1e-6)
 
 
 def test_profile_files_round_trip_and_name_the_file_when_broken(tmp_path):
@@ -294,7 +300,7 @@ def test_profile_records_the_served_steps_of_a_real_engine(tmp_path):
     steps, meta = run_sweep(config, points, tmp_path / "work", staggered=3, rounds=2)
     assert meta["served"] and meta["num_blocks"] == 32 and len(meta["first_token_probes"]) == 2 * 4
     assert meta["warm_up_steps"] > 0 and sum(meta["round_steps"]) == len(steps)  # the warm-up left out
-    assert round_spread(steps, meta["round_steps"]) >= 0
+    assert meta["decode_buckets"] == [4] and round_spread(steps, meta["round_steps"], meta["decode_buckets"]) >= 0
     decodes = [s for s, _ in steps if s.prefill_tokens == 0]
     assert {s.num_seqs for s in decodes} >= {1, 4} and all(t > 0 for _, t in steps)
     assert sum(s.prefill_tokens for s, _ in steps) >= 2 * (4 * 8 + 4 * 16 + 3 * 16)  # every prompt was prefilled

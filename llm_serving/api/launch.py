@@ -116,7 +116,7 @@ def _write_steps(path: str, engine: Any, config: ServingConfig) -> None:
     stats = engine.stats()
     body = {"model": str(engine.model.model_path), "config": config.source, "served": True,
             "num_blocks": int(stats["kv_blocks_total"]) + 1, "tensor_parallel": config.num_agents,
-            "steps": step_rows(engine.step_trace or [])}
+            "decode_buckets": list(config.model_config.decode_batch_size), "steps": step_rows(engine.step_trace or [])}
     Path(path).write_text(json.dumps(body) + "\n")
     log(f"{len(body['steps'])} steps recorded in {path}")
 

@@ -41,26 +41,32 @@ class StepCost(Protocol):
     def describe(self) -> str: ...
 
 
-def features(shape: StepShape) -> np.ndarray:
+def features(shape: StepShape, buckets: tuple[int, ...] = ()) -> np.ndarray:
     """The linear model's terms: a round trip's fixed cost, then per decode step run in it its fixed cost, its
     tokens, sequences and cached positions read; a step with prompt tokens pays a fixed cost (another graph) and a
-    cost per prompt it starts or continues, and its query x key pairs."""
+    cost per prompt it starts or continues, and its query x key pairs. With the served decode ``buckets``, also a
+    fixed cost per step for the bucket its sequences pad to (the agents run the graph of that batch size)."""
     k = shape.num_steps
+    padded = next((b for b in buckets if b >= shape.num_seqs), buckets[-1] if buckets else 0)
     return np.array([1.0, k, k * shape.num_tokens, k * shape.num_seqs, k * shape.context_tokens,
-                     float(shape.prefill_seqs > 0), shape.prefill_seqs, shape.attention_pairs], dtype=np.float64)
+                     float(shape.prefill_seqs > 0), shape.prefill_seqs, shape.attention_pairs,
+                     *(k * float(b == padded) for b in buckets)], dtype=np.float64)
 
 
 @dataclass(frozen=True)
 class FittedCost:
-    coefficients: tuple[float, ...]  # seconds per unit of each FEATURES term
+    coefficients: tuple[float, ...]  # seconds per unit of each FEATURES term, then of each bucket's
     source: str = ""  # what it was fitted on (the profile's description)
+    buckets: tuple[int, ...] = ()  # the profiled config's decode batch buckets (``features``)
 
     @classmethod
-    def fit(cls, samples: Sequence[tuple[StepShape, float]], source: str = "") -> FittedCost:
-        if len(samples) < len(FEATURES):
-            raise CostModelError(f"fitting a step-time model needs at least {len(FEATURES)} measured steps, "
-                                 f"got {len(samples)}")
-        x = np.stack([features(s) for s, _ in samples])
+    def fit(cls, samples: Sequence[tuple[StepShape, float]], source: str = "",
+            buckets: Sequence[int] = ()) -> FittedCost:
+        buckets = tuple(sorted(buckets))
+        if len(samples) < len(FEATURES) + len(buckets):
+            raise CostModelError(f"fitting a step-time model needs at least {len(FEATURES) + len(buckets)} measured "
+                                 f"steps, got {len(samples)}")
+        x = np.stack([features(s, buckets) for s, _ in samples])
         t = np.array([max(sec, 1e-6) for _, sec in samples])
         # errors relative to each step's time, so short steps weigh as much as long ones; then relative to the fitted
         # time instead, so that the fit is the mean of noisy repeats of a shape (not their harmonic mean)
@@ -68,13 +74,14 @@ class FittedCost:
         for _ in range(REFITS):
             coef, _ = nnls(x / scale[:, None], t / scale)
             scale = np.maximum(x @ coef, 1e-6)
-        return cls(tuple(float(c) for c in coef), source)
+        return cls(tuple(float(c) for c in coef), source, buckets)
 
     def seconds(self, shape: StepShape) -> float:
-        return float(features(shape) @ np.asarray(self.coefficients))
+        return float(features(shape, self.buckets) @ np.asarray(self.coefficients))
 
     def describe(self) -> str:
-        terms = ", ".join(f"{name} {c * 1e6:.3g} us" for name, c in zip(FEATURES, self.coefficients))
+        names = (*FEATURES, *(f"bucket {b}" for b in self.buckets))
+        terms = ", ".join(f"{name} {c * 1e6:.3g} us" for name, c in zip(names, self.coefficients))
         return f"fitted ({self.source}): {terms}"
 
     def relative_errors(self, samples: Iterable[tuple[StepShape, float]]) -> np.ndarray:
@@ -192,17 +199,19 @@ def load_profile(path: str | Path) -> tuple[list[tuple[StepShape, float]], dict]
 
 def fitted_from_profile(path: str | Path) -> tuple[FittedCost, dict]:
     steps, meta = load_profile(path)
-    return FittedCost.fit(steps, f"{len(steps)} steps of {Path(path).name}"), meta
+    return FittedCost.fit(steps, f"{len(steps)} steps of {Path(path).name}", meta.get("decode_buckets", ())), meta
 
 
-def round_spread(steps: Sequence[tuple[StepShape, float]], round_steps: Sequence[int]) -> float | None:
+def round_spread(steps: Sequence[tuple[StepShape, float]], round_steps: Sequence[int],
+                 buckets: Sequence[int] = ()) -> float | None:
     """How far the profile's rounds disagree: a model fitted to each round alone predicts all the steps; the
     slowest prediction over the fastest, less 1 (None with fewer than two rounds). Large on a machine that was
     busy with something else for part of the profile."""
     bounds = np.cumsum([0, *round_steps])
     if len(round_steps) < 2 or bounds[-1] > len(steps):
         return None
-    totals = [sum(FittedCost.fit(steps[a:b]).seconds(s) for s, _ in steps) for a, b in itertools.pairwise(bounds)]
+    fits = [FittedCost.fit(steps[a:b], buckets=buckets) for a, b in itertools.pairwise(bounds)]
+    totals = [sum(fit.seconds(s) for s, _ in steps) for fit in fits]
     return max(totals) / min(totals) - 1
 
 

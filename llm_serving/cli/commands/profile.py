@@ -39,11 +39,11 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError(f"the profiled server did not start ({exc}): see {out.with_suffix('.d') / 'profiled-server.log'}"
                        ) from None
     path = save_profile(out, steps, meta)
-    model = FittedCost.fit(steps, path.name)
+    model = FittedCost.fit(steps, path.name, meta["decode_buckets"])
     print(f"{len(steps)} served steps measured -> {path}")
     print(model.describe())
     print(f"fit on these steps: {shape_summary(model.relative_errors(steps))}")
-    spread = round_spread(steps, meta["round_steps"])
+    spread = round_spread(steps, meta["round_steps"], meta["decode_buckets"])
     if spread is not None:
         print(f"the {len(meta['round_steps'])} rounds' fits differ by {spread:.0%} on these steps"
               + (": the machine was not quiet throughout; measure again before trusting it" if spread > 0.1 else ""))
