@@ -104,7 +104,8 @@ class DeviceProfile:
     allreduce_latency_s: float = 0.00002  # fixed cost of one all-reduce
 
     def with_values(self, overrides: dict[str, str]) -> DeviceProfile:
-        known = {f.name: f.type for f in fields(self)}
+        """A copy with ``--device-param`` overrides (strings, as typed) applied; a bad key or value names itself."""
+        known = {f.name for f in fields(self)}
         values = {}
         for key, raw in overrides.items():
             if key not in known:
