@@ -31,13 +31,13 @@ import yaml
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.engine.wiring import resolve_model
 from llm_serving.simulator.costs import FittedCost, load_profile, round_spread, save_profile, shape_summary
-from llm_serving.simulator.profiling import STEPS_METRIC, default_sweep, run_sweep
+from llm_serving.simulator.profiling import default_sweep, engine_steps, run_sweep
 from llm_serving.simulator.run import simulate
 from llm_serving.simulator.target import build_target
 from llm_serving.simulator.tuner import tune, tuned_yaml
 from llm_serving.simulator.workload import from_results, retimed
 from llm_serving.tokenization.hf_tokenizer import load_tokenizer
-from loadtest.client import benchmark, parse_gauge, save_run
+from loadtest.client import benchmark, save_run
 from loadtest.dataset import BenchRequest, TokenCounter, build_requests, contest_prompt, load_dataset
 from loadtest.local_server import running_server
 from loadtest.protocol import BenchConfig
@@ -125,7 +125,7 @@ def measure(case: Case, config_path: Path, dataset: Path, work: Path, log) -> Pa
         # with prompts no case sends (the alpaca workload's last records), so the warm-up leaves no prefix to hit
         warm = build_requests(load_dataset(work / "alpaca.json")[-WARM_UP_REQUESTS:], WARM_UP_REQUESTS, counter)
         asyncio.run(benchmark(warm, BenchConfig(port=port, qps=math.inf, metrics_interval=0.0), progress=False))
-        (out / "warm-up-steps").write_text(str(asyncio.run(engine_steps(port))))
+        (out / "warm-up-steps").write_text(str(asyncio.run(steps_so_far(port))))
         run = asyncio.run(benchmark(requests, cfg, progress=False))
     failed = run.metrics["failed_requests"]
     if failed:
@@ -134,10 +134,9 @@ def measure(case: Case, config_path: Path, dataset: Path, work: Path, log) -> Pa
     return results
 
 
-async def engine_steps(port: int) -> int:
-    """The server's engine step counter (/metrics)."""
-    async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/metrics") as resp:
-        return int(parse_gauge(await resp.text(), STEPS_METRIC) or 0)
+async def steps_so_far(port: int) -> int:
+    async with aiohttp.ClientSession() as session:
+        return await engine_steps(session, f"http://127.0.0.1:{port}")
 
 
 def simulated(case: Case, config: ServingConfig, profile: Path, results: Path) -> dict:

@@ -48,6 +48,17 @@ def add_simulation_arguments(p: argparse.ArgumentParser) -> None:
                       help="token estimate per word where the model's tokenizer is not here (default 1.3)")
 
 
+def device_params(args: argparse.Namespace) -> dict[str, str]:
+    """``--device-param KEY=VALUE`` items as a mapping (the values are checked by the device profile)."""
+    params = {}
+    for item in args.device_param:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise CliError(f"--device-param {item!r}: expected KEY=VALUE")
+        params[key] = value
+    return params
+
+
 def build(args: argparse.Namespace, progress=None) -> tuple[Any, Any, list]:
     """The launch config, its ``Target`` and the requests (clipped to the context as admission does)."""
     from llm_serving.simulator import workload
@@ -58,14 +69,8 @@ def build(args: argparse.Namespace, progress=None) -> tuple[Any, Any, list]:
     if config.speculative.method:
         raise CliError(f"{config.source}: speculative.method: {config.speculative.method} is not simulated (what it "
                        "proposes depends on the real tokens); simulate the configuration without it")
-    params = {}
-    for item in args.device_param:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise CliError(f"--device-param {item!r}: expected KEY=VALUE")
-        params[key] = value
     try:
-        target = build_target(config, args.cost, params, args.model_shape, args.num_blocks, args.tokens_per_word,
+        target = build_target(config, args.cost, device_params(args), args.model_shape, args.num_blocks, args.tokens_per_word,
                               progress)
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise CliError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")

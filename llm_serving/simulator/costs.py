@@ -198,9 +198,11 @@ def load_profile(path: str | Path) -> tuple[list[tuple[StepShape, float]], dict]
     return steps, body
 
 
-def fitted_from_profile(path: str | Path) -> tuple[FittedCost, dict]:
+def fitted_from_profile(path: str | Path) -> tuple[FittedCost, dict, int]:
+    """The model fitted to a profile, the profile's description, and the largest batch it ran."""
     steps, meta = load_profile(path)
-    return FittedCost.fit(steps, f"{len(steps)} steps of {Path(path).name}", meta.get("decode_buckets", ())), meta
+    fit = FittedCost.fit(steps, f"{len(steps)} steps of {Path(path).name}", meta.get("decode_buckets", ()))
+    return fit, meta, max(s.num_seqs for s, _ in steps)
 
 
 def round_spread(steps: Sequence[tuple[StepShape, float]], round_steps: Sequence[int],

@@ -106,11 +106,7 @@ async def _drive(url: str, model: str, points: list[SweepPoint], staggered: int,
 
         for _ in range(WARM_UP_ROUNDS):
             await asyncio.gather(*(one(32, 32) for _ in range(points[-1].batch)))
-        async def mark() -> None:
-            async with session.get(f"{url}/metrics") as resp:
-                marks.append(int(parse_gauge(await resp.text(), STEPS_METRIC) or 0))
-
-        await mark()
+        marks.append(await engine_steps(session, url))
         for r in range(rounds):
             for i, p in enumerate(points):
                 if progress:
@@ -131,5 +127,11 @@ async def _drive(url: str, model: str, points: list[SweepPoint], staggered: int,
                 shared = rng.integers(3, 200, n).tolist()
                 await one(n, 2, shared)
                 await asyncio.gather(*(one(n, points[0].new_tokens, shared) for _ in range(SHARED_PREFIX_BATCH)))
-            await mark()
+            marks.append(await engine_steps(session, url))
     return probes, marks
+
+
+async def engine_steps(session: aiohttp.ClientSession, url: str) -> int:
+    """The served engine's step counter (/metrics): where a phase of load starts in its step record."""
+    async with session.get(f"{url}/metrics") as resp:
+        return int(parse_gauge(await resp.text(), STEPS_METRIC) or 0)

@@ -44,6 +44,7 @@ class Target:
     encode: Encode
     tokenizer: str  # how prompts became ids (reported)
     request_overhead_s: float = 0.0  # measured by the profile (``costs.request_overhead``); 0 for a device
+    profiled_batch: int | None = None  # the largest batch the profile ran (a fitted model extrapolates past it)
 
 
 def model_shape(spec: str) -> LlamaConfig:
@@ -71,12 +72,12 @@ def build_target(config: ServingConfig, cost: str, device_params: dict[str, str]
         if config.pa_config.auto_blocks and not num_blocks:
             blocks = step_cost.kv_blocks(config.pa_config.block_size, config.pa_config.utilization) + 1
         encode, how = word_encoder(llama.vocab_size, tokens_per_word), f"estimate: words x {tokens_per_word}"
-        overhead = 0.0  # a device has no HTTP front end to measure
+        overhead, profiled = 0.0, None  # a device has no HTTP front end to measure, nor a profile
     else:
         if device_params:
             raise CostModelError("--device-param applies to a device preset (--cost "
                                  f"{' | '.join(DEVICES)}), not to a measured profile")
-        step_cost, meta = fitted_from_profile(cost)
+        step_cost, meta, profiled = fitted_from_profile(cost)
         model = _config_model(config, progress)
         llama = model.llama_config
         blocks = num_blocks or (kv_cache_blocks(config, llama) if not config.pa_config.auto_blocks
@@ -87,7 +88,7 @@ def build_target(config: ServingConfig, cost: str, device_params: dict[str, str]
         overhead = request_overhead(step_cost, meta.get("first_token_probes", []))
     end = config.model_config.end_token
     sched = scheduler_config(config, end if end is not None else llama.eos_token_id, llama, num_blocks=blocks)
-    return Target(sched, step_cost, encode, how, overhead)
+    return Target(sched, step_cost, encode, how, overhead, profiled)
 
 
 def _config_model(config: ServingConfig, progress: Callable[[str], None] | None) -> ModelFiles:

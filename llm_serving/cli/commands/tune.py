@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from llm_serving.cli.options import CliError, Command
-from llm_serving.cli.simulation import add_simulation_arguments, build
+from llm_serving.cli.simulation import add_simulation_arguments, build, device_params
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,12 +30,12 @@ def _run(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
 
     config, target, requests = build(args, progress=log)
-    params = dict(item.partition("=")[::2] for item in args.device_param)
+    params = device_params(args)
     try:
         constraints = [Constraint.parse(c, _metric_names()) for c in args.constraint]
         result = tune(config, lambda cfg: build_target(cfg, args.cost, params, args.model_shape, args.num_blocks,
                                                        args.tokens_per_word),
-                      requests, constraints, args.max_concurrency, _measured_batch(args.cost), log)
+                      requests, constraints, args.max_concurrency, target.profiled_batch, log)
     except (TuneError, CostModelError) as exc:
         raise CliError(str(exc)) from None
     raw = yaml.safe_load(Path(args.config).read_text()) if args.config else None
@@ -60,15 +60,6 @@ def _metric_names() -> set[str]:
     from loadtest.metrics import compute_metrics
 
     return {k for k, v in compute_metrics([], 1.0).items() if v is None or isinstance(v, (int, float))}
-
-
-def _measured_batch(cost: str) -> int | None:
-    from llm_serving.simulator.costs import DEVICES, load_profile
-
-    if cost in DEVICES:
-        return None
-    steps, _ = load_profile(cost)
-    return max((s.num_seqs for s, _ in steps), default=None)
 
 
 COMMAND = Command("tune", "choose batch sizes, chunk budget, policy and KV blocks for a workload on the simulator "
