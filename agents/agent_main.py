@@ -1,7 +1,8 @@
 """One device agent process: ``python -m agents.agent_main`` (started by ``llm_serving.executor.agent_pool``).
 
 Attach the step segment, build the model runner (or the stand-in), warm every shape bucket, report ready,
-then serve: block on the command pipe for a step number, run the batch in shared memory, rank 0 writes the
+then serve: block on the command pipe for a step number, run the batch in shared memory (step ``s`` in segment
+``s % segments``: two while the master keeps a second step in flight), rank 0 writes the
 answer back, every rank acknowledges on its reply pipe (rank 0 naming any sequence that failed on its own,
 so the master fails only that request). The agent exits when the master closes the pipes or goes away (a
 watchdog thread blocks on the lifeline pipe and also notices re-parenting), so no orphan process outlives
@@ -21,9 +22,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
+
 from agents.runtime.compile_cache import open_cache
 from agents.runtime.multi_step import run_decode_steps
 from agents.runtime.sampler import take_failures
+from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.shm_channel import StepChannel
 from llm_serving.protocol.wire import (
     CMD,
@@ -169,9 +173,11 @@ def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft:
         per_block, block_size, max_len)
 
 
-def serve(channel: StepChannel, runner, cmd_fd: int, replier: Replier, rank: int, block_size: int | None) -> None:
+def serve(channels: list[StepChannel], runner, cmd_fd: int, replier: Replier, rank: int,
+          block_size: int | None) -> None:
     """Run steps until the master closes the command pipe or sends a negative step number (a batch of several
-    decode steps: ``multi_step``)."""
+    decode steps: ``multi_step``; one that feeds the tokens of the step before: ``fed_inputs``)."""
+    picked: np.ndarray | None = None  # the last step's tokens, row for row: what a step after it may be fed
     while True:
         data = _read_exact(cmd_fd, CMD.size)
         if data is None:
@@ -179,19 +185,45 @@ def serve(channel: StepChannel, runner, cmd_fd: int, replier: Replier, rank: int
         (step,) = CMD.unpack(data)
         if step < 0:
             return
+        channel = channels[step % len(channels)]
         try:
+            fed, picked = picked, None
             seen, batch = channel.read_batch()
             if seen != step:
                 raise RuntimeError(f"shared memory holds step {seen}, the master signalled step {step}")
+            if batch.feeds_previous:
+                batch = replace(batch, input_ids=fed_inputs(fed, batch), feeds_previous=False)
             output = runner.step(batch) if batch.num_steps == 1 else run_decode_steps(runner.step, batch, block_size)
             failed = take_failures(batch.sampling, output.token_ids)  # sequences that failed on their own
             del batch  # views into shared memory: never keep them past the step
+            picked = last_picks(output)
             if rank == 0:
                 channel.write_output(step, output)
         except Exception as exc:  # noqa: BLE001 - the master decides; this agent keeps serving
             replier.error(step, exc)
             continue
         replier.send(step, DONE, done_payload(failed) if rank == 0 else "")
+
+
+def fed_inputs(picked: np.ndarray | None, batch: StepBatch) -> np.ndarray:
+    """A ``feeds_previous`` step's input ids: this agent's picks of the step before, row for row (every
+    tensor-parallel rank picks the same greedy tokens, ``model.parallel.greedy``, so each feeds its own)."""
+    if picked is None:
+        raise RuntimeError("the step before failed or returned no tokens to feed this step's inputs")
+    if picked.shape[0] != batch.batch_size:
+        raise RuntimeError(f"the step before picked {picked.shape[0]} tokens, this step feeds {batch.batch_size} "
+                           "sequences")
+    return np.maximum(picked, 0).astype(np.int32)  # a row that failed on its own: its sequence ends, any id
+
+
+def last_picks(output: StepOutput) -> np.ndarray | None:
+    """Each row's last token of a step (a multi-step batch's last step's); None after a verify step, whose
+    rows end at different depths (the master never feeds one)."""
+    if output.num_more is not None:
+        return None
+    if output.more_token_ids is not None and output.more_token_ids.shape[1]:
+        return output.more_token_ids[:, -1].copy()
+    return np.array(output.token_ids, np.int32)
 
 
 def _read_exact(fd: int, n: int) -> bytes | None:
@@ -229,7 +261,7 @@ def freeze_startup_objects() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="llm-serving device agent (started by the master)")
     parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--shm", required=True, help="name of the step shared-memory segment")
+    parser.add_argument("--shm", required=True, help="names of the step shared-memory segments, comma-separated")
     parser.add_argument("--cmd-fd", type=int, required=True)
     parser.add_argument("--reply-fd", type=int, required=True)
     parser.add_argument("--lifeline-fd", type=int, required=True)
@@ -247,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     cache = None
     try:
         spec = AgentSpec.from_json(args.spec)
-        channel = StepChannel.attach(args.shm, spec.layout)
+        channels = [StepChannel.attach(name, spec.layout) for name in args.shm.split(",")]
         cache = open_cache(spec, args.rank, progress)  # before the first graph compiles
         runner = build_runner(spec, args.rank, progress, args.lifeline_fd)
         if cache is None:
@@ -265,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     costs = getattr(runner, "step_costs", None) or {}  # seconds per warmed shape: the step timeout's base
     blocks = getattr(getattr(runner, "rc", None), "num_blocks", None)
     replier.send(STARTUP_STEP, READY, ready_payload(max(costs.values()) if costs else None, blocks))
-    serve(channel, runner, args.cmd_fd, replier, args.rank, spec.runner_config.get("block_size"))
+    serve(channels, runner, args.cmd_fd, replier, args.rank, spec.runner_config.get("block_size"))
     _exit(0)
 
 

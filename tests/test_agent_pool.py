@@ -100,14 +100,50 @@ def test_submit_then_collect_lets_the_caller_work_while_a_step_runs(pool):
     rng = np.random.default_rng(3)
     first, second = random_batch(rng, False, 8, 4), random_batch(rng, True, 5, 2)
     step = pool.submit(first)
-    with pytest.raises(RuntimeError, match=f"step {step} is still in flight"):
+    with pytest.raises(RuntimeError, match=rf"steps \[{step}\] are still in flight"):
         pool.submit(second)
-    with pytest.raises(RuntimeError, match=f"step {step + 1} is not in flight"):
+    with pytest.raises(RuntimeError, match=f"step {step + 1} is not the oldest in flight"):
         pool.collect(step + 1, second.batch_size)
     np.testing.assert_array_equal(pool.collect(step, first.batch_size).token_ids, expected_tokens(first))
-    with pytest.raises(RuntimeError, match="is not in flight"):
+    with pytest.raises(RuntimeError, match="is not the oldest in flight"):
         pool.collect(step, first.batch_size)  # collected already
     np.testing.assert_array_equal(pool.collect(pool.submit(second), 5).token_ids, expected_tokens(second))
+
+
+def test_two_steps_in_flight_the_second_fed_the_picks_of_the_first():
+    """Asynchronous scheduling's pool: two segments, the second step sent while the first runs (its batch written
+    into the other segment), answers collected in order; a fed step takes the first step's tokens as its inputs,
+    row for row, on every rank; after a failed step a fed one fails too, and the pool serves on."""
+    p = AgentPool(standin_spec(steps_in_flight=2, step_delay_s=0.05, tensor_parallel_size=2))
+    try:
+        p.start()
+        assert len(our_segments()) == 2
+        rng = np.random.default_rng(5)
+        first = random_batch(rng, False, 6, 3)
+        fed = StepBatch(False, np.zeros(6, np.int32), first.positions + 1, first.slot_mapping, first.query_lens,
+                        first.context_lens + 1, first.block_tables, feeds_previous=True)
+        a, b = p.submit(first), p.submit(fed)
+        with pytest.raises(RuntimeError, match=r"steps \[1, 2\] are still in flight"):
+            p.submit(first)
+        with pytest.raises(RuntimeError, match="step 2 is not the oldest in flight"):
+            p.collect(b, 6)
+        picks = p.collect(a, 6).token_ids
+        np.testing.assert_array_equal(picks, expected_tokens(first))
+        unfed = StepBatch(False, picks, fed.positions, fed.slot_mapping, fed.query_lens, fed.context_lens,
+                          fed.block_tables)
+        np.testing.assert_array_equal(p.collect(b, 6).token_ids, expected_tokens(unfed))
+        with pytest.raises(ValueError):  # refused before it reaches the agents: nothing in flight after it
+            p.submit(random_batch(rng, False, 129, 3))
+        wrong = StepBatch(False, np.zeros(5, np.int32), fed.positions[:5], fed.slot_mapping[:5], fed.query_lens[:5],
+                          fed.context_lens[:5], fed.block_tables[:5], feeds_previous=True)
+        with pytest.raises(AgentStepError, match="picked 6 tokens, this step feeds 5"):
+            p.collect(p.submit(wrong), 5)
+        with pytest.raises(AgentStepError, match="the step before failed"):  # nothing to feed after a failure
+            p.collect(p.submit(fed), 6)
+        np.testing.assert_array_equal(p.run_step(first).token_ids, expected_tokens(first))
+    finally:
+        p.close()
+    assert not our_segments()
 
 
 def test_close_while_a_step_is_in_flight_fails_its_collect():

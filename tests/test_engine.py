@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from agents.agent_main import fed_inputs
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.core.scheduler import Scheduler, SchedulerConfig
 from llm_serving.core.sequence import SamplingParams, Sequence
@@ -78,6 +79,26 @@ def standin_output(batch: StepBatch, vocab: int = VOCAB) -> StepOutput:
     return StepOutput(tokens.astype(np.int32), np.full(batch.batch_size, -1.0, np.float32))
 
 
+class StandinFeeder:
+    """The stand-in rule run as the agents run steps: one sent ahead is fed the picks of the step before
+    (``agents.agent_main.fed_inputs``), and a failed step leaves nothing to feed."""
+
+    def __init__(self, vocab: int = VOCAB) -> None:
+        self.vocab = vocab
+        self.picked: np.ndarray | None = None
+
+    def run(self, batch: StepBatch, fails: Exception | None = None) -> StepOutput:
+        """The answer to ``batch``, or ``fails`` raised (the agents then have no picks)."""
+        picked, self.picked = self.picked, None
+        if fails is not None:
+            raise fails
+        if batch.feeds_previous:
+            batch = dataclasses.replace(batch, input_ids=fed_inputs(picked, batch), feeds_previous=False)
+        output = standin_output(batch, self.vocab)
+        self.picked = output.token_ids
+        return output
+
+
 def our_segments() -> set[str]:
     return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(f"{NAME_PREFIX}{os.getpid()}_")}
 
@@ -99,6 +120,7 @@ class GatedPool:
         self.entered = threading.Semaphore(0)
         self.gate = threading.Semaphore(0)
         self.fail_next: Exception | None = None
+        self.feeder = StandinFeeder(self.vocab)
 
     def start(self, progress=None) -> None:
         pass
@@ -113,10 +135,8 @@ class GatedPool:
         while not self.gate.acquire(timeout=0.05):
             if not self.alive:
                 raise AgentDiedError("the gated pool was closed during a step")
-        if self.fail_next is not None:
-            exc, self.fail_next = self.fail_next, None
-            raise exc
-        return standin_output(batch, self.vocab)
+        exc, self.fail_next = self.fail_next, None
+        return self.feeder.run(batch, exc)
 
     def step(self) -> StepBatch:
         """Wait until the engine has submitted a step, then let that step finish."""
@@ -429,6 +449,8 @@ def test_abort_in_flight_is_never_computed_again(data_dir):
         a.abort()
         assert engine.stats()["kv_blocks_used"] < used  # freed at once, while the step is in flight
         pool.gate.release()
+        ahead = pool.step()  # asynchronous scheduling sent the step after before the abort: a's row is dropped
+        assert ahead.feeds_previous and ahead.batch_size == 2
         for _ in range(3):
             assert pool.step().batch_size == 1  # only b from now on
         events = list(a)
@@ -454,6 +476,7 @@ def test_stop_in_flight_then_reused_id_gets_only_its_own_tokens(data_dir):
         assert engine.finish("x", "stop")
         new = engine.submit([1, 6, 7], SamplingParams(max_new_tokens=2), request_id="x")
         pool.gate.release()
+        assert pool.step().feeds_previous  # sent ahead (asynchronous scheduling) before the stop: its token dropped
         pool.step()  # prefill of the new "x"
         pool.step()  # its decode
         assert old.result(timeout=10).finish_reason == "stop" and len(old.result().token_ids) == 1

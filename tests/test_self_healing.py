@@ -27,10 +27,10 @@ from llm_serving.executor.agent_pool import AgentDiedError, AgentPool, AgentStar
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.wire import AgentSpec
 from tests.test_engine import (
+    StandinFeeder,
     our_segments,
     standin_expected,
     standin_factory,
-    standin_output,
     tiny_config,
     wait_for,
 )
@@ -71,6 +71,7 @@ class ScriptedPool:
         self.start_error = start_error
         self.batches: list[StepBatch] = []
         self.fail_next: Exception | None = None
+        self.feeder = StandinFeeder(self.vocab)
         self.go = threading.Event()
         self.go.set()
         self.pids = [id(self)]
@@ -89,15 +90,13 @@ class ScriptedPool:
     def collect(self, step: int, batch_size: int) -> StepOutput:
         batch = self.batches[step - 1]
         self.go.wait(10)
-        if self.fail_next is not None:
-            exc, self.fail_next = self.fail_next, None
-            raise exc
-        if batch.is_prefill and KILLER in batch.input_ids:
+        exc, self.fail_next = self.fail_next, None
+        if exc is None and batch.is_prefill and KILLER in batch.input_ids:
             self.alive = False
-            raise AgentDiedError("agent rank 0 died during the killer's step")
-        if batch.is_prefill and POISON in batch.input_ids:
-            raise AgentStepError("agent rank 0 failed the step: ValueError: poisoned", rank=0)
-        return standin_output(batch, self.vocab)
+            exc = AgentDiedError("agent rank 0 died during the killer's step")
+        if exc is None and batch.is_prefill and POISON in batch.input_ids:
+            exc = AgentStepError("agent rank 0 failed the step: ValueError: poisoned", rank=0)
+        return self.feeder.run(batch, exc)
 
     def close(self, graceful: bool = True) -> None:
         self.alive = False

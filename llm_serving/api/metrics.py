@@ -49,6 +49,8 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "decode_steps": ("engine_decode_steps_total", "counter", "Decode steps run"),
     "multi_step_batches": ("engine_multi_step_batches_total", "counter",
                            "Decode batches of several steps at once (scheduler.decode_steps)"),
+    "steps_sent_ahead": ("engine_steps_sent_ahead_total", "counter",
+                         "Decode steps sent while the step before ran, fed its tokens (scheduler.async_scheduling)"),
     "spec_verify_steps": ("spec_decode_verify_steps_total", "counter",
                           "Decode steps that verified proposed tokens (speculative decoding)"),
     "spec_drafts": ("spec_decode_drafts_total", "counter", "Sequences' proposals verified (one per sequence a step)"),

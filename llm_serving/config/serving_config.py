@@ -161,6 +161,9 @@ class SchedulerSection:
     max_num_batched_tokens: int | None = setting(None, "int", optional=True)
     min_decode_steps_between_prefills: int = setting(0, "int")
     decode_steps: int = setting(1, "int")  # decode steps per agent round trip when nothing waits (multi-step)
+    # the next plain decode step sent while one runs, fed the agents' own picks (Scheduler.schedule_ahead). None: on
+    # unless speculative decoding is (its verify steps need the master's proposals between steps)
+    async_scheduling: bool | None = setting(None, "bool", optional=True)
     # decode tokens and prompt chunks share steps; reuse the KV blocks of a cached prefix. None: on where the
     # agents' ops attend over cached context (CACHED_CONTEXT_DEVICES; not backend mindformers)
     enable_chunked_prefill: bool | None = setting(None, "bool", optional=True)
@@ -354,6 +357,12 @@ class ServingConfig:
         return value if value is not None else self.attends_cached_context
 
     @property
+    def async_scheduling(self) -> bool:
+        """``scheduler.async_scheduling``, by default on unless speculative decoding is."""
+        value = self.scheduler.async_scheduling
+        return value if value is not None else not self.speculative.method
+
+    @property
     def prefix_caching(self) -> bool:
         """``scheduler.enable_prefix_caching``, by default on where the agents can run it."""
         value = self.scheduler.enable_prefix_caching
@@ -514,6 +523,9 @@ def _validate(cfg: ServingConfig) -> None:
          "is the number of the model's own layers that draft for method self, and only for it")
     need(not sp.method or sc.decode_steps == 1, "speculative.method",
          "speculative decoding and scheduler.decode_steps > 1 both run several tokens per step: choose one")
+    need(not sp.method or not sc.async_scheduling, "scheduler.async_scheduling",
+         "speculative decoding proposes tokens between steps, which steps sent ahead cannot wait for: set it false "
+         "or leave it empty")
     need(not sp.method or (m.device_target in CACHED_CONTEXT_DEVICES and not cfg.uses_mindformers),
          "speculative.method", "proposals are verified as queries over cached context, which backend mindformers "
          "lacks")

@@ -32,6 +32,13 @@ sequence is greedy with nothing to report between tokens, a decode batch asks th
 (``StepBatch.num_steps``), its blocks reserved for all of them; ``postprocess`` appends the later tokens up to an
 end (EOS, a stop id, the limit), discarding the rest. The master's turnaround is then paid once per k tokens.
 
+Asynchronous scheduling (``schedule_ahead``): while a plain decode step runs, the next one of the same sequences is
+scheduled and sent before the step's results are known, its input tokens the agents' own picks
+(``StepBatch.feeds_previous``), so the agents never wait for the master between steps. Only where nothing can change
+between the two steps: nothing waits to be admitted, every running sequence is in the step, greedy without logits to
+report, and may generate two more tokens, and the next position's blocks are free. A sequence that ends with the
+step (EOS, a stop string) has its token of the step ahead discarded, its blocks freed with it as usual.
+
 When a decode step needs a KV block and none is free, the most recently admitted running sequence is
 preempted by recompute: its blocks are freed and it goes back to the front of the queue; its next prefill
 covers prompt + generated tokens, so it resumes exactly where it stopped (greedy results do not change).
@@ -273,6 +280,23 @@ class Scheduler:
         batch = self._build(seqs, prefill)
         batch.num_steps = steps
         return seqs, batch
+
+    def schedule_ahead(self, seqs: list[Sequence], batch: StepBatch) -> tuple[list[Sequence], StepBatch] | None:
+        """The decode step after ``batch`` (sent, not yet postprocessed), for the same ``seqs`` in the same order and
+        fed the agents' picks of ``batch`` (module docstring); None when it must wait for ``batch``'s results."""
+        if (batch.is_prefill or batch.num_steps > 1 or self._proposer is not None or self._waiting or self._preempted
+                or self._running_sampled or self._running_dumps or len(seqs) != len(self._running)):
+            return None
+        running = SequenceStatus.RUNNING
+        if any(seq.status is not running or seq.params.max_new_tokens - len(seq.output_ids) < 2 for seq in seqs):
+            return None  # ended already, or ``batch`` gives its last token
+        bm = self.block_manager
+        for seq in seqs:  # the step ahead's input sits at the position after the token ``batch`` gives
+            if not bm.can_grow(seq, seq.num_tokens + 1):
+                return None  # the blocks grown so far stay: the next tokens need them anyway
+            self._extend(seq, seq.num_tokens + 1)
+        self._decodes_since_prefill += 1
+        return seqs, self._build(seqs, prefill=False, ahead=True)
 
     def postprocess(self, seqs: list[Sequence], output: StepOutput) -> list[Sequence]:
         """Append each sequence's new token; return the sequences that finished with this step."""
@@ -636,7 +660,8 @@ class Scheduler:
     def _dequeue(self, seq: Sequence) -> None:
         (self._preempted if seq.num_preemptions and seq in self._preempted else self._waiting).remove(seq)
 
-    def _build(self, seqs: list[Sequence], prefill: bool) -> StepBatch:
+    def _build(self, seqs: list[Sequence], prefill: bool, ahead: bool = False) -> StepBatch:
+        """``ahead``: the decode step after the one in flight (``schedule_ahead``): one position further, fed."""
         bs, n = self.config.block_size, len(seqs)
         width = max(len(seq.block_table) for seq in seqs)
         table_rows = np.fromiter((self._row[seq.request_id] for seq in seqs), np.intp, n)
@@ -651,8 +676,8 @@ class Scheduler:
             rows = np.repeat(np.arange(n), query_lens)
             positions = np.arange(total, dtype=np.int32) - (np.cumsum(query_lens) - context_lens)[rows]
         else:  # one token per sequence: vectorized, this runs every step for the whole decode batch
-            context_lens = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
-            ids = np.fromiter((seq.last_token_id for seq in seqs), np.int32, n)
+            context_lens = np.fromiter((seq.num_tokens + ahead for seq in seqs), np.int32, n)
+            ids = np.zeros(n, np.int32) if ahead else np.fromiter((seq.last_token_id for seq in seqs), np.int32, n)
             query_lens = np.ones(n, dtype=np.int32)
             positions = context_lens - 1
             rows = np.arange(n)
@@ -667,6 +692,7 @@ class Scheduler:
             block_tables=block_tables,
             sampling=self._sampling(seqs, prefill),
             want_logits=self._want_logits(seqs),
+            feeds_previous=ahead,
         )
 
     def _build_verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> StepBatch:

@@ -1,9 +1,10 @@
 """The engine: the scheduler and the agent pool driven by one loop thread, with a stream per request.
 
-One step is in flight at a time: the loop thread takes the engine lock to ``schedule()`` a step, releases
-it while the agents run the step, and takes it again to ``postprocess()`` the answer and schedule the next
-step, which goes to the agents before this step's new tokens are handed to their streams (so the streams'
-consumers work while the agents compute). ``submit`` and ``abort`` take the same lock from any thread, so new
+The loop thread takes the engine lock to ``schedule()`` a step, releases it while the agents run the step, and
+takes it again to ``postprocess()`` the answer and schedule the next step, which goes to the agents before this
+step's new tokens are handed to their streams (so the streams' consumers work while the agents compute). With
+asynchronous scheduling (``scheduler.async_scheduling``) a plain decode step's successor is scheduled and sent
+while it runs (``Scheduler.schedule_ahead``): two steps in flight, so the agents never wait for the master. ``submit`` and ``abort`` take the same lock from any thread, so new
 requests join between steps (continuous batching) and an abort frees the request's KV blocks at once; a
 request aborted while its step is in flight drops that step's token and is never scheduled again. A stop
 string ends its request the same way, when the token that completes it is delivered (``push_token``).
@@ -22,7 +23,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.core.grammar import GrammarCompiler, compiler_for, masked_rows
@@ -53,6 +57,8 @@ if TYPE_CHECKING:
     from typing import Self
 
 log = logging.getLogger(__name__)
+
+_Sent = tuple[list[Sequence], StepBatch, int, float]  # a step sent to the agents: seqs, batch, number, when
 
 IDLE_CHECK_S = 0.5  # while idle, how often the loop checks that the agents are alive and not stopped
 SHUTDOWN_JOIN_S = 30.0  # shutdown waits this long for the step in flight before stopping the agents
@@ -86,11 +92,10 @@ class Engine:
         self._error: EngineError | None = None
         self._ids = itertools.count()
         self._counters = dict.fromkeys(
-            ("steps", "prefill_steps", "decode_steps", "multi_step_batches", "tokens_generated",
+            ("steps", "prefill_steps", "decode_steps", "multi_step_batches", "steps_sent_ahead", "tokens_generated",
              "requests_finished", "requests_aborted", "requests_failed", "requests_recomputed"), 0)
-        self._in_flight: tuple[Sequence, ...] = ()  # the sequences of the step the agents are running
+        self._in_flight: tuple[Sequence, ...] = ()  # the sequences of the steps the agents are running
         self._run_step_s = 0.0  # in AgentPool.submit/collect: sending steps and waiting for the agents
-        self._submitted_at = 0.0  # when the step in flight was sent
         self._loop_started: float | None = None
         self._idle_s = 0.0  # waits for work, finished ones
         self._idle_since: float | None = None  # the wait for work going on now
@@ -306,7 +311,10 @@ class Engine:
         compute, instead of holding the GIL the scheduler needs while the agents wait for the next step.
         """
         sched, pool, counters = self._scheduler, self._agents.pool, self._counters
-        in_flight = None  # (seqs, batch, step number) submitted to the agents, not yet collected
+        schedules_ahead = self.config.async_scheduling
+        in_flight = None  # the step submitted to the agents, not yet collected (_Sent)
+        ahead = None  # the step sent after it (asynchronous scheduling), fed its picks
+        done = 0.0  # when the last step was collected: a step sent before that starts then
         try:
             while True:
                 if in_flight is None:
@@ -314,26 +322,33 @@ class Engine:
                     if step is None:
                         return True
                     in_flight = self._submit(step)
-                seqs, batch, number = in_flight
+                seqs, batch, number, sent_at = in_flight
+                if schedules_ahead and ahead is None:
+                    with self._lock:
+                        step = None if self._stopping else sched.schedule_ahead(seqs, batch)
+                    ahead = None if step is None else self._submit(step)
                 t0 = time.perf_counter()
                 try:
                     output = pool.collect(number, batch.batch_size)
                 except AgentStepError as exc:  # the agents serve on: find the sequences it belongs to
                     log.warning("step of %d sequence(s) failed, running it again in parts: %s", len(seqs), exc)
-                    output = run_isolated(pool, batch, exc)
-                done = time.perf_counter()
+                    self._drop(ahead)
+                    ahead = None
+                    output = run_isolated(pool, self._unfed(seqs, batch), exc)
+                started, done = max(sent_at, done), time.perf_counter()
                 self._run_step_s += done - t0
                 self._agents.policy.step_succeeded()
                 with self._lock:
-                    self._in_flight = ()
+                    self._in_flight = () if ahead is None else tuple(ahead[0])
                     self._requests.fail_rows(seqs, {**output.errors, **masked_rows(seqs, batch, output.token_ids)})
                     sched.postprocess(seqs, output)
-                    sched.note_step_time(done - self._submitted_at)  # speculation's measured choice
-                    step = None if self._stopping else sched.schedule()
+                    sched.note_step_time(done - started)  # speculation's measured choice
+                    step = None if self._stopping or ahead is not None else sched.schedule()
                     if self.step_trace is not None:
-                        self.step_trace.append((StepShape.of(batch), time.perf_counter() - self._submitted_at))
+                        self.step_trace.append((StepShape.of(batch), time.perf_counter() - started))
                 try:
-                    in_flight = None if step is None else self._submit(step)
+                    in_flight = ahead if ahead is not None else None if step is None else self._submit(step)
+                    ahead = None
                 finally:  # this step's tokens reach their streams also when the next step cannot be sent
                     with self._lock:
                         self._requests.deliver(seqs)
@@ -341,6 +356,7 @@ class Engine:
                         decoding = not batch.is_prefill or batch.draft_lens is not None  # a verify step decodes
                         counters["decode_steps" if decoding else "prefill_steps"] += batch.num_steps
                         counters["multi_step_batches"] += batch.num_steps > 1
+                        counters["steps_sent_ahead"] += batch.feeds_previous
         except AgentDiedError as exc:  # died, stuck, or closed by shutdown
             if self._stopping:
                 return True
@@ -392,14 +408,32 @@ class Engine:
                 step = None if self._stopping else self._scheduler.schedule()
             return step
 
-    def _submit(self, step: tuple[list[Sequence], StepBatch]) -> tuple[list[Sequence], StepBatch, int]:
-        """Send a scheduled step to the agents: ``(seqs, batch, step number)`` for ``AgentPool.collect``."""
+    def _submit(self, step: tuple[list[Sequence], StepBatch]) -> _Sent:
+        """Send a scheduled step to the agents: ``(seqs, batch, step number, when)`` for ``AgentPool.collect``."""
         seqs, batch = step
-        t0 = self._submitted_at = time.perf_counter()
-        self._in_flight = tuple(seqs)
+        t0 = time.perf_counter()
+        self._in_flight = tuple(seqs)  # a step sent ahead has the sequences of the one before it
         number = self._agents.pool.submit(batch)
         self._run_step_s += time.perf_counter() - t0
-        return seqs, batch, number
+        return seqs, batch, number, t0
+
+    def _drop(self, ahead: _Sent | None) -> None:
+        """Collect and discard the step sent ahead of one that failed (it was fed that step's picks); its
+        sequences are scheduled again from their results."""
+        if ahead is not None:
+            try:
+                self._agents.pool.collect(ahead[2], ahead[1].batch_size)
+            except AgentStepError:
+                pass  # its agents had no picks to feed it: the expected answer
+
+    @staticmethod
+    def _unfed(seqs: list[Sequence], batch: StepBatch) -> StepBatch:
+        """``batch`` with its input tokens written out, for running it again in parts (``run_isolated``): a step
+        fed the picks of the step before has them in its sequences by now."""
+        if not batch.feeds_previous:
+            return batch
+        return replace(batch, input_ids=np.fromiter((seq.last_token_id for seq in seqs), np.int32, len(seqs)),
+                       feeds_previous=False)
 
     def _fail(self, exc: BaseException) -> None:
         err = exc if isinstance(exc, EngineError) else EngineError(f"engine step failed: {exc}")

@@ -279,4 +279,5 @@ def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) 
         compile_cache_dir=None if standin else compile_cache_dir(config),
         exit_layer=config.model_config.early_exit_layer,
         draft=draft_spec(config, model.llama_config),
+        steps_in_flight=2 if config.async_scheduling else 1,
     )

@@ -6,6 +6,9 @@ fixed-layout segment (``shm_channel``), writes an 8-byte step number to every ra
 in ``poll`` on the ranks' reply pipes; each rank answers with a 16-byte frame after its step, rank 0 having
 written the token ids and logprobs into the segment first. Every rank acknowledges so the master never
 overwrites a batch another rank is still reading (the tensor-parallel layout: all ranks get the same batch).
+With asynchronous scheduling (``AgentSpec.steps_in_flight`` 2) the master sends the next step while one runs:
+two segments, step ``s`` in segment ``s % 2``, so neither the batch an agent reads nor the answer the master has
+yet to copy is overwritten; the agents take the steps in order from their command pipes.
 
 Failure handling is the point of the design:
 - an agent that dies closes its reply pipe, so ``poll`` wakes at once (EOF) and the pool raises
@@ -31,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,11 +127,11 @@ class AgentPool:
         self._agents: list[_Agent] = []
         self._by_fd: dict[int, _Agent] = {}
         self._poller = select.poll()
-        self._channel: StepChannel | None = None
+        self._channels: list[StepChannel] = []  # spec.steps_in_flight segments: step s in segment s % len
         self._cluster: CollectiveCluster | None = None  # the collectives' scheduler of tensor-parallel ranks
         self._step = 0
-        self._in_flight: int | None = None  # a submitted step not collected yet
-        self._in_flight_steps = 1  # its decode steps (StepBatch.num_steps)
+        self._in_flight: deque[tuple[int, int]] = deque()  # (step, its decode steps) submitted, oldest first
+        self._early: list[tuple[_Agent, int, int, str]] = []  # frames of a later step, read while waiting for one
         self._failed_rows: dict[int, str] = {}  # rank 0's DONE frame of the step being collected
         self.slowest_warmup_step_s: float | None = None  # the agents' slowest warmed-up step, once ready
         self.kv_blocks: int | None = None  # the fewest KV blocks a rank's cache holds, as the ranks reported
@@ -155,8 +159,8 @@ class AgentPool:
 
     @property
     def shm_name(self) -> str | None:
-        """Name of the step segment (under /dev/shm on Linux) while it exists."""
-        return self._channel.name if self._channel is not None else None
+        """Name of the (first) step segment (under /dev/shm on Linux) while it exists."""
+        return self._channels[0].name if self._channels else None
 
     @property
     def steps(self) -> int:
@@ -189,7 +193,8 @@ class AgentPool:
                 raise RuntimeError(f"AgentPool.start() called on a pool that is {self._state}")
             self._state = "starting"
             try:
-                self._channel = StepChannel.create(self.spec.layout)
+                for _ in range(self.spec.steps_in_flight):
+                    self._channels.append(StepChannel.create(self.spec.layout))
                 if needs_cluster(self.spec):
                     self._cluster = CollectiveCluster.start(self.spec, self._agent_env(), self.startup_timeout_s)
                 for rank in range(self.num_agents):
@@ -207,7 +212,7 @@ class AgentPool:
             raise AgentStartupError("the agent pool was closed during start-up")
 
     def _spawn(self, rank: int) -> None:
-        assert self._channel is not None
+        assert self._channels
         cmd_r, cmd_w = os.pipe()
         reply_r, reply_w = os.pipe()
         life_r, life_w = os.pipe()
@@ -217,7 +222,7 @@ class AgentPool:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         if self._cluster is not None:
             env.update(self._cluster.rank_env(rank))
-        argv = [sys.executable, "-m", "agents.agent_main", "--rank", str(rank), "--shm", self._channel.name,
+        argv = [sys.executable, "-m", "agents.agent_main", "--rank", str(rank), "--shm", ",".join(c.name for c in self._channels),
                 "--cmd-fd", str(cmd_r), "--reply-fd", str(reply_w), "--lifeline-fd", str(life_r),
                 "--spec", self.spec.to_json()]
         try:
@@ -281,17 +286,16 @@ class AgentPool:
         return self.collect(self.submit(batch), batch.batch_size)
 
     def submit(self, batch: StepBatch) -> int:
-        """Start one step on every rank and return its number at once; ``collect`` waits for its answer. One
-        step is in flight at a time: the caller may do other work (not another step) in between."""
+        """Start one step on every rank and return its number at once; ``collect`` waits for its answer. Up to
+        ``spec.steps_in_flight`` steps may be in flight, collected in the order they were sent."""
         with self._step_lock:
             self._check_serving()
-            if self._in_flight is not None:
-                raise RuntimeError(f"step {self._in_flight} is still in flight; collect it first")
-            channel = self._channel
-            assert channel is not None
+            if len(self._in_flight) >= len(self._channels):
+                raise RuntimeError(f"steps {[s for s, _ in self._in_flight]} are still in flight; collect first")
+            step = self._step + 1
+            channel = self._channels[step % len(self._channels)]
             channel.check_fits(batch)
-            self._step += 1
-            step = self._step
+            self._step = step
             channel.write_batch(step, batch)
             cmd = CMD.pack(step)
             for agent in self._agents:
@@ -299,42 +303,45 @@ class AgentPool:
                     os.write(agent.cmd_w, cmd)
                 except OSError:  # broken pipe: the agent is gone
                     self._died(agent, step)
-            self._in_flight = step
-            self._in_flight_steps = batch.num_steps  # a batch of several decode steps gets as many timeouts
+            self._in_flight.append((step, batch.num_steps))  # several decode steps get as many timeouts
             return step
 
     def collect(self, step: int, batch_size: int) -> StepOutput:
         """Wait for ``step`` (from ``submit``) on every rank; rank 0's next tokens and logprobs (copies) in batch
         order."""
         with self._step_lock:
-            if self._in_flight != step:
-                raise RuntimeError(f"step {step} is not in flight (in flight: {self._in_flight})")
+            if not self._in_flight or self._in_flight[0][0] != step:
+                raise RuntimeError(f"step {step} is not the oldest in flight (in flight: "
+                                   f"{[s for s, _ in self._in_flight]})")
             try:
                 self._check_serving()
-                self._wait_step(step)
-                assert self._channel is not None
-                output = self._channel.read_output(step, batch_size)
+                self._wait_step(step, self._in_flight[0][1])
+                output = self._channels[step % len(self._channels)].read_output(step, batch_size)
                 output.errors = {r: self._failed_rows.get(r, "failed on the agent")
                                  for r in np.flatnonzero(output.token_ids == FAILED_TOKEN).tolist()}
                 return output
             finally:
-                self._in_flight = None
+                self._in_flight.popleft()
 
     def _check_serving(self) -> None:
         if self._state != "ready":
             raise AgentDiedError(self._death or f"agent pool is {self._state}, not serving")
 
-    def _wait_step(self, step: int) -> None:
+    def _wait_step(self, step: int, num_steps: int) -> None:
+        """Wait for every rank's answer to ``step``; frames of a later step in flight are kept for its turn."""
         waiting = len(self._agents)
         error: AgentStepError | None = None
-        timeout_s = None if self.step_timeout_s is None else self.step_timeout_s * self._in_flight_steps
+        timeout_s = None if self.step_timeout_s is None else self.step_timeout_s * num_steps
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._failed_rows = {}
+        later = {s for s, _ in self._in_flight if s > step}
+        early = [(agent, [(got, kind, payload)]) for agent, got, kind, payload in self._early if got == step]
+        self._early = [frame for frame in self._early if frame[1] != step]
         while waiting:
             timeout = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
             if timeout <= 0:
                 self._fail(f"agents did not answer step {step} within {timeout_s:g}s")
-            events = self._poll(timeout)
+            events, early = early or self._poll(timeout), []
             if not events:  # a quiet second: make sure nobody died without closing its pipe
                 for agent in self._agents:
                     if agent.proc.poll() is not None:
@@ -352,6 +359,8 @@ class AgentPool:
                         summary, tb = parse_error_payload(payload)
                         error = error or AgentStepError(f"agent rank {agent.rank} failed step {step}: {summary}",
                                                         agent.rank, tb)
+                    elif kind in (DONE, ERROR) and got in later:
+                        self._early.append((agent, got, kind, payload))
                     else:
                         self._fail(f"agent rank {agent.rank} sent unexpected frame (step {got}, kind {kind}) "
                                    f"while step {step} ran")
@@ -449,9 +458,9 @@ class AgentPool:
                 self._poller.unregister(agent.reply_r)
                 agent.reply_r = _close_fd(agent.reply_r)
         self._by_fd.clear()
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+        for channel in self._channels:
+            channel.close()
+        self._channels = []
 
     def __enter__(self) -> Self:
         return self

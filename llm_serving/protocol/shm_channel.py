@@ -34,10 +34,10 @@ from llm_serving.protocol.batch import (
     StepOutput,
 )
 
-MAGIC = 0x4C4C4D534837  # "LLMSH7": bump the digit when the layout changes
+MAGIC = 0x4C4C4D534838  # "LLMSH8": bump the digit when the layout changes
 NAME_PREFIX = "llmserving_"
 _ALIGN = 64
-_HEADER_SLOTS = 26
+_HEADER_SLOTS = 27
 # header slots (int64)
 _MAGIC, _MAX_TOKENS, _MAX_BATCH, _MAX_BLOCKS = 0, 1, 2, 3
 _STEP, _IS_PREFILL, _NUM_TOKENS, _BATCH_SIZE, _WIDTH = 4, 5, 6, 7, 8
@@ -46,7 +46,7 @@ _MAX_PENALTY, _SAMPLING, _PENALTY_TOKENS = 11, 12, 13
 _MAX_LOGITS_ROWS, _LOGITS_WIDTH, _WANT_LOGITS, _OUT_LOGITS_ROWS = 14, 15, 16, 17
 _EXTRAS, _ADJUSTMENTS, _MASKS = 18, 19, 20
 _NUM_STEPS, _OUT_MORE_STEPS, _MAX_DECODE_STEPS = 21, 22, 23
-_DRAFTS, _OUT_NUM_MORE = 24, 25
+_DRAFTS, _OUT_NUM_MORE, _FEEDS = 24, 25, 26
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "seeds", "draw_index")
 _EXTRA_FIELDS = ("presence_penalty", "frequency_penalty", "min_p", "output_start")
 
@@ -304,6 +304,7 @@ class StepChannel:
         if batch.draft_lens is not None:
             v["draft_lens"][:b] = batch.draft_lens
         h[_DRAFTS] = batch.draft_lens is not None
+        h[_FEEDS] = batch.feeds_previous
         h[_IS_PREFILL], h[_NUM_TOKENS], h[_BATCH_SIZE], h[_WIDTH] = int(batch.is_prefill), n, b, width
         h[_NUM_STEPS] = batch.num_steps
         h[_STEP] = step
@@ -347,7 +348,7 @@ class StepChannel:
         batch = StepBatch(bool(h[_IS_PREFILL]), v["input_ids"][:n], v["positions"][:n], v["slot_mapping"][:n],
                           v["query_lens"][:b], v["context_lens"][:b],
                           v["block_tables"][: b * width].reshape(b, width), sampling, want, int(h[_NUM_STEPS]),
-                          v["draft_lens"][:b] if h[_DRAFTS] else None)
+                          v["draft_lens"][:b] if h[_DRAFTS] else None, bool(h[_FEEDS]))
         return int(h[_STEP]), batch
 
     def write_output(self, step: int, output: StepOutput) -> None:

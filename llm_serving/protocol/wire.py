@@ -106,6 +106,9 @@ class AgentSpec:
     # speculative decoding with a draft in the agents (agents.runtime.speculative_runner): {"model_path", "llama_config"}
     # of a draft model, or {"layers": n} for the target's own first n layers (self-speculation); None: no draft
     draft: dict | None = None
+    # steps the master may send before collecting the first: 2 with asynchronous scheduling (the next decode step
+    # sent while one runs); one shared-memory segment each, step s in segment s % steps_in_flight
+    steps_in_flight: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -120,6 +123,8 @@ class AgentSpec:
             raise ValueError("AgentSpec.model_cfg_path is required for backend 'mindformers'")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"AgentSpec.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.steps_in_flight not in (1, 2):
+            raise ValueError(f"AgentSpec.steps_in_flight must be 1 or 2, got {self.steps_in_flight}")
         _ = self.layout  # validates the capacities
 
     @property

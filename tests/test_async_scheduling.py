@@ -1,0 +1,174 @@
+"""Asynchronous scheduling (issue 31): while a plain decode step runs, the next one of the same sequences is scheduled
+and sent, its inputs the agents' own picks (``Scheduler.schedule_ahead``, ``StepBatch.feeds_previous``). The tokens
+and finish reasons are those of one step at a time (the fake KV model reads every context back through the cache,
+driven as the engine loop drives the agents; then the real tiny model with EOS, stop strings and token limits), a
+sequence that ends with a step has its token of the step ahead dropped and no block is left held, and no step is
+sent ahead whenever the master is needed between the two."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from agents.agent_main import fed_inputs, last_picks
+from llm_serving.config.serving_config import ConfigError
+from llm_serving.core.scheduler import Scheduler
+from llm_serving.core.sequence import SamplingParams, Sequence
+from llm_serving.protocol.batch import StepBatch, StepOutput
+from tests.test_scheduler import FakeKVModel, config, expected_output
+from tests.tiny_engine import tiny_engine_config
+
+
+class FeedingModel:
+    """The fake KV model run as an agent runs steps: in the order sent, a fed step taking the last step's picks."""
+
+    def __init__(self, s: Scheduler) -> None:
+        self.model = FakeKVModel(s.config.num_blocks, s.config.block_size)
+        self.picked = None
+
+    def run(self, batch: StepBatch) -> StepOutput:
+        if batch.feeds_previous:
+            batch = replace(batch, input_ids=fed_inputs(self.picked, batch), feeds_previous=False)
+        out = self.model.step(batch)
+        self.picked = last_picks(out)
+        return out
+
+
+def serve(s: Scheduler, seqs: list[Sequence], end_after: dict[str, int] | None = None) -> int:
+    """Serve ``seqs`` as the engine loop does with asynchronous scheduling: a step is computed when it is sent, the
+    step ahead is sent before the one in flight is postprocessed. ``end_after``: request id -> the number of its
+    tokens after which it is finished as a stop string would end it (between postprocess and the next step). Returns
+    how many steps were sent ahead."""
+    for seq in seqs:
+        s.add(seq)
+    model, ahead_steps, in_flight = FeedingModel(s), 0, None
+    while s.has_unfinished() or in_flight is not None:
+        if in_flight is None:
+            scheduled, batch = s.schedule()
+            in_flight = scheduled, batch, model.run(batch)
+        scheduled, batch, out = in_flight
+        nxt = s.schedule_ahead(scheduled, batch)
+        ahead = None if nxt is None else (*nxt, model.run(nxt[1]))
+        ahead_steps += ahead is not None
+        s.postprocess(scheduled, out)
+        for seq in scheduled:
+            if end_after and not seq.is_finished and len(seq.output_ids) >= end_after.get(seq.request_id, 1 << 30):
+                s.finish_request(seq.request_id, "stop")
+        in_flight = ahead
+    return ahead_steps
+
+
+def prompts() -> list[Sequence]:
+    limits = [1, 2, 5, 9, 13, 30]
+    return [Sequence(f"r{i}", [10 + (7 * i + j) % 23 for j in range(3 + i)],
+                     SamplingParams(max_new_tokens=n, ignore_eos=i % 2 == 0)) for i, n in enumerate(limits)]
+
+
+@pytest.mark.parametrize("kw", [{}, {"chunked_prefill": True, "max_num_batched_tokens": 16, "prefix_caching": True}],
+                         ids=["whole-prompts", "chunked-cached"])
+def test_the_tokens_are_those_of_one_step_at_a_time(kw):
+    s = Scheduler(config(max_num_seqs=8, **kw))
+    seqs = prompts()
+    assert serve(s, seqs) >= 5
+    for seq in seqs:
+        assert (seq.output_ids, seq.finish_reason) == expected_output(seq.prompt_ids, seq.params), seq
+        assert len(seq.output_logprobs) == len(seq.output_ids)
+    assert any(seq.finish_reason == "eos" for seq in seqs)  # an EOS while the step after was in flight
+    assert s.num_used_blocks == 0
+
+
+def test_a_sequence_ended_between_steps_drops_its_token_ahead_and_its_blocks():
+    s = Scheduler(config(max_num_seqs=4))
+    seqs = [Sequence(f"r{i}", [11 + i, 12, 13], SamplingParams(20, ignore_eos=True)) for i in range(3)]
+    assert serve(s, seqs, end_after={"r1": 4}) > 0
+    assert seqs[1].finish_reason == "stop" and len(seqs[1].output_ids) == 4  # not the token of the step ahead
+    assert seqs[1].output_ids == expected_output(seqs[1].prompt_ids, SamplingParams(4, ignore_eos=True))[0]
+    for seq in (seqs[0], seqs[2]):
+        assert (seq.output_ids, seq.finish_reason) == expected_output(seq.prompt_ids, seq.params)
+    assert s.num_used_blocks == 0
+
+
+def decode_in_flight(s: Scheduler, *seqs: Sequence) -> tuple[list[Sequence], StepBatch]:
+    """Admit ``seqs`` and run until a plain decode step is scheduled (returned, not run)."""
+    model = FakeKVModel(s.config.num_blocks, s.config.block_size)
+    for seq in seqs:
+        s.add(seq)
+    while True:
+        scheduled, batch = s.schedule()
+        if not batch.is_prefill:
+            return scheduled, batch
+        out = model.step(batch)
+        wanted = [] if batch.want_logits is None else np.flatnonzero(batch.want_logits).tolist()
+        out.logits = {row: np.zeros(64, np.float32) for row in wanted}  # the rows asked for (zeros will do)
+        s.postprocess(scheduled, out)
+
+
+def test_no_step_ahead_when_the_master_is_needed_between_steps():
+    plain = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    s = Scheduler(config(max_num_seqs=2, max_prefill_batch=1))
+    scheduled, batch = decode_in_flight(s, Sequence("a", [11, 12, 13], plain))
+    seqs, ahead = s.schedule_ahead(scheduled, batch)
+    assert ahead.feeds_previous and ahead.positions.tolist() == [batch.positions[0] + 1]
+    assert ahead.context_lens.tolist() == [batch.context_lens[0] + 1] and seqs == scheduled
+    assert s.schedule_ahead(seqs, ahead) is not None  # the engine sends one ahead of the step in flight only
+    for other in (SamplingParams(20, ignore_eos=True, temperature=0.5, seed=1),  # sampled: the master draws
+                  SamplingParams(20, ignore_eos=True, top_logprobs=2),  # logits to report
+                  SamplingParams(20, ignore_eos=True, repetition_penalty=1.2),
+                  SamplingParams(20, ignore_eos=True, min_tokens=3)):  # its EOS banned per step
+        s = Scheduler(config(max_num_seqs=2, max_prefill_batch=1))
+        scheduled, batch = decode_in_flight(s, Sequence("a", [11, 12, 13], plain), Sequence("b", [14, 15], other))
+        assert s.schedule_ahead(scheduled, batch) is None, other
+    s = Scheduler(config(max_num_seqs=2))
+    scheduled, batch = decode_in_flight(s, Sequence("a", [11, 12, 13], SamplingParams(2, ignore_eos=True)))
+    assert s.schedule_ahead(scheduled, batch) is None  # the step in flight gives its last token
+    s = Scheduler(config(max_num_seqs=1))
+    scheduled, batch = decode_in_flight(s, Sequence("a", [11, 12, 13], plain))
+    s.add(Sequence("b", [14, 15], plain))  # waits to be admitted: the next step is the master's to choose
+    assert s.schedule_ahead(scheduled, batch) is None
+    tight = Scheduler(config(num_blocks=3, block_size=4, max_model_len=8, max_num_seqs=2))
+    scheduled, batch = decode_in_flight(tight, Sequence("a", [11, 12, 13], SamplingParams(5, ignore_eos=True)),
+                                        Sequence("b", [14, 15, 16], SamplingParams(3, ignore_eos=True)))
+    assert tight.schedule_ahead(scheduled, batch) is None  # position 4 of each needs a block; one is free
+    s = Scheduler(config(max_num_seqs=2, speculative="ngram"))
+    scheduled, batch = decode_in_flight(s, Sequence("a", [11, 12, 13], plain))
+    assert s.schedule_ahead(scheduled, batch) is None
+
+
+def test_the_config_key_and_its_default(tmp_path):
+    on = tiny_engine_config(tmp_path)
+    assert on.async_scheduling and on.scheduler.async_scheduling is None
+    assert not tiny_engine_config(tmp_path, scheduler={"async_scheduling": False}).async_scheduling
+    assert not tiny_engine_config(tmp_path, speculative={"method": "ngram"}).async_scheduling
+    with pytest.raises(ConfigError, match="scheduler.async_scheduling"):
+        tiny_engine_config(tmp_path, scheduler={"async_scheduling": True}, speculative={"method": "ngram"})
+
+
+def test_on_the_model_the_tokens_and_text_are_those_of_single_steps(tmp_path):
+    from llm_serving.engine.loop import Engine
+
+    prompts = [[1, 17, 230, 45, 9, 301], [1, 5, 6, 7], [1, 400, 401, 402, 403, 404, 405, 406, 407]]
+    limits = [7, 13, 10]
+    results = {}
+    for on in (False, True):
+        cfg = tiny_engine_config(tmp_path, scheduler={"async_scheduling": on})
+        with Engine(cfg) as engine:
+            engine.start(progress=None)
+            plain = [engine.submit(p, SamplingParams(n, ignore_eos=True)) for p, n in zip(prompts, limits)]
+            plain = [s.result(timeout=120) for s in plain]
+            if not on:
+                stop = engine.tokenizer.decode(plain[1].token_ids[5:7])
+                eos = plain[0].token_ids[3]  # served as the end id: the request ends there, mid-batch
+            cut = engine.submit(prompts[1], SamplingParams(13, ignore_eos=True, stop=(stop,))).result(timeout=120)
+            ended = engine.submit(prompts[0], SamplingParams(7, stop_token_ids=(eos,))).result(timeout=120)
+            sampled = engine.submit(prompts[2], SamplingParams(6, temperature=0.8, seed=3)).result(timeout=120)
+            stats = engine.stats()
+            assert stats["kv_blocks_used"] == 0
+        results[on] = ([r.token_ids for r in plain], [r.finish_reason for r in plain], cut.text, cut.finish_reason,
+                       cut.token_ids, ended.token_ids, ended.finish_reason, sampled.token_ids,
+                       stats["steps_sent_ahead"])
+    assert results[True][:8] == results[False][:8]
+    assert results[True][3] == "stop" and stop not in results[True][2]
+    assert results[True][6] == "stop" and len(results[True][5]) <= 4
+    assert results[False][8] == 0 and results[True][8] >= 10
