@@ -69,7 +69,7 @@ def prompts() -> list[Sequence]:
 @pytest.mark.parametrize("kw", [{}, {"chunked_prefill": True, "max_num_batched_tokens": 16, "prefix_caching": True}],
                          ids=["whole-prompts", "chunked-cached"])
 def test_the_tokens_are_those_of_one_step_at_a_time(kw):
-    s = Scheduler(config(max_num_seqs=8, **kw))
+    s = Scheduler(config(max_num_seqs=8, async_scheduling=True, **kw))
     seqs = prompts()
     assert serve(s, seqs) >= 5
     for seq in seqs:
@@ -80,7 +80,7 @@ def test_the_tokens_are_those_of_one_step_at_a_time(kw):
 
 
 def test_a_sequence_ended_between_steps_drops_its_token_ahead_and_its_blocks():
-    s = Scheduler(config(max_num_seqs=4))
+    s = Scheduler(config(max_num_seqs=4, async_scheduling=True))
     seqs = [Sequence(f"r{i}", [11 + i, 12, 13], SamplingParams(20, ignore_eos=True)) for i in range(3)]
     assert serve(s, seqs, end_after={"r1": 4}) > 0
     assert seqs[1].finish_reason == "stop" and len(seqs[1].output_ids) == 4  # not the token of the step ahead
@@ -107,7 +107,7 @@ def decode_in_flight(s: Scheduler, *seqs: Sequence) -> tuple[list[Sequence], Ste
 
 def test_no_step_ahead_when_the_master_is_needed_between_steps():
     plain = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    s = Scheduler(config(max_num_seqs=2, max_prefill_batch=1))
+    s = Scheduler(config(max_num_seqs=2, max_prefill_batch=1, async_scheduling=True))
     scheduled, batch = decode_in_flight(s, Sequence("a", [11, 12, 13], plain))
     seqs, ahead = s.schedule_ahead(scheduled, batch)
     assert ahead.feeds_previous and ahead.positions.tolist() == [batch.positions[0] + 1]
@@ -117,23 +117,25 @@ def test_no_step_ahead_when_the_master_is_needed_between_steps():
                   SamplingParams(20, ignore_eos=True, top_logprobs=2),  # logits to report
                   SamplingParams(20, ignore_eos=True, repetition_penalty=1.2),
                   SamplingParams(20, ignore_eos=True, min_tokens=3)):  # its EOS banned per step
-        s = Scheduler(config(max_num_seqs=2, max_prefill_batch=1))
+        s = Scheduler(config(max_num_seqs=2, max_prefill_batch=1, async_scheduling=True))
         scheduled, batch = decode_in_flight(s, Sequence("a", [11, 12, 13], plain), Sequence("b", [14, 15], other))
         assert s.schedule_ahead(scheduled, batch) is None, other
-    s = Scheduler(config(max_num_seqs=2))
+    s = Scheduler(config(max_num_seqs=2, async_scheduling=True))
     scheduled, batch = decode_in_flight(s, Sequence("a", [11, 12, 13], SamplingParams(2, ignore_eos=True)))
     assert s.schedule_ahead(scheduled, batch) is None  # the step in flight gives its last token
-    s = Scheduler(config(max_num_seqs=1))
+    s = Scheduler(config(max_num_seqs=1, async_scheduling=True))
     scheduled, batch = decode_in_flight(s, Sequence("a", [11, 12, 13], plain))
     s.add(Sequence("b", [14, 15], plain))  # waits to be admitted: the next step is the master's to choose
     assert s.schedule_ahead(scheduled, batch) is None
-    tight = Scheduler(config(num_blocks=3, block_size=4, max_model_len=8, max_num_seqs=2))
+    tight = Scheduler(config(num_blocks=3, block_size=4, max_model_len=8, max_num_seqs=2, async_scheduling=True))
     scheduled, batch = decode_in_flight(tight, Sequence("a", [11, 12, 13], SamplingParams(5, ignore_eos=True)),
                                         Sequence("b", [14, 15, 16], SamplingParams(3, ignore_eos=True)))
     assert tight.schedule_ahead(scheduled, batch) is None  # position 4 of each needs a block; one is free
-    s = Scheduler(config(max_num_seqs=2, speculative="ngram"))
+    s = Scheduler(config(max_num_seqs=2))  # off
     scheduled, batch = decode_in_flight(s, Sequence("a", [11, 12, 13], plain))
     assert s.schedule_ahead(scheduled, batch) is None
+    with pytest.raises(ValueError, match="speculative decoding proposes tokens between steps"):
+        config(speculative="ngram", async_scheduling=True)
 
 
 def test_the_config_key_and_its_default(tmp_path):

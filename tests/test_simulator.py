@@ -165,6 +165,17 @@ def test_one_request_takes_its_prefill_and_a_step_per_further_token():
     assert shifted.results[0].ttft == pytest.approx(0.014) and shifted.duration == pytest.approx(0.054)
 
 
+def test_a_step_sent_ahead_starts_before_an_arrival_joins():
+    """Asynchronous scheduling: the decode step after the running one is decided when that one starts, so a
+    request arriving meanwhile joins a step later than it would otherwise (steps of 10 ms, B arrives at 25 ms)."""
+    reqs = [req(0, 40, 10), req(1, 10, 3, at=0.025, first=50)]
+    plain = simulate(sched_config(), reqs, Constant(0.010))
+    ahead = simulate(sched_config(async_scheduling=True), reqs, Constant(0.010))
+    assert plain.results[1].ttft == pytest.approx(0.015) and ahead.results[1].ttft == pytest.approx(0.025)
+    assert plain.results[0].end_time == ahead.results[0].end_time == pytest.approx(0.100)
+    assert ahead.steps == plain.steps and ahead.kv_usage[-1][1] == 0.0
+
+
 def test_chunks_batches_and_the_concurrency_cap():
     chunked = simulate(sched_config(max_num_batched_tokens=32, max_num_seqs=8), [req(0, 100, 2)], Constant(0.01))
     assert chunked.results[0].ttft == pytest.approx(0.04)  # 100 prompt tokens in chunks of 32

@@ -1,7 +1,8 @@
 """Continuous-batching scheduler: picks each model step and applies its result.
 
 Modelled on nano-vllm / vLLM: the scheduler decides *which* sequences run, the BlockManager decides *where*
-their KV lives. One step is in flight at a time: ``schedule()``, run the model, ``postprocess()``. Each
+their KV lives. A step is ``schedule()``d, run by the model, ``postprocess()``ed (with one more sent ahead of it
+meanwhile under asynchronous scheduling, below). Each
 sequence counts the tokens whose K/V the agents hold (``num_computed_tokens``); a step gives it the next
 ``num_scheduled_tokens`` of its tokens, and only a step that reaches its last token produces its next one.
 
@@ -103,6 +104,7 @@ class SchedulerConfig:
     chunked_prefill: bool = False  # decode tokens and prompt chunks share steps, see the module docstring
     prefix_caching: bool = False  # reuse the cached KV blocks of a shared prefix
     decode_steps: int = 1  # decode steps one batch may run while nothing waits (``_steps_ahead``)
+    async_scheduling: bool = False  # the next plain decode step sent while one runs (``schedule_ahead``)
     speculative: str = ""  # proposer of speculative decoding (``core.speculative.METHODS``); "": none
     num_speculative_tokens: int = 4  # most proposals one sequence has verified in a step
     prompt_lookup_min: int = 1  # n-gram lengths the ngram proposer matches
@@ -141,6 +143,9 @@ class SchedulerConfig:
         if self.speculative and self.decode_steps > 1:
             raise ValueError("scheduler config: speculative decoding and decode_steps > 1 both run several tokens per "
                              "step; choose one")
+        if self.speculative and self.async_scheduling:
+            raise ValueError("scheduler config: speculative decoding proposes tokens between steps, which a step sent "
+                             "ahead cannot wait for; choose one")
         if self.policy not in POLICIES:
             raise ValueError(f"scheduler config: policy must be one of {POLICIES}, got {self.policy!r}")
         if self.max_wait_s is not None and self.max_wait_s < 0:
@@ -284,8 +289,8 @@ class Scheduler:
     def schedule_ahead(self, seqs: list[Sequence], batch: StepBatch) -> tuple[list[Sequence], StepBatch] | None:
         """The decode step after ``batch`` (sent, not yet postprocessed), for the same ``seqs`` in the same order and
         fed the agents' picks of ``batch`` (module docstring); None when it must wait for ``batch``'s results."""
-        if (batch.is_prefill or batch.num_steps > 1 or self._proposer is not None or self._waiting or self._preempted
-                or self._running_sampled or self._running_dumps or len(seqs) != len(self._running)):
+        if (not self.config.async_scheduling or batch.is_prefill or batch.num_steps > 1 or self._proposer is not None
+                or self._waiting or self._preempted or self._running_sampled or self._running_dumps or len(seqs) != len(self._running)):
             return None
         running = SequenceStatus.RUNNING
         if any(seq.status is not running or seq.params.max_new_tokens - len(seq.output_ids) < 2 for seq in seqs):

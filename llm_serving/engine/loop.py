@@ -311,7 +311,7 @@ class Engine:
         compute, instead of holding the GIL the scheduler needs while the agents wait for the next step.
         """
         sched, pool, counters = self._scheduler, self._agents.pool, self._counters
-        schedules_ahead = self.config.async_scheduling
+        schedules_ahead = sched.config.async_scheduling
         in_flight = None  # the step submitted to the agents, not yet collected (_Sent)
         ahead = None  # the step sent after it (asynchronous scheduling), fed its picks
         done = 0.0  # when the last step was collected: a step sent before that starts then

@@ -215,6 +215,7 @@ def scheduler_config(config: ServingConfig, eos_token_id: int | None, llama: Lla
         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
         eos_token_id=eos_token_id, other_eos_token_ids=other_eos_token_ids, policy=sc.policy, max_wait_s=sc.max_wait_s,
         min_decode_steps_between_prefills=sc.min_decode_steps_between_prefills, decode_steps=sc.decode_steps,
+        async_scheduling=config.async_scheduling,
         max_prompt_len=config.max_prompt_len, chunked_prefill=config.chunked_prefill,
         prefix_caching=config.prefix_caching, speculative=sp.method, num_speculative_tokens=sp.num_tokens,
         prompt_lookup_min=sp.prompt_lookup_min, prompt_lookup_max=sp.prompt_lookup_max,

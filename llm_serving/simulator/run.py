@@ -1,7 +1,8 @@
 """The project's own scheduler, block manager and prefix cache on a virtual clock.
 
 The loop is the engine's (``engine.loop``) with the agents replaced by a step-time model: requests that arrived by
-the end of a step join before the next is scheduled, one step is in flight at a time, and its tokens are
+the end of a step join before the next is scheduled (under asynchronous scheduling a decode step sent ahead
+starts as the one before ends, before arrivals join: ``Scheduler.schedule_ahead``), and a step's tokens are
 delivered when it ends. Every decision (admission order, chunking, preemption, prefix hits, multi-step) is made
 by ``core.Scheduler`` itself. The tokens a step "produces" are a filler id, and the end-of-sequence id where a
 request's model would end it (``SimRequest.output_tokens``: a replayed load test replays where its server's
@@ -88,6 +89,7 @@ def simulate(config: SchedulerConfig, requests: list[SimRequest], cost: StepCost
     results: dict[str, RequestResult] = {}
     lengths: dict[str, int] = {}  # tokens of the requests an end token ends (that token included)
     run = SimRun([], 0.0)
+    ahead = None  # the step sent ahead of the one running (config.async_scheduling)
 
     def send_time() -> float | None:  # when the next queued request goes out (None: waits for a slot)
         if not queue or (free is not None and not free):
@@ -113,7 +115,7 @@ def simulate(config: SchedulerConfig, requests: list[SimRequest], cost: StepCost
 
     while queue or inbox or sched.has_unfinished():
         send_and_admit()
-        step = sched.schedule()
+        step, ahead = ahead if ahead is not None else sched.schedule(), None
         if step is None:
             events = [t for t in (send_time(), inbox[0][0] if inbox else None) if t is not None]
             if not events:
@@ -121,6 +123,7 @@ def simulate(config: SchedulerConfig, requests: list[SimRequest], cost: StepCost
             now[0] = max(now[0], min(events))
             continue
         seqs, batch = step
+        ahead = sched.schedule_ahead(seqs, batch)  # None unless config.async_scheduling allows one
         before = [len(s.output_ids) for s in seqs]
         now[0] += cost.seconds(StepShape.of(batch))
         sched.postprocess(seqs, _output(seqs, batch.num_steps, token, end, lengths))

@@ -1,12 +1,13 @@
-"""Multi-step decoding (``scheduler.decode_steps``) at low load, served and in process, side by side in one run.
+"""Low load, served and in process, side by side in one run: asynchronous scheduling and multi-step decoding.
 
-    python scripts/bench_multi_step.py [--steps 1,4] [--levels 1,8] [--rounds 3] [--num-prompts 32]
+    python scripts/bench_low_load.py [--variants sync,async,sync-k4] [--levels 1,8] [--rounds 3] [--num-prompts 32]
 
 The bench model (scripts/benchmark.py's, random weights, float32) and its alpaca-shaped workload (token-id prompts,
-greedy, EOS ignored, outputs capped at ``--max-output-tokens``). For every ``decode_steps`` value, in alternating
-rounds: the engine in process (``Engine.submit``, at most N requests in flight) and the same config served
-(``llm-serving serve``, the load client on the streaming OpenAI endpoint, at most N in flight). Prints output
-tokens/s and the median time per output token per level; medians over the rounds.
+greedy, EOS ignored, outputs capped at ``--max-output-tokens``). A variant is ``sync`` or ``async``
+(``scheduler.async_scheduling``), optionally ``-kN`` (``scheduler.decode_steps`` N). For every variant, in
+alternating rounds: the engine in process (``Engine.submit``, at most N requests in flight) and the same config
+served (``llm-serving serve``, the load client on the streaming OpenAI endpoint, at most N in flight). Prints output
+tokens/s and the median time per output token per level; medians over the rounds, and each round's figures.
 """
 
 from __future__ import annotations
@@ -70,15 +71,15 @@ def served(port: int, prompts: list[tuple[list[int], int]], level: int) -> tuple
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", default="1,4", help="decode_steps values to compare")
+    ap.add_argument("--variants", default="sync,async,sync-k4", help="sync|async[-kN], comma-separated")
     ap.add_argument("--levels", default="1,8", help="requests in flight")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-output-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--work-dir", default="/tmp/llm-serving-bench-multi-step")
+    ap.add_argument("--work-dir", default="/tmp/llm-serving-bench-low-load")
     args = ap.parse_args()
-    steps = [int(k) for k in args.steps.split(",")]
+    variants = args.variants.split(",")
     levels = [int(n) for n in args.levels.split(",")]
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -88,16 +89,19 @@ def main() -> None:
     tok = Tokenizer(model_dir / "tokenizer.model")
     prompts = [(tok.encode(r.prompt), r.max_new_tokens) for r in make_requests(args, model_dir)]
     configs = {}
-    for k in steps:
+    for k in variants:
+        mode, _, steps = k.partition("-k")
+        if mode not in ("sync", "async") or not (steps or "1").isdigit():
+            raise SystemExit(f"--variants: {k!r} is not sync|async[-kN]")
         path = write_config(work / f"config-{k}.yaml", model_dir, TUNED["prefill"], TUNED["decode"], "fcfs",
                             args.max_output_tokens)
         cfg = json.loads(path.read_text())
-        cfg["scheduler"]["decode_steps"] = k
+        cfg["scheduler"].update(decode_steps=int(steps or 1), async_scheduling=mode == "async")
         path.write_text(json.dumps(cfg, indent=1) + "\n")
         configs[k] = path
-    rows: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
+    rows: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
     for rnd in range(args.rounds):
-        for k in steps if rnd % 2 == 0 else steps[::-1]:
+        for k in variants if rnd % 2 == 0 else variants[::-1]:
             with Engine(ServingConfig.from_yaml(configs[k])) as engine:
                 engine.start(progress=None)
                 engine.submit(prompts[0][0], SamplingParams(4)).result(timeout=600)  # warm
@@ -108,13 +112,14 @@ def main() -> None:
                 served(port, prompts[:8], 1)  # warm
                 for level in levels:
                     rows.setdefault(("served", k, level), []).append(served(port, prompts, level))
-            print(f"round {rnd + 1} decode_steps {k} done", file=sys.stderr, flush=True)
-    print("| path | decode_steps | in flight | output tokens/s | ms per output token |")
-    print("|---|---|---|---|---|")
-    for (path, k, level), runs in sorted(rows.items(), key=lambda x: (x[0][2], x[0][0], x[0][1])):
+            print(f"round {rnd + 1} {k} done", file=sys.stderr, flush=True)
+    print("| in flight | path | variant | output tokens/s | ms per output token | tokens/s per round |")
+    print("|---|---|---|---|---|---|")
+    for (path, k, level), runs in sorted(rows.items(), key=lambda x: (x[0][2], x[0][0], variants.index(x[0][1]))):
         rate = statistics.median(r for r, _ in runs)
         tpot = statistics.median(t for _, t in runs)
-        print(f"| {path} | {k} | {level} | {rate:.1f} | {tpot:.2f} |")
+        each = " / ".join(f"{r:.0f}" for r, _ in runs)
+        print(f"| {level} | {path} | {k} | {rate:.1f} | {tpot:.2f} | {each} |")
 
 
 if __name__ == "__main__":
