@@ -7,7 +7,9 @@ greedy, EOS ignored, outputs capped at ``--max-output-tokens``). A variant is ``
 (``scheduler.async_scheduling``), optionally ``-kN`` (``scheduler.decode_steps`` N). For every variant, in
 alternating rounds: the engine in process (``Engine.submit``, at most N requests in flight) and the same config
 served (``llm-serving serve``, the load client on the streaming OpenAI endpoint, at most N in flight). Prints output
-tokens/s and the median time per output token per level; medians over the rounds, and each round's figures.
+tokens/s and the median time per output token per level; medians over the rounds, and each round's figures. And
+where the CPU goes, per output token (from /proc): the agents', the master's (in process: the engine with its
+consumer, this process) and the load client's (this process, served).
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import resource
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,6 +74,35 @@ def served(port: int, prompts: list[tuple[list[int], int]], level: int) -> tuple
     return run.metrics["output_throughput"], run.metrics["median_tpot_ms"]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads, so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+def own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def accounted(run, agents: list[int], master: int | None) -> tuple[float, float, float, float, float]:
+    """``run()`` -> (tokens/s, ms per output token) with the CPU ms per output token of the agents, the master
+    (None: this process) and this process (the load client when the master is another)."""
+    before = [cpu_seconds(p) for p in agents], cpu_seconds(master) if master else 0.0, own_cpu_seconds()
+    t0 = time.perf_counter()
+    rate, tpot = run()
+    tokens = rate * (time.perf_counter() - t0)
+    agent = sum(cpu_seconds(p) for p in agents) - sum(before[0])
+    own = own_cpu_seconds() - before[2]
+    master_s = cpu_seconds(master) - before[1] if master else own
+    per = 1e3 / tokens
+    return rate, tpot, agent * per, master_s * per, (own if master else 0.0) * per
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="sync,async,sync-k4", help="sync|async[-kN], comma-separated")
@@ -99,27 +133,31 @@ def main() -> None:
         cfg["scheduler"].update(decode_steps=int(steps or 1), async_scheduling=mode == "async")
         path.write_text(json.dumps(cfg, indent=1) + "\n")
         configs[k] = path
-    rows: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
+    rows: dict[tuple[str, str, int], list[tuple[float, ...]]] = {}
     for rnd in range(args.rounds):
         for k in variants if rnd % 2 == 0 else variants[::-1]:
             with Engine(ServingConfig.from_yaml(configs[k])) as engine:
                 engine.start(progress=None)
                 engine.submit(prompts[0][0], SamplingParams(4)).result(timeout=600)  # warm
                 for level in levels:
-                    rows.setdefault(("in process", k, level), []).append(
-                        asyncio.run(in_process(engine, prompts, level)))
+                    rows.setdefault(("in process", k, level), []).append(accounted(
+                        lambda n=level: asyncio.run(in_process(engine, prompts, n)), engine.agent_pids, None))
             with running_server(configs[k], work / f"server-{k}.log", cwd=ROOT) as (port, _):
                 served(port, prompts[:8], 1)  # warm
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as health:
+                    agents = json.load(health)["agent_pids"]
                 for level in levels:
-                    rows.setdefault(("served", k, level), []).append(served(port, prompts, level))
+                    rows.setdefault(("served", k, level), []).append(accounted(
+                        lambda n=level: served(port, prompts, n), agents, parent_pid(agents[0])))
             print(f"round {rnd + 1} {k} done", file=sys.stderr, flush=True)
-    print("| in flight | path | variant | output tokens/s | ms per output token | tokens/s per round |")
-    print("|---|---|---|---|---|---|")
+    print("| in flight | path | variant | output tokens/s | ms per output token | tokens/s per round "
+          "| CPU ms per output token: agents / master / load client |")
+    print("|---|---|---|---|---|---|---|")
     for (path, k, level), runs in sorted(rows.items(), key=lambda x: (x[0][2], x[0][0], variants.index(x[0][1]))):
-        rate = statistics.median(r for r, _ in runs)
-        tpot = statistics.median(t for _, t in runs)
-        each = " / ".join(f"{r:.0f}" for r, _ in runs)
-        print(f"| {level} | {path} | {k} | {rate:.1f} | {tpot:.2f} | {each} |")
+        rate, tpot, agent, master, client = (statistics.median(run[i] for run in runs) for i in range(5))
+        each = " / ".join(f"{run[0]:.0f}" for run in runs)
+        cpu = f"{agent:.2f} / {master:.2f} / " + (f"{client:.2f}" if path == "served" else "-")
+        print(f"| {level} | {path} | {k} | {rate:.1f} | {tpot:.2f} | {each} | {cpu} |")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from agents.agent_main import fed_inputs, last_picks
+from agents.runtime.multi_step import run_decode_steps
 from llm_serving.config.serving_config import ConfigError
 from llm_serving.core.scheduler import Scheduler
 from llm_serving.core.sequence import SamplingParams, Sequence
@@ -26,12 +27,14 @@ class FeedingModel:
 
     def __init__(self, s: Scheduler) -> None:
         self.model = FakeKVModel(s.config.num_blocks, s.config.block_size)
+        self.block_size = s.config.block_size
         self.picked = None
 
     def run(self, batch: StepBatch) -> StepOutput:
         if batch.feeds_previous:
             batch = replace(batch, input_ids=fed_inputs(self.picked, batch), feeds_previous=False)
-        out = self.model.step(batch)
+        step = self.model.step
+        out = step(batch) if batch.num_steps == 1 else run_decode_steps(step, batch, self.block_size)
         self.picked = last_picks(out)
         return out
 
@@ -44,6 +47,7 @@ def serve(s: Scheduler, seqs: list[Sequence], end_after: dict[str, int] | None =
     for seq in seqs:
         s.add(seq)
     model, ahead_steps, in_flight = FeedingModel(s), 0, None
+    multi_ahead = 0
     while s.has_unfinished() or in_flight is not None:
         if in_flight is None:
             scheduled, batch = s.schedule()
@@ -52,25 +56,26 @@ def serve(s: Scheduler, seqs: list[Sequence], end_after: dict[str, int] | None =
         nxt = s.schedule_ahead(scheduled, batch)
         ahead = None if nxt is None else (*nxt, model.run(nxt[1]))
         ahead_steps += ahead is not None
+        multi_ahead += ahead is not None and ahead[1].num_steps > 1 and batch.num_steps > 1
         s.postprocess(scheduled, out)
         for seq in scheduled:
             if end_after and not seq.is_finished and len(seq.output_ids) >= end_after.get(seq.request_id, 1 << 30):
                 s.finish_request(seq.request_id, "stop")
         in_flight = ahead
+    assert multi_ahead or s.config.decode_steps == 1  # several steps sent ahead of several steps
     return ahead_steps
 
 
-def prompts() -> list[Sequence]:
-    limits = [1, 2, 5, 9, 13, 30]
+def prompts(limits: tuple[int, ...] = (1, 2, 5, 9, 13, 30)) -> list[Sequence]:
     return [Sequence(f"r{i}", [10 + (7 * i + j) % 23 for j in range(3 + i)],
                      SamplingParams(max_new_tokens=n, ignore_eos=i % 2 == 0)) for i, n in enumerate(limits)]
 
 
-@pytest.mark.parametrize("kw", [{}, {"chunked_prefill": True, "max_num_batched_tokens": 16, "prefix_caching": True}],
-                         ids=["whole-prompts", "chunked-cached"])
+@pytest.mark.parametrize("kw", [{}, {"chunked_prefill": True, "max_num_batched_tokens": 16, "prefix_caching": True},
+                                {"decode_steps": 4}], ids=["whole-prompts", "chunked-cached", "multi-step"])
 def test_the_tokens_are_those_of_one_step_at_a_time(kw):
     s = Scheduler(config(max_num_seqs=8, async_scheduling=True, **kw))
-    seqs = prompts()
+    seqs = prompts((1, 2, 5, 9, 13, 30) if "decode_steps" not in kw else (9, 21, 30, 37, 40, 50))
     assert serve(s, seqs) >= 5
     for seq in seqs:
         assert (seq.output_ids, seq.finish_reason) == expected_output(seq.prompt_ids, seq.params), seq
@@ -153,13 +158,15 @@ def test_on_the_model_the_tokens_and_text_are_those_of_single_steps(tmp_path):
     prompts = [[1, 17, 230, 45, 9, 301], [1, 5, 6, 7], [1, 400, 401, 402, 403, 404, 405, 406, 407]]
     limits = [7, 13, 10]
     results = {}
-    for on in (False, True):
-        cfg = tiny_engine_config(tmp_path, scheduler={"async_scheduling": on})
+    variants = {"sync": {"async_scheduling": False}, "async": {"async_scheduling": True},
+                "async-k4": {"async_scheduling": True, "decode_steps": 4}}
+    for name, scheduler in variants.items():
+        cfg = tiny_engine_config(tmp_path, scheduler=scheduler)
         with Engine(cfg) as engine:
             engine.start(progress=None)
             plain = [engine.submit(p, SamplingParams(n, ignore_eos=True)) for p, n in zip(prompts, limits)]
             plain = [s.result(timeout=120) for s in plain]
-            if not on:
+            if name == "sync":
                 stop = engine.tokenizer.decode(plain[1].token_ids[5:7])
                 eos = plain[0].token_ids[3]  # served as the end id: the request ends there, mid-batch
             cut = engine.submit(prompts[1], SamplingParams(13, ignore_eos=True, stop=(stop,))).result(timeout=120)
@@ -167,10 +174,12 @@ def test_on_the_model_the_tokens_and_text_are_those_of_single_steps(tmp_path):
             sampled = engine.submit(prompts[2], SamplingParams(6, temperature=0.8, seed=3)).result(timeout=120)
             stats = engine.stats()
             assert stats["kv_blocks_used"] == 0
-        results[on] = ([r.token_ids for r in plain], [r.finish_reason for r in plain], cut.text, cut.finish_reason,
+        results[name] = ([r.token_ids for r in plain], [r.finish_reason for r in plain], cut.text, cut.finish_reason,
                        cut.token_ids, ended.token_ids, ended.finish_reason, sampled.token_ids,
                        stats["steps_sent_ahead"])
-    assert results[True][:8] == results[False][:8]
-    assert results[True][3] == "stop" and stop not in results[True][2]
-    assert results[True][6] == "stop" and len(results[True][5]) <= 4
-    assert results[False][8] == 0 and results[True][8] >= 10
+    for name in ("async", "async-k4"):
+        assert results[name][:8] == results["sync"][:8], name
+        assert results[name][3] == "stop" and stop not in results[name][2]
+        assert results[name][6] == "stop" and len(results[name][5]) <= 4
+        assert results[name][8] >= 3, name
+    assert results["sync"][8] == 0

@@ -33,11 +33,11 @@ sequence is greedy with nothing to report between tokens, a decode batch asks th
 (``StepBatch.num_steps``), its blocks reserved for all of them; ``postprocess`` appends the later tokens up to an
 end (EOS, a stop id, the limit), discarding the rest. The master's turnaround is then paid once per k tokens.
 
-Asynchronous scheduling (``schedule_ahead``): while a plain decode step runs, the next one of the same sequences is
-scheduled and sent before the step's results are known, its input tokens the agents' own picks
+Asynchronous scheduling (``schedule_ahead``): while a decode step runs (of one step or several), the next one of the
+same sequences is scheduled and sent before the step's results are known, its input tokens the agents' own picks
 (``StepBatch.feeds_previous``), so the agents never wait for the master between steps. Only where nothing can change
 between the two steps: nothing waits to be admitted, every running sequence is in the step, greedy without logits to
-report, and may generate two more tokens, and the next position's blocks are free. A sequence that ends with the
+report, and may generate more tokens than the step gives, and the next position's blocks are free. A sequence that ends with the
 step (EOS, a stop string) has its token of the step ahead discarded, its blocks freed with it as usual.
 
 When a decode step needs a KV block and none is free, the most recently admitted running sequence is
@@ -289,19 +289,22 @@ class Scheduler:
     def schedule_ahead(self, seqs: list[Sequence], batch: StepBatch) -> tuple[list[Sequence], StepBatch] | None:
         """The decode step after ``batch`` (sent, not yet postprocessed), for the same ``seqs`` in the same order and
         fed the agents' picks of ``batch`` (module docstring); None when it must wait for ``batch``'s results."""
-        if (not self.config.async_scheduling or batch.is_prefill or batch.num_steps > 1 or self._proposer is not None
-                or self._waiting or self._preempted or self._running_sampled or self._running_dumps or len(seqs) != len(self._running)):
+        if (not self.config.async_scheduling or batch.is_prefill or self._proposer is not None or self._waiting
+                or self._preempted or self._running_sampled or self._running_dumps or len(seqs) != len(self._running)):
             return None
-        running = SequenceStatus.RUNNING
-        if any(seq.status is not running or seq.params.max_new_tokens - len(seq.output_ids) < 2 for seq in seqs):
+        running, given = SequenceStatus.RUNNING, batch.num_steps  # the tokens ``batch`` gives each sequence
+        if any(seq.status is not running or seq.params.max_new_tokens - len(seq.output_ids) <= given for seq in seqs):
             return None  # ended already, or ``batch`` gives its last token
         bm = self.block_manager
-        for seq in seqs:  # the step ahead's input sits at the position after the token ``batch`` gives
-            if not bm.can_grow(seq, seq.num_tokens + 1):
+        for seq in seqs:  # the step ahead's input sits at the position after the last token ``batch`` gives
+            if not bm.can_grow(seq, seq.num_tokens + given):
                 return None  # the blocks grown so far stay: the next tokens need them anyway
-            self._extend(seq, seq.num_tokens + 1)
+            self._extend(seq, seq.num_tokens + given)
         self._decodes_since_prefill += 1
-        return seqs, self._build(seqs, prefill=False, ahead=True)
+        steps = self._steps_ahead(seqs, given)  # its blocks grown before the batch copies the block tables
+        batch = self._build(seqs, prefill=False, ahead=given)
+        batch.num_steps = steps
+        return seqs, batch
 
     def postprocess(self, seqs: list[Sequence], output: StepOutput) -> list[Sequence]:
         """Append each sequence's new token; return the sequences that finished with this step."""
@@ -534,20 +537,21 @@ class Scheduler:
             raise RuntimeError("KV cache too small for a single running sequence")
         return scheduled, budget - decodes if left is None else left, chunks
 
-    def _steps_ahead(self, seqs: list[Sequence]) -> int:
+    def _steps_ahead(self, seqs: list[Sequence], in_flight: int = 0) -> int:
         """Decode steps this decode batch runs at once (multi-step decoding): up to ``decode_steps`` while no
         request waits to be admitted and every running sequence is greedy without logits to report (sampling,
         penalties and masks need the master between tokens), no more than any sequence may still generate, and
-        only with the blocks of every position free now (it never preempts for them)."""
+        only with the blocks of every position free now (it never preempts for them). ``in_flight``: the tokens
+        the step before still gives each sequence (a batch sent ahead of it, ``schedule_ahead``)."""
         k = self.config.decode_steps
         if k == 1 or self._waiting or self._preempted or self._running_sampled or self._running_dumps:
             return 1
-        k = min(k, min(seq.params.max_new_tokens - len(seq.output_ids) for seq in seqs))
+        k = min(k, min(seq.params.max_new_tokens - len(seq.output_ids) - in_flight for seq in seqs))
         if k == 1:
             return 1
         bm = self.block_manager
         for seq in seqs:  # the inputs of steps 2..k sit at the positions after its last token
-            target = seq.num_tokens + k - 1
+            target = seq.num_tokens + in_flight + k - 1
             if not bm.can_grow(seq, target):
                 return 1  # the blocks grown so far stay: the next tokens need them anyway
             self._extend(seq, target)
@@ -665,8 +669,9 @@ class Scheduler:
     def _dequeue(self, seq: Sequence) -> None:
         (self._preempted if seq.num_preemptions and seq in self._preempted else self._waiting).remove(seq)
 
-    def _build(self, seqs: list[Sequence], prefill: bool, ahead: bool = False) -> StepBatch:
-        """``ahead``: the decode step after the one in flight (``schedule_ahead``): one position further, fed."""
+    def _build(self, seqs: list[Sequence], prefill: bool, ahead: int = 0) -> StepBatch:
+        """``ahead``: the decode step after one in flight that gives each sequence that many tokens
+        (``schedule_ahead``): that many positions further, fed."""
         bs, n = self.config.block_size, len(seqs)
         width = max(len(seq.block_table) for seq in seqs)
         table_rows = np.fromiter((self._row[seq.request_id] for seq in seqs), np.intp, n)
@@ -697,7 +702,7 @@ class Scheduler:
             block_tables=block_tables,
             sampling=self._sampling(seqs, prefill),
             want_logits=self._want_logits(seqs),
-            feeds_previous=ahead,
+            feeds_previous=ahead > 0,
         )
 
     def _build_verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> StepBatch:

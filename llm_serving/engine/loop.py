@@ -3,7 +3,7 @@
 The loop thread takes the engine lock to ``schedule()`` a step, releases it while the agents run the step, and
 takes it again to ``postprocess()`` the answer and schedule the next step, which goes to the agents before this
 step's new tokens are handed to their streams (so the streams' consumers work while the agents compute). With
-asynchronous scheduling (``scheduler.async_scheduling``) a plain decode step's successor is scheduled and sent
+asynchronous scheduling (``scheduler.async_scheduling``) a greedy decode step's successor is scheduled and sent
 while it runs (``Scheduler.schedule_ahead``): two steps in flight, so the agents never wait for the master. ``submit`` and ``abort`` take the same lock from any thread, so new
 requests join between steps (continuous batching) and an abort frees the request's KV blocks at once; a
 request aborted while its step is in flight drops that step's token and is never scheduled again. A stop
