@@ -8,6 +8,7 @@ sent ahead whenever the master is needed between the two."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +18,10 @@ from agents.runtime.multi_step import run_decode_steps
 from llm_serving.config.serving_config import ConfigError
 from llm_serving.core.scheduler import Scheduler
 from llm_serving.core.sequence import SamplingParams, Sequence
+from llm_serving.engine.loop import Engine
+from llm_serving.executor.agent_pool import AgentStepError
 from llm_serving.protocol.batch import StepBatch, StepOutput
+from tests.test_engine import StandinFeeder, standin_expected, tiny_config
 from tests.test_scheduler import FakeKVModel, config, expected_output
 from tests.tiny_engine import tiny_engine_config
 
@@ -143,6 +147,61 @@ def test_no_step_ahead_when_the_master_is_needed_between_steps():
         config(speculative="ngram", async_scheduling=True)
 
 
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("async_models")
+
+
+class FlakyPool:
+    """An in-process stand-in pool (the agents' feeding, ``StandinFeeder``) that fails one step as a whole: the
+    first one sent ahead (``fed``), or the first one a step was sent ahead of (``before``)."""
+
+    def __init__(self, spec, fail: str) -> None:
+        self.feeder, self.fail, self.batches, self.alive = StandinFeeder(spec.llama_config["vocab_size"]), fail, [], True
+        self.failed: list[StepBatch] = []
+
+    def start(self, progress=None) -> None:
+        pass
+
+    def submit(self, batch: StepBatch) -> int:
+        self.batches.append(batch)
+        return len(self.batches)
+
+    def collect(self, step: int, batch_size: int) -> StepOutput:
+        batch = self.batches[step - 1]
+        fed_next = len(self.batches) > step and self.batches[step].feeds_previous
+        fails = not self.failed and (batch.feeds_previous if self.fail == "fed" else fed_next)
+        if fails:
+            self.failed.append(batch)
+        return self.feeder.run(batch, AgentStepError("a transient fault", rank=0) if fails else None)
+
+    def close(self, graceful: bool = True) -> None:
+        self.alive = False
+
+
+@pytest.mark.parametrize("fail", ["fed", "before"])
+def test_a_failed_step_with_one_sent_ahead_is_rerun_and_the_tokens_stay_right(data_dir, fail):
+    """A step failing as a whole is re-run in parts (``recovery.run_isolated``): a fed one with its inputs written
+    out, and one whose successor was sent ahead after that successor is collected and dropped (its agents had no
+    picks to feed it) and scheduled again."""
+    pools: list[FlakyPool] = []
+    engine = Engine(tiny_config(data_dir), standin_agents=True,
+                    pool_factory=lambda spec: pools.append(FlakyPool(spec, fail)) or pools[-1])
+    engine.start(progress=None)
+    try:
+        params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+        prompts = [[1, 5, 6], [1, 7], [1, 9, 10, 11]]
+        streams = [engine.submit(p, params) for p in prompts]
+        for prompt, stream in zip(prompts, streams):
+            assert stream.result(timeout=30).token_ids == standin_expected(prompt, params)[0]
+        stats = engine.stats()
+        assert pools[0].failed and pools[0].failed[0].feeds_previous == (fail == "fed")
+        assert stats["steps_sent_ahead"] > 0 and stats["kv_blocks_used"] == 0 and stats["requests_failed"] == 0
+        assert stats["agent_restarts"] == 0
+    finally:
+        engine.shutdown()
+
+
 def test_the_config_key_and_its_default(tmp_path):
     on = tiny_engine_config(tmp_path)
     assert on.async_scheduling and on.scheduler.async_scheduling is None
@@ -153,8 +212,6 @@ def test_the_config_key_and_its_default(tmp_path):
 
 
 def test_on_the_model_the_tokens_and_text_are_those_of_single_steps(tmp_path):
-    from llm_serving.engine.loop import Engine
-
     prompts = [[1, 17, 230, 45, 9, 301], [1, 5, 6, 7], [1, 400, 401, 402, 403, 404, 405, 406, 407]]
     limits = [7, 13, 10]
     results = {}

@@ -31,7 +31,7 @@ from llm_serving.engine.loop import (
 )
 from llm_serving.engine.request_stream import NO_TOKEN
 from llm_serving.engine.wiring import agent_spec, resolve_model, runner_config_dict, scheduler_config
-from llm_serving.executor.agent_pool import AgentDiedError, AgentPool
+from llm_serving.executor.agent_pool import AgentDiedError, AgentPool, AgentStepError
 from llm_serving.models.default_model import default_model_dir, ensure_default_model
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.model_config import LlamaConfig
@@ -93,7 +93,10 @@ class StandinFeeder:
         if fails is not None:
             raise fails
         if batch.feeds_previous:
-            batch = dataclasses.replace(batch, input_ids=fed_inputs(picked, batch), feeds_previous=False)
+            try:
+                batch = dataclasses.replace(batch, input_ids=fed_inputs(picked, batch), feeds_previous=False)
+            except RuntimeError as exc:  # as an agent reports it
+                raise AgentStepError(f"agent rank 0 failed the step: {exc}", rank=0) from None
         output = standin_output(batch, self.vocab)
         self.picked = output.token_ids
         return output
