@@ -308,7 +308,9 @@ class Engine:
 
         The next step is scheduled and sent to the agents right after a step's results are applied, before its
         tokens are delivered: the streams' consumers (HTTP writes, detokenizing) then run while the agents
-        compute, instead of holding the GIL the scheduler needs while the agents wait for the next step.
+        compute, instead of holding the GIL the scheduler needs while the agents wait for the next step. Under
+        asynchronous scheduling a decode step's successor is sent before the step is collected
+        (``Scheduler.schedule_ahead``); it is then the next step, and ``schedule()`` runs only with none ahead.
         """
         sched, pool, counters = self._scheduler, self._agents.pool, self._counters
         schedules_ahead = sched.config.async_scheduling
