@@ -192,7 +192,7 @@ def serve(channels: list[StepChannel], runner, cmd_fd: int, replier: Replier, ra
             if seen != step:
                 raise RuntimeError(f"shared memory holds step {seen}, the master signalled step {step}")
             if batch.feeds_previous:
-                batch = replace(batch, input_ids=fed_inputs(fed, batch), feeds_previous=False)
+                batch = replace(batch, input_ids=fed_inputs(fed, batch), fed_rows=None)
             output = runner.step(batch) if batch.num_steps == 1 else run_decode_steps(runner.step, batch, block_size)
             failed = take_failures(batch.sampling, output.token_ids)  # sequences that failed on their own
             del batch  # views into shared memory: never keep them past the step
@@ -206,14 +206,15 @@ def serve(channels: list[StepChannel], runner, cmd_fd: int, replier: Replier, ra
 
 
 def fed_inputs(picked: np.ndarray | None, batch: StepBatch) -> np.ndarray:
-    """A ``feeds_previous`` step's input ids: this agent's picks of the step before, row for row (every
+    """A fed step's input ids: this agent's picks of the step before at the rows ``batch.fed_rows`` names (every
     tensor-parallel rank picks the same greedy tokens, ``model.parallel.greedy``, so each feeds its own)."""
     if picked is None:
         raise RuntimeError("the step before failed or returned no tokens to feed this step's inputs")
-    if picked.shape[0] != batch.batch_size:
-        raise RuntimeError(f"the step before picked {picked.shape[0]} tokens, this step feeds {batch.batch_size} "
-                           "sequences")
-    return np.maximum(picked, 0).astype(np.int32)  # a row that failed on its own: its sequence ends, any id
+    rows = batch.fed_rows
+    if rows.size and not 0 <= int(rows.min()) <= int(rows.max()) < picked.shape[0]:
+        raise RuntimeError(f"this step feeds rows {rows.min()}..{rows.max()} of the step before, which picked "
+                           f"{picked.shape[0]} tokens")
+    return np.maximum(picked[rows], 0).astype(np.int32)  # a row that failed on its own: its sequence ends, any id
 
 
 def last_picks(output: StepOutput) -> np.ndarray | None:

@@ -120,8 +120,9 @@ def test_two_steps_in_flight_the_second_fed_the_picks_of_the_first():
         assert len(our_segments()) == 2
         rng = np.random.default_rng(5)
         first = random_batch(rng, False, 6, 3)
-        fed = StepBatch(False, np.zeros(6, np.int32), first.positions + 1, first.slot_mapping, first.query_lens,
-                        first.context_lens + 1, first.block_tables, feeds_previous=True)
+        fed = StepBatch(False, np.zeros(5, np.int32), first.positions[1:] + 1, first.slot_mapping[1:],
+                        first.query_lens[1:], first.context_lens[1:] + 1, first.block_tables[1:],
+                        fed_rows=np.arange(1, 6, dtype=np.int32))  # row 0 ended with the first step
         a, b = p.submit(first), p.submit(fed)
         with pytest.raises(RuntimeError, match=r"steps \[1, 2\] are still in flight"):
             p.submit(first)
@@ -129,17 +130,17 @@ def test_two_steps_in_flight_the_second_fed_the_picks_of_the_first():
             p.collect(b, 6)
         picks = p.collect(a, 6).token_ids
         np.testing.assert_array_equal(picks, expected_tokens(first))
-        unfed = StepBatch(False, picks, fed.positions, fed.slot_mapping, fed.query_lens, fed.context_lens,
+        unfed = StepBatch(False, picks[1:], fed.positions, fed.slot_mapping, fed.query_lens, fed.context_lens,
                           fed.block_tables)
-        np.testing.assert_array_equal(p.collect(b, 6).token_ids, expected_tokens(unfed))
+        np.testing.assert_array_equal(p.collect(b, 5).token_ids, expected_tokens(unfed))
         with pytest.raises(ValueError):  # refused before it reaches the agents: nothing in flight after it
             p.submit(random_batch(rng, False, 129, 3))
-        wrong = StepBatch(False, np.zeros(5, np.int32), fed.positions[:5], fed.slot_mapping[:5], fed.query_lens[:5],
-                          fed.context_lens[:5], fed.block_tables[:5], feeds_previous=True)
-        with pytest.raises(AgentStepError, match="picked 6 tokens, this step feeds 5"):
+        wrong = StepBatch(False, np.zeros(5, np.int32), fed.positions, fed.slot_mapping, fed.query_lens,
+                          fed.context_lens, fed.block_tables, fed_rows=np.arange(2, 7, dtype=np.int32))
+        with pytest.raises(AgentStepError, match="feeds rows 2..6 of the step before, which picked 5 tokens"):
             p.collect(p.submit(wrong), 5)
         with pytest.raises(AgentStepError, match="the step before failed"):  # nothing to feed after a failure
-            p.collect(p.submit(fed), 6)
+            p.collect(p.submit(fed), 5)
         np.testing.assert_array_equal(p.run_step(first).token_ids, expected_tokens(first))
     finally:
         p.close()

@@ -94,7 +94,7 @@ class StandinFeeder:
             raise fails
         if batch.feeds_previous:
             try:
-                batch = dataclasses.replace(batch, input_ids=fed_inputs(picked, batch), feeds_previous=False)
+                batch = dataclasses.replace(batch, input_ids=fed_inputs(picked, batch), fed_rows=None)
             except RuntimeError as exc:  # as an agent reports it
                 raise AgentStepError(f"agent rank 0 failed the step: {exc}", rank=0) from None
         output = standin_output(batch, self.vocab)

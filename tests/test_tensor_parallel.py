@@ -258,6 +258,7 @@ def serve(cfg: ServingConfig, kill_rank: int | None = None) -> dict:
             out["greedy_again"] = [s.result(timeout=120) for s in [engine.submit(p, sp) for p, sp in greedy]]
             out["multi_step_batches"] = engine.stats()["multi_step_batches"]
             out["spec_verify_steps"] = engine.stats()["spec_verify_steps"]
+            out["steps_sent_ahead"] = engine.stats()["steps_sent_ahead"]
         if kill_rank is not None:
             pool = engine._agents.pool
             segment, before = pool.shm_name, engine.stats()
@@ -278,7 +279,8 @@ def serve(cfg: ServingConfig, kill_rank: int | None = None) -> dict:
 def runs(data_dir) -> dict:
     """tp 1, 2 (native, then portable) and 4, one engine at a time; the tp-2 native one speculates (its own first
     layer drafts, sliced as the model on each rank) and loses rank 1 midway; tp 4 decodes up to four steps per round
-    trip (multi-step: every rank feeds the tokens of the exact greedy pick)."""
+    trip (multi-step: every rank feeds the tokens of the exact greedy pick) and sends them ahead of each other
+    (asynchronous scheduling, the default without speculation: every rank feeds its own picks)."""
     self_spec = {"method": "self", "draft_layers": 1, "adaptive": False, "min_accepted": 0, "max_step_tokens": 64}
     out = {"tp1": serve(tp_config(data_dir, 1)),
            "tp2": serve(tp_config(data_dir, 2, speculative=self_spec), kill_rank=1),
@@ -301,7 +303,8 @@ def test_tensor_parallel_greedy_matches_tp1_and_transformers(runs, name):
         np.testing.assert_allclose(got.logprobs, hf_logprobs, atol=1e-4)
         np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-4)
     assert len({t for r in runs[name]["results"][:greedy] for t in r.token_ids}) > 30  # not degenerate
-    if name in ("tp2", "tp4"):  # verified proposals, or four steps a round trip: every rank fed the same tokens
+    if name in ("tp2", "tp4"):  # tp2 speculates: nothing is sent ahead
+        assert (runs[name]["steps_sent_ahead"] > 0) == (name == "tp4")  # verified proposals, or four steps a round trip: every rank fed the same tokens
         assert runs[name]["multi_step_batches" if name == "tp4" else "spec_verify_steps"] > 0
         again = [r.token_ids for r in runs[name]["greedy_again"]]
         assert again == [r.token_ids for r in runs["tp1"]["results"][:greedy]]

@@ -35,10 +35,10 @@ end (EOS, a stop id, the limit), discarding the rest. The master's turnaround is
 
 Asynchronous scheduling (``schedule_ahead``): while a decode step runs (of one step or several), the next one of the
 same sequences is scheduled and sent before the step's results are known, its input tokens the agents' own picks
-(``StepBatch.feeds_previous``), so the agents never wait for the master between steps. Only where nothing can change
+(``StepBatch.fed_rows``), so the agents never wait for the master between steps. Only where nothing can change
 between the two steps: nothing waits to be admitted, every running sequence is in the step, greedy without logits to
-report, and may generate more tokens than the step gives, and the next position's blocks are free. A sequence that ends with the
-step (EOS, a stop string) has its token of the step ahead discarded, its blocks freed with it as usual.
+report, and the next positions' blocks are free; a sequence the step gives its last token is left out. One that ends
+otherwise with the step (EOS, a stop string) has its token of the step ahead discarded, its blocks freed as usual.
 
 When a decode step needs a KV block and none is free, the most recently admitted running sequence is
 preempted by recompute: its blocks are freed and it goes back to the front of the queue; its next prefill
@@ -287,24 +287,28 @@ class Scheduler:
         return seqs, batch
 
     def schedule_ahead(self, seqs: list[Sequence], batch: StepBatch) -> tuple[list[Sequence], StepBatch] | None:
-        """The decode step after ``batch`` (sent, not yet postprocessed), for the same ``seqs`` in the same order and
-        fed the agents' picks of ``batch`` (module docstring); None when it must wait for ``batch``'s results."""
+        """The decode step after ``batch`` (sent, not yet postprocessed) for those of its ``seqs`` that ``batch``
+        does not give their last token, fed the agents' picks of ``batch`` (module docstring); None when the next
+        step must wait for ``batch``'s results."""
         if (not self.config.async_scheduling or batch.is_prefill or self._proposer is not None or self._waiting
                 or self._preempted or self._running_sampled or self._running_dumps or len(seqs) != len(self._running)):
             return None
         running, given = SequenceStatus.RUNNING, batch.num_steps  # the tokens ``batch`` gives each sequence
-        if any(seq.status is not running or seq.params.max_new_tokens - len(seq.output_ids) <= given for seq in seqs):
-            return None  # ended already, or ``batch`` gives its last token
-        bm = self.block_manager
-        for seq in seqs:  # the step ahead's input sits at the position after the last token ``batch`` gives
+        if any(seq.status is not running for seq in seqs):
+            return None  # ended while ``batch`` was in flight (an abort, a stop string)
+        rows = [row for row, seq in enumerate(seqs) if seq.params.max_new_tokens - len(seq.output_ids) > given]
+        nxt, bm = [seqs[row] for row in rows], self.block_manager
+        for seq in nxt:  # the step ahead's input sits at the position after the last token ``batch`` gives
             if not bm.can_grow(seq, seq.num_tokens + given):
                 return None  # the blocks grown so far stay: the next tokens need them anyway
             self._extend(seq, seq.num_tokens + given)
+        if not nxt:
+            return None
         self._decodes_since_prefill += 1
-        steps = self._steps_ahead(seqs, given)  # its blocks grown before the batch copies the block tables
-        batch = self._build(seqs, prefill=False, ahead=given)
-        batch.num_steps = steps
-        return seqs, batch
+        steps = self._steps_ahead(nxt, given)  # its blocks grown before the batch copies the block tables
+        ahead = self._build(nxt, prefill=False, ahead=given)
+        ahead.num_steps, ahead.fed_rows = steps, np.array(rows, np.int32)
+        return nxt, ahead
 
     def postprocess(self, seqs: list[Sequence], output: StepOutput) -> list[Sequence]:
         """Append each sequence's new token; return the sequences that finished with this step."""
@@ -671,7 +675,7 @@ class Scheduler:
 
     def _build(self, seqs: list[Sequence], prefill: bool, ahead: int = 0) -> StepBatch:
         """``ahead``: the decode step after one in flight that gives each sequence that many tokens
-        (``schedule_ahead``): that many positions further, fed."""
+        (``schedule_ahead``): that many positions further, its input ids placeholders."""
         bs, n = self.config.block_size, len(seqs)
         width = max(len(seq.block_table) for seq in seqs)
         table_rows = np.fromiter((self._row[seq.request_id] for seq in seqs), np.intp, n)
@@ -702,7 +706,6 @@ class Scheduler:
             block_tables=block_tables,
             sampling=self._sampling(seqs, prefill),
             want_logits=self._want_logits(seqs),
-            feeds_previous=ahead > 0,
         )
 
     def _build_verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> StepBatch:

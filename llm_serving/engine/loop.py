@@ -435,7 +435,7 @@ class Engine:
         if not batch.feeds_previous:
             return batch
         return replace(batch, input_ids=np.fromiter((seq.last_token_id for seq in seqs), np.int32, len(seqs)),
-                       feeds_previous=False)
+                       fed_rows=None)
 
     def _fail(self, exc: BaseException) -> None:
         err = exc if isinstance(exc, EngineError) else EngineError(f"engine step failed: {exc}")

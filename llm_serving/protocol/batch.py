@@ -131,9 +131,9 @@ class StepBatch:
     differs: ``token_ids[i]`` is the pick after the sequence's last real token, ``more_token_ids[i, :num_more[i]]``
     the picks after each accepted proposal.
 
-    ``feeds_previous`` (asynchronous scheduling, sent while the step before is still running): a decode step of the
-    very sequences of the step before, in the same order, whose ``input_ids`` are placeholders: each agent feeds
-    every row the token it picked for that row in the step before (its last step's, for a multi-step batch).
+    ``fed_rows`` (asynchronous scheduling, sent while the step before is still running): a decode step of sequences
+    of the step before, whose ``input_ids`` are placeholders: each agent feeds row ``i`` the token it picked for row
+    ``fed_rows[i]`` of the step before (that row's last step's, for a multi-step batch).
     """
 
     is_prefill: bool
@@ -147,7 +147,12 @@ class StepBatch:
     want_logits: np.ndarray | None = None  # bool [B]; None: no sequence wants its logits back
     num_steps: int = 1
     draft_lens: np.ndarray | None = None  # int32 [B]; None: no proposals to verify
-    feeds_previous: bool = False  # input_ids are the agents' picks of the step before, row for row
+    fed_rows: np.ndarray | None = None  # int32 [B]: each row's row in the step before, whose pick is its input
+
+    @property
+    def feeds_previous(self) -> bool:
+        """Whether the inputs are the agents' picks of the step before (``fed_rows``)."""
+        return self.fed_rows is not None
 
     @property
     def batch_size(self) -> int:
@@ -171,7 +176,8 @@ class StepBatch:
                          self.query_lens[indices], self.context_lens[indices], self.block_tables[indices],
                          self.sampling.take(indices) if self.sampling is not None else None,
                          want if want is not None and want.any() else None, self.num_steps,
-                         self.draft_lens[indices] if self.draft_lens is not None else None, self.feeds_previous)
+                         self.draft_lens[indices] if self.draft_lens is not None else None,
+                         self.fed_rows[indices] if self.fed_rows is not None else None)
 
     def validate(self) -> None:
         """Raise ValueError when the arrays disagree with each other (cheap; for tests and loaders)."""
@@ -187,8 +193,8 @@ class StepBatch:
             raise ValueError("a decode step takes exactly one token per sequence")
         if self.num_steps > 1 and (self.is_prefill or self.sampling is not None or self.want_logits is not None):
             raise ValueError("several steps at once are for all-greedy decode steps without logits")
-        if self.feeds_previous and (self.is_prefill or self.draft_lens is not None):
-            raise ValueError("only a decode step takes its input tokens from the step before")
+        if self.fed_rows is not None and (self.is_prefill or self.draft_lens is not None or self.fed_rows.shape != (b,)):
+            raise ValueError("only a decode step takes its input tokens from the step before, one row each")
         if self.want_logits is not None and self.want_logits.shape != (b,):
             raise ValueError(f"want_logits has shape {self.want_logits.shape}, expected ({b},)")
         if self.draft_lens is not None:

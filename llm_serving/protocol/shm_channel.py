@@ -95,7 +95,7 @@ class ChannelLayout:
                 ("adjust_ids", np.int32, b * MAX_LOGIT_ADJUSTMENTS),
                 ("adjust_values", np.float32, b * MAX_LOGIT_ADJUSTMENTS),
                 ("token_masks", np.int32, b * self.mask_words),
-                ("want_logits", np.uint8, b), ("draft_lens", np.int32, b), ("out_token_ids", np.int32, b), ("out_logprobs", np.float32, b),
+                ("want_logits", np.uint8, b), ("draft_lens", np.int32, b), ("fed_rows", np.int32, b), ("out_token_ids", np.int32, b), ("out_logprobs", np.float32, b),
                 ("out_more_ids", np.int32, b * (self.max_decode_steps - 1)),
                 ("out_more_logprobs", np.float32, b * (self.max_decode_steps - 1)), ("out_num_more", np.int32, b),
                 ("out_logits_rows", np.int32, self.max_logits_rows),
@@ -304,7 +304,9 @@ class StepChannel:
         if batch.draft_lens is not None:
             v["draft_lens"][:b] = batch.draft_lens
         h[_DRAFTS] = batch.draft_lens is not None
-        h[_FEEDS] = batch.feeds_previous
+        if batch.fed_rows is not None:
+            v["fed_rows"][:b] = batch.fed_rows
+        h[_FEEDS] = batch.fed_rows is not None
         h[_IS_PREFILL], h[_NUM_TOKENS], h[_BATCH_SIZE], h[_WIDTH] = int(batch.is_prefill), n, b, width
         h[_NUM_STEPS] = batch.num_steps
         h[_STEP] = step
@@ -348,7 +350,7 @@ class StepChannel:
         batch = StepBatch(bool(h[_IS_PREFILL]), v["input_ids"][:n], v["positions"][:n], v["slot_mapping"][:n],
                           v["query_lens"][:b], v["context_lens"][:b],
                           v["block_tables"][: b * width].reshape(b, width), sampling, want, int(h[_NUM_STEPS]),
-                          v["draft_lens"][:b] if h[_DRAFTS] else None, bool(h[_FEEDS]))
+                          v["draft_lens"][:b] if h[_DRAFTS] else None, v["fed_rows"][:b] if h[_FEEDS] else None)
         return int(h[_STEP]), batch
 
     def write_output(self, step: int, output: StepOutput) -> None:
