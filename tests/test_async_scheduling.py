@@ -163,7 +163,8 @@ class FlakyPool:
     first one sent ahead (``fed``), or the first one a step was sent ahead of (``before``)."""
 
     def __init__(self, spec, fail: str) -> None:
-        self.feeder, self.fail, self.batches, self.alive = StandinFeeder(spec.llama_config["vocab_size"]), fail, [], True
+        self.feeder, self.fail = StandinFeeder(spec.llama_config["vocab_size"]), fail
+        self.batches, self.alive = [], True
         self.failed: list[StepBatch] = []
 
     def start(self, progress=None) -> None:

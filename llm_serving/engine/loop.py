@@ -4,10 +4,11 @@ The loop thread takes the engine lock to ``schedule()`` a step, releases it whil
 takes it again to ``postprocess()`` the answer and schedule the next step, which goes to the agents before this
 step's new tokens are handed to their streams (so the streams' consumers work while the agents compute). With
 asynchronous scheduling (``scheduler.async_scheduling``) a greedy decode step's successor is scheduled and sent
-while it runs (``Scheduler.schedule_ahead``): two steps in flight, so the agents never wait for the master. ``submit`` and ``abort`` take the same lock from any thread, so new
-requests join between steps (continuous batching) and an abort frees the request's KV blocks at once; a
-request aborted while its step is in flight drops that step's token and is never scheduled again. A stop
-string ends its request the same way, when the token that completes it is delivered (``push_token``).
+while it runs (``Scheduler.schedule_ahead``): two steps in flight, so the agents never wait for the master.
+``submit`` and ``abort`` take the same lock from any thread, so new requests join between steps (continuous
+batching) and an abort frees the request's KV blocks at once; a request aborted while its steps are in flight
+drops their tokens and is never scheduled again. A stop string ends its request the same way, when the token that
+completes it is delivered (``push_token``).
 
 Faults stay with the request that caused them and the agents heal (policy and reasons: ``recovery``): a
 sequence that fails on its own fails alone; a step that fails as a whole is re-run in halves; when an agent

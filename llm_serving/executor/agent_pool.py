@@ -222,7 +222,8 @@ class AgentPool:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         if self._cluster is not None:
             env.update(self._cluster.rank_env(rank))
-        argv = [sys.executable, "-m", "agents.agent_main", "--rank", str(rank), "--shm", ",".join(c.name for c in self._channels),
+        segments = ",".join(c.name for c in self._channels)
+        argv = [sys.executable, "-m", "agents.agent_main", "--rank", str(rank), "--shm", segments,
                 "--cmd-fd", str(cmd_r), "--reply-fd", str(reply_w), "--lifeline-fd", str(life_r),
                 "--spec", self.spec.to_json()]
         try:

@@ -193,7 +193,8 @@ class StepBatch:
             raise ValueError("a decode step takes exactly one token per sequence")
         if self.num_steps > 1 and (self.is_prefill or self.sampling is not None or self.want_logits is not None):
             raise ValueError("several steps at once are for all-greedy decode steps without logits")
-        if self.fed_rows is not None and (self.is_prefill or self.draft_lens is not None or self.fed_rows.shape != (b,)):
+        fed = self.fed_rows
+        if fed is not None and (self.is_prefill or self.draft_lens is not None or fed.shape != (b,)):
             raise ValueError("only a decode step takes its input tokens from the step before, one row each")
         if self.want_logits is not None and self.want_logits.shape != (b,):
             raise ValueError(f"want_logits has shape {self.want_logits.shape}, expected ({b},)")
