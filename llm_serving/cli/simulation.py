@@ -70,8 +70,8 @@ def build(args: argparse.Namespace, progress=None) -> tuple[Any, Any, list]:
         raise CliError(f"{config.source}: speculative.method: {config.speculative.method} is not simulated (what it "
                        "proposes depends on the real tokens); simulate the configuration without it")
     try:
-        target = build_target(config, args.cost, device_params(args), args.model_shape, args.num_blocks, args.tokens_per_word,
-                              progress)
+        target = build_target(config, args.cost, device_params(args), args.model_shape, args.num_blocks,
+                              args.tokens_per_word, progress)
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise CliError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
         if args.results:

@@ -290,8 +290,8 @@ class Scheduler:
         """The decode step after ``batch`` (sent, not yet postprocessed) for those of its ``seqs`` that ``batch``
         does not give their last token, fed the agents' picks of ``batch`` (module docstring); None when the next
         step must wait for ``batch``'s results."""
-        if (not self.config.async_scheduling or batch.is_prefill or self._proposer is not None or self._waiting
-                or self._preempted or self._running_sampled or self._running_dumps or len(seqs) != len(self._running)):
+        if (not self.config.async_scheduling or batch.is_prefill or self._proposer is not None
+                or self._master_needed_between_tokens() or len(seqs) != len(self._running)):
             return None
         running, given = SequenceStatus.RUNNING, batch.num_steps  # the tokens ``batch`` gives each sequence
         if any(seq.status is not running for seq in seqs):
@@ -541,6 +541,11 @@ class Scheduler:
             raise RuntimeError("KV cache too small for a single running sequence")
         return scheduled, budget - decodes if left is None else left, chunks
 
+    def _master_needed_between_tokens(self) -> bool:
+        """Whether the next step must wait for the master (multi-step and steps sent ahead cannot): a request
+        waits to be admitted, or a running sequence samples, is penalised or masked, or reports logits."""
+        return bool(self._waiting or self._preempted or self._running_sampled or self._running_dumps)
+
     def _steps_ahead(self, seqs: list[Sequence], in_flight: int = 0) -> int:
         """Decode steps this decode batch runs at once (multi-step decoding): up to ``decode_steps`` while no
         request waits to be admitted and every running sequence is greedy without logits to report (sampling,
@@ -548,7 +553,7 @@ class Scheduler:
         only with the blocks of every position free now (it never preempts for them). ``in_flight``: the tokens
         the step before still gives each sequence (a batch sent ahead of it, ``schedule_ahead``)."""
         k = self.config.decode_steps
-        if k == 1 or self._waiting or self._preempted or self._running_sampled or self._running_dumps:
+        if k == 1 or self._master_needed_between_tokens():
             return 1
         k = min(k, min(seq.params.max_new_tokens - len(seq.output_ids) - in_flight for seq in seqs))
         if k == 1:
