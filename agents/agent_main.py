@@ -4,7 +4,9 @@ Attach the step segment, build the model runner (or the stand-in), warm every sh
 then serve: block on the command pipe for a step number, run the batch in shared memory (step ``s`` in segment
 ``s % segments``: two while the master keeps a second step in flight), rank 0 writes the
 answer back, every rank acknowledges on its reply pipe (rank 0 naming any sequence that failed on its own,
-so the master fails only that request). The agent exits when the master closes the pipes or goes away (a
+so the master fails only that request). In a pool with ranks on other hosts the ranks but 0 take each step from
+rank 0's broadcast instead (``runtime.step_source``), and a rank on another host talks to the master over one
+socket (``--link-fd``, from ``llm-serving agent --join``) in place of its reply and lifeline pipes. The agent exits when the master closes the pipes or goes away (a
 watchdog thread blocks on the lifeline pipe and also notices re-parenting), so no orphan process outlives
 the master. Errors are reported as frames, never as a silent exit.
 """
@@ -27,10 +29,11 @@ import numpy as np
 from agents.runtime.compile_cache import open_cache
 from agents.runtime.multi_step import run_decode_steps
 from agents.runtime.sampler import take_failures
+from agents.runtime.step_broadcast import StepBroadcast
+from agents.runtime.step_source import BroadcastSteps, SharedMemorySteps
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.shm_channel import StepChannel
 from llm_serving.protocol.wire import (
-    CMD,
     DONE,
     ERROR,
     PROGRESS,
@@ -80,9 +83,11 @@ def watch_master(lifeline_fd: int, parent_pid: int, poll_s: float = 2.0) -> None
             _exit(0)
 
 
-def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], lifeline_fd: int | None = None):
+def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], lifeline_fd: int | None = None,
+                 device_id: int | None = None):
     """The runner for this rank: the instant stand-in, or MindSpore's ModelRunner on the checkpoint (under
-    tensor parallelism: on this rank's slice of it, after joining the ranks' collective cluster)."""
+    tensor parallelism: on this rank's slice of it, after joining the ranks' collective cluster); ``device_id``:
+    its device (default ``start_device_id + rank``)."""
     if spec.kind == "standin":
         from agents.runtime.standin import StandinRunner
         if "num_blocks" in spec.runner_config and spec.runner_config["num_blocks"] is None:  # auto
@@ -123,7 +128,7 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
         draft_model = draft_config, load_rank_weights(spec.draft["model_path"], draft_config,
                                                       ShardPlan(draft_config, shard.tp, rank), host_dtype, quantize)
 
-    fields = {**spec.runner_config, "device_id": spec.start_device_id + rank}
+    fields = {**spec.runner_config, "device_id": spec.start_device_id + rank if device_id is None else device_id}
     utilization = fields.pop("memory_utilization", None)
     if shard.tp > 1:
         progress(f"joining the collective cluster of {shard.tp} ranks")
@@ -173,24 +178,15 @@ def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft:
         per_block, block_size, max_len)
 
 
-def serve(channels: list[StepChannel], runner, cmd_fd: int, replier: Replier, rank: int,
+def serve(steps: SharedMemorySteps | BroadcastSteps, runner, replier: Replier, rank: int,
           block_size: int | None) -> None:
     """Run steps until the master closes the command pipe or sends a negative step number (a batch of several
     decode steps: ``multi_step``; one that feeds the tokens of the step before: ``fed_inputs``)."""
     picked: np.ndarray | None = None  # the last step's tokens, row for row: what a step after it may be fed
-    while True:
-        data = _read_exact(cmd_fd, CMD.size)
-        if data is None:
-            return
-        (step,) = CMD.unpack(data)
-        if step < 0:
-            return
-        channel = channels[step % len(channels)]
+    while (step := steps.next_step()) is not None:
         try:
             fed, picked = picked, None
-            seen, batch = channel.read_batch()
-            if seen != step:
-                raise RuntimeError(f"shared memory holds step {seen}, the master signalled step {step}")
+            batch = steps.read_batch(step)
             if batch.feeds_previous:
                 batch = replace(batch, input_ids=fed_inputs(fed, batch), fed_rows=None)
             output = runner.step(batch) if batch.num_steps == 1 else run_decode_steps(runner.step, batch, block_size)
@@ -198,7 +194,7 @@ def serve(channels: list[StepChannel], runner, cmd_fd: int, replier: Replier, ra
             del batch  # views into shared memory: never keep them past the step
             picked = last_picks(output)
             if rank == 0:
-                channel.write_output(step, output)
+                steps.write_output(step, output)
         except Exception as exc:  # noqa: BLE001 - the master decides; this agent keeps serving
             replier.error(step, exc)
             continue
@@ -227,19 +223,6 @@ def last_picks(output: StepOutput) -> np.ndarray | None:
     return np.array(output.token_ids, np.int32)
 
 
-def _read_exact(fd: int, n: int) -> bytes | None:
-    data = b""
-    while len(data) < n:
-        try:
-            chunk = os.read(fd, n - len(data))
-        except InterruptedError:
-            continue
-        if not chunk:
-            return None
-        data += chunk
-    return data
-
-
 def release_freed_memory() -> None:
     """Hand the heap memory freed since start (weight loading's temporaries, warm-up's host arrays) back to the
     system: glibc keeps freed heap pages resident otherwise, and under tensor parallelism the slicing leaves
@@ -262,17 +245,25 @@ def freeze_startup_objects() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="llm-serving device agent (started by the master)")
     parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--shm", required=True, help="names of the step shared-memory segments, comma-separated")
-    parser.add_argument("--cmd-fd", type=int, required=True)
-    parser.add_argument("--reply-fd", type=int, required=True)
-    parser.add_argument("--lifeline-fd", type=int, required=True)
     parser.add_argument("--spec", required=True, help="AgentSpec as JSON")
+    parser.add_argument("--shm", help="names of the step shared-memory segments, comma-separated (ranks on the "
+                        "master's host)")
+    parser.add_argument("--cmd-fd", type=int)
+    parser.add_argument("--reply-fd", type=int)
+    parser.add_argument("--lifeline-fd", type=int)
+    parser.add_argument("--link-fd", type=int, help="a socket connected to the master, instead of the reply and "
+                        "lifeline pipes (a rank on another host: `llm-serving agent --join`)")
+    parser.add_argument("--device-id", type=int, help="this rank's device (default: start_device_id + rank)")
     args = parser.parse_args(argv)
+    reply_fd = args.reply_fd if args.link_fd is None else args.link_fd
+    lifeline_fd = args.lifeline_fd if args.link_fd is None else args.link_fd
+    if reply_fd is None or lifeline_fd is None:
+        parser.error("give --reply-fd and --lifeline-fd, or --link-fd")
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the master's to handle; it then closes us
-    threading.Thread(target=watch_master, args=(args.lifeline_fd, os.getppid()), daemon=True,
+    threading.Thread(target=watch_master, args=(lifeline_fd, os.getppid()), daemon=True,
                      name="watch-master").start()
-    replier = Replier(args.reply_fd)
+    replier = Replier(reply_fd)
 
     def progress(line: str) -> None:
         replier.send(STARTUP_STEP, PROGRESS, line)
@@ -280,14 +271,19 @@ def main(argv: list[str] | None = None) -> None:
     cache = None
     try:
         spec = AgentSpec.from_json(args.spec)
-        channels = [StepChannel.attach(name, spec.layout) for name in args.shm.split(",")]
+        follows = spec.has_remote_ranks and args.rank > 0  # its steps come from rank 0, not shared memory
+        if not follows and (args.shm is None or args.cmd_fd is None):
+            raise ValueError(f"rank {args.rank} reads its steps from the master: it needs --shm and --cmd-fd")
+        channels = [] if follows else [StepChannel.attach(name, spec.layout) for name in args.shm.split(",")]
         cache = open_cache(spec, args.rank, progress)  # before the first graph compiles
-        runner = build_runner(spec, args.rank, progress, args.lifeline_fd)
+        runner = build_runner(spec, args.rank, progress, lifeline_fd, args.device_id)
         if cache is None:
             runner.warmup(progress)
         else:  # a hit's shapes load without running (their saved costs); a miss publishes its graphs
             runner.warmup(progress, known_costs=cache.costs)
             cache.commit(runner.step_costs)
+        broadcast = StepBroadcast() if spec.has_remote_ranks else None
+        steps = BroadcastSteps(broadcast) if follows else SharedMemorySteps(channels, args.cmd_fd, broadcast)
         freeze_startup_objects()
         release_freed_memory()
     except BaseException as exc:  # noqa: BLE001 - any start-up failure must reach the master as text
@@ -298,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     costs = getattr(runner, "step_costs", None) or {}  # seconds per warmed shape: the step timeout's base
     blocks = getattr(getattr(runner, "rc", None), "num_blocks", None)
     replier.send(STARTUP_STEP, READY, ready_payload(max(costs.values()) if costs else None, blocks))
-    serve(channels, runner, args.cmd_fd, replier, args.rank, spec.runner_config.get("block_size"))
+    serve(steps, runner, replier, args.rank, spec.runner_config.get("block_size"))
     _exit(0)
 
 

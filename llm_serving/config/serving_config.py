@@ -99,6 +99,10 @@ class ServingSection:
     server_ip: str = setting("127.0.0.1", "str")
     server_port: int = setting(8000, "int")
     num_agents: int | None = setting(None, "int", optional=True)
+    # ranks started on this host (0 .. local_agents-1; None: all); the others run on other hosts and join at
+    # join_address (HOST:PORT of this host, where `llm-serving agent --join` connects; docs/deployment.md)
+    local_agents: int | None = setting(None, "int", optional=True)
+    join_address: str | None = setting(None, "str", optional=True)
     max_queue_size: int = setting(1024, "int")
     model_aliases: tuple[str, ...] = setting(("llama2",), "strs")
     api_key: str | None = setting(None, "str", optional=True)  # Bearer key on all routes but /health
@@ -443,6 +447,18 @@ def _validate(cfg: ServingConfig) -> None:
          "needs at least one entry (one per agent rank) when serving_config.num_agents is not set")
     need(s.num_agents is None or s.num_agents >= 1, "serving_config.num_agents",
          f"must be at least 1, got {s.num_agents}")
+    need(s.local_agents is None or 1 <= s.local_agents <= s.effective_num_agents, "serving_config.local_agents",
+         f"must be in 1..num_agents ({s.effective_num_agents}), got {s.local_agents}")
+    if s.local_agents is not None and s.local_agents < s.effective_num_agents:
+        need(s.join_address is not None, "serving_config.join_address",
+             f"is needed when only {s.local_agents} of the {s.effective_num_agents} ranks run here: the address of "
+             "this host (HOST:PORT) where the others join with `llm-serving agent --join`")
+        need(not cfg.uses_mindformers, "serving_config.local_agents",
+             "ranks on other hosts run our Llama graphs (backend ms, ge or kbk), not backend mindformers")
+    if s.join_address is not None:
+        host, sep, port = s.join_address.rpartition(":")
+        need(bool(sep and host) and port.isdigit() and 0 < int(port) < 65536, "serving_config.join_address",
+             f"expected HOST:PORT (the port 1..65535), got {s.join_address!r}")
     need(0 <= s.server_port < 65536, "serving_config.server_port",
          f"must be 0..65535 (0: any free port), got {s.server_port}")
     need(bool(s.server_ip.strip()), "serving_config.server_ip", "must not be empty")

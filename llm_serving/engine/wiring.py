@@ -281,4 +281,6 @@ def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) 
         exit_layer=config.model_config.early_exit_layer,
         draft=draft_spec(config, model.llama_config),
         steps_in_flight=2 if config.async_scheduling else 1,
+        local_ranks=config.serving_config.local_agents,
+        join_address=config.serving_config.join_address,
     )

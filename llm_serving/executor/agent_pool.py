@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from llm_serving.executor.collective_launch import CollectiveCluster, needs_cluster
+from llm_serving.executor.collective_launch import CollectiveCluster, cluster_host, needs_cluster
+from llm_serving.executor.rank_join import JoinListener, RemoteRank
 from llm_serving.protocol.batch import FAILED_TOKEN, StepBatch, StepOutput
 from llm_serving.protocol.shm_channel import StepChannel
 from llm_serving.protocol.wire import (
@@ -102,11 +103,22 @@ def describe_exit(code: int | None) -> str:
 @dataclass
 class _Agent:
     rank: int
-    proc: subprocess.Popen
-    cmd_w: int  # master writes step numbers
-    reply_r: int  # master reads frames
+    proc: subprocess.Popen | RemoteRank  # a rank on another host: the socket it joined on
+    cmd_w: int  # master writes step numbers (-1: the rank takes its steps from rank 0's broadcast)
+    reply_r: int  # master reads frames (a remote rank's socket)
     lifeline_w: int  # never written; closing it (or the master dying) tells the agent to exit
     buf: bytearray = field(default_factory=bytearray)
+
+    @property
+    def remote(self) -> bool:
+        return isinstance(self.proc, RemoteRank)
+
+    def where(self) -> str:
+        return self.proc.where() if isinstance(self.proc, RemoteRank) else f"pid {self.proc.pid}"
+
+    def exit_text(self, code: int | None) -> str:
+        return f"its connection from {self.proc.peer} closed" if isinstance(self.proc, RemoteRank) \
+            else describe_exit(code)
 
 
 class AgentPool:
@@ -129,6 +141,8 @@ class AgentPool:
         self._poller = select.poll()
         self._channels: list[StepChannel] = []  # spec.steps_in_flight segments: step s in segment s % len
         self._cluster: CollectiveCluster | None = None  # the collectives' scheduler of tensor-parallel ranks
+        self._listener: JoinListener | None = None  # while starting, for ranks on other hosts to join
+        self._join_notes: list[str] = []  # joins refused meanwhile, for the start-up progress
         self._step = 0
         self._in_flight: deque[tuple[int, int]] = deque()  # (step, its decode steps) submitted, oldest first
         self._early: list[tuple[_Agent, int, int, str]] = []  # frames of a later step, read while waiting for one
@@ -149,8 +163,9 @@ class AgentPool:
 
     @property
     def pids(self) -> list[int]:
-        """Process ids of the agents, by rank (still listed after close, so callers can check they are gone)."""
-        return [a.proc.pid for a in self._agents]
+        """Process ids of the agents on this host, by rank (still listed after close, so callers can check they
+        are gone)."""
+        return [a.proc.pid for a in self._agents if not a.remote]
 
     @property
     def helper_pids(self) -> list[int]:
@@ -171,6 +186,8 @@ class AgentPool:
         continued; [] where /proc is absent. Lets an idle master notice a stuck agent before any step."""
         stopped = []
         for agent in self._agents:
+            if agent.remote:
+                continue
             try:
                 stat = Path(f"/proc/{agent.proc.pid}/stat").read_text()
             except OSError:
@@ -197,9 +214,14 @@ class AgentPool:
                     self._channels.append(StepChannel.create(self.spec.layout))
                 if needs_cluster(self.spec):
                     self._cluster = CollectiveCluster.start(self.spec, self._agent_env(), self.startup_timeout_s)
-                for rank in range(self.num_agents):
+                if self.spec.has_remote_ranks:
+                    assert self._cluster is not None
+                    self._listener = JoinListener(self.spec, self._cluster.rank_env)
+                    self._poller.register(self._listener.fileno(), select.POLLIN)
+                for rank in range(self.spec.num_local_ranks):
                     self._spawn(rank)
                 self._wait_ready(progress)
+                self._stop_listening()
                 with self._close_lock:
                     self._check_not_closing()
                     self._state = "ready"
@@ -212,48 +234,79 @@ class AgentPool:
             raise AgentStartupError("the agent pool was closed during start-up")
 
     def _spawn(self, rank: int) -> None:
+        """Start local rank ``rank``: steps from the command pipe and shared memory, or (a rank but 0 of a pool
+        with ranks on other hosts) from rank 0's broadcast."""
         assert self._channels
-        cmd_r, cmd_w = os.pipe()
+        follows = self.spec.has_remote_ranks and rank > 0
+        cmd_r, cmd_w = os.pipe() if not follows else (-1, -1)
         reply_r, reply_w = os.pipe()
         life_r, life_w = os.pipe()
-        child_fds = (cmd_r, reply_w, life_r)
+        child_fds = tuple(fd for fd in (cmd_r, reply_w, life_r) if fd >= 0)
         root = str(Path(__file__).resolve().parents[2])
         env = self._agent_env()
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         if self._cluster is not None:
-            env.update(self._cluster.rank_env(rank))
-        segments = ",".join(c.name for c in self._channels)
-        argv = [sys.executable, "-m", "agents.agent_main", "--rank", str(rank), "--shm", segments,
-                "--cmd-fd", str(cmd_r), "--reply-fd", str(reply_w), "--lifeline-fd", str(life_r),
-                "--spec", self.spec.to_json()]
+            env.update(self._cluster.rank_env(rank, cluster_host(self.spec) if self.spec.has_remote_ranks else None))
+        argv = [sys.executable, "-m", "agents.agent_main", "--rank", str(rank), "--reply-fd", str(reply_w),
+                "--lifeline-fd", str(life_r), "--spec", self.spec.to_json()]
+        if not follows:
+            argv += ["--shm", ",".join(c.name for c in self._channels), "--cmd-fd", str(cmd_r)]
         try:
             # stdout goes to our stderr: MindSpore chatter must not mix into the master's stdout output.
             proc = subprocess.Popen(argv, pass_fds=child_fds, env=env, stdin=subprocess.DEVNULL, stdout=2)
         except BaseException:
             for fd in (*child_fds, cmd_w, reply_r, life_w):
-                os.close(fd)
+                _close_fd(fd)
             raise
         for fd in child_fds:
             os.close(fd)
-        agent = _Agent(rank, proc, cmd_w, reply_r, life_w)
+        self._add_agent(_Agent(rank, proc, cmd_w, reply_r, life_w))
+
+    def _add_agent(self, agent: _Agent) -> None:
         self._agents.append(agent)
-        self._by_fd[reply_r] = agent
-        self._poller.register(reply_r, select.POLLIN)
+        self._by_fd[agent.reply_r] = agent
+        self._poller.register(agent.reply_r, select.POLLIN)
+
+    def _admit_joiner(self) -> None:
+        """(Start-up.) A rank on another host is connecting: admit it as an agent, or note why not."""
+        if self._listener is None:  # closed meanwhile
+            return
+        joined = self._listener.accept()
+        if isinstance(joined, str):
+            self._join_notes.append(joined)
+            return
+        rank, handle = joined
+        self._join_notes.append(f"rank {rank} joined from {handle.peer}")
+        self._add_agent(_Agent(rank, handle, -1, handle.fd, -1))
+
+    def _stop_listening(self) -> None:
+        if self._listener is not None:
+            self._poller.unregister(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
 
     def _agent_env(self) -> dict[str, str]:
         return {**os.environ, **{k: str(v) for k, v in self.spec.extra_env.items()}}
 
     def _wait_ready(self, progress: Callable[[str], None] | None) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
-        pending = {a.rank for a in self._agents}
+        pending = set(range(self.num_agents))
         slowest: list[float] = []
         while pending:
             self._check_not_closing()
+            for note in self._join_notes:
+                if progress is not None:
+                    progress(f"agents: {note}")
+            self._join_notes.clear()
             left = deadline - time.monotonic()
             if left <= 0:
+                unjoined = self._listener.waiting_for if self._listener is not None else []
                 raise AgentStartupError(
                     f"agent rank(s) {sorted(pending)} not ready after {self.startup_timeout_s:g}s "
-                    f"(loading weights and compiling every shape bucket)", rank=min(pending))
+                    f"(loading weights and compiling every shape bucket)" + (
+                        f"; rank(s) {unjoined} never joined at {self.spec.join_address} (on each of their hosts: "
+                        f"llm-serving agent --join {self.spec.join_address} --rank R)" if unjoined else ""),
+                    rank=min(pending))
             if self._cluster is not None and self._cluster.exited() is not None:
                 raise AgentStartupError(f"the collectives' scheduler (pid {self._cluster.pid}) exited with "
                                         f"{describe_exit(self._cluster.exited())} before the ranks were ready "
@@ -262,8 +315,8 @@ class AgentPool:
                 if frames is None:
                     code = self._reap(agent)
                     self._check_not_closing()
-                    raise AgentStartupError(f"agent rank {agent.rank} (pid {agent.proc.pid}) exited with "
-                                            f"{describe_exit(code)} before it was ready (see its stderr)",
+                    raise AgentStartupError(f"agent rank {agent.rank} ({agent.where()}) exited with "
+                                            f"{agent.exit_text(code)} before it was ready (see its stderr)",
                                             rank=agent.rank)
                 for _step, kind, payload in frames:
                     if kind == PROGRESS and progress is not None:
@@ -300,6 +353,8 @@ class AgentPool:
             channel.write_batch(step, batch)
             cmd = CMD.pack(step)
             for agent in self._agents:
+                if agent.cmd_w < 0:
+                    continue  # takes the step from rank 0's broadcast
                 try:
                     os.write(agent.cmd_w, cmd)
                 except OSError:  # broken pipe: the agent is gone
@@ -372,6 +427,9 @@ class AgentPool:
         """Wait for reply-pipe activity: per ready agent, its complete frames, or None at EOF."""
         out = []
         for fd, _event in self._poller.poll(max(0, int(timeout_s * 1000))):
+            if self._listener is not None and fd == self._listener.fileno():
+                self._admit_joiner()
+                continue
             agent = self._by_fd[fd]
             data = os.read(fd, 65536)
             if not data:
@@ -393,8 +451,7 @@ class AgentPool:
         code = self._reap(agent)
         if self._closing:
             self._fail(f"agent pool was closed while step {step} ran")
-        self._fail(f"agent rank {agent.rank} (pid {agent.proc.pid}) died during step {step}: "
-                   f"{describe_exit(code)}")
+        self._fail(f"agent rank {agent.rank} ({agent.where()}) died during step {step}: {agent.exit_text(code)}")
 
     def _fail(self, message: str) -> None:
         """(Step thread.) Record the death, kill every agent, unlink the segment, raise ``AgentDiedError``."""
@@ -439,6 +496,8 @@ class AgentPool:
         for agent in self._agents:
             agent.lifeline_w = _close_fd(agent.lifeline_w)
             agent.cmd_w = _close_fd(agent.cmd_w)
+            if isinstance(agent.proc, RemoteRank):
+                agent.proc.hang_up()
         deadline = time.monotonic() + (self.shutdown_grace_s if graceful else 0.0)
         for agent in self._agents:
             if agent.proc.poll() is None and graceful:
@@ -449,6 +508,7 @@ class AgentPool:
             if agent.proc.poll() is None:
                 agent.proc.kill()
                 agent.proc.wait()
+        self._stop_listening()
         if self._cluster is not None:
             self._cluster.stop()
 
@@ -457,7 +517,11 @@ class AgentPool:
         for agent in self._agents:
             if agent.reply_r >= 0:
                 self._poller.unregister(agent.reply_r)
-                agent.reply_r = _close_fd(agent.reply_r)
+                if isinstance(agent.proc, RemoteRank):
+                    agent.proc.close()
+                    agent.reply_r = -1
+                else:
+                    agent.reply_r = _close_fd(agent.reply_r)
         self._by_fd.clear()
         for channel in self._channels:
             channel.close()

@@ -2,8 +2,9 @@
 (``agents.runtime.collective_scheduler``, the dynamic cluster's ``MS_SCHED`` role) on a free port, and the cluster
 environment of every rank. ``AgentPool`` starts it before the ranks and stops it with them.
 
-Ports: the scheduler's port is one the kernel hands out as free (bound to port 0 on the loopback, then
-released), so two servers on one machine get different ones; the ranks themselves listen on no fixed port. If
+Ports: the scheduler's port is one the kernel hands out as free (bound to port 0 on the loopback, or on the
+join address's host when ranks on other hosts join, then released), so two servers on one machine get different
+ones; the ranks themselves listen on no fixed port. If
 another process takes the port in between, the scheduler exits and the pool's start-up fails like any other
 (the engine then retries with a new port).
 
@@ -24,13 +25,28 @@ from pathlib import Path
 
 from llm_serving.protocol.wire import AgentSpec
 
-HOST = "127.0.0.1"  # the ranks of one pool run on the master's host
+HOST = "127.0.0.1"  # the scheduler's address when every rank runs on the master's host
 
 
 def free_port(host: str = HOST) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def cluster_host(spec: AgentSpec) -> str:
+    """Where the scheduler listens: the loopback, or the join address's host when ranks on other hosts join."""
+    if not spec.has_remote_ranks:
+        return HOST
+    return split_address(spec.join_address)[0]
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets) as (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
 
 
 def needs_cluster(spec: AgentSpec) -> bool:
@@ -43,6 +59,7 @@ class CollectiveCluster:
     """The scheduler process of one pool's cluster and the environment its ranks join it with."""
 
     proc: subprocess.Popen
+    host: str
     port: int
     world_size: int
     topology_timeout_s: int
@@ -51,10 +68,11 @@ class CollectiveCluster:
     @classmethod
     def start(cls, spec: AgentSpec, env: dict[str, str], topology_timeout_s: float) -> CollectiveCluster:
         """Spawn the scheduler (``env``: the agents' environment) on a free port; it waits for the ranks."""
-        port, world = free_port(), spec.tensor_parallel_size
+        host = cluster_host(spec)
+        port, world = free_port(host), spec.tensor_parallel_size
         timeout = max(1, int(topology_timeout_s))
         life_r, life_w = os.pipe()
-        child_env = {**env, **cls.common_env(port, world, timeout), "MS_ROLE": "MS_SCHED"}
+        child_env = {**env, **cls.common_env(host, port, world, timeout), "MS_ROLE": "MS_SCHED"}
         child_env.setdefault("GLOG_v", "3")  # MindSpore logs the scheduler's retries every 0.5 s as warnings
         root = str(Path(__file__).resolve().parents[2])
         child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH")) if p)
@@ -66,17 +84,21 @@ class CollectiveCluster:
             raise
         finally:
             os.close(life_r)
-        return cls(proc, port, world, timeout, life_w)
+        return cls(proc, host, port, world, timeout, life_w)
 
     @staticmethod
-    def common_env(port: int, world: int, topology_timeout_s: int) -> dict[str, str]:
-        return {"MS_SCHED_HOST": HOST, "MS_SCHED_PORT": str(port), "MS_WORKER_NUM": str(world),
+    def common_env(host: str, port: int, world: int, topology_timeout_s: int) -> dict[str, str]:
+        return {"MS_SCHED_HOST": host, "MS_SCHED_PORT": str(port), "MS_WORKER_NUM": str(world),
                 "MS_TOPO_TIMEOUT": str(topology_timeout_s)}
 
-    def rank_env(self, rank: int) -> dict[str, str]:
-        """The environment of rank ``rank``'s agent process (its rank is its node id)."""
-        return {**self.common_env(self.port, self.world_size, self.topology_timeout_s), "MS_ROLE": "MS_WORKER",
-                "MS_NODE_ID": str(rank)}
+    def rank_env(self, rank: int, worker_ip: str | None = None) -> dict[str, str]:
+        """The environment of rank ``rank``'s agent process (its rank is its node id); ``worker_ip``: the address
+        the other ranks reach it at, when they are not all on the loopback."""
+        env = {**self.common_env(self.host, self.port, self.world_size, self.topology_timeout_s),
+               "MS_ROLE": "MS_WORKER", "MS_NODE_ID": str(rank)}
+        if worker_ip is not None:
+            env["MS_WORKER_IP"] = worker_ip
+        return env
 
     @property
     def pid(self) -> int:

@@ -3,7 +3,8 @@
 Per step the master writes the batch into shared memory (``shm_channel``) and a ``CMD`` step number to every
 rank's command pipe; each rank answers with a ``FRAME`` on its reply pipe. Frames also carry start-up progress,
 readiness (with the slowest warmed-up step's time) and errors (a JSON payload with the summary and the
-agent's traceback); rank 0's DONE frame names the sequences that failed on their own, if any.
+agent's traceback); rank 0's DONE frame names the sequences that failed on their own, if any. A rank on another
+host sends the same frames over the socket it joined on (``llm_serving.executor.rank_join``).
 """
 
 from __future__ import annotations
@@ -109,6 +110,11 @@ class AgentSpec:
     # steps the master may send before collecting the first: 2 with asynchronous scheduling (the next decode step
     # sent while one runs); one shared-memory segment each, step s in segment s % steps_in_flight
     steps_in_flight: int = 1
+    # ranks the pool starts on the master's host (0 .. local_ranks-1; None: all of them); the others run on other
+    # hosts and join the pool at join_address ("HOST:PORT", `llm-serving agent --join`), which is also where the
+    # ranks' collective scheduler listens. Then rank 0 broadcasts each step to them (agents.runtime.step_broadcast)
+    local_ranks: int | None = None
+    join_address: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -125,7 +131,23 @@ class AgentSpec:
             raise ValueError(f"AgentSpec.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.steps_in_flight not in (1, 2):
             raise ValueError(f"AgentSpec.steps_in_flight must be 1 or 2, got {self.steps_in_flight}")
+        if self.local_ranks is not None and not 1 <= self.local_ranks <= self.tensor_parallel_size:
+            raise ValueError(f"AgentSpec.local_ranks must be in 1..{self.tensor_parallel_size}, got {self.local_ranks}")
+        if self.has_remote_ranks and (self.kind != "llama" or self.backend != "ms"):
+            raise ValueError("ranks on other hosts need MindSpore agents of our Llama (kind llama, backend ms): "
+                             "they get each step through its collectives")
+        if self.has_remote_ranks and not self.join_address:
+            raise ValueError("AgentSpec.join_address is required when some ranks run on other hosts")
         _ = self.layout  # validates the capacities
+
+    @property
+    def num_local_ranks(self) -> int:
+        return self.tensor_parallel_size if self.local_ranks is None else self.local_ranks
+
+    @property
+    def has_remote_ranks(self) -> bool:
+        """Some ranks run on other hosts: they cannot read the master's shared memory, rank 0 forwards each step."""
+        return self.num_local_ranks < self.tensor_parallel_size
 
     @property
     def layout(self) -> ChannelLayout:
