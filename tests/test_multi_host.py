@@ -1,7 +1,7 @@
-"""Issue 35, tensor parallelism across hosts: rank 1 in a network namespace this test makes (a veth pair with
-addresses of its own, and a private /dev/shm, so it can reach the master only over the network) joins the
-master's pool with ``llm-serving agent --join`` and takes its steps from rank 0's broadcast; greedy ids equal tp 1
-and transformers; the remote rank killed mid-run, the service heals when it joins again; the join's refusals,
+"""Issue 35, tensor parallelism across hosts: ranks 2 and 3 of a tp-4 pool in a network namespace this test makes
+(a veth pair with addresses of its own, and a private /dev/shm, so they reach the master only over the network)
+join with ``llm-serving agent --join``; ranks 1-3 take their steps from rank 0's broadcast; greedy ids equal tp 1
+and transformers; a remote rank killed mid-run, the service heals when it joins again; the join's refusals,
 the step broadcast's framing and the configuration checks.
 """
 
@@ -238,7 +238,8 @@ class RemoteHost:
 
 @pytest.fixture(scope="module")
 def across_hosts(netns, tmp_path_factory) -> dict:
-    """tp 1 on this host; then tp 2 with rank 1 in the namespace, run once, then again while its agent is killed."""
+    """tp 1 on this host; then tp 4 with ranks 0 and 1 here (rank 1 following rank 0's broadcast, as the ranks of
+    a server's first host do) and ranks 2 and 3 in the namespace, run once, then again while rank 3 is killed."""
     data = tmp_path_factory.mktemp("multi_host")
     out: dict = {}
     tp1 = Engine(tp_config(data, 1))
@@ -249,12 +250,13 @@ def across_hosts(netns, tmp_path_factory) -> dict:
         tp1.shutdown()
     name, master_ip, _remote_ip = netns
     address = f"{master_ip}:{free_port(master_ip)}"
-    remote = RemoteHost(name, address, 1)
+    remotes = [RemoteHost(name, address, rank) for rank in (2, 3)]
     progress: list[str] = []
-    engine = Engine(tp_config(data, 2, serving_config={"num_agents": 2, "local_agents": 1, "join_address": address}))
+    engine = Engine(tp_config(data, 4, serving_config={"num_agents": 4, "local_agents": 2, "join_address": address}))
     try:
         engine.start(progress=progress.append)
-        out["progress"], out["pids"], out["remote_pids"] = progress, engine.agent_pids, remote.agent_pids()
+        out["progress"], out["pids"] = progress, engine.agent_pids
+        out["remote_pids"] = [pid for r in remotes for pid in r.agent_pids()]
         out["results"] = [s.result(timeout=120) for s in [engine.submit(p, sp) for p, sp in workload()]]
         greedy = [(p, sp) for p, sp in workload() if sp.temperature == 0]  # nothing sampled: steps sent ahead
         out["greedy_again"] = [s.result(timeout=120) for s in [engine.submit(p, sp) for p, sp in greedy]]
@@ -262,16 +264,17 @@ def across_hosts(netns, tmp_path_factory) -> dict:
         before = engine.stats()
         streams = [engine.submit(p, sp) for p, sp in workload()]
         wait_for(lambda: engine.stats()["decode_steps"] > before["decode_steps"] + 2, 60, "decoding")
-        os.kill(out["remote_pids"][0], signal.SIGKILL)
+        os.kill(remotes[1].agent_pids()[0], signal.SIGKILL)
         out["after_kill"] = [s.result(timeout=180) for s in streams]
         out["stats"], out["new_pids"] = engine.stats(), engine.agent_pids
-        out["remote_pids_after"] = remote.agent_pids()
+        out["remote_pids_after"] = [r.agent_pids() for r in remotes]
     finally:
         engine.shutdown()
-        out["remote_left"] = [p for p in remote.agent_pids() if alive(p)]
-        wait_for(lambda: not any(alive(p) for p in remote.agent_pids()), 15, "the remote agent to exit")
-        remote.stop()
-        out["remote_log"] = remote.lines
+        every = [pid for r in remotes for pid in r.agent_pids()]
+        wait_for(lambda: not any(alive(p) for p in every), 15, "the remote agents to exit")
+        for r in remotes:
+            r.stop()
+        out["remote_log"] = [line for r in remotes for line in r.lines]
     from tests.hf_reference import hf_greedy, load_hf
 
     hf = load_hf(resolve_model(tp_config(data, 1)).model_path)
@@ -281,8 +284,8 @@ def across_hosts(netns, tmp_path_factory) -> dict:
 
 def test_a_rank_in_another_namespace_serves_the_tokens_of_tp1_and_transformers(across_hosts):
     run = across_hosts
-    assert any("rank 1 joined from" in line for line in run["progress"]), run["progress"]
-    assert len(run["pids"]) == 1 and len(run["remote_pids"]) == 1  # only rank 0 is this host's child
+    assert all(any(f"rank {r} joined from" in line for line in run["progress"]) for r in (2, 3)), run["progress"]
+    assert len(run["pids"]) == 2 and len(run["remote_pids"]) == 2  # ranks 0 and 1 are this host's children
     for got, ref, (hf_ids, hf_logprobs) in zip(run["results"], run["tp1"], run["hf"]):
         assert got.token_ids == ref.token_ids == hf_ids
         np.testing.assert_allclose(got.logprobs, hf_logprobs, atol=1e-4)
@@ -297,8 +300,8 @@ def test_a_killed_remote_rank_heals_when_it_joins_again(across_hosts):
     for got, (hf_ids, _) in zip(run["after_kill"], run["hf"]):
         assert got.token_ids == hf_ids
     assert run["stats"]["agent_restarts"] == 1 and run["stats"]["requests_recomputed"] > 0
-    assert len(run["remote_pids_after"]) == 2 and run["new_pids"] != run["pids"]  # the join command came back
-    assert not run["remote_left"], run["remote_log"]  # the engine's shutdown stopped the remote agent too
+    # every joining command started its rank again for the new pool (rank 2's agent was stopped with the pool)
+    assert [len(pids) for pids in run["remote_pids_after"]] == [2, 2] and run["new_pids"] != run["pids"]
     wait_gone(run["pids"] + run["new_pids"])
     assert not our_segments()
 
