@@ -1,6 +1,7 @@
 """Tensor parallelism on this host: each agent's resident memory and the step times, by tensor-parallel size.
 
     python scripts/bench_tp.py [--tp 1 2] [--num-blocks 2049] [--repeats 20] [--rounds 2] [--pin] [--no-steps] [--large]
+                               [--joined K]
 
 Writes the bench model (``scripts/bench_model.BENCH_MODEL``, seeded random weights) as a Hugging Face
 directory, then for each size starts the real agent processes (``AgentPool``: the collectives' scheduler,
@@ -11,7 +12,10 @@ its weight slice and KV cache; then the median time of whole steps through the p
 engine sends them): prefill 1x128 and 8x128 prompts, decode batch 1/32/128 at context 256 (``--no-steps``:
 memory only, e.g. with ``--num-blocks 2`` to see the runtime and weights without a KV cache). ``--rounds``
 repeats the sizes in turn, since this machine's load drifts. ``--large``: a 1.2 GB model instead (hidden 2048, 4 layers,
-16/8 heads, ffn 5504, vocab 32000), whose weights outweigh the runtime's own memory.
+16/8 heads, ffn 5504, vocab 32000), whose weights outweigh the runtime's own memory. ``--joined K``: each size
+above 1 also with its last K ranks joined as from other hosts (``llm-serving agent --join`` over the loopback,
+their steps broadcast by rank 0 through the collective instead of read from shared memory): what the step
+broadcast costs, network aside.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,8 +33,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dataclasses import replace
+
 from agents.weights.sharded import shard_shapes
 from llm_serving.executor.agent_pool import AgentPool
+from llm_serving.executor.collective_launch import free_port
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan, kv_shards
@@ -70,36 +78,54 @@ def shard_bytes(cfg: LlamaConfig, tp: int, rank: int, blocks: int) -> tuple[floa
     return weights / 2**20, kv / 2**20
 
 
-def measure(model: Path, cfg: LlamaConfig, tp: int, args: argparse.Namespace) -> dict[str, float]:
+def measure(model: Path, cfg: LlamaConfig, tp: int, args: argparse.Namespace, joined: int = 0) -> dict[str, float]:
     spec = spec_for(model, tp, args.num_blocks, args.kernels, args.pin, cfg)
+    joiners = []
+    if joined:
+        spec = replace(spec, local_ranks=tp - joined, join_address=f"127.0.0.1:{free_port()}")
+        root = Path(__file__).resolve().parent.parent
+        joiners = [subprocess.Popen([sys.executable, "-m", "llm_serving", "agent", "--join", spec.join_address,
+                                     "--rank", str(rank), "--once"], cwd=root, stderr=subprocess.DEVNULL)
+                   for rank in range(tp - joined, tp)]
     pool = AgentPool(spec)
     t0 = time.monotonic()
-    pool.start()
-    print(f"\n### tp={tp}: {tp} agent(s) ready in {time.monotonic() - t0:.1f} s, "
-          f"{spec.runner_config['num_blocks']} KV blocks each\n")
     try:
-        print("| rank | VmRSS MiB | RssAnon | RssFile | weights slice MiB | KV cache MiB |")
-        print("|---|---|---|---|---|---|")
-        for rank, pid in enumerate(pool.pids):
-            mem = memory(pid)
-            w, kv = shard_bytes(cfg, tp, rank, spec.runner_config["num_blocks"])
-            print(f"| {rank} | {mem['VmRSS']:.0f} | {mem['RssAnon']:.0f} | {mem['RssFile']:.0f} | {w:.1f} | {kv:.1f} |")
-        if args.no_steps:
-            return {}
-        calls = {f"prefill {b}x{SEQ}": prefill_batch(b, SEQ) for b in (1, 8)}
-        calls.update({f"decode B={b} ctx={CONTEXT}": decode_batch(b, CONTEXT) for b in (1, 32, 128)})
-        out = {}
-        for name, batch in calls.items():
-            pool.run_step(batch)
-            times = []
-            for _ in range(args.repeats):
-                t = time.perf_counter()
-                pool.run_step(batch)
-                times.append((time.perf_counter() - t) * 1e3)
-            out[name] = statistics.median(times)
-        return out
+        pool.start()
+        print(f"\n### {label(tp, joined)}: {tp} agent(s) ready in {time.monotonic() - t0:.1f} s, "
+              f"{spec.runner_config['num_blocks']} KV blocks each\n")
+        return steps(pool, cfg, tp, spec, args)
     finally:
         pool.close()
+        for proc in joiners:
+            proc.wait(30)
+
+
+def label(tp: int, joined: int) -> str:
+    return f"tp={tp}" + (f", {joined} joined" if joined else "")
+
+
+def steps(pool: AgentPool, cfg: LlamaConfig, tp: int, spec: AgentSpec, args: argparse.Namespace) -> dict[str, float]:
+    """Each local rank's memory, then the median step times (milliseconds) through the pool."""
+    print("| rank | VmRSS MiB | RssAnon | RssFile | weights slice MiB | KV cache MiB |")
+    print("|---|---|---|---|---|---|")
+    for rank, pid in enumerate(pool.pids):
+        mem = memory(pid)
+        w, kv = shard_bytes(cfg, tp, rank, spec.runner_config["num_blocks"])
+        print(f"| {rank} | {mem['VmRSS']:.0f} | {mem['RssAnon']:.0f} | {mem['RssFile']:.0f} | {w:.1f} | {kv:.1f} |")
+    if args.no_steps:
+        return {}
+    calls = {f"prefill {b}x{SEQ}": prefill_batch(b, SEQ) for b in (1, 8)}
+    calls.update({f"decode B={b} ctx={CONTEXT}": decode_batch(b, CONTEXT) for b in (1, 32, 128)})
+    out = {}
+    for name, batch in calls.items():
+        pool.run_step(batch)
+        times = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            pool.run_step(batch)
+            times.append((time.perf_counter() - t) * 1e3)
+        out[name] = statistics.median(times)
+    return out
 
 
 def main() -> None:
@@ -112,6 +138,8 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true", help="pin each rank to its share of the cores")
     parser.add_argument("--no-steps", action="store_true", help="memory only (e.g. with a tiny --num-blocks)")
     parser.add_argument("--large", action="store_true", help="the 1.2 GB model instead of the bench model")
+    parser.add_argument("--joined", type=int, default=0, metavar="K", help="also each size > K with its last K "
+                        "ranks joined as from other hosts (steps broadcast by rank 0)")
     args = parser.parse_args()
     cfg = LARGE_MODEL if args.large else BENCH_MODEL
     if args.large and not args.no_steps:
@@ -119,18 +147,19 @@ def main() -> None:
     print(f"host: {os.cpu_count()} cores; kernels {args.kernels}; pa_config.num_blocks {args.num_blocks}")
     with tempfile.TemporaryDirectory() as tmp:
         model = build_random_model(Path(tmp) / "bench", cfg, seed=0, std=0.05)
-        rows: dict[int, list[dict[str, float]]] = {tp: [] for tp in args.tp}
+        variants = [(tp, 0) for tp in args.tp] + [(tp, args.joined) for tp in args.tp if tp > args.joined > 0]
+        rows: dict[tuple[int, int], list[dict[str, float]]] = {v: [] for v in variants}
         for _ in range(args.rounds):
-            for tp in args.tp:
-                rows[tp].append(measure(model, cfg, tp, args))
-    names = list(rows[args.tp[0]][0])
+            for tp, joined in variants:
+                rows[tp, joined].append(measure(model, cfg, tp, args, joined))
+    names = list(rows[variants[0]][0])
     if not names:
         return
     print("\n| step (ms, median of " + f"{args.repeats}; one column per round) | "
-          + " | ".join(f"tp={tp}" for tp in args.tp) + " |")
-    print("|---|" + "---|" * len(args.tp))
+          + " | ".join(label(*v) for v in variants) + " |")
+    print("|---|" + "---|" * len(variants))
     for name in names:
-        cells = [" / ".join(f"{r[name]:.1f}" for r in rows[tp]) for tp in args.tp]
+        cells = [" / ".join(f"{r[name]:.1f}" for r in rows[v]) for v in variants]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
