@@ -64,7 +64,7 @@ def spec_for(model: Path, tp: int, num_blocks: int, kernels: str, pin: bool = Fa
     width = CONTEXT // BLOCK
     runner = {"num_blocks": num_blocks * kv_shards(cfg, tp), "block_size": BLOCK, "max_model_len": 512,
               "prefill_batch_sizes": [1, 8], "prefill_seq_lengths": [SEQ], "decode_batch_sizes": [1, 32, 128],
-              "decode_block_widths": [width], "kernels": kernels}
+              "decode_block_widths": [width], "kernels": kernels, "device_target": "CPU"}
     return AgentSpec("llama", str(model), cfg.__dict__.copy(), runner, max_tokens=8 * SEQ, max_batch=128,
                      max_blocks_per_seq=512 // BLOCK, tensor_parallel_size=tp,
                      extra_env={"LLM_SERVING_PIN_RANKS": "1"} if pin else {})

@@ -85,6 +85,7 @@ LAYERS = {
         "engine": {"protocol", "core", "config", "tokenization", "models", "executor"},
         "api": {"protocol", "core", "config", "tokenization", "engine", "executor", "describe"},
         "simulator": {"protocol", "core", "config", "tokenization", "models", "engine"},
+        "router": set(),
         "cli": {"*"},
         "__init__": {"engine"},  # the lazy ``llm_serving.LLM``
         "__main__": {"cli"},

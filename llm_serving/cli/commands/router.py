@@ -1,0 +1,67 @@
+"""The ``router`` command: one HTTP front end over several ``llm-serving serve`` engines (data parallelism,
+``llm_serving.router``; launches in docs/deployment.md)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import socket
+import time
+
+from llm_serving.cli.options import CliError, Command
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", action="append", required=True, metavar="URL", help="an engine's base URL, e.g. "
+                   "http://10.0.0.2:8001 (repeat for each engine)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind, 0 for any free one (default 8000)")
+    p.add_argument("--no-prefix-affinity", action="store_true", help="route by load alone")
+    p.add_argument("--min-match", type=float, default=0.5, metavar="F", help="share of a prompt an engine must "
+                   "hold as a remembered prefix to be preferred (default 0.5)")
+    p.add_argument("--max-imbalance", type=int, default=4, metavar="N", help="most requests in flight the "
+                   "preferred engine may have beyond the least busy one (default 4)")
+    p.add_argument("--health-interval", type=float, default=1.0, metavar="S", help="seconds between health "
+                   "checks of each engine (default 1)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from llm_serving.router.affinity import AffinityPolicy
+    from llm_serving.router.proxy import RouterServer
+
+    for url in args.engine:
+        if not url.startswith(("http://", "https://")):
+            raise CliError(f"--engine {url!r}: expected a URL such as http://HOST:PORT")
+    if not 0 <= args.min_match <= 1 or args.max_imbalance < 0 or args.health_interval <= 0:
+        raise CliError("--min-match must be in [0, 1], --max-imbalance >= 0 and --health-interval > 0")
+    policy = AffinityPolicy(len(args.engine), args.min_match, args.max_imbalance, not args.no_prefix_affinity)
+    server = RouterServer(args.engine, policy, args.health_interval)
+    try:
+        sock = socket.create_server((args.host, args.port))
+    except OSError as exc:
+        raise CliError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc
+    asyncio.run(_serve(server, sock))
+    return 0
+
+
+async def _serve(server, sock: socket.socket) -> None:
+    from aiohttp import web
+
+    runner = web.AppRunner(server.app())
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    host, port = sock.getsockname()[:2]
+    up = sum(e.healthy for e in server.engines)
+    print(f"[llm-serving router {time.strftime('%H:%M:%S')}] ready at http://{host}:{port} "
+          f"({up} of {len(server.engines)} engines serving)", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+COMMAND = Command("router", "one HTTP front end over several serving engines (data parallelism)",
+                  _add_arguments, _run)
