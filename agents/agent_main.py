@@ -84,10 +84,11 @@ def watch_master(lifeline_fd: int, parent_pid: int, poll_s: float = 2.0) -> None
 
 
 def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], lifeline_fd: int | None = None,
-                 device_id: int | None = None):
+                 device_id: int | None = None, ranks_here: int | None = None):
     """The runner for this rank: the instant stand-in, or MindSpore's ModelRunner on the checkpoint (under
     tensor parallelism: on this rank's slice of it, after joining the ranks' collective cluster); ``device_id``:
-    its device (default ``start_device_id + rank``)."""
+    its device (default ``start_device_id + rank``); ``ranks_here``: the pool's ranks on this host, which share its
+    cores and memory (default: the ranks the pool starts, ``spec.num_local_ranks``)."""
     if spec.kind == "standin":
         from agents.runtime.standin import StandinRunner
         if "num_blocks" in spec.runner_config and spec.runner_config["num_blocks"] is None:  # auto
@@ -103,7 +104,8 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
 
     config = LlamaConfig(**spec.llama_config)
     shard = ShardPlan(config, spec.tensor_parallel_size, rank)
-    cpu_threads = share_cpus(shard) if shard.tp > 1 else 0  # before MindSpore starts any thread
+    ranks_here = spec.num_local_ranks if ranks_here is None else ranks_here
+    cpu_threads = share_cpus(shard, ranks_here) if shard.tp > 1 else 0  # before MindSpore starts any thread
     progress(f"loading weights from {spec.model_path}" + (f" (rank {rank} of {shard.tp})" if shard.tp > 1 else ""))
     # on Ascend each tensor of a rank's slice is read into the serving dtype as it is read (bfloat16 as uint16 bits:
     # numpy has none), so no float32 copy of the slice is held; CPU backends pack from float32
@@ -135,7 +137,7 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
         join_cluster(shard, fields["device_target"], fields["device_id"], cpu_threads, lifeline_fd)
     if fields["num_blocks"] is None:  # pa_config.num_blocks auto
         draft_share = None if draft_model is None else (ShardPlan(draft_model[0], shard.tp, rank), draft_model[1])
-        budget = size_kv_cache(fields, shard, weights, utilization, draft_share)
+        budget = size_kv_cache(fields, shard, weights, utilization, draft_share, ranks_here)
         progress(budget.describe())
         fields["num_blocks"] = budget.num_blocks
     runner_config = RunnerConfig(**fields)
@@ -150,9 +152,11 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     return SpeculativeRunner(runner, draft)
 
 
-def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft: tuple | None = None):
+def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft: tuple | None = None,
+                  ranks_here: int = 1):
     """This rank's KV blocks from its device's memory (``agents.runtime.kv_budget``), on the device it serves on;
-    ``draft``: (shard plan, weights) of a draft model, whose cache has as many blocks as the target's."""
+    ``draft``: (shard plan, weights) of a draft model, whose cache has as many blocks as the target's;
+    ``ranks_here``: the ranks sharing this host (on CPU, its memory)."""
     from agents.runtime import kv_budget
     from agents.runtime.device import setup_device
 
@@ -163,8 +167,8 @@ def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft:
     tokens = max(fields["max_num_batched_tokens"] or 0, fields["prefill_batch_sizes"][-1]
                  * fields["prefill_seq_lengths"][-1], max_len) + batch  # the largest step, its appended rows
     device = kv_budget.device_memory_bytes(target, fields["device_id"])
-    if target == "CPU":  # the ranks share the host's memory
-        device //= shard.tp
+    if target == "CPU":  # the ranks on this host share its memory
+        device //= ranks_here
     kv_dtype = fields.get("kv_cache_dtype", "auto")
     per_block = kv_budget.block_bytes(shard, block_size, dtype, kv_dtype)
     quantized = fields.get("quantization", "none") != "none"
@@ -254,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--link-fd", type=int, help="a socket connected to the master, instead of the reply and "
                         "lifeline pipes (a rank on another host: `llm-serving agent --join`)")
     parser.add_argument("--device-id", type=int, help="this rank's device (default: start_device_id + rank)")
+    parser.add_argument("--ranks-here", type=int, help="the pool's ranks on this host, sharing its cores (default: "
+                        "the ranks the master starts)")
     args = parser.parse_args(argv)
     reply_fd = args.reply_fd if args.link_fd is None else args.link_fd
     lifeline_fd = args.lifeline_fd if args.link_fd is None else args.link_fd
@@ -276,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"rank {args.rank} reads its steps from the master: it needs --shm and --cmd-fd")
         channels = [] if follows else [StepChannel.attach(name, spec.layout) for name in args.shm.split(",")]
         cache = open_cache(spec, args.rank, progress)  # before the first graph compiles
-        runner = build_runner(spec, args.rank, progress, lifeline_fd, args.device_id)
+        runner = build_runner(spec, args.rank, progress, lifeline_fd, args.device_id, args.ranks_here)
         if cache is None:
             runner.warmup(progress)
         else:  # a hit's shapes load without running (their saved costs); a miss publishes its graphs

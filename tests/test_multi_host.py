@@ -214,7 +214,8 @@ class RemoteHost:
         self.lines: list[str] = []
         argv = ["ip", "netns", "exec", netns, "unshare", "--mount", "sh", "-c",
                 'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh",
-                sys.executable, "-m", "llm_serving", "agent", "--join", address, "--rank", str(rank)]
+                sys.executable, "-m", "llm_serving", "agent", "--join", address, "--rank", str(rank),
+                "--ranks-here", "2"]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)

@@ -6,7 +6,7 @@ HCCL on Ascend and MCCL on CPU.
 
 CPU threads: ``tp`` ranks on one host would each start thread pools sized for every core (MindSpore's CPU
 kernels, our native kernels' helpers), ``tp`` times too many threads spinning on the same cores. So each rank
-gets ``cores / tp`` threads. The OS places them: pinning each rank to its own share of the cores
+gets ``cores / ranks on this host`` threads (all ``tp`` unless some ranks run on other hosts). The OS places them: pinning each rank to its own share of the cores
 (``LLM_SERVING_PIN_RANKS=1``) was slower here (2 ranks on 2 cores, bench model: decode batch 128 137 ms pinned
 against 93 ms not, on the idle machine), since a rank waiting in a collective leaves its core idle while the
 other rank's communication threads could use it.
@@ -32,19 +32,20 @@ from pathlib import Path
 from llm_serving.protocol.parallel import ShardPlan
 
 
-def cpu_share(cores: list[int], tp: int, rank: int) -> tuple[list[int] | None, int]:
-    """(cores to pin ``rank`` to, or None to leave it unpinned; its thread count)."""
-    threads = max(1, len(cores) // tp)
-    if len(cores) < tp:
+def cpu_share(cores: list[int], ranks_here: int, index: int) -> tuple[list[int] | None, int]:
+    """(cores to pin the ``index``-th of ``ranks_here`` ranks on this host to, or None to leave it unpinned; its
+    thread count)."""
+    threads = max(1, len(cores) // ranks_here)
+    if len(cores) < ranks_here:
         return None, 1
-    return sorted(cores)[rank * threads: (rank + 1) * threads], threads
+    return sorted(cores)[index * threads: (index + 1) * threads], threads
 
 
-def share_cpus(plan: ShardPlan) -> int:
-    """Size our kernels' thread pool to this rank's share of the cores, and pin the process to that share where
-    asked (before MindSpore or the kernels start any thread, which inherit both); returns the thread count for
-    MindSpore's CPU kernels."""
-    pinned, threads = cpu_share(list(os.sched_getaffinity(0)), plan.tp, plan.rank)
+def share_cpus(plan: ShardPlan, ranks_here: int) -> int:
+    """Size our kernels' thread pool to this rank's share of the cores (``ranks_here``: the pool's ranks on this
+    host), and pin the process to that share where asked (before MindSpore or the kernels start any thread,
+    which inherit both); returns the thread count for MindSpore's CPU kernels."""
+    pinned, threads = cpu_share(list(os.sched_getaffinity(0)), ranks_here, plan.rank % ranks_here)
     if pinned is not None and os.environ.get("LLM_SERVING_PIN_RANKS") == "1":
         os.sched_setaffinity(0, pinned)
     os.environ.setdefault("LLM_SERVING_KERNEL_THREADS", str(threads))

@@ -120,6 +120,10 @@ class _Agent:
         return f"its connection from {self.proc.peer} closed" if isinstance(self.proc, RemoteRank) \
             else describe_exit(code)
 
+    def output_hint(self) -> str:
+        return "see the output of its `llm-serving agent --join` on that host" if isinstance(self.proc, RemoteRank) \
+            else "see its stderr"
+
 
 class AgentPool:
     """Starts ``spec.tensor_parallel_size`` agent processes and runs steps on them (one caller thread at a time):
@@ -316,7 +320,7 @@ class AgentPool:
                     code = self._reap(agent)
                     self._check_not_closing()
                     raise AgentStartupError(f"agent rank {agent.rank} ({agent.where()}) exited with "
-                                            f"{agent.exit_text(code)} before it was ready (see its stderr)",
+                                            f"{agent.exit_text(code)} before it was ready ({agent.output_hint()})",
                                             rank=agent.rank)
                 for _step, kind, payload in frames:
                     if kind == PROGRESS and progress is not None:

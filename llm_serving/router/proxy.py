@@ -95,7 +95,10 @@ class RouterServer:
     async def _start(self, _app: web.Application) -> None:
         # no total timeout: a generation may stream for minutes; connecting must be quick
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-        self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        # no cap on connections: aiohttp's default of 100 would queue every request beyond the 100th in flight
+        # (measured: 128 streams at once through the router ran at 0.78x of the engine alone)
+        connector = aiohttp.TCPConnector(limit=0)
+        self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False, connector=connector)
         await self.check_health()
         self._watcher = asyncio.create_task(self._watch())
 

@@ -24,6 +24,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "the server does not start itself: serving_config.local_agents .. num_agents - 1)")
     p.add_argument("--device-id", type=int, metavar="D", help="device of this host the rank runs on (default: "
                    "the server's start_device_id + rank)")
+    p.add_argument("--ranks-here", type=int, default=1, metavar="N", help="ranks of this server that run on this "
+                   "host: on CPU they share its cores and memory (default 1)")
     p.add_argument("--once", action="store_true", help="exit when the agent ends instead of joining again")
 
 
@@ -45,6 +47,7 @@ def _run(args: argparse.Namespace) -> int:
                 "--spec", spec.to_json()]
         if args.device_id is not None:
             argv += ["--device-id", str(args.device_id)]
+        argv += ["--ranks-here", str(args.ranks_here)]
         with sock:  # the agent holds its own copy of the link
             proc = subprocess.Popen(argv, pass_fds=(sock.fileno(),), env=child_env, stdin=subprocess.DEVNULL)
         say(f"joined {args.join} (agent pid {proc.pid})")
