@@ -6,9 +6,10 @@ then serve: block on the command pipe for a step number, run the batch in shared
 answer back, every rank acknowledges on its reply pipe (rank 0 naming any sequence that failed on its own,
 so the master fails only that request). In a pool with ranks on other hosts the ranks but 0 take each step from
 rank 0's broadcast instead (``runtime.step_source``), and a rank on another host talks to the master over one
-socket (``--link-fd``, from ``llm-serving agent --join``) in place of its reply and lifeline pipes. The agent exits when the master closes the pipes or goes away (a
-watchdog thread blocks on the lifeline pipe and also notices re-parenting), so no orphan process outlives
-the master. Errors are reported as frames, never as a silent exit.
+socket (``--link-fd``, from ``llm-serving agent --join``) in place of its reply and lifeline pipes. The agent
+exits when the master closes the pipes or goes away (a watchdog thread blocks on the lifeline pipe and also
+notices re-parenting), so no orphan process outlives the master. Errors are reported as frames, never as a
+silent exit.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
                  device_id: int | None = None, ranks_here: int | None = None):
     """The runner for this rank: the instant stand-in, or MindSpore's ModelRunner on the checkpoint (under
     tensor parallelism: on this rank's slice of it, after joining the ranks' collective cluster); ``device_id``:
-    its device (default ``start_device_id + rank``); ``ranks_here``: the pool's ranks on this host, which share its
-    cores and memory (default: the ranks the pool starts, ``spec.num_local_ranks``)."""
+    its device (default ``start_device_id + rank``); ``ranks_here``: the pool's ranks on this host, which share
+    its cores and memory (default: the ranks the pool starts, ``spec.num_local_ranks``)."""
     if spec.kind == "standin":
         from agents.runtime.standin import StandinRunner
         if "num_blocks" in spec.runner_config and spec.runner_config["num_blocks"] is None:  # auto
@@ -130,7 +131,8 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
         draft_model = draft_config, load_rank_weights(spec.draft["model_path"], draft_config,
                                                       ShardPlan(draft_config, shard.tp, rank), host_dtype, quantize)
 
-    fields = {**spec.runner_config, "device_id": spec.start_device_id + rank if device_id is None else device_id}
+    device = spec.start_device_id + rank if device_id is None else device_id
+    fields = {**spec.runner_config, "device_id": device}
     utilization = fields.pop("memory_utilization", None)
     if shard.tp > 1:
         progress(f"joining the collective cluster of {shard.tp} ranks")
@@ -184,8 +186,9 @@ def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft:
 
 def serve(steps: SharedMemorySteps | BroadcastSteps, runner, replier: Replier, rank: int,
           block_size: int | None) -> None:
-    """Run steps until the master closes the command pipe or sends a negative step number (a batch of several
-    decode steps: ``multi_step``; one that feeds the tokens of the step before: ``fed_inputs``)."""
+    """Run steps until the master closes the command pipe or sends a negative step number, or rank 0 broadcasts
+    the end (a batch of several decode steps: ``multi_step``; one that feeds the tokens of the step before:
+    ``fed_inputs``)."""
     picked: np.ndarray | None = None  # the last step's tokens, row for row: what a step after it may be fed
     while (step := steps.next_step()) is not None:
         try:

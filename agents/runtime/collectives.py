@@ -6,10 +6,10 @@ HCCL on Ascend and MCCL on CPU.
 
 CPU threads: ``tp`` ranks on one host would each start thread pools sized for every core (MindSpore's CPU
 kernels, our native kernels' helpers), ``tp`` times too many threads spinning on the same cores. So each rank
-gets ``cores / ranks on this host`` threads (all ``tp`` unless some ranks run on other hosts). The OS places them: pinning each rank to its own share of the cores
-(``LLM_SERVING_PIN_RANKS=1``) was slower here (2 ranks on 2 cores, bench model: decode batch 128 137 ms pinned
-against 93 ms not, on the idle machine), since a rank waiting in a collective leaves its core idle while the
-other rank's communication threads could use it.
+gets ``cores / ranks on this host`` threads (all ``tp`` unless some ranks run on other hosts). The OS places
+them: pinning each rank to its own share of the cores (``LLM_SERVING_PIN_RANKS=1``) was slower here (2 ranks on
+2 cores, bench model: decode batch 128 137 ms pinned against 93 ms not, on the idle machine), since a rank
+waiting in a collective leaves its core idle while the other rank's communication threads could use it.
 
 Joining: MindSpore 2.10's cluster client races with its own event thread when it connects to the scheduler
 (the connection's completion is handled before the connection is filled in; the attempt then fails and is

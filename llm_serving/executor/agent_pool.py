@@ -22,7 +22,11 @@ Failure handling is the point of the design:
   the timeout from ``slowest_warmup_step_s``, which the agents report when ready;
 - rank 0's DONE frame names sequences that failed on their own (``StepOutput.errors``): the step succeeds;
 - tensor-parallel MindSpore ranks share their model through collectives: the pool starts their cluster's
-  scheduler first (``collective_launch``), fails the start-up if it exits, and stops it with the agents.
+  scheduler first (``collective_launch``), fails the start-up if it exits, and stops it with the agents;
+- ranks on other hosts (``AgentSpec.has_remote_ranks``) are not the pool's children: they join while it starts
+  (``rank_join``), their socket stands for their process (frames in, EOF as their death, shutting it down as
+  their lifeline), and they, like the local ranks but 0, take each step from rank 0's broadcast: only rank 0 gets
+  step numbers on a command pipe. A rank that never joins fails the start-up, naming the command that joins it.
 """
 
 from __future__ import annotations
