@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchmark import TUNED, build_model, make_requests, write_config
+from benchmark import TUNED, bench_model_dir, make_requests, write_config
 
 from loadtest.client import benchmark
 from loadtest.local_server import free_port, running_server, stop, wait_until_ready
@@ -80,10 +80,7 @@ def main() -> None:
     ap.add_argument("--work-dir", default="/tmp/llm-serving-bench-dp")
     args = ap.parse_args()
     work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    model_dir = work / "model"
-    if not (model_dir / "config.json").exists():
-        build_model(work)
+    model_dir = bench_model_dir(work)
     reqs = make_requests(args, model_dir)
     config = write_config(work / "config.yaml", model_dir, TUNED["prefill"], TUNED["decode"], "fcfs",
                           args.max_output_tokens)

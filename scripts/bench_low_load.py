@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchmark import TUNED, build_model, make_requests, write_config
+from benchmark import TUNED, bench_model_dir, make_requests, write_config
 
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.sequence import SamplingParams
@@ -116,10 +116,7 @@ def main() -> None:
     variants = args.variants.split(",")
     levels = [int(n) for n in args.levels.split(",")]
     work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    model_dir = work / "model"
-    if not (model_dir / "config.json").exists():
-        build_model(work)
+    model_dir = bench_model_dir(work)
     tok = Tokenizer(model_dir / "tokenizer.model")
     prompts = [(tok.encode(r.prompt), r.max_new_tokens) for r in make_requests(args, model_dir)]
     configs = {}

@@ -28,7 +28,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmark import TUNED, build_model, make_requests, write_config
+from benchmark import TUNED, bench_model_dir, make_requests, write_config
 
 from llm_serving.tokenization.tokenizer import Tokenizer
 from loadtest.local_server import ServerStartError, running_server
@@ -92,10 +92,7 @@ def main() -> None:
     parser.add_argument("--work-dir", default="/tmp/llm-serving-bench-revisions")
     args = parser.parse_args()
     work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    model_dir = work / "model"
-    if not (model_dir / "config.json").exists():
-        build_model(work)
+    model_dir = bench_model_dir(work)
     reqs = make_requests(args, model_dir)
     tok = Tokenizer(model_dir / "tokenizer.model")
     prompts = [(tok.encode(r.prompt), r.max_new_tokens) for r in reqs]

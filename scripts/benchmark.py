@@ -93,6 +93,15 @@ def build_model(work: Path) -> Path:
     return build_random_model(work / "model", BENCH_MODEL, seed=0, std=0.05, tokenizer_model=tok)
 
 
+def bench_model_dir(work: Path) -> Path:
+    """The bench model's directory under ``work``, built there on first use (later runs reuse it)."""
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = work / "model"
+    if not (model_dir / "config.json").exists():
+        build_model(work)
+    return model_dir
+
+
 def make_requests(args: argparse.Namespace, model_dir: Path) -> list[BenchRequest]:
     records = make_workload(WorkloadSpec(num=args.num_prompts, seed=args.seed))
     reqs = build_requests(records, args.num_prompts, TokenCounter(model_dir / "tokenizer.model"))
