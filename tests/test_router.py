@@ -1,8 +1,8 @@
 """Issue 35, data parallelism: ``llm-serving router`` in front of two ``llm-serving serve`` engines (stand-in agents:
 the routing is under test, not the model) and an address where nothing listens. Answers through the router equal
 the engines' own, streams included; requests spread by load, a shared prefix stays on one engine, metrics come
-labelled per engine, a stopped engine's requests go to the other, and no engine at all is a JSON 503. The policy
-and the routing text are checked on their own first.
+labelled per engine, a stopped engine's requests go to the other, and no engine at all is a JSON 503; the small
+real model answers the same through the router. The policy and the routing text are checked on their own first.
 """
 
 from __future__ import annotations
@@ -204,3 +204,24 @@ def test_a_stopped_engine_loses_its_requests_to_the_other_and_none_left_is_a_503
         assert router.stop() == 0, router.lines
         for engine in engines:
             engine.stop()
+
+
+def test_a_real_model_answers_the_same_through_the_router(tiny_server):
+    """The small real model: greedy completions with logprobs and echo (as lm-evaluation-harness asks) and a
+    streamed chat, through the router and straight from the engine."""
+    router = RouterProcess(tiny_server.url)
+    try:
+        for prompt in ("The quick brown fox", "Once upon a time there was"):
+            body = {"model": "llama2", "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 2,
+                    "echo": True}
+            direct, via = (post(url + "/v1/completions", body) for url in (tiny_server.url, router.url))
+            assert direct[0] == via[0] == 200
+            assert json.loads(via[1])["choices"] == json.loads(direct[1])["choices"]
+        chat = {"model": "llama2", "messages": [{"role": "user", "content": "Say something"}], "max_tokens": 6,
+                "temperature": 0, "stream": True}
+        streams = [post(url + "/v1/chat/completions", chat)[1].decode() for url in (tiny_server.url, router.url)]
+        deltas = [[json.loads(line[6:])["choices"][0]["delta"].get("content") for line in s.splitlines()
+                   if line.startswith("data: {")] for s in streams]
+        assert deltas[0] == deltas[1] and any(deltas[0])
+    finally:
+        assert router.stop() == 0, router.lines
