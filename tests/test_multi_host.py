@@ -189,6 +189,8 @@ def netns():
     def ip(*args: str) -> None:
         subprocess.run(["ip", *args], check=True, capture_output=True)
 
+    for stale in (["netns", "del", name], ["link", "del", outer]):  # left by a killed run with this pid's tag
+        subprocess.run(["ip", *stale], check=False, capture_output=True)
     try:
         ip("netns", "add", name)
     except subprocess.CalledProcessError as exc:
