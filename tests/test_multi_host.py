@@ -288,6 +288,7 @@ def across_hosts(netns, tmp_path_factory) -> dict:
 def test_a_rank_in_another_namespace_serves_the_tokens_of_tp1_and_transformers(across_hosts):
     run = across_hosts
     assert all(any(f"rank {r} joined from" in line for line in run["progress"]) for r in (2, 3)), run["progress"]
+    assert any("waiting for ranks 2..3 to join at" in line for line in run["progress"])
     assert len(run["pids"]) == 2 and len(run["remote_pids"]) == 2  # ranks 0 and 1 are this host's children
     for got, ref, (hf_ids, hf_logprobs) in zip(run["results"], run["tp1"], run["hf"]):
         assert got.token_ids == ref.token_ids == hf_ids

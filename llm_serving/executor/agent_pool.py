@@ -226,6 +226,9 @@ class AgentPool:
                     assert self._cluster is not None
                     self._listener = JoinListener(self.spec, self._cluster.rank_env)
                     self._poller.register(self._listener.fileno(), select.POLLIN)
+                    waiting, address = self._listener.waiting_for, self.spec.join_address
+                    self._join_notes.append(f"waiting for ranks {waiting[0]}..{waiting[-1]} to join at {address} "
+                                            f"(on their hosts: llm-serving agent --join {address} --rank R)")
                 for rank in range(self.spec.num_local_ranks):
                     self._spawn(rank)
                 self._wait_ready(progress)
