@@ -318,3 +318,11 @@ def test_the_join_command_and_the_step_sources_import_no_mindspore():
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT,
                           timeout=60)
     assert done.stdout.strip() == "False", done.stderr
+
+
+@pytest.mark.parametrize(("args", "words"), [(["--join", "nohost", "--rank", "1"], "--join: expected HOST:PORT"),
+                                             (["--join", "h:1", "--rank", "0"], "--rank must be >= 1")])
+def test_the_join_command_refuses_bad_arguments_in_one_line(args, words):
+    done = subprocess.run([sys.executable, "-m", "llm_serving", "agent", *args], check=False, capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr

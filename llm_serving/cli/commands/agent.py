@@ -30,7 +30,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from llm_serving.executor.collective_launch import split_address
     from llm_serving.executor.rank_join import JoinRefused, join_pool
+
+    try:
+        split_address(args.join)
+    except ValueError as exc:
+        raise CliError(f"--join: {exc}") from None
+    if args.rank < 1 or args.ranks_here < 1:
+        raise CliError("--rank must be >= 1 (rank 0 runs beside the server) and --ranks-here >= 1")
 
     def say(line: str) -> None:
         print(f"llm-serving agent rank {args.rank}: {line}", file=sys.stderr, flush=True)
