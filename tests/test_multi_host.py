@@ -166,7 +166,8 @@ def test_remote_ranks_are_configured_or_refused_by_key(tmp_path):
     for serving, key, words in (({"local_agents": 3}, "local_agents", "must be in 1..num_agents (2)"),
                                 ({"local_agents": 1}, "join_address", "is needed when only 1 of the 2 ranks"),
                                 ({"local_agents": 1, "join_address": "10.0.0.1"}, "join_address", "HOST:PORT"),
-                                ({"join_address": "h:0"}, "join_address", "HOST:PORT")):
+                                ({"join_address": "h:0"}, "join_address", "HOST:PORT"),
+                                ({"join_address": "[::1]:29700"}, "join_address", "an IPv4 address or a host name")):
         with pytest.raises(ConfigError, match=re.escape(words)) as info:
             config(**serving)
         assert info.value.key == f"serving_config.{key}"

@@ -45,6 +45,7 @@ from llm_serving.protocol.model_config import (
     blocks_needed,
 )
 from llm_serving.protocol.paths import cache_root
+from llm_serving.protocol.wire import split_address
 
 __all__ = ["ConfigError", "DefaultModelSection", "ModelSection", "PagedAttentionSection", "SchedulerSection",
            "ServingConfig", "ServingSection", "TokenizerSection"]
@@ -456,9 +457,10 @@ def _validate(cfg: ServingConfig) -> None:
         need(not cfg.uses_mindformers, "serving_config.local_agents",
              "ranks on other hosts run our Llama graphs (backend ms, ge or kbk), not backend mindformers")
     if s.join_address is not None:
-        host, sep, port = s.join_address.rpartition(":")
-        need(bool(sep and host) and port.isdigit() and 0 < int(port) < 65536, "serving_config.join_address",
-             f"expected HOST:PORT (the port 1..65535), got {s.join_address!r}")
+        try:
+            split_address(s.join_address)
+        except ValueError as exc:
+            need(False, "serving_config.join_address", str(exc))
     need(0 <= s.server_port < 65536, "serving_config.server_port",
          f"must be 0..65535 (0: any free port), got {s.server_port}")
     need(bool(s.server_ip.strip()), "serving_config.server_ip", "must not be empty")

@@ -4,9 +4,8 @@ environment of every rank. ``AgentPool`` starts it before the ranks and stops it
 
 Ports: the scheduler's port is one the kernel hands out as free (bound to port 0 on the loopback, or on the
 join address's host when ranks on other hosts join, then released), so two servers on one machine get different
-ones; the ranks themselves listen on no fixed port. If
-another process takes the port in between, the scheduler exits and the pool's start-up fails like any other
-(the engine then retries with a new port).
+ones; the ranks themselves listen on no fixed port. If another process takes the port in between, the scheduler
+exits and the pool's start-up fails like any other (the engine then retries with a new port).
 
 Lifetime: the scheduler holds the read end of its own lifeline pipe, like the agents: when the master exits,
 even by SIGKILL, it sees EOF and exits, and its MindSpore child dies with it. ``stop`` kills it at once.
@@ -36,17 +35,7 @@ def free_port(host: str = HOST) -> int:
 
 def cluster_host(spec: AgentSpec) -> str:
     """Where the scheduler listens: the loopback, or the join address's host when ranks on other hosts join."""
-    if not spec.has_remote_ranks:
-        return HOST
-    return split_address(spec.join_address)[0]
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """``HOST:PORT`` (an IPv6 host in brackets) as (host, port)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {address!r}")
-    return host.strip("[]"), int(port)
+    return spec.join_host_port[0] if spec.has_remote_ranks else HOST
 
 
 def needs_cluster(spec: AgentSpec) -> bool:

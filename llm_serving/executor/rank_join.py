@@ -21,9 +21,8 @@ import subprocess
 import time
 from collections.abc import Callable
 
-from llm_serving.executor.collective_launch import split_address
 from llm_serving.protocol.shm_channel import MAGIC
-from llm_serving.protocol.wire import AgentSpec
+from llm_serving.protocol.wire import AgentSpec, split_address
 
 # both sides of a join run the same build: the step broadcast pickles StepBatch, the frames are the wire's
 PROTOCOL = f"llm-serving-join/1 step-layout-{MAGIC:x}"
@@ -115,12 +114,10 @@ class JoinListener:
     def __init__(self, spec: AgentSpec, rank_env: Callable[[int, str], dict[str, str]]) -> None:
         """``rank_env(rank, worker_ip)``: the collective cluster's environment for that rank."""
         self.spec, self.rank_env = spec, rank_env
-        host, port = split_address(spec.join_address)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the next pool rebinds at once
         try:
-            self._sock.bind((host, port))
+            self._sock.bind(spec.join_host_port)
             self._sock.listen(16)
         except OSError as exc:
             self._sock.close()

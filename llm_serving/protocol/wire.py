@@ -25,6 +25,14 @@ DONE, PROGRESS, READY, ERROR = 0, 1, 2, 3
 STARTUP_STEP = -1  # step number of frames sent before the agent is ready
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv4 address or a host name; the port 1..65535) as (host, port); ValueError otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or ":" in host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT (an IPv4 address or a host name, the port 1..65535), got {address!r}")
+    return host, int(port)
+
+
 def encode_frame(step: int, kind: int, payload: str = "") -> bytes:
     data = payload.encode("utf-8", "replace")
     return FRAME.pack(step, kind, len(data)) + data
@@ -139,6 +147,13 @@ class AgentSpec:
         if self.has_remote_ranks and not self.join_address:
             raise ValueError("AgentSpec.join_address is required when some ranks run on other hosts")
         _ = self.layout  # validates the capacities
+
+    @property
+    def join_host_port(self) -> tuple[str, int]:
+        """``join_address`` as (host, port)."""
+        if self.join_address is None:
+            raise ValueError("AgentSpec.join_address is not set")
+        return split_address(self.join_address)
 
     @property
     def num_local_ranks(self) -> int:

@@ -30,8 +30,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from llm_serving.executor.collective_launch import split_address
     from llm_serving.executor.rank_join import JoinRefused, join_pool
+    from llm_serving.protocol.wire import split_address
 
     try:
         split_address(args.join)
