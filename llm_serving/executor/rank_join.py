@@ -42,9 +42,13 @@ class RemoteRank:
     """What the pool holds of a rank on another host: the socket it joined on, in place of its process. Shutting
     the socket down asks it to exit (as closing the lifeline pipe does for a local rank)."""
 
-    def __init__(self, fd: int, peer: str) -> None:
-        self.fd, self.peer = fd, peer
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock, self.peer = sock, peer
         self.returncode: int | None = None  # 0 once its connection is over
+
+    @property
+    def fd(self) -> int:
+        return self.sock.fileno()  # -1 once closed
 
     @property
     def pid(self) -> None:
@@ -67,10 +71,10 @@ class RemoteRank:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(f"rank {self.where()}", timeout or 0.0)
-            readable, _, _ = select.select([self.fd], [], [], left)
+            readable, _, _ = select.select([self.sock], [], [], left)
             if readable:
                 try:
-                    if not _recv_discard(self.fd):
+                    if not self.sock.recv(65536):
                         self.returncode = 0
                 except OSError:
                     self.returncode = 0
@@ -82,30 +86,16 @@ class RemoteRank:
 
     def close(self) -> None:
         """Close the socket (the pool's last use of it)."""
-        if self.fd >= 0:
-            socket.socket(fileno=self.fd).close()
-            self.fd = -1
+        self.sock.close()
         self.returncode = 0 if self.returncode is None else self.returncode
 
     def _shutdown(self, how: int) -> None:
         if self.fd < 0:
             return
-        sock = socket.socket(fileno=self.fd)
         try:
-            sock.shutdown(how)
+            self.sock.shutdown(how)
         except OSError:
             pass  # already disconnected
-        finally:
-            sock.detach()
-
-
-def _recv_discard(fd: int) -> int:
-    """Read and drop what is readable on ``fd``; the byte count (0: EOF)."""
-    sock = socket.socket(fileno=fd)
-    try:
-        return len(sock.recv(65536))
-    finally:
-        sock.detach()
 
 
 class JoinListener:
@@ -152,7 +142,7 @@ class JoinListener:
         except OSError as exc:
             conn.close()
             return f"dropped a join from {where}: {exc}"
-        handle = RemoteRank(conn.detach(), where)
+        handle = RemoteRank(conn, where)
         self.joined[rank] = handle
         return rank, handle
 
