@@ -28,11 +28,13 @@ from dataclasses import replace
 import numpy as np
 
 from agents.runtime.compile_cache import open_cache
+from agents.runtime.kv_copy import KvBlockCopier
 from agents.runtime.multi_step import run_decode_steps
 from agents.runtime.sampler import take_failures
 from agents.runtime.step_broadcast import StepBroadcast
 from agents.runtime.step_source import BroadcastSteps, SharedMemorySteps
 from llm_serving.protocol.batch import StepBatch, StepOutput
+from llm_serving.protocol.kv_segment import KvSegment
 from llm_serving.protocol.shm_channel import StepChannel
 from llm_serving.protocol.wire import (
     DONE,
@@ -161,6 +163,7 @@ def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft:
     ``ranks_here``: the ranks sharing this host (on CPU, its memory)."""
     from agents.runtime import kv_budget
     from agents.runtime.device import setup_device
+    from llm_serving.protocol.parallel import kv_block_bytes
 
     target = fields["device_target"]
     setup_device(target, fields["device_id"])
@@ -172,11 +175,11 @@ def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft:
     if target == "CPU":  # the ranks on this host share its memory
         device //= ranks_here
     kv_dtype = fields.get("kv_cache_dtype", "auto")
-    per_block = kv_budget.block_bytes(shard, block_size, dtype, kv_dtype)
+    per_block = kv_block_bytes(shard, block_size, dtype, kv_dtype)
     quantized = fields.get("quantization", "none") != "none"
     held = kv_budget.weight_bytes(weights, dtype, quantized)
     if draft is not None:
-        per_block += kv_budget.block_bytes(draft[0], block_size, dtype, kv_dtype)
+        per_block += kv_block_bytes(draft[0], block_size, dtype, kv_dtype)
         held += kv_budget.weight_bytes(draft[1], dtype, quantized)
     return kv_budget.plan_blocks(
         device, utilization, held,
@@ -185,15 +188,24 @@ def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft:
 
 
 def serve(steps: SharedMemorySteps | BroadcastSteps, runner, replier: Replier, rank: int,
-          block_size: int | None) -> None:
+          block_size: int | None, copier: KvBlockCopier | None = None) -> None:
     """Run steps until the master closes the command pipe or sends a negative step number, or rank 0 broadcasts
     the end (a batch of several decode steps: ``multi_step``; one that feeds the tokens of the step before:
-    ``fed_inputs``)."""
+    ``fed_inputs``; a KV-copy step: ``copier``, the pool's KV segment)."""
     picked: np.ndarray | None = None  # the last step's tokens, row for row: what a step after it may be fed
     while (step := steps.next_step()) is not None:
         try:
             fed, picked = picked, None
             batch = steps.read_batch(step)
+            if batch.kv_copy is not None:
+                if copier is None:
+                    raise RuntimeError("a KV-copy step reached an agent started without a KV segment")
+                copier.run(batch.kv_copy)
+                batch = None
+                if rank == 0:
+                    steps.write_output(step, StepOutput(np.zeros(0, np.int32), np.zeros(0, np.float32)))
+                replier.send(step, DONE)
+                continue
             if batch.feeds_previous:
                 batch = replace(batch, input_ids=fed_inputs(fed, batch), fed_rows=None)
             output = runner.step(batch) if batch.num_steps == 1 else run_decode_steps(runner.step, batch, block_size)
@@ -260,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lifeline-fd", type=int)
     parser.add_argument("--link-fd", type=int, help="a socket connected to the master, instead of the reply and "
                         "lifeline pipes (a rank on another host: `llm-serving agent --join`)")
+    parser.add_argument("--kv-shm", help="name of the pool's KV segment (prefill/decode disaggregation)")
     parser.add_argument("--device-id", type=int, help="this rank's device (default: start_device_id + rank)")
     parser.add_argument("--ranks-here", type=int, help="the pool's ranks on this host, sharing its cores (default: "
                         "the ranks the master starts)")
@@ -291,6 +304,13 @@ def main(argv: list[str] | None = None) -> None:
         else:  # a hit's shapes load without running (their saved costs); a miss publishes its graphs
             runner.warmup(progress, known_costs=cache.costs)
             cache.commit(runner.step_costs)
+        copier = None
+        if spec.kv_transfer:
+            if args.kv_shm is None:
+                raise ValueError("a pool with KV transfer starts its agents with --kv-shm")
+            segment = KvSegment.attach(args.kv_shm, spec.tensor_parallel_size, spec.kv_block_bytes,
+                                       spec.max_blocks_per_seq)
+            copier = KvBlockCopier.of_runner(runner, segment, args.rank)
         broadcast = StepBroadcast() if spec.has_remote_ranks else None
         steps = BroadcastSteps(broadcast) if follows else SharedMemorySteps(channels, args.cmd_fd, broadcast)
         freeze_startup_objects()
@@ -303,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     costs = getattr(runner, "step_costs", None) or {}  # seconds per warmed shape: the step timeout's base
     blocks = getattr(getattr(runner, "rc", None), "num_blocks", None)
     replier.send(STARTUP_STEP, READY, ready_payload(max(costs.values()) if costs else None, blocks))
-    serve(steps, runner, replier, args.rank, spec.runner_config.get("block_size"))
+    serve(steps, runner, replier, args.rank, spec.runner_config.get("block_size"), copier)
     _exit(0)
 
 

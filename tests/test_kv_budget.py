@@ -14,7 +14,7 @@ from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.engine.loop import Engine
 from llm_serving.engine.wiring import agent_spec, resolve_model, runner_config_dict
 from llm_serving.protocol.model_config import LlamaConfig
-from llm_serving.protocol.parallel import ShardPlan
+from llm_serving.protocol.parallel import ShardPlan, kv_block_bytes
 from llm_serving.protocol.wire import parse_ready_payload, ready_payload
 
 GIB = kv_budget.GIB
@@ -23,15 +23,15 @@ LLAMA_7B = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=110
 
 
 def test_a_block_holds_k_and_v_of_every_layer_and_ranks_hold_their_share_of_the_kv_heads():
-    assert kv_budget.block_bytes(ShardPlan(LLAMA_7B), 16, "float16") == 2 * 32 * 16 * 4096 * 2  # 8 MiB
-    assert kv_budget.block_bytes(ShardPlan(LLAMA_7B, 2, 1), 16, "float16") == 2 * 32 * 16 * 2048 * 2
+    assert kv_block_bytes(ShardPlan(LLAMA_7B), 16, "float16") == 2 * 32 * 16 * 4096 * 2  # 8 MiB
+    assert kv_block_bytes(ShardPlan(LLAMA_7B, 2, 1), 16, "float16") == 2 * 32 * 16 * 2048 * 2
 
 
 def test_llama2_7b_on_32_and_64_gb_910bs():
     """The arithmetic the agents do at start-up, for the 13.5 GB of Llama-2-7B float16 weights."""
     shard, weights = ShardPlan(LLAMA_7B), 6_738_415_616 * 2
     reserve = kv_budget.step_reserve_bytes(shard, 8192 + 128, 129, "float16", "Ascend")
-    per_block = kv_budget.block_bytes(shard, 16, "float16")
+    per_block = kv_block_bytes(shard, 16, "float16")
     small = kv_budget.plan_blocks(32 * GIB, 0.9, weights, reserve, per_block, 16, 4096)
     large = kv_budget.plan_blocks(64 * GIB, 0.9, weights, reserve, per_block, 16, 4096)
     assert 1500 < small.num_blocks < 1800 and 5100 < large.num_blocks < 5500  # not the 5376 a 32 GB one OOMs on
@@ -85,7 +85,7 @@ def utilization_for(cfg: ServingConfig, blocks: int) -> float:
     need = (kv_budget.weight_bytes(load_weights(model.model_path, model.llama_config), "float32")
             + kv_budget.step_reserve_bytes(shard, max(fields["max_num_batched_tokens"] or 0, 4 * 32, 64) + 8, 9,
                                            "float32", "CPU")
-            + blocks * kv_budget.block_bytes(shard, 8, "float32"))
+            + blocks * kv_block_bytes(shard, 8, "float32"))
     return need / kv_budget.device_memory_bytes("CPU", 0)
 
 

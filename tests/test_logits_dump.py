@@ -357,13 +357,13 @@ def test_llama2_7b_ascend_config_loads_and_its_kv_cache_fits_a_910b():
     params = sum(int(np.prod(s)) for s in _hf_shapes(llama7b))
     assert params == 6_738_415_616
     from agents.runtime import kv_budget
-    from llm_serving.protocol.parallel import ShardPlan
+    from llm_serving.protocol.parallel import ShardPlan, kv_block_bytes
 
     # the cache is sized from the NPU's memory at start-up (tests/test_kv_budget.py), as the agent does it
     assert pa.auto_blocks and pa.utilization == 0.9
     shard = ShardPlan(llama7b)
     reserve = kv_budget.step_reserve_bytes(shard, cfg.max_num_batched_tokens + 128, 129, "float16", "Ascend")
-    per_block = kv_budget.block_bytes(shard, pa.block_size, "float16")
+    per_block = kv_block_bytes(shard, pa.block_size, "float16")
     assert per_block == 8 * 2**20
     for device_gib, at_least in ((32, 128 * 160), (64, 128 * 512)):  # 160- and 512-token sequences, 128 of them
         budget = kv_budget.plan_blocks(device_gib * kv_budget.GIB, pa.utilization, params * 2, reserve, per_block,

@@ -24,7 +24,7 @@ from llm_serving.config.serving_config import ServingConfig
 from llm_serving.models.default_model import ensure_default_model
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
-from llm_serving.protocol.parallel import ShardPlan
+from llm_serving.protocol.parallel import ShardPlan, kv_block_bytes
 from tests.op_cell import OpCell, built_ops
 from tests.test_fast_precision import CONFIG, RC, engine_run, teacher_forced_logits
 
@@ -443,7 +443,7 @@ def test_the_int8_cache_is_a_quarter_of_the_bytes_and_stays_near_float(kv_runner
 
 def test_block_bytes_of_an_int8_cache():
     plan = ShardPlan(CONFIG)
-    f32, i8 = kv_budget.block_bytes(plan, 16, "float32"), kv_budget.block_bytes(plan, 16, "float32", "int8")
+    f32, i8 = kv_block_bytes(plan, 16, "float32"), kv_block_bytes(plan, 16, "float32", "int8")
     assert i8 == f32 * (CONFIG.head_dim + 4) // (4 * CONFIG.head_dim)
 
 

@@ -19,10 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from agents.weights.sharded import QUANTIZED_KINDS
-from llm_serving.protocol.parallel import ShardPlan
+from llm_serving.protocol.parallel import DTYPE_BYTES, ShardPlan
 
 GIB = 1 << 30
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 RUNTIME_RESERVE_BYTES = {"Ascend": 2 * GIB, "CPU": 0}  # what the device runtime keeps besides our tensors
 
 
@@ -41,14 +40,6 @@ class KvBudget:
         return (f"KV cache: {self.num_blocks} blocks of {self.block_bytes / (1 << 20):.2f} MiB from "
                 f"{self.utilization:g} x {self.device_bytes / GIB:.1f} GiB, less {self.weight_bytes / GIB:.2f} GiB "
                 f"of weights and {self.reserve_bytes / GIB:.2f} GiB for steps and the runtime")
-
-
-def block_bytes(shard: ShardPlan, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> int:
-    """One block of this rank's cache: K and V of ``block_size`` tokens over its kv heads, every layer; an int8
-    cache row is head_dim bytes and a float32 scale (``kv_cache_dtype`` int8)."""
-    config = shard.config
-    row = config.head_dim + 4 if kv_cache_dtype == "int8" else config.head_dim * DTYPE_BYTES[dtype]
-    return 2 * config.num_hidden_layers * block_size * shard.kv_heads * row
 
 
 def weight_bytes(weights: Mapping[str, np.ndarray], dtype: str, quantized: bool = False) -> int:

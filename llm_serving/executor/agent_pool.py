@@ -49,6 +49,7 @@ import numpy as np
 from llm_serving.executor.collective_launch import CollectiveCluster, cluster_host, needs_cluster
 from llm_serving.executor.rank_join import JoinListener, RemoteRank
 from llm_serving.protocol.batch import FAILED_TOKEN, StepBatch, StepOutput
+from llm_serving.protocol.kv_segment import KvSegment
 from llm_serving.protocol.shm_channel import StepChannel
 from llm_serving.protocol.wire import (
     CMD,
@@ -148,6 +149,7 @@ class AgentPool:
         self._by_fd: dict[int, _Agent] = {}
         self._poller = select.poll()
         self._channels: list[StepChannel] = []  # spec.steps_in_flight segments: step s in segment s % len
+        self._kv: KvSegment | None = None  # spec.kv_transfer: whole KV blocks out of and into the agents' caches
         self._cluster: CollectiveCluster | None = None  # the collectives' scheduler of tensor-parallel ranks
         self._listener: JoinListener | None = None  # while starting, for ranks on other hosts to join
         self._join_notes: list[str] = []  # joins refused meanwhile, for the start-up progress
@@ -220,6 +222,9 @@ class AgentPool:
             try:
                 for _ in range(self.spec.steps_in_flight):
                     self._channels.append(StepChannel.create(self.spec.layout))
+                if self.spec.kv_transfer:
+                    self._kv = KvSegment.create(self.spec.tensor_parallel_size, self.spec.kv_block_bytes,
+                                                self.spec.max_blocks_per_seq)
                 if needs_cluster(self.spec):
                     self._cluster = CollectiveCluster.start(self.spec, self._agent_env(), self.startup_timeout_s)
                 if self.spec.has_remote_ranks:
@@ -262,6 +267,8 @@ class AgentPool:
                 "--lifeline-fd", str(life_r), "--spec", self.spec.to_json()]
         if not follows:
             argv += ["--shm", ",".join(c.name for c in self._channels), "--cmd-fd", str(cmd_r)]
+        if self._kv is not None:
+            argv += ["--kv-shm", self._kv.name]
         try:
             # stdout goes to our stderr: MindSpore chatter must not mix into the master's stdout output.
             proc = subprocess.Popen(argv, pass_fds=child_fds, env=env, stdin=subprocess.DEVNULL, stdout=2)
@@ -389,6 +396,27 @@ class AgentPool:
                 return output
             finally:
                 self._in_flight.popleft()
+
+    def export_kv(self, block_ids: list[int]) -> list[bytes]:
+        """Every rank's bytes of the KV blocks ``block_ids`` (in that order), by rank; no step may be in flight."""
+        self._check_kv_copy()
+        self.run_step(StepBatch.copy_blocks("export", block_ids))
+        assert self._kv is not None
+        return self._kv.read(len(block_ids))
+
+    def import_kv(self, block_ids: list[int], shards: list[bytes]) -> None:
+        """Write each rank's shard (``export_kv``'s bytes, from an engine of the same layout) into the KV blocks
+        ``block_ids``; no step may be in flight."""
+        self._check_kv_copy()
+        with self._step_lock:
+            self._kv.write(shards, len(block_ids))
+        self.run_step(StepBatch.copy_blocks("import", block_ids))
+
+    def _check_kv_copy(self) -> None:
+        if self._kv is None:
+            raise RuntimeError("this agent pool was started without KV transfer (AgentSpec.kv_transfer)")
+        if self._in_flight:
+            raise RuntimeError("a KV copy waits until no step is in flight")
 
     def _check_serving(self) -> None:
         if self._state != "ready":
@@ -537,6 +565,9 @@ class AgentPool:
         for channel in self._channels:
             channel.close()
         self._channels = []
+        if self._kv is not None:
+            self._kv.close()
+            self._kv = None
 
     def __enter__(self) -> Self:
         return self

@@ -111,6 +111,19 @@ def kv_slots(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, 
     return block_tables[rows, positions // block_size] * block_size + positions % block_size
 
 
+KV_DIRECTIONS = ("export", "import")
+
+
+@dataclass
+class KvCopy:
+    """What a KV-copy step moves (prefill/decode disaggregation, ``llm_serving.engine.kv_transfer``): ``export``
+    copies the whole blocks ``block_ids``, in that order, out of every rank's KV cache into the rank's region of the
+    pool's KV segment (``protocol.kv_segment``); ``import`` copies the segment's blocks into them."""
+
+    direction: str
+    block_ids: np.ndarray  # int32 [n]
+
+
 @dataclass
 class StepBatch:
     """One model step for ``B`` sequences.
@@ -131,6 +144,9 @@ class StepBatch:
     differs: ``token_ids[i]`` is the pick after the sequence's last real token, ``more_token_ids[i, :num_more[i]]``
     the picks after each accepted proposal.
 
+    ``kv_copy``: not a model step but a copy of whole KV blocks between the caches and the KV segment (``KvCopy``);
+    it has no sequences and its answer no tokens.
+
     ``fed_rows`` (asynchronous scheduling, sent while the step before is still running): a decode step of sequences
     of the step before, whose ``input_ids`` are placeholders: each agent feeds row ``i`` the token it picked for row
     ``fed_rows[i]`` of the step before (that row's last step's, for a multi-step batch).
@@ -148,6 +164,16 @@ class StepBatch:
     num_steps: int = 1
     draft_lens: np.ndarray | None = None  # int32 [B]; None: no proposals to verify
     fed_rows: np.ndarray | None = None  # int32 [B]: each row's row in the step before, whose pick is its input
+    kv_copy: KvCopy | None = None  # a KV-copy step (no sequences): see KvCopy
+
+    @classmethod
+    def copy_blocks(cls, direction: str, block_ids: list[int] | np.ndarray) -> StepBatch:
+        """A KV-copy step of ``block_ids``."""
+        if direction not in KV_DIRECTIONS:
+            raise ValueError(f"KV copy direction {direction!r} is not one of {KV_DIRECTIONS}")
+        empty = np.zeros(0, np.int32)
+        return cls(False, empty, empty, empty, empty, empty, np.zeros((0, 1), np.int32),
+                   kv_copy=KvCopy(direction, np.asarray(block_ids, np.int32)))
 
     @property
     def feeds_previous(self) -> bool:
@@ -189,6 +215,8 @@ class StepBatch:
             raise ValueError("context_lens/block_tables do not match the batch size")
         if int(self.query_lens.sum()) != n:
             raise ValueError(f"query_lens sum to {int(self.query_lens.sum())}, but there are {n} tokens")
+        if self.kv_copy is not None and (b or self.kv_copy.direction not in KV_DIRECTIONS):
+            raise ValueError("a KV-copy step has no sequences and copies out ('export') or in ('import')")
         if not self.is_prefill and not np.all(self.query_lens == 1):
             raise ValueError("a decode step takes exactly one token per sequence")
         if self.num_steps > 1 and (self.is_prefill or self.sampling is not None or self.want_logits is not None):

@@ -118,3 +118,14 @@ class ShardPlan:
     def ffn_range(self) -> tuple[int, int]:
         """Rows of gate and of up (each), and columns of down, this rank holds."""
         return self.rank * self.ffn, (self.rank + 1) * self.ffn
+
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # bytes of one value, by protocol DTYPES
+
+
+def kv_block_bytes(shard: ShardPlan, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """One block of a rank's KV cache: K and V of ``block_size`` tokens over its kv heads, every layer; an int8
+    cache row is head_dim bytes and a float32 scale (``kv_cache_dtype`` int8)."""
+    config = shard.config
+    row = config.head_dim + 4 if kv_cache_dtype == "int8" else config.head_dim * DTYPE_BYTES[dtype]
+    return 2 * config.num_hidden_layers * block_size * shard.kv_heads * row

@@ -28,16 +28,17 @@ import numpy as np
 
 from llm_serving.protocol.batch import (
     MAX_LOGIT_ADJUSTMENTS,
+    KvCopy,
     SamplingBatch,
     SamplingExtras,
     StepBatch,
     StepOutput,
 )
 
-MAGIC = 0x4C4C4D534838  # "LLMSH8": bump the digit when the layout changes
+MAGIC = 0x4C4C4D534839  # "LLMSH9": bump the digit when the layout changes
 NAME_PREFIX = "llmserving_"
 _ALIGN = 64
-_HEADER_SLOTS = 27
+_HEADER_SLOTS = 29
 # header slots (int64)
 _MAGIC, _MAX_TOKENS, _MAX_BATCH, _MAX_BLOCKS = 0, 1, 2, 3
 _STEP, _IS_PREFILL, _NUM_TOKENS, _BATCH_SIZE, _WIDTH = 4, 5, 6, 7, 8
@@ -47,6 +48,8 @@ _MAX_LOGITS_ROWS, _LOGITS_WIDTH, _WANT_LOGITS, _OUT_LOGITS_ROWS = 14, 15, 16, 17
 _EXTRAS, _ADJUSTMENTS, _MASKS = 18, 19, 20
 _NUM_STEPS, _OUT_MORE_STEPS, _MAX_DECODE_STEPS = 21, 22, 23
 _DRAFTS, _OUT_NUM_MORE, _FEEDS = 24, 25, 26
+_KV_COPY, _KV_BLOCKS = 27, 28  # 0: a model step, else _KV_CODES of a KV-copy step; how many blocks it copies
+_KV_CODES = {"export": 1, "import": 2}
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "seeds", "draw_index")
 _EXTRA_FIELDS = ("presence_penalty", "frequency_penalty", "min_p", "output_start")
 
@@ -96,6 +99,7 @@ class ChannelLayout:
                 ("adjust_values", np.float32, b * MAX_LOGIT_ADJUSTMENTS),
                 ("token_masks", np.int32, b * self.mask_words),
                 ("want_logits", np.uint8, b), ("draft_lens", np.int32, b), ("fed_rows", np.int32, b),
+                ("kv_block_ids", np.int32, self.max_blocks_per_seq),
                 ("out_token_ids", np.int32, b), ("out_logprobs", np.float32, b),
                 ("out_more_ids", np.int32, b * (self.max_decode_steps - 1)),
                 ("out_more_logprobs", np.float32, b * (self.max_decode_steps - 1)), ("out_num_more", np.int32, b),
@@ -261,6 +265,9 @@ class StepChannel:
         if drafts is not None and (drafts.shape != (batch.batch_size,) or int(drafts.max(initial=0)) >= lay.max_decode_steps):
             raise ValueError(f"draft_lens {drafts.tolist()} exceed the shared memory's {lay.max_decode_steps - 1} proposals a "
                              "sequence (AgentSpec max_decode_steps)")
+        if batch.kv_copy is not None and batch.kv_copy.block_ids.shape[0] > lay.max_blocks_per_seq:
+            raise ValueError(f"a KV copy of {batch.kv_copy.block_ids.shape[0]} blocks exceeds the shared memory's "
+                             f"{lay.max_blocks_per_seq} (one sequence's blocks: AgentSpec max_blocks_per_seq)")
         sampling = batch.sampling
         if sampling is not None and sampling.penalty_offsets.shape != (batch.batch_size + 1,):
             raise ValueError(f"sampling.penalty_offsets has shape {sampling.penalty_offsets.shape}, expected "
@@ -308,6 +315,11 @@ class StepChannel:
         if batch.fed_rows is not None:
             v["fed_rows"][:b] = batch.fed_rows
         h[_FEEDS] = batch.fed_rows is not None
+        copy = batch.kv_copy
+        if copy is not None:
+            v["kv_block_ids"][: copy.block_ids.shape[0]] = copy.block_ids
+            h[_KV_BLOCKS] = copy.block_ids.shape[0]
+        h[_KV_COPY] = _KV_CODES[copy.direction] if copy is not None else 0
         h[_IS_PREFILL], h[_NUM_TOKENS], h[_BATCH_SIZE], h[_WIDTH] = int(batch.is_prefill), n, b, width
         h[_NUM_STEPS] = batch.num_steps
         h[_STEP] = step
@@ -352,6 +364,9 @@ class StepChannel:
                           v["query_lens"][:b], v["context_lens"][:b],
                           v["block_tables"][: b * width].reshape(b, width), sampling, want, int(h[_NUM_STEPS]),
                           v["draft_lens"][:b] if h[_DRAFTS] else None, v["fed_rows"][:b] if h[_FEEDS] else None)
+        if h[_KV_COPY]:
+            direction = "export" if h[_KV_COPY] == _KV_CODES["export"] else "import"
+            batch.kv_copy = KvCopy(direction, v["kv_block_ids"][: int(h[_KV_BLOCKS])])
         return int(h[_STEP]), batch
 
     def write_output(self, step: int, output: StepOutput) -> None:

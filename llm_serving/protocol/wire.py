@@ -14,6 +14,8 @@ import struct
 import traceback
 from dataclasses import asdict, dataclass, field
 
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.protocol.parallel import ShardPlan, kv_block_bytes
 from llm_serving.protocol.shm_channel import ChannelLayout
 
 KINDS = ("llama", "standin")
@@ -123,6 +125,9 @@ class AgentSpec:
     # ranks' collective scheduler listens. Then rank 0 broadcasts each step to them (agents.runtime.step_broadcast)
     local_ranks: int | None = None
     join_address: str | None = None
+    # prefill/decode disaggregation: a KV segment beside the step segments (protocol.kv_segment) through which
+    # KV-copy steps export and import whole blocks
+    kv_transfer: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -146,6 +151,10 @@ class AgentSpec:
                              "they get each step through its collectives")
         if self.has_remote_ranks and not self.join_address:
             raise ValueError("AgentSpec.join_address is required when some ranks run on other hosts")
+        if self.kv_transfer and (self.kind != "llama" or self.backend != "ms" or self.has_remote_ranks
+                                 or self.exit_layer is not None or self.draft is not None):
+            raise ValueError("KV transfer needs MindSpore agents of our Llama (kind llama, backend ms), all ranks on "
+                             "this host, no early exit and no draft model")
         _ = self.layout  # validates the capacities
 
     @property
@@ -168,6 +177,13 @@ class AgentSpec:
     def layout(self) -> ChannelLayout:
         return ChannelLayout(self.max_tokens, self.max_batch, self.max_blocks_per_seq, self.max_penalty_tokens,
                              self.max_logits_rows, int(self.llama_config["vocab_size"]), self.max_decode_steps)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block in each rank's cache (``parallel.kv_block_bytes``)."""
+        rc = self.runner_config
+        return kv_block_bytes(ShardPlan(LlamaConfig(**self.llama_config), self.tensor_parallel_size),
+                              int(rc["block_size"]), rc.get("dtype", "float32"), rc.get("kv_cache_dtype", "auto"))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -33,6 +33,12 @@ class Attention(nn.Cell):
         """Every cache Parameter of this layer (for checks that the cache is or is not written)."""
         raise NotImplementedError
 
+    def cache_blocks(self, block_size: int) -> list[np.ndarray]:
+        """Every cache of this layer as a host array with the blocks on its first axis, sharing the cache's memory
+        (KV-copy steps, ``agents.runtime.kv_copy``). Only where the device's memory is the host's: on CPU a
+        Parameter's ``asnumpy()`` is the cache itself (``tests/test_disaggregation.py`` checks it both ways)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot copy its KV cache by block on the host")
+
     def chunked(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, query_lens: Tensor,
                 context_lens: Tensor, block_tables: Tensor, positions: Tensor) -> Tensor:
         """Queries over cached context (chunked prefill, prefill after a prefix-cache hit, decode tokens mixed in;

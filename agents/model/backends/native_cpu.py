@@ -53,6 +53,10 @@ class NativeAttention(Attention):
     def caches(self) -> tuple[Parameter, ...]:
         return (self.kv_cache,)
 
+    def cache_blocks(self, block_size: int) -> list[np.ndarray]:
+        heads, slots, row = self.kv_cache.shape  # [2 * kv_heads, slots, row] -> [blocks, 2 * kv_heads, block, row]
+        return [self.kv_cache.asnumpy().reshape(heads, slots // block_size, block_size, row).transpose(1, 0, 2, 3)]
+
     def construct(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
                   block_tables: Tensor, is_prefill: bool) -> Tensor:
         if is_prefill:

@@ -50,6 +50,9 @@ class PortableAttention(Attention):
     def caches(self) -> tuple[Parameter, ...]:
         return (*self.key_cache, *self.value_cache)
 
+    def cache_blocks(self, block_size: int) -> list[np.ndarray]:
+        return [c.asnumpy().reshape(c.shape[0] // block_size, block_size, c.shape[1]) for c in self.caches()]
+
     def rope(self, x: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
         """Rotate-half rotary embedding on token-flat ``[tokens, heads * head_dim]``."""
         t = x.reshape(x.shape[0], heads, self.head_dim)
