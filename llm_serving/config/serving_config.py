@@ -104,6 +104,9 @@ class ServingSection:
     # join_address (HOST:PORT of this host, where `llm-serving agent --join` connects; docs/deployment.md)
     local_agents: int | None = setting(None, "int", optional=True)
     join_address: str | None = setting(None, "str", optional=True)
+    # prefill/decode disaggregation: this engine exports prompts' KV blocks to, and imports them from, engines of
+    # the same model and layout (kv_transfer_params of the OpenAI routes; `llm-serving router --prefill`)
+    kv_transfer: bool = setting(False, "bool")
     max_queue_size: int = setting(1024, "int")
     model_aliases: tuple[str, ...] = setting(("llama2",), "strs")
     api_key: str | None = setting(None, "str", optional=True)  # Bearer key on all routes but /health
@@ -461,6 +464,17 @@ def _validate(cfg: ServingConfig) -> None:
             split_address(s.join_address)
         except ValueError as exc:
             need(False, "serving_config.join_address", str(exc))
+    if s.kv_transfer:
+        need(m.device_target == "CPU" and not cfg.uses_mindformers, "serving_config.kv_transfer",
+             "KV blocks are copied on the host, where the cache is host memory: the CPU agents of our Llama only "
+             "(Ascend would need gather/scatter graphs, docs/deployment.md)")
+        need(cfg.prefix_caching, "serving_config.kv_transfer",
+             "blocks move as prefix-cache blocks: leave scheduler.enable_prefix_caching on")
+        need(s.local_agents is None or s.local_agents >= s.effective_num_agents, "serving_config.kv_transfer",
+             "every rank must run on this host (the KV segment is shared memory)")
+        need(not cfg.speculative.method and m.early_exit_layer is None, "serving_config.kv_transfer",
+             "a draft model's or an early exit's cache is not transferred: not with speculative.method or "
+             "model_config.early_exit_layer")
     need(0 <= s.server_port < 65536, "serving_config.server_port",
          f"must be 0..65535 (0: any free port), got {s.server_port}")
     need(bool(s.server_ip.strip()), "serving_config.server_ip", "must not be empty")

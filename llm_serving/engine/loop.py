@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,7 @@ from llm_serving.core.scheduler import RequestRejected, Scheduler
 from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.core.step_shape import StepShape
 from llm_serving.engine.admission import RequestLimits
+from llm_serving.engine.kv_transfer import KvPayload, KvTransfers, kv_layout
 from llm_serving.engine.live_requests import LiveRequests, SequenceError
 from llm_serving.engine.recovery import MAX_STRIKES, AgentSupervisor, RecoveryConfig, run_isolated
 from llm_serving.engine.request_stream import (
@@ -87,6 +89,7 @@ class Engine:
         self._work = threading.Condition(self._lock)
         self._requests: LiveRequests | None = None  # set by start()
         self._grammars: GrammarCompiler | None = None  # see _grammar_compiler
+        self._kv: KvTransfers | None = None  # serving_config.kv_transfer: prompts' KV blocks exported and imported
         self._grammar_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._started = self._stopping = False
@@ -152,8 +155,9 @@ class Engine:
         auto = cfg.pa_config.auto_blocks  # the agents size their caches; the scheduler follows their count
         if not auto:
             self._start_scheduler()
-        self._agents = AgentSupervisor(RecoveryConfig.from_config(cfg), self._pool_factory,
-                                       agent_spec(cfg, self.model, self.standin_agents))
+        spec = agent_spec(cfg, self.model, self.standin_agents)
+        self._kv = KvTransfers(kv_layout(spec), self._lock) if spec.kv_transfer else None
+        self._agents = AgentSupervisor(RecoveryConfig.from_config(cfg), self._pool_factory, spec)
         try:
             self._agents.start(progress)  # raises (after cleaning up) when an agent cannot start
             if auto:
@@ -191,6 +195,7 @@ class Engine:
             if thread.is_alive() and self._agents is not None:
                 self._agents.close()  # a step that does not come back: stopping the agents ends it
                 thread.join()
+        self._drop_kv_copies(EngineError("the engine was shut down"))
         with self._lock:
             self.state = "failed" if self.state == "failed" else "stopped"
             if self._requests is not None:
@@ -245,6 +250,39 @@ class Engine:
             self._work.notify()
         return stream
 
+    def export_prompt_kv(self, prompt_ids: list[int]) -> Future:
+        """A future of the KV blocks this engine holds of ``prompt_ids``' full blocks (``kv_transfer.KvPayload``;
+        none when nothing is cached), copied out between steps (``serving_config.kv_transfer``)."""
+        with self._lock:
+            self._check_kv_transfer()
+            future = self._kv.queue_export(self._scheduler.block_manager, prompt_ids)
+            self._work.notify()
+        return future
+
+    def import_prompt_kv(self, payload: KvPayload) -> Future:
+        """A future of the number of blocks of ``payload`` (another engine's ``export_prompt_kv``) copied into this
+        engine's prefix cache between steps; a request for a prompt they start then computes only the rest. Raises
+        ValueError when the payload's layout is not this engine's."""
+        with self._lock:
+            self._check_kv_transfer()
+            future = self._kv.queue_import(self._scheduler.block_manager, payload)
+            self._work.notify()
+        return future
+
+    def _check_kv_transfer(self) -> None:
+        self._check_ready()
+        if self._kv is None:
+            raise EngineError("this engine was started without KV transfer (serving_config.kv_transfer)")
+
+    @property
+    def _kv_pending(self) -> bool:
+        return self._kv is not None and self._kv.pending
+
+    def _drop_kv_copies(self, error: EngineError) -> None:
+        """Fail the KV copies still queued (not under the lock)."""
+        if self._kv is not None and self._scheduler is not None:
+            self._kv.fail_all(self._scheduler.block_manager, error)
+
     def _grammar_compiler(self) -> GrammarCompiler:
         """The structured-output compiler of the served vocabulary, built at the first constrained request (it
         indexes every token: ~0.1 s for 32k tokens)."""
@@ -282,6 +320,8 @@ class Engine:
                            spec_acceptance_rate=s.spec_accepted / s.spec_proposed if s.spec_proposed else 0.0)
             if self._agents is not None:
                 out.update(agent_restarts=self._agents.restarts, step_timeout_s=self._agents.step_timeout_s)
+            if self._kv is not None:
+                out.update(self._kv.counters)
             out.update(self._counters, run_step_s=self._run_step_s, busy_s=self._busy_seconds())
             return out
 
@@ -321,12 +361,16 @@ class Engine:
         try:
             while True:
                 if in_flight is None:
+                    if self._kv is not None:  # KV copies run between steps, none in flight
+                        self._kv.run(pool, sched.block_manager)
                     step = self._wait_for_step()
                     if step is None:
-                        return True
+                        if self._stopping:
+                            return True
+                        continue  # KV copies to run
                     in_flight = self._submit(step)
                 seqs, batch, number, sent_at = in_flight
-                if schedules_ahead and ahead is None:
+                if schedules_ahead and ahead is None and not self._kv_pending:
                     with self._lock:
                         step = None if self._stopping else sched.schedule_ahead(seqs, batch)
                     ahead = None if step is None else self._submit(step)
@@ -346,7 +390,8 @@ class Engine:
                     self._requests.fail_rows(seqs, {**output.errors, **masked_rows(seqs, batch, output.token_ids)})
                     sched.postprocess(seqs, output)
                     sched.note_step_time(done - started)  # speculation's measured choice
-                    step = None if self._stopping or ahead is not None else sched.schedule()
+                    # queued KV copies first: no step is in flight once this one is delivered
+                    step = None if self._stopping or ahead is not None or self._kv_pending else sched.schedule()
                     if self.step_trace is not None:
                         self.step_trace.append((StepShape.of(batch), time.perf_counter() - started))
                 try:
@@ -370,6 +415,7 @@ class Engine:
         """Replace the agents (see ``recovery``); running requests are recomputed, queued ones kept. False
         once stopping; EngineError when the agents cannot be restarted."""
         log.error("agents failed (%s): recomputing the running requests on new agents", self.last_failure)
+        self._drop_kv_copies(EngineError(f"the agents were replaced ({self.last_failure})"))
         with self._lock:
             if self._stopping:
                 return False
@@ -395,10 +441,10 @@ class Engine:
             return not self._work.wait_for(lambda: self._stopping, seconds)
 
     def _wait_for_step(self) -> tuple[list[Sequence], StepBatch] | None:
-        """The next step, waiting (idle) while there is no work; None once stopping."""
+        """The next step, waiting (idle) while there is no work; None once stopping or when KV copies wait."""
         with self._lock:
             step = None if self._stopping else self._scheduler.schedule()
-            while step is None:
+            while step is None and not self._kv_pending:
                 if self._stopping:
                     return None
                 self._idle_since = time.perf_counter()
@@ -443,6 +489,10 @@ class Engine:
         if err is not exc:
             err.__cause__ = exc
         log.error("engine failed: %s", err)
+        try:
+            self._drop_kv_copies(err)
+        except Exception:
+            log.warning("dropping the queued KV copies failed", exc_info=True)
         with self._lock:
             self.state = "failed"
             self.last_failure = str(err)

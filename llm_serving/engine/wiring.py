@@ -283,4 +283,5 @@ def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) 
         steps_in_flight=2 if config.async_scheduling else 1,
         local_ranks=config.serving_config.local_agents,
         join_address=config.serving_config.join_address,
+        kv_transfer=config.serving_config.kv_transfer and not standin,
     )

@@ -1,0 +1,200 @@
+"""Prefill/decode disaggregation on the engine: a prompt's KV blocks exported by the engine that prefilled it and
+imported by the engine that decodes it, both as prefix-cache blocks.
+
+Export: after a prompt was computed its full blocks stay in the prefix cache (idle, the most recently used, so the
+last to be evicted); ``queue_export`` finds them by the prompt's block keys, pins them (a holder of their own, so no
+step can hand them out) and queues a copy; the engine's loop runs it between steps, none in flight
+(``AgentPool.export_kv``), and unpins. Import: ``queue_import`` takes fresh blocks for the payload's tokens, the loop
+copies the bytes in (``AgentPool.import_kv``) and registers the blocks in the prefix cache under those tokens' keys,
+idle. The request then arrives as usual and its prompt hits them: the scheduler computes only what the blocks do not
+hold (at least the last prompt token), so the decode engine's answer is its own, token for token what it would
+answer alone. If anything is lost on the way (blocks evicted before the hit, a transfer that never came), the prompt
+is simply computed again: the import makes the answer faster, never different.
+
+A payload holds bytes in the exporting ranks' cache layout, so both engines must serve the same model the same way:
+``KvPayload.layout`` (model config, tensor-parallel size, block geometry, dtypes, kernels) is compared before
+anything is imported. The weights themselves are not compared: the deployment serves one checkpoint on both sides.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import struct
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from llm_serving.core.block_manager import BlockManager
+from llm_serving.core.prefix_cache import extend_block_hashes
+from llm_serving.core.sequence import Sequence
+from llm_serving.executor.agent_pool import AgentStepError
+from llm_serving.protocol.wire import AgentSpec
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"LLMSKV1\n"
+_HEADER_LEN = struct.Struct("<I")
+# runner settings that change the cache's bytes or the K/V values in it
+LAYOUT_KEYS = ("block_size", "dtype", "kv_cache_dtype", "kernels", "precision", "quantization", "device_target")
+
+
+def kv_layout(spec: AgentSpec) -> dict[str, Any]:
+    """What must be equal on both engines for one's KV bytes to mean the same in the other's cache."""
+    rc = spec.runner_config
+    return {"llama_config": spec.llama_config, "tensor_parallel_size": spec.tensor_parallel_size,
+            "block_bytes": spec.kv_block_bytes, **{k: rc.get(k) for k in LAYOUT_KEYS}}
+
+
+@dataclass
+class KvPayload:
+    """Whole KV blocks of a prompt: the tokens they hold (``num_blocks * block_size``) and each rank's bytes."""
+
+    layout: dict[str, Any]
+    token_ids: list[int]
+    shards: list[bytes]  # by rank; each num_blocks x the layout's block_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.shards[0]) // self.layout["block_bytes"] if self.shards and self.layout["block_bytes"] else 0
+
+    def to_bytes(self) -> bytes:
+        header = json.dumps({"layout": self.layout, "token_ids": self.token_ids,
+                             "shard_bytes": [len(s) for s in self.shards]}).encode()
+        return b"".join((MAGIC, _HEADER_LEN.pack(len(header)), header, *self.shards))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> KvPayload:
+        """Parse ``to_bytes``' output; ValueError naming what is wrong."""
+        if not data.startswith(MAGIC) or len(data) < len(MAGIC) + _HEADER_LEN.size:
+            raise ValueError("not a KV payload of this llm-serving version")
+        start = len(MAGIC) + _HEADER_LEN.size
+        (size,) = _HEADER_LEN.unpack_from(data, len(MAGIC))
+        try:
+            header = json.loads(data[start: start + size])
+            layout, tokens, sizes = header["layout"], header["token_ids"], header["shard_bytes"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"the KV payload's header is malformed: {exc}") from None
+        offset, shards = start + size, []
+        for n in sizes:
+            shards.append(data[offset: offset + n])
+            offset += n
+        if offset != len(data) or any(len(s) != n for s, n in zip(shards, sizes)):
+            raise ValueError(f"the KV payload holds {len(data)} bytes, its header describes {offset}")
+        payload = cls(layout, [int(t) for t in tokens], shards)
+        bs, block = int(layout.get("block_size") or 0), int(layout.get("block_bytes") or 0)
+        if not bs or len(tokens) != payload.num_blocks * bs or any(len(s) != payload.num_blocks * block for s in shards):
+            raise ValueError(f"the KV payload's {len(tokens)} tokens and shards of {sizes} bytes are not whole blocks")
+        return payload
+
+
+@dataclass
+class _Job:
+    kind: str  # "export" or "import"
+    seq: Sequence  # holds the blocks while the copy waits and runs
+    future: Future
+    payload: KvPayload | None = None  # import
+
+
+class KvTransfers:
+    """The engine's exports and imports: queued under the engine ``lock``, run by its loop thread (``run``)."""
+
+    def __init__(self, layout: dict[str, Any], lock: threading.Lock) -> None:
+        self.layout = layout
+        self.block_size = int(layout["block_size"])
+        self._lock = lock
+        self._jobs: deque[_Job] = deque()
+        self._ids = itertools.count()
+        self.counters = dict.fromkeys(("kv_exports", "kv_exported_blocks", "kv_imports", "kv_imported_blocks"), 0)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._jobs)
+
+    def queue_export(self, bm: BlockManager, prompt_ids: list[int]) -> Future:
+        """(Under the lock.) A future of the prompt's cached full blocks as a ``KvPayload`` (no blocks when none
+        are cached, or prefix caching is off)."""
+        seq = Sequence(f"kv-export-{next(self._ids)}", list(prompt_ids))
+        blocks = bm.cached_prefix(seq)
+        future: Future = Future()
+        if not blocks:
+            future.set_result(KvPayload(self.layout, [], [b""] * self.layout["tensor_parallel_size"]))
+            return future
+        bm.share(seq, blocks)
+        self._jobs.append(_Job("export", seq, future))
+        return future
+
+    def queue_import(self, bm: BlockManager, payload: KvPayload) -> Future:
+        """(Under the lock.) A future of the blocks imported from ``payload`` (0 when its blocks are cached
+        already or no blocks are free; a different layout raises ValueError)."""
+        if payload.layout != self.layout:
+            theirs, ours = payload.layout, self.layout
+            diff = {k: (theirs.get(k), ours.get(k)) for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)}
+            raise ValueError(f"the KV blocks come from an engine that serves another layout (theirs, ours): {diff}")
+        future: Future = Future()
+        n = payload.num_blocks
+        keys: list[bytes] = []
+        extend_block_hashes(keys, payload.token_ids, self.block_size, n)
+        cached = len(bm.prefix_cache.lookup(keys)) if bm.prefix_cache is not None else n
+        seq = Sequence(f"kv-import-{next(self._ids)}", list(payload.token_ids))
+        if n == 0 or cached == n or not bm.can_grow(seq, n * self.block_size):
+            future.set_result(0)
+            return future
+        bm.grow(seq, n * self.block_size)
+        self._jobs.append(_Job("import", seq, future, payload))
+        return future
+
+    def run(self, pool: Any, bm: BlockManager) -> None:
+        """(Loop thread, no step in flight, lock not held.) Run the queued copies; an agent pool that died fails
+        them all and raises (the engine recovers)."""
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    return
+                job = self._jobs.popleft()
+            try:
+                result = self._copy(job, pool, bm)
+            except AgentStepError as exc:  # the agents serve on: only this transfer is lost
+                log.warning("KV %s of %d blocks failed: %s", job.kind, len(job.seq.block_table), exc)
+                self._end(job, bm, exc)
+            except BaseException as exc:
+                self._end(job, bm, exc)
+                self.fail_all(bm, exc)
+                raise
+            else:
+                self._end(job, bm, None, result)
+
+    def _copy(self, job: _Job, pool: Any, bm: BlockManager) -> KvPayload | int:
+        blocks, n = job.seq.block_table, len(job.seq.block_table)
+        if job.kind == "export":
+            shards = pool.export_kv(blocks)
+            self.counters["kv_exports"] += 1
+            self.counters["kv_exported_blocks"] += n
+            return KvPayload(self.layout, job.seq.token_ids(0, n * self.block_size), shards)
+        pool.import_kv(blocks, job.payload.shards)
+        with self._lock:
+            job.seq.num_computed_tokens = n * self.block_size
+            bm.cache_computed(job.seq)  # registered under the payload tokens' keys; idle once freed below
+        self.counters["kv_imports"] += 1
+        self.counters["kv_imported_blocks"] += n
+        return n
+
+    def _end(self, job: _Job, bm: BlockManager, error: BaseException | None, result: Any = None) -> None:
+        with self._lock:
+            if job.seq.block_table:
+                bm.free(job.seq)
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)
+
+    def fail_all(self, bm: BlockManager, error: BaseException) -> None:
+        """Drop every queued copy (the agents that held the blocks are gone, or the engine stops): blocks freed,
+        futures failed."""
+        with self._lock:
+            jobs, self._jobs = list(self._jobs), deque()
+        for job in jobs:
+            self._end(job, bm, error)
