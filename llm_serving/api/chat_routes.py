@@ -66,11 +66,13 @@ class ChatRoutes:
         server = self.server
         req = parse_chat(await server.read_body(request))
         model = server.check_model(req.model)
+        server.kv_transfer.check(req.kv_transfer)
         max_new = req.max_tokens if req.max_tokens is not None else server.default_max_new_tokens
         params = req.sampling.to_params(max_new, req.ignore_eos, req.stop, req.field_names, req.top_logprobs)
         ids = await self._prompt_ids(req)
         check_prompt_count(req.n, server.config.serving_config.max_queue_size)
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        await server.kv_transfer.import_blocks(req.kv_transfer)  # a decode engine's: the prompt's blocks first
         gens = start_choices(server, ids, params, arrival, req.field_names, cid, req.n, clip=req.max_tokens is None)
         try:
             meta = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model}
@@ -85,7 +87,8 @@ class ChatRoutes:
             message, reason = _message(req, answer.text, OPENAI_FINISH[answer.finish_reason])
             choices.append({"index": j, "message": {"role": "assistant", **message},
                             "logprobs": self._logprobs(req, answer.tokens), "finish_reason": reason})
-        return json_response({**meta, "choices": choices, "usage": _usage(gens, req.n)})
+        transfer = await server.kv_transfer.export(req.kv_transfer, ids)  # a prefill engine's
+        return json_response({**meta, "choices": choices, "usage": _usage(gens, req.n), **transfer})
 
     async def _prompt_ids(self, req: ChatRequest) -> list[int]:
         """The conversation rendered by the model's template and tokenized (long ones off the event loop)."""

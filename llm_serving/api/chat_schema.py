@@ -16,6 +16,7 @@ from typing import Any
 from llm_serving.api.schema import (
     MAX_CHOICES,
     OPENAI_SAMPLING_KEYS,
+    KvTransferParams,
     SamplingOptions,
     StreamUsage,
     _no_unknown,
@@ -23,6 +24,7 @@ from llm_serving.api.schema import (
     _Reader,
     invalid,
     openai_sampling,
+    parse_kv_transfer,
     parse_stream_options,
     unsupported,
 )
@@ -33,7 +35,7 @@ from llm_serving.tokenization.chat_template import MessageError, check_messages
 
 _CHAT_KEYS = ("model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "stop",
               "logprobs", "top_logprobs", "user", *OPENAI_SAMPLING_KEYS, "tools",
-              "tool_choice", "parallel_tool_calls", *STRUCTURED_KEYS)
+              "tool_choice", "parallel_tool_calls", *STRUCTURED_KEYS, "kv_transfer_params")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class ChatRequest:
     ignore_eos: bool = False
     n: int = 1  # choices
     tools: ToolRequest | None = None  # the tools the model may call (``api.tools``); None: no calls are read
+    kv_transfer: KvTransferParams | None = None  # prefill/decode disaggregation (``kv_transfer_params``)
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -86,7 +89,7 @@ def parse_chat(body: Any) -> ChatRequest:
         model=model, messages=messages, max_tokens=max_tokens, sampling=sampling,
         field_names={"max_new_tokens": max_name, "prompt": "messages"}, stop=r.stop("stop"), stream=stream,
         usage=parse_stream_options(body, stream), logprobs=logprobs, top_logprobs=top_logprobs,
-        ignore_eos=r.bool("ignore_eos", False), n=n, tools=tools,
+        ignore_eos=r.bool("ignore_eos", False), n=n, tools=tools, kv_transfer=parse_kv_transfer(body, stream, n),
     )
 
 

@@ -54,6 +54,7 @@ class OpenAIRoutes:
         server = self.server
         req = parse_completion(await server.read_body(request))
         model = server.check_model(req.model)
+        server.kv_transfer.check(req.kv_transfer)
         check_prompt_count(len(req.prompts) * req.best_of, server.config.serving_config.max_queue_size)
         max_tokens = OPENAI_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         scored = req.logprobs if req.echo else None  # echo with logprobs: the prompt's too (max_tokens may be 0)
@@ -61,6 +62,7 @@ class OpenAIRoutes:
                                         prompt_logprobs=scored)
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         prompts = [await server.tokenize(p) for p in req.prompts]
+        await server.kv_transfer.import_blocks(req.kv_transfer)  # a decode engine's: the prompt's blocks first
         gens: list[Generation] = []
         try:
             for i, ids in enumerate(prompts):
@@ -91,7 +93,8 @@ class OpenAIRoutes:
                     lp = _with_prompt(tok, prompts[i], answer.prompt_logprobs, lp)
                 choices.append({"index": i * req.n + j, "text": echo + answer.text, "logprobs": lp,
                                 "finish_reason": OPENAI_FINISH[answer.finish_reason]})
-        return json_response({**meta, "choices": choices, "usage": _usage(gens, req.best_of)})
+        transfer = await server.kv_transfer.export(req.kv_transfer, prompts[0])  # a prefill engine's
+        return json_response({**meta, "choices": choices, "usage": _usage(gens, req.best_of), **transfer})
 
     def _model_card(self, name: str) -> dict[str, Any]:
         server = self.server

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from llm_serving.api.generation import Generation
+    from llm_serving.api.kv_transfer_routes import KvTransferRoutes
     from llm_serving.config.serving_config import ServingConfig
     from llm_serving.core.sequence import SamplingParams
     from llm_serving.tokenization.tokenizer import Tokenizer
@@ -28,6 +29,7 @@ class RouteContext(Protocol):
     names: tuple[str, ...]  # every name the model is served under
     default_max_new_tokens: int  # when a body names none
     created: int  # unix time the server was made (OpenAI's model "created")
+    kv_transfer: KvTransferRoutes  # prefill/decode disaggregation's export and import around a request
 
     @property
     def tokenizer(self) -> Tokenizer: ...

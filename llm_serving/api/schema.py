@@ -154,6 +154,46 @@ class CompletionRequest:
     ignore_eos: bool = False
     n: int = 1  # choices per prompt
     best_of: int = 1  # choices generated per prompt, the n with the highest total logprob returned (>= n)
+    kv_transfer: KvTransferParams | None = None  # prefill/decode disaggregation (``kv_transfer_params``)
+
+
+@dataclass(frozen=True)
+class KvTransferParams:
+    """``kv_transfer_params`` (vLLM's name) of prefill/decode disaggregation (``api.kv_transfer_routes``):
+    ``do_remote_decode`` asks the engine that prefills to keep the prompt's KV blocks for a decode engine (its
+    answer names them: ``transfer_id``); ``transfer_id`` + ``remote_url`` ask the decode engine to fetch them from
+    the engine at ``remote_url`` before computing the prompt."""
+
+    do_remote_decode: bool = False
+    transfer_id: str | None = None
+    remote_url: str | None = None
+
+
+_KV_TRANSFER_KEYS = ("do_remote_decode", "do_remote_prefill", "transfer_id", "remote_url", "num_blocks")
+
+
+def parse_kv_transfer(body: Mapping[str, Any], stream: bool, choices: int) -> KvTransferParams | None:
+    """The body's ``kv_transfer_params`` (None when absent or null); the prefill side's request must be a single
+    unstreamed choice (its answer carries the transfer's id)."""
+    value = body.get("kv_transfer_params")
+    if value is None:
+        return None
+    where = "kv_transfer_params"
+    value = _object(value, f"'{where}'")
+    _no_unknown(value, _KV_TRANSFER_KEYS, f"'{where}'")
+    r = _Reader(value, f"{where}.", lenient=False)
+    params = KvTransferParams(r.bool("do_remote_decode", False), r.str("transfer_id"), r.str("remote_url"))
+    r.bool("do_remote_prefill", False)
+    r.int("num_blocks", lo=0)
+    if params.do_remote_decode and (stream or choices != 1):
+        raise invalid("kv_transfer_params.do_remote_decode is served for one unstreamed choice of one prompt (the "
+                      "answer names the prompt's KV blocks)", where)
+    if (params.transfer_id is None) != (params.remote_url is None):
+        raise invalid("kv_transfer_params needs both transfer_id and remote_url (where the prefill engine holds the "
+                      "prompt's KV blocks), or neither", where)
+    if params.remote_url is not None and not params.remote_url.startswith(("http://", "https://")):
+        raise invalid(f"kv_transfer_params.remote_url must be an http(s) URL, got {params.remote_url[:80]!r}", where)
+    return params
 
 
 # ---- entry points ------------------------------------------------------------------------------------------
@@ -223,7 +263,7 @@ def parse_generate(body: Any, stream: bool | None = None) -> GenerateRequest:
 OPENAI_SAMPLING_KEYS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
                         "top_k", "repetition_penalty", "ignore_eos", "min_p", "min_tokens", "stop_token_ids")
 _COMPLETION_KEYS = ("model", "prompt", "max_tokens", "n", "stream", "stream_options", "logprobs", "echo", "stop",
-                    "best_of", "user", "suffix", *OPENAI_SAMPLING_KEYS, *STRUCTURED_KEYS)
+                    "best_of", "user", "suffix", *OPENAI_SAMPLING_KEYS, *STRUCTURED_KEYS, "kv_transfer_params")
 
 
 def openai_sampling(body: Mapping[str, Any], r: _Reader) -> SamplingOptions:
@@ -283,6 +323,7 @@ def parse_completion(body: Any) -> CompletionRequest:
         max_tokens=max_tokens,
         stop=r.stop("stop"), stream=stream, usage=parse_stream_options(body, stream), echo=echo, logprobs=logprobs,
         ignore_eos=r.bool("ignore_eos", False), n=n, best_of=best_of,
+        kv_transfer=parse_kv_transfer(body, stream, len(prompts) * best_of),
     )
 
 

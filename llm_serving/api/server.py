@@ -33,6 +33,7 @@ from aiohttp import web
 from llm_serving.api.chat_routes import ChatRoutes
 from llm_serving.api.generation import Generation
 from llm_serving.api.guards import JsonErrorRunner, api_key_middleware, read_json_body
+from llm_serving.api.kv_transfer_routes import KvTransferRoutes
 from llm_serving.api.metrics import CONTENT_TYPE, ServerMetrics
 from llm_serving.api.openai_routes import OpenAIRoutes
 from llm_serving.api.responses import error_response, json_response
@@ -110,6 +111,8 @@ class Server:
     # ---- app -----------------------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
         tgi, openai = TgiRoutes(self), OpenAIRoutes(self)
+        sc = self.config.serving_config
+        self.kv_transfer = KvTransferRoutes(self.engine, sc.kv_transfer, sc.api_key)
         guards = [m for m in (api_key_middleware(self.config.serving_config.api_key),) if m is not None]
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._json_errors, *guards])
         app.router.add_post("/models/{model_name}/generate", self._guard(tgi.generate, "llm"))
@@ -125,6 +128,8 @@ class Server:
         app.router.add_get("/v1/models/{model_id:.+}", openai.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_get("/v1/kv_transfer/{transfer_id}", self.kv_transfer.fetch)
+        app.on_cleanup.append(self.kv_transfer.close)
         return app
 
     @web.middleware
