@@ -79,11 +79,13 @@ def test_the_routing_text_is_the_prompt_of_each_api():
 
 # ---- the router in front of real servers -----------------------------------------------------------------
 class RouterProcess:
-    def __init__(self, *engines: str, health_interval_s: float = 0.2) -> None:
+    def __init__(self, *engines: str, health_interval_s: float = 0.2, prefill: tuple[str, ...] = ()) -> None:
         argv = [sys.executable, "-m", "llm_serving", "router", "--port", "0", "--health-interval",
                 str(health_interval_s)]
         for url in engines:
             argv += ["--engine", url]
+        for url in prefill:
+            argv += ["--prefill", url]
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()

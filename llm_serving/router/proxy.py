@@ -24,6 +24,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm_serving.router.affinity import AffinityPolicy
+from llm_serving.router.disaggregation import DISAGGREGATED_PATHS, decode_request, prefill_request
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +68,14 @@ def error_body(status: int, message: str, error_type: str) -> web.Response:
 class RouterServer:
     """Forwards requests to ``engine_urls`` by ``policy``; ``app()`` is the aiohttp application."""
 
-    def __init__(self, engine_urls: list[str], policy: AffinityPolicy, health_interval_s: float = 1.0) -> None:
-        self.engines = [EngineInfo(i, url.rstrip("/")) for i, url in enumerate(engine_urls)]
+    def __init__(self, engine_urls: list[str], policy: AffinityPolicy, health_interval_s: float = 1.0,
+                 prefill_urls: tuple[str, ...] = (), prefill_policy: AffinityPolicy | None = None) -> None:
+        urls = [*engine_urls, *prefill_urls]  # prefill engines numbered after the others
+        self.engines = [EngineInfo(i, url.rstrip("/")) for i, url in enumerate(urls)]
+        self.serving = set(range(len(engine_urls)))  # the engines that answer clients (decode engines)
+        self.prefilling = set(range(len(engine_urls), len(urls)))
         self.policy, self.health_interval_s = policy, health_interval_s
+        self.prefill_policy = prefill_policy or AffinityPolicy(len(urls))
         self.registry = CollectorRegistry()
         self.routed = Counter("llm_serving_router_requests", "Requests sent to each engine, by how it was chosen",
                               ["engine", "by"], registry=self.registry)
@@ -77,6 +83,9 @@ class RouterServer:
                                  "theirs could not be reached", ["engine"], registry=self.registry)
         self.up = Gauge("llm_serving_router_engine_up", "1 while the engine answers /health with 200",
                         ["engine", "url"], registry=self.registry)
+        self.prefills = Counter("llm_serving_router_prefills", "Requests sent to a prefill engine first, by what "
+                                "the decode engine got (transfer: KV blocks to fetch; none: the prompt to compute)",
+                                ["engine", "outcome"], registry=self.registry)
         self.in_flight = Gauge("llm_serving_router_in_flight", "Requests forwarded and not yet answered in full",
                                ["engine"], registry=self.registry)
         self._session: aiohttp.ClientSession | None = None
@@ -142,7 +151,7 @@ class RouterServer:
 
     # ---- routes ----------------------------------------------------------------------------------------------
     async def health(self, _request: web.Request) -> web.Response:
-        serving = sorted(self.healthy)
+        serving = sorted(self.healthy & self.serving)
         status = 200 if serving else 503
         return web.json_response({"status": "ok" if serving else "no engine serving",
                                   "engines": {e.url: e.healthy for e in self.engines}}, status=status)
@@ -150,9 +159,14 @@ class RouterServer:
     async def forward(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         text = routing_text(body)
+        if self.prefilling and request.method == "POST" and request.path in DISAGGREGATED_PATHS:
+            prefilled = await self._prefill(request, body, text)
+            if isinstance(prefilled, web.StreamResponse):
+                return prefilled  # the prefill engine refused the request: the decode engine would too
+            body = prefilled
         tried: set[int] = set()
         while True:
-            choice = self.policy.choose(text, self.healthy - tried)
+            choice = self.policy.choose(text, (self.healthy & self.serving) - tried)
             if choice is None:
                 down = ", ".join(e.url for e in self.engines)
                 return error_body(503, f"no engine can take the request (engines: {down})", "no_engine")
@@ -163,6 +177,36 @@ class RouterServer:
                 return answer
             tried.add(engine.index)
             self.failovers.labels(str(engine.index)).inc()
+
+    async def _prefill(self, request: web.Request, body: bytes, text: str) -> bytes | web.StreamResponse:
+        """Run the prompt on a prefill engine: the body for the decode engine (with the transfer of its KV blocks
+        when there is one), or the prefill engine's 4xx answer."""
+        assert self._session is not None
+        data = prefill_request(body)
+        choice = None if data is None else self.prefill_policy.choose(text, self.healthy & self.prefilling)
+        if choice is None:
+            return body
+        engine = self.engines[choice.engine]
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        self.prefill_policy.started(engine.index)
+        try:
+            async with self._session.post(engine.url + request.path, json=data, headers=headers) as upstream:
+                answer, status = await upstream.read(), upstream.status
+                content_type = upstream.headers.get("Content-Type", "application/json")
+        except aiohttp.ClientError as exc:
+            log.warning("prefill engine %d (%s) unreachable (%s): the decode engine computes the prompt",
+                        engine.index, engine.url, exc)
+            self._set_health(engine, False)
+            self.prefills.labels(str(engine.index), "unreachable").inc()
+            return body
+        finally:
+            self.prefill_policy.finished(engine.index)
+        if 400 <= status < 500:
+            self.prefills.labels(str(engine.index), "refused").inc()
+            return web.Response(body=answer, status=status, headers={"Content-Type": content_type})
+        decode_body, transferred = decode_request(body, answer, engine.url) if status == 200 else (body, False)
+        self.prefills.labels(str(engine.index), "transfer" if transferred else "none").inc()
+        return decode_body
 
     async def _relay(self, request: web.Request, body: bytes, engine: EngineInfo) -> web.StreamResponse | None:
         """Send the request to ``engine`` and stream its answer back; None when the engine could not be reached

@@ -1,5 +1,5 @@
-"""The ``router`` command: one HTTP front end over several ``llm-serving serve`` engines (data parallelism,
-``llm_serving.router``; launches in docs/deployment.md)."""
+"""The ``router`` command: one HTTP front end over several ``llm-serving serve`` engines (data parallelism, and with
+``--prefill`` prefill/decode disaggregation; ``llm_serving.router``; launches in docs/deployment.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from llm_serving.cli.options import CliError, Command
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", action="append", required=True, metavar="URL", help="an engine's base URL, e.g. "
                    "http://10.0.0.2:8001 (repeat for each engine)")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL", help="a prefill engine's base URL "
+                   "(repeatable; engines started with serving_config.kv_transfer): completion and chat requests run "
+                   "their prompt there first and the --engine engines decode from its KV blocks")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind, 0 for any free one (default 8000)")
     p.add_argument("--no-prefix-affinity", action="store_true", help="route by load alone")
@@ -30,13 +33,16 @@ def _run(args: argparse.Namespace) -> int:
     from llm_serving.router.affinity import AffinityPolicy
     from llm_serving.router.proxy import RouterServer
 
-    for url in args.engine:
-        if not url.startswith(("http://", "https://")):
-            raise CliError(f"--engine {url!r}: expected a URL such as http://HOST:PORT")
+    for flag, urls in (("--engine", args.engine), ("--prefill", args.prefill)):
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise CliError(f"{flag} {url!r}: expected a URL such as http://HOST:PORT")
     if not 0 <= args.min_match <= 1 or args.max_imbalance < 0 or args.health_interval <= 0:
         raise CliError("--min-match must be in [0, 1], --max-imbalance >= 0 and --health-interval > 0")
     policy = AffinityPolicy(len(args.engine), args.min_match, args.max_imbalance, not args.no_prefix_affinity)
-    server = RouterServer(args.engine, policy, args.health_interval)
+    prefill_policy = AffinityPolicy(len(args.engine) + len(args.prefill), args.min_match, args.max_imbalance,
+                                    not args.no_prefix_affinity)
+    server = RouterServer(args.engine, policy, args.health_interval, tuple(args.prefill), prefill_policy)
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as exc:
@@ -52,9 +58,10 @@ async def _serve(server, sock: socket.socket) -> None:
     await runner.setup()
     await web.SockSite(runner, sock).start()
     host, port = sock.getsockname()[:2]
-    up = sum(e.healthy for e in server.engines)
+    up = sum(server.engines[i].healthy for i in server.serving)
+    prefill = f", {len(server.prefilling)} prefill engines" if server.prefilling else ""
     print(f"[llm-serving router {time.strftime('%H:%M:%S')}] ready at http://{host}:{port} "
-          f"({up} of {len(server.engines)} engines serving)", flush=True)
+          f"({up} of {len(server.serving)} engines serving{prefill})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -63,5 +70,6 @@ async def _serve(server, sock: socket.socket) -> None:
     await runner.cleanup()
 
 
-COMMAND = Command("router", "one HTTP front end over several serving engines (data parallelism)",
+COMMAND = Command("router", "one HTTP front end over several serving engines (data parallelism, prefill/decode "
+                  "disaggregation)",
                   _add_arguments, _run)

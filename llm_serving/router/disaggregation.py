@@ -1,0 +1,50 @@
+"""Prefill/decode disaggregation in the router (``llm-serving router --prefill URL``): a completion or chat request
+goes first to a prefill engine, asking for one token and for the prompt's KV blocks to be kept
+(``kv_transfer_params: {"do_remote_decode": true}``), then, as the client sent it, to a decode engine with the
+transfer that answer names and the prefill engine's URL, from which the decode engine fetches the blocks before it
+computes the rest of the prompt (``llm_serving.api.kv_transfer_routes``). The client sees the decode engine's answer
+only. Requests this cannot split (several prompts or choices, other routes, a body that is not JSON) go to a decode
+engine whole, as do those whose prefill engine fails: the decode engine then computes the prompt itself.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+DISAGGREGATED_PATHS = ("/v1/completions", "/v1/chat/completions")
+_LENGTH_KEYS = ("max_tokens", "max_completion_tokens")
+
+
+def prefill_request(body: bytes) -> dict[str, Any] | None:
+    """The body to send a prefill engine, or None when the request is not one to split."""
+    try:
+        data = json.loads(body) if body else None
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or data.get("kv_transfer_params") is not None:
+        return None
+    if data.get("n", 1) != 1 or data.get("best_of", 1) != 1:
+        return None
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt):
+        return None  # several prompts
+    out = {k: v for k, v in data.items() if k not in ("stream", "stream_options", "min_tokens", *_LENGTH_KEYS)}
+    out["max_completion_tokens" if "max_completion_tokens" in data else "max_tokens"] = 1
+    out["kv_transfer_params"] = {"do_remote_decode": True}
+    return out
+
+
+def decode_request(body: bytes, prefill_answer: bytes, prefill_url: str) -> tuple[bytes, bool]:
+    """The client's body for the decode engine with the transfer the prefill engine's answer names (its blocks at
+    ``prefill_url``), and whether it names one (else the body as sent)."""
+    try:
+        params = json.loads(prefill_answer).get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        return body, False
+    if not isinstance(params, dict) or not isinstance(params.get("transfer_id"), str) or not params.get("num_blocks"):
+        return body, False
+    data = json.loads(body)
+    data["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": params["transfer_id"],
+                                  "remote_url": prefill_url}
+    return json.dumps(data).encode(), True
