@@ -1,0 +1,169 @@
+"""Prefill/decode disaggregation: decode inter-token latency while long prompts arrive, against chunked prefill.
+
+    python scripts/bench_disaggregation.py [--streams 4] [--stream-tokens 128] [--long-prompts 8]
+                                           [--long-len 480] [--interval 0.75] [--rounds 1]
+
+``--streams`` streamed requests (short prompts, ``--stream-tokens`` tokens each, ignore_eos) decode while
+``--long-prompts`` prompts of ``--long-len`` tokens (4 tokens answered each) arrive every ``--interval`` seconds.
+On the bench model (scripts/benchmark.py), each engine a ``llm-serving serve`` pinned with taskset, in one run:
+- ``colocated, 2 cores``: one engine on both cores, chunked prefill (the default): decode steps carry prompt chunks;
+- ``2 colocated engines``: one per core behind ``llm-serving router`` (data parallelism: the same hardware as below);
+- ``prefill + decode``: a prefill engine on core 0 and a decode engine on core 1 (serving_config.kv_transfer)
+  behind ``llm-serving router --prefill``: the decode engine imports each long prompt's KV blocks and computes only
+  its last partial block.
+Printed: the streams' inter-token latency (median, p90, p99, max) and the long prompts' latency (median, max).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import aiohttp
+from benchmark import bench_model_dir, write_config
+
+from loadtest.local_server import free_port, stop, wait_until_ready
+
+
+@contextlib.contextmanager
+def engine(config: Path, cores: str, log: Path) -> Iterator[str]:
+    """``llm-serving serve`` pinned to ``cores`` (its agents inherit it); yields its URL."""
+    port = free_port()
+    env = {**os.environ, "LLM_SERVING_KERNEL_THREADS": str(len(cores.split(",")))}
+    argv = ["taskset", "-c", cores, sys.executable, "-m", "llm_serving", "serve", "--config", str(config),
+            "--port", str(port)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_until_ready(proc, port, 900)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc)
+
+
+@contextlib.contextmanager
+def router(decode: list[str], prefill: list[str], log: Path) -> Iterator[str]:
+    port = free_port()
+    argv = [sys.executable, "-m", "llm_serving", "router", "--port", str(port)]
+    argv += [a for url in decode for a in ("--engine", url)] + [a for url in prefill for a in ("--prefill", url)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_until_ready(proc, port, 60)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc)
+
+
+async def stream(session: aiohttp.ClientSession, url: str, prompt: list[int], tokens: int) -> list[float]:
+    """When each token of a streamed completion arrived."""
+    body = {"model": "llama2", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    times = []
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
+                times.append(time.perf_counter())
+    return times
+
+
+async def long_prompt(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> float:
+    t0 = time.perf_counter()
+    body = {"model": "llama2", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+    return time.perf_counter() - t0
+
+
+async def workload(url: str, args: argparse.Namespace, rng: random.Random) -> tuple[list[float], list[float]]:
+    """(the streams' inter-token gaps once every stream has its first token, the long prompts' latencies)."""
+    streams = [[rng.randrange(10, 7900) for _ in range(24)] for _ in range(args.streams)]
+    longs = [[rng.randrange(10, 7900) for _ in range(args.long_len)] for _ in range(args.long_prompts)]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        tasks = [asyncio.create_task(stream(session, url, p, args.stream_tokens)) for p in streams]
+        await asyncio.sleep(args.interval)
+        pending = []
+        for p in longs:
+            pending.append(asyncio.create_task(long_prompt(session, url, p)))
+            await asyncio.sleep(args.interval)
+        latencies = await asyncio.gather(*pending)
+        times = await asyncio.gather(*tasks)
+    start = max(t[0] for t in times)
+    gaps = [b - a for t in times for a, b in itertools.pairwise(t) if a >= start]
+    return gaps, list(latencies)
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def run(name: str, url: str, args: argparse.Namespace) -> None:
+    asyncio.run(workload(url, argparse.Namespace(**{**vars(args), "long_prompts": 1, "stream_tokens": 8}),
+                         random.Random(99)))  # warm the path
+    for rnd in range(args.rounds):
+        gaps, latencies = asyncio.run(workload(url, args, random.Random(args.seed + rnd)))
+        ms = [g * 1e3 for g in gaps]
+        print(f"| {name} | {statistics.median(ms):.1f} | {pct(ms, 0.9):.1f} | {pct(ms, 0.99):.1f} | {max(ms):.1f} | "
+              f"{statistics.median(latencies):.2f} | {max(latencies):.2f} |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--stream-tokens", type=int, default=128)
+    ap.add_argument("--long-prompts", type=int, default=8)
+    ap.add_argument("--long-len", type=int, default=480)
+    ap.add_argument("--interval", type=float, default=0.75)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--setups", default="colocated,dp,disaggregated")
+    ap.add_argument("--work-dir", default="/tmp/llm-serving-bench-pd")
+    args = ap.parse_args()
+    work = Path(args.work_dir)
+    model_dir = bench_model_dir(work)
+    plain = write_config(work / "colocated.yaml", model_dir, (1, 4), (1, 8, 16), "fcfs", args.stream_tokens)
+    cfg = json.loads(plain.read_text())
+    cfg["serving_config"] = {"kv_transfer": True}
+    split = work / "disaggregated.yaml"
+    split.write_text(json.dumps(cfg, indent=1) + "\n")
+    print(f"{args.streams} streams of {args.stream_tokens} tokens; {args.long_prompts} prompts of {args.long_len} "
+          f"tokens, one every {args.interval} s (bench model, this host's 2 cores)\n")
+    print("| setup | ITL median ms | p90 | p99 | max | long prompt s median | max |")
+    print("|---|---|---|---|---|---|---|")
+    setups = args.setups.split(",")
+    with contextlib.ExitStack() as stack:
+        if "colocated" in setups:
+            with engine(plain, "0,1", work / "colocated.log") as url:
+                run("colocated, 2 cores, chunked prefill", url, args)
+        if "dp" in setups:
+            with contextlib.ExitStack() as inner:
+                urls = [inner.enter_context(engine(plain, str(core), work / f"dp{core}.log")) for core in (0, 1)]
+                run("2 colocated engines (1 core each) via router", inner.enter_context(
+                    router(urls, [], work / "router_dp.log")), args)
+        if "disaggregated" in setups:
+            prefill = stack.enter_context(engine(split, "0", work / "prefill.log"))
+            decode = stack.enter_context(engine(split, "1", work / "decode.log"))
+            run("prefill engine (core 0) + decode engine (core 1)", stack.enter_context(
+                router([decode], [prefill], work / "router_pd.log")), args)
+
+
+if __name__ == "__main__":
+    main()
