@@ -1,12 +1,14 @@
 """Prefill/decode disaggregation: decode inter-token latency while long prompts arrive, against chunked prefill.
 
-    python scripts/bench_disaggregation.py [--streams 4] [--stream-tokens 128] [--long-prompts 8]
-                                           [--long-len 480] [--interval 0.75] [--rounds 1]
+    python scripts/bench_disaggregation.py [--streams 4] [--stream-tokens 64] [--long-prompts 8]
+                                           [--long-len 480] [--interval 0.75] [--chunk 64] [--rounds 1]
 
-``--streams`` streamed requests (short prompts, ``--stream-tokens`` tokens each, ignore_eos) decode while
-``--long-prompts`` prompts of ``--long-len`` tokens (4 tokens answered each) arrive every ``--interval`` seconds.
-On the bench model (scripts/benchmark.py), each engine a ``llm-serving serve`` pinned with taskset, in one run:
-- ``colocated, 2 cores``: one engine on both cores, chunked prefill (the default): decode steps carry prompt chunks;
+``--streams`` slots of streamed requests (short prompts, ``--stream-tokens`` tokens each, ignore_eos, one after
+another) decode while ``--long-prompts`` prompts of ``--long-len`` tokens (4 tokens answered each) arrive every
+``--interval`` seconds. On the bench model (scripts/benchmark.py), each engine a ``llm-serving serve`` pinned with
+taskset, in one run:
+- ``1 engine, 2 cores``: one engine on both cores, at the default step budget (a long prompt's whole prefill in one
+  step) and with chunked prefill at ``--chunk`` tokens a step (decode steps carry prompt chunks);
 - ``2 colocated engines``: one per core behind ``llm-serving router`` (data parallelism: the same hardware as below);
 - ``prefill + decode``: a prefill engine on core 0 and a decode engine on core 1 (serving_config.kv_transfer)
   behind ``llm-serving router --prefill``: the decode engine imports each long prompt's KV blocks and computes only
@@ -83,6 +85,16 @@ async def stream(session: aiohttp.ClientSession, url: str, prompt: list[int], to
     return times
 
 
+async def stream_slot(session: aiohttp.ClientSession, url: str, rng: random.Random, tokens: int,
+                      done: asyncio.Event) -> list[float]:
+    """Streams one after another until ``done``: the gaps between consecutive tokens of each."""
+    gaps: list[float] = []
+    while not done.is_set():
+        times = await stream(session, url, [rng.randrange(10, 7900) for _ in range(24)], tokens)
+        gaps += [b - a for a, b in itertools.pairwise(times)]
+    return gaps
+
+
 async def long_prompt(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> float:
     t0 = time.perf_counter()
     body = {"model": "llama2", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -93,20 +105,21 @@ async def long_prompt(session: aiohttp.ClientSession, url: str, prompt: list[int
 
 
 async def workload(url: str, args: argparse.Namespace, rng: random.Random) -> tuple[list[float], list[float]]:
-    """(the streams' inter-token gaps once every stream has its first token, the long prompts' latencies)."""
-    streams = [[rng.randrange(10, 7900) for _ in range(24)] for _ in range(args.streams)]
+    """(the streams' inter-token gaps, the long prompts' latencies): the streams run from before the first long
+    prompt arrives until the last one is answered."""
     longs = [[rng.randrange(10, 7900) for _ in range(args.long_len)] for _ in range(args.long_prompts)]
+    done = asyncio.Event()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-        tasks = [asyncio.create_task(stream(session, url, p, args.stream_tokens)) for p in streams]
+        slots = [asyncio.create_task(stream_slot(session, url, random.Random(rng.random()), args.stream_tokens, done))
+                 for _ in range(args.streams)]
         await asyncio.sleep(args.interval)
         pending = []
         for p in longs:
             pending.append(asyncio.create_task(long_prompt(session, url, p)))
             await asyncio.sleep(args.interval)
         latencies = await asyncio.gather(*pending)
-        times = await asyncio.gather(*tasks)
-    start = max(t[0] for t in times)
-    gaps = [b - a for t in times for a, b in itertools.pairwise(t) if a >= start]
+        done.set()
+        gaps = [g for slot in await asyncio.gather(*slots) for g in slot]
     return gaps, list(latencies)
 
 
@@ -116,8 +129,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 def run(name: str, url: str, args: argparse.Namespace) -> None:
-    asyncio.run(workload(url, argparse.Namespace(**{**vars(args), "long_prompts": 1, "stream_tokens": 8}),
-                         random.Random(99)))  # warm the path
+    asyncio.run(workload(url, argparse.Namespace(**{**vars(args), "long_prompts": 1, "stream_tokens": 8,
+                                                    "interval": 0.2}), random.Random(99)))  # warm the path
     for rnd in range(args.rounds):
         gaps, latencies = asyncio.run(workload(url, args, random.Random(args.seed + rnd)))
         ms = [g * 1e3 for g in gaps]
@@ -128,11 +141,12 @@ def run(name: str, url: str, args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=4)
-    ap.add_argument("--stream-tokens", type=int, default=128)
+    ap.add_argument("--stream-tokens", type=int, default=64)
     ap.add_argument("--long-prompts", type=int, default=8)
     ap.add_argument("--long-len", type=int, default=480)
     ap.add_argument("--interval", type=float, default=0.75)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--chunk", type=int, default=64, help="the small step budget of the chunked-prefill engine")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--setups", default="colocated,dp,disaggregated")
     ap.add_argument("--work-dir", default="/tmp/llm-serving-bench-pd")
@@ -141,9 +155,10 @@ def main() -> None:
     model_dir = bench_model_dir(work)
     plain = write_config(work / "colocated.yaml", model_dir, (1, 4), (1, 8, 16), "fcfs", args.stream_tokens)
     cfg = json.loads(plain.read_text())
-    cfg["serving_config"] = {"kv_transfer": True}
+    small = work / "colocated_small_chunks.yaml"  # chunks of at most --chunk tokens (a step's whole budget)
+    small.write_text(json.dumps({**cfg, "scheduler": {**cfg["scheduler"], "max_num_batched_tokens": args.chunk}}))
     split = work / "disaggregated.yaml"
-    split.write_text(json.dumps(cfg, indent=1) + "\n")
+    split.write_text(json.dumps({**cfg, "serving_config": {"kv_transfer": True}}, indent=1) + "\n")
     print(f"{args.streams} streams of {args.stream_tokens} tokens; {args.long_prompts} prompts of {args.long_len} "
           f"tokens, one every {args.interval} s (bench model, this host's 2 cores)\n")
     print("| setup | ITL median ms | p90 | p99 | max | long prompt s median | max |")
@@ -152,7 +167,9 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         if "colocated" in setups:
             with engine(plain, "0,1", work / "colocated.log") as url:
-                run("colocated, 2 cores, chunked prefill", url, args)
+                run("1 engine, 2 cores, default step budget (whole prompts)", url, args)
+            with engine(small, "0,1", work / "colocated_small.log") as url:
+                run(f"1 engine, 2 cores, chunked prefill ({args.chunk}-token steps)", url, args)
         if "dp" in setups:
             with contextlib.ExitStack() as inner:
                 urls = [inner.enter_context(engine(plain, str(core), work / f"dp{core}.log")) for core in (0, 1)]
