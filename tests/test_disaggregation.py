@@ -13,8 +13,12 @@ engine and a decode engine answers as one engine does.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -308,11 +312,18 @@ def test_tensor_parallel_engines_move_each_ranks_shard(tmp_path):
 
 
 # ---- over HTTP, through the router ---------------------------------------------------------------------------
+# the decode engine as if on another host: a /dev/shm of its own (a mount namespace), so the prefill engine's
+# segments are not there and it fetches the blocks over HTTP; without root both share /dev/shm
+PRIVATE_SHM = ("unshare", "--mount", "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh")
+CAN_UNSHARE = os.geteuid() == 0 and shutil.which("unshare") is not None
+
+
 @pytest.fixture(scope="module")
 def split_cluster(tmp_path_factory):
     data = tmp_path_factory.mktemp("disaggregation")
     args = set_args({**TINY_SERVED, "serving_config.kv_transfer": True})
-    prefill, decode = ServerProcess(data, *args), ServerProcess(data, *args)
+    prefill = ServerProcess(data, *args)
+    decode = ServerProcess(data, *args, prefix=PRIVATE_SHM if CAN_UNSHARE else ())
     router = RouterProcess(decode.url, prefill=(prefill.url,))
     yield router, prefill, decode
     router.stop()
@@ -333,35 +344,44 @@ def test_a_router_with_a_prefill_engine_answers_as_one_engine(split_cluster):
     status, split = post(router.url + "/v1/completions", body)
     assert status == 200, split
     assert json.loads(split)["choices"] == json.loads(alone)["choices"]
-    imported = metric(get(decode.url + "/metrics")[1], "llm_serving_kv_transfer_imported_blocks_total")
-    assert imported >= 1
+    metrics = get(decode.url + "/metrics")[1]
+    imported = metric(metrics, "llm_serving_kv_transfer_imported_blocks_total")
+    via = "http" if CAN_UNSHARE else "shm"
+    assert imported >= 1 and metric(metrics, f'llm_serving_kv_transfer_fetches_total{{via="{via}"}}') == 1
     assert 'outcome="transfer"' in get(router.url + "/metrics")[1]
 
     chat = {"model": "llama2", "messages": [{"role": "user", "content": prompt}], "max_tokens": 8,
             "temperature": 0, "stream": True}
     status, direct = post(prefill.url + "/v1/chat/completions", chat)
-    status2, via = post(router.url + "/v1/chat/completions", chat)
+    status2, via_router = post(router.url + "/v1/chat/completions", chat)
     assert status == status2 == 200
 
     def text(raw: bytes) -> str:
         return "".join(json.loads(line[6:])["choices"][0]["delta"].get("content", "")
                        for line in raw.decode().splitlines() if line.startswith("data: {") and '"choices": [{' in line)
 
-    assert text(via) == text(direct) and via.decode().rstrip().endswith("data: [DONE]")
+    assert text(via_router) == text(direct) and via_router.decode().rstrip().endswith("data: [DONE]")
     assert metric(get(decode.url + "/metrics")[1], "llm_serving_kv_transfer_imported_blocks_total") > imported
+    assert not list(Path("/dev/shm").glob("llmserving_kvx_*"))  # every held payload fetched and unlinked
 
 
 def test_held_blocks_are_fetched_once_and_wrong_use_is_a_clear_error(split_cluster, tiny_server):
     _, prefill, decode = split_cluster
     body = {"prompt": "one two three four five six seven eight nine ten eleven twelve " * 3, "max_tokens": 1,
             "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}}
-    status, answer = post(prefill.url + "/v1/completions", body)
-    params = json.loads(answer)["kv_transfer_params"]
-    assert status == 200 and params["num_blocks"] >= 1
+
+    def held() -> dict:
+        status, answer = post(prefill.url + "/v1/completions", body)
+        assert status == 200
+        return json.loads(answer)["kv_transfer_params"]
+
+    params = held()
+    assert params["num_blocks"] >= 1 and Path("/dev/shm", params["transfer_id"]).exists()
     status, blob = get_bytes(f"{prefill.url}/v1/kv_transfer/{params['transfer_id']}")
     assert status == 200 and KvPayload.from_bytes(blob).num_blocks == params["num_blocks"]
     status, again = get_bytes(f"{prefill.url}/v1/kv_transfer/{params['transfer_id']}")
     assert status == 404 and "fetched already" in json.loads(again)["error"]["message"]
+    assert not Path("/dev/shm", params["transfer_id"]).exists()
     # a transfer that is gone: the decode engine computes the prompt itself (same answer as alone)
     lost = {**body, "max_tokens": 6, "kv_transfer_params": {"transfer_id": params["transfer_id"],
                                                            "remote_url": prefill.url}}
@@ -369,14 +389,22 @@ def test_held_blocks_are_fetched_once_and_wrong_use_is_a_clear_error(split_clust
     status, recomputed = post(decode.url + "/v1/completions", lost)
     assert status == 200 and json.loads(recomputed)["choices"] == json.loads(post(prefill.url + "/v1/completions",
                                                                                    plain)[1])["choices"]
+    assert metric(get(decode.url + "/metrics")[1], 'llm_serving_kv_transfer_fetches_total{via="failed"}') == 1
+    # an engine on the same host reads the segment itself and releases it (here the prefill engine decodes too)
+    params = held()
+    same_host = {**lost, "kv_transfer_params": {"transfer_id": params["transfer_id"], "remote_url": prefill.url}}
+    status, answer = post(prefill.url + "/v1/completions", same_host)
+    assert status == 200 and json.loads(answer)["choices"] == json.loads(recomputed)["choices"]
+    assert metric(get(prefill.url + "/metrics")[1], 'llm_serving_kv_transfer_fetches_total{via="shm"}') == 1
+    deadline = time.monotonic() + 10
+    while Path("/dev/shm", params["transfer_id"]).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)  # released by the DELETE the reader sends after the answer's admission
+    assert get_bytes(f"{prefill.url}/v1/kv_transfer/{params['transfer_id']}")[0] == 404
     status, refused = post(tiny_server.url + "/v1/completions", body)  # an engine without KV transfer
     assert status == 400 and "serving_config.kv_transfer" in json.loads(refused)["error"]["message"]
 
 
 def get_bytes(url: str) -> tuple[int, bytes]:
-    import urllib.error
-    import urllib.request
-
     try:
         with urllib.request.urlopen(url, timeout=30) as resp:
             return resp.status, resp.read()

@@ -33,9 +33,9 @@ PROMPTS = ["Hello", "The river ran past the old mill and", "Numbers: 1 2 3", "Ü
 class ServerProcess:
     """``llm-serving serve`` on port 0; the URL comes from its "ready" line."""
 
-    def __init__(self, data_dir: Path, *args: str, timeout: float = 120.0) -> None:
+    def __init__(self, data_dir: Path, *args: str, timeout: float = 120.0, prefix: tuple[str, ...] = ()) -> None:
         self.data_dir = data_dir  # where the embedded (seeded random) model it serves is built
-        cmd = [sys.executable, "-m", "llm_serving", "serve", "--port", "0",
+        cmd = [*prefix, sys.executable, "-m", "llm_serving", "serve", "--port", "0",
                "--set", f"default_model.data_dir={data_dir}", "--set", "default_model.weights=random", *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []

@@ -1,12 +1,13 @@
 """Prefill/decode disaggregation over HTTP (``serving_config.kv_transfer``), with vLLM's ``kv_transfer_params``.
 
 The prefill engine answers a request sent with ``{"do_remote_decode": true}`` as usual (the router asks for one
-token), then copies the prompt's KV blocks out of its agents (``Engine.export_prompt_kv``) and holds them, bytes in
-its memory, under a new ``transfer_id`` that its answer names in ``kv_transfer_params``. The decode engine, sent the
-same request with ``{"transfer_id", "remote_url"}``, fetches them (``GET /v1/kv_transfer/{id}`` of the prefill
-engine: TCP, so the engines may run on different hosts) and imports them into its prefix cache
-(``Engine.import_prompt_kv``) before it admits the request, which then computes only the prompt's last partial
-block. Held blocks are handed out once and forgotten after ``hold_s`` or beyond ``hold_bytes`` (oldest first).
+token), then copies the prompt's KV blocks out of its agents (``Engine.export_prompt_kv``) and holds them in a
+shared-memory segment under a new ``transfer_id`` that its answer names in ``kv_transfer_params`` (``kv_hold``). The
+decode engine, sent the same request with ``{"transfer_id", "remote_url"}``, reads them from that segment when it
+runs on the same host, else fetches them (``GET /v1/kv_transfer/{id}`` of the prefill engine: TCP), and imports
+them into its prefix cache (``Engine.import_prompt_kv``) before it admits the request, which then computes only the
+prompt's last partial block. Held blocks are handed out once (a decode engine that read them itself releases them:
+``DELETE /v1/kv_transfer/{id}``) and dropped after ``hold_s`` or beyond ``hold_bytes`` (oldest first).
 
 Losing blocks on the way costs time, not tokens: a fetch that fails (expired, unreachable engine, damaged payload) is
 logged and the decode engine computes the prompt itself. A payload of another layout (model, tensor-parallel size,
@@ -17,14 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-import uuid
-from collections import OrderedDict
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import Counter
 
+from llm_serving.api.kv_hold import HeldPayloads, read_local
 from llm_serving.api.responses import error_response
 from llm_serving.api.schema import ApiError, KvTransferParams
 from llm_serving.engine.kv_transfer import KvPayload
@@ -40,16 +40,15 @@ FETCH_TIMEOUT_S = 60.0
 class KvTransferRoutes:
     """Export after, import before a request; ``fetch`` is the route decode engines download from."""
 
-    def __init__(self, engine: Any, enabled: bool, api_key: str | None = None, hold_s: float = HOLD_S,
-                 hold_bytes: int = HOLD_BYTES) -> None:
+    def __init__(self, engine: Any, enabled: bool, fetches: Counter, api_key: str | None = None,
+                 hold_s: float = HOLD_S, hold_bytes: int = HOLD_BYTES) -> None:
         self.engine, self.enabled = engine, enabled
+        self.fetches = fetches  # by "via": shm, http, failed
         # sent when fetching: the engines of one deployment share their key (serving_config.api_key)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.hold_s, self.hold_bytes = hold_s, hold_bytes
-        self._held: OrderedDict[str, tuple[float, bytes]] = OrderedDict()  # id -> (deadline, payload bytes)
-        self._held_total = 0
+        self.held = HeldPayloads(hold_s, hold_bytes)
         self._session: aiohttp.ClientSession | None = None
-        self.fetch_failures = 0
+        self._releasing: set[asyncio.Task] = set()  # DELETEs in flight (kept referenced until done)
 
     def check(self, params: KvTransferParams | None) -> None:
         """A 400 for ``kv_transfer_params`` sent to an engine started without KV transfer."""
@@ -70,41 +69,26 @@ class KvTransferRoutes:
             return {"kv_transfer_params": None}
         if not payload.num_blocks:
             return {"kv_transfer_params": None}
-        transfer_id = f"kv-{uuid.uuid4().hex}"
-        self._hold(transfer_id, payload.to_bytes())
+        transfer_id = self.held.put(payload.to_bytes())
         return {"kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id,
                                        "num_blocks": payload.num_blocks}}
 
-    def _hold(self, transfer_id: str, data: bytes) -> None:
-        self._expire()
-        self._held[transfer_id] = (time.monotonic() + self.hold_s, data)
-        self._held_total += len(data)
-        while self._held_total > self.hold_bytes and self._held:
-            dropped, (_, old) = self._held.popitem(last=False)
-            self._held_total -= len(old)
-            log.warning("KV blocks %s dropped unfetched: more than %d bytes held", dropped, self.hold_bytes)
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        while self._held and next(iter(self._held.values()))[0] <= now:
-            _, (_, data) = self._held.popitem(last=False)
-            self._held_total -= len(data)
-
-    @property
-    def num_held(self) -> int:
-        self._expire()
-        return len(self._held)
-
     async def fetch(self, request: web.Request) -> web.Response:
         """``GET /v1/kv_transfer/{transfer_id}``: the held blocks (once), or a 404."""
-        self._expire()
         transfer_id = request.match_info["transfer_id"]
-        entry = self._held.pop(transfer_id, None)
-        if entry is None:
-            return error_response(ApiError(404, f"no KV blocks are held under {transfer_id[:80]!r}: fetched already, "
-                                                f"dropped after {self.hold_s:g} s, or never kept", "not_found"), True)
-        self._held_total -= len(entry[1])
-        return web.Response(body=entry[1], content_type="application/octet-stream")
+        data = self.held.take(transfer_id)
+        if data is None:
+            return self._not_held(transfer_id)
+        return web.Response(body=data, content_type="application/octet-stream")
+
+    async def release(self, request: web.Request) -> web.Response:
+        """``DELETE /v1/kv_transfer/{transfer_id}``: a decode engine on this host read the blocks itself."""
+        transfer_id = request.match_info["transfer_id"]
+        return web.Response(status=204) if self.held.release(transfer_id) else self._not_held(transfer_id)
+
+    def _not_held(self, transfer_id: str) -> web.Response:
+        return error_response(ApiError(404, f"no KV blocks are held under {transfer_id[:80]!r}: fetched already, "
+                                            f"dropped after {self.held.hold_s:g} s, or never kept", "not_found"), True)
 
     # ---- decode side -----------------------------------------------------------------------------------------
     async def import_blocks(self, params: KvTransferParams | None) -> int:
@@ -118,7 +102,7 @@ class KvTransferRoutes:
         try:
             payload = KvPayload.from_bytes(data)
         except ValueError as exc:
-            self.fetch_failures += 1
+            self.fetches.labels("failed").inc()
             log.warning("KV blocks %s from %s are unreadable (%s): computing the prompt here", params.transfer_id,
                         params.remote_url, exc)
             return 0
@@ -131,21 +115,41 @@ class KvTransferRoutes:
             return 0
 
     async def _download(self, params: KvTransferParams) -> bytes | None:
+        """The payload: from its segment when the prefill engine runs on this host (then released there), else
+        over HTTP; None when it cannot be had."""
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S))
         url = f"{params.remote_url.rstrip('/')}/v1/kv_transfer/{params.transfer_id}"
+        data = read_local(params.transfer_id)
+        if data is not None:
+            self.fetches.labels("shm").inc()
+            self._releasing.add(asyncio.create_task(self._release(url)))
+            return data
         try:
             async with self._session.get(url, headers=self._headers) as resp:
                 if resp.status == 200:
+                    self.fetches.labels("http").inc()
                     return await resp.read()
                 reason = f"HTTP {resp.status}: {(await resp.text())[:200]}"
         except (TimeoutError, aiohttp.ClientError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
-        self.fetch_failures += 1
+        self.fetches.labels("failed").inc()
         log.warning("fetching KV blocks from %s failed (%s): computing the prompt here", url, reason)
         return None
 
+    async def _release(self, url: str) -> None:
+        try:
+            async with self._session.delete(url, headers=self._headers) as resp:
+                await resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:  # it drops them after hold_s anyway
+            log.warning("releasing KV blocks at %s failed: %s", url, exc)
+        finally:
+            self._releasing.discard(asyncio.current_task())
+
     async def close(self, _app: web.Application | None = None) -> None:
+        self.held.close()
+        if self._releasing:
+            await asyncio.gather(*self._releasing, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
             self._session = None

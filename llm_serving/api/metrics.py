@@ -103,6 +103,9 @@ class ServerMetrics:
         self.prompt_tokens = Counter(f"{p}prompt_tokens_total", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter(f"{p}generation_tokens_total", "Generated tokens sent to clients",
                                          registry=r)
+        self.kv_fetches = Counter(f"{p}kv_transfer_fetches_total", "Prompts' KV blocks this decode engine fetched "
+                                  "from prefill engines, by how (shm: shared memory on this host; http) or failed",
+                                  ["via"], registry=r)
         Gauge(f"{p}requests_in_flight", "Generation requests being served by the HTTP server",
               registry=r).set_function(in_flight)
         r.register(_EngineCollector(engine_stats))

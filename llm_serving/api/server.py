@@ -112,7 +112,7 @@ class Server:
     def _build_app(self) -> web.Application:
         tgi, openai = TgiRoutes(self), OpenAIRoutes(self)
         sc = self.config.serving_config
-        self.kv_transfer = KvTransferRoutes(self.engine, sc.kv_transfer, sc.api_key)
+        self.kv_transfer = KvTransferRoutes(self.engine, sc.kv_transfer, self.metrics.kv_fetches, sc.api_key)
         guards = [m for m in (api_key_middleware(self.config.serving_config.api_key),) if m is not None]
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._json_errors, *guards])
         app.router.add_post("/models/{model_name}/generate", self._guard(tgi.generate, "llm"))
@@ -129,6 +129,7 @@ class Server:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/v1/kv_transfer/{transfer_id}", self.kv_transfer.fetch)
+        app.router.add_delete("/v1/kv_transfer/{transfer_id}", self.kv_transfer.release)
         app.on_cleanup.append(self.kv_transfer.close)
         return app
 

@@ -31,7 +31,7 @@ from typing import Any
 from llm_serving.core.block_manager import BlockManager
 from llm_serving.core.prefix_cache import extend_block_hashes
 from llm_serving.core.sequence import Sequence
-from llm_serving.executor.agent_pool import AgentStepError
+from llm_serving.executor.agent_pool import AgentDiedError
 from llm_serving.protocol.wire import AgentSpec
 
 log = logging.getLogger(__name__)
@@ -148,8 +148,8 @@ class KvTransfers:
         return future
 
     def run(self, pool: Any, bm: BlockManager) -> None:
-        """(Loop thread, no step in flight, lock not held.) Run the queued copies; an agent pool that died fails
-        them all and raises (the engine recovers)."""
+        """(Loop thread, no step in flight, lock not held.) Run the queued copies. A copy that fails fails its own
+        future only (its blocks freed); agents that died fail every queued copy and raise (the engine recovers)."""
         while True:
             with self._lock:
                 if not self._jobs:
@@ -157,13 +157,13 @@ class KvTransfers:
                 job = self._jobs.popleft()
             try:
                 result = self._copy(job, pool, bm)
-            except AgentStepError as exc:  # the agents serve on: only this transfer is lost
-                log.warning("KV %s of %d blocks failed: %s", job.kind, len(job.seq.block_table), exc)
-                self._end(job, bm, exc)
-            except BaseException as exc:
+            except AgentDiedError as exc:
                 self._end(job, bm, exc)
                 self.fail_all(bm, exc)
                 raise
+            except Exception as exc:  # noqa: BLE001 - the agents serve on: only this transfer is lost
+                log.warning("KV %s of %d blocks failed: %s", job.kind, len(job.seq.block_table), exc)
+                self._end(job, bm, exc)
             else:
                 self._end(job, bm, None, result)
 
