@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.kv_shm is None:
                 raise ValueError("a pool with KV transfer starts its agents with --kv-shm")
             segment = KvSegment.attach(args.kv_shm, spec.tensor_parallel_size, spec.kv_block_bytes,
-                                       spec.max_blocks_per_seq)
+                                       spec.kv_segment_blocks)
             copier = KvBlockCopier.of_runner(runner, segment, args.rank)
         broadcast = StepBroadcast() if spec.has_remote_ranks else None
         steps = BroadcastSteps(broadcast) if follows else SharedMemorySteps(channels, args.cmd_fd, broadcast)

@@ -12,6 +12,7 @@ engine and a decode engine answers as one engine does.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -32,7 +33,7 @@ from llm_serving.core.block_manager import BlockManager
 from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.engine.kv_transfer import KvPayload, KvTransfers
 from llm_serving.engine.loop import Engine
-from llm_serving.executor.agent_pool import AgentDiedError, AgentStepError
+from llm_serving.executor.agent_pool import AgentDiedError, AgentPool, AgentStepError
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.kv_segment import KvSegment
 from llm_serving.protocol.shm_channel import ChannelLayout, StepChannel
@@ -236,6 +237,12 @@ def kv_config(tmp_path: Path, **sections):
     return tiny_engine_config(tmp_path, **base)
 
 
+def chunked_pool(blocks: int):
+    """Agent pools whose KV segment holds ``blocks`` blocks: a longer prompt's blocks move in several copies."""
+    return lambda spec: AgentPool(dataclasses.replace(spec, kv_segment_bytes=blocks * spec.tensor_parallel_size
+                                                      * spec.kv_block_bytes))
+
+
 def transfer(prefill: Engine, decode: Engine, ids: list[int], corrupt: bool = False) -> int:
     """The prefill half (one token), then the blocks into ``decode`` (through the wire format): blocks imported."""
     prefill.submit(ids, SamplingParams(max_new_tokens=1)).result(60)
@@ -248,7 +255,7 @@ def transfer(prefill: Engine, decode: Engine, ids: list[int], corrupt: bool = Fa
 @pytest.mark.parametrize("kernels", ["native", "portable"])
 def test_imported_blocks_decode_what_one_engine_answers_alone(tmp_path, kernels):
     cfg = kv_config(tmp_path, model_config={"kernels": kernels})
-    with Engine(cfg) as prefill, Engine(cfg) as decode:
+    with Engine(cfg) as prefill, Engine(cfg, pool_factory=chunked_pool(3)) as decode:  # imports 3 blocks a copy
         prefill.start(progress=None)
         decode.start(progress=None)
         greedy, seeded = SamplingParams(max_new_tokens=10), SamplingParams(max_new_tokens=10, temperature=0.8, seed=5)
@@ -297,7 +304,7 @@ def test_an_import_lands_between_the_steps_of_requests_already_decoding(tmp_path
 
 def test_tensor_parallel_engines_move_each_ranks_shard(tmp_path):
     cfg = kv_config(tmp_path, serving_config={"num_agents": 2})
-    with Engine(cfg) as prefill, Engine(cfg) as decode:
+    with Engine(cfg, pool_factory=chunked_pool(2)) as prefill, Engine(cfg) as decode:  # exports 2 blocks a copy
         prefill.start(progress=None)
         decode.start(progress=None)
         for ids in PROMPTS[1:4]:

@@ -3,8 +3,8 @@
 Prefill/decode disaggregation (``llm_serving.engine.kv_transfer``) moves a prompt's blocks from a prefill engine's
 agents to a decode engine's. Here that is a host copy: the backends hand out their caches as host arrays that are the
 caches themselves (``Attention.cache_blocks``; on CPU the device memory is the host's), blocks on the first axis. The
-region's bytes for ``n`` blocks are, cache by cache in layer order, the ``n`` blocks' bytes in the order named: the
-same engine build on the other side reads them back the same way. A backend whose caches live in device memory
+region holds the named blocks one after another, each block's bytes cache by cache in layer order: the same engine
+build on the other side reads them back the same way, in as many copies as its segment needs. A backend whose caches live in device memory
 (Ascend) has no such view and refuses at start-up: there a copy needs gather/scatter graphs, not written yet.
 """
 

@@ -224,7 +224,7 @@ class AgentPool:
                     self._channels.append(StepChannel.create(self.spec.layout))
                 if self.spec.kv_transfer:
                     self._kv = KvSegment.create(self.spec.tensor_parallel_size, self.spec.kv_block_bytes,
-                                                self.spec.max_blocks_per_seq)
+                                                self.spec.kv_segment_blocks)
                 if needs_cluster(self.spec):
                     self._cluster = CollectiveCluster.start(self.spec, self._agent_env(), self.startup_timeout_s)
                 if self.spec.has_remote_ranks:
@@ -398,19 +398,30 @@ class AgentPool:
                 self._in_flight.popleft()
 
     def export_kv(self, block_ids: list[int]) -> list[bytes]:
-        """Every rank's bytes of the KV blocks ``block_ids`` (in that order), by rank; no step may be in flight."""
+        """Every rank's bytes of the KV blocks ``block_ids`` (in that order, block after block), by rank; one
+        KV-copy step per segment's worth of blocks; no step may be in flight."""
         self._check_kv_copy()
-        self.run_step(StepBatch.copy_blocks("export", block_ids))
-        assert self._kv is not None
-        return self._kv.read(len(block_ids))
+        parts: list[list[bytes]] = [[] for _ in range(self.num_agents)]
+        for chunk in self._kv_chunks(block_ids):
+            self.run_step(StepBatch.copy_blocks("export", chunk))
+            for rank, data in enumerate(self._kv.read(len(chunk))):
+                parts[rank].append(data)
+        return [b"".join(p) for p in parts]
 
     def import_kv(self, block_ids: list[int], shards: list[bytes]) -> None:
         """Write each rank's shard (``export_kv``'s bytes, from an engine of the same layout) into the KV blocks
         ``block_ids``; no step may be in flight."""
         self._check_kv_copy()
-        with self._step_lock:
-            self._kv.write(shards, len(block_ids))
-        self.run_step(StepBatch.copy_blocks("import", block_ids))
+        size, done = self.spec.kv_block_bytes, 0
+        for chunk in self._kv_chunks(block_ids):
+            with self._step_lock:
+                self._kv.write([s[done * size: (done + len(chunk)) * size] for s in shards], len(chunk))
+            self.run_step(StepBatch.copy_blocks("import", chunk))
+            done += len(chunk)
+
+    def _kv_chunks(self, block_ids: list[int]) -> list[list[int]]:
+        n = self.spec.kv_segment_blocks
+        return [list(block_ids[i: i + n]) for i in range(0, len(block_ids), n)]
 
     def _check_kv_copy(self) -> None:
         if self._kv is None:

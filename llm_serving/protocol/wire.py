@@ -82,6 +82,9 @@ def parse_done_payload(payload: str) -> dict[int, str]:
         return {}
 
 
+KV_SEGMENT_BYTES = 256 << 20  # the KV segment's default size at most (AgentSpec.kv_segment_blocks)
+
+
 @dataclass(frozen=True)
 class AgentSpec:
     """Everything an agent process needs to start; JSON-able so it travels on the command line.
@@ -128,6 +131,7 @@ class AgentSpec:
     # prefill/decode disaggregation: a KV segment beside the step segments (protocol.kv_segment) through which
     # KV-copy steps export and import whole blocks
     kv_transfer: bool = False
+    kv_segment_bytes: int = KV_SEGMENT_BYTES  # the KV segment's size at most (kv_segment_blocks)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -177,6 +181,14 @@ class AgentSpec:
     def layout(self) -> ChannelLayout:
         return ChannelLayout(self.max_tokens, self.max_batch, self.max_blocks_per_seq, self.max_penalty_tokens,
                              self.max_logits_rows, int(self.llama_config["vocab_size"]), self.max_decode_steps)
+
+    @property
+    def kv_segment_blocks(self) -> int:
+        """Blocks one KV-copy step moves (a longer prompt's take several): the KV segment is at most
+        ``kv_segment_bytes`` (one block per rank at least), not one sequence's whole cache (4 GiB for a 7B model's
+        4096 tokens in float32)."""
+        per_block = self.tensor_parallel_size * self.kv_block_bytes
+        return max(1, min(self.max_blocks_per_seq, self.kv_segment_bytes // per_block))
 
     @property
     def kv_block_bytes(self) -> int:
