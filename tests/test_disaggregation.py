@@ -369,7 +369,7 @@ def test_a_router_with_a_prefill_engine_answers_as_one_engine(split_cluster):
 
     assert text(via_router) == text(direct) and via_router.decode().rstrip().endswith("data: [DONE]")
     assert metric(get(decode.url + "/metrics")[1], "llm_serving_kv_transfer_imported_blocks_total") > imported
-    assert not list(Path("/dev/shm").glob("llmserving_kvx_*"))  # every held payload fetched and unlinked
+    assert not list(Path("/dev/shm").glob(f"llmserving_kvx_{prefill.proc.pid}_*"))  # every one fetched, unlinked
 
 
 def test_held_blocks_are_fetched_once_and_wrong_use_is_a_clear_error(split_cluster, tiny_server):
