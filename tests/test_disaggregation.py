@@ -16,6 +16,8 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -34,6 +36,7 @@ from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.engine.kv_transfer import KvPayload, KvTransfers
 from llm_serving.engine.loop import Engine
 from llm_serving.executor.agent_pool import AgentDiedError, AgentPool, AgentStepError
+from llm_serving.executor.collective_launch import free_port
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.kv_segment import KvSegment
 from llm_serving.protocol.shm_channel import ChannelLayout, StepChannel
@@ -417,3 +420,21 @@ def get_bytes(url: str) -> tuple[int, bytes]:
             return resp.status, resp.read()
     except urllib.error.HTTPError as err:
         return err.code, err.read()
+
+
+def test_a_prefill_engine_that_is_down_leaves_the_prompt_to_the_decode_engine(split_cluster):
+    _, prefill, decode = split_cluster
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    router = RouterProcess(decode.url, prefill=(nowhere,), health_interval_s=600)  # no health check meanwhile
+    try:
+        router_up = get(router.url + "/health")
+        assert router_up[0] == 200 and json.loads(router_up[1])["engines"][nowhere] is False
+        body = {"prompt": "a prefill engine that is down " * 4, "max_tokens": 5, "temperature": 0}
+        status, answer = post(router.url + "/v1/completions", body)
+        assert status == 200 and json.loads(answer)["choices"] == json.loads(
+            post(prefill.url + "/v1/completions", body)[1])["choices"]
+    finally:
+        router.stop()
+    bad = subprocess.run([sys.executable, "-m", "llm_serving", "router", "--engine", decode.url, "--prefill", "nope"],
+                         check=False, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--prefill 'nope': expected a URL" in bad.stderr
