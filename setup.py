@@ -36,6 +36,7 @@ setup(
     extras_require={
         "test": [
             "pytest",
+            "pytest-xdist",  # scripts/test.sh spreads a whole-suite run over workers
             "torch==2.13.0",
             "transformers",
             "openai",
