@@ -6,7 +6,9 @@ then serve: block on the command pipe for a step number, run the batch in shared
 answer back, every rank acknowledges on its reply pipe (rank 0 naming any sequence that failed on its own,
 so the master fails only that request). In a pool with ranks on other hosts the ranks but 0 take each step from
 rank 0's broadcast instead (``runtime.step_source``), and a rank on another host talks to the master over one
-socket (``--link-fd``, from ``llm-serving agent --join``) in place of its reply and lifeline pipes. The agent
+socket (``--link-fd``, from ``llm-serving agent --join``) in place of its reply and lifeline pipes. A KV-copy step
+(prefill/decode disaggregation) copies blocks between the cache and the pool's KV segment (``--kv-shm``,
+``runtime.kv_copy``) instead of running the model. The agent
 exits when the master closes the pipes or goes away (a watchdog thread blocks on the lifeline pipe and also
 notices re-parenting), so no orphan process outlives the master. Errors are reported as frames, never as a
 silent exit.

@@ -211,6 +211,8 @@ def test_kv_transfer_params_are_checked_and_the_config_names_what_it_needs(tmp_p
                       ({"prompt": "a", "kv_transfer_params": {"transfer_id": "x"}}, "both transfer_id and remote_url"),
                       ({"prompt": "a", "kv_transfer_params": {"transfer_id": "x", "remote_url": "file:///etc"}},
                        "http"),
+                      ({"prompt": "a", "kv_transfer_params": {"transfer_id": "../../v1/x", "remote_url": "http://h"}},
+                       "the id a prefill engine answered"),
                       ({"prompt": "a", "kv_transfer_params": {"surprise": 1}}, "unknown key"),
                       ({"prompt": "a", "kv_transfer_params": []}, "JSON object")):
         with pytest.raises(ApiError, match=why):

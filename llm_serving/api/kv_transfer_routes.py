@@ -69,7 +69,8 @@ class KvTransferRoutes:
             return {"kv_transfer_params": None}
         if not payload.num_blocks:
             return {"kv_transfer_params": None}
-        transfer_id = self.held.put(payload.to_bytes())
+        # off the event loop: a long prompt's blocks are many MiB to serialize and copy
+        transfer_id = await asyncio.get_running_loop().run_in_executor(None, lambda: self.held.put(payload.to_bytes()))
         return {"kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id,
                                        "num_blocks": payload.num_blocks}}
 
@@ -100,7 +101,7 @@ class KvTransferRoutes:
         if data is None:
             return 0
         try:
-            payload = KvPayload.from_bytes(data)
+            payload = await asyncio.get_running_loop().run_in_executor(None, KvPayload.from_bytes, data)
         except ValueError as exc:
             self.fetches.labels("failed").inc()
             log.warning("KV blocks %s from %s are unreadable (%s): computing the prompt here", params.transfer_id,
@@ -120,7 +121,7 @@ class KvTransferRoutes:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S))
         url = f"{params.remote_url.rstrip('/')}/v1/kv_transfer/{params.transfer_id}"
-        data = read_local(params.transfer_id)
+        data = await asyncio.get_running_loop().run_in_executor(None, read_local, params.transfer_id)
         if data is not None:
             self.fetches.labels("shm").inc()
             self._releasing.add(asyncio.create_task(self._release(url)))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -191,6 +192,9 @@ def parse_kv_transfer(body: Mapping[str, Any], stream: bool, choices: int) -> Kv
     if (params.transfer_id is None) != (params.remote_url is None):
         raise invalid("kv_transfer_params needs both transfer_id and remote_url (where the prefill engine holds the "
                       "prompt's KV blocks), or neither", where)
+    if params.transfer_id is not None and re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", params.transfer_id) is None:
+        raise invalid("kv_transfer_params.transfer_id must be the id a prefill engine answered (letters, digits, "
+                      "'_', '-', '.')", where)
     if params.remote_url is not None and not params.remote_url.startswith(("http://", "https://")):
         raise invalid(f"kv_transfer_params.remote_url must be an http(s) URL, got {params.remote_url[:80]!r}", where)
     return params

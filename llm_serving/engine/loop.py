@@ -415,7 +415,6 @@ class Engine:
         """Replace the agents (see ``recovery``); running requests are recomputed, queued ones kept. False
         once stopping; EngineError when the agents cannot be restarted."""
         log.error("agents failed (%s): recomputing the running requests on new agents", self.last_failure)
-        self._drop_kv_copies(EngineError(f"the agents were replaced ({self.last_failure})"))
         with self._lock:
             if self._stopping:
                 return False
@@ -426,6 +425,9 @@ class Engine:
                 f"the agents failed during {MAX_STRIKES} steps of this request; it is not computed again "
                 f"(last failure: {self.last_failure})"))
             self._counters["requests_recomputed"] += len(self._scheduler.requeue_running())
+        # after the prefix cache was emptied: copies queued until then pinned blocks of the old agents' cache; those
+        # queued later find none to export, and import into the new agents
+        self._drop_kv_copies(EngineError(f"the agents were replaced ({self.last_failure})"))
         t0 = time.monotonic()
         if not self._agents.replace(self._wait_unless_stopping, self.last_failure or ""):
             return False

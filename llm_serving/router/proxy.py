@@ -7,6 +7,8 @@ requests until it does, and the prefixes it held are forgotten (it may have rest
 request whose engine cannot be reached before any answer has started goes to another engine; once bytes have
 reached the client it cannot move, and the connection is closed. ``/metrics``: the router's own counters, then
 each engine's metrics with an ``engine`` label (their URL's position on the command line), fetched at scrape time.
+With prefill engines (``--prefill``, numbered after the others) a completion or chat request first runs its prompt
+on one of them (``disaggregation``); the others then decode.
 """
 
 from __future__ import annotations
