@@ -6,7 +6,8 @@ room for ``max_blocks`` blocks (``AgentSpec.kv_segment_blocks``) of that rank's 
 every rank copy its shard of the named blocks out of its cache into its region (export) or from its region into its
 cache (import); the master reads or writes the regions around that step. A region holds block after block; within a
 block the bytes are the rank's own business (its backend's cache layout): the master moves them whole, and the
-engine at the other end must serve the same layout (``engine.kv_transfer`` checks it). Kept free of MindSpore: both sides import it.
+engine at the other end must serve the same layout (``engine.kv_transfer`` checks it). Kept free of MindSpore: both
+sides import it.
 """
 
 from __future__ import annotations
