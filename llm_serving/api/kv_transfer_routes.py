@@ -69,8 +69,10 @@ class KvTransferRoutes:
             return {"kv_transfer_params": None}
         if not payload.num_blocks:
             return {"kv_transfer_params": None}
-        # off the event loop: a long prompt's blocks are many MiB to serialize and copy
-        transfer_id = await asyncio.get_running_loop().run_in_executor(None, lambda: self.held.put(payload.to_bytes()))
+        # serialized off the event loop (a long prompt's blocks are many MiB); held on it, where every other use of
+        # the held payloads runs (HeldPayloads is not thread-safe)
+        data = await asyncio.get_running_loop().run_in_executor(None, payload.to_bytes)
+        transfer_id = self.held.put(data)
         return {"kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id,
                                        "num_blocks": payload.num_blocks}}
 
