@@ -13,12 +13,11 @@ import os
 import re
 import secrets
 import struct
-import sys
 import time
 from collections import OrderedDict
 from multiprocessing import shared_memory
 
-from llm_serving.protocol.shm_channel import NAME_PREFIX, ChannelError, _Attached
+from llm_serving.protocol.shm_channel import NAME_PREFIX, ChannelError, attach_untracked
 
 PREFIX = f"{NAME_PREFIX}kvx_"
 _NAME = re.compile(rf"{PREFIX}[0-9]+_[0-9a-f]+")
@@ -36,10 +35,6 @@ class HeldPayloads:
         self.hold_s, self.hold_bytes = hold_s, hold_bytes
         self._held: OrderedDict[str, tuple[float, shared_memory.SharedMemory]] = OrderedDict()
         self._total = 0
-
-    def __len__(self) -> int:
-        self._expire()
-        return len(self._held)
 
     def put(self, data: bytes) -> str:
         """Hold ``data``; its transfer id."""
@@ -97,10 +92,7 @@ def read_local(transfer_id: str) -> bytes | None:
     if not is_transfer_id(transfer_id):
         return None
     try:
-        if sys.version_info >= (3, 13):
-            segment: shared_memory.SharedMemory | _Attached = shared_memory.SharedMemory(transfer_id, track=False)
-        else:
-            segment = _Attached(transfer_id)
+        segment = attach_untracked(transfer_id)
     except (FileNotFoundError, ChannelError):
         return None
     try:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import os
 import secrets
-import sys
 from multiprocessing import shared_memory
 
 import numpy as np
 
-from llm_serving.protocol.shm_channel import NAME_PREFIX, ChannelError, _Attached
+from llm_serving.protocol.shm_channel import NAME_PREFIX, ChannelError, _Attached, attach_untracked
 
 
 class KvSegment:
@@ -45,10 +44,7 @@ class KvSegment:
 
     @classmethod
     def attach(cls, name: str, ranks: int, block_bytes: int, max_blocks: int) -> KvSegment:
-        if sys.version_info >= (3, 13):
-            segment: shared_memory.SharedMemory | _Attached = shared_memory.SharedMemory(name=name, track=False)
-        else:
-            segment = _Attached(name)
+        segment = attach_untracked(name)
         need = cls.nbytes(ranks, block_bytes, max_blocks)
         if segment.size < need:
             segment.close()

@@ -152,6 +152,14 @@ def _shm_open(name: str) -> int:
     return _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
 
 
+def attach_untracked(name: str) -> shared_memory.SharedMemory | _Attached:
+    """Map an existing segment without registering it with any resource tracker (in Python < 3.13 an attaching
+    ``SharedMemory`` would have the attaching process's tracker unlink the creator's segment when it exits)."""
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, track=False)
+    return _Attached(name)
+
+
 class StepChannel:
     """Numpy views over one step segment; ``create`` on the master, ``attach`` in each agent.
 
@@ -190,10 +198,7 @@ class StepChannel:
     @classmethod
     def attach(cls, name: str, layout: ChannelLayout) -> StepChannel:
         """Map an existing segment without registering it with any resource tracker."""
-        if sys.version_info >= (3, 13):
-            segment: shared_memory.SharedMemory | _Attached = shared_memory.SharedMemory(name=name, track=False)
-        else:
-            segment = _Attached(name)
+        segment = attach_untracked(name)
         if segment.size < layout.nbytes:
             segment.close()
             raise ChannelError(f"shared memory segment {name!r} holds {segment.size} bytes, the layout "
