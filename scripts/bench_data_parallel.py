@@ -36,11 +36,11 @@ from loadtest.protocol import BenchConfig
 
 
 @contextlib.contextmanager
-def router(ports: list[int], log: Path) -> Iterator[int]:
+def router(engines: list[str], log: Path, prefill: tuple[str, ...] = ()) -> Iterator[int]:
+    """``llm-serving router`` over the engines at ``engines`` (and prefill engines at ``prefill``); yields its port."""
     port = free_port()
     argv = [sys.executable, "-m", "llm_serving", "router", "--port", str(port)]
-    for p in ports:
-        argv += ["--engine", f"http://127.0.0.1:{p}"]
+    argv += [a for url in engines for a in ("--engine", url)] + [a for url in prefill for a in ("--prefill", url)]
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -64,7 +64,8 @@ def measure(kind: str, engines: int, via_router: bool, config: Path, reqs, args,
     with contextlib.ExitStack() as stack:
         ports = [stack.enter_context(running_server(config, work / f"{kind}-{i}.log", 600, cwd=ROOT,
                                                     extra_args=extra))[0] for i in range(engines)]
-        port = stack.enter_context(router(ports, work / "router.log")) if via_router else ports[0]
+        port = stack.enter_context(router([f"http://127.0.0.1:{p}" for p in ports], work / "router.log")) \
+            if via_router else ports[0]
         throughput(port, reqs[: max(8, len(reqs) // 8)])  # warm the path (connections, first buckets)
         return throughput(port, reqs)
 

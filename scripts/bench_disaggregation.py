@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import aiohttp
+from bench_data_parallel import router
 from benchmark import bench_model_dir, write_config
 
 from loadtest.local_server import free_port, stop, wait_until_ready
@@ -53,20 +54,6 @@ def engine(config: Path, cores: str, log: Path) -> Iterator[str]:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_until_ready(proc, port, 900)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc)
-
-
-@contextlib.contextmanager
-def router(decode: list[str], prefill: list[str], log: Path) -> Iterator[str]:
-    port = free_port()
-    argv = [sys.executable, "-m", "llm_serving", "router", "--port", str(port)]
-    argv += [a for url in decode for a in ("--engine", url)] + [a for url in prefill for a in ("--prefill", url)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_until_ready(proc, port, 60)
         yield f"http://127.0.0.1:{port}"
     finally:
         stop(proc)
@@ -173,13 +160,13 @@ def main() -> None:
         if "dp" in setups:
             with contextlib.ExitStack() as inner:
                 urls = [inner.enter_context(engine(plain, str(core), work / f"dp{core}.log")) for core in (0, 1)]
-                run("2 colocated engines (1 core each) via router", inner.enter_context(
-                    router(urls, [], work / "router_dp.log")), args)
+                port = inner.enter_context(router(urls, work / "router_dp.log"))
+                run("2 colocated engines (1 core each) via router", f"http://127.0.0.1:{port}", args)
         if "disaggregated" in setups:
             prefill = stack.enter_context(engine(split, "0", work / "prefill.log"))
             decode = stack.enter_context(engine(split, "1", work / "decode.log"))
-            run("prefill engine (core 0) + decode engine (core 1)", stack.enter_context(
-                router([decode], [prefill], work / "router_pd.log")), args)
+            port = stack.enter_context(router([decode], work / "router_pd.log", prefill=(prefill,)))
+            run("prefill engine (core 0) + decode engine (core 1)", f"http://127.0.0.1:{port}", args)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,11 @@ def routing_text(body: bytes) -> str:
     return ""
 
 
+def forwarded_headers(request: web.Request) -> dict[str, str]:
+    """The client's headers an engine gets (not the hop-by-hop ones, which describe this connection)."""
+    return {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+
+
 def error_body(status: int, message: str, error_type: str) -> web.Response:
     """An OpenAI-shaped error, as the engines answer theirs."""
     body = {"error": {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
@@ -189,7 +194,7 @@ class RouterServer:
         if choice is None:
             return body
         engine = self.engines[choice.engine]
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers = forwarded_headers(request)
         self.prefill_policy.started(engine.index)
         try:
             async with self._session.post(engine.url + request.path, json=data, headers=headers) as upstream:
@@ -214,7 +219,7 @@ class RouterServer:
         """Send the request to ``engine`` and stream its answer back; None when the engine could not be reached
         before anything was answered (the caller tries another)."""
         assert self._session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers = forwarded_headers(request)
         self.policy.started(engine.index)
         self.in_flight.labels(str(engine.index)).inc()
         response: web.StreamResponse | None = None
