@@ -39,6 +39,9 @@ setup(
             "pytest-xdist",  # scripts/test.sh spreads a whole-suite run over workers
             "torch==2.13.0",
             "transformers",
+            # int8 checkpoints written by the format's own compressor and read back by transformers
+            # (tests/test_int8_checkpoint.py); it brings only loguru beyond torch and transformers
+            "compressed-tensors",
             "openai",
             "jsonschema",  # structured answers checked against their schema by the reference validator
             "ruff==0.17.6",

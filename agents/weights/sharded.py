@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 Span = tuple[int, int] | None  # [start, end) of rows or columns; None: all
 
 _SAFETENSORS_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
+_SAFETENSORS_INTS = {"I8": "i1", "I32": "<i4", "I64": "<i8"}  # an int8 checkpoint's (agents.weights.int8_checkpoint)
 _CKPT_DTYPES = {"Float64": "<f8", "Float32": "<f4", "Float16": "<f2", "BFloat16": "<u2"}
 
 
@@ -56,6 +57,14 @@ class SliceSource(Mapping):
 
     def read(self, name: str, rows: Span = None, cols: Span = None) -> np.ndarray:
         raise NotImplementedError
+
+    def read_ints(self, name: str, rows: Span = None, cols: Span = None) -> np.ndarray:
+        """An integer tensor's slice as stored (int8 weights and their layout tensors)."""
+        raise w.WeightLoadError(f"{self.label}: tensor {name!r}: integer tensors are read from safetensors only")
+
+    def is_int8(self, name: str) -> bool:
+        """Whether ``name`` is stored as int8 values with scales (``agents.weights.int8_checkpoint``)."""
+        return False
 
     def __getitem__(self, name: str) -> tuple[int, ...]:
         return self.shapes[name]
@@ -95,6 +104,17 @@ class SafetensorsSlices(SliceSource):
         view = np.memmap(self.path, dtype=dtype, mode="r", offset=begin, shape=shape)
         return _widen(np.array(_cut(view, rows, cols)), dtype)
 
+    def read_ints(self, name: str, rows: Span = None, cols: Span = None) -> np.ndarray:
+        code = self.dtypes[name]
+        if code not in _SAFETENSORS_INTS:
+            raise w.WeightLoadError(f"{self.path}: tensor {name!r} has dtype {code}, expected one of "
+                                    f"{', '.join(_SAFETENSORS_INTS)}")
+        shape, (begin, _) = self.shapes[name], self.spans[name]
+        if not int(np.prod(shape)):
+            return np.zeros(shape, _SAFETENSORS_INTS[code])
+        return np.array(_cut(np.memmap(self.path, dtype=_SAFETENSORS_INTS[code], mode="r", offset=begin, shape=shape),
+                             rows, cols))
+
 
 class ShardedSafetensorsSlices(SliceSource):
     """The shards of an HF index (``weight_map``), each tensor read from its shard."""
@@ -122,6 +142,9 @@ class ShardedSafetensorsSlices(SliceSource):
 
     def read(self, name: str, rows: Span = None, cols: Span = None) -> np.ndarray:
         return self.files[name].read(name, rows, cols)
+
+    def read_ints(self, name: str, rows: Span = None, cols: Span = None) -> np.ndarray:
+        return self.files[name].read_ints(name, rows, cols)
 
 
 class _Unparsed(ValueError):
@@ -353,6 +376,10 @@ def _row_absmax(source: SliceSource, name: str) -> np.ndarray:
                            for r in range(0, rows, ABSMAX_ROWS)])
 
 
+def _joined(pieces: list[np.ndarray]) -> np.ndarray:
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
+
+
 def _assemble_shard(source: SliceSource, names: dict[str, list[list[str]]], config: LlamaConfig,
                     plan: ShardPlan, strict: bool, dtype: npt.DTypeLike | str = np.float32,
                     quantize: bool = False) -> dict[str, np.ndarray]:
@@ -385,9 +412,14 @@ def _assemble_shard(source: SliceSource, names: dict[str, list[list[str]]], conf
                                         f"from the config, got {tuple(source[name])}")
             used.add(name)
         quantized = quantize and kind in QUANTIZED_KINDS  # quantized from float32 (not from bfloat16 bits)
-        pieces = [as_host_dtype(source.read(chosen[part], rows, cols), np.float32 if quantized else dtype)
-                  for part, rows, cols in _cuts(kind, len(chosen), config, plan)]
-        out[key] = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
+        cuts = _cuts(kind, len(chosen), config, plan)
+        if quantized and all(source.is_int8(name) for name in chosen):  # a checkpoint's int8 values, as stored
+            out[key] = _joined([source.read_int8(chosen[part], rows, cols) for part, rows, cols in cuts])
+            out[f"{key}.scale"] = _joined([source.scale(chosen[part], rows) for part, rows, _ in cuts])
+            continue
+        # float, or int8 read dequantized (a float model, the lm_head, a projection partly int8)
+        out[key] = _joined([as_host_dtype(source.read(chosen[part], rows, cols), np.float32 if quantized else dtype)
+                            for part, rows, cols in cuts])
         if quantized:
             absmax = _row_absmax(source, chosen[0]) if kind in ROW_PARALLEL_KINDS else None
             out[key], out[f"{key}.scale"] = quantize_rows(out[key], absmax)
@@ -400,6 +432,10 @@ def load_shard(model_dir_or_file: str | Path, config: LlamaConfig, plan: ShardPl
     """This rank's canonical weights (``shard_shapes``), as owned ``dtype`` arrays (``"bfloat16"``: uint16 bits),
     reading only its slices; ``quantize``: the layers' projections int8 with scales (``_assemble_shard``)."""
     source, names, strict = open_source(Path(model_dir_or_file))
+    if config.int8_weights:
+        from agents.weights.int8_checkpoint import Int8Slices  # it builds on this module
+
+        source = Int8Slices(source)
     weights = _assemble_shard(source, names, config, plan, strict, dtype, quantize)
     for key, shape in shard_shapes(config, plan).items():
         if tuple(weights[key].shape) != shape:
@@ -413,9 +449,10 @@ def load_rank_weights(model_dir_or_file: str | Path, config: LlamaConfig, plan: 
                       dtype: npt.DTypeLike | str = np.float32, quantize: bool = False) -> dict[str, np.ndarray]:
     """The whole model's weights at ``tp == 1`` (``agents.weights.checkpoints.load_weights``, bfloat16 through
     float32; ``quantize`` happens as the model packs them), else this rank's slice read straight into ``dtype``
-    (``quantize``: int8 with scales, see ``_assemble_shard``)."""
-    if plan.tp > 1 and quantize:
-        return load_shard(model_dir_or_file, config, plan, dtype, quantize=True)
+    (``quantize``: int8 with scales, see ``_assemble_shard``). An int8 checkpoint is read by slices at every
+    degree: with ``quantize`` its values and scales as stored, without dequantized."""
+    if config.int8_weights or (plan.tp > 1 and quantize):  # an int8 checkpoint: its numbers as stored
+        return load_shard(model_dir_or_file, config, plan, dtype, quantize)
     if plan.tp == 1:
         if isinstance(dtype, str) and dtype == "bfloat16":
             return {k: bf16_bits(v) for k, v in w.load_weights(model_dir_or_file, config).items()}

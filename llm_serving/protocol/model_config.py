@@ -44,6 +44,11 @@ QUANTIZATIONS = ("none", "w8a16")
 # model_config.kv_cache_dtype: auto (the model's dtype), or int8 (per token and kv head scales; native CPU kernels,
 # agents/model/kernels/paged_attention.cc); docs/quantization.md
 KV_CACHE_DTYPES = ("auto", "int8")
+# config.json quantization_config of a checkpoint with int8 weights: compressed-tensors' W8A16 (llm-compressor's
+# output, vLLM's format, and `llm-serving quantize`'s), in either of its two layouts of the int8 values
+# (agents/weights/int8_checkpoint.py); docs/quantization.md "Pre-quantized checkpoints"
+INT8_CHECKPOINT_FORMATS = ("int-quantized", "pack-quantized")
+INT8_CHECKPOINT_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -78,6 +83,8 @@ class LlamaConfig:
     architecture: str = "LlamaForCausalLM"  # a FAMILIES key: where the layer differs from Llama's
     # config.json's head_dim where it is not hidden_size / num_attention_heads (Qwen3, Mistral Nemo); else None
     explicit_head_dim: int | None = None
+    # the checkpoint holds the layers' projections as int8 with a scale per output channel (checkpoint_int8)
+    int8_weights: bool = False
 
     @property
     def family(self) -> Family:
@@ -155,6 +162,7 @@ class LlamaConfig:
         if raw.get("model_type", SUPPORTED_ARCHITECTURES[arch]) != SUPPORTED_ARCHITECTURES[arch]:
             raise ModelConfigError(f"{source}: unsupported model_type {raw.get('model_type')!r} for {arch}")
         refuse_unserved_keys(raw, source, FAMILIES[arch])
+        int8_weights = checkpoint_int8(raw, source)
         try:
             heads = int(raw["num_attention_heads"])
             eos = raw.get("eos_token_id", 2)
@@ -178,6 +186,7 @@ class LlamaConfig:
                 rope_scaling=scaling,
                 architecture=arch,
                 explicit_head_dim=int(head_dim) if head_dim and head_dim * heads != raw["hidden_size"] else None,
+                int8_weights=int8_weights,
             )
         except KeyError as exc:
             raise ModelConfigError(f"{source}: missing required key {exc.args[0]!r}") from None
@@ -207,7 +216,7 @@ class LlamaConfig:
     def to_hf_dict(self) -> dict:
         """The config.json content Hugging Face's class of ``architecture`` expects."""
         d = asdict(self)
-        del d["architecture"], d["explicit_head_dim"]
+        del d["architecture"], d["explicit_head_dim"], d["int8_weights"]  # the float model's config
         d.update(architectures=[self.architecture], model_type=self.family.model_type, hidden_act="silu",
                  torch_dtype="float32", head_dim=self.head_dim)
         if not self.qkv_bias:  # Qwen2 has no such key: its q/k/v biases are always there
@@ -241,6 +250,46 @@ def rope_settings(raw: dict, source: str) -> tuple[float, dict | None]:
         raise ModelConfigError(f"{source}: {key}: partial_rotary_factor {params['partial_rotary_factor']} is not "
                                "served (every head dimension is rotated)")
     return theta, {"rope_type": kind, **params}
+
+
+def checkpoint_int8(raw: dict, source: str) -> bool:
+    """Whether config.json's ``quantization_config`` says the checkpoint holds int8 weights (compressed-tensors
+    W8A16, ``INT8_CHECKPOINT_*``); any other quantization, which the loader would misread, is refused naming the key.
+    Which tensors are int8 the loader sees by their ``weight_scale`` (``ignore`` usually keeps the lm_head float)."""
+    qc = raw.get("quantization_config")
+    if qc is None:
+        return False
+    key = "quantization_config"
+    if not isinstance(qc, dict):
+        raise ModelConfigError(f"{source}: {key}: expected a mapping, got {qc!r}")
+    if qc.get("quant_method") != "compressed-tensors":
+        raise ModelConfigError(f"{source}: {key}.quant_method: {qc.get('quant_method')!r} is not served (only "
+                               "'compressed-tensors' with int8 weights, a scale per output channel: W8A16)")
+    if qc.get("format") not in INT8_CHECKPOINT_FORMATS:
+        raise ModelConfigError(f"{source}: {key}.format: {qc.get('format')!r} is not served (only "
+                               f"{' or '.join(map(repr, INT8_CHECKPOINT_FORMATS))})")
+    for extra in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if qc.get(extra):
+            raise ModelConfigError(f"{source}: {key}.{extra}: {qc[extra]!r} is not served")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ModelConfigError(f"{source}: {key}.config_groups: expected a mapping of quantization schemes")
+    for name, scheme in groups.items():
+        where = f"{key}.config_groups.{name}"
+        for acts in ("input_activations", "output_activations"):
+            if scheme.get(acts):
+                raise ModelConfigError(f"{source}: {where}.{acts}: quantized activations are not served (int8 "
+                                       "weights with float activations only)")
+        weights = scheme.get("weights") or {}
+        for field, served in INT8_CHECKPOINT_WEIGHTS.items():
+            if weights.get(field) != served:
+                raise ModelConfigError(f"{source}: {where}.weights.{field}: {weights.get(field)!r} is not served "
+                                       f"(only {served!r})")
+        if weights.get("dynamic"):
+            raise ModelConfigError(f"{source}: {where}.weights.dynamic: true is not served (static scales only)")
+        if scheme.get("format") not in (None, *INT8_CHECKPOINT_FORMATS):
+            raise ModelConfigError(f"{source}: {where}.format: {scheme['format']!r} is not served")
+    return True
 
 
 # config.json keys that change the maths, with the value the Llama layer computes; any other value is refused
