@@ -272,8 +272,15 @@ def test_w8a16_graphs_multiply_every_layer_projection_by_the_weight_quant_matmul
             assert node.inputs[1].info.dtype == "int8" and node.inputs[2].info == TensorInfo(dtype, (out,))
 
 
-def test_w8a16_ranks_export_their_int8_slices_and_pass_the_check(tmp_path):
+@pytest.mark.parametrize("int8_checkpoint", [False, True])
+def test_w8a16_ranks_export_their_int8_slices_and_pass_the_check(tmp_path, int8_checkpoint):
+    """From a float checkpoint (quantized at load) and from its int8 checkpoint (``llm-serving quantize``:
+    bfloat16 host slices, int8 values and scales as stored)."""
+    from agents.weights.quantize_checkpoint import quantize_checkpoint
+
     model_dir = build_random_model(tmp_path / "llama", TP_CONFIG, seed=3, std=0.2)
+    if int8_checkpoint:
+        model_dir = quantize_checkpoint(model_dir, tmp_path / "int8")
     path = tmp_path / "tp.yaml"
     path.write_text(Path(write_config(tmp_path, model_dir)).read_text().replace(
         "  device_target: Ascend\n", "  device_target: Ascend\n  quantization: w8a16\n")
