@@ -80,6 +80,9 @@ def mindformers_names(hf: dict[str, np.ndarray], cfg: LlamaConfig, fused: bool) 
 def save_ckpt(tensors: dict[str, np.ndarray], path: Path, bf16: bool = False) -> Path:
     import mindspore as ms
 
+    from agents.runtime.device import setup_device
+
+    setup_device("CPU")  # the cast runs a kernel: the device is set first, as a later test in this process sets it
     items = []
     for name, arr in tensors.items():
         t = ms.Tensor(arr)
