@@ -6,6 +6,7 @@ tensors' refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -85,6 +86,25 @@ def test_our_int8_checkpoint_holds_quantize_at_loads_numbers_at_tp_1_and_2(tmp_p
     ref = quantized_at_load(src, CONFIG, ShardPlan(CONFIG, 1, 0))
     np.testing.assert_array_equal(floats["layers.1.w_down"], pw.dequantize_rows(ref["layers.1.w_down"],
                                                                                 ref["layers.1.w_down.scale"]))
+
+
+@pytest.mark.parametrize("family", [dict(architecture="Qwen2ForCausalLM"),  # q/k/v biases stay float
+                                    dict(architecture="Qwen3ForCausalLM", explicit_head_dim=32,
+                                         tie_word_embeddings=True),  # head norms; no lm_head tensor
+                                    dict(architecture="MistralForCausalLM")])
+def test_other_families_int8_checkpoints_hold_quantize_at_loads_numbers(tmp_path, family):
+    config = dataclasses.replace(CONFIG, **family)
+    src = build_random_model(tmp_path / "float", config, seed=4, std=0.08)
+    out = quantize_checkpoint(src, tmp_path / "int8")
+    loaded = LlamaConfig.from_model_dir(out)
+    assert loaded == dataclasses.replace(LlamaConfig.from_model_dir(src), int8_weights=True)
+    for tp in (1, 2):
+        for rank in range(tp):
+            ours = load_rank_weights(out, loaded, ShardPlan(loaded, tp, rank), quantize=True)
+            ref = quantized_at_load(src, config, ShardPlan(config, tp, rank))
+            assert ours.keys() == ref.keys()
+            for key, value in ref.items():
+                np.testing.assert_array_equal(ours[key], value, err_msg=key)
 
 
 # ---- compressed-tensors' own writer --------------------------------------------------------------------------
