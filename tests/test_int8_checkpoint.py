@@ -88,10 +88,10 @@ def test_our_int8_checkpoint_holds_quantize_at_loads_numbers_at_tp_1_and_2(tmp_p
                                                                                 ref["layers.1.w_down.scale"]))
 
 
-@pytest.mark.parametrize("family", [dict(architecture="Qwen2ForCausalLM"),  # q/k/v biases stay float
-                                    dict(architecture="Qwen3ForCausalLM", explicit_head_dim=32,
-                                         tie_word_embeddings=True),  # head norms; no lm_head tensor
-                                    dict(architecture="MistralForCausalLM")])
+@pytest.mark.parametrize("family", [{"architecture": "Qwen2ForCausalLM"},  # q/k/v biases stay float
+                                    {"architecture": "Qwen3ForCausalLM", "explicit_head_dim": 32,
+                                         "tie_word_embeddings": True},  # head norms; no lm_head tensor
+                                    {"architecture": "MistralForCausalLM"}])
 def test_other_families_int8_checkpoints_hold_quantize_at_loads_numbers(tmp_path, family):
     config = dataclasses.replace(CONFIG, **family)
     src = build_random_model(tmp_path / "float", config, seed=4, std=0.08)
