@@ -103,6 +103,7 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
         from agents.mindformers.runner import build_runner as build_mindformers_runner
         return build_mindformers_runner(spec, rank, progress)
     from agents.runtime.collectives import join_cluster, share_cpus
+    from agents.weights.kv_scales import with_kv_scales
     from agents.weights.sharded import load_rank_weights
     from llm_serving.protocol.model_config import LlamaConfig
     from llm_serving.protocol.parallel import ShardPlan
@@ -119,6 +120,7 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     host_dtype = serving if on_npu else "float32"
     quantize = spec.runner_config.get("quantization", "none") != "none"  # tp > 1: int8 slices with whole-row scales
     weights = load_rank_weights(spec.model_path, config, shard, host_dtype, quantize)  # before MindSpore: fails fast
+    weights = with_kv_scales(weights, spec.model_path, config, shard, spec.runner_config)
     from agents.runtime.runner import ModelRunner, RunnerConfig
     from agents.runtime.speculative_runner import SpeculativeRunner, layer_prefix
 
@@ -132,8 +134,10 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     elif spec.draft is not None:
         draft_config = LlamaConfig(**spec.draft["llama_config"])
         progress(f"loading the draft model from {spec.draft['model_path']}")
-        draft_model = draft_config, load_rank_weights(spec.draft["model_path"], draft_config,
-                                                      ShardPlan(draft_config, shard.tp, rank), host_dtype, quantize)
+        draft_shard = ShardPlan(draft_config, shard.tp, rank)
+        draft_weights = load_rank_weights(spec.draft["model_path"], draft_config, draft_shard, host_dtype, quantize)
+        draft_model = draft_config, with_kv_scales(draft_weights, spec.draft["model_path"], draft_config, draft_shard,
+                                                   spec.runner_config)
 
     device = spec.start_device_id + rank if device_id is None else device_id
     fields = {**spec.runner_config, "device_id": device}
@@ -177,11 +181,11 @@ def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft:
     if target == "CPU":  # the ranks on this host share its memory
         device //= ranks_here
     kv_dtype = fields.get("kv_cache_dtype", "auto")
-    per_block = kv_block_bytes(shard, block_size, dtype, kv_dtype)
+    per_block = kv_block_bytes(shard, block_size, dtype, kv_dtype, target)
     quantized = fields.get("quantization", "none") != "none"
     held = kv_budget.weight_bytes(weights, dtype, quantized)
     if draft is not None:
-        per_block += kv_block_bytes(draft[0], block_size, dtype, kv_dtype)
+        per_block += kv_block_bytes(draft[0], block_size, dtype, kv_dtype, target)
         held += kv_budget.weight_bytes(draft[1], dtype, quantized)
     return kv_budget.plan_blocks(
         device, utilization, held,

@@ -27,11 +27,12 @@ alpaca-shaped requests of loadtest.workload, seed 0; max_new_tokens = min(refere
 instead times single graph calls of the model per mode in one process (prefill 8 x 128, decode at batch 1,
 8, 32 and 128; each call's modes alternated, medians of 15), after each mode's weight bytes.
 
-    python scripts/bench_fast_precision.py --quality [--model trained]
+    python scripts/bench_fast_precision.py --quality [--model trained] [--modes exact ascend ascend-kv8 ...]
 
 instead measures each mode on held-out text (standard-library docstrings the trained model never saw), teacher-
 forced through the serving runner: perplexity, how often its greedy pick equals exact mode's, and the contest
-rule's error per position against exact mode.
+rule's error per position against exact mode. ``ascend`` and ``ascend-kv8``: the Ascend graphs with the fused
+ops' CPU stand-ins, float caches or the int8 cache with static scales calibrated on the load tool's corpus.
 """
 
 from __future__ import annotations
@@ -54,10 +55,14 @@ import benchmark  # scripts/benchmark.py: model, workload, servers
 from check_precision import TOLERANCE
 
 MODES = ("exact", "half", "fast", "w8a16", "kv8", "w8a16-kv8")
+# --quality only: the Ascend graphs with the CPU stand-ins of the fused ops in float32, with float caches or the
+# int8 cache of static per-channel scales calibrated on the load tool's corpus (llm-serving calibrate-kv's default)
+ASCEND_MODES = ("ascend", "ascend-kv8")
 # mode -> (model_config.precision, model_config.quantization, model_config.kv_cache_dtype)
 SETTINGS = {"exact": ("exact", "none", "auto"), "half": ("half", "none", "auto"), "fast": ("fast", "none", "auto"),
             "w8a16": ("exact", "w8a16", "auto"), "kv8": ("exact", "none", "int8"),
-            "w8a16-kv8": ("exact", "w8a16", "int8")}
+            "w8a16-kv8": ("exact", "w8a16", "int8"), "ascend": ("exact", "none", "auto"),
+            "ascend-kv8": ("exact", "none", "int8")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-output-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=2, help="server rounds per mode, alternated (0: no speed part)")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES + ASCEND_MODES,
+                   help=f"{', '.join(ASCEND_MODES)}: with --quality only")
     p.add_argument("--work-dir", default="/tmp/llm-serving-precision")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--steps", action="store_true", help="time graph calls per mode instead (no HF, no servers)")
@@ -108,7 +114,7 @@ def model_weights(model: str):
 
 def held_bytes(runner) -> int:
     """Bytes of the model's Parameters other than the KV cache (the weights as the runner holds them)."""
-    return sum(p.nbytes for p in runner.model.get_parameters() if "kv_cache" not in p.name)
+    return sum(p.nbytes for p in runner.model.get_parameters() if "cache" not in p.name)  # kv_cache, key_cache, ...
 
 
 def cache_bytes(runner) -> int:
@@ -162,7 +168,10 @@ def quality(args: argparse.Namespace) -> None:
                           prefill_batch_sizes=(n,), prefill_seq_lengths=(min(64, length),), decode_batch_sizes=(n,),
                           decode_block_widths=(width,), precision=precision, quantization=quantization,
                           kv_cache_dtype=kv_cache)
-        runner = ModelRunner(config, weights, rc)
+        backend, mode_weights = None, weights
+        if mode in ASCEND_MODES:
+            backend, mode_weights = ascend_stand_ins(config, weights, tok, kv_cache == "int8")
+        runner = ModelRunner(config, mode_weights, rc, backend)
         runner.warmup()
         logits = teacher_forced(runner, ids).astype(np.float64)
         shifted = logits - logits.max(-1, keepdims=True)
@@ -181,6 +190,24 @@ def quality(args: argparse.Namespace) -> None:
         agree = (logits.argmax(-1) == exact.argmax(-1)).mean()
         print(f"| {mode} | {nbytes / 2 ** 20:.1f} | {ppl:.2f} | {agree:.2%} | {np.median(errors) * 1e3:.2f} per mille "
               f"| {errors.max() * 1e3:.2f} per mille | {(errors <= TOLERANCE).mean():.2%} |")
+
+
+def ascend_stand_ins(config, weights: dict, tok, int8_cache: bool):
+    """The Ascend backend over the fused ops' CPU stand-ins, and the weights with static KV scales calibrated on
+    the load tool's corpus (32 windows of 256 tokens) where the cache is int8."""
+    from agents.model.backends.ascend import AscendBackend
+    from agents.model.backends.ascend_reference import ReferenceOps
+    from agents.tools.calibrate_kv import calibrate
+    from agents.weights.kv_scales import SMALLEST
+    from llm_serving.cli.commands.calibrate_kv import windows
+    from loadtest.workload import DEFAULT_CORPUS
+
+    backend = AscendBackend(ReferenceOps(config.head_dim))
+    if not int8_cache:
+        return backend, weights
+    chunks = windows(tok.encode(DEFAULT_CORPUS.read_text(encoding="utf-8")), 32, 256, config.bos_token_id)
+    scales = np.maximum(calibrate(config, weights, chunks) / np.float32(127), np.float32(SMALLEST))
+    return backend, {**weights, **{f"layers.{i}.kv_scale": s for i, s in enumerate(scales)}}
 
 
 def step_times(modes: list[str], context: int, model: str) -> None:
@@ -284,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load = os.getloadavg()
     print(f"[precision] start; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    if set(args.modes) & set(ASCEND_MODES) and not args.quality:
+        raise SystemExit(f"modes {', '.join(ASCEND_MODES)} are measured with --quality only (no NPU to serve them)")
     if args.steps or args.quality:
         if args.steps:
             step_times(args.modes, args.context, args.model)

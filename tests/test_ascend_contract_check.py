@@ -21,6 +21,7 @@ from mindspore.ops.auto_generate import (
 
 from agents.tools.contracts import RULES, check_graph
 from agents.tools.mindir import read_graph
+from tests.test_ascend_kv_int8 import INT8_CACHE_MISTAKES
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCKS, BLOCK_SIZE, BATCH, WIDTH = 4, 2, 64, 8, 16, 4, 2
 
@@ -292,6 +293,7 @@ def test_every_rule_says_where_it_was_read_and_is_shown_failing():
                for r in RULES)
     shown = {rule for _, rule, _ in [*MISTAKES.values(), *PREFILL_MISTAKES.values(), *CHUNK_MISTAKES.values(),
                                      *COLLECTIVE_MISTAKES.values(), *QUANT_MISTAKES.values()]}
+    shown |= {rule for _, rule in INT8_CACHE_MISTAKES.values()}  # tests/test_ascend_kv_int8.py's
     assert shown == {r.name for r in RULES}
 
 

@@ -81,8 +81,10 @@ def test_our_int8_checkpoint_holds_quantize_at_loads_numbers_at_tp_1_and_2(tmp_p
             else:
                 with safe_open(src / source[name], "pt") as g:
                     assert torch.equal(f.get_tensor(name), g.get_tensor(name)), name
-    # served without quantization: the dequantized weights
-    floats = load_weights(out, config)
+    # served without quantization: the dequantized weights; the float-only loader says where int8 is read
+    floats = load_rank_weights(out, config, ShardPlan(config, 1, 0))
+    with pytest.raises(WeightLoadError, match=r"an int8 checkpoint \(config.json quantization_config\): it is read by"):
+        load_weights(out, config)
     ref = quantized_at_load(src, CONFIG, ShardPlan(CONFIG, 1, 0))
     np.testing.assert_array_equal(floats["layers.1.w_down"], pw.dequantize_rows(ref["layers.1.w_down"],
                                                                                 ref["layers.1.w_down.scale"]))

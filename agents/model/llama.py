@@ -282,6 +282,13 @@ def load_weights_into(model: LlamaModel, weights: dict[str, np.ndarray]) -> None
             linear.load(value, weights.get(f"{name}.scale"))  # int8 with scales: quantized already
         else:
             param.set_data(Tensor(np.ascontiguousarray(value), model.dtype))
+    for i, layer in enumerate(model.layers):  # an int8 KV cache with static scales (agents.weights.kv_scales)
+        if getattr(layer.attention, "kv_scale", None) is not None:
+            key = f"layers.{i}.kv_scale"
+            if key not in weights:
+                raise KeyError(f"weights are missing {key!r}: an int8 KV cache with static scales needs them "
+                               "calibrated (agents.weights.kv_scales)")
+            layer.attention.load_kv_scales(weights[key])
 
 
 def model_weights(model: LlamaModel) -> dict[str, np.ndarray]:

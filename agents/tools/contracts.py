@@ -34,8 +34,9 @@ from agents.tools.mindir import GraphNodes, OpNode, Source, TensorInfo, read_gra
 # PagedAttention's inputs in MindSpore 2.10's order (ops.auto_generate.PagedAttention; the internal kernel reads
 # head_num, scale and kv_head_num at indices 10-12: ops/kernel/ascend/internal/paged_attention.cc, CreateKernel)
 PA_QUERY, PA_KEY_CACHE, PA_VALUE_CACHE, PA_BLOCK_TABLES, PA_CONTEXT_LENS = range(5)
-PA_MASK, PA_Q_LENS = 7, 8
-PA_HEAD_NUM, PA_SCALE, PA_KV_HEAD_NUM = 10, 11, 12
+PA_ANTIQUANT_SCALE, PA_ANTIQUANT_OFFSET, PA_MASK, PA_Q_LENS = 5, 6, 7, 8
+PA_HEAD_NUM, PA_SCALE, PA_KV_HEAD_NUM, PA_KV_QUANT_MODE = 10, 11, 12, 13
+PA_DEFAULT_QUANT_MODE = 0  # kv_cache_quant_mode "DEFAULT" as the graph holds it (per-channel antiquant scales)
 # the graph input the internal PagedAttention takes each sequence's query length from (multi-token queries)
 Q_LENGTHS_INPUT = "q_seq_lens"
 # ReshapeAndCache(key, value, key_cache, value_cache, slot_mapping)
@@ -143,6 +144,25 @@ def _head_dim(graph: GraphNodes) -> int | None:
     return None
 
 
+_CLAMPS = ("ClampScalar", "ClipByValue", "Minimum", "Maximum")
+
+
+def _quantized_from(graph: GraphNodes, source: Source) -> Source | None:
+    """The float tensor an int8 ``source`` quantizes, where it is ``Cast(clamp(Round(x * inverse scale)), int8)``
+    (``AscendAttention.quantized``), else None."""
+    node = graph.producer(source)
+    while node is not None and node.op == "Reshape":
+        node = graph.producer(node.inputs[0])
+    if node is None or node.op != "Cast":
+        return None
+    node = graph.producer(node.inputs[0])
+    while node is not None and node.op in _CLAMPS:
+        node = graph.producer(node.inputs[0])
+    if node is None or node.op != "Round" or (scaled := graph.producer(node.inputs[0])) is None or scaled.op != "Mul":
+        return None
+    return scaled.inputs[0]
+
+
 def _roped_inputs(graph: GraphNodes, node: OpNode, query: int, key: int, value: int) -> Iterator[str]:
     """The query and key roped by an ApplyRotaryPosEmb, its outputs 0 and 1; the value never roped."""
     if not _roped(graph, node.inputs[query], 0):
@@ -239,6 +259,31 @@ def _pa_roped_query(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator
     if not _roped(graph, node.inputs[PA_QUERY], 0):
         yield (f"the query must be output 0 of ApplyRotaryPosEmb (the roped query), got "
                f"{_where(node.inputs[PA_QUERY])}")
+
+
+def _pa_int8_cache(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
+    """int8 caches: both int8, with antiquant_scale and antiquant_offset (2, kv_heads * head_dim) in float16 and
+    kv_cache_quant_mode DEFAULT; caches in the compute dtype: no antiquant inputs."""
+    key, value = node.inputs[PA_KEY_CACHE], node.inputs[PA_VALUE_CACHE]
+    scale, offset = node.inputs[PA_ANTIQUANT_SCALE], node.inputs[PA_ANTIQUANT_OFFSET]
+    int8 = [_dtype(c) == "int8" for c in (key, value)]
+    if not any(int8):
+        if not (_none(scale) and _none(offset)):
+            yield "antiquant_scale and antiquant_offset are for int8 caches; these caches are not int8"
+        return
+    if not all(int8):
+        yield f"key_cache and value_cache must both be int8, got {_dtype(key)} and {_dtype(value)}"
+    cache = _dims(key)
+    rows = (2, cache[2] * cache[3]) if cache and len(cache) == 4 else None
+    for source, what in ((scale, "antiquant_scale"), (offset, "antiquant_offset")):
+        if _none(source):
+            yield f"int8 caches are read through antiquant_scale and antiquant_offset, but {what} is not passed"
+        elif _dims(source) != rows or _dtype(source) != "float16":
+            yield (f"{what} must be {rows} (keys' row, values' row, a value per cached channel) in float16, got "
+                   f"{_dims(source)} {_dtype(source)}")
+    mode = node.inputs[PA_KV_QUANT_MODE].value
+    if mode not in (PA_DEFAULT_QUANT_MODE, "DEFAULT"):
+        yield f"kv_cache_quant_mode must be DEFAULT (a scale per channel), got {mode!r}"
 
 
 def _written_caches(graph: GraphNodes) -> list[tuple[str, str]]:
@@ -442,10 +487,24 @@ def _rc_slots(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
 
 
 def _rc_roped(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
-    if not _roped(graph, node.inputs[RC_KEY], 1):
-        yield f"the key must be output 1 of ApplyRotaryPosEmb (the roped key), got {_where(node.inputs[RC_KEY])}"
-    if _from_rope(graph, node.inputs[RC_VALUE]):
+    key, value = node.inputs[RC_KEY], node.inputs[RC_VALUE]
+    key = _quantized_from(graph, key) or key  # an int8 cache's: what was quantized (_rc_int8)
+    value = _quantized_from(graph, value) or value
+    if not _roped(graph, key, 1):
+        yield f"the key must be output 1 of ApplyRotaryPosEmb (the roped key), got {_where(key)}"
+    if _from_rope(graph, value):
         yield "the value must not be roped, but it comes from ApplyRotaryPosEmb"
+
+
+def _rc_int8(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
+    """The op only copies: key and value in their caches' dtype; into int8 caches, rounded then cast."""
+    for index, cache, what in ((RC_KEY, RC_KEY_CACHE, "key"), (RC_VALUE, RC_VALUE_CACHE, "value")):
+        source, held = node.inputs[index], _dtype(node.inputs[cache])
+        if _dtype(source) not in (None, held):
+            yield f"the {what} is {_dtype(source)} but its cache holds {held}: ReshapeAndCache copies, it does not convert"
+        elif held == "int8" and _quantized_from(graph, source) is None:
+            yield (f"the int8 {what} must be round(x * inverse scale), clamped, then cast (a Cast alone truncates), "
+                   f"got {_where(source)}")
 
 
 def _rc_layout(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
@@ -498,6 +557,12 @@ RULES = (
     Rule("PagedAttention", "roped-query",
          "the Llama attention: queries are roped before attending (MindFormers 1.8 and vllm-mindspore pass "
          "ApplyRotaryPosEmb's output 0)", _pa_roped_query),
+    Rule("PagedAttention", "int8-cache-antiquant",
+         "MindSpore 2.10 ops_func_impl/paged_attention.cc InferType: int8 key/value caches only with infer_boost, "
+         "antiquant scale/offset pairs (float16, float16), (int64, int32) or (float32, int32); "
+         f"{_PA_DOC}: (2, num_head * head_dim) for kv_cache_quant_mode DEFAULT; vllm-mindspore "
+         "quantization/kv_cache.py KVCacheInt8Method and Golden Stick's paged-attention deploy cell: kv_scale and "
+         "kv_offset Parameters (2, kv_heads * head_dim) float16, row 0 keys, row 1 values", _pa_int8_cache),
     Rule("PagedAttention", "reads-the-written-caches",
          "the paged cache: PagedAttention must read, as key and value, the Parameters ReshapeAndCache wrote",
          _pa_reads_what_was_written),
@@ -545,6 +610,10 @@ RULES = (
          "greedy pick's candidates all-gathered from every rank", _collective_group),
     Rule("AllGather", "world-group-collectives-gather", "as world-group-collectives; AllGather's rank_size shapes "
          "its output (ops.AllGather reads it from the group joined)", _collective_group),
+    Rule("ReshapeAndCache", "int8-cache-quantized",
+         f"{_RC_DOC}: key/value and caches of one dtype (the op copies); vllm-mindspore KVCacheInt8Method "
+         "quantizes K and V to int8 before it (QuantV2 ROUND; we round, clamp and cast, docs/quantization.md)",
+         _rc_int8),
     Rule("ReshapeAndCache", "int32-slots", f"{_RC_DOC}: slot_mapping int32 (num_tokens,); the tokens are the key's "
          "rows however it is shaped (MindFormers 1.8 passes (1, tokens, kv_heads * head_dim) in prefill)", _rc_slots),
     Rule("ReshapeAndCache", "cache-layout",

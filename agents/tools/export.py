@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
+import mindspore as ms
 import numpy as np
 from mindspore import nn
 
@@ -71,8 +73,30 @@ def export_graphs(runner: ModelRunner, out_dir: str | Path, shapes: list[tuple] 
     """Export ``shapes`` (default: every warm-up shape) of the runner's graphs to ``out_dir``, each with the
     inputs ``warmup()`` runs it with."""
     shapes = shapes if shapes is not None else runner.graph_shapes()
-    return export_shapes(runner, lambda kind: step_cell(runner.graphs[kind]), out_dir, shapes, graph_file_name,
-                         describe, progress)
+    with infer_boost(int8_caches(runner)):
+        return export_shapes(runner, lambda kind: step_cell(runner.graphs[kind]), out_dir, shapes, graph_file_name,
+                             describe, progress)
+
+
+def int8_caches(runner: ModelRunner) -> bool:
+    """Whether the runner's PagedAttention reads int8 caches (``AscendAttention``'s static-scale cache)."""
+    return any(getattr(layer.attention, "kv_scale", None) is not None for layer in runner.model.layers)
+
+
+@contextmanager
+def infer_boost(on: bool) -> Iterator[None]:
+    """The context's ``infer_boost`` on while the block compiles, as the agents set it on Ascend
+    (``agents.runtime.device``): MindSpore 2.10's PagedAttention type inference takes int8 caches only with it, and
+    this process's CPU graphs keep their defaults after."""
+    if not on:
+        yield
+        return
+    before = ms.get_context("jit_config")
+    ms.set_context(jit_config={**before, "infer_boost": "on"})
+    try:
+        yield
+    finally:
+        ms.set_context(jit_config={**before, "infer_boost": before.get("infer_boost", "off")})
 
 
 def step_cell(graph) -> nn.Cell:
@@ -105,11 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # before loading weights: a config mistake answers at once
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from agents.weights.kv_scales import with_kv_scales
     from agents.weights.sharded import load_rank_weights
 
     try:
         shard = ShardPlan(config, spec.tensor_parallel_size, args.rank)
         weights = load_rank_weights(spec.model_path, config, shard, quantize=rc.quantization != "none")
+        weights = with_kv_scales(weights, spec.model_path, config, shard, spec.runner_config)
         runner = export_runner(config, rc, weights, backend, shard)
         shapes = runner.graph_shapes()
         unknown = [s for s in args.shape or [] if s not in shapes]

@@ -23,9 +23,10 @@ import numpy as np
 import sentencepiece as spm
 
 from agents.runtime.runner import ModelRunner, RunnerConfig
-from agents.weights.checkpoints import load_weights
+from agents.weights.sharded import load_rank_weights
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.model_config import LlamaConfig, blocks_needed
+from llm_serving.protocol.parallel import ShardPlan
 
 BLOCK_SIZE = 16
 
@@ -111,7 +112,7 @@ def build_runner(model: Path, config: LlamaConfig, prompt_ids: list[list[int]], 
     rc = RunnerConfig(num_blocks=batch_size * blocks_per_seq + 1, block_size=BLOCK_SIZE, max_model_len=max_model_len,
                       prefill_batch_sizes=(batch_size,), prefill_seq_lengths=(seq_bucket,),
                       decode_batch_sizes=(batch_size,), dtype=dtype)
-    runner = ModelRunner(config, load_weights(model, config), rc)
+    runner = ModelRunner(config, load_rank_weights(model, config, ShardPlan(config)), rc)
     runner.warmup(lambda line: print(line, file=sys.stderr))
     return runner
 

@@ -426,8 +426,8 @@ def save_mindspore_checkpoint(weights: Mapping[str, np.ndarray], path: str | Pat
 
 def load_weights(model_dir_or_file: str | Path, config: LlamaConfig,
                  dtype: npt.DTypeLike = np.float32) -> dict[str, np.ndarray]:
-    """Canonical weights from an HF/converted model directory, a ``.ckpt`` or a ``.safetensors`` file (an int8
-    checkpoint's weights dequantized: ``q * scale``).
+    """Canonical weights from an HF/converted model directory, a ``.ckpt`` or a ``.safetensors`` file (float; an int8
+    checkpoint: ``agents.weights.sharded.load_rank_weights``).
 
     Every tensor is validated against ``config`` and returned as an owned, writable ``dtype`` array.
     """
@@ -435,12 +435,10 @@ def load_weights(model_dir_or_file: str | Path, config: LlamaConfig,
     if dtype.kind != "f":
         raise ValueError(f"weights dtype must be floating point, got {dtype}")
     path = Path(model_dir_or_file)
-    if config.int8_weights:  # an int8 checkpoint (agents.weights.int8_checkpoint), dequantized to float32
-        from agents.weights.sharded import load_shard  # it builds on this module
-        from llm_serving.protocol.parallel import ShardPlan
-
-        weights = load_shard(path, config, ShardPlan(config, 1, 0))
-    elif path.is_dir():
+    if config.int8_weights:
+        raise WeightLoadError(f"{path}: an int8 checkpoint (config.json quantization_config): it is read by "
+                              "agents.weights.sharded.load_rank_weights (its int8 values, or dequantized)")
+    if path.is_dir():
         weights = load_hf_weights(path, config)
     elif path.is_file() and path.suffix == ".ckpt":
         weights = load_mindspore_checkpoint(path, config)

@@ -15,8 +15,10 @@ import json
 import shutil
 from pathlib import Path
 
-from agents.weights.checkpoints import CKPT_FILE, load_weights, save_mindspore_checkpoint
+from agents.weights.checkpoints import CKPT_FILE, save_mindspore_checkpoint
+from agents.weights.sharded import load_rank_weights
 from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.protocol.parallel import ShardPlan
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
@@ -26,7 +28,7 @@ def convert(model: Path, out: Path, config_dir: Path | None = None) -> Path:
     """Write the converted directory and return it."""
     config_dir = config_dir or (model if model.is_dir() else model.parent)
     config = LlamaConfig.from_model_dir(config_dir)
-    weights = load_weights(model, config)
+    weights = load_rank_weights(model, config, ShardPlan(config))  # an int8 checkpoint dequantized
     out.mkdir(parents=True, exist_ok=True)
     save_mindspore_checkpoint(weights, out / CKPT_FILE)
     (out / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from agents.weights.checkpoints import WeightLoadError
-from agents.weights.sharded import SliceSource, Span
+from agents.weights.slice_source import SliceSource, Span
 
 SCALE, PACKED, SHAPE, ZERO = "weight_scale", "weight_packed", "weight_shape", "weight_zero_point"
 PER_WORD = 4  # int8 values in one packed int32

@@ -146,3 +146,30 @@ def quantize_checkpoint(model_dir: Path, out: Path, max_shard_bytes: int = MAX_S
         if (model_dir / name).is_file():
             shutil.copyfile(model_dir / name, out / name)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m agents.weights.quantize_checkpoint --model DIR --out DIR`` (``llm-serving quantize`` runs it)."""
+    import argparse
+    import sys
+
+    from llm_serving.protocol.model_config import ModelConfigError
+
+    parser = argparse.ArgumentParser(prog="python -m agents.weights.quantize_checkpoint", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    try:
+        out = quantize_checkpoint(args.model, args.out)
+    except (WeightLoadError, ModelConfigError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    print(f"{out}: int8 checkpoint, {size / 2**20:.1f} MiB of safetensors; serve it with model_config.quantization: "
+          "w8a16")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

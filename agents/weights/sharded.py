@@ -22,13 +22,14 @@ import numpy as np
 import numpy.typing as npt
 
 from agents.weights import checkpoints as w
+from agents.weights.int8_checkpoint import Int8Slices
 from agents.weights.packed import quantize_rows
+from agents.weights.slice_source import SliceSource, Span, cut
 from llm_serving.protocol.model_config import HF_INDEX_FILE, HF_SINGLE_FILE, LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan
 
 log = logging.getLogger(__name__)
 
-Span = tuple[int, int] | None  # [start, end) of rows or columns; None: all
 
 _SAFETENSORS_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 _SAFETENSORS_INTS = {"I8": "i1", "I32": "<i4", "I64": "<i8"}  # an int8 checkpoint's (agents.weights.int8_checkpoint)
@@ -38,42 +39,6 @@ _CKPT_DTYPES = {"Float64": "<f8", "Float32": "<f4", "Float16": "<f2", "BFloat16"
 def _widen(arr: np.ndarray, dtype: str) -> np.ndarray:
     """bf16 bits (read as uint16) to float32; other dtypes as read."""
     return (arr.astype(np.uint32) << 16).view(np.float32) if dtype == "<u2" else arr
-
-
-def _cut(view: np.ndarray, rows: Span, cols: Span) -> np.ndarray:
-    if rows is not None:
-        view = view[rows[0]: rows[1]]
-    if cols is not None:
-        view = view[:, cols[0]: cols[1]]
-    return view
-
-
-class SliceSource(Mapping):
-    """Tensor name -> full shape, with ``read(name, rows, cols)`` reading only that slice (a copy)."""
-
-    def __init__(self, shapes: dict[str, tuple[int, ...]], label: str) -> None:
-        self.shapes = shapes
-        self.label = label
-
-    def read(self, name: str, rows: Span = None, cols: Span = None) -> np.ndarray:
-        raise NotImplementedError
-
-    def read_ints(self, name: str, rows: Span = None, cols: Span = None) -> np.ndarray:
-        """An integer tensor's slice as stored (int8 weights and their layout tensors)."""
-        raise w.WeightLoadError(f"{self.label}: tensor {name!r}: integer tensors are read from safetensors only")
-
-    def is_int8(self, name: str) -> bool:
-        """Whether ``name`` is stored as int8 values with scales (``agents.weights.int8_checkpoint``)."""
-        return False
-
-    def __getitem__(self, name: str) -> tuple[int, ...]:
-        return self.shapes[name]
-
-    def __iter__(self):
-        return iter(self.shapes)
-
-    def __len__(self) -> int:
-        return len(self.shapes)
 
 
 class SafetensorsSlices(SliceSource):
@@ -102,7 +67,7 @@ class SafetensorsSlices(SliceSource):
         if not int(np.prod(shape)):
             return np.zeros(shape, np.float32 if dtype == "<u2" else dtype)
         view = np.memmap(self.path, dtype=dtype, mode="r", offset=begin, shape=shape)
-        return _widen(np.array(_cut(view, rows, cols)), dtype)
+        return _widen(np.array(cut(view, rows, cols)), dtype)
 
     def read_ints(self, name: str, rows: Span = None, cols: Span = None) -> np.ndarray:
         code = self.dtypes[name]
@@ -112,7 +77,7 @@ class SafetensorsSlices(SliceSource):
         shape, (begin, _) = self.shapes[name], self.spans[name]
         if not int(np.prod(shape)):
             return np.zeros(shape, _SAFETENSORS_INTS[code])
-        return np.array(_cut(np.memmap(self.path, dtype=_SAFETENSORS_INTS[code], mode="r", offset=begin, shape=shape),
+        return np.array(cut(np.memmap(self.path, dtype=_SAFETENSORS_INTS[code], mode="r", offset=begin, shape=shape),
                              rows, cols))
 
 
@@ -249,7 +214,7 @@ class CkptSlices(SliceSource):
             lo, hi = max(want[0], first), min(want[1], first + n)
             if lo < hi:
                 view = np.memmap(self.path, dtype=dtype, mode="r", offset=offset, shape=(n, *shape[1:]))
-                parts.append(np.array(_cut(view, (lo - first, hi - first), cols)))
+                parts.append(np.array(cut(view, (lo - first, hi - first), cols)))
             first += n
         return _widen(np.concatenate(parts) if parts else np.zeros((0, *shape[1:]), dtype), dtype)
 
@@ -262,7 +227,7 @@ class LoadedSlices(SliceSource):
         super().__init__({n: tuple(np.shape(tensors[n])) for n in tensors}, label)
 
     def read(self, name: str, rows: Span = None, cols: Span = None) -> np.ndarray:
-        return np.array(_cut(np.asarray(self.tensors[name]), rows, cols))
+        return np.array(cut(np.asarray(self.tensors[name]), rows, cols))
 
 
 def _ckpt_source(path: Path) -> SliceSource:
@@ -433,8 +398,6 @@ def load_shard(model_dir_or_file: str | Path, config: LlamaConfig, plan: ShardPl
     reading only its slices; ``quantize``: the layers' projections int8 with scales (``_assemble_shard``)."""
     source, names, strict = open_source(Path(model_dir_or_file))
     if config.int8_weights:
-        from agents.weights.int8_checkpoint import Int8Slices  # it builds on this module
-
         source = Int8Slices(source)
     weights = _assemble_shard(source, names, config, plan, strict, dtype, quantize)
     for key, shape in shard_shapes(config, plan).items():

@@ -515,12 +515,13 @@ def _validate(cfg: ServingConfig) -> None:
          "is not served by backend mindformers")
     need(m.kv_cache_dtype in KV_CACHE_DTYPES, "model_config.kv_cache_dtype",
          f"expected one of {', '.join(KV_CACHE_DTYPES)}, got {m.kv_cache_dtype!r}")
-    need(m.kv_cache_dtype == "auto" or (m.device_target == "CPU" and m.kernels != "portable" and m.dtype == "float32"
-                                        and not cfg.uses_mindformers),
-         "model_config.kv_cache_dtype", f"{m.kv_cache_dtype} is held and read by the native CPU attention only: it "
-         "needs model_config.device_target CPU, dtype float32 and kernels auto or native (got "
-         f"{m.device_target}, {m.dtype}, {m.kernels}); the Ascend int8 cache (QuantV2 before ReshapeAndCache, "
-         "PagedAttention's antiquant scales) is not wired yet, docs/quantization.md")
+    need(m.kv_cache_dtype == "auto" or not cfg.uses_mindformers, "model_config.kv_cache_dtype",
+         f"{m.kv_cache_dtype} is not served by backend mindformers")
+    need(m.kv_cache_dtype == "auto" or m.device_target == "Ascend"
+         or (m.kernels != "portable" and m.dtype == "float32"),
+         "model_config.kv_cache_dtype", f"{m.kv_cache_dtype} is held and read by the native CPU attention (scales per "
+         "row) or on Ascend by PagedAttention (static scales per channel from `llm-serving calibrate-kv`): on CPU it "
+         f"needs dtype float32 and kernels auto or native (got {m.dtype}, {m.kernels}); docs/quantization.md")
     usable = (pa.num_blocks - 1) * pa.block_size if not pa.auto_blocks else pa.decode_seq_length  # block 0: padding
     need(pa.decode_seq_length <= usable, "pa_config.decode_seq_length",
          f"{pa.decode_seq_length} tokens do not fit in the cache of (num_blocks - 1) * block_size = "

@@ -123,9 +123,14 @@ class ShardPlan:
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # bytes of one value, by protocol DTYPES
 
 
-def kv_block_bytes(shard: ShardPlan, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> int:
+def kv_block_bytes(shard: ShardPlan, block_size: int, dtype: str, kv_cache_dtype: str = "auto",
+                   device_target: str = "CPU") -> int:
     """One block of a rank's KV cache: K and V of ``block_size`` tokens over its kv heads, every layer; an int8
-    cache row is head_dim bytes and a float32 scale (``kv_cache_dtype`` int8)."""
+    cache row is head_dim bytes, on CPU with its own float32 scale (``kv_cache_dtype`` int8; on Ascend the scales
+    are per channel, outside the cache)."""
     config = shard.config
-    row = config.head_dim + 4 if kv_cache_dtype == "int8" else config.head_dim * DTYPE_BYTES[dtype]
+    if kv_cache_dtype == "int8":
+        row = config.head_dim + (4 if device_target == "CPU" else 0)
+    else:
+        row = config.head_dim * DTYPE_BYTES[dtype]
     return 2 * config.num_hidden_layers * block_size * shard.kv_heads * row

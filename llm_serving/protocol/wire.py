@@ -195,7 +195,8 @@ class AgentSpec:
         """Bytes of one KV block in each rank's cache (``parallel.kv_block_bytes``)."""
         rc = self.runner_config
         return kv_block_bytes(ShardPlan(LlamaConfig(**self.llama_config), self.tensor_parallel_size),
-                              int(rc["block_size"]), rc.get("dtype", "float32"), rc.get("kv_cache_dtype", "auto"))
+                              int(rc["block_size"]), rc.get("dtype", "float32"), rc.get("kv_cache_dtype", "auto"),
+                              rc.get("device_target", "CPU"))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

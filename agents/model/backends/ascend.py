@@ -115,7 +115,8 @@ class FusedOps:
 class AscendAttention(Attention):
     """One layer's block-layout K/V caches and its rope, cache write and attention by the fused primitives."""
 
-    def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type, fused: FusedOps) -> None:
+    def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type, fused: FusedOps,
+                 kv_int8: bool = False) -> None:
         super().__init__()
         self.n_heads = config.num_attention_heads
         self.n_kv = config.num_key_value_heads
@@ -125,8 +126,16 @@ class AscendAttention(Attention):
         self.block_size = block_size
         self.dtype = dtype
         shape = (num_blocks, block_size, self.n_kv, self.head_dim)
-        self.key_cache = Parameter(initializer("zeros", shape, dtype), name="key_cache", requires_grad=False)
-        self.value_cache = Parameter(initializer("zeros", shape, dtype), name="value_cache", requires_grad=False)
+        cache_dtype = ms.int8 if kv_int8 else dtype
+        self.key_cache = Parameter(initializer("zeros", shape, cache_dtype), name="key_cache", requires_grad=False)
+        self.value_cache = Parameter(initializer("zeros", shape, cache_dtype), name="value_cache", requires_grad=False)
+        self.kv_int8 = kv_int8
+        self.kv_scale = self.kv_offset = self.kv_inverse = None
+        if kv_int8:  # static scales per channel, row 0 the keys', row 1 the values' (load_kv_scales)
+            rows = (2, self.kv_dim)
+            self.kv_scale = Parameter(initializer("ones", rows, ms.float16), name="kv_scale", requires_grad=False)
+            self.kv_offset = Parameter(initializer("zeros", rows, ms.float16), name="kv_offset", requires_grad=False)
+            self.kv_inverse = Parameter(initializer("ones", rows, ms.float32), name="kv_inverse", requires_grad=False)
         scale = 1.0 / float(np.sqrt(self.head_dim))
         self.rope = fused.rope()
         self.cache_write = fused.reshape_and_cache()
@@ -137,6 +146,33 @@ class AscendAttention(Attention):
     def caches(self) -> tuple[Parameter, ...]:
         return (self.key_cache, self.value_cache)
 
+    def load_kv_scales(self, scales: np.ndarray) -> None:
+        """``scales [2, kv_dim]``: each cached channel's dequantization scale (keys, then values). PagedAttention
+        takes them in float16 (its antiquant_scale; the kernel takes no bfloat16), so the cache is written with the
+        inverse of the float16 value, and a row dequantizes to what was written to within half a step."""
+        held = np.asarray(scales, np.float32).astype(np.float16)
+        if held.shape != (2, self.kv_dim) or not (np.isfinite(held) & (held > 0)).all():
+            raise ValueError(f"KV cache scales: expected (2, {self.kv_dim}) positive float16 values, got "
+                             f"{held.shape}, min {float(held.min()) if held.size else None}")
+        self.kv_scale.set_data(Tensor(held, ms.float16))
+        self.kv_inverse.set_data(Tensor(1.0 / held.astype(np.float32), ms.float32))
+
+    def quantized(self, x: Tensor, row: int) -> Tensor:
+        """``x`` (keys: ``row`` 0, values: 1) as the int8 cache holds it: ``round(x / scale)`` within [-127, 127]
+        by plain ops, which leaves no doubt about the direction of the scale (QuantV2's docstring multiplies by
+        it, the stacks pass it the dequantization scale: docs/quantization.md). In float32: a bfloat16 product
+        (8 significant bits) would land up to half a step off near the ends of the range."""
+        q = ops.round(x.astype(ms.float32) * self.kv_inverse[row])
+        return ops.clamp(q, -127.0, 127.0).astype(ms.int8)
+
+    def attend_paged(self, q: Tensor, block_tables: Tensor, context_lens: Tensor, mask=None, q_lens=None) -> Tensor:
+        """PagedAttention over the caches; an int8 cache with its antiquant scale and a zero offset (symmetric: a
+        zero offset reads the same whichever way the kernel applies it)."""
+        if self.kv_int8:
+            return self.paged(q, self.key_cache, self.value_cache, block_tables, context_lens, self.kv_scale,
+                              self.kv_offset, mask, q_lens)
+        return self.paged(q, self.key_cache, self.value_cache, block_tables, context_lens, None, None, mask, q_lens)
+
     def rope_and_write(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor,
                        lens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Q, K, V of the step's tokens, Q and K roped, K and V written to the cache; the query depends on the
@@ -145,7 +181,11 @@ class AscendAttention(Attention):
         k = qkv[:, self.hidden: self.hidden + self.kv_dim]
         v = qkv[:, self.hidden + self.kv_dim:]
         q, k = self.rope(q, k, cos, sin, lens)
-        written = self.cache_write(k, v, self.key_cache, self.value_cache, slot_mapping)
+        if self.kv_int8:
+            written = self.cache_write(self.quantized(k, 0), self.quantized(v, 1), self.key_cache, self.value_cache,
+                                       slot_mapping)
+        else:
+            written = self.cache_write(k, v, self.key_cache, self.value_cache, slot_mapping)
         return ops.depend(q, written), k, v
 
     @staticmethod
@@ -172,8 +212,7 @@ class AscendAttention(Attention):
         """One query per sequence over its paged context; padding rows (length 1 from the runner) read the dummy
         slot. ``context_lens`` must be the graph input ``batch_valid_length`` itself, not computed from it."""
         batch = q.shape[0]
-        out = self.paged(q.reshape(batch, self.n_heads, self.head_dim), self.key_cache, self.value_cache,
-                         block_tables, context_lens)
+        out = self.attend_paged(q.reshape(batch, self.n_heads, self.head_dim), block_tables, context_lens)
         return out.reshape(batch, self.hidden)
 
     def chunked(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, query_lens: Tensor,
@@ -191,8 +230,7 @@ class AscendAttention(Attention):
         span = block_tables.shape[1] * self.block_size  # the kv positions a table reaches
         later = ops.arange(span).astype(at.dtype).reshape(1, span) > at.reshape(rows, 1)
         mask = later.astype(self.dtype) * CHUNK_MASK_VALUE
-        out = self.paged(q, self.key_cache, self.value_cache, block_tables, context_lens, None, None, mask,
-                         query_lens)
+        out = self.attend_paged(q, block_tables, context_lens, mask, query_lens)
         return out.reshape(rows, self.hidden)[:tokens]
 
 
@@ -337,8 +375,17 @@ class AscendBackend(OpsBackend):
         if problems:
             raise ValueError("the Ascend kernels cannot run this model: " + "; ".join(problems))
 
+    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> AscendBackend:
+        """``int8``: int8 caches with static per-channel scales (``AscendAttention.load_kv_scales``), written by
+        ReshapeAndCache after the attention quantizes K and V, read by PagedAttention with its antiquant scale."""
+        if kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"model_config.kv_cache_dtype {kv_cache_dtype!r} is not one of auto, int8")
+        changed = copy.copy(self)
+        changed.kv_cache_dtype = kv_cache_dtype
+        return changed
+
     def attention(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type) -> Attention:
-        return AscendAttention(config, num_blocks, block_size, dtype, self.fused)
+        return AscendAttention(config, num_blocks, block_size, dtype, self.fused, self.kv_cache_dtype == "int8")
 
     def norm_linear(self, out_dim: int, eps: float) -> nn.Cell:
         return AscendNormLinear(eps, self.fused)

@@ -100,27 +100,33 @@ class PagedAttentionRef(nn.Cell):
         self.scale = scale
         self.kv_heads = kv_heads
 
-    def context(self, cache: Tensor, tables: Tensor) -> Tensor:
-        """``[rows, kv_heads, ctx, D]``: each row's table gathered from ``cache``."""
+    def context(self, cache: Tensor, tables: Tensor, scale: Tensor | None = None) -> Tensor:
+        """``[rows, kv_heads, ctx, D]``: each row's table gathered from ``cache``; an int8 cache times its
+        per-channel ``scale [kv_heads * D]``."""
         rows, width = tables.shape
         _, block_size, kv_heads, head_dim = cache.shape
         gathered = ops.gather(cache, tables.reshape(-1), 0).reshape(rows, width * block_size, kv_heads, head_dim)
-        return _f32(gathered).transpose(0, 2, 1, 3)
+        values = _f32(gathered)
+        if scale is not None:
+            values = values * _f32(scale).reshape(1, 1, kv_heads, head_dim)
+        return values.transpose(0, 2, 1, 3)
 
     def attend(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, tables: Tensor, context_lens: Tensor,
-               mask: Tensor | None) -> Tensor:
-        """One query row per table row: ``[rows, N, D]`` over that row's context of ``context_lens`` positions."""
+               mask: Tensor | None, scales: Tensor | None = None) -> Tensor:
+        """One query row per table row: ``[rows, N, D]`` over that row's context of ``context_lens`` positions
+        (``scales [2, kv_heads * D]``: int8 caches' per-channel scales, keys then values)."""
         rows, width = tables.shape
         _, block_size, kv_heads, head_dim = key_cache.shape
         ctx, rep = width * block_size, self.heads // self.kv_heads
+        key_scale, value_scale = (scales[0], scales[1]) if scales is not None else (None, None)
         q = _f32(query).reshape(rows, kv_heads, rep, head_dim)
-        scores = ops.BatchMatMul(transpose_b=True)(q, self.context(key_cache, tables)) * self.scale
+        scores = ops.BatchMatMul(transpose_b=True)(q, self.context(key_cache, tables, key_scale)) * self.scale
         if mask is not None:
             scores = scores + _f32(mask)[:, :ctx].reshape(rows, 1, 1, ctx)
         keep = ops.arange(ctx).astype(ms.int32).reshape(1, ctx) < context_lens.reshape(rows, 1)
         scores = ops.select(keep.reshape(rows, 1, 1, ctx).broadcast_to(scores.shape), scores,
                             ops.full_like(scores, -1e30))
-        out = ops.BatchMatMul()(ops.softmax(scores, -1), self.context(value_cache, tables))
+        out = ops.BatchMatMul()(ops.softmax(scores, -1), self.context(value_cache, tables, value_scale))
         return out.reshape(rows, self.heads, head_dim)
 
     def construct(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
@@ -129,8 +135,10 @@ class PagedAttentionRef(nn.Cell):
         batch, width = block_tables.shape
         ctx = width * key_cache.shape[1]
         fits = ops.logical_and(context_lens >= 1, context_lens <= ctx)
+        if antiquant_scale is not None:  # int8 caches: a non-zero offset, whose sign no source settles, poisons
+            fits = ops.logical_and(fits, (antiquant_offset == 0).all())
         if q_seq_lens is None:
-            out = self.attend(query, key_cache, value_cache, block_tables, context_lens, None)
+            out = self.attend(query, key_cache, value_cache, block_tables, context_lens, None, antiquant_scale)
             return _poison(out, fits.reshape(batch, 1, 1)).astype(query.dtype)
         rows = query.shape[0]
         q_lens = q_seq_lens.astype(ms.int64)
@@ -138,7 +146,7 @@ class PagedAttentionRef(nn.Cell):
         seq = (ops.arange(rows).astype(ms.int64).reshape(rows, 1) >= ends.reshape(1, -1)).astype(ms.int32).sum(1)
         seq = ops.minimum(seq.astype(ms.int32), batch - 1)  # rows past the last length (ill-formed: poisoned)
         out = self.attend(query, key_cache, value_cache, ops.gather(block_tables, seq, 0),
-                          ops.gather(context_lens, seq, 0), attn_mask)
+                          ops.gather(context_lens, seq, 0), attn_mask, antiquant_scale)
         valid = ops.logical_and(fits, ops.logical_and(q_seq_lens >= 1, q_seq_lens <= context_lens)).all()
         valid = ops.logical_and(valid, ends[-1] == rows)
         return _poison(out, valid).astype(query.dtype)

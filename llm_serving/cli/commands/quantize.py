@@ -1,14 +1,15 @@
 """The ``quantize`` subcommand: ``llm-serving quantize --model DIR --out DIR``.
 
 Writes the model's int8 checkpoint (the decoder layers' projections as int8 with a scale per output channel, in
-compressed-tensors' W8A16 layout; ``agents.weights.quantize_checkpoint``), which ``model_config.quantization:
-w8a16`` serves without quantizing at load. numpy and safetensors only: no MindSpore here.
+compressed-tensors' W8A16 layout), which ``model_config.quantization: w8a16`` serves without quantizing at load.
+The master imports no agents module: ``python -m agents.weights.quantize_checkpoint`` writes it in a child process.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import subprocess
+import sys
 
 from llm_serving.cli.options import CliError, Command
 
@@ -19,17 +20,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from agents.weights.checkpoints import WeightLoadError
-    from agents.weights.quantize_checkpoint import quantize_checkpoint
-    from llm_serving.protocol.model_config import ModelConfigError
-
-    try:
-        out = quantize_checkpoint(Path(args.model), Path(args.out))
-    except (WeightLoadError, ModelConfigError, OSError) as exc:
-        raise CliError(str(exc)) from None
-    size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-    print(f"{out}: int8 checkpoint, {size / 2**20:.1f} MiB of safetensors; serve it with "
-          "model_config.quantization: w8a16")
+    done = subprocess.run([sys.executable, "-m", "agents.weights.quantize_checkpoint", "--model", args.model,
+                           "--out", args.out], capture_output=True, text=True, check=False)
+    if done.returncode:
+        lines = done.stderr.strip().splitlines()
+        raise CliError(lines[-1].removeprefix("error: ") if lines else f"exit status {done.returncode}")
+    print(done.stdout.strip())
     return 0
 
 
