@@ -42,6 +42,19 @@ def quantized_at_load(model_dir, config: LlamaConfig, plan: ShardPlan) -> dict[s
     return weights
 
 
+def assert_holds_quantize_at_loads_numbers(out, config: LlamaConfig, src, src_config: LlamaConfig) -> None:
+    """Every rank of TP 1 and 2 reads from the int8 checkpoint ``out`` the tensors (dtypes too) that quantizing the
+    float checkpoint ``src`` at load holds."""
+    for tp in (1, 2):
+        for rank in range(tp):
+            ours = load_rank_weights(out, config, ShardPlan(config, tp, rank), quantize=True)
+            ref = quantized_at_load(src, src_config, ShardPlan(src_config, tp, rank))
+            assert ours.keys() == ref.keys()
+            for key, value in ref.items():
+                assert ours[key].dtype == value.dtype, key
+                np.testing.assert_array_equal(ours[key], value, err_msg=key)
+
+
 def as_bfloat16(model_dir) -> None:
     """Every tensor of ``model_dir``'s safetensors in bfloat16 (numpy has none: through torch)."""
     from safetensors.torch import load_file as load_torch
@@ -60,14 +73,7 @@ def test_our_int8_checkpoint_holds_quantize_at_loads_numbers_at_tp_1_and_2(tmp_p
     assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
     config = LlamaConfig.from_model_dir(out)
     assert config.int8_weights and not LlamaConfig.from_model_dir(src).int8_weights
-    for tp in (1, 2):
-        for rank in range(tp):
-            ours = load_rank_weights(out, config, ShardPlan(config, tp, rank), quantize=True)
-            ref = quantized_at_load(src, CONFIG, ShardPlan(CONFIG, tp, rank))
-            assert ours.keys() == ref.keys()
-            for key, value in ref.items():
-                assert ours[key].dtype == value.dtype, key
-                np.testing.assert_array_equal(ours[key], value, err_msg=key)
+    assert_holds_quantize_at_loads_numbers(out, config, src, CONFIG)
     # the tensors it does not quantize are copied byte for byte (bfloat16 too), the projections are int8 + scales
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     source = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
@@ -100,13 +106,7 @@ def test_other_families_int8_checkpoints_hold_quantize_at_loads_numbers(tmp_path
     out = quantize_checkpoint(src, tmp_path / "int8")
     loaded = LlamaConfig.from_model_dir(out)
     assert loaded == dataclasses.replace(LlamaConfig.from_model_dir(src), int8_weights=True)
-    for tp in (1, 2):
-        for rank in range(tp):
-            ours = load_rank_weights(out, loaded, ShardPlan(loaded, tp, rank), quantize=True)
-            ref = quantized_at_load(src, config, ShardPlan(config, tp, rank))
-            assert ours.keys() == ref.keys()
-            for key, value in ref.items():
-                np.testing.assert_array_equal(ours[key], value, err_msg=key)
+    assert_holds_quantize_at_loads_numbers(out, loaded, src, config)
 
 
 # ---- compressed-tensors' own writer --------------------------------------------------------------------------

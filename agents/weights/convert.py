@@ -32,10 +32,15 @@ def convert(model: Path, out: Path, config_dir: Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_mindspore_checkpoint(weights, out / CKPT_FILE)
     (out / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
-    for name in TOKENIZER_FILES:
-        if (config_dir / name).is_file():
-            shutil.copyfile(config_dir / name, out / name)
+    copy_tokenizer_files(config_dir, out)
     return out
+
+
+def copy_tokenizer_files(model_dir: Path, out: Path) -> None:
+    """The tokenizer and generation files ``model_dir`` has (``TOKENIZER_FILES``), copied into ``out``."""
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, out / name)
 
 
 def main(argv: list[str] | None = None) -> None:

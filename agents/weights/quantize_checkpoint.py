@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from agents.weights.checkpoints import HF_NAMES, WeightLoadError
-from agents.weights.convert import TOKENIZER_FILES
+from agents.weights.convert import copy_tokenizer_files
 from agents.weights.int8_checkpoint import SCALE
 from agents.weights.packed import quantize_rows
 from agents.weights.sharded import SafetensorsSlices, ShardedSafetensorsSlices, open_source
@@ -142,9 +141,7 @@ def quantize_checkpoint(model_dir: Path, out: Path, max_shard_bytes: int = MAX_S
     raw = json.loads((model_dir / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**raw, "quantization_config": quantization_config()},
                                                 indent=2) + "\n")
-    for name in TOKENIZER_FILES:
-        if (model_dir / name).is_file():
-            shutil.copyfile(model_dir / name, out / name)
+    copy_tokenizer_files(model_dir, out)
     return out
 
 
