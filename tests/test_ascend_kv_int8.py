@@ -286,6 +286,13 @@ def test_calibrate_then_export_an_ascend_int8_config_with_the_check(tmp_path):
     assert "int8 KV cache scales from 256 tokens in 4 windows" in res.stdout
     res = run_cli(*export)
     assert res.returncode == 0 and "every contract rule holds" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
+    tp2 = tmp_path / "kv8_tp2.yaml"  # rank 1 of two: its kv head's channels of the scales
+    tp2.write_text(config.read_text() + "serving_config:\n  num_agents: 2\n")
+    res = run_cli("export", "--config", str(tp2), "--out", str(tmp_path / "tp2"), "--shape", "decode:4:4", "--rank",
+                  "1", "--check")
+    assert res.returncode == 0 and "every contract rule holds" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
+    scales = {n.inputs[5].info.shape for n in read_graph(tmp_path / "tp2" / "decode_b4_w4.mindir").of("PagedAttention")}
+    assert scales == {(2, CONFIG.kv_dim // 2)}
     assert run_cli("calibrate-kv", "--model", str(model_dir), "--text", str(tmp_path / "nope.txt")).returncode == 2
 
 
