@@ -30,7 +30,6 @@ from llm_serving.protocol.parallel import ShardPlan
 
 log = logging.getLogger(__name__)
 
-
 _SAFETENSORS_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 _SAFETENSORS_INTS = {"I8": "i1", "I32": "<i4", "I64": "<i8"}  # an int8 checkpoint's (agents.weights.int8_checkpoint)
 _CKPT_DTYPES = {"Float64": "<f8", "Float32": "<f4", "Float16": "<f2", "BFloat16": "<u2"}
