@@ -77,7 +77,7 @@ class RunnerConfig:
     kernels: str = "auto"  # the device's native ops (agents.model.backends; CPU float32: C++ ops), portable, or auto
     precision: str = "exact"  # half / fast: float16 / bfloat16 projection weights (OpsBackend.with_precision)
     quantization: str = "none"  # w8a16: int8 weights of the layers' projections (OpsBackend.with_quantization)
-    kv_cache_dtype: str = "auto"  # int8: the KV cache in int8 with a scale per token and kv head (native CPU)
+    kv_cache_dtype: str = "auto"  # int8: per token and kv head scales (native CPU), per channel (Ascend, static)
     # Steps with queries over cached context (chunked prefill, prefix caching; agents.runtime.mixed_steps), and the token
     # budget of one step they are bucketed up to (None: the ragged prefill's largest call)
     mixed_steps: bool = False
