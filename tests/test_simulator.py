@@ -102,11 +102,13 @@ def test_the_fit_recovers_a_linear_cost_and_averages_noise():
     assert all(c >= 0 for c in noisy.coefficients)
     with pytest.raises(CostModelError, match=f"at least {len(FEATURES)}"):
         FittedCost.fit([(xs[0], 0.01)])
-    # the served decode buckets: each step also pays for the graph its batch pads to
-    bucketed = FittedCost((0.0, 1e-3, 5e-5, 0.0, 4e-7, 1e-3, 0.0, 0.0, 1e-4, 2e-3, 5e-3), buckets=(1, 8, 32))
-    assert bucketed.seconds(StepShape(9, 9, 0, 0, 90, 90)) == pytest.approx(1e-3 + 9 * 5e-5 + 90 * 4e-7 + 5e-3)
+    # the served decode buckets: each step also pays for the graph its batch pads to, and per position read in it
+    bucketed = FittedCost((0.0, 1e-3, 5e-5, 0.0, 4e-7, 1e-3, 0.0, 0.0, 1e-4, 2e-3, 5e-3, 0.0, 1e-7, 3e-7),
+                          buckets=(1, 8, 32))
+    assert bucketed.seconds(StepShape(9, 9, 0, 0, 90, 90)) == pytest.approx(1e-3 + 9 * 5e-5 + 90 * (4e-7 + 3e-7)
+                                                                             + 5e-3)
     refit = FittedCost.fit([(s, bucketed.seconds(s)) for s in xs], buckets=[32, 1, 8])
-    assert refit.buckets == (1, 8, 32) and "bucket 32" in refit.describe()
+    assert refit.buckets == (1, 8, 32) and "bucket 32 context" in refit.describe()
     assert sum(refit.seconds(s) for s in xs) == pytest.approx(sum(bucketed.seconds(s) for s in xs), rel=1e-6)
 
 

@@ -45,17 +45,20 @@ def features(shape: StepShape, buckets: tuple[int, ...] = ()) -> np.ndarray:
     """The linear model's terms: a round trip's fixed cost, then per decode step run in it its fixed cost, its
     tokens, sequences and cached positions read; a step with prompt tokens pays a fixed cost (another graph) and a
     cost per prompt it starts or continues, and its query x key pairs. With the served decode ``buckets``, also a
-    fixed cost per step for the bucket its sequences pad to (the agents run the graph of that batch size)."""
+    fixed cost per step for the bucket its sequences pad to (the agents run the graph of that batch size), and a
+    cost per cached position read in that bucket's graph: one slope for every batch size let the many small decode
+    steps of a profile set it, which overstated large batches over long contexts by up to 39% (docs/simulator.md)."""
     k = shape.num_steps
     padded = next((b for b in buckets if b >= shape.num_seqs), buckets[-1] if buckets else 0)
     return np.array([1.0, k, k * shape.num_tokens, k * shape.num_seqs, k * shape.context_tokens,
                      float(shape.prefill_seqs > 0), shape.prefill_seqs, shape.attention_pairs,
-                     *(k * float(b == padded) for b in buckets)], dtype=np.float64)
+                     *(k * float(b == padded) for b in buckets),
+                     *(k * shape.context_tokens * float(b == padded) for b in buckets)], dtype=np.float64)
 
 
 @dataclass(frozen=True)
 class FittedCost:
-    coefficients: tuple[float, ...]  # seconds per unit of each FEATURES term, then of each bucket's
+    coefficients: tuple[float, ...]  # seconds per unit of each FEATURES term, then of each bucket's two (features)
     source: str = ""  # what it was fitted on (the profile's description)
     buckets: tuple[int, ...] = ()  # the profiled config's decode batch buckets (``features``)
 
@@ -63,9 +66,10 @@ class FittedCost:
     def fit(cls, samples: Sequence[tuple[StepShape, float]], source: str = "",
             buckets: Sequence[int] = ()) -> FittedCost:
         buckets = tuple(sorted(buckets))
-        if len(samples) < len(FEATURES) + len(buckets):
-            raise CostModelError(f"fitting a step-time model needs at least {len(FEATURES) + len(buckets)} measured "
-                                 f"steps, got {len(samples)}")
+        terms = len(FEATURES) + 2 * len(buckets)
+        if len(samples) < terms:
+            raise CostModelError(f"fitting a step-time model needs at least {terms} measured steps, got "
+                                 f"{len(samples)}")
         x = np.stack([features(s, buckets) for s, _ in samples])
         t = np.array([max(sec, 1e-6) for _, sec in samples])
         # errors relative to each step's time, so short steps weigh as much as long ones; then relative to the fitted
@@ -80,7 +84,7 @@ class FittedCost:
         return float(features(shape, self.buckets) @ np.asarray(self.coefficients))
 
     def describe(self) -> str:
-        names = (*FEATURES, *(f"bucket {b}" for b in self.buckets))
+        names = (*FEATURES, *(f"bucket {b}" for b in self.buckets), *(f"bucket {b} context" for b in self.buckets))
         terms = ", ".join(f"{name} {c * 1e6:.3g} us" for name, c in zip(names, self.coefficients))
         return f"fitted ({self.source}): {terms}"
 
