@@ -212,6 +212,16 @@ def test_compressed_tensors_layouts_read_as_its_values(served):
                                   stored["model.layers.1.mlp.down_proj.weight_scale"].reshape(-1))
     for key, value in plain.items():
         np.testing.assert_array_equal(packed[key], value, err_msg=key)
+    # slices that start and end inside a packed word (cuts of other TP degrees and head sizes)
+    from agents.weights.int8_checkpoint import Int8Slices
+    from agents.weights.sharded import open_source
+
+    words = Int8Slices(open_source(dirs["pack-quantized"])[0])
+    name = "model.layers.1.mlp.down_proj.weight"
+    for rows, cols in (((3, 17), (1, 2)), (None, (3, 70)), ((0, 5), (157, 160)), (None, None)):
+        lo, hi = cols or (0, q.shape[1])
+        r0, r1 = rows or (0, q.shape[0])
+        np.testing.assert_array_equal(words.read_int8(name, rows, cols), q[r0:r1, lo:hi])
 
 
 # ---- refusals ------------------------------------------------------------------------------------------------
