@@ -54,6 +54,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import benchmark  # scripts/benchmark.py: model, workload, servers
 from check_precision import TOLERANCE
 
+from llm_serving.protocol.model_config import KV_SCALE_HEADROOM
+
 MODES = ("exact", "half", "fast", "w8a16", "kv8", "w8a16-kv8")
 # --quality only: the Ascend graphs with the CPU stand-ins of the fused ops in float32, with float caches or the
 # int8 cache of static per-channel scales calibrated on the load tool's corpus (llm-serving calibrate-kv's default)
@@ -85,6 +87,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="held-out perplexity and agreement per mode instead (no HF, no servers)")
     p.add_argument("--windows", type=int, default=32, help="held-out windows of --quality")
     p.add_argument("--window-tokens", type=int, default=128, help="tokens per window of --quality")
+    p.add_argument("--kv-calibration", choices=("corpus", "train"), default="corpus",
+                   help="ascend-kv8's calibration text: the load tool's corpus (calibrate-kv's default) or the "
+                   "model's training text")
+    p.add_argument("--kv-headroom", type=float, default=KV_SCALE_HEADROOM, help="ascend-kv8's scale headroom")
     return p.parse_args(argv)
 
 
@@ -170,7 +176,7 @@ def quality(args: argparse.Namespace) -> None:
                           kv_cache_dtype=kv_cache)
         backend, mode_weights = None, weights
         if mode in ASCEND_MODES:
-            backend, mode_weights = ascend_stand_ins(config, weights, tok, kv_cache == "int8")
+            backend, mode_weights = ascend_stand_ins(config, weights, tok, kv_cache == "int8", args)
         runner = ModelRunner(config, mode_weights, rc, backend)
         runner.warmup()
         logits = teacher_forced(runner, ids).astype(np.float64)
@@ -192,21 +198,29 @@ def quality(args: argparse.Namespace) -> None:
               f"| {errors.max() * 1e3:.2f} per mille | {(errors <= TOLERANCE).mean():.2%} |")
 
 
-def ascend_stand_ins(config, weights: dict, tok, int8_cache: bool):
-    """The Ascend backend over the fused ops' CPU stand-ins, and the weights with static KV scales calibrated on
-    the load tool's corpus (32 windows of 256 tokens) where the cache is int8."""
+def ascend_stand_ins(config, weights: dict, tok, int8_cache: bool, args: argparse.Namespace):
+    """The Ascend backend over the fused ops' CPU stand-ins, and the weights with static KV scales calibrated (32
+    windows of 256 tokens) on the load tool's corpus (``--kv-calibration corpus``, calibrate-kv's default) or on 400
+    documents of the model's training text (``train``), with ``--kv-headroom``, where the cache is int8."""
+    import random
+
     from agents.model.backends.ascend import AscendBackend
     from agents.model.backends.ascend_reference import ReferenceOps
     from agents.tools.calibrate_kv import calibrate
-    from agents.weights.kv_scales import SMALLEST
+    from agents.training.corpus import stdlib_corpus
+    from agents.weights.kv_scales import scales_of
     from llm_serving.cli.commands.calibrate_kv import windows
     from loadtest.workload import DEFAULT_CORPUS
 
     backend = AscendBackend(ReferenceOps(config.head_dim))
     if not int8_cache:
         return backend, weights
-    chunks = windows(tok.encode(DEFAULT_CORPUS.read_text(encoding="utf-8")), 32, 256, config.bos_token_id)
-    scales = np.maximum(calibrate(config, weights, chunks) / np.float32(127), np.float32(SMALLEST))
+    if args.kv_calibration == "train":
+        text = "\n".join(random.Random(0).sample(stdlib_corpus().train, 400))
+    else:
+        text = DEFAULT_CORPUS.read_text(encoding="utf-8")
+    chunks = windows(tok.encode(text), 32, 256, config.bos_token_id)
+    scales = scales_of(calibrate(config, weights, chunks), args.kv_headroom)
     return backend, {**weights, **{f"layers.{i}.kv_scale": s for i, s in enumerate(scales)}}
 
 

@@ -27,7 +27,7 @@ from agents.tools.contracts import check_graph
 from agents.tools.export import export_graphs, export_runner
 from agents.tools.mindir import read_graph
 from agents.weights.checkpoints import WeightLoadError, load_weights
-from agents.weights.kv_scales import KV_SCALES_FILE, load_kv_scales, save_kv_scales
+from agents.weights.kv_scales import HEADROOM, KV_SCALES_FILE, load_kv_scales, save_kv_scales, scales_of
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.model_config import LlamaConfig
@@ -60,7 +60,7 @@ def setup(tmp_path_factory):
     float_runner.warmup()
     ref = ChunkDriver(float_runner, seed=0).generate(prompts(), STEPS, 24)
     absmax = calibrate(CONFIG, weights, [p + t for p, t in zip(prompts(), ref[0])])
-    save_kv_scales(absmax, model_dir / KV_SCALES_FILE, 0)
+    save_kv_scales(absmax, model_dir / KV_SCALES_FILE, 0, headroom=1.0)  # calibrated on the very text served
     scales = load_kv_scales(model_dir / KV_SCALES_FILE, CONFIG, ShardPlan(CONFIG))
     int8_runner = ModelRunner(CONFIG, {**weights, **scales}, dataclasses.replace(RC, kv_cache_dtype="int8"), ops_)
     int8_runner.warmup()
@@ -241,6 +241,13 @@ def test_each_int8_mistake_exports_and_its_rule_refuses_it(setup, tmp_path, mist
 
 
 # ---- scales, memory and the commands ------------------------------------------------------------------------------
+def test_the_scales_leave_headroom_above_the_calibrated_values():
+    absmax = np.array([[[0.0, 1.0, 127.0]]], np.float32)
+    np.testing.assert_allclose(scales_of(absmax, 1.0), [[[1e-4, 1 / 127, 1.0]]], rtol=1e-6)
+    np.testing.assert_allclose(scales_of(absmax), [[[1e-4, HEADROOM / 127, HEADROOM]]], rtol=1e-6)
+    assert HEADROOM == 1.25
+
+
 def test_a_ranks_scales_are_its_kv_heads_channels(setup):
     whole = load_kv_scales(setup["dir"] / KV_SCALES_FILE, CONFIG, ShardPlan(CONFIG))["layers.1.kv_scale"]
     halves = [load_kv_scales(setup["dir"] / KV_SCALES_FILE, CONFIG, ShardPlan(CONFIG, 2, r))["layers.1.kv_scale"]
@@ -294,6 +301,8 @@ def test_calibrate_then_export_an_ascend_int8_config_with_the_check(tmp_path):
     scales = {n.inputs[5].info.shape for n in read_graph(tmp_path / "tp2" / "decode_b4_w4.mindir").of("PagedAttention")}
     assert scales == {(2, CONFIG.kv_dim // 2)}
     assert run_cli("calibrate-kv", "--model", str(model_dir), "--text", str(tmp_path / "nope.txt")).returncode == 2
+    res = run_cli("calibrate-kv", "--model", str(model_dir), "--headroom", "0.5")
+    assert res.returncode == 2 and "--headroom 0.5: at least 1" in res.stderr
 
 
 def test_the_default_calibration_text_is_packaged():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agents.weights.kv_scales import kv_scales_path, save_kv_scales
+from agents.weights.kv_scales import HEADROOM, kv_scales_path, save_kv_scales
 from agents.weights.sharded import load_rank_weights
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.model_config import LlamaConfig, blocks_needed
@@ -57,11 +57,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--ids", type=Path, required=True, help="JSON list of token-id windows")
     parser.add_argument("--out", type=Path, default=None, help=f"default: the model's {kv_scales_path('.').name}")
+    parser.add_argument("--headroom", type=float, default=HEADROOM, help="scale = headroom x largest / 127")
     args = parser.parse_args(argv)
     windows = json.loads(args.ids.read_text())
     config = LlamaConfig.from_model_dir(args.model if args.model.is_dir() else args.model.parent)
     absmax = calibrate(config, load_rank_weights(args.model, config, ShardPlan(config)), windows)  # int8: dequantized
-    out = save_kv_scales(absmax, args.out or kv_scales_path(args.model), sum(len(w) for w in windows))
+    out = save_kv_scales(absmax, args.out or kv_scales_path(args.model), sum(len(w) for w in windows), args.headroom)
     print(out)
 
 

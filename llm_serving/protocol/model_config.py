@@ -44,6 +44,9 @@ QUANTIZATIONS = ("none", "w8a16")
 # model_config.kv_cache_dtype: auto (the model's dtype), or int8 (per token and kv head scales; native CPU kernels,
 # agents/model/kernels/paged_attention.cc); docs/quantization.md
 KV_CACHE_DTYPES = ("auto", "int8")
+# an int8 KV cache on Ascend: each channel's static scale is this x its calibrated largest value / 127
+# (agents.weights.kv_scales, `llm-serving calibrate-kv --headroom`; measured in docs/quantization.md)
+KV_SCALE_HEADROOM = 1.25
 # config.json quantization_config of a checkpoint with int8 weights: compressed-tensors' W8A16 (llm-compressor's
 # output, vLLM's format, and `llm-serving quantize`'s), in either of its two layouts of the int8 values
 # (agents/weights/int8_checkpoint.py); docs/quantization.md "Pre-quantized checkpoints"

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from llm_serving.cli.options import CliError, Command
+from llm_serving.protocol.model_config import KV_SCALE_HEADROOM
 
 DEFAULT_TEXT_NAME = "corpus.txt"  # the load tool's packaged corpus (loadtest.workload.DEFAULT_CORPUS)
 
@@ -30,6 +31,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per window, each prefilled on its own (default 256, at most the model's positions)")
     p.add_argument("--out", metavar="FILE", help="scales file (default: MODEL_DIR/kv_cache_scales.safetensors, "
                    "where the agents read it)")
+    p.add_argument("--headroom", type=float, default=KV_SCALE_HEADROOM, metavar="H",
+                   help=f"each channel's scale is H x its largest calibrated value / 127 (default {KV_SCALE_HEADROOM}: "
+                   "room for text unlike the calibration text; 1 when it is like the served text, "
+                   "docs/quantization.md)")
 
 
 def windows(ids: list[int], count: int, length: int, bos: int | None) -> list[list[int]]:
@@ -55,6 +60,8 @@ def _run(args: argparse.Namespace) -> int:
     missing = [str(t) for t in texts if not t.is_file()]
     if missing:
         raise CliError(f"--text: no such file {', '.join(missing)}")
+    if not args.headroom >= 1:
+        raise CliError(f"--headroom {args.headroom}: at least 1 (below it every channel's largest values clip)")
     if not 2 <= args.window_tokens <= config.max_position_embeddings or args.windows < 1:
         raise CliError(f"--window-tokens must be 2..{config.max_position_embeddings} and --windows at least 1")
     ids = [i for t in texts for i in tokenizer.encode(t.read_text(encoding="utf-8"))]
@@ -64,7 +71,8 @@ def _run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ids.json"
         path.write_text(json.dumps(chunks))
-        argv = [sys.executable, "-m", "agents.tools.calibrate_kv", "--model", str(model), "--ids", str(path)]
+        argv = [sys.executable, "-m", "agents.tools.calibrate_kv", "--model", str(model), "--ids", str(path),
+                "--headroom", str(args.headroom)]
         if args.out:
             argv += ["--out", args.out]
         done = subprocess.run(argv, capture_output=True, text=True, check=False)
