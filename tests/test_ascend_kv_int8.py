@@ -37,8 +37,8 @@ from tests.script_runner import ROOT
 
 CONFIG = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=192, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # head_dim 64
-RC = RunnerConfig(num_blocks=60, block_size=16, max_model_len=96, prefill_batch_sizes=(2,), prefill_seq_lengths=(32,),
-                  decode_batch_sizes=(8,), decode_block_widths=(6,), mixed_steps=True, max_num_batched_tokens=48)
+RC = RunnerConfig(num_blocks=60, block_size=16, max_model_len=96, prefill_batch_sizes=(2,), prefill_seq_lengths=(48,),
+                  decode_batch_sizes=(8,), decode_block_widths=(6,), mixed_steps=True, max_num_batched_tokens=24)
 LENGTHS = (1, 2, 15, 17, 33, 47, 49, 80)
 STEPS = 12
 
