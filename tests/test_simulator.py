@@ -3,6 +3,7 @@ commands, and a profile of a real served engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -14,7 +15,8 @@ from llm_serving.cli.main import main as cli_main
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.scheduler import Scheduler, SchedulerConfig
 from llm_serving.core.sequence import SamplingParams, Sequence
-from llm_serving.core.step_shape import StepShape, step_rows, steps_from_rows
+from llm_serving.core.step_shape import StepShape, distinct_positions, step_rows, steps_from_rows
+from llm_serving.protocol.batch import StepBatch
 from llm_serving.simulator.costs import (
     FEATURES,
     CostModelError,
@@ -72,10 +74,38 @@ def test_step_shape_sums_what_the_scheduler_batched():
     for i, n in enumerate((30, 20)):
         sched.add(Sequence(f"r{i}", list(range(3, 3 + n)), SamplingParams(4, ignore_eos=True)))
     _, batch = sched.schedule()  # 30 tokens of r0 and a 10-token chunk of r1
-    shape = StepShape.of(batch)
+    shape = StepShape.of(batch, 16)
     assert shape == StepShape(num_seqs=2, num_tokens=40, prefill_tokens=40, prefill_seqs=2, context_tokens=40,
-                              attention_pairs=30 * 30 + 10 * 10)
+                              attention_pairs=30 * 30 + 10 * 10, shared_context_tokens=0)
     assert steps_from_rows(json.loads(json.dumps(step_rows([(shape, 0.5)])))) == [(shape, 0.5)]
+    older = {k: v for k, v in step_rows([(shape, 0.5)])[0].items() if k != "shared_context_tokens"}
+    assert steps_from_rows([older]) == [(shape, 0.5)]  # a profile recorded before the field: nothing shared
+
+
+def test_positions_in_blocks_another_sequence_reads_count_as_shared():
+    tables = np.array([[5, 6, 7], [5, 6, 9], [5, 8, 0]], np.int32)  # a prefix of blocks 5, 6 (16 tokens each)
+    ctx = np.array([40, 35, 20])  # reads 5 6 7(8 tokens); 5 6 9(3); 5 8(4): 47 distinct of 95
+    assert distinct_positions(tables, ctx, 16) == 16 + 16 + 8 + 3 + 4
+    assert distinct_positions(tables[2:], ctx[2:], 16) == 20
+    assert distinct_positions(np.array([[5, 6], [6, 5]], np.int32), np.array([20, 32]), 16) == 32  # 6 fullest once
+    batch = StepBatch(False, np.zeros(3, np.int32), ctx - 1, np.zeros(3, np.int32), np.ones(3, np.int32),
+                      ctx.astype(np.int32), tables)
+    assert StepShape.of(batch, 16).shared_context_tokens == 95 - 47
+
+
+def test_simulated_steps_over_a_cached_prefix_read_shared_blocks():
+    shapes: list[StepShape] = []
+
+    class Recording(Constant):
+        def seconds(self, shape: StepShape) -> float:
+            shapes.append(shape)
+            return super().seconds(shape)
+
+    simulate(sched_config(prefix_caching=True), [req(0, 64, 2)] + [req(i, 64, 8, at=1.0) for i in (1, 2, 3)],
+             Recording(0.01))
+    shared = [s for s in shapes if s.shared_context_tokens]  # their last chunks, then their decode steps
+    assert [s.prefill_seqs for s in shared] == [3] + [0] * 7 and all(s.num_seqs == 3 for s in shared)
+    assert all(s.shared_context_tokens == 2 * 48 for s in shared)  # the three cached blocks, read thrice
 
 
 # ---- cost models ----------------------------------------------------------------------------------------
@@ -108,8 +138,11 @@ def test_the_fit_recovers_a_linear_cost_and_averages_noise():
     assert bucketed.seconds(StepShape(9, 9, 0, 0, 90, 90)) == pytest.approx(1e-3 + 9 * 5e-5 + 90 * (4e-7 + 3e-7)
                                                                              + 5e-3)
     refit = FittedCost.fit([(s, bucketed.seconds(s)) for s in xs], buckets=[32, 1, 8])
-    assert refit.buckets == (1, 8, 32) and "bucket 32 context" in refit.describe()
+    assert refit.buckets == (1, 8, 32) and "bucket 32 unshared context" in refit.describe()
     assert sum(refit.seconds(s) for s in xs) == pytest.approx(sum(bucketed.seconds(s) for s in xs), rel=1e-6)
+    # positions another sequence reads from the same block pay the global slope only
+    shared = dataclasses.replace(StepShape(9, 9, 0, 0, 90, 90), shared_context_tokens=40)
+    assert bucketed.seconds(shared) == pytest.approx(1e-3 + 9 * 5e-5 + 90 * 4e-7 + 50 * 3e-7 + 5e-3)
 
 
 def test_profile_files_round_trip_and_name_the_file_when_broken(tmp_path):

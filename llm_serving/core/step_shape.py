@@ -4,13 +4,17 @@ A step's time grows with the tokens it multiplies by the weights (``num_tokens``
 is sampled and returned (``num_seqs``), the prompts it starts or continues (``prefill_seqs``: a step with any
 runs another graph and the master admits them), the cached positions its attention reads (``context_tokens``: decode is
 bound by reading them) and the query-by-key pairs it scores (``attention_pairs``: a long prefill's quadratic
-part). The engine records these per step (``Engine.step_trace``; ``llm-serving serve --record-steps`` writes them)
+part); ``shared_context_tokens`` counts those of its positions that another sequence of the step reads from
+the same KV block (a shared prompt prefix): on a CPU they come from cache, so a step over shared blocks costs
+less than its positions say (docs/simulator.md). The engine records these per step (``Engine.step_trace``; ``llm-serving serve --record-steps`` writes them)
 and the simulator's cost models are fitted to them.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 from llm_serving.protocol.batch import StepBatch
 
@@ -24,17 +28,36 @@ class StepShape:
     context_tokens: int  # sum of context lengths after the step: the cached positions attention reads
     attention_pairs: int  # sum over sequences of query tokens x context length
     num_steps: int = 1  # decode steps run in one round trip (multi-step decoding)
+    shared_context_tokens: int = 0  # of context_tokens, those in a KV block that an earlier sequence reads too
 
     @classmethod
-    def of(cls, batch: StepBatch) -> StepShape:
+    def of(cls, batch: StepBatch, block_size: int) -> StepShape:
         q = batch.query_lens.astype("int64")
         ctx = batch.context_lens.astype("int64")
         return cls(num_seqs=batch.batch_size, num_tokens=batch.num_tokens,
                    prefill_tokens=int(q[q > 1].sum()), prefill_seqs=int((q > 1).sum()), context_tokens=int(ctx.sum()),
-                   attention_pairs=int((q * ctx).sum()), num_steps=batch.num_steps)
+                   attention_pairs=int((q * ctx).sum()), num_steps=batch.num_steps,
+                   shared_context_tokens=int(ctx.sum()) - distinct_positions(batch.block_tables, ctx, block_size))
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+def distinct_positions(block_tables: np.ndarray, context_lens: np.ndarray, block_size: int) -> int:
+    """Cached positions read counting each KV block once: per distinct block id, the most positions any sequence
+    reads from it (sequences sharing a prefix share its full blocks; the last, partly filled block is their own)."""
+    if len(context_lens) < 2:
+        return int(context_lens.sum())
+    width = -(-context_lens // block_size)  # blocks each sequence reads
+    cols = np.arange(block_tables.shape[1])
+    used = cols[None, :] < width[:, None]
+    filled = np.minimum(block_size, context_lens[:, None] - cols[None, :] * block_size)
+    ids, counts = block_tables[used], filled[used]
+    order = np.lexsort((-counts, ids))  # per block id, its fullest use first
+    ids, counts = ids[order], counts[order]
+    first = np.ones(len(ids), bool)
+    first[1:] = ids[1:] != ids[:-1]
+    return int(counts[first].sum())
 
 
 def step_rows(samples: list[tuple[StepShape, float]]) -> list[dict]:

@@ -393,7 +393,8 @@ class Engine:
                     # queued KV copies first: no step is in flight once this one is delivered
                     step = None if self._stopping or ahead is not None or self._kv_pending else sched.schedule()
                     if self.step_trace is not None:
-                        self.step_trace.append((StepShape.of(batch), time.perf_counter() - started))
+                        self.step_trace.append((StepShape.of(batch, sched.config.block_size),
+                                                time.perf_counter() - started))
                 try:
                     in_flight = ahead if ahead is not None else None if step is None else self._submit(step)
                     ahead = None

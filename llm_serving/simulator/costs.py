@@ -46,14 +46,17 @@ def features(shape: StepShape, buckets: tuple[int, ...] = ()) -> np.ndarray:
     tokens, sequences and cached positions read; a step with prompt tokens pays a fixed cost (another graph) and a
     cost per prompt it starts or continues, and its query x key pairs. With the served decode ``buckets``, also a
     fixed cost per step for the bucket its sequences pad to (the agents run the graph of that batch size), and a
-    cost per cached position read in that bucket's graph: one slope for every batch size let the many small decode
-    steps of a profile set it, which overstated large batches over long contexts by up to 39% (docs/simulator.md)."""
+    cost per cached position read in that bucket's graph from a KV block no other sequence of the step reads: one
+    slope for every batch size let the many small decode steps of a profile set it, which overstated large batches
+    over long contexts by up to 39%, and positions read from a block another sequence reads too (a shared prefix)
+    cost only the first, global slope (docs/simulator.md)."""
     k = shape.num_steps
     padded = next((b for b in buckets if b >= shape.num_seqs), buckets[-1] if buckets else 0)
+    distinct = shape.context_tokens - shape.shared_context_tokens
     return np.array([1.0, k, k * shape.num_tokens, k * shape.num_seqs, k * shape.context_tokens,
                      float(shape.prefill_seqs > 0), shape.prefill_seqs, shape.attention_pairs,
                      *(k * float(b == padded) for b in buckets),
-                     *(k * shape.context_tokens * float(b == padded) for b in buckets)], dtype=np.float64)
+                     *(k * distinct * float(b == padded) for b in buckets)], dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ class FittedCost:
         return float(features(shape, self.buckets) @ np.asarray(self.coefficients))
 
     def describe(self) -> str:
-        names = (*FEATURES, *(f"bucket {b}" for b in self.buckets), *(f"bucket {b} context" for b in self.buckets))
+        names = (*FEATURES, *(f"bucket {b}" for b in self.buckets), *(f"bucket {b} unshared context" for b in self.buckets))
         terms = ", ".join(f"{name} {c * 1e6:.3g} us" for name, c in zip(names, self.coefficients))
         return f"fitted ({self.source}): {terms}"
 

@@ -7,8 +7,10 @@ run up to 1.5x slower). Each point of the sweep sends ``batch`` streamed complet
 random token ids (distinct, so no prefix is shared) for ``new_tokens`` tokens with EOS ignored, all at once: its
 prefill (chunked or whole) and decode steps at that batch size and context. Then one phase sends requests one
 by one while others decode, for the steps that mix decode tokens and prompt chunks, and one sends prompts just
-computed again (prefix-cache hits: a few query tokens over a long cached context). The server writes the
-profile (``costs.load_profile`` reads it) when it stops; ``FittedCost`` is fitted to it.
+computed again (prefix-cache hits: a few query tokens over a long cached context), also as the largest decode batch
+over a few shared prompts (steps whose sequences read the same KV blocks, a shape distinct prompts of that length
+could not fill the cache with). The server writes the profile (``costs.load_profile`` reads it) when it stops;
+``FittedCost`` is fitted to it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ PROBES = 4  # requests sent one after another at each batch-1 point (time to fir
 WARM_UP_ROUNDS = 3  # rounds of the largest batch before the sweep: a fresh server's first steps run slower
 STEPS_METRIC = "llm_serving_engine_steps_total"
 SHARED_PREFIX_BATCH = 4  # requests sent at once on a prompt just computed (with prefix caching: cache hits)
+SHARED_PREFIXES = 4  # prompts the largest batch of cache hits shares
+MAX_SWEEP_TOKENS = 8192  # KV positions a sweep point fills at most (a default config's cache holds 8192)
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ def default_sweep(max_batch: int, max_model_len: int, new_tokens: int = 32) -> l
     small model)."""
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch] + [max_batch]
     lengths = [n for n in (16, 64, 256, 1024, 4096) if n + new_tokens <= max_model_len] or [8]
-    return [SweepPoint(b, n, new_tokens) for b in batches for n in lengths if b * n <= 8192]
+    return [SweepPoint(b, n, new_tokens) for b in batches for n in lengths if b * n <= MAX_SWEEP_TOKENS]
 
 
 def run_sweep(config: ServingConfig, points: list[SweepPoint], work_dir: str | Path, staggered: int = 16,
@@ -123,10 +127,16 @@ async def _drive(url: str, model: str, points: list[SweepPoint], staggered: int,
                     tasks.append(asyncio.create_task(one(length, 2 * points[0].new_tokens)))
                     await asyncio.sleep(0.005)
                 await asyncio.gather(*tasks)
+            new = points[0].new_tokens
             for n in sorted({p.prompt_len for p in points}):  # prefix-cache hits: short queries over long contexts
                 shared = rng.integers(3, 200, n).tolist()
                 await one(n, 2, shared)
-                await asyncio.gather(*(one(n, points[0].new_tokens, shared) for _ in range(SHARED_PREFIX_BATCH)))
+                await asyncio.gather(*(one(n, new, shared) for _ in range(SHARED_PREFIX_BATCH)))
+                # decode batches larger than distinct prompts fit in the KV cache, over a few shared prefixes
+                prefixes = [rng.integers(3, 200, n).tolist() for _ in range(SHARED_PREFIXES)]
+                await asyncio.gather(*(one(n, 2, prefix) for prefix in prefixes))
+                batch = min(points[-1].batch, MAX_SWEEP_TOKENS // (2 * new))
+                await asyncio.gather(*(one(n, new, prefixes[i % SHARED_PREFIXES]) for i in range(batch)))
             marks.append(await engine_steps(session, url))
     return probes, marks
 

@@ -125,7 +125,7 @@ def simulate(config: SchedulerConfig, requests: list[SimRequest], cost: StepCost
         seqs, batch = step
         ahead = sched.schedule_ahead(seqs, batch)  # None unless config.async_scheduling allows one
         before = [len(s.output_ids) for s in seqs]
-        now[0] += cost.seconds(StepShape.of(batch))
+        now[0] += cost.seconds(StepShape.of(batch, sched.config.block_size))
         sched.postprocess(seqs, _output(seqs, batch.num_steps, token, end, lengths))
         seen = now[0] + request_overhead_s
         for seq, had in zip(seqs, before):
