@@ -2,13 +2,20 @@
 """Simulated against measured: served load tests of several configurations and loads, each replayed by the simulator.
 
     python scripts/validate_simulator.py [--work-dir /tmp/llm-serving-sim] [--cases saturation,1-in-flight,...]
+                                         [--rounds 3] [--profile-sessions 2]
 
-For each configuration the step-time model is fitted to a profile measured first on the same engine settings
+For each configuration the step-time model is fitted to a profile measured on the same engine settings
 (``llm-serving profile``'s sweep, not the load test itself), then the server runs the load test (the contest's
 streaming endpoint) and the simulator replays the same requests with the output lengths the server produced (and
 the load tool's arrival process or concurrency cap). Prints per case total time, median TTFT and TPOT, measured
 vs simulated, and the error of each, as a markdown table (``--write`` adds it to a file). Model: the shipped
 default (the trained pydoc target); every server is started and stopped by the script.
+
+This 2-core machine is shared: for minutes at a time every step runs 1.2-2x slower (docs/simulator.md), which a
+profile or a load test of a few seconds catches or misses by chance. So each profile is the union of
+``--profile-sessions`` sweeps on separate servers, and each case is measured ``--rounds`` times (the measured
+figures are the rounds' medians), spread over the run: profile session 1, measured round 1, session 2, round 2,
+... A work directory's profiles and measured runs are reused (delete them to measure again).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import asyncio
 import json
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,17 +101,33 @@ def config_for(case: Case, work: Path) -> tuple[ServingConfig, Path]:
     return ServingConfig.from_yaml(path), path
 
 
-def profile_for(case: Case, config: ServingConfig, work: Path, log) -> Path:
+def profile_for(case: Case, config: ServingConfig, work: Path, log, sessions: int = 1,
+                session: int | None = None) -> Path:
+    """The case's profile: the union of ``sessions`` one-round sweeps, each on its own server (``session``: measure
+    only that one now, if missing). With one session, one server sweeps twice (``llm-serving profile``'s way)."""
     key = "-".join(f"{k}={v}" for k, v in sorted(case.overrides.items()) if k not in ENGINE_KEYS_IGNORED) or "default"
     path = work / f"profile-{key.replace('/', '_')}.json"
-    if not path.exists():
-        points = default_sweep(config.model_config.decode_batch_size[-1], config.max_model_len)
-        steps, meta = run_sweep(config, points, work / f"{path.stem}.d", progress=log)
-        save_profile(path, steps, meta)
-        fit = FittedCost.fit(steps, buckets=meta["decode_buckets"])
-        spread = round_spread(steps, meta["round_steps"], meta["decode_buckets"])
-        log(f"profile {path.name}: {len(steps)} steps, fit {shape_summary(fit.relative_errors(steps))}, rounds "
-            f"differ by {spread:.0%}")
+    if path.exists():
+        return path
+    parts = [path.with_suffix(f".session{i}.json") for i in range(sessions)]
+    for part in parts if session is None else parts[session:session + 1]:
+        if not part.exists():
+            points = default_sweep(config.model_config.decode_batch_size[-1], config.max_model_len)
+            steps, meta = run_sweep(config, points, work / f"{part.stem}.d", progress=log,
+                                    rounds=2 if sessions == 1 else 1)
+            save_profile(part, steps, meta)
+    if not all(part.exists() for part in parts):
+        return path  # the later sessions are still to come
+    loaded = [load_profile(part) for part in parts]
+    steps = [step for part_steps, _ in loaded for step in part_steps]
+    meta = {**loaded[0][1], "first_token_probes": [p for _, m in loaded for p in m["first_token_probes"]],
+            "round_steps": [n for _, m in loaded for n in m["round_steps"]] if sessions == 1 else
+            [len(part_steps) for part_steps, _ in loaded], "sessions": [str(part) for part in parts]}
+    save_profile(path, steps, meta)
+    fit = FittedCost.fit(steps, buckets=meta["decode_buckets"])
+    spread = round_spread(steps, meta["round_steps"], meta["decode_buckets"])
+    log(f"profile {path.name}: {len(steps)} steps, fit {shape_summary(fit.relative_errors(steps))}, "
+        f"{'rounds' if sessions == 1 else 'sessions'} differ by {spread:.0%}")
     return path
 
 
@@ -139,21 +162,36 @@ async def steps_so_far(port: int) -> int:
         return await engine_steps(session, f"http://127.0.0.1:{port}")
 
 
-def simulated(case: Case, config: ServingConfig, profile: Path, results: Path) -> dict:
-    """The simulation's metrics, its step count, and how the cost model does on the steps the server recorded
-    (the model's time for those very steps over their measured time: the error that is the cost model's alone,
-    not the scheduling's)."""
+def served_steps(results: Path) -> list:
+    """The steps a measured server ran for its load test (its warm-up's left out)."""
+    served, _ = load_profile(results.parent / "served-steps.json")
+    warm_up = int((results.parent / "warm-up-steps").read_text())
+    while served and warm_up > 0:
+        warm_up -= served.pop(0)[0].num_steps
+    return served
+
+
+def simulated(case: Case, config: ServingConfig, profile: Path, results: list[Path]) -> dict:
+    """The simulation of the first round's requests, its step count, and how the cost model does on the steps the
+    servers recorded in every round (the model's time for those very steps over their measured time: the error
+    that is the cost model's alone, not the scheduling's)."""
     target = build_target(config, str(profile))
-    requests = from_results(results, target.encode)
+    requests = from_results(results[0], target.encode)
     if case.concurrency:
         requests = retimed(requests, case.qps)
     run = simulate(target.scheduler, requests, target.cost, target.request_overhead_s, case.concurrency)
-    served, _ = load_profile(results.parent / "served-steps.json")
-    warm_up = int((results.parent / "warm-up-steps").read_text())
-    while served and warm_up > 0:  # the warm-up's steps are not the load test's
-        warm_up -= served.pop(0)[0].num_steps
+    served = served_steps(results[0])
+    rounds = [served_steps(r) for r in results]
     return {**run.metrics, "steps": run.steps, "served_steps": sum(s.num_steps for s, _ in served),
-            "cost_on_served": sum(target.cost.seconds(s) for s, _ in served) / sum(t for _, t in served) - 1}
+            "cost_on_served": sum(target.cost.seconds(s) for r in rounds for s, _ in r)
+            / sum(t for r in rounds for _, t in r) - 1}
+
+
+def measured(results: list[Path]) -> dict:
+    """The rounds' medians of each metric, and each round's total time."""
+    rounds = [json.loads((r.parent / r.name.replace("result_", "summary_")).read_text())["metrics"] for r in results]
+    return {**{key: float(np.median([m[key] for m in rounds])) for _, key, _ in METRICS},
+            "round_totals": [m["total_time_s"] for m in rounds]}
 
 
 METRICS = (("total s", "total_time_s", 1.0), ("median TTFT ms", "median_ttft_ms", 1.0),
@@ -162,14 +200,15 @@ METRICS = (("total s", "total_time_s", 1.0), ("median TTFT ms", "median_ttft_ms"
 
 def table(rows: list[tuple[Case, dict, dict]]) -> str:
     head = ("| case | " + " | ".join(f"{name} meas. / sim. (error)" for name, _, _ in METRICS)
-            + " | steps served / sim. | cost model on the served steps |")
-    out = [head, "|---|" + "---:|" * (len(METRICS) + 2)]
+            + " | measured rounds' total s | steps served / sim. | cost model on the served steps |")
+    out = [head, "|---|" + "---:|" * (len(METRICS) + 3)]
     for case, meas, sim in rows:
         cells = []
         for _, key, _ in METRICS:
             m, s = meas.get(key), sim.get(key)
             cells.append("n/a" if m is None or s is None else f"{m:.3g} / {s:.3g} ({(s / m - 1) * 100:+.0f}%)")
-        cells += [f"{sim['served_steps']} / {sim['steps']}", f"{sim['cost_on_served'] * 100:+.0f}%"]
+        cells += [", ".join(f"{t:.2f}" for t in meas["round_totals"]), f"{sim['served_steps']} / {sim['steps']}",
+                  f"{sim['cost_on_served'] * 100:+.0f}%"]
         out.append(f"| {case.name} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -213,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default="/tmp/llm-serving-sim", help="configs, profiles, results and logs")
     p.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated case names")
     p.add_argument("--write", metavar="MD", help="append the table to this file")
+    p.add_argument("--rounds", type=int, default=3, help="measured runs of each case (their medians are compared)")
+    p.add_argument("--profile-sessions", type=int, default=2, help="one-round profile sweeps per configuration, "
+                   "each on its own server (1: one server sweeping twice)")
     p.add_argument("--tune", action="store_true", help="also tune the saturation workload and measure the choice "
                    "against the shipped config")
     args = p.parse_args(argv)
@@ -227,14 +269,21 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     data = workloads(work)
+    cases = [c for c in CASES if c.name in wanted]
+    configs = {case.name: config_for(case, work) for case in cases}
+    results: dict[str, list[Path]] = {case.name: [] for case in cases}
+    for i in range(max(args.profile_sessions, args.rounds)):  # spread over the run (the module docstring)
+        for case in cases if i < args.profile_sessions else ():
+            profile_for(case, configs[case.name][0], work, log, args.profile_sessions, session=i)
+        for case in cases if i < args.rounds else ():
+            name = case.name if i == 0 else f"{case.name}-r{i}"
+            results[case.name].append(measure(replace(case, name=name), configs[case.name][1],
+                                              data[case.workload], work, log))
     rows = []
-    for case in (c for c in CASES if c.name in wanted):
-        config, path = config_for(case, work)
-        profile = profile_for(case, config, work, log)
-        results = measure(case, path, data[case.workload], work, log)
-        meas = json.loads((results.parent / results.name.replace("result_", "summary_")).read_text())["metrics"]
-        sim = simulated(case, config, profile, results)
-        rows.append((case, meas, sim))
+    for case in cases:
+        profile = profile_for(case, configs[case.name][0], work, log, args.profile_sessions)
+        rows.append((case, measured(results[case.name]), simulated(case, configs[case.name][0], profile,
+                                                                   results[case.name])))
         log(table(rows[-1:]).splitlines()[-1])
     text = table(rows)
     if args.tune:
