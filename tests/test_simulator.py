@@ -350,6 +350,7 @@ def test_profile_records_the_served_steps_of_a_real_engine(tmp_path):
     decodes = [s for s, _ in steps if s.prefill_tokens == 0]
     assert {s.num_seqs for s in decodes} >= {1, 4} and all(t > 0 for _, t in steps)
     assert sum(s.prefill_tokens for s, _ in steps) >= 2 * (4 * 8 + 4 * 16 + 3 * 16)  # every prompt was prefilled
+    assert any(s.shared_context_tokens for s in decodes)  # requests sent on a prompt just computed share its blocks
     path = save_profile(tmp_path / "profile.json", steps, meta)
     target = build_target(config, str(path))
     assert target.scheduler.num_blocks == 32 and target.request_overhead_s >= 0
