@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         log(table(rows[-1:]).splitlines()[-1])
     text = table(rows)
     if args.tune:
-        text += "\n\n" + tune_check(work, data["alpaca"], log)
+        text += "\n\n" + tune_check(work, data["alpaca"], log, rounds=max(args.rounds, 2))
     print(text)
     if args.write:
         with open(args.write, "a") as f:
