@@ -37,7 +37,14 @@ import yaml
 
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.engine.wiring import resolve_model
-from llm_serving.simulator.costs import FittedCost, load_profile, round_spread, save_profile, shape_summary
+from llm_serving.simulator.costs import (
+    FittedCost,
+    load_profile,
+    merged_profiles,
+    round_spread,
+    save_profile,
+    shape_summary,
+)
 from llm_serving.simulator.profiling import default_sweep, engine_steps, run_sweep
 from llm_serving.simulator.run import simulate
 from llm_serving.simulator.target import build_target
@@ -118,11 +125,7 @@ def profile_for(case: Case, config: ServingConfig, work: Path, log, sessions: in
             save_profile(part, steps, meta)
     if not all(part.exists() for part in parts):
         return path  # the later sessions are still to come
-    loaded = [load_profile(part) for part in parts]
-    steps = [step for part_steps, _ in loaded for step in part_steps]
-    meta = {**loaded[0][1], "first_token_probes": [p for _, m in loaded for p in m["first_token_probes"]],
-            "round_steps": [n for _, m in loaded for n in m["round_steps"]] if sessions == 1 else
-            [len(part_steps) for part_steps, _ in loaded], "sessions": [str(part) for part in parts]}
+    steps, meta = merged_profiles(parts)
     save_profile(path, steps, meta)
     fit = FittedCost.fit(steps, buckets=meta["decode_buckets"])
     spread = round_spread(steps, meta["round_steps"], meta["decode_buckets"])

@@ -23,7 +23,9 @@ from llm_serving.simulator.costs import (
     DeviceCost,
     DeviceProfile,
     FittedCost,
+    fitted_from_profile,
     load_profile,
+    merged_profiles,
     request_overhead,
     round_spread,
     save_profile,
@@ -152,6 +154,22 @@ def test_profile_files_round_trip_and_name_the_file_when_broken(tmp_path):
     (tmp_path / "bad.json").write_text('{"steps": [{"num_seqs": 1}]}')
     with pytest.raises(CostModelError, match="bad.json"):
         load_profile(tmp_path / "bad.json")
+    # sessions of one config, taken apart: fitted together, compared session against session
+    rng = np.random.default_rng(1)
+    truth = FittedCost((1e-3, 2e-3, 5e-5, 3e-5, 4e-7, 1e-3, 2e-4, 1e-8))
+    xs = shapes(rng, 40)
+    slow = save_profile(tmp_path / "slow.json", [(x, 1.2 * truth.seconds(x)) for x in xs],
+                        {"num_blocks": 99, "first_token_probes": [[16, 0.01]], "round_steps": [40]})
+    fast = save_profile(tmp_path / "fast.json", [(x, 0.8 * truth.seconds(x)) for x in xs],
+                        {"num_blocks": 99, "first_token_probes": [[16, 0.02]], "round_steps": [40]})
+    fit, meta, _ = fitted_from_profile(f"{slow},{fast}")
+    assert sum(fit.seconds(x) for x in xs) == pytest.approx(sum(truth.seconds(x) for x in xs), rel=0.01)
+    assert meta["round_steps"] == [40, 40] and meta["first_token_probes"] == [[16, 0.01], [16, 0.02]]
+    assert "slow.json, fast.json" in fit.describe()
+    steps, _ = merged_profiles([slow, fast])
+    assert round_spread(steps, meta["round_steps"]) == pytest.approx(0.5)  # 1.2 / 0.8
+    with pytest.raises(CostModelError, match="missing.json"):
+        fitted_from_profile(f"{slow},{tmp_path / 'missing.json'}")
 
 
 def test_the_request_overhead_is_what_the_engine_does_not_explain():

@@ -14,8 +14,9 @@ def add_simulation_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     cost = p.add_argument_group("step-time model")
     cost.add_argument("--cost", required=True, metavar="PROFILE.json|DEVICE",
-                      help="a step profile measured here (`llm-serving profile`), or a device preset: ascend-910b "
-                      "(analytic; docs/simulator.md lists its parameters)")
+                      help="a step profile measured here (`llm-serving profile`; several of one config, comma-"
+                      "separated, are fitted together: profiles taken at different times average a shared machine's "
+                      "drift), or a device preset: ascend-910b (analytic; docs/simulator.md lists its parameters)")
     cost.add_argument("--device-param", action="append", default=[], metavar="KEY=VALUE",
                       help="override a device preset's parameter, e.g. memory_efficiency=0.5 (repeatable)")
     cost.add_argument("--model-shape", metavar="PRESET|DIR",

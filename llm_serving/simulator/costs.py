@@ -205,10 +205,25 @@ def load_profile(path: str | Path) -> tuple[list[tuple[StepShape, float]], dict]
     return steps, body
 
 
+def merged_profiles(paths: Sequence[str | Path]) -> tuple[list[tuple[StepShape, float]], dict]:
+    """Several profiles of one config (sessions on separate servers, at different times) as one: their steps and
+    first-token probes together, ``round_steps`` one entry per session (``round_spread`` then compares sessions).
+    Step times on a shared machine drift for minutes at a time; a fit to sessions apart averages the drift."""
+    loaded = [load_profile(path) for path in paths]
+    steps = [step for part, _ in loaded for step in part]
+    meta = {**loaded[0][1], "first_token_probes": [p for _, m in loaded for p in m.get("first_token_probes", [])]}
+    if len(loaded) > 1:
+        meta.update(round_steps=[len(part) for part, _ in loaded], sessions=[str(path) for path in paths])
+    return steps, meta
+
+
 def fitted_from_profile(path: str | Path) -> tuple[FittedCost, dict, int]:
-    """The model fitted to a profile, the profile's description, and the largest batch it ran."""
-    steps, meta = load_profile(path)
-    fit = FittedCost.fit(steps, f"{len(steps)} steps of {Path(path).name}", meta.get("decode_buckets", ()))
+    """The model fitted to a profile (or to comma-separated profiles of the same config, ``merged_profiles``), the
+    profile's description, and the largest batch it ran."""
+    paths = [path] if Path(path).exists() else [part for part in str(path).split(",") if part]  # names may hold commas
+    steps, meta = merged_profiles(paths)
+    names = ", ".join(Path(part).name for part in paths)
+    fit = FittedCost.fit(steps, f"{len(steps)} steps of {names}", meta.get("decode_buckets", ()))
     return fit, meta, max(s.num_seqs for s, _ in steps)
 
 
