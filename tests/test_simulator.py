@@ -165,7 +165,7 @@ def test_profile_files_round_trip_and_name_the_file_when_broken(tmp_path):
     fit, meta, _ = fitted_from_profile(f"{slow},{fast}")
     assert sum(fit.seconds(x) for x in xs) == pytest.approx(sum(truth.seconds(x) for x in xs), rel=0.01)
     assert meta["round_steps"] == [40, 40] and meta["first_token_probes"] == [[16, 0.01], [16, 0.02]]
-    assert "slow.json, fast.json" in fit.describe()
+    assert "slow.json, fast.json, whose fits differ by 50%" in fit.describe()
     steps, _ = merged_profiles([slow, fast])
     assert round_spread(steps, meta["round_steps"]) == pytest.approx(0.5)  # 1.2 / 0.8
     with pytest.raises(CostModelError, match="missing.json"):

@@ -222,8 +222,11 @@ def fitted_from_profile(path: str | Path) -> tuple[FittedCost, dict, int]:
     profile's description, and the largest batch it ran."""
     paths = [path] if Path(path).exists() else [part for part in str(path).split(",") if part]  # names may hold commas
     steps, meta = merged_profiles(paths)
-    names = ", ".join(Path(part).name for part in paths)
-    fit = FittedCost.fit(steps, f"{len(steps)} steps of {names}", meta.get("decode_buckets", ()))
+    source = f"{len(steps)} steps of " + ", ".join(Path(part).name for part in paths)
+    buckets = meta.get("decode_buckets", ())
+    if len(paths) > 1:
+        source += f", whose fits differ by {round_spread(steps, meta['round_steps'], buckets):.0%}"
+    fit = FittedCost.fit(steps, source, buckets)
     return fit, meta, max(s.num_seqs for s, _ in steps)
 
 
