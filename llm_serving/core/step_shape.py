@@ -6,8 +6,8 @@ runs another graph and the master admits them), the cached positions its attenti
 bound by reading them) and the query-by-key pairs it scores (``attention_pairs``: a long prefill's quadratic
 part); ``shared_context_tokens`` counts those of its positions that another sequence of the step reads from
 the same KV block (a shared prompt prefix): on a CPU they come from cache, so a step over shared blocks costs
-less than its positions say (docs/simulator.md). The engine records these per step (``Engine.step_trace``; ``llm-serving serve --record-steps`` writes them)
-and the simulator's cost models are fitted to them.
+less than its positions say (docs/simulator.md). The engine records these per step (``Engine.step_trace``;
+``llm-serving serve --record-steps`` writes them) and the simulator's cost models are fitted to them.
 """
 
 from __future__ import annotations

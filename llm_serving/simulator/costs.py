@@ -87,7 +87,8 @@ class FittedCost:
         return float(features(shape, self.buckets) @ np.asarray(self.coefficients))
 
     def describe(self) -> str:
-        names = (*FEATURES, *(f"bucket {b}" for b in self.buckets), *(f"bucket {b} unshared context" for b in self.buckets))
+        names = (*FEATURES, *(f"bucket {b}" for b in self.buckets),
+                 *(f"bucket {b} unshared context" for b in self.buckets))
         terms = ", ".join(f"{name} {c * 1e6:.3g} us" for name, c in zip(names, self.coefficients))
         return f"fitted ({self.source}): {terms}"
 

@@ -135,7 +135,7 @@ async def _drive(url: str, model: str, points: list[SweepPoint], staggered: int,
                 # decode batches larger than distinct prompts fit in the KV cache, over a few shared prefixes
                 prefixes = [rng.integers(3, 200, n).tolist() for _ in range(SHARED_PREFIXES)]
                 await asyncio.gather(*(one(n, 2, prefix) for prefix in prefixes))
-                batch = min(points[-1].batch, MAX_SWEEP_TOKENS // (2 * new))
+                batch = min(points[-1].batch, MAX_SWEEP_TOKENS // (2 * new))  # own blocks: ~new tokens + one
                 await asyncio.gather(*(one(n, new, prefixes[i % SHARED_PREFIXES]) for i in range(batch)))
             marks.append(await engine_steps(session, url))
     return probes, marks
