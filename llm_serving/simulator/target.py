@@ -1,10 +1,10 @@
 """What a simulation runs on: the scheduler configuration of a launch config and a step-time model for it.
 
 ``--cost PROFILE.json[,MORE.json]`` (profiles measured here) serves the config's own model; ``--cost
-ascend-910b`` (a device preset, parameters overridable) needs the model's shape: the config's model directory when it exists here, else
-``--model-shape`` (a config.json or a preset name below: the contest's Llama-2-7B needs no download). The KV
-block count is the profile's (what the agents had), the device's memory left after the weights (analytic), or
-``pa_config.num_blocks`` when the config fixes it.
+ascend-910b`` (a device preset, parameters overridable) needs the model's shape: the config's model directory
+when it exists here, else ``--model-shape`` (a config.json or a preset name below: the contest's Llama-2-7B needs
+no download). The KV block count is the profile's (what the agents had), the device's memory left after the
+weights (analytic), or ``pa_config.num_blocks`` when the config fixes it.
 """
 
 from __future__ import annotations
