@@ -183,9 +183,8 @@ def simulated(case: Case, config: ServingConfig, profile: Path, results: list[Pa
     if case.concurrency:
         requests = retimed(requests, case.qps)
     run = simulate(target.scheduler, requests, target.cost, target.request_overhead_s, case.concurrency)
-    served = served_steps(results[0])
     rounds = [served_steps(r) for r in results]
-    return {**run.metrics, "steps": run.steps, "served_steps": sum(s.num_steps for s, _ in served),
+    return {**run.metrics, "steps": run.steps, "served_steps": sum(s.num_steps for s, _ in rounds[0]),
             "cost_on_served": sum(target.cost.seconds(s) for r in rounds for s, _ in r)
             / sum(t for r in rounds for _, t in r) - 1}
 
