@@ -35,8 +35,10 @@ from agents.runtime.multi_step import run_decode_steps
 from agents.runtime.sampler import take_failures
 from agents.runtime.step_broadcast import StepBroadcast
 from agents.runtime.step_source import BroadcastSteps, SharedMemorySteps
-from llm_serving.protocol.batch import StepBatch, StepOutput
+from agents.runtime.verify_rounds import run_verify_rounds
+from llm_serving.protocol.batch import StepBatch, StepOutput, verify_round_proposals
 from llm_serving.protocol.kv_segment import KvSegment
+from llm_serving.protocol.prompt_lookup import NgramProposer
 from llm_serving.protocol.shm_channel import StepChannel
 from llm_serving.protocol.wire import (
     DONE,
@@ -194,10 +196,11 @@ def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft:
 
 
 def serve(steps: SharedMemorySteps | BroadcastSteps, runner, replier: Replier, rank: int,
-          block_size: int | None, copier: KvBlockCopier | None = None) -> None:
+          block_size: int | None, copier: KvBlockCopier | None = None, lookup: NgramProposer | None = None) -> None:
     """Run steps until the master closes the command pipe or sends a negative step number, or rank 0 broadcasts
-    the end (a batch of several decode steps: ``multi_step``; one that feeds the tokens of the step before:
-    ``fed_inputs``; a KV-copy step: ``copier``, the pool's KV segment)."""
+    the end (a batch of several decode steps: ``multi_step``; of several verify rounds: ``verify_rounds``, with
+    ``lookup`` for prompt lookup; one that feeds the tokens of the step before: ``fed_inputs``; a KV-copy step:
+    ``copier``, the pool's KV segment)."""
     picked: np.ndarray | None = None  # the last step's tokens, row for row: what a step after it may be fed
     while (step := steps.next_step()) is not None:
         try:
@@ -214,7 +217,7 @@ def serve(steps: SharedMemorySteps | BroadcastSteps, runner, replier: Replier, r
                 continue
             if batch.feeds_previous:
                 batch = replace(batch, input_ids=fed_inputs(fed, batch), fed_rows=None)
-            output = runner.step(batch) if batch.num_steps == 1 else run_decode_steps(runner.step, batch, block_size)
+            output = run_step(runner, batch, block_size, lookup)
             failed = take_failures(batch.sampling, output.token_ids)  # sequences that failed on their own
             del batch  # views into shared memory: never keep them past the step
             picked = last_picks(output)
@@ -224,6 +227,18 @@ def serve(steps: SharedMemorySteps | BroadcastSteps, runner, replier: Replier, r
             replier.error(step, exc)
             continue
         replier.send(step, DONE, done_payload(failed) if rank == 0 else "")
+
+
+def run_step(runner, batch: StepBatch, block_size: int | None, lookup: NgramProposer | None) -> StepOutput:
+    """One step of the master's: a model step, several decode steps, or several verify rounds."""
+    if batch.num_steps == 1:
+        return runner.step(batch)
+    if batch.draft_lens is None:
+        return run_decode_steps(runner.step, batch, block_size)
+    rc = runner.rc
+    step_tokens = rc.verify_step_tokens or rc.decode_batch_sizes[-1] * (rc.verify_tokens + 1)
+    k = verify_round_proposals(rc.verify_tokens, step_tokens, batch.batch_size)
+    return run_verify_rounds(runner.step, batch, block_size, k, lookup)
 
 
 def fed_inputs(picked: np.ndarray | None, batch: StepBatch) -> np.ndarray:
@@ -329,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     costs = getattr(runner, "step_costs", None) or {}  # seconds per warmed shape: the step timeout's base
     blocks = getattr(getattr(runner, "rc", None), "num_blocks", None)
     replier.send(STARTUP_STEP, READY, ready_payload(max(costs.values()) if costs else None, blocks))
-    serve(steps, runner, replier, args.rank, spec.runner_config.get("block_size"), copier)
+    lookup = None if spec.prompt_lookup is None else NgramProposer(*spec.prompt_lookup)
+    serve(steps, runner, replier, args.rank, spec.runner_config.get("block_size"), copier, lookup)
     _exit(0)
 
 

@@ -45,6 +45,9 @@ def method_section(name: str) -> dict:
     """plain, ngram, draft (the shipped draft) or selfN (the target's first N layers draft), with the method's
     default policies; a ``+policies`` suffix turns them on (``min_accepted`` 0.5: pauses, ``adaptive``: the
     measured choice), ``-policies`` off."""
+    if "@" in name:  # verify rounds in the agent per step; for plain, decode steps per step (multi-step)
+        base, rounds = name.split("@")
+        return {**method_section(base), "rounds": int(rounds)}
     if name.endswith(("+policies", "-policies")):
         on = name.endswith("+policies")
         return {**method_section(name[: -len("+policies")]), "min_accepted": 0.5 if on else 0.0, "adaptive": on}
@@ -56,12 +59,14 @@ def method_section(name: str) -> dict:
 
 def engine_config(args: argparse.Namespace, speculative: dict, exit_layer: int | None = None) -> ServingConfig:
     max_len = 256
+    speculative = dict(speculative)
+    decode_steps = speculative.pop("rounds", 1) if not speculative.get("method") else 1
     return ServingConfig.from_dict({
         "model_config": {"model_path": str(PAIR / "target"), "seq_length": [64, 128], "prefill_batch_size": [1, 4, 8],
                          "decode_batch_size": [1, 8, 32], "max_generate_length": args.max_output_tokens,
                          "early_exit_layer": exit_layer},
         "pa_config": {"num_blocks": 32 * max_len // 16 + 2, "block_size": 16, "decode_seq_length": max_len},
-        "scheduler": {"policy": "fcfs"},
+        "scheduler": {"policy": "fcfs", "decode_steps": decode_steps},
         "speculative": {**speculative, "num_tokens": args.num_tokens, "max_step_tokens": args.max_step_tokens}
         if speculative else {},
         "serving_config": {"compile_cache": False},

@@ -152,6 +152,57 @@ def test_greedy_output_is_plain_greedy_output(kw, k):
     assert s.num_used_blocks == 0 and s.block_manager.accounting()
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("rounds", [2, 5])
+def test_verify_rounds_in_the_agent_keep_greedy_output_and_free_every_block(method, rounds):
+    """A verify step of several rounds (``agents.runtime.verify_rounds``: prompt lookup over the history the step
+    carries, or placeholders a draft fills, here the fake model's own next token half the time) gives exactly plain
+    greedy decoding's tokens, ends where a request ends, and leaves no block held past the next input."""
+    from agents.runtime.verify_rounds import run_verify_rounds
+    from llm_serving.protocol.batch import verify_round_proposals
+
+    s = Scheduler(config(speculative=method, num_speculative_tokens=3, speculative_step_tokens=16, max_num_seqs=8,
+                         speculative_rounds=rounds))
+    model, lookup = FakeVerifier(s.config.num_blocks, s.config.block_size), NgramProposer(1, 4)
+    fills = []
+
+    def agent_step(batch: StepBatch) -> StepOutput:
+        if batch.num_steps == 1:
+            return model.step(batch)
+        k = verify_round_proposals(3, 16, batch.batch_size)
+        return run_verify_rounds(drafted if method == "draft" else model.step, batch, 4, k,
+                                 lookup if method == "ngram" else None)
+
+    def drafted(batch: StepBatch) -> StepBatch:  # a draft that knows the fake model, wrong every other proposal
+        ids, ends = batch.input_ids.copy(), np.cumsum(batch.query_lens)
+        for i, (end, d) in enumerate(zip(ends.tolist(), batch.draft_lens.tolist())):
+            start = end - d - 1
+            for j in range(start + 1, end):
+                context = model.kv[batch.block_tables[i, np.arange(batch.positions[start]) // 4] * 4
+                                   + np.arange(batch.positions[start]) % 4].tolist() + ids[start:j].tolist()
+                ids[j] = echo_token(context) if len(fills) % 2 else (echo_token(context) + 1) % 40
+                fills.append(ids[j])
+        return model.step(StepBatch(**{**batch.__dict__, "input_ids": ids}))
+
+    seqs = prompts()
+    for q in seqs:
+        s.add(q)
+    multi = 0
+    while s.has_unfinished():
+        scheduled, batch = s.schedule()
+        assert (batch.history_ids is not None) == (method == "ngram" and batch.num_steps > 1)
+        multi += batch.num_steps > 1
+        s.postprocess(scheduled, agent_step(batch))
+        assert sum(len(q.block_table) for q in s.running) == s.num_used_blocks
+        for q in s.running:
+            assert len(q.block_table) <= s.block_manager.blocks_needed(q.num_tokens) or q.is_prefilling
+    for q in seqs:
+        assert (q.output_ids, q.finish_reason) == expected(q.prompt_ids, q.params), q
+        assert len(q.output_logprobs) == len(q.output_ids)
+    assert multi and 0 < s.spec_accepted < s.spec_proposed and s.spec_drafts > s.spec_steps
+    assert s.num_used_blocks == 0 and s.block_manager.accounting()
+
+
 def test_proposals_only_where_rejection_sampling_keeps_the_distribution():
     """Greedy and plain sampled sequences get proposals; penalised or adjusted ones none (their next logits depend on
     the tokens accepted); a sequence reporting top logprobs stops speculation (it needs every token's logits)."""
@@ -212,7 +263,7 @@ def test_proposals_and_accepted_tokens_cross_shared_memory():
     s.postprocess(first, FakeVerifier(s.config.num_blocks, s.config.block_size).step(prefill))
     _, batch = s.schedule()
     assert batch.draft_lens is not None
-    channel = StepChannel.create(ChannelLayout(max_tokens=32, max_batch=4, max_blocks_per_seq=16, max_decode_steps=4))
+    channel = StepChannel.create(ChannelLayout(max_tokens=32, max_batch=4, max_blocks_per_seq=16, max_decode_steps=8))
     try:
         channel.write_batch(3, batch)
         back = channel.read_batch()[1]
@@ -223,9 +274,21 @@ def test_proposals_and_accepted_tokens_cross_shared_memory():
         assert channel.read_output(3, 1).num_more.tolist() == [2]
         channel.write_output(4, StepOutput(np.array([5], np.int32), np.array([-1.0], np.float32)))
         assert channel.read_output(4, 1).num_more is None
+        rounds = StepBatch(**{**batch.__dict__, "num_steps": 2, "history_offsets": np.array([0, 9], np.int32),
+                              "history_ids": np.arange(9, dtype=np.int32)})
+        rounds.validate()
+        channel.write_batch(4, rounds)
+        back = channel.read_batch()[1]
+        assert back.num_steps == 2 and back.history_ids.tolist() == list(range(9))
+        assert back.history_offsets.tolist() == [0, 9]
+        counts = np.array([[2, 5, 3]], np.int32)
+        channel.write_output(5, StepOutput(np.array([5], np.int32), np.array([-1.0], np.float32), spec_counts=counts))
+        assert channel.read_output(5, 1).spec_counts.tolist() == [[2, 5, 3]]
+        with pytest.raises(ValueError, match="tokens a sequence"):  # 3 rounds of 2 proposals + 1: 9 tokens
+            channel.write_batch(6, StepBatch(**{**rounds.__dict__, "num_steps": 3}))
         small = StepChannel.create(ChannelLayout(max_tokens=32, max_batch=4, max_blocks_per_seq=16, max_decode_steps=2))
         try:
-            with pytest.raises(ValueError, match="proposals a sequence"):
+            with pytest.raises(ValueError, match="tokens a sequence"):
                 small.write_batch(5, batch)
         finally:
             small.close()
@@ -235,15 +298,17 @@ def test_proposals_and_accepted_tokens_cross_shared_memory():
 
 def test_on_the_model_greedy_tokens_are_those_of_plain_decoding(tmp_path):
     """Greedy requests, and sampled ones of top_k 1 (a one-token distribution: rejection sampling must keep exactly
-    the greedy tokens, through the sampled path's logits)."""
+    the greedy tokens, through the sampled path's logits); prompt lookup in one round a step, and in up to 4 (the
+    agent proposing in the later ones)."""
     from llm_serving.engine.loop import Engine
 
     prompts = [[1, 17, 230, 45, 9, 17, 230, 45], [1, 5, 6, 7, 5, 6, 7, 5, 6], [1, 400, 401, 402, 403, 404, 405]]
     limits = [20, 25, 14]
     results = {}
-    for method in ("", "ngram"):
+    for method, rounds in (("", 1), ("ngram", 1), ("ngram", 4)):
         every_step = {"adaptive": False, "min_accepted": 0, "max_step_tokens": 64}  # the mechanism, not the policy
-        cfg = tiny_engine_config(tmp_path, speculative={"method": method, "num_tokens": 3, **every_step})
+        cfg = tiny_engine_config(tmp_path, speculative={"method": method, "num_tokens": 3, "rounds": rounds,
+                                                        **every_step})
         with Engine(cfg) as engine:
             engine.start(progress=None)
             streams = [engine.submit(p, SamplingParams(n, ignore_eos=True)) for p, n in zip(prompts, limits)]
@@ -252,16 +317,18 @@ def test_on_the_model_greedy_tokens_are_those_of_plain_decoding(tmp_path):
             sampled = engine.submit(prompts[0], one_token).result(timeout=120)
             stats = engine.stats()
             assert stats["kv_blocks_used"] == 0
-        results[method] = [r.token_ids for r in done], [r.finish_reason for r in done]
+        results[method, rounds] = [r.token_ids for r in done], [r.finish_reason for r in done]
         assert sampled.token_ids == done[0].token_ids
         if method:
             assert stats["spec_proposed_tokens"] > 0 and stats["spec_verify_steps"] > 0
-    assert results["ngram"] == results[""]
+        assert (stats["multi_step_batches"] > 0) == (rounds > 1)  # steps of several verify rounds
+    assert results["ngram", 1] == results["", 1] == results["ngram", 4]
 
 
 @pytest.mark.parametrize("method", ["draft", "self"])
 def test_a_draft_in_the_agent_keeps_greedy_tokens_and_frees_every_block(tmp_path, method):
-    """The draft (a random model of the same vocabulary, or the target's first layer) proposes in the agent."""
+    """The draft (a random model of the same vocabulary, or the target's first layer) proposes in the agent; the
+    draft model in up to 3 verify rounds a step."""
     from llm_serving.engine.loop import Engine
     from llm_serving.models.random_model import build_random_model
     from llm_serving.protocol.model_config import LlamaConfig
@@ -276,7 +343,8 @@ def test_a_draft_in_the_agent_keeps_greedy_tokens_and_frees_every_block(tmp_path
     limits = [21, 9, 30]
     results = {}
     every_step = {"adaptive": False, "min_accepted": 0, "max_step_tokens": 64}  # the mechanism, not the policy
-    for sections in ({}, {"speculative": {**spec, "num_tokens": 3, **every_step}}):
+    rounds = 3 if method == "draft" else 1
+    for sections in ({}, {"speculative": {**spec, "num_tokens": 3, "rounds": rounds, **every_step}}):
         with Engine(tiny_engine_config(tmp_path, **sections)) as engine:
             engine.start(progress=None)
             streams = [engine.submit(p, SamplingParams(n, ignore_eos=True)) for p, n in zip(prompts, limits)]
@@ -287,6 +355,7 @@ def test_a_draft_in_the_agent_keeps_greedy_tokens_and_frees_every_block(tmp_path
         results[bool(sections)] = [r.token_ids for r in done] + [late.token_ids]
     assert results[True] == results[False]
     assert stats["spec_verify_steps"] > 0 and stats["spec_proposed_tokens"] > 0
+    assert (stats["multi_step_batches"] > 0) == (rounds > 1)  # steps of several verify rounds
     if method == "self":  # the first layer of two agrees with the model sometimes, never always on random weights
         assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
 

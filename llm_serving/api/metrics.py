@@ -48,7 +48,8 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "prefill_steps": ("engine_prefill_steps_total", "counter", "Prefill steps run"),
     "decode_steps": ("engine_decode_steps_total", "counter", "Decode steps run"),
     "multi_step_batches": ("engine_multi_step_batches_total", "counter",
-                           "Decode batches of several steps at once (scheduler.decode_steps)"),
+                           ("Decode batches of several steps or verify rounds at once (scheduler.decode_steps, "
+                           "speculative.rounds)")),
     "steps_sent_ahead": ("engine_steps_sent_ahead_total", "counter",
                          "Decode steps sent while the step before ran, fed its tokens (scheduler.async_scheduling)"),
     "spec_verify_steps": ("spec_decode_verify_steps_total", "counter",

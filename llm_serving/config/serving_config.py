@@ -60,6 +60,7 @@ CACHED_CONTEXT_DEVICES = ("CPU", "Ascend")
 # model_config.backend: llm-serving's 'ms' / 'ge' / 'kbk' all run our Llama graph; 'mindformers' runs MindFormers'
 # LlamaForCausalLM built from model_cfg_path (agents/mindformers, its own environment: docs/mindformers.md)
 MODEL_BACKENDS = ("ms", "ge", "kbk", "mindformers")
+MAX_VERIFY_ROUNDS = 64  # speculative.rounds: a step's tokens come back together (64 x 16 a sequence at most)
 MAX_DECODE_STEPS = 16  # scheduler.decode_steps: more only delays what a client sees (tokens come k at a time)
 
 
@@ -189,6 +190,9 @@ class SpeculativeSection:
     draft_model_path: str | None = setting(None, "path", optional=True)
     draft_layers: int | None = setting(None, "int", optional=True)
     max_step_tokens: int = setting(8, "int")  # a verify step's tokens at most: proposals back off as batches grow
+    # verify rounds the agents run per step while the master is not needed between tokens (all greedy, nothing
+    # waiting): agents.runtime.verify_rounds
+    rounds: int = setting(1, "int")
     # below this mean of accepted proposals a sequence pauses (0: never); None: the method's default (policies())
     min_accepted: float | None = setting(None, "float", optional=True)
     # speculate only at batch sizes where it measured faster; None: the method's default (policies())
@@ -546,6 +550,7 @@ def _validate(cfg: ServingConfig) -> None:
          f"must be in 1..{MAX_DECODE_STEPS - 1}, got {sp.num_tokens}")
     need(sp.min_accepted is None or sp.min_accepted >= 0, "speculative.min_accepted",
          f"must be >= 0, got {sp.min_accepted}")
+    need(1 <= sp.rounds <= MAX_VERIFY_ROUNDS, "speculative.rounds", f"must be in 1..{MAX_VERIFY_ROUNDS}, got {sp.rounds}")
     need(sp.max_step_tokens >= 2, "speculative.max_step_tokens",
          f"must be >= 2 (a sequence's last token and one proposal), got {sp.max_step_tokens}")
     need(1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max, "speculative.prompt_lookup_min",

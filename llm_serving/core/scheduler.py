@@ -73,7 +73,14 @@ from llm_serving.core.block_manager import DUMMY_BLOCK, BlockManager
 from llm_serving.core.logprobs import prompt_logprob, top_logprobs
 from llm_serving.core.sequence import FINISH_REASONS, Sequence, SequenceStatus
 from llm_serving.core.speculative import AGENT_METHODS, METHODS, AgentProposer, NgramProposer
-from llm_serving.protocol.batch import SamplingBatch, SamplingExtras, StepBatch, StepOutput, kv_slots
+from llm_serving.protocol.batch import (
+    SamplingBatch,
+    SamplingExtras,
+    StepBatch,
+    StepOutput,
+    kv_slots,
+    verify_round_proposals,
+)
 from llm_serving.protocol.model_config import blocks_needed
 
 POLICIES = ("fcfs", "longest_output_first")
@@ -117,10 +124,11 @@ class SchedulerConfig:
     speculative_min_accepted: float = 0.0
     # speculate only at the batch sizes where verify steps measured faster (tokens/s) than plain ones
     speculative_adaptive: bool = False
+    speculative_rounds: int = 1  # verify rounds one step may run in the agents while nothing waits (``_rounds``)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_prefill_batch",
-                     "max_num_batched_tokens", "max_model_len", "decode_steps"):
+                     "max_num_batched_tokens", "max_model_len", "decode_steps", "speculative_rounds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"scheduler config: {name} must be a positive int, got {value!r}")
@@ -280,8 +288,10 @@ class Scheduler:
         steps = 1 if prefill else self._steps_ahead(seqs)
         self._scheduled_decode = not prefill
         drafts = self._propose(seqs) if not prefill and self._proposer is not None else None
-        if drafts is not None:
-            return seqs, self._build_verify(seqs, drafts)
+        if drafts is not None:  # several rounds go on in the agents even when this one has no proposals
+            rounds = self._rounds(seqs)
+            if rounds > 1 or any(drafts):
+                return seqs, self._build_verify(seqs, drafts, rounds)
         batch = self._build(seqs, prefill)
         batch.num_steps = steps
         return seqs, batch
@@ -353,8 +363,8 @@ class Scheduler:
                     reason = self._append(seq, later, later_logprob)
                     if reason is not None:
                         break
-            if output.num_more is not None and self._verifying.get(seq.request_id):
-                self._note_acceptance(seq, int(output.num_more[row]))
+            if output.num_more is not None:
+                self._count_verified(seq, row, output)
             if reason is None:
                 if output.num_more is not None:  # blocks grown for rejected proposals go back
                     self._trim(seq)
@@ -570,12 +580,12 @@ class Scheduler:
         """Speculative decoding: each sequence's proposals (``core.speculative``) for a verify step, while nothing
         waits to be admitted and no running sequence reports logits; for the sequences whose sampling allows it
         (``SamplingParams.speculable``: greedy, or plain sampling checked by rejection on the agents), fewer than
-        it may still generate and within the blocks that are free now (never preempting for them); None when no
-        sequence has any. The step's tokens stay within ``speculative_step_tokens``."""
+        it may still generate and within the blocks that are free now (never preempting for them), possibly all
+        empty; None when the step does not speculate. The step's tokens stay within ``speculative_step_tokens``."""
         if self._waiting or self._preempted or self._running_dumps:
             return None
         cfg = self.config
-        k = min(cfg.num_speculative_tokens, cfg.speculative_step_tokens // len(seqs) - 1)  # backs off with the batch
+        k = verify_round_proposals(cfg.num_speculative_tokens, cfg.speculative_step_tokens, len(seqs))
         if k < 1 or (cfg.speculative_adaptive and not self._speculation_pays(len(seqs))):
             return None
         bm, drafts = self.block_manager, []
@@ -591,7 +601,27 @@ class Scheduler:
             if proposal:
                 self._extend(seq, seq.num_tokens + len(proposal))
             drafts.append(proposal)
-        return drafts if any(drafts) else None
+        return drafts
+
+    def _rounds(self, seqs: list[Sequence]) -> int:
+        """Verify rounds this verify step runs in the agents (``agents.runtime.verify_rounds``): up to
+        ``speculative_rounds`` while the master is not needed between tokens (as multi-step decoding:
+        ``_master_needed_between_tokens``), no more than any sequence may still generate at ``k + 1`` tokens a
+        round, and only with the blocks of all those positions free now (never preempting for them)."""
+        cfg, bm = self.config, self.block_manager
+        if cfg.speculative_rounds == 1 or self._master_needed_between_tokens():
+            return 1
+        per_round = verify_round_proposals(cfg.num_speculative_tokens, cfg.speculative_step_tokens, len(seqs)) + 1
+        rounds = min(cfg.speculative_rounds,
+                     min(seq.params.max_new_tokens - len(seq.output_ids) for seq in seqs) // per_round)
+        if rounds <= 1:
+            return 1
+        for seq in seqs:  # the last round's proposals at most reach the position before the step's last token
+            target = seq.num_tokens + rounds * per_round - 1
+            if not bm.can_grow(seq, target):
+                return 1  # those grown so far go back with the step (``_trim``)
+            self._extend(seq, target)
+        return rounds
 
     def _speculation_pays(self, batch_size: int) -> bool:
         """Whether this decode step of ``batch_size`` sequences speculates: by the tokens/s measured for both
@@ -616,11 +646,24 @@ class Scheduler:
         old = self._spec_rates.get(key)
         self._spec_rates[key] = rate if old is None else (1 - SPEC_RATE_WEIGHT) * old + SPEC_RATE_WEIGHT * rate
 
-    def _note_acceptance(self, seq: Sequence, accepted: int) -> None:
-        """Count a sequence's verification and pause its proposals while they keep failing."""
+    def _count_verified(self, seq: Sequence, row: int, output: StepOutput) -> None:
+        """Count a verify step's drafts, proposals and accepted proposals of ``seq`` (those of every round: the
+        agents' ``spec_counts``; the first round's proposals were counted when the step was built)."""
+        first = self._verifying.get(seq.request_id, 0)
+        if output.spec_counts is None:
+            drafts, accepted = int(first > 0), int(output.num_more[row])
+        else:
+            drafts, proposed, accepted = output.spec_counts[row].tolist()
+            self.spec_drafts += drafts - (first > 0)
+            self.spec_proposed += proposed - first
+        if drafts:
+            self._note_acceptance(seq, accepted, drafts)
+
+    def _note_acceptance(self, seq: Sequence, accepted: int, drafts: int = 1) -> None:
+        """Count ``accepted`` proposals of ``drafts`` verified drafts; pause the proposals while they keep failing."""
         self.spec_accepted += accepted
-        mean = seq.spec_accepted_mean
-        mean = accepted if mean == float("inf") else (1 - SPEC_MEAN_WEIGHT) * mean + SPEC_MEAN_WEIGHT * accepted
+        mean, now = seq.spec_accepted_mean, accepted / drafts
+        mean = now if mean == float("inf") else (1 - SPEC_MEAN_WEIGHT) * mean + SPEC_MEAN_WEIGHT * now
         if mean < self.config.speculative_min_accepted:
             seq.spec_pause, mean = SPEC_PAUSE_STEPS, float("inf")  # then a fresh start
         seq.spec_accepted_mean = mean
@@ -713,8 +756,9 @@ class Scheduler:
             want_logits=self._want_logits(seqs),
         )
 
-    def _build_verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> StepBatch:
-        """A step of each sequence's last token followed by its proposals, over its cached context."""
+    def _build_verify(self, seqs: list[Sequence], drafts: list[list[int]], rounds: int = 1) -> StepBatch:
+        """A step of each sequence's last token followed by its proposals, over its cached context; of ``rounds``
+        verify rounds (with each sequence's tokens for the agents' prompt lookup)."""
         bs, n = self.config.block_size, len(seqs)
         width = max(len(seq.block_table) for seq in seqs)
         table_rows = np.fromiter((self._row[seq.request_id] for seq in seqs), np.intp, n)
@@ -730,9 +774,15 @@ class Scheduler:
         self._verifying = {seq.request_id: len(d) for seq, d in zip(seqs, drafts)}
         self.spec_drafts += int(np.count_nonzero(draft_lens))
         self.spec_proposed += int(draft_lens.sum())
-        return StepBatch(True, ids, positions.astype(np.int32), kv_slots(block_tables, rows, positions, bs).astype(np.int32),
-                         query_lens, context_lens, block_tables, sampling=self._sampling(seqs, True),
-                         draft_lens=draft_lens)
+        batch = StepBatch(True, ids, positions.astype(np.int32),
+                          kv_slots(block_tables, rows, positions, bs).astype(np.int32), query_lens, context_lens,
+                          block_tables, sampling=self._sampling(seqs, True), num_steps=rounds, draft_lens=draft_lens)
+        if rounds > 1 and isinstance(self._proposer, NgramProposer):
+            lens = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
+            batch.history_offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+            batch.history_ids = np.fromiter(chain.from_iterable(seq.prompt_ids + seq.output_ids for seq in seqs),
+                                            np.int32, int(lens.sum()))
+        return batch
 
     def _want_logits(self, seqs: list[Sequence]) -> np.ndarray | None:
         """Which sequences' logits rows to return (``Sequence.wants_logits_row``: a dump short of this step's row,

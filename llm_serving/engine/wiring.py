@@ -220,7 +220,7 @@ def scheduler_config(config: ServingConfig, eos_token_id: int | None, llama: Lla
         prefix_caching=config.prefix_caching, speculative=sp.method, num_speculative_tokens=sp.num_tokens,
         prompt_lookup_min=sp.prompt_lookup_min, prompt_lookup_max=sp.prompt_lookup_max,
         speculative_step_tokens=sp.max_step_tokens, speculative_min_accepted=sp.policies()[0],
-        speculative_adaptive=sp.policies()[1],
+        speculative_adaptive=sp.policies()[1], speculative_rounds=sp.rounds,
     )
 
 
@@ -270,9 +270,9 @@ def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) 
                                max_batch * config.max_model_len),
         # logits dumps: every sequence of a step may ask (float32 x vocab each; 16 MiB for 128 x 32000)
         max_logits_rows=max_batch,
-        # tokens one sequence may get back from a step: multi-step's, or a verify step's accepted proposals + 1
-        max_decode_steps=max(config.scheduler.decode_steps,
-                             config.speculative.num_tokens + 1 if config.speculative.method else 1),
+        # tokens one sequence may get back from a step: multi-step's, or a verify step's rounds of proposals + 1
+        max_decode_steps=max(config.scheduler.decode_steps, config.speculative.rounds
+                             * (config.speculative.num_tokens + 1) if config.speculative.method else 1),
         tensor_parallel_size=config.num_agents,
         start_device_id=config.serving_config.start_device_id,
         backend="mindformers" if config.uses_mindformers else "ms",
@@ -280,6 +280,8 @@ def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) 
         compile_cache_dir=None if standin else compile_cache_dir(config),
         exit_layer=config.model_config.early_exit_layer,
         draft=draft_spec(config, model.llama_config),
+        prompt_lookup=([config.speculative.prompt_lookup_min, config.speculative.prompt_lookup_max]
+                       if config.speculative.method == "ngram" else None),
         steps_in_flight=2 if config.async_scheduling else 1,
         local_ranks=config.serving_config.local_agents,
         join_address=config.serving_config.join_address,

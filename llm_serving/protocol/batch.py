@@ -144,6 +144,13 @@ class StepBatch:
     differs: ``token_ids[i]`` is the pick after the sequence's last real token, ``more_token_ids[i, :num_more[i]]``
     the picks after each accepted proposal.
 
+    ``num_steps`` R > 1 with ``draft_lens`` (verify rounds, greedy only): the agents verify, then propose again after
+    the tokens they accepted and verify again, R rounds in all, each sequence getting at most ``R * (k + 1)``
+    tokens (``verify_round_proposals``'s k; its blocks reserved for them); ``more_token_ids`` then holds every
+    round's tokens after the first and ``StepOutput.spec_counts`` what was proposed and accepted. For prompt lookup
+    the agents propose from ``history_ids[history_offsets[i]:history_offsets[i + 1]]``, sequence ``i``'s prompt
+    and output ids up to and including its last token (None for a draft model, which proposes by itself).
+
     ``kv_copy``: not a model step but a copy of whole KV blocks between the caches and the KV segment (``KvCopy``);
     it has no sequences and its answer no tokens.
 
@@ -165,6 +172,8 @@ class StepBatch:
     draft_lens: np.ndarray | None = None  # int32 [B]; None: no proposals to verify
     fed_rows: np.ndarray | None = None  # int32 [B]: each row's row in the step before, whose pick is its input
     kv_copy: KvCopy | None = None  # a KV-copy step (no sequences): see KvCopy
+    history_offsets: np.ndarray | None = None  # int32 [B + 1]: verify rounds of prompt lookup (above)
+    history_ids: np.ndarray | None = None  # int32 [history_offsets[-1]]
 
     @classmethod
     def copy_blocks(cls, direction: str, block_ids: list[int] | np.ndarray) -> StepBatch:
@@ -198,12 +207,14 @@ class StepBatch:
         # token t of the result is token t - (its sequence's start there) + (its start here)
         tokens = np.arange(int(lens.sum())) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
         want = self.want_logits[indices] if self.want_logits is not None else None
+        history = (None, None) if self.history_ids is None else _take_ragged(self.history_offsets, self.history_ids,
+                                                                             indices)
         return StepBatch(self.is_prefill, self.input_ids[tokens], self.positions[tokens], self.slot_mapping[tokens],
                          self.query_lens[indices], self.context_lens[indices], self.block_tables[indices],
                          self.sampling.take(indices) if self.sampling is not None else None,
                          want if want is not None and want.any() else None, self.num_steps,
                          self.draft_lens[indices] if self.draft_lens is not None else None,
-                         self.fed_rows[indices] if self.fed_rows is not None else None)
+                         self.fed_rows[indices] if self.fed_rows is not None else None, None, *history)
 
     def validate(self) -> None:
         """Raise ValueError when the arrays disagree with each other (cheap; for tests and loaders)."""
@@ -219,8 +230,13 @@ class StepBatch:
             raise ValueError("a KV-copy step has no sequences and copies out ('export') or in ('import')")
         if not self.is_prefill and not np.all(self.query_lens == 1):
             raise ValueError("a decode step takes exactly one token per sequence")
-        if self.num_steps > 1 and (self.is_prefill or self.sampling is not None or self.want_logits is not None):
-            raise ValueError("several steps at once are for all-greedy decode steps without logits")
+        rounds = self.draft_lens is not None
+        if self.num_steps > 1 and ((self.is_prefill and not rounds) or self.sampling is not None
+                                   or self.want_logits is not None):
+            raise ValueError("several steps at once are for all-greedy decode or verify steps without logits")
+        if self.history_ids is not None and (not rounds or self.history_offsets.shape != (b + 1,)
+                                             or int(self.history_offsets[-1]) != self.history_ids.shape[0]):
+            raise ValueError("history_ids belong to a verify step, history_offsets one more than its sequences")
         fed = self.fed_rows
         if fed is not None and (self.is_prefill or self.draft_lens is not None or fed.shape != (b,)):
             raise ValueError("only a decode step takes its input tokens from the step before, one row each")
@@ -229,8 +245,8 @@ class StepBatch:
         if self.draft_lens is not None:
             if self.draft_lens.shape != (b,) or np.any(self.draft_lens < 0) or np.any(self.draft_lens >= self.query_lens):
                 raise ValueError("draft_lens must hold, per sequence, fewer proposals than its query tokens")
-            if not self.is_prefill or self.want_logits is not None or self.num_steps > 1:
-                raise ValueError("proposals are verified in single steps without logits to return")
+            if not self.is_prefill or self.want_logits is not None:
+                raise ValueError("proposals are verified in steps without logits to return")
 
 
 @dataclass
@@ -251,3 +267,12 @@ class StepOutput:
     # a batch with draft_lens: how many leading entries of each more_token_ids row are tokens (accepted proposals'
     # picks); None: every entry is
     num_more: np.ndarray | None = None
+    # a verify step of several rounds: per sequence (drafts verified, tokens proposed, proposals accepted), int32
+    # [B, 3]; None: the step's own draft_lens were all (one round)
+    spec_counts: np.ndarray | None = None
+
+
+def verify_round_proposals(num_tokens: int, step_tokens: int, batch_size: int) -> int:
+    """Proposals a sequence gets per verify round: ``num_tokens`` (speculative.num_tokens) while a round of the
+    batch fits ``step_tokens`` (speculative.max_step_tokens), fewer as the batch grows: speculation backs off."""
+    return max(0, min(num_tokens, step_tokens // max(batch_size, 1) - 1))

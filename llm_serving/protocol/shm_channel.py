@@ -35,10 +35,10 @@ from llm_serving.protocol.batch import (
     StepOutput,
 )
 
-MAGIC = 0x4C4C4D534839  # "LLMSH9": bump the digit when the layout changes
+MAGIC = 0x4C4C4D53483A  # "LLMSH:": bump the digit when the layout changes
 NAME_PREFIX = "llmserving_"
 _ALIGN = 64
-_HEADER_SLOTS = 29
+_HEADER_SLOTS = 31
 # header slots (int64)
 _MAGIC, _MAX_TOKENS, _MAX_BATCH, _MAX_BLOCKS = 0, 1, 2, 3
 _STEP, _IS_PREFILL, _NUM_TOKENS, _BATCH_SIZE, _WIDTH = 4, 5, 6, 7, 8
@@ -49,6 +49,7 @@ _EXTRAS, _ADJUSTMENTS, _MASKS = 18, 19, 20
 _NUM_STEPS, _OUT_MORE_STEPS, _MAX_DECODE_STEPS = 21, 22, 23
 _DRAFTS, _OUT_NUM_MORE, _FEEDS = 24, 25, 26
 _KV_COPY, _KV_BLOCKS = 27, 28  # 0: a model step, else _KV_CODES of a KV-copy step; how many blocks it copies
+_HISTORY, _OUT_SPEC = 29, 30  # history ids of a verify step's rounds (-1: none); whether spec_counts follow
 _KV_CODES = {"export": 1, "import": 2}
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "seeds", "draw_index")
 _EXTRA_FIELDS = ("presence_penalty", "frequency_penalty", "min_p", "output_start")
@@ -65,13 +66,13 @@ class ChannelLayout:
     max_tokens: int  # tokens in one step (prefill token budget; >= decode batch)
     max_batch: int  # sequences in one step
     max_blocks_per_seq: int  # block-table width
-    # repetition-penalty token ids in one step (prompt + generated ids of every penalised sequence);
-    # None: max_tokens, enough for one sequence of max_model_len tokens
+    # repetition-penalty token ids in one step (prompt + generated ids of every penalised sequence), and as many
+    # history ids (a verify step's rounds of prompt lookup); None: max_tokens
     max_penalty_tokens: int | None = None
     max_logits_rows: int = 0  # sequences of one step that may get their logits back (0: none can)
     logits_width: int = 0  # floats per logits row: the vocabulary size
-    # decode steps one batch may ask for (StepBatch.num_steps), and one more than the proposals a sequence may have
-    # verified in one step (StepBatch.draft_lens): the tokens one sequence may get back from a step
+    # the tokens one sequence may get back from a step: the decode steps one batch may ask for (StepBatch.num_steps),
+    # or a verify step's rounds times one more than the proposals of a round (StepBatch.draft_lens)
     max_decode_steps: int = 1
 
     def __post_init__(self) -> None:
@@ -100,9 +101,11 @@ class ChannelLayout:
                 ("token_masks", np.int32, b * self.mask_words),
                 ("want_logits", np.uint8, b), ("draft_lens", np.int32, b), ("fed_rows", np.int32, b),
                 ("kv_block_ids", np.int32, self.max_blocks_per_seq),
+                ("history_offsets", np.int32, b + 1), ("history_ids", np.int32, self.max_penalty_tokens),
                 ("out_token_ids", np.int32, b), ("out_logprobs", np.float32, b),
                 ("out_more_ids", np.int32, b * (self.max_decode_steps - 1)),
                 ("out_more_logprobs", np.float32, b * (self.max_decode_steps - 1)), ("out_num_more", np.int32, b),
+                ("out_spec_counts", np.int32, b * 3),
                 ("out_logits_rows", np.int32, self.max_logits_rows),
                 ("out_logits", np.float32, self.max_logits_rows * self.logits_width)]
         out, offset = {}, 0
@@ -244,6 +247,7 @@ class StepChannel:
         lay = self.layout
         width = batch.block_tables.shape[1] if batch.block_tables.ndim == 2 else -1
         penalty = batch.sampling.penalty_token_ids.shape[0] if batch.sampling is not None else 0
+        history = batch.history_ids.shape[0] if batch.history_ids is not None else 0
         extras = batch.sampling.extras if batch.sampling is not None else None
         adjustments = extras.adjust_ids.shape[0] if extras is not None else 0
         want = batch.want_logits
@@ -252,6 +256,7 @@ class StepChannel:
                                    ("batch_size", batch.batch_size, lay.max_batch),
                                    ("block table width", width, lay.max_blocks_per_seq),
                                    ("repetition-penalty token count", penalty, lay.max_penalty_tokens),
+                                   ("history token count", history, lay.max_penalty_tokens),
                                    ("logit adjustment count", adjustments, lay.max_batch * MAX_LOGIT_ADJUSTMENTS),
                                    ("logits row count", logits_rows, lay.max_logits_rows)):
             if value > limit:
@@ -267,9 +272,10 @@ class StepChannel:
             raise ValueError(f"step asks for {batch.num_steps} decode steps; the shared memory holds 1 to "
                              f"{lay.max_decode_steps} (AgentSpec max_decode_steps)")
         drafts = batch.draft_lens
-        if drafts is not None and (drafts.shape != (batch.batch_size,) or int(drafts.max(initial=0)) >= lay.max_decode_steps):
-            raise ValueError(f"draft_lens {drafts.tolist()} exceed the shared memory's {lay.max_decode_steps - 1} proposals a "
-                             "sequence (AgentSpec max_decode_steps)")
+        if drafts is not None and (drafts.shape != (batch.batch_size,)
+                                   or batch.num_steps * (int(drafts.max(initial=0)) + 1) > lay.max_decode_steps):
+            raise ValueError(f"draft_lens {drafts.tolist()} in {batch.num_steps} round(s) exceed the shared memory's "
+                             f"{lay.max_decode_steps} tokens a sequence (AgentSpec max_decode_steps)")
         if batch.kv_copy is not None and batch.kv_copy.block_ids.shape[0] > lay.max_blocks_per_seq:
             raise ValueError(f"a KV copy of {batch.kv_copy.block_ids.shape[0]} blocks exceeds the shared memory's "
                              f"{lay.max_blocks_per_seq} (one sequence's blocks: AgentSpec max_blocks_per_seq)")
@@ -320,6 +326,10 @@ class StepChannel:
         if batch.fed_rows is not None:
             v["fed_rows"][:b] = batch.fed_rows
         h[_FEEDS] = batch.fed_rows is not None
+        if batch.history_ids is not None:
+            m = batch.history_ids.shape[0]
+            v["history_offsets"][: b + 1], v["history_ids"][:m] = batch.history_offsets, batch.history_ids
+        h[_HISTORY] = -1 if batch.history_ids is None else batch.history_ids.shape[0]
         copy = batch.kv_copy
         if copy is not None:
             v["kv_block_ids"][: copy.block_ids.shape[0]] = copy.block_ids
@@ -343,6 +353,8 @@ class StepChannel:
             output.more_logprobs = v["out_more_logprobs"][: batch_size * more].reshape(batch_size, more).copy()
             if h[_OUT_NUM_MORE]:
                 output.num_more = v["out_num_more"][:batch_size].copy()
+        if h[_OUT_SPEC]:
+            output.spec_counts = v["out_spec_counts"][: batch_size * 3].reshape(batch_size, 3).copy()
         k = int(h[_OUT_LOGITS_ROWS])
         if k:
             logits = v["out_logits"][: k * self.layout.logits_width].reshape(k, -1).copy()
@@ -369,6 +381,8 @@ class StepChannel:
                           v["query_lens"][:b], v["context_lens"][:b],
                           v["block_tables"][: b * width].reshape(b, width), sampling, want, int(h[_NUM_STEPS]),
                           v["draft_lens"][:b] if h[_DRAFTS] else None, v["fed_rows"][:b] if h[_FEEDS] else None)
+        if h[_HISTORY] >= 0:
+            batch.history_offsets, batch.history_ids = v["history_offsets"][: b + 1], v["history_ids"][: int(h[_HISTORY])]
         if h[_KV_COPY]:
             direction = "export" if h[_KV_COPY] == _KV_CODES["export"] else "import"
             batch.kv_copy = KvCopy(direction, v["kv_block_ids"][: int(h[_KV_BLOCKS])])
@@ -396,6 +410,11 @@ class StepChannel:
             if output.num_more is not None:
                 v["out_num_more"][:b] = output.num_more
         self.header[_OUT_NUM_MORE] = more > 0 and output.num_more is not None
+        if output.spec_counts is not None:
+            if output.spec_counts.shape != (b, 3):
+                raise ValueError(f"spec_counts of shape {output.spec_counts.shape}, expected ({b}, 3)")
+            v["out_spec_counts"][: b * 3] = output.spec_counts.ravel()
+        self.header[_OUT_SPEC] = output.spec_counts is not None
         self.header[_OUT_MORE_STEPS] = more
         if rows:
             v["out_logits_rows"][: len(rows)] = rows

@@ -103,7 +103,7 @@ class AgentSpec:
     max_blocks_per_seq: int  # shm capacity: block-table width
     max_penalty_tokens: int | None = None  # shm capacity: repetition-penalty ids per step (None: max_tokens)
     max_logits_rows: int = 0  # shm capacity: sequences per step whose float32 logits come back (0: none)
-    max_decode_steps: int = 1  # shm capacity: decode steps one batch may ask for (scheduler.decode_steps)
+    max_decode_steps: int = 1  # shm capacity: tokens one sequence may get from a step (decode steps, verify rounds)
     tensor_parallel_size: int = 1  # ranks of this model, one agent process each
     start_device_id: int = 0  # rank r runs on device start_device_id + r
     step_delay_s: float = 0.0  # standin only: simulated compute time per step
@@ -120,6 +120,9 @@ class AgentSpec:
     # speculative decoding with a draft in the agents (agents.runtime.speculative_runner): {"model_path", "llama_config"}
     # of a draft model, or {"layers": n} for the target's own first n layers (self-speculation); None: no draft
     draft: dict | None = None
+    # [min n, max n] of prompt lookup (speculative method ngram): the agents propose in a verify step's later rounds
+    # (agents.runtime.verify_rounds); None: not prompt lookup
+    prompt_lookup: list[int] | None = None
     # steps the master may send before collecting the first: 2 with asynchronous scheduling (the next decode step
     # sent while one runs); one shared-memory segment each, step s in segment s % steps_in_flight
     steps_in_flight: int = 1
