@@ -449,13 +449,22 @@ def test_decode_steps_speculate_only_where_measured_faster():
 
 def test_the_policies_default_by_method_and_yield_to_the_config():
     """Pauses and the measured choice: off for prompt lookup, on for the drafts (docs/speculative.md "The policies
-    per method"); a value in the config wins."""
+    per method"); verify rounds 8 for prompt lookup, 1 for the drafts; a value in the config wins."""
     from llm_serving.config.serving_config import ServingConfig
+    from llm_serving.config.yaml_sections import ConfigError
     from llm_serving.engine.wiring import scheduler_config
 
     def policies(section: dict) -> tuple[float, bool]:
         cfg = scheduler_config(ServingConfig.from_dict({"speculative": section}), 2)
         return cfg.speculative_min_accepted, cfg.speculative_adaptive
+
+    def rounds(section: dict) -> int:
+        return scheduler_config(ServingConfig.from_dict({"speculative": section}), 2).speculative_rounds
+
+    assert rounds({"method": "ngram"}) == 8 and rounds({"method": "self", "draft_layers": 1}) == 1
+    assert rounds({"method": "ngram", "rounds": 2}) == 2 and rounds({"method": "self", "draft_layers": 1, "rounds": 3}) == 3
+    with pytest.raises(ConfigError, match="speculative.rounds"):
+        rounds({"method": "ngram", "rounds": 0})
 
     assert policies({"method": "ngram"}) == (0.0, False)
     assert policies({"method": "self", "draft_layers": 1}) == (0.5, True)

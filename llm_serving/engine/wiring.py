@@ -220,7 +220,7 @@ def scheduler_config(config: ServingConfig, eos_token_id: int | None, llama: Lla
         prefix_caching=config.prefix_caching, speculative=sp.method, num_speculative_tokens=sp.num_tokens,
         prompt_lookup_min=sp.prompt_lookup_min, prompt_lookup_max=sp.prompt_lookup_max,
         speculative_step_tokens=sp.max_step_tokens, speculative_min_accepted=sp.policies()[0],
-        speculative_adaptive=sp.policies()[1], speculative_rounds=sp.rounds,
+        speculative_adaptive=sp.policies()[1], speculative_rounds=sp.verify_rounds(),
     )
 
 
@@ -271,7 +271,7 @@ def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) 
         # logits dumps: every sequence of a step may ask (float32 x vocab each; 16 MiB for 128 x 32000)
         max_logits_rows=max_batch,
         # tokens one sequence may get back from a step: multi-step's, or a verify step's rounds of proposals + 1
-        max_decode_steps=max(config.scheduler.decode_steps, config.speculative.rounds
+        max_decode_steps=max(config.scheduler.decode_steps, config.speculative.verify_rounds()
                              * (config.speculative.num_tokens + 1) if config.speculative.method else 1),
         tensor_parallel_size=config.num_agents,
         start_device_id=config.serving_config.start_device_id,
