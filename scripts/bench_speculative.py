@@ -6,7 +6,8 @@
 
 Workloads: ``continue``, the first ``--prompt-tokens`` tokens of held-out standard-library docstrings (text the model
 never trained on); ``copy``, the same followed by their first half again (the output can copy the input, what prompt
-lookup is for). Greedy, EOS ignored, ``--max-output-tokens`` each; one stream runs the first 8 prompts. For every method, in alternating rounds, the engine
+lookup is for, for about a third of its tokens); with ``--quote``, ``quote``: a docstring of prompt + output tokens
+followed by its first 8 (the output can copy the prompt throughout, if the model copies). Greedy, EOS ignored, ``--max-output-tokens`` each; one stream runs the first 8 prompts. For every method, in alternating rounds, the engine
 in process (``Engine.submit``) with at most N requests in flight: output tokens/s, median time per output token,
 the acceptance rate (accepted / proposed) and mean acceptance length (tokens a sequence gets per verified draft,
 the model's own pick included); every method's tokens are checked equal to
@@ -79,7 +80,14 @@ def workloads(args: argparse.Namespace, tok: Tokenizer) -> dict[str, list[list[i
     if len(long) < args.num_prompts:
         raise SystemExit(f"only {len(long)} held-out docstrings have {args.prompt_tokens} tokens")
     chosen = long[: args.num_prompts]
-    return {"continue": chosen, "copy": [ids + ids[1: len(ids) // 2] for ids in chosen]}
+    loads = {"continue": chosen, "copy": [ids + ids[1: len(ids) // 2] for ids in chosen]}
+    if args.quote:  # a longer docstring, then its start again: the whole output can copy the prompt
+        span = args.prompt_tokens + args.max_output_tokens
+        quoted = [ids[:span] + ids[:8] for ids in docs if len(ids) >= span][: args.num_prompts]
+        if len(quoted) < 8:
+            raise SystemExit(f"only {len(quoted)} held-out docstrings have {span} tokens for --quote")
+        loads["quote"] = quoted
+    return loads
 
 
 async def run_level(engine: Engine, prompts: list[list[int]], n: int, level: int) -> tuple[float, float, list]:
@@ -180,6 +188,8 @@ def main() -> None:
     ap.add_argument("--num-tokens", type=int, default=4, help="speculative.num_tokens")
     ap.add_argument("--max-step-tokens", type=int, default=8, help="speculative.max_step_tokens")
     ap.add_argument("--exit-layers", default="1,2,3")
+    ap.add_argument("--quote", action="store_true", help="also the quote workload: a docstring of prompt + output "
+                    "tokens followed by its first 8 (the output can copy the prompt throughout)")
     ap.add_argument("--openvino-python", help="the OpenVINO peer's python (bash scripts/peer_env.sh openvino)")
     args = ap.parse_args()
     methods = args.methods.split(",")

@@ -9,7 +9,6 @@ rounds of a step that verifies several (``agents.runtime.verify_rounds``). Kept 
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -19,14 +18,22 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, tokens: list[int] | np.ndarray, k: int) -> list[int]:
-        """Up to ``k`` tokens following the latest earlier occurrence of the longest matching tail n-gram."""
+        """Up to ``k`` tokens following the latest earlier occurrence of the longest matching tail n-gram.
+
+        One pass finds the earlier occurrences of the last token; each longer n keeps those whose preceding tokens
+        match too (cheaper than a window per n: the agents run this every verify round)."""
         if k <= 0 or len(tokens) < self.min_n + 1:
             return []
         ids = np.asarray(tokens, np.int64)
-        for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
-            windows = sliding_window_view(ids[:-1], n)  # occurrences that end before the last token
-            hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return ids[start:start + k].tolist()
-        return []
+        last = len(ids) - 1
+        ends = np.flatnonzero(ids[:last] == ids[last])  # where a matching n-gram would end, before the last token
+        found = None
+        for n in range(1, self.max_n + 1):
+            if n > 1:
+                ends = ends[ends >= n - 1]
+                ends = ends[ids[ends - (n - 1)] == ids[last - (n - 1)]]
+            if not ends.size:
+                break
+            if n >= self.min_n:
+                found = int(ends[-1])  # the latest occurrence of the longest n so far
+        return [] if found is None else ids[found + 1:found + 1 + k].tolist()
