@@ -124,6 +124,24 @@ def test_prompt_lookup_proposes_what_followed_the_longest_matching_tail():
         NgramProposer(3, 2)
 
 
+def test_prompt_lookup_agrees_with_a_plain_search_on_random_sequences():
+    """The one-pass lookup against the definition, written out: for n from the longest, the latest start ``i`` with
+    ``tokens[i:i + n] == tokens[-n:]`` ending before the last token."""
+    def search(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+            starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[-n:]]
+            if k > 0 and starts:
+                return tokens[starts[-1] + n: starts[-1] + n + k]
+        return []
+
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        tokens = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(0, 30))).tolist()
+        min_n = int(rng.integers(1, 4))
+        max_n, k = int(rng.integers(min_n, 6)), int(rng.integers(0, 5))
+        assert NgramProposer(min_n, max_n).propose(tokens, k) == search(tokens, k, min_n, max_n), (tokens, k)
+
+
 def test_accept_keeps_the_picks_up_to_the_first_wrong_proposal():
     # two sequences: last token + 3 proposals, last token + 1 proposal
     batch = StepBatch(True, np.array([7, 1, 2, 3, 9, 4], np.int32), np.arange(6, dtype=np.int32),
