@@ -191,7 +191,7 @@ def test_verify_rounds_in_the_agent_keep_greedy_output_and_free_every_block(meth
         return run_verify_rounds(drafted if method == "draft" else model.step, batch, 4, k,
                                  lookup if method == "ngram" else None)
 
-    def drafted(batch: StepBatch) -> StepBatch:  # a draft that knows the fake model, wrong every other proposal
+    def drafted(batch: StepBatch) -> StepOutput:  # a draft that knows the fake model, wrong every other proposal
         ids, ends = batch.input_ids.copy(), np.cumsum(batch.query_lens)
         for i, (end, d) in enumerate(zip(ends.tolist(), batch.draft_lens.tolist())):
             start = end - d - 1

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from llm_serving.protocol.batch import FAILED_TOKEN, StepBatch, StepOutput, kv_slots
+from llm_serving.protocol.batch import FAILED_TOKEN, StepBatch, StepOutput, verify_batch
 from llm_serving.protocol.prompt_lookup import NgramProposer
 
 
@@ -54,18 +54,12 @@ def run_verify_rounds(step: Callable[[StepBatch], StepOutput], batch: StepBatch,
             else:
                 proposals.append(lookup.propose(np.concatenate([history[i], tokens[i]]), room))
         rows = np.array(active, np.intp)
-        draft_lens = np.fromiter(map(len, proposals), np.int32, len(active))
-        query_lens = draft_lens + 1
-        starts = last_position[rows] + np.array([len(tokens[i]) for i in active], np.int32)  # the new last tokens
-        ids = np.fromiter((t for i, p in zip(active, proposals) for t in (tokens[i][-1], *p)), np.int32,
-                          int(query_lens.sum()))
-        owner = np.repeat(np.arange(len(active)), query_lens)
-        positions = (starts[owner] + np.arange(len(ids)) - (np.cumsum(query_lens) - query_lens)[owner]).astype(np.int32)
-        slots = kv_slots(batch.block_tables, rows[owner], positions, block_size).astype(np.int32)
-        out = step(StepBatch(True, ids, positions, slots, query_lens, starts + query_lens,
-                             batch.block_tables[rows], draft_lens=draft_lens))
-        counts[rows, 0] += draft_lens > 0
-        counts[rows, 1] += draft_lens
+        num_tokens = last_position[rows] + 1 + np.array([len(tokens[i]) for i in active], np.int32)
+        round_batch = verify_batch((tokens[i][-1] for i in active), proposals, num_tokens,
+                                   batch.block_tables[rows], block_size)
+        out = step(round_batch)
+        counts[rows, 0] += round_batch.draft_lens > 0
+        counts[rows, 1] += round_batch.draft_lens
         _take(out, active, tokens, logprobs, counts)
     most = max(map(len, tokens)) - 1
     more_ids, more_lps = np.zeros((n, max(most, 1)), np.int32), np.zeros((n, max(most, 1)), np.float32)

@@ -79,6 +79,7 @@ from llm_serving.protocol.batch import (
     StepBatch,
     StepOutput,
     kv_slots,
+    verify_batch,
     verify_round_proposals,
 )
 from llm_serving.protocol.model_config import blocks_needed
@@ -307,11 +308,9 @@ class Scheduler:
         if any(seq.status is not running for seq in seqs):
             return None  # ended while ``batch`` was in flight (an abort, a stop string)
         rows = [row for row, seq in enumerate(seqs) if seq.params.max_new_tokens - len(seq.output_ids) > given]
-        nxt, bm = [seqs[row] for row in rows], self.block_manager
-        for seq in nxt:  # the step ahead's input sits at the position after the last token ``batch`` gives
-            if not bm.can_grow(seq, seq.num_tokens + given):
-                return None  # the blocks grown so far stay: the next tokens need them anyway
-            self._extend(seq, seq.num_tokens + given)
+        nxt = [seqs[row] for row in rows]
+        if not self._grow_free(nxt, given):  # its input: the position after the last token ``batch`` gives
+            return None
         if not nxt:
             return None
         self._decodes_since_prefill += 1
@@ -568,13 +567,19 @@ class Scheduler:
         k = min(k, min(seq.params.max_new_tokens - len(seq.output_ids) - in_flight for seq in seqs))
         if k == 1:
             return 1
+        # the inputs of steps 2..k sit at the positions after each sequence's last token
+        return k if self._grow_free(seqs, in_flight + k - 1) else 1
+
+    def _grow_free(self, seqs: list[Sequence], extra: int) -> bool:
+        """Grow each sequence's blocks to ``num_tokens + extra`` tokens from the free ones, never
+        preempting; False at the first that cannot (the blocks grown so far stay: the next tokens need them,
+        or ``_trim`` takes back a verify step's)."""
         bm = self.block_manager
-        for seq in seqs:  # the inputs of steps 2..k sit at the positions after its last token
-            target = seq.num_tokens + in_flight + k - 1
-            if not bm.can_grow(seq, target):
-                return 1  # the blocks grown so far stay: the next tokens need them anyway
-            self._extend(seq, target)
-        return k
+        for seq in seqs:
+            if not bm.can_grow(seq, seq.num_tokens + extra):
+                return False
+            self._extend(seq, seq.num_tokens + extra)
+        return True
 
     def _propose(self, seqs: list[Sequence]) -> list[list[int]] | None:
         """Speculative decoding: each sequence's proposals (``core.speculative``) for a verify step, while nothing
@@ -608,20 +613,14 @@ class Scheduler:
         ``speculative_rounds`` while the master is not needed between tokens (as multi-step decoding:
         ``_master_needed_between_tokens``), no more than any sequence may still generate at ``k + 1`` tokens a
         round, and only with the blocks of all those positions free now (never preempting for them)."""
-        cfg, bm = self.config, self.block_manager
+        cfg = self.config
         if cfg.speculative_rounds == 1 or self._master_needed_between_tokens():
             return 1
         per_round = verify_round_proposals(cfg.num_speculative_tokens, cfg.speculative_step_tokens, len(seqs)) + 1
         rounds = min(cfg.speculative_rounds,
                      min(seq.params.max_new_tokens - len(seq.output_ids) for seq in seqs) // per_round)
-        if rounds <= 1:
-            return 1
-        for seq in seqs:  # the last round's proposals at most reach the position before the step's last token
-            target = seq.num_tokens + rounds * per_round - 1
-            if not bm.can_grow(seq, target):
-                return 1  # those grown so far go back with the step (``_trim``)
-            self._extend(seq, target)
-        return rounds
+        # the last round's proposals reach the position before the step's last token at most
+        return rounds if rounds > 1 and self._grow_free(seqs, rounds * per_round - 1) else 1
 
     def _speculation_pays(self, batch_size: int) -> bool:
         """Whether this decode step of ``batch_size`` sequences speculates: by the tokens/s measured for both
@@ -759,26 +758,19 @@ class Scheduler:
     def _build_verify(self, seqs: list[Sequence], drafts: list[list[int]], rounds: int = 1) -> StepBatch:
         """A step of each sequence's last token followed by its proposals, over its cached context; of ``rounds``
         verify rounds (with each sequence's tokens for the agents' prompt lookup)."""
-        bs, n = self.config.block_size, len(seqs)
+        n = len(seqs)
         width = max(len(seq.block_table) for seq in seqs)
         table_rows = np.fromiter((self._row[seq.request_id] for seq in seqs), np.intp, n)
-        block_tables = self._tables[table_rows, :width]
-        draft_lens = np.fromiter(map(len, drafts), np.int32, n)
-        query_lens = draft_lens + 1
-        context_lens = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n) + draft_lens
-        ids = np.fromiter(chain.from_iterable([seq.last_token_id, *d] for seq, d in zip(seqs, drafts)), np.int32,
-                          int(query_lens.sum()))
-        rows = np.repeat(np.arange(n), query_lens)
-        positions = np.arange(len(ids), dtype=np.int32) - (np.cumsum(query_lens) - context_lens)[rows]
+        lens = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
+        batch = verify_batch((seq.last_token_id for seq in seqs), drafts, lens,
+                             self._tables[table_rows, :width], self.config.block_size)
+        batch.sampling, batch.num_steps = self._sampling(seqs, True), rounds
+        draft_lens = batch.draft_lens
         self.spec_steps += 1
         self._verifying = {seq.request_id: len(d) for seq, d in zip(seqs, drafts)}
         self.spec_drafts += int(np.count_nonzero(draft_lens))
         self.spec_proposed += int(draft_lens.sum())
-        batch = StepBatch(True, ids, positions.astype(np.int32),
-                          kv_slots(block_tables, rows, positions, bs).astype(np.int32), query_lens, context_lens,
-                          block_tables, sampling=self._sampling(seqs, True), num_steps=rounds, draft_lens=draft_lens)
         if rounds > 1 and isinstance(self._proposer, NgramProposer):
-            lens = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
             batch.history_offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
             batch.history_ids = np.fromiter(chain.from_iterable(seq.prompt_ids + seq.output_ids for seq in seqs),
                                             np.int32, int(lens.sum()))

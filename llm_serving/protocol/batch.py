@@ -7,7 +7,9 @@ Kept free of MindSpore: both sides import it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -270,6 +272,23 @@ class StepOutput:
     # a verify step of several rounds: per sequence (drafts verified, tokens proposed, proposals accepted), int32
     # [B, 3]; None: the step's own draft_lens were all (one round)
     spec_counts: np.ndarray | None = None
+
+
+def verify_batch(last_ids: Iterable[int], proposals: list[list[int]], num_tokens: np.ndarray,
+                 block_tables: np.ndarray, block_size: int) -> StepBatch:
+    """A verify step: each sequence's last token (at position ``num_tokens - 1``) followed by its
+    proposals, over its cached context through ``block_tables`` (a row per sequence). The master builds
+    a step's first round so, the agents the later ones (``agents.runtime.verify_rounds``)."""
+    n = len(proposals)
+    draft_lens = np.fromiter(map(len, proposals), np.int32, n)
+    query_lens = draft_lens + 1
+    context_lens = (num_tokens + draft_lens).astype(np.int32)
+    ids = np.fromiter(chain.from_iterable([t, *p] for t, p in zip(last_ids, proposals)), np.int32,
+                      int(query_lens.sum()))
+    rows = np.repeat(np.arange(n), query_lens)
+    positions = (np.arange(len(ids)) - (np.cumsum(query_lens) - context_lens)[rows]).astype(np.int32)
+    slots = kv_slots(block_tables, rows, positions, block_size).astype(np.int32)
+    return StepBatch(True, ids, positions, slots, query_lens, context_lens, block_tables, draft_lens=draft_lens)
 
 
 def verify_round_proposals(num_tokens: int, step_tokens: int, batch_size: int) -> int:
