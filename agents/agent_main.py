@@ -36,10 +36,11 @@ from agents.runtime.sampler import take_failures
 from agents.runtime.step_broadcast import StepBroadcast
 from agents.runtime.step_source import BroadcastSteps, SharedMemorySteps
 from agents.runtime.verify_rounds import run_verify_rounds
-from llm_serving.protocol.batch import StepBatch, StepOutput, verify_round_proposals
+from llm_serving.protocol.batch import KvCopyStep, StepBatch, StepOutput, verify_round_proposals
 from llm_serving.protocol.kv_segment import KvSegment
 from llm_serving.protocol.prompt_lookup import NgramProposer
 from llm_serving.protocol.shm_channel import StepChannel
+from llm_serving.protocol.step import StepKind
 from llm_serving.protocol.wire import (
     DONE,
     ERROR,
@@ -202,39 +203,41 @@ def serve(steps: SharedMemorySteps | BroadcastSteps, runner, replier: Replier, r
     ``lookup`` for prompt lookup; one that feeds the tokens of the step before: ``fed_inputs``; a KV-copy step:
     ``copier``, the pool's KV segment)."""
     picked: np.ndarray | None = None  # the last step's tokens, row for row: what a step after it may be fed
-    while (step := steps.next_step()) is not None:
+    while (number := steps.next_step()) is not None:
         try:
             fed, picked = picked, None
-            batch = steps.read_batch(step)
-            if batch.kv_copy is not None:
+            step = steps.read_step(number)
+            if isinstance(step, KvCopyStep):
                 if copier is None:
                     raise RuntimeError("a KV-copy step reached an agent started without a KV segment")
-                copier.run(batch.kv_copy)
-                batch = None
+                copier.run(step)
+                del step
                 if rank == 0:
-                    steps.write_output(step, StepOutput(np.zeros(0, np.int32), np.zeros(0, np.float32)))
-                replier.send(step, DONE)
+                    steps.write_output(number, StepOutput(np.zeros(0, np.int32), np.zeros(0, np.float32)))
+                replier.send(number, DONE)
                 continue
-            if batch.feeds_previous:
-                batch = replace(batch, input_ids=fed_inputs(fed, batch), fed_rows=None)
-            output = run_step(runner, batch, block_size, lookup)
-            failed = take_failures(batch.sampling, output.token_ids)  # sequences that failed on their own
-            del batch  # views into shared memory: never keep them past the step
+            if step.feeds_previous:
+                step = replace(step, input_ids=fed_inputs(fed, step), fed_rows=None)
+            output = run_step(runner, step, block_size, lookup)
+            failed = take_failures(step.sampling, output.token_ids)  # sequences that failed on their own
+            del step  # views into shared memory: never keep them past the step
             picked = last_picks(output)
             if rank == 0:
-                steps.write_output(step, output)
+                steps.write_output(number, output)
         except Exception as exc:  # noqa: BLE001 - the master decides; this agent keeps serving
-            replier.error(step, exc)
+            replier.error(number, exc)
             continue
-        replier.send(step, DONE, done_payload(failed) if rank == 0 else "")
+        replier.send(number, DONE, done_payload(failed) if rank == 0 else "")
 
 
 def run_step(runner, batch: StepBatch, block_size: int | None, lookup: NgramProposer | None) -> StepOutput:
-    """One step of the master's: a model step, several decode steps, or several verify rounds."""
+    """One step of the master's: one model step, or the rounds of several decode steps or verify rounds."""
     if batch.num_steps == 1:
         return runner.step(batch)
-    if batch.draft_lens is None:
+    if batch.kind is StepKind.DECODE:
         return run_decode_steps(runner.step, batch, block_size)
+    if batch.kind is not StepKind.VERIFY:
+        raise ValueError(f"a {batch.kind.name} step runs one round, not {batch.num_steps}")
     rc = runner.rc
     step_tokens = rc.verify_step_tokens or rc.decode_batch_sizes[-1] * (rc.verify_tokens + 1)
     k = verify_round_proposals(rc.verify_tokens, step_tokens, batch.batch_size)

@@ -137,10 +137,10 @@ def teacher_forced(runner, ids) -> np.ndarray:
     block = runner.rc.block_size
     width = -(-n // block)
     tables = (1 + np.arange(b * width, dtype=np.int32)).reshape(b, width)
-    rows = [runner.step_logits(StepBatch(True, ids[:, 0].copy(), np.zeros(b, np.int32), tables[:, 0] * block,
+    rows = [runner.step_logits(StepBatch(ids[:, 0].copy(), np.zeros(b, np.int32), tables[:, 0] * block,
                                          np.ones(b, np.int32), np.ones(b, np.int32), tables))]
     for t in range(1, n - 1):
-        rows.append(runner.step_logits(StepBatch(False, ids[:, t].copy(), np.full(b, t, np.int32),
+        rows.append(runner.step_logits(StepBatch(ids[:, t].copy(), np.full(b, t, np.int32),
                                                  (tables[:, t // block] * block + t % block).astype(np.int32),
                                                  np.ones(b, np.int32), np.full(b, t + 1, np.int32), tables)))
     return np.stack(rows, 1)

@@ -94,7 +94,7 @@ def alternating_ms(calls, repeats: int) -> list[float]:
 def prefill_batch(batch: int, seq: int) -> StepBatch:
     lens = np.full(batch, seq, np.int32)
     slots = (np.arange(batch * seq) + BLOCK).astype(np.int32)
-    return StepBatch(True, np.ones(batch * seq, np.int32), np.tile(np.arange(seq, dtype=np.int32), batch), slots,
+    return StepBatch(np.ones(batch * seq, np.int32), np.tile(np.arange(seq, dtype=np.int32), batch), slots,
                      lens, lens.copy(), np.zeros((batch, 1), np.int32))
 
 
@@ -103,7 +103,7 @@ def decode_batch(batch: int, context: int) -> StepBatch:
     tables = (1 + np.arange(batch * width, dtype=np.int32)).reshape(batch, width)
     pos = np.full(batch, context - 1, np.int32)
     slots = tables[:, -1] * BLOCK + (context - 1) % BLOCK
-    return StepBatch(False, np.ones(batch, np.int32), pos, slots.astype(np.int32), np.ones(batch, np.int32),
+    return StepBatch(np.ones(batch, np.int32), pos, slots.astype(np.int32), np.ones(batch, np.int32),
                      np.full(batch, context, np.int32), tables)
 
 

@@ -46,8 +46,7 @@ class ChunkDriver:
             width = max(len(tables[i]) for i in rows)
             block_tables = np.array([tables[i] + [0] * (width - len(tables[i])) for i in rows], np.int32)
             q_arr, ctx_arr = np.array(q, np.int32), np.array(ctx, np.int32)
-            decode = bool(np.all(q_arr == 1) and np.all(ctx_arr > 1))
-            result = self.runner.step(StepBatch(not decode, np.array(ids, np.int32), np.array(pos, np.int32),
+            result = self.runner.step(StepBatch(np.array(ids, np.int32), np.array(pos, np.int32),
                                                 np.array(slots, np.int32), q_arr, ctx_arr, block_tables))
             for row, i in enumerate(rows):
                 done[i] += q[row]

@@ -23,7 +23,7 @@ def sampling_batch(params: list[dict], histories: list[list[int]], draw_index: l
 def contiguous_prefill(prompts: list[list[int]], first_slot: int) -> StepBatch:
     """A prefill of ``prompts`` written to consecutive slots from ``first_slot`` (past the dummy block)."""
     lens = np.array([len(p) for p in prompts], np.int32)
-    return StepBatch(True, np.concatenate(prompts).astype(np.int32),
+    return StepBatch(np.concatenate(prompts).astype(np.int32),
                      np.concatenate([np.arange(n) for n in lens]).astype(np.int32),
                      np.arange(first_slot, first_slot + lens.sum(), dtype=np.int32), lens, lens.copy(),
                      np.zeros((len(prompts), 1), np.int32))
@@ -62,7 +62,7 @@ class PagedDriver:
 
         lens = np.array([len(p) for p in prompts], np.int32)
         out = self.runner.step(StepBatch(
-            True, np.concatenate(prompts).astype(np.int32),
+            np.concatenate(prompts).astype(np.int32),
             np.concatenate([np.arange(n) for n in lens]).astype(np.int32),
             np.array([slot(i, j) for i, n in enumerate(lens) for j in range(n)], np.int32),
             lens, lens.copy(), block_tables, sampling([[] for _ in prompts])))
@@ -72,7 +72,7 @@ class PagedDriver:
             ctx = np.array([len(p) + len(g) for p, g in zip(prompts, tokens)], np.int32)
             pos = ctx - 1
             out = self.runner.step(StepBatch(
-                False, np.array([g[-1] for g in tokens], np.int32), pos,
+                np.array([g[-1] for g in tokens], np.int32), pos,
                 np.array([slot(i, int(p)) for i, p in enumerate(pos)], np.int32),
                 np.ones(len(prompts), np.int32), ctx, block_tables, sampling(tokens)))
             for g, lp, t, l in zip(tokens, logprobs, out.token_ids, out.logprobs):

@@ -45,7 +45,7 @@ def random_batch(rng: np.random.Generator, is_prefill: bool, batch_size: int, wi
     q = rng.integers(1, 9, batch_size).astype(np.int32) if is_prefill else np.ones(batch_size, np.int32)
     ctx = (q + (0 if is_prefill else rng.integers(1, 60, batch_size))).astype(np.int32)
     n = int(q.sum())
-    return StepBatch(is_prefill, rng.integers(0, VOCAB, n).astype(np.int32), rng.integers(0, 64, n).astype(np.int32),
+    return StepBatch(rng.integers(0, VOCAB, n).astype(np.int32), rng.integers(0, 64, n).astype(np.int32),
                      rng.integers(0, 4096, n).astype(np.int32), q, ctx,
                      rng.integers(0, 256, (batch_size, width)).astype(np.int32))
 
@@ -120,7 +120,7 @@ def test_two_steps_in_flight_the_second_fed_the_picks_of_the_first():
         assert len(our_segments()) == 2
         rng = np.random.default_rng(5)
         first = random_batch(rng, False, 6, 3)
-        fed = StepBatch(False, np.zeros(5, np.int32), first.positions[1:] + 1, first.slot_mapping[1:],
+        fed = StepBatch(np.zeros(5, np.int32), first.positions[1:] + 1, first.slot_mapping[1:],
                         first.query_lens[1:], first.context_lens[1:] + 1, first.block_tables[1:],
                         fed_rows=np.arange(1, 6, dtype=np.int32))  # row 0 ended with the first step
         a, b = p.submit(first), p.submit(fed)
@@ -130,12 +130,12 @@ def test_two_steps_in_flight_the_second_fed_the_picks_of_the_first():
             p.collect(b, 6)
         picks = p.collect(a, 6).token_ids
         np.testing.assert_array_equal(picks, expected_tokens(first))
-        unfed = StepBatch(False, picks[1:], fed.positions, fed.slot_mapping, fed.query_lens, fed.context_lens,
+        unfed = StepBatch(picks[1:], fed.positions, fed.slot_mapping, fed.query_lens, fed.context_lens,
                           fed.block_tables)
         np.testing.assert_array_equal(p.collect(b, 5).token_ids, expected_tokens(unfed))
         with pytest.raises(ValueError):  # refused before it reaches the agents: nothing in flight after it
             p.submit(random_batch(rng, False, 129, 3))
-        wrong = StepBatch(False, np.zeros(5, np.int32), fed.positions, fed.slot_mapping, fed.query_lens,
+        wrong = StepBatch(np.zeros(5, np.int32), fed.positions, fed.slot_mapping, fed.query_lens,
                           fed.context_lens, fed.block_tables, fed_rows=np.arange(2, 7, dtype=np.int32))
         with pytest.raises(AgentStepError, match="feeds rows 2..6 of the step before, which picked 5 tokens"):
             p.collect(p.submit(wrong), 5)
@@ -329,7 +329,7 @@ def test_clean_shutdown_leaves_no_segment_and_no_tracker_warnings(tmp_path):
         pool = AgentPool(AgentSpec("standin", None, {"vocab_size": 10}, {}, 8, 4, 2))
         pool.start()
         one = np.ones(1, np.int32)
-        print(pool.shm_name, pool.run_step(StepBatch(False, one, one, one, one, one, one[None])).token_ids[0])
+        print(pool.shm_name, pool.run_step(StepBatch(one, one, one, one, one, one[None])).token_ids[0])
         pool.close()
     """))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -364,7 +364,7 @@ def test_real_llama_agent_matches_transformers(tmp_path):
         assert any("warmed decode" in line for line in lines)
         geometry = SimpleNamespace(block_size=4, num_blocks=16)
         tokens, logprobs = PagedDriver(SimpleNamespace(rc=geometry, step=p.run_step), seed=1).generate(prompts, 6)
-        too_long = StepBatch(False, np.ones(1, np.int32), np.array([20], np.int32), np.ones(1, np.int32),
+        too_long = StepBatch(np.ones(1, np.int32), np.array([20], np.int32), np.ones(1, np.int32),
                              np.ones(1, np.int32), np.array([21], np.int32), np.ones((1, 4), np.int32))
         with pytest.raises(AgentStepError, match="rank 0 failed step .*exceeds the largest compiled bucket"):
             p.run_step(too_long)
@@ -378,7 +378,7 @@ def test_real_llama_agent_matches_transformers(tmp_path):
         sampling = SamplingBatch(np.full(2, 0.7, np.float32), np.zeros(2, np.int32), np.array([0.9, 0.0], np.float32),
                                  np.ones(2, np.float32), np.array([5, 6], np.int64), np.zeros(2, np.int32),
                                  np.zeros(3, np.int32), np.zeros(0, np.int32))
-        out = p.run_step(StepBatch(True, np.concatenate(prompts).astype(np.int32),
+        out = p.run_step(StepBatch(np.concatenate(prompts).astype(np.int32),
                                    np.concatenate([np.arange(n) for n in lens]).astype(np.int32),
                                    slots.astype(np.int32), lens, lens, tables, sampling))
         assert 0 <= out.token_ids[0] < 128 and out.token_ids[1] == FAILED_TOKEN and list(out.errors) == [1]

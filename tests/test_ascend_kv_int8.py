@@ -74,7 +74,7 @@ def prefill(runner, prompt: list[int], blocks: list[int]) -> np.ndarray:
     table = np.zeros((1, 6), np.int32)
     table[0, : len(blocks)] = blocks
     slots = (table[0, np.arange(n) // bs] * bs + np.arange(n) % bs).astype(np.int32)
-    runner.step(StepBatch(True, np.asarray(prompt, np.int32), np.arange(n, dtype=np.int32), slots,
+    runner.step(StepBatch(np.asarray(prompt, np.int32), np.arange(n, dtype=np.int32), slots,
                           np.array([n], np.int32), np.array([n], np.int32), table))
     attention = runner.model.layers[1].attention
     return np.stack([c.asnumpy().reshape(-1, CONFIG.kv_dim)[slots] for c in attention.caches()])

@@ -106,7 +106,7 @@ def decode_in_flight(s: Scheduler, *seqs: Sequence) -> tuple[list[Sequence], Ste
         s.add(seq)
     while True:
         scheduled, batch = s.schedule()
-        if not batch.is_prefill:
+        if not batch.describe().computes_prompts:
             return scheduled, batch
         out = model.step(batch)
         wanted = [] if batch.want_logits is None else np.flatnonzero(batch.want_logits).tolist()

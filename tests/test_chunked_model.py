@@ -71,7 +71,7 @@ def test_chunked_prefill_alone_and_mixed_with_decodes_matches_transformers(runne
 
 
 def test_the_runner_refuses_a_context_shorter_than_its_query(runner):
-    bad = StepBatch(True, np.ones(3, np.int32), np.arange(3, dtype=np.int32), np.arange(8, 11, dtype=np.int32),
+    bad = StepBatch(np.ones(3, np.int32), np.arange(3, dtype=np.int32), np.arange(8, 11, dtype=np.int32),
                     np.array([2, 1], np.int32), np.array([1, 5], np.int32), np.full((2, 2), 2, np.int32))
     with pytest.raises(ValueError, match="context lengths must hold their queries"):
         runner.step(bad)

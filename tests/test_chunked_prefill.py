@@ -56,7 +56,7 @@ def test_every_prompt_up_to_the_model_length_is_served_in_chunks():
     run(s, model, steps)
     for seq in seqs:
         assert seq.output_ids == expected_output(seq.prompt_ids, seq.params)[0]
-    assert any(b.is_prefill and np.any(b.context_lens > b.query_lens) and np.any(b.query_lens > 1)
+    assert any(b.describe().computes_prompts and np.any(b.context_lens > b.query_lens) and np.any(b.query_lens > 1)
                for b in steps)  # chunks over cached context
     assert s.num_used_blocks == 0
 

@@ -37,7 +37,7 @@ from llm_serving.engine.kv_transfer import KvPayload, KvTransfers
 from llm_serving.engine.loop import Engine
 from llm_serving.executor.agent_pool import AgentDiedError, AgentPool, AgentStepError
 from llm_serving.executor.collective_launch import free_port
-from llm_serving.protocol.batch import StepBatch
+from llm_serving.protocol.batch import KvCopyStep, StepBatch
 from llm_serving.protocol.kv_segment import KvSegment
 from llm_serving.protocol.shm_channel import ChannelLayout, StepChannel
 from llm_serving.router.disaggregation import decode_request, prefill_request
@@ -53,19 +53,19 @@ LAYOUT = {"block_size": BLOCK, "block_bytes": 16, "tensor_parallel_size": 2, "dt
 def test_a_kv_copy_step_crosses_the_step_segment():
     channel = StepChannel.create(ChannelLayout(max_tokens=16, max_batch=4, max_blocks_per_seq=6))
     try:
-        channel.write_batch(7, StepBatch.copy_blocks("import", [5, 3, 9]))
-        step, batch = channel.read_batch()
-        assert step == 7 and batch.batch_size == 0 and batch.kv_copy.direction == "import"
-        assert batch.kv_copy.block_ids.tolist() == [5, 3, 9]
-        batch.validate()
-        channel.write_batch(8, StepBatch(False, *(np.zeros(1, np.int32),) * 5, np.zeros((1, 1), np.int32)))
-        assert channel.read_batch()[1].kv_copy is None  # a model step after it carries no copy
+        channel.write_step(7, KvCopyStep("import", [5, 3, 9]))
+        step, copy = channel.read_step()
+        assert step == 7 and isinstance(copy, KvCopyStep) and copy.batch_size == 0 and copy.direction == "import"
+        assert copy.block_ids.tolist() == [5, 3, 9]
+        ones = np.ones(1, np.int32)
+        channel.write_step(8, StepBatch(ones, ones - 1, ones, ones, ones, np.zeros((1, 1), np.int32)))
+        assert isinstance(channel.read_step()[1], StepBatch)  # a model step after it is a model step
         with pytest.raises(ValueError, match="one sequence's blocks"):
-            channel.check_fits(StepBatch.copy_blocks("export", list(range(1, 8))))
+            channel.check_fits(KvCopyStep("export", list(range(1, 8))))
     finally:
         channel.close()
     with pytest.raises(ValueError, match="direction"):
-        StepBatch.copy_blocks("sideways", [1])
+        KvCopyStep("sideways", [1])
 
 
 def test_the_kv_segment_holds_a_region_per_rank():

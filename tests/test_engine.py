@@ -265,7 +265,7 @@ def test_long_prompts_and_long_recomputes_are_prefilled_alone_without_chunked_pr
     alone = 0
     while s.has_unfinished():
         seqs, batch = s.schedule()
-        if batch.is_prefill and int(batch.query_lens.max()) > 16:
+        if batch.describe().computes_prompts and int(batch.query_lens.max()) > 16:
             assert batch.batch_size == 1
             alone += 1
         s.postprocess(seqs, standin_output(batch))
@@ -445,9 +445,9 @@ def test_abort_in_flight_is_never_computed_again(data_dir):
         assert pool.entered.acquire(timeout=10)  # prefill of a in flight
         b = engine.submit([1, 7, 8], SamplingParams(max_new_tokens=50, ignore_eos=True))
         pool.gate.release()
-        assert pool.step().is_prefill  # b's prefill, a's second token with it (chunked prefill mixes them)
+        assert pool.step().describe().computes_prompts  # b's prefill, a's second token with it (chunked prefill mixes them)
         assert pool.entered.acquire(timeout=10)  # the first decode step of a and b is in flight
-        assert pool.batches[-1].batch_size == 2 and not pool.batches[-1].is_prefill
+        assert pool.batches[-1].batch_size == 2 and not pool.batches[-1].describe().computes_prompts
         used = engine.stats()["kv_blocks_used"]
         a.abort()
         assert engine.stats()["kv_blocks_used"] < used  # freed at once, while the step is in flight
@@ -460,7 +460,7 @@ def test_abort_in_flight_is_never_computed_again(data_dir):
         assert events[-1].finish_reason == "abort" and events[-1].token_id == NO_TOKEN
         assert [e.token_id for e in events[:-1]] == standin_expected([1, 5, 6], SamplingParams(2))[0]
         c = engine.submit([1, 9], SamplingParams(max_new_tokens=1))  # joins between steps
-        while not pool.step().is_prefill:
+        while not pool.step().describe().computes_prompts:
             pass
         assert c.result(timeout=10).token_ids == standin_expected([1, 9], SamplingParams(1))[0]
         b.abort()
@@ -527,7 +527,7 @@ def test_llm_generate_waits_when_the_queue_is_full(data_dir):
 
 # ---- the real tiny Llama on 2 agents -----------------------------------------------------------------------
 class RecordingPool:
-    """A real AgentPool that also records (is_prefill, batch size, longest query) of every step."""
+    """A real AgentPool that also records (whether it computes prompts, batch size, longest query) of every step."""
 
     def __init__(self, spec: AgentSpec) -> None:
         self.pool = AgentPool(spec)
@@ -538,8 +538,8 @@ class RecordingPool:
         self.pool.start(progress)
 
     def submit(self, batch: StepBatch) -> int:
-        self.shapes.append((batch.is_prefill, batch.batch_size, int(batch.query_lens.max())))
-        self.cached_context += batch.is_prefill and bool(np.any(batch.context_lens > batch.query_lens))
+        self.shapes.append((batch.describe().computes_prompts, batch.batch_size, int(batch.query_lens.max())))
+        self.cached_context += batch.describe().computes_prompts and bool(np.any(batch.context_lens > batch.query_lens))
         return self.pool.submit(batch)
 
     def collect(self, step: int, batch_size: int) -> StepOutput:

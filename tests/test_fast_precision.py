@@ -173,11 +173,11 @@ def teacher_forced_logits(runner: ModelRunner, ids: np.ndarray) -> np.ndarray:
     b, n = ids.shape
     tables = (1 + np.arange(b * 16, dtype=np.int32)).reshape(b, 16)
     slots = (tables[:, :2].repeat(8, 1) * 8 + np.tile(np.arange(8), 2)).astype(np.int32)[:, :12]
-    rows = [runner.step_logits(StepBatch(True, ids[:, :12].reshape(-1), np.tile(np.arange(12, dtype=np.int32), b),
+    rows = [runner.step_logits(StepBatch(ids[:, :12].reshape(-1), np.tile(np.arange(12, dtype=np.int32), b),
                                          slots.reshape(-1), np.full(b, 12, np.int32), np.full(b, 12, np.int32),
                                          tables))]
     for t in range(12, n):
-        rows.append(runner.step_logits(StepBatch(False, ids[:, t].copy(), np.full(b, t, np.int32),
+        rows.append(runner.step_logits(StepBatch(ids[:, t].copy(), np.full(b, t, np.int32),
                                                  (tables[:, t // 8] * 8 + t % 8).astype(np.int32),
                                                  np.ones(b, np.int32), np.full(b, t + 1, np.int32), tables)))
     return np.stack(rows, 1)

@@ -35,7 +35,7 @@ TINY_MODEL = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, 
 
 
 def decode_batch(n: int, want: list[bool] | None = None) -> StepBatch:
-    return StepBatch(False, np.arange(3, 3 + n, dtype=np.int32), np.full(n, 4, np.int32),
+    return StepBatch(np.arange(3, 3 + n, dtype=np.int32), np.full(n, 4, np.int32),
                      np.arange(16, 16 + n, dtype=np.int32), np.ones(n, np.int32), np.full(n, 5, np.int32),
                      np.ones((n, 2), np.int32), want_logits=None if want is None else np.array(want))
 
@@ -46,13 +46,13 @@ def test_channel_carries_only_the_wanted_logits_rows():
     master = StepChannel.create(layout)
     try:
         agent = StepChannel.attach(master.name, layout)
-        master.write_batch(1, decode_batch(4))
-        assert agent.read_batch()[1].want_logits is None  # the flag is off: no copy, no view
+        master.write_step(1, decode_batch(4))
+        assert agent.read_step()[1].want_logits is None  # the flag is off: no copy, no view
         agent.write_output(1, StepOutput(np.arange(4, dtype=np.int32), np.zeros(4, np.float32)))
         assert master.read_output(1, 4).logits == {}
 
-        master.write_batch(2, decode_batch(4, [False, True, False, True]))
-        step, batch = agent.read_batch()
+        master.write_step(2, decode_batch(4, [False, True, False, True]))
+        step, batch = agent.read_step()
         assert batch.want_logits.tolist() == [False, True, False, True]
         assert batch.take(np.array([0, 2])).want_logits is None  # a part where no row asks reads nothing
         rows = {1: np.full(VOCAB, 1.5, np.float32), 3: np.linspace(-3, 3, VOCAB, dtype=np.float32)}
@@ -74,7 +74,7 @@ def test_channel_carries_only_the_wanted_logits_rows():
     small = StepChannel.create(dataclasses.replace(layout, max_logits_rows=1))
     try:
         with pytest.raises(ValueError, match="logits row count 2 exceeds"):
-            small.write_batch(1, decode_batch(4, [True, True, False, False]))
+            small.write_step(1, decode_batch(4, [True, True, False, False]))
     finally:
         small.close()
 
@@ -200,7 +200,7 @@ def test_runner_reads_logits_back_only_for_steps_that_ask(runner, monkeypatch):
 
     reads.clear()  # a step run in two calls: only the call holding a row that asks reads back
     tables = np.array([[1, 2], [3, 4], [5, 6]], np.int32)
-    decode = StepBatch(False, np.array([5, 6, 7], np.int32), np.full(3, 4, np.int32),
+    decode = StepBatch(np.array([5, 6, 7], np.int32), np.full(3, 4, np.int32),
                        np.array([8, 16, 24], np.int32), np.ones(3, np.int32), np.full(3, 5, np.int32), tables,
                        want_logits=np.array([False, False, True]))
     monkeypatch.setattr(runner, "plan", lambda batch: [np.array([0, 1]), np.array([2])])

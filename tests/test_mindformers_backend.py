@@ -124,7 +124,7 @@ def prefill(lens: list[int], first_slot: int = 16) -> StepBatch:
     ids = np.arange(1, total + 1, dtype=np.int32)
     pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
     q = np.array(lens, np.int32)
-    return StepBatch(True, ids, pos, np.arange(first_slot, first_slot + total, dtype=np.int32), q, q.copy(),
+    return StepBatch(ids, pos, np.arange(first_slot, first_slot + total, dtype=np.int32), q, q.copy(),
                      np.zeros((len(lens), 4), np.int32))
 
 
@@ -160,7 +160,7 @@ def test_prefill_bucket_overflow_and_chunks_are_refused() -> None:
 
 def test_decode_inputs() -> None:
     tables = np.array([[3, 5, 0], [7, 0, 0]], np.int32)
-    batch = StepBatch(False, np.array([11, 12], np.int32), np.array([33, 4], np.int32),
+    batch = StepBatch(np.array([11, 12], np.int32), np.array([33, 4], np.int32),
                       np.array([82, 116], np.int32), np.ones(2, np.int32), np.array([34, 5], np.int32), tables)
     ids, bvl, table, slots = decode_arrays(batch, 8, 4)
     assert ids.shape == (8, 1) and bvl.shape == (8,) and table.shape == (8, 4) and slots.shape == (8,)

@@ -81,13 +81,13 @@ def test_logits_switch_matches_transformers(model_pair):
 def test_runner_refuses_shapes_it_did_not_warm(model_pair):
     config, runner, _ = model_pair
     too_long = np.zeros(260, np.int32)  # beyond max_model_len 128: no compiled shape, even alone
-    batch = StepBatch(True, too_long, np.tile(np.arange(130, dtype=np.int32), 2), too_long,
+    batch = StepBatch(too_long, np.tile(np.arange(130, dtype=np.int32), 2), too_long,
                       np.array([130, 130], np.int32), np.array([130, 130], np.int32), np.zeros((2, 1), np.int32))
     with pytest.raises(ValueError, match="prompt length 130 exceeds (the largest compiled bucket 32|max_model_len)"):
         runner.step(batch)
     cold = ModelRunner(config, model_weights(runner.model), runner_config())
     with pytest.raises(RuntimeError, match="not warmed up"):
-        cold.step(StepBatch(True, np.ones(3, np.int32), np.arange(3, dtype=np.int32), np.arange(4, 7, dtype=np.int32),
+        cold.step(StepBatch(np.ones(3, np.int32), np.arange(3, dtype=np.int32), np.arange(4, 7, dtype=np.int32),
                             np.array([3], np.int32), np.array([3], np.int32), np.zeros((1, 1), np.int32)))
 
 
@@ -105,7 +105,7 @@ def test_decode_is_split_only_by_the_largest_bucket_where_padding_rows_are_free(
     _, runner, _ = model_pair
     contexts = np.array([40, 3, 17, 64, 5, 9, 33, 2, 50, 21, 12], np.int32)
     width = runner.rc.decode_block_widths[-1]
-    batch = StepBatch(False, np.ones(11, np.int32), contexts - 1, np.arange(11, dtype=np.int32) + 4, np.ones(11,
+    batch = StepBatch(np.ones(11, np.int32), contexts - 1, np.arange(11, dtype=np.int32) + 4, np.ones(11,
                       np.int32), contexts, np.arange(11 * width, dtype=np.int32).reshape(11, width) % 100 + 1)
     groups = runner.plan(batch)
     assert sorted(np.concatenate(groups).tolist()) == list(range(11))

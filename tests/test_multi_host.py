@@ -57,7 +57,7 @@ class RecordedCollective:
 
 
 def batches_equal(a: StepBatch, b: StepBatch) -> None:
-    for name in ("is_prefill", "num_steps"):
+    for name in ("kind", "num_steps"):
         assert getattr(a, name) == getattr(b, name)
     for name in ("input_ids", "positions", "slot_mapping", "query_lens", "context_lens", "block_tables", "fed_rows"):
         x, y = getattr(a, name), getattr(b, name)
@@ -78,11 +78,11 @@ def test_a_step_crosses_in_one_broadcast_or_two_and_failures_and_the_end_too():
         assert len(wire.sent) - before == (2 if batch is large else 1)
         assert wire.sent[-1].size == HEADER_WORDS or int(wire.sent[-1].size).bit_count() == 1  # power-of-2 rest
         assert follower.next_step() == step
-        batches_equal(follower.read_batch(step), batch)
+        batches_equal(follower.read_step(step), batch)
     rank0.send(8, None)  # rank 0 could not read step 8: the follower answers it with an error, and stays in step
     assert follower.next_step() == 8
     with pytest.raises(RuntimeError, match="rank 0 could not read step 8"):
-        follower.read_batch(8)
+        follower.read_step(8)
     rank0.stop()
     assert follower.next_step() is None and not wire.sent
     assert STOP < 0

@@ -69,7 +69,7 @@ def test_one_step_whenever_the_master_is_needed_between_tokens():
             scheduled, batch = s.schedule()
             s.postprocess(scheduled, step(batch) if batch.num_steps == 1
                           else run_decode_steps(step, batch, s.config.block_size))
-            if not batch.is_prefill:
+            if not batch.describe().computes_prompts:
                 return batch.num_steps
 
     cfg = config(decode_steps=4, max_num_seqs=2, max_prefill_batch=1)
@@ -106,8 +106,8 @@ def test_the_batch_and_the_later_tokens_cross_shared_memory():
     channel = StepChannel.create(ChannelLayout(max_tokens=32, max_batch=4, max_blocks_per_seq=16,
                                                max_decode_steps=3))
     try:
-        channel.write_batch(7, batch)
-        assert channel.read_batch()[1].num_steps == 3
+        channel.write_step(7, batch)
+        assert channel.read_step()[1].num_steps == 3
         out = StepOutput(np.array([5], np.int32), np.array([-1.0], np.float32),
                          more_token_ids=np.array([[6, 7]], np.int32), more_logprobs=np.array([[-2, -3]], np.float32))
         channel.write_output(7, out)
@@ -117,7 +117,7 @@ def test_the_batch_and_the_later_tokens_cross_shared_memory():
         assert channel.read_output(8, 1).more_token_ids is None
         batch.num_steps = 4
         with pytest.raises(ValueError, match="asks for 4 decode steps; the shared memory holds 1 to 3"):
-            channel.write_batch(9, batch)
+            channel.write_step(9, batch)
     finally:
         channel.close()
 

@@ -82,7 +82,7 @@ def backend_for(rc: RunnerConfig):
 
 
 def decode(block: int, context: int = 5) -> StepBatch:
-    return StepBatch(False, np.ones(1, np.int32), np.array([context - 1], np.int32), np.array([8], np.int32),
+    return StepBatch(np.ones(1, np.int32), np.array([context - 1], np.int32), np.array([8], np.int32),
                      np.ones(1, np.int32), np.array([context], np.int32), np.array([[block]], np.int32))
 
 
@@ -243,7 +243,7 @@ def test_ragged_prefill_padding_writes_nothing(native_runner):
     before = [c.asnumpy().copy() for c in caches]
     lens = np.array([5, 9], np.int32)
     slots = np.concatenate([np.arange(16, 21), np.arange(40, 49)]).astype(np.int32)
-    batch = StepBatch(True, np.arange(3, 17, dtype=np.int32), np.concatenate([np.arange(5), np.arange(9)]).astype(
+    batch = StepBatch(np.arange(3, 17, dtype=np.int32), np.concatenate([np.arange(5), np.arange(9)]).astype(
         np.int32), slots, lens, lens.copy(), np.zeros((2, 1), np.int32))
     assert native_runner.bucket_inputs(batch)[0] == ("ragged", 8, 32)
     native_runner.step(batch)

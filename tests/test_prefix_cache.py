@@ -205,7 +205,7 @@ def test_the_choices_of_one_prompt_share_its_kv_blocks(chunked):
     assert first == [choices[0]]  # the others wait for its prompt
     seqs, batch = step_once(s, model)
     started = [seq for seq in seqs if seq is not choices[0]]
-    assert started == choices[1:] and batch.is_prefill
+    assert started == choices[1:] and batch.describe().computes_prompts
     assert all(seq.num_cached_blocks == 5 for seq in started)  # each computed 2 tokens of its own
     held = {b for seq in choices for b in seq.block_table}
     assert len(held) == 5 + 4 < 4 * 6  # the shared prompt blocks and each choice's own last block

@@ -44,7 +44,7 @@ def test_a_prompt_no_bucket_holds_is_refused():
 
 def test_ragged_arrays_put_prompts_back_to_back():
     lens = np.array([3, 2], np.int32)
-    batch = StepBatch(True, np.array([5, 6, 7, 8, 9], np.int32), np.array([0, 1, 2, 0, 1], np.int32),
+    batch = StepBatch(np.array([5, 6, 7, 8, 9], np.int32), np.array([0, 1, 2, 0, 1], np.int32),
                       np.array([40, 41, 42, 80, 81], np.int32), lens, lens.copy(), np.zeros((2, 1), np.int32))
     ids, pos, slots, query_lens, tables, last = ragged_arrays(batch, max_seqs=4, tokens=8)
     assert ids.tolist() == [5, 6, 7, 8, 9, 0, 0, 0]

@@ -36,7 +36,7 @@ def context_logits(model) -> tuple[list[int], np.ndarray]:
     runner, _ = model
     prompt = [1, 17, 33, 5, 60, 17, 9]
     n = len(prompt)
-    batch = StepBatch(True, np.array(prompt, np.int32), np.arange(n, dtype=np.int32),
+    batch = StepBatch(np.array(prompt, np.int32), np.arange(n, dtype=np.int32),
                       np.arange(4, 4 + n, dtype=np.int32), np.array([n], np.int32), np.array([n], np.int32),
                       np.zeros((1, 1), np.int32))
     return prompt, runner.step_logits(batch)[0]

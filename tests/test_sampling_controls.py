@@ -101,8 +101,8 @@ def test_the_extras_cross_shared_memory_and_a_step_without_them_carries_none():
     _, batch = s.schedule()
     channel = StepChannel.create(ChannelLayout(max_tokens=32, max_batch=4, max_blocks_per_seq=16))
     try:
-        channel.write_batch(1, batch)
-        _, got = channel.read_batch()
+        channel.write_step(1, batch)
+        _, got = channel.read_step()
         sent, read = batch.sampling.extras, got.sampling.extras
         for name in ("presence_penalty", "frequency_penalty", "min_p", "output_start", "adjust_offsets",
                      "adjust_ids", "adjust_values"):
@@ -111,8 +111,8 @@ def test_the_extras_cross_shared_memory_and_a_step_without_them_carries_none():
         plain = Scheduler(chunked_prefix(prefix_caching=False))
         plain.add(Sequence("g", [5, 6], SamplingParams(4, temperature=0.5)))
         _, sampled = plain.schedule()
-        channel.write_batch(2, sampled)
-        assert sampled.sampling.extras is None and channel.read_batch()[1].sampling.extras is None
+        channel.write_step(2, sampled)
+        assert sampled.sampling.extras is None and channel.read_step()[1].sampling.extras is None
     finally:
         channel.close()
 

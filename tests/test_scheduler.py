@@ -122,7 +122,7 @@ def test_prefill_then_decode_batches_have_consistent_arrays():
     s.add(b)
     seqs, batch = s.schedule()
     batch.validate()
-    assert seqs == [a, b] and batch.is_prefill
+    assert seqs == [a, b] and batch.describe().computes_prompts
     assert batch.input_ids.tolist() == a.prompt_ids + b.prompt_ids
     assert batch.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
     assert batch.query_lens.tolist() == [5, 3] and batch.context_lens.tolist() == [5, 3]
@@ -138,7 +138,7 @@ def test_prefill_then_decode_batches_have_consistent_arrays():
 
     seqs, batch = s.schedule()
     batch.validate()
-    assert seqs == [a, b] and not batch.is_prefill
+    assert seqs == [a, b] and not batch.describe().computes_prompts
     assert batch.input_ids.tolist() == [7, 8] and batch.positions.tolist() == [5, 3]
     assert batch.context_lens.tolist() == [6, 4] and batch.query_lens.tolist() == [1, 1]
     assert batch.slot_mapping.tolist() == [ta[1] * 4 + 1, tb[0] * 4 + 3]
@@ -238,7 +238,7 @@ def test_prefill_respects_batch_seq_token_and_block_limits():
     assert [x.request_id for x in seqs] == ["s2"]  # only one decode slot left
     s.postprocess(seqs, fixed_output(seqs))
     _, batch = s.schedule()
-    assert not batch.is_prefill and batch.batch_size == 3
+    assert not batch.describe().computes_prompts and batch.batch_size == 3
 
     s = Scheduler(config(max_num_batched_tokens=64, max_model_len=64))
     for i in range(3):
@@ -261,7 +261,7 @@ def test_min_decode_steps_between_prefills():
     kinds = []
     for _ in range(7):
         seqs, batch = s.schedule()
-        kinds.append("P" if batch.is_prefill else "D")
+        kinds.append("P" if batch.describe().computes_prompts else "D")
         s.postprocess(seqs, fixed_output(seqs))
     assert "".join(kinds) == "PDDPDDP"
 
@@ -271,7 +271,7 @@ def test_min_decode_steps_between_prefills():
     kinds = []
     for _ in range(4):
         seqs, batch = s.schedule()
-        kinds.append("P" if batch.is_prefill else "D")
+        kinds.append("P" if batch.describe().computes_prompts else "D")
         s.postprocess(seqs, fixed_output(seqs))
     assert "".join(kinds) == "PPPD"
 
@@ -286,7 +286,7 @@ def test_preemption_recomputes_without_reemitting_tokens():
     seen_preempted_prefill = False
     while s.has_unfinished():
         seqs, batch = s.schedule()
-        if batch.is_prefill and b in seqs and b.output_ids:
+        if batch.describe().computes_prompts and b in seqs and b.output_ids:
             seen_preempted_prefill = True
             start = batch.query_lens[: seqs.index(b)].sum()
             n = b.num_tokens
@@ -331,7 +331,7 @@ def admission_order(s: Scheduler) -> list[str]:
     order = []
     while s.has_unfinished():
         seqs, batch = s.schedule()
-        if batch.is_prefill:
+        if batch.describe().computes_prompts:
             order += [x.request_id for x in seqs]
         s.postprocess(seqs, fixed_output(seqs))
     return order
@@ -416,7 +416,7 @@ def test_greedy_steps_carry_no_sampling_and_mixed_steps_carry_every_sequence():
     s.add(sampled)
     s.add(penalised)
     seqs, batch = s.schedule()
-    assert seqs == [sampled, penalised] and batch.is_prefill
+    assert seqs == [sampled, penalised] and batch.describe().computes_prompts
     sb = batch.sampling
     assert sb.temperature.tolist() == pytest.approx([0.7, 0.0]) and sb.top_k.tolist() == [5, 0]
     assert sb.top_p.tolist() == pytest.approx([0.9, 1.0]) and sb.repetition_penalty.tolist() == pytest.approx([1, 1.3])
@@ -427,7 +427,7 @@ def test_greedy_steps_carry_no_sampling_and_mixed_steps_carry_every_sequence():
 
     seqs, batch = s.schedule()  # decode: every running sequence, greedy ones at temperature 0
     sb = batch.sampling
-    assert seqs == [greedy, sampled, penalised] and not batch.is_prefill
+    assert seqs == [greedy, sampled, penalised] and not batch.describe().computes_prompts
     assert sb.temperature.tolist() == pytest.approx([0.0, 0.7, 0.0])
     assert sb.draw_index.tolist() == [2, 1, 1]  # tokens generated so far
     assert sb.penalty_offsets.tolist() == [0, 0, 0, 5] and sb.penalty_token_ids.tolist() == [16, 17, 16, 18, 9]
@@ -493,13 +493,13 @@ def check_invariants(s: Scheduler, seqs, batch: StepBatch, retired: set[int]) ->
     assert 0 not in owned and len(owned) == bm.num_used_blocks
     assert all(x.block_table == [] for x in s.waiting)
     assert all(id(x) not in retired and x.status is SequenceStatus.RUNNING for x in seqs)
-    if batch.is_prefill:
+    if batch.describe().computes_prompts:
         assert len(seqs) <= cfg.max_prefill_batch and batch.num_tokens <= cfg.max_num_batched_tokens
     assert len(s.running) <= cfg.max_num_seqs
     start = 0
     for i, x in enumerate(seqs):
         n = x.num_tokens
-        q = n if batch.is_prefill else 1
+        q = n if batch.describe().computes_prompts else 1
         assert batch.query_lens[i] == q and batch.context_lens[i] == n
         toks = slice(start, start + q)
         assert batch.input_ids[toks].tolist() == x.all_token_ids[n - q:]

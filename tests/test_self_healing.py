@@ -91,10 +91,10 @@ class ScriptedPool:
         batch = self.batches[step - 1]
         self.go.wait(10)
         exc, self.fail_next = self.fail_next, None
-        if exc is None and batch.is_prefill and KILLER in batch.input_ids:
+        if exc is None and batch.describe().computes_prompts and KILLER in batch.input_ids:
             self.alive = False
             exc = AgentDiedError("agent rank 0 died during the killer's step")
-        if exc is None and batch.is_prefill and POISON in batch.input_ids:
+        if exc is None and batch.describe().computes_prompts and POISON in batch.input_ids:
             exc = AgentStepError("agent rank 0 failed the step: ValueError: poisoned", rank=0)
         return self.feeder.run(batch, exc)
 
@@ -170,7 +170,7 @@ def test_a_step_failing_as_a_whole_is_rerun_in_parts(data_dir):
             bad.result(timeout=10)
         for prompt, stream in zip(prompts, streams):
             assert stream.result(timeout=10).token_ids == standin_expected(prompt, params)[0]
-        shared = [b for b in pools[0].batches if b.is_prefill and POISON in b.input_ids]
+        shared = [b for b in pools[0].batches if b.describe().computes_prompts and POISON in b.input_ids]
         assert shared[0].batch_size == 4 and [b.batch_size for b in shared] == [4, 2, 1]  # halves, then alone
         stats = engine.stats()
         assert stats["requests_failed"] == 1 and stats["kv_blocks_used"] == 0 and stats["agent_restarts"] == 0
@@ -426,7 +426,7 @@ def test_standin_runner_reports_warm_up_costs_and_sampling_failures():
     runner = StandinRunner(50, step_delay_s=0.002)
     assert runner.step_costs == {("standin",): 0.002}
     n = 3
-    batch = StepBatch(False, np.array([4, 5, 6], np.int32), np.zeros(n, np.int32), np.zeros(n, np.int32),
+    batch = StepBatch(np.array([4, 5, 6], np.int32), np.zeros(n, np.int32), np.zeros(n, np.int32),
                       np.ones(n, np.int32), np.full(n, 3, np.int32), np.zeros((n, 1), np.int32),
                       SamplingBatch(np.full(n, 0.7, np.float32), np.zeros(n, np.int32),
                                     np.array([1.0, 0.0, 0.5], np.float32), np.ones(n, np.float32),

@@ -7,6 +7,7 @@ import pytest
 
 from llm_serving.protocol.batch import SamplingBatch, StepBatch
 from llm_serving.protocol.shm_channel import ChannelError, ChannelLayout, StepChannel
+from llm_serving.protocol.step import StepKind
 from tests.paged_driver import sampling_batch
 
 LAYOUT = ChannelLayout(max_tokens=64, max_batch=8, max_blocks_per_seq=4, max_penalty_tokens=100)
@@ -22,9 +23,10 @@ def channels():
 
 
 def decode_batch(rng: np.random.Generator, b: int, sampling: SamplingBatch | None) -> StepBatch:
-    return StepBatch(False, rng.integers(0, 1000, b).astype(np.int32), rng.integers(0, 60, b).astype(np.int32),
+    return StepBatch(rng.integers(0, 1000, b).astype(np.int32), rng.integers(0, 60, b).astype(np.int32),
                      rng.integers(0, 500, b).astype(np.int32), np.ones(b, np.int32),
-                     rng.integers(1, 60, b).astype(np.int32), rng.integers(0, 99, (b, 3)).astype(np.int32), sampling)
+                     rng.integers(1, 60, b).astype(np.int32), rng.integers(0, 99, (b, 3)).astype(np.int32), sampling,
+                     kind=StepKind.DECODE)
 
 
 def random_sampling(rng: np.random.Generator, b: int) -> SamplingBatch:
@@ -50,8 +52,8 @@ def test_sampled_and_greedy_batches_round_trip(channels):
     for step, (b, sampled) in enumerate([(8, True), (5, False), (3, True), (8, False), (1, True)], start=1):
         sampling = random_sampling(rng, b) if sampled else None
         batch = decode_batch(rng, b, sampling)
-        master.write_batch(step, batch)
-        seen, got = agent.read_batch()
+        master.write_step(step, batch)
+        seen, got = agent.read_step()
         assert seen == step
         np.testing.assert_array_equal(got.block_tables, batch.block_tables)
         if sampled:
@@ -73,15 +75,15 @@ def test_penalty_ids_beyond_capacity_are_refused(channels):
     params = [{"temperature": 1.0, "repetition_penalty": 1.5}] * 2
     too_many = sampling_batch(params, [list(range(60)), list(range(41))], [0, 0])  # 101 ids > 100
     with pytest.raises(ValueError, match="repetition-penalty token count 101 exceeds .* capacity 100"):
-        master.write_batch(1, decode_batch(rng, 2, too_many))
+        master.write_step(1, decode_batch(rng, 2, too_many))
     fits = sampling_batch(params, [list(range(60)), list(range(40))], [0, 0])
-    master.write_batch(2, decode_batch(rng, 2, fits))
-    _, got = agent.read_batch()
+    master.write_step(2, decode_batch(rng, 2, fits))
+    _, got = agent.read_step()
     assert_same(got.sampling, fits)
     del got
     wrong_rows = sampling_batch(params, [[1], [2]], [0, 0])
     with pytest.raises(ValueError, match="penalty_offsets has shape"):
-        master.write_batch(3, decode_batch(rng, 3, wrong_rows))
+        master.write_step(3, decode_batch(rng, 3, wrong_rows))
 
 
 def test_layouts_must_agree_on_the_penalty_capacity():

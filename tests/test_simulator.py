@@ -90,7 +90,7 @@ def test_positions_in_blocks_another_sequence_reads_count_as_shared():
     assert distinct_positions(tables, ctx, 16) == 16 + 16 + 8 + 3 + 4
     assert distinct_positions(tables[2:], ctx[2:], 16) == 20
     assert distinct_positions(np.array([[5, 6], [6, 5]], np.int32), np.array([20, 32]), 16) == 32  # 6 fullest once
-    batch = StepBatch(False, np.zeros(3, np.int32), ctx - 1, np.zeros(3, np.int32), np.ones(3, np.int32),
+    batch = StepBatch(np.zeros(3, np.int32), ctx - 1, np.zeros(3, np.int32), np.ones(3, np.int32),
                       ctx.astype(np.int32), tables)
     assert StepShape.of(batch, 16).shared_context_tokens == 95 - 47
 

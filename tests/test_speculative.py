@@ -14,6 +14,7 @@ from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.core.speculative import NgramProposer
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.shm_channel import ChannelLayout, StepChannel
+from llm_serving.protocol.step import StepKind
 from tests.test_scheduler import EOS, FakeKVModel, config, logprob_of
 from tests.tiny_engine import tiny_engine_config
 
@@ -144,7 +145,7 @@ def test_prompt_lookup_agrees_with_a_plain_search_on_random_sequences():
 
 def test_accept_keeps_the_picks_up_to_the_first_wrong_proposal():
     # two sequences: last token + 3 proposals, last token + 1 proposal
-    batch = StepBatch(True, np.array([7, 1, 2, 3, 9, 4], np.int32), np.arange(6, dtype=np.int32),
+    batch = StepBatch(np.array([7, 1, 2, 3, 9, 4], np.int32), np.arange(6, dtype=np.int32),
                       np.arange(6, dtype=np.int32), np.array([4, 2], np.int32), np.array([10, 6], np.int32),
                       np.zeros((2, 2), np.int32), draft_lens=np.array([3, 1], np.int32))
     picks = np.array([1, 2, 5, 6, 8, 0], np.int32)  # sequence 0 accepts 1, 2 (3 != 5); sequence 1 rejects 4
@@ -283,8 +284,8 @@ def test_proposals_and_accepted_tokens_cross_shared_memory():
     assert batch.draft_lens is not None
     channel = StepChannel.create(ChannelLayout(max_tokens=32, max_batch=4, max_blocks_per_seq=16, max_decode_steps=8))
     try:
-        channel.write_batch(3, batch)
-        back = channel.read_batch()[1]
+        channel.write_step(3, batch)
+        back = channel.read_step()[1]
         assert back.draft_lens.tolist() == batch.draft_lens.tolist() and back.input_ids.tolist() == batch.input_ids.tolist()
         out = StepOutput(np.array([5], np.int32), np.array([-1.0], np.float32), more_token_ids=np.array([[6, 7, 0]], np.int32),
                          more_logprobs=np.array([[-2, -3, 0]], np.float32), num_more=np.array([2], np.int32))
@@ -295,19 +296,19 @@ def test_proposals_and_accepted_tokens_cross_shared_memory():
         rounds = StepBatch(**{**batch.__dict__, "num_steps": 2, "history_offsets": np.array([0, 9], np.int32),
                               "history_ids": np.arange(9, dtype=np.int32)})
         rounds.validate()
-        channel.write_batch(4, rounds)
-        back = channel.read_batch()[1]
+        channel.write_step(4, rounds)
+        back = channel.read_step()[1]
         assert back.num_steps == 2 and back.history_ids.tolist() == list(range(9))
         assert back.history_offsets.tolist() == [0, 9]
         counts = np.array([[2, 5, 3]], np.int32)
         channel.write_output(5, StepOutput(np.array([5], np.int32), np.array([-1.0], np.float32), spec_counts=counts))
         assert channel.read_output(5, 1).spec_counts.tolist() == [[2, 5, 3]]
         with pytest.raises(ValueError, match="tokens a sequence"):  # 3 rounds of 2 proposals + 1: 9 tokens
-            channel.write_batch(6, StepBatch(**{**rounds.__dict__, "num_steps": 3}))
+            channel.write_step(6, StepBatch(**{**rounds.__dict__, "num_steps": 3}))
         small = StepChannel.create(ChannelLayout(max_tokens=32, max_batch=4, max_blocks_per_seq=16, max_decode_steps=2))
         try:
             with pytest.raises(ValueError, match="tokens a sequence"):
-                small.write_batch(5, batch)
+                small.write_step(5, batch)
         finally:
             small.close()
     finally:
@@ -447,7 +448,7 @@ def verify_share(verify_s: float | None) -> tuple[list[bool], float]:
     while s.has_unfinished():
         scheduled, batch = s.schedule()
         s.postprocess(scheduled, model.step(batch))
-        if not batch.is_prefill or batch.draft_lens is not None:
+        if batch.kind in (StepKind.DECODE, StepKind.VERIFY):
             kinds.append(batch.draft_lens is not None)
             if verify_s is not None:
                 s.note_step_time(verify_s if batch.draft_lens is not None else 0.01)

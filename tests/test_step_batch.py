@@ -10,7 +10,7 @@ from llm_serving.protocol.batch import StepBatch
 def prefill_batch(lens: list[int]) -> StepBatch:
     n = sum(lens)
     seq_of_token = np.repeat(np.arange(len(lens)), lens)
-    return StepBatch(True, (100 * seq_of_token + np.arange(n)).astype(np.int32), np.arange(n, dtype=np.int32),
+    return StepBatch((100 * seq_of_token + np.arange(n)).astype(np.int32), np.arange(n, dtype=np.int32),
                      np.arange(n, dtype=np.int32) + 16, np.array(lens, np.int32), np.array(lens, np.int32) + 3,
                      np.arange(len(lens) * 2, dtype=np.int32).reshape(len(lens), 2),
                      want_logits=np.array([i == 2 for i in range(len(lens))]))

@@ -118,13 +118,13 @@ def test_the_masks_cross_shared_memory_only_in_steps_that_have_them(tokenizers):
     channel = StepChannel.create(ChannelLayout(max_tokens=32, max_batch=4, max_blocks_per_seq=16,
                                                max_logits_rows=1, logits_width=tok.vocab_size))
     try:
-        channel.write_batch(1, batch)
-        np.testing.assert_array_equal(channel.read_batch()[1].sampling.extras.token_masks, masks)
+        channel.write_step(1, batch)
+        np.testing.assert_array_equal(channel.read_step()[1].sampling.extras.token_masks, masks)
         plain = Scheduler(chunked_prefix(prefix_caching=False))
         plain.add(Sequence("bias", [5, 6], SamplingParams(4, logit_bias={3: 1.0})))
         _, other = plain.schedule()
-        channel.write_batch(2, other)
-        assert channel.read_batch()[1].sampling.extras.token_masks is None
+        channel.write_step(2, other)
+        assert channel.read_step()[1].sampling.extras.token_masks is None
     finally:
         channel.close()
 

@@ -211,7 +211,7 @@ def test_runner_plans_steps_into_warmed_shapes(tmp_path: Path, weights: dict) ->
     lens = np.array([30, 3, 60, 7, 9], np.int32)
     total = int(lens.sum())
     q = lens.copy()
-    batch = StepBatch(True, np.arange(total, dtype=np.int32), np.concatenate([np.arange(n) for n in lens]).astype(
+    batch = StepBatch(np.arange(total, dtype=np.int32), np.concatenate([np.arange(n) for n in lens]).astype(
         np.int32), np.arange(16, 16 + total, dtype=np.int32), q, q.copy(), np.zeros((5, 4), np.int32))
     planned = runner.plan(batch)
     assert sorted(i for g, _ in planned for i in g.tolist()) == list(range(5))
@@ -224,7 +224,7 @@ def test_runner_plans_steps_into_warmed_shapes(tmp_path: Path, weights: dict) ->
         np.testing.assert_array_equal(slots[: part.num_tokens], part.slot_mapping)
     ctx = np.array([3, 40, 17, 64], np.int32)
     tables = np.arange(1, 17, dtype=np.int32).reshape(4, 4) % 15 + 1
-    decode = StepBatch(False, np.ones(4, np.int32), ctx - 1, np.array([18, 20, 30, 63], np.int32),
+    decode = StepBatch(np.ones(4, np.int32), ctx - 1, np.array([18, 20, 30, 63], np.int32),
                        np.ones(4, np.int32), ctx, tables)
     for group, shape in runner.plan(decode):
         assert shape[0] == "decode" and shape[1] >= len(group) and shape[2] * 16 >= ctx[group].max()

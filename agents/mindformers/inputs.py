@@ -25,13 +25,16 @@ from __future__ import annotations
 import numpy as np
 
 from llm_serving.protocol.batch import StepBatch
+from llm_serving.protocol.step import StepKind
 
 INPUT_NAMES = ("input_ids", "batch_valid_length", "block_tables", "slot_mapping")
 
 
 def check_whole_prompts(batch: StepBatch) -> None:
     """Refuse prefills with cached context (chunks, prefix-cache hits): MindFormers' prefill starts at 0."""
-    if batch.is_prefill and np.any(batch.context_lens != batch.query_lens):
+    if batch.kind is StepKind.VERIFY:
+        raise ValueError("the mindformers backend has no verify graphs: speculative decoding must be off")
+    if batch.kind is StepKind.MIXED:
         raise ValueError("the mindformers backend prefills whole prompts from position 0: chunked prefill and "
                          "prefix caching must be off (scheduler.enable_chunked_prefill / enable_prefix_caching)")
 
@@ -58,7 +61,7 @@ def prefill_arrays(batch: StepBatch, max_seqs: int, tokens: int) -> list[np.ndar
 def decode_arrays(batch: StepBatch, size: int, width: int) -> list[np.ndarray]:
     """Inputs of one decode call padded to ``size`` sequences and ``width`` block-table columns."""
     n = batch.batch_size
-    if n > size or batch.is_prefill:
+    if n > size or batch.kind is not StepKind.DECODE:
         raise ValueError(f"a decode call of {n} sequences does not fit batch {size}")
     ids, lens, slots = np.zeros((size, 1), np.int32), np.ones(size, np.int32), np.zeros(size, np.int32)
     tables = np.zeros((size, width), np.int32)
@@ -77,8 +80,8 @@ def warmup_batch(kind: str, count: int, n: int) -> StepBatch:
         lens = np.ones(count, np.int32)
     tokens = int(lens.sum())
     zeros = np.zeros(tokens, np.int32)
-    return StepBatch(kind == "ragged", zeros, zeros, zeros, lens, lens.copy(),
-                     np.zeros((count, 1 if kind == "ragged" else n), np.int32))
+    return StepBatch(zeros, zeros, zeros, lens, lens.copy(), np.zeros((count, 1 if kind == "ragged" else n), np.int32),
+                     kind=StepKind.PREFILL if kind == "ragged" else StepKind.DECODE)
 
 
 def shape_arrays(shape: tuple, batch: StepBatch) -> list[np.ndarray]:

@@ -28,6 +28,7 @@ from agents.runtime.ragged_prefill import plan_ragged, token_buckets
 from agents.runtime.sampler import step_output
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.model_config import ASCEND_DTYPES, LlamaConfig, blocks_needed
+from llm_serving.protocol.step import StepKind
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ class MindFormersRunner:
 
     def plan(self, batch: StepBatch) -> list[tuple[np.ndarray, tuple]]:
         """(sequence indices, graph shape) of each call."""
-        if batch.is_prefill:
+        if batch.kind is not StepKind.DECODE:
             check_whole_prompts(batch)
             groups = plan_ragged(batch.query_lens, self.rc.prefill_batch_sizes[-1],
                                  lambda tokens: self._cost(self._prefill_shape(tokens)))
@@ -175,7 +176,7 @@ class MindFormersRunner:
         slots, blocks = self.rc.num_blocks * self.rc.block_size, self.rc.num_blocks
         if batch.slot_mapping.size and (batch.slot_mapping.min() < 0 or batch.slot_mapping.max() >= slots):
             raise ValueError(f"slot_mapping has slots outside the KV cache [0, {slots})")
-        if not batch.is_prefill:
+        if batch.kind is StepKind.DECODE:
             used = np.arange(batch.block_tables.shape[1]) < blocks_needed(batch.context_lens, self.rc.block_size)[:, None]
             ids = batch.block_tables[used]
             if ids.size and (ids.min() < 0 or ids.max() >= blocks):

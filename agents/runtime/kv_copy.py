@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llm_serving.protocol.batch import KvCopy
+from llm_serving.protocol.batch import KvCopyStep
 from llm_serving.protocol.kv_segment import KvSegment
 
 
@@ -35,7 +35,7 @@ class KvBlockCopier:
         caches = [c for layer in runner.model.layers for c in layer.attention.cache_blocks(block_size)]
         return cls(caches, segment, rank)
 
-    def run(self, copy: KvCopy) -> None:
+    def run(self, copy: KvCopyStep) -> None:
         ids = np.asarray(copy.block_ids, np.int64)
         if ids.size and not 0 < int(ids.min()) <= int(ids.max()) < self.num_blocks:
             raise ValueError(f"KV copy of blocks {ids.min()}..{ids.max()}: the cache has blocks 1..{self.num_blocks - 1}")

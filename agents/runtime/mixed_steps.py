@@ -1,8 +1,8 @@
 """Mixed steps: queries over cached context, for chunked prefill and prefix caching.
 
-A prefill-kind ``StepBatch`` is *mixed* when some sequence's context exceeds its query (``context_lens >
-query_lens``): a chunk of a prompt whose earlier chunks are in the KV cache, the rest of a prompt after a
-prefix-cache hit, or a decode token riding along in a step with prefill work. Each query attends to its
+A ``StepBatch`` of kind MIXED (``protocol.step``) has queries over cached context: a chunk of a prompt whose earlier
+chunks are in the KV cache, the rest of a prompt after a prefix-cache hit, or a decode token riding along in a step
+with prefill work. Each query attends to its
 sequence's context up to its own position, read through the block table, the chunk's own K/V written first.
 
 Ragged backends (the native CPU ops) run a mixed step as one graph ``("mixed", max_seqs, tokens)``: the tokens
@@ -19,11 +19,7 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from llm_serving.protocol.batch import StepBatch
-
-
-def is_mixed(batch: StepBatch) -> bool:
-    """Whether a step has queries over cached context (needs the mixed or chunk graphs)."""
-    return batch.is_prefill and bool(np.any(batch.context_lens != batch.query_lens))
+from llm_serving.protocol.step import RowKind, row_kinds
 
 
 def mixed_token_buckets(top: int) -> tuple[int, ...]:
@@ -116,19 +112,12 @@ def chunk_arrays(batch: StepBatch, shape: tuple, width: int) -> list[np.ndarray]
     return [ids, pos, slots, query, context, tables, last]
 
 
-def padded_kinds(batch: StepBatch) -> dict[str, np.ndarray]:
+def padded_kinds(batch: StepBatch) -> dict[RowKind, np.ndarray]:
     """A mixed step's sequence indices by the graph a padded backend runs them in: one-token queries over
-    context ("decode"), whole prompts ("prefill") and chunks over cached context ("chunk"); empty kinds left out."""
-    q, ctx = batch.query_lens, batch.context_lens
-    kinds = {"decode": np.flatnonzero((q == 1) & (ctx > 1)), "prefill": np.flatnonzero(q == ctx),
-             "chunk": np.flatnonzero((q > 1) & (ctx > q))}
-    return {kind: rows for kind, rows in kinds.items() if rows.size}
-
-
-def decode_view(batch: StepBatch) -> StepBatch:
-    """A step of one-token queries over context as the decode step it is."""
-    return StepBatch(False, batch.input_ids, batch.positions, batch.slot_mapping, batch.query_lens,
-                     batch.context_lens, batch.block_tables, batch.sampling)
+    context (decode), whole prompts (prefill) and chunks over cached context; empty kinds left out."""
+    kinds = row_kinds(batch.query_lens, batch.context_lens)
+    return {kind: rows for kind in (RowKind.DECODE, RowKind.PROMPT, RowKind.CHUNK)
+            if (rows := np.flatnonzero(kinds == kind)).size}
 
 
 class MixedStep(nn.Cell):

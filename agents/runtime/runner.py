@@ -30,8 +30,6 @@ from agents.runtime.mixed_steps import (
     MixedStep,
     chunk_arrays,
     consecutive_groups,
-    decode_view,
-    is_mixed,
     mixed_arrays,
     mixed_shapes,
     padded_kinds,
@@ -53,6 +51,7 @@ from llm_serving.protocol.model_config import (
     blocks_needed,
 )
 from llm_serving.protocol.parallel import ShardPlan
+from llm_serving.protocol.step import RowKind, StepKind
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +220,7 @@ class ModelRunner:
         self.warmed: set[tuple] = set()
         self.compile_times: dict[tuple, float] = {}
         self.step_costs: dict[tuple, float] = {}  # steady-state seconds per call, measured in warm-up
-        self._costs: dict[tuple, float] = {}  # (is_prefill, count, longest) -> cost, memoised for plan()
+        self._costs: dict[tuple, float] = {}  # (kind, count, longest) -> cost, memoised for plan()
 
     def _check_padding_reach(self) -> None:
         """Where a mixed call's padding rows form a sequence of their own (``mixed_padding_slots``), that sequence
@@ -332,11 +331,11 @@ class ModelRunner:
         return self.graphs[kind](*[Tensor(a) for a in arrays])
 
     # ---- steps --------------------------------------------------------------------------------------------
-    def shape_for(self, is_prefill: bool, count: int, longest: int) -> tuple | None:
-        """The compiled shape that runs ``count`` sequences whose longest prompt (prefill) or context (decode) is
-        ``longest`` tokens, or None when none fits."""
+    def shape_for(self, kind: StepKind, count: int, longest: int) -> tuple | None:
+        """The compiled shape that runs ``count`` sequences whose longest prompt (a PREFILL step) or context (a
+        DECODE step) is ``longest`` tokens, or None when none fits."""
         rc = self.rc
-        if is_prefill:
+        if kind is StepKind.PREFILL:
             b = _fit(count, rc.prefill_batch_sizes)
             if count == 1 and rc.prefill_seq_lengths[-1] < longest <= rc.max_model_len:
                 return ("prefill", 1, rc.max_model_len)  # a preempted sequence recomputing prompt + output
@@ -360,38 +359,42 @@ class ModelRunner:
             self._costs[key] = float("inf") if shape is None else self.step_costs.get(shape, 1.0)
         return self._costs[key]
 
-    def _cost(self, is_prefill: bool, count: int, longest: int) -> float:
-        return self._memo_cost((is_prefill, count, longest), lambda: self.shape_for(is_prefill, count, longest))
+    def _cost(self, kind: StepKind, count: int, longest: int) -> float:
+        return self._memo_cost((kind, count, longest), lambda: self.shape_for(kind, count, longest))
 
     def _ragged_cost(self, tokens: int) -> float:
         return self._memo_cost(("ragged", tokens), lambda: self._ragged_shape(tokens))
 
     def plan(self, batch: StepBatch) -> list[np.ndarray]:
         """Sequence index groups, one graph call each (``agents.runtime.bucket_plan``, ``agents.runtime.ragged_prefill``)."""
-        if is_mixed(batch):
+        kind = batch.kind
+        if kind is StepKind.MIXED:
             return self._mixed_plan(batch)
-        lengths = batch.query_lens if batch.is_prefill else batch.context_lens
-        if batch.is_prefill and self.ragged_prefill:
+        if kind is StepKind.VERIFY:
+            raise ValueError("a verify step runs on the verify graphs (step), not planned buckets")
+        prefill = kind is StepKind.PREFILL
+        lengths = batch.query_lens if prefill else batch.context_lens
+        if prefill and self.ragged_prefill:
             if int(lengths.max()) > self.rc.max_model_len:
                 raise ValueError(f"prompt length {int(lengths.max())} exceeds max_model_len {self.rc.max_model_len}")
             return plan_ragged(lengths, self.rc.prefill_batch_sizes[-1], self._ragged_cost)
         try:
-            if not batch.is_prefill and self.skips_padding:
+            if not prefill and self.skips_padding:
                 return self._decode_chunks(lengths)
-            buckets = self.rc.prefill_batch_sizes if batch.is_prefill else self.rc.decode_batch_sizes
-            return plan_groups(lengths, buckets, lambda n, longest: self._cost(batch.is_prefill, n, longest))
+            buckets = self.rc.prefill_batch_sizes if prefill else self.rc.decode_batch_sizes
+            return plan_groups(lengths, buckets, lambda n, longest: self._cost(kind, n, longest))
         except ValueError:
-            kind = "prompt" if batch.is_prefill else "context"
-            limit = (self.rc.prefill_seq_lengths[-1] if batch.is_prefill
+            what = "prompt" if prefill else "context"
+            limit = (self.rc.prefill_seq_lengths[-1] if prefill
                      else self.rc.decode_block_widths[-1] * self.rc.block_size)
-            raise ValueError(f"{kind} length {int(lengths.max())} exceeds the largest compiled bucket {limit}"
+            raise ValueError(f"{what} length {int(lengths.max())} exceeds the largest compiled bucket {limit}"
                              f" (single sequences up to max_model_len {self.rc.max_model_len} can be prefilled"
                              " alone)") from None
 
     def _decode_chunks(self, context_lens: np.ndarray) -> list[np.ndarray]:
         """The decode plan when padding rows cost nothing: as few calls as the largest bucket allows, sequences
         in context order (the attention op reads each row's own context, so the table's width costs nothing)."""
-        if self.shape_for(False, 1, int(context_lens.max())) is None:
+        if self.shape_for(StepKind.DECODE, 1, int(context_lens.max())) is None:
             raise ValueError("no compiled width holds the longest context")
         calls = -(-len(context_lens) // self.rc.decode_batch_sizes[-1])
         if calls == 1:  # in batch order: the call takes the step as it is (StepBatch.take copies nothing)
@@ -400,9 +403,10 @@ class ModelRunner:
 
     def bucket_inputs(self, batch: StepBatch) -> tuple[tuple, list[np.ndarray]]:
         """The batch padded to its bucket: ``((kind, batch, n), graph input arrays)`` (see ``graph_shapes``)."""
-        if is_mixed(batch):
+        kind = batch.kind
+        if kind is StepKind.MIXED:
             return self._mixed_inputs(batch)
-        if batch.is_prefill and self.ragged_prefill:
+        if kind is StepKind.PREFILL and self.ragged_prefill:
             total = int(batch.query_lens.sum())
             shape = self._ragged_shape(total)
             if shape is None or batch.batch_size > shape[1]:
@@ -410,12 +414,13 @@ class ModelRunner:
             arrays = ragged_arrays(batch, shape[1], shape[2])
             arrays[3] = self.backend.ragged_lengths(arrays[3], shape[2])
             return shape, arrays
-        lengths = batch.query_lens if batch.is_prefill else batch.context_lens
-        shape = self.shape_for(batch.is_prefill, batch.batch_size, int(lengths.max()))
+        prefill = kind is StepKind.PREFILL
+        lengths = batch.query_lens if prefill else batch.context_lens
+        shape = self.shape_for(kind, batch.batch_size, int(lengths.max()))
         if shape is None:
             raise ValueError(f"no compiled shape fits {batch.batch_size} sequences of length up to "
                              f"{int(lengths.max())}")
-        return shape, (self._prefill_arrays if batch.is_prefill else self._decode_arrays)(batch, shape)
+        return shape, (self._prefill_arrays if prefill else self._decode_arrays)(batch, shape)
 
     def _prefill_arrays(self, batch: StepBatch, shape: tuple) -> list[np.ndarray]:
         _, b, s = shape
@@ -468,10 +473,10 @@ class ModelRunner:
         groups = []
         for kind, rows in padded_kinds(batch).items():
             part = batch.take(rows)
-            if kind == "chunk":
+            if kind is RowKind.CHUNK:
                 planned = plan_groups(part.query_lens, self.rc.prefill_batch_sizes, self._chunk_cost)
             else:
-                planned = self.plan(decode_view(part) if kind == "decode" else part)
+                planned = self.plan(replace(part, kind=StepKind.DECODE if kind is RowKind.DECODE else StepKind.PREFILL))
             groups += [rows[g] for g in planned]
         return groups
 
@@ -487,7 +492,7 @@ class ModelRunner:
             arrays[3], arrays[4] = self.backend.mixed_lengths(arrays[3], arrays[4], shape[2])
             return shape, arrays
         if np.all(batch.query_lens == 1):
-            return self.bucket_inputs(decode_view(batch))
+            return self.bucket_inputs(replace(batch, kind=StepKind.DECODE))
         shape = self._chunk_shape(batch.batch_size, int(batch.query_lens.max()))
         if shape is None:
             raise ValueError(f"no chunk bucket holds {batch.batch_size} chunks of up to "
@@ -501,9 +506,9 @@ class ModelRunner:
         num_slots = rc.num_blocks * rc.block_size
         if batch.slot_mapping.size and (batch.slot_mapping.min() < 0 or batch.slot_mapping.max() >= num_slots):
             raise ValueError(f"slot_mapping has slots outside the KV cache [0, {num_slots})")
-        if batch.is_prefill and not is_mixed(batch):
+        if batch.kind is StepKind.PREFILL:
             return
-        if batch.is_prefill and (np.any(batch.context_lens < batch.query_lens)
+        if batch.kind is not StepKind.DECODE and (np.any(batch.context_lens < batch.query_lens)
                                  or batch.context_lens.max() > rc.max_blocks_per_seq * rc.block_size):
             raise ValueError("context lengths must hold their queries and fit max_model_len")
         used = blocks_needed(batch.context_lens, rc.block_size)
@@ -530,7 +535,7 @@ class ModelRunner:
         sample on the host (``agents.runtime.sampler``). The logits leave the device only for such parts and for parts
         with a sequence in ``want_logits``, whose rows (raw model logits, before any penalty) are returned.
         """
-        if batch.draft_lens is not None:
+        if batch.kind is StepKind.VERIFY:
             return self._verify(batch)
         with self._device_step(batch):
             return step_output(batch.batch_size, self._parts(batch))

@@ -29,6 +29,7 @@ import numpy as np
 
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.protocol.step import StepKind
 
 _LAYER = "layers."
 
@@ -68,10 +69,10 @@ class SpeculativeRunner:
         return {**times, **{("draft", *k): v for k, v in draft_times.items()}}
 
     def step(self, batch: StepBatch) -> StepOutput:
-        if batch.draft_lens is not None:
+        if batch.kind is StepKind.VERIFY:
             return self._speculate(batch)
         output = self.target.step(batch)
-        if batch.is_prefill:  # prompts and chunks: the same K/V slots in the draft's cache
+        if batch.describe().computes_prompts:  # prompts and chunks: the same K/V slots in the draft's cache
             self.draft.step(replace(batch, sampling=None, want_logits=None))
         return output
 
@@ -91,8 +92,9 @@ class SpeculativeRunner:
     def _draft_decode(self, batch: StepBatch, rows: np.ndarray, tokens: np.ndarray, ids: np.ndarray,
                       write_back: bool = True) -> None:
         """One draft decode step of ``rows`` on the step's tokens at ``tokens``; its picks become the next ones."""
-        step = StepBatch(False, ids[tokens], batch.positions[tokens], batch.slot_mapping[tokens],
-                         np.ones(len(rows), np.int32), batch.positions[tokens] + 1, batch.block_tables[rows])
+        step = StepBatch(ids[tokens], batch.positions[tokens], batch.slot_mapping[tokens],
+                         np.ones(len(rows), np.int32), batch.positions[tokens] + 1, batch.block_tables[rows],
+                         kind=StepKind.DECODE)
         picks = self.draft.step(step).token_ids
         if write_back:
             ids[tokens + 1] = picks

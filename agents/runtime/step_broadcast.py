@@ -8,7 +8,7 @@ broadcast of the rest, its length rounded up to a power of two so the ranks see 
 because the CPU broadcast kernel takes only int32 and float32 (MindSpore 2.10: "Select CPU operator[Broadcast]
 fail! Unsupported data type!" for uint8); the bytes are only copied, never computed on.
 
-The payload is the ``StepBatch`` pickled: every rank runs the same build (the pool's join handshake checks the
+The payload is the step (``protocol.batch.Step``) pickled: every rank runs the same build (the pool's join handshake checks the
 protocol), and the collective's peers are the pool's own ranks.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from llm_serving.protocol.batch import StepBatch
+from llm_serving.protocol.batch import Step
 
 HEADER_WORDS = 4096  # 16 KiB: a decode batch of up to ~100 sequences goes in one broadcast
 STOP = -1  # header step: rank 0 leaves the serve loop (the master closed its command pipe)
@@ -34,7 +34,7 @@ class StepBroadcast:
         MindSpore's ``broadcast`` over the world group)."""
         self._collective = collective or _mindspore_broadcast()
 
-    def send(self, step: int, batch: StepBatch | None) -> None:
+    def send(self, step: int, batch: Step | None) -> None:
         """(Rank 0.) ``step`` and its batch; ``batch`` None: the followers answer the step with an error."""
         payload = b"" if batch is None else pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
         header = np.zeros(HEADER_WORDS, np.int32)
@@ -52,7 +52,7 @@ class StepBroadcast:
         """(Rank 0.) Tell the followers to leave their serve loop."""
         self.send(STOP, None)
 
-    def receive(self) -> tuple[int, StepBatch | None]:
+    def receive(self) -> tuple[int, Step | None]:
         """(Other ranks.) The next step number (``STOP``: leave) and its batch (None: rank 0 could not read it)."""
         header = self._collective(np.zeros(HEADER_WORDS, np.int32))
         step, size = int(header[0]), int(header[1])

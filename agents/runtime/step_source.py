@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from agents.runtime.step_broadcast import STOP, StepBroadcast
-from llm_serving.protocol.batch import StepBatch, StepOutput
+from llm_serving.protocol.batch import Step, StepOutput
 from llm_serving.protocol.shm_channel import StepChannel
 from llm_serving.protocol.wire import CMD
 
@@ -30,9 +30,9 @@ class SharedMemorySteps:
             return None
         return step
 
-    def read_batch(self, step: int) -> StepBatch:
+    def read_step(self, step: int) -> Step:
         try:
-            seen, batch = self.channels[step % len(self.channels)].read_batch()
+            seen, batch = self.channels[step % len(self.channels)].read_step()
             if seen != step:
                 raise RuntimeError(f"shared memory holds step {seen}, the master signalled step {step}")
         except Exception:
@@ -52,13 +52,13 @@ class BroadcastSteps:
 
     def __init__(self, broadcast: StepBroadcast) -> None:
         self.broadcast = broadcast
-        self._batch: StepBatch | None = None
+        self._batch: Step | None = None
 
     def next_step(self) -> int | None:
         step, self._batch = self.broadcast.receive()
         return None if step == STOP else step
 
-    def read_batch(self, step: int) -> StepBatch:
+    def read_step(self, step: int) -> Step:
         batch, self._batch = self._batch, None
         if batch is None:
             raise RuntimeError(f"rank 0 could not read step {step} from the master's shared memory")

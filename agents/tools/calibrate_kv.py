@@ -41,7 +41,7 @@ def calibrate(config: LlamaConfig, weights: dict[str, np.ndarray], windows: list
     for window in windows:
         n = len(window)
         slots = BLOCK + np.arange(n, dtype=np.int32)
-        runner.step(StepBatch(True, np.asarray(window, np.int32), np.arange(n, dtype=np.int32), slots,
+        runner.step(StepBatch(np.asarray(window, np.int32), np.arange(n, dtype=np.int32), slots,
                               np.array([n], np.int32), np.array([n], np.int32), table))
         for i, layer in enumerate(runner.model.layers):
             heads = layer.attention.cache_blocks(BLOCK)  # [blocks, BLOCK, head_dim] a kv head: keys, then values

@@ -75,7 +75,7 @@ def _step_batch(seqs: list[_Sequence], prefill: bool, width: int) -> StepBatch:
     tables = np.zeros((len(seqs), width), np.int32)
     for i, seq in enumerate(seqs):
         tables[i, :len(seq.blocks)] = seq.blocks
-    return StepBatch(prefill, np.concatenate(ids), np.concatenate(positions).astype(np.int32),
+    return StepBatch(np.concatenate(ids), np.concatenate(positions).astype(np.int32),
                      np.concatenate(slots).astype(np.int32), np.asarray(query_lens, np.int32),
                      np.asarray([len(s.ids) for s in seqs], np.int32), tables)
 

@@ -18,9 +18,7 @@ longest cached prefix (computed by any earlier request, or by itself before a pr
 rest. Blocks are registered when the step that completes them comes back; ``requeue_running`` (new agents, an
 empty KV cache) forgets them all.
 
-Sampling: all-greedy steps carry no ``SamplingBatch`` (the agents keep the in-graph argmax). A step with a
-sampled or penalised sequence carries every sequence's parameters, its seed (fixed at admission, so a
-preempted and recomputed sequence draws the same) and its draw index (tokens generated so far).
+The step's batch is written by ``core.step_builder`` (tokens, slots, sampling arrays).
 
 Logits back: a step marks in ``want_logits`` the sequences still short of their ``logits_tokens`` rows (a logits
 dump) and those that report alternatives (``top_logprobs``, computed here from the row: ``core.logprobs``); the
@@ -65,7 +63,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from itertools import chain, islice
+from itertools import islice
 
 import numpy as np
 
@@ -73,15 +71,8 @@ from llm_serving.core.block_manager import DUMMY_BLOCK, BlockManager
 from llm_serving.core.logprobs import prompt_logprob, top_logprobs
 from llm_serving.core.sequence import FINISH_REASONS, Sequence, SequenceStatus
 from llm_serving.core.speculative import AGENT_METHODS, METHODS, AgentProposer, NgramProposer
-from llm_serving.protocol.batch import (
-    SamplingBatch,
-    SamplingExtras,
-    StepBatch,
-    StepOutput,
-    kv_slots,
-    verify_batch,
-    verify_round_proposals,
-)
+from llm_serving.core.step_builder import StepBuilder
+from llm_serving.protocol.batch import StepBatch, StepOutput, verify_round_proposals
 from llm_serving.protocol.model_config import blocks_needed
 
 POLICIES = ("fcfs", "longest_output_first")
@@ -171,6 +162,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self._eos_ids = {config.eos_token_id, *config.other_eos_token_ids} - {None}  # ids that end a request
+        self._builder = StepBuilder(config.block_size, self._eos_ids)
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.prefix_caching)
         self._clock = clock
         self._waiting: deque[Sequence] = deque()  # new requests, arrival order
@@ -197,7 +189,9 @@ class Scheduler:
         self._spec_rates: dict[tuple[int, bool], float] = {}
         self._spec_turns: dict[int, int] = {}
         self._last_decode: tuple[int, bool, int] | None = None
-        self._scheduled_decode = False  # the step last scheduled is a decode (or verify) step
+        # the step last scheduled gives every sequence its next token (a decode or verify step: no prompt chunks),
+        # as the steps sent ahead of it do
+        self._scheduled_decode = False
 
     # ---- requests -------------------------------------------------------------------------------------
     def add(self, seq: Sequence, follows: str | None = None) -> None:
@@ -293,15 +287,13 @@ class Scheduler:
             rounds = self._rounds(seqs)
             if rounds > 1 or any(drafts):
                 return seqs, self._build_verify(seqs, drafts, rounds)
-        batch = self._build(seqs, prefill)
-        batch.num_steps = steps
-        return seqs, batch
+        return seqs, self._build(seqs, prefill, num_steps=steps)
 
     def schedule_ahead(self, seqs: list[Sequence], batch: StepBatch) -> tuple[list[Sequence], StepBatch] | None:
         """The decode step after ``batch`` (sent, not yet postprocessed) for those of its ``seqs`` that ``batch``
         does not give their last token, fed the agents' picks of ``batch`` (module docstring); None when the next
         step must wait for ``batch``'s results."""
-        if (not self.config.async_scheduling or batch.is_prefill or self._proposer is not None
+        if (not self.config.async_scheduling or not self._scheduled_decode or self._proposer is not None
                 or self._master_needed_between_tokens() or len(seqs) != len(self._running)):
             return None
         running, given = SequenceStatus.RUNNING, batch.num_steps  # the tokens ``batch`` gives each sequence
@@ -315,9 +307,7 @@ class Scheduler:
             return None
         self._decodes_since_prefill += 1
         steps = self._steps_ahead(nxt, given)  # its blocks grown before the batch copies the block tables
-        ahead = self._build(nxt, prefill=False, ahead=given)
-        ahead.num_steps, ahead.fed_rows = steps, np.array(rows, np.int32)
-        return nxt, ahead
+        return nxt, self._build(nxt, prefill=False, ahead=given, num_steps=steps, fed_rows=np.array(rows, np.int32))
 
     def postprocess(self, seqs: list[Sequence], output: StepOutput) -> list[Sequence]:
         """Append each sequence's new token; return the sequences that finished with this step."""
@@ -720,134 +710,28 @@ class Scheduler:
     def _dequeue(self, seq: Sequence) -> None:
         (self._preempted if seq.num_preemptions and seq in self._preempted else self._waiting).remove(seq)
 
-    def _build(self, seqs: list[Sequence], prefill: bool, ahead: int = 0) -> StepBatch:
-        """``ahead``: the decode step after one in flight that gives each sequence that many tokens
-        (``schedule_ahead``): that many positions further, its input ids placeholders."""
-        bs, n = self.config.block_size, len(seqs)
+    def _block_tables(self, seqs: list[Sequence]) -> np.ndarray:
+        """The block tables of ``seqs``, a row each as wide as the widest (a copy: later steps do not change it)."""
         width = max(len(seq.block_table) for seq in seqs)
-        table_rows = np.fromiter((self._row[seq.request_id] for seq in seqs), np.intp, n)
-        block_tables = self._tables[table_rows, :width]  # a copy: later steps do not change this batch
-        if prefill:  # each sequence's scheduled tokens after its computed ones: chunks, decode tokens
-            starts = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int32, n)
-            query_lens = np.fromiter((seq.num_scheduled_tokens for seq in seqs), np.int32, n)
-            context_lens = starts + query_lens
-            total = int(query_lens.sum())
-            ids = np.fromiter(chain.from_iterable(seq.token_ids(a, b) for seq, a, b in
-                                                  zip(seqs, starts.tolist(), context_lens.tolist())), np.int32, total)
-            rows = np.repeat(np.arange(n), query_lens)
-            positions = np.arange(total, dtype=np.int32) - (np.cumsum(query_lens) - context_lens)[rows]
-        else:  # one token per sequence: vectorized, this runs every step for the whole decode batch
-            context_lens = np.fromiter((seq.num_tokens + ahead for seq in seqs), np.int32, n)
-            ids = np.zeros(n, np.int32) if ahead else np.fromiter((seq.last_token_id for seq in seqs), np.int32, n)
-            query_lens = np.ones(n, dtype=np.int32)
-            positions = context_lens - 1
-            rows = np.arange(n)
-        slots = kv_slots(block_tables, rows, positions, bs)
-        return StepBatch(
-            is_prefill=prefill,
-            input_ids=ids,
-            positions=positions.astype(np.int32, copy=False),
-            slot_mapping=slots.astype(np.int32, copy=False),
-            query_lens=query_lens,
-            context_lens=context_lens,
-            block_tables=block_tables,
-            sampling=self._sampling(seqs, prefill),
-            want_logits=self._want_logits(seqs),
-        )
+        table_rows = np.fromiter((self._row[seq.request_id] for seq in seqs), np.intp, len(seqs))
+        return self._tables[table_rows, :width]
+
+    def _build(self, seqs: list[Sequence], prefill: bool, ahead: int = 0, num_steps: int = 1,
+               fed_rows: np.ndarray | None = None) -> StepBatch:
+        """The step of ``seqs``' scheduled tokens (``prefill``), or of one decode token each (``StepBuilder``)."""
+        return self._builder.model_step(seqs, self._block_tables(seqs), one_token_each=not prefill,
+                                        any_sampled=bool(self._running_sampled),
+                                        any_reads_logits=bool(self._running_dumps), ahead=ahead,
+                                        num_steps=num_steps, fed_rows=fed_rows)
 
     def _build_verify(self, seqs: list[Sequence], drafts: list[list[int]], rounds: int = 1) -> StepBatch:
-        """A step of each sequence's last token followed by its proposals, over its cached context; of ``rounds``
-        verify rounds (with each sequence's tokens for the agents' prompt lookup)."""
-        n = len(seqs)
-        width = max(len(seq.block_table) for seq in seqs)
-        table_rows = np.fromiter((self._row[seq.request_id] for seq in seqs), np.intp, n)
-        lens = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
-        batch = verify_batch((seq.last_token_id for seq in seqs), drafts, lens,
-                             self._tables[table_rows, :width], self.config.block_size)
-        batch.sampling, batch.num_steps = self._sampling(seqs, True), rounds
+        """A verify step of ``drafts`` in ``rounds`` rounds (with the sequences' tokens for the agents' prompt
+        lookup); counts its proposals."""
+        batch = self._builder.verify_step(seqs, drafts, self._block_tables(seqs), rounds,
+                                          with_history=rounds > 1 and isinstance(self._proposer, NgramProposer))
         draft_lens = batch.draft_lens
         self.spec_steps += 1
         self._verifying = {seq.request_id: len(d) for seq, d in zip(seqs, drafts)}
         self.spec_drafts += int(np.count_nonzero(draft_lens))
         self.spec_proposed += int(draft_lens.sum())
-        if rounds > 1 and isinstance(self._proposer, NgramProposer):
-            batch.history_offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-            batch.history_ids = np.fromiter(chain.from_iterable(seq.prompt_ids + seq.output_ids for seq in seqs),
-                                            np.int32, int(lens.sum()))
         return batch
-
-    def _want_logits(self, seqs: list[Sequence]) -> np.ndarray | None:
-        """Which sequences' logits rows to return (``Sequence.wants_logits_row``: a dump short of this step's row,
-        alternatives to report, a prompt position to score); None when none (O(1) while no running sequence
-        reads logits)."""
-        if not self._running_dumps:
-            return None
-        want = np.fromiter((seq.wants_logits_row() for seq in seqs), np.bool_, len(seqs))
-        return want if want.any() else None
-
-    def _sampling(self, seqs: list[Sequence], prefill: bool) -> SamplingBatch | None:
-        """None for an all-greedy step (checked in O(1) for decode); else the per-sequence arrays."""
-        if not prefill and not self._running_sampled:
-            return None
-        if not any(seq.params.needs_logits for seq in seqs):
-            return None
-        return _sampling_batch(seqs, self._eos_ids)
-
-
-def _sampling_batch(seqs: list[Sequence], eos_ids: set[int]) -> SamplingBatch:
-    """Per-sequence sampling arrays; penalty ids are prompt + generated tokens of penalised sequences only."""
-    n, params = len(seqs), [seq.params for seq in seqs]
-    penalised = [p.penalises_history for p in params]
-    offsets = np.zeros(n + 1, np.int32)
-    np.cumsum([seq.num_tokens if pen else 0 for seq, pen in zip(seqs, penalised)], out=offsets[1:])
-    lists = chain.from_iterable((seq.prompt_ids, seq.output_ids) for seq, pen in zip(seqs, penalised) if pen)
-    return SamplingBatch(
-        temperature=np.fromiter((p.temperature for p in params), np.float32, n),
-        top_k=np.fromiter((p.top_k for p in params), np.int32, n),
-        top_p=np.fromiter((p.top_p for p in params), np.float32, n),
-        repetition_penalty=np.fromiter((p.repetition_penalty for p in params), np.float32, n),
-        seeds=np.fromiter((seq.seed for seq in seqs), np.int64, n),
-        draw_index=np.fromiter((seq.num_output_tokens for seq in seqs), np.int32, n),
-        penalty_offsets=offsets,
-        penalty_token_ids=np.fromiter(chain.from_iterable(lists), np.int32, int(offsets[-1])),
-        extras=_extras(seqs, eos_ids) if any(p.uses_extras for p in params) else None,
-    )
-
-
-def _extras(seqs: list[Sequence], eos_ids: set[int]) -> SamplingExtras:
-    """The rarer controls: presence/frequency penalties over the generated ids (which start after the prompt among
-    the penalty ids), min_p, each sequence's logit adjustments (its logit_bias; while it is short of min_tokens,
-    -inf on the ids that would end it), and the token masks of the sequences held to a grammar."""
-    n, params = len(seqs), [seq.params for seq in seqs]
-    adjustments = []
-    for seq, p in zip(seqs, params):
-        entries = dict(p.logit_bias)
-        if seq.num_output_tokens < p.min_tokens:
-            ends = (set() if p.ignore_eos else eos_ids) | set(p.stop_token_ids)
-            entries.update(dict.fromkeys(ends, -np.inf))
-        adjustments.append(entries)
-    offsets = np.zeros(n + 1, np.int32)
-    np.cumsum([len(a) for a in adjustments], out=offsets[1:])
-    return SamplingExtras(
-        presence_penalty=np.fromiter((p.presence_penalty for p in params), np.float32, n),
-        frequency_penalty=np.fromiter((p.frequency_penalty for p in params), np.float32, n),
-        min_p=np.fromiter((p.min_p for p in params), np.float32, n),
-        output_start=np.fromiter((seq.num_prompt_tokens if p.penalises_history else 0
-                                  for seq, p in zip(seqs, params)), np.int32, n),
-        adjust_offsets=offsets,
-        adjust_ids=np.fromiter(chain.from_iterable(adjustments), np.int32, int(offsets[-1])),
-        adjust_values=np.fromiter(chain.from_iterable(a.values() for a in adjustments), np.float32, int(offsets[-1])),
-        token_masks=_token_masks(seqs),
-    )
-
-
-def _token_masks(seqs: list[Sequence]) -> np.ndarray | None:
-    """Each constrained sequence's allowed next tokens (``grammar.TokenMatcher.fill_mask``), the others' rows all
-    ones; None when no sequence is constrained."""
-    constrained = [(i, seq.constraint) for i, seq in enumerate(seqs) if seq.constraint is not None]
-    if not constrained:
-        return None
-    masks = np.full((len(seqs), constrained[0][1].mask_words), -1, np.int32)
-    for i, matcher in constrained:
-        matcher.fill_mask(masks[i])
-    return masks

@@ -402,8 +402,8 @@ class Engine:
                     with self._lock:
                         self._requests.deliver(seqs)
                         counters["steps"] += batch.num_steps
-                        decoding = not batch.is_prefill or batch.draft_lens is not None  # a verify step decodes
-                        counters["decode_steps" if decoding else "prefill_steps"] += batch.num_steps
+                        prompts = batch.describe().computes_prompts  # a verify step decodes
+                        counters["prefill_steps" if prompts else "decode_steps"] += batch.num_steps
                         counters["multi_step_batches"] += batch.num_steps > 1
                         counters["steps_sent_ahead"] += batch.feeds_previous
         except AgentDiedError as exc:  # died, stuck, or closed by shutdown

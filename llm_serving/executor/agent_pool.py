@@ -48,7 +48,7 @@ import numpy as np
 
 from llm_serving.executor.collective_launch import CollectiveCluster, cluster_host, needs_cluster
 from llm_serving.executor.rank_join import JoinListener, RemoteRank
-from llm_serving.protocol.batch import FAILED_TOKEN, StepBatch, StepOutput
+from llm_serving.protocol.batch import FAILED_TOKEN, KvCopyStep, Step, StepOutput
 from llm_serving.protocol.kv_segment import KvSegment
 from llm_serving.protocol.shm_channel import StepChannel
 from llm_serving.protocol.wire import (
@@ -353,11 +353,11 @@ class AgentPool:
         self.slowest_warmup_step_s = max(slowest) if slowest else None
 
     # ---- steps ---------------------------------------------------------------------------------------------
-    def run_step(self, batch: StepBatch) -> StepOutput:
+    def run_step(self, batch: Step) -> StepOutput:
         """Run one step on every rank; rank 0's next tokens and logprobs (copies) in batch order."""
         return self.collect(self.submit(batch), batch.batch_size)
 
-    def submit(self, batch: StepBatch) -> int:
+    def submit(self, batch: Step) -> int:
         """Start one step on every rank and return its number at once; ``collect`` waits for its answer. Up to
         ``spec.steps_in_flight`` steps may be in flight, collected in the order they were sent."""
         with self._step_lock:
@@ -368,7 +368,7 @@ class AgentPool:
             channel = self._channels[step % len(self._channels)]
             channel.check_fits(batch)
             self._step = step
-            channel.write_batch(step, batch)
+            channel.write_step(step, batch)
             cmd = CMD.pack(step)
             for agent in self._agents:
                 if agent.cmd_w < 0:
@@ -403,7 +403,7 @@ class AgentPool:
         self._check_kv_copy()
         parts: list[list[bytes]] = [[] for _ in range(self.num_agents)]
         for chunk in self._kv_chunks(block_ids):
-            self.run_step(StepBatch.copy_blocks("export", chunk))
+            self.run_step(KvCopyStep("export", np.asarray(chunk, np.int32)))
             for rank, data in enumerate(self._kv.read(len(chunk))):
                 parts[rank].append(data)
         return [b"".join(p) for p in parts]
@@ -416,7 +416,7 @@ class AgentPool:
         for chunk in self._kv_chunks(block_ids):
             with self._step_lock:
                 self._kv.write([s[done * size: (done + len(chunk)) * size] for s in shards], len(chunk))
-            self.run_step(StepBatch.copy_blocks("import", chunk))
+            self.run_step(KvCopyStep("import", np.asarray(chunk, np.int32)))
             done += len(chunk)
 
     def _kv_chunks(self, block_ids: list[int]) -> list[list[int]]:

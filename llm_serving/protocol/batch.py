@@ -13,6 +13,8 @@ from itertools import chain
 
 import numpy as np
 
+from llm_serving.protocol.step import StepDescriptor, StepKind, check_kind, part_kind, step_kind
+
 # Logit adjustments of one sequence in one step at most (its logit_bias entries, and while it is short of its
 # min_tokens its end ids banned): the shared-memory channel holds this many per sequence
 MAX_LOGIT_ADJUSTMENTS = 384
@@ -117,21 +119,37 @@ KV_DIRECTIONS = ("export", "import")
 
 
 @dataclass
-class KvCopy:
-    """What a KV-copy step moves (prefill/decode disaggregation, ``llm_serving.engine.kv_transfer``): ``export``
-    copies the whole blocks ``block_ids``, in that order, out of every rank's KV cache into the rank's region of the
-    pool's KV segment (``protocol.kv_segment``); ``import`` copies the segment's blocks into them."""
+class KvCopyStep:
+    """Not a model step but a copy of whole KV blocks (prefill/decode disaggregation,
+    ``llm_serving.engine.kv_transfer``): ``export`` copies the blocks ``block_ids``, in that order, out of every
+    rank's KV cache into the rank's region of the pool's KV segment (``protocol.kv_segment``); ``import`` copies the
+    segment's blocks into them. It has no sequences and its answer no tokens."""
 
     direction: str
     block_ids: np.ndarray  # int32 [n]
 
+    def __post_init__(self) -> None:
+        if self.direction not in KV_DIRECTIONS:
+            raise ValueError(f"KV copy direction {self.direction!r} is not one of {KV_DIRECTIONS}")
+        self.block_ids = np.asarray(self.block_ids, np.int32)
+
+    @property
+    def batch_size(self) -> int:
+        return 0
+
+    @property
+    def num_steps(self) -> int:
+        return 1
+
 
 @dataclass
 class StepBatch:
-    """One model step for ``B`` sequences.
+    """One model step for ``B`` sequences, described by what it computes (``protocol.step``).
 
-    Prefill: sequence ``i`` contributes ``query_lens[i]`` tokens (its whole prompt), concatenated in order.
-    Decode: every sequence contributes exactly one token.
+    Row ``i`` computes ``query_lens[i]`` tokens (concatenated in row order in the token-flat arrays), the last ones
+    of its ``context_lens[i]`` tokens; the K/V of the ones before are in the cache, read through its block table.
+    ``kind`` (``protocol.step.StepKind``: whole prompts, mixed, decode, verify) follows from that content
+    (``step_kind``) and is derived when not given; the agents run the step on that kind's graphs.
 
     ``want_logits[i]``: return sequence ``i``'s float32 logits of this step (the distribution its next token is
     picked from) in ``StepOutput.logits``; None when no sequence asks, and then the agents never read logits back.
@@ -140,11 +158,11 @@ class StepBatch:
     before answering, each feeding every sequence the token the previous one chose, at the next position (its
     slot from the block table, which covers them all); ``StepOutput.more_token_ids`` holds the later tokens.
 
-    ``draft_lens`` (speculative decoding): the last ``draft_lens[i]`` query tokens of sequence ``i`` are proposed
-    tokens to verify. The agents pick after every query token (greedily, or for a sampled sequence by its seeded
-    draw there, ``agents.runtime.sampler.speculative_sample_row``) and accept the proposals up to the first that
-    differs: ``token_ids[i]`` is the pick after the sequence's last real token, ``more_token_ids[i, :num_more[i]]``
-    the picks after each accepted proposal.
+    ``draft_lens`` (speculative decoding, a VERIFY step): the last ``draft_lens[i]`` query tokens of sequence ``i``
+    are proposed tokens to verify. The agents pick after every query token (greedily, or for a sampled sequence by
+    its seeded draw there, ``agents.runtime.sampler.speculative_sample_row``) and accept the proposals up to the
+    first that differs: ``token_ids[i]`` is the pick after the sequence's last real token,
+    ``more_token_ids[i, :num_more[i]]`` the picks after each accepted proposal.
 
     ``num_steps`` R > 1 with ``draft_lens`` (verify rounds, greedy only): the agents verify, then propose again after
     the tokens they accepted and verify again, R rounds in all, each sequence getting at most ``R * (k + 1)``
@@ -153,15 +171,11 @@ class StepBatch:
     the agents propose from ``history_ids[history_offsets[i]:history_offsets[i + 1]]``, sequence ``i``'s prompt
     and output ids up to and including its last token (None for a draft model, which proposes by itself).
 
-    ``kv_copy``: not a model step but a copy of whole KV blocks between the caches and the KV segment (``KvCopy``);
-    it has no sequences and its answer no tokens.
-
     ``fed_rows`` (asynchronous scheduling, sent while the step before is still running): a decode step of sequences
     of the step before, whose ``input_ids`` are placeholders: each agent feeds row ``i`` the token it picked for row
     ``fed_rows[i]`` of the step before (that row's last step's, for a multi-step batch).
     """
 
-    is_prefill: bool
     input_ids: np.ndarray  # int32 [num_tokens]
     positions: np.ndarray  # int32 [num_tokens], position of each token in its sequence
     slot_mapping: np.ndarray  # int32 [num_tokens], flat KV slot = block_id * block_size + offset
@@ -173,18 +187,19 @@ class StepBatch:
     num_steps: int = 1
     draft_lens: np.ndarray | None = None  # int32 [B]; None: no proposals to verify
     fed_rows: np.ndarray | None = None  # int32 [B]: each row's row in the step before, whose pick is its input
-    kv_copy: KvCopy | None = None  # a KV-copy step (no sequences): see KvCopy
     history_offsets: np.ndarray | None = None  # int32 [B + 1]: verify rounds of prompt lookup (above)
     history_ids: np.ndarray | None = None  # int32 [history_offsets[-1]]
+    kind: StepKind = None  # type: ignore[assignment]  # None: derived from the content (step_kind)
 
-    @classmethod
-    def copy_blocks(cls, direction: str, block_ids: list[int] | np.ndarray) -> StepBatch:
-        """A KV-copy step of ``block_ids``."""
-        if direction not in KV_DIRECTIONS:
-            raise ValueError(f"KV copy direction {direction!r} is not one of {KV_DIRECTIONS}")
-        empty = np.zeros(0, np.int32)
-        return cls(False, empty, empty, empty, empty, empty, np.zeros((0, 1), np.int32),
-                   kv_copy=KvCopy(direction, np.asarray(block_ids, np.int32)))
+    def __post_init__(self) -> None:
+        if self.kind is None:
+            self.kind = step_kind(self.query_lens, self.context_lens, self.draft_lens is not None)
+
+    def describe(self) -> StepDescriptor:
+        """The step's descriptor: its kind and the sizes its graph bucket is chosen by."""
+        q, ctx = self.query_lens, self.context_lens
+        return StepDescriptor(self.kind, self.batch_size, self.num_tokens, int(q.max(initial=0)),
+                              int(ctx.max(initial=0)), self.num_steps, self.fed_rows is not None)
 
     @property
     def feeds_previous(self) -> bool:
@@ -201,7 +216,9 @@ class StepBatch:
 
     def take(self, indices: np.ndarray) -> StepBatch:
         """A step of only the sequences at ``indices``, in that order (each keeps all its tokens); this very
-        step when that is all of them in order (the usual decode call: no copies)."""
+        step when that is all of them in order (the usual decode call: no copies). The part keeps its step's
+        kind, but for the rows of a prefill or mixed step: whole prompts alone are a PREFILL part (they run on
+        the prompt graphs), anything else a MIXED one (``protocol.step.part_kind``)."""
         if len(indices) == self.batch_size and np.array_equal(indices, np.arange(self.batch_size)):
             return self
         lens = self.query_lens[indices]
@@ -211,12 +228,14 @@ class StepBatch:
         want = self.want_logits[indices] if self.want_logits is not None else None
         history = (None, None) if self.history_ids is None else _take_ragged(self.history_offsets, self.history_ids,
                                                                              indices)
-        return StepBatch(self.is_prefill, self.input_ids[tokens], self.positions[tokens], self.slot_mapping[tokens],
-                         self.query_lens[indices], self.context_lens[indices], self.block_tables[indices],
+        context = self.context_lens[indices]
+        return StepBatch(self.input_ids[tokens], self.positions[tokens], self.slot_mapping[tokens], lens, context,
+                         self.block_tables[indices],
                          self.sampling.take(indices) if self.sampling is not None else None,
                          want if want is not None and want.any() else None, self.num_steps,
                          self.draft_lens[indices] if self.draft_lens is not None else None,
-                         self.fed_rows[indices] if self.fed_rows is not None else None, None, *history)
+                         self.fed_rows[indices] if self.fed_rows is not None else None, *history,
+                         kind=part_kind(self.kind, lens, context))
 
     def validate(self) -> None:
         """Raise ValueError when the arrays disagree with each other (cheap; for tests and loaders)."""
@@ -228,27 +247,29 @@ class StepBatch:
             raise ValueError("context_lens/block_tables do not match the batch size")
         if int(self.query_lens.sum()) != n:
             raise ValueError(f"query_lens sum to {int(self.query_lens.sum())}, but there are {n} tokens")
-        if self.kv_copy is not None and (b or self.kv_copy.direction not in KV_DIRECTIONS):
-            raise ValueError("a KV-copy step has no sequences and copies out ('export') or in ('import')")
-        if not self.is_prefill and not np.all(self.query_lens == 1):
-            raise ValueError("a decode step takes exactly one token per sequence")
-        rounds = self.draft_lens is not None
-        if self.num_steps > 1 and ((self.is_prefill and not rounds) or self.sampling is not None
+        check_kind(self.kind, self.query_lens, self.context_lens, self.draft_lens is not None)
+        verify = self.kind is StepKind.VERIFY
+        if self.num_steps > 1 and (self.kind not in (StepKind.DECODE, StepKind.VERIFY) or self.sampling is not None
                                    or self.want_logits is not None):
             raise ValueError("several steps at once are for all-greedy decode or verify steps without logits")
-        if self.history_ids is not None and (not rounds or self.history_offsets.shape != (b + 1,)
+        if self.history_ids is not None and (not verify or self.history_offsets is None
+                                             or self.history_offsets.shape != (b + 1,)
                                              or int(self.history_offsets[-1]) != self.history_ids.shape[0]):
             raise ValueError("history_ids belong to a verify step, history_offsets one more than its sequences")
         fed = self.fed_rows
-        if fed is not None and (self.is_prefill or self.draft_lens is not None or fed.shape != (b,)):
+        if fed is not None and (self.kind is not StepKind.DECODE or fed.shape != (b,)):
             raise ValueError("only a decode step takes its input tokens from the step before, one row each")
         if self.want_logits is not None and self.want_logits.shape != (b,):
             raise ValueError(f"want_logits has shape {self.want_logits.shape}, expected ({b},)")
         if self.draft_lens is not None:
             if self.draft_lens.shape != (b,) or np.any(self.draft_lens < 0) or np.any(self.draft_lens >= self.query_lens):
                 raise ValueError("draft_lens must hold, per sequence, fewer proposals than its query tokens")
-            if not self.is_prefill or self.want_logits is not None:
+            if self.want_logits is not None:
                 raise ValueError("proposals are verified in steps without logits to return")
+
+
+# What the agents run: a model step, or a copy of KV blocks.
+Step = StepBatch | KvCopyStep
 
 
 @dataclass
@@ -275,10 +296,12 @@ class StepOutput:
 
 
 def verify_batch(last_ids: Iterable[int], proposals: list[list[int]], num_tokens: np.ndarray,
-                 block_tables: np.ndarray, block_size: int) -> StepBatch:
+                 block_tables: np.ndarray, block_size: int, sampling: SamplingBatch | None = None,
+                 num_steps: int = 1, history: tuple[np.ndarray, np.ndarray] | None = None) -> StepBatch:
     """A verify step: each sequence's last token (at position ``num_tokens - 1``) followed by its
-    proposals, over its cached context through ``block_tables`` (a row per sequence). The master builds
-    a step's first round so, the agents the later ones (``agents.runtime.verify_rounds``)."""
+    proposals, over its cached context through ``block_tables`` (a row per sequence), of ``num_steps`` rounds
+    (``history``: its ``history_offsets`` and ``history_ids``). The master builds a step's first round so, the
+    agents the later ones (``agents.runtime.verify_rounds``)."""
     n = len(proposals)
     draft_lens = np.fromiter(map(len, proposals), np.int32, n)
     query_lens = draft_lens + 1
@@ -288,7 +311,9 @@ def verify_batch(last_ids: Iterable[int], proposals: list[list[int]], num_tokens
     rows = np.repeat(np.arange(n), query_lens)
     positions = (np.arange(len(ids)) - (np.cumsum(query_lens) - context_lens)[rows]).astype(np.int32)
     slots = kv_slots(block_tables, rows, positions, block_size).astype(np.int32)
-    return StepBatch(True, ids, positions, slots, query_lens, context_lens, block_tables, draft_lens=draft_lens)
+    offsets, history_ids = history if history is not None else (None, None)
+    return StepBatch(ids, positions, slots, query_lens, context_lens, block_tables, sampling, num_steps=num_steps,
+                     draft_lens=draft_lens, history_offsets=offsets, history_ids=history_ids)
 
 
 def verify_round_proposals(num_tokens: int, step_tokens: int, batch_size: int) -> int:

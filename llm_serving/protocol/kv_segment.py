@@ -2,7 +2,7 @@
 
 One segment per agent pool, beside the step segments, allocated at start and never resized: a region per rank, each
 room for ``max_blocks`` blocks (``AgentSpec.kv_segment_blocks``) of that rank's block bytes
-(``parallel.kv_block_bytes``: every rank of a plan holds as many kv heads). A KV-copy step (``batch.KvCopy``) has
+(``parallel.kv_block_bytes``: every rank of a plan holds as many kv heads). A KV-copy step (``batch.KvCopyStep``) has
 every rank copy its shard of the named blocks out of its cache into its region (export) or from its region into its
 cache (import); the master reads or writes the regions around that step. A region holds block after block; within a
 block the bytes are the rank's own business (its backend's cache layout): the master moves them whole, and the

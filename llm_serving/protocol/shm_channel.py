@@ -1,13 +1,15 @@
 """Fixed-layout shared-memory buffers that carry one step between the master and its device agents.
 
 One POSIX shared-memory segment is allocated at start and never resized: a small int64 header, the
-token-flat input arrays of a ``StepBatch`` at their maximum sizes, its per-sequence sampling arrays (a header
-flag says whether the step has any; all-greedy steps copy none of them; another whether it has the rarer
-``SamplingExtras``, a third whether these carry token masks, ``ceil(logits_width / 32)`` words a sequence), and an output area where rank 0
-writes the next token id and logprob of every sequence, and the float32 logits of the sequences whose
-``want_logits`` is set (``max_logits_rows`` rows of ``logits_width``; a header flag says whether a step asks for
-any, so steps that ask for none copy nothing more). A step is then a handful of ``memcpy``s into numpy views;
-nothing is pickled. Signalling (whose turn it is) is not done here but over pipes by ``agent_pool``.
+token-flat input arrays of a ``StepBatch`` at their maximum sizes, its optional per-sequence arrays (sampling
+parameters, the rarer ``SamplingExtras``, token masks of ``ceil(logits_width / 32)`` words a sequence, the rows
+that want logits, fed rows, proposals, prompt-lookup history), and an output area where rank 0 writes the next
+token id and logprob of every sequence, and the float32 logits of the sequences whose ``want_logits`` is set
+(``max_logits_rows`` rows of ``logits_width``). The header says what the step is: its kind
+(``protocol.step.StepKind``, or a KV copy's direction), its sizes, and a bit per optional area it fills, so a step
+copies only what it has (an all-greedy decode step none of the optional areas). A step is then a handful of
+``memcpy``s into numpy views; nothing is pickled. Signalling (whose turn it is) is not done here but over pipes by
+``agent_pool``.
 
 Only the creating side (the master) registers the segment with Python's ``resource_tracker``, so a crashed
 master still gets it unlinked; agents attach without tracking, since in Python < 3.13 an attaching
@@ -28,29 +30,31 @@ import numpy as np
 
 from llm_serving.protocol.batch import (
     MAX_LOGIT_ADJUSTMENTS,
-    KvCopy,
+    KvCopyStep,
     SamplingBatch,
     SamplingExtras,
+    Step,
     StepBatch,
     StepOutput,
 )
+from llm_serving.protocol.step import StepKind
 
-MAGIC = 0x4C4C4D53483A  # "LLMSH:": bump the digit when the layout changes
+MAGIC = 0x4C4C4D53483B  # "LLMSH;": bump the digit when the layout changes
 NAME_PREFIX = "llmserving_"
 _ALIGN = 64
-_HEADER_SLOTS = 31
-# header slots (int64)
-_MAGIC, _MAX_TOKENS, _MAX_BATCH, _MAX_BLOCKS = 0, 1, 2, 3
-_STEP, _IS_PREFILL, _NUM_TOKENS, _BATCH_SIZE, _WIDTH = 4, 5, 6, 7, 8
-_OUT_STEP, _OUT_BATCH_SIZE = 9, 10
-_MAX_PENALTY, _SAMPLING, _PENALTY_TOKENS = 11, 12, 13
-_MAX_LOGITS_ROWS, _LOGITS_WIDTH, _WANT_LOGITS, _OUT_LOGITS_ROWS = 14, 15, 16, 17
-_EXTRAS, _ADJUSTMENTS, _MASKS = 18, 19, 20
-_NUM_STEPS, _OUT_MORE_STEPS, _MAX_DECODE_STEPS = 21, 22, 23
-_DRAFTS, _OUT_NUM_MORE, _FEEDS = 24, 25, 26
-_KV_COPY, _KV_BLOCKS = 27, 28  # 0: a model step, else _KV_CODES of a KV-copy step; how many blocks it copies
-_HISTORY, _OUT_SPEC = 29, 30  # history ids of a verify step's rounds (-1: none); whether spec_counts follow
-_KV_CODES = {"export": 1, "import": 2}
+_HEADER_SLOTS = 24
+# header slots (int64): the layout's capacities, then what the step is (its kind, sizes and which optional areas
+# carry its arrays), then what its answer is
+_MAGIC, _MAX_TOKENS, _MAX_BATCH, _MAX_BLOCKS, _MAX_PENALTY, _MAX_LOGITS_ROWS, _LOGITS_WIDTH, _MAX_DECODE_STEPS = range(8)
+_STEP, _KIND, _NUM_TOKENS, _BATCH_SIZE, _WIDTH, _NUM_STEPS, _AREAS = range(8, 15)
+_PENALTY_TOKENS, _ADJUSTMENTS, _HISTORY_IDS, _KV_BLOCKS = range(15, 19)
+_OUT_STEP, _OUT_BATCH_SIZE, _OUT_MORE_STEPS, _OUT_AREAS, _OUT_LOGITS_ROWS = range(19, 24)
+# _KIND: a model step's StepKind value, or a KV copy's direction
+_KV_KINDS = {"export": -1, "import": -2}
+# _AREAS: the optional input areas a step fills (the others are stale and not read)
+_SAMPLING, _EXTRAS, _MASKS, _WANT_LOGITS, _FED_ROWS, _HISTORY = (1 << i for i in range(6))
+# _OUT_AREAS: the optional output areas an answer fills
+_OUT_NUM_MORE, _OUT_SPEC = 1, 2
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "seeds", "draw_index")
 _EXTRA_FIELDS = ("presence_penalty", "frequency_penalty", "min_p", "output_start")
 
@@ -166,7 +170,7 @@ def attach_untracked(name: str) -> shared_memory.SharedMemory | _Attached:
 class StepChannel:
     """Numpy views over one step segment; ``create`` on the master, ``attach`` in each agent.
 
-    Master: ``write_batch`` then (after rank 0 signals) ``read_output``. Agent: ``read_batch`` (zero-copy
+    Master: ``write_step`` then (after rank 0 signals) ``read_output``. Agent: ``read_step`` (zero-copy
     views, valid until the master writes the next step) and, on rank 0, ``write_output``.
     """
 
@@ -230,7 +234,7 @@ class StepChannel:
         try:
             segment.close()
         except BufferError:
-            pass  # a caller still holds a view (e.g. a batch from read_batch); the mapping goes with it
+            pass  # a caller still holds a view (e.g. a batch from read_step); the mapping goes with it
         if self._owner:
             try:
                 segment.unlink()  # also unregisters it from the resource tracker
@@ -242,9 +246,15 @@ class StepChannel:
         return self._segment is None
 
     # ---- master side ---------------------------------------------------------------------------------------
-    def check_fits(self, batch: StepBatch) -> None:
-        """Raise ValueError when ``batch`` exceeds the capacities the segment was allocated with."""
+    def check_fits(self, step: Step) -> None:
+        """Raise ValueError when ``step`` exceeds the capacities the segment was allocated with."""
         lay = self.layout
+        if isinstance(step, KvCopyStep):
+            if step.block_ids.shape[0] > lay.max_blocks_per_seq:
+                raise ValueError(f"a KV copy of {step.block_ids.shape[0]} blocks exceeds the shared memory's "
+                                 f"{lay.max_blocks_per_seq} (one sequence's blocks: AgentSpec max_blocks_per_seq)")
+            return
+        batch = step
         width = batch.block_tables.shape[1] if batch.block_tables.ndim == 2 else -1
         penalty = batch.sampling.penalty_token_ids.shape[0] if batch.sampling is not None else 0
         history = batch.history_ids.shape[0] if batch.history_ids is not None else 0
@@ -276,18 +286,24 @@ class StepChannel:
                                    or batch.num_steps * (int(drafts.max(initial=0)) + 1) > lay.max_decode_steps):
             raise ValueError(f"draft_lens {drafts.tolist()} in {batch.num_steps} round(s) exceed the shared memory's "
                              f"{lay.max_decode_steps} tokens a sequence (AgentSpec max_decode_steps)")
-        if batch.kv_copy is not None and batch.kv_copy.block_ids.shape[0] > lay.max_blocks_per_seq:
-            raise ValueError(f"a KV copy of {batch.kv_copy.block_ids.shape[0]} blocks exceeds the shared memory's "
-                             f"{lay.max_blocks_per_seq} (one sequence's blocks: AgentSpec max_blocks_per_seq)")
         sampling = batch.sampling
         if sampling is not None and sampling.penalty_offsets.shape != (batch.batch_size + 1,):
             raise ValueError(f"sampling.penalty_offsets has shape {sampling.penalty_offsets.shape}, expected "
                              f"({batch.batch_size + 1},)")
 
-    def write_batch(self, step: int, batch: StepBatch) -> None:
-        """Copy ``batch`` into the segment as step number ``step`` (the block table compactly, ``[B, W]``)."""
-        self.check_fits(batch)
-        v, n, b = self._views, batch.num_tokens, batch.batch_size
+    def write_step(self, number: int, step: Step) -> None:
+        """Copy ``step`` into the segment as step number ``number`` (a block table compactly, ``[B, W]``)."""
+        self.check_fits(step)
+        h, v = self.header, self._views
+        if isinstance(step, KvCopyStep):
+            v["kv_block_ids"][: step.block_ids.shape[0]] = step.block_ids
+            h[_KIND], h[_KV_BLOCKS] = _KV_KINDS[step.direction], step.block_ids.shape[0]
+            h[_NUM_TOKENS] = h[_BATCH_SIZE] = h[_WIDTH] = h[_AREAS] = 0
+            h[_NUM_STEPS] = 1
+            h[_STEP] = number
+            return
+        batch = step
+        n, b = batch.num_tokens, batch.batch_size
         width = batch.block_tables.shape[1]
         v["input_ids"][:n] = batch.input_ids
         v["positions"][:n] = batch.positions
@@ -295,7 +311,7 @@ class StepChannel:
         v["query_lens"][:b] = batch.query_lens
         v["context_lens"][:b] = batch.context_lens
         v["block_tables"][: b * width].reshape(b, width)[:] = batch.block_tables
-        h = self.header
+        areas = 0
         sampling = batch.sampling
         if sampling is not None:
             for name in _SAMPLING_FIELDS:
@@ -304,6 +320,7 @@ class StepChannel:
             p = sampling.penalty_token_ids.shape[0]
             v["penalty_token_ids"][:p] = sampling.penalty_token_ids
             h[_PENALTY_TOKENS] = p
+            areas |= _SAMPLING
         extras = sampling.extras if sampling is not None else None
         if extras is not None:
             for name in _EXTRA_FIELDS:
@@ -312,32 +329,26 @@ class StepChannel:
             a = extras.adjust_ids.shape[0]
             v["adjust_ids"][:a], v["adjust_values"][:a] = extras.adjust_ids, extras.adjust_values
             h[_ADJUSTMENTS] = a
+            areas |= _EXTRAS
             if extras.token_masks is not None:
                 v["token_masks"][: extras.token_masks.size] = extras.token_masks.ravel()
-        h[_MASKS] = extras is not None and extras.token_masks is not None
-        h[_EXTRAS] = extras is not None
-        h[_SAMPLING] = sampling is not None
+                areas |= _MASKS
         if batch.want_logits is not None:
             v["want_logits"][:b] = batch.want_logits
-        h[_WANT_LOGITS] = batch.want_logits is not None
-        if batch.draft_lens is not None:
+            areas |= _WANT_LOGITS
+        if batch.draft_lens is not None:  # a VERIFY step's
             v["draft_lens"][:b] = batch.draft_lens
-        h[_DRAFTS] = batch.draft_lens is not None
         if batch.fed_rows is not None:
             v["fed_rows"][:b] = batch.fed_rows
-        h[_FEEDS] = batch.fed_rows is not None
-        if batch.history_ids is not None:
+            areas |= _FED_ROWS
+        if batch.history_ids is not None and batch.history_offsets is not None:
             m = batch.history_ids.shape[0]
             v["history_offsets"][: b + 1], v["history_ids"][:m] = batch.history_offsets, batch.history_ids
-        h[_HISTORY] = -1 if batch.history_ids is None else batch.history_ids.shape[0]
-        copy = batch.kv_copy
-        if copy is not None:
-            v["kv_block_ids"][: copy.block_ids.shape[0]] = copy.block_ids
-            h[_KV_BLOCKS] = copy.block_ids.shape[0]
-        h[_KV_COPY] = _KV_CODES[copy.direction] if copy is not None else 0
-        h[_IS_PREFILL], h[_NUM_TOKENS], h[_BATCH_SIZE], h[_WIDTH] = int(batch.is_prefill), n, b, width
-        h[_NUM_STEPS] = batch.num_steps
-        h[_STEP] = step
+            h[_HISTORY_IDS] = m
+            areas |= _HISTORY
+        h[_KIND], h[_NUM_TOKENS], h[_BATCH_SIZE], h[_WIDTH] = batch.kind, n, b, width
+        h[_NUM_STEPS], h[_AREAS] = batch.num_steps, areas
+        h[_STEP] = number
 
     def read_output(self, step: int, batch_size: int) -> StepOutput:
         """Copies of rank 0's answer to step ``step``; ChannelError if the segment holds another step's."""
@@ -351,9 +362,9 @@ class StepChannel:
         if more:
             output.more_token_ids = v["out_more_ids"][: batch_size * more].reshape(batch_size, more).copy()
             output.more_logprobs = v["out_more_logprobs"][: batch_size * more].reshape(batch_size, more).copy()
-            if h[_OUT_NUM_MORE]:
+            if h[_OUT_AREAS] & _OUT_NUM_MORE:
                 output.num_more = v["out_num_more"][:batch_size].copy()
-        if h[_OUT_SPEC]:
+        if h[_OUT_AREAS] & _OUT_SPEC:
             output.spec_counts = v["out_spec_counts"][: batch_size * 3].reshape(batch_size, 3).copy()
         k = int(h[_OUT_LOGITS_ROWS])
         if k:
@@ -362,30 +373,32 @@ class StepChannel:
         return output
 
     # ---- agent side ----------------------------------------------------------------------------------------
-    def read_batch(self) -> tuple[int, StepBatch]:
-        """The current step number and batch as zero-copy views (do not keep them past the step)."""
+    def read_step(self) -> tuple[int, Step]:
+        """The current step number and step, its arrays zero-copy views (do not keep them past the step)."""
         h, v = self.header, self._views
-        n, b, width = int(h[_NUM_TOKENS]), int(h[_BATCH_SIZE]), int(h[_WIDTH])
+        code = int(h[_KIND])
+        if code < 0:
+            direction = next(name for name, value in _KV_KINDS.items() if value == code)
+            return int(h[_STEP]), KvCopyStep(direction, v["kv_block_ids"][: int(h[_KV_BLOCKS])])
+        kind = StepKind(code)
+        n, b, width, areas = int(h[_NUM_TOKENS]), int(h[_BATCH_SIZE]), int(h[_WIDTH]), int(h[_AREAS])
         sampling = None
-        if h[_SAMPLING]:
+        if areas & _SAMPLING:
             extras = None
-            if h[_EXTRAS]:
+            if areas & _EXTRAS:
                 a, words = int(h[_ADJUSTMENTS]), self.layout.mask_words
-                masks = v["token_masks"][: b * words].reshape(b, words) if h[_MASKS] else None
+                masks = v["token_masks"][: b * words].reshape(b, words) if areas & _MASKS else None
                 extras = SamplingExtras(*(v[name][:b] for name in _EXTRA_FIELDS), v["adjust_offsets"][: b + 1],
                                         v["adjust_ids"][:a], v["adjust_values"][:a], masks)
             sampling = SamplingBatch(*(v[name][:b] for name in _SAMPLING_FIELDS), v["penalty_offsets"][: b + 1],
                                      v["penalty_token_ids"][: int(h[_PENALTY_TOKENS])], extras)
-        want = v["want_logits"][:b].view(np.bool_) if h[_WANT_LOGITS] else None
-        batch = StepBatch(bool(h[_IS_PREFILL]), v["input_ids"][:n], v["positions"][:n], v["slot_mapping"][:n],
-                          v["query_lens"][:b], v["context_lens"][:b],
-                          v["block_tables"][: b * width].reshape(b, width), sampling, want, int(h[_NUM_STEPS]),
-                          v["draft_lens"][:b] if h[_DRAFTS] else None, v["fed_rows"][:b] if h[_FEEDS] else None)
-        if h[_HISTORY] >= 0:
-            batch.history_offsets, batch.history_ids = v["history_offsets"][: b + 1], v["history_ids"][: int(h[_HISTORY])]
-        if h[_KV_COPY]:
-            direction = "export" if h[_KV_COPY] == _KV_CODES["export"] else "import"
-            batch.kv_copy = KvCopy(direction, v["kv_block_ids"][: int(h[_KV_BLOCKS])])
+        history = ((v["history_offsets"][: b + 1], v["history_ids"][: int(h[_HISTORY_IDS])]) if areas & _HISTORY
+                   else (None, None))
+        batch = StepBatch(v["input_ids"][:n], v["positions"][:n], v["slot_mapping"][:n], v["query_lens"][:b],
+                          v["context_lens"][:b], v["block_tables"][: b * width].reshape(b, width), sampling,
+                          v["want_logits"][:b].view(np.bool_) if areas & _WANT_LOGITS else None, int(h[_NUM_STEPS]),
+                          v["draft_lens"][:b] if kind is StepKind.VERIFY else None,
+                          v["fed_rows"][:b] if areas & _FED_ROWS else None, *history, kind=kind)
         return int(h[_STEP]), batch
 
     def write_output(self, step: int, output: StepOutput) -> None:
@@ -409,12 +422,12 @@ class StepChannel:
             v["out_more_logprobs"][: b * more] = output.more_logprobs.ravel()
             if output.num_more is not None:
                 v["out_num_more"][:b] = output.num_more
-        self.header[_OUT_NUM_MORE] = more > 0 and output.num_more is not None
         if output.spec_counts is not None:
             if output.spec_counts.shape != (b, 3):
                 raise ValueError(f"spec_counts of shape {output.spec_counts.shape}, expected ({b}, 3)")
             v["out_spec_counts"][: b * 3] = output.spec_counts.ravel()
-        self.header[_OUT_SPEC] = output.spec_counts is not None
+        self.header[_OUT_AREAS] = ((_OUT_NUM_MORE if more and output.num_more is not None else 0)
+                                   | (_OUT_SPEC if output.spec_counts is not None else 0))
         self.header[_OUT_MORE_STEPS] = more
         if rows:
             v["out_logits_rows"][: len(rows)] = rows

@@ -141,7 +141,7 @@ def simulate(config: SchedulerConfig, requests: list[SimRequest], cost: StepCost
                 if free is not None:
                     heapq.heappush(free, seen)
         run.steps += batch.num_steps
-        run.prefill_steps += batch.is_prefill
+        run.prefill_steps += batch.describe().computes_prompts
         run.running.append((now[0], float(sched.num_running)))
         run.kv_usage.append((now[0], sched.block_usage))
     run.results = sorted(results.values(), key=lambda r: r.index)
