@@ -36,7 +36,7 @@ from agents.runtime.sampler import take_failures
 from agents.runtime.step_broadcast import StepBroadcast
 from agents.runtime.step_source import BroadcastSteps, SharedMemorySteps
 from agents.runtime.verify_rounds import run_verify_rounds
-from llm_serving.protocol.batch import KvCopyStep, StepBatch, StepOutput, verify_round_proposals
+from llm_serving.protocol.batch import KvCopyStep, StepBatch, StepOutput
 from llm_serving.protocol.kv_segment import KvSegment
 from llm_serving.protocol.prompt_lookup import NgramProposer
 from llm_serving.protocol.shm_channel import StepChannel
@@ -238,10 +238,7 @@ def run_step(runner, batch: StepBatch, block_size: int | None, lookup: NgramProp
         return run_decode_steps(runner.step, batch, block_size)
     if batch.kind is not StepKind.VERIFY:
         raise ValueError(f"a {batch.kind.name} step runs one round, not {batch.num_steps}")
-    rc = runner.rc
-    step_tokens = rc.verify_step_tokens or rc.decode_batch_sizes[-1] * (rc.verify_tokens + 1)
-    k = verify_round_proposals(rc.verify_tokens, step_tokens, batch.batch_size)
-    return run_verify_rounds(runner.step, batch, block_size, k, lookup)
+    return run_verify_rounds(runner.step, batch, block_size, lookup)
 
 
 def fed_inputs(picked: np.ndarray | None, batch: StepBatch) -> np.ndarray:

@@ -151,8 +151,9 @@ def test_prefill_bucket_overflow_and_chunks_are_refused() -> None:
         prefill_arrays(prefill([20, 13]), 4, 32)
     with pytest.raises(ValueError, match="do not fit"):
         prefill_arrays(prefill([1] * 5), 4, 32)
-    chunk = prefill([4])
-    chunk.context_lens[:] = 9  # 5 cached tokens before this chunk
+    whole = prefill([4])
+    chunk = StepBatch(whole.input_ids, whole.positions + 5, whole.slot_mapping, whole.query_lens,
+                      np.array([9], np.int32), whole.block_tables)  # 5 cached tokens before this chunk
     with pytest.raises(ValueError, match="prefills whole prompts from position 0"):
         check_whole_prompts(chunk)
     check_whole_prompts(prefill([4, 2]))

@@ -188,8 +188,8 @@ def test_verify_rounds_in_the_agent_keep_greedy_output_and_free_every_block(meth
     def agent_step(batch: StepBatch) -> StepOutput:
         if batch.num_steps == 1:
             return model.step(batch)
-        k = verify_round_proposals(3, 16, batch.batch_size)
-        return run_verify_rounds(drafted if method == "draft" else model.step, batch, 4, k,
+        assert batch.round_proposals == verify_round_proposals(3, 16, batch.batch_size)  # the master's k
+        return run_verify_rounds(drafted if method == "draft" else model.step, batch, 4,
                                  lookup if method == "ngram" else None)
 
     def drafted(batch: StepBatch) -> StepOutput:  # a draft that knows the fake model, wrong every other proposal

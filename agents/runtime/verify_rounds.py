@@ -23,16 +23,17 @@ from llm_serving.protocol.batch import FAILED_TOKEN, StepBatch, StepOutput, veri
 from llm_serving.protocol.prompt_lookup import NgramProposer
 
 
-def run_verify_rounds(step: Callable[[StepBatch], StepOutput], batch: StepBatch, block_size: int | None, k: int,
+def run_verify_rounds(step: Callable[[StepBatch], StepOutput], batch: StepBatch, block_size: int | None,
                       lookup: NgramProposer | None) -> StepOutput:
-    """``batch.num_steps`` verify rounds through ``step`` (a runner's); ``k``: proposals a round
-    (``verify_round_proposals``); ``lookup``: prompt lookup over ``batch.history_ids``, or None for placeholders."""
+    """``batch.num_steps`` verify rounds through ``step`` (a runner's) of up to ``batch.round_proposals``
+    proposals a sequence; ``lookup``: prompt lookup over ``batch.history_ids``, or None for placeholders."""
     if not block_size:
         raise ValueError("verify rounds need the KV block size (runner_config block_size)")
     if lookup is not None and batch.history_ids is None:
         raise ValueError("verify rounds of prompt lookup need each sequence's history (StepBatch.history_ids)")
+    k = batch.round_proposals
     n, limit = batch.batch_size, batch.num_steps * (k + 1)
-    first = step(replace(batch, num_steps=1, history_offsets=None, history_ids=None))
+    first = step(replace(batch, num_steps=1, history_offsets=None, history_ids=None, round_proposals=0))
     tokens: list[list[int]] = [[] for _ in range(n)]
     logprobs: list[list[float]] = [[] for _ in range(n)]
     counts = np.zeros((n, 3), np.int32)  # drafts verified, proposed, accepted

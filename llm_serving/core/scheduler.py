@@ -286,7 +286,7 @@ class Scheduler:
         if drafts is not None:  # several rounds go on in the agents even when this one has no proposals
             rounds = self._rounds(seqs)
             if rounds > 1 or any(drafts):
-                return seqs, self._build_verify(seqs, drafts, rounds)
+                return seqs, self._build_verify(seqs, drafts, rounds, self._round_proposals(len(seqs)))
         return seqs, self._build(seqs, prefill, num_steps=steps)
 
     def schedule_ahead(self, seqs: list[Sequence], batch: StepBatch) -> tuple[list[Sequence], StepBatch] | None:
@@ -580,7 +580,7 @@ class Scheduler:
         if self._waiting or self._preempted or self._running_dumps:
             return None
         cfg = self.config
-        k = verify_round_proposals(cfg.num_speculative_tokens, cfg.speculative_step_tokens, len(seqs))
+        k = self._round_proposals(len(seqs))
         if k < 1 or (cfg.speculative_adaptive and not self._speculation_pays(len(seqs))):
             return None
         bm, drafts = self.block_manager, []
@@ -598,6 +598,11 @@ class Scheduler:
             drafts.append(proposal)
         return drafts
 
+    def _round_proposals(self, batch_size: int) -> int:
+        """Proposals a sequence of a verify step of ``batch_size`` sequences gets a round."""
+        cfg = self.config
+        return verify_round_proposals(cfg.num_speculative_tokens, cfg.speculative_step_tokens, batch_size)
+
     def _rounds(self, seqs: list[Sequence]) -> int:
         """Verify rounds this verify step runs in the agents (``agents.runtime.verify_rounds``): up to
         ``speculative_rounds`` while the master is not needed between tokens (as multi-step decoding:
@@ -606,7 +611,7 @@ class Scheduler:
         cfg = self.config
         if cfg.speculative_rounds == 1 or self._master_needed_between_tokens():
             return 1
-        per_round = verify_round_proposals(cfg.num_speculative_tokens, cfg.speculative_step_tokens, len(seqs)) + 1
+        per_round = self._round_proposals(len(seqs)) + 1
         rounds = min(cfg.speculative_rounds,
                      min(seq.params.max_new_tokens - len(seq.output_ids) for seq in seqs) // per_round)
         # the last round's proposals reach the position before the step's last token at most
@@ -724,10 +729,10 @@ class Scheduler:
                                         any_reads_logits=bool(self._running_dumps), ahead=ahead,
                                         num_steps=num_steps, fed_rows=fed_rows)
 
-    def _build_verify(self, seqs: list[Sequence], drafts: list[list[int]], rounds: int = 1) -> StepBatch:
-        """A verify step of ``drafts`` in ``rounds`` rounds (with the sequences' tokens for the agents' prompt
-        lookup); counts its proposals."""
-        batch = self._builder.verify_step(seqs, drafts, self._block_tables(seqs), rounds,
+    def _build_verify(self, seqs: list[Sequence], drafts: list[list[int]], rounds: int, per_round: int) -> StepBatch:
+        """A verify step of ``drafts`` in ``rounds`` rounds of ``per_round`` proposals (with the sequences' tokens
+        for the agents' prompt lookup); counts its proposals."""
+        batch = self._builder.verify_step(seqs, drafts, self._block_tables(seqs), rounds, per_round,
                                           with_history=rounds > 1 and isinstance(self._proposer, NgramProposer))
         draft_lens = batch.draft_lens
         self.spec_steps += 1

@@ -63,9 +63,10 @@ class StepBuilder:
                          num_steps=num_steps, fed_rows=fed_rows)
 
     def verify_step(self, seqs: list[Sequence], drafts: list[list[int]], block_tables: np.ndarray,
-                    rounds: int = 1, with_history: bool = False) -> StepBatch:
+                    rounds: int = 1, round_proposals: int = 0, with_history: bool = False) -> StepBatch:
         """A step of each sequence's last token followed by its proposals, over its cached context, of ``rounds``
-        verify rounds; ``with_history``: with each sequence's tokens, for the agents' prompt lookup."""
+        verify rounds of up to ``round_proposals`` proposals; ``with_history``: with each sequence's tokens, for
+        the agents' prompt lookup."""
         n = len(seqs)
         lens = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
         history = None
@@ -75,7 +76,8 @@ class StepBuilder:
                                    int(lens.sum())))
         sampled = any(seq.params.needs_logits for seq in seqs)
         return verify_batch((seq.last_token_id for seq in seqs), drafts, lens, block_tables, self.block_size,
-                            sampling=self.sampling(seqs) if sampled else None, num_steps=rounds, history=history)
+                            sampling=self.sampling(seqs) if sampled else None, num_steps=rounds, history=history,
+                            round_proposals=round_proposals)
 
     def sampling(self, seqs: list[Sequence]) -> SamplingBatch:
         """Per-sequence sampling arrays; penalty ids are prompt + generated tokens of penalised sequences only."""

@@ -165,8 +165,9 @@ class StepBatch:
     ``more_token_ids[i, :num_more[i]]`` the picks after each accepted proposal.
 
     ``num_steps`` R > 1 with ``draft_lens`` (verify rounds, greedy only): the agents verify, then propose again after
-    the tokens they accepted and verify again, R rounds in all, each sequence getting at most ``R * (k + 1)``
-    tokens (``verify_round_proposals``'s k; its blocks reserved for them); ``more_token_ids`` then holds every
+    the tokens they accepted and verify again, R rounds in all, up to ``round_proposals`` (k, the master's
+    ``verify_round_proposals``) proposals a sequence a round, each sequence getting at most ``R * (k + 1)`` tokens
+    (its blocks reserved for them); ``more_token_ids`` then holds every
     round's tokens after the first and ``StepOutput.spec_counts`` what was proposed and accepted. For prompt lookup
     the agents propose from ``history_ids[history_offsets[i]:history_offsets[i + 1]]``, sequence ``i``'s prompt
     and output ids up to and including its last token (None for a draft model, which proposes by itself).
@@ -189,6 +190,7 @@ class StepBatch:
     fed_rows: np.ndarray | None = None  # int32 [B]: each row's row in the step before, whose pick is its input
     history_offsets: np.ndarray | None = None  # int32 [B + 1]: verify rounds of prompt lookup (above)
     history_ids: np.ndarray | None = None  # int32 [history_offsets[-1]]
+    round_proposals: int = 0  # verify rounds: proposals a sequence gets a round (above)
     kind: StepKind = None  # type: ignore[assignment]  # None: derived from the content (step_kind)
 
     def __post_init__(self) -> None:
@@ -235,7 +237,7 @@ class StepBatch:
                          want if want is not None and want.any() else None, self.num_steps,
                          self.draft_lens[indices] if self.draft_lens is not None else None,
                          self.fed_rows[indices] if self.fed_rows is not None else None, *history,
-                         kind=part_kind(self.kind, lens, context))
+                         self.round_proposals, kind=part_kind(self.kind, lens, context))
 
     def validate(self) -> None:
         """Raise ValueError when the arrays disagree with each other (cheap; for tests and loaders)."""
@@ -252,6 +254,8 @@ class StepBatch:
         if self.num_steps > 1 and (self.kind not in (StepKind.DECODE, StepKind.VERIFY) or self.sampling is not None
                                    or self.want_logits is not None):
             raise ValueError("several steps at once are for all-greedy decode or verify steps without logits")
+        if self.round_proposals and (not verify or self.num_steps == 1 or self.round_proposals < 0):
+            raise ValueError("round_proposals belong to a verify step of several rounds")
         if self.history_ids is not None and (not verify or self.history_offsets is None
                                              or self.history_offsets.shape != (b + 1,)
                                              or int(self.history_offsets[-1]) != self.history_ids.shape[0]):
@@ -297,10 +301,11 @@ class StepOutput:
 
 def verify_batch(last_ids: Iterable[int], proposals: list[list[int]], num_tokens: np.ndarray,
                  block_tables: np.ndarray, block_size: int, sampling: SamplingBatch | None = None,
-                 num_steps: int = 1, history: tuple[np.ndarray, np.ndarray] | None = None) -> StepBatch:
+                 num_steps: int = 1, history: tuple[np.ndarray, np.ndarray] | None = None,
+                 round_proposals: int = 0) -> StepBatch:
     """A verify step: each sequence's last token (at position ``num_tokens - 1``) followed by its
-    proposals, over its cached context through ``block_tables`` (a row per sequence), of ``num_steps`` rounds
-    (``history``: its ``history_offsets`` and ``history_ids``). The master builds a step's first round so, the
+    proposals, over its cached context through ``block_tables`` (a row per sequence), of ``num_steps`` rounds of
+    up to ``round_proposals`` proposals (``history``: its ``history_offsets`` and ``history_ids``). The master builds a step's first round so, the
     agents the later ones (``agents.runtime.verify_rounds``)."""
     n = len(proposals)
     draft_lens = np.fromiter(map(len, proposals), np.int32, n)
@@ -313,7 +318,8 @@ def verify_batch(last_ids: Iterable[int], proposals: list[list[int]], num_tokens
     slots = kv_slots(block_tables, rows, positions, block_size).astype(np.int32)
     offsets, history_ids = history if history is not None else (None, None)
     return StepBatch(ids, positions, slots, query_lens, context_lens, block_tables, sampling, num_steps=num_steps,
-                     draft_lens=draft_lens, history_offsets=offsets, history_ids=history_ids)
+                     draft_lens=draft_lens, history_offsets=offsets, history_ids=history_ids,
+                     round_proposals=round_proposals if num_steps > 1 else 0)
 
 
 def verify_round_proposals(num_tokens: int, step_tokens: int, batch_size: int) -> int:

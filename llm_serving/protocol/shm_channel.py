@@ -42,13 +42,14 @@ from llm_serving.protocol.step import StepKind
 MAGIC = 0x4C4C4D53483B  # "LLMSH;": bump the digit when the layout changes
 NAME_PREFIX = "llmserving_"
 _ALIGN = 64
-_HEADER_SLOTS = 24
+_HEADER_SLOTS = 25
 # header slots (int64): the layout's capacities, then what the step is (its kind, sizes and which optional areas
 # carry its arrays), then what its answer is
 _MAGIC, _MAX_TOKENS, _MAX_BATCH, _MAX_BLOCKS, _MAX_PENALTY, _MAX_LOGITS_ROWS, _LOGITS_WIDTH, _MAX_DECODE_STEPS = range(8)
 _STEP, _KIND, _NUM_TOKENS, _BATCH_SIZE, _WIDTH, _NUM_STEPS, _AREAS = range(8, 15)
 _PENALTY_TOKENS, _ADJUSTMENTS, _HISTORY_IDS, _KV_BLOCKS = range(15, 19)
 _OUT_STEP, _OUT_BATCH_SIZE, _OUT_MORE_STEPS, _OUT_AREAS, _OUT_LOGITS_ROWS = range(19, 24)
+_ROUND_PROPOSALS = 24
 # _KIND: a model step's StepKind value, or a KV copy's direction
 _KV_KINDS = {"export": -1, "import": -2}
 # _AREAS: the optional input areas a step fills (the others are stale and not read)
@@ -286,6 +287,9 @@ class StepChannel:
                                    or batch.num_steps * (int(drafts.max(initial=0)) + 1) > lay.max_decode_steps):
             raise ValueError(f"draft_lens {drafts.tolist()} in {batch.num_steps} round(s) exceed the shared memory's "
                              f"{lay.max_decode_steps} tokens a sequence (AgentSpec max_decode_steps)")
+        if batch.num_steps * (batch.round_proposals + 1) > lay.max_decode_steps:
+            raise ValueError(f"{batch.num_steps} rounds of {batch.round_proposals} proposals exceed the shared memory's "
+                             f"{lay.max_decode_steps} tokens a sequence (AgentSpec max_decode_steps)")
         sampling = batch.sampling
         if sampling is not None and sampling.penalty_offsets.shape != (batch.batch_size + 1,):
             raise ValueError(f"sampling.penalty_offsets has shape {sampling.penalty_offsets.shape}, expected "
@@ -347,7 +351,7 @@ class StepChannel:
             h[_HISTORY_IDS] = m
             areas |= _HISTORY
         h[_KIND], h[_NUM_TOKENS], h[_BATCH_SIZE], h[_WIDTH] = batch.kind, n, b, width
-        h[_NUM_STEPS], h[_AREAS] = batch.num_steps, areas
+        h[_NUM_STEPS], h[_AREAS], h[_ROUND_PROPOSALS] = batch.num_steps, areas, batch.round_proposals
         h[_STEP] = number
 
     def read_output(self, step: int, batch_size: int) -> StepOutput:
@@ -398,7 +402,8 @@ class StepChannel:
                           v["context_lens"][:b], v["block_tables"][: b * width].reshape(b, width), sampling,
                           v["want_logits"][:b].view(np.bool_) if areas & _WANT_LOGITS else None, int(h[_NUM_STEPS]),
                           v["draft_lens"][:b] if kind is StepKind.VERIFY else None,
-                          v["fed_rows"][:b] if areas & _FED_ROWS else None, *history, kind=kind)
+                          v["fed_rows"][:b] if areas & _FED_ROWS else None, *history, int(h[_ROUND_PROPOSALS]),
+                          kind=kind)
         return int(h[_STEP]), batch
 
     def write_output(self, step: int, output: StepOutput) -> None:

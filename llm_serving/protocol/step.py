@@ -4,7 +4,7 @@ A step is described by its content, not by a phase flag: each row's query length
 context length (its tokens after the step), and its proposals to verify. The kind follows from them:
 
 - ``PREFILL``: every row computes its whole context (prompts from position 0: nothing cached);
-- ``DECODE``: every row computes one token over cached context;
+- ``DECODE``: every row computes one token, its last (over its cached context, if it has any);
 - ``MIXED``: anything else: prompt chunks and prefix-cache hits over cached context, decode rows among them;
 - ``VERIFY``: each row's last token followed by its proposals (``StepBatch.draft_lens``).
 
