@@ -21,6 +21,7 @@ from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.engine.loop import Engine
 from llm_serving.executor.agent_pool import AgentStepError
 from llm_serving.protocol.batch import StepBatch, StepOutput
+from tests.stand_in_pool import StandInPool
 from tests.test_engine import StandinFeeder, standin_expected, tiny_config
 from tests.test_scheduler import FakeKVModel, config, expected_output
 from tests.tiny_engine import tiny_engine_config
@@ -158,7 +159,7 @@ def data_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("async_models")
 
 
-class FlakyPool:
+class FlakyPool(StandInPool):
     """An in-process stand-in pool (the agents' feeding, ``StandinFeeder``) that fails one step as a whole: the
     first one sent ahead (``fed``), or the first one a step was sent ahead of (``before``)."""
 
@@ -166,9 +167,6 @@ class FlakyPool:
         self.feeder, self.fail = StandinFeeder(spec.llama_config["vocab_size"]), fail
         self.batches, self.alive = [], True
         self.failed: list[StepBatch] = []
-
-    def start(self, progress=None) -> None:
-        pass
 
     def submit(self, batch: StepBatch) -> int:
         self.batches.append(batch)
@@ -181,9 +179,6 @@ class FlakyPool:
         if fails:
             self.failed.append(batch)
         return self.feeder.run(batch, AgentStepError("a transient fault", rank=0) if fails else None)
-
-    def close(self, graceful: bool = True) -> None:
-        self.alive = False
 
 
 @pytest.mark.parametrize("fail", ["fed", "before"])

@@ -38,6 +38,7 @@ from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.shm_channel import NAME_PREFIX
 from llm_serving.protocol.wire import AgentSpec
 from llm_serving.tokenization.tokenizer import Tokenizer
+from tests.stand_in_pool import StandInPool
 
 VOCAB = 1000
 EOS = 2
@@ -113,7 +114,7 @@ def wait_for(cond, timeout_s: float = 10.0, what: str = "condition") -> None:
         time.sleep(0.002)
 
 
-class GatedPool:
+class GatedPool(StandInPool):
     """In-process stand-in pool whose steps the test releases one at a time (``step()``)."""
 
     def __init__(self, spec: AgentSpec) -> None:
@@ -124,9 +125,6 @@ class GatedPool:
         self.gate = threading.Semaphore(0)
         self.fail_next: Exception | None = None
         self.feeder = StandinFeeder(self.vocab)
-
-    def start(self, progress=None) -> None:
-        pass
 
     def submit(self, batch: StepBatch) -> int:
         self.batches.append(batch)
@@ -526,7 +524,7 @@ def test_llm_generate_waits_when_the_queue_is_full(data_dir):
 
 
 # ---- the real tiny Llama on 2 agents -----------------------------------------------------------------------
-class RecordingPool:
+class RecordingPool(StandInPool):
     """A real AgentPool that also records (whether it computes prompts, batch size, longest query) of every step."""
 
     def __init__(self, spec: AgentSpec) -> None:

@@ -26,6 +26,7 @@ from llm_serving.engine.recovery import BACKOFF_CAP_S, RecoveryConfig, RestartPo
 from llm_serving.executor.agent_pool import AgentDiedError, AgentPool, AgentStartupError, AgentStepError
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.wire import AgentSpec
+from tests.stand_in_pool import StandInPool
 from tests.test_engine import (
     StandinFeeder,
     our_segments,
@@ -59,7 +60,7 @@ def gone(pid: int) -> bool:
     return False
 
 
-class ScriptedPool:
+class ScriptedPool(StandInPool):
     """An in-process pool answering by the stand-in rule, except that a prefill containing POISON fails as a
     step (``AgentStepError``) and one containing KILLER kills the pool (``AgentDiedError``); ``fail_next``
     fails the next step once (a transient fault); clearing ``go`` holds steps. ``start_error`` makes ``start``
@@ -97,9 +98,6 @@ class ScriptedPool:
         if exc is None and batch.describe().computes_prompts and POISON in batch.input_ids:
             exc = AgentStepError("agent rank 0 failed the step: ValueError: poisoned", rank=0)
         return self.feeder.run(batch, exc)
-
-    def close(self, graceful: bool = True) -> None:
-        self.alive = False
 
 
 def together(pool: ScriptedPool, engine: Engine, submit):

@@ -48,6 +48,7 @@ from llm_serving.engine.request_stream import (
 )
 from llm_serving.engine.wiring import ModelFiles, agent_spec, resolve_model, scheduler_config
 from llm_serving.executor.agent_pool import AgentDiedError, AgentPool, AgentStepError
+from llm_serving.executor.step_pool import StepPool
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.wire import AgentSpec
 from llm_serving.tokenization.hf_tokenizer import HFTokenizer, load_tokenizer
@@ -72,7 +73,7 @@ class Engine:
     """See the module docstring. ``pool_factory(spec)`` lets tests supply a pool."""
 
     def __init__(self, config: ServingConfig, standin_agents: bool = False,
-                 pool_factory: Callable[[AgentSpec], Any] | None = None) -> None:
+                 pool_factory: Callable[[AgentSpec], StepPool] | None = None) -> None:
         self.config = config
         self.standin_agents = standin_agents
         self.state = "new"  # new -> starting -> ready <-> recovering; failed or stopped for good

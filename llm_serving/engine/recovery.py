@@ -25,7 +25,6 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -33,6 +32,7 @@ from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.sequence import Sequence
 from llm_serving.engine.request_stream import EngineError
 from llm_serving.executor.agent_pool import AgentStepError
+from llm_serving.executor.step_pool import StepPool
 from llm_serving.protocol.batch import FAILED_TOKEN, StepBatch, StepOutput
 from llm_serving.protocol.wire import AgentSpec
 
@@ -97,7 +97,7 @@ class RestartPolicy:
         return out
 
 
-def run_isolated(pool: Any, batch: StepBatch, error: AgentStepError) -> StepOutput:
+def run_isolated(pool: StepPool, batch: StepBatch, error: AgentStepError) -> StepOutput:
     """The answer to a step that failed as a whole with ``error``, obtained by running it again in halves.
 
     Each half that fails again is split again; a sequence whose run alone fails is marked ``FAILED_TOKEN``
@@ -137,9 +137,9 @@ class StallWatch:
     def __init__(self) -> None:
         self._since: float | None = None
 
-    def check(self, pool: Any, timeout_s: float | None) -> str | None:
+    def check(self, pool: StepPool, timeout_s: float | None) -> str | None:
         """A reason to replace the agents once some have been stopped for ``timeout_s``, else None."""
-        stopped = pool.stopped_pids() if timeout_s is not None and hasattr(pool, "stopped_pids") else []
+        stopped = pool.stopped_pids() if timeout_s is not None else []
         if not stopped:
             self._since = None
             return None
@@ -157,11 +157,11 @@ class AgentSupervisor:
     ``close()`` may be called from any thread, also while new agents start (they are stopped at once).
     """
 
-    def __init__(self, config: RecoveryConfig, factory: Callable[[AgentSpec], Any], spec: AgentSpec) -> None:
+    def __init__(self, config: RecoveryConfig, factory: Callable[[AgentSpec], StepPool], spec: AgentSpec) -> None:
         self.config = config
         self.policy = RestartPolicy(config)
         self.stall = StallWatch()
-        self.pool: Any = None
+        self.pool: StepPool | None = None
         self.step_timeout_s: float | None = None  # derived from the serving pool's warm-up timings
         self.restarts = 0
         self._factory, self._spec = factory, spec
@@ -178,7 +178,7 @@ class AgentSupervisor:
     def fix_kv_blocks(self) -> int:
         """With ``pa_config.num_blocks: auto``: the count the ranks sized their caches to (the smallest), which
         later agents are then given, so a restart allocates the cache the scheduler plans with."""
-        blocks = getattr(self.pool, "kv_blocks", None)
+        blocks = self.pool.kv_blocks if self.pool is not None else None
         if blocks is None:
             raise EngineError("pa_config.num_blocks auto: the agents reported no KV block count")
         self._spec = dataclasses.replace(self._spec, runner_config={**self._spec.runner_config, "num_blocks": blocks})
@@ -230,8 +230,8 @@ class AgentSupervisor:
 
     @property
     def pids(self) -> list[int]:
-        return list(getattr(self.pool, "pids", None) or [])
+        return [] if self.pool is None else list(self.pool.pids)
 
-    def _adopt(self, pool: Any) -> None:
-        self.step_timeout_s = self.config.step_timeout(getattr(pool, "slowest_warmup_step_s", None))
+    def _adopt(self, pool: StepPool) -> None:
+        self.step_timeout_s = self.config.step_timeout(pool.slowest_warmup_step_s)
         pool.step_timeout_s = self.step_timeout_s
