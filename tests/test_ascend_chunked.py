@@ -17,7 +17,8 @@ from agents.tools.contracts import check_graph
 from agents.tools.export import export_graphs, export_runner
 from agents.tools.mindir import TensorInfo, read_graph
 from agents.weights.checkpoints import load_weights
-from llm_serving.core.scheduler import Scheduler, SchedulerConfig
+from llm_serving.core.scheduler import Scheduler
+from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig

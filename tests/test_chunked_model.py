@@ -10,7 +10,8 @@ import pytest
 
 from agents.runtime.runner import ModelRunner, RunnerConfig
 from agents.weights.checkpoints import load_weights
-from llm_serving.core.scheduler import Scheduler, SchedulerConfig
+from llm_serving.core.scheduler import Scheduler
+from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.batch import StepBatch

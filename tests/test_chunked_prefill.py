@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llm_serving.core.scheduler import Scheduler, SchedulerConfig
+from llm_serving.core.scheduler import Scheduler
+from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.protocol.batch import StepBatch
 from tests.test_scheduler import EOS, FakeKVModel, expected_output

@@ -19,7 +19,8 @@ import pytest
 
 from agents.agent_main import fed_inputs
 from llm_serving.config.serving_config import ConfigError, ServingConfig
-from llm_serving.core.scheduler import Scheduler, SchedulerConfig
+from llm_serving.core.scheduler import Scheduler
+from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.engine import wiring
 from llm_serving.engine.llm import LLM

@@ -19,7 +19,8 @@ import yaml
 
 from agents.runtime.standin import StandinRunner
 from llm_serving.config.serving_config import ServingConfig
-from llm_serving.core.scheduler import Scheduler, SchedulerConfig
+from llm_serving.core.scheduler import Scheduler
+from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.engine.loop import Engine
 from llm_serving.executor.agent_pool import AgentPool

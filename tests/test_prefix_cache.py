@@ -11,7 +11,8 @@ import pytest
 
 from llm_serving.core.block_manager import BlockManager
 from llm_serving.core.prefix_cache import extend_block_hashes
-from llm_serving.core.scheduler import Scheduler, SchedulerConfig
+from llm_serving.core.scheduler import Scheduler
+from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.core.sequence import SamplingParams, Sequence, SequenceStatus
 from tests.test_scheduler import EOS, FakeKVModel, expected_output
 

@@ -3,7 +3,8 @@ import random
 import numpy as np
 import pytest
 
-from llm_serving.core.scheduler import RequestRejected, Scheduler, SchedulerConfig
+from llm_serving.core.scheduler import RequestRejected, Scheduler
+from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.core.sequence import SamplingParams, Sequence, SequenceStatus
 from llm_serving.protocol.batch import StepBatch, StepOutput
 

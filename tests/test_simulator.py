@@ -13,7 +13,8 @@ import yaml
 
 from llm_serving.cli.main import main as cli_main
 from llm_serving.config.serving_config import ServingConfig
-from llm_serving.core.scheduler import Scheduler, SchedulerConfig
+from llm_serving.core.scheduler import Scheduler
+from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.core.step_shape import StepShape, distinct_positions, step_rows, steps_from_rows
 from llm_serving.protocol.batch import StepBatch

@@ -81,10 +81,10 @@ def check_oracle_run(scheduler: Scheduler, runner, references: dict[tuple, tuple
     with the oracle proposing: every token and logprob is transformers', some proposals kept, every block returned."""
     from tests.test_chunked_model import serve as serve_on
 
-    scheduler._proposer = OracleProposer({p: ref for p, (ref, _) in references.items()}, vocab_size)
+    scheduler.speculation.proposer = OracleProposer({p: ref for p, (ref, _) in references.items()}, vocab_size)
     seqs = [Sequence(f"s{i}", list(p), SamplingParams(len(ref))) for i, (p, (ref, _)) in enumerate(references.items())]
     serve_on(scheduler, runner, seqs)
-    assert scheduler.spec_proposed > scheduler.spec_accepted > scheduler.spec_steps > 0
+    assert scheduler.speculation.proposed > scheduler.speculation.accepted > scheduler.speculation.steps > 0
     for seq in seqs:
         ref, ref_logprobs = references[tuple(seq.prompt_ids)]
         assert seq.output_ids == ref
@@ -166,7 +166,7 @@ def test_greedy_output_is_plain_greedy_output(kw, k):
         assert len(seq.output_logprobs) == len(seq.output_ids)
     verify = [b for b in batches if b.draft_lens is not None]
     assert verify and max(int(b.draft_lens.max()) for b in verify) == k
-    assert 0 < s.spec_accepted < s.spec_proposed  # some proposals right, some wrong
+    assert 0 < s.speculation.accepted < s.speculation.proposed  # some proposals right, some wrong
     assert len(batches) < len(serve(Scheduler(config(max_num_seqs=8, **kw)), prompts()))  # fewer model steps
     assert s.num_used_blocks == 0 and s.block_manager.accounting()
 
@@ -218,7 +218,7 @@ def test_verify_rounds_in_the_agent_keep_greedy_output_and_free_every_block(meth
     for q in seqs:
         assert (q.output_ids, q.finish_reason) == expected(q.prompt_ids, q.params), q
         assert len(q.output_logprobs) == len(q.output_ids)
-    assert multi and 0 < s.spec_accepted < s.spec_proposed and s.spec_drafts > s.spec_steps
+    assert multi and 0 < s.speculation.accepted < s.speculation.proposed and s.speculation.drafts > s.speculation.steps
     assert s.num_used_blocks == 0 and s.block_manager.accounting()
 
 
@@ -395,7 +395,7 @@ def test_on_the_native_cpu_ops_verified_tokens_are_hugging_faces(tmp_path):
     native CPU ops keeps exactly transformers' greedy tokens and logprobs. The portable ops refuse verify graphs."""
     from agents.runtime.runner import ModelRunner, RunnerConfig
     from agents.weights.checkpoints import load_weights
-    from llm_serving.core.scheduler import SchedulerConfig
+    from llm_serving.core.scheduler_config import SchedulerConfig
     from llm_serving.models.random_model import build_random_model
     from tests.hf_reference import hf_greedy, load_hf
     from tests.test_chunked_model import CONFIG, RC
@@ -426,13 +426,13 @@ class WrongProposer:
 @pytest.mark.parametrize("threshold", [0.0, 0.5])
 def test_a_sequence_whose_proposals_keep_failing_pauses_them(threshold):
     s = Scheduler(config(speculative="ngram", speculative_min_accepted=threshold, max_model_len=64))
-    s._proposer = WrongProposer()
+    s.speculation.proposer = WrongProposer()
     seq = Sequence("a", [3, 4, 5], SamplingParams(40, ignore_eos=True))
     batches = serve(s, [seq])
     assert (seq.output_ids, seq.finish_reason) == expected(seq.prompt_ids, seq.params)
     verified = sum(b.draft_lens is not None for b in batches)
     if threshold:  # one verification, then 8 plain steps, again and again
-        assert verified == len(range(0, 39, 9)) and s.spec_accepted == 0
+        assert verified == len(range(0, 39, 9)) and s.speculation.accepted == 0
     else:
         assert verified == 38  # every decode step after the prefill but the last (its one token is its last)
 

@@ -30,7 +30,7 @@ from llm_serving.config.yaml_sections import (
     show_value,
     suggest,
 )
-from llm_serving.core.scheduler import POLICIES
+from llm_serving.core.scheduler_config import POLICIES
 from llm_serving.core.speculative import METHODS as SPECULATIVE_METHODS
 from llm_serving.protocol.model_config import (
     ASCEND_DTYPES,

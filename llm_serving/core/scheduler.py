@@ -62,100 +62,22 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from itertools import islice
 
 import numpy as np
 
 from llm_serving.core.block_manager import DUMMY_BLOCK, BlockManager
 from llm_serving.core.logprobs import prompt_logprob, top_logprobs
+from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.core.sequence import FINISH_REASONS, Sequence, SequenceStatus
-from llm_serving.core.speculative import AGENT_METHODS, METHODS, AgentProposer, NgramProposer
+from llm_serving.core.speculation import Speculation
 from llm_serving.core.step_builder import StepBuilder
-from llm_serving.protocol.batch import StepBatch, StepOutput, verify_round_proposals
+from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.model_config import blocks_needed
-
-POLICIES = ("fcfs", "longest_output_first")
-SPEC_PAUSE_STEPS = 8  # decode steps a sequence sits out of speculation after its proposals kept failing
-SPEC_PROBE_EVERY = 16  # decode steps of a batch size between two tries of the mode measured slower
-SPEC_RATE_WEIGHT = 0.2  # weight of the newest step in a mode's running tokens/s
-SPEC_MEAN_WEIGHT = 0.3  # weight of the newest verification in a sequence's running mean of accepted proposals
 
 
 class RequestRejected(ValueError):
     """A request that can never be served with this configuration (rejected at admission)."""
-
-
-@dataclass
-class SchedulerConfig:
-    num_blocks: int  # KV cache blocks on the agents, dummy block 0 included
-    block_size: int = 16  # tokens per KV block
-    max_num_seqs: int = 8  # running sequences = largest decode batch
-    max_prefill_batch: int = 4  # sequences admitted by one prefill step
-    max_num_batched_tokens: int = 2048  # token budget of one step (of one prefill step without chunked prefill)
-    max_model_len: int = 2048  # prompt + max_new_tokens limit per request
-    eos_token_id: int | None = 2  # None: only max_new_tokens ends a request
-    other_eos_token_ids: tuple[int, ...] = ()  # further ids that end a request as eos does (Llama 3's <|eot_id|>)
-    policy: str = "fcfs"  # admission order, see POLICIES
-    max_wait_s: float | None = 30.0  # longest_output_first: admit requests queued this long first
-    min_decode_steps_between_prefills: int = 0  # interleaving knob, see module docstring
-    max_prompt_len: int | None = None  # longest prompt prefilled with others (unchunked); None: max_model_len
-    chunked_prefill: bool = False  # decode tokens and prompt chunks share steps, see the module docstring
-    prefix_caching: bool = False  # reuse the cached KV blocks of a shared prefix
-    decode_steps: int = 1  # decode steps one batch may run while nothing waits (``_steps_ahead``)
-    async_scheduling: bool = False  # the next plain decode step sent while one runs (``schedule_ahead``)
-    speculative: str = ""  # proposer of speculative decoding (``core.speculative.METHODS``); "": none
-    num_speculative_tokens: int = 4  # most proposals one sequence has verified in a step
-    prompt_lookup_min: int = 1  # n-gram lengths the ngram proposer matches
-    prompt_lookup_max: int = 4
-    # tokens one verify step carries at most (its sequences' last tokens and proposals): fewer proposals each as the
-    # batch grows, none from this many running sequences on (at saturation verifying costs more than it saves)
-    speculative_step_tokens: int = 8
-    # a sequence whose recent verifications accepted fewer proposals than this on average sits out
-    # ``SPEC_PAUSE_STEPS`` decode steps, then tries again (a verify step costs more than a decode step)
-    speculative_min_accepted: float = 0.0
-    # speculate only at the batch sizes where verify steps measured faster (tokens/s) than plain ones
-    speculative_adaptive: bool = False
-    speculative_rounds: int = 1  # verify rounds one step may run in the agents while nothing waits (``_rounds``)
-
-    def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_prefill_batch",
-                     "max_num_batched_tokens", "max_model_len", "decode_steps", "speculative_rounds"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"scheduler config: {name} must be a positive int, got {value!r}")
-        if self.num_blocks < 2:
-            raise ValueError(f"scheduler config: num_blocks must be >= 2 (block 0 is reserved), got "
-                             f"{self.num_blocks}")
-        if self.chunked_prefill and self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"scheduler config: max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_num_seqs ({self.max_num_seqs}): every running sequence's decode token fits a step"
-            )
-        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"scheduler config: max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}): without chunked prefill a preempted sequence is "
-                "recomputed in one prefill"
-            )
-        if self.speculative not in METHODS:
-            raise ValueError(f"scheduler config: speculative must be one of {METHODS}, got {self.speculative!r}")
-        if self.speculative and self.decode_steps > 1:
-            raise ValueError("scheduler config: speculative decoding and decode_steps > 1 both run several tokens per "
-                             "step; choose one")
-        if self.speculative and self.async_scheduling:
-            raise ValueError("scheduler config: speculative decoding proposes tokens between steps, which a step sent "
-                             "ahead cannot wait for; choose one")
-        if self.policy not in POLICIES:
-            raise ValueError(f"scheduler config: policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.max_wait_s is not None and self.max_wait_s < 0:
-            raise ValueError(f"scheduler config: max_wait_s must be >= 0 or None, got {self.max_wait_s}")
-        if self.min_decode_steps_between_prefills < 0:
-            raise ValueError("scheduler config: min_decode_steps_between_prefills must be >= 0, got "
-                             f"{self.min_decode_steps_between_prefills}")
-        if self.max_prompt_len is not None and not 1 <= self.max_prompt_len <= self.max_model_len:
-            raise ValueError(f"scheduler config: max_prompt_len must be in 1..max_model_len "
-                             f"({self.max_model_len}) or None, got {self.max_prompt_len}")
 
 
 class Scheduler:
@@ -178,17 +100,8 @@ class Scheduler:
         self._row: dict[str, int] = {}
         self._running_sampled = 0  # running sequences whose params need logits; 0 keeps decode on the fast path
         self._running_dumps = 0  # running sequences that read logits back; 0: no step asks for logits
-        self._proposer = (NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-                          if config.speculative == "ngram" else AgentProposer()
-                          if config.speculative in AGENT_METHODS else None)
-        # speculative decoding: verify steps, sequences' drafts verified, proposals sent and accepted (engine metrics)
-        self.spec_steps = self.spec_drafts = self.spec_proposed = self.spec_accepted = 0
-        self._verifying: dict[str, int] = {}  # the step in flight's proposals per request (a verify step's)
-        # measured choice (``note_step_time``): running tokens/s of decode steps by (batch size class, speculated),
-        # the decode steps seen per class, and what the last step was (class, speculated, tokens appended)
-        self._spec_rates: dict[tuple[int, bool], float] = {}
-        self._spec_turns: dict[int, int] = {}
-        self._last_decode: tuple[int, bool, int] | None = None
+        # speculative decoding's policy and counts (None: plain decode steps only)
+        self.speculation = Speculation(config) if config.speculative else None
         # the step last scheduled gives every sequence its next token (a decode or verify step: no prompt chunks),
         # as the steps sent ahead of it do
         self._scheduled_decode = False
@@ -282,18 +195,22 @@ class Scheduler:
         self._decodes_since_prefill = 0 if admitted else self._decodes_since_prefill + 1
         steps = 1 if prefill else self._steps_ahead(seqs)
         self._scheduled_decode = not prefill
-        drafts = self._propose(seqs) if not prefill and self._proposer is not None else None
-        if drafts is not None:  # several rounds go on in the agents even when this one has no proposals
-            rounds = self._rounds(seqs)
-            if rounds > 1 or any(drafts):
-                return seqs, self._build_verify(seqs, drafts, rounds, self._round_proposals(len(seqs)))
+        spec = self.speculation
+        plan = None if prefill or spec is None else spec.plan(
+            seqs, waiting=bool(self._waiting or self._preempted), reads_logits=bool(self._running_dumps),
+            master_needed=self._master_needed_between_tokens(), reserve=self._grow_free)
+        if plan is not None:
+            batch = self._builder.verify_step(seqs, plan.drafts, self._block_tables(seqs), plan.rounds,
+                                              plan.round_proposals, with_history=spec.wants_history(plan.rounds))
+            spec.sent(seqs, batch)
+            return seqs, batch
         return seqs, self._build(seqs, prefill, num_steps=steps)
 
     def schedule_ahead(self, seqs: list[Sequence], batch: StepBatch) -> tuple[list[Sequence], StepBatch] | None:
         """The decode step after ``batch`` (sent, not yet postprocessed) for those of its ``seqs`` that ``batch``
         does not give their last token, fed the agents' picks of ``batch`` (module docstring); None when the next
         step must wait for ``batch``'s results."""
-        if (not self.config.async_scheduling or not self._scheduled_decode or self._proposer is not None
+        if (not self.config.async_scheduling or not self._scheduled_decode or self.speculation is not None
                 or self._master_needed_between_tokens() or len(seqs) != len(self._running)):
             return None
         running, given = SequenceStatus.RUNNING, batch.num_steps  # the tokens ``batch`` gives each sequence
@@ -318,8 +235,8 @@ class Scheduler:
             )
         caching = self.block_manager.prefix_cache is not None
         more, more_logprobs = output.more_token_ids, output.more_logprobs
-        decode = self._proposer is not None and self._scheduled_decode
-        generated = sum(len(seq.output_ids) for seq in seqs) if decode else 0
+        spec = self.speculation if self._scheduled_decode else None
+        generated = sum(len(seq.output_ids) for seq in seqs) if spec is not None else 0
         finished = []
         for row, (seq, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
             if seq.status is not SequenceStatus.RUNNING:
@@ -352,22 +269,23 @@ class Scheduler:
                     reason = self._append(seq, later, later_logprob)
                     if reason is not None:
                         break
-            if output.num_more is not None:
-                self._count_verified(seq, row, output)
+            if output.num_more is not None and self.speculation is not None:
+                self.speculation.verified(seq, row, output)
             if reason is None:
                 if output.num_more is not None:  # blocks grown for rejected proposals go back
                     self._trim(seq)
                 continue
             self._finish(seq, reason)
             finished.append(seq)
-        if decode:
-            self._note_decode(seqs, generated, output.num_more is not None)
+        if spec is not None:
+            spec.decoded(len(seqs), output.num_more is not None, sum(len(seq.output_ids) for seq in seqs) - generated)
         return finished
 
-    def _note_decode(self, seqs: list[Sequence], generated_before: int, speculated: bool) -> None:
-        """Remember a decode step's batch size class and tokens for ``note_step_time``."""
-        tokens = sum(len(seq.output_ids) for seq in seqs) - generated_before
-        self._last_decode = (len(seqs).bit_length(), speculated, tokens)
+    def note_step_time(self, seconds: float) -> None:
+        """The wall time of the step ``postprocess`` last applied (the engine measures it): a decode step's tokens/s
+        feed speculation's measured choice (``Speculation.note_step_time``)."""
+        if self.speculation is not None:
+            self.speculation.note_step_time(seconds)
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> str | None:
         """Append a generated token; the finish reason it brings, if any."""
@@ -571,97 +489,6 @@ class Scheduler:
             self._extend(seq, seq.num_tokens + extra)
         return True
 
-    def _propose(self, seqs: list[Sequence]) -> list[list[int]] | None:
-        """Speculative decoding: each sequence's proposals (``core.speculative``) for a verify step, while nothing
-        waits to be admitted and no running sequence reports logits; for the sequences whose sampling allows it
-        (``SamplingParams.speculable``: greedy, or plain sampling checked by rejection on the agents), fewer than
-        it may still generate and within the blocks that are free now (never preempting for them), possibly all
-        empty; None when the step does not speculate. The step's tokens stay within ``speculative_step_tokens``."""
-        if self._waiting or self._preempted or self._running_dumps:
-            return None
-        cfg = self.config
-        k = self._round_proposals(len(seqs))
-        if k < 1 or (cfg.speculative_adaptive and not self._speculation_pays(len(seqs))):
-            return None
-        bm, drafts = self.block_manager, []
-        for seq in seqs:
-            room = min(k, seq.params.max_new_tokens - len(seq.output_ids) - 1)  # the last pick is a token too
-            if seq.spec_pause:  # its proposals kept failing: plain decode steps for a while
-                seq.spec_pause -= 1
-                room = 0
-            room = room if seq.params.speculable else 0
-            proposal = self._proposer.propose(seq.prompt_ids + seq.output_ids, room) if room > 0 else []
-            while proposal and not bm.can_grow(seq, seq.num_tokens + len(proposal)):
-                proposal.pop()
-            if proposal:
-                self._extend(seq, seq.num_tokens + len(proposal))
-            drafts.append(proposal)
-        return drafts
-
-    def _round_proposals(self, batch_size: int) -> int:
-        """Proposals a sequence of a verify step of ``batch_size`` sequences gets a round."""
-        cfg = self.config
-        return verify_round_proposals(cfg.num_speculative_tokens, cfg.speculative_step_tokens, batch_size)
-
-    def _rounds(self, seqs: list[Sequence]) -> int:
-        """Verify rounds this verify step runs in the agents (``agents.runtime.verify_rounds``): up to
-        ``speculative_rounds`` while the master is not needed between tokens (as multi-step decoding:
-        ``_master_needed_between_tokens``), no more than any sequence may still generate at ``k + 1`` tokens a
-        round, and only with the blocks of all those positions free now (never preempting for them)."""
-        cfg = self.config
-        if cfg.speculative_rounds == 1 or self._master_needed_between_tokens():
-            return 1
-        per_round = self._round_proposals(len(seqs)) + 1
-        rounds = min(cfg.speculative_rounds,
-                     min(seq.params.max_new_tokens - len(seq.output_ids) for seq in seqs) // per_round)
-        # the last round's proposals reach the position before the step's last token at most
-        return rounds if rounds > 1 and self._grow_free(seqs, rounds * per_round - 1) else 1
-
-    def _speculation_pays(self, batch_size: int) -> bool:
-        """Whether this decode step of ``batch_size`` sequences speculates: by the tokens/s measured for both
-        modes at this batch size (its power-of-two class), trying each mode first and the slower one again every
-        ``SPEC_PROBE_EVERY`` steps (costs change with the contexts and the acceptance)."""
-        size = batch_size.bit_length()
-        turn = self._spec_turns[size] = self._spec_turns.get(size, 0) + 1
-        spec, plain = self._spec_rates.get((size, True)), self._spec_rates.get((size, False))
-        if spec is None or plain is None:
-            return spec is None  # measure speculation first, then plain steps
-        faster = spec >= plain
-        return faster != (turn % SPEC_PROBE_EVERY == 0)
-
-    def note_step_time(self, seconds: float) -> None:
-        """The wall time of the step ``postprocess`` last applied (the engine measures it): a decode step's tokens/s
-        feed the measured choice of ``_speculation_pays``."""
-        if self._last_decode is None or seconds <= 0:
-            return
-        size, speculated, tokens = self._last_decode
-        self._last_decode = None
-        rate, key = tokens / seconds, (size, speculated)
-        old = self._spec_rates.get(key)
-        self._spec_rates[key] = rate if old is None else (1 - SPEC_RATE_WEIGHT) * old + SPEC_RATE_WEIGHT * rate
-
-    def _count_verified(self, seq: Sequence, row: int, output: StepOutput) -> None:
-        """Count a verify step's drafts, proposals and accepted proposals of ``seq`` (those of every round: the
-        agents' ``spec_counts``; the first round's proposals were counted when the step was built)."""
-        first = self._verifying.get(seq.request_id, 0)
-        if output.spec_counts is None:
-            drafts, accepted = int(first > 0), int(output.num_more[row])
-        else:
-            drafts, proposed, accepted = output.spec_counts[row].tolist()
-            self.spec_drafts += drafts - (first > 0)
-            self.spec_proposed += proposed - first
-        if drafts:
-            self._note_acceptance(seq, accepted, drafts)
-
-    def _note_acceptance(self, seq: Sequence, accepted: int, drafts: int = 1) -> None:
-        """Count ``accepted`` proposals of ``drafts`` verified drafts; pause the proposals while they keep failing."""
-        self.spec_accepted += accepted
-        mean, now = seq.spec_accepted_mean, accepted / drafts
-        mean = now if mean == float("inf") else (1 - SPEC_MEAN_WEIGHT) * mean + SPEC_MEAN_WEIGHT * now
-        if mean < self.config.speculative_min_accepted:
-            seq.spec_pause, mean = SPEC_PAUSE_STEPS, float("inf")  # then a fresh start
-        seq.spec_accepted_mean = mean
-
     def _trim(self, seq: Sequence) -> None:
         """Free the blocks past ``seq``'s next input token (grown for proposals it rejected)."""
         keep = self.block_manager.blocks_needed(seq.num_tokens)
@@ -728,15 +555,3 @@ class Scheduler:
                                         any_sampled=bool(self._running_sampled),
                                         any_reads_logits=bool(self._running_dumps), ahead=ahead,
                                         num_steps=num_steps, fed_rows=fed_rows)
-
-    def _build_verify(self, seqs: list[Sequence], drafts: list[list[int]], rounds: int, per_round: int) -> StepBatch:
-        """A verify step of ``drafts`` in ``rounds`` rounds of ``per_round`` proposals (with the sequences' tokens
-        for the agents' prompt lookup); counts its proposals."""
-        batch = self._builder.verify_step(seqs, drafts, self._block_tables(seqs), rounds, per_round,
-                                          with_history=rounds > 1 and isinstance(self._proposer, NgramProposer))
-        draft_lens = batch.draft_lens
-        self.spec_steps += 1
-        self._verifying = {seq.request_id: len(d) for seq, d in zip(seqs, drafts)}
-        self.spec_drafts += int(np.count_nonzero(draft_lens))
-        self.spec_proposed += int(draft_lens.sum())
-        return batch

@@ -69,6 +69,15 @@ SHUTDOWN_JOIN_S = 30.0  # shutdown waits this long for the step in flight before
 
 
 # ---- the engine -------------------------------------------------------------------------------------------
+def speculation_stats(scheduler: Scheduler) -> dict[str, float]:
+    """Speculative decoding's counts (all 0 without it)."""
+    spec = scheduler.speculation
+    steps, drafts, proposed, accepted = (0, 0, 0, 0) if spec is None else (spec.steps, spec.drafts, spec.proposed,
+                                                                          spec.accepted)
+    return {"spec_verify_steps": steps, "spec_drafts": drafts, "spec_proposed_tokens": proposed,
+            "spec_accepted_tokens": accepted, "spec_acceptance_rate": accepted / proposed if proposed else 0.0}
+
+
 class Engine:
     """See the module docstring. ``pool_factory(spec)`` lets tests supply a pool."""
 
@@ -315,10 +324,7 @@ class Engine:
                            kv_blocks_total=s.block_manager.num_usable_blocks,
                            kv_blocks_used=s.num_used_blocks, kv_blocks_free=s.num_free_blocks,
                            kv_usage=s.block_usage,
-                           num_preemptions=s.num_preemptions, **s.prefix_cache_stats(),
-                           spec_verify_steps=s.spec_steps, spec_drafts=s.spec_drafts, spec_proposed_tokens=s.spec_proposed,
-                           spec_accepted_tokens=s.spec_accepted,
-                           spec_acceptance_rate=s.spec_accepted / s.spec_proposed if s.spec_proposed else 0.0)
+                           num_preemptions=s.num_preemptions, **s.prefix_cache_stats(), **speculation_stats(s))
             if self._agents is not None:
                 out.update(agent_restarts=self._agents.restarts, step_timeout_s=self._agents.step_timeout_s)
             if self._kv is not None:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llm_serving.core.scheduler import Scheduler, SchedulerConfig
+from llm_serving.core.scheduler import Scheduler
+from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.core.step_shape import StepShape
 from llm_serving.protocol.batch import StepOutput

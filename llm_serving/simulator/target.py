@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llm_serving.config.serving_config import ConfigError, ServingConfig
-from llm_serving.core.scheduler import SchedulerConfig
+from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.engine.wiring import ModelFiles, kv_cache_blocks, resolve_model, scheduler_config
 from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
 from llm_serving.simulator.costs import (
