@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llm_serving.config.serving_config import ConfigError, ModelSection, PagedAttentionSection, ServingConfig
+from llm_serving.config.sections import ModelSection, PagedAttentionSection
+from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.engine.wiring import resolve_model
 from llm_serving.models.default_model import TRAINED_MODEL
 from llm_serving.protocol.paths import cache_root

@@ -4,7 +4,9 @@ Contest users bring MindSpore llm-serving YAML files, so its sections and keys a
 ``serving_config``, ``pa_config``, ``tokenizer``); llm-serving keys that have no meaning here are accepted,
 type-checked and ignored with a note in ``ServingConfig.notes``. Our own sections are ``scheduler`` and
 ``default_model``. Every mistake is a ``ConfigError`` naming the file, the key and what was expected, so a bad
-file fails at start-up rather than deep inside an agent. See ``configs/example.yaml`` for every key.
+file fails at start-up rather than deep inside an agent. See ``configs/example.yaml`` for every key. Each
+section (``llm_serving.config.sections``) checks its own keys in its ``validate``; ``_validate`` here holds only
+the checks that relate keys of several sections.
 
 Relative paths are resolved against the directory of the YAML file (the current directory for dicts and
 overrides) and ``~`` is expanded; a key left empty (null) takes its default. Kept free of MindSpore.
@@ -21,241 +23,36 @@ from typing import Any
 
 import yaml
 
+from llm_serving.config.sections import (
+    CACHED_CONTEXT_DEVICES,
+    SECTIONS,
+    DefaultModelSection,
+    ModelSection,
+    PagedAttentionSection,
+    SchedulerSection,
+    ServingSection,
+    SpeculativeSection,
+    TokenizerSection,
+)
 from llm_serving.config.yaml_sections import (
     COMPAT_SECTIONS,
     ConfigError,
     bad_value,
     parse_section,
-    setting,
     show_value,
     suggest,
 )
-from llm_serving.core.scheduler_config import POLICIES
-from llm_serving.core.speculative import METHODS as SPECULATIVE_METHODS
-from llm_serving.protocol.model_config import (
-    ASCEND_DTYPES,
-    DEVICE_TARGETS,
-    DTYPES,
-    KERNEL_CHOICES,
-    KV_CACHE_DTYPES,
-    PRECISIONS,
-    QUANTIZATIONS,
-    LlamaConfig,
-    ModelConfigError,
-    blocks_needed,
-)
-from llm_serving.protocol.paths import cache_root
-from llm_serving.protocol.wire import split_address
+from llm_serving.protocol.model_config import ModelConfigError, blocks_needed
 
-__all__ = ["ConfigError", "DefaultModelSection", "ModelSection", "PagedAttentionSection", "SchedulerSection",
-           "ServingConfig", "ServingSection", "TokenizerSection"]
+__all__ = ["ConfigError", "ServingConfig"]
 
-# tokenizer.type -> the file it reads: sentencepiece's tokenizer.model, Hugging Face's tokenizer.json, or auto
-# (whichever the model directory has, tokenizer.model first)
-TOKENIZER_TYPES = {"auto": None, "LlamaTokenizer": "tokenizer.model", "PreTrainedTokenizerFast": "tokenizer.json"}
 _CHECKPOINT_SUFFIXES = (".ckpt", ".safetensors", ".bin")
-# devices whose agents' ops attend over cached context (chunked prefill, prefix caching): the CPU backends, and
-# the Ascend backend through PagedAttention's multi-token queries (q_seq_lens)
-CACHED_CONTEXT_DEVICES = ("CPU", "Ascend")
-# model_config.backend: llm-serving's 'ms' / 'ge' / 'kbk' all run our Llama graph; 'mindformers' runs MindFormers'
-# LlamaForCausalLM built from model_cfg_path (agents/mindformers, its own environment: docs/mindformers.md)
-MODEL_BACKENDS = ("ms", "ge", "kbk", "mindformers")
-MAX_VERIFY_ROUNDS = 64  # speculative.rounds: a step's tokens come back together (64 x 16 a sequence at most)
-MAX_DECODE_STEPS = 16  # scheduler.decode_steps: more only delays what a client sees (tokens come k at a time)
 
-
-@dataclass(frozen=True)
-class ModelSection:
-    """``model_config``: what model to serve and the compiled shape buckets."""
-
-    model_name: str = setting("llama2", "str")
-    model_path: str | None = setting(None, "path", optional=True)  # None: serve the embedded default model
-    dtype: str = setting("float32", "str")
-    device_target: str = setting("CPU", "str")  # CPU or Ascend; rank r runs on device start_device_id + r
-    max_generate_length: int = setting(512, "int")
-    end_token: int | None = setting(None, "int", optional=True)  # None: the model's eos_token_id
-    vocab_size: int | None = setting(None, "int", optional=True)  # None: the model's; else checked against it
-    pad_token_id: int = setting(0, "int")
-    seq_length: tuple[int, ...] = setting((64, 256), "buckets")
-    prefill_batch_size: tuple[int, ...] = setting((1, 4), "buckets")
-    decode_batch_size: tuple[int, ...] = setting((1, 8, 32), "buckets")
-    page_attention: bool = setting(True, "bool")
-    kernels: str = setting("auto", "str")  # native C++ ops on CPU (attention, greedy, projections), portable or auto
-    precision: str = setting("exact", "str")  # exact; half / fast: float16 / bfloat16 weights of native projections
-    quantization: str = setting("none", "str")  # none; w8a16: int8 weights of the layers' projections
-    kv_cache_dtype: str = setting("auto", "str")  # auto (the model's dtype); int8: per token and kv head scales
-    backend: str = setting("ms", "str")
-    model_cfg_path: str | None = setting(None, "path", optional=True)
-    # early exit: serve only the first N decoder layers (then the final norm and lm_head); None: every layer
-    early_exit_layer: int | None = setting(None, "int", optional=True)
-
-
-@dataclass(frozen=True)
-class ServingSection:
-    """``serving_config``: network endpoints, agent ranks and admission limits."""
-
-    # llm-serving compatibility: its agents listen on these ports; ours talk over pipes, so only the
-    # number of entries counts (the agent count when num_agents is not set)
-    agent_ports: tuple[int, ...] = setting((16002,), "ints")
-    start_device_id: int = setting(0, "int")
-    server_ip: str = setting("127.0.0.1", "str")
-    server_port: int = setting(8000, "int")
-    num_agents: int | None = setting(None, "int", optional=True)
-    # ranks started on this host (0 .. local_agents-1; None: all); the others run on other hosts and join at
-    # join_address (HOST:PORT of this host, where `llm-serving agent --join` connects; docs/deployment.md)
-    local_agents: int | None = setting(None, "int", optional=True)
-    join_address: str | None = setting(None, "str", optional=True)
-    # prefill/decode disaggregation: this engine exports prompts' KV blocks to, and imports them from, engines of
-    # the same model and layout (kv_transfer_params of the OpenAI routes; `llm-serving router --prefill`)
-    kv_transfer: bool = setting(False, "bool")
-    max_queue_size: int = setting(1024, "int")
-    model_aliases: tuple[str, ...] = setting(("llama2",), "strs")
-    api_key: str | None = setting(None, "str", optional=True)  # Bearer key on all routes but /health
-    drain_timeout_s: float = setting(30.0, "float")
-    # self-healing agents (llm_serving/engine/recovery.py): a step gets step_timeout_factor x the slowest warmed-up
-    # step, at least step_timeout_min_s (factor 0: no timeout); restarts back off from agent_restart_backoff_s
-    step_timeout_factor: float = setting(20.0, "float")
-    step_timeout_min_s: float = setting(5.0, "float")
-    agent_restart_limit: int = setting(5, "int")
-    agent_restart_backoff_s: float = setting(1.0, "float")
-    # logits dump of `llm-serving generate` (--dump-logits DIR, --dump-logits-tokens N override these): float32
-    # logits of each prompt's first N generated positions in DIR/<prompt index>.npy; None: no dump / every position
-    dump_logits_dir: str | None = setting(None, "path", optional=True)
-    dump_logits_tokens: int | None = setting(None, "int", optional=True)
-    # the agents' graph compile cache (agents/runtime/compile_cache.py): true (compile-cache/ under the cache root,
-    # llm_serving.protocol.paths), false, or
-    # the directory to keep it in; a warm start loads every shape's graph instead of compiling it
-    compile_cache: bool | str = setting(True, "switch_or_path")
-
-    @property
-    def effective_num_agents(self) -> int:
-        return self.num_agents if self.num_agents is not None else len(self.agent_ports)
-
-
-@dataclass(frozen=True)
-class PagedAttentionSection:
-    """``pa_config``: the paged KV cache."""
-
-    num_blocks: int | str = setting(512, "int_or_auto")  # per device; auto: from its memory (memory_utilization)
-    block_size: int = setting(16, "int")
-    decode_seq_length: int = setting(512, "int")  # max tokens (prompt + output) of one sequence
-    # the share of each device's memory that weights, steps and the KV cache may take, with num_blocks auto
-    memory_utilization: float | None = setting(None, "float", optional=True)
-
-    @property
-    def auto_blocks(self) -> bool:
-        return self.num_blocks == "auto"
-
-    @property
-    def utilization(self) -> float:
-        """``memory_utilization``, 0.9 when left empty (vLLM's default)."""
-        return self.memory_utilization if self.memory_utilization is not None else 0.9
-
-
-@dataclass(frozen=True)
-class TokenizerSection:
-    """``tokenizer``: a SentencePiece ``tokenizer.model`` or a Hugging Face ``tokenizer.json``."""
-
-    type: str = setting("auto", "str")
-    vocab_file: str | None = setting(None, "path", optional=True)
-    chat_template: str | None = setting(None, "path", optional=True)  # a Jinja file; None: the model's own
-
-
-@dataclass(frozen=True)
-class SchedulerSection:
-    """``scheduler``: how waiting requests are admitted into steps."""
-
-    policy: str = setting("longest_output_first", "str")
-    max_wait_s: float = setting(5.0, "float")
-    max_num_batched_tokens: int | None = setting(None, "int", optional=True)
-    min_decode_steps_between_prefills: int = setting(0, "int")
-    decode_steps: int = setting(1, "int")  # decode steps per agent round trip when nothing waits (multi-step)
-    # the next plain decode step sent while one runs, fed the agents' own picks (Scheduler.schedule_ahead). None: on
-    # unless speculative decoding is (its verify steps need the master's proposals between steps)
-    async_scheduling: bool | None = setting(None, "bool", optional=True)
-    # decode tokens and prompt chunks share steps; reuse the KV blocks of a cached prefix. None: on where the
-    # agents' ops attend over cached context (CACHED_CONTEXT_DEVICES; not backend mindformers)
-    enable_chunked_prefill: bool | None = setting(None, "bool", optional=True)
-    enable_prefix_caching: bool | None = setting(None, "bool", optional=True)
-
-
-@dataclass(frozen=True)
-class SpeculativeSection:
-    """``speculative``: proposed tokens verified by the model several per step (``llm_serving.core.speculative``)."""
-
-    method: str = setting("", "str")  # "" (off), ngram, draft (draft_model_path) or self (the first draft_layers)
-    num_tokens: int = setting(4, "int")  # most proposals one sequence has verified in a step
-    prompt_lookup_min: int = setting(1, "int")
-    prompt_lookup_max: int = setting(4, "int")
-    draft_model_path: str | None = setting(None, "path", optional=True)
-    draft_layers: int | None = setting(None, "int", optional=True)
-    max_step_tokens: int = setting(8, "int")  # a verify step's tokens at most: proposals back off as batches grow
-    # verify rounds the agents run per step while the master is not needed between tokens (all greedy, nothing
-    # waiting): agents.runtime.verify_rounds; None: the method's default (verify_rounds())
-    rounds: int | None = setting(None, "int", optional=True)
-    # below this mean of accepted proposals a sequence pauses (0: never); None: the method's default (policies())
-    min_accepted: float | None = setting(None, "float", optional=True)
-    # speculate only at batch sizes where it measured faster; None: the method's default (policies())
-    adaptive: bool | None = setting(None, "bool", optional=True)
-
-    def verify_rounds(self) -> int:
-        """Verify rounds a step, as set or the method's default: 8 for ngram (one stream 1.61x plain against 1.25x
-        in one round a step), 1 for draft and self (their draft calls, not the master, bound them: 0.70x against
-        0.77x): docs/speculative.md "Verify rounds in the agent"."""
-        return self.rounds if self.rounds is not None else (8 if self.method == "ngram" else 1)
-
-    def policies(self) -> tuple[float, bool]:
-        """(min_accepted, adaptive), each as set or the method's default: off for ngram (its gains come in bursts
-        that pauses and running means skip), on for draft and self (a draft step costs nearly a target step on
-        CPU, and without them they ran at 0.6-0.76x of plain at one stream, with them 0.93-1.14x:
-        docs/speculative.md "The policies per method")."""
-        drafted = self.method in ("draft", "self")
-        return (self.min_accepted if self.min_accepted is not None else (0.5 if drafted else 0.0),
-                self.adaptive if self.adaptive is not None else drafted)
-
-
-DEFAULT_WEIGHTS = ("trained", "random")
-RANDOM_RECIPE_KEYS = ("seed", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                      "vocab_size")
-
-
-@dataclass(frozen=True)
-class DefaultModelSection:
-    """``default_model``: the small Llama served when no model_path is given: the trained pydoc model the project
-    ships (``weights: trained``), or a seeded random one built and cached locally from the keys below."""
-
-    weights: str = setting("trained", "str")
-    data_dir: str = setting(str(cache_root()), "path")
-    seed: int = setting(0, "int")
-    hidden_size: int = setting(256, "int")
-    intermediate_size: int = setting(688, "int")
-    num_layers: int = setting(4, "int")
-    num_heads: int = setting(4, "int")
-    num_kv_heads: int = setting(2, "int")
-    vocab_size: int = setting(1000, "int")
-
-    def llama_config(self, max_position_embeddings: int) -> LlamaConfig:
-        return LlamaConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-            max_position_embeddings=max_position_embeddings,
-        )
-
-
-SECTIONS: dict[str, type] = {
-    "model_config": ModelSection,
-    "serving_config": ServingSection,
-    "pa_config": PagedAttentionSection,
-    "tokenizer": TokenizerSection,
-    "scheduler": SchedulerSection,
-    "speculative": SpeculativeSection,
-    "default_model": DefaultModelSection,
-}
 
 @dataclass(frozen=True)
 class ServingConfig:
-    """The whole launch configuration; construction validates it (see ``_validate``)."""
+    """The whole launch configuration; construction validates it: each section its own keys (its ``validate``),
+    then the checks across sections (``_validate``)."""
 
     model_config: ModelSection = field(default_factory=ModelSection)
     serving_config: ServingSection = field(default_factory=ServingSection)
@@ -268,6 +65,8 @@ class ServingConfig:
     notes: tuple[str, ...] = field(default=(), compare=False)  # ignored compatibility keys, for the log
 
     def __post_init__(self) -> None:
+        for name in SECTIONS:
+            getattr(self, name).validate(self.source)
         _validate(self)
 
     # ----- loading -------------------------------------------------------------------------------------
@@ -417,155 +216,44 @@ class ServingConfig:
 
 # ----- validation -----------------------------------------------------------------------------------------
 def _validate(cfg: ServingConfig) -> None:
+    """The checks that relate keys of several sections; each section has checked its own keys (``validate``)
+    before. Each check spans sections because of what it reads:
+
+    - backend mindformers (model_config) runs one agent (serving_config; so no ranks on other hosts either) with a
+      cache of a set size (pa_config);
+    - kv_transfer (serving_config) copies host memory and prefix-cache blocks: CPU agents of our Llama
+      (model_config), prefix caching on (scheduler, whose default follows model_config), no draft's or early exit's
+      cache (speculative, model_config);
+    - the longest prefill bucket (model_config) within a sequence's length (pa_config);
+    - speculative decoding (speculative) excludes multi-step and steps sent ahead (scheduler), and needs queries over
+      cached context (model_config's device and backend), as do chunked prefill and prefix caching (scheduler);
+    - the step's token budget (scheduler) holds a whole sequence without chunked prefill (pa_config) or every
+      running sequence's decode token with it (model_config's largest decode batch);
+    - the default model's LlamaConfig (default_model) is checked at the served length (pa_config)."""
     src, m, s, pa = cfg.source, cfg.model_config, cfg.serving_config, cfg.pa_config
+    sc, sp = cfg.scheduler, cfg.speculative
 
     def need(ok: bool, key: str, msg: str) -> None:
         if not ok:
             raise bad_value(src, key, msg)
 
-    need(bool(m.model_name.strip()), "model_config.model_name", "must not be empty")
-    need(not isinstance(s.compile_cache, str) or not os.path.exists(s.compile_cache)
-         or os.path.isdir(s.compile_cache), "serving_config.compile_cache",
-         f"{s.compile_cache} exists and is not a directory (expected true, false or a directory path)")
-    need(m.dtype in DTYPES, "model_config.dtype", f"expected one of {', '.join(DTYPES)}, got {m.dtype!r}")
-    need(m.device_target in DEVICE_TARGETS, "model_config.device_target",
-         f"expected one of {', '.join(DEVICE_TARGETS)}, got {m.device_target!r}")
-    need(m.device_target != "Ascend" or m.dtype in ASCEND_DTYPES, "model_config.dtype",
-         f"{m.dtype} is not served on Ascend (model_config.device_target): the fused NPU kernels take "
-         f"{' or '.join(ASCEND_DTYPES)}")
-    need(m.backend in MODEL_BACKENDS, "model_config.backend",
-         f"expected one of {', '.join(MODEL_BACKENDS)}, got {m.backend!r}")
-    if m.backend == "mindformers":
-        need(m.model_cfg_path is not None, "model_config.model_cfg_path",
-             "backend mindformers builds MindFormers' Llama from a MindFormers predict YAML (e.g. "
-             "predict_llama2_7b.yaml): set model_config.model_cfg_path to it")
-        need(m.device_target == "Ascend", "model_config.device_target",
-             f"backend mindformers serves on Ascend only (MindFormers' Llama kernels, e.g. RmsNorm, FlashAttention "
-             f"and PagedAttention, have no CPU kernels), got {m.device_target}; `llm-serving export` builds its "
-             "Ascend graphs on this machine's CPU")
+    if cfg.uses_mindformers:
         need(s.effective_num_agents == 1, "serving_config.num_agents",
              f"backend mindformers runs one agent (no tensor parallelism through it), got {s.effective_num_agents}")
-    need(m.max_generate_length > 0, "model_config.max_generate_length",
-         f"must be positive, got {m.max_generate_length}")
-    need(m.vocab_size is None or m.vocab_size > 0, "model_config.vocab_size", f"must be positive, got {m.vocab_size}")
-    for key in ("end_token", "pad_token_id"):
-        v = getattr(m, key)
-        need(v is None or v >= 0, f"model_config.{key}", f"must be a token id >= 0, got {v}")
-    for key in ("seq_length", "prefill_batch_size", "decode_batch_size"):
-        b = getattr(m, key)
-        need(len(b) > 0, f"model_config.{key}", "needs at least one bucket")
-        need(all(x > 0 for x in b), f"model_config.{key}", f"buckets must be positive, got {list(b)}")
-        need(list(b) == sorted(set(b)), f"model_config.{key}", f"buckets must be sorted and unique: {list(b)}")
-
-    need(s.num_agents is not None or len(s.agent_ports) > 0, "serving_config.agent_ports",
-         "needs at least one entry (one per agent rank) when serving_config.num_agents is not set")
-    need(s.num_agents is None or s.num_agents >= 1, "serving_config.num_agents",
-         f"must be at least 1, got {s.num_agents}")
-    need(s.local_agents is None or 1 <= s.local_agents <= s.effective_num_agents, "serving_config.local_agents",
-         f"must be in 1..num_agents ({s.effective_num_agents}), got {s.local_agents}")
-    if s.local_agents is not None and s.local_agents < s.effective_num_agents:
-        need(s.join_address is not None, "serving_config.join_address",
-             f"is needed when only {s.local_agents} of the {s.effective_num_agents} ranks run here: the address of "
-             "this host (HOST:PORT) where the others join with `llm-serving agent --join`")
-        need(not cfg.uses_mindformers, "serving_config.local_agents",
-             "ranks on other hosts run our Llama graphs (backend ms, ge or kbk), not backend mindformers")
-    if s.join_address is not None:
-        try:
-            split_address(s.join_address)
-        except ValueError as exc:
-            need(False, "serving_config.join_address", str(exc))
+        need(not pa.auto_blocks, "pa_config.num_blocks",
+             "auto is not served by backend mindformers (MindFormers sizes its own cache): set a number")
     if s.kv_transfer:
         need(m.device_target == "CPU" and not cfg.uses_mindformers, "serving_config.kv_transfer",
              "KV blocks are copied on the host, where the cache is host memory: the CPU agents of our Llama only "
              "(Ascend would need gather/scatter graphs, docs/deployment.md)")
         need(cfg.prefix_caching, "serving_config.kv_transfer",
              "blocks move as prefix-cache blocks: leave scheduler.enable_prefix_caching on")
-        need(s.local_agents is None or s.local_agents >= s.effective_num_agents, "serving_config.kv_transfer",
-             "every rank must run on this host (the KV segment is shared memory)")
-        need(not cfg.speculative.method and m.early_exit_layer is None, "serving_config.kv_transfer",
+        need(not sp.method and m.early_exit_layer is None, "serving_config.kv_transfer",
              "a draft model's or an early exit's cache is not transferred: not with speculative.method or "
              "model_config.early_exit_layer")
-    need(0 <= s.server_port < 65536, "serving_config.server_port",
-         f"must be 0..65535 (0: any free port), got {s.server_port}")
-    need(bool(s.server_ip.strip()), "serving_config.server_ip", "must not be empty")
-    need(s.start_device_id >= 0, "serving_config.start_device_id", f"must be >= 0, got {s.start_device_id}")
-    need(s.max_queue_size >= 1, "serving_config.max_queue_size", f"must be >= 1, got {s.max_queue_size}")
-    need(all(a.strip() for a in s.model_aliases), "serving_config.model_aliases",
-         f"aliases must be non-empty: {list(s.model_aliases)}")
-    need(s.drain_timeout_s >= 0, "serving_config.drain_timeout_s", f"must be >= 0, got {s.drain_timeout_s}")
-    for key in ("step_timeout_factor", "step_timeout_min_s", "agent_restart_limit", "agent_restart_backoff_s"):
-        need(getattr(s, key) >= 0, f"serving_config.{key}", f"must be >= 0, got {getattr(s, key)}")
-    need(s.dump_logits_tokens is None or s.dump_logits_tokens >= 1, "serving_config.dump_logits_tokens",
-         f"must be >= 1 (empty: every generated position), got {s.dump_logits_tokens}")
-
-    for key in ("block_size", "decode_seq_length") + (() if pa.auto_blocks else ("num_blocks",)):
-        need(getattr(pa, key) > 0, f"pa_config.{key}", f"must be positive, got {getattr(pa, key)}")
-    need(pa.memory_utilization is None or pa.auto_blocks, "pa_config.memory_utilization",
-         f"sizes the cache only with pa_config.num_blocks: auto (num_blocks is {pa.num_blocks})")
-    need(pa.memory_utilization is None or 0 < pa.memory_utilization <= 1, "pa_config.memory_utilization",
-         f"must be in (0, 1], got {pa.memory_utilization}")
-    need(not (pa.auto_blocks and cfg.uses_mindformers), "pa_config.num_blocks",
-         "auto is not served by backend mindformers (MindFormers sizes its own cache): set a number")
-    need(m.kernels in KERNEL_CHOICES, "model_config.kernels",
-         f"expected one of {', '.join(KERNEL_CHOICES)}, got {m.kernels!r}")
-    need(m.precision in PRECISIONS, "model_config.precision",
-         f"expected one of {', '.join(PRECISIONS)}, got {m.precision!r}")
-    need(m.precision == "exact" or (m.device_target == "CPU" and m.kernels != "portable" and m.dtype == "float32"),
-         "model_config.precision", f"{m.precision} runs on the native CPU kernels only: it needs "
-         "model_config.device_target CPU, dtype float32 and kernels auto or native (got "
-         f"{m.device_target}, {m.dtype}, {m.kernels})")
-    need(m.quantization in QUANTIZATIONS, "model_config.quantization",
-         f"expected one of {', '.join(QUANTIZATIONS)}, got {m.quantization!r}")
-    need(m.quantization == "none" or m.device_target == "Ascend"
-         or (m.kernels != "portable" and m.dtype == "float32" and m.precision == "exact"),
-         "model_config.quantization", f"{m.quantization} runs on Ascend (WeightQuantBatchMatmul) or on the native "
-         "CPU projections with float32 activations: on CPU it needs dtype float32, kernels auto or native and "
-         f"precision exact (got {m.dtype}, {m.kernels}, {m.precision})")
-    need(m.quantization == "none" or not cfg.uses_mindformers, "model_config.quantization",
-         "is not served by backend mindformers")
-    need(m.kv_cache_dtype in KV_CACHE_DTYPES, "model_config.kv_cache_dtype",
-         f"expected one of {', '.join(KV_CACHE_DTYPES)}, got {m.kv_cache_dtype!r}")
-    need(m.kv_cache_dtype == "auto" or not cfg.uses_mindformers, "model_config.kv_cache_dtype",
-         f"{m.kv_cache_dtype} is not served by backend mindformers")
-    need(m.kv_cache_dtype == "auto" or m.device_target == "Ascend"
-         or (m.kernels != "portable" and m.dtype == "float32"),
-         "model_config.kv_cache_dtype", f"{m.kv_cache_dtype} is held and read by the native CPU attention (scales per "
-         "row) or on Ascend by PagedAttention (static scales per channel from `llm-serving calibrate-kv`): on CPU it "
-         f"needs dtype float32 and kernels auto or native (got {m.dtype}, {m.kernels}); docs/quantization.md")
-    usable = (pa.num_blocks - 1) * pa.block_size if not pa.auto_blocks else pa.decode_seq_length  # block 0: padding
-    need(pa.decode_seq_length <= usable, "pa_config.decode_seq_length",
-         f"{pa.decode_seq_length} tokens do not fit in the cache of (num_blocks - 1) * block_size = "
-         f"({pa.num_blocks} - 1) * {pa.block_size} = {usable} tokens (block 0 is reserved for padding)")
     need(m.seq_length[-1] <= pa.decode_seq_length, "model_config.seq_length",
          f"longest prefill bucket {m.seq_length[-1]} exceeds pa_config.decode_seq_length {pa.decode_seq_length}")
 
-    need(cfg.tokenizer.type in TOKENIZER_TYPES, "tokenizer.type",
-         f"expected one of {', '.join(TOKENIZER_TYPES)}, got {cfg.tokenizer.type!r}")
-
-    sc = cfg.scheduler
-    need(sc.policy in POLICIES, "scheduler.policy", f"expected one of {', '.join(POLICIES)}, got {sc.policy!r}")
-    need(sc.max_wait_s >= 0, "scheduler.max_wait_s", f"must be >= 0, got {sc.max_wait_s}")
-    need(sc.min_decode_steps_between_prefills >= 0, "scheduler.min_decode_steps_between_prefills",
-         f"must be >= 0, got {sc.min_decode_steps_between_prefills}")
-    need(1 <= sc.decode_steps <= MAX_DECODE_STEPS, "scheduler.decode_steps",
-         f"must be in 1..{MAX_DECODE_STEPS}, got {sc.decode_steps}")
-    sp = cfg.speculative
-    need(sp.method in SPECULATIVE_METHODS, "speculative.method",
-         f"expected one of {', '.join(map(repr, SPECULATIVE_METHODS))}, got {sp.method!r}")
-    need(1 <= sp.num_tokens < MAX_DECODE_STEPS, "speculative.num_tokens",
-         f"must be in 1..{MAX_DECODE_STEPS - 1}, got {sp.num_tokens}")
-    need(sp.min_accepted is None or sp.min_accepted >= 0, "speculative.min_accepted",
-         f"must be >= 0, got {sp.min_accepted}")
-    need(sp.rounds is None or 1 <= sp.rounds <= MAX_VERIFY_ROUNDS, "speculative.rounds",
-         f"must be in 1..{MAX_VERIFY_ROUNDS}, got {sp.rounds}")
-    need(sp.max_step_tokens >= 2, "speculative.max_step_tokens",
-         f"must be >= 2 (a sequence's last token and one proposal), got {sp.max_step_tokens}")
-    need(1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max, "speculative.prompt_lookup_min",
-         f"must be >= 1 and <= prompt_lookup_max ({sp.prompt_lookup_max}), got {sp.prompt_lookup_min}")
-    need((sp.method == "draft") == (sp.draft_model_path is not None), "speculative.draft_model_path",
-         "is the draft model of method draft, and only of it")
-    need((sp.method == "self") == (sp.draft_layers is not None), "speculative.draft_layers",
-         "is the number of the model's own layers that draft for method self, and only for it")
     need(not sp.method or sc.decode_steps == 1, "speculative.method",
          "speculative decoding and scheduler.decode_steps > 1 both run several tokens per step: choose one")
     need(not sp.method or not sc.async_scheduling, "scheduler.async_scheduling",
@@ -590,23 +278,8 @@ def _validate(cfg: ServingConfig) -> None:
          f"{sc.max_num_batched_tokens} is below the largest decode batch {m.decode_batch_size[-1]}: a step "
          "carries every running sequence's decode token")
 
-    dm = cfg.default_model
-    need(dm.weights in DEFAULT_WEIGHTS, "default_model.weights",
-         f"expected one of {', '.join(DEFAULT_WEIGHTS)}, got {dm.weights!r}")
-    if dm.weights == "trained":
-        for key in RANDOM_RECIPE_KEYS:
-            default = DefaultModelSection.__dataclass_fields__[key].default
-            need(getattr(dm, key) == default, f"default_model.{key}",
-                 f"describes the random model (default_model.weights: random); the shipped trained model has its "
-                 f"own sizes (leave it at {default})")
-    for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
-        need(getattr(dm, key) > 0, f"default_model.{key}", f"must be positive, got {getattr(dm, key)}")
-    need(dm.seed >= 0, "default_model.seed", f"must be >= 0, got {dm.seed}")
-    if dm.num_heads > 0 and dm.hidden_size % dm.num_heads == 0:
-        need(dm.hidden_size // dm.num_heads % 2 == 0, "default_model.hidden_size",
-             f"head_dim {dm.hidden_size // dm.num_heads} must be even for RoPE")
     try:
-        dm.llama_config(pa.decode_seq_length)  # its own checks
+        cfg.default_model.llama_config(pa.decode_seq_length)  # its own checks
     except ModelConfigError as exc:
         raise bad_value(src, "default_model", str(exc)) from None
 

@@ -142,6 +142,12 @@ def bad_value(source: str, key: str, msg: str) -> ConfigError:
     return ConfigError(f"{source}: {key}: {msg}", key=key, source=source)
 
 
+def need(ok: bool, source: str, key: str, msg: str) -> None:
+    """A check of a section's validation: ``bad_value(source, key, msg)`` is raised unless ``ok``."""
+    if not ok:
+        raise bad_value(source, key, msg)
+
+
 def show_value(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 

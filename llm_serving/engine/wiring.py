@@ -15,11 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llm_serving.config.serving_config import (
-    TOKENIZER_TYPES,
-    ConfigError,
-    ServingConfig,
-)
+from llm_serving.config.sections import TOKENIZER_TYPES
+from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.models.default_model import ensure_default_model
 from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError

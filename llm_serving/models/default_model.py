@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from llm_serving.config.serving_config import DefaultModelSection
+from llm_serving.config.sections import DefaultModelSection
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.tokenization.training import train_tokenizer
