@@ -12,7 +12,7 @@ setup(
     package_data={"agents.model": ["kernels/*.cc", "kernels/*.h"], "loadtest": ["data/*.txt"],
                   # the shipped trained model pair (default_model.weights: trained)
                   "llm_serving.models": ["pydoc/*/*.json", "pydoc/*/*.safetensors", "pydoc/*/*.model"]},
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     install_requires=[
         "mindspore==2.10.0",
         "numpy<2",
