@@ -82,14 +82,15 @@ LAYERS = {
     "llm_serving": {
         "protocol": set(),
         "describe": set(),
+        "request_errors": set(),  # every exception that describes a bad or refused request
         "bench": set(),  # shared with the load-test client, which may import it and nothing else of the master
-        "core": {"protocol"},
+        "core": {"protocol", "request_errors"},
         "config": {"protocol", "core"},
-        "tokenization": {"config", "describe", "bench"},
+        "tokenization": {"config", "describe", "request_errors", "bench"},
         "models": {"protocol", "config", "tokenization"},
         "executor": {"protocol"},
-        "engine": {"protocol", "core", "config", "tokenization", "models", "executor"},
-        "api": {"protocol", "core", "config", "tokenization", "engine", "executor", "describe"},
+        "engine": {"protocol", "core", "config", "tokenization", "models", "executor", "request_errors"},
+        "api": {"protocol", "core", "config", "tokenization", "engine", "executor", "describe", "request_errors"},
         "simulator": {"protocol", "core", "config", "tokenization", "models", "engine", "bench"},
         "router": set(),
         "cli": {"*"},
@@ -243,7 +244,7 @@ def test_the_rules_catch_what_they_forbid(tmp_path):
     scheduler.write_text(scheduler.read_text() + "\n\ndef _late():\n    from llm_serving.api import server\n")
     assert violations("llm_serving", layer_rule, copy) == [
         (f"llm_serving/core/scheduler.py:{len(scheduler.read_text().splitlines())}: imports llm_serving.api "
-         "(llm_serving.core may import only ['protocol'] of llm_serving)")]
+         "(llm_serving.core may import only ['protocol', 'request_errors'] of llm_serving)")]
     circles = import_circles(import_graph(root=copy))
     assert any({"llm_serving.core.scheduler", "llm_serving.api.server"} <= set(c) for c in circles), circles
     assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -36,11 +36,11 @@ from llm_serving.api.responses import (
     write,
 )
 from llm_serving.api.route_context import OFFLOAD_ENCODE_CHARS
-from llm_serving.api.schema import ApiError
 from llm_serving.api.tools import call_id
 from llm_serving.config.serving_config import ConfigError
 from llm_serving.engine.request_stream import EngineError
-from llm_serving.tokenization.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from llm_serving.request_errors import ApiError, ChatTemplateError
+from llm_serving.tokenization.chat_template import ChatTemplate, load_chat_template
 from llm_serving.tokenization.tokenizer import Tokenizer
 
 if TYPE_CHECKING:

@@ -33,10 +33,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from llm_serving.api.errors import ApiError, invalid, parameter_error, unsupported
+from llm_serving.api.errors import invalid, parameter_error, unsupported
 from llm_serving.api.structured_schema import STRUCTURED_KEYS, parse_constraint
-from llm_serving.core.sequence import InvalidParameter, OutputConstraint, SamplingParams
+from llm_serving.core.sequence import OutputConstraint, SamplingParams
 from llm_serving.describe import json_kind
+from llm_serving.request_errors import ApiError, InvalidParameter
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 MAX_PROMPTS = 256  # prompts of one /v1/completions request; each choice of each is a sequence in the queue

@@ -38,13 +38,13 @@ from llm_serving.api.metrics import CONTENT_TYPE, ServerMetrics
 from llm_serving.api.openai_routes import OpenAIRoutes
 from llm_serving.api.responses import error_response, json_response
 from llm_serving.api.route_context import OFFLOAD_ENCODE_CHARS
-from llm_serving.api.schema import ApiError, parameter_error
+from llm_serving.api.schema import parameter_error
 from llm_serving.api.tgi_routes import TgiRoutes
 from llm_serving.api.tokenizer_routes import TokenizerRoutes
 from llm_serving.config.serving_config import ServingConfig
-from llm_serving.core.scheduler import RequestRejected
-from llm_serving.core.sequence import InvalidParameter, SamplingParams
-from llm_serving.engine.request_stream import EngineError, QueueFull
+from llm_serving.core.sequence import SamplingParams
+from llm_serving.engine.request_stream import EngineError
+from llm_serving.request_errors import ApiError, InvalidParameter, QueueFull, RequestRejected
 from llm_serving.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

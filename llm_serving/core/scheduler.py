@@ -83,16 +83,13 @@ from llm_serving.protocol.batch import (
     verify_round_proposals,
 )
 from llm_serving.protocol.model_config import blocks_needed
+from llm_serving.request_errors import RequestRejected
 
 POLICIES = ("fcfs", "longest_output_first")
 SPEC_PAUSE_STEPS = 8  # decode steps a sequence sits out of speculation after its proposals kept failing
 SPEC_PROBE_EVERY = 16  # decode steps of a batch size between two tries of the mode measured slower
 SPEC_RATE_WEIGHT = 0.2  # weight of the newest step in a mode's running tokens/s
 SPEC_MEAN_WEIGHT = 0.3  # weight of the newest verification in a sequence's running mean of accepted proposals
-
-
-class RequestRejected(ValueError):
-    """A request that can never be served with this configuration (rejected at admission)."""
 
 
 @dataclass

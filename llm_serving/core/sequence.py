@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from llm_serving.core.logprobs import MAX_TOP_LOGPROBS, PromptLogprob, TopLogprobs
+from llm_serving.request_errors import InvalidParameter
 
 if TYPE_CHECKING:
     import numpy as np
@@ -29,26 +30,6 @@ MAX_STOP_TOKEN_IDS = 64  # stop_token_ids of one request (with the model's end i
 MAX_STOP_LENGTH = 256  # characters of one stop string
 
 _INT32_MAX = 2**31 - 1
-
-
-class InvalidParameter(ValueError):
-    """A request parameter the engine cannot take; the message names the field.
-
-    ``template`` holds the message with ``{field}`` where the field's name goes, so each front end can show
-    it under its own name (``message_for``): the OpenAI route's ``max_tokens``, the CLI's
-    ``--max-new-tokens``. ``error_type`` is the HTTP API's tag for it.
-    """
-
-    error_type = "invalid_request"
-
-    def __init__(self, field: str, template: str) -> None:
-        super().__init__(template.replace("{field}", field, 1))
-        self.field = field
-        self.template = template
-
-    def message_for(self, name: str) -> str:
-        """The message with the field called ``name``."""
-        return self.template.replace("{field}", name, 1)
 
 
 CONSTRAINT_KINDS = ("json", "regex", "choice")

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.loop import Engine
-from llm_serving.engine.request_stream import GenerationResult, QueueFull, RequestStream
+from llm_serving.engine.request_stream import GenerationResult, RequestStream
+from llm_serving.request_errors import QueueFull
 from llm_serving.tokenization.tokenizer import Tokenizer
 
 if TYPE_CHECKING:

@@ -32,29 +32,24 @@ import numpy as np
 
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.core.grammar import GrammarCompiler, compiler_for, masked_rows
-from llm_serving.core.scheduler import RequestRejected, Scheduler
+from llm_serving.core.scheduler import Scheduler
 from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.core.step_shape import StepShape
 from llm_serving.engine.admission import RequestLimits
 from llm_serving.engine.kv_transfer import KvPayload, KvTransfers, kv_layout
 from llm_serving.engine.live_requests import LiveRequests, SequenceError
 from llm_serving.engine.recovery import MAX_STRIKES, AgentSupervisor, RecoveryConfig, run_isolated
-from llm_serving.engine.request_stream import (
-    EngineError,
-    GenerationResult,
-    QueueFull,
-    RequestStream,
-    TokenEvent,
-)
+from llm_serving.engine.request_stream import EngineError, GenerationResult, RequestStream, TokenEvent
 from llm_serving.engine.wiring import ModelFiles, agent_spec, resolve_model, scheduler_config
 from llm_serving.executor.agent_pool import AgentDiedError, AgentPool, AgentStepError
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.wire import AgentSpec
+from llm_serving.request_errors import QueueFull
 from llm_serving.tokenization.hf_tokenizer import HFTokenizer, load_tokenizer
 from llm_serving.tokenization.tokenizer import Tokenizer
 
-__all__ = ["Engine", "EngineError", "GenerationResult", "QueueFull", "RequestRejected", "RequestStream",
-           "SamplingParams", "SequenceError", "TokenEvent"]
+__all__ = ["Engine", "EngineError", "GenerationResult", "RequestStream", "SamplingParams", "SequenceError",
+           "TokenEvent"]
 
 if TYPE_CHECKING:
     from typing import Self

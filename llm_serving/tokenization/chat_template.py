@@ -34,6 +34,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.describe import json_kind
+from llm_serving.request_errors import ChatTemplateError, MessageError
 from llm_serving.tokenization.sp_prompt import PREFIX_SCHEMES
 from llm_serving.tokenization.tokenizer import Tokenizer
 
@@ -74,18 +75,6 @@ LLAMA2_CHAT_TEMPLATE = r"""
 {%- endfor -%}
 """
 
-
-
-class MessageError(ValueError):
-    """Messages that are not a conversation; ``unsupported`` marks valid OpenAI features not served here."""
-
-    def __init__(self, message: str, unsupported: bool = False) -> None:
-        super().__init__(message)
-        self.unsupported = unsupported
-
-
-class ChatTemplateError(ValueError):
-    """The template refused the messages (``raise_exception``) or failed while rendering them."""
 
 
 # ---- messages ----------------------------------------------------------------------------------------------
