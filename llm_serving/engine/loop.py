@@ -45,6 +45,7 @@ from llm_serving.executor.agent_pool import AgentDiedError, AgentPool, AgentStep
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.wire import AgentSpec
 from llm_serving.request_errors import QueueFull
+from llm_serving.tokenization.chat_template import ServedChatTemplate
 from llm_serving.tokenization.hf_tokenizer import HFTokenizer, load_tokenizer
 from llm_serving.tokenization.tokenizer import Tokenizer
 
@@ -73,6 +74,7 @@ class Engine:
         self.state = "new"  # new -> starting -> ready <-> recovering; failed or stopped for good
         self.last_failure: str | None = None  # why the agents were last replaced, or why the engine failed
         self.tokenizer: Tokenizer | HFTokenizer | None = None
+        self.chat_template: ServedChatTemplate | None = None  # the served tokenizer's, loaded on first use
         self.model: ModelFiles | None = None
         self.eos_token_id: int | None = None
         self.other_eos_token_ids: tuple[int, ...] = ()
@@ -138,6 +140,7 @@ class Engine:
                               f"{self.tokenizer.vocab_size} pieces, more than the model's vocab_size "
                               f"{self.model.llama_config.vocab_size}",
                               key="tokenizer.vocab_file", source=cfg.source)
+        self.chat_template = ServedChatTemplate(cfg, self.model.model_path, self.tokenizer)
         self.limits = RequestLimits.from_config(cfg, self.tokenizer.vocab_size)
         end = cfg.model_config.end_token
         self.eos_token_id = end if end is not None else self.model.llama_config.eos_token_id
