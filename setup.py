@@ -9,10 +9,10 @@ setup(
     packages=find_packages(include=["llm_serving", "llm_serving.*", "agents", "agents.*", "loadtest",
                                     "loadtest.*"]),
     # the native CPU kernels are compiled from these sources on the serving machine at first start
-    package_data={"agents.model": ["kernels/*.cc", "kernels/*.h"], "loadtest": ["data/*.txt"],
+    package_data={"agents.model": ["kernels/*.cc", "kernels/*.h"], "llm_serving.bench": ["data/*.txt"],
                   # the shipped trained model pair (default_model.weights: trained)
                   "llm_serving.models": ["pydoc/*/*.json", "pydoc/*/*.safetensors", "pydoc/*/*.model"]},
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     install_requires=[
         "mindspore==2.10.0",
         "numpy<2",

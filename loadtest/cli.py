@@ -16,9 +16,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from loadtest import BenchError, report
-from loadtest.client import ARRIVALS, RUNNING_BATCH_GAUGE, arrival_offsets, benchmark, save_run, wait_ready
-from loadtest.dataset import DEFAULT_DATASET, TokenCounter, build_requests, default_dataset, load_dataset
+from llm_serving.bench import BenchError, report
+from llm_serving.bench.arrivals import ARRIVALS, arrival_offsets
+from llm_serving.bench.dataset import DEFAULT_DATASET, default_dataset, load_dataset
+from llm_serving.bench.local_server import wait_ready
+from loadtest.client import RUNNING_BATCH_GAUGE, benchmark, save_run
+from loadtest.dataset import TokenCounter, build_requests
 from loadtest.protocol import DEFAULT_PORT, ENDPOINTS, BenchConfig
 
 PROG = "test_serving_performance"
@@ -103,7 +106,7 @@ def run_args(args: argparse.Namespace, prog: str = PROG) -> int:
         args.dataset_path = default_dataset(args.dataset_path)
         requests = build_requests(load_dataset(args.dataset_path), n, counter, args.shuffle, args.seed)
         if args.wait_ready > 0:
-            asyncio.run(wait_ready(cfg, args.wait_ready))
+            asyncio.run(wait_ready(cfg.base_url, args.wait_ready))
     except BenchError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

@@ -1,17 +1,14 @@
-"""A whole load-test run: the arrival schedule, requests in flight, the server gauge, and saving results.
+"""A whole load-test run: requests in flight on the arrival schedule, the server gauge, and saving results.
 
-``benchmark`` sends requests at arrival offsets (Poisson, gamma or constant gaps; optionally under a
-concurrency cap), scrapes the server's running-batch gauge from ``GET /metrics`` meanwhile, and computes the
-metrics; ``save_run`` writes ``result_<qps>_x.json`` with the contest's per-request fields, a summary json, a
-markdown report and the PNG plots.
+``benchmark`` sends requests at arrival offsets (``llm_serving.bench.arrivals``: Poisson, gamma or constant gaps;
+optionally under a concurrency cap), scrapes the server's running-batch gauge from ``GET /metrics`` meanwhile,
+and computes the metrics; ``save_run`` writes ``result_<qps>_x.json`` with the contest's per-request fields, a
+summary json, a markdown report and the PNG plots (``llm_serving.bench.run_files``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import math
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -20,53 +17,20 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import aiohttp
-import numpy as np
 from tqdm import tqdm
 
-from loadtest import BenchError, report
+from llm_serving.bench.arrivals import arrival_offsets
+from llm_serving.bench.metrics import compute_metrics, parse_gauge
+from llm_serving.bench.results import RequestResult
+from llm_serving.bench.run_files import save_results
 from loadtest.dataset import BenchRequest
-from loadtest.metrics import compute_metrics
-from loadtest.protocol import BenchConfig, RequestResult, send_request
+from loadtest.protocol import BenchConfig, send_request
 
-ARRIVALS = ("poisson", "gamma", "constant")
 RUNNING_BATCH_GAUGE = "llm_serving_running_batch_size"
 # the server's speculative-decoding counters, read before and after a run (absent: not reported)
 SPEC_COUNTERS = {"drafts": "llm_serving_spec_decode_drafts_total",
                  "proposed": "llm_serving_spec_decode_proposed_tokens_total",
                  "accepted": "llm_serving_spec_decode_accepted_tokens_total"}
-
-
-def arrival_offsets(n: int, qps: float, process: str = "poisson", burstiness: float = 1.0,
-                    seed: int = 0) -> np.ndarray:
-    """Send times in seconds after the first request (which goes at 0).
-
-    poisson: exponential gaps of mean 1/qps; gamma: gaps of mean 1/qps with shape ``burstiness`` (< 1 is
-    burstier, 1 is Poisson); constant: exactly 1/qps apart; qps = inf sends everything at once.
-    """
-    if process not in ARRIVALS:
-        raise BenchError(f"arrival process must be one of {ARRIVALS}, got {process!r}")
-    if not qps > 0:
-        raise BenchError(f"-X/--qps must be > 0, got {qps}")
-    if not burstiness > 0:
-        raise BenchError(f"--burstiness must be > 0, got {burstiness}")
-    if n <= 1 or math.isinf(qps):
-        return np.zeros(max(n, 0))
-    rng = np.random.default_rng(seed)
-    mean = 1.0 / qps
-    if process == "poisson":
-        gaps = rng.exponential(mean, n - 1)
-    elif process == "gamma":
-        gaps = rng.gamma(burstiness, mean / burstiness, n - 1)
-    else:
-        gaps = np.full(n - 1, mean)
-    return np.concatenate([[0.0], np.cumsum(gaps)])
-
-
-def parse_gauge(text: str, name: str) -> float | None:
-    """Sum of a Prometheus gauge's samples over its label sets, or None when absent."""
-    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+(\S+)", re.MULTILINE)
-    values = [float(m.group(1)) for m in pattern.finditer(text)]
-    return sum(values) if values else None
 
 
 async def read_counters(cfg: BenchConfig) -> dict[str, float]:
@@ -181,39 +145,8 @@ async def benchmark(requests: Sequence[BenchRequest], cfg: BenchConfig, progress
     return BenchRun(cfg, results, duration, samples, compute_metrics(results, duration, samples, spec))
 
 
-async def wait_ready(cfg: BenchConfig, seconds: float) -> None:
-    """Poll ``GET /health`` until it answers 200, or fail after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    last = "no answer"
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-        while time.monotonic() < deadline:
-            try:
-                async with session.get(f"{cfg.base_url}/health") as resp:
-                    if resp.status == 200:
-                        return
-                    last = f"HTTP {resp.status}"
-            except (TimeoutError, aiohttp.ClientError, OSError) as e:
-                last = f"{type(e).__name__}: {e}"
-            await asyncio.sleep(0.2)
-    raise BenchError(f"server at {cfg.base_url} not ready after {seconds:g}s ({last})")
-
-
 def save_run(run: BenchRun, out_dir: str | Path, settings: dict[str, Any],
              draw: bool = True) -> dict[str, Path]:
     """Write result_<qps>_x.json (per request), summary json, markdown report and PNG plots."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    suffix = f"{float(run.config.qps)}_x"  # the contest names its file result_{x}_x.json with x a float
-    paths = {"results": out / f"result_{suffix}.json", "summary": out / f"summary_{suffix}.json",
-             "report": out / f"report_{suffix}.md"}
-    paths["results"].write_text(json.dumps([r.to_json() for r in run.results], ensure_ascii=False))
-    summary = {"settings": settings, "metrics": run.metrics, "server_running_batch": run.server_batch}
-    paths["summary"].write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
-    pngs = []
-    if draw:
-        from loadtest import plots  # matplotlib takes a while to import: only when drawing
-
-        pngs = plots.write_plots(run.results, run.duration, out, suffix, run.server_batch)
-    paths.update({p.stem: p for p in pngs})
-    paths["report"].write_text(report.markdown_report(run.metrics, settings, [p.name for p in pngs]))
-    return paths
+    return save_results(out_dir, run.config.qps, run.results, run.duration, run.server_batch, run.metrics,
+                        settings, draw)

@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from benchmark import TUNED, bench_model_dir, make_requests, write_config
 
+from llm_serving.bench.local_server import free_port, running_server, stop, wait_until_ready
 from loadtest.client import benchmark
-from loadtest.local_server import free_port, running_server, stop, wait_until_ready
 from loadtest.protocol import BenchConfig
 
 

@@ -40,7 +40,7 @@ import aiohttp
 from bench_data_parallel import router
 from benchmark import bench_model_dir, write_config
 
-from loadtest.local_server import free_port, stop, wait_until_ready
+from llm_serving.bench.local_server import free_port, stop, wait_until_ready
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@
    weights): the share of wall time the master spends outside ``AgentPool.run_step``. ``run_step`` also
    holds the shared-memory/pipe round trip and the agent's own input padding besides graph execution; the
    round trip measured in (1) is reported next to it, so "outside graph execution" is about master + IPC.
-3. ``fcfs`` vs ``longest_output_first`` on the same alpaca-shaped workload (loadtest.workload;
+3. ``fcfs`` vs ``longest_output_first`` on the same alpaca-shaped workload (llm_serving.bench.workload;
    max_new_tokens = tokens of the reference output, ignore_eos so both policies generate the same tokens).
 4. Prefill/decode interleaving (``scheduler.min_decode_steps_between_prefills``) under Poisson arrivals of
    the same kind of workload: time to first token against inter-token latency of the running streams.
@@ -32,12 +32,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from llm_serving.bench.dataset import contest_prompt
+from llm_serving.bench.workload import WorkloadSpec, make_workload
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.loop import Engine
 from llm_serving.engine.request_stream import GenerationResult
-from loadtest.dataset import contest_prompt
-from loadtest.workload import WorkloadSpec, make_workload
 
 BENCH_MODEL = {"weights": "random", "hidden_size": 512, "intermediate_size": 1408, "num_layers": 8, "num_heads": 8,
                "num_kv_heads": 4, "vocab_size": 8000, "seed": 0}

@@ -8,7 +8,7 @@ and served speed, all from one run.
 
 Model and workload as scripts/benchmark.py (``--model bench``: the bench model of scripts/bench_model.py, random
 weights std 0.05, its own tokenizer; ``trained``: the shipped trained target, llm_serving/models/pydoc/target;
-alpaca-shaped requests of loadtest.workload, seed 0; max_new_tokens = min(reference output, 64)).
+alpaca-shaped requests of llm_serving.bench.workload, seed 0; max_new_tokens = min(reference output, 64)).
 1. Reference: Hugging Face transformers float32, greedy, EOS ignored, keeping the logits of every generated
    position (prompts of equal length batched, without padding).
 2. Each mode through the whole engine: ``llm-serving generate --ignore-eos --dump-logits DIR`` (token-id prompts,
@@ -209,8 +209,8 @@ def ascend_stand_ins(config, weights: dict, tok, int8_cache: bool, args: argpars
     from agents.tools.calibrate_kv import calibrate
     from agents.training.corpus import stdlib_corpus
     from agents.weights.kv_scales import scales_of
+    from llm_serving.bench.workload import DEFAULT_CORPUS
     from llm_serving.cli.commands.calibrate_kv import windows
-    from loadtest.workload import DEFAULT_CORPUS
 
     backend = AscendBackend(ReferenceOps(config.head_dim))
     if not int8_cache:

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from benchmark import TUNED, bench_model_dir, make_requests, write_config
 
+from llm_serving.bench.local_server import running_server
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.loop import Engine
@@ -38,7 +39,6 @@ from llm_serving.engine.request_stream import NO_TOKEN
 from llm_serving.tokenization.tokenizer import Tokenizer
 from loadtest.client import benchmark
 from loadtest.dataset import BenchRequest
-from loadtest.local_server import running_server
 from loadtest.protocol import BenchConfig
 
 

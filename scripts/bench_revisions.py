@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmark import TUNED, bench_model_dir, make_requests, write_config
 
+from llm_serving.bench.local_server import ServerStartError, running_server
 from llm_serving.tokenization.tokenizer import Tokenizer
-from loadtest.local_server import ServerStartError, running_server
 
 ROOT = Path(__file__).resolve().parent.parent
 

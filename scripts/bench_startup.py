@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from loadtest.local_server import free_port, stop
+from llm_serving.bench.local_server import free_port, stop
 
 MODES = ("off", "cold", "warm")
 

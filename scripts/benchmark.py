@@ -3,7 +3,7 @@
     python scripts/benchmark.py [--num-prompts 48] [--max-output-tokens 64] [--write-doc docs/benchmarks.md]
 
 In one run, on the bench model of scripts/bench_model.py (random weights, std 0.05, own 8000-piece tokenizer)
-and one alpaca-shaped workload (loadtest.workload), it measures:
+and one alpaca-shaped workload (llm_serving.bench.workload), it measures:
   1. Hugging Face transformers, greedy, one request at a time (the contest's baseline.py way), same weights;
   2. our server with the contest's baseline settings (prefill batch 1, decode batch 1, fcfs);
   3. our server tuned (prefill batches up to 4, decode batches up to 128, longest_output_first), and
@@ -38,13 +38,13 @@ sys.path.insert(0, str(ROOT / "scripts"))  # peers; bench_model (imported only i
 from peers.compare import add_args as add_peer_args
 from peers.compare import run_section as peer_section
 
+from llm_serving.bench.local_server import ServerStartError, running_server
+from llm_serving.bench.workload import WorkloadSpec, make_workload
 from llm_serving.models.default_model import TRAINED_MODEL
 from llm_serving.protocol.model_config import LlamaConfig
 from loadtest.client import benchmark
 from loadtest.dataset import BenchRequest, TokenCounter, build_requests
-from loadtest.local_server import ServerStartError, running_server
 from loadtest.protocol import BenchConfig
-from loadtest.workload import WorkloadSpec, make_workload
 
 EOS = 2
 SEQ_BUCKETS = (32, 64, 128, 256, 512)  # prefill length buckets (the longest prompt accepted is the largest)
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
 
     measured = "; ".join(f"{kind} {', '.join(f'{pair[i]:.0f}' for pair in rates)}"
                          for i, kind in enumerate(("MindSpore MatMul", "our native GEMM")))
-    summary = (f"Workload: {len(reqs)} requests (loadtest.workload seed {args.seed}), {n_in} prompt tokens, "
+    summary = (f"Workload: {len(reqs)} requests (llm_serving.bench.workload seed {args.seed}), {n_in} prompt tokens, "
                f"outputs capped at {max_out} tokens, {hf_row.output_tokens} output tokens generated (greedy, "
                f"EOS stops). Roofline: {flops / 1e9:.1f} GFLOP of model matmuls / {rate:.1f} GFLOP/s, the best "
                f"matmul rate measured on the model's sizes before and after the runs ({measured} GFLOP/s). "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from loadtest.workload import main
+from llm_serving.bench.workload import main
 
 if __name__ == "__main__":
     sys.exit(main())

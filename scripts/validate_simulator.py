@@ -35,6 +35,9 @@ import aiohttp
 import numpy as np
 import yaml
 
+from llm_serving.bench.dataset import contest_prompt, load_dataset
+from llm_serving.bench.local_server import running_server
+from llm_serving.bench.workload import LengthDist, WorkloadSpec, make_workload, write_workload
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.engine.wiring import resolve_model
 from llm_serving.simulator.costs import (
@@ -52,10 +55,8 @@ from llm_serving.simulator.tuner import tune, tuned_yaml
 from llm_serving.simulator.workload import from_results, retimed
 from llm_serving.tokenization.hf_tokenizer import load_tokenizer
 from loadtest.client import benchmark, save_run
-from loadtest.dataset import BenchRequest, TokenCounter, build_requests, contest_prompt, load_dataset
-from loadtest.local_server import running_server
+from loadtest.dataset import BenchRequest, TokenCounter, build_requests
 from loadtest.protocol import BenchConfig
-from loadtest.workload import LengthDist, WorkloadSpec, make_workload, write_workload
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ import pytest
 from llm_serving.api.metrics import ServerMetrics
 from llm_serving.api.openai_routes import OPENAI_FINISH
 from llm_serving.api.schema import (
-    ApiError,
     CompletionRequest,
     GenerateRequest,
     parameter_error,
@@ -20,10 +19,10 @@ from llm_serving.api.schema import (
 )
 from llm_serving.api.tgi_routes import TGI_FINISH
 from llm_serving.config.serving_config import ServingConfig
-from llm_serving.core.scheduler import RequestRejected
-from llm_serving.core.sequence import FINISH_REASONS, InvalidParameter, SamplingParams
-from llm_serving.engine.admission import AdmissionError, RequestLimits
+from llm_serving.core.sequence import FINISH_REASONS, SamplingParams
+from llm_serving.engine.admission import RequestLimits
 from llm_serving.engine.stop_strings import StopMatcher, cut_at_stop
+from llm_serving.request_errors import AdmissionError, ApiError, InvalidParameter, RequestRejected
 
 LIMITS = RequestLimits(max_new_tokens=100, max_model_len=128, vocab_size=1000)
 

@@ -306,6 +306,6 @@ def test_calibrate_then_export_an_ascend_int8_config_with_the_check(tmp_path):
 
 
 def test_the_default_calibration_text_is_packaged():
-    from loadtest.workload import DEFAULT_CORPUS
+    from llm_serving.bench.workload import DEFAULT_CORPUS
 
     assert Path(DEFAULT_CORPUS).is_file()

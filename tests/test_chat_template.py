@@ -12,11 +12,10 @@ import pytest
 from transformers import LlamaTokenizer
 
 from llm_serving.config.serving_config import ConfigError, ServingConfig
+from llm_serving.request_errors import ChatTemplateError, MessageError
 from llm_serving.tokenization.chat_template import (
     LLAMA2_CHAT_TEMPLATE,
     ChatTemplate,
-    ChatTemplateError,
-    MessageError,
     check_messages,
     load_chat_template,
 )

@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm_serving.api.errors import ApiError
 from llm_serving.api.schema import parse_completion
 from llm_serving.config.serving_config import ConfigError
 from llm_serving.core.block_manager import BlockManager
@@ -40,6 +39,7 @@ from llm_serving.executor.collective_launch import free_port
 from llm_serving.protocol.batch import KvCopyStep, StepBatch
 from llm_serving.protocol.kv_segment import KvSegment
 from llm_serving.protocol.shm_channel import ChannelLayout, StepChannel
+from llm_serving.request_errors import ApiError
 from llm_serving.router.disaggregation import decode_request, prefill_request
 from tests.test_router import RouterProcess, get, post
 from tests.test_server import ServerProcess

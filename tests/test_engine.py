@@ -24,12 +24,7 @@ from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.engine import wiring
 from llm_serving.engine.llm import LLM
-from llm_serving.engine.loop import (
-    Engine,
-    EngineError,
-    QueueFull,
-    RequestRejected,
-)
+from llm_serving.engine.loop import Engine, EngineError
 from llm_serving.engine.request_stream import NO_TOKEN
 from llm_serving.engine.wiring import agent_spec, resolve_model, runner_config_dict, scheduler_config
 from llm_serving.executor.agent_pool import AgentDiedError, AgentPool, AgentStepError
@@ -38,6 +33,7 @@ from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.shm_channel import NAME_PREFIX
 from llm_serving.protocol.wire import AgentSpec
+from llm_serving.request_errors import QueueFull, RequestRejected
 from llm_serving.tokenization.tokenizer import Tokenizer
 from tests.stand_in_pool import StandInPool
 

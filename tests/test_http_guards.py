@@ -14,8 +14,9 @@ from llm_serving.api.guards import (
     exposure_warning,
 )
 from llm_serving.api.responses import MAX_ERROR_CHARS, error_response
-from llm_serving.api.schema import ApiError, parse_completion, parse_generate, parse_json
-from llm_serving.core.sequence import InvalidParameter, SamplingParams
+from llm_serving.api.schema import parse_completion, parse_generate, parse_json
+from llm_serving.core.sequence import SamplingParams
+from llm_serving.request_errors import ApiError, InvalidParameter
 
 
 def error_of(fn, *args, **kwargs) -> ApiError:

@@ -4,7 +4,10 @@ and under ``TYPE_CHECKING`` alike) and by importing the whole master in a fresh 
 - agents import only ``llm_serving.protocol`` from the master's package;
 - the master (``llm_serving``) never imports MindSpore nor any ``agents`` module;
 - the protocol imports nothing else from ``llm_serving``;
-- the load-test tool stands alone: it talks HTTP to a server and imports neither side;
+- the load-test client (``loadtest``) talks HTTP to a server: of the master it imports only ``llm_serving.bench``
+  (a load test's workloads, results and metrics, which the simulator shares; it imports nothing else of
+  ``llm_serving``), nothing of the agents; the dependency is one-way: the master never imports ``loadtest``,
+  but for its command line's ``bench`` (which offers the client as ``llm-serving bench``);
 - inside each side, a sub-package imports only the sub-packages its ``LAYERS`` entry names (the same list its
   ``__init__`` docstring states), and no module imports itself back through others (no import circles).
 """
@@ -68,6 +71,8 @@ def master_rule(path: Path, name: str) -> str | None:
     in_protocol = "protocol" in path.parts
     if in_protocol and _top(name) == "llm_serving" and not name.startswith("llm_serving.protocol"):
         return "the protocol depends on nothing else in llm_serving"
+    if _top(name) == "loadtest" and layer_of(path) != "cli":
+        return "the master never imports the load-test client (what both use is llm_serving.bench)"
     return None
 
 
@@ -77,14 +82,16 @@ LAYERS = {
     "llm_serving": {
         "protocol": set(),
         "describe": set(),
-        "core": {"protocol"},
+        "request_errors": set(),  # every exception that describes a bad or refused request
+        "bench": set(),  # shared with the load-test client, which may import it and nothing else of the master
+        "core": {"protocol", "request_errors"},
         "config": {"protocol", "core"},
-        "tokenization": {"config", "describe"},
+        "tokenization": {"config", "describe", "request_errors", "bench"},
         "models": {"protocol", "config", "tokenization"},
         "executor": {"protocol"},
-        "engine": {"protocol", "core", "config", "tokenization", "models", "executor"},
-        "api": {"protocol", "core", "config", "tokenization", "engine", "executor", "describe"},
-        "simulator": {"protocol", "core", "config", "tokenization", "models", "engine"},
+        "engine": {"protocol", "core", "config", "tokenization", "models", "executor", "request_errors"},
+        "api": {"protocol", "core", "config", "tokenization", "engine", "executor", "describe", "request_errors"},
+        "simulator": {"protocol", "core", "config", "tokenization", "models", "engine", "bench"},
         "router": set(),
         "cli": {"*"},
         "__init__": {"engine"},  # the lazy ``llm_serving.LLM``
@@ -173,8 +180,10 @@ def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def loadtest_rule(path: Path, name: str) -> str | None:
-    if _top(name) in ("llm_serving", "agents", "mindspore"):
-        return "the load-test tool talks HTTP only"
+    if _top(name) in ("agents", "mindspore"):
+        return "the load-test client talks HTTP only"
+    if _top(name) == "llm_serving" and not (name == "llm_serving.bench" or name.startswith("llm_serving.bench.")):
+        return "the load-test client talks HTTP only: of the master it imports only llm_serving.bench"
     return None
 
 
@@ -204,7 +213,7 @@ def test_every_sub_package_is_a_layer_whose_docstring_names_what_it_may_import()
 
 
 def test_no_module_imports_itself_back():
-    assert import_circles(import_graph()) == []
+    assert import_circles(import_graph(("llm_serving", "agents", "loadtest"))) == []
 
 
 def test_the_rules_catch_what_they_forbid(tmp_path):
@@ -215,6 +224,10 @@ def test_the_rules_catch_what_they_forbid(tmp_path):
     assert master_rule(Path("llm_serving/protocol/x.py"), "llm_serving.config.serving_config")
     assert not master_rule(Path("llm_serving/protocol/x.py"), "llm_serving.protocol.batch")
     assert loadtest_rule(Path("loadtest/x.py"), "llm_serving.tokenization.tokenizer")
+    assert loadtest_rule(Path("loadtest/x.py"), "llm_serving")
+    assert not loadtest_rule(Path("loadtest/x.py"), "llm_serving.bench.metrics")
+    assert master_rule(Path("llm_serving/simulator/run.py"), "loadtest.client")
+    assert not master_rule(Path("llm_serving/cli/commands/bench.py"), "loadtest.cli")
     # layers: the engine core must not reach up into the HTTP front end, nor the model into the runtime
     assert layer_rule(Path("llm_serving/core/scheduler.py"), "llm_serving.api.server")
     assert not layer_rule(Path("llm_serving/api/server.py"), "llm_serving.core.scheduler")
@@ -231,7 +244,7 @@ def test_the_rules_catch_what_they_forbid(tmp_path):
     scheduler.write_text(scheduler.read_text() + "\n\ndef _late():\n    from llm_serving.api import server\n")
     assert violations("llm_serving", layer_rule, copy) == [
         (f"llm_serving/core/scheduler.py:{len(scheduler.read_text().splitlines())}: imports llm_serving.api "
-         "(llm_serving.core may import only ['protocol'] of llm_serving)")]
+         "(llm_serving.core may import only ['protocol', 'request_errors'] of llm_serving)")]
     circles = import_circles(import_graph(root=copy))
     assert any({"llm_serving.core.scheduler", "llm_serving.api.server"} <= set(c) for c in circles), circles
     assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

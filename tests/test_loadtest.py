@@ -19,15 +19,19 @@ import pytest
 from aiohttp import web
 from matplotlib.figure import Figure
 
+from llm_serving.bench import BenchError, plots
+from llm_serving.bench.arrivals import arrival_offsets
+from llm_serving.bench.dataset import contest_prompt, load_dataset
+from llm_serving.bench.local_server import wait_ready
+from llm_serving.bench.metrics import parse_gauge
+from llm_serving.bench.workload import LengthDist, WorkloadError, WorkloadSpec, make_workload
+from llm_serving.bench.workload import main as workload_main
 from llm_serving.tokenization.tokenizer import Tokenizer
 from llm_serving.tokenization.training import train_tokenizer
-from loadtest import BenchError, plots
 from loadtest.cli import main as loadtest_main
-from loadtest.client import ProgressBar, arrival_offsets, benchmark, parse_gauge, wait_ready
-from loadtest.dataset import BenchRequest, contest_prompt, load_dataset
+from loadtest.client import ProgressBar, benchmark
+from loadtest.dataset import BenchRequest
 from loadtest.protocol import BenchConfig
-from loadtest.workload import LengthDist, WorkloadError, WorkloadSpec, make_workload
-from loadtest.workload import main as workload_main
 
 TTFT = 0.08  # fake server: delay before the first token
 ITL = 0.01  # fake server: delay between tokens
@@ -351,12 +355,12 @@ def test_tokenizer_counts_max_new_tokens(tmp_path, server):
 
 
 def test_wait_ready(server):
-    asyncio.run(wait_ready(BenchConfig(port=server.port), 2.0))
+    asyncio.run(wait_ready(BenchConfig(port=server.port).base_url, 2.0))
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
     with pytest.raises(BenchError, match=f"127.0.0.1:{free} not ready after 0.3s"):
-        asyncio.run(wait_ready(BenchConfig(port=free), 0.3))
+        asyncio.run(wait_ready(BenchConfig(port=free).base_url, 0.3))
 
 
 def test_scripts_run_from_any_directory(tmp_path):
@@ -490,7 +494,7 @@ def test_wait_until_ready_notices_a_server_that_exited():
     import subprocess
     import sys
 
-    from loadtest.local_server import ServerStartError, free_port, wait_until_ready
+    from llm_serving.bench.local_server import ServerStartError, free_port, wait_until_ready
 
     proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
     proc.wait()
@@ -505,7 +509,7 @@ def test_running_server_serves_until_the_block_ends_and_names_a_start_failure(tm
     import urllib.error
     import urllib.request
 
-    from loadtest.local_server import ServerStartError, running_server
+    from llm_serving.bench.local_server import ServerStartError, running_server
 
     config = tmp_path / "serve.yaml"
     config.write_text(json.dumps({"default_model": {"data_dir": str(tmp_path / "models"), "weights": "random", "hidden_size": 64,
@@ -534,10 +538,11 @@ def test_the_default_dataset_is_made_on_first_use_outside_the_working_directory(
     from llm_serving.protocol.paths import cache_root
 
     monkeypatch.chdir(tmp_path)
+    cached = cache_root() / "workloads" / "alpaca_5010.json"
+    cached.unlink(missing_ok=True)  # an earlier test of this session (the simulator's) may have made it
     argv = ["-P", str(server.port), "-O", str(tmp_path / "out"), "--num-prompts", "2", "--no-progress",
             "--tokens-per-word", "1"]
     assert loadtest_main(argv) == 0
-    cached = cache_root() / "workloads" / "alpaca_5010.json"
     assert len(json.loads(cached.read_text())) == 5010 and "wrote the default workload" in capsys.readouterr().err
     assert not (tmp_path / "alpaca_5010.json").exists()
     assert loadtest_main(argv) == 0 and "wrote" not in capsys.readouterr().err  # made once

@@ -37,7 +37,7 @@ from peers.peer_io import (
     write_results,
 )
 
-from loadtest import BenchError
+from llm_serving.bench import BenchError
 from loadtest.dataset import BenchRequest
 from loadtest.protocol import BenchConfig
 

@@ -11,9 +11,10 @@ import pytest
 
 from agents.runtime.sampler import RowExtras, adjusted_logits, apply_min_p, sample, sample_row
 from llm_serving.core.scheduler import Scheduler
-from llm_serving.core.sequence import InvalidParameter, SamplingParams, Sequence
+from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.protocol.batch import SamplingBatch
 from llm_serving.protocol.shm_channel import ChannelLayout, StepChannel
+from llm_serving.request_errors import InvalidParameter
 from tests.test_prefix_cache import chunked_prefix, step_once
 from tests.test_scheduler import EOS, FakeKVModel
 from tests.tiny_engine import openai_client, tiny_engine_config

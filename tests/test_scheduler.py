@@ -3,10 +3,11 @@ import random
 import numpy as np
 import pytest
 
-from llm_serving.core.scheduler import RequestRejected, Scheduler
+from llm_serving.core.scheduler import Scheduler
 from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.core.sequence import SamplingParams, Sequence, SequenceStatus
 from llm_serving.protocol.batch import StepBatch, StepOutput
+from llm_serving.request_errors import RequestRejected
 
 EOS = 2
 VOCAB = 40

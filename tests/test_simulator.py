@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
+from llm_serving.bench.results import RequestResult
 from llm_serving.cli.main import main as cli_main
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.scheduler import Scheduler
@@ -43,7 +44,6 @@ from llm_serving.simulator.workload import (
     retimed,
     word_encoder,
 )
-from loadtest.protocol import RequestResult
 from tests.tiny_engine import tiny_engine_config
 
 

@@ -20,9 +20,10 @@ from test_server import ServerProcess
 from agents.runtime.sampler import sample
 from llm_serving.core.grammar import compiler_for
 from llm_serving.core.scheduler import Scheduler
-from llm_serving.core.sequence import InvalidParameter, OutputConstraint, SamplingParams, Sequence
+from llm_serving.core.sequence import OutputConstraint, SamplingParams, Sequence
 from llm_serving.protocol.batch import SamplingBatch, SamplingExtras
 from llm_serving.protocol.shm_channel import ChannelLayout, StepChannel
+from llm_serving.request_errors import InvalidParameter
 from llm_serving.tokenization.hf_tokenizer import HFTokenizer
 from llm_serving.tokenization.tokenizer import Tokenizer
 from llm_serving.tokenization.training import train_tokenizer

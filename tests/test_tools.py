@@ -13,8 +13,8 @@ import jsonschema
 import openai
 import pytest
 
-from llm_serving.api.errors import ApiError
 from llm_serving.api.tools import parse_tools
+from llm_serving.request_errors import ApiError
 from llm_serving.tokenization.chat_template import ChatTemplate, check_messages
 from llm_serving.tokenization.tokenizer import Tokenizer
 from llm_serving.tokenization.training import train_tokenizer

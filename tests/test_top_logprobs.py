@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from llm_serving.core.logprobs import top_logprobs
-from llm_serving.core.sequence import InvalidParameter, SamplingParams
+from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.loop import Engine
 from llm_serving.engine.wiring import resolve_model
+from llm_serving.request_errors import InvalidParameter
 from tests.tiny_engine import openai_client, tiny_engine_config
 
 PROMPTS = [[1, 17, 230, 45, 9, 301], [1, 88, 12, 900, 4, 4, 51, 7, 300]]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.local_server import stop
+from llm_serving.bench.local_server import stop
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = """\
@@ -70,7 +70,7 @@ def test_the_wheel_holds_the_run_time_files(installed):
     assert all(str(d).startswith(str(installed)) for d in dirs), dirs  # not this checkout
     kernels = dirs[0] / "model" / "kernels"
     assert (kernels / "common.h").is_file() and list(kernels.glob("*.cc"))
-    assert (dirs[2] / "data" / "corpus.txt").is_file()  # the workloads' and the default tokenizer's text
+    assert (dirs[1] / "bench" / "data" / "corpus.txt").is_file()  # the workloads' and the default tokenizer's text
     for model in ("target", "draft"):  # the shipped trained pair (default_model.weights: trained)
         assert {p.name for p in (dirs[1] / "models" / "pydoc" / model).iterdir()} >= {
             "config.json", "model.safetensors", "tokenizer.model"}

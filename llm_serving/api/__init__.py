@@ -3,6 +3,6 @@ responses and errors, metrics, one request's generation), the request schemas, a
 (llm-serving/TGI, OpenAI completions, OpenAI chat). Routes see the server only through the small interface in
 ``route_context``; ``launch`` runs the whole serving process (engine + HTTP, graceful drain).
 
-May import: ``llm_serving.protocol``, ``core``, ``config``, ``tokenization``, ``engine``, ``executor`` and
-``describe``.
+May import: ``llm_serving.protocol``, ``core``, ``config``, ``tokenization``, ``engine``, ``executor``,
+``describe`` and ``request_errors``.
 """

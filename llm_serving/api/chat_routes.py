@@ -1,7 +1,8 @@
 """The OpenAI chat route: ``POST /v1/chat/completions``.
 
-The messages become the prompt through the served model's chat template (``chat_template``, loaded once the
-engine has started: ``template``, which ``serve`` calls at start-up so a bad template stops it); from there a
+The messages become the prompt through the served model's chat template (``RouteContext.chat_template``: the
+tokenizer side's, loaded once after the engine started; ``serve`` asks for it at start-up so a bad template
+stops it); from there a
 chat request is a completion of its choices: the same admission, limits, metrics and abort on disconnect
 (``RouteContext.start_generation``, ``Generation``), finish reasons and usage as ``/v1/completions``. Streams are
 Server-Sent Events of ``chat.completion.chunk`` objects: each choice's first delta carries the role, its last one
@@ -36,11 +37,10 @@ from llm_serving.api.responses import (
     write,
 )
 from llm_serving.api.route_context import OFFLOAD_ENCODE_CHARS
-from llm_serving.api.schema import ApiError
 from llm_serving.api.tools import call_id
 from llm_serving.config.serving_config import ConfigError
 from llm_serving.engine.request_stream import EngineError
-from llm_serving.tokenization.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from llm_serving.request_errors import ApiError, ChatTemplateError
 from llm_serving.tokenization.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -52,14 +52,6 @@ class ChatRoutes:
 
     def __init__(self, server: RouteContext) -> None:
         self.server = server
-        self._template: ChatTemplate | None = None
-
-    def template(self) -> ChatTemplate:
-        """The served model's chat template, loaded on first use after the engine started (ConfigError)."""
-        if self._template is None:
-            server = self.server
-            self._template = load_chat_template(server.config, server.model_path, server.tokenizer)
-        return self._template
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.monotonic()
@@ -95,7 +87,7 @@ class ChatRoutes:
         server = self.server
         server.check_accepting()  # the template comes with the model: none while loading
         try:
-            template = self.template()
+            template = server.chat_template()
         except ConfigError as exc:  # serve loads it at start-up; this is for apps run another way
             raise ApiError(500, f"the chat template cannot be used: {exc}", "chat_template_error") from None
         try:

@@ -31,7 +31,8 @@ from llm_serving.api.schema import (
 from llm_serving.api.structured_schema import STRUCTURED_KEYS
 from llm_serving.api.tools import ToolRequest, parse_tools
 from llm_serving.core.logprobs import MAX_TOP_LOGPROBS
-from llm_serving.tokenization.chat_template import MessageError, check_messages
+from llm_serving.request_errors import MessageError
+from llm_serving.tokenization.chat_template import check_messages
 
 _CHAT_KEYS = ("model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "stop",
               "logprobs", "top_logprobs", "user", *OPENAI_SAMPLING_KEYS, "tools",

@@ -1,23 +1,12 @@
-"""The HTTP routes' error: a status, a message, a stable machine-readable tag and the parameter at fault (OpenAI's
-error object: ``responses.error_response``)."""
+"""The HTTP routes' errors made: ``ApiError`` (``llm_serving.request_errors``: a status, a message, a stable
+machine-readable tag and the parameter at fault; OpenAI's error object: ``responses.error_response``) for an
+invalid or unsupported value, or for an engine parameter error under the dialect's field name."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from llm_serving.core.sequence import InvalidParameter
-
-
-class ApiError(Exception):
-    """A request the server answers with an HTTP error; ``error_type`` is a stable machine-readable tag."""
-
-    def __init__(self, status: int, message: str, error_type: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.error_type = error_type
-        self.param = param
-        self.close_connection = False  # the answer closes the connection (its request left it unusable)
+from llm_serving.request_errors import ApiError, InvalidParameter
 
 
 def invalid(message: str, param: str | None = None) -> ApiError:

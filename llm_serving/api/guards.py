@@ -24,7 +24,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from llm_serving.api.responses import error_response, too_large
-from llm_serving.api.schema import ApiError, parse_json
+from llm_serving.api.schema import parse_json
+from llm_serving.request_errors import ApiError
 
 log = logging.getLogger(__name__)
 

@@ -162,7 +162,7 @@ def serve(config: ServingConfig, standin_agents: bool = False, standin_step_dela
         try:
             t0 = time.monotonic()
             engine.start(progress=log)
-            log(f"chat template: {server.chat.template().origin}")  # a bad one fails start-up here
+            log(f"chat template: {server.chat_template().origin}")  # a bad one fails start-up here
             starting = False
         except KeyboardInterrupt as exc:
             starting = False

@@ -30,10 +30,11 @@ from llm_serving.api.responses import (
     openai_stream_error,
     write,
 )
-from llm_serving.api.schema import OPENAI_DEFAULT_MAX_TOKENS, ApiError, CompletionRequest, parse_completion
+from llm_serving.api.schema import OPENAI_DEFAULT_MAX_TOKENS, CompletionRequest, parse_completion
 from llm_serving.core.logprobs import PromptLogprob, TopLogprobs
 from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.request_stream import EngineError
+from llm_serving.request_errors import ApiError
 from llm_serving.tokenization.tokenizer import Tokenizer
 
 if TYPE_CHECKING:

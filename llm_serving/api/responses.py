@@ -13,9 +13,9 @@ from typing import Any
 
 from aiohttp import web
 
-from llm_serving.api.schema import ApiError
 from llm_serving.engine.live_requests import SequenceError
 from llm_serving.engine.request_stream import EngineError
+from llm_serving.request_errors import ApiError
 
 MAX_ERROR_CHARS = 2000  # of an error message: many quote the request, which may be a megabyte
 

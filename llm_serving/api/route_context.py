@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from llm_serving.api.kv_transfer_routes import KvTransferRoutes
     from llm_serving.config.serving_config import ServingConfig
     from llm_serving.core.sequence import SamplingParams
+    from llm_serving.tokenization.chat_template import ChatTemplate
     from llm_serving.tokenization.tokenizer import Tokenizer
 
 OFFLOAD_ENCODE_CHARS = 1 << 16  # longer prompts are tokenized off the event loop
@@ -36,6 +37,10 @@ class RouteContext(Protocol):
 
     @property
     def model_path(self) -> Path: ...
+
+    def chat_template(self) -> ChatTemplate:
+        """The served model's chat template (loaded once, on first use: a ConfigError if it cannot be used)."""
+        ...
 
     def check_model(self, name: str | None) -> str: ...
 

@@ -33,17 +33,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from llm_serving.api.errors import ApiError, invalid, parameter_error, unsupported
+from llm_serving.api.errors import invalid, parameter_error, unsupported
 from llm_serving.api.structured_schema import STRUCTURED_KEYS, parse_constraint
-from llm_serving.core.sequence import InvalidParameter, OutputConstraint, SamplingParams
+from llm_serving.core.sequence import SAMPLING_RANGES, OutputConstraint, SamplingParams
 from llm_serving.describe import json_kind
+from llm_serving.request_errors import ApiError, InvalidParameter
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 MAX_PROMPTS = 256  # prompts of one /v1/completions request; each choice of each is a sequence in the queue
 MAX_CHOICES = 128  # n / best_of: choices of one prompt
 MAX_USER_CHARS = 1024  # OpenAI's opaque end-user id: accepted and ignored, within this length
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on /v1/completions' logprobs (alternatives per position)
-MAX_TOP_K = 2**31 - 1  # larger is the same as 0 (no limit), but does not fit the int32 step arrays
+OPENAI_MAX_TEMPERATURE = 2.0  # OpenAI's own cap on the engine's temperature range (SAMPLING_RANGES)
 HF_DEFAULT_TEMPERATURE = 1.0  # do_sample=true without a temperature
 
 
@@ -251,9 +252,8 @@ def parse_generate(body: Any, stream: bool | None = None) -> GenerateRequest:
     stream_flag = b.bool("stream", False)  # validated even where the route decides
     max_new = p.int("max_new_tokens")  # its value is the engine's to check (SamplingParams, admission)
     sampling = SamplingOptions(
-        do_sample=p.bool("do_sample", False), temperature=p.float("temperature", lo=0.0),
-        top_k=p.int("top_k", lo=0, hi=MAX_TOP_K), top_p=p.float("top_p", lo=0.0, lo_open=True, hi=1.0),
-        repetition_penalty=p.float("repetition_penalty", lo=0.0, lo_open=True), seed=p.int("seed", lo=0),
+        do_sample=p.bool("do_sample", False), temperature=p.ranged("temperature"), top_k=p.ranged_int("top_k"),
+        top_p=p.ranged("top_p"), repetition_penalty=p.ranged("repetition_penalty"), seed=p.int("seed", lo=0),
     )
     return GenerateRequest(
         inputs=inputs, max_new_tokens=max_new, sampling=sampling, stop=p.stop("stop"),
@@ -273,7 +273,7 @@ _COMPLETION_KEYS = ("model", "prompt", "max_tokens", "n", "stream", "stream_opti
 def openai_sampling(body: Mapping[str, Any], r: _Reader) -> SamplingOptions:
     """The sampling controls of an OpenAI body (temperature defaults to OpenAI's 1: sampling), structured output
     among them."""
-    temperature = r.float("temperature", lo=0.0, hi=2.0)
+    temperature = r.float("temperature", lo=SAMPLING_RANGES["temperature"].lo, hi=OPENAI_MAX_TEMPERATURE)
     temperature = 1.0 if temperature is None else temperature
     bias = body.get("logit_bias") or {}
     if not isinstance(bias, dict):
@@ -287,12 +287,10 @@ def openai_sampling(body: Mapping[str, Any], r: _Reader) -> SamplingOptions:
     if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
         raise invalid(f"stop_token_ids must be a list of token ids, got {json_kind(stop_ids)}", "stop_token_ids")
     return SamplingOptions(
-        do_sample=temperature > 0, temperature=temperature, top_k=r.int("top_k", lo=0, hi=MAX_TOP_K),
-        top_p=r.float("top_p", lo=0.0, lo_open=True, hi=1.0),
-        repetition_penalty=r.float("repetition_penalty", lo=0.0, lo_open=True), seed=r.int("seed"),
-        presence_penalty=r.float("presence_penalty", lo=-2.0, hi=2.0) or 0.0,
-        frequency_penalty=r.float("frequency_penalty", lo=-2.0, hi=2.0) or 0.0,
-        min_p=r.float("min_p", lo=0.0, hi=1.0) or 0.0, logit_bias=pairs, min_tokens=r.int("min_tokens", lo=0) or 0,
+        do_sample=temperature > 0, temperature=temperature, top_k=r.ranged_int("top_k"), top_p=r.ranged("top_p"),
+        repetition_penalty=r.ranged("repetition_penalty"), seed=r.int("seed"),
+        presence_penalty=r.ranged("presence_penalty") or 0.0, frequency_penalty=r.ranged("frequency_penalty") or 0.0,
+        min_p=r.ranged("min_p") or 0.0, logit_bias=pairs, min_tokens=r.int("min_tokens", lo=0) or 0,
         stop_token_ids=tuple(stop_ids), constraint=parse_constraint(body),
     )
 
@@ -432,6 +430,16 @@ class _Reader:
         if hi is not None and v > hi:
             raise invalid(f"{self.prefix}{key} must be <= {hi:g}, got {v:g}", key)
         return v
+
+    def ranged(self, key: str) -> float | None:
+        """A sampling parameter read within the engine's range of it (``core.sequence.SAMPLING_RANGES``)."""
+        domain = SAMPLING_RANGES[key]
+        return self.float(key, lo=domain.lo, hi=domain.hi, lo_open=domain.lo_open)
+
+    def ranged_int(self, key: str) -> int | None:
+        """An integer sampling parameter read within the engine's range of it (``SAMPLING_RANGES``)."""
+        domain = SAMPLING_RANGES[key]
+        return self.int(key, lo=domain.lo, hi=domain.hi)
 
     def stop(self, key: str) -> tuple[str, ...]:
         """Stop strings as sent; their number and lengths are SamplingParams' to check."""

@@ -38,13 +38,14 @@ from llm_serving.api.metrics import CONTENT_TYPE, ServerMetrics
 from llm_serving.api.openai_routes import OpenAIRoutes
 from llm_serving.api.responses import error_response, json_response
 from llm_serving.api.route_context import OFFLOAD_ENCODE_CHARS
-from llm_serving.api.schema import ApiError, parameter_error
+from llm_serving.api.schema import parameter_error
 from llm_serving.api.tgi_routes import TgiRoutes
 from llm_serving.api.tokenizer_routes import TokenizerRoutes
 from llm_serving.config.serving_config import ServingConfig
-from llm_serving.core.scheduler import RequestRejected
-from llm_serving.core.sequence import InvalidParameter, SamplingParams
-from llm_serving.engine.request_stream import EngineError, QueueFull
+from llm_serving.core.sequence import SamplingParams
+from llm_serving.engine.request_stream import EngineError
+from llm_serving.request_errors import ApiError, InvalidParameter, QueueFull, RequestRejected
+from llm_serving.tokenization.chat_template import ChatTemplate
 from llm_serving.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class Server:
         app.router.add_post("/v1/completions", self._guard(openai.completions, "openai"))
         self.chat = ChatRoutes(self)
         app.router.add_post("/v1/chat/completions", self._guard(self.chat.chat_completions, "openai"))
-        tokenizer = TokenizerRoutes(self, self.chat)
+        tokenizer = TokenizerRoutes(self)
         app.router.add_post("/tokenize", tokenizer.tokenize)
         app.router.add_post("/detokenize", tokenizer.detokenize)
         app.router.add_get("/tokenizer_info", tokenizer.tokenizer_info)
@@ -176,6 +177,10 @@ class Server:
     def model_path(self) -> Path:
         """The served model's directory or checkpoint (known once the engine has started)."""
         return self.engine.model.model_path
+
+    def chat_template(self) -> ChatTemplate:
+        """The served model's chat template: the engine's, loaded on first use after it started (ConfigError)."""
+        return self.engine.chat_template.get()
 
     def check_model(self, name: str | None) -> str:
         """The served name a request asks for (the main one when it names none); 404 if not served here."""

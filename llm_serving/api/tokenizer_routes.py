@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from llm_serving.api.responses import error_response, json_response
-from llm_serving.api.schema import ApiError, _no_unknown, _object, _Reader, invalid
+from llm_serving.api.schema import _no_unknown, _object, _Reader, invalid
 from llm_serving.api.tools import parse_tools
 from llm_serving.config.serving_config import ConfigError
 from llm_serving.describe import json_kind
-from llm_serving.tokenization.chat_template import ChatTemplateError, MessageError, check_messages
+from llm_serving.request_errors import ApiError, ChatTemplateError, MessageError
+from llm_serving.tokenization.chat_template import check_messages
 
 if TYPE_CHECKING:
-    from llm_serving.api.chat_routes import ChatRoutes
     from llm_serving.api.route_context import RouteContext
 
 _TOKENIZE_KEYS = ("model", "prompt", "messages", "tools", "add_special_tokens", "add_generation_prompt",
@@ -31,11 +31,10 @@ _TOKENIZE_KEYS = ("model", "prompt", "messages", "tools", "add_special_tokens", 
 
 
 class TokenizerRoutes:
-    """The handlers; ``chat`` holds the served chat template."""
+    """The handlers; the served chat template is the server's (``RouteContext.chat_template``)."""
 
-    def __init__(self, server: RouteContext, chat: ChatRoutes) -> None:
+    def __init__(self, server: RouteContext) -> None:
         self.server = server
-        self.chat = chat
 
     async def tokenize(self, request: web.Request) -> web.Response:
         try:
@@ -68,8 +67,8 @@ class TokenizerRoutes:
         tools = parse_tools({"tools": body.get("tools")})  # as the chat route renders them
         try:
             messages = check_messages(body["messages"])
-            return self.chat.template().prompt_ids(messages, r.bool("add_generation_prompt", True),
-                                                   tools.template_tools() if tools is not None else None)
+            return self.server.chat_template().prompt_ids(messages, r.bool("add_generation_prompt", True),
+                                                         tools.template_tools() if tools is not None else None)
         except (MessageError, ChatTemplateError) as exc:
             raise invalid(str(exc), "messages") from None
         except ConfigError as exc:  # serve loads the template at start-up; this is for apps run another way
@@ -101,7 +100,7 @@ class TokenizerRoutes:
             tok = self.server.tokenizer
             info: dict[str, Any] = {name: value or None for name, value in tok.template_variables().items()}
             try:
-                info["chat_template"] = self.chat.template().source
+                info["chat_template"] = self.server.chat_template().source
             except ConfigError:  # a model without a usable template still tokenizes
                 info["chat_template"] = None
             info.update(tokenizer_class=type(tok).__name__, vocab_size=tok.vocab_size,

@@ -30,9 +30,9 @@ def discover_commands() -> list[Command]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from llm_serving.config.serving_config import ConfigError
-    from llm_serving.core.scheduler import RequestRejected
     from llm_serving.engine.request_stream import EngineError
     from llm_serving.executor.agent_pool import AgentError
+    from llm_serving.request_errors import RequestRejected
 
     parser = argparse.ArgumentParser(prog="llm-serving", description="Continuous-batching LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -2,5 +2,5 @@
 chunked prefill, decode batches), the paged KV-cache block manager, the prefix cache and the sequence each
 request becomes. No I/O, no threads, no processes: every decision here can be tested by calling it.
 
-May import: ``llm_serving.protocol`` only.
+May import: ``llm_serving.protocol`` and ``llm_serving.request_errors`` (why a request is refused) only.
 """

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Protocol
 import llguidance
 import numpy as np
 
-from llm_serving.core.sequence import InvalidParameter, OutputConstraint
+from llm_serving.core.sequence import OutputConstraint
+from llm_serving.request_errors import InvalidParameter
 
 if TYPE_CHECKING:
     from llm_serving.core.sequence import Sequence

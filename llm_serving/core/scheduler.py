@@ -74,10 +74,7 @@ from llm_serving.core.speculation import Speculation
 from llm_serving.core.step_builder import StepBuilder
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.model_config import blocks_needed
-
-
-class RequestRejected(ValueError):
-    """A request that can never be served with this configuration (rejected at admission)."""
+from llm_serving.request_errors import RequestRejected
 
 
 class Scheduler:

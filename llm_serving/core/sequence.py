@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from llm_serving.core.logprobs import MAX_TOP_LOGPROBS, PromptLogprob, TopLogprobs
+from llm_serving.request_errors import InvalidParameter
 
 if TYPE_CHECKING:
     import numpy as np
@@ -31,24 +32,52 @@ MAX_STOP_LENGTH = 256  # characters of one stop string
 _INT32_MAX = 2**31 - 1
 
 
-class InvalidParameter(ValueError):
-    """A request parameter the engine cannot take; the message names the field.
+@dataclass(frozen=True)
+class ParamRange:
+    """A sampling parameter's domain: ``lo``..``hi`` (``lo`` itself excluded when ``lo_open``; None: no bound on
+    that side); ``neutral`` says which value changes nothing."""
 
-    ``template`` holds the message with ``{field}`` where the field's name goes, so each front end can show
-    it under its own name (``message_for``): the OpenAI route's ``max_tokens``, the CLI's
-    ``--max-new-tokens``. ``error_type`` is the HTTP API's tag for it.
-    """
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    neutral: str = ""
 
-    error_type = "invalid_request"
+    def holds(self, value: float) -> bool:
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return self.hi is None or value <= self.hi
 
-    def __init__(self, field: str, template: str) -> None:
-        super().__init__(template.replace("{field}", field, 1))
-        self.field = field
-        self.template = template
+    def message(self, value: float) -> str:
+        """``InvalidParameter``'s template for a value outside it, e.g. "{field} must be in (0, 1] (1 = no limit),
+        got 0"."""
+        lo = _number(self.lo)
+        if self.hi is None:
+            bound = f"{'>' if self.lo_open else '>='} {lo}"
+        else:
+            bound = f"in ({lo}, {_number(self.hi)}]" if self.lo_open else f"in {lo}..{_number(self.hi)}"
+        return f"{{field}} must be {bound} ({self.neutral}), got {_number(value)}"
 
-    def message_for(self, name: str) -> str:
-        """The message with the field called ``name``."""
-        return self.template.replace("{field}", name, 1)
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+# The one definition of each sampling parameter's range: SamplingParams checks its values against it, and the
+# HTTP API reads the parameters with it (api.schema), so a request is refused by the same bounds on every route.
+SAMPLING_RANGES = {
+    "temperature": ParamRange(lo=0.0, neutral="0 = greedy"),
+    "top_k": ParamRange(lo=0, hi=_INT32_MAX, neutral="0 = no limit"),  # larger would not fit the int32 step arrays
+    "top_p": ParamRange(lo=0.0, hi=1.0, lo_open=True, neutral="1 = no limit"),
+    "repetition_penalty": ParamRange(lo=0.0, lo_open=True, neutral="1 = none"),
+    "presence_penalty": ParamRange(lo=-2.0, hi=2.0, neutral="0 = none"),
+    "frequency_penalty": ParamRange(lo=-2.0, hi=2.0, neutral="0 = none"),
+    "min_p": ParamRange(lo=0.0, hi=1.0, neutral="0 = none"),
+}
+
+
+def _check_range(name: str, value: float) -> None:
+    if not SAMPLING_RANGES[name].holds(value):
+        raise InvalidParameter(name, SAMPLING_RANGES[name].message(value))
 
 
 CONSTRAINT_KINDS = ("json", "regex", "choice")
@@ -141,27 +170,18 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise TypeError(f"{name} must be a finite number, got {value!r}")
             object.__setattr__(self, name, float(value))
-        if self.temperature < 0:
-            raise InvalidParameter("temperature", f"{{field}} must be >= 0 (0 = greedy), got {self.temperature:g}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidParameter("top_p", f"{{field}} must be in (0, 1] (1 = no limit), got {self.top_p:g}")
-        if self.repetition_penalty <= 0:
-            raise InvalidParameter("repetition_penalty",
-                                   f"{{field}} must be > 0 (1 = none), got {self.repetition_penalty:g}")
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            _check_range(name, getattr(self, name))
         for name in ("temperature", "top_p", "repetition_penalty"):
             _check_float32(name, getattr(self, name))
         if _not_int(self.top_k):
             raise TypeError(f"top_k must be an int, got {self.top_k!r}")
-        if not 0 <= self.top_k <= _INT32_MAX:
-            raise InvalidParameter("top_k", f"{{field}} must be in 0..{_INT32_MAX} (0 = no limit), got {self.top_k}")
+        _check_range("top_k", self.top_k)
         if self.seed is not None and _not_int(self.seed):
             raise TypeError(f"seed must be an int or None, got {self.seed!r}")
         object.__setattr__(self, "stop", _checked_stops(self.stop))
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise InvalidParameter(name, f"{{field}} must be in -2..2 (0 = none), got {getattr(self, name):g}")
-        if not 0 <= self.min_p <= 1:
-            raise InvalidParameter("min_p", f"{{field}} must be in 0..1 (0 = none), got {self.min_p:g}")
+        for name in ("presence_penalty", "frequency_penalty", "min_p"):
+            _check_range(name, getattr(self, name))
         object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
         if _not_int(self.min_tokens):
             raise TypeError(f"min_tokens must be an int, got {self.min_tokens!r}")

@@ -3,5 +3,6 @@
 the admission check against the served configuration, the wiring from a ``ServingConfig`` to these parts, and
 the offline API (``LLM``) on top of it. Knows nothing of HTTP.
 
-May import: ``llm_serving.protocol``, ``core``, ``config``, ``tokenization``, ``models`` and ``executor``.
+May import: ``llm_serving.protocol``, ``core``, ``config``, ``tokenization``, ``models``, ``executor`` and
+``request_errors``.
 """

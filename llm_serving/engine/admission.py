@@ -12,16 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from llm_serving.config.serving_config import ServingConfig
-from llm_serving.core.scheduler import RequestRejected
-from llm_serving.core.sequence import InvalidParameter, SamplingParams
-
-
-class AdmissionError(RequestRejected, InvalidParameter):
-    """A request the served configuration cannot run; ``field`` is "prompt" or "max_new_tokens"."""
-
-    def __init__(self, field: str, template: str, error_type: str = "invalid_request") -> None:
-        super().__init__(field, template)
-        self.error_type = error_type
+from llm_serving.core.sequence import SamplingParams
+from llm_serving.request_errors import AdmissionError
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.loop import Engine
-from llm_serving.engine.request_stream import GenerationResult, QueueFull, RequestStream
+from llm_serving.engine.request_stream import GenerationResult, RequestStream
+from llm_serving.request_errors import QueueFull
 from llm_serving.tokenization.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -64,7 +65,6 @@ class LLM:
                  **overrides: Any) -> None:
         self.config = load_config(config, **overrides)
         self.engine = Engine(self.config, standin_agents=standin_agents)
-        self._chat_template: Any = None  # chat_template.ChatTemplate, loaded by chat_prompt_ids
         try:
             self.engine.start(progress)
         except BaseException:
@@ -124,11 +124,10 @@ class LLM:
 
     def chat_prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The prompt token ids of one conversation (BOS included, as the template writes it)."""
-        from llm_serving.tokenization.chat_template import check_messages, load_chat_template
+        from llm_serving.tokenization.chat_template import check_messages
 
-        if self._chat_template is None:  # loaded on first use: a ConfigError if the configured one is bad
-            self._chat_template = load_chat_template(self.config, self.engine.model.model_path, self.tokenizer)
-        return self._chat_template.prompt_ids(check_messages(list(messages)))
+        # the served template, loaded on first use: a ConfigError if the configured one is bad
+        return self.engine.chat_template.get().prompt_ids(check_messages(list(messages)))
 
     def _submit(self, prompt: str | Sequence[int], params: SamplingParams,
                 earlier: list[RequestStream], logits_tokens: int = 0) -> RequestStream:

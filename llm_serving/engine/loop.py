@@ -32,30 +32,26 @@ import numpy as np
 
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.core.grammar import GrammarCompiler, compiler_for, masked_rows
-from llm_serving.core.scheduler import RequestRejected, Scheduler
+from llm_serving.core.scheduler import Scheduler
 from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.core.step_shape import StepShape
 from llm_serving.engine.admission import RequestLimits
 from llm_serving.engine.kv_transfer import KvPayload, KvTransfers, kv_layout
 from llm_serving.engine.live_requests import LiveRequests, SequenceError
 from llm_serving.engine.recovery import MAX_STRIKES, AgentSupervisor, RecoveryConfig, run_isolated
-from llm_serving.engine.request_stream import (
-    EngineError,
-    GenerationResult,
-    QueueFull,
-    RequestStream,
-    TokenEvent,
-)
+from llm_serving.engine.request_stream import EngineError, GenerationResult, RequestStream, TokenEvent
 from llm_serving.engine.wiring import ModelFiles, agent_spec, resolve_model, scheduler_config
 from llm_serving.executor.agent_pool import AgentDiedError, AgentPool, AgentStepError
 from llm_serving.executor.step_pool import StepPool
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.wire import AgentSpec
+from llm_serving.request_errors import QueueFull
+from llm_serving.tokenization.chat_template import ServedChatTemplate
 from llm_serving.tokenization.hf_tokenizer import HFTokenizer, load_tokenizer
 from llm_serving.tokenization.tokenizer import Tokenizer
 
-__all__ = ["Engine", "EngineError", "GenerationResult", "QueueFull", "RequestRejected", "RequestStream",
-           "SamplingParams", "SequenceError", "TokenEvent"]
+__all__ = ["Engine", "EngineError", "GenerationResult", "RequestStream", "SamplingParams", "SequenceError",
+           "TokenEvent"]
 
 if TYPE_CHECKING:
     from typing import Self
@@ -88,6 +84,7 @@ class Engine:
         self.state = "new"  # new -> starting -> ready <-> recovering; failed or stopped for good
         self.last_failure: str | None = None  # why the agents were last replaced, or why the engine failed
         self.tokenizer: Tokenizer | HFTokenizer | None = None
+        self.chat_template: ServedChatTemplate | None = None  # the served tokenizer's, loaded on first use
         self.model: ModelFiles | None = None
         self.eos_token_id: int | None = None
         self.other_eos_token_ids: tuple[int, ...] = ()
@@ -153,6 +150,7 @@ class Engine:
                               f"{self.tokenizer.vocab_size} pieces, more than the model's vocab_size "
                               f"{self.model.llama_config.vocab_size}",
                               key="tokenizer.vocab_file", source=cfg.source)
+        self.chat_template = ServedChatTemplate(cfg, self.model.model_path, self.tokenizer)
         self.limits = RequestLimits.from_config(cfg, self.tokenizer.vocab_size)
         end = cfg.model_config.end_token
         self.eos_token_id = end if end is not None else self.model.llama_config.eos_token_id

@@ -37,10 +37,6 @@ class EngineError(RuntimeError):
     """The engine cannot serve the request (an agent died, the engine is stopped or failed)."""
 
 
-class QueueFull(RuntimeError):
-    """More requests are waiting than ``serving_config.max_queue_size``; retry later (HTTP 503)."""
-
-
 @dataclass
 class TokenEvent:
     """One step of a request: its new token and the text that token released (may be empty).

@@ -26,11 +26,11 @@ import aiohttp
 import numpy as np
 import yaml
 
+from llm_serving.bench.local_server import running_server
+from llm_serving.bench.metrics import parse_gauge
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.step_shape import StepShape
 from llm_serving.simulator.costs import load_profile
-from loadtest.client import parse_gauge
-from loadtest.local_server import running_server
 
 PROBES = 4  # requests sent one after another at each batch-1 point (time to first token outside the engine)
 WARM_UP_ROUNDS = 3  # rounds of the largest batch before the sweep: a fresh server's first steps run slower

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from llm_serving.bench.metrics import compute_metrics
+from llm_serving.bench.results import RequestResult
+from llm_serving.bench.run_files import save_results
 from llm_serving.core.scheduler import Scheduler
 from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.core.sequence import SamplingParams, Sequence
@@ -27,8 +30,6 @@ from llm_serving.core.step_shape import StepShape
 from llm_serving.protocol.batch import StepOutput
 from llm_serving.simulator.costs import StepCost
 from llm_serving.simulator.workload import SimRequest
-from loadtest.metrics import compute_metrics
-from loadtest.protocol import RequestResult
 
 
 @dataclass
@@ -154,11 +155,7 @@ def simulate(config: SchedulerConfig, requests: list[SimRequest], cost: StepCost
 
 def write_run(run: SimRun, out_dir, qps: float, settings: dict, draw: bool = True) -> dict:
     """The load tool's files for a simulated run (result json, summary, report, plots), plus KV use over time."""
-    from loadtest.client import BenchRun, save_run
-    from loadtest.protocol import BenchConfig
-
-    bench = BenchRun(BenchConfig(qps=qps), run.results, run.duration, run.running, run.metrics)
-    paths = save_run(bench, out_dir, settings, draw)
+    paths = save_results(out_dir, qps, run.results, run.duration, run.running, run.metrics, settings, draw)
     kv = Path(out_dir) / f"kv_usage_{float(qps)}_x.json"
     kv.write_text(json.dumps(run.kv_usage))
     paths["kv_usage"] = kv

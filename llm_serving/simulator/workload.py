@@ -1,7 +1,7 @@
 """The requests a simulation replays: when each arrives, its prompt's token ids and how many tokens it gets.
 
-From an alpaca dataset as the load tool sends it (``loadtest``: the contest's prompt, ``max_new_tokens`` = the
-reference output's token count, Poisson / gamma / constant / all-at-once arrivals), or from a load-test result
+From an alpaca dataset as the load tool sends it (``llm_serving.bench``: the contest's prompt,
+``max_new_tokens`` = the reference output's token count, Poisson / gamma / constant / all-at-once arrivals), or from a load-test result
 file (``result_*.json``): the recorded send times, what each asked for and where the server's model ended it,
 which is how a simulation is set against a measured run. Prompts become token ids through the served tokenizer when there
 is one; otherwise words become ids by hashing (the same word, the same id: shared prefixes stay shared for the
@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from loadtest import BenchError
-from loadtest.client import arrival_offsets
-from loadtest.dataset import contest_prompt, default_dataset, load_dataset
+from llm_serving.bench import BenchError
+from llm_serving.bench.arrivals import arrival_offsets
+from llm_serving.bench.dataset import contest_prompt, default_dataset, load_dataset
 
 Encode = Callable[[str], list[int]]
 

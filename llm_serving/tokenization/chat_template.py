@@ -1,7 +1,9 @@
 """Chat prompts: a conversation rendered by the model's chat template (Jinja2) and tokenized as transformers does.
 
 The template, first found: the YAML key ``tokenizer.chat_template`` (a Jinja file), ``chat_template.jinja`` or
-the ``chat_template`` of ``tokenizer_config.json`` in the model directory, else ``LLAMA2_CHAT_TEMPLATE``.
+the ``chat_template`` of ``tokenizer_config.json`` in the model directory, else ``LLAMA2_CHAT_TEMPLATE``. It is
+loaded once, on first use, by the ``ServedChatTemplate`` made beside the served tokenizer (``Engine.start``);
+every user (the chat and tokenizer routes, ``serve``'s start-up, the offline ``LLM``) takes it from there.
 
 Rendering keeps the contract transformers' ``apply_chat_template`` documents, so the templates that Hugging Face
 model directories carry work unchanged: a sandboxed Jinja environment with ``trim_blocks``/``lstrip_blocks``
@@ -34,6 +36,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.describe import json_kind
+from llm_serving.request_errors import ChatTemplateError, MessageError
 from llm_serving.tokenization.sp_prompt import PREFIX_SCHEMES
 from llm_serving.tokenization.tokenizer import Tokenizer
 
@@ -74,18 +77,6 @@ LLAMA2_CHAT_TEMPLATE = r"""
 {%- endfor -%}
 """
 
-
-
-class MessageError(ValueError):
-    """Messages that are not a conversation; ``unsupported`` marks valid OpenAI features not served here."""
-
-    def __init__(self, message: str, unsupported: bool = False) -> None:
-        super().__init__(message)
-        self.unsupported = unsupported
-
-
-class ChatTemplateError(ValueError):
-    """The template refused the messages (``raise_exception``) or failed while rendering them."""
 
 
 # ---- messages ----------------------------------------------------------------------------------------------
@@ -231,6 +222,24 @@ class ChatTemplate:
                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """The conversation's prompt token ids (``check_messages`` output in, BOS included by the template)."""
         return self.encode(self.render(messages, add_generation_prompt, tools))
+
+
+class ServedChatTemplate:
+    """The served model's chat template, loaded once, on first use (``get``): the one place it is loaded.
+
+    Made beside the served tokenizer; loading waits for a first use, so a model whose template is bad still
+    serves plain prompts (``serve`` asks for it at start-up, so there a bad one stops it).
+    """
+
+    def __init__(self, config: ServingConfig, model_path: str | Path, tokenizer: Tokenizer) -> None:
+        self._config, self._model_path, self._tokenizer = config, model_path, tokenizer
+        self._template: ChatTemplate | None = None
+
+    def get(self) -> ChatTemplate:
+        """The template (``load_chat_template``: a ConfigError, asked again next time, if it cannot be used)."""
+        if self._template is None:
+            self._template = load_chat_template(self._config, self._model_path, self._tokenizer)
+        return self._template
 
 
 # ---- where the template comes from -----------------------------------------------------------------------------

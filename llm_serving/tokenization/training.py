@@ -10,14 +10,12 @@ across runs and directories.
 from __future__ import annotations
 
 import io
-from importlib import resources
 from pathlib import Path
 
 import sentencepiece as spm
 
-# One corpus serves both the load-test workloads and this tokenizer; it ships in the same distribution as
-# the master, inside the loadtest package (locating it imports only that package's small __init__).
-DEFAULT_CORPUS = Path(str(resources.files("loadtest") / "data" / "corpus.txt"))
+# One corpus serves both the load-test workloads and this tokenizer (llm_serving/bench/data/corpus.txt)
+from llm_serving.bench.workload import DEFAULT_CORPUS
 
 # Options mirroring the trainer_spec stored in Llama-2's tokenizer.model, minus its vocabulary size.
 _LLAMA_OPTIONS = {

@@ -40,9 +40,9 @@ from peers.peer_io import (
     write_requests,
 )
 
+from llm_serving.bench.local_server import ServerStartError, running_server
 from loadtest.client import benchmark
 from loadtest.dataset import BenchRequest
-from loadtest.local_server import ServerStartError, running_server
 from loadtest.protocol import BenchConfig
 
 HERE = Path(__file__).resolve().parent

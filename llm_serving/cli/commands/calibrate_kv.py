@@ -19,7 +19,7 @@ from pathlib import Path
 from llm_serving.cli.options import CliError, Command
 from llm_serving.protocol.model_config import KV_SCALE_HEADROOM
 
-DEFAULT_TEXT_NAME = "corpus.txt"  # the load tool's packaged corpus (loadtest.workload.DEFAULT_CORPUS)
+DEFAULT_TEXT_NAME = "corpus.txt"  # the load tool's packaged corpus (llm_serving.bench.workload.DEFAULT_CORPUS)
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,7 +54,7 @@ def _run(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(model)
     except (ModelConfigError, ValueError, OSError) as exc:
         raise CliError(str(exc)) from None
-    from loadtest.workload import DEFAULT_CORPUS
+    from llm_serving.bench.workload import DEFAULT_CORPUS
 
     texts = [Path(t) for t in args.text] or [DEFAULT_CORPUS]
     missing = [str(t) for t in texts if not t.is_file()]

@@ -54,7 +54,8 @@ def read_prompts(path: str) -> list[str | list[int] | list[dict[str, str]]]:
         if isinstance(item, dict):
             item = item.get("messages", item.get("prompt"))
         if _is_conversation(item):
-            from llm_serving.tokenization.chat_template import MessageError, check_messages
+            from llm_serving.request_errors import MessageError
+            from llm_serving.tokenization.chat_template import check_messages
 
             try:
                 prompts.append(check_messages(item))
@@ -71,7 +72,8 @@ def read_prompts(path: str) -> list[str | list[int] | list[dict[str, str]]]:
 
 def sampling_from_args(args: argparse.Namespace) -> Any:
     """The generate command's SamplingParams; a bad value is a CliError naming its option."""
-    from llm_serving.core.sequence import InvalidParameter, SamplingParams
+    from llm_serving.core.sequence import SamplingParams
+    from llm_serving.request_errors import InvalidParameter
 
     try:
         return SamplingParams(args.max_new_tokens, args.ignore_eos, temperature=args.temperature,
@@ -127,7 +129,7 @@ def logits_dump_from_args(args: argparse.Namespace, cfg: Any, max_new_tokens: in
 
 def _chat_prompts(llm: Any, prompts: list[Any], path: str) -> list[str | list[int]]:
     """Conversations replaced by their prompt ids (the served model's chat template); other prompts as given."""
-    from llm_serving.tokenization.chat_template import ChatTemplateError
+    from llm_serving.request_errors import ChatTemplateError
 
     out = []
     for i, prompt in enumerate(prompts):

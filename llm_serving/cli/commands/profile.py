@@ -23,9 +23,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from llm_serving.bench.local_server import ServerStartError
     from llm_serving.simulator.costs import FittedCost, round_spread, save_profile, shape_summary
     from llm_serving.simulator.profiling import default_sweep, run_sweep
-    from loadtest.local_server import ServerStartError
 
     if args.new_tokens < 1 or args.staggered < 0 or args.rounds < 1:
         raise CliError("--new-tokens and --rounds must be >= 1, --staggered >= 0")

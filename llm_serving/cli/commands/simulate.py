@@ -21,8 +21,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from llm_serving.bench import report
     from llm_serving.simulator.run import simulate, write_run
-    from loadtest import report
 
     config, target, requests = build(args, progress=lambda line: print(line, file=sys.stderr))
     run = simulate(target.scheduler, requests, target.cost, target.request_overhead_s,

@@ -57,7 +57,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _metric_names() -> set[str]:
     """The numeric metrics of a run (what a constraint may bound)."""
-    from loadtest.metrics import compute_metrics
+    from llm_serving.bench.metrics import compute_metrics
 
     return {k for k, v in compute_metrics([], 1.0).items() if v is None or isinstance(v, (int, float))}
 

@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from loadtest import BenchError
-from loadtest.client import wait_ready
-from loadtest.protocol import BenchConfig
+import aiohttp
+
+from llm_serving.bench import BenchError
 
 
 def free_port() -> int:
@@ -28,6 +28,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def wait_ready(base_url: str, seconds: float) -> None:
+    """Poll ``GET /health`` of the server at ``base_url`` until it answers 200, or fail after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    last = "no answer"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while time.monotonic() < deadline:
+            try:
+                async with session.get(f"{base_url}/health") as resp:
+                    if resp.status == 200:
+                        return
+                    last = f"HTTP {resp.status}"
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
+                last = f"{type(e).__name__}: {e}"
+            await asyncio.sleep(0.2)
+    raise BenchError(f"server at {base_url} not ready after {seconds:g}s ({last})")
 
 
 class ServerStartError(RuntimeError):
@@ -38,10 +55,9 @@ def wait_until_ready(proc: subprocess.Popen, port: int, timeout_s: float) -> flo
     """Seconds until the server on ``port`` answers ``GET /health`` with 200. Polled in 5 s rounds, so that a
     server that exited is noticed at once (``ServerStartError``: "exited N", or the last answer at the timeout)."""
     t0 = time.perf_counter()
-    cfg = BenchConfig(port=port)
     while True:
         try:
-            asyncio.run(wait_ready(cfg, 5.0))
+            asyncio.run(wait_ready(f"http://127.0.0.1:{port}", 5.0))
             return time.perf_counter() - t0
         except BenchError as exc:
             if proc.poll() is not None:

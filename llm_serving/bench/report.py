@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.metrics import LATENCIES
+from llm_serving.bench.metrics import LATENCIES
 
 
 def _fmt(value: Any, digits: int = 2) -> str:

@@ -3,8 +3,8 @@
 The contest's load script reads ``[{"instruction", "input", "output"}]`` and asks for as many new tokens as
 the reference ``output`` has, so what matters for a load test is the *shape* of the data: a short instruction,
 an optional input passage (about 40% of Alpaca items have one), and a long-tailed output length. Lengths are
-drawn from clamped log-normal distributions (in words) and the text is cut from ``loadtest/data/corpus.txt``,
-so a workload is realistic English, deterministic for a seed, and reproducible on any machine.
+drawn from clamped log-normal distributions (in words) and the text is cut from ``data/corpus.txt`` (beside
+this module), so a workload is realistic English, deterministic for a seed, and reproducible on any machine.
 """
 
 from __future__ import annotations

@@ -21,12 +21,12 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from loadtest.metrics import LATENCIES, in_flight, latency_samples
+from llm_serving.bench.metrics import LATENCIES, in_flight, latency_samples
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from loadtest.protocol import RequestResult
+    from llm_serving.bench.results import RequestResult
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd")  # series colours, in order
 DPI = 100

@@ -9,13 +9,14 @@ the contest's "total time": from the first request sent to the last response fin
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from loadtest.protocol import RequestResult
+    from llm_serving.bench.results import RequestResult
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
@@ -83,3 +84,10 @@ def compute_metrics(results: Sequence[RequestResult], duration: float,
         group["count"] += 1
     m["errors"] = dict(sorted(errors.items(), key=lambda kv: -kv[1]["count"])[:10])
     return m
+
+
+def parse_gauge(text: str, name: str) -> float | None:
+    """Sum of a Prometheus gauge's samples over its label sets, or None when absent."""
+    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})?\s+(\S+)", re.MULTILINE)
+    values = [float(m.group(1)) for m in pattern.finditer(text)]
+    return sum(values) if values else None
