@@ -25,6 +25,7 @@ class Decode:
 
     def __init__(self, rc: RunnerConfig, backend: OpsBackend | None, costs: CostTable) -> None:
         self.rc, self.backend, self.costs = rc, backend, costs
+        self.skips_padding = backend is not None and backend.skips_padding
 
     def shapes(self) -> list[tuple]:
         return [("decode", b, w) for b in self.rc.decode_batch_sizes for w in self.rc.decode_block_widths]
@@ -50,13 +51,17 @@ class Decode:
         rows cost nothing (``OpsBackend.skips_padding``), as few calls as the largest bucket allows."""
         lengths = batch.context_lens
         try:
-            if self.backend.skips_padding:
+            if self.skips_padding:
                 return self._chunks(lengths)
             return plan_groups(lengths, self.rc.decode_batch_sizes, self.cost)
         except ValueError:
-            raise ValueError(f"context length {int(lengths.max())} exceeds the largest compiled bucket "
-                             f"{self.rc.decode_block_widths[-1] * self.rc.block_size} (single sequences up to "
-                             f"max_model_len {self.rc.max_model_len} can be prefilled alone)") from None
+            raise ValueError(self.too_long(int(lengths.max()))) from None
+
+    def too_long(self, context: int) -> str:
+        """Why a context of ``context`` tokens has no call."""
+        return (f"context length {context} exceeds the largest compiled bucket "
+                f"{self.rc.decode_block_widths[-1] * self.rc.block_size} (single sequences up to max_model_len "
+                f"{self.rc.max_model_len} can be prefilled alone)")
 
     def _chunks(self, context_lens: np.ndarray) -> list[np.ndarray]:
         """Sequences in context order (the attention op reads each row's own context, so the table's width costs

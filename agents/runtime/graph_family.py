@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from llm_serving.protocol.batch import StepBatch
+from llm_serving.protocol.model_config import blocks_needed
 from llm_serving.protocol.step import StepKind
 
 
@@ -96,3 +97,23 @@ def planned_calls(families: Mapping[StepKind, GraphFamily], batch: StepBatch, ch
         part = batch.take(group)
         shape, arrays = families[part.kind].inputs(part)
         yield group, part, run(shape, arrays)
+
+
+def check_cache_indices(batch: StepBatch, num_blocks: int, block_size: int, max_blocks_per_seq: int) -> None:
+    """Refuse slots and blocks outside the cache before any graph runs: a bad index inside a graph either
+    corrupts other sequences' KV or fails the MindSpore executor, which then refuses every later step."""
+    num_slots = num_blocks * block_size
+    if batch.slot_mapping.size and (batch.slot_mapping.min() < 0 or batch.slot_mapping.max() >= num_slots):
+        raise ValueError(f"slot_mapping has slots outside the KV cache [0, {num_slots})")
+    if batch.kind is StepKind.PREFILL:
+        return
+    if batch.kind is not StepKind.DECODE and (np.any(batch.context_lens < batch.query_lens)
+                                              or batch.context_lens.max() > max_blocks_per_seq * block_size):
+        raise ValueError("context lengths must hold their queries and fit max_model_len")
+    used = blocks_needed(batch.context_lens, block_size)
+    if batch.context_lens.size and (batch.context_lens.min() < 1 or used.max() > batch.block_tables.shape[1]):
+        raise ValueError("decode context lengths must be >= 1 and covered by the block tables")
+    in_use = np.arange(batch.block_tables.shape[1]) < used[:, None]
+    blocks = batch.block_tables[in_use]
+    if blocks.size and (blocks.min() < 0 or blocks.max() >= num_blocks):
+        raise ValueError(f"block tables reference blocks outside the KV cache [0, {num_blocks})")

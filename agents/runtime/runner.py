@@ -29,7 +29,14 @@ from agents.model.parallel import agreed_costs, sharded_graphs
 from agents.runtime.decode_family import Decode
 from agents.runtime.device import apply_jit_config, setup_device
 from agents.runtime.graph_call import CompiledCell
-from agents.runtime.graph_family import CostTable, GraphFamily, by_graph, planned_calls, warmup_shapes_of
+from agents.runtime.graph_family import (
+    CostTable,
+    GraphFamily,
+    by_graph,
+    check_cache_indices,
+    planned_calls,
+    warmup_shapes_of,
+)
 from agents.runtime.mixed_families import PaddedMixed, RaggedMixed
 from agents.runtime.mixed_steps import MixedStep
 from agents.runtime.prefill_families import PaddedPrefill, RaggedPrefill
@@ -38,7 +45,7 @@ from agents.runtime.sampler import step_output
 from agents.runtime.verify_family import Verify
 from agents.runtime.verify_steps import VerifyStep, accept
 from llm_serving.protocol.batch import StepBatch, StepOutput
-from llm_serving.protocol.model_config import LlamaConfig, blocks_needed
+from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan
 from llm_serving.protocol.step import StepKind
 
@@ -196,24 +203,8 @@ class ModelRunner:
         return self.families[batch.kind].inputs(batch)
 
     def _check_cache_indices(self, batch: StepBatch) -> None:
-        """Refuse slots and blocks outside the cache before any graph runs: a bad index inside a graph either
-        corrupts other sequences' KV or fails the MindSpore executor, which then refuses every later step."""
         rc = self.rc
-        num_slots = rc.num_blocks * rc.block_size
-        if batch.slot_mapping.size and (batch.slot_mapping.min() < 0 or batch.slot_mapping.max() >= num_slots):
-            raise ValueError(f"slot_mapping has slots outside the KV cache [0, {num_slots})")
-        if batch.kind is StepKind.PREFILL:
-            return
-        if batch.kind is not StepKind.DECODE and (np.any(batch.context_lens < batch.query_lens)
-                                 or batch.context_lens.max() > rc.max_blocks_per_seq * rc.block_size):
-            raise ValueError("context lengths must hold their queries and fit max_model_len")
-        used = blocks_needed(batch.context_lens, rc.block_size)
-        if batch.context_lens.size and (batch.context_lens.min() < 1 or used.max() > batch.block_tables.shape[1]):
-            raise ValueError("decode context lengths must be >= 1 and covered by the block tables")
-        in_use = np.arange(batch.block_tables.shape[1]) < used[:, None]
-        blocks = batch.block_tables[in_use]
-        if blocks.size and (blocks.min() < 0 or blocks.max() >= rc.num_blocks):
-            raise ValueError(f"block tables reference blocks outside the KV cache [0, {rc.num_blocks})")
+        check_cache_indices(batch, rc.num_blocks, rc.block_size, rc.max_blocks_per_seq)
 
     def _parts(self, batch: StepBatch):
         """(indices, sub-batch, graph outputs) of each planned call."""
