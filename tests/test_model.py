@@ -131,12 +131,10 @@ def test_mixed_lengths_are_split_into_cheaper_calls_with_the_same_results(model_
     expected = [[0, 1, 2, 3]] if runner.ragged_prefill else [[0, 2, 3], [1]]
     measured = runner.step_costs
     try:  # the plan follows warm-up's timings, noisy on a loaded machine: give it costs that grow with the tokens
-        runner.step_costs = {shape: 1e-3 + 1e-5 * shape_tokens(shape) for shape in measured}
-        runner._costs.clear()
+        runner.step_costs = {shape: 1e-3 + 1e-5 * shape_tokens(shape) for shape in measured}  # plans re-read them
         assert sorted(sorted(g.tolist()) for g in runner.plan(batch)) == expected
     finally:
         runner.step_costs = measured
-        runner._costs.clear()
     tokens, _ = PagedDriver(runner, seed=6).generate(batch_prompts, 6)
     for prompt, got in zip(batch_prompts, tokens):
         assert got == hf_greedy(hf, prompt, 6)[0]

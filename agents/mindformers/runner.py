@@ -6,7 +6,9 @@ compiled while serving): ragged prefill graphs ``("ragged", S, T)`` and decode g
 MindFormers network serves both: its ``is_first_iteration`` flags pick the prefill (FlashAttention) or decode
 (PagedAttention) path, so they are set before every call, as MindFormers' own generator does; each kind is its
 own wrapper cell, so each compiles its own graphs. The patched ``construct`` returns (int32 ids, float32
-logprobs, float32 logits); logits are read back only for sampled requests and logits dumps.
+logprobs, float32 logits); logits are read back only for sampled requests and logits dumps. The shapes, plans
+and inputs are its two graph families' (``agents.mindformers.families``), the step loop and cache-index check the
+runtime's (``agents.runtime.graph_family``).
 """
 
 from __future__ import annotations
@@ -20,15 +22,20 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn
 
-from agents.mindformers.inputs import check_whole_prompts, shape_arrays, warmup_batch
+from agents.mindformers.families import mindformers_families
 from agents.mindformers.model import build_network, load_weights_into
-from agents.runtime.bucket_plan import plan_groups, powers_of_two_up_to
+from agents.runtime.bucket_plan import powers_of_two_up_to
 from agents.runtime.device import apply_jit_config, setup_device
-from agents.runtime.ragged_prefill import plan_ragged, token_buckets
+from agents.runtime.graph_family import (
+    CostTable,
+    by_graph,
+    check_cache_indices,
+    planned_calls,
+    warmup_shapes_of,
+)
 from agents.runtime.sampler import step_output
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.protocol.model_config import ASCEND_DTYPES, LlamaConfig, blocks_needed
-from llm_serving.protocol.step import StepKind
 
 
 @dataclass(frozen=True)
@@ -69,12 +76,6 @@ class MindFormersRunnerConfig:
         where wider tables cost more)."""
         return powers_of_two_up_to(self.max_blocks_per_seq, 4)
 
-    def shapes(self) -> list[tuple]:
-        """Every graph shape: ragged prefill token buckets, then decode batch x block-table width."""
-        tokens = token_buckets(self.prefill_batch_sizes, self.prefill_seq_lengths, self.max_model_len)
-        return [("ragged", self.prefill_batch_sizes[-1], t) for t in tokens] + [
-            ("decode", b, w) for b in self.decode_batch_sizes for w in self.decode_block_widths]
-
 
 class MindFormersStep(nn.Cell):
     """One kind of step of the MindFormers network: our four inputs to the real ``construct``'s keywords."""
@@ -103,18 +104,23 @@ class MindFormersRunner:
         self.graphs = {"ragged": MindFormersStep(self.net), "decode": MindFormersStep(self.net)}
         for graph in self.graphs.values():
             apply_jit_config(graph, rc.device_target)
-        self.token_buckets = token_buckets(rc.prefill_batch_sizes, rc.prefill_seq_lengths, rc.max_model_len)
-        self.warmed: set[tuple] = set()
+        self.costs = CostTable()  # the warmed shapes and their measured costs, which the families plan by
+        self.families = mindformers_families(rc, self.costs)
+        self.warmed = self.costs.warmed
         self.compile_times: dict[tuple, float] = {}
-        self.step_costs: dict[tuple, float] = {}
+
+    @property
+    def step_costs(self) -> dict[tuple, float]:
+        return self.costs.measured
 
     # ---- shapes and warm-up ----------------------------------------------------------------------------------
     def graph_shapes(self) -> list[tuple]:
-        return self.rc.shapes()
+        """Ragged prefill token buckets, then decode batch x block-table width."""
+        return warmup_shapes_of(self.families)
 
     def warmup_inputs(self, shape: tuple) -> list[np.ndarray]:
         """The inputs ``warmup()`` runs ``shape`` with (``agents.mindformers.export`` exports with them)."""
-        return shape_arrays(shape, warmup_batch(*shape))
+        return by_graph(self.families)[shape[0]].warmup_inputs(shape)
 
     def select(self, kind: str) -> nn.Cell:
         """The step cell of ``kind`` with MindFormers' prefill/decode flags set for it."""
@@ -141,55 +147,22 @@ class MindFormersRunner:
                 progress(f"warmed mindformers {shape[0]} batch={shape[1]} "
                          f"{'tokens' if shape[0] == 'ragged' else 'blocks'}={shape[2]} in "
                          f"{self.compile_times[shape]:.2f}s")
+        self.costs.set_measured(self.step_costs)  # plans made before re-read them
         return self.compile_times
 
-    # ---- planning ----------------------------------------------------------------------------------------
-    def _prefill_shape(self, tokens: int) -> tuple | None:
-        t = next((b for b in self.token_buckets if b >= tokens), None)
-        return None if t is None else ("ragged", self.rc.prefill_batch_sizes[-1], t)
-
-    def _decode_shape(self, count: int, longest: int) -> tuple | None:
-        b = next((s for s in self.rc.decode_batch_sizes if s >= count), None)
-        w = next((s for s in self.rc.decode_block_widths if s >= blocks_needed(longest, self.rc.block_size)), None)
-        return ("decode", b, w) if b and w else None
-
-    def _cost(self, shape: tuple | None) -> float:
-        return float("inf") if shape is None else self.step_costs.get(shape, 1.0)
-
+    # ---- steps -------------------------------------------------------------------------------------------
     def plan(self, batch: StepBatch) -> list[tuple[np.ndarray, tuple]]:
-        """(sequence indices, graph shape) of each call."""
-        if batch.kind is not StepKind.DECODE:
-            check_whole_prompts(batch)
-            groups = plan_ragged(batch.query_lens, self.rc.prefill_batch_sizes[-1],
-                                 lambda tokens: self._cost(self._prefill_shape(tokens)))
-            return [(g, self._prefill_shape(int(batch.query_lens[g].sum()))) for g in groups]
-        try:
-            groups = plan_groups(batch.context_lens, self.rc.decode_batch_sizes,
-                                 lambda n, longest: self._cost(self._decode_shape(n, longest)))
-        except ValueError:
-            raise ValueError(f"context length {int(batch.context_lens.max())} exceeds the widest block table "
-                             f"{self.rc.decode_block_widths[-1] * self.rc.block_size}") from None
-        return [(g, self._decode_shape(len(g), int(batch.context_lens[g].max()))) for g in groups]
+        """(sequence indices, graph shape) of each call, as the family of the batch's kind plans them."""
+        groups = self.families[batch.kind].plan(batch)
+        return [(g, self.families[part.kind].inputs(part)[0]) for g in groups for part in (batch.take(g),)]
 
     def _check_cache_indices(self, batch: StepBatch) -> None:
-        """Slots and blocks outside the cache are refused before any graph runs (inside one they corrupt KV)."""
-        slots, blocks = self.rc.num_blocks * self.rc.block_size, self.rc.num_blocks
-        if batch.slot_mapping.size and (batch.slot_mapping.min() < 0 or batch.slot_mapping.max() >= slots):
-            raise ValueError(f"slot_mapping has slots outside the KV cache [0, {slots})")
-        if batch.kind is StepKind.DECODE:
-            used = np.arange(batch.block_tables.shape[1]) < blocks_needed(batch.context_lens, self.rc.block_size)[:, None]
-            ids = batch.block_tables[used]
-            if ids.size and (ids.min() < 0 or ids.max() >= blocks):
-                raise ValueError(f"block tables reference blocks outside the KV cache [0, {blocks})")
+        check_cache_indices(batch, self.rc.num_blocks, self.rc.block_size, self.rc.max_blocks_per_seq)
 
-    # ---- steps -------------------------------------------------------------------------------------------
     def step(self, batch: StepBatch) -> StepOutput:
         """One prefill or decode step as planned calls; sampled parts and ``want_logits`` rows read the logits."""
-        planned = self.plan(batch)
-        self._check_cache_indices(batch)
-        parts = ((group, part, self._run(shape, shape_arrays(shape, part)))
-                 for group, shape in planned for part in (batch.take(group),))
-        return step_output(batch.batch_size, parts)
+        return step_output(batch.batch_size, planned_calls(self.families, batch, self._check_cache_indices,
+                                                           self._run))
 
 
 def build_runner(spec: Any, rank: int, progress: Callable[[str], None]) -> MindFormersRunner:
