@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import sentencepiece as spm
 
@@ -19,8 +20,9 @@ import sentencepiece as spm
 # the master, inside the loadtest package (locating it imports only that package's small __init__).
 DEFAULT_CORPUS = Path(str(resources.files("loadtest") / "data" / "corpus.txt"))
 
-# Options mirroring the trainer_spec stored in Llama-2's tokenizer.model, minus its vocabulary size.
-_LLAMA_OPTIONS = {
+# Options mirroring the trainer_spec stored in Llama-2's tokenizer.model, minus its vocabulary size (the trainer's
+# keyword options: its stub takes them as **kwargs: Any).
+_LLAMA_OPTIONS: dict[str, Any] = {
     "model_type": "bpe",
     "unk_id": 0,
     "bos_id": 1,
