@@ -45,6 +45,7 @@ setup(
             "openai",
             "jsonschema",  # structured answers checked against their schema by the reference validator
             "ruff==0.17.6",
+            "mypy==2.4.1",  # scripts/test.sh type-checks llm_serving ([tool.mypy] in pyproject.toml)
         ],
     },
     entry_points={"console_scripts": ["llm-serving=llm_serving.cli.main:main"]},

@@ -15,6 +15,7 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e ".[test]"
 .venv/bin/python -m ruff check .
+.venv/bin/python -m mypy --config-file pyproject.toml
 if [ $# -eq 0 ] && [ -z "${LLM_SERVING_SKIP_MINDFORMERS:-}" ]; then
   MF_PYTHON="$(bash scripts/mindformers_env.sh)"
   "$MF_PYTHON" -m pytest -q -p no:logging tests_mindformers

@@ -24,15 +24,18 @@ from typing import TYPE_CHECKING, Protocol
 
 import llguidance
 import numpy as np
+import numpy.typing as npt
 
 from llm_serving.core.sequence import OutputConstraint
 from llm_serving.request_errors import InvalidParameter
 
 if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stubs only
+
     from llm_serving.core.sequence import Sequence
     from llm_serving.protocol.batch import StepBatch
 
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_LAYOUT: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _SPECIAL_MARK = b"\xff"  # llguidance's spelling of a special token: bytes no text can produce
 
 
@@ -43,7 +46,7 @@ class TokenMatcher:
         self._matcher = matcher
         self.mask_words = (vocab_size + 31) // 32
 
-    def fill_mask(self, row: np.ndarray) -> None:
+    def fill_mask(self, row: npt.NDArray[np.int32]) -> None:
         """Write the allowed next tokens into ``row`` (int32 ``[mask_words]``, bit ``t % 32`` of word ``t // 32``)."""
         if not row.flags.c_contiguous or row.dtype != np.int32 or row.shape != (self.mask_words,):
             raise ValueError(f"mask row must be a contiguous int32 [{self.mask_words}], got {row.dtype} {row.shape}")

@@ -9,6 +9,7 @@ top-k/top-p), as vLLM reports by default and as the chosen token's own logprob i
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on alternatives per position
 
@@ -16,25 +17,25 @@ TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely 
 PromptLogprob = tuple[float, TopLogprobs]  # a prompt token's logprob, and its position's most likely tokens
 
 
-def prompt_logprob(logits: np.ndarray, token: int, k: int) -> PromptLogprob:
+def prompt_logprob(logits: npt.NDArray[np.float32], token: int, k: int) -> PromptLogprob:
     """The logprob of prompt ``token`` under the row of the position before it, and that row's ``k`` best."""
     x, lse = _with_logsumexp(logits)
     return float(x[token] - lse), _best(x, lse, k) if k else ()
 
 
-def top_logprobs(logits: np.ndarray, k: int) -> TopLogprobs:
+def top_logprobs(logits: npt.NDArray[np.float32], k: int) -> TopLogprobs:
     """The ``k`` most likely tokens of one float32 ``[vocab]`` row, best first (ties: lower id first)."""
     return _best(*_with_logsumexp(logits), k)
 
 
-def _with_logsumexp(logits: np.ndarray) -> tuple[np.ndarray, float]:
+def _with_logsumexp(logits: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.float64], float]:
     """The row in float64 and its log-sum-exp (a logit minus it is that token's logprob)."""
     x = np.asarray(logits, dtype=np.float64)
     top = float(x.max())
     return x, top + float(np.log(np.exp(x - top).sum()))
 
 
-def _best(x: np.ndarray, lse: float, k: int) -> TopLogprobs:
+def _best(x: npt.NDArray[np.float64], lse: float, k: int) -> TopLogprobs:
     k = min(k, x.shape[0])
     ids = np.argpartition(-x, k - 1)[:k]
     ids = ids[np.lexsort((ids, -x[ids]))]

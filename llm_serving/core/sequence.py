@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import math
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -19,6 +20,7 @@ from llm_serving.request_errors import InvalidParameter
 
 if TYPE_CHECKING:
     import numpy as np
+    import numpy.typing as npt
 
 # Why a request ended: its eos token, its max_new_tokens, an abort (client gone, shutdown), one of its stop
 # strings. The one definition: the scheduler, the metrics' labels and the APIs' names all follow it.
@@ -88,9 +90,11 @@ class AnswerMatcher(Protocol):
 
     mask_words: int
 
-    def fill_mask(self, row: np.ndarray) -> None: ...
+    def fill_mask(self, row: npt.NDArray[np.int32]) -> None: ...
     def allows(self, token: int) -> bool: ...
     def advance(self, token: int) -> bool: ...
+    @property
+    def error(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -226,7 +230,8 @@ class SamplingParams:
 def as_float32(value: float) -> float:
     """``value`` as the step arrays carry it to the agents (float32), overflow giving a signed infinity."""
     try:
-        return struct.unpack("f", struct.pack("f", value))[0]
+        (held,) = struct.unpack("f", struct.pack("f", value))
+        return float(held)
     except OverflowError:
         return math.copysign(math.inf, value)
 
@@ -247,7 +252,12 @@ def _not_int(value: object) -> bool:
 def _checked_bias(bias: object) -> tuple[tuple[int, float], ...]:
     """``logit_bias`` as ``((token id, bias), ...)`` sorted by id, from a mapping or pairs; ids are the admission's
     to check against the vocabulary."""
-    items = list(bias.items()) if isinstance(bias, dict) else list(bias)  # type: ignore[union-attr]
+    if isinstance(bias, dict):
+        items = list(bias.items())
+    elif isinstance(bias, Iterable):
+        items = list(bias)
+    else:
+        raise TypeError(f"logit_bias must be a mapping or (token id, bias) pairs, got {bias!r}")
     if len(items) > MAX_LOGIT_BIAS:
         raise InvalidParameter("logit_bias", f"{{field}} has {len(items)} entries; at most {MAX_LOGIT_BIAS}")
     out = {}
@@ -309,7 +319,7 @@ class Sequence:
     # Logits dump: the float32 [vocab] logits of its first ``logits_tokens`` generated positions, row k from the
     # step that produced output token k (a recompute's prefill adds only the row of the token it produces).
     logits_tokens: int = 0
-    logits: list[np.ndarray] = field(default_factory=list, repr=False)
+    logits: list[npt.NDArray[np.float32]] = field(default_factory=list, repr=False)
     # Parallel sampling (OpenAI's n): the first choice of its prompt, whose computed prompt blocks this one waits for
     # so it starts on them through the prefix cache (``Scheduler.add``'s ``follows``); None for a request of its own
     follows: Sequence | None = field(default=None, repr=False)

@@ -20,7 +20,7 @@ from llm_serving.request_errors import QueueFull
 from llm_serving.tokenization.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from typing import Self
+    from typing_extensions import Self  # noqa: UP035  (typing.Self is 3.11+: mypy checks for 3.10)
 
 _OVERRIDES = ("model_path", "host", "port", "policy", "decode_batch_size", "prefill_batch_size", "num_agents")
 
@@ -75,7 +75,7 @@ class LLM:
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], max_new_tokens: int = 16,
+    def generate(self, prompts: str | Sequence[str | Sequence[int]], max_new_tokens: int = 16,
                  ignore_eos: bool = False,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  logits_tokens: int = 0, **sampling: Any) -> list[GenerationResult]:

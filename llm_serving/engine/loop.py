@@ -54,7 +54,7 @@ __all__ = ["Engine", "EngineError", "GenerationResult", "RequestStream", "Sampli
            "TokenEvent"]
 
 if TYPE_CHECKING:
-    from typing import Self
+    from typing_extensions import Self  # noqa: UP035  (typing.Self is 3.11+: mypy checks for 3.10)
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
@@ -65,7 +65,7 @@ from llm_serving.protocol.wire import (
 )
 
 if TYPE_CHECKING:
-    from typing import Self
+    from typing_extensions import Self  # noqa: UP035  (typing.Self is 3.11+: mypy checks for 3.10)
 
 class AgentError(RuntimeError):
     """Base class of the pool's errors."""
@@ -175,7 +175,7 @@ class AgentPool:
     def pids(self) -> list[int]:
         """Process ids of the agents on this host, by rank (still listed after close, so callers can check they
         are gone)."""
-        return [a.proc.pid for a in self._agents if not a.remote]
+        return [a.proc.pid for a in self._agents if not isinstance(a.proc, RemoteRank)]
 
     @property
     def helper_pids(self) -> list[int]:
@@ -196,7 +196,7 @@ class AgentPool:
         continued; [] where /proc is absent. Lets an idle master notice a stuck agent before any step."""
         stopped = []
         for agent in self._agents:
-            if agent.remote:
+            if isinstance(agent.proc, RemoteRank):
                 continue
             try:
                 stat = Path(f"/proc/{agent.proc.pid}/stat").read_text()
@@ -400,22 +400,22 @@ class AgentPool:
     def export_kv(self, block_ids: list[int]) -> list[bytes]:
         """Every rank's bytes of the KV blocks ``block_ids`` (in that order, block after block), by rank; one
         KV-copy step per segment's worth of blocks; no step may be in flight."""
-        self._check_kv_copy()
+        kv = self._check_kv_copy()
         parts: list[list[bytes]] = [[] for _ in range(self.num_agents)]
         for chunk in self._kv_chunks(block_ids):
             self.run_step(KvCopyStep("export", np.asarray(chunk, np.int32)))
-            for rank, data in enumerate(self._kv.read(len(chunk))):
+            for rank, data in enumerate(kv.read(len(chunk))):
                 parts[rank].append(data)
         return [b"".join(p) for p in parts]
 
     def import_kv(self, block_ids: list[int], shards: list[bytes]) -> None:
         """Write each rank's shard (``export_kv``'s bytes, from an engine of the same layout) into the KV blocks
         ``block_ids``; no step may be in flight."""
-        self._check_kv_copy()
+        kv = self._check_kv_copy()
         size, done = self.spec.kv_block_bytes, 0
         for chunk in self._kv_chunks(block_ids):
             with self._step_lock:
-                self._kv.write([s[done * size: (done + len(chunk)) * size] for s in shards], len(chunk))
+                kv.write([s[done * size: (done + len(chunk)) * size] for s in shards], len(chunk))
             self.run_step(KvCopyStep("import", np.asarray(chunk, np.int32)))
             done += len(chunk)
 
@@ -423,11 +423,13 @@ class AgentPool:
         n = self.spec.kv_segment_blocks
         return [list(block_ids[i: i + n]) for i in range(0, len(block_ids), n)]
 
-    def _check_kv_copy(self) -> None:
+    def _check_kv_copy(self) -> KvSegment:
+        """The KV segment, where a KV copy may run now."""
         if self._kv is None:
             raise RuntimeError("this agent pool was started without KV transfer (AgentSpec.kv_transfer)")
         if self._in_flight:
             raise RuntimeError("a KV copy waits until no step is in flight")
+        return self._kv
 
     def _check_serving(self) -> None:
         if self._state != "ready":
@@ -475,7 +477,7 @@ class AgentPool:
 
     def _poll(self, timeout_s: float) -> list[tuple[_Agent, list[tuple[int, int, str]] | None]]:
         """Wait for reply-pipe activity: per ready agent, its complete frames, or None at EOF."""
-        out = []
+        out: list[tuple[_Agent, list[tuple[int, int, str]] | None]] = []
         for fd, _event in self._poller.poll(max(0, int(timeout_s * 1000))):
             if self._listener is not None and fd == self._listener.fileno():
                 self._admit_joiner()
@@ -497,13 +499,13 @@ class AgentPool:
             out.append((agent, frames))
         return out
 
-    def _died(self, agent: _Agent, step: int) -> None:
+    def _died(self, agent: _Agent, step: int) -> NoReturn:
         code = self._reap(agent)
         if self._closing:
             self._fail(f"agent pool was closed while step {step} ran")
         self._fail(f"agent rank {agent.rank} ({agent.where()}) died during step {step}: {agent.exit_text(code)}")
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str) -> NoReturn:
         """(Step thread.) Record the death, kill every agent, unlink the segment, raise ``AgentDiedError``."""
         if self._death is None:
             self._death = message

@@ -65,7 +65,8 @@ def random_hf_weights(config: LlamaConfig, seed: int = 0, std: float = 0.2,
 
 def _split(names: list[str], sizes: list[int], shards: int) -> list[list[str]]:
     """Cut the ordered names into ``shards`` contiguous, non-empty groups of about equal bytes."""
-    total, groups, acc = sum(sizes), [[]], 0
+    groups: list[list[str]] = [[]]
+    total, acc = sum(sizes), 0
     for j, (name, size) in enumerate(zip(names, sizes)):
         must_open = len(names) - j <= shards - len(groups)  # one tensor left per shard still to open
         if groups[-1] and len(groups) < shards and (acc >= total * len(groups) / shards or must_open):

@@ -17,6 +17,7 @@ import secrets
 from multiprocessing import shared_memory
 
 import numpy as np
+import numpy.typing as npt
 
 from llm_serving.protocol.shm_channel import NAME_PREFIX, ChannelError, _Attached, attach_untracked
 
@@ -30,7 +31,7 @@ class KvSegment:
         self.ranks, self.block_bytes, self.max_blocks = ranks, block_bytes, max_blocks
         self._segment: shared_memory.SharedMemory | _Attached | None = segment
         self._owner = owner
-        self._bytes = np.ndarray((ranks * max_blocks * block_bytes,), np.uint8, buffer=segment.buf)
+        self._bytes: npt.NDArray[np.uint8] = np.ndarray((ranks * max_blocks * block_bytes,), np.uint8, buffer=segment.buf)
 
     @staticmethod
     def nbytes(ranks: int, block_bytes: int, max_blocks: int) -> int:
@@ -52,7 +53,7 @@ class KvSegment:
                                f"blocks of {block_bytes} bytes need {need}")
         return cls(segment, ranks, block_bytes, max_blocks, owner=False)
 
-    def region(self, rank: int, num_blocks: int) -> np.ndarray:
+    def region(self, rank: int, num_blocks: int) -> npt.NDArray[np.uint8]:
         """The first ``num_blocks`` blocks of ``rank``'s region: uint8 ``[num_blocks, block_bytes]`` (a view)."""
         if not 0 <= rank < self.ranks or not 0 <= num_blocks <= self.max_blocks:
             raise ValueError(f"rank {rank} / {num_blocks} blocks: the KV segment holds {self.ranks} ranks of "
@@ -79,12 +80,12 @@ class KvSegment:
         segment, self._segment = self._segment, None
         if segment is None:
             return
-        self._bytes = None  # type: ignore[assignment]
+        self._bytes = np.empty(0, np.uint8)  # drops the view of the mapping, which close() needs gone
         try:
             segment.close()
         except BufferError:
             pass  # a view is still held somewhere; the mapping goes with it
-        if self._owner:
+        if self._owner and isinstance(segment, shared_memory.SharedMemory):  # an owner created it
             try:
                 segment.unlink()
             except FileNotFoundError:

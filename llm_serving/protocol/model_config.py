@@ -7,6 +7,10 @@ import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+
+# A JSON object as json.loads returns it (config.json, an AgentSpec field): its values are checked where read
+JsonObject = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,7 @@ class LlamaConfig:
     pad_token_id: int = 0
     tie_word_embeddings: bool = False
     # {"rope_type": linear | llama3 | yarn, and its parameters}; None: plain RoPE (agents.model.rope)
-    rope_scaling: dict | None = None
+    rope_scaling: JsonObject | None = None
     # every end-of-sequence id (config.json's and generation_config.json's lists; Llama 3 instruct: <|end_of_text|>,
     # <|eom_id|>, <|eot_id|>): any of them ends a sequence. Empty: eos_token_id alone
     eos_token_ids: tuple[int, ...] = ()
@@ -155,7 +159,7 @@ class LlamaConfig:
         return self.num_hidden_layers * per_layer + 2 * h * self.vocab_size
 
     @classmethod
-    def from_dict(cls, raw: dict, source: str = "config") -> LlamaConfig:
+    def from_dict(cls, raw: JsonObject, source: str = "config") -> LlamaConfig:
         archs = raw.get("architectures") or ["LlamaForCausalLM"]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -210,13 +214,13 @@ class LlamaConfig:
             config = dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys([*config.stop_ids, *more])))
         return config
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> JsonObject:
         """The fields as JSON keeps them (lists, not tuples), so a config survives an AgentSpec round trip."""
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         return d
 
-    def to_hf_dict(self) -> dict:
+    def to_hf_dict(self) -> JsonObject:
         """The config.json content Hugging Face's class of ``architecture`` expects."""
         d = asdict(self)
         del d["architecture"], d["explicit_head_dim"], d["int8_weights"]  # the float model's config
@@ -231,14 +235,14 @@ class LlamaConfig:
         return d
 
 
-def rope_settings(raw: dict, source: str) -> tuple[float, dict | None]:
+def rope_settings(raw: JsonObject, source: str) -> tuple[float, JsonObject | None]:
     """``(rope_theta, rope_scaling)`` from ``rope_scaling`` (or transformers 5's ``rope_parameters``, which also
     holds rope_theta); a type without an implementation, or a missing parameter, is refused naming the key."""
-    scaling = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    scaling: object = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
     if not isinstance(scaling, dict):
         raise ModelConfigError(f"{source}: {key}: expected a mapping, got {scaling!r}")
-    theta = float(scaling.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = float(scaling["rope_theta"] if "rope_theta" in scaling else raw.get("rope_theta", 10000.0))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     params = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type", "rope_type")}
     if kind == "default":
@@ -255,7 +259,7 @@ def rope_settings(raw: dict, source: str) -> tuple[float, dict | None]:
     return theta, {"rope_type": kind, **params}
 
 
-def checkpoint_int8(raw: dict, source: str) -> bool:
+def checkpoint_int8(raw: JsonObject, source: str) -> bool:
     """Whether config.json's ``quantization_config`` says the checkpoint holds int8 weights (compressed-tensors
     W8A16, ``INT8_CHECKPOINT_*``); any other quantization, which the loader would misread, is refused naming the key.
     Which tensors are int8 the loader sees by their ``weight_scale`` (``ignore`` usually keeps the lm_head float)."""
@@ -300,7 +304,7 @@ _ONLY_SERVED = {"hidden_act": ("silu",), "attention_bias": (False, None), "mlp_b
                 "partial_rotary_factor": (1.0, 1, None)}
 
 
-def refuse_unserved_keys(raw: dict, source: str, family: Family | None = None) -> None:
+def refuse_unserved_keys(raw: JsonObject, source: str, family: Family | None = None) -> None:
     """Refuse a config.json whose keys would change the model's maths in ways the layer does not compute, naming
     the key and file: a model is never served with a key silently ignored."""
     family = family or FAMILIES["LlamaForCausalLM"]

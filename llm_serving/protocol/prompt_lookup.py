@@ -8,7 +8,10 @@ rounds of a step that verifies several (``agents.runtime.verify_rounds``). Kept 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import numpy.typing as npt
 
 
 class NgramProposer:
@@ -17,7 +20,7 @@ class NgramProposer:
             raise ValueError(f"prompt lookup needs 1 <= min n-gram ({min_n}) <= max n-gram ({max_n})")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, tokens: list[int] | np.ndarray, k: int) -> list[int]:
+    def propose(self, tokens: list[int] | npt.NDArray[np.integer[Any]], k: int) -> list[int]:
         """Up to ``k`` tokens following the latest earlier occurrence of the longest matching tail n-gram.
 
         One pass finds the earlier occurrences of the last token; each longer n keeps those whose preceding tokens

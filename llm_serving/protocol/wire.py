@@ -14,7 +14,7 @@ import struct
 import traceback
 from dataclasses import asdict, dataclass, field
 
-from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.protocol.model_config import JsonObject, LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan, kv_block_bytes
 from llm_serving.protocol.shm_channel import ChannelLayout
 
@@ -96,8 +96,8 @@ class AgentSpec:
 
     kind: str  # "llama" (MindSpore ModelRunner) or "standin" (answers instantly, no MindSpore)
     model_path: str | None  # HF dir / converted dir / .ckpt / .safetensors for kind="llama"
-    llama_config: dict  # llm_serving.protocol.model_config.LlamaConfig fields
-    runner_config: dict  # agents.runtime.runner.RunnerConfig fields (device_id is set per rank)
+    llama_config: JsonObject  # llm_serving.protocol.model_config.LlamaConfig fields
+    runner_config: JsonObject  # agents.runtime.runner.RunnerConfig fields (device_id is set per rank)
     max_tokens: int  # shm capacity: max tokens in one step
     max_batch: int  # shm capacity: max sequences in one step
     max_blocks_per_seq: int  # shm capacity: block-table width
@@ -107,7 +107,8 @@ class AgentSpec:
     tensor_parallel_size: int = 1  # ranks of this model, one agent process each
     start_device_id: int = 0  # rank r runs on device start_device_id + r
     step_delay_s: float = 0.0  # standin only: simulated compute time per step
-    extra_env: dict = field(default_factory=dict)  # environment variables for the agent processes
+    # environment variables for the agent processes (each value as str() writes it)
+    extra_env: dict[str, object] = field(default_factory=dict)
     # model_config.backend: "ms" (our Llama graph, agents.runtime.runner) or "mindformers" (MindFormers' Llama built from
     # the predict YAML model_cfg_path, agents.mindformers.runner)
     backend: str = "ms"
@@ -119,7 +120,7 @@ class AgentSpec:
     exit_layer: int | None = None
     # speculative decoding with a draft in the agents (agents.runtime.speculative_runner): {"model_path", "llama_config"}
     # of a draft model, or {"layers": n} for the target's own first n layers (self-speculation); None: no draft
-    draft: dict | None = None
+    draft: JsonObject | None = None
     # [min n, max n] of prompt lookup (speculative method ngram): the agents propose in a verify step's later rounds
     # (agents.runtime.verify_rounds); None: not prompt lookup
     prompt_lookup: list[int] | None = None

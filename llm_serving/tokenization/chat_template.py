@@ -286,8 +286,9 @@ def _named_default(value: Any, file: Path, src: str) -> str:
         return value
     if isinstance(value, list):
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        if isinstance(named.get("default"), str):
-            return named["default"]
+        default = named.get("default")
+        if isinstance(default, str):
+            return default
     raise ConfigError(f"{src}: model_config.model_path: {file}: chat_template must be a template string or a list "
                       f"of {{\"name\", \"template\"}} objects with a \"default\" one", key="model_config.model_path",
                       source=src)

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Any
 
 import sentencepiece as spm
 
 # One corpus serves both the load-test workloads and this tokenizer (llm_serving/bench/data/corpus.txt)
 from llm_serving.bench.workload import DEFAULT_CORPUS
 
-# Options mirroring the trainer_spec stored in Llama-2's tokenizer.model, minus its vocabulary size.
-_LLAMA_OPTIONS = {
+# Options mirroring the trainer_spec stored in Llama-2's tokenizer.model, minus its vocabulary size (the trainer's
+# keyword options: its stub takes them as **kwargs: Any).
+_LLAMA_OPTIONS: dict[str, Any] = {
     "model_type": "bpe",
     "unk_id": 0,
     "bos_id": 1,

@@ -58,7 +58,12 @@ def read_patch(path: Path) -> PatchInfo:
     missing = [k for k in _HEADER_KEYS + ("What", "Why") if k not in fields]
     if missing:
         raise PatchError(f"{path}: header lacks {', '.join(missing)}")
-    paragraphs = {k: re.search(rf"^{k}: (.*?)(?:\n\n|\Z)", head, re.DOTALL | re.MULTILINE).group(1).strip() for k in ("What", "Why")}
+    paragraphs = {}
+    for k in ("What", "Why"):  # each up to a blank line
+        found = re.search(rf"^{k}: (.*?)(?:\n\n|\Z)", head, re.DOTALL | re.MULTILINE)
+        if found is None:  # not reached: the header has the key (checked above)
+            raise PatchError(f"{path}: header lacks {k}")
+        paragraphs[k] = found.group(1).strip()
     diff_files = tuple(m.split("/", 1)[1] for m in re.findall(r"^\+\+\+ (\S+)", diff, re.MULTILINE))
     info = PatchInfo(path, fields["Subject"], fields["MindFormers-Version"],
                      tuple(f.strip() for f in fields["Files"].split(",")), paragraphs["What"], paragraphs["Why"],
