@@ -74,7 +74,8 @@ def compute_metrics(results: Sequence[RequestResult], duration: float,
     _, counts = in_flight(results)
     m["max_in_flight"] = int(counts.max()) if counts.size else 0
     m["max_server_running_batch"] = max((v for _, v in server_batch), default=None)
-    drafts = (spec or {}).get("drafts", 0)
+    spec = spec or {}
+    drafts = spec.get("drafts", 0)
     m["spec_acceptance_rate"] = spec["accepted"] / spec["proposed"] if drafts and spec["proposed"] else None
     # tokens a sequence gets from one verification: its accepted proposals and the model's own pick
     m["spec_mean_acceptance_length"] = 1 + spec["accepted"] / drafts if drafts else None

@@ -38,7 +38,8 @@ class RequestResult:
 
     @property
     def tpot(self) -> float | None:
-        if not (self.success and self.streamed and self.ttft is not None and self.output_tokens > 1):
+        if not (self.success and self.streamed and self.ttft is not None and self.latency is not None
+                and self.output_tokens > 1):
             return None
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 

@@ -245,7 +245,8 @@ class PagedAttentionSection:
         need(self.memory_utilization is None or 0 < self.memory_utilization <= 1, source,
              "pa_config.memory_utilization", f"must be in (0, 1], got {self.memory_utilization}")
         # block 0: padding; num_blocks auto is not known before the agents measure their memory
-        usable = (self.num_blocks - 1) * self.block_size if not self.auto_blocks else self.decode_seq_length
+        usable = ((self.num_blocks - 1) * self.block_size if isinstance(self.num_blocks, int)
+                  else self.decode_seq_length)
         need(self.decode_seq_length <= usable, source, "pa_config.decode_seq_length",
              f"{self.decode_seq_length} tokens do not fit in the cache of (num_blocks - 1) * block_size = "
              f"({self.num_blocks} - 1) * {self.block_size} = {usable} tokens (block 0 is reserved for padding)")

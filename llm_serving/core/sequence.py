@@ -52,7 +52,7 @@ class ParamRange:
     def message(self, value: float) -> str:
         """``InvalidParameter``'s template for a value outside it, e.g. "{field} must be in (0, 1] (1 = no limit),
         got 0"."""
-        lo = _number(self.lo)
+        lo = _number(self.lo) if self.lo is not None else "-inf"
         if self.hi is None:
             bound = f"{'>' if self.lo_open else '>='} {lo}"
         else:

@@ -17,6 +17,7 @@ from itertools import chain
 import numpy as np
 
 from llm_serving.core.sequence import Sequence
+from llm_serving.protocol.arrays import Bools, Int32s
 from llm_serving.protocol.batch import SamplingBatch, SamplingExtras, StepBatch, kv_slots, verify_batch
 
 
@@ -28,9 +29,9 @@ class StepBuilder:
         self.block_size = block_size
         self.eos_ids = eos_ids
 
-    def model_step(self, seqs: list[Sequence], block_tables: np.ndarray, *, one_token_each: bool,
+    def model_step(self, seqs: list[Sequence], block_tables: Int32s, *, one_token_each: bool,
                    any_sampled: bool, any_reads_logits: bool, ahead: int = 0, num_steps: int = 1,
-                   fed_rows: np.ndarray | None = None) -> StepBatch:
+                   fed_rows: Int32s | None = None) -> StepBatch:
         """A step of each sequence's scheduled tokens after its computed ones (prompt chunks, decode tokens).
 
         ``one_token_each``: every sequence decodes its next token (vectorized: this runs every step for the whole
@@ -62,7 +63,7 @@ class StepBuilder:
                          want_logits=want_logits(seqs) if any_reads_logits else None,
                          num_steps=num_steps, fed_rows=fed_rows)
 
-    def verify_step(self, seqs: list[Sequence], drafts: list[list[int]], block_tables: np.ndarray,
+    def verify_step(self, seqs: list[Sequence], drafts: list[list[int]], block_tables: Int32s,
                     rounds: int = 1, round_proposals: int = 0, with_history: bool = False) -> StepBatch:
         """A step of each sequence's last token followed by its proposals, over its cached context, of ``rounds``
         verify rounds of up to ``round_proposals`` proposals; ``with_history``: with each sequence's tokens, for
@@ -126,14 +127,14 @@ class StepBuilder:
         )
 
 
-def want_logits(seqs: list[Sequence]) -> np.ndarray | None:
+def want_logits(seqs: list[Sequence]) -> Bools | None:
     """Which sequences' logits rows to return (``Sequence.wants_logits_row``: a dump short of this step's row,
     alternatives to report, a prompt position to score); None when none."""
     want = np.fromiter((seq.wants_logits_row() for seq in seqs), np.bool_, len(seqs))
     return want if want.any() else None
 
 
-def token_masks(seqs: list[Sequence]) -> np.ndarray | None:
+def token_masks(seqs: list[Sequence]) -> Int32s | None:
     """Each constrained sequence's allowed next tokens (``grammar.TokenMatcher.fill_mask``), the others' rows all
     ones; None when no sequence is constrained."""
     constrained = [(i, seq.constraint) for i, seq in enumerate(seqs) if seq.constraint is not None]

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from llm_serving.protocol.arrays import Integers
 from llm_serving.protocol.batch import StepBatch
 
 
@@ -43,7 +44,7 @@ class StepShape:
         return asdict(self)
 
 
-def distinct_positions(block_tables: np.ndarray, context_lens: np.ndarray, block_size: int) -> int:
+def distinct_positions(block_tables: Integers, context_lens: Integers, block_size: int) -> int:
     """Cached positions read counting each KV block once: per distinct block id, the most positions any sequence
     reads from it (sequences sharing a prefix share its full blocks; the last, partly filled block is their own)."""
     if len(context_lens) < 2:
@@ -60,12 +61,12 @@ def distinct_positions(block_tables: np.ndarray, context_lens: np.ndarray, block
     return int(counts[first].sum())
 
 
-def step_rows(samples: list[tuple[StepShape, float]]) -> list[dict]:
+def step_rows(samples: list[tuple[StepShape, float]]) -> list[dict[str, float]]:
     """Measured steps as JSON-able rows (a step profile's ``steps``)."""
     return [{**shape.as_dict(), "seconds": seconds} for shape, seconds in samples]
 
 
-def steps_from_rows(rows: list[dict]) -> list[tuple[StepShape, float]]:
+def steps_from_rows(rows: list[dict[str, float]]) -> list[tuple[StepShape, float]]:
     """``step_rows`` read back; KeyError/TypeError/ValueError on a malformed row."""
     return [(StepShape(**{k: int(v) for k, v in row.items() if k != "seconds"}), float(row["seconds"]))
             for row in rows]

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
+import numpy.typing as npt
 
+from llm_serving.protocol.arrays import AnyArray, Bools, Float32s, Int32s, Integers
 from llm_serving.protocol.step import StepDescriptor, StepKind, check_kind, part_kind, step_kind
 
 # Logit adjustments of one sequence in one step at most (its logit_bias entries, and while it is short of its
@@ -41,14 +43,14 @@ class SamplingBatch:
     set for an unconstrained row): the others' logits become -inf after the adjustments, before the penalties.
     """
 
-    temperature: np.ndarray  # float32 [B]
-    top_k: np.ndarray  # int32 [B], 0 = no limit
-    top_p: np.ndarray  # float32 [B], 1.0 = no limit
-    repetition_penalty: np.ndarray  # float32 [B], 1.0 = none
-    seeds: np.ndarray  # int64 [B]
-    draw_index: np.ndarray  # int32 [B]
-    penalty_offsets: np.ndarray  # int32 [B + 1]
-    penalty_token_ids: np.ndarray  # int32 [penalty_offsets[-1]]
+    temperature: npt.NDArray[np.float32]  # float32 [B]
+    top_k: npt.NDArray[np.int32]  # int32 [B], 0 = no limit
+    top_p: npt.NDArray[np.float32]  # float32 [B], 1.0 = no limit
+    repetition_penalty: npt.NDArray[np.float32]  # float32 [B], 1.0 = none
+    seeds: npt.NDArray[np.int64]  # int64 [B]
+    draw_index: npt.NDArray[np.int32]  # int32 [B]
+    penalty_offsets: npt.NDArray[np.int32]  # int32 [B + 1]
+    penalty_token_ids: npt.NDArray[np.int32]  # int32 [penalty_offsets[-1]]
     extras: SamplingExtras | None = None  # None: no sequence of the step uses them
 
     @property
@@ -56,12 +58,12 @@ class SamplingBatch:
         """Whether any sequence needs more than the in-graph greedy argmax."""
         return bool(np.any(self.special_rows()))
 
-    def special_rows(self) -> np.ndarray:
+    def special_rows(self) -> Bools:
         """bool [B]: the sequences sampled, penalised or adjusted (the others keep the in-graph greedy pick)."""
-        rows = (self.temperature > 0) | (self.repetition_penalty != 1.0)
+        rows: Bools = (self.temperature > 0) | (self.repetition_penalty != 1.0)
         return rows | self.extras.active() if self.extras is not None else rows
 
-    def take(self, indices: np.ndarray) -> SamplingBatch:
+    def take(self, indices: Integers) -> SamplingBatch:
         """The parameters of the sequences at ``indices``, in that order."""
         offsets, ids = _take_ragged(self.penalty_offsets, self.penalty_token_ids, indices)
         return SamplingBatch(self.temperature[indices], self.top_k[indices], self.top_p[indices],
@@ -73,28 +75,29 @@ class SamplingBatch:
 class SamplingExtras:
     """The sampling controls most steps lack (see ``SamplingBatch``); every array has a row per sequence."""
 
-    presence_penalty: np.ndarray  # float32 [B], 0 = none
-    frequency_penalty: np.ndarray  # float32 [B], 0 = none
-    min_p: np.ndarray  # float32 [B], 0 = none
-    output_start: np.ndarray  # int32 [B]: where its generated ids start among its penalty ids
-    adjust_offsets: np.ndarray  # int32 [B + 1]
-    adjust_ids: np.ndarray  # int32 [adjust_offsets[-1]]
-    adjust_values: np.ndarray  # float32 [adjust_offsets[-1]]: added to the logits (-inf bans the token)
-    token_masks: np.ndarray | None = None  # int32 [B, ceil(vocab / 32)]; None: no sequence is constrained
+    presence_penalty: npt.NDArray[np.float32]  # float32 [B], 0 = none
+    frequency_penalty: npt.NDArray[np.float32]  # float32 [B], 0 = none
+    min_p: npt.NDArray[np.float32]  # float32 [B], 0 = none
+    output_start: npt.NDArray[np.int32]  # int32 [B]: where its generated ids start among its penalty ids
+    adjust_offsets: npt.NDArray[np.int32]  # int32 [B + 1]
+    adjust_ids: npt.NDArray[np.int32]  # int32 [adjust_offsets[-1]]
+    adjust_values: npt.NDArray[np.float32]  # float32 [adjust_offsets[-1]]: added to the logits (-inf bans the token)
+    token_masks: npt.NDArray[np.int32] | None = None  # int32 [B, ceil(vocab / 32)]; None: no sequence is constrained
 
-    def active(self) -> np.ndarray:
+    def active(self) -> Bools:
         """bool [B]: the sequences these controls change."""
-        rows = ((self.presence_penalty != 0) | (self.frequency_penalty != 0) | (self.min_p > 0)
+        rows: Bools = ((self.presence_penalty != 0) | (self.frequency_penalty != 0) | (self.min_p > 0)
                 | (np.diff(self.adjust_offsets) > 0))
         return rows | self.constrained() if self.token_masks is not None else rows
 
-    def constrained(self) -> np.ndarray:
+    def constrained(self) -> Bools:
         """bool [B]: the sequences whose token mask bans some token."""
         if self.token_masks is None:
             return np.zeros(self.min_p.shape[0], np.bool_)
-        return (self.token_masks != -1).any(axis=1)
+        banned: Bools = (self.token_masks != -1).any(axis=1)
+        return banned
 
-    def take(self, indices: np.ndarray) -> SamplingExtras:
+    def take(self, indices: Integers) -> SamplingExtras:
         offsets, ids = _take_ragged(self.adjust_offsets, self.adjust_ids, indices)
         _, values = _take_ragged(self.adjust_offsets, self.adjust_values, indices)
         return SamplingExtras(self.presence_penalty[indices], self.frequency_penalty[indices], self.min_p[indices],
@@ -102,7 +105,7 @@ class SamplingExtras:
                               self.token_masks[indices] if self.token_masks is not None else None)
 
 
-def _take_ragged(offsets: np.ndarray, values: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _take_ragged(offsets: Int32s, values: AnyArray, indices: Integers) -> tuple[Int32s, AnyArray]:
     """The runs ``values[offsets[i]:offsets[i+1]]`` of the rows at ``indices``, with their new offsets."""
     starts, ends = offsets[indices], offsets[indices + 1]
     parts = [values[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
@@ -110,9 +113,10 @@ def _take_ragged(offsets: np.ndarray, values: np.ndarray, indices: np.ndarray) -
     return new, (np.concatenate(parts).astype(values.dtype) if parts else values[:0])
 
 
-def kv_slots(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+def kv_slots(block_tables: Integers, rows: Integers, positions: Integers, block_size: int) -> Integers:
     """Flat KV-cache slots of tokens at ``positions`` of the sequences whose block-table rows are ``rows``."""
-    return block_tables[rows, positions // block_size] * block_size + positions % block_size
+    slots: Integers = block_tables[rows, positions // block_size] * block_size + positions % block_size
+    return slots
 
 
 KV_DIRECTIONS = ("export", "import")
@@ -126,7 +130,7 @@ class KvCopyStep:
     segment's blocks into them. It has no sequences and its answer no tokens."""
 
     direction: str
-    block_ids: np.ndarray  # int32 [n]
+    block_ids: npt.NDArray[np.int32]  # int32 [n]
 
     def __post_init__(self) -> None:
         if self.direction not in KV_DIRECTIONS:
@@ -177,19 +181,19 @@ class StepBatch:
     ``fed_rows[i]`` of the step before (that row's last step's, for a multi-step batch).
     """
 
-    input_ids: np.ndarray  # int32 [num_tokens]
-    positions: np.ndarray  # int32 [num_tokens], position of each token in its sequence
-    slot_mapping: np.ndarray  # int32 [num_tokens], flat KV slot = block_id * block_size + offset
-    query_lens: np.ndarray  # int32 [B], tokens each sequence contributes this step
-    context_lens: np.ndarray  # int32 [B], sequence length after this step (cached + new tokens)
-    block_tables: np.ndarray  # int32 [B, W], block ids of each sequence; unused entries are 0
+    input_ids: npt.NDArray[np.int32]  # int32 [num_tokens]
+    positions: npt.NDArray[np.int32]  # int32 [num_tokens], position of each token in its sequence
+    slot_mapping: npt.NDArray[np.int32]  # int32 [num_tokens], flat KV slot = block_id * block_size + offset
+    query_lens: npt.NDArray[np.int32]  # int32 [B], tokens each sequence contributes this step
+    context_lens: npt.NDArray[np.int32]  # int32 [B], sequence length after this step (cached + new tokens)
+    block_tables: npt.NDArray[np.int32]  # int32 [B, W], block ids of each sequence; unused entries are 0
     sampling: SamplingBatch | None = None  # None: every sequence is greedy
-    want_logits: np.ndarray | None = None  # bool [B]; None: no sequence wants its logits back
+    want_logits: npt.NDArray[np.bool_] | None = None  # bool [B]; None: no sequence wants its logits back
     num_steps: int = 1
-    draft_lens: np.ndarray | None = None  # int32 [B]; None: no proposals to verify
-    fed_rows: np.ndarray | None = None  # int32 [B]: each row's row in the step before, whose pick is its input
-    history_offsets: np.ndarray | None = None  # int32 [B + 1]: verify rounds of prompt lookup (above)
-    history_ids: np.ndarray | None = None  # int32 [history_offsets[-1]]
+    draft_lens: npt.NDArray[np.int32] | None = None  # int32 [B]; None: no proposals to verify
+    fed_rows: npt.NDArray[np.int32] | None = None  # int32 [B]: each row's row in the step before, whose pick is its input
+    history_offsets: npt.NDArray[np.int32] | None = None  # int32 [B + 1]: verify rounds of prompt lookup (above)
+    history_ids: npt.NDArray[np.int32] | None = None  # int32 [history_offsets[-1]]
     round_proposals: int = 0  # verify rounds: proposals a sequence gets a round (above)
     kind: StepKind = None  # type: ignore[assignment]  # None: derived from the content (step_kind)
 
@@ -216,7 +220,7 @@ class StepBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def take(self, indices: np.ndarray) -> StepBatch:
+    def take(self, indices: Integers) -> StepBatch:
         """A step of only the sequences at ``indices``, in that order (each keeps all its tokens); this very
         step when that is all of them in order (the usual decode call: no copies). The part keeps its step's
         kind, but for the rows of a prefill or mixed step: whole prompts alone are a PREFILL part (they run on
@@ -228,15 +232,16 @@ class StepBatch:
         # token t of the result is token t - (its sequence's start there) + (its start here)
         tokens = np.arange(int(lens.sum())) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
         want = self.want_logits[indices] if self.want_logits is not None else None
-        history = (None, None) if self.history_ids is None else _take_ragged(self.history_offsets, self.history_ids,
-                                                                             indices)
+        offsets, history = self.history_offsets, self.history_ids
+        if offsets is not None and history is not None:
+            offsets, history = _take_ragged(offsets, history, indices)
         context = self.context_lens[indices]
         return StepBatch(self.input_ids[tokens], self.positions[tokens], self.slot_mapping[tokens], lens, context,
                          self.block_tables[indices],
                          self.sampling.take(indices) if self.sampling is not None else None,
                          want if want is not None and want.any() else None, self.num_steps,
                          self.draft_lens[indices] if self.draft_lens is not None else None,
-                         self.fed_rows[indices] if self.fed_rows is not None else None, *history,
+                         self.fed_rows[indices] if self.fed_rows is not None else None, offsets, history,
                          self.round_proposals, kind=part_kind(self.kind, lens, context))
 
     def validate(self) -> None:
@@ -284,24 +289,24 @@ class StepOutput:
     ``logits`` holds the rows the batch's ``want_logits`` asked for, and only those.
     """
 
-    token_ids: np.ndarray  # int32 [B]
-    logprobs: np.ndarray  # float32 [B]
+    token_ids: npt.NDArray[np.int32]  # int32 [B]
+    logprobs: npt.NDArray[np.float32]  # float32 [B]
     errors: dict[int, str] = field(default_factory=dict)  # row -> why that sequence failed
-    logits: dict[int, np.ndarray] = field(default_factory=dict)  # row -> float32 [vocab] logits of this step
+    logits: dict[int, Float32s] = field(default_factory=dict)  # row -> float32 [vocab] logits of this step
     # a batch of num_steps > 1: the tokens (and logprobs) of its later steps, int32/float32 [B, num_steps - 1]
-    more_token_ids: np.ndarray | None = None
-    more_logprobs: np.ndarray | None = None
+    more_token_ids: Int32s | None = None
+    more_logprobs: Float32s | None = None
     # a batch with draft_lens: how many leading entries of each more_token_ids row are tokens (accepted proposals'
     # picks); None: every entry is
-    num_more: np.ndarray | None = None
+    num_more: Int32s | None = None
     # a verify step of several rounds: per sequence (drafts verified, tokens proposed, proposals accepted), int32
     # [B, 3]; None: the step's own draft_lens were all (one round)
-    spec_counts: np.ndarray | None = None
+    spec_counts: Int32s | None = None
 
 
-def verify_batch(last_ids: Iterable[int], proposals: list[list[int]], num_tokens: np.ndarray,
-                 block_tables: np.ndarray, block_size: int, sampling: SamplingBatch | None = None,
-                 num_steps: int = 1, history: tuple[np.ndarray, np.ndarray] | None = None,
+def verify_batch(last_ids: Iterable[int], proposals: list[list[int]], num_tokens: Integers,
+                 block_tables: Int32s, block_size: int, sampling: SamplingBatch | None = None,
+                 num_steps: int = 1, history: tuple[Int32s, Int32s] | None = None,
                  round_proposals: int = 0) -> StepBatch:
     """A verify step: each sequence's last token (at position ``num_tokens - 1``) followed by its
     proposals, over its cached context through ``block_tables`` (a row per sequence), of ``num_steps`` rounds of

@@ -25,9 +25,11 @@ import secrets
 import sys
 from dataclasses import dataclass
 from multiprocessing import shared_memory
+from typing import Any
 
 import numpy as np
 
+from llm_serving.protocol.arrays import AnyArray
 from llm_serving.protocol.batch import (
     MAX_LOGIT_ADJUSTMENTS,
     KvCopyStep,
@@ -90,15 +92,15 @@ class ChannelLayout:
             raise ValueError(f"channel layout: max_logits_rows {self.max_logits_rows} needs a positive "
                              f"logits_width, got {self.logits_width}")
 
-    def fields(self) -> dict[str, tuple[int, np.dtype, int]]:
+    def fields(self) -> dict[str, tuple[int, np.dtype[Any], int]]:
         """name -> (byte offset, dtype, element count), in segment order."""
-        t, b = self.max_tokens, self.max_batch
-        spec = [("header", np.int64, _HEADER_SLOTS), ("input_ids", np.int32, t), ("positions", np.int32, t),
+        t, b, p = self.max_tokens, self.max_batch, self.penalty_capacity
+        spec: list[tuple[str, type[np.generic], int]] = [("header", np.int64, _HEADER_SLOTS), ("input_ids", np.int32, t), ("positions", np.int32, t),
                 ("slot_mapping", np.int32, t), ("query_lens", np.int32, b), ("context_lens", np.int32, b),
                 ("block_tables", np.int32, b * self.max_blocks_per_seq),
                 ("temperature", np.float32, b), ("top_k", np.int32, b), ("top_p", np.float32, b),
                 ("repetition_penalty", np.float32, b), ("seeds", np.int64, b), ("draw_index", np.int32, b),
-                ("penalty_offsets", np.int32, b + 1), ("penalty_token_ids", np.int32, self.max_penalty_tokens),
+                ("penalty_offsets", np.int32, b + 1), ("penalty_token_ids", np.int32, p),
                 ("presence_penalty", np.float32, b), ("frequency_penalty", np.float32, b), ("min_p", np.float32, b),
                 ("output_start", np.int32, b), ("adjust_offsets", np.int32, b + 1),
                 ("adjust_ids", np.int32, b * MAX_LOGIT_ADJUSTMENTS),
@@ -106,18 +108,24 @@ class ChannelLayout:
                 ("token_masks", np.int32, b * self.mask_words),
                 ("want_logits", np.uint8, b), ("draft_lens", np.int32, b), ("fed_rows", np.int32, b),
                 ("kv_block_ids", np.int32, self.max_blocks_per_seq),
-                ("history_offsets", np.int32, b + 1), ("history_ids", np.int32, self.max_penalty_tokens),
+                ("history_offsets", np.int32, b + 1), ("history_ids", np.int32, p),
                 ("out_token_ids", np.int32, b), ("out_logprobs", np.float32, b),
                 ("out_more_ids", np.int32, b * (self.max_decode_steps - 1)),
                 ("out_more_logprobs", np.float32, b * (self.max_decode_steps - 1)), ("out_num_more", np.int32, b),
                 ("out_spec_counts", np.int32, b * 3),
                 ("out_logits_rows", np.int32, self.max_logits_rows),
                 ("out_logits", np.float32, self.max_logits_rows * self.logits_width)]
-        out, offset = {}, 0
+        out: dict[str, tuple[int, np.dtype[Any], int]] = {}
+        offset = 0
         for name, dtype, count in spec:
             out[name] = (offset, np.dtype(dtype), count)
             offset += -(-count * np.dtype(dtype).itemsize // _ALIGN) * _ALIGN
         return out
+
+    @property
+    def penalty_capacity(self) -> int:
+        """``max_penalty_tokens`` as set (``__post_init__`` fills it in when None)."""
+        return self.max_penalty_tokens if self.max_penalty_tokens is not None else self.max_tokens
 
     @property
     def mask_words(self) -> int:
@@ -154,10 +162,10 @@ class _Attached:
 
 def _shm_open(name: str) -> int:
     try:
-        import _posixshmem  # the module multiprocessing.shared_memory itself uses
+        import _posixshmem  # type: ignore[import-not-found]  # multiprocessing.shared_memory's own (no stub)
     except ImportError:  # pragma: no cover - non-POSIX
         raise ChannelError("POSIX shared memory is not available on this platform") from None
-    return _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    return int(_posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600))
 
 
 def attach_untracked(name: str) -> shared_memory.SharedMemory | _Attached:
@@ -181,7 +189,7 @@ class StepChannel:
         self.name = segment.name.lstrip("/")
         self._segment: shared_memory.SharedMemory | _Attached | None = segment
         self._owner = owner
-        self._views: dict[str, np.ndarray] = {
+        self._views: dict[str, AnyArray] = {
             name: np.ndarray((count,), dtype, buffer=segment.buf, offset=offset)
             for name, (offset, dtype, count) in layout.fields().items()
         }
@@ -236,7 +244,7 @@ class StepChannel:
             segment.close()
         except BufferError:
             pass  # a caller still holds a view (e.g. a batch from read_step); the mapping goes with it
-        if self._owner:
+        if self._owner and isinstance(segment, shared_memory.SharedMemory):
             try:
                 segment.unlink()  # also unregisters it from the resource tracker
             except FileNotFoundError:
@@ -266,8 +274,8 @@ class StepChannel:
         for what, value, limit in (("num_tokens", batch.num_tokens, lay.max_tokens),
                                    ("batch_size", batch.batch_size, lay.max_batch),
                                    ("block table width", width, lay.max_blocks_per_seq),
-                                   ("repetition-penalty token count", penalty, lay.max_penalty_tokens),
-                                   ("history token count", history, lay.max_penalty_tokens),
+                                   ("repetition-penalty token count", penalty, lay.penalty_capacity),
+                                   ("history token count", history, lay.penalty_capacity),
                                    ("logit adjustment count", adjustments, lay.max_batch * MAX_LOGIT_ADJUSTMENTS),
                                    ("logits row count", logits_rows, lay.max_logits_rows)):
             if value > limit:
@@ -392,17 +400,21 @@ class StepChannel:
             if areas & _EXTRAS:
                 a, words = int(h[_ADJUSTMENTS]), self.layout.mask_words
                 masks = v["token_masks"][: b * words].reshape(b, words) if areas & _MASKS else None
-                extras = SamplingExtras(*(v[name][:b] for name in _EXTRA_FIELDS), v["adjust_offsets"][: b + 1],
-                                        v["adjust_ids"][:a], v["adjust_values"][:a], masks)
-            sampling = SamplingBatch(*(v[name][:b] for name in _SAMPLING_FIELDS), v["penalty_offsets"][: b + 1],
-                                     v["penalty_token_ids"][: int(h[_PENALTY_TOKENS])], extras)
-        history = ((v["history_offsets"][: b + 1], v["history_ids"][: int(h[_HISTORY_IDS])]) if areas & _HISTORY
-                   else (None, None))
+                extras = SamplingExtras(v["presence_penalty"][:b], v["frequency_penalty"][:b], v["min_p"][:b],
+                                        v["output_start"][:b], v["adjust_offsets"][: b + 1], v["adjust_ids"][:a],
+                                        v["adjust_values"][:a], masks)
+            sampling = SamplingBatch(v["temperature"][:b], v["top_k"][:b], v["top_p"][:b],
+                                     v["repetition_penalty"][:b], v["seeds"][:b], v["draw_index"][:b],
+                                     v["penalty_offsets"][: b + 1], v["penalty_token_ids"][: int(h[_PENALTY_TOKENS])],
+                                     extras)
+        kept = bool(areas & _HISTORY)
         batch = StepBatch(v["input_ids"][:n], v["positions"][:n], v["slot_mapping"][:n], v["query_lens"][:b],
                           v["context_lens"][:b], v["block_tables"][: b * width].reshape(b, width), sampling,
                           v["want_logits"][:b].view(np.bool_) if areas & _WANT_LOGITS else None, int(h[_NUM_STEPS]),
                           v["draft_lens"][:b] if kind is StepKind.VERIFY else None,
-                          v["fed_rows"][:b] if areas & _FED_ROWS else None, *history, int(h[_ROUND_PROPOSALS]),
+                          v["fed_rows"][:b] if areas & _FED_ROWS else None,
+                          v["history_offsets"][: b + 1] if kept else None,
+                          v["history_ids"][: int(h[_HISTORY_IDS])] if kept else None, int(h[_ROUND_PROPOSALS]),
                           kind=kind)
         return int(h[_STEP]), batch
 
@@ -418,13 +430,14 @@ class StepChannel:
         v = self._views
         v["out_token_ids"][:b] = output.token_ids
         v["out_logprobs"][:b] = output.logprobs
-        more = 0 if output.more_token_ids is None else output.more_token_ids.shape[1]
-        if more:
-            if more >= lay.max_decode_steps or output.more_token_ids.shape != (b, more):
-                raise ValueError(f"later steps' tokens of shape {output.more_token_ids.shape} do not fit "
+        more_ids, more_logprobs = output.more_token_ids, output.more_logprobs
+        more = 0 if more_ids is None else more_ids.shape[1]
+        if more_ids is not None and more:
+            if more >= lay.max_decode_steps or more_ids.shape != (b, more) or more_logprobs is None:
+                raise ValueError(f"later steps' tokens of shape {more_ids.shape} do not fit "
                                  f"max_decode_steps {lay.max_decode_steps} for {b} sequences")
-            v["out_more_ids"][: b * more] = output.more_token_ids.ravel()
-            v["out_more_logprobs"][: b * more] = output.more_logprobs.ravel()
+            v["out_more_ids"][: b * more] = more_ids.ravel()
+            v["out_more_logprobs"][: b * more] = more_logprobs.ravel()
             if output.num_more is not None:
                 v["out_num_more"][:b] = output.num_more
         if output.spec_counts is not None:

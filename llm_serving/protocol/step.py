@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
+import numpy.typing as npt
+
+from llm_serving.protocol.arrays import Integers
 
 
 class StepKind(IntEnum):
@@ -39,7 +42,7 @@ class RowKind(IntEnum):
     DECODE = 3  # one token over cached context
 
 
-def row_kinds(query_lens: np.ndarray, context_lens: np.ndarray) -> np.ndarray:
+def row_kinds(query_lens: Integers, context_lens: Integers) -> npt.NDArray[np.int8]:
     """int8 ``RowKind`` of each row."""
     kinds = np.full(query_lens.shape, RowKind.CHUNK, np.int8)
     kinds[query_lens == context_lens] = RowKind.PROMPT
@@ -47,7 +50,7 @@ def row_kinds(query_lens: np.ndarray, context_lens: np.ndarray) -> np.ndarray:
     return kinds
 
 
-def step_kind(query_lens: np.ndarray, context_lens: np.ndarray, verifies: bool) -> StepKind:
+def step_kind(query_lens: Integers, context_lens: Integers, verifies: bool) -> StepKind:
     """The kind of a model step of these rows; ``verifies``: it carries proposals to verify."""
     if verifies:
         return StepKind.VERIFY
@@ -58,7 +61,7 @@ def step_kind(query_lens: np.ndarray, context_lens: np.ndarray, verifies: bool) 
     return StepKind.MIXED
 
 
-def part_kind(kind: StepKind, query_lens: np.ndarray, context_lens: np.ndarray) -> StepKind:
+def part_kind(kind: StepKind, query_lens: Integers, context_lens: Integers) -> StepKind:
     """The kind of some rows of a step of ``kind`` run as one graph call: a decode or verify step's rows keep it;
     a prefill or mixed step's rows are a PREFILL part when they are whole prompts (the prompt graphs run them),
     else MIXED (a group of its decode rows stays on the mixed graph its step was planned on)."""
@@ -67,7 +70,7 @@ def part_kind(kind: StepKind, query_lens: np.ndarray, context_lens: np.ndarray) 
     return StepKind.PREFILL if np.array_equal(query_lens, context_lens) else StepKind.MIXED
 
 
-def check_kind(kind: StepKind, query_lens: np.ndarray, context_lens: np.ndarray, verifies: bool) -> None:
+def check_kind(kind: StepKind, query_lens: Integers, context_lens: Integers, verifies: bool) -> None:
     """Raise ValueError when ``kind`` cannot describe these rows. A kind may be more general than ``step_kind``
     derives (a mixed step's part of only decode rows stays mixed: it runs on the mixed graph its step chose; a
     decode warm-up batch of one-token contexts is a decode step), never wrong for the graph it names."""
