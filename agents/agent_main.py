@@ -34,6 +34,7 @@ from agents.runtime.kv_copy import KvBlockCopier
 from agents.runtime.multi_step import run_decode_steps
 from agents.runtime.sampler import take_failures
 from agents.runtime.step_broadcast import StepBroadcast
+from agents.runtime.step_runner import StepRunner
 from agents.runtime.step_source import BroadcastSteps, SharedMemorySteps
 from agents.runtime.verify_rounds import run_verify_rounds
 from llm_serving.protocol.batch import KvCopyStep, StepBatch, StepOutput
@@ -92,7 +93,7 @@ def watch_master(lifeline_fd: int, parent_pid: int, poll_s: float = 2.0) -> None
 
 
 def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], lifeline_fd: int | None = None,
-                 device_id: int | None = None, ranks_here: int | None = None):
+                 device_id: int | None = None, ranks_here: int | None = None) -> StepRunner:
     """The runner for this rank: the instant stand-in, or MindSpore's ModelRunner on the checkpoint (under
     tensor parallelism: on this rank's slice of it, after joining the ranks' collective cluster); ``device_id``:
     its device (default ``start_device_id + rank``); ``ranks_here``: the pool's ranks on this host, which share
@@ -196,7 +197,7 @@ def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft:
         per_block, block_size, max_len)
 
 
-def serve(steps: SharedMemorySteps | BroadcastSteps, runner, replier: Replier, rank: int,
+def serve(steps: SharedMemorySteps | BroadcastSteps, runner: StepRunner, replier: Replier, rank: int,
           block_size: int | None, copier: KvBlockCopier | None = None, lookup: NgramProposer | None = None) -> None:
     """Run steps until the master closes the command pipe or sends a negative step number, or rank 0 broadcasts
     the end (a batch of several decode steps: ``multi_step``; of several verify rounds: ``verify_rounds``, with
@@ -230,7 +231,7 @@ def serve(steps: SharedMemorySteps | BroadcastSteps, runner, replier: Replier, r
         replier.send(number, DONE, done_payload(failed) if rank == 0 else "")
 
 
-def run_step(runner, batch: StepBatch, block_size: int | None, lookup: NgramProposer | None) -> StepOutput:
+def run_step(runner: StepRunner, batch: StepBatch, block_size: int | None, lookup: NgramProposer | None) -> StepOutput:
     """One step of the master's: one model step, or the rounds of several decode steps or verify rounds."""
     if batch.num_steps == 1:
         return runner.step(batch)
@@ -341,9 +342,8 @@ def main(argv: list[str] | None = None) -> None:
             cache.discard()
         replier.error(STARTUP_STEP, exc)
         _exit(1)
-    costs = getattr(runner, "step_costs", None) or {}  # seconds per warmed shape: the step timeout's base
-    blocks = getattr(getattr(runner, "rc", None), "num_blocks", None)
-    replier.send(STARTUP_STEP, READY, ready_payload(max(costs.values()) if costs else None, blocks))
+    costs = runner.step_costs  # seconds per warmed shape: the step timeout's base
+    replier.send(STARTUP_STEP, READY, ready_payload(max(costs.values()) if costs else None, runner.num_blocks))
     lookup = None if spec.prompt_lookup is None else NgramProposer(*spec.prompt_lookup)
     serve(steps, runner, replier, args.rank, spec.runner_config.get("block_size"), copier, lookup)
     _exit(0)

@@ -110,6 +110,10 @@ class MindFormersRunner:
         self.compile_times: dict[tuple, float] = {}
 
     @property
+    def num_blocks(self) -> int:
+        return self.rc.num_blocks
+
+    @property
     def step_costs(self) -> dict[tuple, float]:
         return self.costs.measured
 
@@ -132,8 +136,12 @@ class MindFormersRunner:
             raise RuntimeError(f"graph shape {shape} was not warmed up (the runner never compiles while serving)")
         return self.select(shape[0])(*[Tensor(a) for a in arrays])
 
-    def warmup(self, progress: Callable[[str], None] | None = None) -> dict[tuple, float]:
-        """Compile every shape, then time one more call of it (the costs the batch plans use)."""
+    def warmup(self, progress: Callable[[str], None] | None = None,
+               known_costs: dict[tuple, float] | None = None) -> dict[tuple, float]:
+        """Compile every shape, then time one more call of it (the costs the batch plans use); no compile cache
+        serves this backend (``compile_cache.usable``), so there are never ``known_costs``."""
+        if known_costs:
+            raise ValueError("the mindformers backend has no compile cache to load known costs from")
         for shape in self.graph_shapes():
             arrays = self.warmup_inputs(shape)
             self.warmed.add(shape)

@@ -143,6 +143,10 @@ class ModelRunner:
         return self.backend.ragged_prefill
 
     @property
+    def num_blocks(self) -> int:
+        return self.rc.num_blocks
+
+    @property
     def step_costs(self) -> dict[tuple, float]:
         """Steady-state seconds per call of each shape, measured in warm-up (the plans' costs)."""
         return self.costs.measured

@@ -55,6 +55,10 @@ class SpeculativeRunner:
         self.config = target.config
 
     @property
+    def num_blocks(self) -> int:
+        return self.target.num_blocks  # the draft's cache has as many
+
+    @property
     def step_costs(self) -> dict[tuple, float]:
         return {**self.target.step_costs, **{("draft", *k): v for k, v in self.draft.step_costs.items()}}
 

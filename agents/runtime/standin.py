@@ -39,7 +39,12 @@ class StandinRunner:
         self.step_delay_s = step_delay_s
         self.step_costs = {("standin",): step_delay_s}  # as ModelRunner: the master's step timeout uses it
 
-    def warmup(self, progress: Callable[[str], None] | None = None) -> dict[tuple, float]:
+    num_blocks: int | None = None  # no KV cache
+
+    def warmup(self, progress: Callable[[str], None] | None = None,
+               known_costs: dict[tuple, float] | None = None) -> dict[tuple, float]:
+        if known_costs:
+            raise ValueError("the stand-in runner compiles nothing to load known costs for")
         if progress:
             progress("stand-in runner: nothing to warm up")
         return {}
