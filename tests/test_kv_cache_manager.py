@@ -3,6 +3,8 @@ sequence's blocks, the block-table mirror a step gathers, the prefix cache's cou
 
 from __future__ import annotations
 
+import numpy as np
+
 from llm_serving.core.kv_cache_manager import KVCacheManager
 from llm_serving.core.sequence import Sequence
 
@@ -87,3 +89,23 @@ def test_evictions_are_still_counted_after_the_cache_is_reset():
     kv.reset_prefix_cache()
     assert kv.prefix_cache_stats()["prefix_cache_evictions"] == 2
 
+
+def test_transfer_holds_get_no_row_even_under_a_running_requests_id():
+    kv = manager()
+    a = started(kv, "a", list(range(9)))
+    a.num_computed_tokens = 9
+    kv.cache_computed(a)  # 2 full blocks cached while a runs on
+    export = Sequence("a", list(range(9)))  # a client may name a request as a transfer is named
+    assert kv.hold_cached_prefix(export) and export.block_table == a.block_table[:2]
+    assert not kv.hold_cached_prefix(Sequence("x", [7, 7, 7, 7, 7]))  # nothing cached
+    imported = Sequence("a", list(range(100, 116)))
+    assert kv.hold_for_import(imported, 4) and len(imported.block_table) == 4
+    kv.free(export)
+    kv.free(imported)  # never computed: the blocks are free again
+    assert kv.block_tables([a]).tolist() == [a.block_table] and kv.num_used_blocks == 3
+    assert kv.allocate_slots(a, 17) and kv.block_tables([a]).tolist() == [a.block_table]
+    assert not kv.hold_for_import(Sequence("y", list(range(8))), 2)  # a's blocks: cached already
+    assert not kv.hold_for_import(Sequence("z", list(range(200, 240))), 10)  # more than are free
+    assert not kv.hold_for_import(Sequence("w", list(range(300, 308))), 0)
+    assert not manager(caching=False).hold_for_import(Sequence("v", list(range(8))), 2)
+    assert np.array_equal(kv.block_tables([a])[0], a.block_table)

@@ -5,8 +5,9 @@ The agents hold the cache tensors; the master only hands out block ids (a step t
 ``block_id * block_size + offset``). Block 0 is a reserved dummy block: padded tokens write into
 it and unused block-table entries point at it, so it is never given to a sequence.
 
-Blocks are reference-counted by their holders (request ids): ``share`` adds a holder to blocks another
-sequence already filled, and a block returns to the free list when its last holder frees it. Accounting is strict
+Blocks are reference-counted by their holders (sequences, by identity: a KV transfer's may bear a request's id):
+``share`` adds a holder to blocks another sequence already filled, and a block returns to the free list when its
+last holder frees it. Accounting is strict
 so that a scheduler bug surfaces as an exception instead of two sequences silently overwriting each other's KV: a
 sequence frees only blocks it holds, once.
 
@@ -38,7 +39,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(DUMMY_BLOCK + 1, num_blocks))
-        self._holders: dict[int, set[str]] = {}  # block id -> request ids of the sequences holding it
+        self._holders: dict[int, set[Sequence]] = {}  # block id -> the sequences holding it
         self.prefix_cache = PrefixCache() if prefix_caching else None
 
     # ---- capacity -------------------------------------------------------------------------------------
@@ -98,7 +99,7 @@ class BlockManager:
             if block not in self._holders:
                 cache.revive(block)
                 self._holders[block] = set()
-            self._holders[block].add(seq.request_id)
+            self._holders[block].add(seq)
         seq.block_table = list(blocks)
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
@@ -151,13 +152,14 @@ class BlockManager:
             raise RuntimeError(f"sequence {seq.request_id!r} lists a block twice: {table}")
         for block in table:
             holders = self._holders.get(block)
-            if holders is None or seq.request_id not in holders:
-                what = "a free block" if holders is None else f"a block owned by {', '.join(map(repr, holders))}"
+            if holders is None or seq not in holders:
+                what = ("a free block" if holders is None
+                        else f"a block owned by {', '.join(repr(h.request_id) for h in holders)}")
                 raise RuntimeError(f"sequence {seq.request_id!r} frees block {block}, which is {what}")
         cache = self.prefix_cache
         for block in reversed(table):  # a prefix's tail blocks are evicted before its head: they hit less often
             holders = self._holders[block]
-            holders.discard(seq.request_id)
+            holders.discard(seq)
             if not holders:
                 del self._holders[block]
                 if cache is None or not cache.release(block):
@@ -170,9 +172,9 @@ class BlockManager:
         tail = seq.block_table[keep:]
         for block in reversed(tail):
             holders = self._holders.get(block)
-            if holders is None or seq.request_id not in holders:
+            if holders is None or seq not in holders:
                 raise RuntimeError(f"sequence {seq.request_id!r} truncates block {block}, which it does not hold")
-            holders.discard(seq.request_id)
+            holders.discard(seq)
             if not holders:
                 del self._holders[block]
                 if self.prefix_cache is None or not self.prefix_cache.release(block):
@@ -187,5 +189,5 @@ class BlockManager:
 
     def _take(self, seq: Sequence) -> int:
         block = self._free.popleft() if self._free else self.prefix_cache.evict()
-        self._holders[block] = {seq.request_id}
+        self._holders[block] = {seq}
         return block
