@@ -1,8 +1,8 @@
 """Continuous-batching scheduler: picks each model step and applies its result.
 
 Modelled on nano-vllm / vLLM: the scheduler decides *which* sequences run, the KVCacheManager
-(``core.kv_cache_manager``) decides *where* their KV lives. A step is ``schedule()``d, run by the model, ``postprocess()``ed (with one more sent ahead of it
-meanwhile under asynchronous scheduling, below). Each
+(``core.kv_cache_manager``) decides *where* their KV lives. A step is ``schedule()``d, run by the model,
+``postprocess()``ed (with one more sent ahead of it meanwhile under asynchronous scheduling, below). Each
 sequence counts the tokens whose K/V the agents hold (``num_computed_tokens``); a step gives it the next
 ``num_scheduled_tokens`` of its tokens, and only a step that reaches its last token produces its next one.
 
@@ -552,7 +552,7 @@ class Scheduler:
     def _grow_free(self, seqs: list[Sequence], extra: int) -> bool:
         """Grow each sequence's blocks to ``num_tokens + extra`` tokens from the free ones, never
         preempting; False at the first that cannot (the blocks grown so far stay: the next tokens need them,
-        or ``_trim`` takes back a verify step's)."""
+        or ``kv_cache.trim`` takes back a verify step's)."""
         kv = self.kv_cache
         return all(kv.allocate_slots(seq, seq.num_tokens + extra) for seq in seqs)
 
