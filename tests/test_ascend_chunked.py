@@ -95,7 +95,7 @@ def test_a_prefix_cache_hit_gives_the_cold_runs_tokens(runner):
     serve(warm, runner, others[:1])
     hit = Sequence("hit", prompt, SamplingParams(6))
     serve(warm, runner, others[1:] + [hit])
-    assert warm.block_manager.prefix_cache.hit_tokens >= 3 * 48
+    assert warm.prefix_cache_stats()["prefix_cache_hit_tokens"] >= 3 * 48
     assert hit.output_ids == cold.output_ids
     np.testing.assert_allclose(hit.output_logprobs, cold.output_logprobs, atol=2e-5)
 

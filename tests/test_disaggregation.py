@@ -30,7 +30,7 @@ import pytest
 
 from llm_serving.api.schema import parse_completion
 from llm_serving.config.serving_config import ConfigError
-from llm_serving.core.block_manager import BlockManager
+from llm_serving.core.kv_cache_manager import KVCacheManager
 from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.engine.kv_transfer import KvPayload, KvTransfers
 from llm_serving.engine.loop import Engine
@@ -120,22 +120,25 @@ class FakePool:
             self.cache[b] = shards[0][i * 8:(i + 1) * 8]
 
 
+def kv_cache() -> KVCacheManager:
+    return KVCacheManager(12, BLOCK, max_num_seqs=2, max_model_len=64, prefix_caching=True)
+
+
 def test_exports_pin_the_prompts_cached_blocks_and_imports_register_them_idle():
     layout = {**LAYOUT, "block_bytes": 8}
     lock = threading.Lock()
-    prefill, decode = BlockManager(12, BLOCK, prefix_caching=True), BlockManager(12, BLOCK, prefix_caching=True)
+    prefill, decode = kv_cache(), kv_cache()
     prompt = list(range(100, 121))  # 21 tokens: 2 whole blocks usable elsewhere
     seq = Sequence("a", prompt)
-    prefill.allocate(seq)
+    prefill.start(seq, [], len(prompt))
     seq.num_computed_tokens = len(prompt)
-    prefill.cache_computed(seq)
     prefill.free(seq)  # finished: its 2 full blocks stay cached, idle
     transfers, pool = KvTransfers(layout, lock), FakePool()
     for b in range(1, 12):
         pool.cache[b] = bytes([b]) * 8
     with lock:
         future = transfers.queue_export(prefill, prompt)
-    assert prefill.accounting()["held"] == 2 and prefill.num_idle_cached_blocks == 0  # pinned: no step takes them
+    assert prefill.accounting()["held"] == 2 and prefill.accounting()["idle_cached"] == 0  # pinned: no step takes them
     transfers.run(pool, prefill)
     payload = future.result(0)
     assert payload.num_blocks == 2 and payload.token_ids == prompt[:16] and pool.seen[0][0] == "export"
@@ -147,7 +150,7 @@ def test_exports_pin_the_prompts_cached_blocks_and_imports_register_them_idle():
         imported = theirs.queue_import(decode, payload)
     theirs.run(pool, decode)
     assert imported.result(0) == 2 and decode.accounting() == {"free": 9, "idle_cached": 2, "held": 0, "cached": 2}
-    assert len(decode.cached_prefix(Sequence("b", prompt))) == 2  # the request's prompt hits both
+    assert len(decode.computed_prefix(Sequence("b", prompt))) == 2  # the request's prompt hits both
     assert theirs.queue_import(decode, payload).result(0) == 0  # cached already: nothing to copy
     with pytest.raises(ValueError, match="another layout"):
         theirs.queue_import(decode, KvPayload({**layout, "dtype": "float16"}, payload.token_ids, payload.shards))
@@ -156,7 +159,7 @@ def test_exports_pin_the_prompts_cached_blocks_and_imports_register_them_idle():
 def test_a_failed_copy_frees_its_blocks_and_a_dead_pool_fails_every_queued_copy():
     layout = {**LAYOUT, "block_bytes": 8}
     lock = threading.Lock()
-    bm = BlockManager(12, BLOCK, prefix_caching=True)
+    bm = kv_cache()
     payload = KvPayload(layout, list(range(24)), [bytes(24), bytes(24)])
     transfers = KvTransfers(layout, lock)
     first = transfers.queue_import(bm, payload)
@@ -167,9 +170,8 @@ def test_a_failed_copy_frees_its_blocks_and_a_dead_pool_fails_every_queued_copy(
     nothing: Future = failing.queue_export(bm, list(range(30)))  # nothing cached any more
     assert nothing.result(0).num_blocks == 0
     seq = Sequence("s", list(range(40)))
-    bm.allocate(seq)
+    bm.start(seq, [], 40)
     seq.num_computed_tokens = 40
-    bm.cache_computed(seq)
     bm.free(seq)
     exports = [failing.queue_export(bm, list(range(40))) for _ in range(2)]
     failing.run(FakePool(fail=AgentStepError), bm)  # the agents serve on: each copy fails alone
@@ -282,7 +284,7 @@ def test_imported_blocks_decode_what_one_engine_answers_alone(tmp_path, kernels)
         assert decode.submit(ids, greedy).result(60).token_ids != alone.token_ids  # the imported bytes are read
         for engine in (prefill, decode):
             assert engine.stats()["kv_blocks_used"] == 0
-            engine._scheduler.block_manager.accounting()  # raises unless every block is free, idle or held once
+            engine._scheduler.kv_cache.accounting()  # raises unless every block is free, idle or held once
 
 
 def test_an_import_lands_between_the_steps_of_requests_already_decoding(tmp_path):

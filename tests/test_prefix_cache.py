@@ -1,4 +1,4 @@
-"""Prefix caching: block keys, the block manager's cached and idle blocks, hits in the scheduler, and the block
+"""Prefix caching: block keys, the KV cache manager's cached and idle blocks, hits in the scheduler, and the block
 accounting after runs with aborts, preemptions, evictions and agent restarts (fake model of tests.test_scheduler,
 which reads every context back through the KV cache, so a wrong shared block changes results)."""
 
@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from llm_serving.core.block_manager import BlockManager
+from llm_serving.core.kv_cache_manager import KVCacheManager
 from llm_serving.core.prefix_cache import extend_block_hashes
 from llm_serving.core.scheduler import Scheduler
 from llm_serving.core.scheduler_config import SchedulerConfig
@@ -32,59 +32,59 @@ def test_block_keys_name_the_whole_prefix():
     assert len(set(keys(list(range(40))))) == 10
 
 
-def computed(rid: str, tokens: list[int], bm: BlockManager) -> Sequence:
+def computed(rid: str, tokens: list[int], kv: KVCacheManager) -> Sequence:
     """A sequence holding blocks for ``tokens``, all of them computed and registered."""
     seq = Sequence(rid, tokens)
-    bm.allocate(seq)
+    kv.start(seq, [], len(tokens))
     seq.num_computed_tokens = len(tokens)
-    bm.cache_computed(seq)
+    kv.cache_computed(seq)
     return seq
 
 
 def test_cached_blocks_are_kept_idle_revived_by_a_hit_and_evicted_least_recently_used_first():
-    bm = BlockManager(num_blocks=9, block_size=4, prefix_caching=True)  # 8 usable
-    a = computed("a", list(range(10, 22)) + [5], bm)  # 3 full blocks registered, a partial 4th
+    kv = KVCacheManager(num_blocks=9, block_size=4, max_num_seqs=8, max_model_len=32, prefix_caching=True)
+    a = computed("a", list(range(10, 22)) + [5], kv)  # 3 full blocks registered, a partial 4th
     a_blocks = list(a.block_table)
-    assert (bm.num_used_blocks, len(bm.prefix_cache)) == (4, 3)
-    bm.free(a)
-    assert bm.accounting() == {"free": 5, "idle_cached": 3, "held": 0, "cached": 3}
-    assert bm.num_free_blocks == 8  # idle cached blocks can be handed out
+    assert kv.accounting() == {"free": 4, "idle_cached": 0, "held": 4, "cached": 3}
+    kv.free(a)
+    assert kv.accounting() == {"free": 5, "idle_cached": 3, "held": 0, "cached": 3}
+    assert kv.num_free_blocks == 8  # idle cached blocks can be handed out
 
     b = Sequence("b", list(range(10, 22)) + [7, 8])
-    hit = bm.cached_prefix(b)
-    assert hit == a_blocks[:3] and bm.num_idle(hit) == 3
-    bm.share(b, hit)
-    bm.grow(b, b.num_tokens)
-    assert bm.accounting()["held"] == 4 and bm.num_idle_cached_blocks == 0
+    hit = kv.computed_prefix(b)
+    assert hit == a_blocks[:3] and kv.blocks_to_start(hit, b.num_tokens) == 4  # 3 revived, 1 new
+    kv.start(b, hit, b.num_tokens)
+    assert kv.accounting()["held"] == 4 and kv.prefix_cache_stats()["kv_blocks_cached"] == 0
+    assert (kv.queried_tokens, kv.hit_tokens) == (13 + 14, 12)
     whole = Sequence("c", list(range(10, 22)))  # all 3 blocks cached: the last is left to compute
-    assert bm.cached_prefix(whole) == a_blocks[:2]
-    bm.free(b)
+    assert kv.computed_prefix(whole) == a_blocks[:2]
+    kv.free(b)
 
-    others = [computed(f"x{i}", [50 + 8 * i + j for j in range(4)], bm) for i in range(5)]  # 5 fresh blocks
-    assert bm.num_idle_cached_blocks == 3 and bm.accounting()["free"] == 0
+    others = [computed(f"x{i}", [50 + 8 * i + j for j in range(4)], kv) for i in range(5)]  # 5 fresh blocks
+    assert kv.prefix_cache_stats()["kv_blocks_cached"] == 3 and kv.accounting()["free"] == 0
     d = Sequence("d", [1, 2, 3])
-    bm.grow(d, 3)  # no free block: the least recently used idle one goes, the prefix's tail first
-    assert d.block_table == [a_blocks[2]] and bm.prefix_cache.evictions == 1
-    assert bm.cached_prefix(b) == a_blocks[:2]
+    assert kv.allocate_slots(d, 3)  # no free block: the least recently used idle one goes, the prefix's tail first
+    assert d.block_table == [a_blocks[2]] and kv.prefix_cache_stats()["prefix_cache_evictions"] == 1
+    assert kv.computed_prefix(b) == a_blocks[:2]
     for seq in others + [d]:
-        bm.free(seq)
-    counts = bm.accounting()
+        kv.free(seq)
+    counts = kv.accounting()
     assert counts["held"] == 0 and counts["free"] + counts["idle_cached"] == 8
-    bm.reset_prefix_cache()  # new agents: their KV cache is empty
-    assert bm.accounting() == {"free": 8, "idle_cached": 0, "held": 0, "cached": 0}
-    assert bm.cached_prefix(b) == []
+    kv.reset_prefix_cache()  # new agents: their KV cache is empty
+    assert kv.accounting() == {"free": 8, "idle_cached": 0, "held": 0, "cached": 0}
+    assert kv.computed_prefix(b) == []
 
 
 def test_sharing_a_block_nobody_holds_or_caches_and_freeing_twice_raise():
-    bm = BlockManager(num_blocks=6, block_size=4, prefix_caching=True)
+    kv = KVCacheManager(num_blocks=6, block_size=4, max_num_seqs=2, max_model_len=16, prefix_caching=True)
     a = Sequence("a", [1, 2, 3])
-    bm.allocate(a)
+    kv.start(a, [], 3)
     block = a.block_table[0]
-    bm.free(a)  # never computed: not cached, free again
+    kv.free(a)  # never computed: not cached, free again
     with pytest.raises(RuntimeError, match="cannot share block .*: it is free"):
-        bm.share(Sequence("b", [1, 2, 3, 4, 5]), [block])
+        kv.start(Sequence("b", [1, 2, 3, 4, 5]), [block], 5)
     with pytest.raises(RuntimeError, match="double free"):
-        bm.free(a)
+        kv.free(a)
 
 
 def chunked_prefix(**kw) -> SchedulerConfig:
@@ -96,7 +96,7 @@ def chunked_prefix(**kw) -> SchedulerConfig:
 
 def step_once(s: Scheduler, model: FakeKVModel) -> tuple[list[Sequence], np.ndarray]:
     seqs, batch = s.schedule()
-    cache, bs = s.block_manager.prefix_cache, s.config.block_size
+    cache, bs = s.kv_cache._blocks.prefix_cache, s.config.block_size
     if cache is not None:  # a cached block is never written again
         assert not any(cache.is_cached(int(slot) // bs) for slot in batch.slot_mapping)
     s.postprocess(seqs, model.step(batch))
@@ -116,8 +116,8 @@ def test_a_request_sharing_a_prefix_computes_only_the_rest(chunked):
     s.add(second)
     seqs, batch = step_once(s, model)
     assert seqs == [second] and batch.query_lens.tolist() == [3] and batch.context_lens.tolist() == [23]
-    cache = s.block_manager.prefix_cache
-    assert (cache.hit_tokens, cache.queried_tokens) == (20, 24 + 23)
+    stats = s.prefix_cache_stats()
+    assert (stats["prefix_cache_hit_tokens"], stats["prefix_cache_queried_tokens"]) == (20, 24 + 23)
     while s.has_unfinished():
         step_once(s, model)
     for seq in (first, second):
@@ -161,7 +161,7 @@ def test_block_accounting_after_aborts_preemptions_evictions_and_agent_restarts(
     steps = restarts = 0
     while s.has_unfinished():
         stepped, batch = s.schedule()
-        cache = s.block_manager.prefix_cache
+        cache = s.kv_cache._blocks.prefix_cache
         assert cache is None or not any(cache.is_cached(int(slot) // 4) for slot in batch.slot_mapping)
         live = [seq for seq in seqs if not seq.is_finished]
         if rng.random() < 0.1:  # aborted while waiting, running, or in the step in flight
@@ -170,18 +170,18 @@ def test_block_accounting_after_aborts_preemptions_evictions_and_agent_restarts(
             assert s.abort(victim.request_id)
         s.postprocess(stepped, model.step(batch))
         steps += 1
-        counts = s.block_manager.accounting()
+        counts = s.kv_cache.accounting()
         assert counts["held"] == len({b for seq in s.running for b in seq.block_table})
         if steps % 25 == 0:
             s.requeue_running()
             restarts += 1
-            assert s.block_manager.accounting()["cached"] == 0
-    counts = s.block_manager.accounting()
+            assert s.kv_cache.accounting()["cached"] == 0
+    counts = s.kv_cache.accounting()
     assert counts["held"] == 0 and counts["free"] + counts["idle_cached"] == cfg.num_blocks - 1
     assert s.num_preemptions > 0 and restarts > 0 and aborted
     if caching:
-        cache = s.block_manager.prefix_cache
-        assert cache.evictions > 0 and cache.hit_tokens > 0
+        stats = s.prefix_cache_stats()
+        assert stats["prefix_cache_evictions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     for seq in seqs:
         if seq.request_id in aborted:
             assert seq.finish_reason == "abort" and seq.status is SequenceStatus.FINISHED

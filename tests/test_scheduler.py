@@ -484,7 +484,7 @@ def test_sampled_draws_do_not_depend_on_batch_or_preemption():
 
 # ---- randomized end-to-end property test ----------------------------------------------------------------------
 def check_invariants(s: Scheduler, seqs, batch: StepBatch, retired: set[int]) -> None:
-    cfg, bm = s.config, s.block_manager
+    cfg, bs = s.config, s.config.block_size
     batch.validate()
     assert (batch.sampling is None) == (not any(x.params.needs_logits for x in seqs))
     if batch.sampling is not None:
@@ -492,7 +492,7 @@ def check_invariants(s: Scheduler, seqs, batch: StepBatch, retired: set[int]) ->
         assert batch.sampling.draw_index.tolist() == [x.num_output_tokens for x in seqs]
     owned = [b for x in s.running for b in x.block_table]
     assert len(owned) == len(set(owned)), "two running sequences share a block"
-    assert 0 not in owned and len(owned) == bm.num_used_blocks
+    assert 0 not in owned and len(owned) == s.num_used_blocks
     assert all(x.block_table == [] for x in s.waiting)
     assert all(id(x) not in retired and x.status is SequenceStatus.RUNNING for x in seqs)
     if batch.describe().computes_prompts:
@@ -506,7 +506,7 @@ def check_invariants(s: Scheduler, seqs, batch: StepBatch, retired: set[int]) ->
         toks = slice(start, start + q)
         assert batch.input_ids[toks].tolist() == x.all_token_ids[n - q:]
         assert batch.positions[toks].tolist() == list(range(n - q, n))
-        assert batch.slot_mapping[toks].tolist() == [bm.slot(x, p) for p in range(n - q, n)]
+        assert batch.slot_mapping[toks].tolist() == [x.block_table[p // bs] * bs + p % bs for p in range(n - q, n)]
         row = batch.block_tables[i].tolist()
         assert row[: len(x.block_table)] == x.block_table and not any(row[len(x.block_table):])
         start += q

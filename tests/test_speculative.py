@@ -104,7 +104,7 @@ def serve(s: Scheduler, seqs: list[Sequence]) -> list[StepBatch]:
         held = sum(len(q.block_table) for q in s.running)
         assert held == s.num_used_blocks  # nothing held but the running sequences' tables
         for q in s.running:  # no block past the next input is kept
-            assert len(q.block_table) <= s.block_manager.blocks_needed(q.num_tokens) or q.is_prefilling
+            assert len(q.block_table) <= s.kv_cache.blocks_needed(q.num_tokens) or q.is_prefilling
     return batches
 
 
@@ -168,7 +168,7 @@ def test_greedy_output_is_plain_greedy_output(kw, k):
     assert verify and max(int(b.draft_lens.max()) for b in verify) == k
     assert 0 < s.speculation.accepted < s.speculation.proposed  # some proposals right, some wrong
     assert len(batches) < len(serve(Scheduler(config(max_num_seqs=8, **kw)), prompts()))  # fewer model steps
-    assert s.num_used_blocks == 0 and s.block_manager.accounting()
+    assert s.num_used_blocks == 0 and s.kv_cache.accounting()
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
@@ -214,12 +214,12 @@ def test_verify_rounds_in_the_agent_keep_greedy_output_and_free_every_block(meth
         s.postprocess(scheduled, agent_step(batch))
         assert sum(len(q.block_table) for q in s.running) == s.num_used_blocks
         for q in s.running:
-            assert len(q.block_table) <= s.block_manager.blocks_needed(q.num_tokens) or q.is_prefilling
+            assert len(q.block_table) <= s.kv_cache.blocks_needed(q.num_tokens) or q.is_prefilling
     for q in seqs:
         assert (q.output_ids, q.finish_reason) == expected(q.prompt_ids, q.params), q
         assert len(q.output_logprobs) == len(q.output_ids)
     assert multi and 0 < s.speculation.accepted < s.speculation.proposed and s.speculation.drafts > s.speculation.steps
-    assert s.num_used_blocks == 0 and s.block_manager.accounting()
+    assert s.num_used_blocks == 0 and s.kv_cache.accounting()
 
 
 def test_proposals_only_where_rejection_sampling_keeps_the_distribution():

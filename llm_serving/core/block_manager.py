@@ -1,11 +1,13 @@
 """Paged KV-cache bookkeeping on the master: which fixed-size blocks of the agents' KV cache each sequence owns.
+The allocator under ``llm_serving.core.kv_cache_manager.KVCacheManager``, the only one that calls it.
 
-The agents hold the cache tensors; the master only hands out block ids and turns (sequence, position) into
-flat slots (``block_id * block_size + offset``). Block 0 is a reserved dummy block: padded tokens write into
+The agents hold the cache tensors; the master only hands out block ids (a step turns a position into the flat slot
+``block_id * block_size + offset``). Block 0 is a reserved dummy block: padded tokens write into
 it and unused block-table entries point at it, so it is never given to a sequence.
 
-Blocks are reference-counted by their holders (request ids): ``share`` adds a holder to blocks another
-sequence already filled, and a block returns to the free list when its last holder frees it. Accounting is strict
+Blocks are reference-counted by their holders (sequences, by identity: a KV transfer's may bear a request's id):
+``share`` adds a holder to blocks another sequence already filled, and a block returns to the free list when its
+last holder frees it. Accounting is strict
 so that a scheduler bug surfaces as an exception instead of two sequences silently overwriting each other's KV: a
 sequence frees only blocks it holds, once.
 
@@ -37,7 +39,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(DUMMY_BLOCK + 1, num_blocks))
-        self._holders: dict[int, set[str]] = {}  # block id -> request ids of the sequences holding it
+        self._holders: dict[int, set[Sequence]] = {}  # block id -> the sequences holding it
         self.prefix_cache = PrefixCache() if prefix_caching else None
 
     # ---- capacity -------------------------------------------------------------------------------------
@@ -82,31 +84,7 @@ class BlockManager:
         """Blocks that hold ``num_tokens`` tokens."""
         return blocks_needed(num_tokens, self.block_size)
 
-    def is_allocated(self, block_id: int) -> bool:
-        return block_id in self._holders
-
-    def ref_count(self, block_id: int) -> int:
-        """How many sequences hold ``block_id`` (0: free)."""
-        return len(self._holders.get(block_id, ()))
-
     # ---- allocation -----------------------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self.blocks_needed(seq.num_tokens) <= self.num_free_blocks
-
-    def allocate(self, seq: Sequence) -> None:
-        """Give ``seq`` blocks for all its current tokens (its prefill)."""
-        if seq.block_table:
-            raise RuntimeError(f"sequence {seq.request_id!r} already holds blocks {seq.block_table}")
-        if seq.num_tokens < 1:
-            raise ValueError(f"sequence {seq.request_id!r} has no tokens to allocate blocks for")
-        need = self.blocks_needed(seq.num_tokens)
-        if need > self.num_free_blocks:
-            raise RuntimeError(
-                f"cannot allocate {need} blocks for sequence {seq.request_id!r}: "
-                f"only {self.num_free_blocks} free"
-            )
-        seq.block_table = [self._take(seq) for _ in range(need)]
-
     def share(self, seq: Sequence, blocks: list[int]) -> None:
         """Start ``seq``'s table with ``blocks`` that other sequences hold or the prefix cache keeps, all filled (a
         shared prefix); each gains ``seq`` as a holder. Only whole blocks can be shared: the next token goes to a
@@ -121,7 +99,7 @@ class BlockManager:
             if block not in self._holders:
                 cache.revive(block)
                 self._holders[block] = set()
-            self._holders[block].add(seq.request_id)
+            self._holders[block].add(seq)
         seq.block_table = list(blocks)
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
@@ -136,14 +114,13 @@ class BlockManager:
         return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free_blocks
 
     # ---- prefix caching -------------------------------------------------------------------------------
-    def cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks of ``seq``'s longest cached prefix, leaving at least its last token to compute (a
-        step must produce its next token, and a shared block is never written); [] without prefix caching."""
+    def cached_prefix(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The cached blocks of the longest cached prefix of ``seq``'s first ``num_blocks`` (full) blocks; [] without
+        prefix caching."""
         if self.prefix_cache is None:
             return []
-        full = (seq.num_tokens - 1) // self.block_size
-        self._hash_blocks(seq, full)
-        return self.prefix_cache.lookup(seq.block_hashes[:full])
+        self._hash_blocks(seq, num_blocks)
+        return self.prefix_cache.lookup(seq.block_hashes[:num_blocks])
 
     def num_idle(self, blocks: list[int]) -> int:
         """How many of ``blocks`` are idle cached ones (sharing them takes them out of ``num_free_blocks``)."""
@@ -165,22 +142,6 @@ class BlockManager:
         if self.prefix_cache is not None:
             self._free.extend(self.prefix_cache.clear())
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether the blocks for ``seq``'s current tokens (its next decode input included) are available."""
-        return self._missing(seq) <= self.num_free_blocks
-
-    def append_slot(self, seq: Sequence) -> None:
-        """Grow ``seq``'s table so its last token (the next decode input) has a slot; at most one block."""
-        missing = self._missing(seq)
-        if missing > 1:
-            raise RuntimeError(
-                f"sequence {seq.request_id!r} needs {missing} more blocks; append_slot grows one token at a time"
-            )
-        if missing > self.num_free_blocks:
-            raise RuntimeError(f"no free KV block to grow sequence {seq.request_id!r}")
-        if missing:
-            seq.block_table.append(self._take(seq))
-
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s hold on all its blocks; a block nobody else holds is free again. Raises on blocks it
         does not hold (double free, foreign block)."""
@@ -191,13 +152,14 @@ class BlockManager:
             raise RuntimeError(f"sequence {seq.request_id!r} lists a block twice: {table}")
         for block in table:
             holders = self._holders.get(block)
-            if holders is None or seq.request_id not in holders:
-                what = "a free block" if holders is None else f"a block owned by {', '.join(map(repr, holders))}"
+            if holders is None or seq not in holders:
+                what = ("a free block" if holders is None
+                        else f"a block owned by {', '.join(repr(h.request_id) for h in holders)}")
                 raise RuntimeError(f"sequence {seq.request_id!r} frees block {block}, which is {what}")
         cache = self.prefix_cache
         for block in reversed(table):  # a prefix's tail blocks are evicted before its head: they hit less often
             holders = self._holders[block]
-            holders.discard(seq.request_id)
+            holders.discard(seq)
             if not holders:
                 del self._holders[block]
                 if cache is None or not cache.release(block):
@@ -210,31 +172,16 @@ class BlockManager:
         tail = seq.block_table[keep:]
         for block in reversed(tail):
             holders = self._holders.get(block)
-            if holders is None or seq.request_id not in holders:
+            if holders is None or seq not in holders:
                 raise RuntimeError(f"sequence {seq.request_id!r} truncates block {block}, which it does not hold")
-            holders.discard(seq.request_id)
+            holders.discard(seq)
             if not holders:
                 del self._holders[block]
                 if self.prefix_cache is None or not self.prefix_cache.release(block):
                     self._free.append(block)
         del seq.block_table[keep:]
 
-    def slot(self, seq: Sequence, position: int) -> int:
-        """Flat KV slot of token ``position`` of ``seq``."""
-        index, offset = divmod(position, self.block_size)
-        if position < 0 or index >= len(seq.block_table):
-            raise IndexError(
-                f"position {position} of sequence {seq.request_id!r} is outside its "
-                f"{len(seq.block_table)} blocks of {self.block_size}"
-            )
-        return seq.block_table[index] * self.block_size + offset
-
     # ---- internals ------------------------------------------------------------------------------------
-    def _missing(self, seq: Sequence) -> int:
-        if not seq.block_table:
-            raise RuntimeError(f"sequence {seq.request_id!r} holds no blocks; allocate it first")
-        return max(0, self.blocks_needed(seq.num_tokens) - len(seq.block_table))
-
     def _hash_blocks(self, seq: Sequence, full: int) -> None:
         """Make sure ``seq.block_hashes`` has the keys of its first ``full`` blocks."""
         if len(seq.block_hashes) < full:
@@ -242,5 +189,5 @@ class BlockManager:
 
     def _take(self, seq: Sequence) -> int:
         block = self._free.popleft() if self._free else self.prefix_cache.evict()
-        self._holders[block] = {seq.request_id}
+        self._holders[block] = {seq}
         return block

@@ -33,8 +33,6 @@ class PrefixCache:
         self._block_of: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # least recently released first
-        self.queried_tokens = 0  # prompt tokens of admitted sequences looked up, and how many of them hit
-        self.hit_tokens = 0
         self.evictions = 0
 
     def __len__(self) -> int:

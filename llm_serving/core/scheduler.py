@@ -1,8 +1,8 @@
 """Continuous-batching scheduler: picks each model step and applies its result.
 
-Modelled on nano-vllm / vLLM: the scheduler decides *which* sequences run, the BlockManager decides *where*
-their KV lives. A step is ``schedule()``d, run by the model, ``postprocess()``ed (with one more sent ahead of it
-meanwhile under asynchronous scheduling, below). Each
+Modelled on nano-vllm / vLLM: the scheduler decides *which* sequences run, the KVCacheManager
+(``core.kv_cache_manager``) decides *where* their KV lives. A step is ``schedule()``d, run by the model,
+``postprocess()``ed (with one more sent ahead of it meanwhile under asynchronous scheduling, below). Each
 sequence counts the tokens whose K/V the agents hold (``num_computed_tokens``); a step gives it the next
 ``num_scheduled_tokens`` of its tokens, and only a step that reaches its last token produces its next one.
 
@@ -66,14 +66,13 @@ from itertools import islice
 
 import numpy as np
 
-from llm_serving.core.block_manager import DUMMY_BLOCK, BlockManager
+from llm_serving.core.kv_cache_manager import KVCacheManager
 from llm_serving.core.logprobs import prompt_logprob, top_logprobs
 from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.core.sequence import FINISH_REASONS, Sequence, SequenceStatus
 from llm_serving.core.speculation import Speculation
 from llm_serving.core.step_builder import StepBuilder
 from llm_serving.protocol.batch import StepBatch, StepOutput
-from llm_serving.protocol.model_config import blocks_needed
 from llm_serving.request_errors import RequestRejected
 
 
@@ -82,7 +81,8 @@ class Scheduler:
         self.config = config
         self._eos_ids = {config.eos_token_id, *config.other_eos_token_ids} - {None}  # ids that end a request
         self._builder = StepBuilder(config.block_size, self._eos_ids)
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.prefix_caching)
+        self.kv_cache = KVCacheManager(config.num_blocks, config.block_size, config.max_num_seqs, config.max_model_len,
+                                       config.prefix_caching)
         self._clock = clock
         self._waiting: deque[Sequence] = deque()  # new requests, arrival order
         self._preempted: deque[Sequence] = deque()  # re-admitted before any new request
@@ -90,11 +90,6 @@ class Scheduler:
         self._live: dict[str, Sequence] = {}
         self._decodes_since_prefill = 0
         self.num_preemptions = 0
-        # Block tables of running sequences mirrored in one array (a row each), updated a block at a time, so
-        # a step's table is one gather instead of converting every Python list again on every step.
-        self._tables = np.zeros((config.max_num_seqs, blocks_needed(config.max_model_len, config.block_size)), np.int32)
-        self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
-        self._row: dict[str, int] = {}
         self._running_sampled = 0  # running sequences whose params need logits; 0 keeps decode on the fast path
         self._running_dumps = 0  # running sequences that read logits back; 0: no step asks for logits
         # speculative decoding's policy and counts (None: plain decode steps only)
@@ -125,11 +120,11 @@ class Scheduler:
         if seq.num_prompt_tokens < 1 or total > cfg.max_model_len or (total < 2 and not seq.params.max_new_tokens):
             raise ValueError(f"request {rid!r} was not admitted: {seq.num_prompt_tokens} prompt tokens, "
                              f"{total} in all (admission refuses this)")
-        need = self.block_manager.blocks_needed(total - 1)  # the last generated token is never fed back
-        if need > self.block_manager.num_usable_blocks:
+        need = self.kv_cache.blocks_needed(total - 1)  # the last generated token is never fed back
+        if need > self.kv_cache.num_usable_blocks:
             raise RequestRejected(
                 f"request {rid!r}: needs up to {need} KV blocks of {cfg.block_size} tokens, but the KV cache "
-                f"has only {self.block_manager.num_usable_blocks}"
+                f"has only {self.kv_cache.num_usable_blocks}"
             )
         if seq.arrival_time is None:
             seq.arrival_time = self._clock()
@@ -168,7 +163,7 @@ class Scheduler:
         victims = list(reversed(self._running))  # newest first, so the oldest ends up at the front
         for seq in victims:
             self._preempt(seq)
-        self.block_manager.reset_prefix_cache()
+        self.kv_cache.reset_prefix_cache()
         return victims
 
     # ---- stepping -------------------------------------------------------------------------------------
@@ -197,7 +192,7 @@ class Scheduler:
             seqs, waiting=bool(self._waiting or self._preempted), reads_logits=bool(self._running_dumps),
             master_needed=self._master_needed_between_tokens(), reserve=self._grow_free)
         if plan is not None:
-            batch = self._builder.verify_step(seqs, plan.drafts, self._block_tables(seqs), plan.rounds,
+            batch = self._builder.verify_step(seqs, plan.drafts, self.kv_cache.block_tables(seqs), plan.rounds,
                                               plan.round_proposals, with_history=spec.wants_history(plan.rounds))
             spec.sent(seqs, batch)
             return seqs, batch
@@ -230,7 +225,7 @@ class Scheduler:
             raise ValueError(
                 f"step output has token_ids {tokens.shape} and logprobs {logprobs.shape} for {len(seqs)} sequences"
             )
-        caching = self.block_manager.prefix_cache is not None
+        caching = self.kv_cache.prefix_caching
         more, more_logprobs = output.more_token_ids, output.more_logprobs
         spec = self.speculation if self._scheduled_decode else None
         generated = sum(len(seq.output_ids) for seq in seqs) if spec is not None else 0
@@ -242,7 +237,7 @@ class Scheduler:
             scoring = seq.scores_prompt
             computed = seq.num_computed_tokens = seq.num_computed_tokens + n
             if caching and (n > 1 or not seq.output_ids):  # prompt blocks now (decoded ones when it ends)
-                self.block_manager.cache_computed(seq)
+                self.kv_cache.cache_computed(seq)
             if scoring and len(seq.prompt_scores) == computed - 1:  # this step's row: prompt token ``computed``'s
                 seq.prompt_scores.append(prompt_logprob(self._logits_row(output, row, seq),
                                                         seq.prompt_ids[computed], seq.params.prompt_logprobs))
@@ -270,7 +265,7 @@ class Scheduler:
                 self.speculation.verified(seq, row, output)
             if reason is None:
                 if output.num_more is not None:  # blocks grown for rejected proposals go back
-                    self._trim(seq)
+                    self.kv_cache.trim(seq, seq.num_tokens)
                 continue
             self._finish(seq, reason)
             finished.append(seq)
@@ -314,25 +309,19 @@ class Scheduler:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.block_manager.num_free_blocks
+        return self.kv_cache.num_free_blocks
 
     @property
     def num_used_blocks(self) -> int:
-        return self.block_manager.num_used_blocks
+        return self.kv_cache.num_used_blocks
 
     @property
     def block_usage(self) -> float:
-        return self.block_manager.usage
+        return self.kv_cache.usage
 
     def prefix_cache_stats(self) -> dict[str, int]:
-        """Idle cached blocks, prompt tokens looked up at admission and how many hit, evictions (all 0 without
-        prefix caching)."""
-        cache = self.block_manager.prefix_cache
-        if cache is None:
-            return dict.fromkeys(("kv_blocks_cached", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
-                                  "prefix_cache_evictions"), 0)
-        return {"kv_blocks_cached": cache.num_idle, "prefix_cache_queried_tokens": cache.queried_tokens,
-                "prefix_cache_hit_tokens": cache.hit_tokens, "prefix_cache_evictions": cache.evictions}
+        """``KVCacheManager.prefix_cache_stats``."""
+        return self.kv_cache.prefix_cache_stats()
 
     def has_unfinished(self) -> bool:
         return bool(self._live)
@@ -370,10 +359,10 @@ class Scheduler:
         is not preempted (wasted) right away. Without chunked prefill a sequence of more than ``max_prompt_len``
         tokens to compute goes alone (the agents' single long prefill shape).
         """
-        cfg, bm, bs = self.config, self.block_manager, self.config.block_size
+        cfg, kv, bs = self.config, self.kv_cache, self.config.block_size
         slots = min(cfg.max_prefill_batch - chunks, cfg.max_num_seqs - len(self._running))
         ahead = int(cfg.chunked_prefill)  # the running already hold this step's slots: room for the next one
-        free = bm.num_free_blocks - sum(max(0, bm.blocks_needed(s.num_tokens + ahead) - len(s.block_table))
+        free = kv.num_free_blocks - sum(kv.missing_blocks(s, s.num_tokens + ahead)
                                         for s in self._running if not s.is_prefilling)
         long_limit = cfg.max_prompt_len if cfg.max_prompt_len is not None else cfg.max_model_len
         chosen: list[Sequence] = []
@@ -381,14 +370,13 @@ class Scheduler:
             if budget < 1:
                 break
             scoring = seq.scores_prompt  # a token a step, each position computed here (its logits are wanted)
-            hit = [] if scoring else bm.cached_prefix(seq)
+            hit = [] if scoring else kv.computed_prefix(seq)
             start = len(hit) * bs
             n = min(seq.num_tokens - start, budget) if cfg.chunked_prefill else seq.num_tokens - start
             n = min(n, 1) if scoring else n
             alone = not cfg.chunked_prefill and n > long_limit
             end, last_fed = start + n, seq.num_prompt_tokens + seq.params.max_new_tokens - 1
-            need = bm.blocks_needed(min(end + 1, last_fed) if end == seq.num_tokens else end)
-            need += bm.num_idle(hit) - len(hit)  # idle cached blocks it revives leave the free count
+            need = kv.blocks_to_start(hit, min(end + 1, last_fed) if end == seq.num_tokens else end)
             if n > budget or need > free or (alone and chosen):
                 break
             self._start(seq, hit, n)
@@ -402,20 +390,11 @@ class Scheduler:
     def _start(self, seq: Sequence, hit: list[int], n: int) -> None:
         """Make a waiting sequence running on the cached blocks ``hit``, with blocks for its first ``n`` new
         tokens scheduled."""
-        bm = self.block_manager
         self._dequeue(seq)
         seq.follows = None  # started: it no longer waits (nor keeps the other choice alive)
-        bm.share(seq, hit)
-        seq.num_cached_blocks = len(hit)
-        seq.num_computed_tokens = len(hit) * bm.block_size
+        seq.num_computed_tokens = len(hit) * self.config.block_size
         seq.num_scheduled_tokens = n
-        bm.grow(seq, seq.num_computed_tokens + n)
-        if bm.prefix_cache is not None:
-            bm.prefix_cache.queried_tokens += seq.num_tokens
-            bm.prefix_cache.hit_tokens += seq.num_computed_tokens
-        row = self._row[seq.request_id] = self._free_rows.pop()
-        self._tables[row] = DUMMY_BLOCK
-        self._tables[row, : len(seq.block_table)] = seq.block_table
+        self.kv_cache.start(seq, hit, seq.num_computed_tokens + n)
         seq.status = SequenceStatus.RUNNING
         self._running.append(seq)
         self._running_sampled += seq.params.needs_logits
@@ -478,47 +457,26 @@ class Scheduler:
     def _grow_free(self, seqs: list[Sequence], extra: int) -> bool:
         """Grow each sequence's blocks to ``num_tokens + extra`` tokens from the free ones, never
         preempting; False at the first that cannot (the blocks grown so far stay: the next tokens need them,
-        or ``_trim`` takes back a verify step's)."""
-        bm = self.block_manager
-        for seq in seqs:
-            if not bm.can_grow(seq, seq.num_tokens + extra):
-                return False
-            self._extend(seq, seq.num_tokens + extra)
-        return True
-
-    def _trim(self, seq: Sequence) -> None:
-        """Free the blocks past ``seq``'s next input token (grown for proposals it rejected)."""
-        keep = self.block_manager.blocks_needed(seq.num_tokens)
-        if len(seq.block_table) > keep:
-            self.block_manager.truncate(seq, keep)
-            self._tables[self._row[seq.request_id], keep:] = DUMMY_BLOCK
+        or ``kv_cache.trim`` takes back a verify step's)."""
+        kv = self.kv_cache
+        return all(kv.allocate_slots(seq, seq.num_tokens + extra) for seq in seqs)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Blocks for ``seq``'s first ``num_tokens`` tokens, preempting the newest running sequences (never one
         scheduled in this step: those are older) as needed; False when ``seq`` itself had to be preempted."""
-        bm = self.block_manager
-        while not bm.can_grow(seq, num_tokens) and self._running[-1] is not seq:
-            self._preempt(self._running[-1])
-        if not bm.can_grow(seq, num_tokens):
-            self._preempt(seq)
-            return False
-        self._extend(seq, num_tokens)
+        while not self.kv_cache.allocate_slots(seq, num_tokens):
+            victim = self._running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
         return True
 
-    def _extend(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow ``seq``'s blocks to ``num_tokens`` tokens (they must be free) and mirror them in its table row."""
-        held = len(seq.block_table)
-        self.block_manager.grow(seq, num_tokens)
-        self._tables[self._row[seq.request_id], held:len(seq.block_table)] = seq.block_table[held:]
-
     def _release(self, seq: Sequence) -> None:
-        """Take a running sequence off the running list and give back its KV blocks and table row."""
+        """Take a running sequence off the running list and give back its KV blocks."""
         self._running.remove(seq)
         self._running_sampled -= seq.params.needs_logits
         self._running_dumps -= seq.reads_logits
-        self.block_manager.cache_computed(seq)  # its decoded blocks too: a recompute or a follow-up hits them
-        self.block_manager.free(seq)
-        self._free_rows.append(self._row.pop(seq.request_id))
+        self.kv_cache.free(seq)  # its computed blocks stay cached: a recompute or a follow-up hits them
         seq.num_computed_tokens = seq.num_scheduled_tokens = 0
 
     def _preempt(self, seq: Sequence) -> None:
@@ -539,16 +497,10 @@ class Scheduler:
     def _dequeue(self, seq: Sequence) -> None:
         (self._preempted if seq.num_preemptions and seq in self._preempted else self._waiting).remove(seq)
 
-    def _block_tables(self, seqs: list[Sequence]) -> np.ndarray:
-        """The block tables of ``seqs``, a row each as wide as the widest (a copy: later steps do not change it)."""
-        width = max(len(seq.block_table) for seq in seqs)
-        table_rows = np.fromiter((self._row[seq.request_id] for seq in seqs), np.intp, len(seqs))
-        return self._tables[table_rows, :width]
-
     def _build(self, seqs: list[Sequence], prefill: bool, ahead: int = 0, num_steps: int = 1,
                fed_rows: np.ndarray | None = None) -> StepBatch:
         """The step of ``seqs``' scheduled tokens (``prefill``), or of one decode token each (``StepBuilder``)."""
-        return self._builder.model_step(seqs, self._block_tables(seqs), one_token_each=not prefill,
+        return self._builder.model_step(seqs, self.kv_cache.block_tables(seqs), one_token_each=not prefill,
                                         any_sampled=bool(self._running_sampled),
                                         any_reads_logits=bool(self._running_dumps), ahead=ahead,
                                         num_steps=num_steps, fed_rows=fed_rows)

@@ -28,8 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from llm_serving.core.block_manager import BlockManager
-from llm_serving.core.prefix_cache import extend_block_hashes
+from llm_serving.core.kv_cache_manager import KVCacheManager
 from llm_serving.core.sequence import Sequence
 from llm_serving.executor.agent_pool import AgentDiedError
 from llm_serving.protocol.wire import AgentSpec
@@ -114,20 +113,18 @@ class KvTransfers:
     def pending(self) -> bool:
         return bool(self._jobs)
 
-    def queue_export(self, bm: BlockManager, prompt_ids: list[int]) -> Future:
+    def queue_export(self, kv: KVCacheManager, prompt_ids: list[int]) -> Future:
         """(Under the lock.) A future of the prompt's cached full blocks as a ``KvPayload`` (no blocks when none
         are cached, or prefix caching is off)."""
         seq = Sequence(f"kv-export-{next(self._ids)}", list(prompt_ids))
-        blocks = bm.cached_prefix(seq)
         future: Future = Future()
-        if not blocks:
+        if not kv.hold_cached_prefix(seq):
             future.set_result(KvPayload(self.layout, [], [b""] * self.layout["tensor_parallel_size"]))
             return future
-        bm.share(seq, blocks)
         self._jobs.append(_Job("export", seq, future))
         return future
 
-    def queue_import(self, bm: BlockManager, payload: KvPayload) -> Future:
+    def queue_import(self, kv: KVCacheManager, payload: KvPayload) -> Future:
         """(Under the lock.) A future of the blocks imported from ``payload`` (0 when its blocks are cached
         already or no blocks are free; a different layout raises ValueError)."""
         if payload.layout != self.layout:
@@ -135,19 +132,14 @@ class KvTransfers:
             diff = {k: (theirs.get(k), ours.get(k)) for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)}
             raise ValueError(f"the KV blocks come from an engine that serves another layout (theirs, ours): {diff}")
         future: Future = Future()
-        n = payload.num_blocks
-        keys: list[bytes] = []
-        extend_block_hashes(keys, payload.token_ids, self.block_size, n)
-        cached = len(bm.prefix_cache.lookup(keys)) if bm.prefix_cache is not None else n
         seq = Sequence(f"kv-import-{next(self._ids)}", list(payload.token_ids))
-        if n == 0 or cached == n or not bm.can_grow(seq, n * self.block_size):
+        if not kv.hold_for_import(seq, payload.num_blocks):
             future.set_result(0)
             return future
-        bm.grow(seq, n * self.block_size)
         self._jobs.append(_Job("import", seq, future, payload))
         return future
 
-    def run(self, pool: Any, bm: BlockManager) -> None:
+    def run(self, pool: Any, kv: KVCacheManager) -> None:
         """(Loop thread, no step in flight, lock not held.) Run the queued copies. A copy that fails fails its own
         future only (its blocks freed); agents that died fail every queued copy and raise (the engine recovers)."""
         while True:
@@ -156,18 +148,18 @@ class KvTransfers:
                     return
                 job = self._jobs.popleft()
             try:
-                result = self._copy(job, pool, bm)
+                result = self._copy(job, pool, kv)
             except AgentDiedError as exc:
-                self._end(job, bm, exc)
-                self.fail_all(bm, exc)
+                self._end(job, kv, exc)
+                self.fail_all(kv, exc)
                 raise
             except Exception as exc:  # noqa: BLE001 - the agents serve on: only this transfer is lost
                 log.warning("KV %s of %d blocks failed: %s", job.kind, len(job.seq.block_table), exc)
-                self._end(job, bm, exc)
+                self._end(job, kv, exc)
             else:
-                self._end(job, bm, None, result)
+                self._end(job, kv, None, result)
 
-    def _copy(self, job: _Job, pool: Any, bm: BlockManager) -> KvPayload | int:
+    def _copy(self, job: _Job, pool: Any, kv: KVCacheManager) -> KvPayload | int:
         blocks, n = job.seq.block_table, len(job.seq.block_table)
         if job.kind == "export":
             shards = pool.export_kv(blocks)
@@ -177,24 +169,24 @@ class KvTransfers:
         pool.import_kv(blocks, job.payload.shards)
         with self._lock:
             job.seq.num_computed_tokens = n * self.block_size
-            bm.cache_computed(job.seq)  # registered under the payload tokens' keys; idle once freed below
+            kv.cache_computed(job.seq)  # registered under the payload tokens' keys; idle once freed below
         self.counters["kv_imports"] += 1
         self.counters["kv_imported_blocks"] += n
         return n
 
-    def _end(self, job: _Job, bm: BlockManager, error: BaseException | None, result: Any = None) -> None:
+    def _end(self, job: _Job, kv: KVCacheManager, error: BaseException | None, result: Any = None) -> None:
         with self._lock:
             if job.seq.block_table:
-                bm.free(job.seq)
+                kv.free(job.seq)
         if error is not None:
             job.future.set_exception(error)
         else:
             job.future.set_result(result)
 
-    def fail_all(self, bm: BlockManager, error: BaseException) -> None:
+    def fail_all(self, kv: KVCacheManager, error: BaseException) -> None:
         """Drop every queued copy (the agents that held the blocks are gone, or the engine stops): blocks freed,
         futures failed."""
         with self._lock:
             jobs, self._jobs = list(self._jobs), deque()
         for job in jobs:
-            self._end(job, bm, error)
+            self._end(job, kv, error)

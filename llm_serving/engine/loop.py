@@ -263,7 +263,7 @@ class Engine:
         none when nothing is cached), copied out between steps (``serving_config.kv_transfer``)."""
         with self._lock:
             self._check_kv_transfer()
-            future = self._kv.queue_export(self._scheduler.block_manager, prompt_ids)
+            future = self._kv.queue_export(self._scheduler.kv_cache, prompt_ids)
             self._work.notify()
         return future
 
@@ -273,7 +273,7 @@ class Engine:
         ValueError when the payload's layout is not this engine's."""
         with self._lock:
             self._check_kv_transfer()
-            future = self._kv.queue_import(self._scheduler.block_manager, payload)
+            future = self._kv.queue_import(self._scheduler.kv_cache, payload)
             self._work.notify()
         return future
 
@@ -289,7 +289,7 @@ class Engine:
     def _drop_kv_copies(self, error: EngineError) -> None:
         """Fail the KV copies still queued (not under the lock)."""
         if self._kv is not None and self._scheduler is not None:
-            self._kv.fail_all(self._scheduler.block_manager, error)
+            self._kv.fail_all(self._scheduler.kv_cache, error)
 
     def _grammar_compiler(self) -> GrammarCompiler:
         """The structured-output compiler of the served vocabulary, built at the first constrained request (it
@@ -319,7 +319,7 @@ class Engine:
                                    "agent_pids": self.agent_pids}
             if s is not None:
                 out.update(num_waiting=s.num_waiting, num_running=s.num_running,
-                           kv_blocks_total=s.block_manager.num_usable_blocks,
+                           kv_blocks_total=s.kv_cache.num_usable_blocks,
                            kv_blocks_used=s.num_used_blocks, kv_blocks_free=s.num_free_blocks,
                            kv_usage=s.block_usage,
                            num_preemptions=s.num_preemptions, **s.prefix_cache_stats(), **speculation_stats(s))
@@ -367,7 +367,7 @@ class Engine:
             while True:
                 if in_flight is None:
                     if self._kv is not None:  # KV copies run between steps, none in flight
-                        self._kv.run(pool, sched.block_manager)
+                        self._kv.run(pool, sched.kv_cache)
                     step = self._wait_for_step()
                     if step is None:
                         if self._stopping:
