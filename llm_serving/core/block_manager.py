@@ -97,6 +97,7 @@ class BlockManager:
                 raise RuntimeError(f"sequence {seq.request_id!r} cannot share block {block}: it is free")
         for block in blocks:
             if block not in self._holders:
+                assert cache is not None  # an unheld block to share is an idle cached one (checked above)
                 cache.revive(block)
                 self._holders[block] = set()
             self._holders[block].add(seq)
@@ -188,6 +189,11 @@ class BlockManager:
             extend_block_hashes(seq.block_hashes, seq.token_ids(0, full * self.block_size), self.block_size, full)
 
     def _take(self, seq: Sequence) -> int:
-        block = self._free.popleft() if self._free else self.prefix_cache.evict()
+        if self._free:
+            block = self._free.popleft()
+        elif self.prefix_cache is not None:  # callers take a block only when one is free or idle cached
+            block = self.prefix_cache.evict()
+        else:
+            raise RuntimeError("no free KV block to take")
         self._holders[block] = {seq}
         return block

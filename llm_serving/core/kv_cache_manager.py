@@ -16,6 +16,7 @@ import numpy as np
 
 from llm_serving.core.block_manager import DUMMY_BLOCK, BlockManager
 from llm_serving.core.sequence import Sequence
+from llm_serving.protocol.arrays import Int32s
 from llm_serving.protocol.model_config import blocks_needed
 
 
@@ -133,7 +134,7 @@ class KVCacheManager:
         self._blocks.reset_prefix_cache()
 
     # ---- steps ----------------------------------------------------------------------------------------
-    def block_tables(self, seqs: list[Sequence]) -> np.ndarray:
+    def block_tables(self, seqs: list[Sequence]) -> Int32s:
         """The block tables of running ``seqs``, a row each as wide as the longest, padded with the dummy block:
         a copy, so later steps do not change a batch built from it."""
         width = max(len(seq.block_table) for seq in seqs)

@@ -72,6 +72,7 @@ from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.core.sequence import FINISH_REASONS, Sequence, SequenceStatus
 from llm_serving.core.speculation import Speculation
 from llm_serving.core.step_builder import StepBuilder
+from llm_serving.protocol.arrays import Float32s, Int32s
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.request_errors import RequestRejected
 
@@ -79,7 +80,8 @@ from llm_serving.request_errors import RequestRejected
 class Scheduler:
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self._eos_ids = {config.eos_token_id, *config.other_eos_token_ids} - {None}  # ids that end a request
+        # ids that end a request
+        self._eos_ids = {t for t in (config.eos_token_id, *config.other_eos_token_ids) if t is not None}
         self._builder = StepBuilder(config.block_size, self._eos_ids)
         self.kv_cache = KVCacheManager(config.num_blocks, config.block_size, config.max_num_seqs, config.max_model_len,
                                        config.prefix_caching)
@@ -191,7 +193,7 @@ class Scheduler:
         plan = None if prefill or spec is None else spec.plan(
             seqs, waiting=bool(self._waiting or self._preempted), reads_logits=bool(self._running_dumps),
             master_needed=self._master_needed_between_tokens(), reserve=self._grow_free)
-        if plan is not None:
+        if spec is not None and plan is not None:
             batch = self._builder.verify_step(seqs, plan.drafts, self.kv_cache.block_tables(seqs), plan.rounds,
                                               plan.round_proposals, with_history=spec.wants_history(plan.rounds))
             spec.sent(seqs, batch)
@@ -238,9 +240,9 @@ class Scheduler:
             computed = seq.num_computed_tokens = seq.num_computed_tokens + n
             if caching and (n > 1 or not seq.output_ids):  # prompt blocks now (decoded ones when it ends)
                 self.kv_cache.cache_computed(seq)
-            if scoring and len(seq.prompt_scores) == computed - 1:  # this step's row: prompt token ``computed``'s
-                seq.prompt_scores.append(prompt_logprob(self._logits_row(output, row, seq),
-                                                        seq.prompt_ids[computed], seq.params.prompt_logprobs))
+            k = seq.params.prompt_logprobs
+            if scoring and k is not None and len(seq.prompt_scores) == computed - 1:  # prompt token ``computed``'s
+                seq.prompt_scores.append(prompt_logprob(self._logits_row(output, row, seq), seq.prompt_ids[computed], k))
             if seq.params.max_new_tokens == 0 and not seq.scores_prompt:  # the prompt scored, nothing to generate
                 self._finish(seq, "length")
                 finished.append(seq)
@@ -254,7 +256,7 @@ class Scheduler:
                 if seq.params.top_logprobs:
                     seq.output_top.append(top_logprobs(logits, seq.params.top_logprobs))
             reason = self._append(seq, token, logprob)
-            if reason is None and more is not None:  # later tokens (multi-step, accepted proposals), up to an end
+            if reason is None and more is not None and more_logprobs is not None:  # later tokens (multi-step, accepted proposals), up to an end
                 count = more.shape[1] if output.num_more is None else int(output.num_more[row])
                 for later, later_logprob in zip(more[row, :count].tolist(), more_logprobs[row, :count].tolist()):
                     seq.num_computed_tokens += 1
@@ -292,7 +294,7 @@ class Scheduler:
         return None
 
     @staticmethod
-    def _logits_row(output: StepOutput, row: int, seq: Sequence) -> np.ndarray:
+    def _logits_row(output: StepOutput, row: int, seq: Sequence) -> Float32s:
         if row not in output.logits:
             raise ValueError(f"step output has no logits for row {row} ({seq.request_id!r}), which want_logits "
                              "asked for")
@@ -344,7 +346,8 @@ class Scheduler:
             yield from waiting
             return
         max_wait, now = self.config.max_wait_s, self._clock()
-        starving = [s for s in waiting if max_wait is not None and now - s.arrival_time >= max_wait]
+        starving = [s for s in waiting
+                    if max_wait is not None and s.arrival_time is not None and now - s.arrival_time >= max_wait]
         yield from starving
         starving_ids = {id(s) for s in starving}
         rest = [s for s in waiting if id(s) not in starving_ids]
@@ -498,7 +501,7 @@ class Scheduler:
         (self._preempted if seq.num_preemptions and seq in self._preempted else self._waiting).remove(seq)
 
     def _build(self, seqs: list[Sequence], prefill: bool, ahead: int = 0, num_steps: int = 1,
-               fed_rows: np.ndarray | None = None) -> StepBatch:
+               fed_rows: Int32s | None = None) -> StepBatch:
         """The step of ``seqs``' scheduled tokens (``prefill``), or of one decode token each (``StepBuilder``)."""
         return self._builder.model_step(seqs, self.kv_cache.block_tables(seqs), one_token_each=not prefill,
                                         any_sampled=bool(self._running_sampled),
