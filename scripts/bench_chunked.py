@@ -9,10 +9,10 @@
    while ``--streams`` streams decode: the running streams' inter-token latency (p50/p99/max of the gaps between
    their tokens while long prompts arrive), chunked prefill (step budget ``--budget`` tokens) vs unchunked (a
    long prompt prefilled whole in its own step), prefix caching off in both (the prompts share nothing).
-3. ``alpaca``: the alpaca-shaped workload of ``scripts/benchmark.py`` (256 requests from llm_serving.bench.workload, seed 0,
-   at most 64 new tokens, its tuned settings: prefill batches up to 8, decode up to 128, longest_output_first,
-   prompt buckets 32..512), all sent at once, with both features off (the scheduler as before them), chunked
-   prefill alone, and both on (the default), alternating for ``--rounds`` rounds.
+3. ``alpaca``: the alpaca-shaped workload of ``scripts/benchmark.py`` (256 requests from llm_serving.bench.workload,
+   seed 0, at most 64 new tokens, its tuned settings: prefill batches up to 8, decode up to 128, longest_output_first,
+   prompt buckets 32..512), all sent at once, with both features off (the scheduler as before them), chunked prefill
+   alone, and both on (the default), alternating for ``--rounds`` rounds.
 
 The engine runs in process with real agents (native kernels), as ``scripts/bench_engine.py`` does, on the bench
 model (hidden 512, 8 layers, 8/4 heads, ffn 1408, vocab 8000, random weights, cached under ~/.cache/llm-serving);

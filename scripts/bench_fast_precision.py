@@ -369,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---|---|---|---|---|")
     for r in reports:
         print(f"| {r['mode']} | {r['identical']}/{r['requests']} | {r['positions']} | {r['pass_rate']:.2%} "
-              f"| {r['worst'] * 1e3:.2f} per mille | {r['median'] * 1e3:.2f} per mille | {r['files_pass']}/{r['requests']} "
-              f"| {r['worst_all'] * 1e3:.1f} per mille |")
+              f"| {r['worst'] * 1e3:.2f} per mille | {r['median'] * 1e3:.2f} per mille "
+              f"| {r['files_pass']}/{r['requests']} | {r['worst_all'] * 1e3:.1f} per mille |")
 
     if args.rounds:
         # the servers stop at EOS: the HF text is its ids up to the first EOS (generation is causal)

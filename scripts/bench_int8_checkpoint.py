@@ -3,11 +3,11 @@
 
     python scripts/bench_int8_checkpoint.py [--model bench|trained|large] [--rounds 3] [--work-dir DIR]
 
-Each case runs in its own process (its peak resident memory above its start, VmHWM after a reset, is its own) and holds what the
-model is then built from: the rank's weights with the projections as int8 and scales (at tp 1 from a float
-checkpoint the model quantizes while packing; here ``quantize_rows`` stands in for that step, its float32 copy
-included). Cases alternate within a round; medians over rounds. ``large``: a random 0.5 B-parameter Llama
-(hidden 2048, 8 layers), where the projections dominate the bytes as they do in a 7B-70B model.
+Each case runs in its own process (its peak resident memory above its start, VmHWM after a reset, is its own) and
+holds what the model is then built from: the rank's weights with the projections as int8 and scales (at tp 1 from a
+float checkpoint the model quantizes while packing; here ``quantize_rows`` stands in for that step, its float32 copy
+included). Cases alternate within a round; medians over rounds. ``large``: a random 0.5 B-parameter Llama (hidden
+2048, 8 layers), where the projections dominate the bytes as they do in a 7B-70B model.
 """
 
 from __future__ import annotations

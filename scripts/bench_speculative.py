@@ -7,10 +7,11 @@
 Workloads: ``continue``, the first ``--prompt-tokens`` tokens of held-out standard-library docstrings (text the model
 never trained on); ``copy``, the same followed by their first half again (the output can copy the input, what prompt
 lookup is for, for about a third of its tokens); with ``--quote``, ``quote``: a docstring of prompt + output tokens
-followed by its first 8 (the output can copy the prompt throughout, if the model copies). Greedy, EOS ignored, ``--max-output-tokens`` each; one stream runs the first 8 prompts. For every method, in alternating rounds, the engine
-in process (``Engine.submit``) with at most N requests in flight: output tokens/s, median time per output token,
-the acceptance rate (accepted / proposed) and mean acceptance length (tokens a sequence gets per verified draft,
-the model's own pick included); every method's tokens are checked equal to
+followed by its first 8 (the output can copy the prompt throughout, if the model copies). Greedy, EOS ignored,
+``--max-output-tokens`` each; one stream runs the first 8 prompts. For every method, in alternating rounds, the engine
+in process (``Engine.submit``) with at most N requests in flight: output tokens/s, median time per output token, the
+acceptance rate (accepted / proposed) and mean acceptance length (tokens a sequence gets per verified draft, the
+model's own pick included); every method's tokens are checked equal to
 plain greedy's. Early exit: teacher-forced agreement of the first N layers' greedy pick with the whole model's on
 the held-out text (and their perplexities), and one stream's tokens/s served with ``early_exit_layer`` N.
 

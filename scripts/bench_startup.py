@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                 run = run_once(name, config, mode, work / "logs", {**os.environ, **extra}, args.timeout)
                 runs.append(run)
                 print(f"[bench_startup] round {rnd + 1} {name} {mode}: ready in {run.ready_s:.1f}s, {run.graphs} "
-                      f"graphs, load {run.load:.2f}, phases {json.dumps({k: round(v, 2) for k, v in run.phases.items()})}",
+                      f"graphs, load {run.load:.2f}, "
+                      f"phases {json.dumps({k: round(v, 2) for k, v in run.phases.items()})}",
                       flush=True)
             for path in work.glob(f"cc-{name}-*"):
                 shutil.rmtree(path, ignore_errors=True)

@@ -81,7 +81,8 @@ CASES = (
 )
 MAX_PROMPT_TOKENS = 384
 WARM_UP_REQUESTS = 64  # sent at once to each measured server before its load test
-ENGINE_KEYS_IGNORED = ("scheduler.policy",)  # what does not change step times: configs differing only so share a profile
+# what does not change step times: configs differing only so share a profile
+ENGINE_KEYS_IGNORED = ("scheduler.policy",)
 
 
 def workloads(work: Path) -> dict[str, Path]:

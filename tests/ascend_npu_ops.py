@@ -108,7 +108,8 @@ def inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
         "cos": np.cos(np.concatenate([angles, angles], 1)).astype(np.float16),
         "sin": np.sin(np.concatenate([angles, angles], 1)).astype(np.float16),
         "rope_lens": np.array([3, 4], np.int32),
-        "key_cache": h(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM), "value_cache": h(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM),
+        "key_cache": h(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM),
+        "value_cache": h(BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM),
         "key": h(6, KV_HEADS * HEAD_DIM), "value": h(6, KV_HEADS * HEAD_DIM),
         "slots": np.array([17, 18, 19, 33, 0, 0], np.int32),  # two sequences' tokens, then padding (dummy block 0)
         "decode_query": h(3, HEADS, HEAD_DIM), "tables": tables, "context_lens": ctx,

@@ -1,4 +1,5 @@
-"""For tests/test_ascend_config.py: runs setup_device("Ascend", 3) with MindSpore's set_device recorded instead of called (no NPU here)."""
+"""For tests/test_ascend_config.py: runs setup_device("Ascend", 3) with MindSpore's set_device recorded instead of
+called (no NPU here)."""
 import json
 import os
 

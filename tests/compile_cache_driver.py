@@ -40,7 +40,8 @@ def main() -> None:
     tokens, logprobs = PagedDriver(runner, seed=1).generate(args["prompts"], args["steps"])
     print(json.dumps({
         "hit": None if cache is None else cache.hit, "path": None if cache is None else str(cache.path),
-        "shapes": [list(s) for s in runner.graph_shapes()], "costs": [[list(k), v] for k, v in runner.step_costs.items()],
+        "shapes": [list(s) for s in runner.graph_shapes()],
+        "costs": [[list(k), v] for k, v in runner.step_costs.items()],
         "tokens": tokens, "logprobs": logprobs, "progress": lines}))
 
 

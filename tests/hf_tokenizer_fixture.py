@@ -12,7 +12,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-SPECIAL = ["<|reserved_special_token_0|>", "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+SPECIAL = ["<|reserved_special_token_0|>", "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+           "<|end_header_id|>", "<|eot_id|>"]
 MULTIBYTE = ["naïve café déjà vu", "数据并行与张量并行", "東京の天気は晴れです", "emoji 🙂🚀 end", "ΑΒΓ αβγ"]
 LLAMA3_CHAT_TEMPLATE = (
     "{{- bos_token }}{%- for message in messages %}"

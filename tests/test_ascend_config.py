@@ -113,7 +113,8 @@ def test_the_ascend_backend_is_the_devices_own_for_half_precision():
 
 
 def test_ascend_serves_chunked_prefill_and_prefix_caching_by_default():
-    """Queries over cached context run on Ascend through PagedAttention's ``q_seq_lens`` (tests/test_ascend_chunked.py)."""
+    """Queries over cached context run on Ascend through PagedAttention's ``q_seq_lens``
+    (tests/test_ascend_chunked.py)."""
     cfg = ServingConfig.from_dict(ASCEND)
     assert cfg.chunked_prefill and cfg.prefix_caching
     assert runner_config_dict(cfg)["mixed_steps"]

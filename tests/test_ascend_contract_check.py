@@ -1,5 +1,5 @@
-"""The contract checker (``agents.tools.contracts``) on exported decode and prefill graphs: the right wiring passes, and each
-wiring mistake that MindSpore's export accepts without complaint is refused, naming the op and the rule. The
+"""The contract checker (``agents.tools.contracts``) on exported decode and prefill graphs: the right wiring passes,
+and each wiring mistake that MindSpore's export accepts without complaint is refused, naming the op and the rule. The
 graphs are built here, each with one mistake, exported to MindIR and read back, as ``llm-serving export`` does.
 """
 

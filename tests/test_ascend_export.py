@@ -1,4 +1,5 @@
-"""The Ascend graphs as MindSpore builds them, checked on CPU by export (``agents.tools.export``, ``llm-serving export``).
+"""The Ascend graphs as MindSpore builds them, checked on CPU by export (``agents.tools.export``,
+``llm-serving export``).
 
 Export runs MindSpore's front end (type and shape inference, pruning) on graphs whose kernels exist only on the
 NPU. Every warm-up shape of a small Ascend config is exported in float16 and bfloat16, its MindIR parsed, and the

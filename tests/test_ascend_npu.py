@@ -39,7 +39,8 @@ def npu_unavailable() -> str | None:
     if not cann and not ctypes.util.find_library("ascendcl") and not os.path.isdir("/usr/local/Ascend"):
         return ("no Ascend NPU: the CANN toolkit is not installed (no libascendcl, ASCEND_HOME_PATH unset), so "
                 "MindSpore's Ascend plugin cannot load and ms.set_device('Ascend') fails; the Ascend graphs are "
-                "checked without one by export and by their CPU stand-ins (test_ascend_export.py, test_ascend_reference.py)")
+                "checked without one by export and by their CPU stand-ins "
+                "(test_ascend_export.py, test_ascend_reference.py)")
     probe = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, check=False)
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]

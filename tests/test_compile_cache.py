@@ -68,7 +68,8 @@ def test_the_source_digest_covers_python_and_kernel_sources(tmp_path):
 
 
 def test_a_cache_is_published_whole_once_and_a_concurrent_filler_discards_its_own(tmp_path):
-    first, second = CompileCache(tmp_path / "cache", spec(tmp_path), 0), CompileCache(tmp_path / "cache", spec(tmp_path), 0)
+    first, second = (CompileCache(tmp_path / "cache", spec(tmp_path), 0),
+                     CompileCache(tmp_path / "cache", spec(tmp_path), 0))
     assert first.path != second.path and not first.final.exists()
     costs = {("decode", 4, 8): 0.01, ("ragged", 4, 32): 0.02}
     assert first.commit(costs) and (first.final / COMPLETE).is_file() and first.path == first.final
@@ -192,8 +193,9 @@ def test_llm_serving_generate_twice_second_start_hits_the_cache(tmp_path):
     """The whole path: config key -> AgentSpec -> agent process; the second start reports a hit and answers the
     same ids."""
     sections = {
-        "default_model": {"data_dir": str(tmp_path / "models"), "weights": "random", "hidden_size": 64, "intermediate_size": 160,
-                          "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 1000, "seed": 5},
+        "default_model": {"data_dir": str(tmp_path / "models"), "weights": "random", "hidden_size": 64,
+                          "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                          "vocab_size": 1000, "seed": 5},
         "model_config": {"seq_length": [32], "prefill_batch_size": [2], "decode_batch_size": [4]},
         "pa_config": {"num_blocks": 64, "block_size": 8, "decode_seq_length": 64},
         "serving_config": {"compile_cache": str(tmp_path / "cc")},

@@ -39,8 +39,8 @@ from tests.stand_in_pool import StandInPool
 
 VOCAB = 1000
 EOS = 2
-TINY_MODEL = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-              "vocab_size": VOCAB, "seed": 3}
+TINY_MODEL = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4,
+              "num_kv_heads": 2, "vocab_size": VOCAB, "seed": 3}
 
 
 def tiny_config(data_dir: Path, **sections) -> ServingConfig:
@@ -440,7 +440,8 @@ def test_abort_in_flight_is_never_computed_again(data_dir):
         assert pool.entered.acquire(timeout=10)  # prefill of a in flight
         b = engine.submit([1, 7, 8], SamplingParams(max_new_tokens=50, ignore_eos=True))
         pool.gate.release()
-        assert pool.step().describe().computes_prompts  # b's prefill, a's second token with it (chunked prefill mixes them)
+        # b's prefill, a's second token with it (chunked prefill mixes them)
+        assert pool.step().describe().computes_prompts
         assert pool.entered.acquire(timeout=10)  # the first decode step of a and b is in flight
         assert pool.batches[-1].batch_size == 2 and not pool.batches[-1].describe().computes_prompts
         used = engine.stats()["kv_blocks_used"]

@@ -21,8 +21,8 @@ MAX_NEW = 12
 
 def config(data_dir: Path) -> ServingConfig:
     return ServingConfig.from_dict({
-        "default_model": {"data_dir": str(data_dir), "weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2,
-                          "num_heads": 4, "num_kv_heads": 2, "vocab_size": VOCAB, "seed": 3},
+        "default_model": {"data_dir": str(data_dir), "weights": "random", "hidden_size": 64, "intermediate_size": 160,
+                          "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": VOCAB, "seed": 3},
         "model_config": {"seq_length": [32], "prefill_batch_size": [4], "decode_batch_size": [8],
                          "max_generate_length": 32},
         # 8 requests need up to 32 blocks of 8 tokens; 20 forces preemptions (recomputes) in the full batch

@@ -13,8 +13,8 @@ from llm_serving.engine.loop import Engine
 from llm_serving.engine.wiring import resolve_model
 from llm_serving.protocol.model_config import LlamaConfig
 
-TINY = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-        "vocab_size": 1000, "seed": 3}
+TINY = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4,
+        "num_kv_heads": 2, "vocab_size": 1000, "seed": 3}
 PROMPT = [1, 17, 230, 45, 9, 301]
 
 

@@ -241,8 +241,8 @@ def test_portable_backend_refuses_the_modes():
 
 
 # ---- the whole engine ------------------------------------------------------------------------------------------
-TINY = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-        "vocab_size": 998, "seed": 5}
+TINY = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4,
+        "num_kv_heads": 2, "vocab_size": 998, "seed": 5}
 
 
 def engine_config(data_dir, precision: str, tp: int = 1) -> ServingConfig:

@@ -63,8 +63,8 @@ def test_generate_matches_transformers(model_dir, tmp_path):
 def test_generate_reports_bad_inputs(model_dir, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"not": "a list"}')
-    out = subprocess.run([sys.executable, "-m", "agents.tools.generate", "--model", str(model_dir), "--prompts", str(bad),
-                          "--max-new-tokens", "4"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         check=False)
+    out = subprocess.run([sys.executable, "-m", "agents.tools.generate", "--model", str(model_dir),
+                          "--prompts", str(bad), "--max-new-tokens", "4"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, check=False)
     assert out.returncode != 0
     assert "must hold a JSON list of strings" in out.stderr

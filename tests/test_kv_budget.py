@@ -61,8 +61,8 @@ def test_the_ready_frame_carries_the_count():
     assert parse_ready_payload("not json") == (None, None)
 
 
-TINY = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-        "vocab_size": 1000, "seed": 3}
+TINY = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4,
+        "num_kv_heads": 2, "vocab_size": 1000, "seed": 3}
 
 
 def tiny(tmp_path, utilization: float) -> ServingConfig:

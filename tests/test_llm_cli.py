@@ -31,8 +31,9 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     sections = {
-        "default_model": {"data_dir": str(root / "models"), "weights": "random", "hidden_size": 64, "intermediate_size": 160,
-                          "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": VOCAB, "seed": 5},
+        "default_model": {"data_dir": str(root / "models"), "weights": "random", "hidden_size": 64,
+                          "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                          "vocab_size": VOCAB, "seed": 5},
         "model_config": {"seq_length": [32], "prefill_batch_size": [2], "decode_batch_size": [4]},
         "pa_config": {"num_blocks": 64, "block_size": 8, "decode_seq_length": 64},
     }

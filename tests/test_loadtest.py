@@ -512,9 +512,10 @@ def test_running_server_serves_until_the_block_ends_and_names_a_start_failure(tm
     from llm_serving.bench.local_server import ServerStartError, running_server
 
     config = tmp_path / "serve.yaml"
-    config.write_text(json.dumps({"default_model": {"data_dir": str(tmp_path / "models"), "weights": "random", "hidden_size": 64,
-                                                    "intermediate_size": 160, "num_layers": 2, "num_heads": 4,
-                                                    "num_kv_heads": 2, "vocab_size": 1000, "seed": 3}}))
+    config.write_text(json.dumps({"default_model": {"data_dir": str(tmp_path / "models"), "weights": "random",
+                                                    "hidden_size": 64, "intermediate_size": 160, "num_layers": 2,
+                                                    "num_heads": 4, "num_kv_heads": 2, "vocab_size": 1000,
+                                                    "seed": 3}}))
     announced: list[str] = []
     with running_server(config, tmp_path / "server.log", 120.0, cwd=tmp_path, extra_args=["--standin-agents"],
                         announce=announced.append) as (port, ready_s):

@@ -31,8 +31,8 @@ from llm_serving.protocol.shm_channel import ChannelError, ChannelLayout, StepCh
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 1000
-TINY_MODEL = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-              "vocab_size": VOCAB, "seed": 5}
+TINY_MODEL = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4,
+              "num_kv_heads": 2, "vocab_size": VOCAB, "seed": 5}
 
 
 def decode_batch(n: int, want: list[bool] | None = None) -> StepBatch:

@@ -1,5 +1,5 @@
-"""The native CPU backend (agents/model/backends/native_cpu.py, agents/model/native_kernels.py) against the portable graph ops
-and transformers, and the choice of backend."""
+"""The native CPU backend (agents/model/backends/native_cpu.py, agents/model/native_kernels.py) against the portable
+graph ops and transformers, and the choice of backend."""
 
 from __future__ import annotations
 

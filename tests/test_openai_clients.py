@@ -27,7 +27,8 @@ def server(standin_server):
 
 @pytest.fixture(scope="module")
 def tokenizer(server) -> Tokenizer:
-    cfg = ServingConfig().with_values({"default_model.data_dir": str(server.data_dir), "default_model.weights": "random"})
+    cfg = ServingConfig().with_values({"default_model.data_dir": str(server.data_dir),
+                                       "default_model.weights": "random"})
     return Tokenizer(default_model_dir(cfg.default_model, cfg.max_model_len) / "tokenizer.model")
 
 

@@ -488,7 +488,8 @@ def test_sigterm_drains_and_frees_shared_memory(data_dir):
                 short_frames = sse_payloads([x.decode().strip() async for x in short.content if x.strip()])
                 long_frames = sse_payloads([x.decode().strip() async for x in long.content if x.strip()])
                 waited = time.monotonic() - t0
-            assert short_frames[-1] == "[DONE]" and json.loads(short_frames[-2])["choices"][0]["finish_reason"] == "length"
+            assert (short_frames[-1] == "[DONE]"
+                    and json.loads(short_frames[-2])["choices"][0]["finish_reason"] == "length")
             assert long_frames[-1] == "[DONE]" and json.loads(long_frames[-2])["choices"][0]["finish_reason"] == "abort"
             assert 0.8 < waited < 3.0  # drain_timeout_s, then aborted (generating all would take 5 s)
         run(go())
@@ -503,7 +504,8 @@ def test_sigterm_drains_and_frees_shared_memory(data_dir):
 # ---- the real (tiny) model ---------------------------------------------------------------------------------------
 def test_tiny_default_model_end_to_end(data_dir):
     server = ServerProcess(
-        data_dir, "--set", "default_model.weights=random", "--set", "default_model.hidden_size=64", "--set", "default_model.intermediate_size=128",
+        data_dir, "--set", "default_model.weights=random", "--set", "default_model.hidden_size=64",
+        "--set", "default_model.intermediate_size=128",
         "--set", "default_model.num_layers=2", "--set", "model_config.seq_length=[32]",
         "--set", "model_config.prefill_batch_size=[2]", "--set", "model_config.decode_batch_size=[4]",
         "--set", "pa_config.num_blocks=40", "--set", "pa_config.decode_seq_length=96",

@@ -322,7 +322,8 @@ def test_the_tuner_finds_bigger_batches_where_steps_cost_the_same(tmp_path):
     result = tune(base, target_for, reqs, [])
     assert result.best.total_s < result.base.total_s / 3
     assert result.best.values["model_config.decode_batch_size"] >= 64
-    capped = tune(base, target_for, reqs, [Constraint.parse("max_server_running_batch<=16", {"max_server_running_batch"})])
+    capped = tune(base, target_for, reqs,
+                  [Constraint.parse("max_server_running_batch<=16", {"max_server_running_batch"})])
     assert capped.best.feasible and capped.best.metrics["max_server_running_batch"] <= 16
     raw = {"model_config": {"model_name": "mine", "decode_batch_size": [1, 8]}}
     out = tuned_yaml(base, raw, result.best)

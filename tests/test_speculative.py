@@ -286,8 +286,10 @@ def test_proposals_and_accepted_tokens_cross_shared_memory():
     try:
         channel.write_step(3, batch)
         back = channel.read_step()[1]
-        assert back.draft_lens.tolist() == batch.draft_lens.tolist() and back.input_ids.tolist() == batch.input_ids.tolist()
-        out = StepOutput(np.array([5], np.int32), np.array([-1.0], np.float32), more_token_ids=np.array([[6, 7, 0]], np.int32),
+        assert (back.draft_lens.tolist() == batch.draft_lens.tolist()
+                and back.input_ids.tolist() == batch.input_ids.tolist())
+        out = StepOutput(np.array([5], np.int32), np.array([-1.0], np.float32),
+                         more_token_ids=np.array([[6, 7, 0]], np.int32),
                          more_logprobs=np.array([[-2, -3, 0]], np.float32), num_more=np.array([2], np.int32))
         channel.write_output(3, out)
         assert channel.read_output(3, 1).num_more.tolist() == [2]
@@ -411,7 +413,8 @@ def test_on_the_native_cpu_ops_verified_tokens_are_hugging_faces(tmp_path):
     prompts = [[1] + rng.integers(3, CONFIG.vocab_size, n).tolist() for n in (3, 17, 40, 70)]
     references = {tuple(p): hf_greedy(hf, p, 15) for p in prompts}
     scheduler = Scheduler(SchedulerConfig(num_blocks=rc.num_blocks, block_size=rc.block_size, max_num_seqs=8,
-                                          max_prefill_batch=8, max_num_batched_tokens=64, max_model_len=rc.max_model_len,
+                                          max_prefill_batch=8, max_num_batched_tokens=64,
+                                          max_model_len=rc.max_model_len,
                                           eos_token_id=None, chunked_prefill=True, speculative="ngram",
                                           num_speculative_tokens=4, speculative_step_tokens=64,
                                           speculative_min_accepted=0))
@@ -481,7 +484,8 @@ def test_the_policies_default_by_method_and_yield_to_the_config():
         return scheduler_config(ServingConfig.from_dict({"speculative": section}), 2).speculative_rounds
 
     assert rounds({"method": "ngram"}) == 8 and rounds({"method": "self", "draft_layers": 1}) == 1
-    assert rounds({"method": "ngram", "rounds": 2}) == 2 and rounds({"method": "self", "draft_layers": 1, "rounds": 3}) == 3
+    assert (rounds({"method": "ngram", "rounds": 2}) == 2
+            and rounds({"method": "self", "draft_layers": 1, "rounds": 3}) == 3)
     with pytest.raises(ConfigError, match="speculative.rounds"):
         rounds({"method": "ngram", "rounds": 0})
 

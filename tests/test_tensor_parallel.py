@@ -36,8 +36,8 @@ from tests.test_engine import our_segments, wait_for
 ROOT = Path(__file__).resolve().parents[1]
 EOS = 2
 # vocab 998: 4 ranks hold 250, 250, 250 and 248 rows (the last range shorter, its gather padded)
-TINY = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-        "vocab_size": 998, "seed": 5}
+TINY = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4,
+        "num_kv_heads": 2, "vocab_size": 998, "seed": 5}
 SAMPLED = SamplingParams(max_new_tokens=10, temperature=0.8, top_k=40, top_p=0.9, seed=11)
 
 

@@ -10,8 +10,8 @@ import openai
 
 from llm_serving.config.serving_config import ServingConfig
 
-TINY_MODEL = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-              "vocab_size": 1000, "seed": 3}
+TINY_MODEL = {"weights": "random", "hidden_size": 64, "intermediate_size": 160, "num_layers": 2, "num_heads": 4,
+              "num_kv_heads": 2, "vocab_size": 1000, "seed": 3}
 
 
 def tiny_engine_config(data_dir: Path, **sections: dict) -> ServingConfig:
@@ -27,8 +27,9 @@ def tiny_engine_config(data_dir: Path, **sections: dict) -> ServingConfig:
 
 # ``llm-serving serve --set`` values of the small real model that several modules query over HTTP (conftest's
 # session-wide ``tiny_server``)
-TINY_SERVED = {"default_model.weights": "random", "default_model.hidden_size": 64, "default_model.intermediate_size": 128,
-               "default_model.num_layers": 2, "model_config.seq_length": [128],
+TINY_SERVED = {"default_model.weights": "random", "default_model.hidden_size": 64,
+               "default_model.intermediate_size": 128, "default_model.num_layers": 2,
+               "model_config.seq_length": [128],
                "model_config.prefill_batch_size": [2], "model_config.decode_batch_size": [4],
                "pa_config.num_blocks": 48, "pa_config.decode_seq_length": 160}
 

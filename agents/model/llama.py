@@ -148,9 +148,9 @@ class LlamaLayer(nn.Cell):
                   block_tables: Tensor, rows: Tensor, is_prefill: bool, context_lens: Tensor | None = None,
                   positions: Tensor | None = None) -> Tensor:
         """``rows`` [1]: the real (leading) token rows of ``x``, for backends that skip the padding after them.
-        ``context_lens``: given in steps whose queries attend to cached context (``agents.runtime.mixed_steps``; ``lens``
-        then holds the query lengths, and ``positions`` the tokens'); None, a graph constant, in the prefill and decode
-        graphs."""
+        ``context_lens``: given in steps whose queries attend to cached context (``agents.runtime.mixed_steps``;
+        ``lens`` then holds the query lengths, and ``positions`` the tokens'); None, a graph constant, in the prefill
+        and decode graphs."""
         qkv = self.norm_qkv(x, self.attention_norm, self.w_qkv.operands(), rows)
         if self.has_qkv_bias:
             qkv = qkv + self.qkv_bias
@@ -183,8 +183,9 @@ class LlamaModel(nn.Cell):
         self.layers = nn.CellList([LlamaLayer(config, num_blocks, block_size, dtype, backend, shard)
                                    for _ in range(config.num_hidden_layers)])
         self.norm = norm_weight(config.hidden_size, dtype, "norm")
+        # float: its errors land on the logits directly
         self.lm_head = ProjectionWeight(config.hidden_size, vocab, dtype, backend.panel_weights,
-                                        panel_dtype=backend.panel_dtype)  # float: its errors land on the logits directly
+                                        panel_dtype=backend.panel_dtype)
         self.norm_lm_head = backend.norm_linear(vocab, config.rms_norm_eps)
         self.greedy = parallel.greedy(shard, backend.greedy())
         cos, sin = rotary_tables(config, max_positions)
@@ -247,8 +248,8 @@ class LlamaStep(nn.Cell):
 
 
 def _canonical_parameters(model: LlamaModel) -> dict[str, tuple[Parameter, ProjectionWeight | None]]:
-    """The model's Parameters under their canonical fused weight names (see ``agents.weights.checkpoints``), each with its
-    ProjectionWeight where it is a projection (which may hold it in the panel layout)."""
+    """The model's Parameters under their canonical fused weight names (see ``agents.weights.checkpoints``), each with
+    its ProjectionWeight where it is a projection (which may hold it in the panel layout)."""
     params = {"embed_tokens": (model.embed_tokens, None), "norm": (model.norm, None),
               "lm_head": (model.lm_head.weight, model.lm_head)}
     for i, layer in enumerate(model.layers):

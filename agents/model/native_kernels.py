@@ -3,8 +3,8 @@
 Why: MindSpore's CPU backend has no fused paged-attention op, and the portable gather + batched-matmul decode
 attention copies every sequence's K/V context before reading it again (see docs/model.md). The kernel sources
 live in ``agents/model/kernels/``, built together into one library (so that all ops share one pool of helper threads,
-``kernels/common.h``) once per source hash and compiler flags into a cache directory
-(``$LLM_SERVING_KERNEL_DIR``, default ``kernels/`` under the cache root, ``llm_serving.protocol.paths``) with the machine's ``g++``, written to a
+``kernels/common.h``) once per source hash and compiler flags into a cache directory (``$LLM_SERVING_KERNEL_DIR``,
+default ``kernels/`` under the cache root, ``llm_serving.protocol.paths``) with the machine's ``g++``, written to a
 temporary name and renamed so that several agent processes may build at once. The cache key includes the CPU's
 model and flags, since the code is compiled for the machine's own instruction set.
 """

@@ -67,7 +67,8 @@ def cache_key(spec: AgentSpec, rank: int) -> dict:
     """Everything this rank's compiled graphs depend on, as a JSON-able dict (its hash names the directory)."""
     return {
         "spec": asdict(spec), "rank": rank, "source": source_digest(), "mindspore": _version("mindspore"),
-        "python": sys.version, "machine": platform.machine(), "cpu": hashlib.sha256(_cpu_identity().encode()).hexdigest(),
+        "python": sys.version, "machine": platform.machine(),
+        "cpu": hashlib.sha256(_cpu_identity().encode()).hexdigest(),
         "cxx": shutil.which(os.environ.get("CXX", "g++")) or "",
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MS_") and k not in _ENV_IGNORED},
     }

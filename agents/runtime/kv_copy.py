@@ -4,8 +4,9 @@ Prefill/decode disaggregation (``llm_serving.engine.kv_transfer``) moves a promp
 agents to a decode engine's. Here that is a host copy: the backends hand out their caches as host arrays that are the
 caches themselves (``Attention.cache_blocks``; on CPU the device memory is the host's), blocks on the first axis. The
 region holds the named blocks one after another, each block's bytes cache by cache in layer order: the same engine
-build on the other side reads them back the same way, in as many copies as its segment needs. A backend whose caches live in device memory
-(Ascend) has no such view and refuses at start-up: there a copy needs gather/scatter graphs, not written yet.
+build on the other side reads them back the same way, in as many copies as its segment needs. A backend whose caches
+live in device memory (Ascend) has no such view and refuses at start-up: there a copy needs gather/scatter graphs, not
+written yet.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class KvBlockCopier:
     def run(self, copy: KvCopyStep) -> None:
         ids = np.asarray(copy.block_ids, np.int64)
         if ids.size and not 0 < int(ids.min()) <= int(ids.max()) < self.num_blocks:
-            raise ValueError(f"KV copy of blocks {ids.min()}..{ids.max()}: the cache has blocks 1..{self.num_blocks - 1}")
+            raise ValueError(f"KV copy of blocks {ids.min()}..{ids.max()}: "
+                             f"the cache has blocks 1..{self.num_blocks - 1}")
         region = self.segment.region(self.rank, ids.size)
         offset = 0
         for cache, size in zip(self.caches, self.block_bytes):

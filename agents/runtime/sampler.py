@@ -4,12 +4,12 @@ Why here: the logits are already in the agent's memory, and only token ids + log
 ``batch x vocab`` transfer per step). All-greedy steps never come here: they use the in-graph argmax.
 
 Semantics follow Hugging Face ``generate`` / vLLM: the logit adjustments first (``logit_bias``; -inf on the end ids
-of a sequence short of its ``min_tokens``; -inf on every token a structured-output row's mask bans), then the repetition penalty over prompt + generated tokens (the CTRL
-rule: positive logits divided by the penalty, negative ones multiplied), OpenAI's presence and frequency penalties
-over the generated tokens, then temperature, then ``min_p`` (tokens less likely than that fraction of the most
-likely one dropped), then top-k, then top-p (nucleus) over what is left. Temperature 0 is greedy over the
-adjusted, penalised logits. The returned logprob is the chosen token's log-softmax under the model's raw logits,
-as for greedy.
+of a sequence short of its ``min_tokens``; -inf on every token a structured-output row's mask bans), then the
+repetition penalty over prompt + generated tokens (the CTRL rule: positive logits divided by the penalty, negative
+ones multiplied), OpenAI's presence and frequency penalties over the generated tokens, then temperature, then
+``min_p`` (tokens less likely than that fraction of the most likely one dropped), then top-k, then top-p (nucleus)
+over what is left. Temperature 0 is greedy over the adjusted, penalised logits. The returned logprob is the chosen
+token's log-softmax under the model's raw logits, as for greedy.
 
 Containment: a row whose sampling raises gets ``FAILED_TOKEN`` and the other rows are sampled as usual, so one
 request's parameters never fail its step's other requests. The reasons wait in ``take_failures`` (keyed by the

@@ -30,7 +30,8 @@ def standin_tokens(batch: StepBatch, vocab_size: int) -> np.ndarray:
 
 
 class StandinRunner:
-    """Same ``warmup``/``step`` surface as ``agents.runtime.runner.ModelRunner``; ``step_delay_s`` fakes compute time."""
+    """Same ``warmup``/``step`` surface as ``agents.runtime.runner.ModelRunner``; ``step_delay_s`` fakes compute
+    time."""
 
     def __init__(self, vocab_size: int, step_delay_s: float = 0.0) -> None:
         if vocab_size <= 0:

@@ -8,8 +8,8 @@ broadcast of the rest, its length rounded up to a power of two so the ranks see 
 because the CPU broadcast kernel takes only int32 and float32 (MindSpore 2.10: "Select CPU operator[Broadcast]
 fail! Unsupported data type!" for uint8); the bytes are only copied, never computed on.
 
-The payload is the step (``protocol.batch.Step``) pickled: every rank runs the same build (the pool's join handshake checks the
-protocol), and the collective's peers are the pool's own ranks.
+The payload is the step (``protocol.batch.Step``) pickled: every rank runs the same build (the pool's join handshake
+checks the protocol), and the collective's peers are the pool's own ranks.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
     python -m agents.tools.calibrate_kv --model DIR --ids IDS.json [--out FILE]
 
 ``IDS.json``: a list of token-id windows (``llm-serving calibrate-kv`` tokenizes sample text into them). Each window
-is prefilled by the float32 model (portable ops: a cache per kv head) into blocks of its own; the keys (after the rotary embedding) and
-values it wrote are read back from the cache (``Attention.cache_blocks``: on CPU the cache itself) and each
-channel's largest magnitude kept, per layer.
+is prefilled by the float32 model (portable ops: a cache per kv head) into blocks of its own; the keys (after the
+rotary embedding) and values it wrote are read back from the cache (``Attention.cache_blocks``: on CPU the cache
+itself) and each channel's largest magnitude kept, per layer.
 """
 
 from __future__ import annotations

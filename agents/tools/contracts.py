@@ -4,9 +4,9 @@ as meant (swapped caches, heads and kv heads swapped, lengths computed in the gr
 says where it was read; a violation names the op, the node and the rule.
 
 The rules cover ReshapeAndCache, PagedAttention, FlashAttentionScore and ApplyRotaryPosEmb as MindSpore 2.10 runs
-them with ``infer_boost`` on, and WeightQuantBatchMatmul (int8 weights; an ACLNN kernel) (the internal kernels every working 910B stack uses): inputs, attributes, dtypes,
-layouts, what feeds each length input, the kernels' size limits, and which tensors are roped, cached and attended
-(docs/ascend.md, "What is verified without hardware").
+them with ``infer_boost`` on, and WeightQuantBatchMatmul (int8 weights; an ACLNN kernel) (the internal kernels every
+working 910B stack uses): inputs, attributes, dtypes, layouts, what feeds each length input, the kernels' size limits,
+and which tensors are roped, cached and attended (docs/ascend.md, "What is verified without hardware").
 """
 
 from __future__ import annotations
@@ -501,7 +501,8 @@ def _rc_int8(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
     for index, cache, what in ((RC_KEY, RC_KEY_CACHE, "key"), (RC_VALUE, RC_VALUE_CACHE, "value")):
         source, held = node.inputs[index], _dtype(node.inputs[cache])
         if _dtype(source) not in (None, held):
-            yield f"the {what} is {_dtype(source)} but its cache holds {held}: ReshapeAndCache copies, it does not convert"
+            yield (f"the {what} is {_dtype(source)} but its cache holds {held}: "
+                   "ReshapeAndCache copies, it does not convert")
         elif held == "int8" and _quantized_from(graph, source) is None:
             yield (f"the int8 {what} must be round(x * inverse scale), clamped, then cast (a Cast alone truncates), "
                    f"got {_where(source)}")

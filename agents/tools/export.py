@@ -47,7 +47,8 @@ def describe(shape: tuple, summary: GraphSummary) -> str:
     """One line per graph: its shape, inputs, outputs and fused primitives."""
     kind, batch, n = shape
     unit = _UNITS[kind][0]
-    names = {"mixed": MIXED_INPUT_NAMES, "chunk": MIXED_INPUT_NAMES, "verify": VERIFY_INPUT_NAMES}.get(kind, INPUT_NAMES)
+    names = {"mixed": MIXED_INPUT_NAMES, "chunk": MIXED_INPUT_NAMES,
+             "verify": VERIFY_INPUT_NAMES}.get(kind, INPUT_NAMES)
     inputs = " ".join(f"{name}={info}" for name, info in zip(names, summary.inputs))
     fused = ", ".join(f"{name} x{count}" for name, count in summary.fused().items()) or "none"
     if summary.ops["Custom"]:  # the native CPU backend's C++ ops

@@ -34,7 +34,8 @@ def save_bf16_safetensors(tensors: Mapping[str, np.ndarray], path: Path) -> None
     blobs, offset = [], 0
     for name in sorted(tensors):
         data = to_bf16_bits(tensors[name]).tobytes()
-        header[name] = {"dtype": "BF16", "shape": list(tensors[name].shape), "data_offsets": [offset, offset + len(data)]}
+        header[name] = {"dtype": "BF16", "shape": list(tensors[name].shape),
+                        "data_offsets": [offset, offset + len(data)]}
         blobs.append(data)
         offset += len(data)
     text = json.dumps(header, separators=(",", ":")).encode()

@@ -347,10 +347,11 @@ def _joined(pieces: list[np.ndarray]) -> np.ndarray:
 def _assemble_shard(source: SliceSource, names: dict[str, list[list[str]]], config: LlamaConfig,
                     plan: ShardPlan, strict: bool, dtype: npt.DTypeLike | str = np.float32,
                     quantize: bool = False) -> dict[str, np.ndarray]:
-    """This rank's canonical tensors: names and full shapes checked as ``agents.weights.checkpoints`` does, then only the
-    slices read, each turned into ``dtype`` as it is read (so no wider copy of the whole slice exists). ``quantize``:
-    the layers' projections as int8 with a ``<key>.scale`` each (``agents.weights.packed.quantize_rows``), a
-    row-parallel slice scaled by its whole rows, so that every tensor-parallel degree holds the same numbers."""
+    """This rank's canonical tensors: names and full shapes checked as ``agents.weights.checkpoints`` does, then only
+    the slices read, each turned into ``dtype`` as it is read (so no wider copy of the whole slice exists).
+    ``quantize``: the layers' projections as int8 with a ``<key>.scale`` each
+    (``agents.weights.packed.quantize_rows``), a row-parallel slice scaled by its whole rows, so that every
+    tensor-parallel degree holds the same numbers."""
     label = source.label
     for name in source:
         m = w._LAYER_INDEX.search(name)

@@ -54,8 +54,8 @@ class KvTransferRoutes:
     def check(self, params: KvTransferParams | None) -> None:
         """A 400 for ``kv_transfer_params`` sent to an engine started without KV transfer."""
         if params is not None and not self.enabled:
-            raise ApiError(400, "this engine serves no KV transfer: kv_transfer_params needs serving_config.kv_transfer "
-                                "true", "invalid_request", "kv_transfer_params")
+            raise ApiError(400, "this engine serves no KV transfer: kv_transfer_params needs "
+                                "serving_config.kv_transfer true", "invalid_request", "kv_transfer_params")
 
     # ---- prefill side ----------------------------------------------------------------------------------------
     async def export(self, params: KvTransferParams | None, prompt_ids: list[int]) -> dict[str, Any]:

@@ -242,7 +242,8 @@ class Scheduler:
                 self.kv_cache.cache_computed(seq)
             k = seq.params.prompt_logprobs
             if scoring and k is not None and len(seq.prompt_scores) == computed - 1:  # prompt token ``computed``'s
-                seq.prompt_scores.append(prompt_logprob(self._logits_row(output, row, seq), seq.prompt_ids[computed], k))
+                seq.prompt_scores.append(prompt_logprob(self._logits_row(output, row, seq),
+                                                        seq.prompt_ids[computed], k))
             if seq.params.max_new_tokens == 0 and not seq.scores_prompt:  # the prompt scored, nothing to generate
                 self._finish(seq, "length")
                 finished.append(seq)
@@ -256,7 +257,8 @@ class Scheduler:
                 if seq.params.top_logprobs:
                     seq.output_top.append(top_logprobs(logits, seq.params.top_logprobs))
             reason = self._append(seq, token, logprob)
-            if reason is None and more is not None and more_logprobs is not None:  # later tokens (multi-step, accepted proposals), up to an end
+            # later tokens (multi-step, accepted proposals), up to an end
+            if reason is None and more is not None and more_logprobs is not None:
                 count = more.shape[1] if output.num_more is None else int(output.num_more[row])
                 for later, later_logprob in zip(more[row, :count].tolist(), more_logprobs[row, :count].tolist()):
                     seq.num_computed_tokens += 1

@@ -85,7 +85,8 @@ class KvPayload:
             raise ValueError(f"the KV payload holds {len(data)} bytes, its header describes {offset}")
         payload = cls(layout, [int(t) for t in tokens], shards)
         bs, block = int(layout.get("block_size") or 0), int(layout.get("block_bytes") or 0)
-        if not bs or len(tokens) != payload.num_blocks * bs or any(len(s) != payload.num_blocks * block for s in shards):
+        if (not bs or len(tokens) != payload.num_blocks * bs
+                or any(len(s) != payload.num_blocks * block for s in shards)):
             raise ValueError(f"the KV payload's {len(tokens)} tokens and shards of {sizes} bytes are not whole blocks")
         return payload
 
@@ -129,7 +130,8 @@ class KvTransfers:
         already or no blocks are free; a different layout raises ValueError)."""
         if payload.layout != self.layout:
             theirs, ours = payload.layout, self.layout
-            diff = {k: (theirs.get(k), ours.get(k)) for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)}
+            diff = {k: (theirs.get(k), ours.get(k)) for k in sorted(set(theirs) | set(ours))
+                    if theirs.get(k) != ours.get(k)}
             raise ValueError(f"the KV blocks come from an engine that serves another layout (theirs, ours): {diff}")
         future: Future = Future()
         seq = Sequence(f"kv-import-{next(self._ids)}", list(payload.token_ids))

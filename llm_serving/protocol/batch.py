@@ -191,7 +191,8 @@ class StepBatch:
     want_logits: npt.NDArray[np.bool_] | None = None  # bool [B]; None: no sequence wants its logits back
     num_steps: int = 1
     draft_lens: npt.NDArray[np.int32] | None = None  # int32 [B]; None: no proposals to verify
-    fed_rows: npt.NDArray[np.int32] | None = None  # int32 [B]: each row's row in the step before, whose pick is its input
+    # int32 [B]: each row's row in the step before, whose pick is its input
+    fed_rows: npt.NDArray[np.int32] | None = None
     history_offsets: npt.NDArray[np.int32] | None = None  # int32 [B + 1]: verify rounds of prompt lookup (above)
     history_ids: npt.NDArray[np.int32] | None = None  # int32 [history_offsets[-1]]
     round_proposals: int = 0  # verify rounds: proposals a sequence gets a round (above)
@@ -271,7 +272,8 @@ class StepBatch:
         if self.want_logits is not None and self.want_logits.shape != (b,):
             raise ValueError(f"want_logits has shape {self.want_logits.shape}, expected ({b},)")
         if self.draft_lens is not None:
-            if self.draft_lens.shape != (b,) or np.any(self.draft_lens < 0) or np.any(self.draft_lens >= self.query_lens):
+            if (self.draft_lens.shape != (b,) or np.any(self.draft_lens < 0)
+                    or np.any(self.draft_lens >= self.query_lens)):
                 raise ValueError("draft_lens must hold, per sequence, fewer proposals than its query tokens")
             if self.want_logits is not None:
                 raise ValueError("proposals are verified in steps without logits to return")
@@ -310,8 +312,8 @@ def verify_batch(last_ids: Iterable[int], proposals: list[list[int]], num_tokens
                  round_proposals: int = 0) -> StepBatch:
     """A verify step: each sequence's last token (at position ``num_tokens - 1``) followed by its
     proposals, over its cached context through ``block_tables`` (a row per sequence), of ``num_steps`` rounds of
-    up to ``round_proposals`` proposals (``history``: its ``history_offsets`` and ``history_ids``). The master builds a step's first round so, the
-    agents the later ones (``agents.runtime.verify_rounds``)."""
+    up to ``round_proposals`` proposals (``history``: its ``history_offsets`` and ``history_ids``). The master builds
+    a step's first round so, the agents the later ones (``agents.runtime.verify_rounds``)."""
     n = len(proposals)
     draft_lens = np.fromiter(map(len, proposals), np.int32, n)
     query_lens = draft_lens + 1

@@ -31,7 +31,8 @@ class KvSegment:
         self.ranks, self.block_bytes, self.max_blocks = ranks, block_bytes, max_blocks
         self._segment: shared_memory.SharedMemory | _Attached | None = segment
         self._owner = owner
-        self._bytes: npt.NDArray[np.uint8] = np.ndarray((ranks * max_blocks * block_bytes,), np.uint8, buffer=segment.buf)
+        self._bytes: npt.NDArray[np.uint8] = np.ndarray((ranks * max_blocks * block_bytes,), np.uint8,
+                                                        buffer=segment.buf)
 
     @staticmethod
     def nbytes(ranks: int, block_bytes: int, max_blocks: int) -> int:

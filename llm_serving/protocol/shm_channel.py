@@ -47,7 +47,8 @@ _ALIGN = 64
 _HEADER_SLOTS = 25
 # header slots (int64): the layout's capacities, then what the step is (its kind, sizes and which optional areas
 # carry its arrays), then what its answer is
-_MAGIC, _MAX_TOKENS, _MAX_BATCH, _MAX_BLOCKS, _MAX_PENALTY, _MAX_LOGITS_ROWS, _LOGITS_WIDTH, _MAX_DECODE_STEPS = range(8)
+(_MAGIC, _MAX_TOKENS, _MAX_BATCH, _MAX_BLOCKS, _MAX_PENALTY, _MAX_LOGITS_ROWS, _LOGITS_WIDTH,
+ _MAX_DECODE_STEPS) = range(8)
 _STEP, _KIND, _NUM_TOKENS, _BATCH_SIZE, _WIDTH, _NUM_STEPS, _AREAS = range(8, 15)
 _PENALTY_TOKENS, _ADJUSTMENTS, _HISTORY_IDS, _KV_BLOCKS = range(15, 19)
 _OUT_STEP, _OUT_BATCH_SIZE, _OUT_MORE_STEPS, _OUT_AREAS, _OUT_LOGITS_ROWS = range(19, 24)
@@ -95,7 +96,8 @@ class ChannelLayout:
     def fields(self) -> dict[str, tuple[int, np.dtype[Any], int]]:
         """name -> (byte offset, dtype, element count), in segment order."""
         t, b, p = self.max_tokens, self.max_batch, self.penalty_capacity
-        spec: list[tuple[str, type[np.generic], int]] = [("header", np.int64, _HEADER_SLOTS), ("input_ids", np.int32, t), ("positions", np.int32, t),
+        spec: list[tuple[str, type[np.generic], int]] = [("header", np.int64, _HEADER_SLOTS),
+                ("input_ids", np.int32, t), ("positions", np.int32, t),
                 ("slot_mapping", np.int32, t), ("query_lens", np.int32, b), ("context_lens", np.int32, b),
                 ("block_tables", np.int32, b * self.max_blocks_per_seq),
                 ("temperature", np.float32, b), ("top_k", np.int32, b), ("top_p", np.float32, b),
@@ -296,8 +298,8 @@ class StepChannel:
             raise ValueError(f"draft_lens {drafts.tolist()} in {batch.num_steps} round(s) exceed the shared memory's "
                              f"{lay.max_decode_steps} tokens a sequence (AgentSpec max_decode_steps)")
         if batch.num_steps * (batch.round_proposals + 1) > lay.max_decode_steps:
-            raise ValueError(f"{batch.num_steps} rounds of {batch.round_proposals} proposals exceed the shared memory's "
-                             f"{lay.max_decode_steps} tokens a sequence (AgentSpec max_decode_steps)")
+            raise ValueError(f"{batch.num_steps} rounds of {batch.round_proposals} proposals exceed the shared "
+                             f"memory's {lay.max_decode_steps} tokens a sequence (AgentSpec max_decode_steps)")
         sampling = batch.sampling
         if sampling is not None and sampling.penalty_offsets.shape != (batch.batch_size + 1,):
             raise ValueError(f"sampling.penalty_offsets has shape {sampling.penalty_offsets.shape}, expected "

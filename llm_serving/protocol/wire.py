@@ -109,8 +109,8 @@ class AgentSpec:
     step_delay_s: float = 0.0  # standin only: simulated compute time per step
     # environment variables for the agent processes (each value as str() writes it)
     extra_env: dict[str, object] = field(default_factory=dict)
-    # model_config.backend: "ms" (our Llama graph, agents.runtime.runner) or "mindformers" (MindFormers' Llama built from
-    # the predict YAML model_cfg_path, agents.mindformers.runner)
+    # model_config.backend: "ms" (our Llama graph, agents.runtime.runner) or "mindformers" (MindFormers' Llama built
+    # from the predict YAML model_cfg_path, agents.mindformers.runner)
     backend: str = "ms"
     model_cfg_path: str | None = None
     # root of the agents' graph compile caches (agents.runtime.compile_cache: one directory per configuration and code
@@ -118,8 +118,9 @@ class AgentSpec:
     compile_cache_dir: str | None = None
     # early exit: serve the model's first exit_layer layers (then its final norm and lm_head); None: all of them
     exit_layer: int | None = None
-    # speculative decoding with a draft in the agents (agents.runtime.speculative_runner): {"model_path", "llama_config"}
-    # of a draft model, or {"layers": n} for the target's own first n layers (self-speculation); None: no draft
+    # speculative decoding with a draft in the agents (agents.runtime.speculative_runner):
+    # {"model_path", "llama_config"} of a draft model, or {"layers": n} for the target's own first n layers
+    # (self-speculation); None: no draft
     draft: JsonObject | None = None
     # [min n, max n] of prompt lookup (speculative method ngram): the agents propose in a verify step's later rounds
     # (agents.runtime.verify_rounds); None: not prompt lookup

@@ -1,11 +1,11 @@
 """The requests a simulation replays: when each arrives, its prompt's token ids and how many tokens it gets.
 
 From an alpaca dataset as the load tool sends it (``llm_serving.bench``: the contest's prompt,
-``max_new_tokens`` = the reference output's token count, Poisson / gamma / constant / all-at-once arrivals), or from a load-test result
-file (``result_*.json``): the recorded send times, what each asked for and where the server's model ended it,
-which is how a simulation is set against a measured run. Prompts become token ids through the served tokenizer when there
-is one; otherwise words become ids by hashing (the same word, the same id: shared prefixes stay shared for the
-prefix cache) and each word counts ``tokens_per_word`` tokens, as the load tool estimates.
+``max_new_tokens`` = the reference output's token count, Poisson / gamma / constant / all-at-once arrivals), or from a
+load-test result file (``result_*.json``): the recorded send times, what each asked for and where the server's model
+ended it, which is how a simulation is set against a measured run. Prompts become token ids through the served
+tokenizer when there is one; otherwise words become ids by hashing (the same word, the same id: shared prefixes stay
+shared for the prefix cache) and each word counts ``tokens_per_word`` tokens, as the load tool estimates.
 """
 
 from __future__ import annotations

@@ -375,7 +375,8 @@ def markdown(systems: list[System], ours: System, levels: list[int], args: argpa
             ratio = f"{tps / ours_tps:.2f}x" if ours_tps and tps else ""
             out.append(f"| {s.name} | {eq} | {runs[0].output_tokens} | {_fmt(_median(runs, 'wall_s'))} "
                        f"| {_fmt(tps, digits=1)} | {ratio} | {_fmt(_median(runs, 'mean_latency_s'), digits=3)} "
-                       f"| {_fmt(_median(runs, 'mean_ttft_s'), 1e3, 1)} | {_fmt(_median(runs, 'mean_tpot_s'), 1e3, 1)} |")
+                       f"| {_fmt(_median(runs, 'mean_ttft_s'), 1e3, 1)} "
+                       f"| {_fmt(_median(runs, 'mean_tpot_s'), 1e3, 1)} |")
         out.append("")
     out.append("Settings and start-up (outside the timed part):\n")
     for s in systems:

@@ -4,11 +4,11 @@ they take, ``[num_blocks, block_size, kv_heads, head_dim]`` per layer for K and 
 Per layer and step: ``ApplyRotaryPosEmb`` ropes Q and K, ``ReshapeAndCache`` writes K/V at ``slot_mapping``, then
 ``FlashAttentionScore`` (layout ``TH``: the prompts back to back) attends in prefill, ``PagedAttention`` (GQA,
 through the block tables) in decode, and ``PagedAttention`` with ``q_seq_lens`` over cached context (chunks,
-prefix-cache hits). Projections are ``RmsNorm`` + one fused QKV or gate/up ``MatMul`` (+
-``Swiglu``), or with int8 weights (``model_config.quantization: w8a16``) ``WeightQuantBatchMatmul``; the greedy pick is ``ArgMaxWithValue`` over float32 logits. These kernels have no CPU implementation;
-on CPU their graphs are exported (``agents.tools.export``), checked against the contracts the internal kernels
-read (``agents.tools.contracts``) and their wiring runs with stand-ins of the same contracts
-(``agents.model.backends.ascend_reference``), see docs/ascend.md.
+prefix-cache hits). Projections are ``RmsNorm`` + one fused QKV or gate/up ``MatMul`` (+ ``Swiglu``), or with int8
+weights (``model_config.quantization: w8a16``) ``WeightQuantBatchMatmul``; the greedy pick is ``ArgMaxWithValue`` over
+float32 logits. These kernels have no CPU implementation; on CPU their graphs are exported (``agents.tools.export``),
+checked against the contracts the internal kernels read (``agents.tools.contracts``) and their wiring runs with
+stand-ins of the same contracts (``agents.model.backends.ascend_reference``), see docs/ascend.md.
 
 Conventions, as MindSpore 2.10's internal kernels (``infer_boost`` on) read them and the working 910B stacks pass
 them (MindFormers 1.8, vllm-mindspore):

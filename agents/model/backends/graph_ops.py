@@ -82,7 +82,8 @@ class HeadNorm(nn.Cell):
 
     def __init__(self, config: LlamaConfig, eps: float) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                    config.head_dim)
         self.q_dim, self.kv_dim = config.q_dim, config.kv_dim
         self.eps = eps
 

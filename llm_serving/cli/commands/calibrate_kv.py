@@ -25,7 +25,8 @@ DEFAULT_TEXT_NAME = "corpus.txt"  # the load tool's packaged corpus (llm_serving
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="model directory (config.json, weights, tokenizer)")
     p.add_argument("--text", action="append", default=[], metavar="FILE",
-                   help=f"sample text to calibrate on (repeatable; default: {DEFAULT_TEXT_NAME}, the load tool's corpus)")
+                   help=f"sample text to calibrate on (repeatable; default: {DEFAULT_TEXT_NAME}, "
+                        "the load tool's corpus)")
     p.add_argument("--windows", type=int, default=32, metavar="N", help="at most N windows of text (default 32)")
     p.add_argument("--window-tokens", type=int, default=256, metavar="T",
                    help="tokens per window, each prefilled on its own (default 256, at most the model's positions)")

@@ -2,8 +2,8 @@
 
 Writes one MindIR file per warm-up shape of the configured model, device target and dtype (what MindSpore Lite or
 a GE-based deployment loads) and prints, per graph, its shapes and the fused primitives in it. The graphs are built
-and exported on this machine's CPU, so an Ascend config exports without an NPU. The master never imports
-MindSpore: the config and model are resolved here, and ``python -m agents.tools.export`` does the rest in a child process.
+and exported on this machine's CPU, so an Ascend config exports without an NPU. The master never imports MindSpore:
+the config and model are resolved here, and ``python -m agents.tools.export`` does the rest in a child process.
 ``--check`` also checks every graph against the fused Ascend ops' real contracts (``agents.tools.contracts``).
 """
 

@@ -100,8 +100,8 @@ def _run_generate(args: argparse.Namespace) -> int:
             if dump_dir is not None:
                 assert res.logits is not None  # asked for with logits_tokens
                 np.save(dump_dir / f"{index}.npy", res.logits)
-            line: dict[str, object] = {"prompt": prompt if isinstance(prompt, str) else None, "prompt_ids": res.prompt_ids,
-                    "token_ids": res.token_ids, "logprobs": res.logprobs,
+            line: dict[str, object] = {"prompt": prompt if isinstance(prompt, str) else None,
+                    "prompt_ids": res.prompt_ids, "token_ids": res.token_ids, "logprobs": res.logprobs,
                     "text": cut_at_stop(llm.tokenizer.decode(res.token_ids), params.stop)}
             if _is_conversation(prompt):
                 line = {"messages": prompt, **line}
