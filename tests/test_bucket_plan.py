@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agents.runtime.bucket_plan import plan_groups
+from agents.runtime.bucket_plan import bucket_ladder, plan_groups
 
 SEQ_BUCKETS = (64, 256)
 BATCH_BUCKETS = (1, 4, 8)
@@ -65,3 +65,12 @@ def test_a_lone_sequence_may_have_a_shape_of_its_own():
     groups = plan_groups(lengths, BATCH_BUCKETS, cost)
     assert [300] in [lengths[g].tolist() for g in groups]
     assert sorted(np.concatenate(groups).tolist()) == [0, 1, 2]
+
+
+def test_one_ladder_buckets_every_dimension() -> None:
+    """Block-table widths (powers of two from 4), token totals (from 16 with their 1.5x) and a floor: one ladder."""
+    assert bucket_ladder(40, 4) == (4, 8, 16, 32, 40)
+    assert bucket_ladder(3, 4) == (3,)  # a top below the start is the only bucket
+    assert bucket_ladder(200, 16, half_steps=True) == (16, 24, 32, 48, 64, 96, 128, 192, 200)
+    assert bucket_ladder(200, 16, half_steps=True, low=50) == (64, 96, 128, 192, 200)
+    assert bucket_ladder(64, 16, half_steps=True) == (16, 24, 32, 48, 64)  # the top is never doubled

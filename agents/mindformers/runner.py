@@ -24,7 +24,7 @@ from mindspore import Tensor, nn
 
 from agents.mindformers.families import mindformers_families
 from agents.mindformers.model import build_network, load_weights_into
-from agents.runtime.bucket_plan import powers_of_two_up_to
+from agents.runtime.bucket_plan import bucket_ladder
 from agents.runtime.device import apply_jit_config, setup_device
 from agents.runtime.graph_family import (
     CostTable,
@@ -74,7 +74,7 @@ class MindFormersRunnerConfig:
     def decode_block_widths(self) -> tuple[int, ...]:
         """Powers of two from 4 up to the blocks of one ``max_model_len`` sequence (as ``RunnerConfig``'s default
         where wider tables cost more)."""
-        return powers_of_two_up_to(self.max_blocks_per_seq, 4)
+        return bucket_ladder(self.max_blocks_per_seq, 4)
 
 
 class MindFormersStep(nn.Cell):

@@ -14,13 +14,16 @@ from collections.abc import Callable
 import numpy as np
 
 
-def powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
-    """``start, 2*start, ...`` below ``limit``, then ``limit``: bucket sizes whose padding stays under half."""
-    out, v = [], start
-    while v < limit:
-        out.append(v)
+def bucket_ladder(top: int, start: int = 1, half_steps: bool = False, low: int = 0) -> tuple[int, ...]:
+    """The one ladder every compiled dimension is bucketed on: ``start, 2*start, ...`` (with ``half_steps``, each
+    one's 1.5x too) from ``low`` up to below ``top``, then ``top``. Powers of two keep a bucket's padding under half
+    (under a third with the half steps) for a graph count logarithmic in ``top``: decode block-table widths from 4,
+    ragged prefill and mixed-step token totals from 16 with half steps."""
+    out, v = set(), start
+    while v < top:
+        out.update(size for size in ((v, v * 3 // 2) if half_steps else (v,)) if low <= size < top)
         v *= 2
-    return tuple(out) + (limit,)
+    return tuple(sorted(out | {top}))
 
 
 def plan_groups(lengths: np.ndarray, batch_buckets: tuple[int, ...],

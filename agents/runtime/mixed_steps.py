@@ -18,17 +18,14 @@ from __future__ import annotations
 import numpy as np
 from mindspore import Tensor, nn, ops
 
+from agents.runtime.bucket_plan import bucket_ladder
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.step import RowKind, row_kinds
 
 
 def mixed_token_buckets(top: int) -> tuple[int, ...]:
-    """Token totals of the ragged mixed graphs: powers of two and their 1.5x from 16 up to ``top``, and ``top``."""
-    out, v = set(), 16
-    while v < top:
-        out.update(size for size in (v, v * 3 // 2) if size < top)
-        v *= 2
-    return tuple(sorted(out | {top}))
+    """Token totals of the ragged mixed graphs: the ladder from 16 with half steps, up to ``top``."""
+    return bucket_ladder(top, 16, half_steps=True)
 
 
 def mixed_shapes(max_seqs: int, token_top: int, prefill_batch_sizes: tuple[int, ...],

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from agents.runtime.bucket_plan import groups_from_cuts
+from agents.runtime.bucket_plan import bucket_ladder, groups_from_cuts
 from llm_serving.protocol.batch import StepBatch
 
 
@@ -22,13 +22,7 @@ def token_buckets(batch_sizes: tuple[int, ...], seq_lengths: tuple[int, ...], ma
     """Powers of two and their 1.5x from the smallest prompt bucket up to the largest call (at least one
     ``max_model_len`` sequence, for the recompute of a preempted sequence)."""
     top = max(batch_sizes[-1] * seq_lengths[-1], max_model_len)
-    out, v = set(), 16
-    while v < top:
-        for size in (v, v * 3 // 2):
-            if seq_lengths[0] <= size < top:
-                out.add(size)
-        v *= 2
-    return tuple(sorted(out | {top}))
+    return bucket_ladder(top, 16, half_steps=True, low=seq_lengths[0])
 
 
 def plan_ragged(lengths: np.ndarray, max_seqs: int, cost: Callable[[int], float]) -> list[np.ndarray]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from agents.runtime.bucket_plan import powers_of_two_up_to
+from agents.runtime.bucket_plan import bucket_ladder
 from agents.runtime.mixed_steps import mixed_shapes
 from agents.runtime.ragged_prefill import token_buckets
 from llm_serving.protocol.model_config import (
@@ -81,7 +81,7 @@ class RunnerConfig:
         if self.decode_block_widths:
             return self
         top = self.max_blocks_per_seq
-        return replace(self, decode_block_widths=(top,) if full_width else powers_of_two_up_to(top, 4))
+        return replace(self, decode_block_widths=(top,) if full_width else bucket_ladder(top, 4))
 
     @property
     def max_blocks_per_seq(self) -> int:
