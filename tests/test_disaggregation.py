@@ -41,6 +41,7 @@ from llm_serving.protocol.kv_segment import KvSegment
 from llm_serving.protocol.shm_channel import ChannelLayout, StepChannel
 from llm_serving.request_errors import ApiError
 from llm_serving.router.disaggregation import decode_request, prefill_request
+from tests.test_kv_transfer_trust import liar
 from tests.test_router import RouterProcess, get, post
 from tests.test_server import ServerProcess
 from tests.tiny_engine import TINY_SERVED, set_args, tiny_engine_config
@@ -192,8 +193,7 @@ def test_the_router_splits_a_request_into_a_prefill_and_a_decode():
                      "kv_transfer_params": {"do_remote_decode": True}}
     chat = prefill_request(json.dumps({"messages": [], "max_completion_tokens": 9}).encode())
     assert chat["max_completion_tokens"] == 1 and "max_tokens" not in chat
-    for unsplit in (b"nope", b'{"prompt": ["a", "b"]}', b'{"prompt": "a", "n": 2}',
-                    b'{"prompt": "a", "kv_transfer_params": {"do_remote_decode": true}}'):
+    for unsplit in (b"nope", b'{"prompt": ["a", "b"]}', b'{"prompt": "a", "n": 2}'):
         assert prefill_request(unsplit) is None
     assert prefill_request(b'{"prompt": [1, 2, 3]}') is not None  # token ids are one prompt
     answer = json.dumps({"choices": [], "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "kv-1",
@@ -336,8 +336,13 @@ CAN_UNSHARE = os.geteuid() == 0 and shutil.which("unshare") is not None
 def split_cluster(tmp_path_factory):
     data = tmp_path_factory.mktemp("disaggregation")
     args = set_args({**TINY_SERVED, "serving_config.kv_transfer": True})
-    prefill = ServerProcess(data, *args)
-    decode = ServerProcess(data, *args, prefix=PRIVATE_SHM if CAN_UNSHARE else ())
+    port = free_port()  # the prefill engine trusts itself: it decodes its own transfers in a test below
+    prefill_url = f"http://127.0.0.1:{port}"
+    prefill = ServerProcess(data, *args, *set_args({"serving_config.kv_transfer_peers": [prefill_url]}),
+                            "--port", str(port))
+    assert prefill.url == prefill_url
+    decode = ServerProcess(data, *args, *set_args({"serving_config.kv_transfer_peers": [prefill.url]}),
+                           prefix=PRIVATE_SHM if CAN_UNSHARE else ())
     router = RouterProcess(decode.url, prefill=(prefill.url,))
     yield router, prefill, decode
     router.stop()
@@ -442,3 +447,82 @@ def test_a_prefill_engine_that_is_down_leaves_the_prompt_to_the_decode_engine(sp
     bad = subprocess.run([sys.executable, "-m", "llm_serving", "router", "--engine", decode.url, "--prefill", "nope"],
                          check=False, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "--prefill 'nope': expected a URL" in bad.stderr
+
+
+# ---- transfers that cannot lie (issue 51) --------------------------------------------------------------------
+def counts(engine) -> dict[str, float]:
+    text = get(engine.url + "/metrics")[1]
+    return {**{via: metric(text, f'llm_serving_kv_transfer_fetches_total{{via="{via}"}}')
+               for via in ("shm", "http", "failed", "refused")},
+            "imported": metric(text, "llm_serving_kv_transfer_imported_blocks_total")}
+
+
+def choices(url: str, body: dict) -> list:
+    status, answer = post(url + "/v1/completions", body)
+    assert status == 200, answer
+    return json.loads(answer)["choices"]
+
+
+def hold(prefill, prompt: list[int]) -> dict:
+    """The prefill half: the transfer the prefill engine holds for ``prompt``."""
+    status, answer = post(prefill.url + "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                                            "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 200
+    params = json.loads(answer)["kv_transfer_params"]
+    assert params["num_blocks"] >= 2
+    return params
+
+
+def test_a_client_cannot_make_a_decode_engine_fetch_from_its_server(split_cluster):
+    """The operator's report: a request naming a fake server with blocks for a victim's prompt made every later
+    request for it answer other text. Now the decode engine fetches only from its peers and the router drops
+    client parameters: the fake server is never asked, nothing is imported, the answers are right."""
+    router, prefill, decode = split_cluster
+    victim = [17 + (11 * i) % 800 for i in range(40)]
+    plain = {"prompt": victim, "max_tokens": 6, "temperature": 0}
+    right = choices(prefill.url, plain)
+    honest = KvPayload.from_bytes(get_bytes(f"{prefill.url}/v1/kv_transfer/{hold(prefill, victim)['transfer_id']}")[1])
+    poison = KvPayload(honest.layout, honest.token_ids, [bytes(len(s)) for s in honest.shards])  # digests valid
+    with liar(poison.to_bytes()) as server:
+        attack = {**plain, "max_tokens": 1,
+                  "kv_transfer_params": {"transfer_id": f"llmserving_kvx_{os.getpid()}_ab", "remote_url": server.url}}
+        before = counts(decode)
+        assert right[0]["text"].startswith(choices(decode.url, attack)[0]["text"])
+        after = counts(decode)
+        assert after == {**before, "refused": before["refused"] + 1}  # nothing fetched, nothing imported
+        assert choices(decode.url, plain) == right  # the prefix cache holds the decode engine's own blocks only
+        assert choices(router.url, {**attack, "max_tokens": 6}) == right  # dropped by the router: a transfer of its own
+        assert server.asked == []
+    assert counts(decode)["refused"] == after["refused"]
+
+
+def test_damaged_blocks_are_refused_and_the_prompt_computed(split_cluster):
+    """Zeroed KV bytes in the held segment: refused (counted) by a decode engine fetching over HTTP, and by one on
+    the same host reading the segment itself; both answer as one engine does."""
+    _, prefill, decode = split_cluster
+    prompt = [23 + (13 * i) % 700 for i in range(40)]
+    plain = {"prompt": prompt, "max_tokens": 6, "temperature": 0}
+    right = choices(prefill.url, plain)
+    for engine in (decode, prefill):  # HTTP when decode has a /dev/shm of its own; the segment itself (shm)
+        params = hold(prefill, prompt)
+        with open(Path("/dev/shm", params["transfer_id"]), "r+b") as segment:
+            end = 8 + int.from_bytes(segment.read(8), "little")
+            segment.seek(end - 64)
+            segment.write(bytes(64))  # the last rank's last block, partly
+        before = counts(engine)
+        transfer = {"transfer_id": params["transfer_id"], "remote_url": prefill.url}
+        assert choices(engine.url, {**plain, "kv_transfer_params": transfer}) == right
+        assert counts(engine) == {**before, "refused": before["refused"] + 1}
+    assert choices(decode.url, plain) == right
+
+
+def test_blocks_of_another_prompt_are_refused(split_cluster):
+    _, prefill, decode = split_cluster
+    theirs, ours = [31 + (17 * i) % 600 for i in range(40)], [37 + (19 * i) % 600 for i in range(40)]
+    plain = {"prompt": ours, "max_tokens": 6, "temperature": 0}
+    right = choices(prefill.url, plain)
+    params = hold(prefill, theirs)
+    before = counts(decode)
+    transfer = {"transfer_id": params["transfer_id"], "remote_url": prefill.url}
+    assert choices(decode.url, {**plain, "kv_transfer_params": transfer}) == right
+    assert counts(decode) == {**before, "refused": before["refused"] + 1}

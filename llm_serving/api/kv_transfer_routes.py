@@ -9,9 +9,15 @@ them into its prefix cache (``Engine.import_prompt_kv``) before it admits the re
 prompt's last partial block. Held blocks are handed out once (a decode engine that read them itself releases them:
 ``DELETE /v1/kv_transfer/{id}``) and dropped after ``hold_s`` or beyond ``hold_bytes`` (oldest first).
 
-Losing blocks on the way costs time, not tokens: a fetch that fails (expired, unreachable engine, damaged payload) is
-logged and the decode engine computes the prompt itself. A payload of another layout (model, tensor-parallel size,
-dtype, block size, kernels) is refused with a 400: that is a deployment error, not a lost transfer.
+Losing blocks on the way costs time, not tokens: a fetch that fails (expired, unreachable engine) is logged and the
+decode engine computes the prompt itself. A payload of another layout (model, tensor-parallel size, dtype, block
+size, kernels) is refused with a 400: that is a deployment error, not a lost transfer.
+
+Transfers cannot poison the prefix cache: the decode engine fetches (or reads from shared memory) only from the
+prefill engines its ``serving_config.kv_transfer_peers`` names (none by default) and imports a payload only when
+every block's digest holds and its tokens are the request's own prompt prefix (``kv_transfer.verified``, run
+before any block is taken). Anything else is refused whole: nothing fetched or imported, counted
+(``via="refused"``), the prompt computed here. The router never forwards a client's own ``kv_transfer_params``.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from prometheus_client import Counter
 from llm_serving.api.kv_hold import HeldPayloads, read_local
 from llm_serving.api.responses import error_response
 from llm_serving.api.schema import KvTransferParams
-from llm_serving.engine.kv_transfer import KvPayload
+from llm_serving.config.sections import http_origin
+from llm_serving.engine.kv_transfer import digest_key, verified
 from llm_serving.engine.request_stream import EngineError
 from llm_serving.request_errors import ApiError
 
@@ -42,11 +49,14 @@ class KvTransferRoutes:
     """Export after, import before a request; ``fetch`` is the route decode engines download from."""
 
     def __init__(self, engine: Any, enabled: bool, fetches: Counter, api_key: str | None = None,
-                 hold_s: float = HOLD_S, hold_bytes: int = HOLD_BYTES) -> None:
+                 hold_s: float = HOLD_S, hold_bytes: int = HOLD_BYTES, peers: tuple[str, ...] = ()) -> None:
         self.engine, self.enabled = engine, enabled
-        self.fetches = fetches  # by "via": shm, http, failed
-        # sent when fetching: the engines of one deployment share their key (serving_config.api_key)
+        self.fetches = fetches  # by "via": shm, http (imported), failed (not had), refused (not taken)
+        self.peers = {http_origin(url) for url in peers} - {None}  # serving_config.kv_transfer_peers
+        # the engines of one deployment share their key (serving_config.api_key): sent when fetching, and the
+        # payloads' digests are keyed with it
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._digest_key = digest_key(api_key)
         self.held = HeldPayloads(hold_s, hold_bytes)
         self._session: aiohttp.ClientSession | None = None
         self._releasing: set[asyncio.Task] = set()  # DELETEs in flight (kept referenced until done)
@@ -72,7 +82,7 @@ class KvTransferRoutes:
             return {"kv_transfer_params": None}
         # serialized off the event loop (a long prompt's blocks are many MiB); held on it, where every other use of
         # the held payloads runs (HeldPayloads is not thread-safe)
-        data = await asyncio.get_running_loop().run_in_executor(None, payload.to_bytes)
+        data = await asyncio.get_running_loop().run_in_executor(None, payload.to_bytes, self._digest_key)
         transfer_id = self.held.put(data)
         return {"kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id,
                                        "num_blocks": payload.num_blocks}}
@@ -95,21 +105,23 @@ class KvTransferRoutes:
                                             f"dropped after {self.held.hold_s:g} s, or never kept", "not_found"), True)
 
     # ---- decode side -----------------------------------------------------------------------------------------
-    async def import_blocks(self, params: KvTransferParams | None) -> int:
-        """Fetch and import the blocks ``params`` names; the number imported (0 when none were, the prompt then
-        computed here). A 400 when they are of another layout."""
-        if params is None or params.transfer_id is None:
+    async def import_blocks(self, params: KvTransferParams | None, prompt_ids: list[int]) -> int:
+        """Fetch and import the blocks ``params`` names for the prompt ``prompt_ids``; the number imported (0 when
+        none were, the prompt then computed here). A 400 when they are of another layout."""
+        if params is None or params.transfer_id is None or params.remote_url is None:
             return 0
-        data = await self._download(params)
-        if data is None:
+        if http_origin(params.remote_url) not in self.peers:
+            return self._refuse(params, "it is not one of serving_config.kv_transfer_peers: nothing fetched")
+        fetched = await self._download(params.transfer_id, params.remote_url)
+        if fetched is None:
             return 0
-        try:
-            payload = await asyncio.get_running_loop().run_in_executor(None, KvPayload.from_bytes, data)
+        data, via = fetched
+        try:  # checked off the event loop (digests of many MiB), before a block is taken for it
+            payload = await asyncio.get_running_loop().run_in_executor(None, verified, data, prompt_ids,
+                                                                       self._digest_key)
         except ValueError as exc:
-            self.fetches.labels("failed").inc()
-            log.warning("KV blocks %s from %s are unreadable (%s): computing the prompt here", params.transfer_id,
-                        params.remote_url, exc)
-            return 0
+            return self._refuse(params, str(exc))
+        self.fetches.labels(via).inc()
         try:
             return await asyncio.wrap_future(self.engine.import_prompt_kv(payload))
         except ValueError as exc:
@@ -118,22 +130,26 @@ class KvTransferRoutes:
             log.warning("importing KV blocks %s failed (%s): computing the prompt here", params.transfer_id, exc)
             return 0
 
-    async def _download(self, params: KvTransferParams) -> bytes | None:
-        """The payload: from its segment when the prefill engine runs on this host (then released there), else
-        over HTTP; None when it cannot be had."""
+    def _refuse(self, params: KvTransferParams, why: str) -> int:
+        self.fetches.labels("refused").inc()
+        log.warning("KV blocks %s from %s refused (%s): computing the prompt here", params.transfer_id,
+                    (params.remote_url or "")[:200], why)
+        return 0
+
+    async def _download(self, transfer_id: str, remote_url: str) -> tuple[bytes, str] | None:
+        """The payload and how it came: from its segment when the prefill engine (a trusted peer) runs on this host
+        (then released there), else over HTTP; None when it cannot be had."""
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S))
-        url = f"{params.remote_url.rstrip('/')}/v1/kv_transfer/{params.transfer_id}"
-        data = await asyncio.get_running_loop().run_in_executor(None, read_local, params.transfer_id)
+        url = f"{remote_url.rstrip('/')}/v1/kv_transfer/{transfer_id}"
+        data = await asyncio.get_running_loop().run_in_executor(None, read_local, transfer_id)
         if data is not None:
-            self.fetches.labels("shm").inc()
             self._releasing.add(asyncio.create_task(self._release(url)))
-            return data
+            return data, "shm"
         try:
             async with self._session.get(url, headers=self._headers) as resp:
                 if resp.status == 200:
-                    self.fetches.labels("http").inc()
-                    return await resp.read()
+                    return await resp.read(), "http"
                 reason = f"HTTP {resp.status}: {(await resp.text())[:200]}"
         except (TimeoutError, aiohttp.ClientError) as exc:
             reason = f"{type(exc).__name__}: {exc}"

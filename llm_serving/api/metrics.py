@@ -105,7 +105,8 @@ class ServerMetrics:
         self.generation_tokens = Counter(f"{p}generation_tokens_total", "Generated tokens sent to clients",
                                          registry=r)
         self.kv_fetches = Counter(f"{p}kv_transfer_fetches_total", "Prompts' KV blocks this decode engine fetched "
-                                  "from prefill engines, by how (shm: shared memory on this host; http) or failed",
+                                  "from prefill engines, by how (shm: shared memory on this host; http), failed (not "
+                                  "had) or refused (not a trusted peer, damaged, or not this prompt's: computed here)",
                                   ["via"], registry=r)
         Gauge(f"{p}requests_in_flight", "Generation requests being served by the HTTP server",
               registry=r).set_function(in_flight)

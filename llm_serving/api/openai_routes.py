@@ -63,7 +63,8 @@ class OpenAIRoutes:
                                         prompt_logprobs=scored)
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         prompts = [await server.tokenize(p) for p in req.prompts]
-        await server.kv_transfer.import_blocks(req.kv_transfer)  # a decode engine's: the prompt's blocks first
+        # a decode engine's: the prompt's blocks first (one prompt's: the router splits no others)
+        await server.kv_transfer.import_blocks(req.kv_transfer, prompts[0])
         gens: list[Generation] = []
         try:
             for i, ids in enumerate(prompts):

@@ -113,7 +113,8 @@ class Server:
     def _build_app(self) -> web.Application:
         tgi, openai = TgiRoutes(self), OpenAIRoutes(self)
         sc = self.config.serving_config
-        self.kv_transfer = KvTransferRoutes(self.engine, sc.kv_transfer, self.metrics.kv_fetches, sc.api_key)
+        self.kv_transfer = KvTransferRoutes(self.engine, sc.kv_transfer, self.metrics.kv_fetches, sc.api_key,
+                                            peers=sc.kv_transfer_peers)
         guards = [m for m in (api_key_middleware(self.config.serving_config.api_key),) if m is not None]
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._json_errors, *guards])
         app.router.add_post("/models/{model_name}/generate", self._guard(tgi.generate, "llm"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from llm_serving.config.yaml_sections import need, setting
 from llm_serving.core.scheduler_config import POLICIES
@@ -135,6 +136,21 @@ class ModelSection:
              f"{dtype}, {kernels}); docs/quantization.md")
 
 
+def http_origin(url: str) -> str | None:
+    """``url`` as peers are compared: ``scheme://host:port/path``, scheme and host in lower case, the port always
+    written, no trailing '/'; None unless it is an http(s) URL with a host (and no user, query or fragment)."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        return None
+    scheme, host = parts.scheme.lower(), parts.hostname
+    if scheme not in ("http", "https") or not host or parts.username is not None or parts.query or parts.fragment:
+        return None
+    host = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{host}:{port or (443 if scheme == 'https' else 80)}{parts.path.rstrip('/')}"
+
+
 @dataclass(frozen=True)
 class ServingSection:
     """``serving_config``: network endpoints, agent ranks and admission limits."""
@@ -153,6 +169,9 @@ class ServingSection:
     # prefill/decode disaggregation: this engine exports prompts' KV blocks to, and imports them from, engines of
     # the same model and layout (kv_transfer_params of the OpenAI routes; `llm-serving router --prefill`)
     kv_transfer: bool = setting(False, "bool")
+    # the prefill engines (URLs, as the router's --prefill names them) this engine may fetch KV blocks from; a
+    # request naming any other is computed here, nothing fetched (none: this engine fetches from no one)
+    kv_transfer_peers: tuple[str, ...] = setting((), "strs")
     max_queue_size: int = setting(1024, "int")
     model_aliases: tuple[str, ...] = setting(("llama2",), "strs")
     api_key: str | None = setting(None, "str", optional=True)  # Bearer key on all routes but /health
@@ -199,6 +218,11 @@ class ServingSection:
                 need(False, source, "serving_config.join_address", str(exc))
         need(not self.kv_transfer or local is None or local >= agents, source, "serving_config.kv_transfer",
              "every rank must run on this host (the KV segment is shared memory)")
+        for url in self.kv_transfer_peers:
+            need(http_origin(url) is not None, source, "serving_config.kv_transfer_peers",
+                 f"expected http(s) URLs of prefill engines (http://HOST:PORT), got {url!r}")
+        need(not self.kv_transfer_peers or self.kv_transfer, source, "serving_config.kv_transfer_peers",
+             "is for engines with serving_config.kv_transfer true")
         need(0 <= self.server_port < 65536, source, "serving_config.server_port",
              f"must be 0..65535 (0: any free port), got {self.server_port}")
         need(bool(self.server_ip.strip()), source, "serving_config.server_ip", "must not be empty")

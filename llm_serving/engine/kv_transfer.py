@@ -14,10 +14,19 @@ is simply computed again: the import makes the answer faster, never different.
 A payload holds bytes in the exporting ranks' cache layout, so both engines must serve the same model the same way:
 ``KvPayload.layout`` (model config, tensor-parallel size, block geometry, dtypes, kernels) is compared before
 anything is imported. The weights themselves are not compared: the deployment serves one checkpoint on both sides.
+
+A payload cannot lie about what it holds (``verified``): each rank's blocks carry a chain of HMAC-SHA256 digests,
+block i's over block i-1's digest, block i's token ids and its bytes (so a block is bound to its whole prefix, as
+the prefix cache's keys are), keyed with a secret the deployment's engines share (``digest_key``); the importer
+recomputes the chain and takes the payload only for its request's own prompt prefix. A damaged, relabelled or
+foreign payload is refused whole and the prompt computed (SHA-256 over HMAC: 1.8 GB/s here with SHA-NI, against
+0.8 GB/s for BLAKE2b).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import json
 import logging
@@ -35,7 +44,7 @@ from llm_serving.protocol.wire import AgentSpec
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"LLMSKV1\n"
+MAGIC = b"LLMSKV2\n"  # 2: per-block digests
 _HEADER_LEN = struct.Struct("<I")
 # runner settings that change the cache's bytes or the K/V values in it
 LAYOUT_KEYS = ("block_size", "dtype", "kv_cache_dtype", "kernels", "precision", "quantization", "device_target")
@@ -46,6 +55,25 @@ def kv_layout(spec: AgentSpec) -> dict[str, Any]:
     rc = spec.runner_config
     return {"llama_config": spec.llama_config, "tensor_parallel_size": spec.tensor_parallel_size,
             "block_bytes": spec.kv_block_bytes, **{k: rc.get(k) for k in LAYOUT_KEYS}}
+
+
+def digest_key(secret: str | None) -> bytes:
+    """The key of payload digests: derived from the engines' shared secret (serving_config.api_key); empty without
+    one (the digests then still catch damage, not forgery)."""
+    return hashlib.sha256(b"llm-serving kv payload\0" + secret.encode()).digest() if secret else b""
+
+
+def block_digests(token_ids: list[int], shard: bytes, block_size: int, block_bytes: int, key: bytes) -> list[str]:
+    """One rank's chained block digests (hex): block i's covers block i-1's digest, its tokens and its bytes."""
+    view, digests, prev = memoryview(shard), [], b""
+    for i in range(len(shard) // block_bytes if block_bytes else 0):
+        mac = hmac.new(key, prev, hashlib.sha256)
+        tokens = token_ids[i * block_size: (i + 1) * block_size]
+        mac.update(struct.pack(f"<{len(tokens)}q", *tokens))
+        mac.update(view[i * block_bytes: (i + 1) * block_bytes])
+        prev = mac.digest()
+        digests.append(prev.hex())
+    return digests
 
 
 @dataclass
@@ -60,35 +88,67 @@ class KvPayload:
     def num_blocks(self) -> int:
         return len(self.shards[0]) // self.layout["block_bytes"] if self.shards and self.layout["block_bytes"] else 0
 
-    def to_bytes(self) -> bytes:
+    def digests(self, key: bytes) -> list[list[str]]:
+        bs, block = int(self.layout["block_size"]), int(self.layout["block_bytes"])
+        return [block_digests(self.token_ids, s, bs, block, key) for s in self.shards]
+
+    def to_bytes(self, key: bytes = b"") -> bytes:
         header = json.dumps({"layout": self.layout, "token_ids": self.token_ids,
-                             "shard_bytes": [len(s) for s in self.shards]}).encode()
+                             "shard_bytes": [len(s) for s in self.shards], "digests": self.digests(key)}).encode()
         return b"".join((MAGIC, _HEADER_LEN.pack(len(header)), header, *self.shards))
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> KvPayload:
-        """Parse ``to_bytes``' output; ValueError naming what is wrong."""
+    def from_bytes(cls, data: bytes, key: bytes = b"") -> KvPayload:
+        """Parse ``to_bytes``' output and check every block's digest under ``key``; ValueError naming what is
+        wrong."""
         if not data.startswith(MAGIC) or len(data) < len(MAGIC) + _HEADER_LEN.size:
             raise ValueError("not a KV payload of this llm-serving version")
         start = len(MAGIC) + _HEADER_LEN.size
         (size,) = _HEADER_LEN.unpack_from(data, len(MAGIC))
         try:
             header = json.loads(data[start: start + size])
-            layout, tokens, sizes = header["layout"], header["token_ids"], header["shard_bytes"]
-        except (ValueError, KeyError, TypeError) as exc:
+            layout, tokens, sizes, digests = (header["layout"], header["token_ids"], header["shard_bytes"],
+                                              header["digests"])
+            payload = cls(layout, [int(t) for t in tokens], [])
+            bs, block = int(layout.get("block_size") or 0), int(layout.get("block_bytes") or 0)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"the KV payload's header is malformed: {exc}") from None
-        offset, shards = start + size, []
+        offset = start + size
         for n in sizes:
-            shards.append(data[offset: offset + n])
+            payload.shards.append(data[offset: offset + n])
             offset += n
-        if offset != len(data) or any(len(s) != n for s, n in zip(shards, sizes)):
+        if offset != len(data) or any(len(s) != n for s, n in zip(payload.shards, sizes)):
             raise ValueError(f"the KV payload holds {len(data)} bytes, its header describes {offset}")
-        payload = cls(layout, [int(t) for t in tokens], shards)
-        bs, block = int(layout.get("block_size") or 0), int(layout.get("block_bytes") or 0)
         if (not bs or len(tokens) != payload.num_blocks * bs
-                or any(len(s) != payload.num_blocks * block for s in shards)):
+                or any(len(s) != payload.num_blocks * block for s in payload.shards)):
             raise ValueError(f"the KV payload's {len(tokens)} tokens and shards of {sizes} bytes are not whole blocks")
+        if not isinstance(digests, list) or len(digests) != len(payload.shards):
+            raise ValueError("the KV payload's header has no digests for some ranks")
+        for rank, (theirs, ours) in enumerate(zip(digests, payload.digests(key))):
+            if not isinstance(theirs, list) or len(theirs) != len(ours):
+                raise ValueError(f"the KV payload's digests of rank {rank} do not cover its {len(ours)} blocks")
+            bad = next((i for i, (t, o) in enumerate(zip(theirs, ours))
+                        if not hmac.compare_digest(str(t).encode(), o.encode())), None)
+            if bad is not None:  # the chain: every later block fails too
+                raise ValueError(f"block {bad} of rank {rank} does not match its digest (damaged, or not exported "
+                                 "by an engine with this engine's serving_config.api_key)")
         return payload
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        """ValueError unless the payload's tokens are a prefix of ``prompt_ids`` (its blocks are then the prompt's
+        own first blocks)."""
+        n = len(self.token_ids)
+        if n > len(prompt_ids) or self.token_ids != list(prompt_ids[:n]):
+            raise ValueError(f"the KV payload's {n} tokens are not a prefix of the request's {len(prompt_ids)}-token "
+                             "prompt")
+
+
+def verified(data: bytes, prompt_ids: list[int], key: bytes) -> KvPayload:
+    """The payload in ``data`` when every block's digest holds and it is ``prompt_ids``' own prefix, else
+    ValueError: what a decode engine imports."""
+    payload = KvPayload.from_bytes(data, key)
+    payload.check_prompt(prompt_ids)
+    return payload
 
 
 @dataclass

@@ -5,6 +5,10 @@ transfer that answer names and the prefill engine's URL, from which the decode e
 computes the rest of the prompt (``llm_serving.api.kv_transfer_routes``). The client sees the decode engine's answer
 only. Requests this cannot split (several prompts or choices, other routes, a body that is not JSON) go to a decode
 engine whole, as do those whose prefill engine fails: the decode engine then computes the prompt itself.
+
+Transfer parameters are the router's alone: a client's own ``kv_transfer_params`` are dropped from every completion
+and chat request (``without_transfer_params``), with or without prefill engines, so no client can make an engine
+hold blocks, or a decode engine fetch from a URL the client chose.
 """
 
 from __future__ import annotations
@@ -16,13 +20,26 @@ DISAGGREGATED_PATHS = ("/v1/completions", "/v1/chat/completions")
 _LENGTH_KEYS = ("max_tokens", "max_completion_tokens")
 
 
+def without_transfer_params(body: bytes) -> bytes:
+    """The client's body without ``kv_transfer_params`` (as sent when it has none, or is not a JSON object)."""
+    try:
+        data = json.loads(body) if body else None
+    except ValueError:
+        return body
+    if not isinstance(data, dict) or "kv_transfer_params" not in data:
+        return body
+    del data["kv_transfer_params"]
+    return json.dumps(data).encode()
+
+
 def prefill_request(body: bytes) -> dict[str, Any] | None:
-    """The body to send a prefill engine, or None when the request is not one to split."""
+    """The body to send a prefill engine (transfer parameters the router's own), or None when the request is not
+    one to split."""
     try:
         data = json.loads(body) if body else None
     except ValueError:
         return None
-    if not isinstance(data, dict) or data.get("kv_transfer_params") is not None:
+    if not isinstance(data, dict):
         return None
     if data.get("n", 1) != 1 or data.get("best_of", 1) != 1:
         return None
@@ -37,13 +54,13 @@ def prefill_request(body: bytes) -> dict[str, Any] | None:
 
 def decode_request(body: bytes, prefill_answer: bytes, prefill_url: str) -> tuple[bytes, bool]:
     """The client's body for the decode engine with the transfer the prefill engine's answer names (its blocks at
-    ``prefill_url``), and whether it names one (else the body as sent)."""
+    ``prefill_url``), and whether it names one (else the body without transfer parameters)."""
     try:
         params = json.loads(prefill_answer).get("kv_transfer_params")
     except (ValueError, AttributeError):
-        return body, False
+        return without_transfer_params(body), False
     if not isinstance(params, dict) or not isinstance(params.get("transfer_id"), str) or not params.get("num_blocks"):
-        return body, False
+        return without_transfer_params(body), False
     data = json.loads(body)
     data["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": params["transfer_id"],
                                   "remote_url": prefill_url}

@@ -26,7 +26,12 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm_serving.router.affinity import AffinityPolicy
-from llm_serving.router.disaggregation import DISAGGREGATED_PATHS, decode_request, prefill_request
+from llm_serving.router.disaggregation import (
+    DISAGGREGATED_PATHS,
+    decode_request,
+    prefill_request,
+    without_transfer_params,
+)
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +171,8 @@ class RouterServer:
     async def forward(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         text = routing_text(body)
+        if request.method == "POST" and request.path in DISAGGREGATED_PATHS:
+            body = without_transfer_params(body)  # transfers are the router's to name, never a client's
         if self.prefilling and request.method == "POST" and request.path in DISAGGREGATED_PATHS:
             prefilled = await self._prefill(request, body, text)
             if isinstance(prefilled, web.StreamResponse):
