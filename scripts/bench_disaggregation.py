@@ -164,7 +164,10 @@ def main() -> None:
                 run("2 colocated engines (1 core each) via router", f"http://127.0.0.1:{port}", args)
         if "disaggregated" in setups:
             prefill = stack.enter_context(engine(split, "0", work / "prefill.log"))
-            decode = stack.enter_context(engine(split, "1", work / "decode.log"))
+            trusting = work / "disaggregated_decode.yaml"  # the decode engine fetches from this prefill engine only
+            trusting.write_text(json.dumps({**cfg, "serving_config": {"kv_transfer": True,
+                                                                      "kv_transfer_peers": [prefill]}}) + "\n")
+            decode = stack.enter_context(engine(trusting, "1", work / "decode.log"))
             port = stack.enter_context(router([decode], work / "router_pd.log", prefill=(prefill,)))
             run("prefill engine (core 0) + decode engine (core 1)", f"http://127.0.0.1:{port}", args)
 

@@ -505,10 +505,12 @@ def test_damaged_blocks_are_refused_and_the_prompt_computed(split_cluster):
     right = choices(prefill.url, plain)
     for engine in (decode, prefill):  # HTTP when decode has a /dev/shm of its own; the segment itself (shm)
         params = hold(prefill, prompt)
-        with open(Path("/dev/shm", params["transfer_id"]), "r+b") as segment:
+        with open(Path("/dev/shm", params["transfer_id"]), "r+b") as segment:  # its length, then the payload
             end = 8 + int.from_bytes(segment.read(8), "little")
-            segment.seek(end - 64)
-            segment.write(bytes(64))  # the last rank's last block, partly
+            segment.seek(8 + 8)  # the payload's magic, then its header's length and the header: then the blocks
+            blocks = 8 + 8 + 4 + int.from_bytes(segment.read(4), "little")
+            segment.seek(blocks)
+            segment.write(bytes(end - blocks))  # every block zeroed
         before = counts(engine)
         transfer = {"transfer_id": params["transfer_id"], "remote_url": prefill.url}
         assert choices(engine.url, {**plain, "kv_transfer_params": transfer}) == right
