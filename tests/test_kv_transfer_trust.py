@@ -11,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
+from llm_serving.api.kv_hold import HeldPayloads, read_local
 from llm_serving.api.kv_transfer_routes import KvTransferRoutes
 from llm_serving.api.schema import KvTransferParams
 from llm_serving.config.sections import http_origin
@@ -165,6 +168,18 @@ def test_a_decode_engine_fetches_only_from_its_peers_and_takes_only_honest_paylo
             routes = KvTransferRoutes(None, True, fetches, api_key="deployment secret", peers=(server.url + "/",))
             assert attempt(routes, server.url, prompt) == 0  # refused before any engine call (there is none)
         assert server.asked == ["/v1/kv_transfer/llmserving_kvx_1_ab"] and counts(fetches) == {"refused": 1}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="hands a segment to another user (needs root)")
+def test_a_segment_another_user_made_is_not_read():
+    held = HeldPayloads(60.0, 1 << 20)
+    try:
+        name = held.put(b"blocks")
+        assert read_local(name) == b"blocks"
+        os.chown(Path("/dev/shm", name), 65534, -1)  # nobody's: a planted segment under a held transfer's name
+        assert read_local(name) is None
+    finally:
+        held.close()
 
 
 # ---- the router --------------------------------------------------------------------------------------------

@@ -88,10 +88,13 @@ class HeldPayloads:
 
 def read_local(transfer_id: str) -> bytes | None:
     """A payload held by an engine on this host, read from its segment (not unlinked: its holder does that); None
-    when ``transfer_id`` names no such segment here (held elsewhere, taken, dropped)."""
+    when ``transfer_id`` names no such segment here (held elsewhere, taken, dropped), or one another user made (the
+    caller then asks the engine itself, which serves only what it holds)."""
     if not is_transfer_id(transfer_id):
         return None
     try:
+        if os.stat(os.path.join("/dev/shm", transfer_id)).st_uid != os.geteuid():
+            return None
         segment = attach_untracked(transfer_id)
     except (FileNotFoundError, ChannelError):
         return None
