@@ -84,7 +84,7 @@ def build_target(config: ServingConfig, cost: str, device_params: dict[str, str]
                                 else int(meta.get("num_blocks", 0)) or None)
         if blocks is None:
             raise CostModelError(f"{cost}: no KV block count recorded; give --num-blocks")
-        encode, how = load_tokenizer(model.tokenizer_path).encode, str(model.tokenizer_path)
+        encode, how = load_tokenizer(model.tokenizer_file).encode, str(model.tokenizer_path)
         overhead = request_overhead(step_cost, meta.get("first_token_probes", []))
     end = config.model_config.end_token
     sched = scheduler_config(config, end if end is not None else llama.eos_token_id, llama, num_blocks=blocks)
