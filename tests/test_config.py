@@ -11,7 +11,7 @@ import yaml
 
 from llm_serving.config.sections import ModelSection, PagedAttentionSection
 from llm_serving.config.serving_config import ConfigError, ServingConfig
-from llm_serving.engine.wiring import resolve_model
+from llm_serving.engine.wiring import resolve_model, scheduler_config
 from llm_serving.models.default_model import TRAINED_MODEL
 from llm_serving.protocol.paths import cache_root
 
@@ -363,6 +363,19 @@ def test_with_overrides_returns_a_new_validated_config(tmp_path, monkeypatch):
     assert cfg.max_num_batched_tokens == 512  # max_model_len beats 2 * 256
     assert base == ServingConfig() and base.with_overrides() is base
     assert "with overrides" in cfg.source
+
+
+def test_a_derived_chunk_budget_carries_the_largest_decode_batch():
+    """Chunked prefill without scheduler.max_num_batched_tokens: the derived budget holds every running sequence's
+    decode token, so a decode batch above the prefill budget serves (it was a ValueError at engine start)."""
+    big = {"model_config": {"decode_batch_size": [2048]}, "pa_config": {"num_blocks": 4096}}
+    cfg = ServingConfig.from_dict(big)
+    assert cfg.chunked_prefill and cfg.max_num_batched_tokens == 2048
+    assert scheduler_config(cfg, 2).max_num_batched_tokens == 2048  # what the engine builds at start
+    plain = ServingConfig.from_dict({**big, "scheduler": {"enable_chunked_prefill": False}})
+    assert plain.max_num_batched_tokens == 4 * 256  # a prefill step's budget: decode steps are not budgeted
+    scheduler_config(plain, 2)
+    assert ServingConfig().max_num_batched_tokens == 4 * 256  # a smaller decode batch changes nothing
 
 
 def test_bad_overrides_are_config_errors():

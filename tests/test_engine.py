@@ -388,6 +388,9 @@ def test_rejections_and_queue_limit(data_dir):
                     pool_factory=lambda spec: pools.append(GatedPool(spec)) or pools[-1])
     with pytest.raises(EngineError, match="not running"):
         engine.submit("hi")
+    for part in ("tokenizer", "model", "chat_template", "limits"):  # made by start(): an EngineError before it
+        with pytest.raises(EngineError, match="not running"):
+            getattr(engine, part)
     engine.start(progress=None)
     try:
         with pytest.raises(RequestRejected, match="64 tokens and leaves no room to generate"):

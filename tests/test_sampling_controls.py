@@ -12,6 +12,7 @@ import pytest
 from agents.runtime.sampler import RowExtras, adjusted_logits, apply_min_p, sample, sample_row
 from llm_serving.core.scheduler import Scheduler
 from llm_serving.core.sequence import SamplingParams, Sequence
+from llm_serving.core.step_builder import StepBuilder
 from llm_serving.protocol.batch import SamplingBatch
 from llm_serving.protocol.shm_channel import ChannelLayout, StepChannel
 from llm_serving.request_errors import InvalidParameter
@@ -68,6 +69,26 @@ def test_the_values_are_checked_and_named():
     params = SamplingParams(logit_bias={9: 1, 2: -3.5}, stop_token_ids=(5, 5, 6))
     assert params.logit_bias == ((2, -3.5), (9, 1.0)) and params.stop_token_ids == (5, 6) and params.needs_logits
     assert not SamplingParams(min_p=0.5).needs_logits  # min_p only narrows sampling; greedy stays in the graph
+
+
+def test_the_master_and_the_agents_decide_alike_which_rows_read_logits():
+    """``protocol.batch.needs_logits`` is the one rule: a request's parameters and its row of a step agree (a greedy
+    min_p row beside rows with extras was read back and resampled on the agents, though the master counts it
+    greedy)."""
+    cases = {"greedy": SamplingParams(4), "temperature": SamplingParams(4, temperature=0.5),
+             "repetition": SamplingParams(4, repetition_penalty=1.2),
+             "presence": SamplingParams(4, presence_penalty=0.3),
+             "frequency": SamplingParams(4, frequency_penalty=-0.2), "greedy min_p": SamplingParams(4, min_p=0.5),
+             "sampled min_p": SamplingParams(4, temperature=0.7, min_p=0.5),
+             "bias": SamplingParams(4, logit_bias={3: 1.5}), "min_tokens": SamplingParams(4, min_tokens=2)}
+    seqs = [Sequence(name, [5, 6, 7 + i], p) for i, (name, p) in enumerate(cases.items())]
+    for i, seq in enumerate(seqs):
+        seq.seed = i  # as Scheduler.add fixes it
+    sampling = StepBuilder(block_size=4, eos_ids={EOS}).sampling(seqs)  # what the scheduler sends the agents
+    assert sampling.extras is not None  # the greedy row's min_p travels with the others' extras
+    rows = dict(zip(cases, sampling.special_rows().tolist()))
+    assert rows == {name: p.needs_logits for name, p in cases.items()}
+    assert [name for name, special in rows.items() if not special] == ["greedy", "greedy min_p"]
 
 
 def test_min_tokens_bans_the_end_ids_until_then_and_stop_token_ids_stop():

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from llm_serving.api.tools import parse_tools
+from llm_serving.api.tools import ToolRequest, parse_tools
 from llm_serving.request_errors import ApiError
 from llm_serving.tokenization.chat_template import ChatTemplate, check_messages
 from llm_serving.tokenization.tokenizer import Tokenizer
@@ -49,6 +49,11 @@ def test_auto_reads_hermes_blocks_and_llama_json_and_leaves_text_alone():
     for text in ("It is sunny.", '{"name": "unknown_tool", "arguments": {}}', "<tool_call>not json</tool_call>"):
         assert tools.read(text) == (text, [])
     assert parse_tools({"tools": [WEATHER], "tool_choice": "none"}).read('{"name": "get_weather"}')[1] == []
+    named = parse_tools({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert named.choice == "function" and named.read('{"city": "Oslo"}')[1][0]["function"]["name"] == "get_weather"
+    for choice, function in (("auto", "get_weather"), ("function", None)):  # a function is named by that choice only
+        with pytest.raises(ValueError, match="exactly by choice 'function'"):
+            ToolRequest(named.tools, choice, function)
 
 
 @pytest.mark.parametrize("body, message", [

@@ -17,7 +17,7 @@ from typing import Any
 from llm_serving.api.metrics import ServerMetrics
 from llm_serving.core.logprobs import PromptLogprob, TopLogprobs
 from llm_serving.engine.request_stream import NO_TOKEN, EngineError, RequestStream
-from llm_serving.tokenization.tokenizer import Tokenizer
+from llm_serving.tokenization.hf_tokenizer import AnyTokenizer
 
 
 @dataclass
@@ -55,7 +55,7 @@ class FullAnswer:
 class Generation:
     """One admitted request; it is in ``live`` (the server's generations in flight) until ``close``."""
 
-    def __init__(self, stream: RequestStream, tokenizer: Tokenizer, metrics: ServerMetrics, arrival: float,
+    def __init__(self, stream: RequestStream, tokenizer: AnyTokenizer, metrics: ServerMetrics, arrival: float,
                  live: set[Generation]) -> None:
         self.stream = stream
         self.tokenizer = tokenizer

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -30,6 +30,9 @@ from llm_serving.api.server import Server
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.step_shape import step_rows
 from llm_serving.protocol.wire import AgentSpec
+
+if TYPE_CHECKING:
+    from llm_serving.engine.loop import Engine  # imported when serving: it pulls in the agent pool
 
 ABORT_GRACE_S = 5.0  # after aborting, how long handlers get to write their last frame
 SHUTDOWN_TIMEOUT_S = 5.0  # aiohttp's wait for handlers when the runner is cleaned up
@@ -111,14 +114,14 @@ def _standin_pool_factory(step_delay_s: float) -> Any:
     return factory
 
 
-def _write_steps(path: str, engine: Any, config: ServingConfig) -> None:
+def _write_steps(path: str, engine: Engine, config: ServingConfig) -> None:
     """The served steps as a step profile (the simulator's ``costs.load_profile`` reads it)."""
-    stats = engine.stats()
+    stats, steps = engine.stats(), step_rows(engine.step_trace or [])
     body = {"model": str(engine.model.model_path), "config": config.source, "served": True,
             "num_blocks": int(stats["kv_blocks_total"]) + 1, "tensor_parallel": config.num_agents,
-            "decode_buckets": list(config.model_config.decode_batch_size), "steps": step_rows(engine.step_trace or [])}
+            "decode_buckets": list(config.model_config.decode_batch_size), "steps": steps}
     Path(path).write_text(json.dumps(body) + "\n")
-    log(f"{len(body['steps'])} steps recorded in {path}")
+    log(f"{len(steps)} steps recorded in {path}")
 
 
 def serve(config: ServingConfig, standin_agents: bool = False, standin_step_delay: float = 0.0,

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from llm_serving.config.serving_config import ServingConfig
     from llm_serving.core.sequence import SamplingParams
     from llm_serving.tokenization.chat_template import ChatTemplate
-    from llm_serving.tokenization.tokenizer import Tokenizer
+    from llm_serving.tokenization.hf_tokenizer import AnyTokenizer
 
 OFFLOAD_ENCODE_CHARS = 1 << 16  # longer prompts are tokenized off the event loop
 
@@ -33,7 +33,7 @@ class RouteContext(Protocol):
     kv_transfer: KvTransferRoutes  # prefill/decode disaggregation's export and import around a request
 
     @property
-    def tokenizer(self) -> Tokenizer: ...
+    def tokenizer(self) -> AnyTokenizer: ...
 
     @property
     def model_path(self) -> Path: ...

@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -46,7 +46,10 @@ from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.request_stream import EngineError
 from llm_serving.request_errors import ApiError, InvalidParameter, QueueFull, RequestRejected
 from llm_serving.tokenization.chat_template import ChatTemplate
-from llm_serving.tokenization.tokenizer import Tokenizer
+from llm_serving.tokenization.hf_tokenizer import AnyTokenizer
+
+if TYPE_CHECKING:
+    from llm_serving.engine.loop import Engine  # imported by the caller: it pulls in the agent pool
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ class Server:
     """Owns the aiohttp application; ``state`` is "loading", "ready", "draining" or "failed". The routes see it
     as a ``route_context.RouteContext``."""
 
-    def __init__(self, engine: Any, config: ServingConfig, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(self, engine: Engine, config: ServingConfig, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.engine = engine
         self.config = config
         self.model_name = config.model_config.model_name
@@ -164,14 +167,14 @@ class Server:
             except Exception as exc:  # a bug must not take the server down: log it, answer 500
                 log.exception("%s %s failed", request.method, request.path)
                 self.metrics.requests.labels("error").inc()
-                err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
-                return error_response(err, api == "openai")
+                internal = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
+                return error_response(internal, api == "openai")
 
         return guarded
 
     # ---- the served model and admitting requests (the routes' RouteContext) -------------------------------
     @property
-    def tokenizer(self) -> Tokenizer:
+    def tokenizer(self) -> AnyTokenizer:
         return self.engine.tokenizer
 
     @property
@@ -238,7 +241,7 @@ class Server:
             raise ApiError(503, "the model is still loading; retry when /health says ready", "not_ready")
         if self.state == "draining":
             raise ApiError(503, "the server is shutting down", "unavailable")
-        if getattr(self.engine, "state", None) == "recovering":
+        if self.engine.state == "recovering":
             raise ApiError(503, f"the agents are being restarted after a failure ({self.engine.last_failure}); "
                                 "retry shortly", "recovering")
         raise ApiError(503, f"the engine has failed: {self.failure or 'an agent stopped'}", "engine_error")
@@ -247,9 +250,9 @@ class Server:
     async def health(self, request: web.Request) -> web.Response:
         state = self.state
         if state == "ready" and not self.engine.ready:
-            state = "recovering" if getattr(self.engine, "state", None) == "recovering" else "failed"
+            state = "recovering" if self.engine.state == "recovering" else "failed"
         body: dict[str, Any] = {"status": state, "model": self.model_name,
-                                "agent_pids": list(getattr(self.engine, "agent_pids", []))}
+                                "agent_pids": self.engine.agent_pids}
         if state == "failed":
             body["error"] = self.failure or "the engine stopped (an agent exited); see the server log"
         elif state == "recovering":

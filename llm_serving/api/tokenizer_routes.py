@@ -11,6 +11,7 @@ These requests do not reach the engine, so they are not counted as generation re
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -51,7 +52,7 @@ class TokenizerRoutes:
         except ApiError as err:
             return error_response(err, openai=True)
 
-    def _ids(self, body: dict[str, Any], r: _Reader) -> list[int]:
+    def _ids(self, body: Mapping[str, Any], r: _Reader) -> list[int]:
         if ("prompt" in body) == ("messages" in body):
             raise invalid("send either 'prompt' (text) or 'messages' (a chat)", "prompt")
         self.server.check_accepting()

@@ -46,8 +46,13 @@ class ToolRequest:
 
     tools: tuple[Tool, ...]
     choice: str
-    function: str | None = None  # the named function of choice "function"
+    function: str | None = None  # the named function of choice "function" (and of no other choice)
     parallel: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.choice == "function") != (self.function is not None):
+            raise ValueError(f"tool choice {self.choice!r} with function {self.function!r}: a function is named "
+                             "exactly by choice 'function'")
 
     def template_tools(self) -> list[Mapping[str, Any]] | None:
         return [t.spec for t in self.tools] or None
@@ -67,7 +72,7 @@ class ToolRequest:
 
     def read(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """The answer's content (None when it is all calls) and its tool calls in OpenAI's shape."""
-        if self.choice == "function":
+        if self.function is not None:  # choice "function"
             return None, [tool_call(self.function, text)]
         if self.choice == "required":
             try:

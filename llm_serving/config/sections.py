@@ -256,6 +256,11 @@ class PagedAttentionSection:
         return self.num_blocks == "auto"
 
     @property
+    def fixed_blocks(self) -> int | None:
+        """``num_blocks`` as a count; None with ``auto`` (the agents size their caches)."""
+        return self.num_blocks if isinstance(self.num_blocks, int) else None
+
+    @property
     def utilization(self) -> float:
         """``memory_utilization``, 0.9 when left empty (vLLM's default)."""
         return self.memory_utilization if self.memory_utilization is not None else 0.9
@@ -269,8 +274,8 @@ class PagedAttentionSection:
         need(self.memory_utilization is None or 0 < self.memory_utilization <= 1, source,
              "pa_config.memory_utilization", f"must be in (0, 1], got {self.memory_utilization}")
         # block 0: padding; num_blocks auto is not known before the agents measure their memory
-        usable = ((self.num_blocks - 1) * self.block_size if isinstance(self.num_blocks, int)
-                  else self.decode_seq_length)
+        blocks = self.fixed_blocks
+        usable = (blocks - 1) * self.block_size if blocks is not None else self.decode_seq_length
         need(self.decode_seq_length <= usable, source, "pa_config.decode_seq_length",
              f"{self.decode_seq_length} tokens do not fit in the cache of (num_blocks - 1) * block_size = "
              f"({self.num_blocks} - 1) * {self.block_size} = {usable} tokens (block 0 is reserved for padding)")

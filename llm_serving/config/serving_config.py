@@ -188,10 +188,14 @@ class ServingConfig:
     @property
     def max_num_batched_tokens(self) -> int:
         """Token budget of one step (of one prefill step without chunked prefill); default max(largest prefill
-        batch x longest bucket, max_model_len)."""
+        batch x longest bucket, max_model_len), and with chunked prefill at least the largest decode batch (a step
+        carries every running sequence's decode token: the check an explicit value gets at load)."""
         explicit = self.scheduler.max_num_batched_tokens
-        derived = self.model_config.prefill_batch_size[-1] * self.model_config.seq_length[-1]
-        return explicit if explicit is not None else max(derived, self.max_model_len)
+        if explicit is not None:
+            return explicit
+        m = self.model_config
+        derived = max(m.prefill_batch_size[-1] * m.seq_length[-1], self.max_model_len)
+        return max(derived, m.decode_batch_size[-1]) if self.chunked_prefill else derived
 
     @property
     def num_agents(self) -> int:

@@ -20,7 +20,7 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import llguidance
 import numpy as np
@@ -120,16 +120,26 @@ class _Vocabulary:
         return self.encode(text)
 
 
-class ServedTokenizer(Protocol):
-    """What ``compiler_for`` reads of a served tokenizer (``tokenization``'s ``Tokenizer`` or ``HFTokenizer``, which
-    also has ``to_json``)."""
+@runtime_checkable
+class JsonTokenizer(Protocol):
+    """A served ``tokenizer.json`` tokenizer (``tokenization``'s ``HFTokenizer``): llguidance reads its JSON."""
 
-    vocab_size: int
+    def to_json(self) -> str: ...
+
+
+class PieceTokenizer(Protocol):
+    """What ``compiler_for`` reads of a sentencepiece tokenizer (``tokenization``'s ``Tokenizer``)."""
+
+    @property
+    def vocab_size(self) -> int: ...
 
     def token_bytes(self, token_id: int) -> list[int]: ...
     def is_special(self, token_id: int) -> bool: ...
     def id_to_piece(self, token_id: int) -> str: ...
     def encode_exact(self, text: str) -> list[int]: ...
+
+
+ServedTokenizer = JsonTokenizer | PieceTokenizer
 
 
 def compiler_for(tokenizer: ServedTokenizer, end_ids: Iterable[int], vocab_size: int) -> GrammarCompiler:
@@ -143,7 +153,7 @@ def compiler_for(tokenizer: ServedTokenizer, end_ids: Iterable[int], vocab_size:
     ends = sorted(set(end_ids))
     if not ends:
         raise ValueError("structured output needs at least one end-of-sequence id")
-    if hasattr(tokenizer, "to_json"):
+    if isinstance(tokenizer, JsonTokenizer):
         return GrammarCompiler(llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=ends),
                                vocab_size)
     n = tokenizer.vocab_size

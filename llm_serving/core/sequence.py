@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from llm_serving.core.logprobs import MAX_TOP_LOGPROBS, PromptLogprob, TopLogprobs
+from llm_serving.protocol.batch import needs_logits
 from llm_serving.request_errors import InvalidParameter
 
 if TYPE_CHECKING:
@@ -156,7 +157,8 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     constraint: OutputConstraint | None = None  # structured output: the answer matches it, then ends ("stop")
-    # Whether the agent must read the logits (sampling or penalty) instead of taking the in-graph argmax.
+    # Whether the agent must read the logits (sampling, penalty, adjustment) instead of taking the in-graph argmax:
+    # protocol.batch.needs_logits, the rule the agents apply to a step's rows
     needs_logits: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -204,8 +206,9 @@ class SamplingParams:
                                                    f"{self.top_logprobs}")
         if self.constraint is not None and not isinstance(self.constraint, OutputConstraint):
             raise TypeError(f"constraint must be an OutputConstraint or None, got {self.constraint!r}")
-        object.__setattr__(self, "needs_logits", self.temperature > 0 or self.repetition_penalty != 1.0
-                           or self.uses_extras)
+        object.__setattr__(self, "needs_logits", needs_logits(
+            self.temperature, self.repetition_penalty, self.presence_penalty, self.frequency_penalty, self.min_p,
+            bool(self.logit_bias or self.min_tokens), self.constraint is not None))
 
     @property
     def uses_extras(self) -> bool:

@@ -62,9 +62,10 @@ class LiveRequests:
             if entry is None or entry.sequence is not seq:
                 continue  # ended from outside while the step was in flight (its id may be reused already)
             if len(seq.output_ids) == entry.delivered:
-                if seq.is_finished:  # ended without a token: a scored prompt with nothing to generate
+                ended = seq.finish_reason  # set once finished
+                if ended is not None:  # ended without a token: a scored prompt with nothing to generate
                     del live[seq.request_id]
-                    entry.stream.push_end(seq.finish_reason, now, wakeups)
+                    entry.stream.push_end(ended, now, wakeups)
                     finished += 1
                 continue  # else its step computed a prompt chunk short of the end: no new token
             first, last = entry.delivered, len(seq.output_ids)  # several after a multi-step batch

@@ -17,7 +17,7 @@ from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.loop import Engine
 from llm_serving.engine.request_stream import GenerationResult, RequestStream
 from llm_serving.request_errors import QueueFull
-from llm_serving.tokenization.tokenizer import Tokenizer
+from llm_serving.tokenization.hf_tokenizer import AnyTokenizer
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # noqa: UP035  (typing.Self is 3.11+: mypy checks for 3.10)
@@ -72,7 +72,7 @@ class LLM:
             raise
 
     @property
-    def tokenizer(self) -> Tokenizer:
+    def tokenizer(self) -> AnyTokenizer:
         return self.engine.tokenizer
 
     def generate(self, prompts: str | Sequence[str | Sequence[int]], max_new_tokens: int = 16,

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -47,8 +47,7 @@ from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.wire import AgentSpec
 from llm_serving.request_errors import QueueFull
 from llm_serving.tokenization.chat_template import ServedChatTemplate
-from llm_serving.tokenization.hf_tokenizer import HFTokenizer, load_tokenizer
-from llm_serving.tokenization.tokenizer import Tokenizer
+from llm_serving.tokenization.hf_tokenizer import AnyTokenizer, load_tokenizer
 
 __all__ = ["Engine", "EngineError", "GenerationResult", "RequestStream", "SamplingParams", "SequenceError",
            "TokenEvent"]
@@ -60,11 +59,20 @@ log = logging.getLogger(__name__)
 
 _Sent = tuple[list[Sequence], StepBatch, int, float]  # a step sent to the agents: seqs, batch, number, when
 
+_T = TypeVar("_T")
+
 IDLE_CHECK_S = 0.5  # while idle, how often the loop checks that the agents are alive and not stopped
 SHUTDOWN_JOIN_S = 30.0  # shutdown waits this long for the step in flight before stopping the agents
 
 
 # ---- the engine -------------------------------------------------------------------------------------------
+def _started(part: _T | None) -> _T:
+    """A part of the engine that ``start()`` makes: an EngineError before then, not an AttributeError on None."""
+    if part is None:
+        raise EngineError("the engine is not running (call start())")
+    return part
+
+
 def speculation_stats(scheduler: Scheduler) -> dict[str, float]:
     """Speculative decoding's counts (all 0 without it)."""
     spec = scheduler.speculation
@@ -83,12 +91,13 @@ class Engine:
         self.standin_agents = standin_agents
         self.state = "new"  # new -> starting -> ready <-> recovering; failed or stopped for good
         self.last_failure: str | None = None  # why the agents were last replaced, or why the engine failed
-        self.tokenizer: Tokenizer | HFTokenizer | None = None
-        self.chat_template: ServedChatTemplate | None = None  # the served tokenizer's, loaded on first use
-        self.model: ModelFiles | None = None
+        # start() sets these; the properties of the same name give them (EngineError before start)
+        self._tokenizer: AnyTokenizer | None = None
+        self._chat_template: ServedChatTemplate | None = None  # the served tokenizer's, loaded on first use
+        self._model: ModelFiles | None = None
+        self._limits: RequestLimits | None = None
         self.eos_token_id: int | None = None
         self.other_eos_token_ids: tuple[int, ...] = ()
-        self.limits: RequestLimits | None = None  # set by start()
         self._pool_factory = pool_factory or AgentPool
         self._agents: AgentSupervisor | None = None  # set by start(): owns the agent pool
         self._scheduler: Scheduler | None = None
@@ -119,6 +128,25 @@ class Engine:
         return cls(config, standin_agents=standin_agents)
 
     @property
+    def tokenizer(self) -> AnyTokenizer:
+        tok = self._tokenizer  # (not _started: mypy joins a union's kinds to object there)
+        if tok is None:
+            raise EngineError("the engine is not running (call start())")
+        return tok
+
+    @property
+    def chat_template(self) -> ServedChatTemplate:
+        return _started(self._chat_template)
+
+    @property
+    def model(self) -> ModelFiles:
+        return _started(self._model)
+
+    @property
+    def limits(self) -> RequestLimits:
+        return _started(self._limits)
+
+    @property
     def ready(self) -> bool:
         return self.state == "ready"
 
@@ -143,41 +171,40 @@ class Engine:
         for note in cfg.notes:
             if progress:
                 progress(f"config note: {note}")
-        self.model = resolve_model(cfg, progress)
-        self.tokenizer = load_tokenizer(self.model.tokenizer_path)
-        if self.tokenizer.vocab_size > self.model.llama_config.vocab_size:
-            raise ConfigError(f"{cfg.source}: tokenizer {self.model.tokenizer_path} has "
-                              f"{self.tokenizer.vocab_size} pieces, more than the model's vocab_size "
-                              f"{self.model.llama_config.vocab_size}",
+        self._model = model = resolve_model(cfg, progress)
+        self._tokenizer = tok = load_tokenizer(model.tokenizer_file)
+        if tok.vocab_size > model.llama_config.vocab_size:
+            raise ConfigError(f"{cfg.source}: tokenizer {model.tokenizer_path} has "
+                              f"{tok.vocab_size} pieces, more than the model's vocab_size "
+                              f"{model.llama_config.vocab_size}",
                               key="tokenizer.vocab_file", source=cfg.source)
-        self.chat_template = ServedChatTemplate(cfg, self.model.model_path, self.tokenizer)
-        self.limits = RequestLimits.from_config(cfg, self.tokenizer.vocab_size)
+        self._chat_template = ServedChatTemplate(cfg, model.model_path, tok)
+        self._limits = RequestLimits.from_config(cfg, tok.vocab_size)
         end = cfg.model_config.end_token
-        self.eos_token_id = end if end is not None else self.model.llama_config.eos_token_id
+        self.eos_token_id = end if end is not None else model.llama_config.eos_token_id
         # model_config.end_token replaces the model's ids; else every id the model's configs list ends a request, and
         # the tokenizer's eos_token too, as vLLM stops: an instruct model's end of turn (Qwen's <|im_end|>) may be
         # named only in its tokenizer_config.json
-        eos = self.tokenizer.eos_id
-        stops = self.model.llama_config.stop_ids + ((eos,) if eos is not None and eos >= 0 else ())
+        eos = tok.eos_id
+        stops = model.llama_config.stop_ids + ((eos,) if eos is not None and eos >= 0 else ())
         self.other_eos_token_ids = () if end is not None else tuple(dict.fromkeys(stops))[1:]
         auto = cfg.pa_config.auto_blocks  # the agents size their caches; the scheduler follows their count
         if not auto:
             self._start_scheduler()
-        spec = agent_spec(cfg, self.model, self.standin_agents)
+        spec = agent_spec(cfg, model, self.standin_agents)
         self._kv = KvTransfers(kv_layout(spec), self._lock) if spec.kv_transfer else None
-        self._agents = AgentSupervisor(RecoveryConfig.from_config(cfg), self._pool_factory, spec)
+        self._agents = agents = AgentSupervisor(RecoveryConfig.from_config(cfg), self._pool_factory, spec)
         try:
-            self._agents.start(progress)  # raises (after cleaning up) when an agent cannot start
+            agents.start(progress)  # raises (after cleaning up) when an agent cannot start
             if auto:
-                blocks = self._agents.fix_kv_blocks()
+                blocks = agents.fix_kv_blocks()
                 if progress:
                     progress(f"KV cache: {blocks} blocks of {cfg.pa_config.block_size} tokens "
                              "(pa_config.num_blocks auto)")
                 self._start_scheduler(blocks)
         except BaseException:
             self.state = "failed"
-            if self._agents is not None:
-                self._agents.close()
+            agents.close()
             raise
         self.state = "ready"
         self._thread = threading.Thread(target=self._loop, name="llm-serving-engine", daemon=True)
@@ -249,12 +276,12 @@ class Engine:
                                seq.prompt_scores if params.prompt_logprobs is not None else None)
         with self._lock:
             self._check_ready()
+            sched = _started(self._scheduler)
             limit = self.config.serving_config.max_queue_size
-            if self._scheduler.num_waiting >= limit:
-                raise QueueFull(f"{self._scheduler.num_waiting} requests are waiting "
-                                f"(serving_config.max_queue_size {limit})")
-            self._scheduler.add(seq, follows)
-            self._requests.add(seq, stream)
+            if sched.num_waiting >= limit:
+                raise QueueFull(f"{sched.num_waiting} requests are waiting (serving_config.max_queue_size {limit})")
+            sched.add(seq, follows)
+            _started(self._requests).add(seq, stream)
             self._work.notify()
         return stream
 
@@ -262,8 +289,8 @@ class Engine:
         """A future of the KV blocks this engine holds of ``prompt_ids``' full blocks (``kv_transfer.KvPayload``;
         none when nothing is cached), copied out between steps (``serving_config.kv_transfer``)."""
         with self._lock:
-            self._check_kv_transfer()
-            future = self._kv.queue_export(self._scheduler.kv_cache, prompt_ids)
+            kv = self._check_kv_transfer()
+            future = kv.queue_export(_started(self._scheduler).kv_cache, prompt_ids)
             self._work.notify()
         return future
 
@@ -272,15 +299,16 @@ class Engine:
         engine's prefix cache between steps; a request for a prompt they start then computes only the rest. Raises
         ValueError when the payload's layout is not this engine's."""
         with self._lock:
-            self._check_kv_transfer()
-            future = self._kv.queue_import(self._scheduler.kv_cache, payload)
+            kv = self._check_kv_transfer()
+            future = kv.queue_import(_started(self._scheduler).kv_cache, payload)
             self._work.notify()
         return future
 
-    def _check_kv_transfer(self) -> None:
+    def _check_kv_transfer(self) -> KvTransfers:
         self._check_ready()
         if self._kv is None:
             raise EngineError("this engine was started without KV transfer (serving_config.kv_transfer)")
+        return self._kv
 
     @property
     def _kv_pending(self) -> bool:
@@ -296,7 +324,7 @@ class Engine:
         indexes every token: ~0.1 s for 32k tokens)."""
         with self._grammar_lock:
             if self._grammars is None:
-                ends = {self.eos_token_id, *self.other_eos_token_ids} - {None}
+                ends = {e for e in (self.eos_token_id, *self.other_eos_token_ids) if e is not None}
                 self._grammars = compiler_for(self.tokenizer, ends, self.model.llama_config.vocab_size)
             return self._grammars
 
@@ -358,7 +386,8 @@ class Engine:
         asynchronous scheduling a decode step's successor is sent before the step is collected
         (``Scheduler.schedule_ahead``); it is then the next step, and ``schedule()`` runs only with none ahead.
         """
-        sched, pool, counters = self._scheduler, self._agents.pool, self._counters
+        sched, agents, requests = _started(self._scheduler), _started(self._agents), _started(self._requests)
+        pool, counters = agents.pool, self._counters
         schedules_ahead = sched.config.async_scheduling
         in_flight = None  # the step submitted to the agents, not yet collected (_Sent)
         ahead = None  # the step sent after it (asynchronous scheduling), fed its picks
@@ -389,10 +418,10 @@ class Engine:
                     output = run_isolated(pool, self._unfed(seqs, batch), exc)
                 started, done = max(sent_at, done), time.perf_counter()
                 self._run_step_s += done - t0
-                self._agents.policy.step_succeeded()
+                agents.policy.step_succeeded()
                 with self._lock:
                     self._in_flight = () if ahead is None else tuple(ahead[0])
-                    self._requests.fail_rows(seqs, {**output.errors, **masked_rows(seqs, batch, output.token_ids)})
+                    requests.fail_rows(seqs, {**output.errors, **masked_rows(seqs, batch, output.token_ids)})
                     sched.postprocess(seqs, output)
                     sched.note_step_time(done - started)  # speculation's measured choice
                     # queued KV copies first: no step is in flight once this one is delivered
@@ -405,7 +434,7 @@ class Engine:
                     ahead = None
                 finally:  # this step's tokens reach their streams also when the next step cannot be sent
                     with self._lock:
-                        self._requests.deliver(seqs)
+                        requests.deliver(seqs)
                         counters["steps"] += batch.num_steps
                         prompts = batch.describe().computes_prompts  # a verify step decodes
                         counters["prefill_steps" if prompts else "decode_steps"] += batch.num_steps
@@ -421,21 +450,22 @@ class Engine:
         """Replace the agents (see ``recovery``); running requests are recomputed, queued ones kept. False
         once stopping; EngineError when the agents cannot be restarted."""
         log.error("agents failed (%s): recomputing the running requests on new agents", self.last_failure)
+        agents = _started(self._agents)
         with self._lock:
             if self._stopping:
                 return False
             self.state = "recovering"
-            blamed = self._agents.policy.strike(self._in_flight)
+            blamed = agents.policy.strike(self._in_flight)
             self._in_flight = ()
-            self._requests.fail(blamed, SequenceError(
+            _started(self._requests).fail(blamed, SequenceError(
                 f"the agents failed during {MAX_STRIKES} steps of this request; it is not computed again "
                 f"(last failure: {self.last_failure})"))
-            self._counters["requests_recomputed"] += len(self._scheduler.requeue_running())
+            self._counters["requests_recomputed"] += len(_started(self._scheduler).requeue_running())
         # after the prefix cache was emptied: copies queued until then pinned blocks of the old agents' cache; those
         # queued later find none to export, and import into the new agents
         self._drop_kv_copies(EngineError(f"the agents were replaced ({self.last_failure})"))
         t0 = time.monotonic()
-        if not self._agents.replace(self._wait_unless_stopping, self.last_failure or ""):
+        if not agents.replace(self._wait_unless_stopping, self.last_failure or ""):
             return False
         with self._lock:
             if self._stopping:
@@ -450,8 +480,9 @@ class Engine:
 
     def _wait_for_step(self) -> tuple[list[Sequence], StepBatch] | None:
         """The next step, waiting (idle) while there is no work; None once stopping or when KV copies wait."""
+        sched, agents = _started(self._scheduler), _started(self._agents)
         with self._lock:
-            step = None if self._stopping else self._scheduler.schedule()
+            step = None if self._stopping else sched.schedule()
             while step is None and not self._kv_pending:
                 if self._stopping:
                     return None
@@ -459,10 +490,10 @@ class Engine:
                 self._work.wait(IDLE_CHECK_S)
                 self._idle_s += time.perf_counter() - self._idle_since
                 self._idle_since = None
-                failure = None if self._stopping else self._agents.idle_failure()
+                failure = None if self._stopping else agents.idle_failure()
                 if failure:
                     raise AgentDiedError(failure)
-                step = None if self._stopping else self._scheduler.schedule()
+                step = None if self._stopping else sched.schedule()
             return step
 
     def _submit(self, step: tuple[list[Sequence], StepBatch]) -> _Sent:
@@ -470,7 +501,7 @@ class Engine:
         seqs, batch = step
         t0 = time.perf_counter()
         self._in_flight = tuple(seqs)  # a step sent ahead has the sequences of the one before it
-        number = self._agents.pool.submit(batch)
+        number = _started(self._agents).pool.submit(batch)
         self._run_step_s += time.perf_counter() - t0
         return seqs, batch, number, t0
 
@@ -479,7 +510,7 @@ class Engine:
         sequences are scheduled again from their results."""
         if ahead is not None:
             try:
-                self._agents.pool.collect(ahead[2], ahead[1].batch_size)
+                _started(self._agents).pool.collect(ahead[2], ahead[1].batch_size)
             except AgentStepError:
                 pass  # its agents had no picks to feed it: the expected answer
 
@@ -508,7 +539,8 @@ class Engine:
             if self._requests is not None:
                 self._requests.fail(self._requests.sequences(), err)
         try:
-            self._agents.close()
+            if self._agents is not None:
+                self._agents.close()
         except Exception:
             log.warning("closing the agent pool after an engine failure failed", exc_info=True)
 

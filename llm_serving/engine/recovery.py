@@ -140,7 +140,7 @@ class StallWatch:
     def check(self, pool: StepPool, timeout_s: float | None) -> str | None:
         """A reason to replace the agents once some have been stopped for ``timeout_s``, else None."""
         stopped = pool.stopped_pids() if timeout_s is not None else []
-        if not stopped:
+        if not stopped or timeout_s is None:
             self._since = None
             return None
         now = time.monotonic()
@@ -161,7 +161,7 @@ class AgentSupervisor:
         self.config = config
         self.policy = RestartPolicy(config)
         self.stall = StallWatch()
-        self.pool: StepPool | None = None
+        self._pool: StepPool | None = None  # made by start(); replaced by replace()
         self.step_timeout_s: float | None = None  # derived from the serving pool's warm-up timings
         self.restarts = 0
         self._factory, self._spec = factory, spec
@@ -171,14 +171,21 @@ class AgentSupervisor:
     def start(self, progress: Callable[[str], None] | None) -> None:
         """Start the first pool (raises when an agent cannot start, nothing left behind)."""
         with self._lock:
-            self.pool = pool = self._factory(self._spec)
+            self._pool = pool = self._factory(self._spec)
         pool.start(progress)
         self._adopt(pool)
+
+    @property
+    def pool(self) -> StepPool:
+        """The agents serving now (EngineError before ``start``)."""
+        if self._pool is None:
+            raise EngineError("the agents were not started")
+        return self._pool
 
     def fix_kv_blocks(self) -> int:
         """With ``pa_config.num_blocks: auto``: the count the ranks sized their caches to (the smallest), which
         later agents are then given, so a restart allocates the cache the scheduler plans with."""
-        blocks = self.pool.kv_blocks if self.pool is not None else None
+        blocks = self.pool.kv_blocks
         if blocks is None:
             raise EngineError("pa_config.num_blocks auto: the agents reported no KV block count")
         self._spec = dataclasses.replace(self._spec, runner_config={**self._spec.runner_config, "num_blocks": blocks})
@@ -199,7 +206,7 @@ class AgentSupervisor:
             with self._lock:
                 if self._closed:
                     return False
-                self.pool = pool = self._factory(self._spec)
+                self._pool = pool = self._factory(self._spec)
             try:
                 pool.start(None)
             except Exception as exc:  # noqa: BLE001 - one more failure in a row
@@ -218,19 +225,20 @@ class AgentSupervisor:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            pool = self.pool
+            pool = self._pool
         if pool is not None:
             pool.close()
 
     def idle_failure(self) -> str | None:
         """Why the pool must be replaced although no step runs (an agent exited or is stopped), else None."""
-        if not self.pool.alive:
+        pool = self.pool
+        if not pool.alive:
             return "an agent process exited while the engine was idle"
-        return self.stall.check(self.pool, self.step_timeout_s)
+        return self.stall.check(pool, self.step_timeout_s)
 
     @property
     def pids(self) -> list[int]:
-        return [] if self.pool is None else list(self.pool.pids)
+        return [] if self._pool is None else list(self._pool.pids)
 
     def _adopt(self, pool: StepPool) -> None:
         self.step_timeout_s = self.config.step_timeout(pool.slowest_warmup_step_s)

@@ -28,7 +28,7 @@ import numpy as np
 
 from llm_serving.core.logprobs import PromptLogprob, TopLogprobs
 from llm_serving.engine.stop_strings import StopMatcher
-from llm_serving.tokenization.tokenizer import Tokenizer
+from llm_serving.tokenization.hf_tokenizer import AnyTokenizer
 
 NO_TOKEN = -1  # token_id of the last event of an aborted (or externally finished) request: no new token
 
@@ -86,8 +86,8 @@ _WAIT_NONE, _WAIT_ANY, _WAIT_FINAL = 0, 1, 2
 class RequestStream:
     """Token events of one request, in order. See the module docstring for the threading model."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], tokenizer: Tokenizer,
-                 abort: Callable[[str], None], stop: tuple[str, ...] = (),
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], tokenizer: AnyTokenizer,
+                 abort: Callable[[str], object], stop: tuple[str, ...] = (),
                  logits_rows: list[np.ndarray] | None = None, logits_width: int = 0,
                  prompt_scores: list[PromptLogprob] | None = None) -> None:
         """``logits_rows``: the list the engine appends the request's dumped logits rows to (``Sequence.logits``),
@@ -202,9 +202,10 @@ class RequestStream:
         completed one of its stop strings (the engine then ends the request), None while it goes on."""
         if self._final_pushed:
             return None
-        text = None
-        if self._stop_matcher is not None:
-            text, finish_reason = self._match_stops(self._decoder.push(token_id), finish_reason)
+        text, matcher = None, self._stop_matcher
+        if matcher is not None:
+            text, stopped = self._match_stops(matcher, self._decoder.push(token_id), finish_reason is not None)
+            finish_reason = "stop" if stopped else finish_reason
         self._append((token_id, logprob, finish_reason, now, text, top), wakeups)
         return finish_reason
 
@@ -212,9 +213,10 @@ class RequestStream:
         """The end of the request from outside (abort, ``Engine.finish``): no new token."""
         if self._final_pushed:
             return
-        text = None
-        if self._stop_matcher is not None:
-            text, reason = self._match_stops("", reason)
+        text, matcher = None, self._stop_matcher
+        if matcher is not None:
+            text, stopped = self._match_stops(matcher, "", True)
+            reason = "stop" if stopped else reason
         self._append((NO_TOKEN, 0.0, reason, now, text, None), wakeups)
 
     def push_error(self, error: EngineError, wakeups: Wakeups) -> None:
@@ -222,17 +224,17 @@ class RequestStream:
         if not self._final_pushed:
             self._append(error, wakeups)
 
-    def _match_stops(self, text: str, finish_reason: str | None) -> tuple[str, str | None]:
-        """(text to release, finish reason) after the stop strings have seen ``text``."""
-        matcher = self._stop_matcher
-        if finish_reason is not None:
+    def _match_stops(self, matcher: StopMatcher, text: str, final: bool) -> tuple[str, bool]:
+        """(text to release, whether a stop string completed) after the stop strings have seen ``text``; ``final``:
+        the request ends here, so the text held back for a partial match is released too."""
+        if final:
             text += self._decoder.flush()
         released = matcher.feed(text)
         if matcher.stopped:
-            return released, "stop"
-        if finish_reason is not None:
+            return released, True
+        if final:
             released += matcher.flush()
-        return released, finish_reason
+        return released, False
 
     def _append(self, item: _Item | EngineError, wakeups: Wakeups) -> None:
         """Append one item; wake a waiting thread now, note a waiting asyncio consumer in ``wakeups``."""
@@ -242,7 +244,7 @@ class RequestStream:
         wait = self._thread_wait
         if wait == _WAIT_ANY or (wait == _WAIT_FINAL and final):
             self._wake.set()
-        if self._async_waiting:
+        if self._async_waiting and self._loop is not None:  # __anext__ sets the loop before it waits
             wakeups.add(self._loop, self)
 
     def _wake_async(self) -> None:

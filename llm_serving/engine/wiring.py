@@ -33,6 +33,13 @@ class ModelFiles:
     llama_config: LlamaConfig
     tokenizer_path: Path | None  # None where the caller needs no tokenizer (export)
 
+    @property
+    def tokenizer_file(self) -> Path:
+        """``tokenizer_path`` of a model resolved with its tokenizer (``resolve_model``'s default)."""
+        if self.tokenizer_path is None:
+            raise ValueError(f"{self.model_path} was resolved without its tokenizer (resolve_model(tokenizer=False))")
+        return self.tokenizer_path
+
 
 # ---- configuration mapping --------------------------------------------------------------------------------
 def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None = None,
@@ -40,11 +47,12 @@ def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None 
     """The model to serve: ``model_config.model_path``, or the embedded default model (built if needed); its
     tokenizer is checked only when ``tokenizer``."""
     src = config.source
-    if config.uses_default_model:
+    model_path = config.model_config.model_path
+    if model_path is None:  # config.uses_default_model
         path = ensure_default_model(config.default_model, config.max_model_len, progress)
         config_dir = path
     else:
-        path = Path(config.model_config.model_path)
+        path = Path(model_path)
         if not path.exists():
             raise ConfigError(f"{src}: model_config.model_path: {path} does not exist",
                               key="model_config.model_path", source=src)
@@ -123,7 +131,7 @@ def draft_spec(config: ServingConfig, llama: LlamaConfig) -> dict | None:
     sp, src = config.speculative, config.source
     if sp.method == "self":
         return {"layers": sp.draft_layers}
-    if sp.method != "draft":
+    if sp.method != "draft" or sp.draft_model_path is None:  # validate(): a draft names its path
         return None
     path = Path(sp.draft_model_path)
     try:
@@ -173,10 +181,11 @@ def check_host_memory(config: ServingConfig, llama: LlamaConfig) -> None:
     cache larger than the host's free memory would have an agent killed for memory mid-serving, so refuse it
     here, naming the key."""
     m, pa, src = config.model_config, config.pa_config, config.source
-    if m.device_target != "CPU" or pa.auto_blocks:  # auto: each agent sizes its cache from what is available
+    blocks = pa.fixed_blocks
+    if m.device_target != "CPU" or blocks is None:  # auto: each agent sizes its cache from what is available
         return
     itemsize = 4 if m.dtype == "float32" else 2
-    per_agent = (pa.num_blocks * pa.block_size * 2 * llama.num_key_value_heads * llama.head_dim
+    per_agent = (blocks * pa.block_size * 2 * llama.num_key_value_heads * llama.head_dim
                  * llama.num_hidden_layers * itemsize)
     total, available = per_agent * config.num_agents, available_memory_bytes()
     if available is not None and total > available:
@@ -192,10 +201,11 @@ def kv_cache_blocks(config: ServingConfig, llama: LlamaConfig | None) -> int | N
     whole model's kv heads; tensor-parallel ranks hold only their share of the kv heads per block, so the same
     memory on each rank holds ``kv_shards`` times as many blocks (``llm_serving.protocol.parallel``). None with
     ``num_blocks: auto``: the agents size their caches and report the count when ready."""
-    if config.pa_config.auto_blocks:
+    blocks = config.pa_config.fixed_blocks
+    if blocks is None:
         return None
     shards = kv_shards(llama, config.num_agents) if llama is not None else 1
-    return config.pa_config.num_blocks * shards
+    return blocks * shards
 
 
 def scheduler_config(config: ServingConfig, eos_token_id: int | None, llama: LlamaConfig | None = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +25,23 @@ MAX_LOGIT_ADJUSTMENTS = 384
 # Token id of a sequence whose sampling or post-processing failed on the agent: that sequence fails, the other
 # sequences of its step go on (the reason travels in rank 0's DONE frame, ``wire.done_payload``).
 FAILED_TOKEN = -1
+
+
+@overload
+def needs_logits(temperature: float, repetition_penalty: float, presence_penalty: float, frequency_penalty: float,
+                 min_p: float, adjusted: bool, constrained: bool) -> bool: ...
+@overload
+def needs_logits(temperature: Float32s, repetition_penalty: Float32s, presence_penalty: Float32s,
+                 frequency_penalty: Float32s, min_p: Float32s, adjusted: Bools, constrained: Bools) -> Bools: ...
+def needs_logits(temperature: Any, repetition_penalty: Any, presence_penalty: Any, frequency_penalty: Any,
+                 min_p: Any, adjusted: Any, constrained: Any) -> Any:
+    """Whether a sequence needs its logits read (sampled, penalised or adjusted) instead of the in-graph greedy
+    argmax: the one rule, for one request's parameters (``SamplingParams.needs_logits``, the master) and for a
+    step's rows (``SamplingBatch.special_rows``, the agents). ``adjusted``: logit adjustments (logit_bias, the end
+    ids banned short of min_tokens); ``constrained``: a grammar's mask. min_p only narrows sampling: a greedy row
+    keeps its argmax, which min_p never drops."""
+    return ((temperature > 0) | (repetition_penalty != 1.0) | (presence_penalty != 0) | (frequency_penalty != 0)
+            | ((min_p > 0) & (temperature > 0)) | adjusted | constrained)
 
 
 @dataclass
@@ -59,9 +77,14 @@ class SamplingBatch:
         return bool(np.any(self.special_rows()))
 
     def special_rows(self) -> Bools:
-        """bool [B]: the sequences sampled, penalised or adjusted (the others keep the in-graph greedy pick)."""
-        rows: Bools = (self.temperature > 0) | (self.repetition_penalty != 1.0)
-        return rows | self.extras.active() if self.extras is not None else rows
+        """bool [B]: the sequences sampled, penalised or adjusted (``needs_logits``; the others keep the in-graph
+        greedy pick)."""
+        x = self.extras
+        if x is None:
+            zeros, no = np.zeros(len(self.temperature), np.float32), np.zeros(len(self.temperature), np.bool_)
+            return needs_logits(self.temperature, self.repetition_penalty, zeros, zeros, zeros, no, no)
+        return needs_logits(self.temperature, self.repetition_penalty, x.presence_penalty, x.frequency_penalty,
+                            x.min_p, np.diff(x.adjust_offsets) > 0, x.constrained())
 
     def take(self, indices: Integers) -> SamplingBatch:
         """The parameters of the sequences at ``indices``, in that order."""
@@ -83,12 +106,6 @@ class SamplingExtras:
     adjust_ids: npt.NDArray[np.int32]  # int32 [adjust_offsets[-1]]
     adjust_values: npt.NDArray[np.float32]  # float32 [adjust_offsets[-1]]: added to the logits (-inf bans the token)
     token_masks: npt.NDArray[np.int32] | None = None  # int32 [B, ceil(vocab / 32)]; None: no sequence is constrained
-
-    def active(self) -> Bools:
-        """bool [B]: the sequences these controls change."""
-        rows: Bools = ((self.presence_penalty != 0) | (self.frequency_penalty != 0) | (self.min_p > 0)
-                | (np.diff(self.adjust_offsets) > 0))
-        return rows | self.constrained() if self.token_masks is not None else rows
 
     def constrained(self) -> Bools:
         """bool [B]: the sequences whose token mask bans some token."""

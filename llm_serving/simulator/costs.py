@@ -114,17 +114,21 @@ class DeviceProfile:
     def with_values(self, overrides: dict[str, str]) -> DeviceProfile:
         """A copy with ``--device-param`` overrides (strings, as typed) applied; a bad key or value names itself."""
         known = {f.name for f in fields(self)}
-        values = {}
+        name, values = self.name, {}
         for key, raw in overrides.items():
             if key not in known:
                 raise CostModelError(f"device parameter {key!r} is not one of {sorted(known)}")
+            if key == "name":
+                name = raw
+                continue
             try:
-                values[key] = raw if key == "name" else float(raw)
+                value = float(raw)
             except ValueError:
                 raise CostModelError(f"device parameter {key}: {raw!r} is not a number") from None
-            if key != "name" and not values[key] >= 0:
+            if not value >= 0:
                 raise CostModelError(f"device parameter {key}: must be >= 0, got {raw}")
-        return replace(self, **values)
+            values[key] = value
+        return replace(self, name=name, **values)
 
 
 DEVICES = {"ascend-910b": DeviceProfile()}

@@ -62,15 +62,16 @@ def build_target(config: ServingConfig, cost: str, device_params: dict[str, str]
                  shape: str | None = None, num_blocks: int | None = None, tokens_per_word: float = 1.3,
                  progress: Callable[[str], None] | None = None) -> Target:
     """``cost``: a device preset name or a profile file (see the module docstring)."""
+    step_cost: StepCost
     if cost in DEVICES:
         llama = model_shape(shape) if shape else _config_model(config, progress).llama_config
         device = DEVICES[cost].with_values(device_params or {})
         dtype_bytes = 4 if config.model_config.dtype == "float32" else 2
-        step_cost = DeviceCost(device, llama, config.num_agents, dtype_bytes,
-                               config.model_config.quantization == "w8a16")
+        step_cost = analytic = DeviceCost(device, llama, config.num_agents, dtype_bytes,
+                                          config.model_config.quantization == "w8a16")
         blocks = num_blocks or kv_cache_blocks(config, llama)
         if config.pa_config.auto_blocks and not num_blocks:
-            blocks = step_cost.kv_blocks(config.pa_config.block_size, config.pa_config.utilization) + 1
+            blocks = analytic.kv_blocks(config.pa_config.block_size, config.pa_config.utilization) + 1
         encode, how = word_encoder(llama.vocab_size, tokens_per_word), f"estimate: words x {tokens_per_word}"
         overhead, profiled = 0.0, None  # a device has no HTTP front end to measure, nor a profile
     else:
@@ -84,7 +85,7 @@ def build_target(config: ServingConfig, cost: str, device_params: dict[str, str]
                                 else int(meta.get("num_blocks", 0)) or None)
         if blocks is None:
             raise CostModelError(f"{cost}: no KV block count recorded; give --num-blocks")
-        encode, how = load_tokenizer(model.tokenizer_path).encode, str(model.tokenizer_path)
+        encode, how = load_tokenizer(model.tokenizer_file).encode, str(model.tokenizer_path)
         overhead = request_overhead(step_cost, meta.get("first_token_probes", []))
     end = config.model_config.end_token
     sched = scheduler_config(config, end if end is not None else llama.eos_token_id, llama, num_blocks=blocks)

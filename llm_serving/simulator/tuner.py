@@ -85,8 +85,8 @@ def candidate_values(config: ServingConfig) -> dict[str, list[Any]]:
     }
     if config.chunked_prefill:
         space["scheduler.max_num_batched_tokens"] = sorted({*CHUNK_BUDGETS, config.max_num_batched_tokens})
-    if not config.pa_config.auto_blocks:
-        n = config.pa_config.num_blocks
+    n = config.pa_config.fixed_blocks
+    if n is not None:
         space["pa_config.num_blocks"] = sorted({max(n // 2, 2), n, n * 2})
     return space
 
@@ -120,6 +120,9 @@ def tune(base: ServingConfig, target_for: Callable[[ServingConfig], Target], req
             config = _config_with(base, values)
         except ConfigError:
             return None  # a combination the config refuses (e.g. a chunk budget below the decode batch)
+        return measure(key, values, config)
+
+    def measure(key: tuple, values: dict[str, Any], config: ServingConfig) -> Trial:
         target = target_for(config)
         run = simulate(target.scheduler, clip_to_context(requests, target.scheduler.max_model_len), target.cost,
                        target.request_overhead_s, max_concurrency)
@@ -132,7 +135,7 @@ def tune(base: ServingConfig, target_for: Callable[[ServingConfig], Target], req
                      f"{'' if t.feasible else ' (breaks a constraint)'}")
         return t
 
-    base_trial = trial({})
+    base_trial = measure((), {}, base)  # the base config as loaded (never refused as a candidate could be)
     best = base_trial
     space = candidate_values(base)
     for _ in range(MAX_ROUNDS):

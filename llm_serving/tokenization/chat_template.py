@@ -37,8 +37,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.describe import json_kind
 from llm_serving.request_errors import ChatTemplateError, MessageError
+from llm_serving.tokenization.hf_tokenizer import AnyTokenizer, HFTokenizer
 from llm_serving.tokenization.sp_prompt import PREFIX_SCHEMES
-from llm_serving.tokenization.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system instructions
@@ -192,7 +192,7 @@ class ChatTemplate:
     Raises ``jinja2.TemplateSyntaxError`` for a template that does not compile.
     """
 
-    def __init__(self, source: str, origin: str, tokenizer: Tokenizer, prefix: str = "always") -> None:
+    def __init__(self, source: str, origin: str, tokenizer: AnyTokenizer, prefix: str = "always") -> None:
         if prefix not in PREFIX_SCHEMES:
             raise ValueError(f"prefix must be one of {PREFIX_SCHEMES}, got {prefix!r}")
         self.source, self.origin, self.prefix = source, origin, prefix
@@ -200,8 +200,8 @@ class ChatTemplate:
         self._variables = tokenizer.template_variables()
         # a tokenizers tokenizer matches the special tokens written in the text itself (encode_rendered); a
         # sentencepiece one splits them out with the template's dummy-prefix scheme (sp_prompt)
-        rendered = getattr(tokenizer, "encode_rendered", None)
-        self._encode = rendered if rendered is not None else tokenizer.prompt_encoder(prefix).encode
+        self._encode = (tokenizer.encode_rendered if isinstance(tokenizer, HFTokenizer)
+                        else tokenizer.prompt_encoder(prefix).encode)
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                tools: Sequence[Mapping[str, Any]] | None = None) -> str:
@@ -231,7 +231,7 @@ class ServedChatTemplate:
     serves plain prompts (``serve`` asks for it at start-up, so there a bad one stops it).
     """
 
-    def __init__(self, config: ServingConfig, model_path: str | Path, tokenizer: Tokenizer) -> None:
+    def __init__(self, config: ServingConfig, model_path: str | Path, tokenizer: AnyTokenizer) -> None:
         self._config, self._model_path, self._tokenizer = config, model_path, tokenizer
         self._template: ChatTemplate | None = None
 
@@ -243,7 +243,7 @@ class ServedChatTemplate:
 
 
 # ---- where the template comes from -----------------------------------------------------------------------------
-def load_chat_template(config: ServingConfig, model_path: str | Path, tokenizer: Tokenizer) -> ChatTemplate:
+def load_chat_template(config: ServingConfig, model_path: str | Path, tokenizer: AnyTokenizer) -> ChatTemplate:
     """The served model's chat template (see the module docstring); a bad one is a ConfigError at start-up."""
     path = Path(model_path)
     model_dir = path if path.is_dir() else path.parent

@@ -204,7 +204,10 @@ class OffsetDecoder:
         return delta
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer | HFTokenizer:
+AnyTokenizer = Tokenizer | HFTokenizer  # a served tokenizer: either kind (same interface, see the module doc)
+
+
+def load_tokenizer(path: str | Path) -> AnyTokenizer:
     """The tokenizer at ``path``: a ``tokenizer.model`` (sentencepiece) or ``tokenizer.json`` file, or a model
     directory holding one (sentencepiece first, as Llama 2 directories ship both)."""
     path = Path(path)

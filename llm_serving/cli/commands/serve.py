@@ -107,8 +107,9 @@ def with_max_model_len(cfg: ServingConfig, value: str, model: str | None) -> Ser
         positions = resolve_model(cfg, None, tokenizer=False).llama_config.max_position_embeddings
         pa = cfg.pa_config
         length, why = positions, "the model's max_position_embeddings"
-        if not pa.auto_blocks and (pa.num_blocks - 1) * pa.block_size < positions:
-            length = (pa.num_blocks - 1) * pa.block_size
+        blocks = pa.fixed_blocks
+        if blocks is not None and (blocks - 1) * pa.block_size < positions:
+            length = (blocks - 1) * pa.block_size
             why = (f"what the KV cache holds ((pa_config.num_blocks {pa.num_blocks} - 1) x block_size "
                    f"{pa.block_size}), below the model's max_position_embeddings {positions}")
         print(f"max model length {length}: {why}", file=sys.stderr, flush=True)
