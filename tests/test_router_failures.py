@@ -246,6 +246,24 @@ def test_a_gzip_body_is_forwarded_decoded_and_one_that_is_not_gzip_is_a_json_400
     run(go)
 
 
+def test_a_body_that_is_not_its_encoding_on_a_route_that_never_reads_it_logs_no_traceback(caplog):
+    """aiohttp reads an unread body after the answer (to keep the connection) and logged one that is not its
+    Content-Encoding as an unhandled exception; the shared connection handler (engine and router) reads it first."""
+    async def go() -> None:
+        async with routed() as (url, _, _server):
+            headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+            async with aiohttp.ClientSession() as s:
+                for method, path, status in (("POST", "/health", 400), ("GET", "/health", 200),
+                                             ("GET", "/metrics", 200)):
+                    async with s.request(method, url + path, data=b"not gzip " * 100, headers=headers) as r:
+                        assert r.status == status
+                        if status >= 400:
+                            assert (await r.json())["error_type"] == "invalid_body"  # forwarded: read first
+    with caplog.at_level("DEBUG", logger="aiohttp"):
+        run(go)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
 def test_a_client_leaving_after_the_last_event_is_not_an_error():
     """``end_stream`` (the engine's streams end with it) on a connection its client closed: no exception."""
     async def go() -> None:

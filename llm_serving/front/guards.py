@@ -108,6 +108,8 @@ class _JsonErrorHandler(RequestHandler):
         middleware runs (the Expect header's handler: 417) is answered as JSON too."""
         if isinstance(resp, web.HTTPException) and resp.status >= 400 and not resp.prepared:
             resp = _json_http_error(request, resp)
+        if not resp.prepared and "Content-Encoding" in request.headers and not request.content.is_eof():
+            await _settle_encoded_body(request, resp)
         return await super().finish_response(request, resp, start_time)
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
@@ -130,6 +132,17 @@ class _JsonErrorHandler(RequestHandler):
         resp = error_response(err, openai)
         resp.force_close()
         return resp
+
+
+async def _settle_encoded_body(request: web.BaseRequest, resp: web.StreamResponse) -> None:
+    """A body in a ``Content-Encoding`` that the route answered without reading (a 404, 405, 415): read it now.
+    aiohttp would read it after the answer, to keep the connection, and log a body that is not its encoding as an
+    unhandled exception with a traceback; such a body (or one past the size limit) closes the connection."""
+    try:
+        await request.read()
+    except (web.RequestPayloadError, web.HTTPRequestEntityTooLarge):
+        request.content.feed_eof()
+        resp.force_close()
 
 
 def _json_http_error(request: web.BaseRequest, exc: web.HTTPException) -> web.Response:
