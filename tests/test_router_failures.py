@@ -3,7 +3,7 @@ fails on purpose: never answers, stalls, dies mid-stream, records what it got) t
 errors for bodies no engine takes, gzip bodies forwarded decoded, a 504 or another engine when an engine does not
 answer, an error event when a stream is cut, the engine's request closed when the client leaves. Against real
 engines (stand-in agents): a non-streamed request whose client left is aborted on the engine, and the fuzz of the
-reliability suite through the router gives no 5xx and no error that is not JSON.
+reliability suite through the router (fuzz and soak) gives no 5xx, no error that is not JSON, no KV block left.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 import chaos
 import chaos_fuzz
+import chaos_soak
 from chaos_core import Context
 
 SHORT = Timeouts(connect_s=5, first_byte_s=0.5, idle_s=0.5)  # short: the stand-in fails on purpose
@@ -49,6 +50,18 @@ def test_bodies_no_engine_takes_are_400s_before_routing():
             request_json(body)
         assert info.value.status == 400 and info.value.error_type == "invalid_json"
     assert request_json(b"not json") is None and request_json(b'{"prompt": "x"}') == {"prompt": "x"}
+
+
+def test_the_router_command_takes_its_timeouts_and_refuses_nonpositive_ones(capsys):
+    from llm_serving.cli.main import main
+
+    for flag in ("--connect-timeout", "--first-byte-timeout", "--idle-timeout"):
+        assert main(["router", "--engine", "http://127.0.0.1:9", flag, "0"]) == 2
+        assert f"{flag} must be > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["router", "--help"])
+    shown = capsys.readouterr().out
+    assert all(flag in shown for flag in ("--connect-timeout", "--first-byte-timeout", "--idle-timeout"))
 
 
 # ---- a stand-in engine -------------------------------------------------------------------------------------
@@ -327,14 +340,18 @@ def test_a_non_streamed_request_whose_client_left_is_aborted_on_the_engine(data_
     assert "Traceback" not in "\n".join(router.lines) + engine.output
 
 
-def test_fuzz_through_the_router_gives_no_5xx_and_only_json_errors(data_dir):
+def test_fuzz_and_soak_through_the_router_give_no_5xx_and_only_json_errors(data_dir):
+    """The reliability suite's router mode, short: hostile requests, then a soak whose clients partly leave
+    mid-stream (their engine requests aborted: no KV block left on the engine)."""
     engine = ServerProcess(data_dir, "--standin-agents")
     router = RouterProcess(engine.url)
     try:
         ctx = Context(router.url, chaos.parse_args([
             "--url", router.url, "--fuzz-count", "200", "--fuzz-seed", "11", "--fuzz-concurrency", "4",
-            "--fuzz-timeout", "120", "--fuzz-request-timeout", "30"]), log=lambda _m: None)
+            "--fuzz-timeout", "120", "--fuzz-request-timeout", "30", "--soak-seconds", "3",
+            "--soak-concurrency", "4", "--soak-request-timeout", "30", "--soak-seed", "2"]), log=lambda _m: None)
         figures = asyncio.run(chaos_fuzz.run(ctx))
+        soak = asyncio.run(chaos_soak.run(ctx))
     finally:
         assert router.stop() == 0, router.lines
         assert engine.stop() == 0, engine.output
@@ -342,4 +359,6 @@ def test_fuzz_through_the_router_gives_no_5xx_and_only_json_errors(data_dir):
     assert figures["5xx"] == 0 and figures["non_json_errors"] == 0 and figures["hangs"] == 0, figures
     assert figures["unexpected_no_response"] == 0 and figures["4xx"] > 100 and figures["2xx"] > 0, figures
     assert figures["healthy_after"] == 1 and figures["kv_blocks_used_after"] == 0, figures
+    assert soak["ok"] > 0 and soak["disconnects"] > 0 and soak["errors"] == soak["hangs"] == 0, soak
+    assert soak["kv_blocks_used_after"] == 0 and soak["requests_in_flight_after"] == 0, soak
     assert "Traceback" not in "\n".join(router.lines) + engine.output
