@@ -18,6 +18,10 @@ Section interface (how ``chaos_agents.py`` adds ``sigkill``, ``sigstop`` and ``p
 The client speaks raw bytes over asyncio streams on purpose: hostile requests (bad Content-Length, bare
 methods, broken chunking) cannot be sent through a well-behaved HTTP library. Only loopback servers are
 targeted (``check_loopback``): this suite floods and corrupts what it talks to.
+
+Pointed at ``llm-serving router`` (router mode, ``Context.target``), the same sections run through the router:
+its ``/metrics`` serves each engine's figures with an ``engine`` label, which ``metric_total`` sums, so the KV
+blocks left after a run are those of every engine behind it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import asyncio
 import ipaddress
 import json
+import re
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -213,6 +218,11 @@ class Context:
         r = await self.get("/health")
         return r.status, r.json()
 
+    async def target(self) -> str:
+        """"router" when the URL is ``llm-serving router`` (its /health lists its engines), else "engine"."""
+        _, body = await self.health()
+        return "router" if isinstance(body, dict) and isinstance(body.get("engines"), dict) else "engine"
+
     async def metrics(self) -> dict[str, float]:
         """``/metrics`` as ``{name{labels}: value}``; empty when it cannot be read."""
         r = await self.get("/metrics")
@@ -232,7 +242,7 @@ class Context:
         deadline = time.monotonic() + timeout
         while True:
             m = await self.metrics()
-            idle = all(m.get(f"llm_serving_{name}", 0) == 0
+            idle = all((metric_total(m, f"llm_serving_{name}") or 0) == 0
                        for name in ("requests_in_flight", "running_batch_size", "kv_blocks_used"))
             if idle or time.monotonic() > deadline:
                 return m
@@ -249,6 +259,31 @@ def parse_metrics(text: str) -> dict[str, float]:
             except ValueError:
                 continue
     return out
+
+
+def metric_total(m: dict[str, float], name: str) -> float | None:
+    """``name``'s value in ``parse_metrics`` output, summed over its labelled samples (a router serves each
+    engine's with an ``engine`` label); None when there is none."""
+    values = [v for key, v in m.items() if key == name or key.startswith(name + "{")]
+    return sum(values) if values else None
+
+
+def sse_events(text: str) -> list[str]:
+    """The data of each whole server-sent event in ``text``, as the SSE format defines them: ``data:`` lines
+    (one leading space dropped) joined by newlines, an event ending at a blank line; an event the stream was cut
+    in (no blank line after it) is not one."""
+    events: list[str] = []
+    data: list[str] | None = None
+    for line in re.split(r"\r\n|\r|\n", text):
+        if not line:
+            if data is not None:
+                events.append("\n".join(data))
+            data = None
+            continue
+        name, _, value = line.partition(":")
+        if name == "data":
+            data = [*(data or []), value.removeprefix(" ")]
+    return events
 
 
 SectionRun = Callable[[Context], Awaitable[dict[str, Any]]]

@@ -6,7 +6,8 @@ wrong shape or not JSON at all, wrong or missing Content-Type, bodies that are n
 broken Content-Length and chunking, oversized headers and request lines, unknown methods, and bytes that are
 not HTTP. The cases come from a seeded generator, so a run is reproducible; the requests of issue 18 are
 always among them. What counts: no 5xx, every 4xx a JSON error, no hang, an answer whenever the request was
-complete, and afterwards the server still healthy with no KV block held.
+complete, and afterwards the server still healthy with no KV block held. Pointed at a router, the requests go
+through it to its engines (``target``: "router"), and the KV blocks held are summed over them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from chaos_core import Context, RawResponse, Section
+from chaos_core import Context, RawResponse, Section, metric_total
 
 HOLE = "\u0000chaos-hole\u0000"  # placeholder swapped for raw JSON text after json.dumps
 _HOLE_JSON = json.dumps(HOLE)
@@ -442,8 +443,9 @@ async def run(ctx: Context) -> dict[str, Any]:
     figures = tally(results)
     after = await ctx.wait_idle(30.0)
     status, _ = await ctx.health()
-    figures.update(seconds=round(seconds, 1), healthy_after=int(status == 200),
-                   kv_blocks_used_after=int(after.get("llm_serving_kv_blocks_used", -1)))
+    kv_used = metric_total(after, "llm_serving_kv_blocks_used")
+    figures.update(seconds=round(seconds, 1), healthy_after=int(status == 200), target=await ctx.target(),
+                   kv_blocks_used_after=-1 if kv_used is None else int(kv_used))
     figures["passed"] = (figures["5xx"] == 0 and figures["non_json_errors"] == 0 and figures["hangs"] == 0
                          and figures["unexpected_no_response"] == 0 and figures["healthy_after"] == 1
                          and figures["kv_blocks_used_after"] == 0 and figures["not_sent"] == 0)

@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from chaos_core import Context, RawResponse, Section, http_request
+from chaos_core import Context, RawResponse, Section, http_request, metric_total, sse_events
 from chaos_fuzz import fuzz_cases
 
 HOSTILE_KINDS = ("json_value", "json_shape", "raw_body", "encoding", "known")
@@ -51,21 +51,32 @@ def _body(route: str, model: str, rng: random.Random, max_tokens: int, stream: b
 
 
 def _complete(route: str, stream: bool, r: RawResponse) -> bool:
-    """Whether a 200 carries a whole answer (streams: their last event, no error frame)."""
+    """Whether a 200 carries a whole answer, judged by the protocol, never by the text (a token may read "error"):
+    an OpenAI stream is whole SSE events, none an error event, the last ``[DONE]``; an llm-serving stream is JSON
+    lines (or SSE events), none an error, the last with its details."""
     text = r.body.decode("utf-8", "replace")
     if not stream:
         body = r.json()
         if route.startswith("tgi"):
             return isinstance(body, dict) and "generated_text" in body and bool(body.get("finish_reason"))
         return isinstance(body, dict) and all(c.get("finish_reason") for c in body.get("choices") or [{}])
+    sse = r.headers.get("content-type", "").startswith("text/event-stream")
     if route.startswith("tgi"):
-        lines = [line.removeprefix("data: ") for line in text.splitlines() if line.strip()]
-        try:
-            frames = [json.loads(line) for line in lines]
-        except ValueError:
+        frames = sse_events(text) if sse else text.split("\n")
+        if not sse and frames.pop() != "":
+            return False  # the last line was cut
+        done = None
+    else:
+        frames, done = sse_events(text), "[DONE]"
+        if not frames or frames.pop() != done:
             return False
-        return bool(frames) and "error" not in frames[-1] and bool(frames[-1]["data"][0].get("details"))
-    return text.rstrip().endswith("data: [DONE]") and '"error"' not in text
+    try:
+        objects = [json.loads(frame) for frame in frames]
+    except ValueError:
+        return False
+    if not objects or any(not isinstance(o, dict) or "error" in o for o in objects):
+        return False
+    return done is not None or bool(objects[-1].get("data", [{}])[0].get("details"))
 
 
 def classify(r: RawResponse, complete: bool = True) -> str:
@@ -164,13 +175,17 @@ async def run(ctx: Context) -> dict[str, Any]:
         "clean_refusals": counts["refused"] + counts["overloaded"], "overloaded_503": counts["overloaded"],
         "disconnects": counts["disconnect"], "errors": counts["error"], "hangs": counts["hang"],
         "ok_per_s": round(counts["ok"] / seconds, 1) if seconds else 0.0,
-        "kv_blocks_used_after": int(after.get("llm_serving_kv_blocks_used", -1)),
-        "requests_in_flight_after": int(after.get("llm_serving_requests_in_flight", -1)),
+        "kv_blocks_used_after": _figure(metric_total(after, "llm_serving_kv_blocks_used")),
+        "requests_in_flight_after": _figure(metric_total(after, "llm_serving_requests_in_flight")),
         "healthy_after": int(status == 200), "first_errors": " | ".join(errors),
     }
     figures["passed"] = (figures["errors"] == 0 and figures["hangs"] == 0
                          and figures["kv_blocks_used_after"] == 0 and figures["healthy_after"] == 1)
     return figures
+
+
+def _figure(value: float | None) -> int:
+    return -1 if value is None else int(value)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -239,3 +239,30 @@ def test_cli_targets_loopback_only_and_runs_a_section(server, tmp_path):
     code = chaos.main(["--url", server.url, "--sections", "fuzz", "--fuzz-count", "40", "--json", str(out)])
     figures = json.loads(out.read_text())
     assert code == 0 and figures["fuzz"]["sent"] == 40 and figures["fuzz"]["5xx"] == 0, figures
+
+
+def test_soak_judges_completion_by_the_protocol_not_the_text():
+    """A token may read "error": only an error event (or a missing ``[DONE]``, a cut event) makes a stream
+    incomplete."""
+    sse = {"content-type": "text/event-stream; charset=utf-8"}
+
+    def event(obj: object) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    token = event({"choices": [{"index": 0, "text": "error", "finish_reason": None,  # logprobs quote it
+                                "logprobs": {"tokens": ["error"], "top_logprobs": [{"error": -0.1}]}}]})
+    failed = event({"error": {"message": "the engine failed", "type": "server_error", "code": "engine_error"}})
+    for body, whole in ((token + "data: [DONE]\n\n", True), (token + failed, False), (token, False),
+                        (token + "data: [DONE]", False), (failed + "data: [DONE]\n\n", False),
+                        (token.replace("\n\n", "\r\n\r\n") + "data: [DONE]\r\n\r\n", True)):
+        assert chaos_soak._complete("chat", True, RawResponse(200, sse, body.encode())) is whole, body
+    frame = {"event": "message", "data": [{"generated_text": "error", "details": None}]}
+    last = {"event": "message", "data": [{"generated_text": "", "details": {"finish_reason": "length"}}]}
+    lines = f"{json.dumps(frame)}\n{json.dumps(last)}\n"
+    ndjson = {"content-type": "application/x-ndjson"}
+    assert chaos_soak._complete("tgi_stream", True, RawResponse(200, ndjson, lines.encode()))
+    cut = f"{json.dumps(frame)}\n" + json.dumps({"error": "engine died", "error_type": "upstream_error"}) + "\n"
+    assert not chaos_soak._complete("tgi_stream", True, RawResponse(200, ndjson, cut.encode()))
+    assert not chaos_soak._complete("tgi_stream", True, RawResponse(200, ndjson, lines.encode()[:-5]))
+    assert chaos_soak._complete("tgi_stream", True, RawResponse(200, sse, "".join(
+        f"data: {json.dumps(f)}\n\n" for f in (frame, last)).encode()))

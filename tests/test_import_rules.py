@@ -90,9 +90,11 @@ LAYERS = {
         "models": {"protocol", "config", "tokenization"},
         "executor": {"protocol"},
         "engine": {"protocol", "core", "config", "tokenization", "models", "executor", "request_errors"},
-        "api": {"protocol", "core", "config", "tokenization", "engine", "executor", "describe", "request_errors"},
+        "front": {"request_errors"},  # the HTTP guards and JSON errors the engine's server and the router share
+        "api": {"protocol", "core", "config", "tokenization", "engine", "executor", "describe", "request_errors",
+                "front"},
         "simulator": {"protocol", "core", "config", "tokenization", "models", "engine", "bench"},
-        "router": set(),
+        "router": {"front", "request_errors"},
         "cli": {"*"},
         "__init__": {"engine"},  # the lazy ``llm_serving.LLM``
         "__main__": {"cli"},

@@ -21,7 +21,7 @@ import pytest
 
 from llm_serving.executor.collective_launch import free_port
 from llm_serving.router.affinity import CHUNK_CHARS, AffinityPolicy, PrefixIndex, prefix_keys
-from llm_serving.router.proxy import routing_text
+from llm_serving.router.proxy import request_json, routing_text
 from tests.test_server import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,11 +70,14 @@ def test_affinity_holds_within_the_imbalance_and_yields_beyond_it():
 
 
 def test_the_routing_text_is_the_prompt_of_each_api():
-    assert routing_text(b'{"prompt": "Hello", "max_tokens": 3}') == "Hello"
-    assert routing_text(b'{"inputs": "Hi", "parameters": {}}') == "Hi"
-    chat = routing_text(b'{"messages": [{"role": "user", "content": "Hey"}]}')
-    assert chat.startswith('[{"role":"user","content":"Hey"') and routing_text(b'{"prompt": [1, 2]}') == "[1,2]"
-    assert routing_text(b"not json") == routing_text(b"[1]") == routing_text(b"") == ""
+    def text(body: bytes) -> str:
+        return routing_text(request_json(body))
+
+    assert text(b'{"prompt": "Hello", "max_tokens": 3}') == "Hello"
+    assert text(b'{"inputs": "Hi", "parameters": {}}') == "Hi"
+    chat = text(b'{"messages": [{"role": "user", "content": "Hey"}]}')
+    assert chat.startswith('[{"role":"user","content":"Hey"') and text(b'{"prompt": [1, 2]}') == "[1,2]"
+    assert text(b"not json") == text(b"[1]") == text(b"") == text(b"\xff\xfe") == ""
 
 
 # ---- the router in front of real servers -----------------------------------------------------------------

@@ -4,5 +4,5 @@ responses and errors, metrics, one request's generation), the request schemas, a
 ``route_context``; ``launch`` runs the whole serving process (engine + HTTP, graceful drain).
 
 May import: ``llm_serving.protocol``, ``core``, ``config``, ``tokenization``, ``engine``, ``executor``,
-``describe`` and ``request_errors``.
+``describe``, ``request_errors`` and ``front`` (the guards and JSON errors shared with the router).
 """

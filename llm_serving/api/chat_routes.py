@@ -30,8 +30,8 @@ from llm_serving.api.guards import check_prompt_count
 from llm_serving.api.openai_routes import OPENAI_FINISH, _usage, merge_streams, start_choices
 from llm_serving.api.responses import (
     ClientGone,
+    end_stream,
     engine_errors,
-    json_response,
     open_stream,
     openai_stream_error,
     write,
@@ -40,6 +40,7 @@ from llm_serving.api.route_context import OFFLOAD_ENCODE_CHARS
 from llm_serving.api.tools import call_id
 from llm_serving.config.serving_config import ConfigError
 from llm_serving.engine.request_stream import EngineError
+from llm_serving.front.errors import json_response
 from llm_serving.request_errors import ApiError, ChatTemplateError
 from llm_serving.tokenization.tokenizer import Tokenizer
 
@@ -147,11 +148,10 @@ class ChatRoutes:
                 await write(resp, chunk(None, usage=_usage(gens, req.n)))
             await write(resp, b"data: [DONE]\n\n")
         except EngineError as exc:
-            await write(resp, openai_stream_error(exc))
+            return await end_stream(resp, openai_stream_error(exc))
         except ClientGone:
             return resp
-        await resp.write_eof()
-        return resp
+        return await end_stream(resp)
 
     def _logprobs(self, req: ChatRequest, tokens: list[TokenInfo]) -> dict[str, Any] | None:
         if not req.logprobs:

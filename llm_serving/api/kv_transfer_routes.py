@@ -31,11 +31,11 @@ from aiohttp import web
 from prometheus_client import Counter
 
 from llm_serving.api.kv_hold import HeldPayloads, read_local
-from llm_serving.api.responses import error_response
 from llm_serving.api.schema import KvTransferParams
 from llm_serving.config.sections import http_origin
 from llm_serving.engine.kv_transfer import digest_key, verified
 from llm_serving.engine.request_stream import EngineError
+from llm_serving.front.errors import error_response
 from llm_serving.request_errors import ApiError
 
 log = logging.getLogger(__name__)

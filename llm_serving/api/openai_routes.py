@@ -23,9 +23,8 @@ from llm_serving.api.generation import AnswerDelta, Generation, TokenInfo
 from llm_serving.api.guards import check_prompt_count
 from llm_serving.api.responses import (
     ClientGone,
+    end_stream,
     engine_errors,
-    error_response,
-    json_response,
     open_stream,
     openai_stream_error,
     write,
@@ -34,6 +33,7 @@ from llm_serving.api.schema import OPENAI_DEFAULT_MAX_TOKENS, CompletionRequest,
 from llm_serving.core.logprobs import PromptLogprob, TopLogprobs
 from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.request_stream import EngineError
+from llm_serving.front.errors import error_response, json_response
 from llm_serving.request_errors import ApiError
 from llm_serving.tokenization.tokenizer import Tokenizer
 
@@ -138,11 +138,10 @@ class OpenAIRoutes:
                 await write(resp, chunk([], usage=_usage(gens, req.n)))
             await write(resp, b"data: [DONE]\n\n")
         except EngineError as exc:
-            await write(resp, openai_stream_error(exc))
+            return await end_stream(resp, openai_stream_error(exc))
         except ClientGone:
             return resp
-        await resp.write_eof()
-        return resp
+        return await end_stream(resp)
 
     def _echo_text(self, req: CompletionRequest, prompt: str | tuple[int, ...]) -> str:
         if not req.echo:

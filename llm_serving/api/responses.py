@@ -1,13 +1,10 @@
-"""The HTTP responses every route shares: JSON bodies, JSON errors, and streamed responses.
-
-Errors are JSON ``{"error": message, "error_type": tag}``; the OpenAI routes nest the message as OpenAI
-clients expect: ``{"error": {"message", "type", "param", "code"}, "error_type": tag}``, ``type`` OpenAI's class
-(``invalid_request_error`` for a 4xx, ``server_error`` for a 5xx) and ``code`` our tag, a string as OpenAI's.
+"""The HTTP responses the engine's routes share beyond JSON bodies and errors (``llm_serving.front.errors``, shared
+with the router): streamed responses and what an engine failure answers.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 from collections.abc import Awaitable
 from typing import Any
 
@@ -15,48 +12,14 @@ from aiohttp import web
 
 from llm_serving.engine.live_requests import SequenceError
 from llm_serving.engine.request_stream import EngineError
+from llm_serving.front.errors import stream_error_event
 from llm_serving.request_errors import ApiError
 
-MAX_ERROR_CHARS = 2000  # of an error message: many quote the request, which may be a megabyte
+log = logging.getLogger(__name__)
 
 
 class ClientGone(Exception):
     """The client closed the connection while its answer was being written."""
-
-
-def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(data, status=status, headers=headers, dumps=_dumps)
-
-
-def _dumps(data: Any) -> str:
-    return json.dumps(data, ensure_ascii=False)
-
-
-def error_response(err: ApiError, openai: bool) -> web.Response:
-    message = err.message
-    if len(message) > MAX_ERROR_CHARS:
-        message = message[:MAX_ERROR_CHARS - 3] + "..."
-    if openai:
-        body: dict[str, Any] = {"error": openai_error(err, message), "error_type": err.error_type}
-    else:
-        body = {"error": message, "error_type": err.error_type}
-    headers = {"Retry-After": "1"} if err.status == 503 else None
-    resp = json_response(body, status=err.status, headers=headers)
-    if err.close_connection:
-        resp.force_close()
-    return resp
-
-
-def openai_error(err: ApiError, message: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object for ``err``."""
-    kind = "invalid_request_error" if err.status < 500 else "server_error"
-    return {"message": err.message if message is None else message, "type": kind, "param": err.param,
-            "code": err.error_type}
-
-
-def too_large(size: int | None, limit: int) -> ApiError:
-    got = f" ({size} bytes)" if size is not None else ""
-    return ApiError(413, f"the request body is too large{got}; the limit is {limit} bytes", "payload_too_large")
 
 
 async def open_stream(request: web.Request, content_type: str) -> web.StreamResponse:
@@ -76,6 +39,18 @@ async def write(resp: web.StreamResponse, data: bytes) -> None:
         raise ClientGone(str(exc)) from None
 
 
+async def end_stream(resp: web.StreamResponse, last: bytes = b"") -> web.StreamResponse:
+    """Write ``last`` (an error event, or nothing) and end the stream. A client that left meanwhile (after the
+    last event, before the end) is a client disconnect like any other, not the server's failure."""
+    try:
+        if last:
+            await resp.write(last)
+        await resp.write_eof()
+    except (ConnectionResetError, ConnectionError) as exc:
+        log.debug("client left before the end of its stream: %s", exc)
+    return resp
+
+
 def engine_failure(exc: EngineError) -> ApiError:
     """What an engine failure means to the client: a ``SequenceError`` is this request's own failure (500: the
     same request would fail again), any other the engine could not serve it now (agents down or recovering: 503,
@@ -87,8 +62,7 @@ def engine_failure(exc: EngineError) -> ApiError:
 
 def openai_stream_error(exc: EngineError) -> bytes:
     """The server-sent event that ends an OpenAI stream the engine failed."""
-    body = {"error": openai_error(engine_failure(exc))}
-    return f"data: {json.dumps(body)}\n\n".encode()
+    return stream_error_event(engine_failure(exc), openai=True)
 
 
 async def engine_errors(awaitable: Awaitable[Any]) -> Any:

@@ -32,11 +32,10 @@ from aiohttp import web
 
 from llm_serving.api.chat_routes import ChatRoutes
 from llm_serving.api.generation import Generation
-from llm_serving.api.guards import JsonErrorRunner, api_key_middleware, read_json_body
+from llm_serving.api.guards import api_key_middleware, read_json_body
 from llm_serving.api.kv_transfer_routes import KvTransferRoutes
 from llm_serving.api.metrics import CONTENT_TYPE, ServerMetrics
 from llm_serving.api.openai_routes import OpenAIRoutes
-from llm_serving.api.responses import error_response, json_response
 from llm_serving.api.route_context import OFFLOAD_ENCODE_CHARS
 from llm_serving.api.schema import parameter_error
 from llm_serving.api.tgi_routes import TgiRoutes
@@ -44,6 +43,8 @@ from llm_serving.api.tokenizer_routes import TokenizerRoutes
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.request_stream import EngineError
+from llm_serving.front.errors import error_response, json_http_errors, json_response
+from llm_serving.front.guards import JsonErrorRunner
 from llm_serving.request_errors import ApiError, InvalidParameter, QueueFull, RequestRejected
 from llm_serving.tokenization.chat_template import ChatTemplate
 from llm_serving.tokenization.hf_tokenizer import AnyTokenizer
@@ -119,7 +120,7 @@ class Server:
         self.kv_transfer = KvTransferRoutes(self.engine, sc.kv_transfer, self.metrics.kv_fetches, sc.api_key,
                                             peers=sc.kv_transfer_peers)
         guards = [m for m in (api_key_middleware(self.config.serving_config.api_key),) if m is not None]
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._json_errors, *guards])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[json_http_errors, *guards])
         app.router.add_post("/models/{model_name}/generate", self._guard(tgi.generate, "llm"))
         app.router.add_post("/models/{model_name}/generate_stream", self._guard(tgi.generate_stream, "llm"))
         app.router.add_post("/v1/completions", self._guard(openai.completions, "openai"))
@@ -137,21 +138,6 @@ class Server:
         app.router.add_delete("/v1/kv_transfer/{transfer_id}", self.kv_transfer.release)
         app.on_cleanup.append(self.kv_transfer.close)
         return app
-
-    @web.middleware
-    async def _json_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """aiohttp's own errors (unknown route, wrong method, oversized body) as JSON too."""
-        try:
-            return await handler(request)
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            kind = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status,
-                                                                                               "http_error")
-            message = f"{request.method} {request.path}: {exc.reason}"
-            if exc.status == 405:
-                message += f" (allowed: {exc.headers.get('Allow', '')})"
-            return error_response(ApiError(exc.status, message, kind), request.path.startswith("/v1/"))
 
     def _guard(self, handler: Handler, api: str) -> Handler:
         """Turn ApiErrors into JSON error responses and count refused requests by outcome."""

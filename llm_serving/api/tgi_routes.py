@@ -18,14 +18,15 @@ from aiohttp import web
 from llm_serving.api.generation import Generation, TokenInfo
 from llm_serving.api.responses import (
     ClientGone,
+    end_stream,
     engine_errors,
     engine_failure,
-    json_response,
     open_stream,
     write,
 )
 from llm_serving.api.schema import GenerateRequest, parse_generate
 from llm_serving.engine.request_stream import EngineError
+from llm_serving.front.errors import json_response
 
 if TYPE_CHECKING:
     from llm_serving.api.route_context import RouteContext
@@ -96,11 +97,10 @@ class TgiRoutes:
                 await write(resp, message("".join(parts), None, details))
         except EngineError as exc:
             err = engine_failure(exc)
-            await write(resp, frame({"error": err.message, "error_type": err.error_type}))
+            return await end_stream(resp, frame({"error": err.message, "error_type": err.error_type}))
         except ClientGone:
             return resp
-        await resp.write_eof()
-        return resp
+        return await end_stream(resp)
 
 
 def _details(req: GenerateRequest, reason: str | None, n: int,

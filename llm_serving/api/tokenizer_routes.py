@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from llm_serving.api.responses import error_response, json_response
 from llm_serving.api.schema import _no_unknown, _object, _Reader, invalid
 from llm_serving.api.tools import parse_tools
 from llm_serving.config.serving_config import ConfigError
 from llm_serving.describe import json_kind
+from llm_serving.front.errors import error_response, json_response
 from llm_serving.request_errors import ApiError, ChatTemplateError, MessageError
 from llm_serving.tokenization.chat_template import check_messages
 

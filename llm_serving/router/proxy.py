@@ -4,8 +4,11 @@ of ``llm-serving serve`` works through it unchanged.
 
 Engines are watched with ``GET /health`` every ``health_interval_s``: one that does not answer 200 gets no new
 requests until it does, and the prefixes it held are forgotten (it may have restarted with an empty cache). A
-request whose engine cannot be reached before any answer has started goes to another engine; once bytes have
-reached the client it cannot move, and the connection is closed. ``/metrics``: the router's own counters, then
+request whose engine cannot be reached, or does not answer within the first-byte timeout, goes to another engine
+while nothing has reached the client; once bytes have, it cannot move: a stream then ends with an error event
+(``upstream``). Malformed requests get the engines' own JSON 4xx from the router (``llm_serving.front``: the body
+read within its limit and decoded, JSON nesting bounded, the HTTP parser's rejections as JSON); a client that
+leaves aborts its request on the engine. ``/metrics``: the router's own counters, then
 each engine's metrics with an ``engine`` label (their URL's position on the command line), fetched at scrape time.
 With prefill engines (``--prefill``, numbered after the others) a completion or chat request first runs its prompt
 on one of them (``disaggregation``); the others then decode.
@@ -18,6 +21,7 @@ import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -25,6 +29,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from llm_serving.front.errors import error_response, is_openai_path, json_http_errors
+from llm_serving.front.guards import JsonErrorRunner, check_json, read_body, too_deep
+from llm_serving.request_errors import ApiError
 from llm_serving.router.affinity import AffinityPolicy
 from llm_serving.router.disaggregation import (
     DISAGGREGATED_PATHS,
@@ -32,12 +39,12 @@ from llm_serving.router.disaggregation import (
     prefill_request,
     without_transfer_params,
 )
+from llm_serving.router.timeouts import Timeouts
+from llm_serving.router.upstream import NotAnswered, client_timeout, forwarded_headers, relay
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20
-HOP_BY_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade", "te",
-              "trailer", "proxy-authorization", "proxy-authenticate"}
 
 
 @dataclass
@@ -47,13 +54,22 @@ class EngineInfo:
     healthy: bool = False
 
 
-def routing_text(body: bytes) -> str:
-    """The part of a request that decides its prefix: the prompt (OpenAI completions, llm-serving's ``inputs``),
-    the chat messages, or token ids, as text; "" when the body is not such JSON (the engine will judge it)."""
+def request_json(body: bytes) -> Any:
+    """The body as JSON; None when it is not JSON (the engine will judge it); 400 for JSON no engine takes (nested
+    too deeply, lone surrogates), which the router itself cannot route."""
     try:
         data = json.loads(body) if body else None
+    except RecursionError:
+        raise too_deep() from None
     except ValueError:
-        return ""
+        return None
+    check_json(data)
+    return data
+
+
+def routing_text(data: Any) -> str:
+    """The part of a request (its JSON body) that decides its prefix: the prompt (OpenAI completions,
+    llm-serving's ``inputs``), the chat messages, or token ids, as text; "" when the body is not such JSON."""
     if not isinstance(data, dict):
         return ""
     for key in ("prompt", "inputs", "messages", "input_ids"):
@@ -65,28 +81,17 @@ def routing_text(body: bytes) -> str:
     return ""
 
 
-def forwarded_headers(request: web.Request) -> dict[str, str]:
-    """The client's headers an engine gets (not the hop-by-hop ones, which describe this connection)."""
-    return {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-
-
-def error_body(status: int, message: str, error_type: str) -> web.Response:
-    """An OpenAI-shaped error, as the engines answer theirs."""
-    body = {"error": {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
-                      "param": None, "code": error_type}, "error_type": error_type}
-    return web.json_response(body, status=status, headers={"Retry-After": "1"} if status == 503 else None)
-
-
 class RouterServer:
     """Forwards requests to ``engine_urls`` by ``policy``; ``app()`` is the aiohttp application."""
 
     def __init__(self, engine_urls: list[str], policy: AffinityPolicy, health_interval_s: float = 1.0,
-                 prefill_urls: tuple[str, ...] = (), prefill_policy: AffinityPolicy | None = None) -> None:
+                 prefill_urls: tuple[str, ...] = (), prefill_policy: AffinityPolicy | None = None,
+                 timeouts: Timeouts | None = None) -> None:
         urls = [*engine_urls, *prefill_urls]  # prefill engines numbered after the others
         self.engines = [EngineInfo(i, url.rstrip("/")) for i, url in enumerate(urls)]
         self.serving = set(range(len(engine_urls)))  # the engines that answer clients (decode engines)
         self.prefilling = set(range(len(engine_urls), len(urls)))
-        self.policy, self.health_interval_s = policy, health_interval_s
+        self.policy, self.health_interval_s, self.timeouts = policy, health_interval_s, timeouts or Timeouts()
         self.prefill_policy = prefill_policy or AffinityPolicy(len(urls))
         self.registry = CollectorRegistry()
         self.routed = Counter("llm_serving_router_requests", "Requests sent to each engine, by how it was chosen",
@@ -100,11 +105,18 @@ class RouterServer:
                                 ["engine", "outcome"], registry=self.registry)
         self.in_flight = Gauge("llm_serving_router_in_flight", "Requests forwarded and not yet answered in full",
                                ["engine"], registry=self.registry)
+        self.engine_failures = Counter("llm_serving_router_engine_failures", "Forwarded requests an engine failed, "
+                                       "by how: unreachable, timeout or broken before answering (the request "
+                                       "moves), or cut and timeout during a stream (it ends with an error event)",
+                                       ["engine", "reason"], registry=self.registry)
+        self.client_gone = Counter("llm_serving_router_client_disconnects", "Requests whose client left before "
+                                   "its answer was written in full (their engine request is closed)",
+                                   registry=self.registry)
         self._session: aiohttp.ClientSession | None = None
         self._watcher: asyncio.Task | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_http_errors])
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_route("*", "/{tail:.*}", self.forward)
@@ -112,10 +124,15 @@ class RouterServer:
         app.on_cleanup.append(self._stop)
         return app
 
+    def make_runner(self, **kwargs: Any) -> web.AppRunner:
+        """The runner to serve ``app()`` with, as the engine's: handlers cancelled when their client leaves (which
+        closes the engine's request, so the engine aborts it), the HTTP parser's errors as JSON."""
+        return JsonErrorRunner(self.app(), handler_cancellation=True, access_log=None, **kwargs)
+
     # ---- lifetime --------------------------------------------------------------------------------------------
     async def _start(self, _app: web.Application) -> None:
-        # no total timeout: a generation may stream for minutes; connecting must be quick
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
+        # no total timeout: a generation may stream for minutes (each request has the router's ``Timeouts``)
+        timeout = client_timeout(self.timeouts)
         # no cap on connections: aiohttp's default of 100 would queue every request beyond the 100th in flight
         # (measured: 128 streams at once through the router ran at 0.78x of the engine alone)
         connector = aiohttp.TCPConnector(limit=0)
@@ -169,8 +186,17 @@ class RouterServer:
                                   "engines": {e.url: e.healthy for e in self.engines}}, status=status)
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        text = routing_text(body)
+        try:
+            return await self._forward(request)
+        except ApiError as err:
+            return error_response(err, is_openai_path(request.path))
+        except asyncio.CancelledError:  # the client left (the engine's request closed as this unwinds)
+            self.client_gone.inc()
+            raise
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        body = await read_body(request, MAX_BODY_BYTES)
+        text = routing_text(request_json(body))
         if request.method == "POST" and request.path in DISAGGREGATED_PATHS:
             body = without_transfer_params(body)  # transfers are the router's to name, never a client's
         if self.prefilling and request.method == "POST" and request.path in DISAGGREGATED_PATHS:
@@ -179,16 +205,25 @@ class RouterServer:
                 return prefilled  # the prefill engine refused the request: the decode engine would too
             body = prefilled
         tried: set[int] = set()
+        timed_out = False
         while True:
             choice = self.policy.choose(text, (self.healthy & self.serving) - tried)
             if choice is None:
+                if timed_out:
+                    raise ApiError(504, f"no engine answered within {self.timeouts.first_byte_s:g} s (tried "
+                                        f"{', '.join(self.engines[e].url for e in sorted(tried))})", "upstream_timeout")
                 down = ", ".join(e.url for e in self.engines)
-                return error_body(503, f"no engine can take the request (engines: {down})", "no_engine")
+                raise ApiError(503, f"no engine can take the request (engines: {down})", "no_engine")
             engine = self.engines[choice.engine]
             self.routed.labels(str(engine.index), "prefix" if choice.matched_chars else "load").inc()
-            answer = await self._relay(request, body, engine)
-            if answer is not None:
-                return answer
+            try:
+                return await self._relay(request, body, engine)
+            except NotAnswered as failed:
+                log.warning("engine %d (%s) did not answer (%s): trying another", engine.index, engine.url, failed)
+                self.engine_failures.labels(str(engine.index), failed.reason).inc()
+                if failed.reason == "unreachable":
+                    self._set_health(engine, False)
+                timed_out = timed_out or failed.reason == "timeout"
             tried.add(engine.index)
             self.failovers.labels(str(engine.index)).inc()
 
@@ -204,13 +239,15 @@ class RouterServer:
         headers = forwarded_headers(request)
         self.prefill_policy.started(engine.index)
         try:
-            async with self._session.post(engine.url + request.path, json=data, headers=headers) as upstream:
+            async with self._session.post(engine.url + request.path, json=data, headers=headers,
+                                          timeout=client_timeout(self.timeouts)) as upstream:
                 answer, status = await upstream.read(), upstream.status
                 content_type = upstream.headers.get("Content-Type", "application/json")
-        except aiohttp.ClientError as exc:
-            log.warning("prefill engine %d (%s) unreachable (%s): the decode engine computes the prompt",
-                        engine.index, engine.url, exc)
-            self._set_health(engine, False)
+        except aiohttp.ClientError as exc:  # the read timeouts included
+            log.warning("prefill engine %d (%s) failed (%s): the decode engine computes the prompt",
+                        engine.index, engine.url, exc or type(exc).__name__)
+            if not isinstance(exc, TimeoutError):
+                self._set_health(engine, False)
             self.prefills.labels(str(engine.index), "unreachable").inc()
             return body
         finally:
@@ -222,35 +259,24 @@ class RouterServer:
         self.prefills.labels(str(engine.index), "transfer" if transferred else "none").inc()
         return decode_body
 
-    async def _relay(self, request: web.Request, body: bytes, engine: EngineInfo) -> web.StreamResponse | None:
-        """Send the request to ``engine`` and stream its answer back; None when the engine could not be reached
-        before anything was answered (the caller tries another)."""
+    async def _relay(self, request: web.Request, body: bytes, engine: EngineInfo) -> web.StreamResponse:
+        """Send the request to ``engine`` and relay its answer (``upstream.relay``: ``NotAnswered`` when nothing
+        reached the client)."""
         assert self._session is not None
-        headers = forwarded_headers(request)
         self.policy.started(engine.index)
         self.in_flight.labels(str(engine.index)).inc()
-        response: web.StreamResponse | None = None
         try:
-            async with self._session.request(request.method, engine.url + request.path_qs, data=body,
-                                             headers=headers) as upstream:
-                response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers={
-                    k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP})
-                await response.prepare(request)
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-                await response.write_eof()
-                return response
-        except aiohttp.ClientError as exc:
-            if response is None:  # nothing answered yet: another engine may take it
-                log.warning("engine %d (%s) unreachable (%s): trying another", engine.index, engine.url, exc)
-                self._set_health(engine, False)
-                return None
-            log.warning("engine %d (%s) broke off an answer: %s", engine.index, engine.url, exc)
-            response.force_close()
-            return response
+            relayed = await relay(self._session, request, engine.url + request.path_qs, body, self.timeouts)
         finally:
             self.policy.finished(engine.index)
             self.in_flight.labels(str(engine.index)).dec()
+        if relayed.failure is not None:
+            log.warning("engine %d (%s) broke off a stream (%s): it ends with an error event", engine.index,
+                        engine.url, relayed.failure)
+            self.engine_failures.labels(str(engine.index), relayed.failure).inc()
+        if relayed.client_gone:
+            self.client_gone.inc()
+        return relayed.response
 
     async def metrics(self, _request: web.Request) -> web.Response:
         texts = await asyncio.gather(*(self._engine_metrics(e) for e in self.engines))

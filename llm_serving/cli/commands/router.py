@@ -10,6 +10,7 @@ import socket
 import time
 
 from llm_serving.cli.options import CliError, Command
+from llm_serving.router.timeouts import Timeouts
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +28,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "preferred engine may have beyond the least busy one (default 4)")
     p.add_argument("--health-interval", type=float, default=1.0, metavar="S", help="seconds between health "
                    "checks of each engine (default 1)")
+    p.add_argument("--connect-timeout", type=float, default=Timeouts.connect_s, metavar="S", help="seconds to "
+                   f"connect to an engine before trying another (default {Timeouts.connect_s:g})")
+    p.add_argument("--first-byte-timeout", type=float, default=Timeouts.first_byte_s, metavar="S", help="seconds "
+                   "an engine may take to begin its answer (a request that is not streamed: the whole generation) "
+                   f"before the request goes to another engine or gets a 504 (default {Timeouts.first_byte_s:g})")
+    p.add_argument("--idle-timeout", type=float, default=Timeouts.idle_s, metavar="S", help="seconds an engine "
+                   "may send nothing in the middle of an answer before it is cut (a stream ends with an error "
+                   f"event; default {Timeouts.idle_s:g})")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -39,10 +48,14 @@ def _run(args: argparse.Namespace) -> int:
                 raise CliError(f"{flag} {url!r}: expected a URL such as http://HOST:PORT")
     if not 0 <= args.min_match <= 1 or args.max_imbalance < 0 or args.health_interval <= 0:
         raise CliError("--min-match must be in [0, 1], --max-imbalance >= 0 and --health-interval > 0")
+    for flag in ("connect_timeout", "first_byte_timeout", "idle_timeout"):
+        if not getattr(args, flag) > 0:
+            raise CliError(f"--{flag.replace('_', '-')} must be > 0 seconds")
+    timeouts = Timeouts(args.connect_timeout, args.first_byte_timeout, args.idle_timeout)
     policy = AffinityPolicy(len(args.engine), args.min_match, args.max_imbalance, not args.no_prefix_affinity)
     prefill_policy = AffinityPolicy(len(args.engine) + len(args.prefill), args.min_match, args.max_imbalance,
                                     not args.no_prefix_affinity)
-    server = RouterServer(args.engine, policy, args.health_interval, tuple(args.prefill), prefill_policy)
+    server = RouterServer(args.engine, policy, args.health_interval, tuple(args.prefill), prefill_policy, timeouts)
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as exc:
@@ -54,7 +67,7 @@ def _run(args: argparse.Namespace) -> int:
 async def _serve(server, sock: socket.socket) -> None:
     from aiohttp import web
 
-    runner = web.AppRunner(server.app())
+    runner = server.make_runner()
     await runner.setup()
     await web.SockSite(runner, sock).start()
     host, port = sock.getsockname()[:2]
