@@ -50,7 +50,7 @@ def export_graphs(runner: MindFormersRunner, out_dir: str | Path, shapes: list[t
                   progress: Callable[[str], None] | None = None) -> list[tuple[tuple, GraphSummary]]:
     """Export ``shapes`` (default: every warm-up shape) to ``out_dir`` with their warm-up inputs."""
     shapes = shapes if shapes is not None else runner.graph_shapes()
-    return export_shapes(runner, runner.select, out_dir, shapes, graph_file_name, describe, progress)
+    return export_shapes(runner, runner.graph, out_dir, shapes, graph_file_name, describe, progress)
 
 
 def main(argv: list[str] | None = None) -> int:
