@@ -197,6 +197,10 @@ def test_llm_serving_export_command(tmp_path: Path, model_dir: Path) -> None:
     assert len(lines) == 2
     assert "ArgMaxWithValue x1" in lines[0] and "PagedAttention x2" in lines[0]
     assert "outputs (ids, logprobs, logits) int32[4], float32[4], float32[4,512]" in lines[0]
+    # input names as the MindIR records them (MindFormersStep.construct's), n named by the family's unit
+    assert lines[0].startswith("mindformers decode batch=4 blocks=4: inputs input_ids=int32[4,1] "
+                               "batch_valid_length=int32[4] block_tables=int32[4,4] slot_mapping=int32[4];")
+    assert lines[1].startswith("mindformers ragged batch=4 tokens=32: inputs input_ids=int32[1,36] ")
     assert "FlashAttentionScore x2" in lines[1] and "int32[5], float32[5]" in lines[1]
     assert sorted(p.name for p in (tmp_path / "mindir").iterdir()) == [
         "mindformers_decode_b4_w4.mindir", "mindformers_ragged_b4_t32.mindir"]
