@@ -16,10 +16,11 @@ import pytest
 from mindspore import ops
 
 from agents.model.backends.ascend import AscendAttention, AscendBackend, FusedOps
-from agents.runtime.runner import RunnerConfig, warmup_shapes
+from agents.runtime.graph_family import by_graph, warmup_shapes_of
+from agents.runtime.runner import RunnerConfig, graph_families, warmup_shapes
 from agents.tools.contracts import check_graph
 from agents.tools.export import export_graphs, export_runner
-from agents.tools.mindir import FUSED_PRIMITIVES, TensorInfo, read_graph, read_mindir
+from agents.tools.mindir import FUSED_PRIMITIVES, TensorInfo, graph_file_name, read_graph, read_mindir
 from agents.weights.checkpoints import load_weights
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
@@ -51,6 +52,21 @@ def exported(request, weights, tmp_path_factory):
     """Every warm-up shape of the config, exported."""
     rc = runner_config(request.param)
     return request.param, rc, export_graphs(runner(weights, rc), tmp_path_factory.mktemp(request.param))
+
+
+@pytest.mark.parametrize(("ragged", "expected"), [
+    (True, ["ragged_b2_t32", "ragged_b2_t48", "ragged_b2_t64", "mixed_b4_m16", "mixed_b4_m24", "mixed_b4_m32",
+            "mixed_b4_m48", "mixed_b4_m64", "verify_b4_v16", "decode_b1_w4", "decode_b4_w4"]),
+    (False, ["prefill_b2_s32", "prefill_b1_s64", "chunk_b2_c32", "chunk_b1_c64", "verify_b4_v16", "decode_b1_w4",
+             "decode_b4_w4"])])
+def test_every_warmup_shape_of_every_family_gets_a_file_of_its_own(ragged, expected):
+    """Export names each file by its graph family (``GraphFamily.tag``; no table of the exporter's own): every
+    shape of every family, mixed, chunk and verify steps included, in warm-up order, under the names deployments
+    know."""
+    rc = runner_config("float16", mixed_steps=True, verify_tokens=3).with_decode_widths(full_width=False)
+    families = graph_families(rc, ragged)
+    tags = {graph: family.tag for graph, family in by_graph(families).items()}
+    assert [graph_file_name(shape, tags[shape[0]]) for shape in warmup_shapes_of(families)] == expected
 
 
 def test_every_warmup_shape_exports_with_the_fused_primitives_and_greedy_outputs(exported):

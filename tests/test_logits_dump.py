@@ -174,8 +174,8 @@ def test_runner_reads_logits_back_only_for_steps_that_ask(runner, monkeypatch):
     reads: list[int] = []
     run = runner._run
 
-    def spied(kind, shape, arrays):
-        token_ids, logprobs, logits = run(kind, shape, arrays)
+    def spied(shape, arrays):
+        token_ids, logprobs, logits = run(shape, arrays)
         return token_ids, logprobs, _Spy(logits, reads)
 
     monkeypatch.setattr(runner, "_run", spied)

@@ -147,7 +147,7 @@ def test_without_the_switch_the_graph_returns_logits(tmp_path: Path, weights: di
     runner = export_runner(LLAMA, rc, weights, str(predict_yaml(tmp_path / "p.yaml", True)))
     runner.net.greedy_in_graph = False
     plain = MindFormersStep(runner.net)  # a new cell, so a new compile
-    runner.select("decode")
+    runner.graph("decode")
     ms.export(plain, *[ms.Tensor(a) for a in runner.warmup_inputs(("decode", 4, 4))],
               file_name=str(tmp_path / "plain"), file_format="MINDIR")
     summary = read_mindir(tmp_path / "plain.mindir")
@@ -197,6 +197,10 @@ def test_llm_serving_export_command(tmp_path: Path, model_dir: Path) -> None:
     assert len(lines) == 2
     assert "ArgMaxWithValue x1" in lines[0] and "PagedAttention x2" in lines[0]
     assert "outputs (ids, logprobs, logits) int32[4], float32[4], float32[4,512]" in lines[0]
+    # input names as the MindIR records them (MindFormersStep.construct's), n named by the family's unit
+    assert lines[0].startswith("mindformers decode batch=4 blocks=4: inputs input_ids=int32[4,1] "
+                               "batch_valid_length=int32[4] block_tables=int32[4,4] slot_mapping=int32[4];")
+    assert lines[1].startswith("mindformers ragged batch=4 tokens=32: inputs input_ids=int32[1,36] ")
     assert "FlashAttentionScore x2" in lines[1] and "int32[5], float32[5]" in lines[1]
     assert sorted(p.name for p in (tmp_path / "mindir").iterdir()) == [
         "mindformers_decode_b4_w4.mindir", "mindformers_ragged_b4_t32.mindir"]
@@ -206,6 +210,12 @@ def test_runner_plans_steps_into_warmed_shapes(tmp_path: Path, weights: dict) ->
     """The real runner's planner splits a step into warm-up shapes whose inputs hold every sequence (the graphs
     themselves cannot run on CPU), and refuses what no shape or the cache holds."""
     runner = export_runner(LLAMA, MindFormersRunnerConfig(**RC), weights, str(predict_yaml(tmp_path / "p.yaml", True)))
+    with pytest.raises(ValueError, match="no compile cache"):
+        runner.warmup(known_costs={("decode", 1, 4): 0.01})
+    one = StepBatch(np.ones(1, np.int32), np.zeros(1, np.int32), np.array([16], np.int32), np.ones(1, np.int32),
+                    np.ones(1, np.int32), np.ones((1, 4), np.int32))
+    with pytest.raises(RuntimeError, match="was not warmed up"):  # the shared runner never compiles while serving
+        runner.step(one)
     runner.warmed.update(runner.graph_shapes())
     runner.step_costs.update({s: 0.01 * (1 + s[1] * s[2] / 32) for s in runner.graph_shapes()})
     lens = np.array([30, 3, 60, 7, 9], np.int32)
@@ -213,7 +223,7 @@ def test_runner_plans_steps_into_warmed_shapes(tmp_path: Path, weights: dict) ->
     q = lens.copy()
     batch = StepBatch(np.arange(total, dtype=np.int32), np.concatenate([np.arange(n) for n in lens]).astype(
         np.int32), np.arange(16, 16 + total, dtype=np.int32), q, q.copy(), np.zeros((5, 4), np.int32))
-    planned = runner.plan(batch)
+    planned = [(g, runner.bucket_inputs(batch.take(g))[0]) for g in runner.plan(batch)]
     assert sorted(i for g, _ in planned for i in g.tolist()) == list(range(5))
     for group, shape in planned:
         assert shape in runner.graph_shapes() and shape[0] == "ragged"
@@ -226,7 +236,8 @@ def test_runner_plans_steps_into_warmed_shapes(tmp_path: Path, weights: dict) ->
     tables = np.arange(1, 17, dtype=np.int32).reshape(4, 4) % 15 + 1
     decode = StepBatch(np.ones(4, np.int32), ctx - 1, np.array([18, 20, 30, 63], np.int32),
                        np.ones(4, np.int32), ctx, tables)
-    for group, shape in runner.plan(decode):
+    for group in runner.plan(decode):
+        shape = runner.bucket_inputs(decode.take(group))[0]
         assert shape[0] == "decode" and shape[1] >= len(group) and shape[2] * 16 >= ctx[group].max()
     runner._check_cache_indices(decode)
     decode.block_tables[1, 2] = 16  # one past the cache

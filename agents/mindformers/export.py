@@ -14,29 +14,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from agents.mindformers.inputs import INPUT_NAMES
 from agents.mindformers.runner import MindFormersRunner, MindFormersRunnerConfig
 from agents.tools.contracts import add_check_argument, check_exported
 from agents.tools.mindir import GraphSummary, export_shapes, parse_shape
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.wire import AgentSpec
-
-_UNITS = {"ragged": ("tokens", "t"), "decode": ("blocks", "w")}
-
-
-def graph_file_name(shape: tuple) -> str:
-    """``mindformers_ragged_b4_t128``, ``mindformers_decode_b8_w16`` (MindSpore adds ``.mindir``)."""
-    kind, batch, n = shape
-    return f"mindformers_{kind}_b{batch}_{_UNITS[kind][1]}{n}"
-
-
-def describe(shape: tuple, summary: GraphSummary) -> str:
-    """One line per graph: shape, inputs, outputs and fused primitives."""
-    kind, batch, n = shape
-    inputs = " ".join(f"{name}={info}" for name, info in zip(INPUT_NAMES, summary.inputs))
-    fused = ", ".join(f"{name} x{count}" for name, count in summary.fused().items()) or "none"
-    return (f"mindformers {kind} batch={batch} {_UNITS[kind][0]}={n}: inputs {inputs}; outputs (ids, logprobs, "
-            f"logits) {', '.join(map(str, summary.outputs))}; fused {fused} -> {summary.path}")
 
 
 def export_runner(llama: LlamaConfig, rc: MindFormersRunnerConfig, weights: dict, model_cfg_path: str,
@@ -50,7 +32,7 @@ def export_graphs(runner: MindFormersRunner, out_dir: str | Path, shapes: list[t
                   progress: Callable[[str], None] | None = None) -> list[tuple[tuple, GraphSummary]]:
     """Export ``shapes`` (default: every warm-up shape) to ``out_dir`` with their warm-up inputs."""
     shapes = shapes if shapes is not None else runner.graph_shapes()
-    return export_shapes(runner, runner.select, out_dir, shapes, graph_file_name, describe, progress)
+    return export_shapes(runner, runner.graph, out_dir, shapes, progress)
 
 
 def main(argv: list[str] | None = None) -> int:

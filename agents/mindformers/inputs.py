@@ -27,8 +27,6 @@ import numpy as np
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.step import StepKind
 
-INPUT_NAMES = ("input_ids", "batch_valid_length", "block_tables", "slot_mapping")
-
 
 def check_whole_prompts(batch: StepBatch) -> None:
     """Refuse prefills with cached context (chunks, prefix-cache hits): MindFormers' prefill starts at 0."""

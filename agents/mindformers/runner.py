@@ -7,34 +7,26 @@ MindFormers network serves both: its ``is_first_iteration`` flags pick the prefi
 (PagedAttention) path, so they are set before every call, as MindFormers' own generator does; each kind is its
 own wrapper cell, so each compiles its own graphs. The patched ``construct`` returns (int32 ids, float32
 logprobs, float32 logits); logits are read back only for sampled requests and logits dumps. The shapes, plans
-and inputs are its two graph families' (``agents.mindformers.families``), the step loop and cache-index check the
-runtime's (``agents.runtime.graph_family``).
+and inputs are its two graph families' (``agents.mindformers.families``); warm-up, the cache-index check and the
+step loop are the shared runner's (``agents.runtime.graph_runner.FamilyRunner``): this runner adds only
+MindFormers' network, its step cells and their flags.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor, nn
+from mindspore import nn
 
 from agents.mindformers.families import mindformers_families
 from agents.mindformers.model import build_network, load_weights_into
 from agents.runtime.bucket_plan import bucket_ladder
 from agents.runtime.device import apply_jit_config, setup_device
-from agents.runtime.graph_family import (
-    CostTable,
-    by_graph,
-    check_cache_indices,
-    planned_calls,
-    warmup_shapes_of,
-)
-from agents.runtime.sampler import step_output
-from llm_serving.protocol.batch import StepBatch, StepOutput
+from agents.runtime.graph_runner import FamilyRunner
 from llm_serving.protocol.model_config import ASCEND_DTYPES, LlamaConfig, blocks_needed
 
 
@@ -89,88 +81,37 @@ class MindFormersStep(nn.Cell):
                         slot_mapping=slot_mapping)
 
 
-class MindFormersRunner:
+class MindFormersRunner(FamilyRunner):
     """Owns MindFormers' network (weights, KV caches) and its compiled prefill and decode graphs on one device."""
+
+    label = "mindformers"
 
     def __init__(self, llama: LlamaConfig, weights: Mapping[str, np.ndarray], rc: MindFormersRunnerConfig,
                  model_cfg_path: str, model_path: str = "", progress: Callable[[str], None] | None = None) -> None:
         setup_device(rc.device_target, rc.device_id)
         if rc.device_target == "Ascend":  # MindFormers' predict context: kernel by kernel, its inference kernels
             ms.set_context(jit_config={"jit_level": "O0", "infer_boost": "on"})
-        self.config, self.rc = llama, rc
+        self.config = llama
         self.net = build_network(model_cfg_path, llama, {f.name: getattr(rc, f.name) for f in fields(rc)},
                                  model_path, progress)
         load_weights_into(self.net, weights, llama)
-        self.graphs = {"ragged": MindFormersStep(self.net), "decode": MindFormersStep(self.net)}
-        for graph in self.graphs.values():
+        graphs = {"ragged": MindFormersStep(self.net), "decode": MindFormersStep(self.net)}
+        for graph in graphs.values():
             apply_jit_config(graph, rc.device_target)
-        self.costs = CostTable()  # the warmed shapes and their measured costs, which the families plan by
-        self.families = mindformers_families(rc, self.costs)
-        self.warmed = self.costs.warmed
-        self.compile_times: dict[tuple, float] = {}
+        super().__init__(rc, graphs, lambda costs: mindformers_families(rc, costs))
 
-    @property
-    def num_blocks(self) -> int:
-        return self.rc.num_blocks
-
-    @property
-    def step_costs(self) -> dict[tuple, float]:
-        return self.costs.measured
-
-    # ---- shapes and warm-up ----------------------------------------------------------------------------------
-    def graph_shapes(self) -> list[tuple]:
-        """Ragged prefill token buckets, then decode batch x block-table width."""
-        return warmup_shapes_of(self.families)
-
-    def warmup_inputs(self, shape: tuple) -> list[np.ndarray]:
-        """The inputs ``warmup()`` runs ``shape`` with (``agents.mindformers.export`` exports with them)."""
-        return by_graph(self.families)[shape[0]].warmup_inputs(shape)
-
-    def select(self, kind: str) -> nn.Cell:
-        """The step cell of ``kind`` with MindFormers' prefill/decode flags set for it."""
+    def graph(self, kind: str) -> nn.Cell:
+        """The step cell of ``kind`` with MindFormers' prefill/decode flags set for it (one network serves both)."""
         self.net.add_flags_custom(is_first_iteration=kind == "ragged")
         return self.graphs[kind]
 
-    def _run(self, shape: tuple, arrays: list[np.ndarray]):
-        if shape not in self.warmed:
-            raise RuntimeError(f"graph shape {shape} was not warmed up (the runner never compiles while serving)")
-        return self.select(shape[0])(*[Tensor(a) for a in arrays])
-
     def warmup(self, progress: Callable[[str], None] | None = None,
                known_costs: dict[tuple, float] | None = None) -> dict[tuple, float]:
-        """Compile every shape, then time one more call of it (the costs the batch plans use); no compile cache
-        serves this backend (``compile_cache.usable``), so there are never ``known_costs``."""
+        """``FamilyRunner.warmup``; no compile cache serves this backend (``compile_cache.usable``), so there are
+        never ``known_costs``."""
         if known_costs:
             raise ValueError("the mindformers backend has no compile cache to load known costs from")
-        for shape in self.graph_shapes():
-            arrays = self.warmup_inputs(shape)
-            self.warmed.add(shape)
-            t0 = time.perf_counter()
-            self._run(shape, arrays)[0].asnumpy()
-            self.compile_times[shape] = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            self._run(shape, arrays)[0].asnumpy()
-            self.step_costs[shape] = time.perf_counter() - t1
-            if progress:
-                progress(f"warmed mindformers {shape[0]} batch={shape[1]} "
-                         f"{'tokens' if shape[0] == 'ragged' else 'blocks'}={shape[2]} in "
-                         f"{self.compile_times[shape]:.2f}s")
-        self.costs.set_measured(self.step_costs)  # plans made before re-read them
-        return self.compile_times
-
-    # ---- steps -------------------------------------------------------------------------------------------
-    def plan(self, batch: StepBatch) -> list[tuple[np.ndarray, tuple]]:
-        """(sequence indices, graph shape) of each call, as the family of the batch's kind plans them."""
-        groups = self.families[batch.kind].plan(batch)
-        return [(g, self.families[part.kind].inputs(part)[0]) for g in groups for part in (batch.take(g),)]
-
-    def _check_cache_indices(self, batch: StepBatch) -> None:
-        check_cache_indices(batch, self.rc.num_blocks, self.rc.block_size, self.rc.max_blocks_per_seq)
-
-    def step(self, batch: StepBatch) -> StepOutput:
-        """One prefill or decode step as planned calls; sampled parts and ``want_logits`` rows read the logits."""
-        return step_output(batch.batch_size, planned_calls(self.families, batch, self._check_cache_indices,
-                                                           self._run))
+        return super().warmup(progress)
 
 
 def build_runner(spec: Any, rank: int, progress: Callable[[str], None]) -> MindFormersRunner:

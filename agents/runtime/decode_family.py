@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class Decode:
     """Decode buckets: batch size x block-table width."""
 
-    graph, unit = "decode", "blocks"
+    graph, unit, tag = "decode", "blocks", "w"
 
     def __init__(self, rc: RunnerConfig, backend: OpsBackend | None, costs: CostTable) -> None:
         self.rc, self.backend, self.costs = rc, backend, costs

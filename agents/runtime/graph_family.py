@@ -6,7 +6,7 @@ bucket's inputs. The runners keep a registry ``StepKind -> GraphFamily`` chosen 
 step through one loop (``planned_calls``): the step's family plans it, and each part (``StepBatch.take``) is padded
 by the family of the part's own kind (``protocol.step.part_kind``). Families: ``prefill_families`` (padded and
 ragged prefill), ``decode_family``, ``mixed_families`` (ragged and padded mixed steps), ``verify_family``;
-MindFormers' in ``agents.mindformers.runner``.
+MindFormers' in ``agents.mindformers.families``; the runners sharing the loop: ``agents.runtime.graph_runner``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ class GraphFamily(Protocol):
     """One family of compiled shapes ``(graph, batch, n)``."""
 
     graph: str  # the compiled graph its shapes run on (their first entry)
-    unit: str  # what a shape's n counts (warm-up progress lines)
+    unit: str  # what a shape's n counts (warm-up progress lines, the export's graph lines)
+    tag: str  # the letter before n in an exported graph's file name (``agents.tools.mindir.graph_file_name``)
 
     def shapes(self) -> list[tuple]:
         """Its warm-up shapes, in warm-up order."""

@@ -34,7 +34,7 @@ class RaggedMixed:
     """``("mixed", max_seqs, tokens)``: a step's rows back to back, as few calls as the largest bucket allows
     (padding rows cost next to nothing on the ragged backends)."""
 
-    graph, unit = "mixed", "tokens"
+    graph, unit, tag = "mixed", "tokens", "m"
 
     def __init__(self, rc: RunnerConfig, backend: OpsBackend | None, costs: CostTable) -> None:
         self.rc, self.backend = rc, backend
@@ -85,7 +85,7 @@ class RaggedMixed:
 class PaddedMixed:
     """``("chunk", batch, seq)`` buckets for chunks; a step's decode rows and whole prompts go to those families."""
 
-    graph, unit = "chunk", "seq"
+    graph, unit, tag = "chunk", "seq", "c"
 
     def __init__(self, rc: RunnerConfig, backend: OpsBackend | None, costs: CostTable, prefill: GraphFamily,
                  decode: GraphFamily) -> None:

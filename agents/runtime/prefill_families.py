@@ -33,7 +33,7 @@ def padded_inputs(batch: int, tokens: int, width: int) -> list[np.ndarray]:
 class PaddedPrefill:
     """``("prefill", batch, seq)`` buckets and the ``(1, max_model_len)`` recompute shape."""
 
-    graph, unit = "prefill", "seq"
+    graph, unit, tag = "prefill", "seq", "s"
 
     def __init__(self, rc: RunnerConfig, backend: OpsBackend | None, costs: CostTable) -> None:
         self.rc, self.costs = rc, costs
@@ -97,7 +97,7 @@ class PaddedPrefill:
 class RaggedPrefill:
     """``("ragged", max prefill batch, tokens)``: prompts back to back, bucketed by their total."""
 
-    graph, unit = "ragged", "tokens"
+    graph, unit, tag = "ragged", "tokens", "t"
 
     def __init__(self, rc: RunnerConfig, backend: OpsBackend | None, costs: CostTable) -> None:
         self.rc, self.backend, self.costs = rc, backend, costs

@@ -8,20 +8,19 @@ prefill shape, batch 1 x ``max_model_len``, serves the recompute of a preempted 
 tokens can outgrow the prompt buckets); the scheduler sends such a prefill alone.
 
 Which graph, shapes, plan and inputs each step kind gets is its graph family's (``agents.runtime.graph_family``): the
-runner builds the model and graphs, picks the registry ``StepKind -> GraphFamily`` from its backend (ragged or
-padded prefill), warms every family's shapes, checks a step's cache indices and runs it through one loop.
+runner builds the model and graphs and picks the registry ``StepKind -> GraphFamily`` from its backend (ragged or
+padded prefill); warming every family's shapes, checking a step's cache indices and running it through one loop are
+``agents.runtime.graph_runner.FamilyRunner``'s, shared with MindFormers' runner.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor
 
 from agents.model.backends import OpsBackend, select_backend
 from agents.model.llama import LlamaModel, LlamaStep, load_weights_into
@@ -29,19 +28,12 @@ from agents.model.parallel import agreed_costs, sharded_graphs
 from agents.runtime.decode_family import Decode
 from agents.runtime.device import apply_jit_config, setup_device
 from agents.runtime.graph_call import CompiledCell
-from agents.runtime.graph_family import (
-    CostTable,
-    GraphFamily,
-    by_graph,
-    check_cache_indices,
-    planned_calls,
-    warmup_shapes_of,
-)
+from agents.runtime.graph_family import CostTable, GraphFamily, warmup_shapes_of
+from agents.runtime.graph_runner import FamilyRunner
 from agents.runtime.mixed_families import PaddedMixed, RaggedMixed
 from agents.runtime.mixed_steps import MixedStep
 from agents.runtime.prefill_families import PaddedPrefill, RaggedPrefill
 from agents.runtime.runner_config import RunnerConfig
-from agents.runtime.sampler import step_output
 from agents.runtime.verify_family import Verify
 from agents.runtime.verify_steps import VerifyStep, accept
 from llm_serving.protocol.batch import StepBatch, StepOutput
@@ -79,7 +71,7 @@ def warmup_shapes(rc: RunnerConfig, ragged_prefill: bool) -> list[tuple]:
     return warmup_shapes_of(graph_families(rc, ragged_prefill))
 
 
-class ModelRunner:
+class ModelRunner(FamilyRunner):
     """Owns the MindSpore model, its KV cache and the compiled step graphs of one device; its graph families
     (``graph_families``) decide the shapes, the plans and the inputs of each step kind."""
 
@@ -130,90 +122,20 @@ class ModelRunner:
             verify = VerifyStep(self.model)
             apply_jit_config(verify, rc.device_target)
             self.graphs["verify"] = CompiledCell(verify)
-        self.costs = CostTable()  # the warmed shapes and their measured costs, which the families plan by
-        self.families = graph_families(rc, self.ragged_prefill, self.backend, self.costs)
-        self._by_graph = by_graph(self.families)
-        self.graphs = sharded_graphs(self.graphs, self.shard)  # tensor parallel: logits gathered when read
-        self.warmed = self.costs.warmed
-        self.compile_times: dict[tuple, float] = {}
+        super().__init__(rc, sharded_graphs(self.graphs, self.shard),  # tensor parallel: logits gathered when read
+                         lambda costs: graph_families(rc, self.ragged_prefill, self.backend, costs))
 
     @property
     def ragged_prefill(self) -> bool:
         """Whether prefill takes the prompts back to back (``agents.runtime.ragged_prefill``), as the backend says."""
         return self.backend.ragged_prefill
 
-    @property
-    def num_blocks(self) -> int:
-        return self.rc.num_blocks
-
-    @property
-    def step_costs(self) -> dict[tuple, float]:
-        """Steady-state seconds per call of each shape, measured in warm-up (the plans' costs)."""
-        return self.costs.measured
-
-    @step_costs.setter
-    def step_costs(self, costs: dict[tuple, float]) -> None:
-        self.costs.set_measured(costs)
-
-    # ---- shapes -------------------------------------------------------------------------------------------
-    def graph_shapes(self) -> list[tuple]:
-        """The shapes of ``warmup_shapes`` for this runner's backend: every family's."""
-        return warmup_shapes_of(self.families)
-
     def warmup(self, progress: Callable[[str], None] | None = None,
                known_costs: dict[tuple, float] | None = None) -> dict[tuple, float]:
-        """Compile every graph shape and time one more call of it, every row a real token of dummy block 0.
-
-        The timed call gives the per-shape costs that ``bucket_plan`` splits batches by. Shapes in
-        ``known_costs`` (a warm compile cache's, ``agents.runtime.compile_cache``) are compiled (loaded) with those
-        costs and not run: on the largest buckets the two calls cost more than loading the graph.
-        """
-        for shape in self.graph_shapes():
-            kind, b, n = shape
-            t0 = time.perf_counter()
-            inputs = self.warmup_inputs(shape)
-            self.warmed.add(shape)
-            if known_costs and shape in known_costs:
-                self.graphs[kind].compile(*[Tensor(a) for a in inputs])
-                self.compile_times[shape] = time.perf_counter() - t0
-                self.step_costs[shape] = known_costs[shape]
-            else:
-                self._run(kind, shape, inputs)
-                self.compile_times[shape] = time.perf_counter() - t0
-                t1 = time.perf_counter()
-                self._run(kind, shape, inputs)[0].asnumpy()
-                self.step_costs[shape] = time.perf_counter() - t1
-            if progress:
-                progress(f"warmed {kind} batch={b} {self._by_graph[kind].unit}={n} in "
-                         f"{self.compile_times[shape]:.2f}s")
-        self.step_costs = agreed_costs(self.step_costs, self.shard)  # tensor-parallel ranks plan alike
-        return self.compile_times
-
-    def warmup_inputs(self, shape: tuple) -> list[np.ndarray]:
-        """The inputs ``warmup()`` runs ``shape`` with (``agents.tools.export`` exports each graph with them)."""
-        return self._by_graph[shape[0]].warmup_inputs(shape)
-
-    def _run(self, kind: str, shape: tuple, arrays: list[np.ndarray]):
-        self.costs.check_warmed(shape)
-        return self.graphs[kind](*[Tensor(a) for a in arrays])
-
-    # ---- steps --------------------------------------------------------------------------------------------
-    def plan(self, batch: StepBatch) -> list[np.ndarray]:
-        """Sequence index groups, one graph call each, as the family of the batch's kind plans them."""
-        return self.families[batch.kind].plan(batch)
-
-    def bucket_inputs(self, batch: StepBatch) -> tuple[tuple, list[np.ndarray]]:
-        """The batch (one planned part) padded to its bucket: ``((kind, batch, n), graph input arrays)``."""
-        return self.families[batch.kind].inputs(batch)
-
-    def _check_cache_indices(self, batch: StepBatch) -> None:
-        rc = self.rc
-        check_cache_indices(batch, rc.num_blocks, rc.block_size, rc.max_blocks_per_seq)
-
-    def _parts(self, batch: StepBatch):
-        """(indices, sub-batch, graph outputs) of each planned call."""
-        return planned_calls(self.families, batch, self._check_cache_indices,
-                             lambda shape, arrays: self._run(shape[0], shape, arrays))
+        """``FamilyRunner.warmup``, then the costs every tensor-parallel rank plans alike (the slowest rank's)."""
+        compile_times = super().warmup(progress, known_costs)
+        self.step_costs = agreed_costs(self.step_costs, self.shard)
+        return compile_times
 
     def step(self, batch: StepBatch) -> StepOutput:
         """Run one step as one or more bucketed graph calls (``plan``).
@@ -226,7 +148,7 @@ class ModelRunner:
         if batch.kind is StepKind.VERIFY:
             return self._verify(batch)
         with self._device_step(batch):
-            return step_output(batch.batch_size, self._parts(batch))
+            return super().step(batch)
 
     def _verify(self, batch: StepBatch) -> StepOutput:
         """A step of proposals to verify (``agents.runtime.verify_steps``): the picks after every token of each

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 class Verify:
     """Token buckets up to a full decode batch of proposals (none without ``verify_tokens``)."""
 
-    graph, unit = "verify", "tokens"
+    graph, unit, tag = "verify", "tokens", "v"
 
     def __init__(self, rc: RunnerConfig, backend: OpsBackend | None, costs: CostTable) -> None:
         self.rc, self.backend = rc, backend

@@ -1,5 +1,6 @@
 """``python -m agents.tools.export``: one MindIR file per warm-up shape of a model, for its configured device target and
-dtype, built and exported on this machine's CPU, and a line per graph with its shapes and fused primitives.
+dtype, built and exported on this machine's CPU, and a line per graph with its shapes and fused primitives (file
+names and lines: ``agents.tools.mindir.export_shapes``, from the runner's graph families).
 
 Why on CPU: exporting runs MindSpore's front end (type and shape inference, pruning) on graphs whose kernels exist
 only on the NPU, so an Ascend graph is checked, and its MindIR written for MindSpore Lite or a GE-based
@@ -28,35 +29,6 @@ from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan
 from llm_serving.protocol.wire import AgentSpec
 
-INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "batch_valid_length", "block_tables", "last_index")
-MIXED_INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "q_seq_lens", "batch_valid_length", "block_tables",
-                     "last_index")  # agents.runtime.mixed_steps.MixedStep
-VERIFY_INPUT_NAMES = MIXED_INPUT_NAMES[:-1]  # agents.runtime.verify_steps.VerifyStep: every row's pick
-# graph kind -> (what its n counts, file-name tag)
-_UNITS = {"decode": ("blocks", "w"), "ragged": ("tokens", "t"), "prefill": ("seq", "s"), "mixed": ("tokens", "m"),
-          "chunk": ("seq", "c"), "verify": ("tokens", "v")}
-
-
-def graph_file_name(shape: tuple) -> str:
-    """``decode_b8_w16``, ``ragged_b4_t128``, ``prefill_b4_s64`` (MindSpore adds ``.mindir``)."""
-    kind, batch, n = shape
-    return f"{kind}_b{batch}_{_UNITS[kind][1]}{n}"
-
-
-def describe(shape: tuple, summary: GraphSummary) -> str:
-    """One line per graph: its shape, inputs, outputs and fused primitives."""
-    kind, batch, n = shape
-    unit = _UNITS[kind][0]
-    names = {"mixed": MIXED_INPUT_NAMES, "chunk": MIXED_INPUT_NAMES,
-             "verify": VERIFY_INPUT_NAMES}.get(kind, INPUT_NAMES)
-    inputs = " ".join(f"{name}={info}" for name, info in zip(names, summary.inputs))
-    fused = ", ".join(f"{name} x{count}" for name, count in summary.fused().items()) or "none"
-    if summary.ops["Custom"]:  # the native CPU backend's C++ ops
-        fused += f"; native Custom x{summary.ops['Custom']}"
-    outputs = ", ".join(map(str, summary.outputs))
-    return (f"{kind} batch={batch} {unit}={n}: inputs {inputs}; outputs (ids, logprobs, logits) {outputs}; "
-            f"fused {fused} -> {summary.path}")
-
 
 def export_runner(config: LlamaConfig, rc: RunnerConfig, weights: dict[str, np.ndarray],
                   backend: OpsBackend | None = None, shard: ShardPlan | None = None) -> ModelRunner:
@@ -72,11 +44,10 @@ def export_runner(config: LlamaConfig, rc: RunnerConfig, weights: dict[str, np.n
 def export_graphs(runner: ModelRunner, out_dir: str | Path, shapes: list[tuple] | None = None,
                   progress: Callable[[str], None] | None = None) -> list[tuple[tuple, GraphSummary]]:
     """Export ``shapes`` (default: every warm-up shape) of the runner's graphs to ``out_dir``, each with the
-    inputs ``warmup()`` runs it with."""
+    inputs ``warmup()`` runs it with and named by its graph family (``agents.tools.mindir.export_shapes``)."""
     shapes = shapes if shapes is not None else runner.graph_shapes()
     with infer_boost(int8_caches(runner)):
-        return export_shapes(runner, lambda kind: step_cell(runner.graphs[kind]), out_dir, shapes, graph_file_name,
-                             describe, progress)
+        return export_shapes(runner, lambda kind: step_cell(runner.graphs[kind]), out_dir, shapes, progress)
 
 
 def int8_caches(runner: ModelRunner) -> bool:

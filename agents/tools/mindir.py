@@ -4,7 +4,9 @@ what feeds them (a named graph input, a Parameter, a constant with its value, or
 of each fused op's contract stands on (an export alone proves only that a graph builds).
 
 Kept apart from ``agents.tools.export`` (which builds our runner) so the mindformers backend's export, in its own
-MindSpore 2.7.2 environment, writes and parses its graphs the same way.
+MindSpore 2.7.2 environment, writes, names, describes and parses its graphs the same way. A graph's file name and
+line come from the runner's graph family of its shape (``GraphFamily.unit`` and ``tag``) and its input names from
+the MindIR itself (the step cell's ``construct`` parameters), so no table here repeats them.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class GraphSummary:
     inputs: tuple[TensorInfo, ...]
     outputs: tuple[TensorInfo, ...]
     op_outputs: dict[str, tuple[TensorInfo, ...]]
+    input_names: tuple[str, ...] = ()  # the graph inputs' names, as ``construct`` names its parameters
 
     def fused(self) -> dict[str, int]:
         return {name: self.ops[name] for name in FUSED_PRIMITIVES if self.ops[name]}
@@ -78,10 +81,12 @@ def read_mindir(path: str | Path) -> GraphSummary:
         if name not in op_outputs and shape is not None:
             op_outputs[name] = _attr_tensors(shape)
     inputs = tuple(_tensor_info(i.tensor[0]) for i in graph.input if i.tensor)
+    prefix = _name_prefix(graph)
+    names = tuple(_short(i.name, prefix) for i in graph.input if i.tensor)
     outputs: list[TensorInfo] = []
     for out in graph.output:
         outputs += [_tensor_info(t) for t in out.tensor] if out.tensor else list(_attr_tensors(out.attr_info))
-    return GraphSummary(Path(path), ops, inputs, tuple(outputs), op_outputs)
+    return GraphSummary(Path(path), ops, inputs, tuple(outputs), op_outputs, names)
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,12 @@ def _constant_array(attr) -> np.ndarray | None:
     return values.reshape(shape) if values.size <= MAX_CONSTANT_VALUES and values.size == np.prod(shape) else None
 
 
+def _name_prefix(graph) -> str:
+    """Exported names may carry the graph's own name (``5_1___main___Net_construct_4:q``): the prefix to drop."""
+    names = [i.name for i in graph.input] + [p.name for p in graph.parameter]
+    return names[0].rpartition(":")[0] + ":" if names and ":" in names[0] else ""
+
+
 def _short(name: str, prefix: str) -> str:
     return name[len(prefix):] if prefix and name.startswith(prefix) else name
 
@@ -180,9 +191,7 @@ def read_graph(path: str | Path) -> GraphNodes:
     model.ParseFromString(Path(path).read_bytes())
     graph = model.graph
     attrs = {prim.name: {a.name: _constant(a) for a in prim.attribute} for prim in model.primitives}
-    names = [i.name for i in graph.input] + [p.name for p in graph.parameter]
-    # exported names may carry the graph's own name ("5_1___main___Net_construct_4:q"); inputs are shown without it
-    prefix = names[0].rpartition(":")[0] + ":" if names and ":" in names[0] else ""
+    prefix = _name_prefix(graph)  # inputs and parameters are shown without it
     sources: dict[str, Source] = {}
     inputs: dict[str, TensorInfo] = {}
     for i in graph.input:
@@ -211,22 +220,44 @@ def read_graph(path: str | Path) -> GraphNodes:
     return GraphNodes(Path(path), inputs, tuple(nodes))
 
 
+def graph_file_name(shape: tuple, tag: str, label: str = "") -> str:
+    """``decode_b8_w16``, ``ragged_b4_t128``, ``mindformers_decode_b8_w16`` (label mindformers): the shape with its
+    family's ``tag`` before n (MindSpore adds ``.mindir``)."""
+    kind, batch, n = shape
+    return (f"{label}_" if label else "") + f"{kind}_b{batch}_{tag}{n}"
+
+
+def describe(shape: tuple, unit: str, summary: GraphSummary, label: str = "") -> str:
+    """One line per graph: its shape (n counted in its family's ``unit``), named inputs, outputs and fused
+    primitives."""
+    kind, batch, n = shape
+    inputs = " ".join(f"{name}={info}" for name, info in zip(summary.input_names, summary.inputs))
+    fused = ", ".join(f"{name} x{count}" for name, count in summary.fused().items()) or "none"
+    if summary.ops["Custom"]:  # the native CPU backend's C++ ops
+        fused += f"; native Custom x{summary.ops['Custom']}"
+    outputs = ", ".join(map(str, summary.outputs))
+    return ((f"{label} " if label else "") + f"{kind} batch={batch} {unit}={n}: inputs {inputs}; outputs (ids, "
+            f"logprobs, logits) {outputs}; fused {fused} -> {summary.path}")
+
+
 def export_shapes(runner, graph_of: Callable[[str], nn.Cell], out_dir: str | Path, shapes: list[tuple],
-                  file_name: Callable[[tuple], str], describe: Callable[[tuple, GraphSummary], str],
                   progress: Callable[[str], None] | None = None) -> list[tuple[tuple, GraphSummary]]:
     """Export each shape's graph (``graph_of(kind)``) to ``out_dir`` with the inputs the runner's warm-up runs it
-    with (``runner.warmup_inputs(shape)``), and read each file back."""
+    with (``runner.warmup_inputs(shape)``), named and described by the runner's family of its kind
+    (``runner.family(kind)``, an ``agents.runtime.graph_runner.FamilyRunner``'s, and ``runner.label``), and read
+    each file back."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     done = []
     for shape in shapes:
-        path = out / file_name(shape)
+        family = runner.family(shape[0])
+        path = out / graph_file_name(shape, family.tag, runner.label)
         inputs = [Tensor(a) for a in runner.warmup_inputs(shape)]
         ms.export(graph_of(shape[0]), *inputs, file_name=str(path), file_format="MINDIR")
         summary = read_mindir(path.with_suffix(".mindir"))
         done.append((shape, summary))
         if progress:
-            progress(describe(shape, summary))
+            progress(describe(shape, family.unit, summary, runner.label))
     return done
 
 
