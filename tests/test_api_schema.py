@@ -153,7 +153,8 @@ def test_completion_body():
     req = parse_completion({"model": "m", "prompt": "hi", "temperature": 0, "max_tokens": 5, "stream": True,
                             "stream_options": {"include_usage": True}, "stop": ["a", "b"], "logprobs": 1,
                             "ignore_eos": True, "n": 1, "presence_penalty": 0})
-    assert (req.model, req.prompts, req.max_tokens, req.stream, req.usage.include) == ("m", ("hi",), 5, True, True)
+    assert (req.model, req.prompts, req.max_tokens, req.stream) == ("m", ("hi",), 5, True)
+    assert req.usage.include_usage
     assert req.stop == ("a", "b") and req.logprobs == 1 and req.ignore_eos
     assert parse_completion({"prompt": [1, 2, 3], "temperature": 0}).prompts == ((1, 2, 3),)
     assert parse_completion({"prompt": ["a", [5]], "temperature": 0}).prompts == ("a", (5,))

@@ -86,9 +86,9 @@ class OpenAIRoutes:
         choices = []
         for i in range(len(prompts)):
             group = range(i * req.best_of, (i + 1) * req.best_of)
-            best = sorted(group, key=lambda g: -sum(t.logprob for t in answers[g].tokens))[: req.n]
-            for j, g in enumerate(sorted(best) if req.best_of == req.n else best):
-                answer, echo = answers[g], echoes[g]
+            best = sorted(group, key=lambda k: -sum(t.logprob for t in answers[k].tokens))[: req.n]
+            for j, k in enumerate(sorted(best) if req.best_of == req.n else best):  # k: the choice's index in gens
+                answer, echo = answers[k], echoes[k]
                 lp = _logprobs(tok, answer.tokens, len(echo), req.logprobs)
                 if lp is not None and answer.prompt_logprobs is not None:
                     lp = _with_prompt(tok, prompts[i], answer.prompt_logprobs, lp)
@@ -133,7 +133,7 @@ class OpenAIRoutes:
                 reason = OPENAI_FINISH[delta.finish_reason] if delta.finish_reason else None
                 await write(resp, chunk([{"index": i, "text": delta.text, "logprobs": lp, "finish_reason": reason}],
                                         **req.usage.chunk_usage(lambda: _usage(gens, req.n))))
-            if req.usage.include:
+            if req.usage.include_usage:
                 await write(resp, chunk([], usage=_usage(gens, req.n)))
             await write(resp, b"data: [DONE]\n\n")
         except EngineError as exc:
