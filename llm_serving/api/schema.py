@@ -83,14 +83,12 @@ class SamplingOptions:
         """The engine's parameters; a value SamplingParams refuses becomes a 400 naming the field as
         ``field_names`` (the dialect) calls it."""
         sampled = self.wants_sampling  # greedy: the sampling knobs are left at their neutral values
+        temperature = HF_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         try:
             return SamplingParams(
-                max_new_tokens, ignore_eos,
-                temperature=(HF_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature) if sampled
-                else 0.0,
-                top_k=(self.top_k or 0) if sampled else 0,
+                max_new_tokens, ignore_eos, temperature=temperature if sampled else 0.0,
+                top_k=(self.top_k or 0) if sampled else 0, min_p=self.min_p if sampled else 0.0,
                 top_p=1.0 if self.top_p is None or not sampled else self.top_p,
-                min_p=self.min_p if sampled else 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 seed=self.seed, stop=stop, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
