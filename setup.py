@@ -25,6 +25,7 @@ setup(
         "matplotlib>=3.5",
         "tqdm",
         "jinja2",
+        "pydantic>=2",  # the OpenAI request bodies as models (llm_serving.api.body_model), as vLLM's protocol
         "protobuf",  # sentencepiece's model proto: chat templates of tokenizers with legacy false
         # structured output (JSON schema, regex): chosen over outlines-core (~150 ms to compile a small schema,
         # 30-50 us a mask, integer bounds not enforced) and xgrammar (needs torch, transformers and triton):

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from llm_serving.api.chat_schema import parse_chat
 from llm_serving.api.metrics import ServerMetrics
 from llm_serving.api.openai_routes import OPENAI_FINISH
 from llm_serving.api.schema import (
@@ -19,7 +20,7 @@ from llm_serving.api.schema import (
 )
 from llm_serving.api.tgi_routes import TGI_FINISH
 from llm_serving.config.serving_config import ServingConfig
-from llm_serving.core.sequence import FINISH_REASONS, SamplingParams
+from llm_serving.core.sequence import FINISH_REASONS, SAMPLING_RANGES, SamplingParams
 from llm_serving.engine.admission import RequestLimits
 from llm_serving.engine.stop_strings import StopMatcher, cut_at_stop
 from llm_serving.request_errors import AdmissionError, ApiError, InvalidParameter, RequestRejected
@@ -153,7 +154,8 @@ def test_completion_body():
     req = parse_completion({"model": "m", "prompt": "hi", "temperature": 0, "max_tokens": 5, "stream": True,
                             "stream_options": {"include_usage": True}, "stop": ["a", "b"], "logprobs": 1,
                             "ignore_eos": True, "n": 1, "presence_penalty": 0})
-    assert (req.model, req.prompts, req.max_tokens, req.stream, req.usage.include) == ("m", ("hi",), 5, True, True)
+    assert (req.model, req.prompts, req.max_tokens, req.stream) == ("m", ("hi",), 5, True)
+    assert req.usage.include_usage
     assert req.stop == ("a", "b") and req.logprobs == 1 and req.ignore_eos
     assert parse_completion({"prompt": [1, 2, 3], "temperature": 0}).prompts == ((1, 2, 3),)
     assert parse_completion({"prompt": ["a", [5]], "temperature": 0}).prompts == ("a", (5,))
@@ -201,6 +203,86 @@ def test_completion_sampling_maps_to_engine_params(body, expected):
 def test_completion_body_errors(body, param, status):
     err = error_of(parse_completion, body)
     assert err.status == status and err.param == param
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "x", "echo": "true"}, "echo must be a boolean (true/false), got \"true\" (str)"),
+    ({"prompt": "x", "max_tokens": 5.0}, "max_tokens must be an integer, got 5.0 (float)"),
+    ({"prompt": "x", "seed": 2**63}, f"seed is too large: {2**63}"),
+    ({"prompt": "x", "temperature": True}, "temperature must be a finite number, got true (bool)"),
+    ({"prompt": "x", "model": 3}, "model must be a string, got 3 (int)"),
+    ({"prompt": "x", "top_p": 0}, "top_p must be > 0, got 0"),
+    ({"prompt": "x", "top_k": 2**31}, f"top_k must be <= {2**31 - 1}, got {2**31}"),
+    ({"prompt": "x", "user": "u" * 1025}, "user has 1025 characters; at most 1024"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage must be a boolean (true/false), got 1 (int)"),
+    ({"prompt": "x", "stream": True, "stream_options": []}, "'stream_options' must be a JSON object, got [] (list)"),
+    ([], "the request body must be a JSON object, got [] (list)"),
+])
+def test_completion_body_errors_quote_the_value_and_the_bound(body, message):
+    assert error_of(parse_completion, body).message == message
+
+
+def test_unknown_keys_are_listed_by_the_names_they_are_sent_under():
+    err = error_of(parse_completion, {"prompt": "x", "prompts": ["y"], "max_token": 3})
+    assert (err.param, err.error_type) == ("prompts", "invalid_request")
+    assert err.message.startswith("the request body has unknown key(s) 'prompts', 'max_token'; known keys: ")
+    known = err.message.split("known keys: ")[1].split(", ")
+    assert {"prompt", "best_of", "stream_options", "kv_transfer_params"} <= set(known)
+    assert not {"prompts", "best_of_sent", "usage", "kv_transfer"} & set(known)
+    err = error_of(parse_completion, {"prompt": "x", "stream": True, "stream_options": {"include_usage": True,
+                                                                                       "usage": True}})
+    assert err.param == "usage" and err.message == ("'stream_options' has unknown key(s) 'usage'; known keys: "
+                                                    "include_usage, continuous_usage_stats")
+
+
+def test_null_means_absent():
+    nulls = {key: None for key in ("model", "temperature", "top_p", "n", "best_of", "stop", "stream",
+                                   "stream_options", "echo", "logprobs", "logit_bias", "user", "kv_transfer_params")}
+    req = parse_completion({"prompt": "x", **nulls})
+    assert req == parse_completion({"prompt": "x"})
+    assert (req.n, req.best_of, req.stop, req.stream, req.usage.include_usage) == (1, 1, (), False, False)
+    assert req.sampling.to_params(5) == SamplingParams(5, temperature=1.0)
+    assert error_of(parse_completion, {"prompt": None}).message == "missing 'prompt'"
+
+
+@pytest.mark.parametrize("key", [k for k in SAMPLING_RANGES if k != "temperature"])
+def test_openai_ranges_are_the_engines(key):
+    """Each sampling key is refused just past the engine's bound (``SAMPLING_RANGES``) and taken at it."""
+    r = SAMPLING_RANGES[key]
+    step = 1 if key == "top_k" else 1e-9
+    for bound, outside in ((r.lo, -step), (r.hi, step)):
+        if bound is None:
+            continue
+        if not r.lo_open or bound != r.lo:
+            parse_completion({"prompt": "x", key: bound})
+        assert error_of(parse_completion, {"prompt": "x", key: bound + outside}).param == key
+    if r.lo_open:
+        assert error_of(parse_completion, {"prompt": "x", key: r.lo}).param == key
+
+
+def test_chat_body():
+    user = [{"role": "user", "content": "hi"}]
+    req = parse_chat({"messages": user, "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 2,
+                      "temperature": 0})
+    assert (req.messages, req.max_tokens, req.top_logprobs, req.tools) == ((user[0],), 7, 2, None)
+    assert req.field_names == {"max_new_tokens": "max_completion_tokens", "prompt": "messages"}
+    req = parse_chat({"messages": user, "max_tokens": 5, "max_completion_tokens": 5})
+    assert req.max_tokens == 5
+    assert parse_chat({"messages": user, "max_tokens": 4}).field_names["max_new_tokens"] == "max_tokens"
+    assert parse_chat({"messages": user}).max_tokens is None  # the context's, up to max_generate_length
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    named = {"type": "function", "function": {"name": "f"}}
+    req = parse_chat({"messages": user, "tools": [tool], "tool_choice": named})
+    assert req.tools is not None and req.sampling.constraint is not None
+    assert req.sampling.constraint.field == "tool_choice"
+    err = error_of(parse_chat, {"messages": user, "tools": [tool], "tool_choice": named,
+                                "response_format": {"type": "json_object"}})
+    assert err.param == "response_format" and "cannot hold it too" in err.message
+    err = error_of(parse_chat, {"messages": user, "best_of": 2})
+    assert err.param == "best_of" and "unknown key" in err.message  # a completions key
+    err = error_of(parse_chat, {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]})
+    assert (err.param, err.error_type) == ("messages", "unsupported")
 
 
 # ---- the admission check ----------------------------------------------------------------------------------------

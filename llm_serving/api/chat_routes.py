@@ -42,7 +42,7 @@ from llm_serving.config.serving_config import ConfigError
 from llm_serving.engine.request_stream import EngineError
 from llm_serving.front.errors import json_response
 from llm_serving.request_errors import ApiError, ChatTemplateError
-from llm_serving.tokenization.tokenizer import Tokenizer
+from llm_serving.tokenization.hf_tokenizer import AnyTokenizer
 
 if TYPE_CHECKING:
     from llm_serving.api.route_context import RouteContext
@@ -117,6 +117,7 @@ class ChatRoutes:
                 await write(resp, chunk(j, {"role": "assistant", "content": ""}, **usage(lambda: _usage(gens, req.n))))
             held: list[list] = [[] for _ in gens]  # a choice's deltas while it may turn out to be tool calls
             mode = req.tools.choice if req.tools is not None else "none"
+            function = req.tools.function if req.tools is not None else None  # mode "function": the one named
             call_ids = [call_id() for _ in gens] if mode == "function" else []
             async for j, delta in merge_streams([g.deltas() for g in gens]):
                 reason = OPENAI_FINISH[delta.finish_reason] if delta.finish_reason else None
@@ -126,8 +127,8 @@ class ChatRoutes:
                     call = {"index": 0, "function": {"arguments": delta.text}}
                     if first:
                         call = {"index": 0, "id": call_ids[j], "type": "function",
-                                "function": {"name": req.tools.function, "arguments": delta.text}}
-                    content = {"tool_calls": [call]} if delta.text or first else {}
+                                "function": {"name": function, "arguments": delta.text}}
+                    content: dict[str, Any] = {"tool_calls": [call]} if delta.text or first else {}
                     reason = "tool_calls" if reason == "stop" else reason
                 elif mode != "none":  # calls are known only from the whole answer: one delta at its end
                     held[j].append(delta)
@@ -144,7 +145,7 @@ class ChatRoutes:
                     content = {"content": delta.text} if delta.text or tokens else {}
                 await write(resp, chunk(j, content, self._logprobs(req, tokens) if tokens else None, reason,
                                         **usage(lambda: _usage(gens, req.n))))
-            if req.usage.include:
+            if req.usage.include_usage:
                 await write(resp, chunk(None, usage=_usage(gens, req.n)))
             await write(resp, b"data: [DONE]\n\n")
         except EngineError as exc:
@@ -170,7 +171,7 @@ def _message(req: ChatRequest, text: str, reason: str) -> tuple[dict[str, Any], 
     return {"content": content, "tool_calls": calls}, "tool_calls"
 
 
-def _token_logprob(tok: Tokenizer, t: TokenInfo, top: int) -> dict[str, Any]:
+def _token_logprob(tok: AnyTokenizer, t: TokenInfo, top: int) -> dict[str, Any]:
     """One position of the chat ``logprobs.content``: the chosen token, and the ``top`` most likely tokens of the
     model's distribution there."""
     alternatives = [{"token": tok.token_text(i), "logprob": lp, "bytes": tok.token_bytes(i)}

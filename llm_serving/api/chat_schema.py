@@ -1,7 +1,7 @@
 """The OpenAI chat completions body (``/v1/chat/completions``), parsed strictly as OpenAI documents it.
 
-It shares the completions body's conventions (``schema``): unknown keys are errors, OpenAI's default
-temperature is 1, vLLM's ``top_k``/``repetition_penalty``/``ignore_eos`` are accepted, the engine's own
+It shares the completions body's keys and conventions (``schema.OpenAIBody``): unknown keys are errors, OpenAI's
+default temperature is 1, vLLM's ``top_k``/``repetition_penalty``/``ignore_eos`` are accepted, the engine's own
 checks name the field as this body calls it. ``max_completion_tokens`` is OpenAI's current name for
 ``max_tokens``; without either, a chat answer may fill the context (up to ``model_config.max_generate_length``).
 Structured output (``response_format`` and vLLM's keys) is ``structured_schema``'s, tools ``tools``'.
@@ -10,105 +10,79 @@ Structured output (``response_format`` and vLLM's keys) is ``structured_schema``
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
+from typing import Annotated, Any
 
-from llm_serving.api.schema import (
-    MAX_CHOICES,
-    OPENAI_SAMPLING_KEYS,
-    KvTransferParams,
-    SamplingOptions,
-    StreamUsage,
-    _no_unknown,
-    _object,
-    _Reader,
-    invalid,
-    openai_sampling,
-    parse_kv_transfer,
-    parse_stream_options,
-    unsupported,
-)
-from llm_serving.api.structured_schema import STRUCTURED_KEYS
+from pydantic import Field, PrivateAttr, field_validator
+
+from llm_serving.api.body_model import Int64, refuse, validate_body
+from llm_serving.api.schema import OpenAIBody
 from llm_serving.api.tools import ToolRequest, parse_tools
 from llm_serving.core.logprobs import MAX_TOP_LOGPROBS
 from llm_serving.request_errors import MessageError
 from llm_serving.tokenization.chat_template import check_messages
 
-_CHAT_KEYS = ("model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "stop",
-              "logprobs", "top_logprobs", "user", *OPENAI_SAMPLING_KEYS, "tools",
-              "tool_choice", "parallel_tool_calls", *STRUCTURED_KEYS, "kv_transfer_params")
 
-
-@dataclass(frozen=True)
-class ChatRequest:
+class ChatRequest(OpenAIBody):
     """An OpenAI chat completions body; ``messages`` as ``chat_template.check_messages`` returns them."""
 
-    model: str | None
-    messages: tuple[dict[str, Any], ...]
-    max_tokens: int | None  # None: as many as the context allows, up to model_config.max_generate_length
-    sampling: SamplingOptions
-    field_names: Mapping[str, str]  # engine field -> this body's name (max_tokens or max_completion_tokens)
-    stop: tuple[str, ...] = ()
-    stream: bool = False
-    usage: StreamUsage = field(default_factory=StreamUsage)
+    messages: tuple[dict[str, Any], ...] = Field(default=None, validate_default=True)
+    max_tokens_sent: Int64 | None = Field(default=None, alias="max_tokens")  # the values are the engine's to check
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int = 0  # alternatives per position, the model's most likely tokens there
-    ignore_eos: bool = False
-    n: int = 1  # choices
-    tools: ToolRequest | None = None  # the tools the model may call (``api.tools``); None: no calls are read
-    kv_transfer: KvTransferParams | None = None  # prefill/decode disaggregation (``kv_transfer_params``)
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0  # alternatives per position
+    tools_sent: Any = Field(default=None, alias="tools")  # ``api.tools`` reads these three
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    _tools: ToolRequest | None = PrivateAttr(default=None)
+
+    @property
+    def max_tokens(self) -> int | None:
+        """The answer's token limit; None: as many as the context allows, up to model_config.max_generate_length."""
+        return self.max_tokens_sent if self.max_completion_tokens is None else self.max_completion_tokens
+
+    @property
+    def field_names(self) -> Mapping[str, str]:
+        """Engine field -> this body's name (the token limit's as it was sent)."""
+        sent = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+        return {"max_new_tokens": sent, "prompt": "messages"}
+
+    @property
+    def tools(self) -> ToolRequest | None:
+        """The tools the model may call (``api.tools``); None: no calls are read."""
+        return self._tools
+
+    @field_validator("messages", mode="plain")
+    @classmethod
+    def _messages(cls, messages: Any) -> tuple[dict[str, Any], ...]:
+        """Bad messages (tools, images included) are a 400 naming the message."""
+        if messages is None:
+            raise refuse("missing 'messages': the conversation, a list of {\"role\", \"content\"} objects")
+        try:
+            return tuple(check_messages(messages))
+        except MessageError as exc:
+            raise refuse(str(exc), unsupported=exc.unsupported) from None
+
+    def _check(self) -> None:
+        new, old = self.max_completion_tokens, self.max_tokens_sent
+        if new is not None and old is not None and new != old:
+            raise refuse(f"max_completion_tokens ({new}) and max_tokens ({old}) disagree; send one of them",
+                         "max_completion_tokens")
+        if "top_logprobs" in self.model_fields_set and not self.logprobs:
+            raise refuse("top_logprobs needs logprobs=true", "top_logprobs")
+
+    def _finish(self) -> None:
+        tools = self._tools = parse_tools({"tools": self.tools_sent, "tool_choice": self.tool_choice,
+                                           "parallel_tool_calls": self.parallel_tool_calls})
+        held = tools.constraint() if tools is not None else None
+        if tools is None or held is None:
+            return
+        if self._sampling.constraint is not None:
+            raise refuse(f"tool_choice {tools.choice} holds the answer to tool calls; "
+                         f"{self._sampling.constraint.field} cannot hold it too", self._sampling.constraint.field)
+        self._sampling = replace(self._sampling, constraint=held)
 
 
 def parse_chat(body: Any) -> ChatRequest:
-    """Validate a chat completions body; bad messages (tools, images included) are a 400 naming the message."""
-    body = _object(body, "the request body")
-    _no_unknown(body, _CHAT_KEYS, "the request body")
-    r = _Reader(body, "", lenient=False)
-    model = r.str("model")
-    if body.get("messages") is None:
-        raise invalid("missing 'messages': the conversation, a list of {\"role\", \"content\"} objects", "messages")
-    try:
-        messages = tuple(check_messages(body["messages"]))
-    except MessageError as exc:
-        if exc.unsupported:
-            raise unsupported(str(exc), "messages") from None
-        raise invalid(str(exc), "messages") from None
-    max_tokens, max_name = _max_tokens(r)
-    sampling = openai_sampling(body, r)
-    n = r.int("n", lo=1, hi=MAX_CHOICES) or 1
-    tools = parse_tools(body)
-    held = tools.constraint() if tools is not None else None
-    if held is not None:
-        if sampling.constraint is not None:
-            raise invalid(f"tool_choice {tools.choice} holds the answer to tool calls; {sampling.constraint.field} "
-                          "cannot hold it too", sampling.constraint.field)
-        sampling = replace(sampling, constraint=held)
-    r.str("user")
-    logprobs, top_logprobs = _logprobs(r)
-    stream = r.bool("stream", False)
-    return ChatRequest(
-        model=model, messages=messages, max_tokens=max_tokens, sampling=sampling,
-        field_names={"max_new_tokens": max_name, "prompt": "messages"}, stop=r.stop("stop"), stream=stream,
-        usage=parse_stream_options(body, stream), logprobs=logprobs, top_logprobs=top_logprobs,
-        ignore_eos=r.bool("ignore_eos", False), n=n, tools=tools, kv_transfer=parse_kv_transfer(body, stream, n),
-    )
-
-
-def _max_tokens(r: _Reader) -> tuple[int | None, str]:
-    """The answer's token limit and the name it was sent under (its value is the engine's to check)."""
-    new, old = r.int("max_completion_tokens"), r.int("max_tokens")
-    if new is not None and old is not None and new != old:
-        raise invalid(f"max_completion_tokens ({new}) and max_tokens ({old}) disagree; send one of them",
-                      "max_completion_tokens")
-    if new is not None:
-        return new, "max_completion_tokens"
-    return old, "max_tokens"
-
-
-def _logprobs(r: _Reader) -> tuple[bool, int]:
-    """``logprobs`` and ``top_logprobs`` (alternatives per position, from the model's raw distribution)."""
-    logprobs = r.bool("logprobs", False)
-    top = r.int("top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
-    if top is not None and not logprobs:
-        raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
-    return logprobs, top or 0
+    """Validate a chat completions body."""
+    return validate_body(ChatRequest, body)

@@ -35,7 +35,7 @@ from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.request_stream import EngineError
 from llm_serving.front.errors import error_response, json_response
 from llm_serving.request_errors import ApiError
-from llm_serving.tokenization.tokenizer import Tokenizer
+from llm_serving.tokenization.hf_tokenizer import AnyTokenizer
 
 if TYPE_CHECKING:
     from llm_serving.api.route_context import RouteContext
@@ -87,9 +87,9 @@ class OpenAIRoutes:
         choices = []
         for i in range(len(prompts)):
             group = range(i * req.best_of, (i + 1) * req.best_of)
-            best = sorted(group, key=lambda g: -sum(t.logprob for t in answers[g].tokens))[: req.n]
-            for j, g in enumerate(sorted(best) if req.best_of == req.n else best):
-                answer, echo = answers[g], echoes[g]
+            best = sorted(group, key=lambda k: -sum(t.logprob for t in answers[k].tokens))[: req.n]
+            for j, k in enumerate(sorted(best) if req.best_of == req.n else best):  # k: the choice's index in gens
+                answer, echo = answers[k], echoes[k]
                 lp = _logprobs(tok, answer.tokens, len(echo), req.logprobs)
                 if lp is not None and answer.prompt_logprobs is not None:
                     lp = _with_prompt(tok, prompts[i], answer.prompt_logprobs, lp)
@@ -134,7 +134,7 @@ class OpenAIRoutes:
                 reason = OPENAI_FINISH[delta.finish_reason] if delta.finish_reason else None
                 await write(resp, chunk([{"index": i, "text": delta.text, "logprobs": lp, "finish_reason": reason}],
                                         **req.usage.chunk_usage(lambda: _usage(gens, req.n))))
-            if req.usage.include:
+            if req.usage.include_usage:
                 await write(resp, chunk([], usage=_usage(gens, req.n)))
             await write(resp, b"data: [DONE]\n\n")
         except EngineError as exc:
@@ -197,7 +197,7 @@ def _usage(gens: list[Generation], per_prompt: int = 1) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _alternatives(tok: Tokenizer, name: str, token: int, logprob: float, top: TopLogprobs | None) -> dict[str, float]:
+def _alternatives(tok: AnyTokenizer, name: str, token: int, logprob: float, top: TopLogprobs | None) -> dict[str, float]:
     """One position's ``top_logprobs`` entry: text -> logprob of the most likely tokens, and the chosen one
     (``token``, whose text is ``name``)."""
     top = top or ()
@@ -207,7 +207,7 @@ def _alternatives(tok: Tokenizer, name: str, token: int, logprob: float, top: To
     return out
 
 
-def _with_prompt(tok: Tokenizer, ids: list[int], scores: list[PromptLogprob],
+def _with_prompt(tok: AnyTokenizer, ids: list[int], scores: list[PromptLogprob],
                  generated: dict[str, Any]) -> dict[str, Any]:
     """The legacy ``logprobs`` object of an echoed prompt followed by its answer's: the first prompt token has no
     logprob (null, as OpenAI and vLLM answer), every later one its logprob and its position's most likely tokens."""
@@ -226,7 +226,7 @@ def _with_prompt(tok: Tokenizer, ids: list[int], scores: list[PromptLogprob],
             "text_offset": offsets + generated["text_offset"]}
 
 
-def _logprobs(tok: Tokenizer, tokens: list[TokenInfo], offset: int, want: int | None) -> dict[str, Any] | None:
+def _logprobs(tok: AnyTokenizer, tokens: list[TokenInfo], offset: int, want: int | None) -> dict[str, Any] | None:
     """The legacy completions ``logprobs`` object: per position the ``want`` most likely tokens of the model's
     distribution, and the chosen one where it is not among them (as vLLM answers)."""
     if want is None:

@@ -1,10 +1,11 @@
-"""Request bodies of the HTTP API, parsed and validated into plain dataclasses.
+"""Request bodies of the HTTP API, parsed and validated.
 
 Two dialects are accepted:
 - the TGI-style body of MindSpore llm-serving (``/models/<name>/generate[_stream]``):
   ``{"inputs": str, "parameters": {...}, "stream": bool}``. Its clients (the contest's load script among
   them) send booleans and numbers as strings ("True", "0.8"), so this dialect accepts those;
-- the OpenAI completions body (``/v1/completions``), parsed strictly as OpenAI documents it.
+- the OpenAI completions body (``/v1/completions``), parsed strictly as OpenAI documents it, as a pydantic model
+  (``body_model``: types, ranges and defaults declared per field; the chat body, ``chat_schema``, shares its base).
 
 Parsing checks the JSON: shapes, types and each dialect's own ranges. The values of the engine's parameters
 (max_new_tokens >= 1, stop strings) are checked once, by ``SamplingParams``, and the limits of the served
@@ -26,14 +27,18 @@ Hugging Face.
 
 from __future__ import annotations
 
+import builtins
 import json
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar
 
-from llm_serving.api.errors import invalid, parameter_error, unsupported
+from pydantic import Field, PrivateAttr, StringConstraints, field_validator, model_validator
+
+from llm_serving.api.body_model import Body, Int64, NonNegInt64, in_range, refuse, unknown_keys_error, validate_body
+from llm_serving.api.errors import invalid, parameter_error
 from llm_serving.api.structured_schema import STRUCTURED_KEYS, parse_constraint
 from llm_serving.core.sequence import SAMPLING_RANGES, OutputConstraint, SamplingParams
 from llm_serving.describe import json_kind
@@ -77,49 +82,20 @@ class SamplingOptions:
                   prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters; a value SamplingParams refuses becomes a 400 naming the field as
         ``field_names`` (the dialect) calls it."""
-        penalty = 1.0 if self.repetition_penalty is None else self.repetition_penalty
-        common = {"repetition_penalty": penalty, "seed": self.seed, "stop": stop, "top_logprobs": top_logprobs,
-                  "prompt_logprobs": prompt_logprobs,
-                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                  "logit_bias": self.logit_bias, "min_tokens": self.min_tokens, "stop_token_ids": self.stop_token_ids,
-                  "constraint": self.constraint}
+        sampled = self.wants_sampling  # greedy: the sampling knobs are left at their neutral values
+        temperature = HF_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         try:
-            if not self.wants_sampling:
-                return SamplingParams(max_new_tokens, ignore_eos, **common)
-            temperature = HF_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
-            return SamplingParams(max_new_tokens, ignore_eos, temperature=temperature, top_k=self.top_k or 0,
-                                  top_p=1.0 if self.top_p is None else self.top_p, min_p=self.min_p, **common)
+            return SamplingParams(
+                max_new_tokens, ignore_eos, temperature=temperature if sampled else 0.0,
+                top_k=(self.top_k or 0) if sampled else 0, min_p=self.min_p if sampled else 0.0,
+                top_p=1.0 if self.top_p is None or not sampled else self.top_p,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                seed=self.seed, stop=stop, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                logit_bias=self.logit_bias, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
+                constraint=self.constraint)
         except InvalidParameter as exc:
             raise parameter_error(exc, field_names or {}) from None
-
-
-@dataclass(frozen=True)
-class StreamUsage:
-    """``stream_options`` of the OpenAI routes: ``include_usage`` (a last chunk with the usage, and ``"usage": null``
-    in every other chunk, as OpenAI sends them) and vLLM's ``continuous_usage_stats`` (the usage so far in every
-    chunk; benchmark clients such as guidellm always send it)."""
-
-    include: bool = False
-    continuous: bool = False
-
-    def chunk_usage(self, usage: Callable[[], dict[str, int]]) -> dict[str, Any]:
-        """The ``usage`` key of a content chunk: none, null, or the usage so far."""
-        if self.continuous:
-            return {"usage": usage()}
-        return {"usage": None} if self.include else {}
-
-
-def parse_stream_options(body: Mapping[str, Any], stream: bool) -> StreamUsage:
-    options = body.get("stream_options")
-    if options is None:
-        return StreamUsage()
-    options = _object(options, "'stream_options'")
-    _no_unknown(options, ("include_usage", "continuous_usage_stats"), "'stream_options'")
-    r = _Reader(options, "stream_options.", lenient=False)
-    usage = StreamUsage(r.bool("include_usage", False), r.bool("continuous_usage_stats", False))
-    if not stream:
-        raise invalid("stream_options is only allowed with stream=true", "stream_options")
-    return usage
 
 
 @dataclass(frozen=True)
@@ -138,67 +114,207 @@ class GenerateRequest:
     sse: bool = False
 
 
-@dataclass(frozen=True)
-class CompletionRequest:
-    """An OpenAI ``/v1/completions`` body; ``prompts`` holds one entry per choice."""
+# ---- the OpenAI bodies (pydantic models: ``body_model``) ---------------------------------------------------
+class StreamUsage(Body):
+    """``stream_options`` of the OpenAI routes: ``include_usage`` (a last chunk with the usage, and ``"usage": null``
+    in every other chunk, as OpenAI sends them) and vLLM's ``continuous_usage_stats`` (the usage so far in every
+    chunk; benchmark clients such as guidellm always send it)."""
 
-    FIELD_NAMES: ClassVar[Mapping[str, str]] = {"max_new_tokens": "max_tokens"}  # engine field -> OpenAI's
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
 
-    model: str | None
-    prompts: tuple[str | tuple[int, ...], ...]
-    max_tokens: int | None  # None: OpenAI's default 16, clipped to the context left
-    sampling: SamplingOptions
-    stop: tuple[str, ...] = ()
-    stream: bool = False
-    usage: StreamUsage = field(default_factory=StreamUsage)
-    echo: bool = False
-    logprobs: int | None = None
-    ignore_eos: bool = False
-    n: int = 1  # choices per prompt
-    best_of: int = 1  # choices generated per prompt, the n with the highest total logprob returned (>= n)
-    kv_transfer: KvTransferParams | None = None  # prefill/decode disaggregation (``kv_transfer_params``)
+    def chunk_usage(self, usage: Callable[[], dict[str, int]]) -> dict[str, Any]:
+        """The ``usage`` key of a content chunk: none, null, or the usage so far."""
+        if self.continuous_usage_stats:
+            return {"usage": usage()}
+        return {"usage": None} if self.include_usage else {}
 
 
-@dataclass(frozen=True)
-class KvTransferParams:
+class KvTransferParams(Body):
     """``kv_transfer_params`` (vLLM's name) of prefill/decode disaggregation (``api.kv_transfer_routes``):
     ``do_remote_decode`` asks the engine that prefills to keep the prompt's KV blocks for a decode engine (its
     answer names them: ``transfer_id``); ``transfer_id`` + ``remote_url`` ask the decode engine to fetch them from
-    the engine at ``remote_url`` before computing the prompt."""
+    the engine at ``remote_url`` before computing the prompt. ``do_remote_prefill`` and ``num_blocks`` (of a prefill
+    engine's answer, sent back as it came) are accepted and unused."""
 
     do_remote_decode: bool = False
+    do_remote_prefill: bool = False
     transfer_id: str | None = None
     remote_url: str | None = None
+    num_blocks: NonNegInt64 | None = None
+
+    @field_validator("transfer_id")
+    @classmethod
+    def _transfer_id(cls, transfer_id: str) -> str:
+        if re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", transfer_id) is None:
+            raise refuse("{field} must be the id a prefill engine answered (letters, digits, '_', '-', '.')",
+                         "kv_transfer_params")
+        return transfer_id
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> KvTransferParams:
+        if (self.transfer_id is None) != (self.remote_url is None):
+            raise refuse("{field} needs both transfer_id and remote_url (where the prefill engine holds the "
+                         "prompt's KV blocks), or neither")
+        if self.remote_url is not None and not self.remote_url.startswith(("http://", "https://")):
+            raise refuse(f"{{field}}.remote_url must be an http(s) URL, got {self.remote_url[:80]!r}")
+        return self
 
 
-_KV_TRANSFER_KEYS = ("do_remote_decode", "do_remote_prefill", "transfer_id", "remote_url", "num_blocks")
+class OpenAIBody(Body):
+    """What both OpenAI routes take besides the prompt: OpenAI's sampling keys (temperature defaults to OpenAI's 1:
+    sampling) and vLLM's extras, each within the engine's range of it (``in_range``), structured output
+    (``structured_schema``) and the choices, streaming and KV transfer keys. A ``*_sent`` field is the key as sent
+    where the request's attribute of that name is what the route serves."""
+
+    model: str | None = None
+    temperature: Annotated[float, in_range("temperature", hi=OPENAI_MAX_TEMPERATURE)] = 1.0
+    top_p: Annotated[float, in_range("top_p")] | None = None
+    top_k: Annotated[int, in_range("top_k")] | None = None
+    repetition_penalty: Annotated[float, in_range("repetition_penalty")] | None = None
+    seed: Int64 | None = None
+    presence_penalty: Annotated[float, in_range("presence_penalty")] = 0.0
+    frequency_penalty: Annotated[float, in_range("frequency_penalty")] = 0.0
+    min_p: Annotated[float, in_range("min_p")] = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: NonNegInt64 = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # choices (per prompt)
+    stop: tuple[str, ...] = ()  # as sent; their number and lengths are SamplingParams' to check
+    stream: bool = False
+    usage: StreamUsage = Field(default=StreamUsage(), alias="stream_options")
+    user: Annotated[str, StringConstraints(max_length=MAX_USER_CHARS)] | None = None  # accepted and ignored
+    response_format: Any = None  # the structured keys: ``structured_schema`` reads them
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    structured_outputs: Any = None
+    kv_transfer: KvTransferParams | None = Field(default=None, alias="kv_transfer_params")
+    _sampling: SamplingOptions = PrivateAttr()
+
+    @property
+    def sampling(self) -> SamplingOptions:
+        """The sampling controls, structured output among them."""
+        return self._sampling
+
+    @field_validator("logit_bias", mode="plain")
+    @classmethod
+    def _logit_bias(cls, bias: Any) -> tuple[tuple[int, Any], ...]:
+        if not isinstance(bias, dict):
+            raise refuse(f"{{field}} must be an object mapping token ids to biases, got {json_kind(bias)}")
+        try:
+            return tuple((int(k), v) for k, v in bias.items())  # the biases' values are SamplingParams' to check
+        except ValueError:
+            raise refuse("{field} keys must be token ids (integers as strings)") from None
+
+    @field_validator("stop_token_ids", mode="plain")
+    @classmethod
+    def _token_ids(cls, ids: Any) -> tuple[int, ...]:
+        if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+            raise refuse(f"{{field}} must be a list of token ids, got {json_kind(ids)}")
+        return tuple(ids)
+
+    @field_validator("stop", mode="plain")
+    @classmethod
+    def _stop(cls, stop: Any) -> tuple[str, ...]:
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise refuse(f"{{field}} must be a string or a list of strings, got {json_kind(stop)}")
+        return tuple(items)
+
+    @model_validator(mode="after")
+    def _across_keys(self) -> OpenAIBody:
+        self._check()
+        if "usage" in self.model_fields_set and not self.stream:
+            raise refuse("stream_options is only allowed with stream=true", "stream_options")
+        if self.kv_transfer is not None and self.kv_transfer.do_remote_decode and (self.stream or self.choices != 1):
+            raise refuse("kv_transfer_params.do_remote_decode is served for one unstreamed choice of one prompt (the "
+                         "answer names the prompt's KV blocks)", "kv_transfer_params")
+        self._sampling = SamplingOptions(
+            do_sample=self.temperature > 0, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            repetition_penalty=self.repetition_penalty, seed=self.seed, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, min_p=self.min_p, logit_bias=self.logit_bias,
+            min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
+            constraint=parse_constraint({key: getattr(self, key) for key in STRUCTURED_KEYS}))
+        self._finish()
+        return self
+
+    def _check(self) -> None:
+        """The route's own checks across keys (run before the sampling controls are made)."""
+
+    def _finish(self) -> None:
+        """The route's own controls, once the sampling controls are made."""
+
+    @property
+    def choices(self) -> int:
+        """The sequences this request generates."""
+        return self.n
 
 
-def parse_kv_transfer(body: Mapping[str, Any], stream: bool, choices: int) -> KvTransferParams | None:
-    """The body's ``kv_transfer_params`` (None when absent or null); the prefill side's request must be a single
-    unstreamed choice (its answer carries the transfer's id)."""
-    value = body.get("kv_transfer_params")
-    if value is None:
-        return None
-    where = "kv_transfer_params"
-    value = _object(value, f"'{where}'")
-    _no_unknown(value, _KV_TRANSFER_KEYS, f"'{where}'")
-    r = _Reader(value, f"{where}.", lenient=False)
-    params = KvTransferParams(r.bool("do_remote_decode", False), r.str("transfer_id"), r.str("remote_url"))
-    r.bool("do_remote_prefill", False)
-    r.int("num_blocks", lo=0)
-    if params.do_remote_decode and (stream or choices != 1):
-        raise invalid("kv_transfer_params.do_remote_decode is served for one unstreamed choice of one prompt (the "
-                      "answer names the prompt's KV blocks)", where)
-    if (params.transfer_id is None) != (params.remote_url is None):
-        raise invalid("kv_transfer_params needs both transfer_id and remote_url (where the prefill engine holds the "
-                      "prompt's KV blocks), or neither", where)
-    if params.transfer_id is not None and re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", params.transfer_id) is None:
-        raise invalid("kv_transfer_params.transfer_id must be the id a prefill engine answered (letters, digits, "
-                      "'_', '-', '.')", where)
-    if params.remote_url is not None and not params.remote_url.startswith(("http://", "https://")):
-        raise invalid(f"kv_transfer_params.remote_url must be an http(s) URL, got {params.remote_url[:80]!r}", where)
-    return params
+class CompletionRequest(OpenAIBody):
+    """An OpenAI ``/v1/completions`` body (vLLM's top_k/repetition_penalty/ignore_eos too); ``prompts`` holds one
+    entry per prompt, each generating ``best_of`` choices and answering the ``n`` with the highest total logprob."""
+
+    FIELD_NAMES: ClassVar[Mapping[str, str]] = {"max_new_tokens": "max_tokens"}  # engine field -> OpenAI's
+
+    prompts: tuple[str | tuple[int, ...], ...] = Field(default=None, alias="prompt", validate_default=True)
+    max_tokens: Int64 | None = None  # None: OpenAI's default 16, clipped to the context left; the value is the
+    # engine's to check (SamplingParams, admission)
+    best_of_sent: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = Field(default=None, alias="best_of")
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None  # alternatives per position
+    suffix: Any = None  # insertion: refused unless empty
+
+    @property
+    def best_of(self) -> int:
+        """Choices generated per prompt (>= n)."""
+        return self.n if self.best_of_sent is None else self.best_of_sent
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.best_of
+
+    @field_validator("prompts", mode="plain")
+    @classmethod
+    def _prompts(cls, prompt: Any) -> tuple[str | tuple[int, ...], ...]:
+        """OpenAI's prompt: a string, a list of strings, a list of token ids, or a list of such lists."""
+        if prompt is None:
+            raise refuse("missing 'prompt'", "prompt")  # absent: pydantic names the field, not its key
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+            items: list[Any] = [prompt]
+        elif isinstance(prompt, list) and prompt:
+            items = prompt
+        else:
+            raise refuse(f"'prompt' must be a non-empty string, a list of strings or a list of token ids, got "
+                         f"{json_kind(prompt)}")
+        if len(items) > MAX_PROMPTS:
+            raise refuse(f"'prompt' has {len(items)} prompts; at most {MAX_PROMPTS} per request")
+        out: list[str | tuple[int, ...]] = []
+        for i, item in enumerate(items):
+            where = "'prompt'" if len(items) == 1 else f"'prompt[{i}]'"
+            if isinstance(item, str) and item:
+                out.append(item)
+            elif isinstance(item, list) and item and all(_is_int(t) for t in item):
+                out.append(tuple(item))  # the ids' range is checked at admission
+            elif isinstance(item, str):
+                raise refuse(f"{where} is empty")
+            else:
+                raise refuse(f"{where} must be a non-empty string or a non-empty list of token ids (ints), "
+                             f"got {json_kind(item)}")
+        return tuple(out)
+
+    def _check(self) -> None:
+        if self.best_of < self.n:
+            raise refuse(f"best_of ({self.best_of}) must be >= n ({self.n})", "best_of")
+        if self.suffix:
+            raise refuse("suffix (insertion) is not supported", "suffix", unsupported=True)
+        if self.stream and self.echo and self.logprobs is not None:
+            raise refuse("echo with logprobs (the prompt's logprobs) is served without stream only", "stream",
+                         unsupported=True)
+        if self.stream and self.best_of > self.n:
+            raise refuse("best_of above n cannot be streamed (the best choices are known only at the end)",
+                         "best_of")
 
 
 # ---- entry points ------------------------------------------------------------------------------------------
@@ -263,113 +379,21 @@ def parse_generate(body: Any, stream: bool | None = None) -> GenerateRequest:
     )
 
 
-# OpenAI's sampling keys, and vLLM's extras, of both OpenAI routes
-OPENAI_SAMPLING_KEYS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
-                        "top_k", "repetition_penalty", "ignore_eos", "min_p", "min_tokens", "stop_token_ids")
-_COMPLETION_KEYS = ("model", "prompt", "max_tokens", "n", "stream", "stream_options", "logprobs", "echo", "stop",
-                    "best_of", "user", "suffix", *OPENAI_SAMPLING_KEYS, *STRUCTURED_KEYS, "kv_transfer_params")
-
-
-def openai_sampling(body: Mapping[str, Any], r: _Reader) -> SamplingOptions:
-    """The sampling controls of an OpenAI body (temperature defaults to OpenAI's 1: sampling), structured output
-    among them."""
-    temperature = r.float("temperature", lo=SAMPLING_RANGES["temperature"].lo, hi=OPENAI_MAX_TEMPERATURE)
-    temperature = 1.0 if temperature is None else temperature
-    bias = body.get("logit_bias") or {}
-    if not isinstance(bias, dict):
-        raise invalid(f"logit_bias must be an object mapping token ids to biases, got {json_kind(bias)}",
-                      "logit_bias")
-    try:
-        pairs = tuple((int(k), v) for k, v in bias.items())
-    except ValueError:
-        raise invalid("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
-        raise invalid(f"stop_token_ids must be a list of token ids, got {json_kind(stop_ids)}", "stop_token_ids")
-    return SamplingOptions(
-        do_sample=temperature > 0, temperature=temperature, top_k=r.ranged_int("top_k"), top_p=r.ranged("top_p"),
-        repetition_penalty=r.ranged("repetition_penalty"), seed=r.int("seed"),
-        presence_penalty=r.ranged("presence_penalty") or 0.0, frequency_penalty=r.ranged("frequency_penalty") or 0.0,
-        min_p=r.ranged("min_p") or 0.0, logit_bias=pairs, min_tokens=r.int("min_tokens", lo=0) or 0,
-        stop_token_ids=tuple(stop_ids), constraint=parse_constraint(body),
-    )
-
-
 def parse_completion(body: Any) -> CompletionRequest:
-    """Validate an OpenAI completions body (strict JSON types; vLLM's top_k/repetition_penalty/ignore_eos too)."""
-    body = _object(body, "the request body")
-    _no_unknown(body, _COMPLETION_KEYS, "the request body")
-    r = _Reader(body, "", lenient=False)
-    model = r.str("model")
-    prompts = _prompts(body.get("prompt"))
-    max_tokens = r.int("max_tokens")  # its value is the engine's to check (SamplingParams, admission)
-    sampling = openai_sampling(body, r)
-    n = r.int("n", lo=1, hi=MAX_CHOICES) or 1
-    best_of = r.int("best_of", lo=1, hi=MAX_CHOICES) or n
-    if best_of < n:
-        raise invalid(f"best_of ({best_of}) must be >= n ({n})", "best_of")
-    if body.get("suffix"):
-        raise unsupported("suffix (insertion) is not supported", "suffix")
-    user = r.str("user")
-    if user is not None and len(user) > MAX_USER_CHARS:
-        raise invalid(f"'user' has {len(user)} characters; at most {MAX_USER_CHARS}", "user")
-    logprobs = r.int("logprobs", lo=0, hi=MAX_COMPLETION_LOGPROBS)  # alternatives per position: OpenAI's range
-    echo = r.bool("echo", False)
-    stream = r.bool("stream", False)
-    if stream and echo and logprobs is not None:
-        raise unsupported("echo with logprobs (the prompt's logprobs) is served without stream only", "stream")
-    if stream and best_of > n:
-        raise invalid("best_of above n cannot be streamed (the best choices are known only at the end)", "best_of")
-    return CompletionRequest(
-        model=model, prompts=prompts, sampling=sampling,
-        max_tokens=max_tokens,
-        stop=r.stop("stop"), stream=stream, usage=parse_stream_options(body, stream), echo=echo, logprobs=logprobs,
-        ignore_eos=r.bool("ignore_eos", False), n=n, best_of=best_of,
-        kv_transfer=parse_kv_transfer(body, stream, len(prompts) * best_of),
-    )
-
-
-# ---- helpers -----------------------------------------------------------------------------------------------
-def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
-    """OpenAI's prompt: a string, a list of strings, a list of token ids, or a list of such lists."""
-    if prompt is None:
-        raise invalid("missing 'prompt'", "prompt")
-    if isinstance(prompt, str):
-        items: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        items = [prompt]
-    elif isinstance(prompt, list) and prompt:
-        items = prompt
-    else:
-        raise invalid(f"'prompt' must be a non-empty string, a list of strings or a list of token ids, got "
-                      f"{json_kind(prompt)}", "prompt")
-    if len(items) > MAX_PROMPTS:
-        raise invalid(f"'prompt' has {len(items)} prompts; at most {MAX_PROMPTS} per request", "prompt")
-    out: list[str | tuple[int, ...]] = []
-    for i, item in enumerate(items):
-        where = "'prompt'" if len(items) == 1 else f"'prompt[{i}]'"
-        if isinstance(item, str):
-            if not item:
-                raise invalid(f"{where} is empty", "prompt")
-            out.append(item)
-        elif isinstance(item, list) and item and all(_is_int(t) for t in item):
-            out.append(tuple(item))  # the ids' range is checked at admission
-        else:
-            raise invalid(f"{where} must be a non-empty string or a non-empty list of token ids (ints), "
-                          f"got {json_kind(item)}", "prompt")
-    return tuple(out)
+    """Validate an OpenAI completions body."""
+    return validate_body(CompletionRequest, body)
 
 
 class _Reader:
     """Typed access to one JSON object's optional keys; null means absent."""
 
-    def __init__(self, obj: Mapping[str, Any], prefix: str, lenient: bool) -> None:
+    def __init__(self, obj: Mapping[str, Any], prefix: builtins.str, lenient: builtins.bool) -> None:
         self.obj, self.prefix, self.lenient = obj, prefix, lenient
 
-    def _get(self, key: str) -> Any:
+    def _get(self, key: builtins.str) -> Any:
         return self.obj.get(key)
 
-    def bool(self, key: str, default: bool) -> bool:
+    def bool(self, key: builtins.str, default: builtins.bool) -> builtins.bool:
         v = self._get(key)
         if v is None:
             return default
@@ -380,13 +404,14 @@ class _Reader:
         raise invalid(f"{self.prefix}{key} must be a boolean (true/false or the strings \"True\"/\"False\"), "
                       f"got {json_kind(v)}", key)
 
-    def str(self, key: str) -> str | None:
+    def str(self, key: builtins.str) -> builtins.str | None:
         v = self._get(key)
         if v is not None and not isinstance(v, str):
             raise invalid(f"{self.prefix}{key} must be a string, got {json_kind(v)}", key)
         return v
 
-    def int(self, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    def int(self, key: builtins.str, lo: builtins.int | None = None,
+            hi: builtins.int | None = None) -> builtins.int | None:
         v = self._get(key)
         if v is None:
             return None
@@ -406,8 +431,8 @@ class _Reader:
             raise invalid(f"{self.prefix}{key} is too large: {v}", key)
         return v
 
-    def float(self, key: str, lo: float | None = None, hi: float | None = None,
-              lo_open: bool = False) -> float | None:
+    def float(self, key: builtins.str, lo: builtins.float | None = None, hi: builtins.float | None = None,
+              lo_open: builtins.bool = False) -> builtins.float | None:
         v = self._get(key)
         if v is None:
             return None
@@ -431,17 +456,18 @@ class _Reader:
             raise invalid(f"{self.prefix}{key} must be <= {hi:g}, got {v:g}", key)
         return v
 
-    def ranged(self, key: str) -> float | None:
+    def ranged(self, key: builtins.str) -> builtins.float | None:
         """A sampling parameter read within the engine's range of it (``core.sequence.SAMPLING_RANGES``)."""
         domain = SAMPLING_RANGES[key]
         return self.float(key, lo=domain.lo, hi=domain.hi, lo_open=domain.lo_open)
 
-    def ranged_int(self, key: str) -> int | None:
+    def ranged_int(self, key: builtins.str) -> builtins.int | None:
         """An integer sampling parameter read within the engine's range of it (``SAMPLING_RANGES``)."""
         domain = SAMPLING_RANGES[key]
-        return self.int(key, lo=domain.lo, hi=domain.hi)
+        return self.int(key, lo=None if domain.lo is None else int(domain.lo),
+                        hi=None if domain.hi is None else int(domain.hi))
 
-    def stop(self, key: str) -> tuple[str, ...]:
+    def stop(self, key: builtins.str) -> tuple[builtins.str, ...]:
         """Stop strings as sent; their number and lengths are SamplingParams' to check."""
         v = self._get(key)
         if v is None:
@@ -461,10 +487,7 @@ def _object(value: Any, what: str) -> Mapping[str, Any]:
 def _no_unknown(obj: Mapping[str, Any], known: tuple[str, ...], what: str) -> None:
     unknown = [k for k in obj if k not in known]
     if unknown:
-        shown = ", ".join(repr(k[:40]) for k in unknown[:5])  # bounded: a body may carry thousands
-        if len(unknown) > 5:
-            shown += f" and {len(unknown) - 5} more"
-        raise invalid(f"{what} has unknown key(s) {shown}; known keys: {', '.join(known)}", unknown[0][:40])
+        raise unknown_keys_error(unknown, known, what)
 
 
 def _neutral_value(v: Any) -> Any:
