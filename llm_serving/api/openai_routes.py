@@ -197,7 +197,8 @@ def _usage(gens: list[Generation], per_prompt: int = 1) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _alternatives(tok: AnyTokenizer, name: str, token: int, logprob: float, top: TopLogprobs | None) -> dict[str, float]:
+def _alternatives(tok: AnyTokenizer, name: str, token: int, logprob: float,
+                  top: TopLogprobs | None) -> dict[str, float]:
     """One position's ``top_logprobs`` entry: text -> logprob of the most likely tokens, and the chosen one
     (``token``, whose text is ``name``)."""
     top = top or ()
