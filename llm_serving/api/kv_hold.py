@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from multiprocessing import shared_memory
 
-from llm_serving.protocol.shm_channel import NAME_PREFIX, ChannelError, attach_untracked
+from llm_serving.protocol.shm_channel import NAME_PREFIX, Attached, ChannelError, attach_untracked
 
 PREFIX = f"{NAME_PREFIX}kvx_"
 _NAME = re.compile(rf"{PREFIX}[0-9]+_[0-9a-f]+")
@@ -41,8 +41,9 @@ class HeldPayloads:
         self._expire()
         name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
         segment = shared_memory.SharedMemory(name=name, create=True, size=_LENGTH.size + len(data))
-        _LENGTH.pack_into(segment.buf, 0, len(data))
-        segment.buf[_LENGTH.size: _LENGTH.size + len(data)] = data
+        buf = _buffer(segment)
+        _LENGTH.pack_into(buf, 0, len(data))
+        buf[_LENGTH.size: _LENGTH.size + len(data)] = data
         self._held[name] = (time.monotonic() + self.hold_s, segment)
         self._total += len(data)
         while self._total > self.hold_bytes and len(self._held) > 1:
@@ -55,7 +56,7 @@ class HeldPayloads:
         entry = self._held.get(transfer_id)
         if entry is None:
             return None
-        data = _payload(entry[1].buf)
+        data = _payload(_buffer(entry[1]))
         self._unlink(transfer_id)
         return data
 
@@ -78,7 +79,7 @@ class HeldPayloads:
 
     def _unlink(self, name: str) -> None:
         _, segment = self._held.pop(name)
-        self._total -= _LENGTH.unpack_from(segment.buf, 0)[0]
+        self._total -= _LENGTH.unpack_from(_buffer(segment), 0)[0]
         segment.close()
         try:
             segment.unlink()
@@ -99,9 +100,16 @@ def read_local(transfer_id: str) -> bytes | None:
     except (FileNotFoundError, ChannelError):
         return None
     try:
-        return _payload(segment.buf)
+        return _payload(_buffer(segment))
     finally:
         segment.close()
+
+
+def _buffer(segment: shared_memory.SharedMemory | Attached) -> memoryview:
+    """An open segment's bytes (``buf`` is None only once the segment is closed, which no caller here reads)."""
+    if segment.buf is None:
+        raise ValueError(f"shared-memory segment {segment.name} is closed")
+    return segment.buf
 
 
 def _payload(buf: memoryview) -> bytes:

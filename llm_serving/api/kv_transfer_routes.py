@@ -159,6 +159,8 @@ class KvTransferRoutes:
 
     async def _release(self, url: str) -> None:
         try:
+            if self._session is None:  # closed meanwhile: the holder drops the blocks after hold_s
+                return
             async with self._session.delete(url, headers=self._headers) as resp:
                 await resp.read()
         except (TimeoutError, aiohttp.ClientError) as exc:  # it drops them after hold_s anyway

@@ -228,6 +228,8 @@ class KvTransfers:
             self.counters["kv_exports"] += 1
             self.counters["kv_exported_blocks"] += n
             return KvPayload(self.layout, job.seq.token_ids(0, n * self.block_size), shards)
+        if job.payload is None:
+            raise ValueError("a KV import queued without its payload")
         pool.import_kv(blocks, job.payload.shards)
         with self._lock:
             job.seq.num_computed_tokens = n * self.block_size

@@ -19,17 +19,17 @@ from multiprocessing import shared_memory
 import numpy as np
 import numpy.typing as npt
 
-from llm_serving.protocol.shm_channel import NAME_PREFIX, ChannelError, _Attached, attach_untracked
+from llm_serving.protocol.shm_channel import NAME_PREFIX, Attached, ChannelError, attach_untracked
 
 
 class KvSegment:
     """``create`` on the master (owner: ``close`` unlinks), ``attach`` in each local agent."""
 
-    def __init__(self, segment: shared_memory.SharedMemory | _Attached, ranks: int, block_bytes: int,
+    def __init__(self, segment: shared_memory.SharedMemory | Attached, ranks: int, block_bytes: int,
                  max_blocks: int, owner: bool) -> None:
         self.name = segment.name.lstrip("/")
         self.ranks, self.block_bytes, self.max_blocks = ranks, block_bytes, max_blocks
-        self._segment: shared_memory.SharedMemory | _Attached | None = segment
+        self._segment: shared_memory.SharedMemory | Attached | None = segment
         self._owner = owner
         self._bytes: npt.NDArray[np.uint8] = np.ndarray((ranks * max_blocks * block_bytes,), np.uint8,
                                                         buffer=segment.buf)

@@ -140,7 +140,7 @@ class ChannelLayout:
         return offset + -(-count * dtype.itemsize // _ALIGN) * _ALIGN
 
 
-class _Attached:
+class Attached:
     """An untracked mapping of an existing segment (agent side)."""
 
     def __init__(self, name: str) -> None:
@@ -170,12 +170,12 @@ def _shm_open(name: str) -> int:
     return int(_posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600))
 
 
-def attach_untracked(name: str) -> shared_memory.SharedMemory | _Attached:
+def attach_untracked(name: str) -> shared_memory.SharedMemory | Attached:
     """Map an existing segment without registering it with any resource tracker (in Python < 3.13 an attaching
     ``SharedMemory`` would have the attaching process's tracker unlink the creator's segment when it exits)."""
     if sys.version_info >= (3, 13):
         return shared_memory.SharedMemory(name=name, track=False)
-    return _Attached(name)
+    return Attached(name)
 
 
 class StepChannel:
@@ -185,11 +185,11 @@ class StepChannel:
     views, valid until the master writes the next step) and, on rank 0, ``write_output``.
     """
 
-    def __init__(self, segment: shared_memory.SharedMemory | _Attached, layout: ChannelLayout,
+    def __init__(self, segment: shared_memory.SharedMemory | Attached, layout: ChannelLayout,
                  owner: bool) -> None:
         self.layout = layout
         self.name = segment.name.lstrip("/")
-        self._segment: shared_memory.SharedMemory | _Attached | None = segment
+        self._segment: shared_memory.SharedMemory | Attached | None = segment
         self._owner = owner
         self._views: dict[str, AnyArray] = {
             name: np.ndarray((count,), dtype, buffer=segment.buf, offset=offset)
