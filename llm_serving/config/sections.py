@@ -154,6 +154,9 @@ class ServingSection:
     # the same model and layout (kv_transfer_params of the OpenAI routes; `llm-serving router --prefill`)
     kv_transfer: bool = setting(False, "bool")
     max_queue_size: int = setting(1024, "int")
+    # admission by expected wait (llm_serving/engine/queue_wait.py): a request that would wait longer than this many
+    # seconds to start is refused (503, Retry-After); empty: no bound in time, only max_queue_size
+    max_queue_wait_s: float | None = setting(30.0, "float", optional=True)
     model_aliases: tuple[str, ...] = setting(("llama2",), "strs")
     api_key: str | None = setting(None, "str", optional=True)  # Bearer key on all routes but /health
     drain_timeout_s: float = setting(30.0, "float")
@@ -206,6 +209,8 @@ class ServingSection:
              f"must be >= 0, got {self.start_device_id}")
         need(self.max_queue_size >= 1, source, "serving_config.max_queue_size",
              f"must be >= 1, got {self.max_queue_size}")
+        need(self.max_queue_wait_s is None or self.max_queue_wait_s > 0, source, "serving_config.max_queue_wait_s",
+             f"must be > 0 (empty: no bound in time), got {self.max_queue_wait_s}")
         need(all(a.strip() for a in self.model_aliases), source, "serving_config.model_aliases",
              f"aliases must be non-empty: {list(self.model_aliases)}")
         need(self.drain_timeout_s >= 0, source, "serving_config.drain_timeout_s",
