@@ -7,7 +7,7 @@ EOS ignored, 16..64 new tokens each, on the streaming OpenAI endpoint. Two serve
 (``serving_config.max_queue_wait_s`` empty: the count limit alone; and ``--bound``) and take turns, so the noise of a
 shared machine falls on both alike. First each one's saturation throughput: a closed loop keeping
 ``--saturation-concurrency`` requests in flight (the batch full, a queue behind it). Then open-loop Poisson arrivals
-at each load times the first server's saturation throughput for ``--seconds``, every client giving up after
+at each load times the saturation throughput (both servers' mean) for ``--seconds``, every client giving up after
 ``--client-timeout`` s (as the chaos soak's clients do) and not retrying. Prints, per run: completed (ok) requests/s
 over the run and against saturation, refusals (503 with Retry-After), client timeouts, ok-latency and TTFT
 percentiles, and from the server's /metrics the tokens it generated for requests that did not complete (work wasted
@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loads", default="1.0,1.2", help="offered loads as multiples of saturation (default 1.0,1.2)")
     p.add_argument("--bound", type=float, default=3.0, help="serving_config.max_queue_wait_s of the bounded server")
     p.add_argument("--client-timeout", type=float, default=10.0, help="seconds a client waits for its whole answer")
-    p.add_argument("--saturation-requests", type=int, default=256, help="requests of the closed-loop saturation run")
+    p.add_argument("--saturation-requests", type=int, default=768, help="requests of the closed-loop saturation run")
     p.add_argument("--saturation-concurrency", type=int, default=64, help="requests in flight in that run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", default="/tmp/llm-serving-bench-overload", help="server configs and logs")
@@ -127,17 +127,18 @@ def main(argv: list[str] | None = None) -> int:
             ports[label], _ = stack.enter_context(running_server(
                 config, log, args.startup_timeout, cwd=ROOT, extra_args=["--set", setting],
                 announce=lambda cmd, log=log: print(f"[bench_overload] {cmd} (log {log})", flush=True)))
-        saturation: float | None = None
+        saturated = []
         for label, port in ports.items():
             cfg = BenchConfig(port=port, endpoint="openai", ignore_eos=True, metrics_interval=0.0, seed=args.seed,
                               qps=float("inf"), max_concurrency=args.saturation_concurrency, request_timeout=600.0)
             measure(port, f"warm-up, {label}", make_requests(args.saturation_concurrency, args.seed + 1), cfg, None,
                     None)
             row = measure(port, f"saturation, {label}", make_requests(args.saturation_requests, args.seed), cfg,
-                          None, saturation)
+                          None, None)
             rows.append(row)
-            saturation = saturation or float(row["ok_req_s"])  # type: ignore[arg-type]
-        assert saturation is not None
+            saturated.append(float(row["ok_req_s"]))  # type: ignore[arg-type]
+        saturation = sum(saturated) / len(saturated)  # the servers differ only past saturation
+        print(f"[bench_overload] saturation: {saturation:.2f} req/s (the mean of both)", flush=True)
         for load in loads:
             qps = load * saturation
             reqs = make_requests(max(1, int(qps * args.seconds)), args.seed + 2)
