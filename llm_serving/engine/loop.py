@@ -256,7 +256,7 @@ class Engine:
             if self._scheduler.num_waiting >= limit:
                 raise QueueFull(f"{self._scheduler.num_waiting} requests are waiting "
                                 f"(serving_config.max_queue_size {limit})")
-            if self._queue_wait.rate is not None and self._scheduler.num_waiting:
+            if self._queue_wait.active and self._scheduler.num_waiting:
                 self._queue_wait.check(self._scheduler.waiting_tokens)
             self._scheduler.add(seq, follows)
             self._requests.add(seq, stream)

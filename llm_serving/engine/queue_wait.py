@@ -53,6 +53,12 @@ class QueueWait:
         self._last, self._waited = now, num_waiting > 0
         self._starts, self._tokens = num_started, started_tokens
 
+    @property
+    def active(self) -> bool:
+        """Whether ``check`` can refuse: a bound is set and a rate measured (else the caller need not count the
+        queue)."""
+        return self.bound_s is not None and self.rate is not None
+
     def expected_wait(self, queued_tokens: int) -> float | None:
         """Seconds a request behind ``queued_tokens`` budget tokens waits to start; None before a rate is known."""
         if self.rate is None or self.rate <= 0:
