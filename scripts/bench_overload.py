@@ -1,6 +1,6 @@
 """Goodput under overload, with and without admission by expected wait, side by side in one run.
 
-    python scripts/bench_overload.py [--seconds 60] [--loads 1.0,1.2] [--bound 3] [--client-timeout 10]
+    python scripts/bench_overload.py [--seconds 60] [--loads 1.0,1.2] [--bound 3] [--client-timeout 10] [--set K=V]
 
 The default embedded model (``llm-serving serve`` with no model path), token-id prompts of 8..64 tokens, greedy,
 EOS ignored, 16..64 new tokens each, on the streaming OpenAI endpoint. Two servers run at once
@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--client-timeout", type=float, default=10.0, help="seconds a client waits for its whole answer")
     p.add_argument("--saturation-requests", type=int, default=768, help="requests of the closed-loop saturation run")
     p.add_argument("--saturation-concurrency", type=int, default=64, help="requests in flight in that run")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a config value for both servers (e.g. scheduler.min_decode_steps_between_prefills=4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", default="/tmp/llm-serving-bench-overload", help="server configs and logs")
     p.add_argument("--startup-timeout", type=float, default=600.0)
@@ -124,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         for label, bound in variants.items():
             log = work / f"server_{'unbounded' if bound is None else 'bounded'}.log"
             setting = f"serving_config.max_queue_wait_s={'null' if bound is None else bound}"
+            sets = [a for item in [*args.set, setting] for a in ("--set", item)]
             ports[label], _ = stack.enter_context(running_server(
-                config, log, args.startup_timeout, cwd=ROOT, extra_args=["--set", setting],
+                config, log, args.startup_timeout, cwd=ROOT, extra_args=sets,
                 announce=lambda cmd, log=log: print(f"[bench_overload] {cmd} (log {log})", flush=True)))
         saturated = []
         for label, port in ports.items():
