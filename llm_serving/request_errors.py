@@ -42,7 +42,12 @@ class AdmissionError(RequestRejected, InvalidParameter):
 
 
 class QueueFull(RuntimeError):
-    """More requests are waiting than ``serving_config.max_queue_size``; retry later (HTTP 503)."""
+    """The queue holds no more: more requests are waiting than ``serving_config.max_queue_size``, or a new one would
+    wait longer than ``serving_config.max_queue_wait_s``; retry after ``retry_after`` seconds (HTTP 503)."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class MessageError(ValueError):
@@ -66,4 +71,5 @@ class ApiError(Exception):
         self.message = message
         self.error_type = error_type
         self.param = param
+        self.retry_after = 1  # a 503's Retry-After, in seconds
         self.close_connection = False  # the answer closes the connection (its request left it unusable)

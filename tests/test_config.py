@@ -202,6 +202,7 @@ def test_sections_must_be_mappings(d, match):
     ({"serving_config": {"server_port": 70000}}, "serving_config.server_port", "0..65535"),
     ({"serving_config": {"num_agents": 0}}, "serving_config.num_agents", "at least 1"),
     ({"serving_config": {"max_queue_size": 0}}, "serving_config.max_queue_size", ">= 1"),
+    ({"serving_config": {"max_queue_wait_s": 0}}, "serving_config.max_queue_wait_s", "must be > 0"),
     ({"serving_config": {"model_aliases": [""]}}, "serving_config.model_aliases", "non-empty"),
     ({"tokenizer": {"type": "GPT2Tokenizer"}}, "tokenizer.type", "LlamaTokenizer"),
     ({"scheduler": {"max_wait_s": -1}}, "scheduler.max_wait_s", ">= 0"),

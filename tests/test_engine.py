@@ -422,6 +422,38 @@ def test_rejections_and_queue_limit(data_dir):
         engine.submit("hi")
 
 
+def test_a_request_past_the_wait_bound_is_refused_while_the_admitted_complete(data_dir):
+    """Admission by expected wait (serving_config.max_queue_wait_s): once the queue's drain rate is measured, a
+    request with others queued ahead is refused when their expected wait passes the bound (here any wait at all);
+    the requests admitted before complete, and with the queue drained a new one is admitted again."""
+    engine, pool = gated_engine(data_dir, model_config={"decode_batch_size": [2], "prefill_batch_size": [2]},
+                                serving_config={"max_queue_wait_s": 1e-9})
+    try:
+        params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+        prompts = [[5, 10 + i] for i in range(12)]
+        streams = [engine.submit(p, params) for p in prompts]  # no rate measured yet: all queued
+        for _ in range(12):  # two steps a wave of two: the 8th start with requests waiting comes by the 5th wave
+            pool.step()  # the step released, its successor scheduled: the stats are those after it
+            stats = engine.stats()
+            if stats["queue_drain_tokens_per_s"] > 0:
+                break
+        assert stats["queue_drain_tokens_per_s"] > 0 and stats["num_waiting"] > 0 and stats["queue_wait_s"] > 0
+        with pytest.raises(QueueFull, match=r"would wait about .*serving_config.max_queue_wait_s 1e-09") as err:
+            engine.submit([5, 99], params)
+        assert err.value.retry_after >= 1
+        for _ in range(100):  # from here on steps run freely
+            pool.gate.release()
+        for prompt, stream in zip(prompts, streams):
+            res = stream.result(timeout=30)
+            assert (res.token_ids, res.finish_reason) == standin_expected(prompt, params)
+        after = engine.submit([5, 99], params).result(timeout=30)  # nothing queued ahead: admitted
+        assert (after.token_ids, after.finish_reason) == standin_expected([5, 99], params)
+        stats = engine.stats()
+        assert stats["requests_finished"] == 13 and stats["kv_blocks_used"] == 0 and stats["num_waiting"] == 0
+    finally:
+        stop(engine, pool)
+
+
 def test_a_prompt_longer_than_the_prefill_buckets_is_served_in_chunks(data_dir):
     """Issue 15's report: a prompt past the largest seq_length bucket (32) but within the model length (64)."""
     pools: list[RecordingPool] = []

@@ -467,6 +467,39 @@ def test_overload_gives_503(slow):
     run(go())
 
 
+def test_a_flood_past_the_wait_bound_gets_503_with_retry_after(data_dir):
+    """serving_config.max_queue_wait_s (here any wait at all, once the drain rate is measured): a flood gets JSON 503
+    "overloaded" with Retry-After for the requests that would queue behind others, and the admitted ones complete."""
+    server = ServerProcess(data_dir, "--standin-agents", "--standin-step-delay", "0.01", "--decode-batch-size", "4",
+                           "--set", "serving_config.max_queue_wait_s=0.000001")
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async def one():
+                async with s.post(f"{server.url}/v1/completions", json=long_completion(16, stream=False)) as r:
+                    return r.status, await r.json(), r.headers
+            results = []
+            for _ in range(5):  # the first flood measures the drain rate (nothing refused before); a later one meets it
+                results += await asyncio.gather(*(one() for _ in range(12)))
+                if any(st == 503 for st, _, _ in results):
+                    break
+        statuses = [st for st, _, _ in results]
+        assert set(statuses) == {200, 503}  # at most four running and one queued before the first one ends
+        for status, body, headers in results:
+            if status == 503:
+                assert body["error_type"] == "overloaded" and "max_queue_wait_s" in body["error"]["message"]
+                assert int(headers["Retry-After"]) >= 1
+            else:
+                assert body["usage"]["completion_tokens"] == 16
+        m = await wait_metric(server.url, "llm_serving_kv_blocks_used", lambda v: v == 0)
+        assert m['llm_serving_requests_total{outcome="overloaded"}'] == statuses.count(503)
+        assert m["llm_serving_kv_blocks_used"] == 0 and m["llm_serving_queue_length"] == 0
+    try:
+        run(go())
+    finally:
+        assert server.stop() == 0, server.output
+
+
 def test_sigterm_drains_and_frees_shared_memory(data_dir):
     server = ServerProcess(data_dir, "--standin-agents", "--standin-step-delay", "0.01",
                            "--set", "serving_config.drain_timeout_s=1.0")

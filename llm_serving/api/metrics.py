@@ -43,6 +43,11 @@ ENGINE_METRICS: dict[str, tuple[str, str, str]] = {
     "kv_blocks_total": ("kv_blocks_total", "gauge", "Usable KV cache blocks (block 0 is reserved)"),
     "kv_usage": ("kv_cache_usage_ratio", "gauge", "Fraction of usable KV cache blocks in use"),
     "num_agents": ("agents", "gauge", "Device agent processes (ranks)"),
+    "queue_drain_tokens_per_s": ("queue_drain_tokens_per_second", "gauge",
+                                 ("Budget tokens (prompt + max_new_tokens) of the requests started per second while "
+                                  "requests waited; 0 until measured (admission by expected wait)")),
+    "queue_wait_s": ("queue_wait_seconds", "gauge",
+                     "Expected wait of a new request to start: tokens queued ahead over the drain rate"),
     "num_preemptions": ("preemptions_total", "counter", "Sequences preempted (recomputed later) for KV space"),
     "steps": ("engine_steps_total", "counter", "Model steps run"),
     "prefill_steps": ("engine_prefill_steps_total", "counter", "Prefill steps run"),

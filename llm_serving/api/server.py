@@ -211,7 +211,9 @@ class Server:
         except InvalidParameter as exc:  # the admission check: a limit of the configuration
             raise parameter_error(exc, field_names) from None
         except QueueFull as exc:
-            raise ApiError(503, f"the server is overloaded: {exc}", "overloaded") from None
+            err = ApiError(503, f"the server is overloaded: {exc}", "overloaded")
+            err.retry_after = exc.retry_after
+            raise err from None
         except RequestRejected as exc:
             raise ApiError(400, str(exc), "invalid_request") from None
         except EngineError as exc:

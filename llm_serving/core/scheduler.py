@@ -92,6 +92,10 @@ class Scheduler:
         self._live: dict[str, Sequence] = {}
         self._decodes_since_prefill = 0
         self.num_preemptions = 0
+        # sequences started from the queue (a preempted one each time it restarts), and their budgets (prompt +
+        # max_new_tokens) in all: how fast the queue drains (``engine.queue_wait``)
+        self.num_started = 0
+        self.started_tokens = 0
         self._running_sampled = 0  # running sequences whose params need logits; 0 keeps decode on the fast path
         self._running_dumps = 0  # running sequences that read logits back; 0: no step asks for logits
         # speculative decoding's policy and counts (None: plain decode steps only)
@@ -308,6 +312,11 @@ class Scheduler:
         return len(self._waiting) + len(self._preempted)
 
     @property
+    def waiting_tokens(self) -> int:
+        """The budgets (``Sequence.budget``) of the waiting sequences together."""
+        return sum(s.budget for s in self._preempted) + sum(s.budget for s in self._waiting)
+
+    @property
     def num_running(self) -> int:
         return len(self._running)
 
@@ -402,6 +411,8 @@ class Scheduler:
         self.kv_cache.start(seq, hit, seq.num_computed_tokens + n)
         seq.status = SequenceStatus.RUNNING
         self._running.append(seq)
+        self.num_started += 1
+        self.started_tokens += seq.budget
         self._running_sampled += seq.params.needs_logits
         self._running_dumps += seq.reads_logits
 

@@ -350,6 +350,12 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def budget(self) -> int:
+        """Prompt plus max_new_tokens: the most tokens it can take, what admission by expected wait counts a
+        request as (``engine.queue_wait``)."""
+        return len(self.prompt_ids) + self.params.max_new_tokens
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 

@@ -38,6 +38,7 @@ from llm_serving.core.step_shape import StepShape
 from llm_serving.engine.admission import RequestLimits
 from llm_serving.engine.kv_transfer import KvPayload, KvTransfers, kv_layout
 from llm_serving.engine.live_requests import LiveRequests, SequenceError
+from llm_serving.engine.queue_wait import QueueWait
 from llm_serving.engine.recovery import MAX_STRIKES, AgentSupervisor, RecoveryConfig, run_isolated
 from llm_serving.engine.request_stream import EngineError, GenerationResult, RequestStream, TokenEvent
 from llm_serving.engine.wiring import ModelFiles, agent_spec, resolve_model, scheduler_config
@@ -104,6 +105,7 @@ class Engine:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._requests: LiveRequests | None = None  # set by start()
+        self._queue_wait = QueueWait(config.serving_config.max_queue_wait_s)  # admission by expected wait
         self._grammars: GrammarCompiler | None = None  # see _grammar_compiler
         self._kv: KvTransfers | None = None  # serving_config.kv_transfer: prompts' KV blocks exported and imported
         self._grammar_lock = threading.Lock()
@@ -249,7 +251,8 @@ class Engine:
                request_id: str | None = None, clip_to_context: bool = False,
                logits_tokens: int = 0, follows: str | None = None) -> RequestStream:
         """Queue a request. Raises RequestRejected (AdmissionError: a limit of the configuration, naming the
-        field), QueueFull, or EngineError (not running).
+        field), QueueFull (the queue is full in count, or in expected wait: ``queue_wait``), or EngineError (not
+        running).
 
         ``clip_to_context`` lowers a max_new_tokens beyond the context left after the prompt to fit, instead
         of refusing it (``RequestLimits.admit``). ``logits_tokens`` > 0 dumps the float32 logits of the first
@@ -280,6 +283,8 @@ class Engine:
             limit = self.config.serving_config.max_queue_size
             if sched.num_waiting >= limit:
                 raise QueueFull(f"{sched.num_waiting} requests are waiting (serving_config.max_queue_size {limit})")
+            if self._queue_wait.active and sched.num_waiting:
+                self._queue_wait.check(sched.waiting_tokens)
             sched.add(seq, follows)
             _started(self._requests).add(seq, stream)
             self._work.notify()
@@ -351,6 +356,8 @@ class Engine:
                            kv_blocks_used=s.num_used_blocks, kv_blocks_free=s.num_free_blocks,
                            kv_usage=s.block_usage,
                            num_preemptions=s.num_preemptions, **s.prefix_cache_stats(), **speculation_stats(s))
+                rate, wait = self._queue_wait.rate, self._queue_wait.expected_wait(s.waiting_tokens)
+                out.update(queue_drain_tokens_per_s=rate or 0.0, queue_wait_s=wait or 0.0)
             if self._agents is not None:
                 out.update(agent_restarts=self._agents.restarts, step_timeout_s=self._agents.step_timeout_s)
             if self._kv is not None:
@@ -426,6 +433,8 @@ class Engine:
                     sched.note_step_time(done - started)  # speculation's measured choice
                     # queued KV copies first: no step is in flight once this one is delivered
                     step = None if self._stopping or ahead is not None or self._kv_pending else sched.schedule()
+                    self._queue_wait.observe(time.monotonic(), sched.num_waiting, sched.num_started,
+                                             sched.started_tokens)
                     if self.step_trace is not None:
                         self.step_trace.append((StepShape.of(batch, sched.config.block_size),
                                                 time.perf_counter() - started))

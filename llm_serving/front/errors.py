@@ -41,7 +41,7 @@ def error_response(err: ApiError, openai: bool) -> web.Response:
         body: dict[str, Any] = {"error": openai_error(err, message), "error_type": err.error_type}
     else:
         body = {"error": message, "error_type": err.error_type}
-    headers = {"Retry-After": "1"} if err.status == 503 else None
+    headers = {"Retry-After": str(err.retry_after)} if err.status == 503 else None
     resp = json_response(body, status=err.status, headers=headers)
     if err.close_connection:
         resp.force_close()
