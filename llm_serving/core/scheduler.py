@@ -21,7 +21,7 @@ empty KV cache) forgets them all.
 The step's batch is written by ``core.step_builder`` (tokens, slots, sampling arrays).
 
 Logits back: a step marks in ``want_logits`` the sequences still short of their ``logits_tokens`` rows (a logits
-dump) and those that report alternatives (``top_logprobs``, computed here from the row: ``core.logprobs``); the
+dump) and those that report alternatives (``top_logprobs``, computed from the row: ``core.output_rows``); the
 row it returns for a sequence is that of the token the step produces, so a recompute's prefill adds one row, never
 the rows of tokens generated before its preemption. Steps where no sequence asks carry None (checked in O(1)
 for decode while no running sequence reads logits), and the agents then read no logits back.
@@ -67,12 +67,12 @@ from itertools import islice
 import numpy as np
 
 from llm_serving.core.kv_cache_manager import KVCacheManager
-from llm_serving.core.logprobs import prompt_logprob, top_logprobs
+from llm_serving.core.output_rows import OutputRows
 from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.core.sequence import FINISH_REASONS, Sequence, SequenceStatus
 from llm_serving.core.speculation import Speculation
 from llm_serving.core.step_builder import StepBuilder
-from llm_serving.protocol.arrays import Float32s, Int32s
+from llm_serving.protocol.arrays import Int32s
 from llm_serving.protocol.batch import StepBatch, StepOutput
 from llm_serving.request_errors import RequestRejected
 
@@ -83,6 +83,7 @@ class Scheduler:
         # ids that end a request
         self._eos_ids = {t for t in (config.eos_token_id, *config.other_eos_token_ids) if t is not None}
         self._builder = StepBuilder(config.block_size, self._eos_ids)
+        self._outputs = OutputRows(self._eos_ids)
         self.kv_cache = KVCacheManager(config.num_blocks, config.block_size, config.max_num_seqs, config.max_model_len,
                                        config.prefix_caching)
         self._clock = clock
@@ -232,7 +233,6 @@ class Scheduler:
                 f"step output has token_ids {tokens.shape} and logprobs {logprobs.shape} for {len(seqs)} sequences"
             )
         caching = self.kv_cache.prefix_caching
-        more, more_logprobs = output.more_token_ids, output.more_logprobs
         spec = self.speculation if self._scheduled_decode else None
         generated = sum(len(seq.output_ids) for seq in seqs) if spec is not None else 0
         finished = []
@@ -244,31 +244,14 @@ class Scheduler:
             computed = seq.num_computed_tokens = seq.num_computed_tokens + n
             if caching and (n > 1 or not seq.output_ids):  # prompt blocks now (decoded ones when it ends)
                 self.kv_cache.cache_computed(seq)
-            k = seq.params.prompt_logprobs
-            if scoring and k is not None and len(seq.prompt_scores) == computed - 1:  # prompt token ``computed``'s
-                seq.prompt_scores.append(prompt_logprob(self._logits_row(output, row, seq),
-                                                        seq.prompt_ids[computed], k))
+            self._outputs.score_prompt(seq, row, output, scoring)
             if seq.params.max_new_tokens == 0 and not seq.scores_prompt:  # the prompt scored, nothing to generate
                 self._finish(seq, "length")
                 finished.append(seq)
                 continue
             if computed < len(seq.prompt_ids) + len(seq.output_ids):
                 continue  # a prompt chunk short of its end: the token it gives is not the sequence's next
-            if seq.wants_logits_row():  # the step asked for this row (``_want_logits``)
-                logits = self._logits_row(output, row, seq)
-                if seq.num_output_tokens < seq.logits_tokens:
-                    seq.logits.append(logits)
-                if seq.params.top_logprobs:
-                    seq.output_top.append(top_logprobs(logits, seq.params.top_logprobs))
-            reason = self._append(seq, token, logprob)
-            # later tokens (multi-step, accepted proposals), up to an end
-            if reason is None and more is not None and more_logprobs is not None:
-                count = more.shape[1] if output.num_more is None else int(output.num_more[row])
-                for later, later_logprob in zip(more[row, :count].tolist(), more_logprobs[row, :count].tolist()):
-                    seq.num_computed_tokens += 1
-                    reason = self._append(seq, later, later_logprob)
-                    if reason is not None:
-                        break
+            reason = self._outputs.generate(seq, row, output, token, logprob)
             if output.num_more is not None and self.speculation is not None:
                 self.speculation.verified(seq, row, output)
             if reason is None:
@@ -286,25 +269,6 @@ class Scheduler:
         feed speculation's measured choice (``Speculation.note_step_time``)."""
         if self.speculation is not None:
             self.speculation.note_step_time(seconds)
-
-    def _append(self, seq: Sequence, token: int, logprob: float) -> str | None:
-        """Append a generated token; the finish reason it brings, if any."""
-        seq.append_token(token, logprob)
-        complete = seq.constraint is not None and seq.constraint.advance(token)
-        if token in self._eos_ids and not seq.params.ignore_eos:
-            return "eos"
-        if token in seq.params.stop_token_ids or complete:  # a stop id, or the whole structured answer
-            return "stop"
-        if seq.num_output_tokens >= seq.params.max_new_tokens:
-            return "length"
-        return None
-
-    @staticmethod
-    def _logits_row(output: StepOutput, row: int, seq: Sequence) -> Float32s:
-        if row not in output.logits:
-            raise ValueError(f"step output has no logits for row {row} ({seq.request_id!r}), which want_logits "
-                             "asked for")
-        return output.logits[row]
 
     # ---- introspection --------------------------------------------------------------------------------
     @property
