@@ -148,7 +148,8 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     utilization = fields.pop("memory_utilization", None)
     if shard.tp > 1:
         progress(f"joining the collective cluster of {shard.tp} ranks")
-        join_cluster(shard, fields["device_target"], fields["device_id"], cpu_threads, lifeline_fd)
+        setup_s, init_s = join_cluster(shard, fields["device_target"], fields["device_id"], cpu_threads, lifeline_fd)
+        progress(f"joined: MindSpore import and device set-up {setup_s:.2f}s, init() {init_s:.2f}s")
     if fields["num_blocks"] is None:  # pa_config.num_blocks auto
         draft_share = None if draft_model is None else (ShardPlan(draft_model[0], shard.tp, rank), draft_model[1])
         budget = size_kv_cache(fields, shard, weights, utilization, draft_share, ranks_here)

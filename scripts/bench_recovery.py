@@ -90,7 +90,10 @@ def phases(spec, label: str) -> None:
             continue
         print(f"- {at:6.2f} s  {agent}: {text}")
     for agent, times in warmed.items():
-        print(f"- {times[0]:6.2f} .. {times[-1]:6.2f} s  {agent}: warmed {len(times)} shapes")
+        took = sorted(float(text.rsplit(" in ", 1)[1].rstrip("s")) for a, text in
+                      (line.partition(": ")[::2] for _, line in lines) if a == agent and text.startswith("warmed"))
+        print(f"- {times[0]:6.2f} .. {times[-1]:6.2f} s  {agent}: warmed {len(times)} shapes, {sum(took):.1f} s in "
+              f"them (median {statistics.median(took):.2f} s, slowest {took[-1]:.2f} s)")
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict, replace
@@ -281,3 +282,12 @@ def test_tensor_parallel_ranks_start_warm_from_the_cache_with_identical_ids_and_
     assert warm["restarts"] == 1 and warm["used_again"]  # the new ranks hit their caches too
     assert warm["restart_log"].count(USED_CACHE) == len(files) and warm["after_kill"] == tp1["ids"]
     assert published() == ranks and graphs() == files  # nothing compiled again or rewritten
+
+    evicted = next(d for d in ranks if json.loads((d / "key.json").read_text())["rank"] == 1)
+    shutil.rmtree(evicted)  # rank 1 misses, rank 0 hits: both run every shape (loading would hang rank 1)
+    mixed = run(2, str(cache))
+    assert [ln for ln in mixed["progress"] if "agent 0: compile cache hit here but not on every rank" in ln]
+    assert [ln for ln in mixed["progress"] if "agent 1: compile cache miss" in ln]
+    assert mixed["ids"] == tp1["ids"] and published() == ranks and graphs().keys() == files.keys()  # refilled
+    assert {k: v for k, v in graphs().items() if not k.startswith(evicted.name)} == {
+        k: v for k, v in files.items() if not k.startswith(evicted.name)}  # rank 0's graphs untouched
