@@ -8,8 +8,8 @@ temporary directory unless ``--compile-cache`` names one: the engine's first sta
 times: sends 8 requests, waits until they decode, kills rank ``--rank`` with SIGKILL, sends one more request
 and prints seconds from the kill until the new pool is up (``agent_restarts`` counts it) and until that
 request is answered, and whether the 8 interrupted requests gave the same greedy ids as before the kill.
-``--phases``: afterwards starts the engine's agent pool alone twice (what a restart does), printing when each
-start-up line of each rank arrived: where a rank's start-up time goes.
+``--phases``: afterwards starts the engine's agent pool alone once more (what a restart does, the compile cache
+as a restart finds it), printing when each start-up line of each rank arrived: where a restart's time goes.
 """
 
 from __future__ import annotations
