@@ -29,7 +29,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from agents.runtime.compile_cache import open_cache
+from agents.runtime.compile_cache import CompileCache, open_cache
 from agents.runtime.kv_copy import KvBlockCopier
 from agents.runtime.multi_step import run_decode_steps
 from agents.runtime.sampler import take_failures
@@ -148,7 +148,8 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     utilization = fields.pop("memory_utilization", None)
     if shard.tp > 1:
         progress(f"joining the collective cluster of {shard.tp} ranks")
-        join_cluster(shard, fields["device_target"], fields["device_id"], cpu_threads, lifeline_fd)
+        setup_s, init_s = join_cluster(shard, fields["device_target"], fields["device_id"], cpu_threads, lifeline_fd)
+        progress(f"joined: MindSpore import and device set-up {setup_s:.2f}s, init() {init_s:.2f}s")
     if fields["num_blocks"] is None:  # pa_config.num_blocks auto
         draft_share = None if draft_model is None else (ShardPlan(draft_model[0], shard.tp, rank), draft_model[1])
         budget = size_kv_cache(fields, shard, weights, utilization, draft_share, ranks_here)
@@ -164,6 +165,25 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     draft = ModelRunner(draft_config, draft_weights, replace(runner_config, verify_tokens=0),
                         shard=ShardPlan(draft_config, shard.tp, rank))
     return SpeculativeRunner(runner, draft)
+
+
+def warm_up(runner: StepRunner, cache: CompileCache | None, spec: AgentSpec, progress: Callable[[str], None]) -> None:
+    """Warm every shape: where the compile cache hit, load the graphs with their saved costs, not running them;
+    a miss publishes the graphs it compiled.
+
+    Under tensor parallelism the ranks decide together (``every_rank``, always asked so every start compiles the
+    same graphs in the same order): a graph that runs waits in its collectives for every other rank to run it,
+    so one rank loading while another runs (one rank's cache evicted or unwritable) would hang both. Such a
+    start runs every shape on every rank; the graphs still load from a rank's cache where it has one."""
+    hit = cache is not None and cache.hit
+    if spec.kind == "llama" and spec.backend == "ms" and spec.tensor_parallel_size > 1:
+        from agents.model.parallel import every_rank
+        if every_rank(hit, spec.tensor_parallel_size) != hit:
+            progress("compile cache hit here but not on every rank: running every shape")
+            hit = False
+    runner.warmup(progress, known_costs=cache.costs if hit and cache is not None else None)
+    if cache is not None:
+        cache.commit(runner.step_costs)
 
 
 def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft: tuple | None = None,
@@ -321,11 +341,7 @@ def main(argv: list[str] | None = None) -> None:
         channels = [] if follows else [StepChannel.attach(name, spec.layout) for name in args.shm.split(",")]
         cache = open_cache(spec, args.rank, progress)  # before the first graph compiles
         runner = build_runner(spec, args.rank, progress, lifeline_fd, args.device_id, args.ranks_here)
-        if cache is None:
-            runner.warmup(progress)
-        else:  # a hit's shapes load without running (their saved costs); a miss publishes its graphs
-            runner.warmup(progress, known_costs=cache.costs)
-            cache.commit(runner.step_costs)
+        warm_up(runner, cache, spec, progress)
         copier = None
         if spec.kv_transfer:
             if args.kv_shm is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agents.agent_main import build_runner
+from agents.agent_main import build_runner, warm_up
 from agents.runtime.compile_cache import open_cache
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.wire import AgentSpec
@@ -32,11 +32,7 @@ def main() -> None:
     lines: list[str] = []
     cache = open_cache(spec, 0, lines.append)
     runner = build_runner(spec, 0, lines.append)
-    if cache is None:
-        runner.warmup(lines.append)
-    else:
-        runner.warmup(lines.append, known_costs=cache.costs)
-        cache.commit(runner.step_costs)
+    warm_up(runner, cache, spec, lines.append)
     tokens, logprobs = PagedDriver(runner, seed=1).generate(args["prompts"], args["steps"])
     print(json.dumps({
         "hit": None if cache is None else cache.hit, "path": None if cache is None else str(cache.path),

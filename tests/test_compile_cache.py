@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict, replace
@@ -218,3 +219,75 @@ def test_llm_serving_generate_twice_second_start_hits_the_cache(tmp_path):
     ids = [[json.loads(line)["token_ids"] for line in r.stdout.splitlines() if line.strip()] for r in runs]
     assert ids[0] == ids[1] and len(ids[0]) == 2
     assert len([d for d in (tmp_path / "cc").iterdir() if (d / COMPLETE).is_file()]) == 1
+
+
+# ---- tensor parallelism (an engine of two ranks, one process each) ----------------------------------------
+def test_tensor_parallel_ranks_start_warm_from_the_cache_with_identical_ids_and_a_killed_rank_restarts_warm(
+        tmp_path, monkeypatch, capfd):
+    """Graphs with collectives (all-reduce, all-gather) saved by a cold start of two ranks load on the next
+    start, every one of them, and serve the greedy ids of the cold start and of one rank; a rank killed while
+    serving is replaced by ranks that load their graphs again (nothing recompiled), with the same ids."""
+    import signal
+
+    from llm_serving.engine.loop import Engine
+    from tests.test_engine import wait_for
+    from tests.test_tensor_parallel import tp_config, workload
+
+    monkeypatch.setenv("MS_SUBMODULE_LOG_v", "{PIPELINE:2}")  # MindSpore logs each graph loaded from the cache
+    greedy = [(p, sp) for p, sp in workload() if sp.temperature == 0]
+    cache = tmp_path / "cc"
+
+    def run(tp: int, compile_cache: str | bool, kill_rank: int | None = None) -> dict:
+        lines: list[str] = []
+        engine = Engine(tp_config(tmp_path / "models", tp, serving_config={"compile_cache": compile_cache}))
+        engine.start(progress=lines.append)
+        out = {"progress": lines, "log": capfd.readouterr().err}
+        try:
+            out["ids"] = [s.result(timeout=120).token_ids for s in [engine.submit(p, sp) for p, sp in greedy]]
+            if kill_rank is not None:
+                used = {d: (d / COMPLETE).stat().st_mtime_ns for d in published()}
+                decoded = engine.stats()["decode_steps"]
+                streams = [engine.submit(p, sp) for p, sp in greedy]
+                wait_for(lambda: engine.stats()["decode_steps"] > decoded + 2, 60, "decoding")
+                os.kill(engine.agent_pids[kill_rank], signal.SIGKILL)
+                out["after_kill"] = [s.result(timeout=180).token_ids for s in streams]
+                out["restarts"] = engine.stats()["agent_restarts"]
+                out["used_again"] = all((d / COMPLETE).stat().st_mtime_ns > t for d, t in used.items())
+                out["restart_log"] = capfd.readouterr().err
+        finally:
+            engine.shutdown()
+        return out
+
+    def published() -> list[Path]:
+        return sorted(d for d in cache.iterdir() if (d / COMPLETE).is_file())
+
+    def graphs() -> dict[str, tuple[int, int]]:
+        return {f"{d.name}/{name}": v for d in published() for name, v in graph_files(d).items()}
+
+    tp1 = run(1, False)
+    cold = run(2, str(cache))
+    assert [ln for ln in cold["progress"] if "compile cache miss" in ln] and cold["log"].count(USED_CACHE) == 0
+    ranks = published()
+    assert [json.loads((d / "key.json").read_text())["rank"] for d in ranks] in ([0, 1], [1, 0])
+    files = graphs()
+    assert len(files) > 2 * len(greedy) and not [d for d in cache.iterdir() if ".tmp-" in d.name]
+
+    warm = run(2, str(cache), kill_rank=1)
+    assert [ln for ln in warm["progress"] if "compile cache hit" in ln] and not [
+        ln for ln in warm["progress"] if "compile cache miss" in ln or "not on every rank" in ln]
+    assert warm["log"].count(USED_CACHE) == len(files)  # every graph of both ranks loaded, none compiled
+    assert warm["ids"] == cold["ids"] == tp1["ids"]
+    assert len({t for ids in tp1["ids"] for t in ids}) > 20  # not degenerate
+
+    assert warm["restarts"] == 1 and warm["used_again"]  # the new ranks hit their caches too
+    assert warm["restart_log"].count(USED_CACHE) == len(files) and warm["after_kill"] == tp1["ids"]
+    assert published() == ranks and graphs() == files  # nothing compiled again or rewritten
+
+    evicted = next(d for d in ranks if json.loads((d / "key.json").read_text())["rank"] == 1)
+    shutil.rmtree(evicted)  # rank 1 misses, rank 0 hits: both run every shape (loading would hang rank 1)
+    mixed = run(2, str(cache))
+    assert [ln for ln in mixed["progress"] if "agent 0: compile cache hit here but not on every rank" in ln]
+    assert [ln for ln in mixed["progress"] if "agent 1: compile cache miss" in ln]
+    assert mixed["ids"] == tp1["ids"] and published() == ranks and graphs().keys() == files.keys()  # refilled
+    assert {k: v for k, v in graphs().items() if not k.startswith(evicted.name)} == {
+        k: v for k, v in files.items() if not k.startswith(evicted.name)}  # rank 0's graphs untouched

@@ -246,6 +246,10 @@ class LlamaStep(nn.Cell):
         token_ids, logprobs = self.model.greedy(logits)
         return token_ids, logprobs, logits
 
+    def logits_rows(self, *inputs: Tensor) -> int:
+        """The rows of the logits these inputs give, known without running (``parallel.ShardedStep.compile``)."""
+        return int(inputs[5].shape[0] if self.is_prefill else inputs[0].shape[0])
+
 
 def _canonical_parameters(model: LlamaModel) -> dict[str, tuple[Parameter, ProjectionWeight | None]]:
     """The model's Parameters under their canonical fused weight names (see ``agents.weights.checkpoints``), each with

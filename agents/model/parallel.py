@@ -27,6 +27,7 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from agents.model.backends import OpsBackend
+from agents.runtime.graph_call import CompiledCell
 from llm_serving.protocol.parallel import ShardPlan
 
 
@@ -170,6 +171,11 @@ class LogitsGather:
         every = self.cell(local).asnumpy().reshape(self.tp, rows, self.width)
         return every.transpose(1, 0, 2).reshape(rows, self.tp * self.width)[:, : self.vocab]
 
+    def compile(self, rows: int) -> None:
+        """Compile (or load from the compile cache) the gather of ``rows`` rows without running it."""
+        self.seen.add(rows)
+        self.cell.compile(Tensor(np.zeros((rows, self.width), np.float32)))
+
 
 class GatheredLogits:
     """A step's logits output: this rank's slice, gathered from every rank when read. Every rank must read
@@ -188,10 +194,20 @@ class GatheredLogits:
 
 class ShardedStep:
     """A step graph whose third output (logits) is a ``GatheredLogits``. A row count seen for the first time
-    gathers once right away, so that warm-up compiles every gather graph and serving compiles none."""
+    gathers once right away, so that warm-up compiles every gather graph and serving compiles none.
 
-    def __init__(self, step: nn.Cell, gather: LogitsGather) -> None:
+    ``compile`` (a warm start from the compile cache) compiles the gather graph of a new row count right after its
+    step graph, as running the step does: the cache hands out saved graphs in the order they were first compiled.
+    """
+
+    def __init__(self, step: CompiledCell, gather: LogitsGather) -> None:
         self.step, self.gather = step, gather
+
+    def compile(self, *inputs: Tensor) -> None:
+        self.step.compile(*inputs)
+        rows = self.step.cell.logits_rows(*inputs)
+        if rows not in self.gather.seen:
+            self.gather.compile(rows)
 
     def __call__(self, *inputs: Tensor):
         ids, logprobs, local = self.step(*inputs)
@@ -200,7 +216,7 @@ class ShardedStep:
         return ids, logprobs, GatheredLogits(local, self.gather)
 
 
-def sharded_graphs(graphs: dict[str, nn.Cell], plan: ShardPlan) -> dict:
+def sharded_graphs(graphs: dict[str, CompiledCell], plan: ShardPlan) -> dict:
     """The runner's step graphs with their logits gathered on read (unchanged at ``tp == 1``)."""
     if plan.tp == 1:
         return graphs
@@ -216,6 +232,18 @@ class _GatherVector(nn.Cell):
 
     def construct(self, x: Tensor) -> Tensor:
         return self.gather(x)
+
+
+def every_rank(flag: bool, tp: int) -> bool:
+    """Whether ``flag`` holds on every one of the ``tp`` ranks (one all-gather).
+
+    Why: ranks must take the same path through their collectives; where a rank-local fact picks the path (a
+    compile cache hit: warm-up then loads graphs without running them), the ranks decide on it together.
+    """
+    if tp == 1:
+        return flag
+    every = _GatherVector()(Tensor(np.array([1.0 if flag else 0.0], np.float32))).asnumpy()
+    return bool(np.all(every > 0.5))
 
 
 def agreed_costs(costs: dict[tuple, float], plan: ShardPlan) -> dict[tuple, float]:

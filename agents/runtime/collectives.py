@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,18 +54,21 @@ def share_cpus(plan: ShardPlan, ranks_here: int) -> int:
 
 
 def join_cluster(plan: ShardPlan, device_target: str, device_id: int, cpu_threads: int,
-                 lifeline_fd: int | None) -> None:
-    """Set the device up and join the ranks' cluster (blocks until every rank has joined).
+                 lifeline_fd: int | None) -> tuple[float, float]:
+    """Set the device up and join the ranks' cluster (blocks until every rank has joined); the seconds spent
+    importing MindSpore and setting the device up, and in ``init()`` (a start-up's phases, for its progress).
 
     ``init()`` holds the GIL while it waits, so the agent's watchdog thread cannot see the master die meanwhile:
     a ``lifeline_reaper`` process watches the lifeline pipe for that time instead.
     """
+    t0 = time.perf_counter()
     import mindspore as ms
     from mindspore.communication import get_group_size, get_rank, init
 
     from agents.runtime.device import setup_device
 
     setup_device(device_target, device_id)
+    t1 = time.perf_counter()
     if device_target == "CPU":
         ms.device_context.cpu.op_tuning.threads_num(cpu_threads)
     reaper = None
@@ -82,6 +86,7 @@ def join_cluster(plan: ShardPlan, device_target: str, device_id: int, cpu_thread
     if (get_rank(), get_group_size()) != (plan.rank, plan.tp):
         raise RuntimeError(f"the collective cluster made this agent rank {get_rank()} of {get_group_size()}, "
                            f"expected rank {plan.rank} of {plan.tp} (MS_NODE_ID / MS_WORKER_NUM)")
+    return t1 - t0, time.perf_counter() - t1
 
 
 @contextmanager

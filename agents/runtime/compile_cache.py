@@ -15,6 +15,12 @@ A first start compiles into a private temporary directory and renames it into pl
 warm-up succeeded, with the warm-up's measured step costs (``step_costs.json``): concurrent starts never read
 a half-written cache, a failed start leaves nothing behind, and a warm start compiles (loads) every shape
 without running it (docs/benchmarks.md, "Start-up").
+
+Under tensor parallelism each rank has its own directory (the rank is in the key) and its graphs hold the
+collectives; a warm start loads them, and the logits gathers, in the order the cold start compiled them
+(``agents.model.parallel.ShardedStep.compile``), and loads only where every rank hit (``agents.agent_main.warm_up``):
+a rank that runs its graphs waits in their collectives for the others. A replacement rank then starts in seconds
+(docs/reliability.md, "Tensor-parallel recovery").
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ COMPLETE = "COMPLETE"  # written last: its presence marks a whole cache (its mti
 KEEP = 8  # whole caches kept under one root, the most recently used
 # per-start values of the collective cluster and the cache's own switches: they never change a graph
 _ENV_IGNORED = ("MS_COMPILER_CACHE_ENABLE", "MS_COMPILER_CACHE_PATH", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_ROLE",
-                "MS_NODE_ID", "MS_WORKER_NUM")
+                "MS_NODE_ID", "MS_WORKER_NUM", "MS_TOPO_TIMEOUT", "MS_WORKER_IP")
 
 
 def source_digest(root: Path = ROOT) -> str:
@@ -82,8 +88,6 @@ def usable(spec: AgentSpec) -> str | None:
     """None where the cache is verified for this agent, else why it stays off."""
     if spec.kind != "llama" or spec.backend != "ms":
         return f"not used by {spec.kind} agents with backend {spec.backend}"
-    if spec.tensor_parallel_size > 1:
-        return "not used under tensor parallelism (graphs with collectives are not verified with it)"
     if spec.runner_config.get("device_target", "CPU") != "CPU":
         return "verified on CPU only"
     return None

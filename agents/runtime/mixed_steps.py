@@ -137,3 +137,7 @@ class MixedStep(nn.Cell):
         logits = self.model.logits(ops.gather(hidden, last_index, 0), sequence_rows)
         token_ids, logprobs = self.model.greedy(logits)
         return token_ids, logprobs, logits
+
+    def logits_rows(self, *inputs: Tensor) -> int:
+        """The rows of the logits these inputs give (one per ``last_index``), known without running."""
+        return int(inputs[6].shape[0])

@@ -52,6 +52,10 @@ class VerifyStep(nn.Cell):
         token_ids, logprobs = self.model.greedy(logits)
         return token_ids, logprobs, logits
 
+    def logits_rows(self, *inputs: Tensor) -> int:
+        """The rows of the logits these inputs give (one per token), known without running."""
+        return int(inputs[0].shape[0])
+
 
 def accept(batch: StepBatch, picks: np.ndarray, logprobs: np.ndarray, logits: np.ndarray | None = None) -> StepOutput:
     """The step's answer from the greedy picks after every query token (``[num_tokens]``, batch order); a sampled
