@@ -22,13 +22,25 @@ Every rank runs the same graphs on the same batches, so they issue the same coll
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
 from agents.model.backends import OpsBackend
-from agents.runtime.graph_call import CompiledCell
 from llm_serving.protocol.parallel import ShardPlan
+
+
+class StepGraph(Protocol):
+    """A compiled step graph (``agents.runtime.graph_call.CompiledCell``, which this layer may not import): its
+    cell, its compile for a warm start, and the call."""
+
+    cell: Any
+
+    def compile(self, *inputs: Tensor) -> None: ...
+
+    def __call__(self, *inputs: Tensor) -> Any: ...
 
 
 def _world_group() -> str:
@@ -200,7 +212,7 @@ class ShardedStep:
     step graph, as running the step does: the cache hands out saved graphs in the order they were first compiled.
     """
 
-    def __init__(self, step: CompiledCell, gather: LogitsGather) -> None:
+    def __init__(self, step: StepGraph, gather: LogitsGather) -> None:
         self.step, self.gather = step, gather
 
     def compile(self, *inputs: Tensor) -> None:
@@ -216,7 +228,7 @@ class ShardedStep:
         return ids, logprobs, GatheredLogits(local, self.gather)
 
 
-def sharded_graphs(graphs: dict[str, CompiledCell], plan: ShardPlan) -> dict:
+def sharded_graphs(graphs: dict[str, StepGraph], plan: ShardPlan) -> dict:
     """The runner's step graphs with their logits gathered on read (unchanged at ``tp == 1``)."""
     if plan.tp == 1:
         return graphs
