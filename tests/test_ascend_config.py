@@ -79,7 +79,7 @@ def test_each_rank_runs_on_start_device_id_plus_its_rank(tmp_path, monkeypatch):
             built.append(runner_config)
 
     monkeypatch.setattr("agents.runtime.runner.ModelRunner", Recorder)
-    monkeypatch.setattr("agents.runtime.collectives.join_cluster", lambda *args: None)  # no cluster of two ranks here
+    monkeypatch.setattr("agents.runtime.collectives.join_cluster", lambda *args: (0.0, 0.0))  # no cluster of two here
     monkeypatch.setattr("agents.runtime.collectives.share_cpus", lambda shard, ranks_here: 0)
     for rank in range(spec.tensor_parallel_size):
         agent_main.build_runner(spec, rank, lambda line: None)
