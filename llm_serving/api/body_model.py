@@ -99,14 +99,8 @@ def _api_error(error: ErrorDetails, what: str) -> ApiError:
         message = f"{_object_name(error['loc'], what)} must be a JSON object, got {json_kind(value)}"
     elif t == "missing":
         message = f"missing '{name}'"
-    elif t == "bool_type":
-        message = f"{name} must be a boolean (true/false), got {json_kind(value)}"
-    elif t == "int_type":
-        message = f"{name} must be an integer, got {json_kind(value)}"
-    elif t in ("float_type", "finite_number"):
-        message = f"{name} must be a finite number, got {json_kind(value)}"
-    elif t == "string_type":
-        message = f"{name} must be a string, got {json_kind(value)}"
+    elif t in _TYPES:
+        message = f"{name} must be {_TYPES[t]}, got {json_kind(value)}"
     elif t == "string_too_long":
         message = f"{name} has {len(value)} characters; at most {ctx['max_length']}"
     elif t in _BOUNDS:
@@ -119,6 +113,8 @@ def _api_error(error: ErrorDetails, what: str) -> ApiError:
     return ApiError(400, message, kind, param)
 
 
+_TYPES = {"bool_type": "a boolean (true/false)", "int_type": "an integer", "float_type": "a finite number",
+          "finite_number": "a finite number", "string_type": "a string"}
 _BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"),
            "less_than": ("<", "lt")}
 
