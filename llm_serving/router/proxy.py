@@ -196,10 +196,12 @@ class RouterServer:
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request, MAX_BODY_BYTES)
-        text = routing_text(request_json(body))
-        if request.method == "POST" and request.path in DISAGGREGATED_PATHS:
+        data = request_json(body)
+        text = routing_text(data)
+        splittable = request.method == "POST" and request.path in DISAGGREGATED_PATHS
+        if splittable and isinstance(data, dict) and "kv_transfer_params" in data:
             body = without_transfer_params(body)  # transfers are the router's to name, never a client's
-        if self.prefilling and request.method == "POST" and request.path in DISAGGREGATED_PATHS:
+        if self.prefilling and splittable:
             prefilled = await self._prefill(request, body, text)
             if isinstance(prefilled, web.StreamResponse):
                 return prefilled  # the prefill engine refused the request: the decode engine would too
