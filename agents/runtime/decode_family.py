@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from agents.runtime.bucket_plan import plan_groups
-from agents.runtime.graph_family import CostTable, fit
+from agents.runtime.graph_family import CostTable, fit, required_shape
 from agents.runtime.prefill_families import padded_inputs
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.model_config import blocks_needed
@@ -75,10 +75,8 @@ class Decode:
 
     def inputs(self, part: StepBatch) -> tuple[tuple, list[np.ndarray]]:
         """The sequences' rows first; padding rows of the backend's padding length over the dummy block."""
-        shape = self.shape_for(part.batch_size, int(part.context_lens.max()))
-        if shape is None:
-            raise ValueError(f"no compiled shape fits {part.batch_size} sequences of length up to "
-                             f"{int(part.context_lens.max())}")
+        longest = int(part.context_lens.max())
+        shape = required_shape(self.shape_for(part.batch_size, longest), part.batch_size, longest)
         _, b, w = shape
         arrays = padded_inputs(b, b, w)
         ids, pos, slots, lens, tables, _ = arrays

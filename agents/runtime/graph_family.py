@@ -73,6 +73,13 @@ class CostTable:
         return self._memo[key]
 
 
+def required_shape(shape: tuple | None, count: int, longest: int) -> tuple:
+    """``shape`` (a family's ``shape_for`` of a part), or the ValueError of a part no compiled shape holds."""
+    if shape is None:
+        raise ValueError(f"no compiled shape fits {count} sequences of length up to {longest}")
+    return shape
+
+
 def fit(value: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket holding ``value``, or None."""
     return next((b for b in buckets if b >= value), None)

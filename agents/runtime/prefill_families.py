@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from agents.runtime.bucket_plan import plan_groups
-from agents.runtime.graph_family import CostTable, fit
+from agents.runtime.graph_family import CostTable, fit, required_shape
 from agents.runtime.ragged_prefill import plan_ragged, ragged_arrays, token_buckets
 from llm_serving.protocol.batch import StepBatch
 
@@ -76,10 +76,8 @@ class PaddedPrefill:
 
     def inputs(self, part: StepBatch) -> tuple[tuple, list[np.ndarray]]:
         """Each prompt at row ``i * seq``; padding tokens after a prompt write to slot 0 (the dummy block)."""
-        shape = self.shape_for(part.batch_size, int(part.query_lens.max()))
-        if shape is None:
-            raise ValueError(f"no compiled shape fits {part.batch_size} sequences of length up to "
-                             f"{int(part.query_lens.max())}")
+        longest = int(part.query_lens.max())
+        shape = required_shape(self.shape_for(part.batch_size, longest), part.batch_size, longest)
         _, b, s = shape
         arrays = padded_inputs(b, b * s, 1)
         ids, pos, slots, lens, _, last = arrays
