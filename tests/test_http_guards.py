@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llm_serving.api.guards import bearer_matches, check_prompt_count, exposure_warning
+from llm_serving.api.guards import check_prompt_count
 from llm_serving.api.schema import parse_completion, parse_generate, parse_json
 from llm_serving.core.sequence import SamplingParams
+from llm_serving.front.api_key import bearer_matches, exposure_warning
 from llm_serving.front.errors import MAX_ERROR_CHARS, error_response
 from llm_serving.front.guards import MAX_JSON_DEPTH, check_json
 from llm_serving.request_errors import ApiError, InvalidParameter

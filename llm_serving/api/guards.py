@@ -6,25 +6,21 @@ shares with the router, and JSON answers for what aiohttp refuses before any rou
   keeps a web page from starting generations on a local server); 400 for a body that is not its
   ``Content-Encoding``; then JSON nested no deeper than any request needs and free of lone UTF-16
   surrogates (which no tokenizer can take).
-- ``api_key_middleware``: ``Authorization: Bearer <serving_config.api_key>`` on every route but /health.
+- ``api_key_middleware`` (``front.api_key``, shared with the router): ``Authorization: Bearer <key>`` on every
+  route but /health.
 - ``JsonErrorRunner`` (``front.guards``): the HTTP parser's own rejections (bad Content-Length, oversized
   headers, unknown methods, broken chunking, TLS on the plain port) answered as JSON like every other error.
 """
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 from typing import Any
 
 from aiohttp import web
 
 from llm_serving.api.schema import parse_json
-from llm_serving.front.errors import error_response
 from llm_serving.front.guards import check_json, read_body
 from llm_serving.request_errors import ApiError
-
-OPEN_PATHS = frozenset({"/health"})  # reachable without the API key: probes and load balancers
 
 
 # ---- the body ----------------------------------------------------------------------------------------------
@@ -55,49 +51,3 @@ def check_prompt_count(n: int, max_queue_size: int) -> None:
         raise ApiError(400, f"'prompt' has {n} prompts, more than can ever wait at once "
                             f"(serving_config.max_queue_size {max_queue_size}); send fewer per request",
                        "invalid_request", "prompt")
-
-
-# ---- the API key -------------------------------------------------------------------------------------------
-def bearer_matches(header: str | None, api_key: str) -> bool:
-    """Whether ``header`` (an Authorization value) is ``Bearer <api_key>``; constant-time in the key."""
-    scheme, _, token = (header or "").strip().partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(token.strip().encode("utf-8", "surrogatepass"), api_key.encode("utf-8"))
-
-
-def api_key_middleware(api_key: str | None) -> Any:
-    """A middleware refusing (401, JSON) requests without the key, except to ``OPEN_PATHS``; None without a
-    key."""
-    if not api_key:
-        return None
-
-    @web.middleware
-    async def require_api_key(request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.path in OPEN_PATHS or bearer_matches(request.headers.get("Authorization"), api_key):
-            return await handler(request)
-        err = ApiError(401, "this server needs an API key: send the header Authorization: Bearer <key>",
-                       "unauthorized")
-        resp = error_response(err, request.path.startswith("/v1/"))
-        resp.headers["WWW-Authenticate"] = 'Bearer realm="llm-serving"'
-        return resp
-
-    return require_api_key
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve anywhere
-
-
-def exposure_warning(host: str, api_key: str | None) -> str | None:
-    """The start-up warning for a server reachable beyond this machine that anyone may use; None if not."""
-    if api_key or is_loopback(host):
-        return None
-    return (f"warning: listening on {host} without an API key: anyone who reaches this port can run "
-            "generations; set serving_config.api_key (or --api-key, or $LLM_SERVING_API_KEY), or bind "
-            "127.0.0.1")

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from llm_serving.api.guards import exposure_warning
 from llm_serving.api.server import Server
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.step_shape import step_rows
+from llm_serving.front.api_key import exposure_warning
 from llm_serving.protocol.wire import AgentSpec
 
 if TYPE_CHECKING:

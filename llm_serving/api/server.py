@@ -32,7 +32,7 @@ from aiohttp import web
 
 from llm_serving.api.chat_routes import ChatRoutes
 from llm_serving.api.generation import Generation
-from llm_serving.api.guards import api_key_middleware, read_json_body
+from llm_serving.api.guards import read_json_body
 from llm_serving.api.kv_transfer_routes import KvTransferRoutes
 from llm_serving.api.metrics import CONTENT_TYPE, ServerMetrics
 from llm_serving.api.openai_routes import OpenAIRoutes
@@ -43,6 +43,7 @@ from llm_serving.api.tokenizer_routes import TokenizerRoutes
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.request_stream import EngineError
+from llm_serving.front.api_key import api_key_middleware
 from llm_serving.front.errors import error_response, json_http_errors, json_response
 from llm_serving.front.guards import JsonErrorRunner
 from llm_serving.request_errors import ApiError, InvalidParameter, QueueFull, RequestRejected
