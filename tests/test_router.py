@@ -82,9 +82,10 @@ def test_the_routing_text_is_the_prompt_of_each_api():
 
 # ---- the router in front of real servers -----------------------------------------------------------------
 class RouterProcess:
-    def __init__(self, *engines: str, health_interval_s: float = 0.2, prefill: tuple[str, ...] = ()) -> None:
+    def __init__(self, *engines: str, health_interval_s: float = 0.2, prefill: tuple[str, ...] = (),
+                 extra: tuple[str, ...] = ()) -> None:
         argv = [sys.executable, "-m", "llm_serving", "router", "--port", "0", "--health-interval",
-                str(health_interval_s)]
+                str(health_interval_s), *extra]
         for url in engines:
             argv += ["--engine", url]
         for url in prefill:
@@ -109,9 +110,9 @@ class RouterProcess:
         return self.proc.wait(20)
 
 
-def post(url: str, body: dict | bytes, timeout: float = 60) -> tuple[int, bytes]:
+def post(url: str, body: dict | bytes, timeout: float = 60, headers: dict | None = None) -> tuple[int, bytes]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read()
@@ -119,9 +120,9 @@ def post(url: str, body: dict | bytes, timeout: float = 60) -> tuple[int, bytes]
         return err.code, err.read()
 
 
-def get(url: str) -> tuple[int, str]:
+def get(url: str, headers: dict | None = None) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(url, timeout=30) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=30) as resp:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as err:
         return err.code, err.read().decode()
@@ -209,6 +210,27 @@ def test_a_stopped_engine_loses_its_requests_to_the_other_and_none_left_is_a_503
         assert router.stop() == 0, router.lines
         for engine in engines:
             engine.stop()
+
+
+def test_the_router_asks_for_its_api_key_and_sends_it_on_its_own_calls(tmp_path):
+    """``--api-key``: a request without the key is refused by the router itself (never forwarded), one with it
+    reaches the engine (which needs the same key), and /metrics carries the engine's metrics, fetched with it."""
+    engine = ServerProcess(tmp_path, "--standin-agents", "--api-key", "s3cret")
+    router = RouterProcess(engine.url, extra=("--api-key", "s3cret"))
+    key = {"Authorization": "Bearer s3cret"}
+    try:
+        for headers in (None, {"Authorization": "Bearer wrong"}):
+            status, body = post(router.url + "/v1/completions", completion("hello"), headers=headers)
+            assert status == 401 and json.loads(body)["error"]["code"] == "unauthorized"
+        assert get(router.url + "/metrics")[0] == 401 and get(router.url + "/health")[0] == 200
+        assert routed(get(router.url + "/metrics", key)[1]) == {}  # the refused requests went nowhere
+        assert post(router.url + "/v1/completions", completion("hello"), headers=key)[0] == 200
+        metrics = get(router.url + "/metrics", key)[1]
+        assert routed(metrics) == {("0", "load"): 1.0}
+        assert re.search(r'llm_serving_running_batch_size\{engine="0"', metrics)  # scraped with the key
+    finally:
+        assert router.stop() == 0, router.lines
+        engine.stop()
 
 
 def test_a_real_model_answers_the_same_through_the_router(tiny_server):

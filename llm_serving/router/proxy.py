@@ -8,7 +8,9 @@ request whose engine cannot be reached, or does not answer within the first-byte
 while nothing has reached the client; once bytes have, it cannot move: a stream then ends with an error event
 (``upstream``). Malformed requests get the engines' own JSON 4xx from the router (``llm_serving.front``: the body
 read within its limit and decoded, JSON nesting bounded, the HTTP parser's rejections as JSON); a client that
-leaves aborts its request on the engine. ``/metrics``: the router's own counters, then
+leaves aborts its request on the engine. With ``--api-key`` every route but ``/health`` needs
+``Authorization: Bearer <key>`` (``llm_serving.front.api_key``, the engine's own check), which is passed on to the
+engines as sent; the router sends its key on its own calls to them. ``/metrics``: the router's own counters, then
 each engine's metrics with an ``engine`` label (their URL's position on the command line), fetched at scrape time.
 With prefill engines (``--prefill``, numbered after the others) a completion or chat request first runs its prompt
 on one of them (``disaggregation``); the others then decode.
@@ -29,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from llm_serving.front.api_key import api_key_middleware
 from llm_serving.front.errors import error_response, is_openai_path, json_http_errors
 from llm_serving.front.guards import JsonErrorRunner, check_json, read_body, too_deep
 from llm_serving.request_errors import ApiError
@@ -86,12 +89,13 @@ class RouterServer:
 
     def __init__(self, engine_urls: list[str], policy: AffinityPolicy, health_interval_s: float = 1.0,
                  prefill_urls: tuple[str, ...] = (), prefill_policy: AffinityPolicy | None = None,
-                 timeouts: Timeouts | None = None) -> None:
+                 timeouts: Timeouts | None = None, api_key: str | None = None) -> None:
         urls = [*engine_urls, *prefill_urls]  # prefill engines numbered after the others
         self.engines = [EngineInfo(i, url.rstrip("/")) for i, url in enumerate(urls)]
         self.serving = set(range(len(engine_urls)))  # the engines that answer clients (decode engines)
         self.prefilling = set(range(len(engine_urls), len(urls)))
         self.policy, self.health_interval_s, self.timeouts = policy, health_interval_s, timeouts or Timeouts()
+        self.api_key = api_key  # asked of clients, and sent to the engines on the router's own calls (/metrics)
         self.prefill_policy = prefill_policy or AffinityPolicy(len(urls))
         self.registry = CollectorRegistry()
         self.routed = Counter("llm_serving_router_requests", "Requests sent to each engine, by how it was chosen",
@@ -116,7 +120,9 @@ class RouterServer:
         self._watcher: asyncio.Task | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_http_errors])
+        key_check = api_key_middleware(self.api_key)  # before forwarding: a request without it never reaches an engine
+        middlewares = [json_http_errors] + ([key_check] if key_check else [])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_route("*", "/{tail:.*}", self.forward)
@@ -290,7 +296,9 @@ class RouterServer:
     async def _engine_metrics(self, engine: EngineInfo) -> str:
         assert self._session is not None
         try:
-            async with self._session.get(engine.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+            async with self._session.get(engine.url + "/metrics", headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 return await resp.text() if resp.status == 200 else ""
         except (TimeoutError, aiohttp.ClientError):
             return ""

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import socket
+import sys
 import time
 
 from llm_serving.cli.options import CliError, Command
@@ -21,6 +23,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "their prompt there first and the --engine engines decode from its KV blocks")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind, 0 for any free one (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("LLM_SERVING_API_KEY") or None, metavar="KEY",
+                   help="require Authorization: Bearer KEY on every route but /health, and send it to the engines on "
+                        "the router's own calls (/metrics); give the engines the same serving_config.api_key "
+                        "(default $LLM_SERVING_API_KEY, which keeps it out of ps)")
     p.add_argument("--no-prefix-affinity", action="store_true", help="route by load alone")
     p.add_argument("--min-match", type=float, default=0.5, metavar="F", help="share of a prompt an engine must "
                    "hold as a remembered prefix to be preferred (default 0.5)")
@@ -39,6 +45,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from llm_serving.front.api_key import exposure_warning
     from llm_serving.router.affinity import AffinityPolicy
     from llm_serving.router.proxy import RouterServer
 
@@ -55,11 +62,14 @@ def _run(args: argparse.Namespace) -> int:
     policy = AffinityPolicy(len(args.engine), args.min_match, args.max_imbalance, not args.no_prefix_affinity)
     prefill_policy = AffinityPolicy(len(args.engine) + len(args.prefill), args.min_match, args.max_imbalance,
                                     not args.no_prefix_affinity)
-    server = RouterServer(args.engine, policy, args.health_interval, tuple(args.prefill), prefill_policy, timeouts)
+    server = RouterServer(args.engine, policy, args.health_interval, tuple(args.prefill), prefill_policy, timeouts,
+                          args.api_key)
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as exc:
         raise CliError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc
+    if warning := exposure_warning(args.host, args.api_key, "--api-key (or $LLM_SERVING_API_KEY)"):
+        print(warning, file=sys.stderr, flush=True)
     asyncio.run(_serve(server, sock))
     return 0
 
