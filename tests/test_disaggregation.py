@@ -186,23 +186,22 @@ def test_a_failed_copy_frees_its_blocks_and_a_dead_pool_fails_every_queued_copy(
 
 
 def test_the_router_splits_a_request_into_a_prefill_and_a_decode():
-    body = json.dumps({"model": "m", "prompt": "Hi there", "max_tokens": 50, "stream": True, "min_tokens": 3,
-                       "stream_options": {"include_usage": True}, "temperature": 0}).encode()
-    first = prefill_request(body)
+    client = {"model": "m", "prompt": "Hi there", "max_tokens": 50, "stream": True, "min_tokens": 3,
+              "stream_options": {"include_usage": True}, "temperature": 0}
+    first = prefill_request(client)
     assert first == {"model": "m", "prompt": "Hi there", "max_tokens": 1, "temperature": 0,
                      "kv_transfer_params": {"do_remote_decode": True}}
-    chat = prefill_request(json.dumps({"messages": [], "max_completion_tokens": 9}).encode())
+    chat = prefill_request({"messages": [], "max_completion_tokens": 9})
     assert chat["max_completion_tokens"] == 1 and "max_tokens" not in chat
-    for unsplit in (b"nope", b'{"prompt": ["a", "b"]}', b'{"prompt": "a", "n": 2}'):
+    for unsplit in (None, [1], {"prompt": ["a", "b"]}, {"prompt": "a", "n": 2}):
         assert prefill_request(unsplit) is None
-    assert prefill_request(b'{"prompt": [1, 2, 3]}') is not None  # token ids are one prompt
+    assert prefill_request({"prompt": [1, 2, 3]}) is not None  # token ids are one prompt
     answer = json.dumps({"choices": [], "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "kv-1",
                                                                  "num_blocks": 3}}).encode()
-    second, transferred = decode_request(body, answer, "http://10.0.0.1:8001")
-    assert transferred and json.loads(second) == {**json.loads(body), "kv_transfer_params": {
+    assert decode_request(client, answer, "http://10.0.0.1:8001") == {**client, "kv_transfer_params": {
         "do_remote_prefill": True, "transfer_id": "kv-1", "remote_url": "http://10.0.0.1:8001"}}
-    for none in (b'{"kv_transfer_params": null}', b"{}", b"oops"):
-        assert decode_request(body, none, "http://x") == (body, False)
+    for none in (b'{"kv_transfer_params": null}', b"{}", b"oops", b"[1]"):
+        assert decode_request(client, none, "http://x") is None
 
 
 def test_kv_transfer_params_are_checked_and_the_config_names_what_it_needs(tmp_path):
@@ -368,6 +367,13 @@ def test_a_router_with_a_prefill_engine_answers_as_one_engine(split_cluster):
     via = "http" if CAN_UNSHARE else "shm"
     assert imported >= 1 and metric(metrics, f'llm_serving_kv_transfer_fetches_total{{via="{via}"}}') == 1
     assert 'outcome="transfer"' in get(router.url + "/metrics")[1]
+    poisoned = {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "llmserving_kvx_9_ab",
+                                               "remote_url": prefill.url}}
+    status, answer = post(router.url + "/v1/completions", poisoned)  # the client's transfer dropped by the router
+    assert status == 200 and json.loads(answer)["choices"] == json.loads(alone)["choices"]
+    metrics = get(decode.url + "/metrics")[1]
+    assert metric(metrics, f'llm_serving_kv_transfer_fetches_total{{via="{via}"}}') == 2
+    assert 'via="refused"' not in metrics
 
     chat = {"model": "llama2", "messages": [{"role": "user", "content": prompt}], "max_tokens": 8,
             "temperature": 0, "stream": True}

@@ -186,15 +186,12 @@ def test_a_segment_another_user_made_is_not_read():
 def test_the_router_never_forwards_a_clients_transfer_params():
     client = {"model": "m", "prompt": "victim", "max_tokens": 5,
               "kv_transfer_params": {"transfer_id": "llmserving_kvx_1_ab", "remote_url": "http://evil:1"}}
-    body = json.dumps(client).encode()
-    assert json.loads(without_transfer_params(body)) == {k: v for k, v in client.items() if k != "kv_transfer_params"}
-    for unchanged in (b"", b"nope", b"[1]", b'{"prompt": "a"}'):
-        assert without_transfer_params(unchanged) == unchanged
-    first = prefill_request(body)  # split as any request, the transfer parameters the router's own
+    stripped = without_transfer_params(client)
+    assert stripped == {k: v for k, v in client.items() if k != "kv_transfer_params"}
+    first = prefill_request(client)  # split as any request, the transfer parameters the router's own
     assert first is not None and first["kv_transfer_params"] == {"do_remote_decode": True}
-    decode, transferred = decode_request(body, b'{"kv_transfer_params": null}', "http://prefill:1")
-    assert not transferred and "kv_transfer_params" not in json.loads(decode)
+    assert decode_request(stripped, b'{"kv_transfer_params": null}', "http://prefill:1") is None
     answer = json.dumps({"kv_transfer_params": {"transfer_id": "llmserving_kvx_2_cd", "num_blocks": 1}}).encode()
-    decode, transferred = decode_request(body, answer, "http://prefill:1")
-    assert transferred and json.loads(decode)["kv_transfer_params"] == {
+    decode = decode_request(stripped, answer, "http://prefill:1")
+    assert decode is not None and decode["kv_transfer_params"] == {
         "do_remote_prefill": True, "transfer_id": "llmserving_kvx_2_cd", "remote_url": "http://prefill:1"}

@@ -20,25 +20,14 @@ DISAGGREGATED_PATHS = ("/v1/completions", "/v1/chat/completions")
 _LENGTH_KEYS = ("max_tokens", "max_completion_tokens")
 
 
-def without_transfer_params(body: bytes) -> bytes:
-    """The client's body without ``kv_transfer_params`` (as sent when it has none, or is not a JSON object)."""
-    try:
-        data = json.loads(body) if body else None
-    except ValueError:
-        return body
-    if not isinstance(data, dict) or "kv_transfer_params" not in data:
-        return body
-    del data["kv_transfer_params"]
-    return json.dumps(data).encode()
+def without_transfer_params(data: dict[str, Any]) -> dict[str, Any]:
+    """The client's request (its parsed JSON body) without ``kv_transfer_params``."""
+    return {k: v for k, v in data.items() if k != "kv_transfer_params"}
 
 
-def prefill_request(body: bytes) -> dict[str, Any] | None:
-    """The body to send a prefill engine (transfer parameters the router's own), or None when the request is not
-    one to split."""
-    try:
-        data = json.loads(body) if body else None
-    except ValueError:
-        return None
+def prefill_request(data: Any) -> dict[str, Any] | None:
+    """The request to send a prefill engine (transfer parameters the router's own) for the client's parsed JSON
+    body, or None when the request is not one to split."""
     if not isinstance(data, dict):
         return None
     if data.get("n", 1) != 1 or data.get("best_of", 1) != 1:
@@ -52,16 +41,15 @@ def prefill_request(body: bytes) -> dict[str, Any] | None:
     return out
 
 
-def decode_request(body: bytes, prefill_answer: bytes, prefill_url: str) -> tuple[bytes, bool]:
-    """The client's body for the decode engine with the transfer the prefill engine's answer names (its blocks at
-    ``prefill_url``), and whether it names one (else the body without transfer parameters)."""
+def decode_request(data: dict[str, Any], prefill_answer: bytes, prefill_url: str) -> dict[str, Any] | None:
+    """The client's request (parsed, without transfer parameters) for the decode engine with the transfer the
+    prefill engine's answer names (its blocks at ``prefill_url``); None when it names none (the decode engine
+    then computes the prompt from the client's request as it is)."""
     try:
         params = json.loads(prefill_answer).get("kv_transfer_params")
     except (ValueError, AttributeError):
-        return without_transfer_params(body), False
+        return None
     if not isinstance(params, dict) or not isinstance(params.get("transfer_id"), str) or not params.get("num_blocks"):
-        return without_transfer_params(body), False
-    data = json.loads(body)
-    data["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": params["transfer_id"],
-                                  "remote_url": prefill_url}
-    return json.dumps(data).encode(), True
+        return None
+    return {**data, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": params["transfer_id"],
+                                           "remote_url": prefill_url}}

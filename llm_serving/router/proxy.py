@@ -206,9 +206,10 @@ class RouterServer:
         text = routing_text(data)
         splittable = request.method == "POST" and request.path in DISAGGREGATED_PATHS
         if splittable and isinstance(data, dict) and "kv_transfer_params" in data:
-            body = without_transfer_params(body)  # transfers are the router's to name, never a client's
+            data = without_transfer_params(data)  # transfers are the router's to name, never a client's
+            body = json.dumps(data).encode()
         if self.prefilling and splittable:
-            prefilled = await self._prefill(request, body, text)
+            prefilled = await self._prefill(request, body, data, text)
             if isinstance(prefilled, web.StreamResponse):
                 return prefilled  # the prefill engine refused the request: the decode engine would too
             body = prefilled
@@ -235,19 +236,19 @@ class RouterServer:
             tried.add(engine.index)
             self.failovers.labels(str(engine.index)).inc()
 
-    async def _prefill(self, request: web.Request, body: bytes, text: str) -> bytes | web.StreamResponse:
+    async def _prefill(self, request: web.Request, body: bytes, data: Any, text: str) -> bytes | web.StreamResponse:
         """Run the prompt on a prefill engine: the body for the decode engine (with the transfer of its KV blocks
-        when there is one), or the prefill engine's 4xx answer."""
+        when there is one), or the prefill engine's 4xx answer. ``data``: ``body`` parsed (None if not JSON)."""
         assert self._session is not None
-        data = prefill_request(body)
-        choice = None if data is None else self.prefill_policy.choose(text, self.healthy & self.prefilling)
+        first = prefill_request(data)
+        choice = None if first is None else self.prefill_policy.choose(text, self.healthy & self.prefilling)
         if choice is None:
             return body
         engine = self.engines[choice.engine]
         headers = forwarded_headers(request)
         self.prefill_policy.started(engine.index)
         try:
-            async with self._session.post(engine.url + request.path, json=data, headers=headers,
+            async with self._session.post(engine.url + request.path, json=first, headers=headers,
                                           timeout=client_timeout(self.timeouts)) as upstream:
                 answer, status = await upstream.read(), upstream.status
                 content_type = upstream.headers.get("Content-Type", "application/json")
@@ -263,9 +264,9 @@ class RouterServer:
         if 400 <= status < 500:
             self.prefills.labels(str(engine.index), "refused").inc()
             return web.Response(body=answer, status=status, headers={"Content-Type": content_type})
-        decode_body, transferred = decode_request(body, answer, engine.url) if status == 200 else (body, False)
-        self.prefills.labels(str(engine.index), "transfer" if transferred else "none").inc()
-        return decode_body
+        decoding = decode_request(data, answer, engine.url) if status == 200 else None
+        self.prefills.labels(str(engine.index), "none" if decoding is None else "transfer").inc()
+        return body if decoding is None else json.dumps(decoding).encode()
 
     async def _relay(self, request: web.Request, body: bytes, engine: EngineInfo) -> web.StreamResponse:
         """Send the request to ``engine`` and relay its answer (``upstream.relay``: ``NotAnswered`` when nothing
