@@ -121,12 +121,12 @@ def early_exit_agreement(layers: list[int], windows: int = 24, seq_len: int = 25
 
     from agents.training.llama_train import TrainLlama, load_hf_tensors, set_graph_mode
     from agents.training.trainer import token_stream
-    from agents.weights.checkpoints import _SafetensorsFile
+    from agents.weights.checkpoints import SafetensorsFile
     from llm_serving.protocol.model_config import LlamaConfig
 
     set_graph_mode()
     target = LlamaConfig.from_model_dir(PAIR / "target")
-    tensors = dict(_SafetensorsFile(PAIR / "target" / "model.safetensors").items())
+    tensors = dict(SafetensorsFile(PAIR / "target" / "model.safetensors").items())
     tok = Tokenizer(PAIR / "target" / "tokenizer.model")
     stream = token_stream([tok.encode(d) for d in stdlib_corpus().held_out], 1, 2)
     n = min(windows, (len(stream) - 1) // seq_len)

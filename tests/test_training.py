@@ -53,9 +53,9 @@ write_model_dir(__import__("pathlib").Path(out), config, net.hf_tensors(), __imp
 ids = np.arange(3, 35, dtype=np.int32)[None]
 from mindspore import Tensor
 from agents.training.llama_train import TrainLlama, load_hf_tensors
-from agents.weights.checkpoints import _SafetensorsFile
+from agents.weights.checkpoints import SafetensorsFile
 again = TrainLlama(config, 32, 1)
-load_hf_tensors(again, dict(_SafetensorsFile(__import__("pathlib").Path(out) / "model.safetensors").items()))
+load_hf_tensors(again, dict(SafetensorsFile(__import__("pathlib").Path(out) / "model.safetensors").items()))
 np.save(out + "/logits.npy", again.logits(Tensor(ids)).asnumpy())
 print(json.dumps(report["history"]))
 """

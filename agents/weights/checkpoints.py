@@ -207,12 +207,12 @@ def validate_weights(weights: Mapping[str, np.ndarray], config: LlamaConfig) -> 
 # ---------------------------------------------------------------- Hugging Face safetensors
 
 
-# Float dtypes numpy reads natively; BF16 is widened to float32 by hand (see _SafetensorsFile._read_bf16).
+# Float dtypes numpy reads natively; BF16 is widened to float32 by hand (see SafetensorsFile._read_bf16).
 _NUMPY_FLOAT_DTYPES = ("F64", "F32", "F16")
 _BF16 = "BF16"
 
 
-class _SafetensorsFile(Mapping):
+class SafetensorsFile(Mapping):
     """Tensors of one ``.safetensors`` file, each read from disk when looked up and never cached.
 
     ``safe_open`` validates the header (offsets, sizes, file length) on open, so a corrupt or truncated
@@ -296,7 +296,7 @@ class _ShardedTensors(Mapping):
         missing = [str(p) for p in shard_paths.values() if not p.is_file()]
         if missing:
             raise WeightLoadError(f"{index_path}: missing shard file(s) {missing}")
-        shards = {name: _SafetensorsFile(p) for name, p in shard_paths.items()}
+        shards = {name: SafetensorsFile(p) for name, p in shard_paths.items()}
         self._files = {}
         for tensor, shard in weight_map.items():
             if tensor not in shards[shard]:
@@ -342,7 +342,7 @@ def load_hf_weights(model_dir: str | Path, config: LlamaConfig) -> dict[str, np.
     _check_architecture(model_dir)
     single, index, ckpt = model_dir / HF_SINGLE_FILE, model_dir / HF_INDEX_FILE, model_dir / CKPT_FILE
     if single.is_file():
-        return _assemble(_SafetensorsFile(single), HF_NAMES, config, str(single), strict=True)
+        return _assemble(SafetensorsFile(single), HF_NAMES, config, str(single), strict=True)
     if index.is_file():
         return _assemble(_ShardedTensors(index), HF_NAMES, config, str(index), strict=True)
     if ckpt.is_file():
@@ -443,7 +443,7 @@ def load_weights(model_dir_or_file: str | Path, config: LlamaConfig,
     elif path.is_file() and path.suffix == ".ckpt":
         weights = load_mindspore_checkpoint(path, config)
     elif path.is_file() and path.suffix == ".safetensors":
-        weights = _assemble(_SafetensorsFile(path), HF_NAMES, config, str(path), strict=True)
+        weights = _assemble(SafetensorsFile(path), HF_NAMES, config, str(path), strict=True)
     elif path.is_file():
         raise WeightLoadError(f"unsupported weights file {path}: expected a directory, .ckpt or .safetensors")
     else:

@@ -44,7 +44,7 @@ class SafetensorsSlices(SliceSource):
     """One ``.safetensors`` file (validated by ``safe_open`` first, as ``agents.weights.checkpoints`` does)."""
 
     def __init__(self, path: Path) -> None:
-        file = w._SafetensorsFile(path)
+        file = w.SafetensorsFile(path)
         self.path = path
         self.spans = file._byte_spans()
         self.dtypes: dict[str, str] = {}
