@@ -105,9 +105,11 @@ def test_prune_keeps_the_most_recently_used_and_removes_dead_starts_leftovers(tm
     mine = root / f"y.tmp-{os.getpid()}-abc"
     leftover.mkdir()
     mine.mkdir()
+    (mine / COMPLETE).write_text("")  # a live start about to publish (another rank's, at the same moment)
+    os.utime(mine / COMPLETE, (1, 1))
     prune(root)
     assert [c.exists() for c in caches] == [False, False] + [True] * KEEP
-    assert not leftover.exists() and mine.exists()
+    assert not leftover.exists() and mine.exists()  # never counted among the whole caches, nor removed
 
 
 def test_config_key_true_false_path_and_errors_name_the_key(tmp_path):

@@ -165,9 +165,15 @@ def prune(root: Path, keep: int = KEEP) -> None:
         pid = tmp.name.split(".tmp-", 1)[1].split("-", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
-    whole = [d for d in root.iterdir() if (d / COMPLETE).is_file()]
-    whole.sort(key=lambda d: (d / COMPLETE).stat().st_mtime, reverse=True)
-    for old in whole[keep:]:
+    used = {}  # whole cache -> when last used; another rank's start may publish or prune one meanwhile, and a
+    # temporary directory is never whole (its COMPLETE is written just before it is renamed)
+    for d in root.iterdir():
+        try:
+            if ".tmp-" not in d.name:
+                used[d] = (d / COMPLETE).stat().st_mtime
+        except FileNotFoundError:
+            continue
+    for old in sorted(used, key=used.__getitem__, reverse=True)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
 
 
