@@ -5,6 +5,7 @@ graphs are built here, each with one mistake, exported to MindIR and read back, 
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, replace
 
 import mindspore as ms
@@ -19,7 +20,7 @@ from mindspore.ops.auto_generate import (
     WeightQuantBatchMatmul,
 )
 
-from agents.tools.contracts import RULES, check_graph
+from agents.tools.contracts import RULES, add_check_argument, check_graph
 from agents.tools.export import infer_boost
 from agents.tools.mindir import GraphNodes, read_graph
 from tests.test_ascend_kv_int8 import INT8_CACHE_MISTAKES
@@ -149,6 +150,15 @@ def test_the_right_wiring_passes(tmp_path):
 def test_a_2d_query_passes_on_the_atb_kernel_only(tmp_path):
     """ATB's PagedAttention takes a query of rank 2 or 3; the refusal applies where the custom kernel runs."""
     assert checked(tmp_path, replace(RIGHT, query="BH")) == []
+
+
+def test_export_check_takes_the_kernel_selection_atb_by_default():
+    parser = argparse.ArgumentParser()
+    add_check_argument(parser)
+    assert parser.parse_args(["--check"]).paged_attention_kernel == "atb"
+    assert parser.parse_args(["--paged-attention-kernel", "custom"]).paged_attention_kernel == "custom"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--paged-attention-kernel", "aclnn"])
 
 
 def test_an_unknown_kernel_selection_is_refused(tmp_path):

@@ -6,7 +6,8 @@ says where it was read; a violation names the op, the node and the rule.
 The rules cover ReshapeAndCache, PagedAttention, FlashAttentionScore and ApplyRotaryPosEmb as MindSpore 2.10 runs
 them with ``infer_boost`` on, and WeightQuantBatchMatmul (int8 weights; an ACLNN kernel) (the internal kernels every
 working 910B stack uses): inputs, attributes, dtypes, layouts, what feeds each length input, the kernels' size limits,
-and which tensors are roped, cached and attended (docs/ascend.md, "What is verified without hardware").
+and which tensors are roped, cached and attended (docs/ascend.md, "What is verified without hardware"). Some rules
+depend on which PagedAttention kernel is selected (ATB, the stacks' default, or the custom one): the caller says.
 """
 
 from __future__ import annotations
@@ -763,19 +764,23 @@ def add_check_argument(parser: argparse.ArgumentParser) -> None:
     """``--check`` of both exporters (ours and the mindformers backend's)."""
     parser.add_argument("--check", action="store_true", help="check every exported graph against the fused ops' "
                         "contracts (agents.tools.contracts); exit 1 on a violation")
+    parser.add_argument("--paged-attention-kernel", choices=PA_KERNELS, default=DEFAULT_PA_KERNEL,
+                        help="the PagedAttention kernel the check assumes runs: atb (the working stacks' default, "
+                        "custom kernel named in MS_INTERNAL_DISABLE_CUSTOM_KERNEL_LIST) or custom")
 
 
-def check_exported(files: Iterable[Path], tensor_parallel: int = 1) -> int:
+def check_exported(files: Iterable[Path], tensor_parallel: int = 1, paged_attention: str = DEFAULT_PA_KERNEL) -> int:
     """An exporter's exit status after ``--check``: 1 if any exported file breaks a rule (each printed), else 0."""
-    return 1 if report(files, lambda line: print(line, flush=True), tensor_parallel) else 0
+    return 1 if report(files, lambda line: print(line, flush=True), tensor_parallel, paged_attention) else 0
 
 
-def report(paths: Iterable[Path], out: Callable[[str], None], tensor_parallel: int = 1) -> int:
+def report(paths: Iterable[Path], out: Callable[[str], None], tensor_parallel: int = 1,
+           paged_attention: str = DEFAULT_PA_KERNEL) -> int:
     """``export --check``: check each MindIR file, write one line per violation (or that the file passed) and
     return how many violations there were."""
     total = 0
     for path in paths:
-        found = check_graph(read_graph(path), tensor_parallel=tensor_parallel)
+        found = check_graph(read_graph(path), tensor_parallel=tensor_parallel, paged_attention=paged_attention)
         total += len(found)
         out(f"check {path.name}: " + ("every contract rule holds" if not found else f"{len(found)} violation(s)"))
         for v in found:
