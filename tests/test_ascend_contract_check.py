@@ -190,6 +190,7 @@ class ChunkWiring:
     mask_mode: str = "MASK_DEFAULT"
     alibi: bool = False  # an alibi mask passed beside the mask
     mla_v_dim: int = 0
+    positions_from: str = "positions"  # the graph input the mask's query positions come from, or slots
     kernel: str = "atb"  # the PagedAttention kernel the checker is told is selected
 
 
@@ -215,7 +216,7 @@ class ChunkStep(nn.Cell):
         query = ops.depend(query, written).reshape(-1, HEADS, HEAD_DIM)
         span = WIDTH * BLOCK_SIZE * {"narrow": 1, "wide": 4}.get(self.w.mask, 2) // 2
         kv = ops.arange(self.w.key_start, self.w.key_start + span).astype(positions.dtype).reshape(1, span)
-        at = positions.reshape(-1, 1)
+        at = (slot_mapping if self.w.positions_from == "slots" else positions).reshape(-1, 1)
         later = {"later": kv > at, "flipped": at > kv, "diagonal": kv >= at}[self.w.compare]
         mask = later.astype(np.float32 if self.w.mask == "float32" else np.float16) * self.w.mask_value
         if self.w.mask == "constant":
@@ -283,6 +284,8 @@ CHUNK_MISTAKES = {
     "TRAPEZOIDAL mask_mode with a real mask": (ChunkWiring(mask_mode="TRAPEZOIDAL"), "plain-attention-mode",
                                                "mask_mode must be MASK_DEFAULT"),
     "an alibi mask beside the mask": (ChunkWiring(alibi=True), "plain-attention-mode", "no alibi_mask"),
+    "a mask built from the slot mapping": (ChunkWiring(positions_from="slots"), "chunk-mask-values-and-direction",
+                                           "query positions must be the graph input 'positions'"),
     "MLA mode (mla_v_dim) on Llama": (ChunkWiring(mla_v_dim=HEAD_DIM), "plain-attention-mode", "mla_v_dim must be 0"),
     "a mask on a one-token decode": (ChunkWiring(decode_mask=True), "multi-token-queries", "passes no mask"),
 }

@@ -253,6 +253,7 @@ def _through(graph: GraphNodes, source: Source) -> tuple[Source, OpNode | None]:
             return source, node
 
 
+POSITIONS_INPUT = "positions"  # the step's graph input holding each query token's position (agents/model/llama.py)
 _MASKED_LATER = {"Greater": (0, 1), "Less": (1, 0)}  # (index of the kv positions row, of the query positions column)
 
 
@@ -302,6 +303,8 @@ def _pa_mask_values(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator
                f"query positions column (T, 1), got {row_dims} against {col_dims}")
     elif row.array is not None and not np.array_equal(np.asarray(row.array).reshape(-1), np.arange(row_dims[1])):
         yield f"the mask's kv positions row must be 0..{row_dims[1] - 1}, got {np.asarray(row.array).reshape(-1)[:4]}"
+    elif (at := _through(graph, col)[0]).kind != "input" or at.name != POSITIONS_INPUT:
+        yield f"the mask's query positions must be the graph input {POSITIONS_INPUT!r}, got {_where(at)}"
 
 
 def _pa_plain_attention(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
