@@ -651,7 +651,8 @@ RULES = (
     Rule("PagedAttention", "multi-token-queries",
          f"{_PA_KERNEL} (q_seq_len from GetSeqLenFromGraphAndCheckUpadate({{\"{Q_LENGTHS_INPUT}\"}})); vllm-mindspore "
          "attention/layer.py and models/attention_mask.py: chunks and prefix-cache hits pass q_seq_lens with a mask "
-         "row per query token in the compute dtype (decode_mask rows gathered by position), decode no mask",
+         "row per query token in the compute dtype (decode_mask rows gathered by position; ATB: \"mask data type "
+         "not consitent with q\" in libatb_mixops_ms.so), decode no mask",
          _pa_queries),
     Rule("PagedAttention", "chunk-mask-width",
          f"both kernels read row i's scores against mask[i, :context_len], so a row spans every position the table "
@@ -672,8 +673,10 @@ RULES = (
          f"{_PA_DOC}: query (num_tokens, num_head, head_dim), caches (num_blocks, block_size, num_head, "
          f"head_dim); MindFormers 1.8's decode passes the query as (batch, 1, num_head * head_dim); {_PA_KERNEL}: "
          "head_num and kv_head_num read from inputs 10 and 12; a 2-D query (tokens, num_head * head_dim) only on "
-         "the ATB kernel (libatb_mixops_ms.so PagedAttentionOperation takes query rank 2 or 3, issue 52's audit), "
-         "the custom kernel's docstring layout is 3-D", _pa_heads),
+         "the ATB kernel: MindSpore 2.10 lib/plugin/ascend/ms_kernels_internal/asdops/lib/libatb_mixops_ms.so, its "
+         "strings beside \"check pageattention param fail\": \"Input0 dim num ... invalid, should be 2 or 3\", "
+         "\"param kvHead must equal key_cache dim2\", \"... key_cache ... must be [numBlocks, blockSize, numHeads, "
+         "headSize]\"; the custom kernel's docstring layout is 3-D", _pa_heads),
     Rule("PagedAttention", "scale", "the Llama attention: scores scaled by 1/sqrt(head_dim)", _pa_scale),
     Rule("PagedAttention", "kernel-limits",
          f"{_INTERNAL_LIB}, its error strings: \"table block size can only in {{16,32,64,128}}\", \"head_dim * "
