@@ -5,6 +5,7 @@ graphs are built here, each with one mistake, exported to MindIR and read back, 
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, replace
 
 import mindspore as ms
@@ -19,8 +20,9 @@ from mindspore.ops.auto_generate import (
     WeightQuantBatchMatmul,
 )
 
-from agents.tools.contracts import RULES, check_graph
-from agents.tools.mindir import read_graph
+from agents.tools.contracts import RULES, add_check_argument, check_graph
+from agents.tools.export import infer_boost
+from agents.tools.mindir import GraphNodes, read_graph
 from tests.test_ascend_kv_int8 import INT8_CACHE_MISTAKES
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCKS, BLOCK_SIZE, BATCH, WIDTH = 4, 2, 64, 8, 16, 4, 2
@@ -47,6 +49,7 @@ class Wiring:
     cos_width: int = HEAD_DIM
     rope_positions: str = "lengths"  # lengths (batch_valid_length) or positions (another graph input)
     attend_raw_query: bool = False  # PagedAttention reads the query before the rotary embedding
+    kernel: str = "atb"  # the PagedAttention kernel the checker is told is selected
 
 
 class DecodeStep(nn.Cell):
@@ -100,7 +103,7 @@ def checked(tmp_path, w: Wiring) -> list[str]:
               np.zeros((BATCH, WIDTH), w.tables_dtype), np.ones(BATCH, w.lens_dtype)]
     path = tmp_path / "step"
     export(cell, *(Tensor(a) for a in inputs), file_name=str(path), file_format="MINDIR")
-    return [str(v) for v in check_graph(read_graph(path.with_suffix(".mindir")))]
+    return [str(v) for v in check_graph(read_graph(path.with_suffix(".mindir")), paged_attention=w.kernel)]
 
 
 RIGHT = Wiring()
@@ -108,7 +111,8 @@ MISTAKES = {  # each exports without complaint; the rule that refuses it, and a 
     "heads and kv_heads swapped": (replace(RIGHT, heads=KV_HEADS, kv_heads=HEADS), "head-counts-and-layout",
                                    "is neither (tokens, head_num 2, head_dim 64)"),
     "head_num doubled": (replace(RIGHT, heads=2 * HEADS), "head-counts-and-layout", "for head_num 8"),
-    "2-D query": (replace(RIGHT, query="BH"), "head-counts-and-layout", "query must be 3-D"),
+    "2-D query on the custom kernel": (replace(RIGHT, query="BH", kernel="custom"), "head-counts-and-layout",
+                                       "query must be 3-D"),
     "4-D query": (replace(RIGHT, query="B1ND"), "head-counts-and-layout", "query must be 3-D"),
     "BNSD cache": (replace(RIGHT, cache="BNSD"), "head-counts-and-layout", "caches' 16 kv heads"),
     "BNSD cache, as the write sees it": (replace(RIGHT, cache="BNSD"), "cache-layout",
@@ -143,6 +147,25 @@ def test_the_right_wiring_passes(tmp_path):
     assert checked(tmp_path, RIGHT) == []
 
 
+def test_a_2d_query_passes_on_the_atb_kernel_only(tmp_path):
+    """ATB's PagedAttention takes a query of rank 2 or 3; the refusal applies where the custom kernel runs."""
+    assert checked(tmp_path, replace(RIGHT, query="BH")) == []
+
+
+def test_export_check_takes_the_kernel_selection_atb_by_default():
+    parser = argparse.ArgumentParser()
+    add_check_argument(parser)
+    assert parser.parse_args(["--check"]).paged_attention_kernel == "atb"
+    assert parser.parse_args(["--paged-attention-kernel", "custom"]).paged_attention_kernel == "custom"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--paged-attention-kernel", "aclnn"])
+
+
+def test_an_unknown_kernel_selection_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="paged_attention must be one of atb, custom"):
+        check_graph(GraphNodes(tmp_path / "none.mindir", {}, ()), paged_attention="aclnn")
+
+
 @pytest.mark.parametrize("mistake", list(MISTAKES))
 def test_each_wiring_mistake_is_refused_naming_the_op_and_the_rule(tmp_path, mistake):
     wiring, rule, phrase = MISTAKES[mistake]
@@ -158,8 +181,17 @@ class ChunkWiring:
     defaults are as vllm-mindspore passes it."""
 
     q_lens_name: str = "q_seq_lens"  # or another graph input name
-    mask: str = "rows"  # rows (one per query token, reaching the table), none, float32 or narrow
+    mask: str = "rows"  # rows (one per query token, reaching the table), none, float32, narrow, wide or constant
     decode_mask: bool = False  # a one-token decode step that passes a mask anyway
+    mask_value: float = -10000.0  # what the masked positions hold
+    compare: str = "later"  # later (kv > query: masked), flipped (query > kv) or diagonal (kv >= query)
+    key_start: int = 0  # the first kv position of the row the queries are compared against
+    constant_rows: str = "triu"  # a constant mask's shape: triu (0 up to the row's position) or tril (flipped)
+    mask_mode: str = "MASK_DEFAULT"
+    alibi: bool = False  # an alibi mask passed beside the mask
+    mla_v_dim: int = 0
+    positions_from: str = "positions"  # the graph input the mask's query positions come from, or slots
+    kernel: str = "atb"  # the PagedAttention kernel the checker is told is selected
 
 
 class ChunkStep(nn.Cell):
@@ -168,7 +200,12 @@ class ChunkStep(nn.Cell):
         self.w = w
         self.rope = ApplyRotaryPosEmb(2)
         self.write = ReshapeAndCache()
-        self.attend = PagedAttention(HEADS, HEAD_DIM ** -0.5, KV_HEADS)
+        self.attend = PagedAttention(HEADS, HEAD_DIM ** -0.5, KV_HEADS, mask_mode=w.mask_mode,
+                                     mla_v_dim=w.mla_v_dim)
+        reach = WIDTH * BLOCK_SIZE
+        rows = np.triu(np.ones((8, reach)), 1) if w.constant_rows == "triu" else np.tril(np.ones((8, reach)), -1)
+        self.constant_mask = Tensor((rows * -10000.0).astype(np.float16))
+        self.alibi = Tensor(np.zeros((8, HEADS, 1, reach), np.float16)) if w.alibi else None
         shape = (BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
         self.key_cache = Parameter(Tensor(np.zeros(shape, np.float16)), name="key_cache")
         self.value_cache = Parameter(Tensor(np.zeros(shape, np.float16)), name="value_cache")
@@ -177,9 +214,16 @@ class ChunkStep(nn.Cell):
         query, key = self.rope(query, key, cos, sin, lengths)
         written = self.write(key, value, self.key_cache, self.value_cache, slot_mapping)
         query = ops.depend(query, written).reshape(-1, HEADS, HEAD_DIM)
-        span = WIDTH * BLOCK_SIZE // (2 if self.w.mask == "narrow" else 1)
-        later = ops.arange(span).astype(positions.dtype).reshape(1, span) > positions.reshape(-1, 1)
-        mask = later.astype(np.float32 if self.w.mask == "float32" else np.float16) * -10000.0
+        span = WIDTH * BLOCK_SIZE * {"narrow": 1, "wide": 4}.get(self.w.mask, 2) // 2
+        kv = ops.arange(self.w.key_start, self.w.key_start + span).astype(positions.dtype).reshape(1, span)
+        at = (slot_mapping if self.w.positions_from == "slots" else positions).reshape(-1, 1)
+        later = {"later": kv > at, "flipped": at > kv, "diagonal": kv >= at}[self.w.compare]
+        mask = later.astype(np.float32 if self.w.mask == "float32" else np.float16) * self.w.mask_value
+        if self.w.mask == "constant":
+            mask = self.constant_mask
+        if self.w.alibi:
+            return self.attend(query, self.key_cache, self.value_cache, block_tables, lengths, None, None, mask,
+                               q_lens, self.alibi)
         if self.w.mask == "none":
             return self.attend(query, self.key_cache, self.value_cache, block_tables, lengths, None, None, None, q_lens)
         if self.w.decode_mask:
@@ -210,8 +254,9 @@ def checked_chunk(tmp_path, w: ChunkWiring) -> list[str]:
               np.full(BATCH, 9, np.int32)]
     cell = (ChunkStepNamed if w.q_lens_name == "q_seq_lens" else ChunkStepOtherName)(w)
     path = tmp_path / "chunk"
-    export(cell, *(Tensor(a) for a in inputs), file_name=str(path), file_format="MINDIR")
-    return [str(v) for v in check_graph(read_graph(path.with_suffix(".mindir")))]
+    with infer_boost(w.alibi):  # MindSpore's type inference refuses an alibi mask without it
+        export(cell, *(Tensor(a) for a in inputs), file_name=str(path), file_format="MINDIR")
+    return [str(v) for v in check_graph(read_graph(path.with_suffix(".mindir")), paged_attention=w.kernel)]
 
 
 CHUNK_MISTAKES = {
@@ -219,14 +264,37 @@ CHUNK_MISTAKES = {
                                          "q_seq_lens must be the graph input 'q_seq_lens'"),
     "multi-token queries without a mask": (ChunkWiring(mask="none"), "multi-token-queries", "got none"),
     "a float32 mask": (ChunkWiring(mask="float32"), "multi-token-queries", "in the compute dtype"),
-    "a mask short of the table's reach": (ChunkWiring(mask="narrow"), "multi-token-queries",
+    "a mask short of the table's reach": (ChunkWiring(mask="narrow"), "chunk-mask-width",
                                           "positions do not reach the 32"),
+    # issue 52's blind spots
+    "a mask wider than the table's reach (custom kernel)": (ChunkWiring(mask="wide", kernel="custom"),
+                                                            "chunk-mask-width", "wider than the 32"),
+    "a mask holding +1": (ChunkWiring(mask_value=1.0), "chunk-mask-values-and-direction", "hold 1.0, not -10000"),
+    "a mask with its direction flipped": (ChunkWiring(compare="flipped"), "chunk-mask-values-and-direction",
+                                          "direction is flipped"),
+    # found here
+    "a mask holding fp16's lowest": (ChunkWiring(mask_value=-65504.0), "chunk-mask-values-and-direction",
+                                     "hold -65504.0"),
+    "a mask masking each query's own position": (ChunkWiring(compare="diagonal"), "chunk-mask-values-and-direction",
+                                                 "got GreaterEqual"),
+    "a mask's kv positions off by one": (ChunkWiring(key_start=1), "chunk-mask-values-and-direction",
+                                         "kv positions row must be 0..31"),
+    "a constant mask, flipped": (ChunkWiring(mask="constant", constant_rows="tril"),
+                                 "chunk-mask-values-and-direction", "direction flipped"),
+    "TRAPEZOIDAL mask_mode with a real mask": (ChunkWiring(mask_mode="TRAPEZOIDAL"), "plain-attention-mode",
+                                               "mask_mode must be MASK_DEFAULT"),
+    "an alibi mask beside the mask": (ChunkWiring(alibi=True), "plain-attention-mode", "no alibi_mask"),
+    "a mask built from the slot mapping": (ChunkWiring(positions_from="slots"), "chunk-mask-values-and-direction",
+                                           "query positions must be the graph input 'positions'"),
+    "MLA mode (mla_v_dim) on Llama": (ChunkWiring(mla_v_dim=HEAD_DIM), "plain-attention-mode", "mla_v_dim must be 0"),
     "a mask on a one-token decode": (ChunkWiring(decode_mask=True), "multi-token-queries", "passes no mask"),
 }
 
 
-def test_the_right_chunk_wiring_passes(tmp_path):
-    assert checked_chunk(tmp_path, ChunkWiring()) == []
+@pytest.mark.parametrize("wiring", [ChunkWiring(), ChunkWiring(kernel="custom"), ChunkWiring(mask="constant"),
+                                    ChunkWiring(mask="wide")], ids=["atb", "custom", "constant", "wide-on-atb"])
+def test_the_right_chunk_wiring_passes(tmp_path, wiring):
+    assert checked_chunk(tmp_path, wiring) == []
 
 
 @pytest.mark.parametrize("mistake", list(CHUNK_MISTAKES))

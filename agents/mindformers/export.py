@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exporting {len(args.shape or shapes)} MindFormers graphs of {rc.device_target} {rc.dtype} to {args.out}",
           flush=True)
     done = export_graphs(runner, args.out, args.shape or shapes, lambda line: print(line, flush=True))
-    return check_exported(summary.path for _, summary in done) if args.check else 0
+    return check_exported((summary.path for _, summary in done), 1, args.paged_attention_kernel) if args.check else 0
 
 
 if __name__ == "__main__":

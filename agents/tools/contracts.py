@@ -6,7 +6,8 @@ says where it was read; a violation names the op, the node and the rule.
 The rules cover ReshapeAndCache, PagedAttention, FlashAttentionScore and ApplyRotaryPosEmb as MindSpore 2.10 runs
 them with ``infer_boost`` on, and WeightQuantBatchMatmul (int8 weights; an ACLNN kernel) (the internal kernels every
 working 910B stack uses): inputs, attributes, dtypes, layouts, what feeds each length input, the kernels' size limits,
-and which tensors are roped, cached and attended (docs/ascend.md, "What is verified without hardware").
+and which tensors are roped, cached and attended (docs/ascend.md, "What is verified without hardware"). Some rules
+depend on which PagedAttention kernel is selected (ATB, the stacks' default, or the custom one): the caller says.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from agents.model.backends.ascend_limits import (
-    FA_CAUSAL_HEAD_DIMS,
+    CHUNK_MASK_VALUE,
     FA_MASK_SIZE,
     HEAD_DIM_MULTIPLE,
     MAX_HEAD_DIM,
@@ -36,6 +37,13 @@ from agents.tools.mindir import GraphNodes, OpNode, Source, TensorInfo, read_gra
 PA_QUERY, PA_KEY_CACHE, PA_VALUE_CACHE, PA_BLOCK_TABLES, PA_CONTEXT_LENS = range(5)
 PA_ANTIQUANT_SCALE, PA_ANTIQUANT_OFFSET, PA_MASK, PA_Q_LENS = 5, 6, 7, 8
 PA_HEAD_NUM, PA_SCALE, PA_KV_HEAD_NUM, PA_KV_QUANT_MODE = 10, 11, 12, 13
+PA_ALIBI_MASK, PA_MASK_MODE, PA_MLA_V_DIM = 9, 14, 15
+# Which PagedAttention kernel runs: 2.10's PagedAttentionOp runs the custom (internal) kernel unless
+# MS_INTERNAL_DISABLE_CUSTOM_KERNEL_LIST names PagedAttention, else the ATB one. Both working stacks name it
+# (MindFormers 1.8 core/context/build_context.py in predict mode; vllm-mindspore "FlashAttentionScore,PagedAttention"),
+# so ATB is the default the rules are checked against.
+PA_KERNELS = ("atb", "custom")
+DEFAULT_PA_KERNEL = "atb"
 PA_DEFAULT_QUANT_MODE = 0  # kv_cache_quant_mode "DEFAULT" as the graph holds it (per-channel antiquant scales)
 # the graph input the internal PagedAttention takes each sequence's query length from (multi-token queries)
 Q_LENGTHS_INPUT = "q_seq_lens"
@@ -74,9 +82,11 @@ class Violation:
 
 @dataclass(frozen=True)
 class Expect:
-    """What the exporter knows beyond the graph: the ranks of a tensor-parallel rank's graph (1: no collectives)."""
+    """What the exporter knows beyond the graph: the ranks of a tensor-parallel rank's graph (1: no collectives)
+    and which PagedAttention kernel the serving environment selects (the rules differ per kernel)."""
 
     tensor_parallel: int = 1
+    paged_attention: str = DEFAULT_PA_KERNEL  # the PagedAttention kernel selected (PA_KERNELS)
 
 
 Check = Callable[[GraphNodes, OpNode, Expect], Iterator[str]]
@@ -185,8 +195,7 @@ def _pa_queries(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str
     """Multi-token queries: ``q_seq_lens`` from its graph input and a mask row per query token; one token per
     sequence: no mask."""
     q_lens, mask = node.inputs[PA_Q_LENS], node.inputs[PA_MASK]
-    query, cache, tables = _dims(node.inputs[PA_QUERY]), _dims(node.inputs[PA_KEY_CACHE]), _dims(node.inputs[
-        PA_BLOCK_TABLES])
+    query = _dims(node.inputs[PA_QUERY])
     if q_lens.kind == "constant" and q_lens.value is None:
         if not (mask.kind == "constant" and mask.value is None):
             yield "a decode step (no q_seq_lens) passes no mask"
@@ -206,8 +215,107 @@ def _pa_queries(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str
         yield f"the mask must be 2-D (query tokens, positions) in the compute dtype, got {info or _where(mask)}"
     elif query and dims[0] != query[0]:
         yield f"the mask has {dims[0]} rows for {query[0]} query tokens"
-    elif cache and tables and len(cache) == 4 and dims[1] < tables[1] * cache[1]:
-        yield f"the mask's {dims[1]} positions do not reach the {tables[1] * cache[1]} a block table covers"
+
+
+def _chunk_mask(node: OpNode) -> Source | None:
+    """The mask of a multi-token step (None: a decode step, no mask, or vllm-mindspore's (1, 1) hard mask)."""
+    q_lens, mask = node.inputs[PA_Q_LENS], node.inputs[PA_MASK]
+    info = mask.value if isinstance(mask.value, TensorInfo) else mask.info
+    if (q_lens.kind == "constant" and q_lens.value is None) or info is None or len(info.shape) != 2:
+        return None
+    return None if info.shape == (1, 1) else mask
+
+
+def _pa_mask_width(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
+    mask = _chunk_mask(node)
+    cache, tables = _dims(node.inputs[PA_KEY_CACHE]), _dims(node.inputs[PA_BLOCK_TABLES])
+    info = mask.value if mask is not None and isinstance(mask.value, TensorInfo) else mask.info if mask else None
+    if info is None or not cache or not tables or len(cache) != 4 or len(tables) != 2:
+        return
+    width, reach = info.shape[1], tables[1] * cache[1]
+    if width < reach:
+        yield f"the mask's {width} positions do not reach the {reach} a block table covers"
+    elif width > reach and expect.paged_attention == "custom":
+        yield (f"the mask's {width} positions are wider than the {reach} a block table reaches (the custom kernel "
+               "refuses a mask wider than the key cache's max kv_seq_len)")
+
+
+def _through(graph: GraphNodes, source: Source) -> tuple[Source, OpNode | None]:
+    """``source`` looked through value-keeping ops (and a Concat's first part), with the op producing it."""
+    while True:
+        node = graph.producer(source)
+        if node is not None and node.op in _SAME_VALUES:
+            source = node.inputs[0]
+        elif (node is not None and node.op == "Concat" and (parts := graph.producer(node.inputs[0])) is not None
+              and parts.op == "MakeTuple"):
+            source = parts.inputs[0]
+        else:
+            return source, node
+
+
+POSITIONS_INPUT = "positions"  # the step's graph input holding each query token's position (agents/model/llama.py)
+_MASKED_LATER = {"Greater": (0, 1), "Less": (1, 0)}  # (index of the kv positions row, of the query positions column)
+
+
+def _mask_rows_ok(rows: np.ndarray) -> str | None:
+    """None if each row is 0 up to some position and -10000 after it, the query's own position unmasked."""
+    values = sorted({float(v) for v in np.unique(rows)} - {0.0, CHUNK_MASK_VALUE})
+    if values:
+        return f"values other than 0 and {CHUNK_MASK_VALUE:g}: {', '.join(f'{v:g}' for v in values[:3])}"
+    masked = rows == CHUNK_MASK_VALUE
+    if (masked[:, :-1] & ~masked[:, 1:]).any():
+        return "a row masks an earlier position and not a later one (direction flipped)"
+    if masked[:, 0].any():
+        return "a row masks position 0 (every query sees at least the first position)"
+    return None
+
+
+def _pa_mask_values(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
+    """The mask's producer traced: a constant (its rows checked), or ``Cast(later) * -10000`` with ``later`` the
+    comparison ``kv_position > query_position`` of a ``0..W-1`` row against a column of query positions."""
+    mask = _chunk_mask(node)
+    if mask is None:
+        return
+    if mask.array is not None:
+        if (why := _mask_rows_ok(np.asarray(mask.array, np.float64))) is not None:
+            yield f"the constant mask holds {why}"
+        return
+    source, scaled = _through(graph, mask)
+    if scaled is None or scaled.op not in ("Muls", "Mul") or len(scaled.inputs) < 2:
+        yield f"the mask's producer is not traceable to 0/{CHUNK_MASK_VALUE:g} rows: {_where(source)}"
+        return
+    factor, flags = scaled.inputs[1], scaled.inputs[0]
+    if factor.kind != "constant" or factor.value is None:
+        factor, flags = scaled.inputs[0], scaled.inputs[1]
+    value = factor.value if factor.array is None else float(np.asarray(factor.array).reshape(-1)[0])
+    if not isinstance(value, (int, float)) or value != CHUNK_MASK_VALUE:
+        yield f"the mask's masked positions hold {value}, not {CHUNK_MASK_VALUE:g} (0/{CHUNK_MASK_VALUE:g} rows)"
+    _, compare = _through(graph, flags)
+    if compare is None or compare.op not in _MASKED_LATER:
+        yield (f"the mask must mask the positions after each query's own (kv_position > query_position), got "
+               f"{compare.op if compare is not None else _where(flags)}")
+        return
+    row_at, col_at = _MASKED_LATER[compare.op]
+    row, col = _through(graph, compare.inputs[row_at])[0], compare.inputs[col_at]
+    row_dims, col_dims = _dims(row) or getattr(row.value, "shape", None), _dims(col)
+    if not (row_dims and len(row_dims) == 2 and row_dims[0] == 1 and col_dims and col_dims[-1] == 1):
+        yield (f"the mask's direction is flipped: {compare.op} must compare the kv positions row (1, W) against the "
+               f"query positions column (T, 1), got {row_dims} against {col_dims}")
+    elif row.array is not None and not np.array_equal(np.asarray(row.array).reshape(-1), np.arange(row_dims[1])):
+        yield f"the mask's kv positions row must be 0..{row_dims[1] - 1}, got {np.asarray(row.array).reshape(-1)[:4]}"
+    elif (at := _through(graph, col)[0]).kind != "input" or at.name != POSITIONS_INPUT:
+        yield f"the mask's query positions must be the graph input {POSITIONS_INPUT!r}, got {_where(at)}"
+
+
+def _pa_plain_attention(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
+    alibi, mode = node.inputs[PA_ALIBI_MASK], node.inputs[PA_MASK_MODE].value if len(node.inputs) > PA_MASK_MODE else 0
+    mla = node.inputs[PA_MLA_V_DIM].value if len(node.inputs) > PA_MLA_V_DIM else 0
+    if not (alibi.kind == "constant" and alibi.value is None):
+        yield f"Llama attention passes no alibi_mask, got {_where(alibi)}"
+    if mode not in (0, None):
+        yield f"mask_mode must be MASK_DEFAULT (0): TRAPEZOIDAL ({mode}) ignores the mask passed"
+    if mla not in (0, None):
+        yield f"mla_v_dim must be 0 (not MLA: its head_dim limits and value layout differ), got {mla}"
 
 
 def _pa_int32(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
@@ -228,7 +336,10 @@ def _pa_heads(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
         yield f"kv_head_num {kv_heads} differs from the caches' {cache[2]} kv heads (dim 2 of BSND blocks)"
     if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads and heads % kv_heads:
         yield f"head_num {heads} is not a multiple of kv_head_num {kv_heads}"
-    if query is None or len(query) != 3:
+    if query and len(query) == 2 and expect.paged_attention == "atb":
+        if query[1] != heads * head_dim:
+            yield f"query {query} is not (tokens, head_num {heads} x head_dim {head_dim})"
+    elif query is None or len(query) != 3:
         yield f"query must be 3-D, (tokens, head_num, head_dim) or (batch, 1, head_num * head_dim), got {query}"
     elif query[1:] not in ((heads, head_dim), (1, heads * head_dim)):
         yield (f"query {query} is neither (tokens, head_num {heads}, head_dim {head_dim}) nor (batch, 1, "
@@ -361,8 +472,6 @@ def _fa_heads_and_scale(graph: GraphNodes, node: OpNode, expect: Expect) -> Iter
     scale = node.inputs[FA_SCALE].value
     if isinstance(scale, float) and not math.isclose(scale, head_dim ** -0.5, rel_tol=1e-6):
         yield f"scale_value {scale:g} is not 1/sqrt(head_dim {head_dim}) = {head_dim ** -0.5:g}"
-    if head_dim not in FA_CAUSAL_HEAD_DIMS:
-        yield f"head_dim {head_dim} is not one of {', '.join(map(str, FA_CAUSAL_HEAD_DIMS))} (causal mode)"
 
 
 def _fa_roped(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
@@ -542,14 +651,32 @@ RULES = (
     Rule("PagedAttention", "multi-token-queries",
          f"{_PA_KERNEL} (q_seq_len from GetSeqLenFromGraphAndCheckUpadate({{\"{Q_LENGTHS_INPUT}\"}})); vllm-mindspore "
          "attention/layer.py and models/attention_mask.py: chunks and prefix-cache hits pass q_seq_lens with a mask "
-         "row per query token (decode_mask rows gathered by position, 0/-10000), decode no mask", _pa_queries),
+         "row per query token in the compute dtype (decode_mask rows gathered by position; ATB: \"mask data type "
+         "not consitent with q\" in libatb_mixops_ms.so), decode no mask",
+         _pa_queries),
+    Rule("PagedAttention", "chunk-mask-width",
+         f"both kernels read row i's scores against mask[i, :context_len], so a row spans every position the table "
+         f"reaches (table width x block_size); custom only: {_INTERNAL_LIB} refuses a wider mask (\"max kv_seq_len of "
+         "key cache is smaller than mask's kv length\"): width <= reach, not >=", _pa_mask_width),
+    Rule("PagedAttention", "chunk-mask-values-and-direction",
+         "the mask's producer traced (constant rows, or Cast(kv_position > query_position) * -10000): vllm-mindspore "
+         "models/attention_mask.py (\"normal + Q_seqlen > 1: BF16 mask(0/-10000), FP16 mask(0/-10000)\"), 0 up to "
+         "each query's own position, -10000 after it (both kernels add it to the scores)", _pa_mask_values),
+    Rule("PagedAttention", "plain-attention-mode",
+         "MindSpore 2.10 internal_kernel/include/op_param.h:214-218 (MaskType kMaskTypeAlibi, MaskMode "
+         f"kTrapezoidalMask) and {_PA_DOC} (\"No need to pass a real mask tensor if TRAPEZOIDAL is set\"; "
+         "mla_v_dim for MLA): Llama passes no alibi_mask, MASK_DEFAULT, mla_v_dim 0", _pa_plain_attention),
     Rule("PagedAttention", "int32-tables-and-lengths",
          f"{_PA_DOC}: block_tables and context_lens int32; internal_kernel_utils.cc reads the lengths as int32_t",
          _pa_int32),
     Rule("PagedAttention", "head-counts-and-layout",
          f"{_PA_DOC}: query (num_tokens, num_head, head_dim), caches (num_blocks, block_size, num_head, "
          f"head_dim); MindFormers 1.8's decode passes the query as (batch, 1, num_head * head_dim); {_PA_KERNEL}: "
-         "head_num and kv_head_num read from inputs 10 and 12", _pa_heads),
+         "head_num and kv_head_num read from inputs 10 and 12; a 2-D query (tokens, num_head * head_dim) only on "
+         "the ATB kernel: MindSpore 2.10 lib/plugin/ascend/ms_kernels_internal/asdops/lib/libatb_mixops_ms.so, its "
+         "strings beside \"check pageattention param fail\": \"Input0 dim num ... invalid, should be 2 or 3\", "
+         "\"param kvHead must equal key_cache dim2\", \"... key_cache ... must be [numBlocks, blockSize, numHeads, "
+         "headSize]\"; the custom kernel's docstring layout is 3-D", _pa_heads),
     Rule("PagedAttention", "scale", "the Llama attention: scores scaled by 1/sqrt(head_dim)", _pa_scale),
     Rule("PagedAttention", "kernel-limits",
          f"{_INTERNAL_LIB}, its error strings: \"table block size can only in {{16,32,64,128}}\", \"head_dim * "
@@ -578,7 +705,8 @@ RULES = (
          "mask(0/-10000)\") and MindFormers 1.8 LowerTriangularMaskWithDynamic", _fa_mask_and_sparse_mode),
     Rule("FlashAttentionScore", "heads-scale-and-head-dim",
          f"{_FA_KERNEL}: head_num and scale_value read from inputs 10 and 12; layout TH: query (T, head_num * "
-         f"head_dim); {_INTERNAL_LIB}: \"lower triangle mode can only support head_dim = (64, 128, 256)\"",
+         "head_dim) (no head_dim limit here: the custom kernel's \"lower triangle mode can only support head_dim = "
+         "(64, 128, 256)\" is for its BSH/BNSD layouts, not the TH this graph passes)",
          _fa_heads_and_scale),
     Rule("FlashAttentionScore", "roped-query-and-key",
          "the Llama attention: query and key roped (ApplyRotaryPosEmb's outputs 0 and 1), the value not",
@@ -623,9 +751,13 @@ RULES = (
 )
 
 
-def check_graph(graph: GraphNodes, rules: tuple[Rule, ...] = RULES, tensor_parallel: int = 1) -> list[Violation]:
-    """Every rule on every node of its op, in graph order; ``tensor_parallel``: the ranks the graph is one of."""
-    expect = Expect(tensor_parallel)
+def check_graph(graph: GraphNodes, rules: tuple[Rule, ...] = RULES, tensor_parallel: int = 1,
+                paged_attention: str = DEFAULT_PA_KERNEL) -> list[Violation]:
+    """Every rule on every node of its op, in graph order; ``tensor_parallel``: the ranks the graph is one of;
+    ``paged_attention``: the PagedAttention kernel selected (``PA_KERNELS``)."""
+    if paged_attention not in PA_KERNELS:
+        raise ValueError(f"paged_attention must be one of {', '.join(PA_KERNELS)}, got {paged_attention!r}")
+    expect = Expect(tensor_parallel, paged_attention)
     out = []
     for node in graph.nodes:
         for rule in rules:
@@ -638,19 +770,23 @@ def add_check_argument(parser: argparse.ArgumentParser) -> None:
     """``--check`` of both exporters (ours and the mindformers backend's)."""
     parser.add_argument("--check", action="store_true", help="check every exported graph against the fused ops' "
                         "contracts (agents.tools.contracts); exit 1 on a violation")
+    parser.add_argument("--paged-attention-kernel", choices=PA_KERNELS, default=DEFAULT_PA_KERNEL,
+                        help="the PagedAttention kernel the check assumes runs: atb (the working stacks' default, "
+                        "custom kernel named in MS_INTERNAL_DISABLE_CUSTOM_KERNEL_LIST) or custom")
 
 
-def check_exported(files: Iterable[Path], tensor_parallel: int = 1) -> int:
+def check_exported(files: Iterable[Path], tensor_parallel: int = 1, paged_attention: str = DEFAULT_PA_KERNEL) -> int:
     """An exporter's exit status after ``--check``: 1 if any exported file breaks a rule (each printed), else 0."""
-    return 1 if report(files, lambda line: print(line, flush=True), tensor_parallel) else 0
+    return 1 if report(files, lambda line: print(line, flush=True), tensor_parallel, paged_attention) else 0
 
 
-def report(paths: Iterable[Path], out: Callable[[str], None], tensor_parallel: int = 1) -> int:
+def report(paths: Iterable[Path], out: Callable[[str], None], tensor_parallel: int = 1,
+           paged_attention: str = DEFAULT_PA_KERNEL) -> int:
     """``export --check``: check each MindIR file, write one line per violation (or that the file passed) and
     return how many violations there were."""
     total = 0
     for path in paths:
-        found = check_graph(read_graph(path), tensor_parallel=tensor_parallel)
+        found = check_graph(read_graph(path), tensor_parallel=tensor_parallel, paged_attention=paged_attention)
         total += len(found)
         out(f"check {path.name}: " + ("every contract rule holds" if not found else f"{len(found)} violation(s)"))
         for v in found:

@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exporting {len(args.shape or shapes)} graphs of {rc.device_target} {rc.dtype} ({backend.name} ops) "
           f"to {args.out}{note}", flush=True)
     done = export_graphs(runner, args.out, args.shape or shapes, lambda line: print(line, flush=True))
-    return check_exported((summary.path for _, summary in done), shard.tp) if args.check else 0
+    return check_exported((summary.path for _, summary in done), shard.tp,
+                          args.paged_attention_kernel) if args.check else 0
 
 
 if __name__ == "__main__":
