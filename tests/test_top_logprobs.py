@@ -68,6 +68,8 @@ def test_the_alternatives_are_transformers_log_softmax(served, which, k):
         assert [i for i, _ in top] == want.tolist(), pos
         np.testing.assert_allclose([lp for _, lp in top], row[want], atol=1e-4)
         assert logprob == pytest.approx(row[token], abs=1e-4)  # the chosen token, from the same distribution
+        if token in dict(top):  # one computation: the same number in token_logprobs and in top_logprobs
+            assert logprob == dict(top)[token], pos
     if which == 0:  # greedy: the chosen token is the first alternative
         assert [top[0][0] for top in res.top_logprobs] == res.token_ids
     else:

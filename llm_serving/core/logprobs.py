@@ -18,7 +18,8 @@ PromptLogprob = tuple[float, TopLogprobs]  # a prompt token's logprob, and its p
 
 
 def prompt_logprob(logits: npt.NDArray[np.float32], token: int, k: int) -> PromptLogprob:
-    """The logprob of prompt ``token`` under the row of the position before it, and that row's ``k`` best."""
+    """The logprob of ``token`` (a prompt token, or the one generated from this row) under the row of the position
+    before it, and that row's ``k`` best: one computation, so a token among its best has the same number in both."""
     x, lse = _with_logsumexp(logits)
     return float(x[token] - lse), _best(x, lse, k) if k else ()
 
