@@ -145,6 +145,21 @@ def test_lm_evals_loglikelihood_request_is_answered(standin_server):
         client.completions.create(model="llama2", prompt=[ids], max_tokens=0)
 
 
+def test_echo_of_a_string_prompt_joins_its_tokens_at_their_offsets(standin_server):
+    """Echo with logprobs on a string prompt: BOS keeps its piece (as vLLM shows it) at offset 0 adding no text,
+    the first word has no dummy-prefix space, and every token is the text at its offset, the answer's included."""
+    client = openai_client(standin_server)
+    prompt = "def main():\n    return 1"
+    done = client.completions.create(model="llama2", prompt=prompt, max_tokens=3, logprobs=1, echo=True,
+                                     temperature=0)
+    text, lp = done.choices[0].text, done.choices[0].logprobs
+    assert text.startswith(prompt) and lp.tokens[0] == "<s>" and lp.text_offset[:2] == [0, 0]
+    assert lp.tokens[1] and prompt.startswith(lp.tokens[1])  # no dummy-prefix space
+    assert "".join(lp.tokens[1:]) == text
+    for token, offset in zip(lp.tokens[1:], lp.text_offset[1:]):
+        assert text[offset:offset + len(token)] == token
+
+
 def test_only_a_finished_sequence_without_a_new_token_ends_its_stream():
     """A scored prompt with nothing to generate ends without a token; a sequence preempted (waiting again) or
     still short of its prompt's end with no new token must not (its stream would end without a finish reason)."""
