@@ -18,8 +18,7 @@ PromptLogprob = tuple[float, TopLogprobs]  # a prompt token's logprob, and its p
 
 
 def prompt_logprob(logits: npt.NDArray[np.float32], token: int, k: int) -> PromptLogprob:
-    """The logprob of ``token`` (a prompt token, or the one generated from this row) under the row of the position
-    before it, and that row's ``k`` best: one computation, so a token among its best has the same number in both."""
+    """The logprob of prompt ``token`` under the row of the position before it, and that row's ``k`` best."""
     x, lse = _with_logsumexp(logits)
     return float(x[token] - lse), _best(x, lse, k) if k else ()
 
@@ -27,6 +26,13 @@ def prompt_logprob(logits: npt.NDArray[np.float32], token: int, k: int) -> Promp
 def top_logprobs(logits: npt.NDArray[np.float32], k: int) -> TopLogprobs:
     """The ``k`` most likely tokens of one float32 ``[vocab]`` row, best first (ties: lower id first)."""
     return _best(*_with_logsumexp(logits), k)
+
+
+def with_chosen(top: TopLogprobs, token: int, logprob: float) -> TopLogprobs:
+    """``top`` with the chosen ``token``'s entry set to ``logprob``, the number its ``token_logprobs`` reports (the
+    agent's float32 one; recomputing here in float64 differed by up to 8e-7): one value per token, and the same
+    whether or not the request asks for alternatives."""
+    return tuple((i, logprob if i == token else lp) for i, lp in top)
 
 
 def _with_logsumexp(logits: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.float64], float]:
