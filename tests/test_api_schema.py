@@ -370,7 +370,7 @@ def scrape(m: ServerMetrics) -> tuple[str, dict[str, float]]:
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value.replace("+Inf", "inf"))
-            assert name.split("{")[0].replace("_", "").isalnum()
+            assert name.split("{")[0].removeprefix("vllm:").replace("_", "").isalnum()
     return text, samples
 
 

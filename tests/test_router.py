@@ -189,6 +189,7 @@ def test_requests_spread_by_load_and_a_shared_prefix_stays_on_one_engine(cluster
     assert sorted(by_prefix.values()) == [0, 3], by_prefix
     for engine in ("0", "1"):  # each engine's own metrics, labelled
         assert re.search(rf'llm_serving_running_batch_size\{{engine="{engine}"', metrics)
+        assert re.search(rf'vllm:num_requests_running\{{engine="{engine}",model_name=', metrics)  # the router's
     assert 'llm_serving_router_engine_up{engine="2"' in metrics
 
 

@@ -161,6 +161,50 @@ def test_health_models_and_metrics(fast):
     run(go())
 
 
+def test_vllm_metric_names_scraped_from_a_served_run(fast):
+    """vLLM's names, types, ``model_name`` label and buckets beside ours, counting what this run did."""
+    from llm_serving.api.vllm_metrics import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
+
+    lab = '{engine="0",model_name="llama2"}'
+
+    def hist(m: dict[str, float], name: str, what: str) -> float:
+        return m.get(f"vllm:{name}_{what}{lab}", 0.0)
+
+    async def go():
+        before = await metrics(fast.url)
+        for i in range(3):
+            status, res, _ = await post(fast.url + "/v1/completions", {"prompt": f"count {i} then", "max_tokens": 4,
+                                                                       "temperature": 0, "ignore_eos": True})
+            assert status == 200, res
+        m = await metrics(fast.url)
+        for name in ("num_requests_running", "num_requests_waiting"):
+            assert m[f"vllm:{name}{lab}"] >= 0
+        assert 0 <= m[f"vllm:kv_cache_usage_perc{lab}"] <= 1
+        assert m[f"vllm:num_preemptions_total{lab}"] >= 0
+        queried = m[f"vllm:prefix_cache_queries_total{lab}"] - before.get(f"vllm:prefix_cache_queries_total{lab}", 0)
+        assert queried >= 3 * 3  # every started prompt is looked up, a few tokens each
+        assert 0 <= m[f"vllm:prefix_cache_hits_total{lab}"] <= m[f"vllm:prefix_cache_queries_total{lab}"]
+        assert m[f"vllm:prefix_cache_queries_total{lab}"] == m["llm_serving_engine_prefix_cache_queried_tokens"]
+        for name, per_request in (("time_to_first_token_seconds", 1), ("inter_token_latency_seconds", 3),
+                                  ("e2e_request_latency_seconds", 1)):
+            assert hist(m, name, "count") - hist(before, name, "count") == 3 * per_request, name
+            assert hist(m, name, "sum") > hist(before, name, "sum")
+        assert m["vllm:time_to_first_token_seconds_count" + lab] == m["llm_serving_time_to_first_token_seconds_count"]
+        async with aiohttp.ClientSession() as s, s.get(f"{fast.url}/metrics") as r:
+            text = await r.text()
+        for name, buckets in (("time_to_first_token_seconds", TTFT_BUCKETS), ("inter_token_latency_seconds",
+                              ITL_BUCKETS), ("e2e_request_latency_seconds", E2E_BUCKETS)):
+            les = [line.split('le="')[1].split('"')[0] for line in text.splitlines()
+                   if line.startswith(f"vllm:{name}_bucket")]
+            assert les == [str(float(b)) for b in buckets] + ["+Inf"], name
+            assert f"# TYPE vllm:{name} histogram" in text
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            assert f"# TYPE vllm:{name} gauge" in text
+        for name in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits"):
+            assert f"# TYPE vllm:{name}_total counter" in text  # (prometheus_client names the family so)
+    run(go())
+
+
 def test_served_model_names_max_model_len_and_one_models_card(data_dir):
     """``--served-model-name`` (the first is the main name; ids may hold slashes), ``--max-model-len`` and
     ``GET /v1/models/{id}`` (404 with OpenAI's error body for a name not served)."""

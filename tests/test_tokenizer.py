@@ -388,3 +388,26 @@ def test_prompt_ids_are_transformers_for_spaces_and_special_tokens_in_the_text(t
              "<s>[INST] hi [/INST] ok </s><s>[INST] again", "\n\nstart"]
     for text in texts:
         assert ours.encode(text, add_bos=False) == hf(text, add_special_tokens=False)["input_ids"], text
+
+
+SHIPPED_PROMPTS = ["def", "def main():\n    return 1", " leading space", "two  spaces", "Hello, world!", "x = [1, 2]",
+                   "\n\nnewlines first", "tabs\tand\ttabs", "unicode é ü 中文", "emoji 🙂 here", "<s> inside text",
+                   "text then </s> eos", "a", "", "   ", "import os\nimport sys", "class A:\n    pass\n", "1234567890",
+                   "CamelCase snake_case", "# comment", "'quoted' \"double\"", "a\r\nb", "end with space ", "ÿ byte",
+                   "def f(x):\n\treturn x*2", "    indented", "print('hi')", "<unk> token", "mixed <s>text</s>", "🙂"]
+
+
+def test_the_shipped_model_directory_loads_in_transformers_with_the_servers_ids():
+    """Clients that tokenize themselves (guidellm, aiperf, lm-eval) load the embedded model's directory with
+    ``AutoTokenizer``: its tokenizer_config.json must give a Llama tokenizer with BOS and the server's ids."""
+    from transformers import AutoTokenizer
+
+    from llm_serving.models.default_model import TRAINED_MODEL
+    from llm_serving.tokenization.hf_tokenizer import load_tokenizer
+
+    ours, auto = load_tokenizer(TRAINED_MODEL), AutoTokenizer.from_pretrained(TRAINED_MODEL)
+    assert (auto.bos_token_id, auto.eos_token_id) == (ours.bos_id, ours.eos_id) == (1, 2)
+    assert len(SHIPPED_PROMPTS) == 30
+    for text in SHIPPED_PROMPTS:
+        assert auto(text)["input_ids"] == ours.encode(text), text
+        assert auto(text)["input_ids"][0] == 1

@@ -90,7 +90,7 @@ def test_a_named_function_and_required_give_valid_calls(tiny_server):
                                            tools=[WEATHER, TIME],
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
     choice = named.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.finish_reason == "stop" and choice.message.content is None  # a forced function: OpenAI's "stop"
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), schema_of("get_weather"))
@@ -105,7 +105,7 @@ def test_a_named_function_and_required_give_valid_calls(tiny_server):
                                               tool_choice={"type": "function", "function": {"name": "get_weather"}})
     deltas = [c.choices[0] for c in streamed if c.choices]
     calls = [d.delta.tool_calls[0] for d in deltas if d.delta.tool_calls]
-    assert deltas[-1].finish_reason == "tool_calls" and len(calls) > 3  # the arguments as they are generated
+    assert deltas[-1].finish_reason == "stop" and len(calls) > 3  # the arguments as they are generated
     assert calls[0].function.name == "get_weather" and calls[0].id.startswith("call_") and calls[1].id is None
     assert "".join(c.function.arguments for c in calls) == named.choices[0].message.tool_calls[0].function.arguments
     buffered = client.chat.completions.create(model="llama2", messages=ASK, max_tokens=80, temperature=0, stream=True,
@@ -141,3 +141,32 @@ def test_tokenize_takes_the_tools_as_the_chat_route_does(standin_server):
     assert status == 200 and with_tools["tokens"] == plain["tokens"]  # the Llama-2 format has no place for tools
     status, bad = tokenize({"messages": ASK, "tools": [{"type": "function", "function": {"name": "a b"}}]})
     assert status == 400 and "tools[0].function.name" in bad["error"]["message"]
+
+
+def test_required_with_the_shipped_model_answers_tool_calls(tmp_path):
+    """The embedded trained model, which never closes an open-ended list of calls itself: ``required`` ends
+    within ``MAX_PARALLEL_CALLS`` calls with finish_reason "tool_calls", each call valid; an answer cut short by
+    max_tokens is a 400 naming max_tokens (vLLM refuses unreadable calls), not raw JSON in ``content``."""
+    from test_server import ServerProcess
+
+    from llm_serving.api.tools import MAX_PARALLEL_CALLS
+    from tests.tiny_engine import set_args
+
+    server = ServerProcess(tmp_path, *set_args({"default_model.weights": "trained", "model_config.seq_length": [512],
+                                                "pa_config.decode_seq_length": 1024,
+                                                "model_config.prefill_batch_size": [1],
+                                                "model_config.decode_batch_size": [2]}))
+    try:
+        client = openai_client(server)
+        done = client.chat.completions.create(model="llama2", messages=ASK, max_tokens=500, temperature=0,
+                                              tools=[WEATHER, TIME], tool_choice="required")
+        choice = done.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        assert 1 <= len(choice.message.tool_calls) <= MAX_PARALLEL_CALLS
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schema_of(call.function.name))
+        with pytest.raises(openai.BadRequestError, match="max_tokens"):
+            client.chat.completions.create(model="llama2", messages=ASK, max_tokens=5, temperature=0,
+                                           tools=[WEATHER, TIME], tool_choice="required")
+    finally:
+        assert server.stop() == 0, server.output

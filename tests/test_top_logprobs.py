@@ -68,6 +68,8 @@ def test_the_alternatives_are_transformers_log_softmax(served, which, k):
         assert [i for i, _ in top] == want.tolist(), pos
         np.testing.assert_allclose([lp for _, lp in top], row[want], atol=1e-4)
         assert logprob == pytest.approx(row[token], abs=1e-4)  # the chosen token, from the same distribution
+        if token in dict(top):  # one computation: the same number in token_logprobs and in top_logprobs
+            assert logprob == dict(top)[token], pos
     if which == 0:  # greedy: the chosen token is the first alternative
         assert [top[0][0] for top in res.top_logprobs] == res.token_ids
     else:
@@ -141,6 +143,21 @@ def test_lm_evals_loglikelihood_request_is_answered(standin_server):
         client.completions.create(model="llama2", prompt=[ids], max_tokens=1, logprobs=1, echo=True, stream=True)
     with pytest.raises(openai.BadRequestError, match="0 only when scoring the prompt"):
         client.completions.create(model="llama2", prompt=[ids], max_tokens=0)
+
+
+def test_echo_of_a_string_prompt_joins_its_tokens_at_their_offsets(standin_server):
+    """Echo with logprobs on a string prompt: BOS keeps its piece (as vLLM shows it) at offset 0 adding no text,
+    the first word has no dummy-prefix space, and every token is the text at its offset, the answer's included."""
+    client = openai_client(standin_server)
+    prompt = "def main():\n    return 1"
+    done = client.completions.create(model="llama2", prompt=prompt, max_tokens=3, logprobs=1, echo=True,
+                                     temperature=0)
+    text, lp = done.choices[0].text, done.choices[0].logprobs
+    assert text.startswith(prompt) and lp.tokens[0] == "<s>" and lp.text_offset[:2] == [0, 0]
+    assert lp.tokens[1] and prompt.startswith(lp.tokens[1])  # no dummy-prefix space
+    assert "".join(lp.tokens[1:]) == text
+    for token, offset in zip(lp.tokens[1:], lp.text_offset[1:]):
+        assert text[offset:offset + len(token)] == token
 
 
 def test_only_a_finished_sequence_without_a_new_token_ends_its_stream():

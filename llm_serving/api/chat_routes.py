@@ -77,7 +77,7 @@ class ChatRoutes:
                 g.close()
         choices = []
         for j, answer in enumerate(answers):
-            message, reason = _message(req, answer.text, OPENAI_FINISH[answer.finish_reason])
+            message, reason = _message(req, answer.text, OPENAI_FINISH[answer.finish_reason], whole=True)
             choices.append({"index": j, "message": {"role": "assistant", **message},
                             "logprobs": self._logprobs(req, answer.tokens), "finish_reason": reason})
         transfer = await server.kv_transfer.export(req.kv_transfer, ids)  # a prefill engine's
@@ -129,7 +129,6 @@ class ChatRoutes:
                         call = {"index": 0, "id": call_ids[j], "type": "function",
                                 "function": {"name": function, "arguments": delta.text}}
                     content: dict[str, Any] = {"tool_calls": [call]} if delta.text or first else {}
-                    reason = "tool_calls" if reason == "stop" else reason
                 elif mode != "none":  # calls are known only from the whole answer: one delta at its end
                     held[j].append(delta)
                     if reason is None:
@@ -160,15 +159,18 @@ class ChatRoutes:
         return {"content": [_token_logprob(self.server.tokenizer, t, req.top_logprobs) for t in tokens]}
 
 
-def _message(req: ChatRequest, text: str, reason: str) -> tuple[dict[str, Any], str]:
+def _message(req: ChatRequest, text: str, reason: str, whole: bool = False) -> tuple[dict[str, Any], str]:
     """The assistant message of a finished choice (its content, or its tool calls) and its finish reason. Only a
-    complete answer is read for calls: one cut short by its token limit is its content."""
+    complete answer is read for calls: one cut short by its token limit is its content, or, ``whole`` (not
+    streamed: nothing sent yet), a 400 where calls were required (``ToolRequest.check_finished``)."""
+    if req.tools is not None and whole:
+        req.tools.check_finished(reason)
     if req.tools is None or reason != "stop":
         return {"content": text}, reason
     content, calls = req.tools.read(text)
     if not calls:
         return {"content": text}, reason
-    return {"content": content, "tool_calls": calls}, "tool_calls"
+    return {"content": content, "tool_calls": calls}, req.tools.finish_reason
 
 
 def _token_logprob(tok: AnyTokenizer, t: TokenInfo, top: int) -> dict[str, Any]:

@@ -124,9 +124,9 @@ class Generation:
         self.num_tokens += 1
         m.generation_tokens.inc()
         if self._last_token_time is None:
-            m.ttft.observe(now - self.arrival)
+            m.first_token(now - self.arrival)
         else:
-            m.tpot.observe(now - self._last_token_time)
+            m.next_token(now - self._last_token_time)
         self._last_token_time = now
 
     def _record(self) -> None:
@@ -140,4 +140,4 @@ class Generation:
             m.requests.labels("success").inc()
             m.finish_reasons.labels(reason).inc()
             if self._last_token_time is not None:
-                m.e2e.observe(self._last_token_time - self.arrival)
+                m.request_latency(self._last_token_time - self.arrival)

@@ -22,6 +22,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from llm_serving.api.vllm_metrics import VllmEngineCollector, VllmLatency
 from llm_serving.core.sequence import FINISH_REASONS
 
 PREFIX = "llm_serving_"
@@ -85,10 +86,11 @@ class ServerMetrics:
     """Everything ``/metrics`` shows: update the metrics from the server's event loop, ``render`` to scrape.
 
     ``engine_stats`` returns ``Engine.stats()`` (None while the engine loads); ``in_flight`` the number of
-    generations the server is serving.
+    generations the server is serving; ``model_name`` labels vLLM's series (``vllm_metrics``).
     """
 
-    def __init__(self, engine_stats: EngineStats = lambda: None, in_flight: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, engine_stats: EngineStats = lambda: None, in_flight: Callable[[], int] = lambda: 0,
+                 model_name: str = "") -> None:
         p, r = PREFIX, CollectorRegistry()
         self.registry = r
         self.requests = Counter(f"{p}requests_total", "HTTP generation requests by outcome", ["outcome"],
@@ -116,6 +118,20 @@ class ServerMetrics:
         Gauge(f"{p}requests_in_flight", "Generation requests being served by the HTTP server",
               registry=r).set_function(in_flight)
         r.register(_EngineCollector(engine_stats))
+        self.vllm = VllmLatency(model_name, r)
+        r.register(VllmEngineCollector(model_name, engine_stats))
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.vllm.ttft.observe(seconds)
+
+    def next_token(self, seconds: float) -> None:
+        self.tpot.observe(seconds)
+        self.vllm.itl.observe(seconds)
+
+    def request_latency(self, seconds: float) -> None:
+        self.e2e.observe(seconds)
+        self.vllm.e2e.observe(seconds)
 
     def render(self) -> bytes:
         """The exposition text (``CONTENT_TYPE``)."""

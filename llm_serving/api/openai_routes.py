@@ -211,13 +211,18 @@ def _alternatives(tok: AnyTokenizer, name: str, token: int, logprob: float,
 def _with_prompt(tok: AnyTokenizer, ids: list[int], scores: list[PromptLogprob],
                  generated: dict[str, Any]) -> dict[str, Any]:
     """The legacy ``logprobs`` object of an echoed prompt followed by its answer's: the first prompt token has no
-    logprob (null, as OpenAI and vLLM answer), every later one its logprob and its position's most likely tokens."""
+    logprob (null, as OpenAI and vLLM answer), every later one its logprob and its position's most likely tokens.
+
+    A prompt token's text is what it adds to the decoded prompt, so the tokens join to the echoed text at their
+    offsets (the first word has no dummy-prefix space); a special token (BOS) keeps its piece, as vLLM shows it,
+    at the offset of the text it precedes, adding none."""
     decoder = tok.incremental_decoder()
     names, offsets, offset = [], [], 0
     for token in ids:
-        names.append(tok.token_text(token))
+        text = decoder.push(token)
+        names.append(tok.token_text(token) if tok.is_special(token) else text)
         offsets.append(offset)
-        offset += len(decoder.push(token))
+        offset += len(text)
     tops: list[dict[str, float] | None] = [None]
     tops += [_alternatives(tok, name, token, logprob, top)
              for name, token, (logprob, top) in zip(names[1:], ids[1:], scores)]

@@ -75,7 +75,7 @@ class Server:
         self.failure: str | None = None
         self.created = int(time.time())
         self._live: set[Generation] = set()  # generations in flight
-        self.metrics = ServerMetrics(self._engine_stats, lambda: len(self._live))
+        self.metrics = ServerMetrics(self._engine_stats, lambda: len(self._live), self.model_name)
         self.app = self._build_app()
 
     # ---- lifecycle (used by serve) -------------------------------------------------------------------

@@ -3,15 +3,19 @@
 The tools go to the model's chat template (its ``tools`` variable, as transformers' ``apply_chat_template`` passes
 them); what the model answers is read back as tool calls:
 - ``tool_choice`` a named function: the answer is held to that function's ``parameters`` schema (structured output,
-  ``core.grammar``) and is the call's ``arguments``;
-- ``"required"``: held to a JSON list of calls ``[{"name": ..., "arguments": {...}}]`` (one when
-  ``parallel_tool_calls`` is false), each name one of the tools and its arguments that tool's schema;
+  ``core.grammar``) and is the call's ``arguments``; it finishes with "stop", as OpenAI and vLLM answer a forced
+  function;
+- ``"required"``: held to a JSON list of calls ``[{"name": ..., "arguments": {...}}]`` of one to
+  ``MAX_PARALLEL_CALLS`` calls (one when ``parallel_tool_calls`` is false), each name one of the tools and its
+  arguments that tool's schema. The bound lets a small model that keeps choosing "," end (it otherwise wrote calls
+  until max_tokens); an answer cut short before its list closes is an error, as vLLM's validation answers it;
 - ``"auto"`` (the default with tools): free text, read as calls where it is one, as the open models write them: Hermes'
   ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks (Qwen 2.5/3, Hermes), or an answer that is one
   JSON object ``{"name": ..., "arguments"|"parameters": ...}`` naming a tool (Llama 3.1's JSON tool calling);
   anything else is content;
 - ``"none"``: no calls are read.
-An answer with calls has ``finish_reason`` "tool_calls" and ``content`` the text outside the calls (null if none).
+Other answers with calls have ``finish_reason`` "tool_calls" and ``content`` the text outside the calls (null if
+none).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from llm_serving.describe import json_kind
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 MAX_TOOLS = 128
+MAX_PARALLEL_CALLS = 8  # calls in one "required" answer: past what one turn asks for, so a looping model ends
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _ANY_ARGUMENTS = {"type": "object"}
 
@@ -66,9 +71,21 @@ class ToolRequest:
             return None
         calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
                   "required": ["name", "arguments"], "additionalProperties": False} for t in self.tools]
-        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if self.parallel else
-                                                                               {"maxItems": 1})}
+        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1,
+                  "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}
         return OutputConstraint("json", json.dumps(schema), "tool_choice")
+
+    @property
+    def finish_reason(self) -> str:
+        """An answer with calls: "stop" for a named function (OpenAI's and vLLM's), "tool_calls" otherwise."""
+        return "stop" if self.choice == "function" else "tool_calls"
+
+    def check_finished(self, reason: str) -> None:
+        """``required`` must answer calls: one ended by its token limit before the list closed is a 400 (vLLM
+        refuses it too) rather than raw JSON text in ``content``."""
+        if self.choice == "required" and reason == "length":
+            raise invalid("tool_choice 'required': the answer reached max_tokens before its list of tool calls was "
+                          "complete; raise max_tokens", "max_tokens")
 
     def read(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """The answer's content (None when it is all calls) and its tool calls in OpenAI's shape."""

@@ -28,6 +28,13 @@ def top_logprobs(logits: npt.NDArray[np.float32], k: int) -> TopLogprobs:
     return _best(*_with_logsumexp(logits), k)
 
 
+def with_chosen(top: TopLogprobs, token: int, logprob: float) -> TopLogprobs:
+    """``top`` with the chosen ``token``'s entry set to ``logprob``, the number its ``token_logprobs`` reports (the
+    agent's float32 one; recomputing here in float64 differed by up to 8e-7): one value per token, and the same
+    whether or not the request asks for alternatives."""
+    return tuple((i, logprob if i == token else lp) for i, lp in top)
+
+
 def _with_logsumexp(logits: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.float64], float]:
     """The row in float64 and its log-sum-exp (a logit minus it is that token's logprob)."""
     x = np.asarray(logits, dtype=np.float64)

@@ -8,7 +8,7 @@ blocks, finish the request).
 
 from __future__ import annotations
 
-from llm_serving.core.logprobs import prompt_logprob, top_logprobs
+from llm_serving.core.logprobs import prompt_logprob, top_logprobs, with_chosen
 from llm_serving.core.sequence import Sequence
 from llm_serving.protocol.arrays import Float32s
 from llm_serving.protocol.batch import StepOutput
@@ -35,7 +35,7 @@ class OutputRows:
             if seq.num_output_tokens < seq.logits_tokens:
                 seq.logits.append(logits)
             if seq.params.top_logprobs:
-                seq.output_top.append(top_logprobs(logits, seq.params.top_logprobs))
+                seq.output_top.append(with_chosen(top_logprobs(logits, seq.params.top_logprobs), token, logprob))
         reason = self.append(seq, token, logprob)
         more, more_logprobs = output.more_token_ids, output.more_logprobs
         if reason is None and more is not None and more_logprobs is not None:

@@ -307,7 +307,8 @@ class RouterServer:
 
 class _Labelled:
     """A collector of the engines' scraped metrics, each sample with its engine's label added (one family per
-    name across engines, as Prometheus wants)."""
+    name across engines, as Prometheus wants). The router's ``engine`` replaces a server's own (vLLM's series
+    carry ``engine="0"``), so samples of different engines never collide."""
 
     def __init__(self, scraped: list[tuple[str, str]]) -> None:
         self.scraped = scraped
@@ -319,5 +320,5 @@ class _Labelled:
                 out = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type,
                                                             family.unit))
                 for s in family.samples:
-                    out.add_sample(s.name, {"engine": engine, **s.labels}, s.value, s.timestamp, s.exemplar)
+                    out.add_sample(s.name, {**s.labels, "engine": engine}, s.value, s.timestamp, s.exemplar)
         return list(merged.values())
