@@ -44,7 +44,7 @@ setup(
             # (tests/test_int8_checkpoint.py); it brings only loguru beyond torch and transformers
             "compressed-tensors",
             "openai",
-            "peft",  # LoRA adapters made and merged by PEFT itself, the reference for ours (tests/test_lora_adapters.py)
+            "peft",  # LoRA adapters made and merged by PEFT itself: the reference (tests/test_lora_adapters.py)
             "jsonschema",  # structured answers checked against their schema by the reference validator
             "ruff==0.17.6",
             "mypy==2.4.1",  # scripts/test.sh type-checks llm_serving ([tool.mypy] in pyproject.toml)
