@@ -45,9 +45,9 @@ def export_graphs(runner: ModelRunner, out_dir: str | Path, shapes: list[tuple] 
                   progress: Callable[[str], None] | None = None) -> list[tuple[tuple, GraphSummary]]:
     """Export ``shapes`` (default: every warm-up shape) of the runner's graphs to ``out_dir``, each with the
     inputs ``warmup()`` runs it with and named by its graph family (``agents.tools.mindir.export_shapes``). With
-    ``dynamic_shapes`` the default is each family's one graph, its input dimensions open, as the device compiles it;
-    ``infer_boost`` is then on, as there (MindSpore 2.10 exports these graphs either way)."""
-    dynamic = runner.rc.dynamic_shapes
+    ``dynamic_shapes`` the default is each family's one graph, its input dimensions open, as the device compiles it
+    (``infer_boost`` on, as there); shapes named in ``shapes`` are exported as given."""
+    dynamic = runner.rc.dynamic_shapes and shapes is None
     if shapes is None:
         shapes = runner.graph_shapes()
         if dynamic:
