@@ -149,7 +149,8 @@ class LlamaLayer(nn.Cell):
                   positions: Tensor | None = None) -> Tensor:
         """``rows`` [1]: the real (leading) token rows of ``x``, for backends that skip the padding after them.
         ``context_lens``: given in steps whose queries attend to cached context (``agents.runtime.mixed_steps``;
-        ``lens`` then holds the query lengths, and ``positions`` the tokens'); None, a graph constant, in the prefill
+        ``lens`` then holds the query lengths, and ``positions`` the tokens' or what the attention's ``chunk_input``
+        made of them once for all layers); None, a graph constant, in the prefill
         and decode graphs."""
         qkv = self.norm_qkv(x, self.attention_norm, self.w_qkv.operands(), rows)
         if self.has_qkv_bias:
@@ -206,8 +207,11 @@ class LlamaModel(nn.Cell):
         x = self.embed(self.embed_tokens, input_ids)
         cos = ops.gather(self.cos, positions, 0)
         sin = ops.gather(self.sin, positions, 0)
+        chunk_input = positions
+        if context_lens is not None:  # once for all layers (an Ascend step's attention mask)
+            chunk_input = self.layers[0].attention.chunk_input(positions, block_tables, lens)
         for layer in self.layers:
-            x = layer(x, cos, sin, slot_mapping, lens, block_tables, token_rows, is_prefill, context_lens, positions)
+            x = layer(x, cos, sin, slot_mapping, lens, block_tables, token_rows, is_prefill, context_lens, chunk_input)
         return x
 
     def logits(self, last_hidden: Tensor, sequence_rows: Tensor) -> Tensor:

@@ -13,6 +13,7 @@ is missing (another MindSpore version) every call takes ``Cell.__call__``, which
 
 from __future__ import annotations
 
+import numpy as np
 from mindspore import JitConfig, Tensor, nn
 
 try:
@@ -27,6 +28,11 @@ def _signature(inputs: tuple[Tensor, ...]) -> tuple:
     return tuple((tuple(t.shape), t.dtype) for t in inputs)
 
 
+def dynamic_inputs(arrays: list[np.ndarray]) -> list[Tensor]:
+    """Placeholders of the arrays' ranks and dtypes with every dimension open (``Tensor(shape=[None, ...])``)."""
+    return [Tensor(shape=[None] * a.ndim, dtype=Tensor(a[:0]).dtype) for a in arrays]
+
+
 class CompiledCell:
     """A graph-mode Cell whose calls of an already compiled input signature skip ``Cell.__call__``.
 
@@ -38,6 +44,11 @@ class CompiledCell:
         self.cell = cell
         self._phases: dict[tuple, str] = {}
         self._direct = _executor is not None and hasattr(_executor, "_graph_executor")
+
+    def set_dynamic(self, arrays: list[np.ndarray]) -> None:
+        """Compile one graph for inputs of these arrays' ranks and dtypes, every dimension open (``set_inputs`` with
+        None dims): each later shape runs on it instead of compiling a graph of its own."""
+        self.cell.set_inputs(*dynamic_inputs(arrays))
 
     def compile(self, *inputs: Tensor) -> None:
         self.cell.compile(*inputs)

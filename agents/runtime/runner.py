@@ -28,7 +28,7 @@ from agents.model.parallel import agreed_costs, sharded_graphs
 from agents.runtime.decode_family import Decode
 from agents.runtime.device import apply_jit_config, setup_device
 from agents.runtime.graph_call import CompiledCell
-from agents.runtime.graph_family import CostTable, GraphFamily, warmup_shapes_of
+from agents.runtime.graph_family import CostTable, GraphFamily, by_graph, warmup_shapes_of
 from agents.runtime.graph_runner import FamilyRunner
 from agents.runtime.mixed_families import PaddedMixed, RaggedMixed
 from agents.runtime.mixed_steps import MixedStep
@@ -69,6 +69,12 @@ def warmup_shapes(rc: RunnerConfig, ragged_prefill: bool) -> list[tuple]:
     tokens), mixed, verify or ("decode", batch, block-table width); the runner warms these and ``agents.tools.export``
     exports them."""
     return warmup_shapes_of(graph_families(rc, ragged_prefill))
+
+
+def compiled_graphs(rc: RunnerConfig, ragged_prefill: bool) -> dict[str, int]:
+    """The graphs warm-up compiles, by family: one per warm-up shape, or one per family with ``dynamic_shapes``."""
+    counts = {name: len(family.shapes()) for name, family in by_graph(graph_families(rc, ragged_prefill)).items()}
+    return {name: min(n, 1) if rc.dynamic_shapes else n for name, n in counts.items() if n}
 
 
 class ModelRunner(FamilyRunner):
@@ -122,8 +128,13 @@ class ModelRunner(FamilyRunner):
             verify = VerifyStep(self.model)
             apply_jit_config(verify, rc.device_target)
             self.graphs["verify"] = CompiledCell(verify)
+        cells = self.graphs
         super().__init__(rc, sharded_graphs(self.graphs, self.shard),  # tensor parallel: logits gathered when read
                          lambda costs: graph_families(rc, self.ragged_prefill, self.backend, costs))
+        if rc.dynamic_shapes:  # one graph per family: its first warm-up shape compiles it for every shape
+            for name, family in by_graph(self.families).items():
+                if shapes := family.shapes():
+                    cells[name].set_dynamic(family.warmup_inputs(shapes[0]))
 
     @property
     def ragged_prefill(self) -> bool:

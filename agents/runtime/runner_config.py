@@ -47,6 +47,9 @@ class RunnerConfig:
     # 0: no verify graphs
     verify_tokens: int = 0
     verify_step_tokens: int | None = None  # the tokens one verify step carries at most (None: a full decode batch's)
+    # one compiled graph per family, its inputs' dimensions left open (``Cell.set_inputs`` with None dims, as
+    # MindFormers and vllm-mindspore compile theirs); the buckets still pad and plan the calls (docs/ascend.md)
+    dynamic_shapes: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -44,10 +44,16 @@ def export_runner(config: LlamaConfig, rc: RunnerConfig, weights: dict[str, np.n
 def export_graphs(runner: ModelRunner, out_dir: str | Path, shapes: list[tuple] | None = None,
                   progress: Callable[[str], None] | None = None) -> list[tuple[tuple, GraphSummary]]:
     """Export ``shapes`` (default: every warm-up shape) of the runner's graphs to ``out_dir``, each with the
-    inputs ``warmup()`` runs it with and named by its graph family (``agents.tools.mindir.export_shapes``)."""
-    shapes = shapes if shapes is not None else runner.graph_shapes()
-    with infer_boost(int8_caches(runner)):
-        return export_shapes(runner, lambda kind: step_cell(runner.graphs[kind]), out_dir, shapes, progress)
+    inputs ``warmup()`` runs it with and named by its graph family (``agents.tools.mindir.export_shapes``). With
+    ``dynamic_shapes`` the default is each family's one graph, its input dimensions open, as the device compiles it
+    (``infer_boost`` on, as there); shapes named in ``shapes`` are exported as given."""
+    dynamic = runner.rc.dynamic_shapes and shapes is None
+    if shapes is None:
+        shapes = runner.graph_shapes()
+        if dynamic:
+            shapes = [next(s for s in shapes if s[0] == kind) for kind in dict.fromkeys(s[0] for s in shapes)]
+    with infer_boost(dynamic or int8_caches(runner)):
+        return export_shapes(runner, lambda kind: step_cell(runner.graphs[kind]), out_dir, shapes, progress, dynamic)
 
 
 def int8_caches(runner: ModelRunner) -> bool:

@@ -24,6 +24,8 @@ import numpy as np
 from mindspore import Tensor, nn
 from mindspore.train import mind_ir_pb2
 
+from agents.runtime.graph_call import dynamic_inputs
+
 # the fused NPU primitives of the Ascend backend, in the order the summary lists them
 FUSED_PRIMITIVES = ("ReshapeAndCache", "PagedAttention", "FlashAttentionScore", "ApplyRotaryPosEmb", "RmsNorm",
                     "Swiglu", "ArgMaxWithValue")
@@ -241,18 +243,25 @@ def describe(shape: tuple, unit: str, summary: GraphSummary, label: str = "") ->
 
 
 def export_shapes(runner, graph_of: Callable[[str], nn.Cell], out_dir: str | Path, shapes: list[tuple],
-                  progress: Callable[[str], None] | None = None) -> list[tuple[tuple, GraphSummary]]:
+                  progress: Callable[[str], None] | None = None,
+                  dynamic: bool = False) -> list[tuple[tuple, GraphSummary]]:
     """Export each shape's graph (``graph_of(kind)``) to ``out_dir`` with the inputs the runner's warm-up runs it
     with (``runner.warmup_inputs(shape)``), named and described by the runner's family of its kind
     (``runner.family(kind)``, an ``agents.runtime.graph_runner.FamilyRunner``'s, and ``runner.label``), and read
-    each file back."""
+    each file back. ``dynamic``: with those inputs' dimensions left open (one graph per family serves every
+    shape), named ``KIND_dynamic``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     done = []
     for shape in shapes:
         family = runner.family(shape[0])
-        path = out / graph_file_name(shape, family.tag, runner.label)
-        inputs = [Tensor(a) for a in runner.warmup_inputs(shape)]
+        arrays = runner.warmup_inputs(shape)
+        if dynamic:
+            path = out / ((f"{runner.label}_" if runner.label else "") + f"{shape[0]}_dynamic")
+            inputs = dynamic_inputs(arrays)
+        else:
+            path = out / graph_file_name(shape, family.tag, runner.label)
+            inputs = [Tensor(a) for a in arrays]
         ms.export(graph_of(shape[0]), *inputs, file_name=str(path), file_format="MINDIR")
         summary = read_mindir(path.with_suffix(".mindir"))
         done.append((shape, summary))

@@ -65,6 +65,9 @@ class ModelSection:
     quantization: str = setting("none", "str")  # none; w8a16: int8 weights of the layers' projections
     kv_cache_dtype: str = setting("auto", "str")  # auto (the model's dtype); int8: per token and kv head scales
     backend: str = setting("ms", "str")
+    # one graph per step family with open input dimensions (Cell.set_inputs with None dims); None: on for Ascend
+    # (backend ms), off on CPU, whose dynamic-shape graphs ran 3-13x slower (docs/ascend.md)
+    dynamic_shapes: bool | None = setting(None, "bool", optional=True)
     model_cfg_path: str | None = setting(None, "path", optional=True)
     # early exit: serve only the first N decoder layers (then the final norm and lm_head); None: every layer
     early_exit_layer: int | None = setting(None, "int", optional=True)
@@ -103,7 +106,17 @@ class ModelSection:
             need(all(x > 0 for x in b), source, f"model_config.{key}", f"buckets must be positive, got {list(b)}")
             need(list(b) == sorted(set(b)), source, f"model_config.{key}",
                  f"buckets must be sorted and unique: {list(b)}")
+        need(not self.dynamic_shapes or (self.device_target == "Ascend" and not mindformers), source,
+             "model_config.dynamic_shapes", "dynamic-shape graphs are built for the Ascend kernels of backend ms "
+             f"(got device_target {self.device_target}, backend {self.backend})")
         self._validate_kernels(source, mindformers)
+
+    @property
+    def dynamic_graphs(self) -> bool:
+        """``dynamic_shapes`` as set, else on for our Ascend graphs only."""
+        if self.dynamic_shapes is not None:
+            return self.dynamic_shapes
+        return self.device_target == "Ascend" and self.backend == "ms"
 
     def _validate_kernels(self, source: str, mindformers: bool) -> None:
         """kernels, precision, quantization and kv_cache_dtype, each with the device, dtype and backend it needs."""

@@ -216,22 +216,29 @@ class AscendAttention(Attention):
         return out.reshape(batch, self.hidden)
 
     def chunked(self, qkv: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, query_lens: Tensor,
-                context_lens: Tensor, block_tables: Tensor, positions: Tensor) -> Tensor:
+                context_lens: Tensor, block_tables: Tensor, mask: Tensor) -> Tensor:
         """Queries over cached context by PagedAttention's multi-token path, as vllm-mindspore runs chunked prefill
         and prefix-cache hits: ``q_seq_lens`` (``query_lens``) rows per sequence, the last of its
         ``batch_valid_length`` (``context_lens``) positions, each row masked past its position. The lengths are the
         step's graph inputs of those names, filled by ``mixed_lengths`` to cover the bucket and ``max_seqs``
-        appended rows (as ``prefill``)."""
+        appended rows (as ``prefill``). ``mask``: the step's ``chunk_input``."""
         q, _, _ = self.rope_and_write(qkv, cos, sin, slot_mapping, context_lens)
         tokens, seqs = q.shape[0], query_lens.shape[0]
         rows = tokens + seqs
         q = self.appended(q, seqs).reshape(rows, self.n_heads, self.head_dim)
-        at = ops.concat((positions, ops.zeros(seqs, positions.dtype)))  # appended rows: position 0
-        span = block_tables.shape[1] * self.block_size  # the kv positions a table reaches
-        later = ops.arange(span).astype(at.dtype).reshape(1, span) > at.reshape(rows, 1)
-        mask = later.astype(self.dtype) * CHUNK_MASK_VALUE
         out = self.attend_paged(q, block_tables, context_lens, mask, query_lens)
         return out.reshape(rows, self.hidden)[:tokens]
+
+    def chunk_input(self, positions: Tensor, block_tables: Tensor, query_lens: Tensor) -> Tensor:
+        """The mask rows PagedAttention's multi-token path reads, built once per step graph and shared by every
+        layer (an 8,320 x 4,096 float16 mask in the largest mixed bucket of the 910B config: 68 MB per build):
+        each query row masks the kv positions after its own, over all the block table reaches; the rows
+        ``chunked`` appends sit at position 0."""
+        seqs = query_lens.shape[0]
+        at = ops.concat((positions, ops.zeros(seqs, positions.dtype)))  # appended rows: position 0
+        span = block_tables.shape[1] * self.block_size  # the kv positions a table reaches
+        later = ops.arange(span).astype(at.dtype).reshape(1, span) > at.reshape(-1, 1)
+        return later.astype(self.dtype) * CHUNK_MASK_VALUE
 
 
 class AscendProjection(nn.Cell):

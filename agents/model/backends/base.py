@@ -46,8 +46,13 @@ class Attention(nn.Cell):
         query_lens[b]`` on; each writes its K/V at ``slot_mapping`` and attends to its context up to itself, read
         through ``block_tables``. Tokens are back to back where the backend's ``ragged_prefill`` says so, else in
         a padded ``[batch, seq]`` bucket; ``positions`` are theirs (for kernels that take a mask by position).
-        Backends with ``chunked_prefill`` implement it."""
+        Backends with ``chunked_prefill`` implement it; ``positions`` is what ``chunk_input`` made of them."""
         raise NotImplementedError(f"{type(self).__name__} has no attention over cached context")
+
+    def chunk_input(self, positions: Tensor, block_tables: Tensor, query_lens: Tensor) -> Tensor:
+        """What ``chunked`` takes last, made once per step graph before the layer loop (every layer shares it): the
+        tokens' positions here; a backend whose kernel takes a mask built from them returns that mask instead."""
+        return positions
 
 
 class OpsBackend:
