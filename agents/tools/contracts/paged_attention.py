@@ -80,7 +80,7 @@ def _pa_queries(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str
         yield "multi-token queries (q_seq_lens) need a mask row per query token, got none"
     elif dims is None or len(dims) != 2 or dtype != _dtype(node.inputs[PA_QUERY]):
         yield f"the mask must be 2-D (query tokens, positions) in the compute dtype, got {info or _where(mask)}"
-    elif query and dims[0] != query[0]:
+    elif query and _known(dims[0], query[0]) and dims[0] != query[0]:
         yield f"the mask has {dims[0]} rows for {query[0]} query tokens"
 
 
@@ -100,6 +100,8 @@ def _pa_mask_width(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[
     if info is None or not cache or not tables or len(cache) != 4 or len(tables) != 2:
         return
     width, reach = info.shape[1], tables[1] * cache[1]
+    if not _known(width, tables[1]):
+        return  # a dynamic-shape graph: the values rule traces the width to the table's reach instead
     if width < reach:
         yield f"the mask's {width} positions do not reach the {reach} a block table covers"
     elif width > reach and expect.paged_attention == "custom":
@@ -107,7 +109,9 @@ def _pa_mask_width(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[
                "refuses a mask wider than the key cache's max kv_seq_len)")
 
 
-
+def _known(*dims: int) -> bool:
+    """Whether every one of ``dims`` is a size, not a dynamic-shape graph's -1 (which matches nothing)."""
+    return all(d >= 0 for d in dims)
 
 
 POSITIONS_INPUT = "positions"  # the step's graph input holding each query token's position (agents/model/llama.py)
@@ -153,15 +157,60 @@ def _pa_mask_values(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator
                f"{compare.op if compare is not None else _where(flags)}")
         return
     row_at, col_at = _MASKED_LATER[compare.op]
-    row, col = _through(graph, compare.inputs[row_at])[0], compare.inputs[col_at]
-    row_dims, col_dims = _dims(row) or getattr(row.value, "shape", None), _dims(col)
+    row_src, col = compare.inputs[row_at], compare.inputs[col_at]
+    row, row_producer = _through(graph, row_src)
+    row_dims = _dims(row_src) or _dims(row) or getattr(row.value, "shape", None)
+    col_dims = _dims(col)
     if not (row_dims and len(row_dims) == 2 and row_dims[0] == 1 and col_dims and col_dims[-1] == 1):
         yield (f"the mask's direction is flipped: {compare.op} must compare the kv positions row (1, W) against the "
                f"query positions column (T, 1), got {row_dims} against {col_dims}")
-    elif row.array is not None and not np.array_equal(np.asarray(row.array).reshape(-1), np.arange(row_dims[1])):
-        yield f"the mask's kv positions row must be 0..{row_dims[1] - 1}, got {np.asarray(row.array).reshape(-1)[:4]}"
-    elif (at := _through(graph, col)[0]).kind != "input" or at.name != POSITIONS_INPUT:
+    elif row.array is not None:
+        if not np.array_equal(np.asarray(row.array).reshape(-1), np.arange(row_dims[1])):
+            yield (f"the mask's kv positions row must be 0..{row_dims[1] - 1}, got "
+                   f"{np.asarray(row.array).reshape(-1)[:4]}")
+    elif (why := _range_over_reach(graph, row, row_producer, node)) is not None:
+        yield why
+    if (at := _through(graph, col)[0]).kind != "input" or at.name != POSITIONS_INPUT:
         yield f"the mask's query positions must be the graph input {POSITIONS_INPUT!r}, got {_where(at)}"
+
+
+def _range_over_reach(graph: GraphNodes, row: Source, producer: OpNode | None, node: OpNode) -> str | None:
+    """None if the kv positions row of a dynamic-shape graph is ``Range(0, block_tables.shape[1] * block_size, 1)``
+    (the positions a table reaches: the width both kernels read rows to), else what it is."""
+    if producer is None or producer.op != "Range":
+        return f"the mask's kv positions row must be 0..W-1 (a constant or a Range), got {_where(row)}"
+    start, limit, delta = producer.inputs[:3]
+    if start.value != 0 or delta.value != 1:
+        return f"the mask's kv positions row must count from 0 by 1, got Range({start.value}, ..., {delta.value})"
+    cache, tables = _dims(node.inputs[PA_KEY_CACHE]), node.inputs[PA_BLOCK_TABLES]
+    product = _scalar_origin(graph, limit)
+    if product is None or product.op != "ScalarMul":
+        return f"the mask's width must be the block table's width x block_size, got {_where(limit)}"
+    factors = [f.value if f.kind == "constant" else _shape_dim_of(graph, f) for f in product.inputs[:2]]
+    want = {cache[1] if cache and len(cache) == 4 else None, ("width of", _through(graph, tables)[0].name)}
+    if set(factors) != want:
+        return (f"the mask's width must be the block table's width x block_size {cache[1] if cache else '?'}, got "
+                f"the product of {factors}")
+    return None
+
+
+def _scalar_origin(graph: GraphNodes, source: Source) -> OpNode | None:
+    """The op computing a scalar, through the tensor/scalar conversions MindSpore inserts."""
+    node = graph.producer(source)
+    while node is not None and node.op in ("TensorToScalar", "ScalarToTensor", "ScalarCast"):
+        node = graph.producer(node.inputs[0])
+    return node
+
+
+def _shape_dim_of(graph: GraphNodes, source: Source) -> tuple[str, str] | None:
+    """``("width of", name)`` when ``source`` is ``Shape(x)[1]`` of the tensor named ``name``, else None."""
+    item = graph.producer(source)
+    if item is None or item.op != "TupleGetItem" or item.inputs[1].value != 1:
+        return None
+    shape = graph.producer(item.inputs[0])
+    if shape is None or shape.op != "Shape":
+        return None
+    return "width of", _through(graph, shape.inputs[0])[0].name
 
 
 def _pa_plain_attention(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:
