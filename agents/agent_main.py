@@ -269,8 +269,8 @@ def fed_inputs(picked: np.ndarray | None, batch: StepBatch) -> np.ndarray:
         raise RuntimeError("the step before failed or returned no tokens to feed this step's inputs")
     rows = batch.fed_rows
     fed = rows >= 0  # a mixed step's other rows are prompt chunks with their own ids
-    if np.any(rows[fed] >= picked.shape[0]):
-        raise RuntimeError(f"this step feeds rows up to {rows.max()} of the step before, which picked "
+    if fed.any() and int(rows.max()) >= picked.shape[0]:
+        raise RuntimeError(f"this step feeds rows {rows[fed].min()}..{rows.max()} of the step before, which picked "
                            f"{picked.shape[0]} tokens")
     picks = np.maximum(picked[rows[fed]], 0).astype(np.int32)  # a row that failed on its own: its sequence ends
     if fed.all() and batch.num_tokens == rows.shape[0]:
