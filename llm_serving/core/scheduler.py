@@ -31,12 +31,17 @@ sequence is greedy with nothing to report between tokens, a decode batch asks th
 (``StepBatch.num_steps``), its blocks reserved for all of them; ``postprocess`` appends the later tokens up to an
 end (EOS, a stop id, the limit), discarding the rest. The master's turnaround is then paid once per k tokens.
 
-Asynchronous scheduling (``schedule_ahead``): while a decode step runs (of one step or several), the next one of the
-same sequences is scheduled and sent before the step's results are known, its input tokens the agents' own picks
-(``StepBatch.fed_rows``), so the agents never wait for the master between steps. Only where nothing can change
-between the two steps: nothing waits to be admitted, every running sequence is in the step, greedy without logits to
-report, and the next positions' blocks are free; a sequence the step gives its last token is left out. One that ends
-otherwise with the step (EOS, a stop string) has its token of the step ahead discarded, its blocks freed as usual.
+Asynchronous scheduling (``schedule_ahead``): while a step runs whose every row reaches its sequence's end (a decode
+step of one step or several, or a prefill or mixed step whose chunks all end their prompts), the next step of the
+same sequences is scheduled and sent before the step's results are known, their input tokens the agents' own picks
+(``StepBatch.fed_rows``), so the agents never wait for the master between steps. With chunked prefill that step ahead
+also admits waiting requests, their first chunks after the fed rows (a mixed step; vLLM v1 admits in its step ahead
+too), so a steady stream of arrivals keeps the pipeline full. Only where nothing can change between the two steps:
+every running sequence is in the step, greedy without logits to report, and the next positions' blocks are free
+(admission never preempts); a sequence the step gives its last token is left out. Without chunked prefill, or when
+none of the waiting fits, a waiting request makes the master wait for the step's results. A sequence that ends
+otherwise with the step (EOS, a stop string, an abort) has its token of the step ahead discarded, its blocks freed
+as usual.
 
 When a decode step needs a KV block and none is free, the most recently admitted running sequence is
 preempted by recompute: its blocks are freed and it goes back to the front of the queue; its next prefill
