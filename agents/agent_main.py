@@ -268,10 +268,16 @@ def fed_inputs(picked: np.ndarray | None, batch: StepBatch) -> np.ndarray:
     if picked is None:
         raise RuntimeError("the step before failed or returned no tokens to feed this step's inputs")
     rows = batch.fed_rows
-    if rows.size and not 0 <= int(rows.min()) <= int(rows.max()) < picked.shape[0]:
-        raise RuntimeError(f"this step feeds rows {rows.min()}..{rows.max()} of the step before, which picked "
+    fed = rows >= 0  # a mixed step's other rows are prompt chunks with their own ids
+    if fed.any() and int(rows.max()) >= picked.shape[0]:
+        raise RuntimeError(f"this step feeds rows {rows[fed].min()}..{rows.max()} of the step before, which picked "
                            f"{picked.shape[0]} tokens")
-    return np.maximum(picked[rows], 0).astype(np.int32)  # a row that failed on its own: its sequence ends, any id
+    picks = np.maximum(picked[rows[fed]], 0).astype(np.int32)  # a row that failed on its own: its sequence ends
+    if fed.all() and batch.num_tokens == rows.shape[0]:
+        return picks
+    ids = np.array(batch.input_ids, np.int32)  # a copy: the batch is a view into shared memory
+    ids[(np.cumsum(batch.query_lens) - batch.query_lens)[fed]] = picks  # a fed row's one token
+    return ids
 
 
 def last_picks(output: StepOutput) -> np.ndarray | None:

@@ -1,6 +1,7 @@
 """Low load, served and in process, side by side in one run: asynchronous scheduling and multi-step decoding.
 
     python scripts/bench_low_load.py [--variants sync,async,sync-k4] [--levels 1,8] [--rounds 3] [--num-prompts 32]
+                                     [--qps R --in-process-only]
 
 The bench model (scripts/benchmark.py's, random weights, float32) and its alpaca-shaped workload (token-id prompts,
 greedy, EOS ignored, outputs capped at ``--max-output-tokens``). A variant is ``sync`` or ``async``
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
+import random
 import resource
 import statistics
 import sys
@@ -42,12 +45,17 @@ from loadtest.dataset import BenchRequest
 from loadtest.protocol import BenchConfig
 
 
-async def in_process(engine: Engine, prompts: list[tuple[list[int], int]], level: int) -> tuple[float, float]:
-    """(output tokens/s, median ms per output token after the first) with at most ``level`` in flight."""
-    slots = asyncio.Semaphore(level)
+async def in_process(engine: Engine, prompts: list[tuple[list[int], int]], level: int,
+                     qps: float = 0.0) -> tuple[float, float]:
+    """(output tokens/s, median ms per output token after the first) with at most ``level`` in flight; ``qps`` > 0:
+    the requests arrive as a Poisson stream of that rate instead (seeded: every variant gets the same gaps)."""
+    slots = asyncio.Semaphore(level if qps <= 0 else len(prompts))
     per_token: list[float] = []
+    gaps = random.Random(0)
+    starts = list(itertools.accumulate(gaps.expovariate(qps) if qps > 0 else 0.0 for _ in prompts))
 
-    async def one(ids: list[int], n: int) -> int:
+    async def one(ids: list[int], n: int, start: float) -> int:
+        await asyncio.sleep(start)
         async with slots:
             stream = engine.submit(ids, SamplingParams(n, ignore_eos=True))
             times = []
@@ -59,7 +67,7 @@ async def in_process(engine: Engine, prompts: list[tuple[list[int], int]], level
             return len(times)
 
     t0 = time.perf_counter()
-    tokens = sum(await asyncio.gather(*(one(ids, n) for ids, n in prompts)))
+    tokens = sum(await asyncio.gather(*(one(ids, n, at) for (ids, n), at in zip(prompts, starts))))
     return tokens / (time.perf_counter() - t0), statistics.median(per_token) * 1e3
 
 
@@ -111,6 +119,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-output-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--qps", type=float, default=0.0, help="in process: Poisson arrivals of this rate (level ignored)")
+    ap.add_argument("--in-process-only", action="store_true", help="skip the served runs")
     ap.add_argument("--work-dir", default="/tmp/llm-serving-bench-low-load")
     args = ap.parse_args()
     variants = args.variants.split(",")
@@ -138,7 +148,11 @@ def main() -> None:
                 engine.submit(prompts[0][0], SamplingParams(4)).result(timeout=600)  # warm
                 for level in levels:
                     rows.setdefault(("in process", k, level), []).append(accounted(
-                        lambda n=level: asyncio.run(in_process(engine, prompts, n)), engine.agent_pids, None))
+                        lambda n=level: asyncio.run(in_process(engine, prompts, n, args.qps)), engine.agent_pids,
+                        None))
+            if args.in_process_only:
+                print(f"round {rnd + 1} {k} done", file=sys.stderr, flush=True)
+                continue
             with running_server(configs[k], work / f"server-{k}.log", cwd=ROOT) as (port, _):
                 served(port, prompts[:8], 1)  # warm
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as health:

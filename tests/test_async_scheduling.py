@@ -44,24 +44,38 @@ class FeedingModel:
         return out
 
 
-def serve(s: Scheduler, seqs: list[Sequence], end_after: dict[str, int] | None = None) -> int:
+def serve(s: Scheduler, seqs: list[Sequence], end_after: dict[str, int] | None = None,
+          arrivals: dict[int, list[Sequence]] | None = None, aborts: dict[int, str] | None = None,
+          sent: list[StepBatch] | None = None) -> int:
     """Serve ``seqs`` as the engine loop does with asynchronous scheduling: a step is computed when it is sent, the
     step ahead is sent before the one in flight is postprocessed. ``end_after``: request id -> the number of its
-    tokens after which it is finished as a stop string would end it (between postprocess and the next step). Returns
-    how many steps were sent ahead."""
+    tokens after which it is finished as a stop string would end it (between postprocess and the next step).
+    ``arrivals``: loop turn -> requests that arrive while that turn's step is in flight (before the step ahead is
+    scheduled); ``aborts``: loop turn -> a request aborted while that turn's step and the one ahead are in flight;
+    ``sent``: collects the steps sent ahead. Returns how many steps were sent ahead."""
     for seq in seqs:
         s.add(seq)
+    arrivals, aborts = dict(arrivals or {}), aborts or {}
     model, ahead_steps, in_flight = FeedingModel(s), 0, None
-    multi_ahead = 0
-    while s.has_unfinished() or in_flight is not None:
+    multi_ahead, turn = 0, 0
+    while s.has_unfinished() or in_flight is not None or arrivals:
+        for seq in arrivals.pop(turn, []):
+            s.add(seq)
+        turn += 1
         if in_flight is None:
-            scheduled, batch = s.schedule()
-            in_flight = scheduled, batch, model.run(batch)
+            step = s.schedule()
+            if step is None:
+                continue
+            in_flight = (*step, model.run(step[1]))
         scheduled, batch, out = in_flight
         nxt = s.schedule_ahead(scheduled, batch)
         ahead = None if nxt is None else (*nxt, model.run(nxt[1]))
         ahead_steps += ahead is not None
         multi_ahead += ahead is not None and ahead[1].num_steps > 1 and batch.num_steps > 1
+        if ahead is not None and sent is not None:
+            sent.append(ahead[1])
+        if turn - 1 in aborts:
+            s.abort(aborts[turn - 1])
         s.postprocess(scheduled, out)
         for seq in scheduled:
             if end_after and not seq.is_finished and len(seq.output_ids) >= end_after.get(seq.request_id, 1 << 30):
@@ -98,6 +112,62 @@ def test_a_sequence_ended_between_steps_drops_its_token_ahead_and_its_blocks():
     for seq in (seqs[0], seqs[2]):
         assert (seq.output_ids, seq.finish_reason) == expected_output(seq.prompt_ids, seq.params)
     assert s.num_used_blocks == 0
+
+
+STREAM = {"whole-prompts": {}, "chunked": {"chunked_prefill": True, "max_num_batched_tokens": 16},
+          "chunked-cached": {"chunked_prefill": True, "max_num_batched_tokens": 16, "prefix_caching": True},
+          "chunked-tight": {"chunked_prefill": True, "max_num_batched_tokens": 16, "num_blocks": 14}}
+
+
+@pytest.mark.parametrize("kw", STREAM.values(), ids=STREAM.keys())
+def test_a_steady_stream_of_arrivals_is_admitted_in_the_steps_ahead(kw):
+    """A request arriving every other step: with chunked prefill the step ahead of a decode (or of a step whose
+    every row reaches its end) carries the fed decode rows and the new prompt's chunk, so steps keep being sent
+    ahead; the tokens are those of one step at a time, prefix hits (a shared prompt start) and preemptions (few
+    blocks) included, an abort while a step is ahead loses nothing, and every block comes back."""
+    s = Scheduler(config(max_num_seqs=4, async_scheduling=True, **kw))
+    shared = [10 + j % 23 for j in range(8)]  # two blocks every arrival may hit in the prefix cache
+    stream = [Sequence(f"r{i}", shared[: 4 * (i % 3)] + [11 + (5 * i + j) % 19 for j in range(2 + i % 7)],
+                       SamplingParams(max_new_tokens=4 + (3 * i) % 11, ignore_eos=i % 3 == 0)) for i in range(16)]
+    sent: list[StepBatch] = []
+    serve(s, stream[:1], arrivals={2 * i: [seq] for i, seq in enumerate(stream[1:], 1)}, aborts={9: "r4"}, sent=sent)
+    for seq in stream:
+        want = expected_output(seq.prompt_ids, seq.params)
+        if seq.request_id == "r4":
+            assert seq.finish_reason == "abort" and seq.output_ids == want[0][: len(seq.output_ids)]
+            continue
+        assert (seq.output_ids, seq.finish_reason) == want, seq
+        assert len(seq.output_logprobs) == len(seq.output_ids)
+    assert s.num_used_blocks == 0 and not s.has_unfinished()
+    mixed = [b for b in sent if b.describe().computes_prompts]
+    if "chunked_prefill" in kw:  # arrivals admitted in steps ahead, beside fed rows, and steps sent ahead of those
+        assert any(b.fed_rows.min() < 0 <= b.fed_rows.max() for b in mixed)
+        assert len(sent) > 3 * len(mixed) > 0
+    else:  # whole prompts: an arrival waits for a step of the master's
+        assert not mixed and sent
+    if "num_blocks" in kw:
+        assert s.num_preemptions > 0
+    if "prefix_caching" in kw:
+        assert s.prefix_cache_stats()["prefix_cache_hit_tokens"] > 0
+
+
+def test_a_mixed_step_ahead_feeds_only_its_decode_rows():
+    """The agents' side of a step ahead with a prompt chunk: the fed rows take the picks, the chunk keeps its ids;
+    written out for a re-run in parts (``Engine._unfed``) the same."""
+    s = Scheduler(config(max_num_seqs=4, chunked_prefill=True, max_num_batched_tokens=16, async_scheduling=True))
+    plain = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    scheduled, batch = decode_in_flight(s, Sequence("a", [11, 12, 13], plain), Sequence("b", [14, 15], plain))
+    s.add(Sequence("c", [16, 17, 18, 19, 20], plain))
+    seqs, ahead = s.schedule_ahead(scheduled, batch)
+    assert [q.request_id for q in seqs] == ["a", "b", "c"] and ahead.fed_rows.tolist() == [0, 1, -1]
+    ahead.validate()
+    assert ahead.query_lens.tolist() == [1, 1, 5] and ahead.positions[:2].tolist() == (batch.positions + 1).tolist()
+    picked = np.array([7, 8], np.int32)
+    assert fed_inputs(picked, ahead).tolist() == [7, 8, 16, 17, 18, 19, 20]
+    s.postprocess(scheduled, StepOutput(picked, np.zeros(2, np.float32)))
+    assert Engine._unfed(seqs, ahead).input_ids.tolist() == [7, 8, 16, 17, 18, 19, 20]
+    with pytest.raises(ValueError, match="take their input tokens"):
+        replace(ahead, fed_rows=np.array([0, 1, 2], np.int32)).validate()  # a chunk cannot be fed
 
 
 def decode_in_flight(s: Scheduler, *seqs: Sequence) -> tuple[list[Sequence], StepBatch]:

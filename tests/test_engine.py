@@ -473,18 +473,20 @@ def test_abort_in_flight_is_never_computed_again(data_dir):
     try:
         a = engine.submit([1, 5, 6], SamplingParams(max_new_tokens=50, ignore_eos=True))
         assert pool.entered.acquire(timeout=10)  # prefill of a in flight
+        assert pool.entered.acquire(timeout=10)  # and a's first decode step, sent ahead of it (asynchronous)
         b = engine.submit([1, 7, 8], SamplingParams(max_new_tokens=50, ignore_eos=True))
         pool.gate.release()
-        # b's prefill, a's second token with it (chunked prefill mixes them)
-        assert pool.step().describe().computes_prompts
-        assert pool.entered.acquire(timeout=10)  # the first decode step of a and b is in flight
-        assert pool.batches[-1].batch_size == 2 and not pool.batches[-1].describe().computes_prompts
+        # sent ahead of a's decode step: b's prompt beside a's fed row (chunked prefill mixes them)
+        mixed = pool.step()
+        assert mixed.describe().computes_prompts and mixed.fed_rows.tolist() == [0, -1]
+        assert pool.entered.acquire(timeout=10)  # the first decode step of a and b, sent ahead of the mixed one
+        ahead = pool.batches[-1]
+        assert ahead.batch_size == 2 and ahead.feeds_previous and not ahead.describe().computes_prompts
         used = engine.stats()["kv_blocks_used"]
         a.abort()
-        assert engine.stats()["kv_blocks_used"] < used  # freed at once, while the step is in flight
-        pool.gate.release()
-        ahead = pool.step()  # asynchronous scheduling sent the step after before the abort: a's row is dropped
-        assert ahead.feeds_previous and ahead.batch_size == 2
+        assert engine.stats()["kv_blocks_used"] < used  # freed at once, while the steps are in flight
+        pool.gate.release()  # the mixed step
+        pool.gate.release()  # the decode step ahead of it: a's row is dropped
         for _ in range(3):
             assert pool.step().batch_size == 1  # only b from now on
         events = list(a)
@@ -506,11 +508,14 @@ def test_stop_in_flight_then_reused_id_gets_only_its_own_tokens(data_dir):
     try:
         old = engine.submit([1, 5], SamplingParams(max_new_tokens=20), request_id="x")
         pool.step()  # prefill
-        assert pool.entered.acquire(timeout=10)  # a decode step of "x" is in flight
+        # decode steps sent ahead (asynchronous scheduling): one of the prefill, and one of that decode step once the
+        # prefill's token is in; both fed, both in flight at the stop: their tokens dropped
+        assert pool.entered.acquire(timeout=10) and pool.entered.acquire(timeout=10)
+        assert pool.batches[-1].feeds_previous and pool.batches[-2].feeds_previous
         assert engine.finish("x", "stop")
         new = engine.submit([1, 6, 7], SamplingParams(max_new_tokens=2), request_id="x")
         pool.gate.release()
-        assert pool.step().feeds_previous  # sent ahead (asynchronous scheduling) before the stop: its token dropped
+        pool.gate.release()
         pool.step()  # prefill of the new "x"
         pool.step()  # its decode
         assert old.result(timeout=10).finish_reason == "stop" and len(old.result().token_ids) == 1

@@ -31,12 +31,17 @@ sequence is greedy with nothing to report between tokens, a decode batch asks th
 (``StepBatch.num_steps``), its blocks reserved for all of them; ``postprocess`` appends the later tokens up to an
 end (EOS, a stop id, the limit), discarding the rest. The master's turnaround is then paid once per k tokens.
 
-Asynchronous scheduling (``schedule_ahead``): while a decode step runs (of one step or several), the next one of the
-same sequences is scheduled and sent before the step's results are known, its input tokens the agents' own picks
-(``StepBatch.fed_rows``), so the agents never wait for the master between steps. Only where nothing can change
-between the two steps: nothing waits to be admitted, every running sequence is in the step, greedy without logits to
-report, and the next positions' blocks are free; a sequence the step gives its last token is left out. One that ends
-otherwise with the step (EOS, a stop string) has its token of the step ahead discarded, its blocks freed as usual.
+Asynchronous scheduling (``schedule_ahead``): while a step runs whose every row reaches its sequence's end (a decode
+step of one step or several, or a prefill or mixed step whose chunks all end their prompts), the next step of the
+same sequences is scheduled and sent before the step's results are known, their input tokens the agents' own picks
+(``StepBatch.fed_rows``), so the agents never wait for the master between steps. With chunked prefill that step ahead
+also admits waiting requests, their first chunks after the fed rows (a mixed step; vLLM v1 admits in its step ahead
+too), so a steady stream of arrivals keeps the pipeline full. Only where nothing can change between the two steps:
+every running sequence is in the step, greedy without logits to report, and the next positions' blocks are free
+(admission never preempts); a sequence the step gives its last token is left out. Without chunked prefill, or when
+none of the waiting fits, a waiting request makes the master wait for the step's results. A sequence that ends
+otherwise with the step (EOS, a stop string, an abort) has its token of the step ahead discarded, its blocks freed
+as usual.
 
 When a decode step needs a KV block and none is free, the most recently admitted running sequence is
 preempted by recompute: its blocks are freed and it goes back to the front of the queue; its next prefill
@@ -206,24 +211,34 @@ class Scheduler:
         return seqs, self._build(seqs, prefill, num_steps=steps)
 
     def schedule_ahead(self, seqs: list[Sequence], batch: StepBatch) -> tuple[list[Sequence], StepBatch] | None:
-        """The decode step after ``batch`` (sent, not yet postprocessed) for those of its ``seqs`` that ``batch``
-        does not give their last token, fed the agents' picks of ``batch`` (module docstring); None when the next
-        step must wait for ``batch``'s results."""
-        if (not self.config.async_scheduling or not self._scheduled_decode or self.speculation is not None
-                or self._master_needed_between_tokens() or len(seqs) != len(self._running)):
+        """The step after ``batch`` (sent, not yet postprocessed) for those of its ``seqs`` that ``batch`` does not
+        give their last token, fed the agents' picks of ``batch``, with chunked prefill followed by the first chunks
+        of the requests it admits (module docstring); None when the next step must wait for ``batch``'s results."""
+        cfg = self.config
+        if (not cfg.async_scheduling or self.speculation is not None or self._running_sampled
+                or self._running_dumps or len(seqs) != len(self._running)):
             return None
         running, given = SequenceStatus.RUNNING, batch.num_steps  # the tokens ``batch`` gives each sequence
-        if any(seq.status is not running for seq in seqs):
-            return None  # ended while ``batch`` was in flight (an abort, a stop string)
+        if any(seq.status is not running or seq.num_computed_tokens + seq.num_scheduled_tokens != seq.num_tokens
+               for seq in seqs):
+            return None  # ended while ``batch`` was in flight (an abort, a stop string), or a chunk short of its end
+        waiting = bool(self._waiting or self._preempted)
+        if waiting and (not cfg.chunked_prefill
+                        or self._decodes_since_prefill < cfg.min_decode_steps_between_prefills):
+            return None  # whole prompts go in a prefill step of the master's
         rows = [row for row, seq in enumerate(seqs) if seq.params.max_new_tokens - len(seq.output_ids) > given]
         nxt = [seqs[row] for row in rows]
         if not self._grow_free(nxt, given):  # its input: the position after the last token ``batch`` gives
             return None
-        if not nxt:
-            return None
-        self._decodes_since_prefill += 1
+        admitted = self._admit(cfg.max_num_batched_tokens - len(nxt), 0, in_flight=given) if waiting else []
+        if waiting and not admitted or not nxt and not admitted:
+            return None  # the queue waits for ``batch``'s results (blocks, preemption), or nothing to run
+        self._decodes_since_prefill = 0 if admitted else self._decodes_since_prefill + 1
+        fed = np.array(rows + [-1] * len(admitted), np.int32)
+        if admitted:  # decode rows and prompt chunks: a mixed step of one step
+            return nxt + admitted, self._build(nxt + admitted, prefill=True, ahead=given, fed_rows=fed)
         steps = self._steps_ahead(nxt, given)  # its blocks grown before the batch copies the block tables
-        return nxt, self._build(nxt, prefill=False, ahead=given, num_steps=steps, fed_rows=np.array(rows, np.int32))
+        return nxt, self._build(nxt, prefill=False, ahead=given, num_steps=steps, fed_rows=fed)
 
     def postprocess(self, seqs: list[Sequence], output: StepOutput) -> list[Sequence]:
         """Append each sequence's new token; return the sequences that finished with this step."""
@@ -251,6 +266,7 @@ class Scheduler:
                 continue
             if computed < len(seq.prompt_ids) + len(seq.output_ids):
                 continue  # a prompt chunk short of its end: the token it gives is not the sequence's next
+            seq.num_scheduled_tokens = 1  # what a step sent ahead of this one's results gives it (``schedule_ahead``)
             reason = self._outputs.generate(seq, row, output, token, logprob)
             if output.num_more is not None and self.speculation is not None:
                 self.speculation.verified(seq, row, output)
@@ -328,18 +344,19 @@ class Scheduler:
         rest = [s for s in waiting if id(s) not in starving_ids]
         yield from sorted(rest, key=lambda s: -s.params.max_new_tokens)  # stable: ties keep arrival order
 
-    def _admit(self, budget: int, chunks: int) -> list[Sequence]:
+    def _admit(self, budget: int, chunks: int, in_flight: int = 0) -> list[Sequence]:
         """Start waiting sequences, in policy order, on the blocks of their longest cached prefix and new blocks for
         their first chunk (all their tokens without chunked prefill) out of ``budget`` tokens, ``chunks`` prompt
         chunks being in the step already; stop at the first that does not fit.
 
         Besides its chunk, each must leave room for the running sequences' next decode step, so a fresh prefill
-        is not preempted (wasted) right away. Without chunked prefill a sequence of more than ``max_prompt_len``
+        is not preempted (wasted) right away (``in_flight``: the tokens a step still in flight gives each of them,
+        ``schedule_ahead``). Without chunked prefill a sequence of more than ``max_prompt_len``
         tokens to compute goes alone (the agents' single long prefill shape).
         """
         cfg, kv, bs = self.config, self.kv_cache, self.config.block_size
         slots = min(cfg.max_prefill_batch - chunks, cfg.max_num_seqs - len(self._running))
-        ahead = int(cfg.chunked_prefill)  # the running already hold this step's slots: room for the next one
+        ahead = int(cfg.chunked_prefill) + in_flight  # the running hold this step's slots: room for the next one
         free = kv.num_free_blocks - sum(kv.missing_blocks(s, s.num_tokens + ahead)
                                         for s in self._running if not s.is_prefilling)
         long_limit = cfg.max_prompt_len if cfg.max_prompt_len is not None else cfg.max_model_len

@@ -37,8 +37,9 @@ class StepBuilder:
         ``one_token_each``: every sequence decodes its next token (vectorized: this runs every step for the whole
         decode batch); ``ahead``: the decode step after one in flight that gives each sequence that many tokens
         (``Scheduler.schedule_ahead``): that many positions further, its input ids placeholders the agents fill
-        from ``fed_rows``. ``any_sampled`` / ``any_reads_logits``: whether some running sequence samples or reads
-        logits back (False lets a decode step skip looking at each sequence)."""
+        from ``fed_rows`` (in a mixed step the rows of ``fed_rows[i] >= 0``, the others prompt chunks).
+        ``any_sampled`` / ``any_reads_logits``: whether some running sequence samples or reads logits back (False
+        lets a decode step skip looking at each sequence)."""
         n = len(seqs)
         if one_token_each:
             context_lens = np.fromiter((seq.num_tokens + ahead for seq in seqs), np.int32, n)
@@ -47,12 +48,16 @@ class StepBuilder:
             positions = context_lens - 1
             rows = np.arange(n)
         else:
-            starts = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int32, n)
-            query_lens = np.fromiter((seq.num_scheduled_tokens for seq in seqs), np.int32, n)
+            # a row fed by the step in flight (``fed_rows[i] >= 0``) decodes ``ahead`` positions past its last token
+            fed = [False] * n if fed_rows is None else (fed_rows >= 0).tolist()
+            starts = np.fromiter((seq.num_tokens + ahead - 1 if f else seq.num_computed_tokens
+                                  for seq, f in zip(seqs, fed)), np.int32, n)
+            query_lens = np.fromiter((1 if f else seq.num_scheduled_tokens for seq, f in zip(seqs, fed)), np.int32, n)
             context_lens = starts + query_lens
             total = int(query_lens.sum())
-            ids = np.fromiter(chain.from_iterable(seq.token_ids(a, b) for seq, a, b in
-                                                  zip(seqs, starts.tolist(), context_lens.tolist())), np.int32, total)
+            ids = np.fromiter(chain.from_iterable([0] if f else seq.token_ids(a, b) for seq, f, a, b in
+                                                  zip(seqs, fed, starts.tolist(), context_lens.tolist())),
+                              np.int32, total)
             rows = np.repeat(np.arange(n), query_lens)
             positions = np.arange(total, dtype=np.int32) - (np.cumsum(query_lens) - context_lens)[rows]
         slots = kv_slots(block_tables, rows, positions, self.block_size)

@@ -527,10 +527,13 @@ class Engine:
     def _unfed(seqs: list[Sequence], batch: StepBatch) -> StepBatch:
         """``batch`` with its input tokens written out, for running it again in parts (``run_isolated``): a step
         fed the picks of the step before has them in its sequences by now."""
-        if not batch.feeds_previous:
+        fed = batch.fed_rows
+        if fed is None:
             return batch
-        return replace(batch, input_ids=np.fromiter((seq.last_token_id for seq in seqs), np.int32, len(seqs)),
-                       fed_rows=None)
+        ids = np.array(batch.input_ids, np.int32)
+        rows = np.flatnonzero(fed >= 0)  # a mixed step's other rows (prompt chunks) carry their ids
+        ids[(np.cumsum(batch.query_lens) - batch.query_lens)[rows]] = [seqs[row].last_token_id for row in rows]
+        return replace(batch, input_ids=ids, fed_rows=None)
 
     def _fail(self, exc: BaseException) -> None:
         err = exc if isinstance(exc, EngineError) else EngineError(f"engine step failed: {exc}")

@@ -195,7 +195,8 @@ class StepBatch:
 
     ``fed_rows`` (asynchronous scheduling, sent while the step before is still running): a decode step of sequences
     of the step before, whose ``input_ids`` are placeholders: each agent feeds row ``i`` the token it picked for row
-    ``fed_rows[i]`` of the step before (that row's last step's, for a multi-step batch).
+    ``fed_rows[i]`` of the step before (that row's last step's, for a multi-step batch). A mixed step's rows of
+    ``fed_rows[i] < 0`` (prompt chunks admitted in the step ahead) carry their own input ids.
     """
 
     input_ids: npt.NDArray[np.int32]  # int32 [num_tokens]
@@ -284,8 +285,11 @@ class StepBatch:
                                              or int(self.history_offsets[-1]) != self.history_ids.shape[0]):
             raise ValueError("history_ids belong to a verify step, history_offsets one more than its sequences")
         fed = self.fed_rows
-        if fed is not None and (self.kind is not StepKind.DECODE or fed.shape != (b,)):
-            raise ValueError("only a decode step takes its input tokens from the step before, one row each")
+        if fed is not None and (fed.shape != (b,) or self.kind not in (StepKind.DECODE, StepKind.MIXED)
+                                or np.any(self.query_lens[fed >= 0] != 1)
+                                or self.kind is StepKind.DECODE and np.any(fed < 0)):
+            raise ValueError("only a decode step, or the decode rows of a mixed one, take their input tokens from "
+                             "the step before, one row each")
         if self.want_logits is not None and self.want_logits.shape != (b,):
             raise ValueError(f"want_logits has shape {self.want_logits.shape}, expected ({b},)")
         if self.draft_lens is not None:
