@@ -34,7 +34,7 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
                    "model_config.model_path)")
     p.add_argument("--decode-batch-size", type=int, metavar="B", help="largest decode batch (one bucket)")
     p.add_argument("--prefill-batch-size", type=int, metavar="P", help="largest prefill batch (one bucket)")
-    p.add_argument("--policy", choices=("fcfs", "longest_output_first"), help="admission order")
+    p.add_argument("--policy", choices=("fcfs", "longest_output_first", "priority"), help="admission order")
     p.add_argument("--agents", type=int, metavar="K", help="tensor-parallel size: agent processes (ranks), each "
                    "holding 1/K of the model")
     p.add_argument("--device-target", choices=DEVICE_TARGETS, help="device of the agents "
