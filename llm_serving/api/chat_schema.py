@@ -19,8 +19,9 @@ from llm_serving.api.body_model import Int64, refuse, validate_body
 from llm_serving.api.schema import OpenAIBody
 from llm_serving.api.tools import ToolRequest, parse_tools
 from llm_serving.core.logprobs import MAX_TOP_LOGPROBS
+from llm_serving.describe import json_kind
 from llm_serving.request_errors import MessageError
-from llm_serving.tokenization.chat_template import check_messages
+from llm_serving.tokenization.chat_template import RESERVED_VARIABLES, check_messages
 
 
 class ChatRequest(OpenAIBody):
@@ -34,6 +35,8 @@ class ChatRequest(OpenAIBody):
     tools_sent: Any = Field(default=None, alias="tools")  # ``api.tools`` reads these three
     tool_choice: Any = None
     parallel_tool_calls: Any = None
+    # further variables of the chat template (vLLM's key), e.g. Qwen3's {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
     _tools: ToolRequest | None = PrivateAttr(default=None)
 
     @property
@@ -62,6 +65,18 @@ class ChatRequest(OpenAIBody):
             return tuple(check_messages(messages))
         except MessageError as exc:
             raise refuse(str(exc), unsupported=exc.unsupported) from None
+
+    @field_validator("chat_template_kwargs", mode="plain")
+    @classmethod
+    def _template_kwargs(cls, kwargs: Any) -> dict[str, Any] | None:
+        if kwargs is None:
+            return None
+        if not isinstance(kwargs, dict):
+            raise refuse(f"{{field}} must be an object of template variables, got {json_kind(kwargs)}")
+        taken = sorted(set(kwargs) & set(RESERVED_VARIABLES))
+        if taken:
+            raise refuse(f"{{field}} may not set {', '.join(taken)}: the server gives the template those")
+        return kwargs
 
     def _check(self) -> None:
         new, old = self.max_completion_tokens, self.max_tokens_sent
