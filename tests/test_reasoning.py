@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -44,7 +45,7 @@ def test_streamed_pieces_join_to_the_whole_split_wherever_the_tags_break(parser,
     cuts.append(list(range(len(answer) + 1)))  # a character a piece
     for cut in cuts:
         bounds = [0, *cut, len(answer)]
-        pieces = [answer[a:b] for a, b in zip(bounds, bounds[1:])]
+        pieces = [answer[a:b] for a, b in itertools.pairwise(bounds)]
         splitter = ReasoningSplitter(parser, prompt)
         fed = [splitter.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
         reasoning, content = "".join(r for r, _ in fed), "".join(c for _, c in fed)
@@ -59,3 +60,57 @@ def test_the_parser_is_a_config_key_checked_by_name():
         ServingConfig().with_values({"tokenizer.reasoning_parser": "granite"})
     with pytest.raises(ValueError, match="reasoning parser"):
         ReasoningSplitter("granite", "")
+
+
+# ---- served: a hidden Qwen3-style template, the tiny real model held to a thinking answer by a regex ------------
+QWEN3_STYLE = (  # Qwen3's thinking variants' generation prompt: the block opened, or closed empty when switched off
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{%- else %}<think>\n{%- endif %}{%- endif %}")
+THINKING = r"[a-z ]{4,16}</think>\n\n[A-Z][a-z ]{4,16}\."
+ANSWER = r"[A-Z][a-z ]{4,16}\."
+ASK = [{"role": "user", "content": "What is two plus two?"}]
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    from test_server import ServerProcess
+
+    from tests.tiny_engine import TINY_SERVED, set_args
+
+    data = tmp_path_factory.mktemp("reasoning-serve")
+    template = data / "qwen3_style.jinja"
+    template.write_text(QWEN3_STYLE)
+    server = ServerProcess(data, *set_args(TINY_SERVED), "--set", f"tokenizer.chat_template={template}",
+                           "--reasoning-parser", "qwen3")
+    yield server
+    assert server.stop() == 0, server.output
+
+
+def test_served_reasoning_split_streamed_and_not_and_enable_thinking(thinking_server):
+    import re
+
+    import openai
+
+    from tests.tiny_engine import openai_client
+
+    client = openai_client(thinking_server)
+    ask = {"model": "llama2", "messages": ASK, "max_tokens": 80, "temperature": 0}
+    whole = client.chat.completions.create(**ask, extra_body={"guided_regex": THINKING})
+    message = whole.choices[0].message
+    reasoning = message.model_extra["reasoning_content"]
+    assert whole.choices[0].finish_reason == "stop" and re.fullmatch(r"[a-z ]{4,16}", reasoning)
+    assert re.fullmatch(THINKING, f"{reasoning}</think>{message.content}")  # nothing lost, no tag left
+    chunks = list(client.chat.completions.create(**ask, stream=True, extra_body={"guided_regex": THINKING}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == message.content
+    assert all("</think>" not in (d.content or "") for d in deltas)
+    off = client.chat.completions.create(**ask, extra_body={"guided_regex": ANSWER,
+                                                            "chat_template_kwargs": {"enable_thinking": False}})
+    assert off.choices[0].message.model_extra["reasoning_content"] is None
+    assert re.fullmatch(ANSWER, off.choices[0].message.content)
+    assert off.usage.prompt_tokens > whole.usage.prompt_tokens  # the template closed an empty block
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs may not set messages"):
+        client.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"messages": []}})
