@@ -114,3 +114,72 @@ def test_served_reasoning_split_streamed_and_not_and_enable_thinking(thinking_se
     assert off.usage.prompt_tokens > whole.usage.prompt_tokens  # the template closed an empty block
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs may not set messages"):
         client.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"messages": []}})
+
+
+def test_the_thinking_budget_forces_the_end_tag_then_answers_freely(thinking_server):
+    """thinking_token_budget 3 on a prompt that opened the block: the random model's first 3 tokens are the
+    reasoning, then the end tag's ids are forced (the served tokenizer spells </think> in pieces), then free text."""
+    import openai
+
+    from tests.tiny_engine import openai_client
+
+    client = openai_client(thinking_server)
+    ask = {"model": "llama2", "messages": ASK, "max_tokens": 24, "temperature": 0, "logprobs": True}
+    free = client.chat.completions.create(**ask, extra_body={"ignore_eos": True})
+    assert free.choices[0].message.content is None  # the random model never closes the block by itself
+    answer = client.chat.completions.create(**ask, extra_body={"thinking_token_budget": 3, "ignore_eos": True})
+    choice = answer.choices[0]
+    pieces = [bytes(t.bytes) for t in choice.logprobs.content]
+    thought = b"".join(pieces[:3]).decode(errors="replace")
+    assert choice.message.model_extra["reasoning_content"] == thought
+    forced = next(n for n in range(1, 20) if b"".join(pieces[3:3 + n]) == b"</think>")
+    assert b"".join(pieces[3 + forced:]).decode(errors="replace") == choice.message.content
+    assert answer.usage.completion_tokens == 24
+    streamed = list(client.chat.completions.create(**ask, stream=True,
+                                                   extra_body={"thinking_token_budget": 3, "ignore_eos": True}))
+    deltas = [c.choices[0].delta for c in streamed if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget and guided_regex both hold"):
+        client.chat.completions.create(**ask, extra_body={"thinking_token_budget": 3, "guided_regex": "a+"})
+
+
+def test_a_thinking_budget_without_a_reasoning_parser_is_a_400(standin_server):
+    import openai
+
+    from tests.tiny_engine import openai_client
+
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget needs a reasoning model"):
+        openai_client(standin_server).chat.completions.create(
+            model="llama2", messages=ASK, max_tokens=4, extra_body={"thinking_token_budget": 2})
+
+
+def test_the_budget_matcher_counts_inside_the_block_only_and_forces_the_end_ids_one_a_step():
+    import numpy as np
+
+    from llm_serving.core.thinking_budget import BudgetSpec, ThinkingBudget
+
+    def allowed(m: ThinkingBudget) -> list[int]:
+        row = np.zeros(m.mask_words, np.int32)
+        m.fill_mask(row)
+        return [t for t in range(70) if row[t // 32].view(np.uint32) >> (t % 32) & 1]
+
+    spec = BudgetSpec(2, start_ids=(5,), end_ids=(63, 7), inside=False)
+    m = ThinkingBudget(spec, 70)
+    for token in (5, 10, 11):  # the answer opens the block itself, then thinks two tokens
+        assert len(allowed(m)) == 70 and m.allows(token)
+        assert m.advance(token) is False
+    assert allowed(m) == [63] and not m.allows(7)  # bit 31 of word 1 as well: 63 = 32 + 31
+    with pytest.raises(ValueError, match="forces its end tag"):
+        m.advance(7)
+    m.advance(63)
+    assert allowed(m) == [7]
+    m.advance(7)
+    assert len(allowed(m)) == 70  # the answer, free
+    early = ThinkingBudget(BudgetSpec(5, (5,), (63, 7), inside=True), 70)
+    for token in (10, 63, 7, 12, 13, 14, 15):  # its own end tag closes the block before the budget
+        early.advance(token)
+    assert len(allowed(early)) == 70
+    plain = ThinkingBudget(spec, 70)
+    for token in (9, 5, 5, 5):  # no block at the answer's start: nothing counts
+        plain.advance(token)
+    assert len(allowed(plain)) == 70

@@ -22,6 +22,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -41,11 +42,13 @@ from llm_serving.api.responses import (
 from llm_serving.api.route_context import OFFLOAD_ENCODE_CHARS
 from llm_serving.api.tools import call_id
 from llm_serving.config.serving_config import ConfigError
+from llm_serving.core.sequence import OutputConstraint
+from llm_serving.core.thinking_budget import BudgetSpec
 from llm_serving.engine.request_stream import EngineError
 from llm_serving.front.errors import json_response
 from llm_serving.request_errors import ApiError, ChatTemplateError
 from llm_serving.tokenization.hf_tokenizer import AnyTokenizer
-from llm_serving.tokenization.reasoning import ReasoningSplitter
+from llm_serving.tokenization.reasoning import END, START, ReasoningSplitter, starts_inside, tag_ids
 
 if TYPE_CHECKING:
     from llm_serving.api.route_context import RouteContext
@@ -66,6 +69,8 @@ class ChatRoutes:
         max_new = req.max_tokens if req.max_tokens is not None else server.default_max_new_tokens
         params = req.sampling.to_params(max_new, req.ignore_eos, req.stop, req.field_names, req.top_logprobs)
         prompt_text, ids = await self._prompt(req)
+        if req.thinking_token_budget is not None:
+            params = replace(params, constraint=self._budget(req.thinking_token_budget, prompt_text))
         check_prompt_count(req.n, server.config.serving_config.max_queue_size)
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         await server.kv_transfer.import_blocks(req.kv_transfer, ids)  # a decode engine's: the prompt's blocks first
@@ -87,6 +92,17 @@ class ChatRoutes:
                             "logprobs": self._logprobs(req, answer.tokens), "finish_reason": reason})
         transfer = await server.kv_transfer.export(req.kv_transfer, ids)  # a prefill engine's
         return json_response({**meta, "choices": choices, "usage": _usage(gens, req.n), **transfer})
+
+    def _budget(self, budget: int, prompt_text: str) -> OutputConstraint:
+        """The thinking budget's constraint (``core.thinking_budget``), in the served tokenizer's ids."""
+        parser = self.server.config.tokenizer.reasoning_parser
+        if parser is None:
+            raise ApiError(400, "thinking_token_budget needs a reasoning model served with a reasoning parser "
+                                "(tokenizer.reasoning_parser, --reasoning-parser)", "invalid_request",
+                           "thinking_token_budget")
+        tok = self.server.tokenizer
+        return BudgetSpec(budget, tuple(tag_ids(tok, START)), tuple(tag_ids(tok, END)),
+                          starts_inside(parser, prompt_text)).constraint()
 
     def _splitter(self, prompt_text: str) -> ReasoningSplitter | None:
         """A choice's reasoning reader, where the served model has a reasoning parser."""

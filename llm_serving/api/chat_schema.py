@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, PrivateAttr, field_validator
 
-from llm_serving.api.body_model import Int64, refuse, validate_body
+from llm_serving.api.body_model import Int64, NonNegInt64, refuse, validate_body
 from llm_serving.api.schema import OpenAIBody
 from llm_serving.api.tools import ToolRequest, parse_tools
 from llm_serving.core.logprobs import MAX_TOP_LOGPROBS
@@ -37,6 +37,8 @@ class ChatRequest(OpenAIBody):
     parallel_tool_calls: Any = None
     # further variables of the chat template (vLLM's key), e.g. Qwen3's {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: reasoning tokens before ``</think>`` is forced (``core.thinking_budget``; needs a reasoning parser)
+    thinking_token_budget: NonNegInt64 | None = None
     _tools: ToolRequest | None = PrivateAttr(default=None)
 
     @property
@@ -90,6 +92,10 @@ class ChatRequest(OpenAIBody):
         tools = self._tools = parse_tools({"tools": self.tools_sent, "tool_choice": self.tool_choice,
                                            "parallel_tool_calls": self.parallel_tool_calls})
         held = tools.constraint() if tools is not None else None
+        if self.thinking_token_budget is not None and (held is not None or self._sampling.constraint is not None):
+            taken = "tool_choice" if held is not None else self._sampling.constraint.field  # type: ignore[union-attr]
+            raise refuse(f"thinking_token_budget and {taken} both hold the answer; send one of them",
+                         "thinking_token_budget")
         if tools is None or held is None:
             return
         if self._sampling.constraint is not None:

@@ -83,7 +83,7 @@ def _check_range(name: str, value: float) -> None:
         raise InvalidParameter(name, SAMPLING_RANGES[name].message(value))
 
 
-CONSTRAINT_KINDS = ("json", "regex", "choice")
+CONSTRAINT_KINDS = ("json", "regex", "choice", "thinking_budget")  # the last: core.thinking_budget
 
 
 class AnswerMatcher(Protocol):

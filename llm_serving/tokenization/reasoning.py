@@ -13,8 +13,22 @@ later in the content is content.
 from __future__ import annotations
 
 from llm_serving.config.sections import REASONING_PARSERS
+from llm_serving.tokenization.hf_tokenizer import AnyTokenizer, HFTokenizer
 
 START, END = "<think>", "</think>"
+
+
+def starts_inside(parser: str, prompt_text: str) -> bool:
+    """Whether the answer starts inside the reasoning block (module docstring)."""
+    if parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning parser must be one of {REASONING_PARSERS}, got {parser!r}")
+    return parser == "deepseek_r1" or prompt_text.rstrip().endswith(START)
+
+
+def tag_ids(tokenizer: AnyTokenizer, tag: str) -> list[int]:
+    """The ids that spell ``tag`` in an answer: Qwen3's and DeepSeek's tags are one added token each; a
+    sentencepiece tokenizer spells it in pieces, without the dummy-prefix space."""
+    return tokenizer.encode_rendered(tag) if isinstance(tokenizer, HFTokenizer) else tokenizer.encode_exact(tag)
 
 
 class ReasoningSplitter:
@@ -22,9 +36,7 @@ class ReasoningSplitter:
     and content; text that may be the start of a tag is held until the next piece tells."""
 
     def __init__(self, parser: str, prompt_text: str) -> None:
-        if parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning parser must be one of {REASONING_PARSERS}, got {parser!r}")
-        self._inside = parser == "deepseek_r1" or prompt_text.rstrip().endswith(START)
+        self._inside = starts_inside(parser, prompt_text)
         self.found = self._inside  # whether the answer has a reasoning part (else reasoning_content is null)
         self._opening = True  # the answer's first characters may be the model's own start tag
         self._held = ""
