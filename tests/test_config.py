@@ -184,7 +184,8 @@ def test_sections_must_be_mappings(d, match):
 
 # ----- semantic errors --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("d, key, match", [
-    ({"scheduler": {"policy": "lifo"}}, "scheduler.policy", "fcfs, longest_output_first, got 'lifo'"),
+    ({"scheduler": {"policy": "lifo"}}, "scheduler.policy", "fcfs, longest_output_first, priority, got 'lifo'"),
+    ({"tokenizer": {"reasoning_parser": "granite"}}, "tokenizer.reasoning_parser", "qwen3, deepseek_r1, got 'granite'"),
     ({"model_config": {"dtype": "fp16"}}, "model_config.dtype", "float32, float16, bfloat16, got 'fp16'"),
     ({"model_config": {"model_dtype": "DataType.INT8"}}, "model_config.model_dtype", "'DataType.INT8'"),
     ({"model_config": {"seq_length": []}}, "model_config.seq_length", "at least one bucket"),

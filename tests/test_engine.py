@@ -284,7 +284,7 @@ def random_requests(rng: random.Random, n: int) -> list[tuple[list[int], Samplin
             for _ in range(n)]
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "longest_output_first"])
+@pytest.mark.parametrize("policy", ["fcfs", "longest_output_first", "priority"])
 def test_standin_results_in_order_with_arrivals_during_decode(data_dir, policy):
     pools: list[AgentPool] = []
     engine = Engine(tiny_config(data_dir, pa_config={"num_blocks": 48}, scheduler={"policy": policy}),
@@ -294,6 +294,8 @@ def test_standin_results_in_order_with_arrivals_during_decode(data_dir, policy):
     try:
         rng = random.Random(policy)
         reqs = random_requests(rng, 80)
+        if policy == "priority":  # preemption then picks by priority: every result still exact
+            reqs = [(p, dataclasses.replace(params, priority=rng.randint(-2, 2))) for p, params in reqs]
         streams = [engine.submit(p, params) for p, params in reqs[:40]]
         wait_for(lambda: engine.stats()["decode_steps"] >= 3, what="decoding")
         streams += [engine.submit(p, params) for p, params in reqs[40:]]

@@ -122,3 +122,18 @@ def test_tokenize_detokenize_and_tokenizer_info_in_vllms_shapes(server, tokenize
 async def get_json(url: str) -> tuple[int, dict, dict]:
     async with aiohttp.ClientSession() as s, s.get(url) as r:
         return r.status, await r.json(), dict(r.headers)
+
+
+def test_a_priority_is_refused_unless_the_policy_is_priority(server):
+    """vLLM's rule and words: a nonzero priority needs scheduler.policy "priority" (this server runs fcfs); 0 is
+    the default and always accepted."""
+    client = openai_client(server)
+    with pytest.raises(openai.BadRequestError, match="Got priority 3 but Priority scheduling is not enabled") as err:
+        client.completions.create(model="llama2", prompt="hi", max_tokens=2, temperature=0, extra_body={"priority": 3})
+    assert err.value.body["param"] == "priority"
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="Got priority -1"):
+        client.chat.completions.create(model="llama2", messages=messages, max_tokens=2, extra_body={"priority": -1})
+    answer = client.chat.completions.create(model="llama2", messages=messages, max_tokens=2,
+                                            extra_body={"priority": 0, "ignore_eos": True})
+    assert answer.usage.completion_tokens == 2

@@ -579,3 +579,45 @@ def test_randomized_arrivals_aborts_and_preemptions(policy, interleave, seed):
             assert (x.output_ids, x.finish_reason) == (want, reason), x
             assert streamed[x.request_id] == want  # preemption never re-emits a token
             assert x.output_logprobs == pytest.approx([logprob_of(t) for t in want])
+
+
+# ---- priority ------------------------------------------------------------------------------------------------
+def prio(rid: str, priority: int, arrival: float, n_prompt: int = 4, max_new: int = 8) -> Sequence:
+    prompt = [10 + (sum(map(ord, rid)) + i) % 25 for i in range(n_prompt)]
+    return Sequence(rid, prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True, priority=priority),
+                    arrival_time=arrival)
+
+
+def test_priority_admits_by_priority_then_arrival():
+    s = Scheduler(config(policy="priority", max_num_seqs=1, max_prefill_batch=1))
+    for rid, p, t in [("a", 2, 0.0), ("b", 0, 1.0), ("c", 1, 2.0), ("d", 0, 3.0), ("e", -1, 4.0)]:
+        s.add(prio(rid, p, t, max_new=2))
+    started = []
+    while s.has_unfinished():
+        seqs, _ = s.schedule()
+        started += [q.request_id for q in seqs if q.request_id not in started]
+        s.postprocess(seqs, fixed_output(seqs))
+    assert started == ["e", "b", "d", "c", "a"]
+
+
+@pytest.mark.parametrize("policy, victim", [("priority", "low"), ("fcfs", "high")])
+def test_priority_preempts_the_lowest_priority_running_sequence(policy, victim):
+    """Two sequences outgrow a cache of 6 usable blocks; "low" (priority 5) was admitted first, "high" (priority 0)
+    after it: fcfs preempts the newest, priority the lowest priority, and each resumes exactly."""
+    cfg = config(policy=policy, num_blocks=7, block_size=2, max_model_len=12, max_num_batched_tokens=12)
+    s, model = Scheduler(cfg), FakeKVModel(7, 2)
+    low, high = prio("low", 5, 0.0), prio("high", 0, 1.0, n_prompt=3)
+    s.add(low)
+    seqs, batch = s.schedule()  # "low" alone
+    assert seqs == [low]
+    s.postprocess(seqs, model.step(batch))
+    s.add(high)
+    while s.has_unfinished():
+        seqs, batch = s.schedule()
+        s.postprocess(seqs, model.step(batch))
+    by_id = {"low": low, "high": high}
+    assert by_id[victim].num_preemptions >= 1
+    assert by_id["high" if victim == "low" else "low"].num_preemptions == 0
+    for x in (low, high):
+        assert (x.output_ids, x.finish_reason) == expected_output(x.prompt_ids, x.params)
+    assert s.num_used_blocks == 0

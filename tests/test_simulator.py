@@ -375,3 +375,20 @@ def test_profile_records_the_served_steps_of_a_real_engine(tmp_path):
     target = build_target(config, str(path))
     assert target.scheduler.num_blocks == 32 and target.request_overhead_s >= 0
     assert target.encode("hello world")  # the served tokenizer
+
+
+def test_priority_orders_the_queue_and_preempts_the_lowest_first():
+    """One request at a time: lower priority values start first. Under cache pressure the early, low priority
+    request is the one preempted (it finishes last), where fcfs preempts the newcomers (it finishes first)."""
+    reqs = [dataclasses.replace(req(i, 10, 3, first=50 * i), priority=p) for i, p in enumerate((2, 0, 1))]
+    cfg = {"max_num_seqs": 1, "max_prefill_batch": 1}
+    run = simulate(sched_config(policy="priority", **cfg), reqs, Constant(0.01))
+    assert [r.index for r in sorted(run.results, key=lambda r: r.ttft)] == [1, 2, 0]
+    later = [req(i, 30, 60, at=0.015, first=40 * i) for i in (1, 2, 3)]
+    pressed = [dataclasses.replace(req(0, 30, 60), priority=1), *later]
+    ends = {}
+    for policy in ("priority", "fcfs"):
+        run = simulate(sched_config(policy=policy, num_blocks=12, max_num_seqs=6), pressed, Constant(0.01))
+        assert run.preemptions > 0 and all(r.success and r.output_tokens == 60 for r in run.results)
+        ends[policy] = [r.index for r in sorted(run.results, key=lambda r: r.end_time)]
+    assert ends["priority"][-1] == 0 and ends["fcfs"][0] == 0

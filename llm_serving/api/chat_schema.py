@@ -15,12 +15,13 @@ from typing import Annotated, Any
 
 from pydantic import Field, PrivateAttr, field_validator
 
-from llm_serving.api.body_model import Int64, refuse, validate_body
+from llm_serving.api.body_model import Int64, NonNegInt64, refuse, validate_body
 from llm_serving.api.schema import OpenAIBody
 from llm_serving.api.tools import ToolRequest, parse_tools
 from llm_serving.core.logprobs import MAX_TOP_LOGPROBS
+from llm_serving.describe import json_kind
 from llm_serving.request_errors import MessageError
-from llm_serving.tokenization.chat_template import check_messages
+from llm_serving.tokenization.chat_template import RESERVED_VARIABLES, check_messages
 
 
 class ChatRequest(OpenAIBody):
@@ -34,6 +35,10 @@ class ChatRequest(OpenAIBody):
     tools_sent: Any = Field(default=None, alias="tools")  # ``api.tools`` reads these three
     tool_choice: Any = None
     parallel_tool_calls: Any = None
+    # further variables of the chat template (vLLM's key), e.g. Qwen3's {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: reasoning tokens before ``</think>`` is forced (``core.thinking_budget``; needs a reasoning parser)
+    thinking_token_budget: NonNegInt64 | None = None
     _tools: ToolRequest | None = PrivateAttr(default=None)
 
     @property
@@ -63,6 +68,18 @@ class ChatRequest(OpenAIBody):
         except MessageError as exc:
             raise refuse(str(exc), unsupported=exc.unsupported) from None
 
+    @field_validator("chat_template_kwargs", mode="plain")
+    @classmethod
+    def _template_kwargs(cls, kwargs: Any) -> dict[str, Any] | None:
+        if kwargs is None:
+            return None
+        if not isinstance(kwargs, dict):
+            raise refuse(f"{{field}} must be an object of template variables, got {json_kind(kwargs)}")
+        taken = sorted(set(kwargs) & set(RESERVED_VARIABLES))
+        if taken:
+            raise refuse(f"{{field}} may not set {', '.join(taken)}: the server gives the template those")
+        return kwargs
+
     def _check(self) -> None:
         new, old = self.max_completion_tokens, self.max_tokens_sent
         if new is not None and old is not None and new != old:
@@ -75,6 +92,10 @@ class ChatRequest(OpenAIBody):
         tools = self._tools = parse_tools({"tools": self.tools_sent, "tool_choice": self.tool_choice,
                                            "parallel_tool_calls": self.parallel_tool_calls})
         held = tools.constraint() if tools is not None else None
+        if self.thinking_token_budget is not None and (held is not None or self._sampling.constraint is not None):
+            taken = "tool_choice" if held is not None else self._sampling.constraint.field  # type: ignore[union-attr]
+            raise refuse(f"thinking_token_budget and {taken} both hold the answer; send one of them",
+                         "thinking_token_budget")
         if tools is None or held is None:
             return
         if self._sampling.constraint is not None:

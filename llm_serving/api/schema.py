@@ -71,6 +71,7 @@ class SamplingOptions:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     constraint: OutputConstraint | None = None  # structured output (``structured_schema``)
+    priority: int = 0  # vLLM's: lower runs earlier under scheduler.policy "priority" (refused otherwise unless 0)
 
     @property
     def wants_sampling(self) -> bool:
@@ -93,7 +94,7 @@ class SamplingOptions:
                 seed=self.seed, stop=stop, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 logit_bias=self.logit_bias, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
-                constraint=self.constraint)
+                constraint=self.constraint, priority=self.priority)
         except InvalidParameter as exc:
             raise parameter_error(exc, field_names or {}) from None
 
@@ -191,6 +192,7 @@ class OpenAIBody(Body):
     guided_choice: Any = None
     structured_outputs: Any = None
     kv_transfer: KvTransferParams | None = Field(default=None, alias="kv_transfer_params")
+    priority: Int64 = 0  # vLLM's; the engine refuses one but 0 unless scheduler.policy is "priority"
     _sampling: SamplingOptions = PrivateAttr()
 
     @property
@@ -235,7 +237,7 @@ class OpenAIBody(Body):
             do_sample=self.temperature > 0, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
             repetition_penalty=self.repetition_penalty, seed=self.seed, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, min_p=self.min_p, logit_bias=self.logit_bias,
-            min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
+            min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids, priority=self.priority,
             constraint=parse_constraint({key: getattr(self, key) for key in STRUCTURED_KEYS}))
         self._finish()
         return self

@@ -33,6 +33,8 @@ __all__ = ["SECTIONS", "DefaultModelSection", "ModelSection", "PagedAttentionSec
 
 # tokenizer.type -> the file it reads: sentencepiece's tokenizer.model, Hugging Face's tokenizer.json, or auto
 # (whichever the model directory has, tokenizer.model first)
+# how a thinking model's answer is split into reasoning and content (``tokenization.reasoning``), as vLLM names them
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 TOKENIZER_TYPES = {"auto": None, "LlamaTokenizer": "tokenizer.model", "PreTrainedTokenizerFast": "tokenizer.json"}
 # devices whose agents' ops attend over cached context (chunked prefill, prefix caching): the CPU backends, and
 # the Ascend backend through PagedAttention's multi-token queries (q_seq_lens)
@@ -308,11 +310,15 @@ class TokenizerSection:
     type: str = setting("auto", "str")
     vocab_file: str | None = setting(None, "path", optional=True)
     chat_template: str | None = setting(None, "path", optional=True)  # a Jinja file; None: the model's own
+    reasoning_parser: str | None = setting(None, "str", optional=True)  # REASONING_PARSERS; None: no split
 
     def validate(self, source: str) -> None:
         """The checks of these keys (a ``ConfigError`` naming the key and ``source``); the files are read later."""
         need(self.type in TOKENIZER_TYPES, source, "tokenizer.type",
              f"expected one of {', '.join(TOKENIZER_TYPES)}, got {self.type!r}")
+        need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, source,
+             "tokenizer.reasoning_parser", f"expected one of {', '.join(REASONING_PARSERS)}, got "
+                                           f"{self.reasoning_parser!r}")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ import numpy as np
 import numpy.typing as npt
 
 from llm_serving.core.sequence import OutputConstraint
+from llm_serving.core.thinking_budget import KIND as THINKING_KIND
+from llm_serving.core.thinking_budget import BudgetSpec, ThinkingBudget
 from llm_serving.request_errors import InvalidParameter
 
 if TYPE_CHECKING:
@@ -75,9 +77,11 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self._grammar = lru_cache(maxsize=256)(self._compile)
 
-    def matcher(self, constraint: OutputConstraint) -> TokenMatcher:
+    def matcher(self, constraint: OutputConstraint) -> TokenMatcher | ThinkingBudget:
         """A fresh matcher at the start of the answer; InvalidParameter (naming ``constraint.field``) when the
-        constraint cannot be compiled."""
+        constraint cannot be compiled. A thinking budget needs no grammar (``core.thinking_budget``)."""
+        if constraint.kind == THINKING_KIND:
+            return ThinkingBudget(BudgetSpec.parse(constraint.spec), self.vocab_size)
         grammar = self._grammar(constraint)
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():

@@ -47,6 +47,12 @@ When a decode step needs a KV block and none is free, the most recently admitted
 preempted by recompute: its blocks are freed and it goes back to the front of the queue; its next prefill
 covers prompt + generated tokens, so it resumes exactly where it stopped (greedy results do not change).
 
+Priority (policy "priority", vLLM's): the queue is admitted by each request's ``params.priority`` (lower first), then
+arrival, preempted ones among the rest; the running list is kept in that order (admission order within a priority),
+so a step's slots go to the highest priority first and the preempted one is the lowest priority, latest admitted.
+A higher priority request that arrives while the cache is full waits for blocks, as in vLLM (SGLang's threshold
+preemption of running requests to admit it is not done).
+
 Prompt buckets: every prompt up to the model length is served. Without chunked prefill, a prompt or recompute
 longer than ``max_prompt_len`` (the agents' largest multi-prompt bucket) is prefilled alone, in the agents'
 single-sequence shape of up to ``max_model_len`` tokens.
@@ -63,6 +69,7 @@ Prefill vs decode interleaving (``min_decode_steps_between_prefills``):
 
 from __future__ import annotations
 
+import bisect
 import secrets
 import time
 from collections import deque
@@ -94,7 +101,8 @@ class Scheduler:
         self._clock = clock
         self._waiting: deque[Sequence] = deque()  # new requests, arrival order
         self._preempted: deque[Sequence] = deque()  # re-admitted before any new request
-        self._running: list[Sequence] = []  # admission order; the last one is preempted first
+        self._running: list[Sequence] = []  # admission order (by priority first under "priority"); the last one
+        # is preempted first
         self._live: dict[str, Sequence] = {}
         self._decodes_since_prefill = 0
         self.num_preemptions = 0
@@ -330,9 +338,12 @@ class Scheduler:
 
     # ---- internals ------------------------------------------------------------------------------------
     def _admission_order(self) -> Iterator[Sequence]:
-        yield from self._preempted
         # a choice following another of its prompt waits for that one's cached prompt blocks
         waiting = [s for s in self._waiting if not s.waits_for_leader] if self.config.prefix_caching else self._waiting
+        if self.config.policy == "priority":  # stable: preempted ones first among equals
+            yield from sorted([*self._preempted, *waiting], key=lambda s: (s.params.priority, s.arrival_time or 0.0))
+            return
+        yield from self._preempted
         if self.config.policy == "fcfs":
             yield from waiting
             return
@@ -391,15 +402,18 @@ class Scheduler:
         seq.num_scheduled_tokens = n
         self.kv_cache.start(seq, hit, seq.num_computed_tokens + n)
         seq.status = SequenceStatus.RUNNING
-        self._running.append(seq)
+        if self.config.policy == "priority":  # after the running ones of its priority and higher
+            bisect.insort_right(self._running, seq, key=lambda s: s.params.priority)
+        else:
+            self._running.append(seq)
         self.num_started += 1
         self.started_tokens += seq.budget
         self._running_sampled += seq.params.needs_logits
         self._running_dumps += seq.reads_logits
 
     def _reserve_running(self, budget: int) -> tuple[list[Sequence], int, int]:
-        """Give every running sequence, oldest first, its slots for this step: its decode token, or while it is
-        still prefilling its next chunk out of what ``budget`` leaves after the decode tokens (at most
+        """Give every running sequence, in running order (oldest first), its slots for this step: its decode token,
+        or while it is still prefilling its next chunk out of what ``budget`` leaves after the decode tokens (at most
         ``max_prefill_batch`` chunks; the rest wait). When blocks run out the newest running sequence is
         preempted. Returns the sequences scheduled, the budget left and the number of chunks."""
         scheduled, bs, chunks, decodes = [], self.config.block_size, 0, 0
@@ -459,8 +473,9 @@ class Scheduler:
         return all(kv.allocate_slots(seq, seq.num_tokens + extra) for seq in seqs)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        """Blocks for ``seq``'s first ``num_tokens`` tokens, preempting the newest running sequences (never one
-        scheduled in this step: those are older) as needed; False when ``seq`` itself had to be preempted."""
+        """Blocks for ``seq``'s first ``num_tokens`` tokens, preempting the last running sequences (the newest, or
+        under "priority" the lowest priority; never one scheduled in this step: those come before it) as needed;
+        False when ``seq`` itself had to be preempted."""
         while not self.kv_cache.allocate_slots(seq, num_tokens):
             victim = self._running[-1]
             self._preempt(victim)

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 from llm_serving.core.speculative import METHODS
 
-POLICIES = ("fcfs", "longest_output_first")
+# admission order: arrival; the longest max_new_tokens first (``max_wait_s`` bounds the wait); a request's
+# ``priority`` (lower first, as vLLM's), then arrival, the lowest running one preempted first
+POLICIES = ("fcfs", "longest_output_first", "priority")
 
 
 @dataclass

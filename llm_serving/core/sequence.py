@@ -83,7 +83,7 @@ def _check_range(name: str, value: float) -> None:
         raise InvalidParameter(name, SAMPLING_RANGES[name].message(value))
 
 
-CONSTRAINT_KINDS = ("json", "regex", "choice")
+CONSTRAINT_KINDS = ("json", "regex", "choice", "thinking_budget")  # the last: core.thinking_budget
 
 
 class AnswerMatcher(Protocol):
@@ -157,6 +157,9 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     constraint: OutputConstraint | None = None  # structured output: the answer matches it, then ends ("stop")
+    # scheduling, not sampling, but it travels with the request as these do: under the "priority" policy lower runs
+    # earlier (vLLM's meaning); other policies take only 0 (``admission.RequestLimits``)
+    priority: int = 0
     # Whether the agent must read the logits (sampling, penalty, adjustment) instead of taking the in-graph argmax:
     # protocol.batch.needs_logits, the rule the agents apply to a step's rows
     needs_logits: bool = field(init=False, repr=False, compare=False)
@@ -183,6 +186,8 @@ class SamplingParams:
         if _not_int(self.top_k):
             raise TypeError(f"top_k must be an int, got {self.top_k!r}")
         _check_range("top_k", self.top_k)
+        if _not_int(self.priority):
+            raise TypeError(f"priority must be an int, got {self.priority!r}")
         if self.seed is not None and _not_int(self.seed):
             raise TypeError(f"seed must be an int or None, got {self.seed!r}")
         object.__setattr__(self, "stop", _checked_stops(self.stop))

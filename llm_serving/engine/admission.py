@@ -23,10 +23,12 @@ class RequestLimits:
     max_new_tokens: int  # model_config.max_generate_length
     max_model_len: int  # prompt + generated tokens (pa_config.decode_seq_length)
     vocab_size: int  # prompt token ids must be below it: the tokenizer's pieces (the model has them all)
+    priority_scheduling: bool = False  # scheduler.policy "priority": only then may a request set a priority
 
     @classmethod
     def from_config(cls, config: ServingConfig, vocab_size: int) -> RequestLimits:
-        return cls(config.model_config.max_generate_length, config.max_model_len, vocab_size)
+        return cls(config.model_config.max_generate_length, config.max_model_len, vocab_size,
+                   config.scheduler.policy == "priority")
 
     def admit(self, prompt_ids: list[int], params: SamplingParams,
               clip_to_context: bool = False) -> SamplingParams:
@@ -38,6 +40,9 @@ class RequestLimits:
         buckets (chunked, or prefilled alone). The KV cache holds a request of the model length (the config is
         validated so); the scheduler refuses one that could not fit it (``Scheduler.add``).
         """
+        if params.priority and not self.priority_scheduling:  # vLLM's check and words
+            raise AdmissionError("priority", f"Got priority {params.priority} but Priority scheduling is not enabled "
+                                             "(scheduler.policy: priority).")
         n = len(prompt_ids)
         if n == 0:
             raise AdmissionError("prompt", "{field} is empty")

@@ -109,7 +109,8 @@ def simulate(config: SchedulerConfig, requests: list[SimRequest], cost: StepCost
         while inbox and inbox[0][0] <= now[0]:
             seen, _, req = heapq.heappop(inbox)
             asked = req.max_new_tokens if end is not None else req.length
-            seq = Sequence(f"sim-{req.index}", list(req.prompt_ids), SamplingParams(asked, seed=0))
+            params = SamplingParams(asked, seed=0, priority=req.priority)
+            seq = Sequence(f"sim-{req.index}", list(req.prompt_ids), params)
             seq.arrival_time = seen
             sched.add(seq)
             if req.length < asked:  # its model ends it early

@@ -44,6 +44,9 @@ ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for system instructions
 # Keys OpenAI clients send back with an assistant message; accepted when null or empty.
 NEUTRAL_MESSAGE_KEYS = ("function_call", "refusal", "audio", "annotations")
+# What the server itself gives a template, so a request's chat_template_kwargs may not set them
+RESERVED_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token", "unk_token",
+                      "pad_token", "raise_exception")
 
 # The Llama-2 chat format: [INST] turns, the system prompt as a <<SYS>> block inside the first one, each
 # exchange between <s> and </s>, contents stripped. Written for llm-serving from the format's description.
@@ -204,11 +207,14 @@ class ChatTemplate:
                         else tokenizer.prompt_encoder(prefix).encode)
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
-        """The prompt text; ChatTemplateError with the template's message when it refuses the messages."""
+               tools: Sequence[Mapping[str, Any]] | None = None, extra: Mapping[str, Any] | None = None) -> str:
+        """The prompt text; ChatTemplateError with the template's message when it refuses the messages. ``extra``:
+        further variables (a request's ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``), never one of
+        ``RESERVED_VARIABLES``."""
         try:
-            return self._template.render(messages=[dict(m) for m in messages], tools=tools, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self._variables)
+            return self._template.render(**(extra or {}), messages=[dict(m) for m in messages], tools=tools,
+                                         documents=None, add_generation_prompt=add_generation_prompt,
+                                         **self._variables)
         except jinja2.TemplateError as exc:  # raise_exception, an undefined name, a sandbox refusal
             raise ChatTemplateError(str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - the template's own code failed on these messages
@@ -222,6 +228,12 @@ class ChatTemplate:
                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """The conversation's prompt token ids (``check_messages`` output in, BOS included by the template)."""
         return self.encode(self.render(messages, add_generation_prompt, tools))
+
+    def prompt(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+               extra: Mapping[str, Any] | None = None) -> tuple[str, list[int]]:
+        """The generation prompt's text (where a reasoning block may open: ``tokenization.reasoning``) and ids."""
+        text = self.render(messages, True, tools, extra)
+        return text, self.encode(text)
 
 
 class ServedChatTemplate:

@@ -61,6 +61,8 @@ def load_config(args: argparse.Namespace) -> ServingConfig:
         values["serving_config.api_key"] = args.api_key
     if getattr(args, "device_target", None):
         values["model_config.device_target"] = args.device_target
+    if args.reasoning_parser:
+        values["tokenizer.reasoning_parser"] = args.reasoning_parser
     names = getattr(args, "served_model_name", None)
     if names:
         values["model_config.model_name"] = names[0]
