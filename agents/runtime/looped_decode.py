@@ -72,7 +72,7 @@ class LoopedDecodeStep(nn.Cell):
 class LoopedDecode(Decode):
     """The decode buckets of ``steps`` steps a call: a table width holding the context of the last step."""
 
-    unit, tag = "blocks", "l"
+    unit, tag = "blocks", "w"
 
     def __init__(self, rc: RunnerConfig, backend: OpsBackend | None, costs: CostTable, steps: int) -> None:
         super().__init__(rc, backend, costs)

@@ -68,9 +68,13 @@ def graph_families(rc: RunnerConfig, ragged: bool, backend: OpsBackend | None = 
 
 def looped_families(rc: RunnerConfig, backend: OpsBackend | None = None,
                     costs: CostTable | None = None) -> dict[int, LoopedDecode]:
-    """The looped decode family of ``rc.decode_steps`` steps a call (none at one step), by its steps."""
+    """The looped decode family of ``rc.decode_steps`` steps a call, by its steps; none at one step, and none on
+    Ascend: there PagedAttention reads the context lengths from the graph input's host values and the rotary
+    embedding wants the input positions, which a later step's in-graph lengths and positions are not (the export's
+    contract check says so), so multi-step batches take the host loop."""
     costs = costs if costs is not None else CostTable()
-    return {k: LoopedDecode(rc, backend, costs, k) for k in ([rc.decode_steps] if rc.decode_steps > 1 else [])}
+    looped = rc.decode_steps > 1 and rc.device_target == "CPU"
+    return {k: LoopedDecode(rc, backend, costs, k) for k in ([rc.decode_steps] if looped else [])}
 
 
 def warmup_shapes(rc: RunnerConfig, ragged_prefill: bool) -> list[tuple]:
