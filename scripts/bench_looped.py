@@ -1,6 +1,7 @@
 """Looped decode graphs against the host loop of single-step calls, in process, side by side in one run (issue 53).
 
     python scripts/bench_looped.py [--variants k1,host-k4,loop-k4,host-k8,loop-k8] [--levels 1] [--rounds 3]
+        [--decode-batches 1,8]
 
 The bench model and workload of scripts/bench_low_load.py (greedy, EOS ignored). ``kN``: ``scheduler.decode_steps``
 N; ``loop-kN`` runs each multi-step batch as one looped graph call (``agents.runtime.looped_decode``), ``host-kN``
@@ -47,6 +48,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-output-tokens", type=int, default=64)
+    ap.add_argument("--decode-batches", default=",".join(map(str, TUNED["decode"])),
+                    help="decode batch buckets (fewer: a quicker start, each looped graph compiles k steps)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work-dir", default="/tmp/llm-serving-bench-looped")
     args = ap.parse_args()
@@ -56,12 +59,13 @@ def main() -> None:
     model_dir = bench_model_dir(work)
     tok = Tokenizer(model_dir / "tokenizer.model")
     prompts = [(tok.encode(r.prompt), r.max_new_tokens) for r in make_requests(args, model_dir)]
+    decode_batches = tuple(int(n) for n in args.decode_batches.split(","))
     configs = {}
     for v in variants:
         mode, _, steps = v.rpartition("k")
         if mode not in ("", "host-", "loop-") or not steps.isdigit():
             raise SystemExit(f"--variants: {v!r} is not kN, host-kN or loop-kN")
-        path = write_config(work / f"config-{v}.yaml", model_dir, TUNED["prefill"], TUNED["decode"], "fcfs",
+        path = write_config(work / f"config-{v}.yaml", model_dir, TUNED["prefill"], decode_batches, "fcfs",
                             args.max_output_tokens)
         cfg = json.loads(path.read_text())
         cfg["scheduler"].update(decode_steps=int(steps))

@@ -102,3 +102,26 @@ def test_blocks_short_of_the_later_steps_are_refused_and_other_ks_go_to_the_host
     out = runner.decode_steps(fine)
     assert out is not None and out.token_ids.tolist() == host.token_ids.tolist()
     assert out.more_token_ids.tolist() == host.more_token_ids.tolist()
+
+
+def test_through_the_engine_the_looped_batches_give_the_ids_of_single_steps(tmp_path):
+    """decode_steps 8 on the portable backend: the agents run each multi-step batch as one looped call."""
+    from llm_serving.core.sequence import SamplingParams
+    from llm_serving.engine.loop import Engine
+    from tests.tiny_engine import tiny_engine_config
+
+    prompts = [[1, 17, 230, 45, 9, 301], [1, 5, 6, 7], [1, 400, 401, 402, 403, 404, 405, 406, 407]]
+    limits = [9, 21, 14]
+    results = {}
+    for k in (1, 8):
+        cfg = tiny_engine_config(tmp_path, scheduler={"decode_steps": k}, model_config={"kernels": "portable"})
+        with Engine(cfg) as engine:
+            engine.start(progress=None)
+            out = [s.result(timeout=120) for s in [engine.submit(p, SamplingParams(n, ignore_eos=True))
+                                                    for p, n in zip(prompts, limits)]]
+            stats = engine.stats()
+        assert stats["kv_blocks_used"] == 0
+        results[k] = [r.token_ids for r in out], [r.logprobs for r in out], stats["multi_step_batches"]
+    assert results[8][0] == results[1][0] and [len(t) for t in results[8][0]] == limits
+    np.testing.assert_allclose(np.concatenate(results[8][1]), np.concatenate(results[1][1]), atol=1e-4)
+    assert results[1][2] == 0 and results[8][2] >= 2
