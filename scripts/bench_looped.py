@@ -82,7 +82,9 @@ def main() -> None:
                 start_s = time.perf_counter() - t0
                 for level in levels:
                     rows.setdefault((v, level), []).append(asyncio.run(in_process(engine, prompts, level)))
-            print(f"round {rnd + 1} {v} done (start {start_s:.1f} s)", file=sys.stderr, flush=True)
+            tpots = ", ".join(f"{level} in flight {rows[(v, level)][-1][1]:.2f} ms" for level in levels)
+            print(f"round {rnd + 1} {v}: {tpots} per output token (start {start_s:.1f} s)", file=sys.stderr,
+                  flush=True)
     print("| in flight | variant | output tokens/s | ms per output token | ms per output token per round |")
     print("|---|---|---|---|---|")
     for (v, level), runs in sorted(rows.items(), key=lambda x: (x[0][1], variants.index(x[0][0]))):
