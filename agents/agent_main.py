@@ -256,7 +256,9 @@ def run_step(runner: StepRunner, batch: StepBatch, block_size: int | None, looku
     if batch.num_steps == 1:
         return runner.step(batch)
     if batch.kind is StepKind.DECODE:
-        return run_decode_steps(runner.step, batch, block_size)
+        looped = getattr(runner, "decode_steps", None)  # ModelRunner's looped graphs (``runtime.looped_decode``)
+        output = looped(batch) if looped is not None else None
+        return output if output is not None else run_decode_steps(runner.step, batch, block_size)
     if batch.kind is not StepKind.VERIFY:
         raise ValueError(f"a {batch.kind.name} step runs one round, not {batch.num_steps}")
     return run_verify_rounds(runner.step, batch, block_size, lookup)

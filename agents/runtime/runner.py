@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import mindspore as ms
 import numpy as np
@@ -28,8 +29,16 @@ from agents.model.parallel import agreed_costs, sharded_graphs
 from agents.runtime.decode_family import Decode
 from agents.runtime.device import apply_jit_config, setup_device
 from agents.runtime.graph_call import CompiledCell
-from agents.runtime.graph_family import CostTable, GraphFamily, by_graph, warmup_shapes_of
+from agents.runtime.graph_family import (
+    CostTable,
+    GraphFamily,
+    by_graph,
+    check_cache_indices,
+    planned_calls,
+    warmup_shapes_of,
+)
 from agents.runtime.graph_runner import FamilyRunner
+from agents.runtime.looped_decode import LoopedDecode, LoopedDecodeStep
 from agents.runtime.mixed_families import PaddedMixed, RaggedMixed
 from agents.runtime.mixed_steps import MixedStep
 from agents.runtime.prefill_families import PaddedPrefill, RaggedPrefill
@@ -64,11 +73,23 @@ def graph_families(rc: RunnerConfig, ragged: bool, backend: OpsBackend | None = 
             StepKind.DECODE: decode}
 
 
+def looped_families(rc: RunnerConfig, backend: OpsBackend | None = None,
+                    costs: CostTable | None = None) -> dict[int, LoopedDecode]:
+    """The looped decode family of ``rc.decode_steps`` steps a call, by its steps; none at one step, and none on
+    Ascend: there PagedAttention reads the context lengths from the graph input's host values and the rotary
+    embedding wants the input positions, which a later step's in-graph lengths and positions are not (the export's
+    contract check says so), so multi-step batches take the host loop."""
+    costs = costs if costs is not None else CostTable()
+    looped = rc.decode_steps > 1 and rc.device_target == "CPU"
+    return {k: LoopedDecode(rc, backend, costs, k) for k in ([rc.decode_steps] if looped else [])}
+
+
 def warmup_shapes(rc: RunnerConfig, ragged_prefill: bool) -> list[tuple]:
     """Every compiled graph shape ``(kind, batch, n)``: ("prefill", batch, seq), ("ragged", max prefill batch,
-    tokens), mixed, verify or ("decode", batch, block-table width); the runner warms these and ``agents.tools.export``
-    exports them."""
-    return warmup_shapes_of(graph_families(rc, ragged_prefill))
+    tokens), mixed, verify, ("decode", batch, block-table width) or looped decode ("loop<k>", batch, width); the
+    runner warms these and ``agents.tools.export`` exports them."""
+    return warmup_shapes_of(graph_families(rc, ragged_prefill)) + [
+        shape for family in looped_families(rc).values() for shape in family.shapes()]
 
 
 def compiled_graphs(rc: RunnerConfig, ragged_prefill: bool) -> dict[str, int]:
@@ -128,6 +149,10 @@ class ModelRunner(FamilyRunner):
             verify = VerifyStep(self.model)
             apply_jit_config(verify, rc.device_target)
             self.graphs["verify"] = CompiledCell(verify)
+        for k in looped_families(rc):
+            looped = LoopedDecodeStep(self.model, k, rc.block_size)
+            apply_jit_config(looped, rc.device_target)
+            self.graphs[f"loop{k}"] = CompiledCell(looped)
         cells = self.graphs
         super().__init__(rc, sharded_graphs(self.graphs, self.shard),  # tensor parallel: logits gathered when read
                          lambda costs: graph_families(rc, self.ragged_prefill, self.backend, costs))
@@ -135,6 +160,12 @@ class ModelRunner(FamilyRunner):
             for name, family in by_graph(self.families).items():
                 if shapes := family.shapes():
                     cells[name].set_dynamic(family.warmup_inputs(shapes[0]))
+        self.looped = looped_families(rc, self.backend, self.costs)
+        self._by_graph.update({family.graph: family for family in self.looped.values()})
+
+    def graph_shapes(self) -> list[tuple]:
+        """Every family's warm-up shapes, the looped decode ones last."""
+        return super().graph_shapes() + [shape for family in self.looped.values() for shape in family.shapes()]
 
     @property
     def ragged_prefill(self) -> bool:
@@ -160,6 +191,29 @@ class ModelRunner(FamilyRunner):
             return self._verify(batch)
         with self._device_step(batch):
             return super().step(batch)
+
+    def decode_steps(self, batch: StepBatch) -> StepOutput | None:
+        """A decode batch of ``num_steps`` k > 1 as looped graph calls (``agents.runtime.looped_decode``), or None
+        where no looped graph of k steps was compiled (the caller then loops single steps)."""
+        family = self.looped.get(batch.num_steps)
+        if family is None:
+            return None
+        rc, k, n = self.rc, batch.num_steps, batch.batch_size
+        last = family.last_contexts(batch)
+
+        def check(part: StepBatch) -> None:  # the blocks of every step's position, not only the first's
+            check_cache_indices(part, rc.num_blocks, rc.block_size, rc.max_blocks_per_seq)
+            check_cache_indices(replace(part, context_lens=last), rc.num_blocks, rc.block_size,
+                                rc.max_blocks_per_seq)
+
+        ids, logprobs = np.zeros((n, k), np.int32), np.zeros((n, k), np.float32)
+        with self._device_step(batch):
+            for group, part, (part_ids, part_lps, _) in planned_calls({StepKind.DECODE: family}, batch, check,
+                                                                       self._run):
+                used = part.batch_size
+                ids[group], logprobs[group] = part_ids.asnumpy()[:used], part_lps.asnumpy()[:used]
+        return StepOutput(ids[:, 0].copy(), logprobs[:, 0].copy(), more_token_ids=ids[:, 1:].copy(),
+                          more_logprobs=logprobs[:, 1:].copy())
 
     def _verify(self, batch: StepBatch) -> StepOutput:
         """A step of proposals to verify (``agents.runtime.verify_steps``): the picks after every token of each

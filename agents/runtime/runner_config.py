@@ -46,6 +46,7 @@ class RunnerConfig:
     # speculative decoding: the most proposals one sequence has verified in a step (agents.runtime.verify_steps);
     # 0: no verify graphs
     verify_tokens: int = 0
+    decode_steps: int = 1  # scheduler.decode_steps: > 1 compiles the looped decode graphs (``looped_decode``)
     verify_step_tokens: int | None = None  # the tokens one verify step carries at most (None: a full decode batch's)
     # one compiled graph per family, its inputs' dimensions left open (``Cell.set_inputs`` with None dims, as
     # MindFormers and vllm-mindspore compile theirs); the buckets still pad and plan the calls (docs/ascend.md)

@@ -246,6 +246,7 @@ def runner_config_dict(config: ServingConfig) -> dict[str, Any]:
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "verify_tokens": config.speculative.num_tokens if config.speculative.method else 0,
         "verify_step_tokens": config.speculative.max_step_tokens,
+        "decode_steps": config.scheduler.decode_steps,  # looped decode graphs (agents.runtime.looped_decode)
         "device_target": m.device_target, "dynamic_shapes": m.dynamic_graphs,
         **({"memory_utilization": pa.utilization} if pa.auto_blocks else {}),
     }
