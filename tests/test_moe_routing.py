@@ -3,6 +3,8 @@ config.json (llm_serving.protocol.moe_config): issue 54 parts 1 and 2's referenc
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -95,3 +97,56 @@ def test_spec_refuses_by_name(change: dict, named: str | None) -> None:
         named = "moe_intermediate_size"
     with pytest.raises(ModelConfigError, match=f"cfg.json: .*{named}"):
         MoeSpec.from_dict(raw, "Qwen3MoeForCausalLM", "cfg.json")
+
+
+def _save_tiny(arch: str, out) -> torch.nn.Module:
+    import transformers
+
+    config_cls, _, extra = FAMILIES[arch]
+    config = config_cls(**{**COMMON, **extra, "num_hidden_layers": 2, "intermediate_size": extra.get(
+        "intermediate_size", 12)})
+    torch.manual_seed(3)
+    model = getattr(transformers, arch)(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    model.save_pretrained(out)
+    return model
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_hf_checkpoint_experts_fused_per_expert(arch: str, tmp_path) -> None:
+    """Per-expert tensors as save_pretrained writes them, fused [gate; up] per expert and stacked: the block
+    computed from them equals the checkpoint's own model's block."""
+    from agents.weights.checkpoints import _SafetensorsFile
+    from agents.weights.moe_weights import fuse_moe_layer
+
+    model = _save_tiny(arch, tmp_path)
+    spec = MoeSpec.from_dict(json.loads((tmp_path / "config.json").read_text()), arch)
+    tensors = _SafetensorsFile(tmp_path / "model.safetensors")
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(1))
+    for layer in spec.sparse_layers:
+        fused, used = fuse_moe_layer(tensors, layer, arch, spec, H)
+        assert fused[f"layers.{layer}.experts_gate_up"].shape == (E, 2 * F, H)
+        assert len(used) == 1 + 3 * E + (4 if spec.shared_expert_intermediate_size else 0)
+        block = model.model.layers[layer].mlp
+        with torch.no_grad():
+            want = block(x[None])[0].numpy()
+        got = moe_routing.sparse_block(x.numpy(), fused, layer, spec.top_k, spec.norm_topk_prob)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_fuse_names_missing_and_misshapen_tensors(tmp_path) -> None:
+    from agents.weights.checkpoints import WeightLoadError, _SafetensorsFile
+    from agents.weights.moe_weights import fuse_moe_layer
+
+    arch = "Qwen3MoeForCausalLM"
+    _save_tiny(arch, tmp_path)
+    spec = MoeSpec.from_dict(json.loads((tmp_path / "config.json").read_text()), arch)
+    tensors = dict(_SafetensorsFile(tmp_path / "model.safetensors").items())
+    del tensors["model.layers.0.mlp.experts.3.up_proj.weight"]
+    with pytest.raises(WeightLoadError, match="ck: missing tensor 'model.layers.0.mlp.experts.3.up_proj.weight'"):
+        fuse_moe_layer(tensors, 0, arch, spec, H, "ck")
+    tensors["model.layers.0.mlp.experts.3.up_proj.weight"] = np.zeros((F, H + 1), np.float32)
+    with pytest.raises(WeightLoadError, match=r"experts.3.up_proj.weight: expected shape \(8, 16\)"):
+        fuse_moe_layer(tensors, 0, arch, spec, H, "ck")

@@ -6,7 +6,7 @@ that the graph and native paths are held to, and the plan they take."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,3 +75,16 @@ def moe_forward(x: np.ndarray, router: np.ndarray, gate_up: np.ndarray, down: np
 def shared_expert(x: np.ndarray, gate_up: np.ndarray, down: np.ndarray, gate: np.ndarray) -> np.ndarray:
     """Qwen2-MoE's shared expert, run for every token and scaled by ``sigmoid(x @ gate [1, h].T)``."""
     return swiglu_expert(gate_up, down)(x) / (1.0 + np.exp(-(x @ gate.T)))
+
+
+def sparse_block(x: np.ndarray, weights: Mapping[str, np.ndarray], layer: int, top_k_experts: int,
+                 normalise: bool) -> np.ndarray:
+    """Layer ``layer``'s whole MoE block from canonical weights (``agents.weights.moe_weights``): the routed
+    experts, plus the gated shared expert where the layer has one."""
+    p = f"layers.{layer}."
+    out = moe_forward(x, weights[p + "router"], weights[p + "experts_gate_up"], weights[p + "experts_down"],
+                      top_k_experts, normalise)
+    if p + "shared_gate_up" in weights:
+        out = out + shared_expert(x, weights[p + "shared_gate_up"], weights[p + "shared_down"],
+                                  weights[p + "shared_gate"])
+    return out

@@ -9,11 +9,13 @@ from typing import Any
 
 from llm_serving.protocol.model_config import ModelConfigError
 
-# architecture -> (config.json's key for the expert count, whether top-k weights are renormalised by a key (None:
-# always, Mixtral's softmax over the top k), whether a sigmoid-gated shared expert runs beside the routed ones)
-MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM": ("num_experts", "norm_topk_prob", False),
-                     "Qwen2MoeForCausalLM": ("num_experts", "norm_topk_prob", True),
-                     "MixtralForCausalLM": ("num_local_experts", None, False)}
+# architecture -> (config.json's keys for the expert count, the first present read (transformers 5 writes Qwen's
+# num_experts as num_local_experts; Qwen's own files say num_experts), the key that renormalises the top-k weights
+# (None: always, Mixtral's softmax over the top k), whether a sigmoid-gated shared expert runs beside the routed ones)
+_QWEN = ("num_experts", "num_local_experts")
+MOE_ARCHITECTURES = {"Qwen3MoeForCausalLM": (_QWEN, "norm_topk_prob", False),
+                     "Qwen2MoeForCausalLM": (_QWEN, "norm_topk_prob", True),
+                     "MixtralForCausalLM": (("num_local_experts",), None, False)}
 # keys that change routing where set (a token dropped past an expert's capacity, or a top-k over groups of
 # experts): never computed here, so refused unless absent or at the no-op value
 _REFUSED = {"capacity_factor": (None,), "moe_capacity_factor": (None,), "n_group": (None, 1),
@@ -36,7 +38,8 @@ class MoeSpec:
     def from_dict(cls, raw: dict[str, Any], architecture: str, source: str = "config") -> MoeSpec:
         if architecture not in MOE_ARCHITECTURES:
             raise ModelConfigError(f"{source}: {architecture} is not a mixture-of-experts architecture")
-        count_key, norm_key, shared = MOE_ARCHITECTURES[architecture]
+        count_keys, norm_key, shared = MOE_ARCHITECTURES[architecture]
+        count_key = next((key for key in count_keys if key in raw), count_keys[0])
         for key, served in _REFUSED.items():
             if raw.get(key) not in served:
                 raise ModelConfigError(f"{source}: {key}: {raw[key]!r} is not served (only {served[-1]!r})")
@@ -45,7 +48,7 @@ class MoeSpec:
                 raw["num_experts_per_tok"])
             step = int(raw.get("decoder_sparse_step", 1))
             dense_only = {int(i) for i in raw.get("mlp_only_layers") or []}
-            size = int(raw["moe_intermediate_size"] if count_key == "num_experts" else raw["intermediate_size"])
+            size = int(raw["moe_intermediate_size"] if norm_key else raw["intermediate_size"])
             shared_size = int(raw["shared_expert_intermediate_size"]) if shared else 0
         except KeyError as exc:
             raise ModelConfigError(f"{source}: missing required key {exc.args[0]!r}") from None
