@@ -30,6 +30,9 @@ class MoeBlock(nn.Cell):
         for name, shape in shared.items():  # present only where the family has a shared expert
             setattr(self, name, Parameter(initializer("zeros", shape, dtype), name=name) if s else None)
         self.shared_f = s
+        # weights as stored, [out, in]: the transposed operand read in place, never a transposed copy per call
+        self.linear = ops.MatMul(transpose_b=True)
+        self.batched = ops.BatchMatMul(transpose_b=True)
 
     def load(self, weights: dict[str, np.ndarray], layer: int) -> None:
         for name in ("router", "experts_gate_up", "experts_down", *(
@@ -43,19 +46,19 @@ class MoeBlock(nn.Cell):
     def construct(self, x: Tensor) -> Tensor:
         """``x [tokens, hidden]`` (token-flat, as every projection here) -> the block's output, same shape."""
         tokens, hidden = x.shape[0], x.shape[1]
-        probs = ops.softmax(ops.matmul(x, self.router.T).astype(ms.float32), -1)
+        probs = ops.softmax(self.linear(x, self.router).astype(ms.float32), -1)
         weights, ids = ops.topk(probs, self.k)
         if self.normalise:
             weights = weights / weights.sum(-1, keepdims=True)
         flat = ids.reshape(-1)
         rows = ops.broadcast_to(x.reshape(tokens, 1, 1, hidden), (tokens, self.k, 1, hidden))
         rows = rows.reshape(tokens * self.k, 1, hidden)
-        gate_up = ops.bmm(rows, ops.gather(self.experts_gate_up, flat, 0).transpose(0, 2, 1))
+        gate_up = self.batched(rows, ops.gather(self.experts_gate_up, flat, 0))
         act = ops.silu(gate_up[:, :, :self.f]) * gate_up[:, :, self.f:]
-        y = ops.bmm(act, ops.gather(self.experts_down, flat, 0).transpose(0, 2, 1)).reshape(tokens, self.k, hidden)
+        y = self.batched(act, ops.gather(self.experts_down, flat, 0)).reshape(tokens, self.k, hidden)
         out = (y * weights.astype(y.dtype).reshape(tokens, self.k, 1)).sum(1)
         if self.has_shared:
-            su = ops.matmul(x, self.shared_gate_up.T)
-            shared = ops.matmul(ops.silu(su[:, :self.shared_f]) * su[:, self.shared_f:], self.shared_down.T)
-            out = out + ops.sigmoid(ops.matmul(x, self.shared_gate.T)) * shared
+            su = self.linear(x, self.shared_gate_up)
+            shared = self.linear(ops.silu(su[:, :self.shared_f]) * su[:, self.shared_f:], self.shared_down)
+            out = out + ops.sigmoid(self.linear(x, self.shared_gate)) * shared
         return out
