@@ -1,5 +1,6 @@
 """The MoE block's graph ops (agents.model.moe) against the routing reference (agents.model.moe_routing), which
-tests/test_moe_routing.py holds to transformers' blocks: decode-sized and prefill-sized token counts, each family."""
+tests/test_moe_routing.py holds to transformers' blocks: 1 token (fewer picks than experts: the gathered path)
+and 32 (the every-expert path), with and without the shared expert."""
 
 from __future__ import annotations
 

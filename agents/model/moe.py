@@ -21,6 +21,7 @@ class MoeBlock(nn.Cell):
     def __init__(self, spec: MoeSpec, hidden: int, dtype: ms.Type) -> None:
         super().__init__()
         e, f, s = spec.num_experts, spec.moe_intermediate_size, spec.shared_expert_intermediate_size
+        self.num_experts = e
         self.k, self.f, self.normalise, self.has_shared = spec.top_k, f, spec.norm_topk_prob, s > 0
         self.router = Parameter(initializer("zeros", (e, hidden), dtype), name="router")
         self.experts_gate_up = Parameter(initializer("zeros", (e, 2 * f, hidden), dtype), name="experts_gate_up")
@@ -45,20 +46,42 @@ class MoeBlock(nn.Cell):
 
     def construct(self, x: Tensor) -> Tensor:
         """``x [tokens, hidden]`` (token-flat, as every projection here) -> the block's output, same shape."""
-        tokens, hidden = x.shape[0], x.shape[1]
+        tokens = x.shape[0]
         probs = ops.softmax(self.linear(x, self.router).astype(ms.float32), -1)
         weights, ids = ops.topk(probs, self.k)
         if self.normalise:
             weights = weights / weights.sum(-1, keepdims=True)
+        if tokens * self.k < self.num_experts:  # a graph constant: each bucket compiles one of the two
+            out = self._gathered(x, weights, ids)
+        else:
+            out = self._every_expert(x, weights, ids)
+        if self.has_shared:
+            su = self.linear(x, self.shared_gate_up)
+            shared = self.linear(ops.silu(su[:, :self.shared_f]) * su[:, self.shared_f:], self.shared_down)
+            out = out + ops.sigmoid(self.linear(x, self.shared_gate)) * shared
+        return out
+
+    def _gathered(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """Fewer picks than experts (decode at small batch): the chosen experts' weights gathered, ``tokens x k``
+        of them, one batched matmul pair; the experts no token chose are never read."""
+        tokens, hidden = x.shape[0], x.shape[1]
         flat = ids.reshape(-1)
         rows = ops.broadcast_to(x.reshape(tokens, 1, 1, hidden), (tokens, self.k, 1, hidden))
         rows = rows.reshape(tokens * self.k, 1, hidden)
         gate_up = self.batched(rows, ops.gather(self.experts_gate_up, flat, 0))
         act = ops.silu(gate_up[:, :, :self.f]) * gate_up[:, :, self.f:]
         y = self.batched(act, ops.gather(self.experts_down, flat, 0)).reshape(tokens, self.k, hidden)
-        out = (y * weights.astype(y.dtype).reshape(tokens, self.k, 1)).sum(1)
-        if self.has_shared:
-            su = self.linear(x, self.shared_gate_up)
-            shared = self.linear(ops.silu(su[:, :self.shared_f]) * su[:, self.shared_f:], self.shared_down)
-            out = out + ops.sigmoid(self.linear(x, self.shared_gate)) * shared
-        return out
+        return (y * weights.astype(y.dtype).reshape(tokens, self.k, 1)).sum(1)
+
+    def _every_expert(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """At least as many picks as experts (prefill, large decode batches): each expert's weights read once, in
+        place, over every token, and combined by a ``[tokens, E]`` weight matrix that is zero where a token did not
+        choose the expert; gathering would copy more weight rows than the layer holds."""
+        tokens, hidden = x.shape[0], x.shape[1]
+        combine = (ops.one_hot(ids, self.num_experts, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
+                   * weights.reshape(tokens, self.k, 1)).sum(1)  # [tokens, E]
+        rows = ops.broadcast_to(x.reshape(1, tokens, hidden), (self.num_experts, tokens, hidden))
+        gate_up = self.batched(rows, self.experts_gate_up)
+        act = ops.silu(gate_up[:, :, :self.f]) * gate_up[:, :, self.f:]
+        y = self.batched(act, self.experts_down)  # [E, tokens, hidden]
+        return (y * combine.T.astype(y.dtype).reshape(self.num_experts, tokens, 1)).sum(0)
