@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages, run as a script
 
 from agents.model.moe import MoeBlock
 from llm_serving.protocol.moe_config import MoeSpec
