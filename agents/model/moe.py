@@ -1,0 +1,87 @@
+"""The sparse MoE block as graph ops (issue 54): router, top-k with the family's normalisation, then each token's
+chosen experts' weights gathered (``[tokens*k, 2f, h]``) and applied as one batched matmul pair, and the k
+outputs summed with their routing weights. Static shapes throughout (the graph buckets of
+/work/shared/notes/mindspore-cpu.md); a step reads ``tokens x k`` experts' weights, never the experts no token
+chose, which is what makes decode cost follow active parameters. The maths is held to ``moe_routing`` (itself held
+to transformers' blocks) in tests/test_moe_block.py."""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import initializer
+
+from llm_serving.protocol.moe_config import MoeSpec
+
+
+class MoeBlock(nn.Cell):
+    """One layer's experts (canonical names of ``agents.weights.moe_weights``) and the op sequence over them."""
+
+    def __init__(self, spec: MoeSpec, hidden: int, dtype: ms.Type) -> None:
+        super().__init__()
+        e, f, s = spec.num_experts, spec.moe_intermediate_size, spec.shared_expert_intermediate_size
+        self.num_experts = e
+        self.k, self.f, self.normalise, self.has_shared = spec.top_k, f, spec.norm_topk_prob, s > 0
+        self.router = Parameter(initializer("zeros", (e, hidden), dtype), name="router")
+        self.experts_gate_up = Parameter(initializer("zeros", (e, 2 * f, hidden), dtype), name="experts_gate_up")
+        self.experts_down = Parameter(initializer("zeros", (e, hidden, f), dtype), name="experts_down")
+        shared = {"shared_gate_up": (2 * max(s, 1), hidden), "shared_down": (hidden, max(s, 1)),
+                  "shared_gate": (1, hidden)}
+        for name, shape in shared.items():  # present only where the family has a shared expert
+            setattr(self, name, Parameter(initializer("zeros", shape, dtype), name=name) if s else None)
+        self.shared_f = s
+        # weights as stored, [out, in]: the transposed operand read in place, never a transposed copy per call
+        self.linear = ops.MatMul(transpose_b=True)
+        self.batched = ops.BatchMatMul(transpose_b=True)
+
+    def load(self, weights: dict[str, np.ndarray], layer: int) -> None:
+        for name in ("router", "experts_gate_up", "experts_down", *(
+                ("shared_gate_up", "shared_down", "shared_gate") if self.has_shared else ())):
+            param = getattr(self, name)
+            value = weights[f"layers.{layer}.{name}"]
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"layers.{layer}.{name}: expected shape {tuple(param.shape)}, got {value.shape}")
+            param.set_data(Tensor(np.ascontiguousarray(value), param.dtype))
+
+    def construct(self, x: Tensor) -> Tensor:
+        """``x [tokens, hidden]`` (token-flat, as every projection here) -> the block's output, same shape."""
+        tokens = x.shape[0]
+        probs = ops.softmax(self.linear(x, self.router).astype(ms.float32), -1)
+        weights, ids = ops.topk(probs, self.k)
+        if self.normalise:
+            weights = weights / weights.sum(-1, keepdims=True)
+        if tokens * self.k < self.num_experts:  # a graph constant: each bucket compiles one of the two
+            out = self._gathered(x, weights, ids)
+        else:
+            out = self._every_expert(x, weights, ids)
+        if self.has_shared:
+            su = self.linear(x, self.shared_gate_up)
+            shared = self.linear(ops.silu(su[:, :self.shared_f]) * su[:, self.shared_f:], self.shared_down)
+            out = out + ops.sigmoid(self.linear(x, self.shared_gate)) * shared
+        return out
+
+    def _gathered(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """Fewer picks than experts (decode at small batch): the chosen experts' weights gathered, ``tokens x k``
+        of them, one batched matmul pair; the experts no token chose are never read."""
+        tokens, hidden = x.shape[0], x.shape[1]
+        flat = ids.reshape(-1)
+        rows = ops.broadcast_to(x.reshape(tokens, 1, 1, hidden), (tokens, self.k, 1, hidden))
+        rows = rows.reshape(tokens * self.k, 1, hidden)
+        gate_up = self.batched(rows, ops.gather(self.experts_gate_up, flat, 0))
+        act = ops.silu(gate_up[:, :, :self.f]) * gate_up[:, :, self.f:]
+        y = self.batched(act, ops.gather(self.experts_down, flat, 0)).reshape(tokens, self.k, hidden)
+        return (y * weights.astype(y.dtype).reshape(tokens, self.k, 1)).sum(1)
+
+    def _every_expert(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """At least as many picks as experts (prefill, large decode batches): each expert's weights read once, in
+        place, over every token, and combined by a ``[tokens, E]`` weight matrix that is zero where a token did not
+        choose the expert; gathering would copy more weight rows than the layer holds."""
+        tokens, hidden = x.shape[0], x.shape[1]
+        combine = (ops.one_hot(ids, self.num_experts, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
+                   * weights.reshape(tokens, self.k, 1)).sum(1)  # [tokens, E]
+        rows = ops.broadcast_to(x.reshape(1, tokens, hidden), (self.num_experts, tokens, hidden))
+        gate_up = self.batched(rows, self.experts_gate_up)
+        act = ops.silu(gate_up[:, :, :self.f]) * gate_up[:, :, self.f:]
+        y = self.batched(act, self.experts_down)  # [E, tokens, hidden]
+        return (y * combine.T.astype(y.dtype).reshape(self.num_experts, tokens, 1)).sum(0)

@@ -1,0 +1,46 @@
+"""The MoE block's graph ops (agents.model.moe) against the routing reference (agents.model.moe_routing), which
+tests/test_moe_routing.py holds to transformers' blocks: 1 token (fewer picks than experts: the gathered path)
+and 32 (the every-expert path), with and without the shared expert."""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from agents.model import moe_routing
+from agents.model.moe import MoeBlock
+from llm_serving.protocol.moe_config import MoeSpec
+
+ms.set_context(mode=ms.GRAPH_MODE)
+H = 16
+
+
+@pytest.mark.parametrize(("top_k", "normalise", "shared"), [(2, True, 0), (2, False, 12), (3, True, 0)])
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_graph_block_matches_reference(top_k: int, normalise: bool, shared: int, tokens: int) -> None:
+    spec = MoeSpec(num_experts=8, top_k=top_k, moe_intermediate_size=8, norm_topk_prob=normalise,
+                   shared_expert_intermediate_size=shared, sparse_layers=(0,))
+    rng = np.random.default_rng(tokens + top_k)
+    w = {"layers.0.router": rng.normal(0, 0.5, (8, H)), "layers.0.experts_gate_up": rng.normal(0, 0.5, (8, 16, H)),
+         "layers.0.experts_down": rng.normal(0, 0.5, (8, H, 8))}
+    if shared:
+        w.update({"layers.0.shared_gate_up": rng.normal(0, 0.5, (2 * shared, H)),
+                  "layers.0.shared_down": rng.normal(0, 0.5, (H, shared)),
+                  "layers.0.shared_gate": rng.normal(0, 0.5, (1, H))})
+    w = {k: v.astype(np.float32) for k, v in w.items()}
+    block = MoeBlock(spec, H, ms.float32)
+    block.load(w, 0)
+    x = rng.normal(0, 1, (tokens, H)).astype(np.float32)
+    got = block(ms.Tensor(x)).asnumpy()
+    want = moe_routing.sparse_block(x, w, 0, top_k, normalise)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_load_refuses_misshapen_expert_weights() -> None:
+    spec = MoeSpec(8, 2, 8, True, 0, (0,))
+    block = MoeBlock(spec, H, ms.float32)
+    w = {"layers.0.router": np.zeros((8, H), np.float32), "layers.0.experts_gate_up": np.zeros((8, 16, H + 1)),
+         "layers.0.experts_down": np.zeros((8, H, 8), np.float32)}
+    with pytest.raises(ValueError, match=r"layers.0.experts_gate_up: expected shape \(8, 16, 16\)"):
+        block.load(w, 0)
