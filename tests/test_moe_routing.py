@@ -118,12 +118,12 @@ def _save_tiny(arch: str, out) -> torch.nn.Module:
 def test_hf_checkpoint_experts_fused_per_expert(arch: str, tmp_path) -> None:
     """Per-expert tensors as save_pretrained writes them, fused [gate; up] per expert and stacked: the block
     computed from them equals the checkpoint's own model's block."""
-    from agents.weights.checkpoints import _SafetensorsFile
+    from agents.weights.checkpoints import SafetensorsFile
     from agents.weights.moe_weights import fuse_moe_layer
 
     model = _save_tiny(arch, tmp_path)
     spec = MoeSpec.from_dict(json.loads((tmp_path / "config.json").read_text()), arch)
-    tensors = _SafetensorsFile(tmp_path / "model.safetensors")
+    tensors = SafetensorsFile(tmp_path / "model.safetensors")
     x = torch.randn(6, H, generator=torch.Generator().manual_seed(1))
     for layer in spec.sparse_layers:
         fused, used = fuse_moe_layer(tensors, layer, arch, spec, H)
@@ -137,13 +137,13 @@ def test_hf_checkpoint_experts_fused_per_expert(arch: str, tmp_path) -> None:
 
 
 def test_fuse_names_missing_and_misshapen_tensors(tmp_path) -> None:
-    from agents.weights.checkpoints import WeightLoadError, _SafetensorsFile
+    from agents.weights.checkpoints import SafetensorsFile, WeightLoadError
     from agents.weights.moe_weights import fuse_moe_layer
 
     arch = "Qwen3MoeForCausalLM"
     _save_tiny(arch, tmp_path)
     spec = MoeSpec.from_dict(json.loads((tmp_path / "config.json").read_text()), arch)
-    tensors = dict(_SafetensorsFile(tmp_path / "model.safetensors").items())
+    tensors = dict(SafetensorsFile(tmp_path / "model.safetensors").items())
     del tensors["model.layers.0.mlp.experts.3.up_proj.weight"]
     with pytest.raises(WeightLoadError, match="ck: missing tensor 'model.layers.0.mlp.experts.3.up_proj.weight'"):
         fuse_moe_layer(tensors, 0, arch, spec, H, "ck")
