@@ -168,5 +168,10 @@ def test_required_with_the_shipped_model_answers_tool_calls(tmp_path):
         with pytest.raises(openai.BadRequestError, match="max_tokens"):
             client.chat.completions.create(model="llama2", messages=ASK, max_tokens=5, temperature=0,
                                            tools=[WEATHER, TIME], tool_choice="required")
+        stream = client.chat.completions.create(model="llama2", messages=ASK, max_tokens=5, temperature=0,
+                                                tools=[WEATHER, TIME], tool_choice="required", stream=True)
+        with pytest.raises(openai.APIError, match="max_tokens"):  # streamed: the error event ends it
+            chunks = list(stream)
+            raise AssertionError(f"the stream ended without its error: {chunks[-1]}")
     finally:
         assert server.stop() == 0, server.output

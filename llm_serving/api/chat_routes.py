@@ -45,7 +45,7 @@ from llm_serving.config.serving_config import ConfigError
 from llm_serving.core.sequence import OutputConstraint
 from llm_serving.core.thinking_budget import BudgetSpec
 from llm_serving.engine.request_stream import EngineError
-from llm_serving.front.errors import json_response
+from llm_serving.front.errors import json_response, stream_error_event
 from llm_serving.request_errors import ApiError, ChatTemplateError
 from llm_serving.tokenization.hf_tokenizer import AnyTokenizer
 from llm_serving.tokenization.reasoning import END, START, ReasoningSplitter, starts_inside, tag_ids
@@ -162,6 +162,8 @@ class ChatRoutes:
                         continue
                     text = "".join(d.text for d in held[j])
                     tokens = [d.token for d in held[j] if d.token]
+                    if req.tools is not None:  # required calls cut short: the stream ends with the 400's error
+                        req.tools.check_finished(reason)
                     message, reason = _message(req, text, reason, splitters[j])
                     if message.get("tool_calls"):
                         message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
@@ -180,6 +182,8 @@ class ChatRoutes:
             await write(resp, b"data: [DONE]\n\n")
         except EngineError as exc:
             return await end_stream(resp, openai_stream_error(exc))
+        except ApiError as err:  # found once the answer ended, after the stream began: its error event
+            return await end_stream(resp, stream_error_event(err, openai=True))
         except ClientGone:
             return resp
         return await end_stream(resp)
