@@ -411,3 +411,10 @@ def test_the_shipped_model_directory_loads_in_transformers_with_the_servers_ids(
     for text in SHIPPED_PROMPTS:
         assert auto(text)["input_ids"] == ours.encode(text), text
         assert auto(text)["input_ids"][0] == 1
+    # transformers 5 without sentencepiece (guidellm's and aiperf's environments) reads tokenizer.json alone: it
+    # must hold the same pipeline (without it, transformers tried to read tokenizer.model as a tiktoken file)
+    from tokenizers import Tokenizer as FastTokenizer
+
+    fast = FastTokenizer.from_file(str(TRAINED_MODEL / "tokenizer.json"))
+    for text in SHIPPED_PROMPTS:
+        assert fast.encode(text).ids == ours.encode(text), text
