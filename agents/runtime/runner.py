@@ -85,7 +85,8 @@ class ModelRunner(FamilyRunner):
                  backend: OpsBackend | None = None, shard: ShardPlan | None = None) -> None:
         """``backend``: the device's by ``RunnerConfig.kernels`` when None (tests pass others). ``shard``: this
         rank's slice under tensor parallelism (``weights`` then hold only that slice; ``agents.weights.sharded``)."""
-        setup_device(runner_config.device_target, runner_config.device_id)
+        setup_device(runner_config.device_target, runner_config.device_id, runner_config.device_environment,
+                     runner_config.max_device_memory)
         self.config = config
         self.shard = shard if shard is not None else ShardPlan(config)
         self.rc = runner_config

@@ -50,6 +50,9 @@ class RunnerConfig:
     # one compiled graph per family, its inputs' dimensions left open (``Cell.set_inputs`` with None dims, as
     # MindFormers and vllm-mindspore compile theirs); the buckets still pad and plan the calls (docs/ascend.md)
     dynamic_shapes: bool = False
+    # set up before MindSpore selects kernels (agents.runtime.device; llm_serving.protocol.ascend_env)
+    device_environment: dict[str, str] = field(default_factory=dict, hash=False)
+    max_device_memory: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

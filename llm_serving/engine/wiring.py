@@ -19,6 +19,7 @@ from llm_serving.config.sections import TOKENIZER_TYPES
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.models.default_model import ensure_default_model
+from llm_serving.protocol.ascend_env import ascend_environment, max_device_memory
 from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
 from llm_serving.protocol.parallel import kv_shards, tensor_parallel_problems
 from llm_serving.protocol.paths import cache_root
@@ -247,8 +248,19 @@ def runner_config_dict(config: ServingConfig) -> dict[str, Any]:
         "verify_tokens": config.speculative.num_tokens if config.speculative.method else 0,
         "verify_step_tokens": config.speculative.max_step_tokens,
         "device_target": m.device_target, "dynamic_shapes": m.dynamic_graphs,
+        **device_settings(config),
         **({"memory_utilization": pa.utilization} if pa.auto_blocks else {}),
     }
+
+
+def device_settings(config: ServingConfig) -> dict[str, Any]:
+    """The environment and memory pool cap the agents set up their device with (``llm_serving.protocol.ascend_env``;
+    none on CPU)."""
+    m = config.model_config
+    if m.device_target != "Ascend":
+        return {"device_environment": {}, "max_device_memory": None}
+    return {"device_environment": ascend_environment(config.num_agents, m.environment_overrides()),
+            "max_device_memory": max_device_memory(config.pa_config.utilization, m.max_device_memory)}
 
 
 def compile_cache_dir(config: ServingConfig) -> str | None:
