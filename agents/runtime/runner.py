@@ -95,7 +95,7 @@ class ModelRunner(FamilyRunner):
             backend = select_backend(rc.kernels, rc.device_target, rc.dtype,
                                      self.shard.attention_config.hidden_size)  # this rank's heads' width
         backend = backend.with_precision(rc.precision).with_quantization(rc.quantization)
-        backend = backend.with_kv_cache_dtype(rc.kv_cache_dtype)
+        backend = backend.with_kv_cache_dtype(rc.kv_cache_dtype, rc.int8_kv_direction)
         backend.check(config, rc.block_size, rc.prefill_batch_sizes[-1])
         self.backend = backend
         self.kernels = self.backend.kernels

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 from llm_serving.config.yaml_sections import need, setting
 from llm_serving.core.scheduler_config import POLICIES
 from llm_serving.core.speculative import METHODS as SPECULATIVE_METHODS
-from llm_serving.protocol.ascend_env import ASCEND_ENVIRONMENT
+from llm_serving.protocol.ascend_env import ASCEND_ENVIRONMENT, INT8_KV_DIRECTIONS
 from llm_serving.protocol.model_config import (
     ASCEND_DTYPES,
     DEVICE_TARGETS,
@@ -81,6 +81,9 @@ class ModelSection:
     ascend_hccl_op_expansion_mode: str | None = setting(None, "str", optional=True)  # HCCL_OP_EXPANSION_MODE
     # MindSpore's device memory pool cap, e.g. "58GB"; None: pa_config.memory_utilization of 64 GiB
     max_device_memory: str | None = setting(None, "str", optional=True)
+    # kv_cache_dtype int8 on Ascend: how the NPU's PagedAttention applies its antiquant scale, multiply or
+    # reciprocal, as its device check found (docs/ascend.md); None: int8 KV refused on Ascend
+    ascend_int8_kv_direction: str | None = setting(None, "str", optional=True)
 
     def validate(self, source: str) -> None:
         """The checks of these keys together (a ``ConfigError`` naming the key and ``source``)."""
@@ -173,6 +176,17 @@ class ModelSection:
              "attention (scales per row) or on Ascend by PagedAttention (static scales per channel from "
              "`llm-serving calibrate-kv`): on CPU it needs dtype float32 and kernels auto or native (got "
              f"{dtype}, {kernels}); docs/quantization.md")
+        direction, int8_on_npu = self.ascend_int8_kv_direction, device == "Ascend" and self.kv_cache_dtype == "int8"
+        need(direction is None or direction in INT8_KV_DIRECTIONS, source, "model_config.ascend_int8_kv_direction",
+             f"expected one of {', '.join(INT8_KV_DIRECTIONS)}, got {direction!r}")
+        need(direction is None or int8_on_npu, source, "model_config.ascend_int8_kv_direction",
+             "applies to kv_cache_dtype int8 on Ascend only (got kv_cache_dtype "
+             f"{self.kv_cache_dtype}, device_target {device})")
+        need(direction is not None or not int8_on_npu, source, "model_config.ascend_int8_kv_direction",
+             "kv_cache_dtype int8 on Ascend needs it: whether PagedAttention multiplies the int8 cache by its "
+             "antiquant scale or divides by it is unverified (vllm-mindspore passes one scale to QuantV2 and to "
+             "PagedAttention); run the int8 PagedAttention check of tests/ascend_npu_ops.py on the NPU and set "
+             "multiply or reciprocal as it finds (docs/ascend.md)")
 
 
 def http_origin(url: str) -> str | None:

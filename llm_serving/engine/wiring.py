@@ -242,6 +242,7 @@ def runner_config_dict(config: ServingConfig) -> dict[str, Any]:
         "prefill_batch_sizes": list(m.prefill_batch_size), "prefill_seq_lengths": list(m.seq_length),
         "decode_batch_sizes": list(m.decode_batch_size), "dtype": m.dtype, "kernels": m.kernels,
         "precision": m.precision, "quantization": m.quantization, "kv_cache_dtype": m.kv_cache_dtype,
+        "int8_kv_direction": m.ascend_int8_kv_direction,
         # chunks and prefix-cache hits are queries over cached context: the agents warm those graphs too
         "mixed_steps": config.chunked_prefill or config.prefix_caching,
         "max_num_batched_tokens": config.max_num_batched_tokens,

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ASCEND_ENVIRONMENT", "ASCEND_HBM_GIB", "EnvEntry", "ascend_environment", "max_device_memory",
-           "paged_attention_kernel"]
+__all__ = ["ASCEND_ENVIRONMENT", "ASCEND_HBM_GIB", "INT8_KV_DIRECTIONS", "EnvEntry", "ascend_environment",
+           "max_device_memory", "paged_attention_kernel"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,12 @@ ASCEND_ENVIRONMENT: tuple[EnvEntry, ...] = (
 # every 910B variant the stacks' predict YAMLs target holds 64 GiB of HBM (MindFormers' Llama 3 8B predict YAML
 # caps its pool at max_device_memory "58GB" of it); model_config.max_device_memory overrides on other devices
 ASCEND_HBM_GIB = 64
+# model_config.ascend_int8_kv_direction: how PagedAttention applies its antiquant_scale to an int8 cache, as a
+# device check found it (tests/ascend_npu_ops.py): "multiply" (value = int8 x scale; the scale passed is the
+# dequantization step) or "reciprocal" (value = int8 / scale; passed its inverse, as QuantV2 takes a scale).
+# vllm-mindspore passes one k_scale to both QuantV2 and PagedAttention, so one of the two takes the reciprocal;
+# no source says which, so int8 KV on Ascend is refused until the key is set.
+INT8_KV_DIRECTIONS = ("multiply", "reciprocal")
 
 
 def ascend_environment(tensor_parallel_size: int, overrides: Mapping[str, str | None]) -> dict[str, str]:
