@@ -148,7 +148,7 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     utilization = fields.pop("memory_utilization", None)
     if shard.tp > 1:
         progress(f"joining the collective cluster of {shard.tp} ranks")
-        setup_s, init_s = join_cluster(shard, fields["device_target"], fields["device_id"], cpu_threads, lifeline_fd)
+        setup_s, init_s = join_cluster(shard, fields, cpu_threads, lifeline_fd)
         progress(f"joined: MindSpore import and device set-up {setup_s:.2f}s, init() {init_s:.2f}s")
     if fields["num_blocks"] is None:  # pa_config.num_blocks auto
         draft_share = None if draft_model is None else (ShardPlan(draft_model[0], shard.tp, rank), draft_model[1])
@@ -196,7 +196,7 @@ def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft:
     from llm_serving.protocol.parallel import kv_block_bytes
 
     target = fields["device_target"]
-    setup_device(target, fields["device_id"])
+    setup_device(target, fields["device_id"], fields.get("device_environment"), fields.get("max_device_memory"))
     dtype, block_size, max_len = fields["dtype"], fields["block_size"], fields["max_model_len"]
     batch = max(fields["decode_batch_sizes"][-1], fields["prefill_batch_sizes"][-1])
     tokens = max(fields["max_num_batched_tokens"] or 0, fields["prefill_batch_sizes"][-1]

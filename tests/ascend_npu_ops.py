@@ -71,6 +71,23 @@ class Chunk(CachedAttention):
                           attn_mask, q_seq_lens)
 
 
+class Int8Decode(nn.Cell):
+    """Decode over int8 caches with per-channel antiquant scales (keys' row, values' row) and zero offsets, as
+    ``AscendAttention`` reads them: which way the kernel applies the scale is what this case finds out."""
+
+    def __init__(self, fused, key_cache: np.ndarray, value_cache: np.ndarray, scale: np.ndarray) -> None:
+        super().__init__()
+        self.key_cache = Parameter(Tensor(key_cache), name="key_cache")
+        self.value_cache = Parameter(Tensor(value_cache), name="value_cache")
+        self.scale = Parameter(Tensor(scale), name="kv_scale")
+        self.offset = Parameter(Tensor(np.zeros_like(scale)), name="kv_offset")
+        self.paged = fused.paged_attention(HEADS, SCALE, KV_HEADS)
+
+    def construct(self, query, block_tables, batch_valid_length):
+        return self.paged(query, self.key_cache, self.value_cache, block_tables, batch_valid_length, self.scale,
+                          self.offset)
+
+
 class Flash(nn.Cell):
     def __init__(self, fused, mask: Tensor) -> None:
         super().__init__()
@@ -119,6 +136,10 @@ def inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
         "flash_v": h(12, KV_HEADS * HEAD_DIM), "flash_lens": np.array([5, 1, 6], np.int32),
         "wq_x": h(5, 96), "wq_weight": rng.integers(-127, 128, (64, 96)).astype(np.int8),
         "wq_scale": rng.uniform(0.001, 0.02, 64).astype(np.float16),
+        # small int8 values and scales on both sides of 1: the two directions' answers far apart, neither overflows
+        "int8_key_cache": rng.integers(-8, 9, (BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)).astype(np.int8),
+        "int8_value_cache": rng.integers(-8, 9, (BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)).astype(np.int8),
+        "int8_scale": np.exp(rng.uniform(-1.2, 1.2, (2, KV_HEADS * HEAD_DIM))).astype(np.float16),
     }
 
 
@@ -133,7 +154,8 @@ def run(device: str, out: str) -> None:
     cells = {"norm_swiglu": NormSwiglu(fused), "rope": Rope(fused), "write": Write(fused, a["key_cache"],
              a["value_cache"]), "decode": Decode(fused, a["key_cache"], a["value_cache"]),
              "chunk": Chunk(fused, a["key_cache"], a["value_cache"]), "flash": Flash(fused, mask),
-             "quant": QuantMatmul(fused, a["wq_weight"], a["wq_scale"])}
+             "quant": QuantMatmul(fused, a["wq_weight"], a["wq_scale"]),
+             "int8_decode": Int8Decode(fused, a["int8_key_cache"], a["int8_value_cache"], a["int8_scale"])}
     for cell in cells.values():
         apply_jit_config(cell, device)
     results = {
@@ -145,6 +167,7 @@ def run(device: str, out: str) -> None:
                                  t["chunk_mask"]),),
         "flash": (cells["flash"](t["flash_q"], t["flash_k"], t["flash_v"], t["flash_lens"]),),
         "quant": (cells["quant"](t["wq_x"]),),
+        "int8_decode": (cells["int8_decode"](t["decode_query"], t["tables"], t["context_lens"]),),
     }
     saved = {f"in_{k}": v for k, v in a.items()}
     saved["in_flash_mask"] = mask.asnumpy()

@@ -21,7 +21,7 @@ from mindspore.ops.auto_generate import (
 )
 
 from agents.runtime.graph_call import dynamic_inputs
-from agents.tools.contracts import RULES, add_check_argument, check_graph
+from agents.tools.contracts import DEFAULT_PA_KERNEL, RULES, add_check_argument, check_graph, selected_paged_attention
 from agents.tools.export import infer_boost
 from agents.tools.mindir import GraphNodes, read_graph
 from tests.test_ascend_kv_int8 import INT8_CACHE_MISTAKES
@@ -156,11 +156,15 @@ def test_a_2d_query_passes_on_the_atb_kernel_only(tmp_path):
     assert checked(tmp_path, replace(RIGHT, query="BH")) == []
 
 
-def test_export_check_takes_the_kernel_selection_atb_by_default():
+def test_export_check_takes_the_kernel_selection_else_the_agents_environments():
+    """Left out, the kernel is the one the config's agent environment selects (tests/test_ascend_config.py)."""
     parser = argparse.ArgumentParser()
     add_check_argument(parser)
-    assert parser.parse_args(["--check"]).paged_attention_kernel == "atb"
+    assert parser.parse_args(["--check"]).paged_attention_kernel is None
+    assert selected_paged_attention(None, {}) == DEFAULT_PA_KERNEL == "atb"
     assert parser.parse_args(["--paged-attention-kernel", "custom"]).paged_attention_kernel == "custom"
+    assert selected_paged_attention("custom", {"device_environment": {"MS_INTERNAL_DISABLE_CUSTOM_KERNEL_LIST":
+                                                                      "PagedAttention"}}) == "custom"
     with pytest.raises(SystemExit):
         parser.parse_args(["--paged-attention-kernel", "aclnn"])
 

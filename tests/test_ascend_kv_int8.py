@@ -28,7 +28,10 @@ from agents.tools.export import export_graphs, export_runner
 from agents.tools.mindir import read_graph
 from agents.weights.checkpoints import WeightLoadError, load_weights
 from agents.weights.kv_scales import HEADROOM, KV_SCALES_FILE, load_kv_scales, save_kv_scales, scales_of
+from llm_serving.config.serving_config import ConfigError, ServingConfig
+from llm_serving.engine.wiring import runner_config_dict
 from llm_serving.models.random_model import build_random_model
+from llm_serving.protocol.ascend_env import INT8_KV_DIRECTIONS
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan, kv_block_bytes
@@ -62,7 +65,8 @@ def setup(tmp_path_factory):
     absmax = calibrate(CONFIG, weights, [p + t for p, t in zip(prompts(), ref[0])])
     save_kv_scales(absmax, model_dir / KV_SCALES_FILE, 0, headroom=1.0)  # calibrated on the very text served
     scales = load_kv_scales(model_dir / KV_SCALES_FILE, CONFIG, ShardPlan(CONFIG))
-    int8_runner = ModelRunner(CONFIG, {**weights, **scales}, dataclasses.replace(RC, kv_cache_dtype="int8"), ops_)
+    int8_rc = dataclasses.replace(RC, kv_cache_dtype="int8", int8_kv_direction="multiply")
+    int8_runner = ModelRunner(CONFIG, {**weights, **scales}, int8_rc, ops_)
     int8_runner.warmup()
     return {"dir": model_dir, "weights": weights, "float": float_runner, "int8": int8_runner, "ref": ref,
             "absmax": absmax, "scales": scales}
@@ -150,7 +154,8 @@ def test_greedy_on_the_int8_cache_stays_near_the_float_caches(setup):
 
 # ---- export and the contract rules ---------------------------------------------------------------------------------
 def int8_rc(dtype: str) -> RunnerConfig:
-    return dataclasses.replace(RC, dtype=dtype, device_target="Ascend", kv_cache_dtype="int8")
+    return dataclasses.replace(RC, dtype=dtype, device_target="Ascend", kv_cache_dtype="int8",
+                               int8_kv_direction="multiply")
 
 
 SHAPES = [("decode", 8, 6), ("mixed", 3, 48)]
@@ -240,6 +245,76 @@ def test_each_int8_mistake_exports_and_its_rule_refuses_it(setup, tmp_path, mist
     assert rule in broken, broken
 
 
+# ---- the antiquant scale's direction (model_config.ascend_int8_kv_direction) ----------------------------------------
+ASCEND_INT8 = {"device_target": "Ascend", "dtype": "float16", "kv_cache_dtype": "int8"}
+
+
+def test_int8_kv_on_ascend_is_refused_until_the_npu_check_names_the_direction():
+    with pytest.raises(ConfigError) as exc:
+        ServingConfig.from_dict({"model_config": ASCEND_INT8})
+    assert exc.value.key == "model_config.ascend_int8_kv_direction"
+    assert "multiplies the int8 cache by its antiquant scale or divides by it is unverified" in str(exc.value)
+    assert "tests/ascend_npu_ops.py" in str(exc.value)
+    for direction in INT8_KV_DIRECTIONS:
+        cfg = ServingConfig.from_dict({"model_config": {**ASCEND_INT8, "ascend_int8_kv_direction": direction}})
+        assert runner_config_dict(cfg)["int8_kv_direction"] == direction
+    with pytest.raises(ConfigError, match="ascend_int8_kv_direction: expected one of multiply, reciprocal, got 'x'"):
+        ServingConfig.from_dict({"model_config": {**ASCEND_INT8, "ascend_int8_kv_direction": "x"}})
+    with pytest.raises(ConfigError, match="ascend_int8_kv_direction: applies to kv_cache_dtype int8 on Ascend only "
+                       r"\(got kv_cache_dtype auto, device_target Ascend\)"):
+        ServingConfig.from_dict({"model_config": {**ASCEND_INT8, "kv_cache_dtype": "auto",
+                                                  "ascend_int8_kv_direction": "multiply"}})
+    with pytest.raises(ConfigError, match="applies to kv_cache_dtype int8 on Ascend only"):
+        ServingConfig.from_dict({"model_config": {"kv_cache_dtype": "int8", "ascend_int8_kv_direction": "multiply"}})
+    with pytest.raises(ValueError, match="ascend_int8_kv_direction: expected one of multiply, reciprocal"):
+        AscendBackend().with_kv_cache_dtype("int8")
+
+
+def dequantized_by(direction: str, cached: np.ndarray, antiquant_scale: np.ndarray) -> np.ndarray:
+    """What a PagedAttention applying its antiquant scale ``direction``'s way reads an int8 value as."""
+    scale = antiquant_scale.astype(np.float32)
+    return cached * scale if direction == "multiply" else cached / scale
+
+
+@pytest.mark.parametrize("direction", INT8_KV_DIRECTIONS)
+def test_each_direction_gives_paged_attention_the_scale_it_applies(setup, direction):
+    """The graph's antiquant_scale Parameter holds the calibrated steps (multiply) or their inverses
+    (reciprocal) in float16, and a value written to the cache reads back, that direction's way, within half a
+    step; read the other way it does not."""
+    rc = dataclasses.replace(RC, kv_cache_dtype="int8", int8_kv_direction=direction)
+    backend = AscendBackend(ReferenceOps(CONFIG.head_dim, direction))
+    runner = ModelRunner(CONFIG, {**setup["weights"], **setup["scales"]}, rc, backend)
+    attention = runner.model.layers[1].attention
+    steps = setup["scales"]["layers.1.kv_scale"]
+    held = attention.kv_scale.asnumpy()
+    assert held.dtype == np.float16
+    np.testing.assert_array_equal(held, (steps if direction == "multiply" else 1.0 / steps).astype(np.float16))
+    values = np.random.default_rng(2).uniform(-127, 127, (500, *steps.shape)).astype(np.float32) * steps
+    cached = np.clip(np.rint(values * attention.kv_inverse.asnumpy()), -127, 127)
+    step = dequantized_by(direction, np.ones(1, np.float32), held)
+    assert (np.abs(dequantized_by(direction, cached, held) - values) <= 0.5001 * step).all()
+    other = INT8_KV_DIRECTIONS[1 - INT8_KV_DIRECTIONS.index(direction)]
+    assert not np.allclose(dequantized_by(other, cached, held), values, rtol=0.1)
+
+
+def test_a_runner_dequantizing_the_npus_way_reads_what_the_float_caches_hold(setup):
+    """End to end on the stand-in dividing by its antiquant scale: the reciprocal runner's greedy tokens stay
+    near the float caches' as the multiplying one's do (test_greedy_on_the_int8_cache_stays_near_the_float_caches)
+    and its first prompt's log-probabilities are those of the multiplying runner to within the float16 rounding of
+    the inverted scales."""
+    rc = dataclasses.replace(RC, kv_cache_dtype="int8", int8_kv_direction="reciprocal")
+    backend = AscendBackend(ReferenceOps(CONFIG.head_dim, "reciprocal"))
+    runner = ModelRunner(CONFIG, {**setup["weights"], **setup["scales"]}, rc, backend)
+    runner.warmup()
+    tokens, logprobs = ChunkDriver(runner, seed=0).generate(prompts(), STEPS, 24)
+    ref_tokens, ref_logprobs = ChunkDriver(setup["int8"], seed=0).generate(prompts(), STEPS, 24)
+    same = sum(t == r for t, r in zip(tokens, ref_tokens))
+    print(f"reciprocal against multiply: {same} of {len(LENGTHS)} sequences equal")
+    assert same >= len(LENGTHS) // 2
+    first = next((i for i, (a, b) in enumerate(zip(tokens[0], ref_tokens[0])) if a != b), len(tokens[0]))
+    np.testing.assert_allclose(logprobs[0][:first], ref_logprobs[0][:first], atol=0.05)
+
+
 # ---- scales, memory and the commands ------------------------------------------------------------------------------
 def test_the_scales_leave_headroom_above_the_calibrated_values():
     absmax = np.array([[[0.0, 1.0, 127.0]]], np.float32)
@@ -282,7 +357,8 @@ def test_calibrate_then_export_an_ascend_int8_config_with_the_check(tmp_path):
                                    tokenizer_model=train_tokenizer(tmp_path / "tok", vocab_size=1000))
     config = tmp_path / "kv8.yaml"
     config.write_text(f"model_config:\n  model_path: {model_dir}\n  dtype: bfloat16\n  device_target: Ascend\n"
-                      "  kv_cache_dtype: int8\n  seq_length: [32]\n  prefill_batch_size: [2]\n"
+                      "  kv_cache_dtype: int8\n  ascend_int8_kv_direction: reciprocal\n  seq_length: [32]\n"
+                      "  prefill_batch_size: [2]\n"
                       "  decode_batch_size: [1, 4]\npa_config:\n  num_blocks: 40\n  block_size: 16\n"
                       "  decode_seq_length: 64\n")
     export = ("export", "--config", str(config), "--out", str(tmp_path / "mindir"), "--shape", "decode:4:4", "--check")

@@ -110,6 +110,24 @@ def check_ops(got: dict[str, np.ndarray]) -> None:
         HEADS, SCALE), **close)
 
 
+def int8_direction(got: dict[str, np.ndarray]) -> str:
+    """How the kernel applied the int8 caches' antiquant scale (``model_config.ascend_int8_kv_direction``): the
+    one direction whose dequantized caches' attention matches its answer; ``AssertionError`` if none or both."""
+    from tests.ascend_npu_ops import HEAD_DIM, KV_HEADS, SCALE
+
+    a = {k.removeprefix("in_"): v for k, v in got.items() if k.startswith("in_")}
+    scale = a["int8_scale"].astype(np.float64).reshape(2, 1, 1, KV_HEADS, HEAD_DIM)
+    caches = a["int8_key_cache"].astype(np.float64), a["int8_value_cache"].astype(np.float64)
+    matching = []
+    for direction, (k, v) in (("multiply", (caches[0] * scale[0], caches[1] * scale[1])),
+                              ("reciprocal", (caches[0] / scale[0], caches[1] / scale[1]))):
+        want = contract.paged_attention(a["decode_query"], k, v, a["tables"], a["context_lens"], SCALE)
+        if np.allclose(got["out_int8_decode_0"], want, atol=5e-2, rtol=2e-2):
+            matching.append(direction)
+    assert len(matching) == 1, f"int8 PagedAttention matches {matching or 'neither direction'}"
+    return matching[0]
+
+
 def test_the_per_op_check_runs_and_compares_on_the_cpu_stand_ins(tmp_path):
     """The script the NPU test runs, on the stand-ins: the comparison passes, and fails when a kernel's answer is
     off (the check can fail)."""
@@ -118,7 +136,12 @@ def test_the_per_op_check_runs_and_compares_on_the_cpu_stand_ins(tmp_path):
     broken = {**got, "out_chunk_0": got["out_chunk_0"][::-1].copy()}
     with pytest.raises(AssertionError):
         check_ops(broken)
+    assert int8_direction(got) == "multiply"  # the stand-in's default (ReferenceOps)
+    with pytest.raises(AssertionError, match="matches neither direction"):
+        int8_direction({**got, "out_int8_decode_0": got["out_int8_decode_0"][::-1].copy()})
 
 
 def test_each_fused_kernel_on_the_npu_matches_its_reference(npu, tmp_path):
-    check_ops(run_ops("Ascend", tmp_path / "ops.npz"))
+    got = run_ops("Ascend", tmp_path / "ops.npz")
+    check_ops(got)
+    print(f"model_config.ascend_int8_kv_direction: {int8_direction(got)}")  # the NPU's answer, for the config

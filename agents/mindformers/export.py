@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from agents.mindformers.runner import MindFormersRunner, MindFormersRunnerConfig
-from agents.tools.contracts import add_check_argument, check_exported
+from agents.tools.contracts import add_check_argument, check_exported, selected_paged_attention
 from agents.tools.mindir import GraphSummary, export_shapes, parse_shape
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.wire import AgentSpec
@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exporting {len(args.shape or shapes)} MindFormers graphs of {rc.device_target} {rc.dtype} to {args.out}",
           flush=True)
     done = export_graphs(runner, args.out, args.shape or shapes, lambda line: print(line, flush=True))
-    return check_exported((summary.path for _, summary in done), 1, args.paged_attention_kernel) if args.check else 0
+    kernel = selected_paged_attention(args.paged_attention_kernel, spec.runner_config)
+    return check_exported((summary.path for _, summary in done), 1, kernel) if args.check else 0
 
 
 if __name__ == "__main__":

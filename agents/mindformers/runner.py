@@ -15,7 +15,7 @@ MindFormers' network, its step cells and their flags.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import mindspore as ms
@@ -44,6 +44,9 @@ class MindFormersRunnerConfig:
     device_target: str = "CPU"
     device_id: int = 0
     mixed_steps: bool = False
+    # as build_context sets it in predict mode
+    device_environment: dict[str, str] = field(default_factory=dict, hash=False)
+    max_device_memory: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ASCEND_DTYPES:
@@ -88,7 +91,7 @@ class MindFormersRunner(FamilyRunner):
 
     def __init__(self, llama: LlamaConfig, weights: Mapping[str, np.ndarray], rc: MindFormersRunnerConfig,
                  model_cfg_path: str, model_path: str = "", progress: Callable[[str], None] | None = None) -> None:
-        setup_device(rc.device_target, rc.device_id)
+        setup_device(rc.device_target, rc.device_id, rc.device_environment, rc.max_device_memory)
         if rc.device_target == "Ascend":  # MindFormers' predict context: kernel by kernel, its inference kernels
             ms.set_context(jit_config={"jit_level": "O0", "infer_boost": "on"})
         self.config = llama

@@ -26,9 +26,10 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from llm_serving.protocol.parallel import ShardPlan
 
@@ -53,10 +54,11 @@ def share_cpus(plan: ShardPlan, ranks_here: int) -> int:
     return threads
 
 
-def join_cluster(plan: ShardPlan, device_target: str, device_id: int, cpu_threads: int,
+def join_cluster(plan: ShardPlan, fields: Mapping[str, Any], cpu_threads: int,
                  lifeline_fd: int | None) -> tuple[float, float]:
-    """Set the device up and join the ranks' cluster (blocks until every rank has joined); the seconds spent
-    importing MindSpore and setting the device up, and in ``init()`` (a start-up's phases, for its progress).
+    """Set the device up (``fields``: the runner config's, for ``agents.runtime.device.setup_device``) and join
+    the ranks' cluster (blocks until every rank has joined); the seconds spent importing MindSpore and setting the
+    device up, and in ``init()`` (a start-up's phases, for its progress).
 
     ``init()`` holds the GIL while it waits, so the agent's watchdog thread cannot see the master die meanwhile:
     a ``lifeline_reaper`` process watches the lifeline pipe for that time instead.
@@ -67,7 +69,8 @@ def join_cluster(plan: ShardPlan, device_target: str, device_id: int, cpu_thread
 
     from agents.runtime.device import setup_device
 
-    setup_device(device_target, device_id)
+    device_target = fields["device_target"]
+    setup_device(device_target, fields["device_id"], fields.get("device_environment"), fields.get("max_device_memory"))
     t1 = time.perf_counter()
     if device_target == "CPU":
         ms.device_context.cpu.op_tuning.threads_num(cpu_threads)

@@ -106,7 +106,8 @@ class ModelRunner(FamilyRunner):
                  backend: OpsBackend | None = None, shard: ShardPlan | None = None) -> None:
         """``backend``: the device's by ``RunnerConfig.kernels`` when None (tests pass others). ``shard``: this
         rank's slice under tensor parallelism (``weights`` then hold only that slice; ``agents.weights.sharded``)."""
-        setup_device(runner_config.device_target, runner_config.device_id)
+        setup_device(runner_config.device_target, runner_config.device_id, runner_config.device_environment,
+                     runner_config.max_device_memory)
         self.config = config
         self.shard = shard if shard is not None else ShardPlan(config)
         self.rc = runner_config
@@ -115,7 +116,7 @@ class ModelRunner(FamilyRunner):
             backend = select_backend(rc.kernels, rc.device_target, rc.dtype,
                                      self.shard.attention_config.hidden_size)  # this rank's heads' width
         backend = backend.with_precision(rc.precision).with_quantization(rc.quantization)
-        backend = backend.with_kv_cache_dtype(rc.kv_cache_dtype)
+        backend = backend.with_kv_cache_dtype(rc.kv_cache_dtype, rc.int8_kv_direction)
         backend.check(config, rc.block_size, rc.prefill_batch_sizes[-1])
         self.backend = backend
         self.kernels = self.backend.kernels

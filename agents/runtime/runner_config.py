@@ -39,6 +39,7 @@ class RunnerConfig:
     precision: str = "exact"  # half / fast: float16 / bfloat16 projection weights (OpsBackend.with_precision)
     quantization: str = "none"  # w8a16: int8 weights of the layers' projections (OpsBackend.with_quantization)
     kv_cache_dtype: str = "auto"  # int8: per token and kv head scales (native CPU), per channel (Ascend, static)
+    int8_kv_direction: str | None = None  # int8 on Ascend: how PagedAttention applies its antiquant scale
     # Steps with queries over cached context (chunked prefill, prefix caching; agents.runtime.mixed_steps), and the
     # token budget of one step they are bucketed up to (None: the ragged prefill's largest call)
     mixed_steps: bool = False
@@ -51,6 +52,9 @@ class RunnerConfig:
     # one compiled graph per family, its inputs' dimensions left open (``Cell.set_inputs`` with None dims, as
     # MindFormers and vllm-mindspore compile theirs); the buckets still pad and plan the calls (docs/ascend.md)
     dynamic_shapes: bool = False
+    # set up before MindSpore selects kernels (agents.runtime.device; llm_serving.protocol.ascend_env)
+    device_environment: dict[str, str] = field(default_factory=dict, hash=False)
+    max_device_memory: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -23,7 +23,7 @@ from mindspore import nn
 
 from agents.model.backends import OpsBackend, select_backend
 from agents.runtime.runner import ModelRunner, RunnerConfig
-from agents.tools.contracts import add_check_argument, check_exported
+from agents.tools.contracts import add_check_argument, check_exported, selected_paged_attention
 from agents.tools.mindir import GraphSummary, export_shapes, parse_shape
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan
@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exporting {len(args.shape or shapes)} graphs of {rc.device_target} {rc.dtype} ({backend.name} ops) "
           f"to {args.out}{note}", flush=True)
     done = export_graphs(runner, args.out, args.shape or shapes, lambda line: print(line, flush=True))
-    return check_exported((summary.path for _, summary in done), shard.tp,
-                          args.paged_attention_kernel) if args.check else 0
+    kernel = selected_paged_attention(args.paged_attention_kernel, spec.runner_config)
+    return check_exported((summary.path for _, summary in done), shard.tp, kernel) if args.check else 0
 
 
 if __name__ == "__main__":

@@ -9,12 +9,14 @@ Kept free of MindSpore.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from llm_serving.config.yaml_sections import need, setting
 from llm_serving.core.scheduler_config import POLICIES
 from llm_serving.core.speculative import METHODS as SPECULATIVE_METHODS
+from llm_serving.protocol.ascend_env import ASCEND_ENVIRONMENT, INT8_KV_DIRECTIONS
 from llm_serving.protocol.model_config import (
     ASCEND_DTYPES,
     DEVICE_TARGETS,
@@ -73,6 +75,17 @@ class ModelSection:
     model_cfg_path: str | None = setting(None, "path", optional=True)
     # early exit: serve only the first N decoder layers (then the final norm and lm_head); None: every layer
     early_exit_layer: int | None = setting(None, "int", optional=True)
+    # Ascend only: the stacks' environment (llm_serving.protocol.ascend_env, docs/ascend.md); None: the table's
+    ascend_internal_boost: str | None = setting(None, "str", optional=True)  # MS_ENABLE_INTERNAL_BOOST
+    ascend_disable_custom_kernels: str | None = setting(None, "str", optional=True)  # ..._DISABLE_CUSTOM_KERNEL_LIST
+    ascend_alloc_conf: str | None = setting(None, "str", optional=True)  # MS_ALLOC_CONF
+    ascend_enable_lccl: str | None = setting(None, "str", optional=True)  # MS_ENABLE_LCCL
+    ascend_hccl_op_expansion_mode: str | None = setting(None, "str", optional=True)  # HCCL_OP_EXPANSION_MODE
+    # MindSpore's device memory pool cap, e.g. "58GB"; None: pa_config.memory_utilization of 64 GiB
+    max_device_memory: str | None = setting(None, "str", optional=True)
+    # kv_cache_dtype int8 on Ascend: how the NPU's PagedAttention applies its antiquant scale, multiply or
+    # reciprocal, as its device check found (docs/ascend.md); None: int8 KV refused on Ascend
+    ascend_int8_kv_direction: str | None = setting(None, "str", optional=True)
 
     def validate(self, source: str) -> None:
         """The checks of these keys together (a ``ConfigError`` naming the key and ``source``)."""
@@ -112,6 +125,22 @@ class ModelSection:
              "model_config.dynamic_shapes", "dynamic-shape graphs are built for the Ascend kernels of backend ms "
              f"(got device_target {self.device_target}, backend {self.backend})")
         self._validate_kernels(source, mindformers)
+        self._validate_environment(source)
+
+    def environment_overrides(self) -> dict[str, str | None]:
+        """config key -> value of the Ascend environment's keys (``ascend_environment``'s overrides)."""
+        return {entry.key: getattr(self, entry.key.split(".", 1)[1]) for entry in ASCEND_ENVIRONMENT}
+
+    def _validate_environment(self, source: str) -> None:
+        """The Ascend environment's keys: set only for Ascend (never silently ignored), the pool cap as MindSpore
+        reads it."""
+        for key, value in {**self.environment_overrides(), "model_config.max_device_memory":
+                           self.max_device_memory}.items():
+            need(value is None or self.device_target == "Ascend", source, key,
+                 f"sets the Ascend agents' environment, but model_config.device_target is {self.device_target}")
+        need(self.max_device_memory is None or re.fullmatch(r"\d+(\.\d+)?GB", self.max_device_memory) is not None,
+             source, "model_config.max_device_memory",
+             f"expected a size in GB as MindSpore reads it (e.g. 58GB), got {self.max_device_memory!r}")
 
     @property
     def dynamic_graphs(self) -> bool:
@@ -149,6 +178,17 @@ class ModelSection:
              "attention (scales per row) or on Ascend by PagedAttention (static scales per channel from "
              "`llm-serving calibrate-kv`): on CPU it needs dtype float32 and kernels auto or native (got "
              f"{dtype}, {kernels}); docs/quantization.md")
+        direction, int8_on_npu = self.ascend_int8_kv_direction, device == "Ascend" and self.kv_cache_dtype == "int8"
+        need(direction is None or direction in INT8_KV_DIRECTIONS, source, "model_config.ascend_int8_kv_direction",
+             f"expected one of {', '.join(INT8_KV_DIRECTIONS)}, got {direction!r}")
+        need(direction is None or int8_on_npu, source, "model_config.ascend_int8_kv_direction",
+             "applies to kv_cache_dtype int8 on Ascend only (got kv_cache_dtype "
+             f"{self.kv_cache_dtype}, device_target {device})")
+        need(direction is not None or not int8_on_npu, source, "model_config.ascend_int8_kv_direction",
+             "kv_cache_dtype int8 on Ascend needs it: whether PagedAttention multiplies the int8 cache by its "
+             "antiquant scale or divides by it is unverified (vllm-mindspore passes one scale to QuantV2 and to "
+             "PagedAttention); run the int8 PagedAttention check of tests/ascend_npu_ops.py on the NPU and set "
+             "multiply or reciprocal as it finds (docs/ascend.md)")
 
 
 def http_origin(url: str) -> str | None:

@@ -57,6 +57,7 @@ from agents.model.backends.ascend_limits import (
     fa_mask_value,
 )
 from agents.model.backends.base import Attention, OpsBackend
+from llm_serving.protocol.ascend_env import INT8_KV_DIRECTIONS
 from llm_serving.protocol.model_config import ASCEND_DTYPES, LlamaConfig
 
 
@@ -116,8 +117,13 @@ class AscendAttention(Attention):
     """One layer's block-layout K/V caches and its rope, cache write and attention by the fused primitives."""
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type, fused: FusedOps,
-                 kv_int8: bool = False) -> None:
+                 kv_int8: bool = False, int8_direction: str = "multiply") -> None:
+        """``int8_direction``: how PagedAttention applies ``kv_scale`` to the int8 caches (``INT8_KV_DIRECTIONS``,
+        the device check's finding: ``AscendBackend.with_kv_cache_dtype`` requires it)."""
         super().__init__()
+        if int8_direction not in INT8_KV_DIRECTIONS:
+            raise ValueError(f"int8_direction must be one of {', '.join(INT8_KV_DIRECTIONS)}, got {int8_direction!r}")
+        self.int8_direction = int8_direction
         self.n_heads = config.num_attention_heads
         self.n_kv = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -148,14 +154,20 @@ class AscendAttention(Attention):
 
     def load_kv_scales(self, scales: np.ndarray) -> None:
         """``scales [2, kv_dim]``: each cached channel's dequantization scale (keys, then values). PagedAttention
-        takes them in float16 (its antiquant_scale; the kernel takes no bfloat16), so the cache is written with the
-        inverse of the float16 value, and a row dequantizes to what was written to within half a step."""
-        held = np.asarray(scales, np.float32).astype(np.float16)
+        takes its antiquant_scale in float16 (the kernel takes no bfloat16): the scales themselves where it
+        multiplies, their inverses where it divides (``int8_direction``). The cache is written with the factor
+        the float16 value makes exact (its inverse, or itself), so a row dequantizes to what was written to within
+        half a step whichever way the kernel applies it."""
+        step = np.asarray(scales, np.float32)
+        with np.errstate(divide="ignore", over="ignore"):
+            held = (step if self.int8_direction == "multiply" else 1.0 / step).astype(np.float16)
         if held.shape != (2, self.kv_dim) or not (np.isfinite(held) & (held > 0)).all():
-            raise ValueError(f"KV cache scales: expected (2, {self.kv_dim}) positive float16 values, got "
-                             f"{held.shape}, min {float(held.min()) if held.size else None}")
+            raise ValueError(f"KV cache scales: expected (2, {self.kv_dim}) values positive as float16 (and their "
+                             f"inverses: {self.int8_direction}), got {held.shape}, min "
+                             f"{float(step.min()) if step.size else None}")
         self.kv_scale.set_data(Tensor(held, ms.float16))
-        self.kv_inverse.set_data(Tensor(1.0 / held.astype(np.float32), ms.float32))
+        write = 1.0 / held.astype(np.float32) if self.int8_direction == "multiply" else held.astype(np.float32)
+        self.kv_inverse.set_data(Tensor(write, ms.float32))
 
     def quantized(self, x: Tensor, row: int) -> Tensor:
         """``x`` (keys: ``row`` 0, values: 1) as the int8 cache holds it: ``round(x / scale)`` within [-127, 127]
@@ -365,6 +377,7 @@ class AscendBackend(OpsBackend):
 
     def __init__(self, fused: FusedOps | None = None) -> None:
         self.fused = fused if fused is not None else FusedOps()
+        self.int8_direction = INT8_KV_DIRECTIONS[0]  # with_kv_cache_dtype's
         if self.fused.name != "fused":
             self.name = f"ascend ({self.fused.name} stand-ins)"
 
@@ -382,17 +395,23 @@ class AscendBackend(OpsBackend):
         if problems:
             raise ValueError("the Ascend kernels cannot run this model: " + "; ".join(problems))
 
-    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> AscendBackend:
+    def with_kv_cache_dtype(self, kv_cache_dtype: str, int8_direction: str | None = None) -> AscendBackend:
         """``int8``: int8 caches with static per-channel scales (``AscendAttention.load_kv_scales``), written by
-        ReshapeAndCache after the attention quantizes K and V, read by PagedAttention with its antiquant scale."""
+        ReshapeAndCache after the attention quantizes K and V, read by PagedAttention with its antiquant scale,
+        which ``int8_direction`` says how the kernel applies (``INT8_KV_DIRECTIONS``; required: unverified)."""
         if kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"model_config.kv_cache_dtype {kv_cache_dtype!r} is not one of auto, int8")
+        if kv_cache_dtype == "int8" and int8_direction not in INT8_KV_DIRECTIONS:
+            raise ValueError(f"model_config.ascend_int8_kv_direction: expected one of {', '.join(INT8_KV_DIRECTIONS)} "
+                             f"for an int8 KV cache on Ascend, got {int8_direction!r}")
         changed = copy.copy(self)
         changed.kv_cache_dtype = kv_cache_dtype
+        changed.int8_direction = int8_direction or INT8_KV_DIRECTIONS[0]
         return changed
 
     def attention(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type) -> Attention:
-        return AscendAttention(config, num_blocks, block_size, dtype, self.fused, self.kv_cache_dtype == "int8")
+        return AscendAttention(config, num_blocks, block_size, dtype, self.fused, self.kv_cache_dtype == "int8",
+                               self.int8_direction)
 
     def norm_linear(self, out_dim: int, eps: float) -> nn.Cell:
         return AscendNormLinear(eps, self.fused)

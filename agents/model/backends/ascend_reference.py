@@ -94,21 +94,23 @@ class PagedAttentionRef(nn.Cell):
     position). NaN where no kernel promises anything: an empty context, one longer than its table, or (with
     ``q_seq_lens``) an empty query, a query longer than its context, lengths not covering the rows."""
 
-    def __init__(self, heads: int, scale: float, kv_heads: int) -> None:
+    def __init__(self, heads: int, scale: float, kv_heads: int, int8_direction: str = "multiply") -> None:
         super().__init__()
         self.heads = heads
         self.scale = scale
         self.kv_heads = kv_heads
+        self.divides = int8_direction == "reciprocal"  # an int8 cache over its antiquant scale, not times it
 
     def context(self, cache: Tensor, tables: Tensor, scale: Tensor | None = None) -> Tensor:
         """``[rows, kv_heads, ctx, D]``: each row's table gathered from ``cache``; an int8 cache times its
-        per-channel ``scale [kv_heads * D]``."""
+        per-channel ``scale [kv_heads * D]`` (over it, standing in for a kernel that divides)."""
         rows, width = tables.shape
         _, block_size, kv_heads, head_dim = cache.shape
         gathered = ops.gather(cache, tables.reshape(-1), 0).reshape(rows, width * block_size, kv_heads, head_dim)
         values = _f32(gathered)
         if scale is not None:
-            values = values * _f32(scale).reshape(1, 1, kv_heads, head_dim)
+            channel = _f32(scale).reshape(1, 1, kv_heads, head_dim)
+            values = values / channel if self.divides else values * channel
         return values.transpose(0, 2, 1, 3)
 
     def attend(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, tables: Tensor, context_lens: Tensor,
@@ -227,8 +229,11 @@ class ReferenceOps:
 
     name = "reference"
 
-    def __init__(self, head_dim: int) -> None:
+    def __init__(self, head_dim: int, int8_direction: str = "multiply") -> None:
+        """``int8_direction``: how the PagedAttention stand-in applies an int8 cache's antiquant scale (an NPU
+        either way, until its check: ``INT8_KV_DIRECTIONS``)."""
         self.head_dim = head_dim
+        self.int8_direction = int8_direction
 
     def rms_norm(self, eps: float):
         return RmsNormRef(eps)
@@ -243,7 +248,7 @@ class ReferenceOps:
         return ReshapeAndCacheRef()
 
     def paged_attention(self, heads: int, scale: float, kv_heads: int):
-        return PagedAttentionRef(heads, scale, kv_heads)
+        return PagedAttentionRef(heads, scale, kv_heads, self.int8_direction)
 
     def flash_attention(self, heads: int, scale: float):
         return FlashAttentionThRef(heads, scale)

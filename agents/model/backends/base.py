@@ -103,9 +103,10 @@ class OpsBackend:
                              "ops backend has no int8 projections")
         return self
 
-    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> OpsBackend:
+    def with_kv_cache_dtype(self, kv_cache_dtype: str, int8_direction: str | None = None) -> OpsBackend:
         """This backend with its attention's KV cache in ``kv_cache_dtype`` (``auto``: the model's dtype, or
-        ``int8``); ``ValueError`` where its attention has no such cache."""
+        ``int8``); ``ValueError`` where its attention has no such cache. ``int8_direction``: how a fused kernel
+        applies its dequantization scale (Ascend: ``INT8_KV_DIRECTIONS``)."""
         if kv_cache_dtype != "auto":
             raise ValueError(f"model_config.kv_cache_dtype {kv_cache_dtype} is held by the native CPU attention only "
                              f"(model_config.kernels auto or native, on CPU with g++); the {self.name} ops backend "

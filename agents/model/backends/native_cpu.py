@@ -167,10 +167,11 @@ class NativeCpuBackend(OpsBackend):
         changed.panel_weights = changed.skips_padding = True  # the plain-loop build's int8 projections included
         return changed
 
-    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> NativeCpuBackend:
+    def with_kv_cache_dtype(self, kv_cache_dtype: str, int8_direction: str | None = None) -> NativeCpuBackend:
         """``int8``: each layer's cache holds int8 keys and values with a float32 scale per token and kv head,
         quantized as the attention ops write them and dequantized block by block as they read them
-        (``kernels/paged_attention.cc``): a quarter of the bytes per cached token (plus its scales)."""
+        (``kernels/paged_attention.cc``): a quarter of the bytes per cached token (plus its scales). Our own kernel
+        multiplies: ``int8_direction`` is for fused kernels."""
         if kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"model_config.kv_cache_dtype {kv_cache_dtype!r} is not one of auto, int8")
         changed = copy.copy(self)

@@ -11,7 +11,14 @@ depend on which PagedAttention kernel is selected (ATB, the stacks' default, or 
 """
 
 from agents.tools.contracts.base import DEFAULT_PA_KERNEL, PA_KERNELS, Expect, Rule, Violation
-from agents.tools.contracts.rules import RULES, add_check_argument, check_exported, check_graph, report
+from agents.tools.contracts.rules import (
+    RULES,
+    add_check_argument,
+    check_exported,
+    check_graph,
+    report,
+    selected_paged_attention,
+)
 
 __all__ = ["DEFAULT_PA_KERNEL", "PA_KERNELS", "RULES", "Expect", "Rule", "Violation", "add_check_argument",
-           "check_exported", "check_graph", "report"]
+           "check_exported", "check_graph", "report", "selected_paged_attention"]

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from agents.tools.mindir import GraphNodes, OpNode, Source
+from llm_serving.protocol.ascend_env import ascend_environment, paged_attention_kernel
 
 # PagedAttention's inputs in MindSpore 2.10's order (ops.auto_generate.PagedAttention; the internal kernel reads
 # head_num, scale and kv_head_num at indices 10-12: ops/kernel/ascend/internal/paged_attention.cc, CreateKernel)
@@ -19,9 +20,10 @@ PA_ALIBI_MASK, PA_MASK_MODE, PA_MLA_V_DIM = 9, 14, 15
 # Which PagedAttention kernel runs: 2.10's PagedAttentionOp runs the custom (internal) kernel unless
 # MS_INTERNAL_DISABLE_CUSTOM_KERNEL_LIST names PagedAttention, else the ATB one. Both working stacks name it
 # (MindFormers 1.8 core/context/build_context.py in predict mode; vllm-mindspore "FlashAttentionScore,PagedAttention"),
-# so ATB is the default the rules are checked against.
+# so ATB is the default the rules are checked against: the one the agents' environment table selects
+# (llm_serving.protocol.ascend_env), so the checker and the agents never disagree.
 PA_KERNELS = ("atb", "custom")
-DEFAULT_PA_KERNEL = "atb"
+DEFAULT_PA_KERNEL = paged_attention_kernel(ascend_environment(1, {}))
 PA_DEFAULT_QUANT_MODE = 0  # kv_cache_quant_mode "DEFAULT" as the graph holds it (per-channel antiquant scales)
 # the graph input the internal PagedAttention takes each sequence's query length from (multi-token queries)
 Q_LENGTHS_INPUT = "q_seq_lens"

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from agents.model.backends.ascend_limits import (
     WQ_MAX_DIM,
@@ -51,6 +52,7 @@ from agents.tools.contracts.paged_attention import (
     _pa_scale,
 )
 from agents.tools.mindir import GraphNodes, read_graph
+from llm_serving.protocol.ascend_env import ascend_environment, paged_attention_kernel
 
 _INTERNAL_LIB = "MindSpore 2.10 lib/plugin/ascend/ms_kernels_internal/internal_kernel/lib/libms_kernels_internal.so"
 _ROPE_KERNEL = "MindSpore 2.10 ops/kernel/ascend/internal/apply_rotary_pos_emb.cc"
@@ -194,9 +196,19 @@ def add_check_argument(parser: argparse.ArgumentParser) -> None:
     """``--check`` of both exporters (ours and the mindformers backend's)."""
     parser.add_argument("--check", action="store_true", help="check every exported graph against the fused ops' "
                         "contracts (agents.tools.contracts); exit 1 on a violation")
-    parser.add_argument("--paged-attention-kernel", choices=PA_KERNELS, default=DEFAULT_PA_KERNEL,
-                        help="the PagedAttention kernel the check assumes runs: atb (the working stacks' default, "
-                        "custom kernel named in MS_INTERNAL_DISABLE_CUSTOM_KERNEL_LIST) or custom")
+    parser.add_argument("--paged-attention-kernel", choices=PA_KERNELS, default=None,
+                        help="the PagedAttention kernel the check assumes runs: atb (custom kernel named in "
+                        "MS_INTERNAL_DISABLE_CUSTOM_KERNEL_LIST) or custom; default: the one the config's agent "
+                        "environment selects (model_config.ascend_disable_custom_kernels; the stacks': atb)")
+
+
+def selected_paged_attention(chosen: str | None, runner_config: Mapping[str, Any]) -> str:
+    """The kernel an export is checked against: ``chosen`` (``--paged-attention-kernel``), else the one the
+    agents' environment selects (``device_environment``; the table's defaults where it has none, as on CPU)."""
+    if chosen is not None:
+        return chosen
+    environment = runner_config.get("device_environment") or ascend_environment(1, {})
+    return paged_attention_kernel(environment)
 
 
 def check_exported(files: Iterable[Path], tensor_parallel: int = 1, paged_attention: str = DEFAULT_PA_KERNEL) -> int:
