@@ -24,14 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_low_load import in_process
-from benchmark import TUNED, bench_model_dir, make_requests, write_config
+from bench_low_load import add_workload_arguments, in_process, workload
+from benchmark import TUNED, write_config
 
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine import wiring
 from llm_serving.engine.loop import Engine
-from llm_serving.tokenization.tokenizer import Tokenizer
 
 _runner_config_dict = wiring.runner_config_dict
 
@@ -45,20 +44,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="k1,host-k4,loop-k4,host-k8,loop-k8")
     ap.add_argument("--levels", default="1", help="requests in flight")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--max-output-tokens", type=int, default=64)
+    add_workload_arguments(ap, num_prompts=16, work_dir="/tmp/llm-serving-bench-looped")
     ap.add_argument("--decode-batches", default=",".join(map(str, TUNED["decode"])),
                     help="decode batch buckets (fewer: a quicker start, each looped graph compiles k steps)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--work-dir", default="/tmp/llm-serving-bench-looped")
     args = ap.parse_args()
     variants = args.variants.split(",")
     levels = [int(n) for n in args.levels.split(",")]
-    work = Path(args.work_dir)
-    model_dir = bench_model_dir(work)
-    tok = Tokenizer(model_dir / "tokenizer.model")
-    prompts = [(tok.encode(r.prompt), r.max_new_tokens) for r in make_requests(args, model_dir)]
+    work, model_dir, prompts = workload(args)
     decode_batches = tuple(int(n) for n in args.decode_batches.split(","))
     configs = {}
     for v in variants:

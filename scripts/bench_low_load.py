@@ -111,24 +111,34 @@ def accounted(run, agents: list[int], master: int | None) -> tuple[float, float,
     return rate, tpot, agent * per, master_s * per, (own if master else 0.0) * per
 
 
+def add_workload_arguments(ap: argparse.ArgumentParser, num_prompts: int, work_dir: str) -> None:
+    """The arguments of a low-load run's workload (``workload``): rounds, prompts, lengths, seed, work directory."""
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=num_prompts)
+    ap.add_argument("--max-output-tokens", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work-dir", default=work_dir)
+
+
+def workload(args: argparse.Namespace) -> tuple[Path, Path, list[tuple[list[int], int]]]:
+    """The work directory, the bench model's directory in it, and the prompts (token ids, max new tokens)."""
+    work = Path(args.work_dir)
+    model_dir = bench_model_dir(work)
+    tok = Tokenizer(model_dir / "tokenizer.model")
+    return work, model_dir, [(tok.encode(r.prompt), r.max_new_tokens) for r in make_requests(args, model_dir)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default="sync,async,sync-k4", help="sync|async[-kN], comma-separated")
     ap.add_argument("--levels", default="1,8", help="requests in flight")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--max-output-tokens", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(ap, num_prompts=32, work_dir="/tmp/llm-serving-bench-low-load")
     ap.add_argument("--qps", type=float, default=0.0, help="in process: Poisson arrivals of this rate (level ignored)")
     ap.add_argument("--in-process-only", action="store_true", help="skip the served runs")
-    ap.add_argument("--work-dir", default="/tmp/llm-serving-bench-low-load")
     args = ap.parse_args()
     variants = args.variants.split(",")
     levels = [int(n) for n in args.levels.split(",")]
-    work = Path(args.work_dir)
-    model_dir = bench_model_dir(work)
-    tok = Tokenizer(model_dir / "tokenizer.model")
-    prompts = [(tok.encode(r.prompt), r.max_new_tokens) for r in make_requests(args, model_dir)]
+    work, model_dir, prompts = workload(args)
     configs = {}
     for k in variants:
         mode, _, steps = k.partition("-k")
