@@ -21,10 +21,11 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
-from agents.model import parallel
+from agents.model import moe, parallel
 from agents.model.backends import OpsBackend, PortableBackend
 from agents.model.rope import rotary_tables
 from agents.weights import packed as packed_weights
+from agents.weights.moe_weights import MOE_KINDS
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan
 
@@ -116,7 +117,7 @@ class LlamaLayer(nn.Cell):
     FFN slice, and its two row-parallel projections end in an all-reduce (``agents.model.parallel``)."""
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type,
-                 backend: OpsBackend, shard: ShardPlan | None = None) -> None:
+                 backend: OpsBackend, shard: ShardPlan | None = None, index: int = 0) -> None:
         super().__init__()
         hidden, eps, panels = config.hidden_size, config.rms_norm_eps, backend.panel_weights
         fmt, quant = backend.panel_dtype, backend.layer_quantization
@@ -126,9 +127,14 @@ class LlamaLayer(nn.Cell):
         self.ffn_norm = norm_weight(hidden, dtype, "ffn_norm")
         self.w_qkv = ProjectionWeight(hidden, heads.qkv_dim, dtype, panels, panel_dtype=fmt, quantization=quant)
         self.wo = ProjectionWeight(heads.hidden_size, hidden, dtype, panels, panel_dtype=fmt, quantization=quant)
-        self.w_gate_up = ProjectionWeight(hidden, 2 * shard.ffn, dtype, panels, swiglu=True, panel_dtype=fmt,
-                                          quantization=quant)
-        self.w_down = ProjectionWeight(shard.ffn, hidden, dtype, panels, panel_dtype=fmt, quantization=quant)
+        # the MLP slot: a sparse layer's experts (agents.model.moe), else the dense SwiGLU MLP
+        sparse = config.moe is not None and index in config.moe.sparse_layers
+        self.moe = moe.MoeMlp(config.moe, hidden, eps, dtype, shard, parallel.AllReduceSum() if shard.tp > 1
+                              else None) if sparse and config.moe is not None else None
+        self.w_gate_up = None if sparse else ProjectionWeight(hidden, 2 * shard.ffn, dtype, panels, swiglu=True,
+                                                              panel_dtype=fmt, quantization=quant)
+        self.w_down = None if sparse else ProjectionWeight(shard.ffn, hidden, dtype, panels, panel_dtype=fmt,
+                                                           quantization=quant)
         self.has_qkv_bias, self.has_qk_norm = config.qkv_bias, config.qk_norm
         # this rank's q/k/v bias rows, cut as w_qkv's; the head norms' weights are per head_dim, so every rank's
         self.qkv_bias = Parameter(initializer("zeros", (heads.qkv_dim,), dtype), name="qkv_bias") \
@@ -162,6 +168,8 @@ class LlamaLayer(nn.Cell):
         else:
             attn = self.attention.chunked(qkv, cos, sin, slot_mapping, lens, context_lens, block_tables, positions)
         x = self.output_projection(attn, self.wo.operands(), x, rows)
+        if self.moe is not None:
+            return self.moe(x, self.ffn_norm)
         act = self.norm_gate_up(x, self.ffn_norm, self.w_gate_up.operands(), rows)
         return self.down_projection(act, self.w_down.operands(), x, rows)
 
@@ -181,8 +189,8 @@ class LlamaModel(nn.Cell):
         self.dtype = dtype
         self.embed_tokens = Parameter(initializer("zeros", (vocab, config.hidden_size), dtype), name="embed_tokens")
         self.embed = parallel.embedding(shard)
-        self.layers = nn.CellList([LlamaLayer(config, num_blocks, block_size, dtype, backend, shard)
-                                   for _ in range(config.num_hidden_layers)])
+        self.layers = nn.CellList([LlamaLayer(config, num_blocks, block_size, dtype, backend, shard, i)
+                                   for i in range(config.num_hidden_layers)])
         self.norm = norm_weight(config.hidden_size, dtype, "norm")
         # float: its errors land on the logits directly
         self.lm_head = ProjectionWeight(config.hidden_size, vocab, dtype, backend.panel_weights,
@@ -266,7 +274,12 @@ def _canonical_parameters(model: LlamaModel) -> dict[str, tuple[Parameter, Proje
                 params[f"layers.{i}.{name}"] = (getattr(layer, name), None)
         for name in ("w_qkv", "wo", "w_gate_up", "w_down"):
             cell = getattr(layer, name)
-            params[f"layers.{i}.{name}"] = (cell.weight, cell)
+            if cell is not None:
+                params[f"layers.{i}.{name}"] = (cell.weight, cell)
+        if layer.moe is not None:  # the expert block's weights, held as loaded (agents.weights.moe_weights)
+            for name in MOE_KINDS:
+                if getattr(layer.moe.block, name, None) is not None:
+                    params[f"layers.{i}.{name}"] = (getattr(layer.moe.block, name), None)
     return params
 
 

@@ -13,17 +13,24 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
 from llm_serving.protocol.moe_config import MoeSpec
+from llm_serving.protocol.parallel import ShardPlan
 
 
 class MoeBlock(nn.Cell):
-    """One layer's experts (canonical names of ``agents.weights.moe_weights``) and the op sequence over them."""
+    """One layer's experts (canonical names of ``agents.weights.moe_weights``) and the op sequence over them.
+    One rank's block (``shard``) holds experts ``[start, start + count)`` over ``f`` of each one's rows and
+    ``shared_f`` of the shared expert's, and gives its partial sum of the output (the router is every rank's)."""
 
-    def __init__(self, spec: MoeSpec, hidden: int, dtype: ms.Type) -> None:
+    def __init__(self, spec: MoeSpec, hidden: int, dtype: ms.Type, shard: ShardPlan | None = None) -> None:
         super().__init__()
-        e, f, s = spec.num_experts, spec.moe_intermediate_size, spec.shared_expert_intermediate_size
-        self.num_experts = e
+        (start, end), (f0, f1), (s0, s1) = ((shard.expert_range(), shard.expert_ffn_range(), shard.shared_ffn_range())
+                                            if shard is not None else ((0, spec.num_experts),
+                                                                       (0, spec.moe_intermediate_size),
+                                                                       (0, spec.shared_expert_intermediate_size)))
+        e, f, s = end - start, f1 - f0, s1 - s0
+        self.num_experts, self.start, self.local = spec.num_experts, start, e
         self.k, self.f, self.normalise, self.has_shared = spec.top_k, f, spec.norm_topk_prob, s > 0
-        self.router = Parameter(initializer("zeros", (e, hidden), dtype), name="router")
+        self.router = Parameter(initializer("zeros", (spec.num_experts, hidden), dtype), name="router")
         self.experts_gate_up = Parameter(initializer("zeros", (e, 2 * f, hidden), dtype), name="experts_gate_up")
         self.experts_down = Parameter(initializer("zeros", (e, hidden, f), dtype), name="experts_down")
         shared = {"shared_gate_up": (2 * max(s, 1), hidden), "shared_down": (hidden, max(s, 1)),
@@ -34,7 +41,6 @@ class MoeBlock(nn.Cell):
         # weights as stored, [out, in]: the transposed operand read in place, never a transposed copy per call
         self.linear = ops.MatMul(transpose_b=True)
         self.batched = ops.BatchMatMul(transpose_b=True)
-
     def load(self, weights: dict[str, np.ndarray], layer: int) -> None:
         for name in ("router", "experts_gate_up", "experts_down", *(
                 ("shared_gate_up", "shared_down", "shared_gate") if self.has_shared else ())):
@@ -51,7 +57,7 @@ class MoeBlock(nn.Cell):
         weights, ids = ops.topk(probs, self.k)
         if self.normalise:
             weights = weights / weights.sum(-1, keepdims=True)
-        if tokens * self.k < self.num_experts:  # a graph constant: each bucket compiles one of the two
+        if tokens * self.k < self.local:  # a graph constant: each bucket compiles one of the two
             out = self._gathered(x, weights, ids)
         else:
             out = self._every_expert(x, weights, ids)
@@ -66,6 +72,10 @@ class MoeBlock(nn.Cell):
         of them, one batched matmul pair; the experts no token chose are never read."""
         tokens, hidden = x.shape[0], x.shape[1]
         flat = ids.reshape(-1)
+        if self.local < self.num_experts:  # picks of another rank's experts: read expert 0, weighted 0
+            mine = ops.logical_and(flat >= self.start, flat < self.start + self.local)
+            flat = ops.select(mine, flat - self.start, ops.zeros_like(flat))
+            weights = weights * mine.reshape(tokens, self.k).astype(weights.dtype)
         rows = ops.broadcast_to(x.reshape(tokens, 1, 1, hidden), (tokens, self.k, 1, hidden))
         rows = rows.reshape(tokens * self.k, 1, hidden)
         gate_up = self.batched(rows, ops.gather(self.experts_gate_up, flat, 0))
@@ -80,8 +90,30 @@ class MoeBlock(nn.Cell):
         tokens, hidden = x.shape[0], x.shape[1]
         combine = (ops.one_hot(ids, self.num_experts, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
                    * weights.reshape(tokens, self.k, 1)).sum(1)  # [tokens, E]
-        rows = ops.broadcast_to(x.reshape(1, tokens, hidden), (self.num_experts, tokens, hidden))
+        if self.local < self.num_experts:
+            combine = combine[:, self.start:self.start + self.local]
+        rows = ops.broadcast_to(x.reshape(1, tokens, hidden), (self.local, tokens, hidden))
         gate_up = self.batched(rows, self.experts_gate_up)
         act = ops.silu(gate_up[:, :, :self.f]) * gate_up[:, :, self.f:]
         y = self.batched(act, self.experts_down)  # [E, tokens, hidden]
-        return (y * combine.T.astype(y.dtype).reshape(self.num_experts, tokens, 1)).sum(0)
+        return (y * combine.T.astype(y.dtype).reshape(self.local, tokens, 1)).sum(0)
+
+
+class MoeMlp(nn.Cell):
+    """A sparse layer's MLP slot: ``residual + block(rms_norm(x))``, the ranks' partial sums all-reduced first
+    (the one collective the dense MLP's row-parallel down projection ends in). The norm is graph ops in float32,
+    as transformers computes it, where the dense slot fuses it into its gate/up projection."""
+
+    def __init__(self, spec: MoeSpec, hidden: int, eps: float, dtype: ms.Type, shard: ShardPlan | None = None,
+                 reduce: nn.Cell | None = None) -> None:
+        super().__init__()
+        self.block = MoeBlock(spec, hidden, dtype, shard)
+        self.eps, self.reduce = eps, reduce
+
+    def construct(self, x: Tensor, norm_weight: Tensor) -> Tensor:
+        h = x.astype(ms.float32)
+        h = h * ops.rsqrt((h * h).mean(-1, keep_dims=True) + self.eps)
+        y = self.block(norm_weight * h.astype(x.dtype))
+        if self.reduce is not None:
+            y = self.reduce(y)
+        return x + y

@@ -62,8 +62,11 @@ MINDFORMERS_NAMES: dict[str, list[list[str]]] = {
     "norm": [["model.norm_out.weight"]],
     "lm_head": [["lm_head.weight"]],
 }
+# a MoE layer's canonical kinds (agents.weights.moe_weights.MOE_KINDS): read from HF per-expert tensors there
+_MOE_KINDS = ("router", "experts_gate_up", "experts_down", "shared_gate_up", "shared_down", "shared_gate")
 CANONICAL_NAMES: dict[str, list[list[str]]] = {
-    kind: [[kind if kind in ("embed_tokens", "norm", "lm_head") else "layers.{i}." + kind]] for kind in HF_NAMES
+    kind: [[kind if kind in ("embed_tokens", "norm", "lm_head") else "layers.{i}." + kind]]
+    for kind in (*HF_NAMES, *_MOE_KINDS)
 }
 _IGNORED_HF = re.compile(r"rotary_emb\.inv_freq$")
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -84,12 +87,13 @@ def canonical_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"layers.{i}.qkv_bias"] = (config.qkv_dim,)
         if config.qk_norm:
             shapes.update({f"layers.{i}.q_norm": (config.head_dim,), f"layers.{i}.k_norm": (config.head_dim,)})
-        shapes.update({
-            f"layers.{i}.wo": (h, config.q_dim),
-            f"layers.{i}.ffn_norm": (h,),
-            f"layers.{i}.w_gate_up": (2 * f, h),
-            f"layers.{i}.w_down": (h, f),
-        })
+        shapes.update({f"layers.{i}.wo": (h, config.q_dim), f"layers.{i}.ffn_norm": (h,)})
+        if config.moe is not None and i in config.moe.sparse_layers:
+            from agents.weights.moe_weights import moe_shapes
+
+            shapes.update(moe_shapes(config.moe, i, h))
+        else:
+            shapes.update({f"layers.{i}.w_gate_up": (2 * f, h), f"layers.{i}.w_down": (h, f)})
     shapes.update(norm=(h,), lm_head=(v, h))
     return shapes
 
@@ -110,8 +114,8 @@ def alternatives_for(kind: str, layer: str, names: dict[str, list[list[str]]], s
     Qwen3 head norms) is refused by name."""
     if kind not in names:
         raise WeightLoadError(f"{source}: this checkpoint's naming has no {kind} weights (MindFormers' Llama names "
-                              "carry no Qwen3 q/k norms); serve the Hugging Face directory or convert it with "
-                              "python -m agents.weights.convert")
+                              "carry no Qwen3 q/k norms nor experts); serve the Hugging Face directory or convert "
+                              "it with python -m agents.weights.convert")
     return [[n.format(i=layer) for n in alt] for alt in names[kind]]
 
 
@@ -152,6 +156,16 @@ def _assemble(tensors: Mapping[str, np.ndarray], names: dict[str, list[list[str]
     for key, shape in canonical_shapes(config).items():
         kind = key.rsplit(".", 1)[-1]
         layer = key.split(".")[1] if key.startswith("layers.") else ""
+        if kind in _MOE_KINDS and names is HF_NAMES:  # per-expert tensors, fused and stacked
+            if kind == "router":
+                from agents.weights.moe_weights import fuse_moe_layer
+
+                assert config.moe is not None
+                fused, taken = fuse_moe_layer(tensors, int(layer), config.architecture, config.moe,
+                                              config.hidden_size, source)
+                out.update(fused)
+                used.update(taken)
+            continue
         alternatives = alternatives_for(kind, layer, names, source)
         if kind == "lm_head" and config.tie_word_embeddings:
             used.update(n for n in alternatives[0] if n in tensors)

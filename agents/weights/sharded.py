@@ -23,6 +23,7 @@ import numpy.typing as npt
 
 from agents.weights import checkpoints as w
 from agents.weights.int8_checkpoint import Int8Slices
+from agents.weights.moe_weights import moe_shapes, read_moe_layer
 from agents.weights.packed import quantize_rows
 from agents.weights.slice_source import SliceSource, Span, cut
 from llm_serving.protocol.model_config import HF_INDEX_FILE, HF_SINGLE_FILE, LlamaConfig
@@ -283,6 +284,11 @@ def shard_shapes(config: LlamaConfig, plan: ShardPlan) -> dict[str, tuple[int, .
     out = {}
     for key, shape in w.canonical_shapes(config).items():
         kind = key.rsplit(".", 1)[-1]
+        if kind in w._MOE_KINDS:
+            assert config.moe is not None
+            out[key] = moe_shapes(config.moe, int(key.split(".")[1]), h, plan.expert_range(),
+                                  plan.expert_ffn_range(), plan.shared_ffn_range())[key]
+            continue
         out[key] = {"embed_tokens": (vocab, h), "lm_head": (vocab, h), "w_qkv": (qkv, h),
                     "wo": (h, plan.heads * config.head_dim), "w_gate_up": (2 * plan.ffn, h),
                     "w_down": (h, plan.ffn), "qkv_bias": (qkv,)}.get(kind, shape)
@@ -310,6 +316,40 @@ def _cuts(kind: str, parts: int, config: LlamaConfig, plan: ShardPlan) -> list[t
         return [(0, (lo, hi), None), (0, (f + lo, f + hi), None)] if parts == 1 else [(0, (lo, hi), None),
                                                                                      (1, (lo, hi), None)]
     return [(0, None, None)]  # norms (and q/k head norms): replicated
+
+
+def _moe_slices(source: SliceSource, names: dict[str, list[list[str]]], config: LlamaConfig, plan: ShardPlan,
+                layer: int) -> tuple[dict[str, np.ndarray], set[str]]:
+    """Sparse layer ``layer``'s tensors of this rank (``ShardPlan.expert_range`` and its siblings), read as float:
+    from HF per-expert tensors (fused and stacked as they are read) or from our ``.ckpt``'s stacked ones."""
+    spec, h, label = config.moe, config.hidden_size, source.label
+    assert spec is not None
+    experts, ffn, shared = plan.expert_range(), plan.expert_ffn_range(), plan.shared_ffn_range()
+    if names is w.HF_NAMES:
+        def take(name: str, shape: tuple[int, ...], rows: Span, cols: Span) -> np.ndarray:
+            if name not in source:
+                raise w.WeightLoadError(f"{label}: missing tensor {name!r}")
+            if tuple(source[name]) != shape:
+                raise w.WeightLoadError(f"{label}: {name}: expected shape {shape}, got {tuple(source[name])}")
+            return source.read(name, rows, cols)
+        return read_moe_layer(take, layer, config.architecture, spec, h, experts, ffn, shared)
+    full = moe_shapes(spec, layer, h)
+    for name, shape in full.items():
+        if name not in source:
+            raise w.WeightLoadError(f"{label}: missing tensor {name!r}")
+        if tuple(source[name]) != shape:
+            raise w.WeightLoadError(f"{label}: {name}: expected shape {shape}, got {tuple(source[name])}")
+    p, f, s = f"layers.{layer}.", spec.moe_intermediate_size, spec.shared_expert_intermediate_size
+    gate_up = source.read(p + "experts_gate_up", experts)
+    out = {p + "router": source.read(p + "router"),
+           p + "experts_gate_up": np.concatenate([gate_up[:, ffn[0]:ffn[1]], gate_up[:, f + ffn[0]:f + ffn[1]]], 1),
+           p + "experts_down": source.read(p + "experts_down", experts)[:, :, ffn[0]:ffn[1]]}
+    if s:
+        rows = source.read(p + "shared_gate_up")
+        out[p + "shared_gate_up"] = np.concatenate([rows[shared[0]:shared[1]], rows[s + shared[0]:s + shared[1]]])
+        out[p + "shared_down"] = source.read(p + "shared_down", None, shared)
+        out[p + "shared_gate"] = source.read(p + "shared_gate")
+    return out, set(full)
 
 
 def bf16_bits(arr: np.ndarray) -> np.ndarray:
@@ -365,6 +405,12 @@ def _assemble_shard(source: SliceSource, names: dict[str, list[list[str]]], conf
     for key, shape in w.canonical_shapes(config).items():
         kind = key.rsplit(".", 1)[-1]
         layer = key.split(".")[1] if key.startswith("layers.") else ""
+        if kind in w._MOE_KINDS:  # a sparse layer's, all read with its router (as float: the block's weights)
+            if kind == "router":
+                moe, taken = _moe_slices(source, names, config, plan, int(layer))
+                out.update({k: as_host_dtype(v, np.float32 if quantize else dtype) for k, v in moe.items()})
+                used.update(taken)
+            continue
         alternatives = w.alternatives_for(kind, layer, names, label)
         if kind == "lm_head" and config.tie_word_embeddings:
             used.update(n for n in alternatives[0] if n in source)

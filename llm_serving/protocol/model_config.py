@@ -7,7 +7,10 @@ import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llm_serving.protocol.moe_config import MoeSpec
 
 # A JSON object as json.loads returns it (config.json, an AgentSpec field): its values are checked where read
 JsonObject = dict[str, Any]
@@ -24,9 +27,12 @@ class Family:
 
 # architecture -> its family. Mistral is Llama's layer (without a sliding window shorter than the context, which
 # refuse_unserved_keys refuses); Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms (its attention_bias, which would
-# add an output bias too, is refused)
+# add an output bias too, is refused). The MoE families (llm_serving.protocol.moe_config) are their dense
+# sibling's attention with the expert block in the MLP's place
 FAMILIES = {"LlamaForCausalLM": Family("llama"), "MistralForCausalLM": Family("mistral"),
-            "Qwen2ForCausalLM": Family("qwen2", qkv_bias=True), "Qwen3ForCausalLM": Family("qwen3", qk_norm=True)}
+            "Qwen2ForCausalLM": Family("qwen2", qkv_bias=True), "Qwen3ForCausalLM": Family("qwen3", qk_norm=True),
+            "Qwen2MoeForCausalLM": Family("qwen2_moe", qkv_bias=True),
+            "Qwen3MoeForCausalLM": Family("qwen3_moe", qk_norm=True), "MixtralForCausalLM": Family("mixtral")}
 SUPPORTED_ARCHITECTURES = {arch: family.model_type for arch, family in FAMILIES.items()}
 HF_SINGLE_FILE = "model.safetensors"  # a Hugging Face model directory's weights: one file,
 HF_INDEX_FILE = "model.safetensors.index.json"  # or shards listed in this index
@@ -92,6 +98,8 @@ class LlamaConfig:
     explicit_head_dim: int | None = None
     # the checkpoint holds the layers' projections as int8 with a scale per output channel (checkpoint_int8)
     int8_weights: bool = False
+    # a mixture-of-experts model's routing (a MoeSpec; the dict asdict made of one, after an AgentSpec round trip)
+    moe: MoeSpec | None = None
 
     @property
     def family(self) -> Family:
@@ -119,6 +127,10 @@ class LlamaConfig:
         return tuple(dict.fromkeys((self.eos_token_id, *self.eos_token_ids)))
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):
+            from llm_serving.protocol.moe_config import MoeSpec
+
+            object.__setattr__(self, "moe", MoeSpec(**{**self.moe, "sparse_layers": tuple(self.moe["sparse_layers"])}))
         if self.architecture not in FAMILIES:
             raise ModelConfigError(f"unsupported architecture {self.architecture!r}; supported: {list(FAMILIES)}")
         if self.explicit_head_dim is None and self.hidden_size % self.num_attention_heads:
@@ -154,9 +166,21 @@ class LlamaConfig:
 
     def flops_per_token(self, context_len: int = 0) -> float:
         """Matmul FLOPs for one token (projections, lm_head and attention over ``context_len``)."""
-        h, f = self.hidden_size, self.intermediate_size
-        per_layer = 2 * h * (self.qkv_dim + self.q_dim + 3 * f) + 4 * self.q_dim * context_len
-        return self.num_hidden_layers * per_layer + 2 * h * self.vocab_size
+        h = self.hidden_size
+        per_layer = 2 * h * (self.qkv_dim + self.q_dim) + 4 * self.q_dim * context_len
+        mlp = sum(self.mlp_rows(i) for i in range(self.num_hidden_layers))
+        return self.num_hidden_layers * per_layer + 2 * h * mlp + 2 * h * self.vocab_size
+
+    def mlp_rows(self, layer: int, experts: float | None = None) -> float:
+        """Output rows of layer ``layer``'s MLP projections that one token reads (gate, up and down, each ``[f, h]``
+        or its transpose): the dense MLP's, or a sparse layer's router, ``experts`` routed experts (default: the
+        top k a token picks) and the shared expert."""
+        moe = self.moe
+        if moe is None or layer not in moe.sparse_layers:
+            return 3 * self.intermediate_size
+        picked = moe.top_k if experts is None else experts
+        return moe.num_experts + 3 * (picked * moe.moe_intermediate_size + moe.shared_expert_intermediate_size) + (
+            1 if moe.shared_expert_intermediate_size else 0)
 
     @classmethod
     def from_dict(cls, raw: JsonObject, source: str = "config") -> LlamaConfig:
@@ -170,9 +194,14 @@ class LlamaConfig:
             raise ModelConfigError(f"{source}: unsupported model_type {raw.get('model_type')!r} for {arch}")
         refuse_unserved_keys(raw, source, FAMILIES[arch])
         int8_weights = checkpoint_int8(raw, source)
+        moe = None
+        from llm_serving.protocol.moe_config import MOE_ARCHITECTURES, MoeSpec
+
+        if arch in MOE_ARCHITECTURES:
+            moe = MoeSpec.from_dict(raw, arch, source)
         try:
             heads = int(raw["num_attention_heads"])
-            eos = raw.get("eos_token_id", 2)
+            eos = 2 if raw.get("eos_token_id") is None else raw["eos_token_id"]  # transformers 5 writes null
             theta, scaling = rope_settings(raw, source)
             head_dim = raw.get("head_dim")
             return cls(
@@ -185,7 +214,7 @@ class LlamaConfig:
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
                 rope_theta=theta,
-                bos_token_id=int(raw.get("bos_token_id", 1)),
+                bos_token_id=int(1 if raw.get("bos_token_id") is None else raw["bos_token_id"]),
                 eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
                 eos_token_ids=tuple(int(e) for e in (eos if isinstance(eos, list) else [eos])),
                 pad_token_id=int(raw.get("pad_token_id") or 0),
@@ -194,6 +223,7 @@ class LlamaConfig:
                 architecture=arch,
                 explicit_head_dim=int(head_dim) if head_dim and head_dim * heads != raw["hidden_size"] else None,
                 int8_weights=int8_weights,
+                moe=moe,
             )
         except KeyError as exc:
             raise ModelConfigError(f"{source}: missing required key {exc.args[0]!r}") from None
@@ -223,7 +253,11 @@ class LlamaConfig:
     def to_hf_dict(self) -> JsonObject:
         """The config.json content Hugging Face's class of ``architecture`` expects."""
         d = asdict(self)
-        del d["architecture"], d["explicit_head_dim"], d["int8_weights"]  # the float model's config
+        del d["architecture"], d["explicit_head_dim"], d["int8_weights"], d["moe"]  # the float model's config
+        if self.moe is not None:
+            from llm_serving.protocol.moe_config import hf_keys
+
+            d.update(hf_keys(self.moe, self.architecture, self.num_hidden_layers))
         d.update(architectures=[self.architecture], model_type=self.family.model_type, hidden_act="silu",
                  torch_dtype="float32", head_dim=self.head_dim)
         if not self.qkv_bias:  # Qwen2 has no such key: its q/k/v biases are always there
@@ -301,7 +335,7 @@ def checkpoint_int8(raw: JsonObject, source: str) -> bool:
 
 # config.json keys that change the maths, with the value the Llama layer computes; any other value is refused
 _ONLY_SERVED = {"hidden_act": ("silu",), "attention_bias": (False, None), "mlp_bias": (False, None),
-                "partial_rotary_factor": (1.0, 1, None)}
+                "partial_rotary_factor": (1.0, 1, None), "qkv_bias": (True, None)}  # Qwen2-MoE's switch
 
 
 def refuse_unserved_keys(raw: JsonObject, source: str, family: Family | None = None) -> None:

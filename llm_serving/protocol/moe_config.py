@@ -54,6 +54,9 @@ class MoeSpec:
             raise ModelConfigError(f"{source}: missing required key {exc.args[0]!r}") from None
         if not 0 < top_k <= experts:
             raise ModelConfigError(f"{source}: num_experts_per_tok: {top_k} must be in 1..{count_key} ({experts})")
+        if norm_key is None and (step != 1 or dense_only):  # transformers' Mixtral reads neither key
+            raise ModelConfigError(f"{source}: decoder_sparse_step / mlp_only_layers: {architecture} has every "
+                                   "layer sparse; dense layers are served for the Qwen MoE families only")
         if step < 1:
             raise ModelConfigError(f"{source}: decoder_sparse_step: {step} must be at least 1")
         bad = sorted(i for i in dense_only if not 0 <= i < layers)
@@ -62,3 +65,18 @@ class MoeSpec:
         sparse = tuple(i for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
         norm = True if norm_key is None else bool(raw.get(norm_key, False))
         return cls(experts, top_k, size, norm, shared_size, sparse)
+
+
+def hf_keys(spec: MoeSpec, architecture: str, num_layers: int) -> dict[str, Any]:
+    """config.json's MoE keys for ``spec`` (``LlamaConfig.to_hf_dict``), which ``MoeSpec.from_dict`` reads back
+    to the same spec: the dense layers as ``mlp_only_layers`` with a sparse step of 1."""
+    count_keys, norm_key, shared = MOE_ARCHITECTURES[architecture]
+    out: dict[str, Any] = {count_keys[0]: spec.num_experts, "num_experts_per_tok": spec.top_k}
+    if norm_key is None:  # Mixtral: the experts' size is intermediate_size, already written
+        return out
+    out.update({norm_key: spec.norm_topk_prob, "moe_intermediate_size": spec.moe_intermediate_size,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [i for i in range(num_layers) if i not in spec.sparse_layers]})
+    if shared:
+        out["shared_expert_intermediate_size"] = spec.shared_expert_intermediate_size
+    return out

@@ -13,7 +13,12 @@ The plan for ``tp`` ranks, rank ``r``:
 - vocabulary: the embedding and the lm_head split by rows into contiguous ranges of ``ceil(vocab / tp)``
   (the last range may be shorter); the embedding's lookups are all-reduced, the greedy pick combines each
   rank's best token, max logit and log-sum-exp;
-- q/k/v biases are cut as the QKV rows are; norms (and Qwen3's per-head q/k norms) are replicated.
+- q/k/v biases are cut as the QKV rows are; norms (and Qwen3's per-head q/k norms) are replicated;
+- a MoE layer's router is replicated; its experts are either each cut as the dense MLP is (gate/up rows and down
+  columns of every expert: tensor parallel) or, with ``expert_parallel``, held whole, ``num_experts / tp`` per
+  rank. Either way a rank's block gives a partial sum of the layer's output, which the all-reduce that ends the
+  dense MLP sums (docs/model.md "Mixture of experts" says why not an all-to-all). A shared expert is cut as the
+  dense MLP in both modes.
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ from dataclasses import dataclass
 from llm_serving.protocol.model_config import LlamaConfig
 
 
-def tensor_parallel_problems(config: LlamaConfig, tp: int) -> list[str]:
+def tensor_parallel_problems(config: LlamaConfig, tp: int, expert_parallel: bool = False) -> list[str]:
     """What makes ``tp`` ranks impossible for this model ([] when it is fine), each naming the head count."""
     if tp < 1:
         return [f"the tensor-parallel size must be >= 1, got {tp}"]
+    moe = config.moe
+    if expert_parallel and moe is None:
+        return ["parallel.expert_parallel: the model has no experts (not a mixture-of-experts architecture)"]
     problems = []
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     if heads % tp:
@@ -35,7 +43,17 @@ def tensor_parallel_problems(config: LlamaConfig, tp: int) -> list[str]:
     if kv % tp and tp % kv:
         problems.append(f"num_key_value_heads {kv} neither divides among {tp} ranks nor divides {tp} "
                         "(for replication on fewer kv heads than ranks)")
-    if config.intermediate_size % tp:
+    if moe is not None:
+        if expert_parallel and moe.num_experts % tp:
+            problems.append(f"num_experts {moe.num_experts} is not divisible by {tp} ranks "
+                            "(parallel.expert_parallel holds num_experts / ranks whole experts on each)")
+        if not expert_parallel and moe.moe_intermediate_size % tp:
+            problems.append(f"moe_intermediate_size {moe.moe_intermediate_size} is not divisible by {tp} ranks")
+        if moe.shared_expert_intermediate_size % tp:
+            problems.append(f"shared_expert_intermediate_size {moe.shared_expert_intermediate_size} is not "
+                            f"divisible by {tp} ranks")
+    dense_layers = moe is None or len(moe.sparse_layers) < config.num_hidden_layers
+    if dense_layers and config.intermediate_size % tp:
         problems.append(f"intermediate_size {config.intermediate_size} is not divisible by {tp} ranks")
     per_rank = -(-config.vocab_size // tp)
     if config.vocab_size <= (tp - 1) * per_rank:
@@ -56,9 +74,10 @@ class ShardPlan:
     config: LlamaConfig
     tp: int = 1
     rank: int = 0
+    expert_parallel: bool = False  # a MoE layer's experts split whole over the ranks (else each cut as the MLP)
 
     def __post_init__(self) -> None:
-        problems = tensor_parallel_problems(self.config, self.tp)
+        problems = tensor_parallel_problems(self.config, self.tp, self.expert_parallel)
         if problems:
             raise ValueError(f"tensor parallelism over {self.tp} ranks: {'; '.join(problems)}")
         if not 0 <= self.rank < self.tp:
@@ -118,6 +137,25 @@ class ShardPlan:
     def ffn_range(self) -> tuple[int, int]:
         """Rows of gate and of up (each), and columns of down, this rank holds."""
         return self.rank * self.ffn, (self.rank + 1) * self.ffn
+
+    def expert_range(self) -> tuple[int, int]:
+        """The experts ``[start, end)`` this rank holds (all of them, cut, without expert parallelism)."""
+        count = self.config.moe.num_experts if self.config.moe else 0
+        if not self.expert_parallel:
+            return 0, count
+        return self.rank * count // self.tp, (self.rank + 1) * count // self.tp
+
+    def expert_ffn_range(self) -> tuple[int, int]:
+        """Rows of each held expert's gate and up, and columns of its down, this rank holds."""
+        f = self.config.moe.moe_intermediate_size if self.config.moe else 0
+        if self.expert_parallel:
+            return 0, f
+        return self.rank * f // self.tp, (self.rank + 1) * f // self.tp
+
+    def shared_ffn_range(self) -> tuple[int, int]:
+        """Rows of the shared expert's gate and up, and columns of its down, this rank holds."""
+        s = self.config.moe.shared_expert_intermediate_size if self.config.moe else 0
+        return self.rank * s // self.tp, (self.rank + 1) * s // self.tp
 
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # bytes of one value, by protocol DTYPES

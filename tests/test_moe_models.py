@@ -1,0 +1,198 @@
+"""Qwen3-MoE, Qwen2-MoE (shared expert behind its sigmoid gate) and Mixtral through the Llama layer with the expert
+block in its MLP slot (issue 54): checkpoints made by transformers' own classes (random weights, HF layout:
+per-expert tensors), greedy ids and log-probabilities equal to transformers' on the native and portable CPU ops,
+whole prompts and chunks over cached context, and through the engine. Dense layers between sparse ones
+(``mlp_only_layers``, ``decoder_sparse_step``) are in the models, so each key is computed, not assumed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from agents.runtime.runner import ModelRunner, RunnerConfig
+from agents.weights.checkpoints import load_weights
+from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
+from tests.chunk_driver import ChunkDriver
+from tests.paged_driver import PagedDriver
+
+COMMON = {"vocab_size": 256, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2, "num_experts_per_tok": 2}
+# architecture -> its config's own keys: 16 experts, so a 4-sequence decode gathers its 8 picks and a prefill
+# reads every expert once (agents.model.moe's two paths)
+FAMILIES = {
+    "Qwen3MoeForCausalLM": {"num_hidden_layers": 3, "head_dim": 32, "intermediate_size": 96, "num_experts": 16,
+                            "moe_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [1]},
+    "Qwen2MoeForCausalLM": {"num_hidden_layers": 4, "intermediate_size": 96, "num_experts": 16,
+                            "moe_intermediate_size": 32, "norm_topk_prob": False, "decoder_sparse_step": 2,
+                            "shared_expert_intermediate_size": 48},
+    "MixtralForCausalLM": {"num_hidden_layers": 2, "intermediate_size": 32, "num_local_experts": 16},
+}
+SPARSE = {"Qwen3MoeForCausalLM": (0, 2), "Qwen2MoeForCausalLM": (1, 3), "MixtralForCausalLM": (0, 1)}
+PROMPT_LENS = (9, 30, 17)
+STEPS = 8
+RC = RunnerConfig(num_blocks=32, block_size=16, max_model_len=64, prefill_batch_sizes=(2,),
+                  prefill_seq_lengths=(32,), decode_batch_sizes=(4,), decode_block_widths=(4,))
+
+
+def save_hf_model(arch: str, out, seed: int = 0, **changes):
+    """transformers' own model of ``arch`` with random weights (norms near 1), saved as HF writes it."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(_model_type(arch), **{**COMMON, **FAMILIES[arch], **changes})
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.05 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.25)
+    model.save_pretrained(out)
+    return model
+
+
+def _model_type(arch: str) -> str:
+    return {"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
+            "MixtralForCausalLM": "mixtral"}[arch]
+
+
+def hf_greedy(hf, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and their log-probabilities, never stopped by an end-of-sequence id."""
+    ids, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            scores = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].double(), -1)
+            ids.append(int(scores.argmax()))
+            logprobs.append(float(scores[ids[-1]]))
+    return ids[len(prompt):], logprobs
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(3, 256, n).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    """Each family's directory, our config of it, and transformers' greedy ids and log-probabilities."""
+    out = {}
+    for arch in FAMILIES:
+        model_dir = tmp_path_factory.mktemp(arch)
+        hf = save_hf_model(arch, model_dir, seed=5)
+        refs = [hf_greedy(hf, p, STEPS) for p in prompts()]
+        out[arch] = (model_dir, LlamaConfig.from_model_dir(model_dir), refs)
+    return out
+
+
+def runner_for(model_dir, config: LlamaConfig, ops: str) -> ModelRunner:
+    rc = dataclasses.replace(RC, kernels=ops, mixed_steps=True, max_num_batched_tokens=32)
+    runner = ModelRunner(config, load_weights(model_dir, config), rc)
+    runner.warmup()
+    return runner
+
+
+def test_the_config_reads_each_familys_experts_and_sparse_layers(models):
+    for arch, (model_dir, config, _) in models.items():
+        assert config.architecture == arch and config.moe is not None
+        assert config.moe.sparse_layers == SPARSE[arch] and config.moe.num_experts == 16
+        # an AgentSpec round trip (JSON) and config.json written back give the same config
+        assert LlamaConfig(**json.loads(json.dumps(config.as_dict()))).moe == config.moe
+        assert LlamaConfig.from_dict(config.to_hf_dict()) == dataclasses.replace(config, eos_token_ids=(2,))
+        weights = load_weights(model_dir, config)
+        dense = [i for i in range(config.num_hidden_layers) if i not in SPARSE[arch]]
+        assert all(f"layers.{i}.w_gate_up" in weights for i in dense)
+        assert all(f"layers.{i}.w_gate_up" not in weights for i in SPARSE[arch])
+        assert weights[f"layers.{SPARSE[arch][0]}.experts_gate_up"].shape == (16, 2 * (
+            config.moe.moe_intermediate_size), 64)
+        assert ("layers.1.shared_gate" in weights) == (arch == "Qwen2MoeForCausalLM")
+
+
+@pytest.mark.parametrize("arch, ops", [("Qwen3MoeForCausalLM", "native"), ("Qwen3MoeForCausalLM", "portable"),
+                                       ("Qwen2MoeForCausalLM", "native"), ("MixtralForCausalLM", "portable")])
+def test_greedy_ids_and_logprobs_are_transformers(models, arch, ops):
+    """Whole prompts (prefill, then decode), then the same prompts in chunks of 7 over their cached context with
+    decodes mixed in; then the counter-check: the router's rows permuted changes the ids, so the equality rests on
+    the routing being computed."""
+    from agents.model.llama import load_weights_into
+
+    model_dir, config, refs = models[arch]
+    runner = runner_for(model_dir, config, ops)
+    tokens, logprobs = PagedDriver(runner, seed=1).generate(prompts(), STEPS)
+    assert tokens == [r[0] for r in refs]
+    np.testing.assert_allclose(np.array(logprobs), np.array([r[1] for r in refs]), atol=2e-3)
+    chunked, _ = ChunkDriver(runner, seed=2).generate(prompts(), STEPS, chunk=7, starts=[0, 2, 3])
+    assert chunked == [r[0] for r in refs]
+    weights = load_weights(model_dir, config)
+    for i in SPARSE[arch]:
+        weights[f"layers.{i}.router"] = weights[f"layers.{i}.router"][::-1].copy()
+    load_weights_into(runner.model, weights)
+    assert PagedDriver(runner, seed=1).generate(prompts(), STEPS)[0] != [r[0] for r in refs]
+
+
+@pytest.mark.parametrize(("change", "named"), [({"capacity_factor": 1.5}, "capacity_factor"),
+                                               ({"qkv_bias": False}, "qkv_bias"),
+                                               ({"mlp_only_layers": [9]}, "mlp_only_layers")])
+def test_configs_that_change_the_maths_are_refused_by_name(tmp_path, change, named):
+    raw = {**COMMON, **FAMILIES["Qwen2MoeForCausalLM"], **change, "architectures": ["Qwen2MoeForCausalLM"],
+           "model_type": "qwen2_moe"}
+    with pytest.raises(ModelConfigError, match=f"config.json: {named}"):
+        LlamaConfig.from_dict(raw, source="config.json")
+    mixtral = {**COMMON, **FAMILIES["MixtralForCausalLM"], "architectures": ["MixtralForCausalLM"],
+               "model_type": "mixtral", "decoder_sparse_step": 2}
+    with pytest.raises(ModelConfigError, match="decoder_sparse_step"):
+        LlamaConfig.from_dict(mixtral, source="config.json")
+
+
+def test_a_missing_expert_is_named(models, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from agents.weights.checkpoints import WeightLoadError
+
+    model_dir, config, _ = models["MixtralForCausalLM"]
+    tensors = load_file(model_dir / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(WeightLoadError, match="experts.5.w3.weight"):
+        load_weights(tmp_path / "model.safetensors", config)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A Qwen3-MoE directory with a ChatML tokenizer (what the engine loads), and transformers' model of it."""
+    from llm_serving.tokenization.hf_tokenizer import load_tokenizer
+    from tests.hf_tokenizer_fixture import build_chatml_tokenizer
+
+    chatml = build_chatml_tokenizer(tmp_path_factory.mktemp("chatml"))
+    model_dir = tmp_path_factory.mktemp("served")
+    hf = save_hf_model("Qwen3MoeForCausalLM", model_dir, seed=4, vocab_size=load_tokenizer(chatml).vocab_size)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model_dir / name).write_text((chatml / name).read_text())
+    return model_dir, hf
+
+
+def serve_and_compare(model_dir, hf, ranks: int, parallel: dict | None = None) -> None:
+    from llm_serving.config.serving_config import ServingConfig
+    from llm_serving.core.sequence import SamplingParams
+    from llm_serving.engine.loop import Engine
+
+    cfg = ServingConfig.from_dict({
+        "model_config": {"model_path": str(model_dir), "seq_length": [64], "prefill_batch_size": [2],
+                         "decode_batch_size": [2], **({"parallel": parallel} if parallel else {})},
+        "pa_config": {"num_blocks": 32, "block_size": 8, "decode_seq_length": 96},
+        "serving_config": {"num_agents": ranks, "compile_cache": False}})
+    rng = np.random.default_rng(9)
+    asks = [rng.integers(3, 200, n).tolist() for n in (12, 25, 7)]
+    with Engine(cfg) as engine:
+        engine.start(progress=None)
+        futures = [engine.submit(ids, SamplingParams(max_new_tokens=8, ignore_eos=True)) for ids in asks]
+        results = [f.result(timeout=300) for f in futures]
+    for ids, result in zip(asks, results):
+        assert result.token_ids == hf_greedy(hf, ids, 8)[0]
+
+
+def test_the_engine_serves_a_moe_directory(served):
+    serve_and_compare(*served, ranks=1)
