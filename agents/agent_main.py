@@ -113,7 +113,7 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     from llm_serving.protocol.parallel import ShardPlan
 
     config = LlamaConfig(**spec.llama_config)
-    shard = ShardPlan(config, spec.tensor_parallel_size, rank)
+    shard = ShardPlan(config, spec.tensor_parallel_size, rank, spec.expert_parallel)
     ranks_here = spec.num_local_ranks if ranks_here is None else ranks_here
     cpu_threads = share_cpus(shard, ranks_here) if shard.tp > 1 else 0  # before MindSpore starts any thread
     progress(f"loading weights from {spec.model_path}" + (f" (rank {rank} of {shard.tp})" if shard.tp > 1 else ""))
@@ -131,7 +131,7 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     if spec.exit_layer is not None:
         progress(f"early exit: serving layers 1..{spec.exit_layer} of {config.num_hidden_layers}")
         config, weights = layer_prefix(config, weights, spec.exit_layer)
-        shard = ShardPlan(config, spec.tensor_parallel_size, rank)
+        shard = ShardPlan(config, spec.tensor_parallel_size, rank, spec.expert_parallel)
     draft_model = None
     if spec.draft is not None and "layers" in spec.draft:  # self-speculation: the target's first layers
         draft_model = layer_prefix(config, weights, int(spec.draft["layers"]))

@@ -44,3 +44,41 @@ def test_load_refuses_misshapen_expert_weights() -> None:
          "layers.0.experts_down": np.zeros((8, H, 8), np.float32)}
     with pytest.raises(ValueError, match=r"layers.0.experts_gate_up: expected shape \(8, 16, 16\)"):
         block.load(w, 0)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_the_ranks_partial_sums_add_up_to_the_whole_block(tokens: int, expert_parallel: bool) -> None:
+    """Each of 4 ranks' blocks (its experts whole, or every expert's slice; its share of the shared expert) on the
+    rank's cut of the weights: their outputs summed (what the all-reduce does) are the whole block's, on both the
+    gathered path (1 token: picks of other ranks' experts masked) and the every-expert one."""
+    from dataclasses import replace
+
+    from llm_serving.protocol.model_config import LlamaConfig
+    from llm_serving.protocol.parallel import ShardPlan
+
+    spec = MoeSpec(num_experts=8, top_k=2, moe_intermediate_size=8, norm_topk_prob=False,
+                   shared_expert_intermediate_size=12, sparse_layers=(0,))
+    config = replace(LlamaConfig(64, H, 32, 1, 4, 4, architecture="Qwen2MoeForCausalLM"), moe=spec)
+    rng = np.random.default_rng(5)
+    w = {"layers.0.router": rng.normal(0, 0.5, (8, H)), "layers.0.experts_gate_up": rng.normal(0, 0.5, (8, 16, H)),
+         "layers.0.experts_down": rng.normal(0, 0.5, (8, H, 8)), "layers.0.shared_gate_up": rng.normal(0, .5, (24, H)),
+         "layers.0.shared_down": rng.normal(0, 0.5, (H, 12)), "layers.0.shared_gate": rng.normal(0, 0.5, (1, H))}
+    w = {k: v.astype(np.float32) for k, v in w.items()}
+    x = ms.Tensor(rng.normal(0, 1, (tokens, H)).astype(np.float32))
+    total = np.zeros((tokens, H), np.float32)
+    for rank in range(4):
+        plan = ShardPlan(config, 4, rank, expert_parallel)
+        (e0, e1), (f0, f1), (s0, s1) = plan.expert_range(), plan.expert_ffn_range(), plan.shared_ffn_range()
+        gate_up = w["layers.0.experts_gate_up"][e0:e1]
+        cut = {"layers.0.router": w["layers.0.router"], "layers.0.shared_gate": w["layers.0.shared_gate"],
+               "layers.0.experts_gate_up": np.concatenate([gate_up[:, f0:f1], gate_up[:, 8 + f0:8 + f1]], 1),
+               "layers.0.experts_down": w["layers.0.experts_down"][e0:e1, :, f0:f1],
+               "layers.0.shared_gate_up": np.concatenate([w["layers.0.shared_gate_up"][s0:s1],
+                                                          w["layers.0.shared_gate_up"][12 + s0:12 + s1]]),
+               "layers.0.shared_down": w["layers.0.shared_down"][:, s0:s1]}
+        block = MoeBlock(spec, H, ms.float32, plan)
+        block.load(cut, 0)
+        total += block(x).asnumpy()
+    want = moe_routing.sparse_block(x.asnumpy(), w, 0, 2, False)
+    np.testing.assert_allclose(total, want, rtol=1e-4, atol=1e-4)

@@ -174,14 +174,14 @@ def served(tmp_path_factory):
     return model_dir, hf
 
 
-def serve_and_compare(model_dir, hf, ranks: int, parallel: dict | None = None) -> None:
+def serve_and_compare(model_dir, hf, ranks: int, expert_parallel: bool = False) -> None:
     from llm_serving.config.serving_config import ServingConfig
     from llm_serving.core.sequence import SamplingParams
     from llm_serving.engine.loop import Engine
 
     cfg = ServingConfig.from_dict({
         "model_config": {"model_path": str(model_dir), "seq_length": [64], "prefill_batch_size": [2],
-                         "decode_batch_size": [2], **({"parallel": parallel} if parallel else {})},
+                         "decode_batch_size": [2], "expert_parallel": expert_parallel},
         "pa_config": {"num_blocks": 32, "block_size": 8, "decode_seq_length": 96},
         "serving_config": {"num_agents": ranks, "compile_cache": False}})
     rng = np.random.default_rng(9)
@@ -194,5 +194,65 @@ def serve_and_compare(model_dir, hf, ranks: int, parallel: dict | None = None) -
         assert result.token_ids == hf_greedy(hf, ids, 8)[0]
 
 
-def test_the_engine_serves_a_moe_directory(served):
-    serve_and_compare(*served, ranks=1)
+@pytest.mark.parametrize("ranks, expert_parallel", [(1, False), (2, False), (2, True), (4, True)])
+def test_the_engine_serves_a_moe_directory(served, ranks, expert_parallel):
+    """Tensor parallel (every expert cut over the ranks) and expert parallel (16 experts whole, 8 or 4 a rank;
+    at 4 ranks the kv heads replicated): transformers' greedy ids, as at one rank."""
+    serve_and_compare(*served, ranks=ranks, expert_parallel=expert_parallel)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+@pytest.mark.parametrize("arch", ["Qwen2MoeForCausalLM", "MixtralForCausalLM"])
+def test_each_rank_reads_its_experts_slice(models, tmp_path, arch, expert_parallel):
+    """From the HF directory and from the converted .ckpt: the router whole, the rank's experts (whole, or each
+    one's gate/up rows and down columns) and its share of the shared expert, cut from the whole model's tensors."""
+    from agents.weights.convert import convert
+    from agents.weights.sharded import load_shard, shard_shapes
+    from llm_serving.protocol.parallel import ShardPlan
+
+    model_dir, config, _ = models[arch]
+    full = load_weights(model_dir, config)
+    converted = convert(model_dir, tmp_path / "converted")
+    assert LlamaConfig.from_model_dir(converted).moe == config.moe
+    layer = f"layers.{SPARSE[arch][-1]}."
+    for rank in range(2):
+        plan = ShardPlan(config, 2, rank, expert_parallel)
+        e0, e1 = plan.expert_range()
+        lo, hi = plan.expert_ffn_range()
+        f = config.moe.moe_intermediate_size
+        assert (e1 - e0, hi - lo) == ((8, f) if expert_parallel else (16, f // 2))
+        for source in (model_dir, converted):
+            got = load_shard(source, config, plan)
+            assert {k: v.shape for k, v in got.items()} == shard_shapes(config, plan)
+            np.testing.assert_array_equal(got[layer + "router"], full[layer + "router"])
+            gate_up = full[layer + "experts_gate_up"][e0:e1]
+            np.testing.assert_array_equal(got[layer + "experts_gate_up"], np.concatenate(
+                [gate_up[:, lo:hi], gate_up[:, f + lo:f + hi]], 1))
+            np.testing.assert_array_equal(got[layer + "experts_down"], full[layer + "experts_down"][e0:e1, :, lo:hi])
+            if config.moe.shared_expert_intermediate_size:
+                s0, s1 = plan.shared_ffn_range()
+                np.testing.assert_array_equal(got[layer + "shared_down"], full[layer + "shared_down"][:, s0:s1])
+
+
+def test_expert_counts_the_ranks_cannot_split_are_refused_by_name(served, tmp_path):
+    import shutil
+
+    from llm_serving.config.serving_config import ConfigError, ServingConfig
+    from llm_serving.engine.wiring import resolve_model
+
+    shutil.copytree(served[0], tmp_path, dirs_exist_ok=True)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "num_local_experts": 6}))
+    for ep, ranks in ((True, 4), (False, 2)):
+        cfg = ServingConfig.from_dict({"model_config": {"model_path": str(tmp_path), "expert_parallel": ep},
+                                       "serving_config": {"num_agents": ranks}})
+        if ep:
+            with pytest.raises(ConfigError, match="num_agents.*num_experts 6 is not divisible by 4 ranks.*"
+                                                  "model_config.expert_parallel"):
+                resolve_model(cfg, tokenizer=False)
+        else:
+            assert resolve_model(cfg, tokenizer=False).llama_config.moe.num_experts == 6
+    dense = ServingConfig.from_dict({"model_config": {"expert_parallel": True}, "serving_config": {"num_agents": 2},
+                                     "default_model": {"data_dir": str(tmp_path / "default")}})
+    with pytest.raises(ConfigError, match="expert_parallel: the model has no experts"):
+        resolve_model(dense, tokenizer=False)

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from agents.weights.sharded import load_rank_weights
 
     try:
-        shard = ShardPlan(config, spec.tensor_parallel_size, args.rank)
+        shard = ShardPlan(config, spec.tensor_parallel_size, args.rank, spec.expert_parallel)
         weights = load_rank_weights(spec.model_path, config, shard, quantize=rc.quantization != "none")
         weights = with_kv_scales(weights, spec.model_path, config, shard, spec.runner_config)
         runner = export_runner(config, rc, weights, backend, shard)

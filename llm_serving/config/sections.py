@@ -68,6 +68,8 @@ class ModelSection:
     precision: str = setting("exact", "str")  # exact; half / fast: float16 / bfloat16 weights of native projections
     quantization: str = setting("none", "str")  # none; w8a16: int8 weights of the layers' projections
     kv_cache_dtype: str = setting("auto", "str")  # auto (the model's dtype); int8: per token and kv head scales
+    # a MoE model's experts held whole, num_experts / num_agents on each rank (else each expert cut over the ranks)
+    expert_parallel: bool = setting(False, "bool")
     backend: str = setting("ms", "str")
     # one graph per step family with open input dimensions (Cell.set_inputs with None dims); None: on for Ascend
     # (backend ms), off on CPU, whose dynamic-shape graphs ran 3-13x slower (docs/ascend.md)

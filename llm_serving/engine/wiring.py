@@ -87,7 +87,7 @@ def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None 
                           ": beyond max_position_embeddings transformers rescales every position by the sequence's "
                           "length, which a KV cache cannot follow); serve at most that many",
                           key="pa_config.decode_seq_length", source=src)
-    problems = tensor_parallel_problems(llama, config.num_agents)
+    problems = tensor_parallel_problems(llama, config.num_agents, config.model_config.expert_parallel)
     if problems:
         raise ConfigError(f"{src}: serving_config.num_agents: {config.num_agents} agents are the tensor-parallel "
                           f"size, which this model cannot be split into: {'; '.join(problems)}",
@@ -295,6 +295,7 @@ def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) 
         max_decode_steps=max(config.scheduler.decode_steps, config.speculative.verify_rounds()
                              * (config.speculative.num_tokens + 1) if config.speculative.method else 1),
         tensor_parallel_size=config.num_agents,
+        expert_parallel=config.model_config.expert_parallel,
         start_device_id=config.serving_config.start_device_id,
         backend="mindformers" if config.uses_mindformers else "ms",
         model_cfg_path=config.model_config.model_cfg_path if config.uses_mindformers else None,

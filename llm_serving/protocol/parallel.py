@@ -35,7 +35,7 @@ def tensor_parallel_problems(config: LlamaConfig, tp: int, expert_parallel: bool
         return [f"the tensor-parallel size must be >= 1, got {tp}"]
     moe = config.moe
     if expert_parallel and moe is None:
-        return ["parallel.expert_parallel: the model has no experts (not a mixture-of-experts architecture)"]
+        return ["model_config.expert_parallel: the model has no experts (not a mixture-of-experts architecture)"]
     problems = []
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     if heads % tp:
@@ -46,7 +46,7 @@ def tensor_parallel_problems(config: LlamaConfig, tp: int, expert_parallel: bool
     if moe is not None:
         if expert_parallel and moe.num_experts % tp:
             problems.append(f"num_experts {moe.num_experts} is not divisible by {tp} ranks "
-                            "(parallel.expert_parallel holds num_experts / ranks whole experts on each)")
+                            "(model_config.expert_parallel holds num_experts / ranks whole experts on each)")
         if not expert_parallel and moe.moe_intermediate_size % tp:
             problems.append(f"moe_intermediate_size {moe.moe_intermediate_size} is not divisible by {tp} ranks")
         if moe.shared_expert_intermediate_size % tp:

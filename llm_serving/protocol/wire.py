@@ -105,6 +105,7 @@ class AgentSpec:
     max_logits_rows: int = 0  # shm capacity: sequences per step whose float32 logits come back (0: none)
     max_decode_steps: int = 1  # shm capacity: tokens one sequence may get from a step (decode steps, verify rounds)
     tensor_parallel_size: int = 1  # ranks of this model, one agent process each
+    expert_parallel: bool = False  # a MoE model's experts split whole over those ranks (ShardPlan.expert_parallel)
     start_device_id: int = 0  # rank r runs on device start_device_id + r
     step_delay_s: float = 0.0  # standin only: simulated compute time per step
     # environment variables for the agent processes (each value as str() writes it)
@@ -199,7 +200,8 @@ class AgentSpec:
     def kv_block_bytes(self) -> int:
         """Bytes of one KV block in each rank's cache (``parallel.kv_block_bytes``)."""
         rc = self.runner_config
-        return kv_block_bytes(ShardPlan(LlamaConfig(**self.llama_config), self.tensor_parallel_size),
+        return kv_block_bytes(ShardPlan(LlamaConfig(**self.llama_config), self.tensor_parallel_size,
+                                        expert_parallel=self.expert_parallel),
                               int(rc["block_size"]), rc.get("dtype", "float32"), rc.get("kv_cache_dtype", "auto"),
                               rc.get("device_target", "CPU"))
 
