@@ -207,6 +207,26 @@ def test_device_cost_decode_reads_the_weights_prefill_multiplies_them():
     assert d.with_values({"peak_tflops": "100"}).peak_tflops == 100.0
 
 
+def test_a_moe_step_reads_the_experts_its_tokens_touch():
+    """Qwen3-30B-A3B: a rank holds every expert (its memory) but a decode step reads the router, the attention and
+    the experts its tokens picked: one token 8 of 128 (about 3.3B of 30.5B parameters), 32 tokens most of them,
+    4096 all; expert and tensor parallelism read a rank's 1/N of them alike."""
+    d = DeviceProfile(step_overhead_s=0.0, seq_overhead_s=0.0)
+    moe = MODEL_SHAPES["qwen3-30b-a3b"]
+    cost = DeviceCost(d, moe)
+    held, one = cost.weight_bytes_per_rank, cost.weight_bytes_read(1)
+    assert held / 2 / 1e9 == pytest.approx(30.5, abs=0.1) and one / 2 / 1e9 == pytest.approx(3.35, abs=0.05)
+    assert one < cost.weight_bytes_read(32) < cost.weight_bytes_read(4096) == pytest.approx(held, rel=1e-6)
+    assert cost.weight_bytes_read(32) / held == pytest.approx(0.88, abs=0.02)  # 1 - (15/16)^32 of the experts
+    bandwidth = d.memory_bandwidth_gbs * 1e9 * d.memory_efficiency
+    assert cost.seconds(StepShape(1, 1, 0, 0, 1, 1)) == pytest.approx(one / bandwidth, rel=1e-3)
+    eight = DeviceCost(d, moe, tensor_parallel=8)
+    assert eight.weight_bytes_read(1) == pytest.approx(one / 8) and eight.weight_bytes_per_rank == held / 8
+    dense = MODEL_SHAPES["llama-2-7b"]
+    assert DeviceCost(d, dense).weight_bytes_read(1) == DeviceCost(d, dense).weight_bytes_per_rank
+    assert moe.flops_per_token() / 2 / 1e9 == pytest.approx(3.04, abs=0.01)  # the active matmuls (no embedding)
+
+
 # ---- the simulation ----------------------------------------------------------------------------------------
 def test_one_request_takes_its_prefill_and_a_step_per_further_token():
     run = simulate(sched_config(), [req(0, 40, 5)], Constant(0.010))

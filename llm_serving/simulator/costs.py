@@ -5,7 +5,8 @@ Two kinds, one interface (``seconds(shape)``):
 - ``FittedCost``: a linear model fitted to steps measured on this machine (``llm-serving profile``), each row
   weighted by 1/measured time so short decode steps count as much as long prefills. Non-negative least squares
   (scipy's ``nnls``) keeps every term a cost, so the model never predicts a step cheaper for more work.
-- ``DeviceCost``: analytic, for hardware we cannot measure: a step reads the rank's weights and the KV it
+- ``DeviceCost``: analytic, for hardware we cannot measure: a step reads the rank's weights (of a MoE model: the
+  experts its tokens touch, not all it holds) and the KV it
   attends to (memory bound) and multiplies its tokens by them (compute bound), whichever is slower, plus a fixed
   per-step host and launch time and, with tensor parallelism, two all-reduces per layer. The device numbers are
   published peaks scaled by efficiencies (``DeviceProfile``); every one is a documented, overridable assumption.
@@ -144,12 +145,34 @@ class DeviceCost:
 
     @property
     def weight_bytes_per_rank(self) -> float:
-        m = self.model
-        rows = m.qkv_dim + m.q_dim + 3 * m.intermediate_size  # output rows of the four projections
-        per_layer = m.hidden_size * rows * (1 if self.int8_projections else self.dtype_bytes)
-        per_layer += rows * self.dtype_bytes if self.int8_projections else 0
-        embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2) * self.dtype_bytes
-        return (m.num_hidden_layers * per_layer + embeddings) / self.tensor_parallel
+        """The weights a rank holds (every expert of a MoE model: its memory, ``kv_blocks``)."""
+        moe = self.model.moe
+        return self._weight_bytes(moe.num_experts if moe is not None else None)
+
+    def weight_bytes_read(self, tokens: int) -> float:
+        """The weights a rank reads in a step of ``tokens`` tokens: a MoE layer's router and shared expert, and the
+        experts its tokens touch, ``E (1 - (1 - k/E)^tokens)`` of them as expected under balanced routing (each
+        token's k picks uniform); under expert parallelism a rank holds E/N experts whole, under tensor parallelism
+        1/N of each, so either way a rank reads 1/N of the touched experts' bytes."""
+        moe = self.model.moe
+        if moe is None:
+            return self.weight_bytes_per_rank
+        touched = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** max(tokens, 1))
+        return self._weight_bytes(touched)
+
+    def _weight_bytes(self, experts: float | None) -> float:
+        """A rank's bytes of the projections, with ``experts`` routed experts' per sparse layer. w8a16 holds the
+        dense projections as a byte a weight and a scale a row; the expert block's weights stay float."""
+        m, h = self.model, self.model.hidden_size
+        weight = 1 if self.int8_projections else self.dtype_bytes
+        total = 0.0
+        for layer in range(m.num_hidden_layers):
+            sparse = m.moe is not None and layer in m.moe.sparse_layers
+            rows = m.qkv_dim + m.q_dim + (0 if sparse else m.mlp_rows(layer))  # output rows of the projections
+            total += h * rows * weight + (rows * self.dtype_bytes if self.int8_projections else 0)
+            total += h * m.mlp_rows(layer, experts) * self.dtype_bytes if sparse else 0
+        embeddings = m.vocab_size * h * (1 if m.tie_word_embeddings else 2) * self.dtype_bytes
+        return (total + embeddings) / self.tensor_parallel
 
     @property
     def kv_bytes_per_token_per_rank(self) -> float:
@@ -173,7 +196,7 @@ class DeviceCost:
         matmul_flops = (m.flops_per_token() - 2 * m.hidden_size * m.vocab_size) * shape.num_tokens
         flops = (matmul_flops + 2 * m.hidden_size * m.vocab_size * shape.num_seqs
                  + 4 * m.q_dim * m.num_hidden_layers * shape.attention_pairs) / tp
-        read = self.weight_bytes_per_rank + self.kv_bytes_per_token_per_rank * shape.context_tokens
+        read = self.weight_bytes_read(shape.num_tokens) + self.kv_bytes_per_token_per_rank * shape.context_tokens
         device_s = max(flops / (d.peak_tflops * 1e12 * d.compute_efficiency),
                        read / (d.memory_bandwidth_gbs * 1e9 * d.memory_efficiency))
         comm_s = 0.0

@@ -17,6 +17,7 @@ from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.engine.wiring import ModelFiles, kv_cache_blocks, resolve_model, scheduler_config
 from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
+from llm_serving.protocol.moe_config import MoeSpec
 from llm_serving.simulator.costs import (
     DEVICES,
     CostModelError,
@@ -34,6 +35,9 @@ MODEL_SHAPES = {
     "llama-2-13b": LlamaConfig(32000, 5120, 13824, 40, 40, 40),
     "llama-2-70b": LlamaConfig(32000, 8192, 28672, 80, 64, 8),
     "llama-3.1-8b": LlamaConfig(128256, 4096, 14336, 32, 32, 8, eos_token_id=128001),
+    # 128 experts, 8 a token, every layer sparse: 30.5B parameters held, 3.3B read by one token
+    "qwen3-30b-a3b": LlamaConfig(151936, 2048, 6144, 48, 32, 4, architecture="Qwen3MoeForCausalLM",
+                                 explicit_head_dim=128, moe=MoeSpec(128, 8, 768, True, 0, tuple(range(48)))),
 }
 
 
