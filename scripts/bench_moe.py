@@ -1,7 +1,7 @@
 """MoE block vs a dense MLP of the same active size, CPU graph mode: the time of one block call at batch 1 and 32
 with few or many experts held (same top-k), so a reader sees whether the cost follows the experts a step touches
-or the experts the layer holds. The block alone, not a whole decode step: the MoE layer is not yet wired into
-LlamaLayer (issue 54). Figures: docs/model.md "Mixture of experts".
+or the experts the layer holds. The block alone (the layer's MLP slot, agents.model.moe), not a whole decode step.
+Figures: docs/model.md "Mixture of experts".
 
     python scripts/bench_moe.py [--hidden 1024] [--expert-ffn 256] [--top-k 8] [--experts 8 64] [--repeat 20]
 """

@@ -256,3 +256,26 @@ def test_expert_counts_the_ranks_cannot_split_are_refused_by_name(served, tmp_pa
                                      "default_model": {"data_dir": str(tmp_path / "default")}})
     with pytest.raises(ConfigError, match="expert_parallel: the model has no experts"):
         resolve_model(dense, tokenizer=False)
+
+
+@pytest.mark.parametrize("tp, rank, expert_parallel", [(1, 0, False), (2, 1, True)])
+def test_the_ascend_graphs_of_a_moe_model_export_and_pass_the_contract_check(tmp_path, tp, rank, expert_parallel):
+    """On the Ascend backend's graphs in float16 (its attention kernels; the expert block in generic graph ops,
+    not yet the MoE kernels of issue 54 part 4): every rule of agents.tools.contracts holds, one rank of two at
+    expert parallelism included; a TopK per sparse layer and one all-reduce per row-parallel slot."""
+    from agents.tools.contracts import check_graph
+    from agents.tools.export import export_graphs, export_runner
+    from agents.tools.mindir import read_graph
+    from agents.weights.sharded import load_rank_weights
+    from llm_serving.protocol.parallel import ShardPlan
+
+    save_hf_model("Qwen3MoeForCausalLM", tmp_path, seed=1, head_dim=64)  # a head_dim FlashAttentionScore takes
+    config = LlamaConfig.from_model_dir(tmp_path)
+    plan = ShardPlan(config, tp, rank, expert_parallel)
+    rc = dataclasses.replace(RC, dtype="float16", device_target="Ascend", decode_batch_sizes=(1, 4))
+    runner = export_runner(config, rc, load_rank_weights(tmp_path, config, plan, np.float16), shard=plan)
+    for _, summary in export_graphs(runner, tmp_path / "graphs", [("decode", 4, 4), ("ragged", 2, 48)]):
+        graph = read_graph(summary.path)
+        assert check_graph(graph, tensor_parallel=tp) == [], summary.path.name
+        assert len(graph.of("TopK")) == len(SPARSE["Qwen3MoeForCausalLM"])
+        assert len(graph.of("AllReduce")) == (1 + 2 * config.num_hidden_layers if tp > 1 else 0)
