@@ -75,6 +75,8 @@ def test_missing_yaml_is_named(tmp_path: Path) -> None:
 @pytest.mark.parametrize("changes, phrase", [
     ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, "without Qwen2ForCausalLM's q/k/v biases"),
     ({"head_dim": 64}, "a head_dim of its own"),
+    ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
+      "num_experts_per_tok": 2}, "without MixtralForCausalLM's q/k/v biases, q/k norms, experts"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "does not read config.json's rope_scaling (linear)"),
 ])
 def test_a_model_mindformers_would_build_otherwise_is_refused(tmp_path: Path, changes: dict, phrase: str) -> None:

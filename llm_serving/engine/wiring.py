@@ -69,9 +69,9 @@ def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None 
                           f"vocab_size {llama.vocab_size} ({config_dir / 'config.json'})",
                           key="model_config.vocab_size", source=src)
     if config.uses_mindformers:  # what MindFormers' Llama cannot be first: no installation makes it servable
-        if llama.qkv_bias or llama.qk_norm or llama.q_dim != llama.hidden_size:
+        if llama.qkv_bias or llama.qk_norm or llama.q_dim != llama.hidden_size or llama.moe is not None:
             raise ConfigError(f"{src}: model_config.backend: mindformers builds its Llama from its own YAML, without "
-                              f"{llama.architecture}'s q/k/v biases, q/k norms or a head_dim of its own "
+                              f"{llama.architecture}'s q/k/v biases, q/k norms, experts or a head_dim of its own "
                               f"({config_dir / 'config.json'}): serve this model with our graph (backend ms)",
                               key="model_config.backend", source=src)
         if llama.rope_scaling is not None:  # MindFormers builds its rope from its YAML, never from config.json
