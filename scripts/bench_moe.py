@@ -1,14 +1,18 @@
 """MoE block vs a dense MLP of the same active size, CPU graph mode: the time of one block call at batch 1 and 32
 with few or many experts held (same top-k), so a reader sees whether the cost follows the experts a step touches
-or the experts the layer holds. The block alone (the layer's MLP slot, agents.model.moe), not a whole decode step.
-Figures: docs/model.md "Mixture of experts".
+or the experts the layer holds. The block alone (the layer's MLP slot, agents.model.moe); with ``--steps``, whole
+decode steps of a model whose every layer is that block against the same model with the dense MLP (ModelRunner,
+the bench model's attention and vocabulary, context 128), each shape timed in turn so the machine's drift moves
+all of them. Figures: docs/model.md "Mixture of experts".
 
     python scripts/bench_moe.py [--hidden 1024] [--expert-ffn 256] [--top-k 8] [--experts 8 64] [--repeat 20]
+    python scripts/bench_moe.py --steps [--kernels native] [--hidden 512 --expert-ffn 128 ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -21,7 +25,13 @@ from mindspore import Parameter, Tensor, nn, ops
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's packages, run as a script
 
 from agents.model.moe import MoeBlock
+from agents.runtime.runner import ModelRunner, RunnerConfig
+from agents.weights.checkpoints import canonical_shapes
+from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.moe_config import MoeSpec
+from scripts.bench_model import BLOCK, alternating_ms, decode_batch
+
+CONTEXT = 128
 
 
 class DenseMlp(nn.Cell):
@@ -57,6 +67,39 @@ def time_ms(cell: nn.Cell, x: Tensor, repeat: int) -> float:
     return statistics.median(times)
 
 
+def _runner(config: LlamaConfig, batches: list[int], kernels: str) -> ModelRunner:
+    rng = np.random.default_rng(0)
+    weights = {name: (1 + 0.05 * rng.standard_normal(shape) if name.endswith("norm") else
+                      0.02 * rng.standard_normal(shape)).astype(np.float32)
+               for name, shape in canonical_shapes(config).items()}
+    width = -(-CONTEXT // BLOCK)
+    rc = RunnerConfig(num_blocks=max(batches) * width + 1, block_size=BLOCK, max_model_len=2 * CONTEXT,
+                      prefill_batch_sizes=(1,), prefill_seq_lengths=(16,), decode_batch_sizes=tuple(batches),
+                      decode_block_widths=(width,), kernels=kernels)
+    runner = ModelRunner(config, weights, rc)
+    runner.warmup()
+    return runner
+
+
+def steps(args: argparse.Namespace) -> None:
+    """Decode steps (ms, median of ``repeat`` in turn) of the dense model and of each MoE model."""
+    h, f, k = args.hidden, args.expert_ffn, args.top_k
+    dense = LlamaConfig(vocab_size=8000, hidden_size=h, intermediate_size=k * f, num_hidden_layers=args.layers,
+                        num_attention_heads=8, num_key_value_heads=4)
+    models = {f"dense ffn {k * f}": dense}
+    for e in args.experts:
+        moe = MoeSpec(e, k, f, True, 0, tuple(range(args.layers)))
+        models[f"moe {e} experts, top {k}"] = dataclasses.replace(dense, architecture="Qwen3MoeForCausalLM", moe=moe)
+    runners = {name: _runner(config, args.batches, args.kernels) for name, config in models.items()}
+    calls = [(name, b, lambda r=runner, b=b: r.step(decode_batch(b, CONTEXT)))
+             for name, runner in runners.items() for b in args.batches]
+    times = alternating_ms([call for _, _, call in calls], args.repeat)
+    print(f"decode steps, hidden {h}, {args.layers} layers, expert ffn {f}, context {CONTEXT}, kernels "
+          f"{args.kernels}, median of {args.repeat}, ms")
+    for (name, b, _), ms_ in zip(calls, times):
+        print(f"{name:28s} batch {b}: {ms_:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -65,7 +108,13 @@ def main() -> None:
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--steps", action="store_true", help="whole decode steps instead of the block alone")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--kernels", default="native", choices=["auto", "native", "portable"])
     args = parser.parse_args()
+    if args.steps:
+        steps(args)
+        return
     ms.set_context(mode=ms.GRAPH_MODE)
     h, f, k = args.hidden, args.expert_ffn, args.top_k
     cells = {f"dense ffn {k * f}": DenseMlp(h, k * f)}
