@@ -82,3 +82,40 @@ def test_the_ranks_partial_sums_add_up_to_the_whole_block(tokens: int, expert_pa
         total += block(x).asnumpy()
     want = moe_routing.sparse_block(x.asnumpy(), w, 0, 2, False)
     np.testing.assert_allclose(total, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tokens, rows", [(1, 1), (32, 32), (32, 20)])
+def test_the_native_op_matches_the_reference_and_zeros_the_padding(tokens: int, rows: int) -> None:
+    """``MoeExperts`` (agents/model/kernels/moe_experts.cc) in the block's place of the graph paths: the reference
+    block on the real rows, zeros on the padding after them; on one rank of two at expert parallelism, that rank's
+    share (the picks of the other rank's experts skipped)."""
+    from dataclasses import replace
+
+    from agents.model.native_kernels import native_ops
+    from llm_serving.protocol.model_config import LlamaConfig
+    from llm_serving.protocol.parallel import ShardPlan
+
+    spec = MoeSpec(num_experts=8, top_k=3, moe_intermediate_size=40, norm_topk_prob=True,
+                   shared_expert_intermediate_size=0, sparse_layers=(0,))
+    rng = np.random.default_rng(tokens + rows)
+    w = {"layers.0.router": rng.normal(0, 0.5, (8, H)), "layers.0.experts_gate_up": rng.normal(0, 0.5, (8, 80, H)),
+         "layers.0.experts_down": rng.normal(0, 0.5, (8, H, 40))}
+    w = {k: v.astype(np.float32) for k, v in w.items()}
+    x = rng.normal(0, 1, (tokens, H)).astype(np.float32)
+    op = native_ops(H).moe_experts()
+    block = MoeBlock(spec, H, ms.float32, experts_op=op)
+    block.load(w, 0)
+    got = block(ms.Tensor(x), ms.Tensor(np.array([rows], np.int32))).asnumpy()
+    want = moe_routing.sparse_block(x, w, 0, 3, True)
+    np.testing.assert_allclose(got[:rows], want[:rows], rtol=1e-4, atol=1e-4)
+    assert not got[rows:].any()
+    config = replace(LlamaConfig(64, H, 32, 1, 4, 4, architecture="Qwen3MoeForCausalLM"), moe=spec)
+    total = np.zeros_like(want)
+    for rank in range(2):
+        plan = ShardPlan(config, 2, rank, expert_parallel=True)
+        e0, e1 = plan.expert_range()
+        ranked = MoeBlock(spec, H, ms.float32, plan, experts_op=op)
+        ranked.load({**w, "layers.0.experts_gate_up": w["layers.0.experts_gate_up"][e0:e1],
+                     "layers.0.experts_down": w["layers.0.experts_down"][e0:e1]}, 0)
+        total += ranked(ms.Tensor(x)).asnumpy()
+    np.testing.assert_allclose(total, want, rtol=1e-4, atol=1e-4)

@@ -130,7 +130,7 @@ class LlamaLayer(nn.Cell):
         # the MLP slot: a sparse layer's experts (agents.model.moe), else the dense SwiGLU MLP
         sparse = config.moe is not None and index in config.moe.sparse_layers
         self.moe = moe.MoeMlp(config.moe, hidden, eps, dtype, shard, parallel.AllReduceSum() if shard.tp > 1
-                              else None) if sparse and config.moe is not None else None
+                              else None, backend.moe_experts()) if sparse and config.moe is not None else None
         self.w_gate_up = None if sparse else ProjectionWeight(hidden, 2 * shard.ffn, dtype, panels, swiglu=True,
                                                               panel_dtype=fmt, quantization=quant)
         self.w_down = None if sparse else ProjectionWeight(shard.ffn, hidden, dtype, panels, panel_dtype=fmt,
@@ -169,7 +169,7 @@ class LlamaLayer(nn.Cell):
             attn = self.attention.chunked(qkv, cos, sin, slot_mapping, lens, context_lens, block_tables, positions)
         x = self.output_projection(attn, self.wo.operands(), x, rows)
         if self.moe is not None:
-            return self.moe(x, self.ffn_norm)
+            return self.moe(x, self.ffn_norm, rows)
         act = self.norm_gate_up(x, self.ffn_norm, self.w_gate_up.operands(), rows)
         return self.down_projection(act, self.w_down.operands(), x, rows)
 

@@ -21,8 +21,11 @@ class MoeBlock(nn.Cell):
     One rank's block (``shard``) holds experts ``[start, start + count)`` over ``f`` of each one's rows and
     ``shared_f`` of the shared expert's, and gives its partial sum of the output (the router is every rank's)."""
 
-    def __init__(self, spec: MoeSpec, hidden: int, dtype: ms.Type, shard: ShardPlan | None = None) -> None:
+    def __init__(self, spec: MoeSpec, hidden: int, dtype: ms.Type, shard: ShardPlan | None = None,
+                 experts_op: nn.Cell | None = None) -> None:
         super().__init__()
+        # the backend's op over the picked experts (native CPU, float32): replaces both graph paths below
+        self.experts_op = experts_op if dtype == ms.float32 else None
         (start, end), (f0, f1), (s0, s1) = ((shard.expert_range(), shard.expert_ffn_range(), shard.shared_ffn_range())
                                             if shard is not None else ((0, spec.num_experts),
                                                                        (0, spec.moe_intermediate_size),
@@ -50,14 +53,22 @@ class MoeBlock(nn.Cell):
                 raise ValueError(f"layers.{layer}.{name}: expected shape {tuple(param.shape)}, got {value.shape}")
             param.set_data(Tensor(np.ascontiguousarray(value), param.dtype))
 
-    def construct(self, x: Tensor) -> Tensor:
-        """``x [tokens, hidden]`` (token-flat, as every projection here) -> the block's output, same shape."""
+    def construct(self, x: Tensor, rows: Tensor | None = None) -> Tensor:
+        """``x [tokens, hidden]`` (token-flat, as every projection here) -> the block's output, same shape.
+        ``rows`` [1] int32: the real leading rows (the native op leaves the padding after them as zeros)."""
         tokens = x.shape[0]
         probs = ops.softmax(self.linear(x, self.router).astype(ms.float32), -1)
         weights, ids = ops.topk(probs, self.k)
         if self.normalise:
             weights = weights / weights.sum(-1, keepdims=True)
-        if tokens * self.k < self.local:  # a graph constant: each bucket compiles one of the two
+        if self.experts_op is not None:
+            if self.local < self.num_experts:  # another rank's expert: an id the op skips
+                mine = ops.logical_and(ids >= self.start, ids < self.start + self.local)
+                ids = ops.select(mine, ids - self.start, ops.full_like(ids, -1))
+            if rows is None:
+                rows = ops.full((1,), tokens, dtype=ms.int32)
+            out = self.experts_op(x, ids.astype(ms.int32), weights, self.experts_gate_up, self.experts_down, rows)
+        elif tokens * self.k < self.local:  # a graph constant: each bucket compiles one of the two
             out = self._gathered(x, weights, ids)
         else:
             out = self._every_expert(x, weights, ids)
@@ -105,15 +116,15 @@ class MoeMlp(nn.Cell):
     as transformers computes it, where the dense slot fuses it into its gate/up projection."""
 
     def __init__(self, spec: MoeSpec, hidden: int, eps: float, dtype: ms.Type, shard: ShardPlan | None = None,
-                 reduce: nn.Cell | None = None) -> None:
+                 reduce: nn.Cell | None = None, experts_op: nn.Cell | None = None) -> None:
         super().__init__()
-        self.block = MoeBlock(spec, hidden, dtype, shard)
+        self.block = MoeBlock(spec, hidden, dtype, shard, experts_op)
         self.eps, self.reduce = eps, reduce
 
-    def construct(self, x: Tensor, norm_weight: Tensor) -> Tensor:
+    def construct(self, x: Tensor, norm_weight: Tensor, rows: Tensor) -> Tensor:
         h = x.astype(ms.float32)
         h = h * ops.rsqrt((h * h).mean(-1, keep_dims=True) + self.eps)
-        y = self.block(norm_weight * h.astype(x.dtype))
+        y = self.block(norm_weight * h.astype(x.dtype), rows)
         if self.reduce is not None:
             y = self.reduce(y)
         return x + y

@@ -145,6 +145,11 @@ class NativeOps:
         row-parallel projection (``agents.model.parallel``)."""
         return _custom(self.library, "PartialLinear", lambda x, *_: [x[0], out_dim], _same)
 
+    def moe_experts(self) -> ops.Custom:
+        """``(x, ids [m, k] int32, weights [m, k], gate_up [E, 2f, h], down [E, h, f], rows) -> y [m, h]``: a
+        MoE layer's picked experts, read in place (``kernels/moe_experts.cc``)."""
+        return _custom(self.library, "MoeExperts", lambda x, *_: x, _same)
+
     def residual_linear(self) -> ops.Custom:
         """``(x, packed w, residual, rows) -> residual + x @ W^T``."""
         return _custom(self.library, "ResidualLinear", lambda x, w, residual, rows: residual, _same)

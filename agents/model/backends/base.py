@@ -159,6 +159,11 @@ class OpsBackend:
         """``logits [batch, vocab] float32 -> (int32 token ids, float32 log-probabilities)``."""
         return graph_ops.GreedyPick()
 
+    def moe_experts(self) -> nn.Cell | None:
+        """A MoE layer's picked experts as one op (``NativeOps.moe_experts``'s inputs), float32; None: the expert
+        block's own graph ops (``agents.model.moe``)."""
+        return None
+
     def before_step(self, tokens: int) -> None:
         """Called before a step's graph calls, with the step's token count."""
 

@@ -210,6 +210,9 @@ class NativeCpuBackend(OpsBackend):
     def greedy(self) -> nn.Cell:
         return NativeGreedy(self.native.greedy)
 
+    def moe_experts(self) -> nn.Cell | None:
+        return self.native.moe_experts()
+
 
 def create(dtype: str, hidden_size: int) -> NativeCpuBackend:
     """The backend with its kernels built (or reused from the cache); ``KernelBuildError`` when they cannot be,
