@@ -3,7 +3,9 @@ chosen experts' weights gathered (``[tokens*k, 2f, h]``) and applied as one batc
 outputs summed with their routing weights. Static shapes throughout (the graph buckets of
 /work/shared/notes/mindspore-cpu.md); a step reads ``tokens x k`` experts' weights, never the experts no token
 chose, which is what makes decode cost follow active parameters. The maths is held to ``moe_routing`` (itself held
-to transformers' blocks) in tests/test_moe_block.py."""
+to transformers' blocks) in tests/test_moe_block.py. On the native CPU backend one C++ op (``MoeExperts``,
+agents/model/kernels/moe_experts.cc) takes both paths' place: the picks grouped by expert, the weights read in
+place, no gathered copy."""
 
 from __future__ import annotations
 

@@ -128,6 +128,7 @@ class NativeCpuBackend(OpsBackend):
         # (int8 weights use the native projections on any CPU, ``with_quantization``: the plain-loop build is their
         # portable fallback, MindSpore's MatMul having no int8-weight form on CPU)
         self.panel_weights = self.skips_padding = native.projections
+        self.poll_max_tokens = POLL_MAX_TOKENS  # the largest step whose ops the helpers poll for (0: none)
 
     def with_precision(self, precision: str) -> NativeCpuBackend:
         """``half``: the projections read float16 weights (half the bytes; every product and sum float32).
@@ -179,7 +180,7 @@ class NativeCpuBackend(OpsBackend):
         return changed
 
     def before_step(self, tokens: int) -> None:
-        self.native.poll_helpers(tokens <= POLL_MAX_TOKENS)
+        self.native.poll_helpers(tokens <= self.poll_max_tokens)
 
     def after_step(self) -> None:
         self.native.poll_helpers(False)
@@ -211,6 +212,9 @@ class NativeCpuBackend(OpsBackend):
         return NativeGreedy(self.native.greedy)
 
     def moe_experts(self) -> nn.Cell | None:
+        # a model with expert blocks runs MindSpore's own ops (router softmax, top-k, norm) between ours: helpers
+        # polling for our next op would take their cores (decode B=1 2.4x slower, docs/model.md "Mixture of experts")
+        self.poll_max_tokens = 0
         return self.native.moe_experts()
 
 
