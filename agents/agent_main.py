@@ -37,7 +37,7 @@ from agents.runtime.step_broadcast import StepBroadcast
 from agents.runtime.step_runner import StepRunner
 from agents.runtime.step_source import BroadcastSteps, SharedMemorySteps
 from agents.runtime.verify_rounds import run_verify_rounds
-from llm_serving.protocol.batch import KvCopyStep, StepBatch, StepOutput
+from llm_serving.protocol.batch import AdapterStep, KvCopyStep, StepBatch, StepOutput
 from llm_serving.protocol.kv_segment import KvSegment
 from llm_serving.protocol.prompt_lookup import NgramProposer
 from llm_serving.protocol.shm_channel import StepChannel
@@ -228,6 +228,8 @@ def serve(steps: SharedMemorySteps | BroadcastSteps, runner: StepRunner, replier
         try:
             fed, picked = picked, None
             step = steps.read_step(number)
+            if isinstance(step, AdapterStep):  # the pool sends one only when AgentSpec.lora gave the agents slots
+                raise RuntimeError("an adapter step reached an agent started without adapter slots")  # noqa: TRY004
             if isinstance(step, KvCopyStep):
                 if copier is None:
                     raise RuntimeError("a KV-copy step reached an agent started without a KV segment")
