@@ -175,7 +175,7 @@ def count_kernels() -> None:
     custom = Counter(re.findall(r'func_name: "[^"]*:(\w+)"', text))
     builtin = Counter(re.findall(r"= PrimFunc_(\w+)\(", text))
     print(f"{graphs[-1].name}: {sum(custom.values())} custom ops {dict(custom)}, "
-          f"{sum(builtin.values())} MindSpore kernels {dict(builtin)}")
+          f"{sum(builtin.values())} MindSpore kernels {dict(builtin)}, {text.count('= Load(')} Parameters read")
     shutil.rmtree(dump, ignore_errors=True)
 
 
