@@ -307,4 +307,6 @@ def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) 
         local_ranks=config.serving_config.local_agents,
         join_address=config.serving_config.join_address,
         kv_transfer=config.serving_config.kv_transfer and not standin,
+        lora={"max_loras": config.lora.max_loras, "max_lora_rank": config.lora.max_lora_rank}
+        if config.lora.enable else None,
     )
