@@ -31,8 +31,8 @@ from llm_serving.protocol.model_config import (
 from llm_serving.protocol.paths import cache_root
 from llm_serving.protocol.wire import split_address
 
-__all__ = ["SECTIONS", "DefaultModelSection", "LoraSection", "ModelSection", "PagedAttentionSection", "SchedulerSection",
-           "ServingSection", "SpeculativeSection", "TokenizerSection"]
+__all__ = ["SECTIONS", "DefaultModelSection", "LoraSection", "ModelSection", "PagedAttentionSection",
+           "SchedulerSection", "ServingSection", "SpeculativeSection", "TokenizerSection"]
 
 # tokenizer.type -> the file it reads: sentencepiece's tokenizer.model, Hugging Face's tokenizer.json, or auto
 # (whichever the model directory has, tokenizer.model first)
