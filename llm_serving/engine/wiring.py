@@ -229,6 +229,7 @@ def scheduler_config(config: ServingConfig, eos_token_id: int | None, llama: Lla
         prompt_lookup_min=sp.prompt_lookup_min, prompt_lookup_max=sp.prompt_lookup_max,
         speculative_step_tokens=sp.max_step_tokens, speculative_min_accepted=sp.policies()[0],
         speculative_adaptive=sp.policies()[1], speculative_rounds=sp.verify_rounds(),
+        max_loras=config.lora.max_loras if config.lora.enable else 0,
     )
 
 
