@@ -7,15 +7,13 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
 from llm_serving.config.yaml_sections import bad_value, need, setting
+from llm_serving.core.adapters import ADAPTER_NAME
 
 MAX_LORA_RANK = 512  # vLLM's largest supported rank; our slots are sized by it, so a bound keeps them sane
 MAX_LORAS = 64  # slots in device memory (each step's rows index them)
-# an adapter's name is a model id in the API: printable, no spaces or '=' (the --lora-modules separator)
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 
 
 def split_module(item: str) -> tuple[str, str]:

@@ -19,6 +19,7 @@ since every running sequence pins a slot, no step computes more than ``max_loras
 from __future__ import annotations
 
 import itertools
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from llm_serving.protocol.batch import AdapterStep
 from llm_serving.protocol.lora import ADAPTER_WEIGHTS, AdapterError, LoraConfig
 
 _GENERATIONS = itertools.count(1)
+# an adapter's name is a model id in the API: printable, no spaces or '=' (the --lora-modules separator)
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,6 +73,8 @@ class AdapterRegistry:
     def check(self, name: str, path: str | Path) -> Adapter:
         """The adapter in ``path`` as it would be served under ``name`` (not added); AdapterError naming the file
         and key when it cannot be, ValueError for a name already taken."""
+        if ADAPTER_NAME.fullmatch(name) is None:
+            raise ValueError(f"adapter name {name!r}: 1-128 letters, digits and ._:/@+- (it is a model id)")
         if name in self.base_names:
             raise ValueError(f"{name!r} is the base model's name; an adapter needs a name of its own")
         if name in self._adapters:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.core.adapters import AdapterRegistry
 from llm_serving.core.scheduler import Scheduler
+from llm_serving.core.sequence import Sequence
 from llm_serving.engine.live_requests import LiveRequests, SequenceError
 from llm_serving.executor.agent_pool import AgentStepError
 from llm_serving.executor.step_pool import StepPool
@@ -38,6 +40,20 @@ def adapter_registry(config: ServingConfig, llama: LlamaConfig) -> AdapterRegist
             raise ConfigError(f"{config.source}: lora.modules.{name}: {exc}", key=f"lora.modules.{name}",
                               source=config.source) from None
     return registry
+
+
+def lora_stats(scheduler: Scheduler, registry: AdapterRegistry) -> dict[str, Any]:
+    """The adapters' part of ``Engine.stats()``: those running and waiting (vLLM's ``lora_requests_info``), the
+    slots' loads and evictions, and requests admitted per adapter name."""
+    def names(seqs: tuple[Sequence, ...]) -> str:
+        return ",".join(sorted({seq.adapter.name for seq in seqs if seq.adapter is not None}))
+
+    slots = scheduler.adapters
+    return {"lora_max_loras": slots.num_slots if slots is not None else 0,
+            "lora_running_adapters": names(scheduler.running), "lora_waiting_adapters": names(scheduler.waiting),
+            "lora_adapters_served": len(registry), "lora_slot_loads": slots.loads if slots is not None else 0,
+            "lora_slot_evictions": slots.evictions if slots is not None else 0,
+            "lora_requests": dict(registry.requests)}
 
 
 def run_adapter_loads(pool: StepPool, scheduler: Scheduler, requests: LiveRequests, lock: threading.Lock) -> None:

@@ -36,7 +36,7 @@ from llm_serving.core.grammar import GrammarCompiler, compiler_for, masked_rows
 from llm_serving.core.scheduler import Scheduler
 from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.core.step_shape import StepShape
-from llm_serving.engine.adapter_serving import adapter_registry, run_adapter_loads
+from llm_serving.engine.adapter_serving import adapter_registry, lora_stats, run_adapter_loads
 from llm_serving.engine.admission import RequestLimits
 from llm_serving.engine.kv_transfer import KvPayload, KvTransfers, kv_layout
 from llm_serving.engine.live_requests import LiveRequests, SequenceError
@@ -404,6 +404,8 @@ class Engine:
                 out.update(agent_restarts=self._agents.restarts, step_timeout_s=self._agents.step_timeout_s)
             if self._kv is not None:
                 out.update(self._kv.counters)
+            if self.adapters is not None and s is not None:
+                out.update(lora_stats(s, self.adapters))
             out.update(self._counters, run_step_s=self._run_step_s, busy_s=self._busy_seconds())
             return out
 
