@@ -146,6 +146,19 @@ def test_more_adapters_than_slots_wait_and_all_finish(tmp_path):
     assert sched.adapters.loads >= 5 and sched.adapters.evictions >= 3
 
 
+def test_preempted_adapter_sequences_give_back_their_slots_and_resume_with_them(tmp_path):
+    reg = registry(tmp_path, {"a": 4, "b": 8})
+    sched = scheduler(max_loras=2, num_blocks=12, max_model_len=40)  # 11 blocks of 4 for 6 sequences of up to 36
+    seqs = [request(f"r{i}", reg.get("ab"[i % 2]) if i % 3 else None, [9, i, 4, 5, 6], n=30) for i in range(6)]
+    for seq in seqs:
+        sched.add(seq)
+    run(sched, StandinRunner(VOCAB, lora={"max_loras": 2, "max_lora_rank": 16}, num_layers=LAYERS))
+    assert sched.num_preemptions > 0
+    for seq in seqs:
+        assert seq.output_ids == alone(seq), seq.request_id
+    assert all(sched.adapters.pins(s) == 0 for s in range(2)) and sched.kv_cache.num_used_blocks == 0
+
+
 def test_prefix_cache_never_crosses_adapters(tmp_path):
     reg = registry(tmp_path, {"a": 4, "b": 4})
     sched = scheduler(max_loras=2)

@@ -158,7 +158,7 @@ class Scheduler:
             seed = seq.params.seed if seq.params.seed is not None else secrets.randbits(64)
             seq.seed = (seed + 2**63) % 2**64 - 2**63  # as int64: the agents' RNG reads it modulo 2**64
         leader = self._live.get(follows) if follows is not None else None
-        if leader is not None and leader.prompt_ids == seq.prompt_ids:
+        if leader is not None and leader.prompt_ids == seq.prompt_ids and leader.adapter is seq.adapter:
             seq.follows = leader
         self._waiting.append(seq)
         self._live[rid] = seq
