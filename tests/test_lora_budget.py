@@ -24,3 +24,22 @@ def test_tensor_parallel_ranks_hold_their_slices_and_the_replicated_parts_whole(
     # each rank: A of the column-parallel projections and B of the row-parallel ones whole (h x R, every layer)
     replicated = 3 * (3 * r * 64 + 2 * r * 64 + r * 64 + r * 64)
     assert 2 * half - replicated == whole
+
+
+def test_the_auto_kv_budget_holds_the_slots_like_weights(monkeypatch):
+    from agents import agent_main
+    from agents.runtime import device, kv_budget
+
+    monkeypatch.setattr(device, "setup_device", lambda *a, **k: None)
+    monkeypatch.setattr(kv_budget, "device_memory_bytes", lambda target, device_id: 1 << 30)
+    fields = {"device_target": "CPU", "device_id": 0, "dtype": "float32", "block_size": 8, "max_model_len": 64,
+              "decode_batch_sizes": [4], "prefill_batch_sizes": [2], "prefill_seq_lengths": [32],
+              "max_num_batched_tokens": 64}
+    lora = {"max_loras": 8, "max_lora_rank": 64}
+    plain = agent_main.size_kv_cache(fields, ShardPlan(CONFIG), {}, 0.5)
+    with_slots = agent_main.size_kv_cache(fields, ShardPlan(CONFIG), {}, 0.5, lora=lora)
+    assert with_slots.weight_bytes - plain.weight_bytes == lora_pool_bytes(ShardPlan(CONFIG), lora, "float32")
+    free = (1 << 29) - plain.reserve_bytes  # 0.5 of 1 GiB, no model weights
+    assert (plain.num_blocks, with_slots.num_blocks) == (free // plain.block_bytes,
+                                                         (free - with_slots.weight_bytes) // plain.block_bytes)
+    assert with_slots.num_blocks < plain.num_blocks
