@@ -293,16 +293,18 @@ class Engine:
             if adapter is not None:
                 seq.adapter = self._adapter(adapter)
             sched.add(seq, follows)
+            if seq.adapter is not None:
+                requested = _started(self.adapters).requests
+                requested[seq.adapter.name] = requested.get(seq.adapter.name, 0) + 1
             _started(self._requests).add(seq, stream)
             self._work.notify()
         return stream
 
     def _adapter(self, name: str) -> Adapter:
-        """The served adapter ``name`` (under the lock), counted as requested; ModelNotFound if none."""
+        """The served adapter ``name`` (under the lock); ModelNotFound if none."""
         found = self.adapters.get(name) if self.adapters is not None else None
         if found is None:
             raise ModelNotFound(f"model {name!r} is not served here (no LoRA adapter of that name)")
-        self.adapters.requests[name] = self.adapters.requests.get(name, 0) + 1  # type: ignore[union-attr]
         return found
 
     def load_adapter(self, name: str, path: str) -> Adapter:
