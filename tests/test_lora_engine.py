@@ -5,6 +5,8 @@ and the load/unload calls' refusals."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,10 +14,11 @@ import pytest
 from llm_serving.config.serving_config import ConfigError
 from llm_serving.core.sequence import SamplingParams
 from llm_serving.engine.loop import Engine, EngineError, SequenceError
+from llm_serving.executor.agent_pool import AgentPool
 from llm_serving.protocol.lora import AdapterError
 from llm_serving.request_errors import ModelNotFound
 from tests.adapter_dirs import adapter_dir
-from tests.test_engine import tiny_config
+from tests.test_engine import standin_factory, tiny_config, wait_for
 
 VOCAB = 1000
 
@@ -100,3 +103,27 @@ def test_a_bad_configured_adapter_stops_the_start_naming_its_key(data_dir, tmp_p
             plain.submit([1, 2], SamplingParams(max_new_tokens=2), adapter="wide")
     finally:
         plain.shutdown()
+
+
+def test_new_agents_after_a_crash_load_the_adapters_again(data_dir, tmp_path):
+    pools: list[AgentPool] = []
+    cfg = tiny_config(data_dir, serving_config={"agent_restart_backoff_s": 0.01, "step_timeout_min_s": 0.5},
+                      lora={"enable": True, "max_loras": 2, "max_lora_rank": 8,
+                            "modules": {"a": str(adapter_dir(tmp_path, "a", 2)),
+                                        "b": str(adapter_dir(tmp_path, "b", 6))}})
+    engine = Engine(cfg, standin_agents=True, pool_factory=standin_factory(pools, 0.01))
+    engine.start(progress=None)
+    try:
+        params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+        plan = [([1, 20 + i, 3], [None, "a", "b"][i % 3]) for i in range(6)]
+        streams = [engine.submit(p, params, adapter=a) for p, a in plan]
+        wait_for(lambda: engine.stats()["tokens_generated"] >= 30, what="streams under way")
+        os.kill(engine.agent_pids[0], signal.SIGKILL)
+        for (prompt, adapter), stream in zip(plan, streams):  # recomputed on the new agents, each its own adapter
+            shift = {None: 0, "a": 3, "b": 7}[adapter]
+            assert stream.result(timeout=60).token_ids == expected(prompt, 40, shift)
+        stats = engine.stats()
+        assert stats["agent_restarts"] == 1 and stats["requests_recomputed"] > 0 and stats["lora_slot_loads"] >= 4
+        assert stats["kv_blocks_used"] == 0 and stats["requests_failed"] == 0
+    finally:
+        engine.shutdown()
