@@ -186,6 +186,9 @@ class Engine:
         self._chat_template = ServedChatTemplate(cfg, model.model_path, tok)
         self._limits = RequestLimits.from_config(cfg, tok.vocab_size)
         self.adapters = adapter_registry(cfg, model.llama_config)  # before the agents: a bad adapter fails fast
+        if self.adapters is not None and progress:
+            served = ", ".join(f"{a.name} (rank {a.config.max_rank})" for a in self.adapters.adapters) or "none yet"
+            progress(f"LoRA adapters: {served}; {cfg.lora.max_loras} slot(s) of rank up to {cfg.lora.max_lora_rank}")
         end = cfg.model_config.end_token
         self.eos_token_id = end if end is not None else model.llama_config.eos_token_id
         # model_config.end_token replaces the model's ids; else every id the model's configs list ends a request, and
