@@ -146,6 +146,28 @@ def test_more_adapters_than_slots_wait_and_all_finish(tmp_path):
     assert sched.adapters.loads >= 5 and sched.adapters.evictions >= 3
 
 
+def test_a_request_waiting_for_a_slot_is_not_overtaken_by_newer_requests_of_the_busy_adapter(tmp_path):
+    reg = registry(tmp_path, {"a": 4, "x": 8})
+    sched = scheduler(max_loras=1)
+    seqs = [request("a1", reg.get("a"), n=8), request("x", reg.get("x"), n=3), request("a2", reg.get("a"), n=3),
+            request("base", None, n=3)]
+    for seq in seqs:
+        sched.add(seq)
+    first_step: dict[str, int] = {}
+    steps = [0]
+
+    def check(batch_seqs, batch):
+        steps[0] += 1
+        for seq in batch_seqs:
+            first_step.setdefault(seq.request_id, steps[0])
+
+    run(sched, StandinRunner(VOCAB, lora={"max_loras": 1, "max_lora_rank": 16}, num_layers=LAYERS), check)
+    assert first_step["base"] == first_step["a1"] == 1  # the base request does not wait for a slot
+    assert first_step["a1"] < first_step["x"] < first_step["a2"]  # a2 waits behind x (FCFS), not beside a1
+    for seq in seqs:
+        assert seq.output_ids == alone(seq), seq.request_id
+
+
 def test_preempted_adapter_sequences_give_back_their_slots_and_resume_with_them(tmp_path):
     reg = registry(tmp_path, {"a": 4, "b": 8})
     sched = scheduler(max_loras=2, num_blocks=12, max_model_len=40)  # 11 blocks of 4 for 6 sequences of up to 36

@@ -380,6 +380,7 @@ class Scheduler:
                                         for s in self._running if not s.is_prefilling)
         long_limit = cfg.max_prompt_len if cfg.max_prompt_len is not None else cfg.max_model_len
         chosen: list[Sequence] = []
+        slot_waits = False  # a sequence before found no adapter slot: later ones with adapters wait behind it
         for seq in list(islice(self._admission_order(), max(slots, 0))):  # a copy: _start dequeues
             if budget < 1:
                 break
@@ -393,8 +394,12 @@ class Scheduler:
             need = kv.blocks_to_start(hit, min(end + 1, last_fed) if end == seq.num_tokens else end)
             if n > budget or need > free or (alone and chosen):
                 break
-            if seq.adapter is not None and not self._pin_adapter(seq, may_load=not in_flight):
-                continue  # every slot is pinned by other adapters' sequences (or no load now): it waits
+            if seq.adapter is not None and (slot_waits or not self._pin_adapter(seq, may_load=not in_flight)):
+                # every slot is pinned by other adapters' sequences (or no load now): it waits, and so do the
+                # adapter sequences after it, so that a busy adapter's newer requests do not keep its slot pinned
+                # ahead of it for ever; base sequences go on
+                slot_waits = True
+                continue
             self._start(seq, hit, n)
             budget -= n
             free -= need
