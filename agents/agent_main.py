@@ -153,7 +153,7 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
         progress(f"joined: MindSpore import and device set-up {setup_s:.2f}s, init() {init_s:.2f}s")
     if fields["num_blocks"] is None:  # pa_config.num_blocks auto
         draft_share = None if draft_model is None else (ShardPlan(draft_model[0], shard.tp, rank), draft_model[1])
-        budget = size_kv_cache(fields, shard, weights, utilization, draft_share, ranks_here)
+        budget = size_kv_cache(fields, shard, weights, utilization, draft_share, ranks_here, spec.lora)
         progress(budget.describe())
         fields["num_blocks"] = budget.num_blocks
     runner_config = RunnerConfig(**fields)
@@ -188,12 +188,14 @@ def warm_up(runner: StepRunner, cache: CompileCache | None, spec: AgentSpec, pro
 
 
 def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft: tuple | None = None,
-                  ranks_here: int = 1):
+                  ranks_here: int = 1, lora: dict | None = None):
     """This rank's KV blocks from its device's memory (``agents.runtime.kv_budget``), on the device it serves on;
     ``draft``: (shard plan, weights) of a draft model, whose cache has as many blocks as the target's;
-    ``ranks_here``: the ranks sharing this host (on CPU, its memory)."""
+    ``ranks_here``: the ranks sharing this host (on CPU, its memory); ``lora``: ``AgentSpec.lora``, whose adapter
+    slots are held like weights (``protocol.lora_budget``)."""
     from agents.runtime import kv_budget
     from agents.runtime.device import setup_device
+    from llm_serving.protocol.lora_budget import lora_pool_bytes
     from llm_serving.protocol.parallel import kv_block_bytes
 
     target = fields["device_target"]
@@ -208,7 +210,7 @@ def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft:
     kv_dtype = fields.get("kv_cache_dtype", "auto")
     per_block = kv_block_bytes(shard, block_size, dtype, kv_dtype, target)
     quantized = fields.get("quantization", "none") != "none"
-    held = kv_budget.weight_bytes(weights, dtype, quantized)
+    held = kv_budget.weight_bytes(weights, dtype, quantized) + lora_pool_bytes(shard, lora, dtype)
     if draft is not None:
         per_block += kv_block_bytes(draft[0], block_size, dtype, kv_dtype, target)
         held += kv_budget.weight_bytes(draft[1], dtype, quantized)

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from llm_serving.config.lora_section import LoraSection
 from llm_serving.config.yaml_sections import need, setting
 from llm_serving.core.scheduler_config import POLICIES
 from llm_serving.core.speculative import METHODS as SPECULATIVE_METHODS
@@ -30,8 +31,8 @@ from llm_serving.protocol.model_config import (
 from llm_serving.protocol.paths import cache_root
 from llm_serving.protocol.wire import split_address
 
-__all__ = ["SECTIONS", "DefaultModelSection", "ModelSection", "PagedAttentionSection", "SchedulerSection",
-           "ServingSection", "SpeculativeSection", "TokenizerSection"]
+__all__ = ["SECTIONS", "DefaultModelSection", "LoraSection", "ModelSection", "PagedAttentionSection",
+           "SchedulerSection", "ServingSection", "SpeculativeSection", "TokenizerSection"]
 
 # tokenizer.type -> the file it reads: sentencepiece's tokenizer.model, Hugging Face's tokenizer.json, or auto
 # (whichever the model directory has, tokenizer.model first)
@@ -498,4 +499,5 @@ SECTIONS: dict[str, type] = {
     "scheduler": SchedulerSection,
     "speculative": SpeculativeSection,
     "default_model": DefaultModelSection,
+    "lora": LoraSection,
 }

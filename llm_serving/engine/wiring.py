@@ -229,6 +229,7 @@ def scheduler_config(config: ServingConfig, eos_token_id: int | None, llama: Lla
         prompt_lookup_min=sp.prompt_lookup_min, prompt_lookup_max=sp.prompt_lookup_max,
         speculative_step_tokens=sp.max_step_tokens, speculative_min_accepted=sp.policies()[0],
         speculative_adaptive=sp.policies()[1], speculative_rounds=sp.verify_rounds(),
+        max_loras=config.lora.max_loras if config.lora.enable else 0,
     )
 
 
@@ -307,4 +308,6 @@ def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) 
         local_ranks=config.serving_config.local_agents,
         join_address=config.serving_config.join_address,
         kv_transfer=config.serving_config.kv_transfer and not standin,
+        lora={"max_loras": config.lora.max_loras, "max_lora_rank": config.lora.max_lora_rank}
+        if config.lora.enable else None,
     )
