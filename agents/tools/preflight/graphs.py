@@ -1,0 +1,64 @@
+"""The first compile of each graph family the agents warm up, timed on the device: the configured model's shapes
+(its ``AgentSpec``, rank 0) or, without a config, the small random Llama's. Nobody knows without an NPU whether a
+910B's first start takes minutes or an hour (docs/ascend.md, "Warm-up and graphs"); this measures it."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from agents.model.backends import select_backend
+from agents.model.backends.ascend import AscendBackend
+from agents.model.backends.ascend_reference import ReferenceOps
+from agents.runtime.runner import ModelRunner, RunnerConfig
+from agents.tools.preflight.model_check import small_llama
+from agents.weights.checkpoints import load_weights
+from llm_serving.models.random_model import build_random_model
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.protocol.wire import AgentSpec
+
+
+def small_spec(device: str, model_dir: Path) -> tuple[LlamaConfig, RunnerConfig]:
+    """The small model's graphs at a few buckets, dynamic shapes as on Ascend."""
+    config = small_llama(2)
+    build_random_model(model_dir, config, seed=7, std=0.2)
+    return config, RunnerConfig(num_blocks=40, block_size=16, max_model_len=128, prefill_batch_sizes=(1, 4),
+                                prefill_seq_lengths=(64, 128), decode_batch_sizes=(1, 8), dtype="float16",
+                                device_target=device, kernels="native", mixed_steps=True,
+                                max_num_batched_tokens=128, dynamic_shapes=True)
+
+
+def spec_config(spec_json: str) -> tuple[LlamaConfig, RunnerConfig, str]:
+    """The configured model's runner config (``num_blocks: auto``: the fewest blocks that hold one sequence; a
+    cache's size changes no graph)."""
+    spec = AgentSpec.from_json(spec_json)
+    fields = dict(spec.runner_config)
+    fields.pop("memory_utilization", None)
+    if fields["num_blocks"] is None:
+        fields["num_blocks"] = 1 + -(-fields["max_model_len"] // fields["block_size"])
+    return LlamaConfig(**spec.llama_config), RunnerConfig(**fields), spec.model_path
+
+
+def compile_seconds(device: str, spec_json: str | None) -> tuple[dict[str, float], int]:
+    """Graph family -> seconds its first warm-up shape took (its compile; with dynamic shapes the family's only
+    one), and how many graphs the warm-up compiled in all. On CPU the Ascend graphs run on the stand-ins."""
+    with tempfile.TemporaryDirectory(prefix="preflight-graphs-") as tmp:
+        if spec_json is None:
+            config, rc = small_spec(device, Path(tmp) / "llama")
+            model_path = str(Path(tmp) / "llama")
+        else:
+            config, rc, model_path = spec_config(spec_json)
+        weights = load_weights(model_path, config)
+    if device == "Ascend":
+        backend = select_backend(rc.kernels, "Ascend", rc.dtype, config.q_dim)
+    else:
+        backend, rc = AscendBackend(ReferenceOps(config.head_dim)), replace(rc, device_target="CPU")
+    runner = ModelRunner(config, weights, rc, backend)
+    times = runner.warmup(lambda line: print(line, file=sys.stderr, flush=True))
+    first: dict[str, float] = {}
+    for (kind, _, _), seconds in times.items():
+        first.setdefault(kind, round(seconds, 2))
+    graphs = len(times) if not rc.dynamic_shapes else len(first)
+    return first, graphs
