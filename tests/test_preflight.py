@@ -145,3 +145,26 @@ def test_the_verdict_key_is_refused_on_cpu(tmp_path):
     with pytest.raises(ConfigError) as exc:
         ServingConfig.from_dict({"model_config": {"ascend_preflight": str(tmp_path / "v.json")}})
     assert exc.value.key == "model_config.ascend_preflight"
+
+
+def test_the_configured_models_graphs_are_timed_without_following_a_verdict(tmp_path):
+    """``--graphs --config``: the spec the child compiles is the config's (its buckets, device, model), even where
+    the config already names a verdict that does not exist yet and asks for int8 KV on its strength."""
+    import argparse
+
+    from llm_serving.cli.commands.preflight import configured_spec
+    from llm_serving.models.random_model import build_random_model
+    from llm_serving.protocol.model_config import LlamaConfig
+    from llm_serving.protocol.wire import AgentSpec
+
+    model = build_random_model(tmp_path / "llama", LlamaConfig(
+        vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=512))
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text(f"model_config:\n  device_target: Ascend\n  dtype: float16\n  kv_cache_dtype: int8\n"
+                    f"  ascend_preflight: {tmp_path / 'not-yet.json'}\n  decode_batch_size: [1, 16]\n"
+                    f"  model_path: {model}\n")
+    spec = AgentSpec.from_json(configured_spec(argparse.Namespace(config=str(yaml), model=None)))
+    assert spec.runner_config["device_target"] == "Ascend" and spec.runner_config["decode_batch_sizes"] == [1, 16]
+    assert spec.model_path == str(model)
+    assert configured_spec(argparse.Namespace(config=None, model=None)) is None  # the small model's

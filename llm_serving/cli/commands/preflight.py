@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from datetime import UTC, datetime
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,12 @@ def configured_spec(args: argparse.Namespace) -> str | None:
     ns = argparse.Namespace(config=args.config, model=args.model, policy=None, decode_batch_size=None,
                             prefill_batch_size=None, agents=None, device_target=None, reasoning_parser=None)
     config = config_from_args(ns)
+    # the preflight follows no verdict (it writes one: the file may not exist yet); an int8 cache's direction
+    # changes a scale's values, not the graphs
+    m = config.model_config
+    int8 = m.device_target == "Ascend" and m.kv_cache_dtype == "int8" and m.ascend_int8_kv_direction is None
+    config = config.with_values({"model_config.ascend_preflight": None,
+                                 **({"model_config.ascend_int8_kv_direction": "multiply"} if int8 else {})})
     return agent_spec(config, resolve_model(config, lambda line: print(line, file=sys.stderr), tokenizer=False)
                       ).to_json()
 
@@ -100,7 +106,8 @@ def _run(args: argparse.Namespace) -> int:
     spec_json = configured_spec(args) if args.graphs else None
     out = Path(args.out)
     selections: dict[str, dict[str, Any]] = {}
-    mindspore, reference, compile_seconds, graphs = "unknown", "none", {}, 0
+    mindspore, reference, graphs = "unknown", "none", 0
+    compile_seconds: dict[str, float] = {}
     with open(f"{out}.log", "w") as log, tempfile.TemporaryDirectory(prefix="preflight-") as tmp:
         for i, selection in enumerate(SELECTIONS):
             part = Path(tmp) / f"{selection.name}.json"
@@ -117,8 +124,9 @@ def _run(args: argparse.Namespace) -> int:
             selections[selection.name] = {"disable_custom_kernels": selection.disable_custom_kernels,
                                           "passed": passed, "int8_kv_direction": results.get("int8_kv_direction"),
                                           "checks": results["checks"], "int8_checks": results.get("int8_checks", [])}
-    verdict = Verdict(mindspore=mindspore, device=args.device, date=datetime.now(UTC).isoformat(
-        timespec="seconds"), model_reference=reference, selections=selections, compile_seconds=compile_seconds)
+    date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    verdict = Verdict(mindspore=mindspore, device=args.device, date=date, model_reference=reference,
+                      selections=selections, compile_seconds=compile_seconds)
     verdict.write(out)
     summary(verdict, graphs, out)
     return 0 if verdict.paged_attention else 1
