@@ -66,7 +66,7 @@ class CheckResult:
         """The line ``llm-serving preflight`` prints (docs/ascend.md explains each)."""
         error = "-" if self.max_error is None or math.isnan(self.max_error) else f"{self.max_error:.3g}"
         tail = f"  ({self.detail})" if self.detail else ""
-        return (f"{'PASS' if self.passed else 'FAIL'}  {scope:<13} {self.name:<34} max error {error:<9} "
+        return (f"{'PASS' if self.passed else 'FAIL'}  {scope:<12} {self.name:<42} max error {error:<9} "
                 f"tolerance {self.tolerance}{tail}")
 
     @classmethod

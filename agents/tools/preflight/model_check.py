@@ -94,11 +94,12 @@ def step(prompts: list[list[int]], start: list[int], stop: list[int]) -> StepBat
 
 
 def served_runner(config: LlamaConfig, weights: dict[str, np.ndarray], device: str) -> ModelRunner:
-    """The Ascend backend as the agents build it (its fused kernels; on CPU their stand-ins), float16."""
+    """The Ascend backend as the agents build it by default (its fused kernels, on CPU their stand-ins; float16;
+    one dynamic-shape graph per step family, ``model_config.dynamic_shapes``' Ascend default)."""
     rc = RunnerConfig(num_blocks=1 + BLOCKS_PER_SEQ * len(PROMPT_LENS), block_size=BLOCK_SIZE, max_model_len=64,
                       prefill_batch_sizes=(4,), prefill_seq_lengths=(64,), decode_batch_sizes=(4,),
                       decode_block_widths=(BLOCKS_PER_SEQ,), dtype="float16", device_target=device, kernels="native",
-                      mixed_steps=True, max_num_batched_tokens=64)
+                      mixed_steps=True, max_num_batched_tokens=64, dynamic_shapes=True)
     backend = (select_backend("native", device, "float16", config.hidden_size) if device == "Ascend"
                else AscendBackend(ReferenceOps(config.head_dim)))
     runner = ModelRunner(config, weights, rc, backend)

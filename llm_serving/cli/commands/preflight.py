@@ -98,7 +98,7 @@ def print_results(name: str, results: dict[str, Any]) -> bool:
         print(check.line(name), flush=True)
     for check in (CheckResult.from_dict(c) for c in results.get("int8_checks", [])):  # exactly one should match
         print(("SAME" if check.passed else "DIFF") + check.line(name)[4:], flush=True)
-    print(f"----  {name:<13} int8 KV direction: {results.get('int8_kv_direction') or 'neither matched'}", flush=True)
+    print(f"----  {name:<12} int8 KV direction: {results.get('int8_kv_direction') or 'neither matched'}", flush=True)
     return all(c.passed for c in checks)
 
 
