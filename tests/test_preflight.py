@@ -111,6 +111,19 @@ def test_a_failed_feature_is_refused_naming_it(tmp_path):
     assert "atb: PagedAttention decode" in str(exc.value)  # the failed check, named
 
 
+def test_a_failed_optional_kernel_refuses_its_feature_not_the_selection(tmp_path):
+    path = tmp_path / "v.json"
+    write_verdict(path, {"atb": True})
+    data = json.loads(path.read_text())
+    data["selections"]["atb"]["checks"].append({"name": "WeightQuantBatchMatmul", "passed": False, "max_error": 3.0,
+                                                "tolerance": "0.02"})
+    path.write_text(json.dumps(data))
+    assert runner_config_dict(config(str(path)))["device_environment"][KERNEL_LIST] == "PagedAttention"
+    with pytest.raises(ConfigError) as exc:
+        runner_config_dict(config(str(path), quantization="w8a16"))
+    assert exc.value.key == "model_config.quantization" and "WeightQuantBatchMatmul" in str(exc.value)
+
+
 def test_config_keys_win_over_the_verdict_and_say_so(tmp_path, caplog):
     verdict = write_verdict(tmp_path / "v.json", {"atb": True, "custom": False}, {"atb": "multiply"})
     with caplog.at_level(logging.WARNING, logger="llm_serving.engine.ascend_settings"):

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.protocol.ascend_env import ascend_environment, max_device_memory
-from llm_serving.protocol.preflight_verdict import SELECTIONS, Selection, Verdict, VerdictError, read_verdict
+from llm_serving.protocol.preflight_verdict import (
+    FEATURE_CHECKS,
+    SELECTIONS,
+    Selection,
+    Verdict,
+    VerdictError,
+    read_verdict,
+)
 
 log = logging.getLogger(__name__)
 KERNELS_KEY = "model_config.ascend_disable_custom_kernels"
@@ -61,6 +68,19 @@ def failures(verdict: Verdict, name: str) -> str:
     return f"{name}: " + (", ".join(failed[:4]) + (" ..." if len(failed) > 4 else "") if failed else "failed")
 
 
+def check_features(config: ServingConfig, verdict: Verdict, chosen: Selection | None) -> None:
+    """Refuse a feature the config uses whose own check failed under the selection served (``FEATURE_CHECKS``)."""
+    checks = verdict.selections.get(chosen.name, {}).get("checks", []) if chosen else []
+    m = config.model_config
+    for check in checks:
+        key = FEATURE_CHECKS.get(check["name"])
+        if key == "model_config.quantization" and m.quantization != "none" and not check["passed"]:
+            raise ConfigError(f"{config.source}: {key}: {m.quantization} on Ascend is refused: its kernel "
+                              f"({check['name']}) failed its preflight under selection "
+                              f"{chosen.name if chosen else ''} in {m.ascend_preflight} ({VERDICT_KEY}); serve "
+                              "quantization none", key=key, source=config.source)
+
+
 def ascend_settings(config: ServingConfig) -> AscendSettings | None:
     """The agents' device settings for an Ascend config (None on CPU: MindSpore's defaults)."""
     m, src = config.model_config, config.source
@@ -89,6 +109,7 @@ def ascend_settings(config: ServingConfig) -> AscendSettings | None:
             if chosen is None or chosen.name not in passed:
                 notes.append(f"{KERNELS_KEY} {explicit!r} wins over the preflight verdict {path}, where that "
                              f"selection did not pass ({failures(verdict, chosen.name) if chosen else 'not run'})")
+        check_features(config, verdict, chosen)
         if m.kv_cache_dtype == "int8":
             found = verdict.selections.get(chosen.name, {}).get("int8_kv_direction") if chosen else None
             if direction is None and found is None:

@@ -18,9 +18,12 @@ from typing import Any
 
 from llm_serving.protocol.ascend_env import INT8_KV_DIRECTIONS, paged_attention_kernel
 
-__all__ = ["SELECTIONS", "VERDICT_VERSION", "CheckResult", "Selection", "Verdict", "VerdictError", "read_verdict"]
+__all__ = ["FEATURE_CHECKS", "SELECTIONS", "VERDICT_VERSION", "CheckResult", "Selection", "Verdict", "VerdictError",
+           "read_verdict", "selection_passed"]
 
 VERDICT_VERSION = 1
+# checks of a feature a config may leave off: their failure refuses that feature, not the kernel selection
+FEATURE_CHECKS = {"WeightQuantBatchMatmul": "model_config.quantization"}
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,11 @@ class Verdict:
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.as_dict(), indent=1) + "\n")
+
+
+def selection_passed(checks: list[CheckResult]) -> bool:
+    """Whether a selection serves: every check passed but those of optional features (``FEATURE_CHECKS``)."""
+    return all(c.passed for c in checks if c.name not in FEATURE_CHECKS)
 
 
 class VerdictError(ValueError):
