@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from llm_serving.protocol.ascend_env import INT8_KV_DIRECTIONS, paged_attention_kernel
+from llm_serving.protocol.model_config import LlamaConfig
 
 __all__ = ["FEATURE_CHECKS", "SELECTIONS", "VERDICT_VERSION", "CheckResult", "Selection", "Verdict", "VerdictError",
-           "read_verdict", "selection_passed"]
+           "preflight_llama", "read_verdict", "selection_passed"]
 
 VERDICT_VERSION = 1
 # checks of a feature a config may leave off: their failure refuses that feature, not the kernel selection
@@ -53,6 +54,13 @@ SELECTIONS: tuple[Selection, ...] = (
     Selection("custom", "", "MindSpore 2.10's default: both custom kernels"),
     Selection("atb-fa-other", "FlashAttentionScore,PagedAttention", "vllm-mindspore (init_env)"),
 )
+
+
+def preflight_llama(layers: int) -> LlamaConfig:
+    """The seeded random Llama the model checks serve (the master writes it, the children load it): GQA (two
+    query heads per kv head), head_dim 64, a shape every Ascend kernel takes."""
+    return LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,9 +12,7 @@ from agents.model.backends import select_backend
 from agents.model.backends.ascend import AscendBackend
 from agents.model.backends.ascend_reference import ReferenceOps
 from agents.runtime.runner import ModelRunner, RunnerConfig
-from agents.tools.preflight.model_check import small_llama
 from agents.weights.checkpoints import load_weights
-from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.wire import AgentSpec
 
@@ -23,12 +20,10 @@ from llm_serving.protocol.wire import AgentSpec
 def small_spec(device: str, model_dir: Path) -> tuple[LlamaConfig, RunnerConfig]:
     """The small model's graphs, dynamic shapes as on Ascend, at the fewest buckets (only each family's first
     shape is timed: with dynamic shapes it is the family's compile)."""
-    config = small_llama(2)
-    build_random_model(model_dir, config, seed=7, std=0.2)
-    return config, RunnerConfig(num_blocks=40, block_size=16, max_model_len=128, prefill_batch_sizes=(4,),
-                                prefill_seq_lengths=(64,), decode_batch_sizes=(8,), dtype="float16",
-                                device_target=device, kernels="native", mixed_steps=True,
-                                max_num_batched_tokens=64, dynamic_shapes=True)
+    return LlamaConfig.from_model_dir(model_dir), RunnerConfig(
+        num_blocks=40, block_size=16, max_model_len=128, prefill_batch_sizes=(4,), prefill_seq_lengths=(64,),
+        decode_batch_sizes=(8,), dtype="float16", device_target=device, kernels="native", mixed_steps=True,
+        max_num_batched_tokens=64, dynamic_shapes=True)
 
 
 def spec_config(spec_json: str) -> tuple[LlamaConfig, RunnerConfig, str]:
@@ -42,16 +37,16 @@ def spec_config(spec_json: str) -> tuple[LlamaConfig, RunnerConfig, str]:
     return LlamaConfig(**spec.llama_config), RunnerConfig(**fields), spec.model_path
 
 
-def compile_seconds(device: str, spec_json: str | None) -> tuple[dict[str, float], int]:
+def compile_seconds(device: str, spec_json: str | None, small_model: Path) -> tuple[dict[str, float], int]:
     """Graph family -> seconds its first warm-up shape took (its compile; with dynamic shapes the family's only
-    one), and how many graphs the warm-up compiled in all. On CPU the Ascend graphs run on the stand-ins."""
-    with tempfile.TemporaryDirectory(prefix="preflight-graphs-") as tmp:
-        if spec_json is None:
-            config, rc = small_spec(device, Path(tmp) / "llama")
-            model_path = str(Path(tmp) / "llama")
-        else:
-            config, rc, model_path = spec_config(spec_json)
-        weights = load_weights(model_path, config)
+    one), and how many graphs the warm-up compiled in all: the configured model's (``spec_json``) or the small
+    one's at ``small_model``. On CPU the Ascend graphs run on the stand-ins."""
+    if spec_json is None:
+        config, rc = small_spec(device, small_model)
+        model_path = str(small_model)
+    else:
+        config, rc, model_path = spec_config(spec_json)
+    weights = load_weights(model_path, config)
     if device == "Ascend":
         backend = select_backend(rc.kernels, "Ascend", rc.dtype, config.q_dim)
     else:

@@ -1,8 +1,8 @@
-"""A one-layer and a whole (two-layer) seeded random Llama served by the Ascend backend, held to an independent
-reference: a prompt prefill (FlashAttentionScore), its second half again as chunks over the cached first half
-(PagedAttention's multi-token path) and a decode step (PagedAttention), each step's last-token logits; then the
-graph-call path the agents serve by (``agents.runtime.graph_call``: a warmed shape through MindSpore's private
-``_exec_pip``) against ``Cell.__call__`` on the same step.
+"""A one-layer and a whole (two-layer) seeded random Llama (``preflight_llama``, written by the master) served by
+the Ascend backend, held to an independent reference: a prompt prefill (FlashAttentionScore), its second half
+again as chunks over the cached first half (PagedAttention's multi-token path) and a decode step (PagedAttention),
+each step's last-token logits; then the graph-call path the agents serve by (``agents.runtime.graph_call``: a
+warmed shape through MindSpore's private ``_exec_pip``) against ``Cell.__call__`` on the same step.
 
 The reference is Hugging Face transformers (float32) when importable (the test extra), else a numpy forward of the
 same weights from the op references alone (``agents.tools.preflight.references``). Never our portable CPU
@@ -12,7 +12,6 @@ graph: on CPU the model under test runs that same Llama graph, so it would be ch
 from __future__ import annotations
 
 import importlib.util
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +24,6 @@ from agents.runtime.graph_call import CompiledCell
 from agents.runtime.runner import ModelRunner, RunnerConfig
 from agents.tools.preflight import references as ref
 from agents.weights.checkpoints import load_weights
-from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.preflight_verdict import CheckResult
@@ -36,12 +34,6 @@ LOGITS_ATOL = 0.15
 BLOCK_SIZE, BLOCKS_PER_SEQ = 16, 4
 PROMPT_LENS = (5, 40, 17)
 CAUSAL = np.triu(np.ones((128, 128)), 1) * -10000.0  # the float16 mask flash_attention_th takes
-
-
-def small_llama(layers: int) -> LlamaConfig:
-    """GQA (two query heads per kv head), head_dim 64: a shape every Ascend kernel takes."""
-    return LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
 def reference_name() -> str:
@@ -107,14 +99,13 @@ def served_runner(config: LlamaConfig, weights: dict[str, np.ndarray], device: s
     return runner
 
 
-def model_results(device: str, layers: int, seed: int = 7) -> list[CheckResult]:
-    """The three steps' logits against the reference (one result per step), then the graph-call path's."""
-    config = small_llama(layers)
-    scope = f"{layers}-layer"
-    with tempfile.TemporaryDirectory(prefix="preflight-llama-") as tmp:
-        model_dir = build_random_model(Path(tmp) / "llama", config, seed=seed, std=0.2)
-        weights = load_weights(model_dir, config)
-        want = reference_logits(model_dir, config, weights)
+def model_results(device: str, model_dir: Path, seed: int = 7) -> list[CheckResult]:
+    """The three steps' logits against the reference (one result per step), then the graph-call path's;
+    ``model_dir``: a random Llama the master wrote (``preflight_llama``)."""
+    config = LlamaConfig.from_model_dir(model_dir)
+    scope = f"{config.num_hidden_layers}-layer"
+    weights = load_weights(model_dir, config)
+    want = reference_logits(model_dir, config, weights)
     rng = np.random.default_rng(seed)
     prompts = [[1] + rng.integers(3, config.vocab_size, n - 1).tolist() for n in PROMPT_LENS]
     try:

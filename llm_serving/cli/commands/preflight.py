@@ -25,7 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from llm_serving.cli.options import Command
-from llm_serving.protocol.preflight_verdict import SELECTIONS, CheckResult, Selection, Verdict, selection_passed
+from llm_serving.models.random_model import build_random_model
+from llm_serving.protocol.preflight_verdict import (
+    SELECTIONS,
+    CheckResult,
+    Selection,
+    Verdict,
+    preflight_llama,
+    selection_passed,
+)
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,9 +50,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "may take (default %(default)s)")
 
 
-def child_argv(device: str, selection: Selection, out: Path, spec_json: str | None, graphs: bool) -> list[str]:
+def child_argv(device: str, selection: Selection, out: Path, models: Path, spec_json: str | None,
+               graphs: bool) -> list[str]:
     argv = [sys.executable, "-m", "agents.tools.preflight", "--device", device, "--selection", selection.name,
-            "--out", str(out), "--model"]
+            "--out", str(out), "--models", str(models)]
     if graphs:
         argv.append("--graphs")
         if spec_json is not None:
@@ -91,6 +100,14 @@ def configured_spec(args: argparse.Namespace) -> str | None:
                       ).to_json()
 
 
+def random_models(root: Path) -> Path:
+    """The seeded random Llamas of the model checks, one layer and two, in ``root``/llama-N (the agents' side may
+    not import the master's model writer)."""
+    for layers in (1, 2):
+        build_random_model(root / f"llama-{layers}", preflight_llama(layers), seed=7, std=0.2)
+    return root
+
+
 def print_results(name: str, results: dict[str, Any]) -> bool:
     """Each check's line; whether the selection passed (``selection_passed``)."""
     checks = [CheckResult.from_dict(c) for c in results["checks"]]
@@ -109,13 +126,14 @@ def _run(args: argparse.Namespace) -> int:
     mindspore, reference, graphs = "unknown", "none", 0
     compile_seconds: dict[str, float] = {}
     with open(f"{out}.log", "w") as log, tempfile.TemporaryDirectory(prefix="preflight-") as tmp:
+        models = random_models(Path(tmp))
         for i, selection in enumerate(SELECTIONS):
             part = Path(tmp) / f"{selection.name}.json"
             print(f"== {selection.name}: MS_INTERNAL_DISABLE_CUSTOM_KERNEL_LIST={selection.disable_custom_kernels!r} "
                   f"({selection.source}; PagedAttention {selection.paged_attention}, FlashAttentionScore "
                   f"{selection.flash_attention})", flush=True)
-            results = run_selection(child_argv(args.device, selection, part, spec_json, args.graphs and i == 0),
-                                    part, log, args.timeout)
+            argv = child_argv(args.device, selection, part, models, spec_json, args.graphs and i == 0)
+            results = run_selection(argv, part, log, args.timeout)
             passed = print_results(selection.name, results)
             mindspore = results.get("mindspore", mindspore)
             reference = results.get("model_reference", reference)
