@@ -181,3 +181,15 @@ def test_the_configured_models_graphs_are_timed_without_following_a_verdict(tmp_
     assert spec.runner_config["device_target"] == "Ascend" and spec.runner_config["decode_batch_sizes"] == [1, 16]
     assert spec.model_path == str(model)
     assert configured_spec(argparse.Namespace(config=None, model=None)) is None  # the small model's
+
+
+def test_graphs_of_a_cpu_config_are_refused(tmp_path):
+    import argparse
+
+    from llm_serving.cli.commands.preflight import configured_spec
+    from llm_serving.cli.options import CliError
+
+    yaml = tmp_path / "cpu.yaml"
+    yaml.write_text("model_config:\n  device_target: CPU\n")
+    with pytest.raises(CliError, match="preflight times the graphs of an Ascend config"):
+        configured_spec(argparse.Namespace(config=str(yaml), model=None))

@@ -13,7 +13,10 @@ from agents.model.backends.ascend import AscendBackend
 from agents.model.backends.ascend_reference import ReferenceOps
 from agents.runtime.runner import ModelRunner, RunnerConfig
 from agents.weights.checkpoints import load_weights
+from agents.weights.kv_scales import with_kv_scales
+from agents.weights.sharded import load_rank_weights
 from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.protocol.parallel import ShardPlan
 from llm_serving.protocol.wire import AgentSpec
 
 
@@ -43,10 +46,13 @@ def compile_seconds(device: str, spec_json: str | None, small_model: Path) -> tu
     one's at ``small_model``. On CPU the Ascend graphs run on the stand-ins."""
     if spec_json is None:
         config, rc = small_spec(device, small_model)
-        model_path = str(small_model)
-    else:
+        weights = load_weights(small_model, config)
+    else:  # as export loads them: int8 weights and an int8 cache's scales where the config serves those
         config, rc, model_path = spec_config(spec_json)
-    weights = load_weights(model_path, config)
+        plan = ShardPlan(config)
+        weights = load_rank_weights(model_path, config, plan, quantize=rc.quantization != "none")
+        weights = with_kv_scales(weights, model_path, config, plan, {"kv_cache_dtype": rc.kv_cache_dtype,
+                                                                     "device_target": rc.device_target})
     if device == "Ascend":
         backend = select_backend(rc.kernels, "Ascend", rc.dtype, config.q_dim)
     else:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llm_serving.cli.options import Command
+from llm_serving.cli.options import CliError, Command
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.preflight_verdict import (
     SELECTIONS,
@@ -90,6 +90,9 @@ def configured_spec(args: argparse.Namespace) -> str | None:
     ns = argparse.Namespace(config=args.config, model=args.model, policy=None, decode_batch_size=None,
                             prefill_batch_size=None, agents=None, device_target=None, reasoning_parser=None)
     config = config_from_args(ns)
+    if config.model_config.device_target != "Ascend":
+        raise CliError(f"--config {args.config}: model_config.device_target is {config.model_config.device_target}:"
+                       " preflight times the graphs of an Ascend config")
     # the preflight follows no verdict (it writes one: the file may not exist yet); an int8 cache's direction
     # changes a scale's values, not the graphs
     m = config.model_config
@@ -122,6 +125,7 @@ def print_results(name: str, results: dict[str, Any]) -> bool:
 def _run(args: argparse.Namespace) -> int:
     spec_json = configured_spec(args) if args.graphs else None
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     selections: dict[str, dict[str, Any]] = {}
     mindspore, reference, graphs = "unknown", "none", 0
     compile_seconds: dict[str, float] = {}
