@@ -81,50 +81,65 @@ def check_features(config: ServingConfig, verdict: Verdict, chosen: Selection | 
                               "quantization none", key=key, source=config.source)
 
 
+def chosen_selection(config: ServingConfig, verdict: Verdict, notes: list[str]) -> Selection | None:
+    """The selection served: the kernel list the config sets (it wins, noted where it did not pass), else the
+    verdict's first that passed; refused when none did. None: a list the preflight has no selection for."""
+    m, path, passed = config.model_config, config.model_config.ascend_preflight, verdict.paged_attention
+    explicit = m.ascend_disable_custom_kernels
+    if explicit is not None:
+        chosen = selection_of(explicit)
+        if chosen is None or chosen.name not in passed:
+            notes.append(f"{KERNELS_KEY} {explicit!r} wins over the preflight verdict {path}, where that "
+                         f"selection did not pass ({failures(verdict, chosen.name) if chosen else 'not run'})")
+        return chosen
+    if not passed:
+        raise ConfigError(
+            f"{config.source}: {VERDICT_KEY}: {path}: no kernel selection passed its preflight ("
+            f"{'; '.join(failures(verdict, s.name) for s in SELECTIONS)}): serving on Ascend is refused. Send the "
+            f"failing lines of `llm-serving preflight`, or set {KERNELS_KEY} to serve on a selection anyway",
+            key=VERDICT_KEY, source=config.source)
+    chosen = next(s for s in SELECTIONS if s.name == passed[0])
+    notes.append(f"kernel selection {chosen.name} (MS_INTERNAL_DISABLE_CUSTOM_KERNEL_LIST="
+                 f"{chosen.disable_custom_kernels!r}) from the preflight verdict {path}")
+    return chosen
+
+
+def int8_direction(config: ServingConfig, verdict: Verdict, chosen: Selection | None, notes: list[str]) -> str:
+    """An int8 cache's antiquant direction: the config's (it wins, noted where the verdict differs), else the
+    one the served selection's kernel applied; refused when it matched neither."""
+    m, path = config.model_config, config.model_config.ascend_preflight
+    found = verdict.selections.get(chosen.name, {}).get("int8_kv_direction") if chosen else None
+    if m.ascend_int8_kv_direction is not None:
+        if m.ascend_int8_kv_direction != found:
+            notes.append(f"{DIRECTION_KEY} {m.ascend_int8_kv_direction} wins over the preflight verdict {path}, "
+                         f"which found {found or 'neither direction'}")
+        return m.ascend_int8_kv_direction
+    if found is None:
+        raise ConfigError(
+            f"{config.source}: model_config.kv_cache_dtype: int8 on Ascend is refused: in the preflight verdict "
+            f"{path} ({VERDICT_KEY}) the int8 PagedAttention of selection "
+            f"{chosen.name if chosen else m.ascend_disable_custom_kernels!r} matched neither antiquant direction "
+            f"(multiply, reciprocal); serve kv_cache_dtype auto, or set {DIRECTION_KEY} to override",
+            key="model_config.kv_cache_dtype", source=config.source)
+    notes.append(f"int8 KV direction {found} from the preflight verdict {path}")
+    return str(found)
+
+
 def ascend_settings(config: ServingConfig) -> AscendSettings | None:
     """The agents' device settings for an Ascend config (None on CPU: MindSpore's defaults)."""
-    m, src = config.model_config, config.source
+    m = config.model_config
     if m.device_target != "Ascend":
         return None
     overrides = m.environment_overrides()
-    verdict, notes = load_verdict(config), []
+    verdict, notes = load_verdict(config), list[str]()
     direction = m.ascend_int8_kv_direction
     if verdict is not None:
-        path, passed = m.ascend_preflight, verdict.paged_attention
-        explicit = m.ascend_disable_custom_kernels
-        if explicit is None:
-            if not passed:
-                raise ConfigError(
-                    f"{src}: {VERDICT_KEY}: {path}: no kernel selection passed its preflight ("
-                    f"{'; '.join(failures(verdict, s.name) for s in SELECTIONS)}): serving on Ascend is refused. "
-                    f"Send the failing lines of `llm-serving preflight`, or set {KERNELS_KEY} to serve on a "
-                    "selection anyway", key=VERDICT_KEY, source=src)
-            chosen: Selection | None = next(s for s in SELECTIONS if s.name == passed[0])
-            assert chosen is not None
+        chosen = chosen_selection(config, verdict, notes)
+        if chosen is not None and m.ascend_disable_custom_kernels is None:  # a key set is in overrides already
             overrides[KERNELS_KEY] = chosen.disable_custom_kernels
-            notes.append(f"kernel selection {chosen.name} (MS_INTERNAL_DISABLE_CUSTOM_KERNEL_LIST="
-                         f"{chosen.disable_custom_kernels!r}) from the preflight verdict {path}")
-        else:
-            chosen = selection_of(explicit)
-            if chosen is None or chosen.name not in passed:
-                notes.append(f"{KERNELS_KEY} {explicit!r} wins over the preflight verdict {path}, where that "
-                             f"selection did not pass ({failures(verdict, chosen.name) if chosen else 'not run'})")
         check_features(config, verdict, chosen)
         if m.kv_cache_dtype == "int8":
-            found = verdict.selections.get(chosen.name, {}).get("int8_kv_direction") if chosen else None
-            if direction is None and found is None:
-                raise ConfigError(
-                    f"{src}: model_config.kv_cache_dtype: int8 on Ascend is refused: in the preflight verdict "
-                    f"{path} ({VERDICT_KEY}) the int8 PagedAttention of selection "
-                    f"{chosen.name if chosen else explicit!r} matched neither antiquant direction (multiply, "
-                    f"reciprocal); serve kv_cache_dtype auto, or set {DIRECTION_KEY} to override",
-                    key="model_config.kv_cache_dtype", source=src)
-            if direction is None:
-                direction = found
-                notes.append(f"int8 KV direction {found} from the preflight verdict {path}")
-            elif direction != found:
-                notes.append(f"{DIRECTION_KEY} {direction} wins over the preflight verdict {path}, which found "
-                             f"{found or 'neither direction'}")
+            direction = int8_direction(config, verdict, chosen, notes)
     for note in notes:
         (log.warning if "wins over" in note else log.info)("%s", note)
     return AscendSettings(ascend_environment(config.num_agents, overrides),
