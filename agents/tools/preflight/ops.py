@@ -176,11 +176,15 @@ def run_ops(device: str) -> dict[str, np.ndarray]:
     }
     saved = {f"in_{k}": v for k, v in a.items()}
     saved["in_flash_mask"] = mask.asnumpy()
+    first_error = ""
     for name, case in cases.items():
         try:
             outputs = case()
         except (RuntimeError, TypeError, ValueError) as exc:  # MindSpore's kernel and inference errors
-            saved[f"error_{name}"] = np.array(f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500])
+            message = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]
+            # after a kernel's failure MindSpore may refuse every later step of the process: say which came first
+            saved[f"error_{name}"] = np.array(message + (f" (after {first_error}'s error)" if first_error else ""))
+            first_error = first_error or name
             continue
         for i, value in enumerate(outputs if isinstance(outputs, tuple) else (outputs,)):
             saved[f"out_{name}_{i}"] = value.asnumpy()
