@@ -87,6 +87,9 @@ class ModelSection:
     # kv_cache_dtype int8 on Ascend: how the NPU's PagedAttention applies its antiquant scale, multiply or
     # reciprocal, as its device check found (docs/ascend.md); None: int8 KV refused on Ascend
     ascend_int8_kv_direction: str | None = setting(None, "str", optional=True)
+    # Ascend only: the verdict file `llm-serving preflight` wrote on the NPU; it picks the PagedAttention kernel
+    # selection and the int8 direction that passed and refuses what failed (llm_serving.engine.ascend_settings)
+    ascend_preflight: str | None = setting(None, "path", optional=True)
 
     def validate(self, source: str) -> None:
         """The checks of these keys together (a ``ConfigError`` naming the key and ``source``)."""
@@ -136,7 +139,7 @@ class ModelSection:
         """The Ascend environment's keys: set only for Ascend (never silently ignored), the pool cap as MindSpore
         reads it."""
         for key, value in {**self.environment_overrides(), "model_config.max_device_memory":
-                           self.max_device_memory}.items():
+                           self.max_device_memory, "model_config.ascend_preflight": self.ascend_preflight}.items():
             need(value is None or self.device_target == "Ascend", source, key,
                  f"sets the Ascend agents' environment, but model_config.device_target is {self.device_target}")
         need(self.max_device_memory is None or re.fullmatch(r"\d+(\.\d+)?GB", self.max_device_memory) is not None,
@@ -185,11 +188,13 @@ class ModelSection:
         need(direction is None or int8_on_npu, source, "model_config.ascend_int8_kv_direction",
              "applies to kv_cache_dtype int8 on Ascend only (got kv_cache_dtype "
              f"{self.kv_cache_dtype}, device_target {device})")
-        need(direction is not None or not int8_on_npu, source, "model_config.ascend_int8_kv_direction",
-             "kv_cache_dtype int8 on Ascend needs it: whether PagedAttention multiplies the int8 cache by its "
-             "antiquant scale or divides by it is unverified (vllm-mindspore passes one scale to QuantV2 and to "
-             "PagedAttention); run the int8 PagedAttention check of tests/ascend_npu_ops.py on the NPU and set "
-             "multiply or reciprocal as it finds (docs/ascend.md)")
+        need(direction is not None or not int8_on_npu or self.ascend_preflight is not None, source,
+             "model_config.ascend_int8_kv_direction",
+             "kv_cache_dtype int8 on Ascend needs it, or a preflight verdict (model_config.ascend_preflight): "
+             "whether PagedAttention multiplies the int8 cache by its antiquant scale or divides by it is "
+             "unverified (vllm-mindspore passes one scale to QuantV2 and to PagedAttention); run `llm-serving "
+             "preflight` on the NPU and point model_config.ascend_preflight at its verdict, or set multiply or "
+             "reciprocal as it found (docs/ascend.md)")
 
 
 def http_origin(url: str) -> str | None:
