@@ -24,7 +24,9 @@ __all__ = ["FEATURE_CHECKS", "SELECTIONS", "VERDICT_VERSION", "CheckResult", "Se
 
 VERDICT_VERSION = 1
 # checks of a feature a config may leave off: their failure refuses that feature, not the kernel selection
-FEATURE_CHECKS = {"WeightQuantBatchMatmul": "model_config.quantization"}
+FEATURE_CHECKS = {"WeightQuantBatchMatmul": "model_config.quantization",
+                  "MoE routed experts": "model_config.model_path",  # a mixture-of-experts model
+                  "MoE routed experts, expert-parallel rank": "parallel.expert_parallel"}
 
 
 @dataclass(frozen=True)

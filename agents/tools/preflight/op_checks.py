@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from agents.model.moe_routing import swiglu_expert, top_k
 from agents.tools.preflight import references as ref
-from agents.tools.preflight.ops import EPS, HEAD_DIM, HEADS, KV_HEADS, SCALE
+from agents.tools.preflight.ops import EPS, HEAD_DIM, HEADS, KV_HEADS, MOE_EXPERTS, MOE_RANKS, MOE_TOP_K, SCALE
 from llm_serving.protocol.preflight_verdict import CheckResult
 
 ATOL = RTOL = 2e-2  # float16 kernels against float64 references: a few float16 ulps of the outputs' range
@@ -55,6 +56,9 @@ def op_results(got: dict[str, np.ndarray]) -> list[CheckResult]:
             HEADS, SCALE), ATOL),
         ("WeightQuantBatchMatmul", "quant", 0, ref.weight_quant_matmul(a["wq_x"], a["wq_weight"], a["wq_scale"]),
          ATOL),
+        ("MoE routed experts", "moe", 0, _moe_reference(a, range(MOE_EXPERTS)), ATOL),
+        ("MoE routed experts, expert-parallel rank", "moe_rank", 0,
+         _moe_reference(a, range(MOE_EXPERTS - MOE_EXPERTS // MOE_RANKS, MOE_EXPERTS)), ATOL),
     ]
     results = []
     for name, case, i, want, atol in rows:
@@ -63,6 +67,20 @@ def op_results(got: dict[str, np.ndarray]) -> list[CheckResult]:
             value, want = value[1:], want[1:]
         results.append(compare(name, value, want, atol, atol, error))
     return results
+
+
+def _moe_reference(a: dict[str, np.ndarray], held: range) -> np.ndarray:
+    """The routed experts' weighted sum (top-k renormalised) over the picks of the experts in ``held`` (an
+    expert-parallel rank's part), in float64."""
+    x = a["moe_x"].astype(np.float64)
+    weights, ids = top_k(a["moe_logits"].astype(np.float64), MOE_TOP_K, True)
+    out = np.zeros_like(x)
+    for t, j in np.ndindex(ids.shape):
+        if ids[t, j] in held:
+            expert = swiglu_expert(a["moe_gate_up"][ids[t, j]].astype(np.float64),
+                                   a["moe_down"][ids[t, j]].astype(np.float64))
+            out[t] += weights[t, j] * expert(x[t:t + 1])[0]
+    return out
 
 
 def int8_direction(got: dict[str, np.ndarray]) -> tuple[str | None, list[CheckResult]]:

@@ -22,11 +22,15 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from agents.model.backends.ascend import FusedOps, causal_mask
+from agents.model.backends.ascend_moe import AscendRoutedExperts, ExpertSlice, MoeOps
+from agents.model.backends.ascend_moe_reference import MoeReferenceOps
 from agents.model.backends.ascend_reference import ReferenceOps
 from agents.runtime.device import apply_jit_config, setup_device
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCKS, BLOCK_SIZE, EPS = 4, 2, 64, 16, 16, 1e-5
 SCALE = HEAD_DIM ** -0.5
+# the routed experts (MoE): experts, picks a token, their width, tokens; an expert-parallel rank of MOE_RANKS
+MOE_EXPERTS, MOE_TOP_K, MOE_FFN, MOE_TOKENS, MOE_RANKS = 8, 2, 48, 6, 2
 
 
 class NormSwiglu(nn.Cell):
@@ -144,6 +148,12 @@ def inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
         "int8_key_cache": rng.integers(-8, 9, (BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)).astype(np.int8),
         "int8_value_cache": rng.integers(-8, 9, (BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)).astype(np.int8),
         "int8_scale": np.exp(rng.uniform(-1.2, 1.2, (2, KV_HEADS * HEAD_DIM))).astype(np.float16),
+        # the experts as stored, [out, in] (agents.weights.moe_weights); the grouped matmul reads them transposed
+        # router logits half a unit apart within a row: no near-tie for the kernel's top-k to break otherwise
+        "moe_x": h(MOE_TOKENS, 256),
+        "moe_logits": np.stack([rng.permutation(MOE_EXPERTS) * 0.5 for _ in range(MOE_TOKENS)]).astype(np.float16),
+        "moe_gate_up": (rng.normal(size=(MOE_EXPERTS, 2 * MOE_FFN, 256)) / 16).astype(np.float16),
+        "moe_down": (rng.normal(size=(MOE_EXPERTS, 256, MOE_FFN)) / 7).astype(np.float16),
     }
 
 
@@ -162,6 +172,14 @@ def run_ops(device: str) -> dict[str, np.ndarray]:
         apply_jit_config(cell, device)
         return cell
 
+    moe_ops = MoeOps() if device == "Ascend" else MoeReferenceOps()
+
+    def experts(part: ExpertSlice) -> Any:
+        cut = slice(part.first, part.first + part.count)
+        gate_up, down = (Tensor(np.ascontiguousarray(a[name][cut].transpose(0, 2, 1))) for name in ("moe_gate_up",
+                                                                                                    "moe_down"))
+        return on(AscendRoutedExperts(moe_ops, MOE_TOP_K, True, part))(t["moe_x"], t["moe_logits"], gate_up, down)
+
     cases: dict[str, Callable[[], Any]] = {
         "norm_swiglu": lambda: on(NormSwiglu(fused))(t["x"], t["gamma"], t["gate_up"]),
         "rope": lambda: on(Rope(fused))(t["rope_q"], t["rope_k"], t["cos"], t["sin"], t["rope_lens"]),
@@ -173,6 +191,8 @@ def run_ops(device: str) -> dict[str, np.ndarray]:
         "quant": lambda: on(QuantMatmul(fused, a["wq_weight"], a["wq_scale"]))(t["wq_x"]),
         "int8_decode": lambda: on(Int8Decode(fused, a["int8_key_cache"], a["int8_value_cache"], a["int8_scale"]))(
             t["decode_query"], t["tables"], t["context_lens"]),
+        "moe": lambda: experts(ExpertSlice(0, MOE_EXPERTS, MOE_EXPERTS)),
+        "moe_rank": lambda: experts(ExpertSlice.of_rank(MOE_EXPERTS, MOE_RANKS, MOE_RANKS - 1)),
     }
     saved = {f"in_{k}": v for k, v in a.items()}
     saved["in_flash_mask"] = mask.asnumpy()
