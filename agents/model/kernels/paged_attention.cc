@@ -479,7 +479,7 @@ int parse_layer(int nparam, void **params, int *ndims, int64_t **shapes, const c
 // Decode tasks (one sequence and kv head each) per helper woken, for a call over ``rows`` context rows of
 // ``batch`` sequences: enough that a helper's share is worth its hand-off, so a helper joins a single long
 // sequence's kv heads. Why: at batch 1 a fixed 16 left the step's attention on one core while the other idled
-// (bench model, context 256: 4 tasks of ~13 us, ~9% of a token's kernel time; docs/benchmarks.md "Inside the
+// (bench model, context 256: 4 tasks of ~14 us, ~5% of a token's kernel CPU; docs/benchmarks.md "Inside the
 // kernels at batch 1"); a polling helper's hand-off costs a few microseconds, ~512 rows of work.
 int64_t decode_tasks_per_thread(int64_t rows, int64_t batch) {
   constexpr int64_t kRowsPerHandoff = 512, kMost = 16;
