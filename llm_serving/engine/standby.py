@@ -65,7 +65,8 @@ class Standby:
                 self.state = "taken"
                 self._cond.notify_all()
                 return pool
-            self.state = "closed"
+            if self.state in ("starting", "ready"):  # else it says why there is none
+                self.state = "closed"
             self._cond.notify_all()
         if pool is not None:  # died between two checks
             pool.close(graceful=False)
