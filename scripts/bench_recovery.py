@@ -82,6 +82,15 @@ def kill_and_time(engine: Engine, args: argparse.Namespace, reference: list[list
             "promoted": engine.stats().get("standby_promotions", 0) > promoted}
 
 
+def resident_mib(pids: list[int]) -> float:
+    """The processes' resident memory (VmRSS), summed, in MiB."""
+    kib = 0
+    for pid in pids:
+        status = Path(f"/proc/{pid}/status").read_text()
+        kib += int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1])
+    return kib / 1024
+
+
 def phases(spec, label: str) -> None:
     """Start ``spec``'s pool alone; print each start-up line's arrival, seconds after the spawn."""
     lines: list[tuple[float, str]] = []
@@ -126,7 +135,8 @@ def main() -> None:
         t0 = time.monotonic()
         engine.start(progress=None)
         print(f"tp={args.tp}, compile cache {cache or 'off'}, standby {args.standby}: engine ready in "
-              f"{time.monotonic() - t0:.1f} s, load average {os.getloadavg()[0]:.1f}")
+              f"{time.monotonic() - t0:.1f} s, load average {os.getloadavg()[0]:.1f}; the serving agents' resident "
+              f"memory {resident_mib(engine.agent_pids):.0f} MiB (a standby holds as much again)")
         try:
             reference = [s.result(timeout=300).token_ids for s in [engine.submit(p, GREEDY) for p in PROMPTS]]
             results = []
