@@ -8,11 +8,14 @@ tensor-parallel promotion, greedy ids included, is in tests/test_tensor_parallel
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import threading
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from llm_serving.config.serving_config import ConfigError
@@ -21,7 +24,8 @@ from llm_serving.engine.loop import Engine
 from llm_serving.engine.standby import Standby, memory_shortfall
 from llm_serving.executor.agent_pool import AgentDiedError, AgentPool, AgentStartupError
 from tests.test_engine import our_segments, standin_expected, standin_factory, tiny_config, wait_for
-from tests.test_self_healing import FAST_RECOVERY, ScriptedPool, gone
+from tests.test_self_healing import FAST_RECOVERY, ScriptedPool, gone, health
+from tests.test_server import ServerProcess, long_completion, sse_payloads
 
 STANDBY = {**FAST_RECOVERY, "standby_agents": True}
 LONG = SamplingParams(max_new_tokens=60, ignore_eos=True)
@@ -239,3 +243,38 @@ def test_standby_agents_config_is_refused_where_it_cannot_work(data_dir):
         tiny_config(data_dir, serving_config={"standby_agents": True, "num_agents": 2, "local_agents": 1,
                                               "join_address": "127.0.0.1:7999"})
     assert tiny_config(data_dir).serving_config.standby_agents is False
+
+
+def test_served_engine_promotes_its_standby_and_health_shows_it(tmp_path):
+    """Through `llm-serving serve`: /health lists the standby; a stream interrupted by the serving agent's SIGKILL
+    ends normally on the promoted agents, which /health then lists as serving; the server exits 0 leaving no
+    segment."""
+    server = ServerProcess(tmp_path, "--standin-agents", "--standin-step-delay", "0.01",
+                           "--set", "serving_config.standby_agents=true",
+                           "--set", "serving_config.agent_restart_backoff_s=0.01")
+    try:
+        async def standby_ready(s: aiohttp.ClientSession) -> dict:
+            while True:
+                status, body = await health(s, server.url)
+                if status == 200 and body["standby"]["state"] == "ready":
+                    return body
+                await asyncio.sleep(0.05)
+
+        async def go() -> None:
+            async with aiohttp.ClientSession() as s:
+                body = await asyncio.wait_for(standby_ready(s), 30)
+                serving, standby = body["agent_pids"], body["standby"]["pids"]
+                assert len(serving) == len(standby) == 1 and serving != standby
+                r = await s.post(f"{server.url}/v1/completions", json=long_completion(200))
+                await r.content.readline()
+                os.kill(serving[0], signal.SIGKILL)
+                frames = sse_payloads([x.decode().strip() async for x in r.content if x.strip()])
+                assert frames[-1] == "[DONE]" and json.loads(frames[-2])["choices"][0]["finish_reason"] == "length"
+                body = await asyncio.wait_for(standby_ready(s), 30)
+                assert body["agent_pids"] == standby and body["standby"]["pids"] not in ([], standby, serving)
+        asyncio.run(go())
+        assert server.stop() == 0, server.output
+        assert server.shm_segments() == []
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()

@@ -162,6 +162,13 @@ class Engine:
         """Process ids of the serving agents, by rank (chaos tests kill them)."""
         return self._agents.pids if self._agents is not None else []
 
+    @property
+    def standby(self) -> dict[str, Any] | None:
+        """The standby agents (``serving_config.standby_agents``): their state (starting, ready, or why there are
+        none) and process ids; None where no standby is kept."""
+        standby = self._agents.standby if self._agents is not None else None
+        return None if standby is None else {"state": standby.state, "pids": standby.pids}
+
     # ---- lifecycle ------------------------------------------------------------------------------------
     def start(self, progress: Callable[[str], None] | None = print) -> None:
         """Prepare the model, start the agents (waits for their warm-up) and the loop thread."""
