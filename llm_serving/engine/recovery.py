@@ -232,10 +232,12 @@ class AgentSupervisor:
         with self._lock:
             if not self._keeps_standby or self._closed:
                 return
-            serving = self._pool
+            serving, old = self._pool, self._standby
             self._standby = Standby(self._factory, self._spec,
                                     lambda: memory_shortfall(serving.pids if serving is not None else []),
                                     self.config.restart_limit, self.config.backoff_s)
+        if old is not None:  # not reached today (a recovery spends the standby); never leave one running
+            old.close()
 
     @property
     def standby(self) -> Standby | None:
