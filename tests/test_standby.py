@@ -278,3 +278,29 @@ def test_served_engine_promotes_its_standby_and_health_shows_it(tmp_path):
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
+
+
+def test_chaos_agent_sections_pass_with_a_standby(tmp_path):
+    """``scripts/chaos_agents.py`` against a served engine with a standby: a promotion can be over before any poll
+    of /health sees "recovering"; the sections judge the recovery by the new agents /health lists."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import chaos
+
+    server = ServerProcess(tmp_path, "--standin-agents", "--standin-step-delay", "0.02", "--set",
+                           "serving_config.step_timeout_min_s=1", "--set", "serving_config.standby_agents=true")
+    try:
+        out = tmp_path / "figures.json"
+        code = chaos.main(["--url", server.url, "--sections", "sigkill,sigstop", "--json", str(out),
+                           "--agents-requests", "40", "--agents-max-new-tokens", "24"])
+        figures = json.loads(out.read_text())
+        assert code == 0, figures
+        for name in ("sigkill", "sigstop"):
+            f = figures[name]
+            assert f["answered_ok"] == f["identical_to_reference"] == 40 and f["agent_restarts"] == 1, f
+            assert f["ready_again_after_s"] is not None and f["kv_blocks_used_after"] == 0, f
+        assert server.stop() == 0, server.output
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
