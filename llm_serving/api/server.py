@@ -261,6 +261,9 @@ class Server:
             state = "recovering" if self.engine.state == "recovering" else "failed"
         body: dict[str, Any] = {"status": state, "model": self.model_name,
                                 "agent_pids": self.engine.agent_pids}
+        standby = self.engine.standby
+        if standby is not None:
+            body["standby"] = standby
         if state == "failed":
             body["error"] = self.failure or "the engine stopped (an agent exited); see the server log"
         elif state == "recovering":

@@ -248,6 +248,10 @@ class ServingSection:
     step_timeout_min_s: float = setting(5.0, "float")
     agent_restart_limit: int = setting(5, "int")
     agent_restart_backoff_s: float = setting(1.0, "float")
+    # a standby agent pool (llm_serving/engine/standby.py): a second set of ranks started and warmed up in the
+    # background, promoted when the serving ones fail (recovery in well under a second instead of a restart);
+    # off by default: it holds a second copy of the agents' host memory and its start-up takes CPU from serving
+    standby_agents: bool = setting(False, "bool")
     # logits dump of `llm-serving generate` (--dump-logits DIR, --dump-logits-tokens N override these): float32
     # logits of each prompt's first N generated positions in DIR/<prompt index>.npy; None: no dump / every position
     dump_logits_dir: str | None = setting(None, "path", optional=True)
@@ -282,6 +286,8 @@ class ServingSection:
                 split_address(self.join_address)
             except ValueError as exc:
                 need(False, source, "serving_config.join_address", str(exc))
+        need(not self.standby_agents or local is None or local >= agents, source, "serving_config.standby_agents",
+             "every rank must run on this host (ranks on other hosts join one pool, not a second one)")
         need(not self.kv_transfer or local is None or local >= agents, source, "serving_config.kv_transfer",
              "every rank must run on this host (the KV segment is shared memory)")
         for url in self.kv_transfer_peers:

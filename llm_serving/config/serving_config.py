@@ -227,6 +227,7 @@ def _validate(cfg: ServingConfig) -> None:
 
     - backend mindformers (model_config) runs one agent (serving_config; so no ranks on other hosts either) with a
       cache of a set size (pa_config);
+    - standby_agents (serving_config) holds a second copy of the agents' memory: host memory only (model_config);
     - kv_transfer (serving_config) copies host memory and prefix-cache blocks: CPU agents of our Llama
       (model_config), prefix caching on (scheduler, whose default follows model_config), no draft's or early exit's
       cache (speculative, model_config);
@@ -250,6 +251,9 @@ def _validate(cfg: ServingConfig) -> None:
              f"backend mindformers runs one agent (no tensor parallelism through it), got {s.effective_num_agents}")
         need(not pa.auto_blocks, "pa_config.num_blocks",
              "auto is not served by backend mindformers (MindFormers sizes its own cache): set a number")
+    need(not s.standby_agents or m.device_target == "CPU", "serving_config.standby_agents",
+         "a standby pool would hold a second copy of the model and KV cache in each NPU's memory (each agent "
+         "reserves model_config.max_device_memory): CPU agents only")
     if s.kv_transfer:
         need(m.device_target == "CPU" and not cfg.uses_mindformers, "serving_config.kv_transfer",
              "KV blocks are copied on the host, where the cache is host memory: the CPU agents of our Llama only "

@@ -165,6 +165,13 @@ class Engine:
         """Process ids of the serving agents, by rank (chaos tests kill them)."""
         return self._agents.pids if self._agents is not None else []
 
+    @property
+    def standby(self) -> dict[str, Any] | None:
+        """The standby agents (``serving_config.standby_agents``): their state (starting, ready, or why there are
+        none) and process ids; None where no standby is kept."""
+        standby = self._agents.standby if self._agents is not None else None
+        return None if standby is None else {"state": standby.state, "pids": standby.pids}
+
     # ---- lifecycle ------------------------------------------------------------------------------------
     def start(self, progress: Callable[[str], None] | None = print) -> None:
         """Prepare the model, start the agents (waits for their warm-up) and the loop thread."""
@@ -202,7 +209,8 @@ class Engine:
             self._start_scheduler()
         spec = agent_spec(cfg, model, self.standin_agents)
         self._kv = KvTransfers(kv_layout(spec), self._lock) if spec.kv_transfer else None
-        self._agents = agents = AgentSupervisor(RecoveryConfig.from_config(cfg), self._pool_factory, spec)
+        self._agents = agents = AgentSupervisor(RecoveryConfig.from_config(cfg), self._pool_factory, spec,
+                                                standby=cfg.serving_config.standby_agents)
         try:
             agents.start(progress)  # raises (after cleaning up) when an agent cannot start
             if auto:
@@ -211,6 +219,7 @@ class Engine:
                     progress(f"KV cache: {blocks} blocks of {cfg.pa_config.block_size} tokens "
                              "(pa_config.num_blocks auto)")
                 self._start_scheduler(blocks)
+            agents.keep_standby()
         except BaseException:
             self.state = "failed"
             agents.close()
@@ -407,6 +416,10 @@ class Engine:
                 out.update(queue_drain_tokens_per_s=rate or 0.0, queue_wait_s=wait or 0.0)
             if self._agents is not None:
                 out.update(agent_restarts=self._agents.restarts, step_timeout_s=self._agents.step_timeout_s)
+                standby = self._agents.standby
+                if standby is not None:
+                    out.update(standby=standby.state, standby_pids=standby.pids,
+                               standby_promotions=self._agents.promotions, standby_deaths=standby.deaths)
             if self._kv is not None:
                 out.update(self._kv.counters)
             if self.adapters is not None and s is not None:
