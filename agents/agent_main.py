@@ -34,10 +34,10 @@ from agents.runtime.kv_copy import KvBlockCopier
 from agents.runtime.multi_step import run_decode_steps
 from agents.runtime.sampler import take_failures
 from agents.runtime.step_broadcast import StepBroadcast
-from agents.runtime.step_runner import StepRunner
+from agents.runtime.step_runner import AdapterSlots, StepRunner
 from agents.runtime.step_source import BroadcastSteps, SharedMemorySteps
 from agents.runtime.verify_rounds import run_verify_rounds
-from llm_serving.protocol.batch import KvCopyStep, StepBatch, StepOutput
+from llm_serving.protocol.batch import AdapterStep, KvCopyStep, StepBatch, StepOutput
 from llm_serving.protocol.kv_segment import KvSegment
 from llm_serving.protocol.prompt_lookup import NgramProposer
 from llm_serving.protocol.shm_channel import StepChannel
@@ -102,7 +102,8 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
         from agents.runtime.standin import StandinRunner
         if "num_blocks" in spec.runner_config and spec.runner_config["num_blocks"] is None:  # auto
             raise ValueError("stand-in agents have no device to size a cache from: set pa_config.num_blocks")
-        return StandinRunner(int(spec.llama_config["vocab_size"]), spec.step_delay_s)
+        return StandinRunner(int(spec.llama_config["vocab_size"]), spec.step_delay_s, spec.lora,
+                             int(spec.llama_config["num_hidden_layers"]))
     if spec.backend == "mindformers":  # MindFormers' Llama (its own environment: scripts/mindformers_env.sh)
         from agents.mindformers.runner import build_runner as build_mindformers_runner
         return build_mindformers_runner(spec, rank, progress)
@@ -152,7 +153,7 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
         progress(f"joined: MindSpore import and device set-up {setup_s:.2f}s, init() {init_s:.2f}s")
     if fields["num_blocks"] is None:  # pa_config.num_blocks auto
         draft_share = None if draft_model is None else (ShardPlan(draft_model[0], shard.tp, rank), draft_model[1])
-        budget = size_kv_cache(fields, shard, weights, utilization, draft_share, ranks_here)
+        budget = size_kv_cache(fields, shard, weights, utilization, draft_share, ranks_here, spec.lora)
         progress(budget.describe())
         fields["num_blocks"] = budget.num_blocks
     runner_config = RunnerConfig(**fields)
@@ -187,12 +188,14 @@ def warm_up(runner: StepRunner, cache: CompileCache | None, spec: AgentSpec, pro
 
 
 def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft: tuple | None = None,
-                  ranks_here: int = 1):
+                  ranks_here: int = 1, lora: dict | None = None):
     """This rank's KV blocks from its device's memory (``agents.runtime.kv_budget``), on the device it serves on;
     ``draft``: (shard plan, weights) of a draft model, whose cache has as many blocks as the target's;
-    ``ranks_here``: the ranks sharing this host (on CPU, its memory)."""
+    ``ranks_here``: the ranks sharing this host (on CPU, its memory); ``lora``: ``AgentSpec.lora``, whose adapter
+    slots are held like weights (``protocol.lora_budget``)."""
     from agents.runtime import kv_budget
     from agents.runtime.device import setup_device
+    from llm_serving.protocol.lora_budget import lora_pool_bytes
     from llm_serving.protocol.parallel import kv_block_bytes
 
     target = fields["device_target"]
@@ -207,7 +210,7 @@ def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft:
     kv_dtype = fields.get("kv_cache_dtype", "auto")
     per_block = kv_block_bytes(shard, block_size, dtype, kv_dtype, target)
     quantized = fields.get("quantization", "none") != "none"
-    held = kv_budget.weight_bytes(weights, dtype, quantized)
+    held = kv_budget.weight_bytes(weights, dtype, quantized) + lora_pool_bytes(shard, lora, dtype)
     if draft is not None:
         per_block += kv_block_bytes(draft[0], block_size, dtype, kv_dtype, target)
         held += kv_budget.weight_bytes(draft[1], dtype, quantized)
@@ -218,16 +221,25 @@ def size_kv_cache(fields: dict, shard, weights: dict, utilization: float, draft:
 
 
 def serve(steps: SharedMemorySteps | BroadcastSteps, runner: StepRunner, replier: Replier, rank: int,
-          block_size: int | None, copier: KvBlockCopier | None = None, lookup: NgramProposer | None = None) -> None:
+          block_size: int | None, copier: KvBlockCopier | None = None, lookup: NgramProposer | None = None,
+          adapters: AdapterSlots | None = None) -> None:
     """Run steps until the master closes the command pipe or sends a negative step number, or rank 0 broadcasts
     the end (a batch of several decode steps: ``multi_step``; of several verify rounds: ``verify_rounds``, with
     ``lookup`` for prompt lookup; one that feeds the tokens of the step before: ``fed_inputs``; a KV-copy step:
-    ``copier``, the pool's KV segment)."""
+    ``copier``, the pool's KV segment; an adapter step: ``adapters``, the runner's LoRA slots)."""
     picked: np.ndarray | None = None  # the last step's tokens, row for row: what a step after it may be fed
     while (number := steps.next_step()) is not None:
         try:
             fed, picked = picked, None
             step = steps.read_step(number)
+            if isinstance(step, AdapterStep):
+                if adapters is None:  # the pool sends one only when AgentSpec.lora gave the agents slots
+                    raise RuntimeError("an adapter step reached an agent started without adapter slots")
+                adapters.load_adapter(step.slot, step.path)
+                if rank == 0:
+                    steps.write_output(number, StepOutput(np.zeros(0, np.int32), np.zeros(0, np.float32)))
+                replier.send(number, DONE)
+                continue
             if isinstance(step, KvCopyStep):
                 if copier is None:
                     raise RuntimeError("a KV-copy step reached an agent started without a KV segment")
@@ -357,6 +369,11 @@ def main(argv: list[str] | None = None) -> None:
             segment = KvSegment.attach(args.kv_shm, spec.tensor_parallel_size, spec.kv_block_bytes,
                                        spec.kv_segment_blocks)
             copier = KvBlockCopier.of_runner(runner, segment, args.rank)
+        adapters = None
+        if spec.lora is not None:
+            if not isinstance(runner, AdapterSlots):
+                raise ValueError(f"{type(runner).__name__} serves no LoRA adapters (AgentSpec lora)")
+            adapters = runner
         broadcast = StepBroadcast() if spec.has_remote_ranks else None
         steps = BroadcastSteps(broadcast) if follows else SharedMemorySteps(channels, args.cmd_fd, broadcast)
         freeze_startup_objects()
@@ -369,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     costs = runner.step_costs  # seconds per warmed shape: the step timeout's base
     replier.send(STARTUP_STEP, READY, ready_payload(max(costs.values()) if costs else None, runner.num_blocks))
     lookup = None if spec.prompt_lookup is None else NgramProposer(*spec.prompt_lookup)
-    serve(steps, runner, replier, args.rank, spec.runner_config.get("block_size"), copier, lookup)
+    serve(steps, runner, replier, args.rank, spec.runner_config.get("block_size"), copier, lookup, adapters)
     _exit(0)
 
 

@@ -73,3 +73,7 @@ class ApiError(Exception):
         self.param = param
         self.retry_after = 1  # a 503's Retry-After, in seconds
         self.close_connection = False  # the answer closes the connection (its request left it unusable)
+
+
+class ModelNotFound(RequestRejected):
+    """A request names a model (or LoRA adapter) this server does not serve (HTTP 404)."""

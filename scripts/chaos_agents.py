@@ -71,7 +71,9 @@ async def _ready_health(ctx: Context) -> dict[str, Any]:
 
 
 async def _watch_health(ctx: Context, t0: float, old_pids: list[int], bound_s: float) -> dict[str, Any]:
-    """Poll /health from ``t0`` until it says ready with other agents: when it stopped and became ready."""
+    """Poll /health from ``t0`` until it says ready with other agents: when it stopped and became ready. A
+    promoted standby (``serving_config.standby_agents``) may be serving before any poll sees "recovering": then
+    ``not_ready_after_s`` is None and the new agents alone say it recovered."""
     left = recovered = None
     states: list[str] = []
     while time.monotonic() - t0 < bound_s:
@@ -81,9 +83,9 @@ async def _watch_health(ctx: Context, t0: float, old_pids: list[int], bound_s: f
             states.append(state)
         if left is None and state != "ready":
             left = time.monotonic() - t0
-        if left is not None and state == "ready" and body.get("agent_pids") not in (None, old_pids):
+        if state == "ready" and body.get("agent_pids") not in (None, old_pids):
             recovered = time.monotonic() - t0
-            return {"health_states": " > ".join(states), "not_ready_after_s": round(left, 3),
+            return {"health_states": " > ".join(states), "not_ready_after_s": None if left is None else round(left, 3),
                     "ready_again_after_s": round(recovered, 3), "new_agent_pids": body["agent_pids"]}
         await asyncio.sleep(POLL_S)
     return {"health_states": " > ".join(states), "not_ready_after_s": left, "ready_again_after_s": None}

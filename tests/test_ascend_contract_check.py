@@ -25,6 +25,7 @@ from agents.tools.contracts import DEFAULT_PA_KERNEL, RULES, add_check_argument,
 from agents.tools.export import infer_boost
 from agents.tools.mindir import GraphNodes, read_graph
 from tests.test_ascend_kv_int8 import INT8_CACHE_MISTAKES
+from tests.test_ascend_moe import MOE_MISTAKES
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCKS, BLOCK_SIZE, BATCH, WIDTH = 4, 2, 64, 8, 16, 4, 2
 
@@ -382,10 +383,13 @@ def test_each_collective_mistake_is_refused_naming_the_rule(tmp_path, mistake):
 def test_every_rule_says_where_it_was_read_and_is_shown_failing():
     assert len({r.name for r in RULES}) == len(RULES)
     assert all(r.source and r.op in ("PagedAttention", "ReshapeAndCache", "FlashAttentionScore",
-                                     "ApplyRotaryPosEmb", "AllReduce", "AllGather", "WeightQuantBatchMatmul")
+                                     "ApplyRotaryPosEmb", "AllReduce", "AllGather", "WeightQuantBatchMatmul",
+                                     "MoeGatingTopKSoftmax", "MoeInitRoutingV2", "GroupedMatmulV4",
+                                     "InnerMoeTokenUnpermute")
                for r in RULES)
     shown = {rule for _, rule, _ in [*MISTAKES.values(), *PREFILL_MISTAKES.values(), *CHUNK_MISTAKES.values(),
-                                     *COLLECTIVE_MISTAKES.values(), *QUANT_MISTAKES.values()]}
+                                     *COLLECTIVE_MISTAKES.values(), *QUANT_MISTAKES.values(),
+                                     *MOE_MISTAKES.values()]}  # tests/test_ascend_moe.py's
     shown |= {rule for _, rule in INT8_CACHE_MISTAKES.values()}  # tests/test_ascend_kv_int8.py's
     assert shown == {r.name for r in RULES}
 

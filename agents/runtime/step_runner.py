@@ -4,7 +4,7 @@ MindFormers' runner and the instant stand-in all are one, so ``agent_main`` asks
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from llm_serving.protocol.batch import StepBatch, StepOutput
 
@@ -24,3 +24,13 @@ class StepRunner(Protocol):
         ...
 
     def step(self, batch: StepBatch) -> StepOutput: ...
+
+
+@runtime_checkable
+class AdapterSlots(Protocol):
+    """A runner built with LoRA adapter slots (``AgentSpec.lora``): ``batch.AdapterStep`` loads one."""
+
+    def load_adapter(self, slot: int, path: str | None) -> None:
+        """Put the adapter in directory ``path`` into ``slot`` (None: empty it); raise, naming the problem, when
+        it does not fit the slots (rank, slot index) or cannot be read. The slot is left as it was on an error."""
+        ...

@@ -74,7 +74,8 @@ class ChatRoutes:
         check_prompt_count(req.n, server.config.serving_config.max_queue_size)
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         await server.kv_transfer.import_blocks(req.kv_transfer, ids)  # a decode engine's: the prompt's blocks first
-        gens = start_choices(server, ids, params, arrival, req.field_names, cid, req.n, clip=req.max_tokens is None)
+        gens = start_choices(server, ids, params, arrival, req.field_names, cid, req.n, clip=req.max_tokens is None,
+                             model=model)
         try:
             meta = {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model}
             if req.stream:

@@ -146,6 +146,12 @@ class _EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         for key, value in (self._engine_stats() or {}).items():
+            if key == "lora_requests":  # requests admitted per LoRA adapter name
+                per = CounterMetricFamily(f"{PREFIX}lora_requests", "Requests admitted per LoRA adapter",
+                                          labels=("adapter",))
+                for name, count in value.items():
+                    per.add_metric([name], float(count))
+                yield per
             if not isinstance(value, (int, float)):
                 continue
             name, kind, help_text = ENGINE_METRICS.get(

@@ -69,7 +69,7 @@ class OpenAIRoutes:
         try:
             for i, ids in enumerate(prompts):
                 gens += start_choices(server, ids, params, arrival, req.FIELD_NAMES, f"{cid}-{i}", req.best_of,
-                                      clip=req.max_tokens is None)
+                                      clip=req.max_tokens is None, model=model)
         except ApiError:
             for g in gens:  # all or nothing: the request is counted once, as refused
                 g.close(record=False)
@@ -99,12 +99,18 @@ class OpenAIRoutes:
         return json_response({**meta, "choices": choices, "usage": _usage(gens, req.best_of), **transfer})
 
     def _model_card(self, name: str) -> dict[str, Any]:
+        """A served name's card; an adapter's (as vLLM lists them) has its directory as ``root`` and the base
+        model as ``parent``."""
         server = self.server
+        adapter = server.adapters.get(name) if name not in server.names else None
         return {"id": name, "object": "model", "created": server.created, "owned_by": "llm-serving",
-                "root": server.model_name, "max_model_len": server.config.max_model_len}
+                "root": adapter if adapter is not None else server.model_name,
+                "parent": server.model_name if adapter is not None else None,
+                "max_model_len": server.config.max_model_len}
 
     async def models(self, request: web.Request) -> web.Response:
-        return json_response({"object": "list", "data": [self._model_card(name) for name in self.server.names]})
+        names = [*self.server.names, *self.server.adapters]
+        return json_response({"object": "list", "data": [self._model_card(name) for name in names]})
 
     async def model(self, request: web.Request) -> web.Response:
         """``GET /v1/models/{id}``: one served name's card (ids may hold slashes), 404 otherwise."""
@@ -173,16 +179,18 @@ async def merge_streams(iters: list[AsyncIterator[AnswerDelta]]) -> AsyncIterato
 
 
 def start_choices(server: RouteContext, ids: list[int], params: SamplingParams, arrival: float,
-                  field_names: Mapping[str, str], request_id: str, n: int, clip: bool) -> list[Generation]:
+                  field_names: Mapping[str, str], request_id: str, n: int, clip: bool,
+                  model: str | None = None) -> list[Generation]:
     """``n`` choices of one prompt: each its own seed stream (``seed + j`` when a seed is given, as vLLM's
     parallel sampling; else each its own random seed), the first computing the prompt and the others starting on
-    its KV blocks (``follows``). A refusal closes those already started."""
+    its KV blocks (``follows``), all computed with ``model`` (a LoRA adapter's name, or the base model's). A refusal
+    closes those already started."""
     gens: list[Generation] = []
     try:
         for j in range(n):
             choice = params if params.seed is None else dataclasses.replace(params, seed=params.seed + j)
             gens.append(server.start_generation(ids, choice, arrival, field_names, f"{request_id}-{j}", clip=clip,
-                                                follows=f"{request_id}-0" if j else None))
+                                                follows=f"{request_id}-0" if j else None, model=model))
     except ApiError:
         for g in gens:
             g.close(record=False)

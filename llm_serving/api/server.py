@@ -8,6 +8,10 @@ Routes (each group in its own module):
 - ``GET /health``: 200 when ready, 503 while loading, recovering (agents being replaced), draining or after
   an engine failure; the agents' process ids with it.
 - ``GET /metrics``: Prometheus text (``metrics``).
+- ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``: LoRA adapters at run time (``lora_routes``).
+
+A request's model (the OpenAI body's ``model``, the llm-serving route's name) is the base model under any of its
+names, or a LoRA adapter the engine serves (``lora``), which then computes it (``check_model``, ``start_generation``).
 
 The server admits requests for the routes: it refuses them unless ready, reads the body within its size
 limit (declared JSON, readable, no deeper than any request needs: ``guards``, which also checks the API
@@ -34,6 +38,7 @@ from llm_serving.api.chat_routes import ChatRoutes
 from llm_serving.api.generation import Generation
 from llm_serving.api.guards import read_json_body
 from llm_serving.api.kv_transfer_routes import KvTransferRoutes
+from llm_serving.api.lora_routes import LoraRoutes
 from llm_serving.api.metrics import CONTENT_TYPE, ServerMetrics
 from llm_serving.api.openai_routes import OpenAIRoutes
 from llm_serving.api.route_context import OFFLOAD_ENCODE_CHARS
@@ -46,7 +51,7 @@ from llm_serving.engine.request_stream import EngineError
 from llm_serving.front.api_key import api_key_middleware
 from llm_serving.front.errors import error_response, json_http_errors, json_response
 from llm_serving.front.guards import JsonErrorRunner
-from llm_serving.request_errors import ApiError, InvalidParameter, QueueFull, RequestRejected
+from llm_serving.request_errors import ApiError, InvalidParameter, ModelNotFound, QueueFull, RequestRejected
 from llm_serving.tokenization.chat_template import ChatTemplate
 from llm_serving.tokenization.hf_tokenizer import AnyTokenizer
 
@@ -135,6 +140,9 @@ class Server:
         app.router.add_get("/v1/models/{model_id:.+}", openai.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
+        lora = LoraRoutes(self.engine, self.config.lora.allow_runtime_updates, self.read_body, self.check_accepting)
+        app.router.add_post("/v1/load_lora_adapter", self._guard(lora.load, "openai"))
+        app.router.add_post("/v1/unload_lora_adapter", self._guard(lora.unload, "openai"))
         app.router.add_get("/v1/kv_transfer/{transfer_id}", self.kv_transfer.fetch)
         app.router.add_delete("/v1/kv_transfer/{transfer_id}", self.kv_transfer.release)
         app.on_cleanup.append(self.kv_transfer.close)
@@ -174,13 +182,20 @@ class Server:
         return self.engine.chat_template.get()
 
     def check_model(self, name: str | None) -> str:
-        """The served name a request asks for (the main one when it names none); 404 if not served here."""
+        """The served name a request asks for (the main one when it names none): the base model's or a LoRA
+        adapter's (``adapters``); 404 if not served here."""
         if name is None:
             return self.model_name
-        if name not in self.names:
-            raise ApiError(404, f"model {name!r} is not served here; served names: {', '.join(self.names)}",
-                           "model_not_found", "model")
+        if name not in self.names and name not in self.adapters:
+            raise ApiError(404, f"model {name!r} is not served here; served names: "
+                                f"{', '.join((*self.names, *self.adapters))}", "model_not_found", "model")
         return name
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters served now: name -> directory (none without ``lora.enable``)."""
+        registry = self.engine.adapters
+        return {} if registry is None else {a.name: a.path for a in registry.adapters}
 
     async def read_body(self, request: web.Request) -> Any:
         """The request's JSON body within ``max_body_bytes`` (declared JSON, readable: ``guards``)."""
@@ -198,19 +213,23 @@ class Server:
 
     def start_generation(self, ids: list[int], params: SamplingParams, arrival: float,
                          field_names: Mapping[str, str], request_id: str | None = None,
-                         clip: bool = True, follows: str | None = None) -> Generation:
+                         clip: bool = True, follows: str | None = None, model: str | None = None) -> Generation:
         """Submit a tokenized request; the engine's refusals become ApiErrors, fields named as
         ``field_names`` (the route's API) calls them. With ``clip``, a max_new_tokens beyond the context left after
         the prompt is clipped to it, the answer then ending with finish reason "length" (as the config documents
         for the llm-serving route, and for an OpenAI request that sent no max_tokens); without, it is a 400 with
         the numbers, as vLLM answers an explicit one. ``follows``: the request id of another choice of the same
-        prompt (OpenAI's ``n``), whose prompt KV blocks this one shares (``Scheduler.add``).
+        prompt (OpenAI's ``n``), whose prompt KV blocks this one shares (``Scheduler.add``). ``model``: the name
+        ``check_model`` gave; an adapter's computes the request with it.
         """
         rid = request_id or f"gen-{uuid.uuid4().hex[:16]}"
         try:
-            stream = self.engine.submit(ids, params, rid, clip_to_context=clip, follows=follows)
+            adapter = model if model is not None and model not in self.names else None
+            stream = self.engine.submit(ids, params, rid, clip_to_context=clip, follows=follows, adapter=adapter)
         except InvalidParameter as exc:  # the admission check: a limit of the configuration
             raise parameter_error(exc, field_names) from None
+        except ModelNotFound as exc:  # unloaded since check_model
+            raise ApiError(404, str(exc), "model_not_found", "model") from None
         except QueueFull as exc:
             err = ApiError(503, f"the server is overloaded: {exc}", "overloaded")
             err.retry_after = exc.retry_after
@@ -242,6 +261,9 @@ class Server:
             state = "recovering" if self.engine.state == "recovering" else "failed"
         body: dict[str, Any] = {"status": state, "model": self.model_name,
                                 "agent_pids": self.engine.agent_pids}
+        standby = self.engine.standby
+        if standby is not None:
+            body["standby"] = standby
         if state == "failed":
             body["error"] = self.failure or "the engine stopped (an agent exited); see the server log"
         elif state == "recovering":

@@ -51,12 +51,12 @@ class TgiRoutes:
     async def _generate(self, request: web.Request, stream_route: bool) -> web.StreamResponse:
         arrival = time.monotonic()
         server = self.server
-        server.check_model(request.match_info["model_name"])
+        model = server.check_model(request.match_info["model_name"])
         req = parse_generate(await server.read_body(request), stream=True if stream_route else None)
         max_new = req.max_new_tokens if req.max_new_tokens is not None else server.default_max_new_tokens
         params = req.sampling.to_params(max_new, stop=req.stop, field_names=req.FIELD_NAMES)
         ids = await server.tokenize(req.inputs)
-        gen = server.start_generation(ids, params, arrival, req.FIELD_NAMES)
+        gen = server.start_generation(ids, params, arrival, req.FIELD_NAMES, model=model)
         try:
             if req.stream:
                 return await self._stream(request, gen, req)

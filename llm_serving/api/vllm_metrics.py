@@ -8,6 +8,7 @@ Names, types, labels and buckets follow vLLM v1's Prometheus logger (``vllm/v1/m
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -69,3 +70,9 @@ class VllmEngineCollector:
             family = family_type(PREFIX + name, help_text, labels=LABELS)
             family.add_metric(self._labels, float(value))
             yield family
+        if "lora_max_loras" in stats:  # vLLM's: the labels carry the adapters, the value is the time of the read
+            info = GaugeMetricFamily(f"{PREFIX}lora_requests_info", "Running stats on lora requests.",
+                                     labels=("running_lora_adapters", "max_lora", "waiting_lora_adapters"))
+            info.add_metric([str(stats["lora_running_adapters"]), str(stats["lora_max_loras"]),
+                             str(stats["lora_waiting_adapters"])], time.time())
+            yield info

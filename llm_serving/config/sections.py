@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from llm_serving.config.lora_section import LoraSection
 from llm_serving.config.yaml_sections import need, setting
 from llm_serving.core.scheduler_config import POLICIES
 from llm_serving.core.speculative import METHODS as SPECULATIVE_METHODS
@@ -30,8 +31,8 @@ from llm_serving.protocol.model_config import (
 from llm_serving.protocol.paths import cache_root
 from llm_serving.protocol.wire import split_address
 
-__all__ = ["SECTIONS", "DefaultModelSection", "ModelSection", "PagedAttentionSection", "SchedulerSection",
-           "ServingSection", "SpeculativeSection", "TokenizerSection"]
+__all__ = ["SECTIONS", "DefaultModelSection", "LoraSection", "ModelSection", "PagedAttentionSection",
+           "SchedulerSection", "ServingSection", "SpeculativeSection", "TokenizerSection"]
 
 # tokenizer.type -> the file it reads: sentencepiece's tokenizer.model, Hugging Face's tokenizer.json, or auto
 # (whichever the model directory has, tokenizer.model first)
@@ -88,6 +89,9 @@ class ModelSection:
     # kv_cache_dtype int8 on Ascend: how the NPU's PagedAttention applies its antiquant scale, multiply or
     # reciprocal, as its device check found (docs/ascend.md); None: int8 KV refused on Ascend
     ascend_int8_kv_direction: str | None = setting(None, "str", optional=True)
+    # Ascend only: the verdict file `llm-serving preflight` wrote on the NPU; it picks the PagedAttention kernel
+    # selection and the int8 direction that passed and refuses what failed (llm_serving.engine.ascend_settings)
+    ascend_preflight: str | None = setting(None, "path", optional=True)
 
     def validate(self, source: str) -> None:
         """The checks of these keys together (a ``ConfigError`` naming the key and ``source``)."""
@@ -137,7 +141,7 @@ class ModelSection:
         """The Ascend environment's keys: set only for Ascend (never silently ignored), the pool cap as MindSpore
         reads it."""
         for key, value in {**self.environment_overrides(), "model_config.max_device_memory":
-                           self.max_device_memory}.items():
+                           self.max_device_memory, "model_config.ascend_preflight": self.ascend_preflight}.items():
             need(value is None or self.device_target == "Ascend", source, key,
                  f"sets the Ascend agents' environment, but model_config.device_target is {self.device_target}")
         need(self.max_device_memory is None or re.fullmatch(r"\d+(\.\d+)?GB", self.max_device_memory) is not None,
@@ -186,11 +190,13 @@ class ModelSection:
         need(direction is None or int8_on_npu, source, "model_config.ascend_int8_kv_direction",
              "applies to kv_cache_dtype int8 on Ascend only (got kv_cache_dtype "
              f"{self.kv_cache_dtype}, device_target {device})")
-        need(direction is not None or not int8_on_npu, source, "model_config.ascend_int8_kv_direction",
-             "kv_cache_dtype int8 on Ascend needs it: whether PagedAttention multiplies the int8 cache by its "
-             "antiquant scale or divides by it is unverified (vllm-mindspore passes one scale to QuantV2 and to "
-             "PagedAttention); run the int8 PagedAttention check of tests/ascend_npu_ops.py on the NPU and set "
-             "multiply or reciprocal as it finds (docs/ascend.md)")
+        need(direction is not None or not int8_on_npu or self.ascend_preflight is not None, source,
+             "model_config.ascend_int8_kv_direction",
+             "kv_cache_dtype int8 on Ascend needs it, or a preflight verdict (model_config.ascend_preflight): "
+             "whether PagedAttention multiplies the int8 cache by its antiquant scale or divides by it is "
+             "unverified (vllm-mindspore passes one scale to QuantV2 and to PagedAttention); run `llm-serving "
+             "preflight` on the NPU and point model_config.ascend_preflight at its verdict, or set multiply or "
+             "reciprocal as it found (docs/ascend.md)")
 
 
 def http_origin(url: str) -> str | None:
@@ -244,6 +250,10 @@ class ServingSection:
     step_timeout_min_s: float = setting(5.0, "float")
     agent_restart_limit: int = setting(5, "int")
     agent_restart_backoff_s: float = setting(1.0, "float")
+    # a standby agent pool (llm_serving/engine/standby.py): a second set of ranks started and warmed up in the
+    # background, promoted when the serving ones fail (recovery in well under a second instead of a restart);
+    # off by default: it holds a second copy of the agents' host memory and its start-up takes CPU from serving
+    standby_agents: bool = setting(False, "bool")
     # logits dump of `llm-serving generate` (--dump-logits DIR, --dump-logits-tokens N override these): float32
     # logits of each prompt's first N generated positions in DIR/<prompt index>.npy; None: no dump / every position
     dump_logits_dir: str | None = setting(None, "path", optional=True)
@@ -278,6 +288,8 @@ class ServingSection:
                 split_address(self.join_address)
             except ValueError as exc:
                 need(False, source, "serving_config.join_address", str(exc))
+        need(not self.standby_agents or local is None or local >= agents, source, "serving_config.standby_agents",
+             "every rank must run on this host (ranks on other hosts join one pool, not a second one)")
         need(not self.kv_transfer or local is None or local >= agents, source, "serving_config.kv_transfer",
              "every rank must run on this host (the KV segment is shared memory)")
         for url in self.kv_transfer_peers:
@@ -500,4 +512,5 @@ SECTIONS: dict[str, type] = {
     "scheduler": SchedulerSection,
     "speculative": SpeculativeSection,
     "default_model": DefaultModelSection,
+    "lora": LoraSection,
 }

@@ -27,6 +27,7 @@ from llm_serving.config.sections import (
     CACHED_CONTEXT_DEVICES,
     SECTIONS,
     DefaultModelSection,
+    LoraSection,
     ModelSection,
     PagedAttentionSection,
     SchedulerSection,
@@ -61,6 +62,7 @@ class ServingConfig:
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
     default_model: DefaultModelSection = field(default_factory=DefaultModelSection)
+    lora: LoraSection = field(default_factory=LoraSection)
     source: str = field(default="<defaults>", compare=False)
     notes: tuple[str, ...] = field(default=(), compare=False)  # ignored compatibility keys, for the log
 
@@ -225,6 +227,7 @@ def _validate(cfg: ServingConfig) -> None:
 
     - backend mindformers (model_config) runs one agent (serving_config; so no ranks on other hosts either) with a
       cache of a set size (pa_config);
+    - standby_agents (serving_config) holds a second copy of the agents' memory: host memory only (model_config);
     - kv_transfer (serving_config) copies host memory and prefix-cache blocks: CPU agents of our Llama
       (model_config), prefix caching on (scheduler, whose default follows model_config), no draft's or early exit's
       cache (speculative, model_config);
@@ -233,7 +236,9 @@ def _validate(cfg: ServingConfig) -> None:
       cached context (model_config's device and backend), as do chunked prefill and prefix caching (scheduler);
     - the step's token budget (scheduler) holds a whole sequence without chunked prefill (pa_config) or every
       running sequence's decode token with it (model_config's largest decode batch);
-    - the default model's LlamaConfig (default_model) is checked at the served length (pa_config)."""
+    - the default model's LlamaConfig (default_model) is checked at the served length (pa_config);
+    - adapters (lora) run in our Llama graphs (not backend mindformers), in model and mixed steps (not speculative
+      verify steps), under names the base model does not answer to (model_config, serving_config)."""
     src, m, s, pa = cfg.source, cfg.model_config, cfg.serving_config, cfg.pa_config
     sc, sp = cfg.scheduler, cfg.speculative
 
@@ -246,6 +251,9 @@ def _validate(cfg: ServingConfig) -> None:
              f"backend mindformers runs one agent (no tensor parallelism through it), got {s.effective_num_agents}")
         need(not pa.auto_blocks, "pa_config.num_blocks",
              "auto is not served by backend mindformers (MindFormers sizes its own cache): set a number")
+    need(not s.standby_agents or m.device_target == "CPU", "serving_config.standby_agents",
+         "a standby pool would hold a second copy of the model and KV cache in each NPU's memory (each agent "
+         "reserves model_config.max_device_memory): CPU agents only")
     if s.kv_transfer:
         need(m.device_target == "CPU" and not cfg.uses_mindformers, "serving_config.kv_transfer",
              "KV blocks are copied on the host, where the cache is host memory: the CPU agents of our Llama only "
@@ -281,6 +289,14 @@ def _validate(cfg: ServingConfig) -> None:
          or sc.max_num_batched_tokens >= m.decode_batch_size[-1], "scheduler.max_num_batched_tokens",
          f"{sc.max_num_batched_tokens} is below the largest decode batch {m.decode_batch_size[-1]}: a step "
          "carries every running sequence's decode token")
+
+    if cfg.lora.enable:
+        need(not cfg.uses_mindformers, "lora.enable", "backend mindformers runs MindFormers' Llama, which has no "
+             "adapter slots: adapters are served by our Llama graphs")
+        need(not sp.method, "lora.enable", "speculative decoding's verify steps do not carry adapters: choose one")
+        for name in cfg.lora.adapters:
+            need(name not in cfg.model_names, f"lora.modules.{name}",
+                 "is a name the base model answers to (model_config.model_name, serving_config.model_aliases)")
 
     try:
         cfg.default_model.llama_config(pa.decode_seq_length)  # its own checks

@@ -22,6 +22,7 @@ KIND_TEXT = {
     "path": "a path string", "ints": "a list of integers", "buckets": "a list of integers",
     "strs": "a list of strings", "switch_or_path": "true, false or a directory path",
     "int_or_auto": "an integer or auto",
+    "named_paths": "a mapping of NAME: DIR or a list of NAME=DIR strings",
 }
 
 
@@ -127,6 +128,14 @@ def coerce(value: Any, kind: str, key: str, source: str, base: Path) -> Any:
             if not value.strip():
                 return None
             value = os.path.normpath(base / os.path.expanduser(value.strip()))
+    elif kind == "named_paths":  # NAME: DIR or [NAME=DIR, ...] -> ("NAME=/abs/DIR", ...)
+        if isinstance(value, Mapping):
+            value = [f"{k}={v}" for k, v in value.items()] if all(
+                isinstance(k, str) and isinstance(v, str) for k, v in value.items()) else None
+        ok = isinstance(value, (list, tuple)) and all(isinstance(x, str) and "=" in x for x in value)
+        if ok:
+            value = tuple(f"{n.strip()}={os.path.normpath(base / os.path.expanduser(p.strip()))}" if p.strip()
+                          else f"{n.strip()}=" for n, _, p in (x.partition("=") for x in value))
     elif kind in ("ints", "buckets", "strs"):
         item_ok = (lambda x: isinstance(x, str)) if kind == "strs" else (
             lambda x: isinstance(x, int) and not isinstance(x, bool))

@@ -186,7 +186,8 @@ class BlockManager:
     def _hash_blocks(self, seq: Sequence, full: int) -> None:
         """Make sure ``seq.block_hashes`` has the keys of its first ``full`` blocks."""
         if len(seq.block_hashes) < full:
-            extend_block_hashes(seq.block_hashes, seq.token_ids(0, full * self.block_size), self.block_size, full)
+            extend_block_hashes(seq.block_hashes, seq.token_ids(0, full * self.block_size), self.block_size, full,
+                                seq.adapter.cache_salt if seq.adapter is not None else b"")
 
     def _take(self, seq: Sequence) -> int:
         if self._free:

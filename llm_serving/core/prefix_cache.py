@@ -19,11 +19,15 @@ from array import array
 from collections import OrderedDict
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, num_blocks: int) -> None:
-    """Append the keys of the full blocks ``len(hashes) .. num_blocks - 1`` of ``token_ids`` to ``hashes``."""
+def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, num_blocks: int,
+                        salt: bytes = b"") -> None:
+    """Append the keys of the full blocks ``len(hashes) .. num_blocks - 1`` of ``token_ids`` to ``hashes``;
+    ``salt`` seeds the first block's key (a LoRA adapter's, ``core.adapters.Adapter.cache_salt``: its K/V are not
+    the base model's), so keys of different salts never meet."""
     for i in range(len(hashes), num_blocks):
         tokens = array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes()
-        hashes.append(hashlib.blake2b((hashes[-1] if hashes else b"") + tokens, digest_size=16).digest())
+        parent = hashes[-1] if hashes else hashlib.blake2b(salt, digest_size=16).digest() if salt else b""
+        hashes.append(hashlib.blake2b(parent + tokens, digest_size=16).digest())
 
 
 class PrefixCache:

@@ -78,6 +78,7 @@ from itertools import islice
 
 import numpy as np
 
+from llm_serving.core.adapters import AdapterSlots
 from llm_serving.core.kv_cache_manager import KVCacheManager
 from llm_serving.core.output_rows import OutputRows
 from llm_serving.core.scheduler_config import SchedulerConfig
@@ -117,6 +118,9 @@ class Scheduler:
         # the step last scheduled gives every sequence its next token (a decode or verify step: no prompt chunks),
         # as the steps sent ahead of it do
         self._scheduled_decode = False
+        # LoRA adapters (``core.adapters``): the agents' slots, and the running sequences with an adapter
+        self.adapters = AdapterSlots(config.max_loras) if config.max_loras else None
+        self._running_adapted = 0
 
     # ---- requests -------------------------------------------------------------------------------------
     def add(self, seq: Sequence, follows: str | None = None) -> None:
@@ -146,13 +150,15 @@ class Scheduler:
                 f"request {rid!r}: needs up to {need} KV blocks of {cfg.block_size} tokens, but the KV cache "
                 f"has only {self.kv_cache.num_usable_blocks}"
             )
+        if seq.adapter is not None and self.adapters is None:
+            raise ValueError(f"request {rid!r} names adapter {seq.adapter.name!r}, but no adapter slots are served")
         if seq.arrival_time is None:
             seq.arrival_time = self._clock()
         if seq.seed is None:  # fixed now, so preemption and recompute never change the request's draws
             seed = seq.params.seed if seq.params.seed is not None else secrets.randbits(64)
             seq.seed = (seed + 2**63) % 2**64 - 2**63  # as int64: the agents' RNG reads it modulo 2**64
         leader = self._live.get(follows) if follows is not None else None
-        if leader is not None and leader.prompt_ids == seq.prompt_ids:
+        if leader is not None and leader.prompt_ids == seq.prompt_ids and leader.adapter is seq.adapter:
             seq.follows = leader
         self._waiting.append(seq)
         self._live[rid] = seq
@@ -184,6 +190,8 @@ class Scheduler:
         for seq in victims:
             self._preempt(seq)
         self.kv_cache.reset_prefix_cache()
+        if self.adapters is not None:  # the new agents' slots are empty
+            self.adapters.reset()
         return victims
 
     # ---- stepping -------------------------------------------------------------------------------------
@@ -372,6 +380,7 @@ class Scheduler:
                                         for s in self._running if not s.is_prefilling)
         long_limit = cfg.max_prompt_len if cfg.max_prompt_len is not None else cfg.max_model_len
         chosen: list[Sequence] = []
+        slot_waits = False  # a sequence before found no adapter slot: later ones with adapters wait behind it
         for seq in list(islice(self._admission_order(), max(slots, 0))):  # a copy: _start dequeues
             if budget < 1:
                 break
@@ -385,6 +394,12 @@ class Scheduler:
             need = kv.blocks_to_start(hit, min(end + 1, last_fed) if end == seq.num_tokens else end)
             if n > budget or need > free or (alone and chosen):
                 break
+            if seq.adapter is not None and (slot_waits or not self._pin_adapter(seq, may_load=not in_flight)):
+                # every slot is pinned by other adapters' sequences (or no load now): it waits, and so do the
+                # adapter sequences after it, so that a busy adapter's newer requests do not keep its slot pinned
+                # ahead of it for ever; base sequences go on
+                slot_waits = True
+                continue
             self._start(seq, hit, n)
             budget -= n
             free -= need
@@ -410,6 +425,18 @@ class Scheduler:
         self.started_tokens += seq.budget
         self._running_sampled += seq.params.needs_logits
         self._running_dumps += seq.reads_logits
+
+    def _pin_adapter(self, seq: Sequence, may_load: bool) -> bool:
+        """Pin a slot holding ``seq``'s adapter for it (``AdapterSlots.acquire``); False when it must wait. A load
+        is never queued for a step sent ahead (``may_load`` False): the agents keep the picks a fed step reads
+        only across model steps, and the step in flight may still read the slot a load would replace."""
+        assert self.adapters is not None and seq.adapter is not None  # add() refuses an adapter without slots
+        slot = self.adapters.acquire(seq.adapter, may_load)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        self._running_adapted += 1
+        return True
 
     def _reserve_running(self, budget: int) -> tuple[list[Sequence], int, int]:
         """Give every running sequence, in running order (oldest first), its slots for this step: its decode token,
@@ -488,6 +515,10 @@ class Scheduler:
         self._running.remove(seq)
         self._running_sampled -= seq.params.needs_logits
         self._running_dumps -= seq.reads_logits
+        if seq.lora_slot >= 0 and self.adapters is not None:
+            self.adapters.release(seq.lora_slot)
+            seq.lora_slot = -1
+            self._running_adapted -= 1
         self.kv_cache.free(seq)  # its computed blocks stay cached: a recompute or a follow-up hits them
         seq.num_computed_tokens = seq.num_scheduled_tokens = 0
 
@@ -514,5 +545,6 @@ class Scheduler:
         """The step of ``seqs``' scheduled tokens (``prefill``), or of one decode token each (``StepBuilder``)."""
         return self._builder.model_step(seqs, self.kv_cache.block_tables(seqs), one_token_each=not prefill,
                                         any_sampled=bool(self._running_sampled),
-                                        any_reads_logits=bool(self._running_dumps), ahead=ahead,
+                                        any_reads_logits=bool(self._running_dumps),
+                                        any_adapted=bool(self._running_adapted), ahead=ahead,
                                         num_steps=num_steps, fed_rows=fed_rows)

@@ -43,6 +43,7 @@ class SchedulerConfig:
     # speculate only at the batch sizes where verify steps measured faster (tokens/s) than plain ones
     speculative_adaptive: bool = False
     speculative_rounds: int = 1  # verify rounds one step may run in the agents while nothing waits (``_rounds``)
+    max_loras: int = 0  # LoRA adapter slots in the agents (``core.adapters``); 0: no adapters served
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_prefill_batch",
@@ -72,6 +73,9 @@ class SchedulerConfig:
         if self.speculative and self.async_scheduling:
             raise ValueError("scheduler config: speculative decoding proposes tokens between steps, which a step sent "
                              "ahead cannot wait for; choose one")
+        if self.max_loras < 0 or (self.max_loras and self.speculative):
+            raise ValueError(f"scheduler config: max_loras must be >= 0, and 0 with speculative decoding (verify "
+                             f"steps carry no adapters), got {self.max_loras}")
         if self.policy not in POLICIES:
             raise ValueError(f"scheduler config: policy must be one of {POLICIES}, got {self.policy!r}")
         if self.max_wait_s is not None and self.max_wait_s < 0:

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
+    from llm_serving.core.adapters import Adapter
+
 # Why a request ended: its eos token, its max_new_tokens, an abort (client gone, shutdown), one of its stop
 # strings. The one definition: the scheduler, the metrics' labels and the APIs' names all follow it.
 FINISH_REASONS = ("eos", "length", "stop", "abort")
@@ -337,6 +339,10 @@ class Sequence:
     # the decode steps it sits out after the mean fell below the scheduler's threshold (``Scheduler._propose``)
     spec_accepted_mean: float = field(default=float("inf"), repr=False)
     spec_pause: int = field(default=0, repr=False)
+    # LoRA (``core.adapters``): the adapter its request's model chose (None: the base model), and the agents' slot
+    # that holds it while it runs (-1 while waiting, or without one)
+    adapter: Adapter | None = field(default=None, repr=False)
+    lora_slot: int = field(default=-1, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]

@@ -30,7 +30,8 @@ class StepBuilder:
         self.eos_ids = eos_ids
 
     def model_step(self, seqs: list[Sequence], block_tables: Int32s, *, one_token_each: bool,
-                   any_sampled: bool, any_reads_logits: bool, ahead: int = 0, num_steps: int = 1,
+                   any_sampled: bool, any_reads_logits: bool, any_adapted: bool = False, ahead: int = 0,
+                   num_steps: int = 1,
                    fed_rows: Int32s | None = None) -> StepBatch:
         """A step of each sequence's scheduled tokens after its computed ones (prompt chunks, decode tokens).
 
@@ -38,8 +39,8 @@ class StepBuilder:
         decode batch); ``ahead``: the decode step after one in flight that gives each sequence that many tokens
         (``Scheduler.schedule_ahead``): that many positions further, its input ids placeholders the agents fill
         from ``fed_rows`` (in a mixed step the rows of ``fed_rows[i] >= 0``, the others prompt chunks).
-        ``any_sampled`` / ``any_reads_logits``: whether some running sequence samples or reads logits back (False
-        lets a decode step skip looking at each sequence)."""
+        ``any_sampled`` / ``any_reads_logits`` / ``any_adapted``: whether some running sequence samples, reads logits
+        back, or runs with a LoRA adapter (False lets a decode step skip looking at each sequence)."""
         n = len(seqs)
         if one_token_each:
             context_lens = np.fromiter((seq.num_tokens + ahead for seq in seqs), np.int32, n)
@@ -66,7 +67,8 @@ class StepBuilder:
                          query_lens, context_lens, block_tables,
                          sampling=self.sampling(seqs) if sampled else None,
                          want_logits=want_logits(seqs) if any_reads_logits else None,
-                         num_steps=num_steps, fed_rows=fed_rows)
+                         num_steps=num_steps, fed_rows=fed_rows,
+                         lora_slots=lora_slots(seqs) if any_adapted else None)
 
     def verify_step(self, seqs: list[Sequence], drafts: list[list[int]], block_tables: Int32s,
                     rounds: int = 1, round_proposals: int = 0, with_history: bool = False) -> StepBatch:
@@ -137,6 +139,12 @@ def want_logits(seqs: list[Sequence]) -> Bools | None:
     alternatives to report, a prompt position to score); None when none."""
     want = np.fromiter((seq.wants_logits_row() for seq in seqs), np.bool_, len(seqs))
     return want if want.any() else None
+
+
+def lora_slots(seqs: list[Sequence]) -> Int32s | None:
+    """Each sequence's adapter slot (-1: the base model); None when none has one (the agents then add nothing)."""
+    slots = np.fromiter((seq.lora_slot for seq in seqs), np.int32, len(seqs))
+    return slots if (slots >= 0).any() else None
 
 
 def token_masks(seqs: list[Sequence]) -> Int32s | None:

@@ -6,7 +6,9 @@ runs another graph and the master admits them), the cached positions its attenti
 bound by reading them) and the query-by-key pairs it scores (``attention_pairs``: a long prefill's quadratic
 part); ``shared_context_tokens`` counts those of its positions that another sequence of the step reads from
 the same KV block (a shared prompt prefix): on a CPU they come from cache, so a step over shared blocks costs
-less than its positions say (docs/simulator.md). The engine records these per step (``Engine.step_trace``;
+less than its positions say (docs/simulator.md). Rows computed with a LoRA adapter add their low-rank updates:
+``adapter_tokens`` query tokens through ``adapter_slots`` distinct adapters' A and B (``core.adapters``). The engine
+records these per step (``Engine.step_trace``;
 ``llm-serving serve --record-steps`` writes them) and the simulator's cost models are fitted to them.
 """
 
@@ -30,15 +32,21 @@ class StepShape:
     attention_pairs: int  # sum over sequences of query tokens x context length
     num_steps: int = 1  # decode steps run in one round trip (multi-step decoding)
     shared_context_tokens: int = 0  # of context_tokens, those in a KV block that an earlier sequence reads too
+    adapter_tokens: int = 0  # of num_tokens, those of rows computed with a LoRA adapter
+    adapter_slots: int = 0  # distinct adapters (slots) the step's rows use
 
     @classmethod
     def of(cls, batch: StepBatch, block_size: int) -> StepShape:
         q = batch.query_lens.astype("int64")
         ctx = batch.context_lens.astype("int64")
+        lora = batch.lora_slots
+        adapted = lora >= 0 if lora is not None else np.zeros(len(q), bool)
         return cls(num_seqs=batch.batch_size, num_tokens=batch.num_tokens,
                    prefill_tokens=int(q[q > 1].sum()), prefill_seqs=int((q > 1).sum()), context_tokens=int(ctx.sum()),
                    attention_pairs=int((q * ctx).sum()), num_steps=batch.num_steps,
-                   shared_context_tokens=int(ctx.sum()) - distinct_positions(batch.block_tables, ctx, block_size))
+                   shared_context_tokens=int(ctx.sum()) - distinct_positions(batch.block_tables, ctx, block_size),
+                   adapter_tokens=int(q[adapted].sum()),
+                   adapter_slots=len(np.unique(lora[adapted])) if lora is not None else 0)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

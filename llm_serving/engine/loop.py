@@ -31,10 +31,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from llm_serving.config.serving_config import ConfigError, ServingConfig
+from llm_serving.core.adapters import Adapter, AdapterRegistry
 from llm_serving.core.grammar import GrammarCompiler, compiler_for, masked_rows
 from llm_serving.core.scheduler import Scheduler
 from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.core.step_shape import StepShape
+from llm_serving.engine.adapter_serving import adapter_registry, lora_stats, run_adapter_loads
 from llm_serving.engine.admission import RequestLimits
 from llm_serving.engine.kv_transfer import KvPayload, KvTransfers, kv_layout
 from llm_serving.engine.live_requests import LiveRequests, SequenceError
@@ -46,7 +48,7 @@ from llm_serving.executor.agent_pool import AgentDiedError, AgentPool, AgentStep
 from llm_serving.executor.step_pool import StepPool
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.wire import AgentSpec
-from llm_serving.request_errors import QueueFull
+from llm_serving.request_errors import ModelNotFound, QueueFull
 from llm_serving.tokenization.chat_template import ServedChatTemplate
 from llm_serving.tokenization.hf_tokenizer import AnyTokenizer, load_tokenizer
 
@@ -108,6 +110,7 @@ class Engine:
         self._queue_wait = QueueWait(config.serving_config.max_queue_wait_s)  # admission by expected wait
         self._grammars: GrammarCompiler | None = None  # see _grammar_compiler
         self._kv: KvTransfers | None = None  # serving_config.kv_transfer: prompts' KV blocks exported and imported
+        self.adapters: AdapterRegistry | None = None  # lora.enable: the LoRA adapters served, by name (start())
         self._grammar_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._started = self._stopping = False
@@ -162,6 +165,13 @@ class Engine:
         """Process ids of the serving agents, by rank (chaos tests kill them)."""
         return self._agents.pids if self._agents is not None else []
 
+    @property
+    def standby(self) -> dict[str, Any] | None:
+        """The standby agents (``serving_config.standby_agents``): their state (starting, ready, or why there are
+        none) and process ids; None where no standby is kept."""
+        standby = self._agents.standby if self._agents is not None else None
+        return None if standby is None else {"state": standby.state, "pids": standby.pids}
+
     # ---- lifecycle ------------------------------------------------------------------------------------
     def start(self, progress: Callable[[str], None] | None = print) -> None:
         """Prepare the model, start the agents (waits for their warm-up) and the loop thread."""
@@ -182,6 +192,10 @@ class Engine:
                               key="tokenizer.vocab_file", source=cfg.source)
         self._chat_template = ServedChatTemplate(cfg, model.model_path, tok)
         self._limits = RequestLimits.from_config(cfg, tok.vocab_size)
+        self.adapters = adapter_registry(cfg, model.llama_config)  # before the agents: a bad adapter fails fast
+        if self.adapters is not None and progress:
+            served = ", ".join(f"{a.name} (rank {a.config.max_rank})" for a in self.adapters.adapters) or "none yet"
+            progress(f"LoRA adapters: {served}; {cfg.lora.max_loras} slot(s) of rank up to {cfg.lora.max_lora_rank}")
         end = cfg.model_config.end_token
         self.eos_token_id = end if end is not None else model.llama_config.eos_token_id
         # model_config.end_token replaces the model's ids; else every id the model's configs list ends a request, and
@@ -195,7 +209,8 @@ class Engine:
             self._start_scheduler()
         spec = agent_spec(cfg, model, self.standin_agents)
         self._kv = KvTransfers(kv_layout(spec), self._lock) if spec.kv_transfer else None
-        self._agents = agents = AgentSupervisor(RecoveryConfig.from_config(cfg), self._pool_factory, spec)
+        self._agents = agents = AgentSupervisor(RecoveryConfig.from_config(cfg), self._pool_factory, spec,
+                                                standby=cfg.serving_config.standby_agents)
         try:
             agents.start(progress)  # raises (after cleaning up) when an agent cannot start
             if auto:
@@ -204,6 +219,7 @@ class Engine:
                     progress(f"KV cache: {blocks} blocks of {cfg.pa_config.block_size} tokens "
                              "(pa_config.num_blocks auto)")
                 self._start_scheduler(blocks)
+            agents.keep_standby()
         except BaseException:
             self.state = "failed"
             agents.close()
@@ -249,7 +265,7 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
                request_id: str | None = None, clip_to_context: bool = False,
-               logits_tokens: int = 0, follows: str | None = None) -> RequestStream:
+               logits_tokens: int = 0, follows: str | None = None, adapter: str | None = None) -> RequestStream:
         """Queue a request. Raises RequestRejected (AdmissionError: a limit of the configuration, naming the
         field), QueueFull (the queue is full in count, or in expected wait: ``queue_wait``), or EngineError (not
         running).
@@ -258,7 +274,8 @@ class Engine:
         of refusing it (``RequestLimits.admit``). ``logits_tokens`` > 0 dumps the float32 logits of the first
         that many generated positions into ``GenerationResult.logits`` (the steps it is in read logits back).
         ``follows``: the id of another choice of the same prompt, whose prompt KV blocks this one starts on
-        (``Scheduler.add``).
+        (``Scheduler.add``). ``adapter``: the name of the LoRA adapter to compute it with (``load_adapter``; None:
+        the base model); ModelNotFound when none of that name is served.
         """
         params = params if params is not None else SamplingParams()
         if isinstance(logits_tokens, bool) or not isinstance(logits_tokens, int) or logits_tokens < 0:
@@ -285,10 +302,49 @@ class Engine:
                 raise QueueFull(f"{sched.num_waiting} requests are waiting (serving_config.max_queue_size {limit})")
             if self._queue_wait.active and sched.num_waiting:
                 self._queue_wait.check(sched.waiting_tokens)
+            if adapter is not None:
+                seq.adapter = self._adapter(adapter)
             sched.add(seq, follows)
+            if seq.adapter is not None:
+                requested = _started(self.adapters).requests
+                requested[seq.adapter.name] = requested.get(seq.adapter.name, 0) + 1
             _started(self._requests).add(seq, stream)
             self._work.notify()
         return stream
+
+    def _adapter(self, name: str) -> Adapter:
+        """The served adapter ``name`` (under the lock); ModelNotFound if none."""
+        found = self.adapters.get(name) if self.adapters is not None else None
+        if found is None:
+            raise ModelNotFound(f"model {name!r} is not served here (no LoRA adapter of that name)")
+        return found
+
+    def load_adapter(self, name: str, path: str) -> Adapter:
+        """Serve the PEFT LoRA adapter in ``path`` as model ``name`` from now on (its weights go to the agents when
+        a request first needs it). AdapterError naming the file and key for an adapter that cannot be served,
+        ValueError for a name already served, EngineError without adapters (``lora.enable``)."""
+        registry = self._check_adapters()
+        adapter = registry.check(name, path)  # reads the adapter's configuration: not under the lock
+        with self._lock:
+            registry.put(adapter)
+        return adapter
+
+    def unload_adapter(self, name: str) -> int:
+        """Stop serving adapter ``name``: new requests for it are refused at once, those already queued or running
+        finish with it (its slot is reused only once none holds it). Returns how many those are; ModelNotFound
+        when no adapter of that name is served."""
+        registry = self._check_adapters()
+        with self._lock:
+            if name not in registry:
+                raise ModelNotFound(f"no LoRA adapter named {name!r} is loaded")
+            adapter = registry.remove(name)
+            return sum(seq.adapter is adapter for seq in _started(self._requests).sequences())
+
+    def _check_adapters(self) -> AdapterRegistry:
+        self._check_ready()
+        if self.adapters is None:
+            raise EngineError("this engine serves no LoRA adapters (lora.enable)")
+        return self.adapters
 
     def export_prompt_kv(self, prompt_ids: list[int]) -> Future:
         """A future of the KV blocks this engine holds of ``prompt_ids``' full blocks (``kv_transfer.KvPayload``;
@@ -360,8 +416,14 @@ class Engine:
                 out.update(queue_drain_tokens_per_s=rate or 0.0, queue_wait_s=wait or 0.0)
             if self._agents is not None:
                 out.update(agent_restarts=self._agents.restarts, step_timeout_s=self._agents.step_timeout_s)
+                standby = self._agents.standby
+                if standby is not None:
+                    out.update(standby=standby.state, standby_pids=standby.pids,
+                               standby_promotions=self._agents.promotions, standby_deaths=standby.deaths)
             if self._kv is not None:
                 out.update(self._kv.counters)
+            if self.adapters is not None and s is not None:
+                out.update(lora_stats(s, self.adapters))
             out.update(self._counters, run_step_s=self._run_step_s, busy_s=self._busy_seconds())
             return out
 
@@ -509,8 +571,11 @@ class Engine:
         """Send a scheduled step to the agents: ``(seqs, batch, step number, when)`` for ``AgentPool.collect``."""
         seqs, batch = step
         t0 = time.perf_counter()
+        pool = _started(self._agents).pool
+        if batch.lora_slots is not None:  # adapters its admissions need, loaded first (none for a step sent ahead)
+            run_adapter_loads(pool, _started(self._scheduler), _started(self._requests), self._lock)
         self._in_flight = tuple(seqs)  # a step sent ahead has the sequences of the one before it
-        number = _started(self._agents).pool.submit(batch)
+        number = pool.submit(batch)
         self._run_step_s += time.perf_counter() - t0
         return seqs, batch, number, t0
 

@@ -31,6 +31,7 @@ import numpy as np
 from llm_serving.config.serving_config import ServingConfig
 from llm_serving.core.sequence import Sequence
 from llm_serving.engine.request_stream import EngineError
+from llm_serving.engine.standby import Standby, memory_shortfall
 from llm_serving.executor.agent_pool import AgentStepError
 from llm_serving.executor.step_pool import StepPool
 from llm_serving.protocol.batch import FAILED_TOKEN, StepBatch, StepOutput
@@ -152,19 +153,25 @@ class StallWatch:
 
 
 class AgentSupervisor:
-    """Owns the engine's agent pool: starts it, and replaces it after a failure with back-off.
+    """Owns the engine's agent pool: starts it, and replaces it after a failure with back-off; with ``standby``
+    (``serving_config.standby_agents``) it keeps a standby pool (``engine.standby``) and replaces a failed pool by
+    promoting that, starting new agents only when there is none.
 
     ``close()`` may be called from any thread, also while new agents start (they are stopped at once).
     """
 
-    def __init__(self, config: RecoveryConfig, factory: Callable[[AgentSpec], StepPool], spec: AgentSpec) -> None:
+    def __init__(self, config: RecoveryConfig, factory: Callable[[AgentSpec], StepPool], spec: AgentSpec,
+                 standby: bool = False) -> None:
         self.config = config
         self.policy = RestartPolicy(config)
         self.stall = StallWatch()
         self._pool: StepPool | None = None  # made by start(); replaced by replace()
         self.step_timeout_s: float | None = None  # derived from the serving pool's warm-up timings
         self.restarts = 0
+        self.promotions = 0  # restarts that promoted the standby
         self._factory, self._spec = factory, spec
+        self._keeps_standby = standby
+        self._standby: Standby | None = None
         self._lock = threading.Lock()
         self._closed = False
 
@@ -192,8 +199,9 @@ class AgentSupervisor:
         return blocks
 
     def replace(self, wait: Callable[[float], bool], failure: str) -> bool:
-        """Kill the failed pool and start new agents until one pool is up: True. False when ``wait`` (the
-        back-off before each attempt) or ``close()`` says stop; EngineError when the restart limit is hit."""
+        """Kill the failed pool and promote the standby or start new agents until one pool is up: True. False
+        when ``wait`` (the back-off before each attempt) or ``close()`` says stop; EngineError when the restart
+        limit is hit."""
         self.pool.close(graceful=False)
         while True:
             delay = self.policy.next_delay()
@@ -203,29 +211,74 @@ class AgentSupervisor:
                                   f"last: {failure}")
             if not wait(delay):
                 return False
-            with self._lock:
-                if self._closed:
-                    return False
-                self._pool = pool = self._factory(self._spec)
             try:
-                pool.start(None)
+                pool = self._promote_standby() or self._start_new()
             except Exception as exc:  # noqa: BLE001 - one more failure in a row
-                pool.close(graceful=False)
                 if self._closed:
                     return False
                 failure = f"restarting the agents failed: {exc}"
                 log.error("%s", failure)
                 continue
-            if self._closed:
+            if pool is None or self._closed:
                 return False
             self._adopt(pool)
             self.restarts += 1
+            self.keep_standby()
             return True
+
+    def keep_standby(self) -> None:
+        """Start a standby pool in the background, where configured (after the serving pool is up: it needs the
+        KV block count that pool fixed, and the memory check measures that pool)."""
+        with self._lock:
+            if not self._keeps_standby or self._closed:
+                return
+            serving, old = self._pool, self._standby
+            self._standby = Standby(self._factory, self._spec,
+                                    lambda: memory_shortfall(serving.pids if serving is not None else []),
+                                    self.config.restart_limit, self.config.backoff_s)
+        if old is not None:  # not reached today (a recovery spends the standby); never leave one running
+            old.close()
+
+    @property
+    def standby(self) -> Standby | None:
+        return self._standby
+
+    def _promote_standby(self) -> StepPool | None:
+        """The standby pool, now serving (waits for one still starting), or None where there is none."""
+        with self._lock:
+            standby = self._standby
+        if standby is None:
+            return None
+        pool = standby.take()
+        with self._lock:
+            self._standby = None
+            if pool is not None and not self._closed:
+                self._pool = pool
+                self.promotions += 1
+                return pool
+        if pool is not None:
+            pool.close(graceful=False)
+        return None
+
+    def _start_new(self) -> StepPool | None:
+        """New agents, started (None once closed; raises when they fail to start, nothing left behind)."""
+        with self._lock:
+            if self._closed:
+                return None
+            self._pool = pool = self._factory(self._spec)
+        try:
+            pool.start(None)
+        except BaseException:
+            pool.close(graceful=False)
+            raise
+        return pool
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            pool = self._pool
+            pool, standby = self._pool, self._standby
+        if standby is not None:
+            standby.close()
         if pool is not None:
             pool.close()
 

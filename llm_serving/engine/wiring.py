@@ -18,8 +18,8 @@ from typing import Any
 from llm_serving.config.sections import TOKENIZER_TYPES
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.core.scheduler_config import SchedulerConfig
+from llm_serving.engine.ascend_settings import ascend_settings
 from llm_serving.models.default_model import ensure_default_model
-from llm_serving.protocol.ascend_env import ascend_environment, max_device_memory
 from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
 from llm_serving.protocol.parallel import kv_shards, tensor_parallel_problems
 from llm_serving.protocol.paths import cache_root
@@ -229,6 +229,7 @@ def scheduler_config(config: ServingConfig, eos_token_id: int | None, llama: Lla
         prompt_lookup_min=sp.prompt_lookup_min, prompt_lookup_max=sp.prompt_lookup_max,
         speculative_step_tokens=sp.max_step_tokens, speculative_min_accepted=sp.policies()[0],
         speculative_adaptive=sp.policies()[1], speculative_rounds=sp.verify_rounds(),
+        max_loras=config.lora.max_loras if config.lora.enable else 0,
     )
 
 
@@ -236,13 +237,14 @@ def runner_config_dict(config: ServingConfig) -> dict[str, Any]:
     """``agents.runtime.runner.RunnerConfig`` fields (JSON-able); the runner adds a 1 x max_model_len recompute
     shape itself."""
     m, pa = config.model_config, config.pa_config
+    ascend = ascend_settings(config)  # the preflight verdict's steering, where one is named
     return {
         "num_blocks": None if pa.auto_blocks else pa.num_blocks, "block_size": pa.block_size,
         "max_model_len": config.max_model_len,
         "prefill_batch_sizes": list(m.prefill_batch_size), "prefill_seq_lengths": list(m.seq_length),
         "decode_batch_sizes": list(m.decode_batch_size), "dtype": m.dtype, "kernels": m.kernels,
         "precision": m.precision, "quantization": m.quantization, "kv_cache_dtype": m.kv_cache_dtype,
-        "int8_kv_direction": m.ascend_int8_kv_direction,
+        "int8_kv_direction": ascend.int8_kv_direction if ascend else None,
         # chunks and prefix-cache hits are queries over cached context: the agents warm those graphs too
         "mixed_steps": config.chunked_prefill or config.prefix_caching,
         "max_num_batched_tokens": config.max_num_batched_tokens,
@@ -250,19 +252,10 @@ def runner_config_dict(config: ServingConfig) -> dict[str, Any]:
         "verify_step_tokens": config.speculative.max_step_tokens,
         "decode_steps": config.scheduler.decode_steps,  # looped decode graphs (agents.runtime.looped_decode)
         "device_target": m.device_target, "dynamic_shapes": m.dynamic_graphs,
-        **device_settings(config),
+        "device_environment": ascend.environment if ascend else {},
+        "max_device_memory": ascend.max_device_memory if ascend else None,
         **({"memory_utilization": pa.utilization} if pa.auto_blocks else {}),
     }
-
-
-def device_settings(config: ServingConfig) -> dict[str, Any]:
-    """The environment and memory pool cap the agents set up their device with (``llm_serving.protocol.ascend_env``;
-    none on CPU)."""
-    m = config.model_config
-    if m.device_target != "Ascend":
-        return {"device_environment": {}, "max_device_memory": None}
-    return {"device_environment": ascend_environment(config.num_agents, m.environment_overrides()),
-            "max_device_memory": max_device_memory(config.pa_config.utilization, m.max_device_memory)}
 
 
 def compile_cache_dir(config: ServingConfig) -> str | None:
@@ -308,4 +301,6 @@ def agent_spec(config: ServingConfig, model: ModelFiles, standin: bool = False) 
         local_ranks=config.serving_config.local_agents,
         join_address=config.serving_config.join_address,
         kv_transfer=config.serving_config.kv_transfer and not standin,
+        lora={"max_loras": config.lora.max_loras, "max_lora_rank": config.lora.max_lora_rank}
+        if config.lora.enable else None,
     )

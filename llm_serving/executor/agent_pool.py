@@ -168,8 +168,9 @@ class AgentPool:
     # ---- properties ----------------------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
-        """True while every agent is up and serving."""
-        return self._state == "ready" and all(a.proc.poll() is None for a in self._agents)
+        """True while every agent (and the collectives' scheduler) is up and serving."""
+        return self._state == "ready" and all(a.proc.poll() is None for a in self._agents) and (
+            self._cluster is None or self._cluster.exited() is None)
 
     @property
     def pids(self) -> list[int]:

@@ -47,7 +47,7 @@ ASCEND_ENVIRONMENT: tuple[EnvEntry, ...] = (
 # caps its pool at max_device_memory "58GB" of it); model_config.max_device_memory overrides on other devices
 ASCEND_HBM_GIB = 64
 # model_config.ascend_int8_kv_direction: how PagedAttention applies its antiquant_scale to an int8 cache, as a
-# device check found it (tests/ascend_npu_ops.py): "multiply" (value = int8 x scale; the scale passed is the
+# device check found it (`llm-serving preflight`): "multiply" (value = int8 x scale; the scale passed is the
 # dequantization step) or "reciprocal" (value = int8 / scale; passed its inverse, as QuantV2 takes a scale).
 # vllm-mindspore passes one k_scale to both QuantV2 and PagedAttention, so one of the two takes the reciprocal;
 # no source says which, so int8 KV on Ascend is refused until the key is set.

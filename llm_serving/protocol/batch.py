@@ -137,6 +137,8 @@ def kv_slots(block_tables: Integers, rows: Integers, positions: Integers, block_
 
 
 KV_DIRECTIONS = ("export", "import")
+# the longest adapter directory path an ``AdapterStep`` carries (UTF-8 bytes; the shared memory holds as many)
+MAX_ADAPTER_PATH_BYTES = 4096
 
 
 @dataclass
@@ -153,6 +155,31 @@ class KvCopyStep:
         if self.direction not in KV_DIRECTIONS:
             raise ValueError(f"KV copy direction {self.direction!r} is not one of {KV_DIRECTIONS}")
         self.block_ids = np.asarray(self.block_ids, np.int32)
+
+    @property
+    def batch_size(self) -> int:
+        return 0
+
+    @property
+    def num_steps(self) -> int:
+        return 1
+
+
+@dataclass
+class AdapterStep:
+    """Not a model step: load the PEFT LoRA adapter in directory ``path`` into adapter slot ``slot`` of every rank
+    (each its own slice, ``agents.weights.lora_weights``), or empty the slot (``path`` None). A model step's rows
+    then name their slot (``StepBatch.lora_slots``). The master checked the adapter (``protocol.lora.LoraConfig``)
+    and sends this only while no step in flight uses the slot. It has no sequences and its answer no tokens."""
+
+    slot: int
+    path: str | None
+
+    def __post_init__(self) -> None:
+        if self.slot < 0:
+            raise ValueError(f"adapter slot {self.slot} is negative")
+        if self.path is not None and len(self.path.encode()) > MAX_ADAPTER_PATH_BYTES:
+            raise ValueError(f"adapter path {self.path!r} is longer than {MAX_ADAPTER_PATH_BYTES} bytes")
 
     @property
     def batch_size(self) -> int:
@@ -197,6 +224,9 @@ class StepBatch:
     of the step before, whose ``input_ids`` are placeholders: each agent feeds row ``i`` the token it picked for row
     ``fed_rows[i]`` of the step before (that row's last step's, for a multi-step batch). A mixed step's rows of
     ``fed_rows[i] < 0`` (prompt chunks admitted in the step ahead) carry their own input ids.
+
+    ``lora_slots[i]``: the adapter slot (``AdapterStep``) whose LoRA row ``i`` is computed with, -1 for the base
+    model; None when no row uses an adapter (the agents then add nothing).
     """
 
     input_ids: npt.NDArray[np.int32]  # int32 [num_tokens]
@@ -215,6 +245,7 @@ class StepBatch:
     history_ids: npt.NDArray[np.int32] | None = None  # int32 [history_offsets[-1]]
     round_proposals: int = 0  # verify rounds: proposals a sequence gets a round (above)
     kind: StepKind = None  # type: ignore[assignment]  # None: derived from the content (step_kind)
+    lora_slots: npt.NDArray[np.int32] | None = None  # int32 [B]: each row's adapter slot, -1 none (above)
 
     def __post_init__(self) -> None:
         if self.kind is None:
@@ -261,7 +292,8 @@ class StepBatch:
                          want if want is not None and want.any() else None, self.num_steps,
                          self.draft_lens[indices] if self.draft_lens is not None else None,
                          self.fed_rows[indices] if self.fed_rows is not None else None, offsets, history,
-                         self.round_proposals, kind=part_kind(self.kind, lens, context))
+                         self.round_proposals, kind=part_kind(self.kind, lens, context),
+                         lora_slots=self.lora_slots[indices] if self.lora_slots is not None else None)
 
     def validate(self) -> None:
         """Raise ValueError when the arrays disagree with each other (cheap; for tests and loaders)."""
@@ -298,10 +330,12 @@ class StepBatch:
                 raise ValueError("draft_lens must hold, per sequence, fewer proposals than its query tokens")
             if self.want_logits is not None:
                 raise ValueError("proposals are verified in steps without logits to return")
+        if self.lora_slots is not None and (self.lora_slots.shape != (b,) or np.any(self.lora_slots < -1)):
+            raise ValueError("lora_slots must hold, per sequence, its adapter slot or -1")
 
 
-# What the agents run: a model step, or a copy of KV blocks.
-Step = StepBatch | KvCopyStep
+# What the agents run: a model step, a copy of KV blocks, or an adapter loaded into a slot.
+Step = StepBatch | KvCopyStep | AdapterStep
 
 
 @dataclass

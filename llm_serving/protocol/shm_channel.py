@@ -1,15 +1,15 @@
 """Fixed-layout shared-memory buffers that carry one step between the master and its device agents.
 
-One POSIX shared-memory segment is allocated at start and never resized: a small int64 header, the
-token-flat input arrays of a ``StepBatch`` at their maximum sizes, its optional per-sequence arrays (sampling
-parameters, the rarer ``SamplingExtras``, token masks of ``ceil(logits_width / 32)`` words a sequence, the rows
-that want logits, fed rows, proposals, prompt-lookup history), and an output area where rank 0 writes the next
-token id and logprob of every sequence, and the float32 logits of the sequences whose ``want_logits`` is set
+One POSIX shared-memory segment is allocated at start and never resized: a small int64 header, the token-flat input
+arrays of a ``StepBatch`` at their maximum sizes, its optional per-sequence arrays (sampling parameters, the rarer
+``SamplingExtras``, token masks of ``ceil(logits_width / 32)`` words a sequence, the rows that want logits, fed
+rows, proposals, prompt-lookup history, rows' adapter slots), and an output area where rank 0 writes the next token
+id and logprob of every sequence, and the float32 logits of the sequences whose ``want_logits`` is set
 (``max_logits_rows`` rows of ``logits_width``). The header says what the step is: its kind
-(``protocol.step.StepKind``, or a KV copy's direction), its sizes, and a bit per optional area it fills, so a step
-copies only what it has (an all-greedy decode step none of the optional areas). A step is then a handful of
-``memcpy``s into numpy views; nothing is pickled. Signalling (whose turn it is) is not done here but over pipes by
-``agent_pool``.
+(``protocol.step.StepKind``, a KV copy's direction, or an adapter step: its slot and path), its sizes, and a bit per
+optional area it fills, so a step copies only what it has (an all-greedy decode step none of the optional areas). A
+step is then a handful of ``memcpy``s into numpy views; nothing is pickled. Signalling (whose turn it is) is not
+done here but over pipes by ``agent_pool``.
 
 Only the creating side (the master) registers the segment with Python's ``resource_tracker``, so a crashed
 master still gets it unlinked; agents attach without tracking, since in Python < 3.13 an attaching
@@ -31,7 +31,9 @@ import numpy as np
 
 from llm_serving.protocol.arrays import AnyArray
 from llm_serving.protocol.batch import (
+    MAX_ADAPTER_PATH_BYTES,
     MAX_LOGIT_ADJUSTMENTS,
+    AdapterStep,
     KvCopyStep,
     SamplingBatch,
     SamplingExtras,
@@ -41,10 +43,10 @@ from llm_serving.protocol.batch import (
 )
 from llm_serving.protocol.step import StepKind
 
-MAGIC = 0x4C4C4D53483B  # "LLMSH;": bump the digit when the layout changes
+MAGIC = 0x4C4C4D53483C  # "LLMSH<": bump the digit when the layout changes
 NAME_PREFIX = "llmserving_"
 _ALIGN = 64
-_HEADER_SLOTS = 25
+_HEADER_SLOTS = 27
 # header slots (int64): the layout's capacities, then what the step is (its kind, sizes and which optional areas
 # carry its arrays), then what its answer is
 (_MAGIC, _MAX_TOKENS, _MAX_BATCH, _MAX_BLOCKS, _MAX_PENALTY, _MAX_LOGITS_ROWS, _LOGITS_WIDTH,
@@ -53,10 +55,12 @@ _STEP, _KIND, _NUM_TOKENS, _BATCH_SIZE, _WIDTH, _NUM_STEPS, _AREAS = range(8, 15
 _PENALTY_TOKENS, _ADJUSTMENTS, _HISTORY_IDS, _KV_BLOCKS = range(15, 19)
 _OUT_STEP, _OUT_BATCH_SIZE, _OUT_MORE_STEPS, _OUT_AREAS, _OUT_LOGITS_ROWS = range(19, 24)
 _ROUND_PROPOSALS = 24
-# _KIND: a model step's StepKind value, or a KV copy's direction
+_ADAPTER_SLOT, _ADAPTER_PATH_BYTES = 25, 26  # an AdapterStep's slot, and its path's length (-1: no path)
+# _KIND: a model step's StepKind value, a KV copy's direction, or an adapter step
 _KV_KINDS = {"export": -1, "import": -2}
+_ADAPTER_KIND = -3
 # _AREAS: the optional input areas a step fills (the others are stale and not read)
-_SAMPLING, _EXTRAS, _MASKS, _WANT_LOGITS, _FED_ROWS, _HISTORY = (1 << i for i in range(6))
+_SAMPLING, _EXTRAS, _MASKS, _WANT_LOGITS, _FED_ROWS, _HISTORY, _LORA_SLOTS = (1 << i for i in range(7))
 # _OUT_AREAS: the optional output areas an answer fills
 _OUT_NUM_MORE, _OUT_SPEC = 1, 2
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "seeds", "draw_index")
@@ -109,7 +113,8 @@ class ChannelLayout:
                 ("adjust_values", np.float32, b * MAX_LOGIT_ADJUSTMENTS),
                 ("token_masks", np.int32, b * self.mask_words),
                 ("want_logits", np.uint8, b), ("draft_lens", np.int32, b), ("fed_rows", np.int32, b),
-                ("kv_block_ids", np.int32, self.max_blocks_per_seq),
+                ("kv_block_ids", np.int32, self.max_blocks_per_seq), ("lora_slots", np.int32, b),
+                ("adapter_path", np.uint8, MAX_ADAPTER_PATH_BYTES),
                 ("history_offsets", np.int32, b + 1), ("history_ids", np.int32, p),
                 ("out_token_ids", np.int32, b), ("out_logprobs", np.float32, b),
                 ("out_more_ids", np.int32, b * (self.max_decode_steps - 1)),
@@ -260,6 +265,8 @@ class StepChannel:
     def check_fits(self, step: Step) -> None:
         """Raise ValueError when ``step`` exceeds the capacities the segment was allocated with."""
         lay = self.layout
+        if isinstance(step, AdapterStep):
+            return  # its path's length is checked when it is made
         if isinstance(step, KvCopyStep):
             if step.block_ids.shape[0] > lay.max_blocks_per_seq:
                 raise ValueError(f"a KV copy of {step.block_ids.shape[0]} blocks exceeds the shared memory's "
@@ -309,6 +316,15 @@ class StepChannel:
         """Copy ``step`` into the segment as step number ``number`` (a block table compactly, ``[B, W]``)."""
         self.check_fits(step)
         h, v = self.header, self._views
+        if isinstance(step, AdapterStep):
+            path = step.path.encode() if step.path is not None else b""
+            v["adapter_path"][: len(path)] = np.frombuffer(path, np.uint8)
+            h[_KIND], h[_ADAPTER_SLOT] = _ADAPTER_KIND, step.slot
+            h[_ADAPTER_PATH_BYTES] = len(path) if step.path is not None else -1
+            h[_NUM_TOKENS] = h[_BATCH_SIZE] = h[_WIDTH] = h[_AREAS] = 0
+            h[_NUM_STEPS] = 1
+            h[_STEP] = number
+            return
         if isinstance(step, KvCopyStep):
             v["kv_block_ids"][: step.block_ids.shape[0]] = step.block_ids
             h[_KIND], h[_KV_BLOCKS] = _KV_KINDS[step.direction], step.block_ids.shape[0]
@@ -360,6 +376,9 @@ class StepChannel:
             v["history_offsets"][: b + 1], v["history_ids"][:m] = batch.history_offsets, batch.history_ids
             h[_HISTORY_IDS] = m
             areas |= _HISTORY
+        if batch.lora_slots is not None:
+            v["lora_slots"][:b] = batch.lora_slots
+            areas |= _LORA_SLOTS
         h[_KIND], h[_NUM_TOKENS], h[_BATCH_SIZE], h[_WIDTH] = batch.kind, n, b, width
         h[_NUM_STEPS], h[_AREAS], h[_ROUND_PROPOSALS] = batch.num_steps, areas, batch.round_proposals
         h[_STEP] = number
@@ -391,6 +410,10 @@ class StepChannel:
         """The current step number and step, its arrays zero-copy views (do not keep them past the step)."""
         h, v = self.header, self._views
         code = int(h[_KIND])
+        if code == _ADAPTER_KIND:
+            size = int(h[_ADAPTER_PATH_BYTES])
+            path = bytes(v["adapter_path"][:size]).decode() if size >= 0 else None
+            return int(h[_STEP]), AdapterStep(int(h[_ADAPTER_SLOT]), path)
         if code < 0:
             direction = next(name for name, value in _KV_KINDS.items() if value == code)
             return int(h[_STEP]), KvCopyStep(direction, v["kv_block_ids"][: int(h[_KV_BLOCKS])])
@@ -417,7 +440,7 @@ class StepChannel:
                           v["fed_rows"][:b] if areas & _FED_ROWS else None,
                           v["history_offsets"][: b + 1] if kept else None,
                           v["history_ids"][: int(h[_HISTORY_IDS])] if kept else None, int(h[_ROUND_PROPOSALS]),
-                          kind=kind)
+                          kind=kind, lora_slots=v["lora_slots"][:b] if areas & _LORA_SLOTS else None)
         return int(h[_STEP]), batch
 
     def write_output(self, step: int, output: StepOutput) -> None:

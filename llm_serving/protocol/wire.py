@@ -117,6 +117,10 @@ class AgentSpec:
     # root of the agents' graph compile caches (agents.runtime.compile_cache: one directory per configuration and code
     # under it); None: compile every shape at each start
     compile_cache_dir: str | None = None
+    # LoRA adapters per request: {"max_loras": n, "max_lora_rank": r}, the graphs hold n adapter slots of rank up to
+    # r (``batch.AdapterStep`` fills one, ``StepBatch.lora_slots`` picks them per row); None: no adapters and
+    # nothing added to the graphs
+    lora: JsonObject | None = None
     # early exit: serve the model's first exit_layer layers (then its final norm and lm_head); None: all of them
     exit_layer: int | None = None
     # speculative decoding with a draft in the agents (agents.runtime.speculative_runner):

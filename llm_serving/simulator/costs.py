@@ -25,10 +25,13 @@ import numpy as np
 from scipy.optimize import nnls
 
 from llm_serving.core.step_shape import StepShape, step_rows, steps_from_rows
+from llm_serving.protocol.lora_budget import lora_slot_values
 from llm_serving.protocol.model_config import LlamaConfig
-from llm_serving.protocol.parallel import kv_shards
+from llm_serving.protocol.parallel import ShardPlan, kv_shards
 
 FEATURES = ("call", "step", "token", "seq", "context", "prefill call", "prefill seq", "pair")
+# the terms of steps with LoRA adapter rows (``features``' ``adapters``), after the buckets'
+ADAPTER_FEATURES = ("adapter step", "adapter slot", "adapter token")
 REFITS = 4  # reweighting rounds of the fit (see FittedCost.fit)
 
 
@@ -42,7 +45,7 @@ class StepCost(Protocol):
     def describe(self) -> str: ...
 
 
-def features(shape: StepShape, buckets: tuple[int, ...] = ()) -> np.ndarray:
+def features(shape: StepShape, buckets: tuple[int, ...] = (), adapters: bool = False) -> np.ndarray:
     """The linear model's terms: a round trip's fixed cost, then per decode step run in it its fixed cost, its
     tokens, sequences and cached positions read; a step with prompt tokens pays a fixed cost (another graph) and a
     cost per prompt it starts or continues, and its query x key pairs. With the served decode ``buckets``, also a
@@ -50,14 +53,19 @@ def features(shape: StepShape, buckets: tuple[int, ...] = ()) -> np.ndarray:
     cost per cached position read in that bucket's graph from a KV block no other sequence of the step reads: one
     slope for every batch size let the many small decode steps of a profile set it, which overstated large batches
     over long contexts by up to 39%, and positions read from a block another sequence reads too (a shared prefix)
-    cost only the first, global slope (docs/simulator.md)."""
+    cost only the first, global slope (docs/simulator.md). With ``adapters`` (a profile that ran LoRA adapters), a
+    step with adapter rows pays a fixed cost (the update's extra ops: a masked low-rank update is three ops per
+    projection whatever the mix, docs/model.md "Adapters"), one per distinct adapter (its A and B read), and one per
+    token through them."""
     k = shape.num_steps
     padded = next((b for b in buckets if b >= shape.num_seqs), buckets[-1] if buckets else 0)
     distinct = shape.context_tokens - shape.shared_context_tokens
     return np.array([1.0, k, k * shape.num_tokens, k * shape.num_seqs, k * shape.context_tokens,
                      float(shape.prefill_seqs > 0), shape.prefill_seqs, shape.attention_pairs,
                      *(k * float(b == padded) for b in buckets),
-                     *(k * distinct * float(b == padded) for b in buckets)], dtype=np.float64)
+                     *(k * distinct * float(b == padded) for b in buckets),
+                     *((k * float(shape.adapter_slots > 0), k * shape.adapter_slots, k * shape.adapter_tokens)
+                       if adapters else ())], dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -65,16 +73,18 @@ class FittedCost:
     coefficients: tuple[float, ...]  # seconds per unit of each FEATURES term, then of each bucket's two (features)
     source: str = ""  # what it was fitted on (the profile's description)
     buckets: tuple[int, ...] = ()  # the profiled config's decode batch buckets (``features``)
+    adapters: bool = False  # the profile ran steps with LoRA adapter rows: the adapter terms were fitted
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[StepShape, float]], source: str = "",
             buckets: Sequence[int] = ()) -> FittedCost:
         buckets = tuple(sorted(buckets))
-        terms = len(FEATURES) + 2 * len(buckets)
+        adapters = any(s.adapter_tokens for s, _ in samples)  # else their columns are zero: nothing to fit
+        terms = len(FEATURES) + 2 * len(buckets) + len(ADAPTER_FEATURES) * adapters
         if len(samples) < terms:
             raise CostModelError(f"fitting a step-time model needs at least {terms} measured steps, got "
                                  f"{len(samples)}")
-        x = np.stack([features(s, buckets) for s, _ in samples])
+        x = np.stack([features(s, buckets, adapters) for s, _ in samples])
         t = np.array([max(sec, 1e-6) for _, sec in samples])
         # errors relative to each step's time, so short steps weigh as much as long ones; then relative to the fitted
         # time instead, so that the fit is the mean of noisy repeats of a shape (not their harmonic mean)
@@ -82,16 +92,18 @@ class FittedCost:
         for _ in range(REFITS):
             coef, _ = nnls(x / scale[:, None], t / scale)
             scale = np.maximum(x @ coef, 1e-6)
-        return cls(tuple(float(c) for c in coef), source, buckets)
+        return cls(tuple(float(c) for c in coef), source, buckets, adapters)
 
     def seconds(self, shape: StepShape) -> float:
-        return float(features(shape, self.buckets) @ np.asarray(self.coefficients))
+        """A profile without adapter steps prices an adapter step as the base model's (``describe`` says so)."""
+        return float(features(shape, self.buckets, self.adapters) @ np.asarray(self.coefficients))
 
     def describe(self) -> str:
         names = (*FEATURES, *(f"bucket {b}" for b in self.buckets),
-                 *(f"bucket {b} unshared context" for b in self.buckets))
+                 *(f"bucket {b} unshared context" for b in self.buckets), *(ADAPTER_FEATURES if self.adapters else ()))
         terms = ", ".join(f"{name} {c * 1e6:.3g} us" for name, c in zip(names, self.coefficients))
-        return f"fitted ({self.source}): {terms}"
+        unknown = "" if self.adapters else " (no adapter steps profiled: LoRA rows cost as base rows)"
+        return f"fitted ({self.source}): {terms}{unknown}"
 
     def relative_errors(self, samples: Iterable[tuple[StepShape, float]]) -> np.ndarray:
         return np.array([self.seconds(s) / sec - 1.0 for s, sec in samples if sec > 0])
@@ -142,6 +154,7 @@ class DeviceCost:
     tensor_parallel: int = 1
     dtype_bytes: int = 2  # float16 / bfloat16 weights and KV
     int8_projections: bool = False  # model_config.quantization w8a16: a byte a weight, a scale a row
+    max_lora_rank: int = 16  # the adapter slots' rank (lora.max_lora_rank): what one adapter's A and B hold
 
     @property
     def weight_bytes_per_rank(self) -> float:
@@ -197,6 +210,10 @@ class DeviceCost:
         flops = (matmul_flops + 2 * m.hidden_size * m.vocab_size * shape.num_seqs
                  + 4 * m.q_dim * m.num_hidden_layers * shape.attention_pairs) / tp
         read = self.weight_bytes_read(shape.num_tokens) + self.kv_bytes_per_token_per_rank * shape.context_tokens
+        if shape.adapter_slots:  # the masked update: every token through each used adapter's A and B, read once
+            values = lora_slot_values(ShardPlan(m, tp), self.max_lora_rank) * shape.adapter_slots
+            flops += 2 * values * shape.num_tokens
+            read += values * self.dtype_bytes
         device_s = max(flops / (d.peak_tflops * 1e12 * d.compute_efficiency),
                        read / (d.memory_bandwidth_gbs * 1e9 * d.memory_efficiency))
         comm_s = 0.0

@@ -7,7 +7,10 @@ delivered when it ends. Every decision (admission order, chunking, preemption, p
 by ``core.Scheduler`` itself. The tokens a step "produces" are a filler id, and the end-of-sequence id where a
 request's model would end it (``SimRequest.output_tokens``: a replayed load test replays where its server's
 model stopped, ``workload.from_results``), so requests ask for and are ordered by their ``max_new_tokens`` as on
-the server. Speculative decoding is refused: what it proposes depends on the real tokens.
+the server. Requests naming a LoRA adapter (``SimRequest.adapter``) take the adapter slots of ``config.max_loras``
+as on the server (a request whose adapter finds no slot waits) and their steps cost what the cost model says of
+adapter rows (``StepShape.adapter_tokens``). Speculative decoding is refused: what it proposes depends on the real
+tokens.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import numpy as np
 from llm_serving.bench.metrics import compute_metrics
 from llm_serving.bench.results import RequestResult
 from llm_serving.bench.run_files import save_results
+from llm_serving.core.adapters import Adapter
 from llm_serving.core.scheduler import Scheduler
 from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.core.sequence import SamplingParams, Sequence
 from llm_serving.core.step_shape import StepShape
 from llm_serving.protocol.batch import StepOutput
+from llm_serving.protocol.lora import LoraConfig, LoraModule
 from llm_serving.simulator.costs import StepCost
 from llm_serving.simulator.workload import SimRequest
 
@@ -79,6 +84,8 @@ def simulate(config: SchedulerConfig, requests: list[SimRequest], cost: StepCost
     """Serve ``requests`` on the virtual clock. ``request_overhead_s``: what a request spends before the engine
     sees it and after its token leaves the engine (HTTP, tokenizing, streaming). ``max_concurrency``: the load
     tool's cap on requests in flight (a request waits for a finished one's slot before it is sent)."""
+    if any(r.adapter is not None for r in requests) and not config.max_loras:
+        raise ValueError("simulate: requests name LoRA adapters, but the configuration serves none (max_loras 0)")
     if config.speculative:
         raise ValueError("simulate: speculative decoding is not modelled (its proposals depend on the real tokens); "
                          "simulate the configuration without it")
@@ -92,6 +99,7 @@ def simulate(config: SchedulerConfig, requests: list[SimRequest], cost: StepCost
     lengths: dict[str, int] = {}  # tokens of the requests an end token ends (that token included)
     run = SimRun([], 0.0)
     ahead = None  # the step sent ahead of the one running (config.async_scheduling)
+    adapters: dict[str, Adapter] = {}  # by name: what the scheduler sees of one (its weights are not simulated)
 
     def send_time() -> float | None:  # when the next queued request goes out (None: waits for a slot)
         if not queue or (free is not None and not free):
@@ -112,6 +120,9 @@ def simulate(config: SchedulerConfig, requests: list[SimRequest], cost: StepCost
             params = SamplingParams(asked, seed=0, priority=req.priority)
             seq = Sequence(f"sim-{req.index}", list(req.prompt_ids), params)
             seq.arrival_time = seen
+            if req.adapter is not None:
+                seq.adapter = adapters.setdefault(req.adapter, Adapter(
+                    req.adapter, "", LoraConfig((LoraModule(0, "q_proj", 1, 1.0),)), len(adapters)))
             sched.add(seq)
             if req.length < asked:  # its model ends it early
                 lengths[seq.request_id] = req.length

@@ -37,6 +37,7 @@ class SimRequest:
     max_new_tokens: int  # what the request asks for (the admission policy orders by it)
     output_tokens: int | None = None  # where the model ends it (an end-of-sequence token); None: max_new_tokens
     priority: int = 0  # under the "priority" policy lower is admitted earlier and preempted later (vLLM's)
+    adapter: str | None = None  # the LoRA adapter its model names (None: the base model)
 
     @property
     def length(self) -> int:

@@ -4,7 +4,7 @@ cells (``AscendBackend(ReferenceOps())``).
 
 Why: the fused kernels have no CPU implementation ("Unsupported op [PagedAttention] on CPU"), and exporting a graph
 checks its types and shapes but not what it computes. These stand-ins are checked against numpy references of the
-contracts (tests/ascend_contracts.py), and the Ascend wiring with them against Hugging Face. They compute in
+contracts (agents/tools/preflight/references.py), and the Ascend wiring with them against Hugging Face. They compute in
 float32 and cast back, as the NPU kernels accumulate; they are for checks, not speed (the gathers copy).
 """
 

@@ -476,6 +476,18 @@ int parse_layer(int nparam, void **params, int *ndims, int64_t **shapes, const c
   return 0;
 }
 
+// Decode tasks (one sequence and kv head each) per helper woken, for a call over ``rows`` context rows of
+// ``batch`` sequences: enough that a helper's share is worth its hand-off, so a helper joins a single long
+// sequence's kv heads. Why: at batch 1 a fixed 16 left the step's attention on one core while the other idled
+// (bench model, context 256: 4 tasks of ~14 us, ~5% of a token's kernel CPU; docs/benchmarks.md "Inside the
+// kernels at batch 1"); a polling helper's hand-off costs a few microseconds, ~512 rows of work.
+int64_t decode_tasks_per_thread(int64_t rows, int64_t batch) {
+  constexpr int64_t kRowsPerHandoff = 512, kMost = 16;
+  const int64_t mean = batch > 0 ? rows / batch : 0;
+  const int64_t wanted = mean > 0 ? (kRowsPerHandoff + mean - 1) / mean : kMost;
+  return wanted < 1 ? 1 : (wanted > kMost ? kMost : wanted);
+}
+
 }  // namespace
 
 extern "C" int PagedDecodeAttention(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
@@ -499,7 +511,9 @@ extern "C" int PagedDecodeAttention(int nparam, void **params, int *ndims, int64
       if (tables[b * width + i] < 0 || tables[b * width + i] >= num_blocks) return 5;
     }
   }
-  run_tasks(batch * layer.n_kv, 16, [&](int64_t task) {
+  int64_t rows = 0;
+  for (int64_t b = 0; b < batch; ++b) rows += lens[b];
+  run_tasks(batch * layer.n_kv, decode_tasks_per_thread(rows, batch), [&](int64_t task) {
     thread_local std::vector<float> scores, q;
     const int64_t b = task / layer.n_kv, h = task % layer.n_kv, len = lens[b];
     float *o = layer.out_row(b, h);

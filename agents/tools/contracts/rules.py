@@ -19,6 +19,14 @@ from agents.tools.contracts.base import (
     Rule,
     Violation,
 )
+from agents.tools.contracts.moe_ops import (
+    _dropless,
+    _gating,
+    _grouped_mode,
+    _grouped_weights,
+    _routing_ids,
+    _unpermute,
+)
 from agents.tools.contracts.other_ops import (
     WORLD_GROUP,
     _collective_group,
@@ -69,6 +77,11 @@ _WQ_DOC = ("CANN aclnnWeightQuantBatchMatmulV2 (hicann ops-nn matmul/weight_quan
 _WQ_STACKS = ("Golden Stick ptq/ptq/hal.py WeightQuantMatmul: WeightQuantBatchMatmul(False, linear.transpose_b, "
               "group_size) on the int8 weight [out, in]; MindFormers r1.7 quantization/golden_stick: "
               "WeightQuantBatchMatmul(False, True, group_size), offset None")
+_GATING_DOC = "mindspore.ops.auto_generate.MoeGatingTopKSoftmax (2.10 docstring)"
+_ROUTING_DOC = "mindspore.ops.auto_generate.MoeInitRoutingV2 (2.10 docstring)"
+_GMM_DOC = "mindspore.ops.grouped_matmul_v4 (2.10 docstring)"
+_UNPERMUTE_DOC = "mindspore.ops.moe_token_unpermute (2.10 docstring)"
+_VMS_MOE = "vllm-mindspore 0.5.1 model_executor/layers/fused_moe/fused_moe.py"
 RULES = (
     Rule("PagedAttention", "lengths-from-graph-input",
          f"{_PA_KERNEL}: CreateKernel/UpdateParam take kv_seq_len from GetSeqLenFromGraphAndCheckUpadate("
@@ -174,6 +187,29 @@ RULES = (
     Rule("ReshapeAndCache", "cache-layout",
          f"{_RC_DOC}: caches (num_blocks, block_size, num_head, head_dim), key/value (num_tokens, num_head, "
          "head_dim) or, as MindFormers passes them, (..., num_head * head_dim)", _rc_layout),
+    Rule("MoeGatingTopKSoftmax", "gating-logits-and-k",
+         f"{_GATING_DOC}: x 2-D or 3-D float16/bfloat16/float32, 0 <= k <= x's last dim, finished optional; "
+         f"{_VMS_MOE} fused_topk: (router_logits, None, top_k)", _gating),
+    Rule("MoeInitRoutingV2", "dropless-routing",
+         f"{_ROUTING_DOC}: drop_pad_mode 0 with active_num 0 is the dropless scenario, expert_capacity only for "
+         f"Drop/Pad, the counts output valid only with expert_tokens_count_or_cumsum_flag 1 (cumsum) or 2 (counts); "
+         f"{_VMS_MOE} run_tp: (x, ids, 0, 0, experts, 0, 2, True)", _dropless),
+    Rule("MoeInitRoutingV2", "expert-ids-from-gating",
+         f"{_ROUTING_DOC}: expert_idx (NUM_ROWS, K) int32, the experts of each row; {_GATING_DOC}: output 1 "
+         "expert_idx (the expert ids), output 2 row_idx (original row positions)", _routing_ids),
+    Rule("GroupedMatmulV4", "row-groups-from-routing",
+         f"{_GMM_DOC}: split_item 0 or 3 (3: a single tensor), group_type 0 (the m axis), group_list int64, "
+         f"group_list_type 0 (cumsum) or 1 (sizes); {_ROUTING_DOC}: flag 1 cumulative, 2 counts, output 2; "
+         f"{_VMS_MOE} _group_matmul: split_item 3, group_type 0, group_list_type 1 with flag 2", _grouped_mode),
+    Rule("GroupedMatmulV4", "experts-in-by-out",
+         f"{_GMM_DOC}: x (M, K), weight (E, K, N), y_i = x_i x weight_i; bias/scale/offset/antiquant for biased or "
+         f"quantized experts only; {_VMS_MOE}: w1 (experts, hidden, 2 x intermediate), w2 (experts, "
+         "intermediate, hidden)", _grouped_weights),
+    Rule("InnerMoeTokenUnpermute", "unpermute-by-routing-index",
+         f"{_UNPERMUTE_DOC}: permuted_tokens (tokens x topk, hidden), sorted_indices (tokens x topk,) int32 with no "
+         "duplicates, probs (tokens, topk), padded_mode False; ops.moe_token_permute's example: sorted_indices[i] "
+         f"is where row i went (MoeInitRoutingV2's expanded_row_idx); {_VMS_MOE}: moe_token_unpermute(expert_output, "
+         "unsort_map, topk_weights, False, None)", _unpermute),
 )
 
 

@@ -31,6 +31,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(pa_config.decode_seq_length), or 'model': the model's max_position_embeddings, capped by what "
                    "the KV cache holds (the default for --model / model_config.model_path when no config sets the "
                    "length)")
+    p.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters chosen by each request's model (lora.enable)")
+    p.add_argument("--lora-modules", nargs="+", metavar="NAME=DIR", help="PEFT adapter directories served from the "
+                   "start, each under its NAME (lora.modules, which they replace; implies --enable-lora)")
+    p.add_argument("--max-loras", type=int, metavar="N", help="adapter slots in device memory: the most distinct "
+                   "adapters one step computes (lora.max_loras)")
+    p.add_argument("--max-lora-rank", type=int, metavar="R", help="the largest adapter rank a slot holds "
+                   "(lora.max_lora_rank)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true", default=None,
+                   help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora.allow_runtime_updates)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any config key, VALUE in YAML (e.g. --set pa_config.num_blocks=1024)")
     p.add_argument("--record-steps", metavar="FILE.json", help="record every step's shape and time and write them to "
@@ -63,6 +73,7 @@ def load_config(args: argparse.Namespace) -> ServingConfig:
         values["model_config.device_target"] = args.device_target
     if args.reasoning_parser:
         values["tokenizer.reasoning_parser"] = args.reasoning_parser
+    values.update(lora_values(args))
     names = getattr(args, "served_model_name", None)
     if names:
         values["model_config.model_name"] = names[0]
@@ -78,6 +89,22 @@ def load_config(args: argparse.Namespace) -> ServingConfig:
     return cfg.with_overrides(model_path=args.model, host=args.host, port=args.port, policy=args.policy,
                               decode_batch_size=args.decode_batch_size,
                               prefill_batch_size=args.prefill_batch_size, num_agents=args.agents)
+
+
+def lora_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``lora`` keys the adapter flags set (paths resolved against the current directory)."""
+    values: dict[str, Any] = {}
+    modules = getattr(args, "lora_modules", None)
+    if modules:
+        values["lora.modules"] = [f"{n}={os.path.abspath(os.path.expanduser(d))}" if sep else item
+                                  for item in modules for n, sep, d in [item.partition("=")]]
+    if modules or getattr(args, "enable_lora", None):
+        values["lora.enable"] = True
+    for flag, key in (("max_loras", "max_loras"), ("max_lora_rank", "max_lora_rank"),
+                      ("allow_runtime_lora_updating", "allow_runtime_updates")):
+        if getattr(args, flag, None) is not None:
+            values[f"lora.{key}"] = getattr(args, flag)
+    return values
 
 
 def sets_model_len(config_file: str | None, values: dict[str, Any]) -> bool:

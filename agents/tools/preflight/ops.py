@@ -1,28 +1,36 @@
-"""Child process of tests/test_ascend_npu.py: each fused primitive the Ascend backend uses, run alone in a graph of
-its own (inputs named as the backend's graphs name them, since the internal kernels read lengths by graph input
-name) on seeded inputs, inputs and outputs saved to one ``.npz`` that the test checks against the numpy
-references of tests/ascend_contracts.py.
+"""Each fused primitive the Ascend backend uses, run alone in a graph of its own (inputs named as the backend's
+graphs name them, since the internal kernels read lengths by graph input name) on seeded inputs; ``run_ops``
+returns inputs and outputs by name (``in_*``, ``out_*``), which ``agents.tools.preflight.op_checks`` holds to the
+numpy references of ``agents.tools.preflight.references``.
 
 On an NPU (``--device Ascend``) the primitives are MindSpore's kernels with ``infer_boost`` on, as the backend
 serves; ``--device CPU`` runs the backend's CPU stand-ins through the same cells and inputs, which is how this
 script and the comparison are tested where no NPU is.
 
-Usage (from the repository root): python -m tests.ascend_npu_ops --device Ascend|CPU OUT_NPZ
+Usage: python -m agents.tools.preflight.ops --device Ascend|CPU OUT_NPZ (tests/test_ascend_npu.py; ``llm-serving
+preflight`` calls ``run_ops`` in its child processes)
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
+import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from agents.model.backends.ascend import FusedOps, causal_mask
+from agents.model.backends.ascend_moe import AscendRoutedExperts, ExpertSlice, MoeOps
+from agents.model.backends.ascend_moe_reference import MoeReferenceOps
 from agents.model.backends.ascend_reference import ReferenceOps
 from agents.runtime.device import apply_jit_config, setup_device
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCKS, BLOCK_SIZE, EPS = 4, 2, 64, 16, 16, 1e-5
 SCALE = HEAD_DIM ** -0.5
+# the routed experts (MoE): experts, picks a token, their width, tokens; an expert-parallel rank of MOE_RANKS
+MOE_EXPERTS, MOE_TOP_K, MOE_FFN, MOE_TOKENS, MOE_RANKS = 8, 2, 48, 6, 2
 
 
 class NormSwiglu(nn.Cell):
@@ -140,41 +148,67 @@ def inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
         "int8_key_cache": rng.integers(-8, 9, (BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)).astype(np.int8),
         "int8_value_cache": rng.integers(-8, 9, (BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)).astype(np.int8),
         "int8_scale": np.exp(rng.uniform(-1.2, 1.2, (2, KV_HEADS * HEAD_DIM))).astype(np.float16),
+        # the experts as stored, [out, in] (agents.weights.moe_weights); the grouped matmul reads them transposed
+        # router logits half a unit apart within a row: no near-tie for the kernel's top-k to break otherwise
+        "moe_x": h(MOE_TOKENS, 256),
+        "moe_logits": np.stack([rng.permutation(MOE_EXPERTS) * 0.5 for _ in range(MOE_TOKENS)]).astype(np.float16),
+        "moe_gate_up": (rng.normal(size=(MOE_EXPERTS, 2 * MOE_FFN, 256)) / 16).astype(np.float16),
+        "moe_down": (rng.normal(size=(MOE_EXPERTS, 256, MOE_FFN)) / 7).astype(np.float16),
     }
 
 
-def run(device: str, out: str) -> None:
+def run_ops(device: str) -> dict[str, np.ndarray]:
+    """Every case on ``device`` (its kernels as this process's environment selects them; on CPU the stand-ins):
+    the inputs as ``in_<name>``, the outputs as ``out_<case>_<i>``; a case whose kernel raised (no kernel for it,
+    a shape it refuses) as ``error_<case>``, its message, so the other cases still run."""
     setup_device(device, 0)
     fused = FusedOps() if device == "Ascend" else ReferenceOps(HEAD_DIM)
     a = inputs(np.random.default_rng(0))
     t = {k: Tensor(v) for k, v in a.items()}
-    import mindspore as ms
-
     mask = causal_mask(ms.float16)
-    cells = {"norm_swiglu": NormSwiglu(fused), "rope": Rope(fused), "write": Write(fused, a["key_cache"],
-             a["value_cache"]), "decode": Decode(fused, a["key_cache"], a["value_cache"]),
-             "chunk": Chunk(fused, a["key_cache"], a["value_cache"]), "flash": Flash(fused, mask),
-             "quant": QuantMatmul(fused, a["wq_weight"], a["wq_scale"]),
-             "int8_decode": Int8Decode(fused, a["int8_key_cache"], a["int8_value_cache"], a["int8_scale"])}
-    for cell in cells.values():
+    k_cache, v_cache = a["key_cache"], a["value_cache"]
+
+    def on(cell: nn.Cell) -> nn.Cell:  # the jit config the device serves with (infer_boost on Ascend)
         apply_jit_config(cell, device)
-    results = {
-        "norm_swiglu": cells["norm_swiglu"](t["x"], t["gamma"], t["gate_up"]),
-        "rope": cells["rope"](t["rope_q"], t["rope_k"], t["cos"], t["sin"], t["rope_lens"]),
-        "write": cells["write"](t["key"], t["value"], t["slots"]),
-        "decode": (cells["decode"](t["decode_query"], t["tables"], t["context_lens"]),),
-        "chunk": (cells["chunk"](t["chunk_query"], t["tables"], t["context_lens"], t["q_seq_lens"],
-                                 t["chunk_mask"]),),
-        "flash": (cells["flash"](t["flash_q"], t["flash_k"], t["flash_v"], t["flash_lens"]),),
-        "quant": (cells["quant"](t["wq_x"]),),
-        "int8_decode": (cells["int8_decode"](t["decode_query"], t["tables"], t["context_lens"]),),
+        return cell
+
+    moe_ops = MoeOps() if device == "Ascend" else MoeReferenceOps()
+
+    def experts(part: ExpertSlice) -> Any:
+        cut = slice(part.first, part.first + part.count)
+        gate_up, down = (Tensor(np.ascontiguousarray(a[name][cut].transpose(0, 2, 1))) for name in ("moe_gate_up",
+                                                                                                    "moe_down"))
+        return on(AscendRoutedExperts(moe_ops, MOE_TOP_K, True, part))(t["moe_x"], t["moe_logits"], gate_up, down)
+
+    cases: dict[str, Callable[[], Any]] = {
+        "norm_swiglu": lambda: on(NormSwiglu(fused))(t["x"], t["gamma"], t["gate_up"]),
+        "rope": lambda: on(Rope(fused))(t["rope_q"], t["rope_k"], t["cos"], t["sin"], t["rope_lens"]),
+        "write": lambda: on(Write(fused, k_cache, v_cache))(t["key"], t["value"], t["slots"]),
+        "decode": lambda: on(Decode(fused, k_cache, v_cache))(t["decode_query"], t["tables"], t["context_lens"]),
+        "chunk": lambda: on(Chunk(fused, k_cache, v_cache))(t["chunk_query"], t["tables"], t["context_lens"],
+                                                        t["q_seq_lens"], t["chunk_mask"]),
+        "flash": lambda: on(Flash(fused, mask))(t["flash_q"], t["flash_k"], t["flash_v"], t["flash_lens"]),
+        "quant": lambda: on(QuantMatmul(fused, a["wq_weight"], a["wq_scale"]))(t["wq_x"]),
+        "int8_decode": lambda: on(Int8Decode(fused, a["int8_key_cache"], a["int8_value_cache"], a["int8_scale"]))(
+            t["decode_query"], t["tables"], t["context_lens"]),
+        "moe": lambda: experts(ExpertSlice(0, MOE_EXPERTS, MOE_EXPERTS)),
+        "moe_rank": lambda: experts(ExpertSlice.of_rank(MOE_EXPERTS, MOE_RANKS, MOE_RANKS - 1)),
     }
     saved = {f"in_{k}": v for k, v in a.items()}
     saved["in_flash_mask"] = mask.asnumpy()
-    for name, outputs in results.items():
-        for i, value in enumerate(outputs):
+    first_error = ""
+    for name, case in cases.items():
+        try:
+            outputs = case()
+        except (RuntimeError, TypeError, ValueError) as exc:  # MindSpore's kernel and inference errors
+            message = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]
+            # after a kernel's failure MindSpore may refuse every later step of the process: say which came first
+            saved[f"error_{name}"] = np.array(message + (f" (after {first_error}'s error)" if first_error else ""))
+            first_error = first_error or name
+            continue
+        for i, value in enumerate(outputs if isinstance(outputs, tuple) else (outputs,)):
             saved[f"out_{name}_{i}"] = value.asnumpy()
-    np.savez(out, **saved)
+    return saved
 
 
 def main() -> None:
@@ -182,7 +216,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("Ascend", "CPU"), required=True)
     parser.add_argument("out")
     args = parser.parse_args()
-    run(args.device, args.out)
+    np.savez(args.out, **run_ops(args.device))
 
 
 if __name__ == "__main__":

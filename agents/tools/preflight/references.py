@@ -1,6 +1,7 @@
 """numpy references of the Ascend fused primitives' documented contracts, written as plainly as the docs state
-them (loops over sequences, positions and heads, float64), to check the CPU stand-ins of
-``agents.model.backends.ascend_reference`` on Ascend-layout tensors.
+them (loops over sequences, positions and heads, float64): what ``llm-serving preflight`` holds the NPU's kernels
+to, and the tests the CPU stand-ins of ``agents.model.backends.ascend_reference`` on Ascend-layout tensors. Shipped
+in the package (an installed wheel has no tests/).
 
 Sources: the primitives' docstrings in MindSpore 2.10 (``mindspore.ops.auto_generate``) and what the internal
 kernels read (``agents.tools.contracts`` cites each); see docs/ascend.md for the table of contracts.
