@@ -10,9 +10,10 @@ import pytest
 
 from agents.model import moe_routing
 from agents.model.moe import MoeBlock
+from agents.runtime.device import setup_device
 from llm_serving.protocol.moe_config import MoeSpec
 
-ms.set_context(mode=ms.GRAPH_MODE)
+setup_device("CPU", 0)  # as the agents do: a later module's setup_device in this process is then a no-op
 H = 16
 
 

@@ -260,9 +260,10 @@ def test_expert_counts_the_ranks_cannot_split_are_refused_by_name(served, tmp_pa
 
 @pytest.mark.parametrize("tp, rank, expert_parallel", [(1, 0, False), (2, 1, True)])
 def test_the_ascend_graphs_of_a_moe_model_export_and_pass_the_contract_check(tmp_path, tp, rank, expert_parallel):
-    """On the Ascend backend's graphs in float16 (its attention kernels; the expert block in generic graph ops,
-    not yet the MoE kernels of issue 54 part 4): every rule of agents.tools.contracts holds, one rank of two at
-    expert parallelism included; a TopK per sparse layer and one all-reduce per row-parallel slot."""
+    """On the Ascend backend's graphs in float16 (its attention kernels, the sparse layers on its MoE kernels,
+    agents/model/backends/ascend_moe.py): every rule of agents.tools.contracts holds, one rank of two at expert
+    parallelism included; per sparse layer one gating top-k and two grouped matmuls, and one all-reduce per
+    row-parallel slot."""
     from agents.tools.contracts import check_graph
     from agents.tools.export import export_graphs, export_runner
     from agents.tools.mindir import read_graph
@@ -277,5 +278,32 @@ def test_the_ascend_graphs_of_a_moe_model_export_and_pass_the_contract_check(tmp
     for _, summary in export_graphs(runner, tmp_path / "graphs", [("decode", 4, 4), ("ragged", 2, 48)]):
         graph = read_graph(summary.path)
         assert check_graph(graph, tensor_parallel=tp) == [], summary.path.name
-        assert len(graph.of("TopK")) == len(SPARSE["Qwen3MoeForCausalLM"])
+        sparse = len(SPARSE["Qwen3MoeForCausalLM"])
+        assert len(graph.of("MoeGatingTopKSoftmax")) == sparse and len(graph.of("GroupedMatmulV4")) == 2 * sparse
+        assert not graph.of("TopK")
         assert len(graph.of("AllReduce")) == (1 + 2 * config.num_hidden_layers if tp > 1 else 0)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"])
+def test_the_ascend_moe_wiring_on_the_kernels_stand_ins_is_transformers(tmp_path, arch):
+    """The Ascend backend's graphs with every fused kernel's CPU stand-in, the MoE kernels' included
+    (agents/model/backends/ascend_moe_reference.py), in float32: transformers' greedy ids, whole prompts and in
+    chunks over the cached context; the experts held transposed for the grouped matmul, read back as loaded."""
+    from agents.model.backends.ascend import AscendBackend
+    from agents.model.backends.ascend_reference import ReferenceOps
+    from agents.model.llama import model_weights
+
+    hf = save_hf_model(arch, tmp_path, seed=6, head_dim=64)
+    config = LlamaConfig.from_model_dir(tmp_path)
+    weights = load_weights(tmp_path, config)
+    rc = dataclasses.replace(RC, mixed_steps=True, max_num_batched_tokens=32)
+    runner = ModelRunner(config, weights, rc, AscendBackend(ReferenceOps(config.head_dim)))
+    runner.warmup()
+    sparse = SPARSE[arch][0]
+    held = runner.model.layers[sparse].moe.block.experts_gate_up
+    assert tuple(held.shape) == (16, 64, 2 * config.moe.moe_intermediate_size)  # [experts, in, out]
+    np.testing.assert_array_equal(model_weights(runner.model)[f"layers.{sparse}.experts_gate_up"],
+                                  weights[f"layers.{sparse}.experts_gate_up"])
+    refs = [hf_greedy(hf, p, STEPS)[0] for p in prompts()]
+    assert PagedDriver(runner, seed=1).generate(prompts(), STEPS)[0] == refs
+    assert ChunkDriver(runner, seed=2).generate(prompts(), STEPS, chunk=7, starts=[0, 2, 3])[0] == refs

@@ -130,7 +130,8 @@ class LlamaLayer(nn.Cell):
         # the MLP slot: a sparse layer's experts (agents.model.moe), else the dense SwiGLU MLP
         sparse = config.moe is not None and index in config.moe.sparse_layers
         self.moe = moe.MoeMlp(config.moe, hidden, eps, dtype, shard, parallel.AllReduceSum() if shard.tp > 1
-                              else None, backend.moe_experts()) if sparse and config.moe is not None else None
+                              else None, backend.moe_experts(), backend.routed_experts()) \
+            if sparse and config.moe is not None else None
         self.w_gate_up = None if sparse else ProjectionWeight(hidden, 2 * shard.ffn, dtype, panels, swiglu=True,
                                                               panel_dtype=fmt, quantization=quant)
         self.w_down = None if sparse else ProjectionWeight(shard.ffn, hidden, dtype, panels, panel_dtype=fmt,
@@ -263,7 +264,7 @@ class LlamaStep(nn.Cell):
         return int(inputs[5].shape[0] if self.is_prefill else inputs[0].shape[0])
 
 
-def _canonical_parameters(model: LlamaModel) -> dict[str, tuple[Parameter, ProjectionWeight | None]]:
+def _canonical_parameters(model: LlamaModel) -> dict[str, tuple[Parameter, ProjectionWeight | moe.ExpertsHeld | None]]:
     """The model's Parameters under their canonical fused weight names (see ``agents.weights.checkpoints``), each with
     its ProjectionWeight where it is a projection (which may hold it in the panel layout)."""
     params = {"embed_tokens": (model.embed_tokens, None), "norm": (model.norm, None),
@@ -276,10 +277,11 @@ def _canonical_parameters(model: LlamaModel) -> dict[str, tuple[Parameter, Proje
             cell = getattr(layer, name)
             if cell is not None:
                 params[f"layers.{i}.{name}"] = (cell.weight, cell)
-        if layer.moe is not None:  # the expert block's weights, held as loaded (agents.weights.moe_weights)
+        if layer.moe is not None:  # the expert block's weights (agents.weights.moe_weights), stacked experts
+            block = layer.moe.block  # through the layout the backend holds them in
             for name in MOE_KINDS:
-                if getattr(layer.moe.block, name, None) is not None:
-                    params[f"layers.{i}.{name}"] = (getattr(layer.moe.block, name), None)
+                if getattr(block, name, None) is not None:
+                    params[f"layers.{i}.{name}"] = (getattr(block, name), block.held.get(name))
     return params
 
 

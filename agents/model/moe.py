@@ -9,11 +9,14 @@ place, no gathered copy."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
+from agents.model.backends.ascend_moe import ExpertSlice
 from llm_serving.protocol.moe_config import MoeSpec
 from llm_serving.protocol.parallel import ShardPlan
 
@@ -24,7 +27,7 @@ class MoeBlock(nn.Cell):
     ``shared_f`` of the shared expert's, and gives its partial sum of the output (the router is every rank's)."""
 
     def __init__(self, spec: MoeSpec, hidden: int, dtype: ms.Type, shard: ShardPlan | None = None,
-                 experts_op: nn.Cell | None = None) -> None:
+                 experts_op: nn.Cell | None = None, routed: RoutedExperts | None = None) -> None:
         super().__init__()
         # the backend's op over the picked experts (native CPU, float32): replaces both graph paths below
         self.experts_op = experts_op if dtype == ms.float32 else None
@@ -36,8 +39,14 @@ class MoeBlock(nn.Cell):
         self.num_experts, self.start, self.local = spec.num_experts, start, e
         self.k, self.f, self.normalise, self.has_shared = spec.top_k, f, spec.norm_topk_prob, s > 0
         self.router = Parameter(initializer("zeros", (spec.num_experts, hidden), dtype), name="router")
-        self.experts_gate_up = Parameter(initializer("zeros", (e, 2 * f, hidden), dtype), name="experts_gate_up")
-        self.experts_down = Parameter(initializer("zeros", (e, hidden, f), dtype), name="experts_down")
+        # the backend's kernels over the router logits and the experts held [in, out] (Ascend's grouped matmul,
+        # agents.model.backends.ascend_moe): they replace routing and every path below
+        self.routed = routed.cell(spec, ExpertSlice(start, e, spec.num_experts)) if routed is not None else None
+        transposed = self.routed is not None
+        self.held = {"experts_gate_up": ExpertsHeld("experts_gate_up", (e, 2 * f, hidden), dtype, transposed),
+                     "experts_down": ExpertsHeld("experts_down", (e, hidden, f), dtype, transposed)}
+        self.experts_gate_up = self.held["experts_gate_up"].weight
+        self.experts_down = self.held["experts_down"].weight
         shared = {"shared_gate_up": (2 * max(s, 1), hidden), "shared_down": (hidden, max(s, 1)),
                   "shared_gate": (1, hidden)}
         for name, shape in shared.items():  # present only where the family has a shared expert
@@ -49,16 +58,23 @@ class MoeBlock(nn.Cell):
     def load(self, weights: dict[str, np.ndarray], layer: int) -> None:
         for name in ("router", "experts_gate_up", "experts_down", *(
                 ("shared_gate_up", "shared_down", "shared_gate") if self.has_shared else ())):
-            param = getattr(self, name)
+            param, held = getattr(self, name), self.held.get(name)
             value = weights[f"layers.{layer}.{name}"]
-            if tuple(value.shape) != tuple(param.shape):
-                raise ValueError(f"layers.{layer}.{name}: expected shape {tuple(param.shape)}, got {value.shape}")
-            param.set_data(Tensor(np.ascontiguousarray(value), param.dtype))
+            expected = held.shape if held is not None else tuple(param.shape)
+            if tuple(value.shape) != expected:
+                raise ValueError(f"layers.{layer}.{name}: expected shape {expected}, got {value.shape}")
+            if held is not None:
+                held.load(value)
+            else:
+                param.set_data(Tensor(np.ascontiguousarray(value), param.dtype))
 
     def construct(self, x: Tensor, rows: Tensor | None = None) -> Tensor:
         """``x [tokens, hidden]`` (token-flat, as every projection here) -> the block's output, same shape.
         ``rows`` [1] int32: the real leading rows (the native op leaves the padding after them as zeros)."""
         tokens = x.shape[0]
+        if self.routed is not None:
+            out = self.routed(x, self.linear(x, self.router), self.experts_gate_up, self.experts_down)
+            return self._with_shared(x, out)
         probs = ops.softmax(self.linear(x, self.router).astype(ms.float32), -1)
         weights, ids = ops.topk(probs, self.k)
         if self.normalise:
@@ -74,11 +90,15 @@ class MoeBlock(nn.Cell):
             out = self._gathered(x, weights, ids)
         else:
             out = self._every_expert(x, weights, ids)
-        if self.has_shared:
-            su = self.linear(x, self.shared_gate_up)
-            shared = self.linear(ops.silu(su[:, :self.shared_f]) * su[:, self.shared_f:], self.shared_down)
-            out = out + ops.sigmoid(self.linear(x, self.shared_gate)) * shared
-        return out
+        return self._with_shared(x, out)
+
+    def _with_shared(self, x: Tensor, out: Tensor) -> Tensor:
+        """Qwen2-MoE's shared expert added, behind its sigmoid gate."""
+        if not self.has_shared:
+            return out
+        su = self.linear(x, self.shared_gate_up)
+        shared = self.linear(ops.silu(su[:, :self.shared_f]) * su[:, self.shared_f:], self.shared_down)
+        return out + ops.sigmoid(self.linear(x, self.shared_gate)) * shared
 
     def _gathered(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """Fewer picks than experts (decode at small batch): the chosen experts' weights gathered, ``tokens x k``
@@ -112,15 +132,47 @@ class MoeBlock(nn.Cell):
         return (y * combine.T.astype(y.dtype).reshape(self.local, tokens, 1)).sum(0)
 
 
+class RoutedExperts(Protocol):
+    """A backend's kernels for a sparse layer's routed experts (``OpsBackend.routed_experts``)."""
+
+    def cell(self, spec: MoeSpec, experts: ExpertSlice) -> nn.Cell:
+        """``(x, router_logits, gate_up [e, h, 2f], down [e, f, h]) -> the experts' weighted sum``."""
+        ...
+
+
+class ExpertsHeld:
+    """How a block holds a stacked expert weight (its Parameter ``weight``): as loaded (``[e, out, in]``,
+    ``shape``), or transposed to ``[e, in, out]`` for a grouped matmul that reads it so (``transposed``).
+    ``llama.load_weights_into`` and ``model_weights`` convert through it, as through a projection's panels."""
+
+    panels = True  # held in a layout of its own: loaded through ``load``, never as raw bfloat16 bits
+    quantized = False
+
+    def __init__(self, name: str, shape: tuple[int, int, int], dtype: ms.Type, transposed: bool) -> None:
+        self.shape, self.transposed = shape, transposed
+        e, out, inp = shape
+        self.weight = Parameter(initializer("zeros", (e, inp, out) if transposed else shape, dtype), name=name)
+
+    def load(self, value: np.ndarray, scale: np.ndarray | None = None) -> None:
+        if scale is not None:
+            raise ValueError("int8 experts are not served: their scales have no place here")
+        self.weight.set_data(Tensor(np.ascontiguousarray(value.transpose(0, 2, 1) if self.transposed else value),
+                                    self.weight.dtype))
+
+    def unstored(self, held: np.ndarray) -> np.ndarray:
+        return held.transpose(0, 2, 1) if self.transposed else held
+
+
 class MoeMlp(nn.Cell):
     """A sparse layer's MLP slot: ``residual + block(rms_norm(x))``, the ranks' partial sums all-reduced first
     (the one collective the dense MLP's row-parallel down projection ends in). The norm is graph ops in float32,
     as transformers computes it, where the dense slot fuses it into its gate/up projection."""
 
     def __init__(self, spec: MoeSpec, hidden: int, eps: float, dtype: ms.Type, shard: ShardPlan | None = None,
-                 reduce: nn.Cell | None = None, experts_op: nn.Cell | None = None) -> None:
+                 reduce: nn.Cell | None = None, experts_op: nn.Cell | None = None,
+                 routed: RoutedExperts | None = None) -> None:
         super().__init__()
-        self.block = MoeBlock(spec, hidden, dtype, shard, experts_op)
+        self.block = MoeBlock(spec, hidden, dtype, shard, experts_op, routed)
         self.eps, self.reduce = eps, reduce
 
     def construct(self, x: Tensor, norm_weight: Tensor, rows: Tensor) -> Tensor:

@@ -56,9 +56,12 @@ from agents.model.backends.ascend_limits import (
     PA_MAX_HEAD_DIM_X_BLOCK,
     fa_mask_value,
 )
+from agents.model.backends.ascend_moe import AscendRoutedExperts, ExpertSlice, MoeOps
+from agents.model.backends.ascend_moe_reference import MoeReferenceOps
 from agents.model.backends.base import Attention, OpsBackend
 from llm_serving.protocol.ascend_env import INT8_KV_DIRECTIONS
 from llm_serving.protocol.model_config import ASCEND_DTYPES, LlamaConfig
+from llm_serving.protocol.moe_config import MoeSpec
 
 
 @lru_cache(maxsize=3)
@@ -377,6 +380,8 @@ class AscendBackend(OpsBackend):
 
     def __init__(self, fused: FusedOps | None = None) -> None:
         self.fused = fused if fused is not None else FusedOps()
+        # MoE layers: MindSpore's MoE kernels, or their stand-ins beside the other ops' stand-ins
+        self.moe = MoeOps() if self.fused.name == "fused" else MoeReferenceOps()
         self.int8_direction = INT8_KV_DIRECTIONS[0]  # with_kv_cache_dtype's
         if self.fused.name != "fused":
             self.name = f"ascend ({self.fused.name} stand-ins)"
@@ -428,8 +433,21 @@ class AscendBackend(OpsBackend):
     def partial_linear(self, out_dim: int) -> nn.Cell:
         return AscendLinear(self.fused)
 
+    def routed_experts(self) -> AscendMoeKernels:
+        return AscendMoeKernels(self.moe)
+
     def greedy(self) -> nn.Cell:
         return AscendGreedy(self.fused)
+
+
+class AscendMoeKernels:
+    """``moe.RoutedExperts`` on Ascend: a sparse layer's routing and experts as MindSpore's MoE kernels."""
+
+    def __init__(self, moe: MoeOps | MoeReferenceOps) -> None:
+        self.moe = moe
+
+    def cell(self, spec: MoeSpec, experts: ExpertSlice) -> AscendRoutedExperts:
+        return AscendRoutedExperts(self.moe, spec.top_k, spec.norm_topk_prob, experts)
 
 
 def model_problems(config: LlamaConfig, block_size: int, max_prefill_batch: int) -> list[str]:

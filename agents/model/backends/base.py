@@ -10,12 +10,17 @@ graphs contain only its own ops. A graph-mode ``construct`` may branch only on l
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
 from agents.model.backends import graph_ops
 from llm_serving.protocol.model_config import LlamaConfig
+
+if TYPE_CHECKING:
+    from agents.model.moe import RoutedExperts
 
 
 class Attention(nn.Cell):
@@ -162,6 +167,11 @@ class OpsBackend:
     def moe_experts(self) -> nn.Cell | None:
         """A MoE layer's picked experts as one op (``NativeOps.moe_experts``'s inputs), float32; None: the expert
         block's own graph ops (``agents.model.moe``)."""
+        return None
+
+    def routed_experts(self) -> RoutedExperts | None:
+        """A MoE layer's routing and experts as the backend's kernels (``agents.model.moe.RoutedExperts``: Ascend's
+        MoE kernels); None: the expert block's own routing."""
         return None
 
     def before_step(self, tokens: int) -> None:
