@@ -23,6 +23,7 @@ from mindspore.common.initializer import initializer
 
 from agents.model import parallel
 from agents.model.backends import OpsBackend, PortableBackend
+from agents.model.lora import LoraLayerCells, LoraMasks, LoraShape
 from agents.model.rope import rotary_tables
 from agents.weights import packed as packed_weights
 from llm_serving.protocol.model_config import LlamaConfig
@@ -116,7 +117,7 @@ class LlamaLayer(nn.Cell):
     FFN slice, and its two row-parallel projections end in an all-reduce (``agents.model.parallel``)."""
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type,
-                 backend: OpsBackend, shard: ShardPlan | None = None) -> None:
+                 backend: OpsBackend, shard: ShardPlan | None = None, lora: LoraShape | None = None) -> None:
         super().__init__()
         hidden, eps, panels = config.hidden_size, config.rms_norm_eps, backend.panel_weights
         fmt, quant = backend.panel_dtype, backend.layer_quantization
@@ -126,8 +127,8 @@ class LlamaLayer(nn.Cell):
         self.ffn_norm = norm_weight(hidden, dtype, "ffn_norm")
         self.w_qkv = ProjectionWeight(hidden, heads.qkv_dim, dtype, panels, panel_dtype=fmt, quantization=quant)
         self.wo = ProjectionWeight(heads.hidden_size, hidden, dtype, panels, panel_dtype=fmt, quantization=quant)
-        self.w_gate_up = ProjectionWeight(hidden, 2 * shard.ffn, dtype, panels, swiglu=True, panel_dtype=fmt,
-                                          quantization=quant)
+        self.w_gate_up = ProjectionWeight(hidden, 2 * shard.ffn, dtype, panels, swiglu=lora is None,
+                                          panel_dtype=fmt, quantization=quant)
         self.w_down = ProjectionWeight(shard.ffn, hidden, dtype, panels, panel_dtype=fmt, quantization=quant)
         self.has_qkv_bias, self.has_qk_norm = config.qkv_bias, config.qk_norm
         # this rank's q/k/v bias rows, cut as w_qkv's; the head norms' weights are per head_dim, so every rank's
@@ -143,16 +144,22 @@ class LlamaLayer(nn.Cell):
         # that same cell at tp 1; else this rank's share of each projection, then an all-reduce
         self.output_projection = parallel.row_parallel(shard, backend, self.residual_linear, hidden)
         self.down_projection = parallel.row_parallel(shard, backend, self.residual_linear, hidden)
+        # LoRA adapter slots (agents.model.lora): the projections then take each token's update
+        self.has_lora = lora is not None
+        self.lora = LoraLayerCells(lora, config, shard, backend, dtype) if lora is not None else None
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
                   block_tables: Tensor, rows: Tensor, is_prefill: bool, context_lens: Tensor | None = None,
-                  positions: Tensor | None = None) -> Tensor:
+                  positions: Tensor | None = None, lora_masks: tuple | None = None) -> Tensor:
         """``rows`` [1]: the real (leading) token rows of ``x``, for backends that skip the padding after them.
         ``context_lens``: given in steps whose queries attend to cached context (``agents.runtime.mixed_steps``;
         ``lens`` then holds the query lengths, and ``positions`` the tokens' or what the attention's ``chunk_input``
         made of them once for all layers); None, a graph constant, in the prefill
-        and decode graphs."""
-        qkv = self.norm_qkv(x, self.attention_norm, self.w_qkv.operands(), rows)
+        and decode graphs. ``lora_masks``: each token's adapter slot as ``LoraMasks`` gives it (with adapters)."""
+        if self.has_lora:
+            qkv = self.lora.qkv(x, self.attention_norm, self.w_qkv.operands(), rows, lora_masks)
+        else:
+            qkv = self.norm_qkv(x, self.attention_norm, self.w_qkv.operands(), rows)
         if self.has_qkv_bias:
             qkv = qkv + self.qkv_bias
         if self.has_qk_norm:
@@ -161,6 +168,10 @@ class LlamaLayer(nn.Cell):
             attn = self.attention(qkv, cos, sin, slot_mapping, lens, block_tables, is_prefill)
         else:
             attn = self.attention.chunked(qkv, cos, sin, slot_mapping, lens, context_lens, block_tables, positions)
+        if self.has_lora:
+            x = self.lora.output(attn, self.wo.operands(), x, rows, lora_masks)
+            return self.lora.mlp(x, self.ffn_norm, self.w_gate_up.operands(), self.w_down.operands(), rows,
+                                 lora_masks)
         x = self.output_projection(attn, self.wo.operands(), x, rows)
         act = self.norm_gate_up(x, self.ffn_norm, self.w_gate_up.operands(), rows)
         return self.down_projection(act, self.w_down.operands(), x, rows)
@@ -172,7 +183,7 @@ class LlamaModel(nn.Cell):
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, max_positions: int,
                  dtype: ms.Type = ms.float32, backend: OpsBackend | None = None,
-                 shard: ShardPlan | None = None) -> None:
+                 shard: ShardPlan | None = None, lora: LoraShape | None = None) -> None:
         super().__init__()
         backend = backend if backend is not None else PortableBackend()
         shard = shard if shard is not None else ShardPlan(config)
@@ -181,8 +192,10 @@ class LlamaModel(nn.Cell):
         self.dtype = dtype
         self.embed_tokens = Parameter(initializer("zeros", (vocab, config.hidden_size), dtype), name="embed_tokens")
         self.embed = parallel.embedding(shard)
-        self.layers = nn.CellList([LlamaLayer(config, num_blocks, block_size, dtype, backend, shard)
+        self.layers = nn.CellList([LlamaLayer(config, num_blocks, block_size, dtype, backend, shard, lora)
                                    for _ in range(config.num_hidden_layers)])
+        self.lora = lora  # adapter slots; their per-token masks come from the blocks a step writes
+        self.lora_masks = LoraMasks(lora, num_blocks, block_size, dtype) if lora is not None else None
         self.norm = norm_weight(config.hidden_size, dtype, "norm")
         # float: its errors land on the logits directly
         self.lm_head = ProjectionWeight(config.hidden_size, vocab, dtype, backend.panel_weights,
@@ -210,8 +223,10 @@ class LlamaModel(nn.Cell):
         chunk_input = positions
         if context_lens is not None:  # once for all layers (an Ascend step's attention mask)
             chunk_input = self.layers[0].attention.chunk_input(positions, block_tables, lens)
+        masks = self.lora_masks(slot_mapping) if self.lora_masks is not None else None
         for layer in self.layers:
-            x = layer(x, cos, sin, slot_mapping, lens, block_tables, token_rows, is_prefill, context_lens, chunk_input)
+            x = layer(x, cos, sin, slot_mapping, lens, block_tables, token_rows, is_prefill, context_lens, chunk_input,
+                      masks)
         return x
 
     def logits(self, last_hidden: Tensor, sequence_rows: Tensor) -> Tensor:

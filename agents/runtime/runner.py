@@ -16,16 +16,19 @@ padded prefill); warming every family's shapes, checking a step's cache indices 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
 
 import mindspore as ms
 import numpy as np
 
 from agents.model.backends import OpsBackend, select_backend
 from agents.model.llama import LlamaModel, LlamaStep, load_weights_into
+from agents.model.lora import LoraShape
 from agents.model.parallel import agreed_costs, sharded_graphs
+from agents.runtime.adapters import AdapterSlotTable
 from agents.runtime.decode_family import Decode
 from agents.runtime.device import apply_jit_config, setup_device
 from agents.runtime.graph_call import CompiledCell
@@ -103,9 +106,11 @@ class ModelRunner(FamilyRunner):
     (``graph_families``) decide the shapes, the plans and the inputs of each step kind."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], runner_config: RunnerConfig,
-                 backend: OpsBackend | None = None, shard: ShardPlan | None = None) -> None:
+                 backend: OpsBackend | None = None, shard: ShardPlan | None = None,
+                 lora: Mapping[str, Any] | None = None) -> None:
         """``backend``: the device's by ``RunnerConfig.kernels`` when None (tests pass others). ``shard``: this
-        rank's slice under tensor parallelism (``weights`` then hold only that slice; ``agents.weights.sharded``)."""
+        rank's slice under tensor parallelism (``weights`` then hold only that slice; ``agents.weights.sharded``).
+        ``lora``: ``AgentSpec.lora``, the LoRA adapter slots the graphs hold (``load_adapter`` fills them)."""
         setup_device(runner_config.device_target, runner_config.device_id, runner_config.device_environment,
                      runner_config.max_device_memory)
         self.config = config
@@ -126,9 +131,11 @@ class ModelRunner(FamilyRunner):
         # nothing and splitting a decode batch to save padding never pays.
         self.skips_padding = self.backend.skips_padding
         self.rc = rc = rc.with_decode_widths(full_width=self.skips_padding)
+        shape = LoraShape(int(lora["max_loras"]), int(lora["max_lora_rank"])) if lora is not None else None
         self.model = LlamaModel(config, rc.num_blocks, rc.block_size, rc.max_model_len, MS_DTYPES[rc.dtype],
-                                self.backend, self.shard)
+                                self.backend, self.shard, shape)
         load_weights_into(self.model, weights)
+        self.adapters = AdapterSlotTable(self.model, config, self.shard, shape) if shape is not None else None
         prefill = LlamaStep(self.model, is_prefill=True)
         decode = LlamaStep(self.model, is_prefill=False)
         for step in (prefill, decode):
@@ -179,6 +186,12 @@ class ModelRunner(FamilyRunner):
         compile_times = super().warmup(progress, known_costs)
         self.step_costs = agreed_costs(self.step_costs, self.shard)
         return compile_times
+
+    def load_adapter(self, slot: int, path: str | None) -> None:
+        """``step_runner.AdapterSlots``: the adapter at ``path`` into ``slot`` (``agents.runtime.adapters``)."""
+        if self.adapters is None:
+            raise ValueError("this runner was built without LoRA adapter slots (AgentSpec lora)")
+        self.adapters.load(slot, path)
 
     def step(self, batch: StepBatch) -> StepOutput:
         """Run one step as one or more bucketed graph calls (``plan``).
@@ -243,6 +256,8 @@ class ModelRunner(FamilyRunner):
     @contextmanager
     def _device_step(self, batch: StepBatch) -> Iterator[None]:
         """A step's graph calls, between the backend's ``before_step`` and ``after_step`` (also on errors)."""
+        if self.adapters is not None:
+            self.adapters.route(batch)
         self.backend.before_step(len(batch.slot_mapping))
         try:
             yield

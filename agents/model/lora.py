@@ -1,0 +1,126 @@
+"""LoRA adapters in the step graphs: every slot's low-rank update beside each fused projection, picked per token.
+
+Why this form (measured in ``scripts/bench_lora_ops.py``, docs/model.md "Adapters"): each fused projection holds the
+``A`` of all ``max_loras`` slots stacked (``[slots * width, in]``) and their ``B`` side by side (``[out, slots *
+width]``); a step computes ``x A^T`` once, zeroes every column outside the token's own slot with a mask, and
+multiplies by ``B^T``: three ops whatever the mix of adapters, where gathering each row's own ``A`` and ``B`` grew
+with the rows. ``width`` is the projection's parts times ``max_lora_rank`` (q, k, v: 3; gate, up: 2), the layout of
+``agents.weights.lora_weights`` (a slot's unused columns stay zero). An empty slot is zeros: it adds nothing.
+
+Which slot a token uses is never a graph input, so every step graph keeps its signature: the model holds
+``lora_blocks`` (int32 ``[num_blocks]``, the slot of the sequence owning each KV block, -1 for none), the runner
+sets it before each step (``agents.runtime.adapters``), and the graph reads a token's slot at the block it writes
+(``slot_mapping``), which only its own sequence owns. The update needs the projection's input: the RMSNorm leaves
+the fused QKV and gate/up projections (the normed ``x`` is computed once and read by both the projection and the
+update), and SwiGLU follows the update in graph ops. Under tensor parallelism a row-parallel projection's update is
+a partial sum (``A`` cut by columns) handed to the projection as its residual on every rank, so the all-reduce that
+already follows the projection completes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import initializer
+
+from agents.model import parallel
+from agents.model.backends import OpsBackend
+from agents.model.backends.graph_ops import rms_norm
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.protocol.parallel import ShardPlan
+
+PARTS = {"w_qkv": 3, "wo": 1, "w_gate_up": 2, "w_down": 1}  # a fused projection's LoRA-able parts
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """The adapter slots the graphs hold (``AgentSpec.lora``): ``max_loras`` slots of rank up to ``max_lora_rank``
+    per adapted module."""
+
+    max_loras: int
+    max_lora_rank: int
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"lora max_loras and max_lora_rank must be >= 1, got {self.max_loras}, "
+                             f"{self.max_lora_rank}")
+
+    def width(self, projection: str) -> int:
+        """A slot's columns in ``projection``'s stacked ``A``."""
+        return PARTS[projection] * self.max_lora_rank
+
+
+class LoraUpdate(nn.Cell):
+    """``(x, mask) -> ((x A^T) * mask) B^T`` over every slot of one fused projection (zeros: empty slots)."""
+
+    def __init__(self, in_dim: int, out_dim: int, columns: int, dtype: ms.Type) -> None:
+        super().__init__()
+        self.a = Parameter(initializer("zeros", (columns, in_dim), dtype), name="lora_a", requires_grad=False)
+        self.b = Parameter(initializer("zeros", (out_dim, columns), dtype), name="lora_b", requires_grad=False)
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x: Tensor, mask: Tensor) -> Tensor:
+        return self.matmul(self.matmul(x, self.a) * mask, self.b)
+
+
+class LoraMasks(nn.Cell):
+    """``slot_mapping [tokens] -> (mask of width r, 2r, 3r)``: 1 in the columns of the token's slot, else 0."""
+
+    def __init__(self, shape: LoraShape, num_blocks: int, block_size: int, dtype: ms.Type) -> None:
+        super().__init__()
+        self.blocks = Parameter(Tensor(np.full(num_blocks, -1, np.int32)), name="lora_blocks", requires_grad=False)
+        self.block_size, self.dtype = block_size, dtype
+        self.column_slots = tuple(Tensor(np.repeat(np.arange(shape.max_loras, dtype=np.int32),
+                                                   parts * shape.max_lora_rank).reshape(1, -1)) for parts in (1, 2, 3))
+
+    def construct(self, slot_mapping: Tensor) -> tuple[Tensor, ...]:
+        # padding rows may carry any slot index: clamped into the table, their rows are never read
+        blocks = ops.minimum(ops.maximum(slot_mapping, 0) // self.block_size, self.blocks.shape[0] - 1)
+        token_slots = ops.gather(self.blocks, blocks, 0).reshape(-1, 1)
+        return tuple((columns == token_slots).astype(self.dtype) for columns in self.column_slots)
+
+
+class LoraLayerCells(nn.Cell):
+    """One decoder layer's LoRA updates and the projections that take them (see the module doc)."""
+
+    def __init__(self, shape: LoraShape, config: LlamaConfig, shard: ShardPlan, backend: OpsBackend,
+                 dtype: ms.Type) -> None:
+        super().__init__()
+        n, hidden, heads = shape.max_loras, config.hidden_size, shard.attention_config
+        self.lora_qkv = LoraUpdate(hidden, heads.qkv_dim, n * shape.width("w_qkv"), dtype)
+        self.lora_wo = LoraUpdate(heads.hidden_size, hidden, n * shape.width("wo"), dtype)
+        self.lora_gate_up = LoraUpdate(hidden, 2 * shard.ffn, n * shape.width("w_gate_up"), dtype)
+        self.lora_down = LoraUpdate(shard.ffn, hidden, n * shape.width("w_down"), dtype)
+        self.qkv_linear = backend.partial_linear(heads.qkv_dim)  # on the normed x
+        self.gate_up_linear = backend.partial_linear(2 * shard.ffn)
+        self.eps, self.ffn = config.rms_norm_eps, shard.ffn
+        self.adds_residual = shard.rank == 0  # the other ranks' row-parallel "residual" is their partial update
+        residual_linear = backend.residual_linear()
+        self.output_projection = parallel.row_parallel(shard, backend, residual_linear, hidden, lora=True)
+        self.down_projection = parallel.row_parallel(shard, backend, residual_linear, hidden, lora=True)
+
+    def updates(self) -> dict[str, LoraUpdate]:
+        """The layer's updates by the fused projection they belong to."""
+        return {"w_qkv": self.lora_qkv, "wo": self.lora_wo, "w_gate_up": self.lora_gate_up, "w_down": self.lora_down}
+
+    def qkv(self, x: Tensor, norm_weight: Tensor, weight: Tensor, rows: Tensor, masks: tuple) -> Tensor:
+        normed = rms_norm(x, norm_weight, self.eps)
+        return self.qkv_linear(normed, weight, rows) + self.lora_qkv(normed, masks[2])
+
+    def output(self, attn: Tensor, weight: Tensor, x: Tensor, rows: Tensor, masks: tuple) -> Tensor:
+        return self.output_projection(attn, weight, self._residual(x, self.lora_wo(attn, masks[0])), rows)
+
+    def mlp(self, x: Tensor, norm_weight: Tensor, gate_up_weight: Tensor, down_weight: Tensor, rows: Tensor,
+            masks: tuple) -> Tensor:
+        normed = rms_norm(x, norm_weight, self.eps)
+        gate_up = self.gate_up_linear(normed, gate_up_weight, rows) + self.lora_gate_up(normed, masks[1])
+        act = ops.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn:]
+        return self.down_projection(act, down_weight, self._residual(x, self.lora_down(act, masks[0])), rows)
+
+    def _residual(self, x: Tensor, update: Tensor) -> Tensor:
+        if self.adds_residual:
+            return x + update
+        return update
