@@ -166,3 +166,50 @@ def test_an_adapter_that_does_not_fit_is_refused_and_the_slot_kept(runner, adapt
         runner.load_adapter(0, str(tmp_path))
     prompt = prompts(1, seed=10)
     check(PagedDriver(runner, seed=11).generate(prompt, 3, lora_slots=[0]), [reference(models[0], prompt[0], 3)], 3)
+
+
+@pytest.fixture(scope="module")
+def tp2_pool(model_dir):
+    """Two tensor-parallel ranks (agent processes, loopback) with the adapter slots."""
+    from llm_serving.executor.agent_pool import AgentPool
+    from llm_serving.protocol.wire import AgentSpec
+
+    fields = {"device_target": "CPU", "device_id": 0, "num_blocks": RC.num_blocks, "block_size": RC.block_size,
+              "max_model_len": RC.max_model_len,
+              "prefill_batch_sizes": [4], "prefill_seq_lengths": [32], "decode_batch_sizes": [4],
+              "decode_block_widths": [16], "mixed_steps": True, "max_num_batched_tokens": 32}
+    spec = AgentSpec("llama", str(model_dir), CONFIG.__dict__.copy(), fields, 128, 4, 16, tensor_parallel_size=2,
+                     lora=LORA)
+    with AgentPool(spec) as pool:
+        pool.start()
+        yield pool
+
+
+class PoolRunner:
+    """The drivers' view of a pool: its steps and cache shape."""
+
+    def __init__(self, pool) -> None:
+        self.pool, self.rc = pool, RC
+
+    def step(self, batch: StepBatch):
+        return self.pool.run_step(batch)
+
+    def load_adapter(self, slot: int, path: str | None) -> None:
+        from llm_serving.protocol.batch import AdapterStep
+
+        self.pool.run_step(AdapterStep(slot, path))
+
+
+def test_tensor_parallel_ranks_serve_peft_s_answers(tp2_pool, adapters, base_hf):
+    """TP 2: each rank holds its slices of A and B; the row-parallel projections' partial updates are summed by
+    their all-reduce."""
+    runner = PoolRunner(tp2_pool)
+    models = load_all(runner, adapters) + [base_hf]
+    slots = [0, -1, 2, 1]
+    batch_prompts = prompts(4, seed=12)
+    refs = [reference(models[s], p, 4) for s, p in zip(slots, batch_prompts)]
+    check(PagedDriver(runner, seed=13).generate(batch_prompts, 4, lora_slots=slots), refs, 4)
+    check(ChunkDriver(runner, seed=14).generate(batch_prompts, 4, 7, [0, 2, 1, 0], lora_slots=slots), refs, 4)
+    runner.load_adapter(2, None)  # emptied while serving: its rows are the base model's again
+    check(PagedDriver(runner, seed=15).generate(batch_prompts[2:3], 3, lora_slots=[2]),
+          [reference(base_hf, batch_prompts[2], 3)], 3)
