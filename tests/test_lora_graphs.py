@@ -213,3 +213,27 @@ def test_tensor_parallel_ranks_serve_peft_s_answers(tp2_pool, adapters, base_hf)
     runner.load_adapter(2, None)  # emptied while serving: its rows are the base model's again
     check(PagedDriver(runner, seed=15).generate(batch_prompts[2:3], 3, lora_slots=[2]),
           [reference(base_hf, batch_prompts[2], 3)], 3)
+
+
+def test_ascend_graphs_with_adapters_export_and_pass_the_contract_check(model_dir, tmp_path):
+    """The Ascend float16 graphs with adapter slots, exported on this CPU (``agents.tools.export``): the updates are
+    plain MatMuls (MindSpore 2.10 has no LoRA primitive), the norms and SwiGLU stay the fused RmsNorm and Swiglu,
+    and the contract checker passes both graphs."""
+    import subprocess
+    import sys
+
+    from llm_serving.protocol.wire import AgentSpec
+
+    fields = {"device_target": "Ascend", "device_id": 0, "dtype": "float16", "num_blocks": 40, "block_size": 16,
+              "max_model_len": 64, "prefill_batch_sizes": [2], "prefill_seq_lengths": [32],
+              "decode_batch_sizes": [1, 4]}
+    spec = AgentSpec("llama", str(model_dir), CONFIG.__dict__.copy(), fields, 64, 4, 4, lora=LORA)
+    res = subprocess.run([sys.executable, "-m", "agents.tools.export", "--spec", spec.to_json(), "--out",
+                          str(tmp_path), "--check", "--shape", "decode:4:4", "--shape", "ragged:2:48"],
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    for name in ("decode_b4_w4", "ragged_b2_t48"):
+        assert f"check {name}.mindir: every contract rule holds" in res.stdout
+        graph = (tmp_path / f"{name}.mindir").read_bytes()
+        assert b"layers.1.lora.lora_qkv.a" in graph and b"lora_masks.blocks" in graph
+    assert "RmsNorm x5, Swiglu x2" in res.stdout

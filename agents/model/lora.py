@@ -28,7 +28,6 @@ from mindspore.common.initializer import initializer
 
 from agents.model import parallel
 from agents.model.backends import OpsBackend
-from agents.model.backends.graph_ops import rms_norm
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan
 
@@ -96,7 +95,9 @@ class LoraLayerCells(nn.Cell):
         self.lora_down = LoraUpdate(shard.ffn, hidden, n * shape.width("w_down"), dtype)
         self.qkv_linear = backend.partial_linear(heads.qkv_dim)  # on the normed x
         self.gate_up_linear = backend.partial_linear(2 * shard.ffn)
-        self.eps, self.ffn = config.rms_norm_eps, shard.ffn
+        self.attention_norm = backend.rms_norm(config.rms_norm_eps)
+        self.ffn_norm = backend.rms_norm(config.rms_norm_eps)
+        self.swiglu = backend.swiglu(shard.ffn)
         self.adds_residual = shard.rank == 0  # the other ranks' row-parallel "residual" is their partial update
         residual_linear = backend.residual_linear()
         self.output_projection = parallel.row_parallel(shard, backend, residual_linear, hidden, lora=True)
@@ -107,7 +108,7 @@ class LoraLayerCells(nn.Cell):
         return {"w_qkv": self.lora_qkv, "wo": self.lora_wo, "w_gate_up": self.lora_gate_up, "w_down": self.lora_down}
 
     def qkv(self, x: Tensor, norm_weight: Tensor, weight: Tensor, rows: Tensor, masks: tuple) -> Tensor:
-        normed = rms_norm(x, norm_weight, self.eps)
+        normed = self.attention_norm(x, norm_weight)
         return self.qkv_linear(normed, weight, rows) + self.lora_qkv(normed, masks[2])
 
     def output(self, attn: Tensor, weight: Tensor, x: Tensor, rows: Tensor, masks: tuple) -> Tensor:
@@ -115,9 +116,8 @@ class LoraLayerCells(nn.Cell):
 
     def mlp(self, x: Tensor, norm_weight: Tensor, gate_up_weight: Tensor, down_weight: Tensor, rows: Tensor,
             masks: tuple) -> Tensor:
-        normed = rms_norm(x, norm_weight, self.eps)
-        gate_up = self.gate_up_linear(normed, gate_up_weight, rows) + self.lora_gate_up(normed, masks[1])
-        act = ops.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn:]
+        normed = self.ffn_norm(x, norm_weight)
+        act = self.swiglu(self.gate_up_linear(normed, gate_up_weight, rows) + self.lora_gate_up(normed, masks[1]))
         return self.down_projection(act, down_weight, self._residual(x, self.lora_down(act, masks[0])), rows)
 
     def _residual(self, x: Tensor, update: Tensor) -> Tensor:
