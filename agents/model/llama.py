@@ -127,8 +127,8 @@ class LlamaLayer(nn.Cell):
         self.ffn_norm = norm_weight(hidden, dtype, "ffn_norm")
         self.w_qkv = ProjectionWeight(hidden, heads.qkv_dim, dtype, panels, panel_dtype=fmt, quantization=quant)
         self.wo = ProjectionWeight(heads.hidden_size, hidden, dtype, panels, panel_dtype=fmt, quantization=quant)
-        self.w_gate_up = ProjectionWeight(hidden, 2 * shard.ffn, dtype, panels, swiglu=lora is None,
-                                          panel_dtype=fmt, quantization=quant)
+        self.w_gate_up = ProjectionWeight(hidden, 2 * shard.ffn, dtype, panels, swiglu=True, panel_dtype=fmt,
+                                          quantization=quant)
         self.w_down = ProjectionWeight(shard.ffn, hidden, dtype, panels, panel_dtype=fmt, quantization=quant)
         self.has_qkv_bias, self.has_qk_norm = config.qkv_bias, config.qk_norm
         # this rank's q/k/v bias rows, cut as w_qkv's; the head norms' weights are per head_dim, so every rank's
@@ -144,8 +144,7 @@ class LlamaLayer(nn.Cell):
         # that same cell at tp 1; else this rank's share of each projection, then an all-reduce
         self.output_projection = parallel.row_parallel(shard, backend, self.residual_linear, hidden)
         self.down_projection = parallel.row_parallel(shard, backend, self.residual_linear, hidden)
-        # LoRA adapter slots (agents.model.lora): the projections then take each token's update
-        self.has_lora = lora is not None
+        # LoRA adapter slots (agents.model.lora): the adapter graphs' projections take each token's update
         self.lora = LoraLayerCells(lora, config, shard, backend, dtype) if lora is not None else None
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
@@ -155,8 +154,9 @@ class LlamaLayer(nn.Cell):
         ``context_lens``: given in steps whose queries attend to cached context (``agents.runtime.mixed_steps``;
         ``lens`` then holds the query lengths, and ``positions`` the tokens' or what the attention's ``chunk_input``
         made of them once for all layers); None, a graph constant, in the prefill
-        and decode graphs. ``lora_masks``: each token's adapter slot as ``LoraMasks`` gives it (with adapters)."""
-        if self.has_lora:
+        and decode graphs. ``lora_masks``: each token's adapter slot as ``LoraMasks`` gives it (the adapter graphs);
+        None, a graph constant, elsewhere."""
+        if lora_masks is not None:
             qkv = self.lora.qkv(x, self.attention_norm, self.w_qkv.operands(), rows, lora_masks)
         else:
             qkv = self.norm_qkv(x, self.attention_norm, self.w_qkv.operands(), rows)
@@ -168,7 +168,7 @@ class LlamaLayer(nn.Cell):
             attn = self.attention(qkv, cos, sin, slot_mapping, lens, block_tables, is_prefill)
         else:
             attn = self.attention.chunked(qkv, cos, sin, slot_mapping, lens, context_lens, block_tables, positions)
-        if self.has_lora:
+        if lora_masks is not None:
             x = self.lora.output(attn, self.wo.operands(), x, rows, lora_masks)
             return self.lora.mlp(x, self.ffn_norm, self.w_gate_up.operands(), self.w_down.operands(), rows,
                                  lora_masks)
@@ -216,14 +216,16 @@ class LlamaModel(nn.Cell):
 
     def hidden_states(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, lens: Tensor,
                       block_tables: Tensor, token_rows: Tensor, is_prefill: bool,
-                      context_lens: Tensor | None = None) -> Tensor:
+                      context_lens: Tensor | None = None, adapters: bool = False) -> Tensor:
+        """``adapters``: the step graph computes each token's LoRA update (``agents.model.lora``); a graph
+        constant, so a model with adapter slots still has its plain graphs for steps without adapters."""
         x = self.embed(self.embed_tokens, input_ids)
         cos = ops.gather(self.cos, positions, 0)
         sin = ops.gather(self.sin, positions, 0)
         chunk_input = positions
         if context_lens is not None:  # once for all layers (an Ascend step's attention mask)
             chunk_input = self.layers[0].attention.chunk_input(positions, block_tables, lens)
-        masks = self.lora_masks(slot_mapping) if self.lora_masks is not None else None
+        masks = self.lora_masks(slot_mapping) if adapters else None
         for layer in self.layers:
             x = layer(x, cos, sin, slot_mapping, lens, block_tables, token_rows, is_prefill, context_lens, chunk_input,
                       masks)
@@ -248,17 +250,18 @@ class LlamaStep(nn.Cell):
     them did not change decode step time measurably, and it saves compiling a second graph per shape).
     """
 
-    def __init__(self, model: LlamaModel, is_prefill: bool) -> None:
+    def __init__(self, model: LlamaModel, is_prefill: bool, adapters: bool = False) -> None:
         super().__init__()
         self.model = model
         self.is_prefill = is_prefill
+        self.adapters = adapters  # the LoRA adapter graph (LlamaModel.hidden_states)
 
     def construct(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, batch_valid_length: Tensor,
                   block_tables: Tensor, last_index: Tensor):
         # not rebound to a shorter name: MindSpore would name the graph input after it
         token_rows, sequence_rows = self.model.real_rows(batch_valid_length, self.is_prefill)
         hidden = self.model.hidden_states(input_ids, positions, slot_mapping, batch_valid_length, block_tables,
-                                          token_rows, self.is_prefill)
+                                          token_rows, self.is_prefill, None, self.adapters)
         if self.is_prefill:
             hidden = ops.gather(hidden, last_index, 0)
         logits = self.model.logits(hidden, sequence_rows)

@@ -28,9 +28,11 @@ from mindspore.common.initializer import initializer
 
 from agents.model import parallel
 from agents.model.backends import OpsBackend
+from agents.weights.packed import PANEL
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan
 
+PANEL_HALF = PANEL // 2  # a SwiGLU panel's outputs
 PARTS = {"w_qkv": 3, "wo": 1, "w_gate_up": 2, "w_down": 1}  # a fused projection's LoRA-able parts
 
 
@@ -82,6 +84,20 @@ class LoraMasks(nn.Cell):
         return tuple((columns == token_slots).astype(self.dtype) for columns in self.column_slots)
 
 
+class InterleavedSwiGlu(nn.Cell):
+    """``silu(gate) * up`` of a gate/up output interleaved by 16 (gate 0..15, up 0..15, gate 16..31, ...)."""
+
+    def __init__(self, ffn_dim: int) -> None:
+        super().__init__()
+        self.ffn = ffn_dim
+
+    def construct(self, gate_up: Tensor) -> Tensor:
+        tokens, width = gate_up.shape
+        pairs = gate_up.reshape(tokens, width // (2 * PANEL_HALF), 2, PANEL_HALF)
+        act = ops.silu(pairs[:, :, 0]) * pairs[:, :, 1]
+        return act.reshape(tokens, width // 2)[:, : self.ffn]
+
+
 class LoraLayerCells(nn.Cell):
     """One decoder layer's LoRA updates and the projections that take them (see the module doc)."""
 
@@ -91,13 +107,17 @@ class LoraLayerCells(nn.Cell):
         n, hidden, heads = shape.max_loras, config.hidden_size, shard.attention_config
         self.lora_qkv = LoraUpdate(hidden, heads.qkv_dim, n * shape.width("w_qkv"), dtype)
         self.lora_wo = LoraUpdate(heads.hidden_size, hidden, n * shape.width("wo"), dtype)
-        self.lora_gate_up = LoraUpdate(hidden, 2 * shard.ffn, n * shape.width("w_gate_up"), dtype)
+        # native panel weights compute gate/up interleaved by 16 (agents.weights.packed.swiglu_rows): the update's B
+        # rows are held in that order, and the SwiGLU after it reads them so
+        self.interleaved = backend.panel_weights
+        gate_up = 2 * PANEL_HALF * -(-shard.ffn // PANEL_HALF) if self.interleaved else 2 * shard.ffn
+        self.lora_gate_up = LoraUpdate(hidden, gate_up, n * shape.width("w_gate_up"), dtype)
         self.lora_down = LoraUpdate(shard.ffn, hidden, n * shape.width("w_down"), dtype)
         self.qkv_linear = backend.partial_linear(heads.qkv_dim)  # on the normed x
-        self.gate_up_linear = backend.partial_linear(2 * shard.ffn)
+        self.gate_up_linear = backend.partial_linear(gate_up)
         self.attention_norm = backend.rms_norm(config.rms_norm_eps)
         self.ffn_norm = backend.rms_norm(config.rms_norm_eps)
-        self.swiglu = backend.swiglu(shard.ffn)
+        self.swiglu = InterleavedSwiGlu(shard.ffn) if self.interleaved else backend.swiglu(shard.ffn)
         self.adds_residual = shard.rank == 0  # the other ranks' row-parallel "residual" is their partial update
         residual_linear = backend.residual_linear()
         self.output_projection = parallel.row_parallel(shard, backend, residual_linear, hidden, lora=True)

@@ -18,6 +18,7 @@ from mindspore import Tensor
 from agents.model.llama import LlamaModel
 from agents.model.lora import LoraShape, LoraUpdate
 from agents.weights.lora_weights import LoraPair, load_lora_weights
+from agents.weights.packed import swiglu_rows
 from llm_serving.protocol.batch import StepBatch
 from llm_serving.protocol.lora import LoraConfig
 from llm_serving.protocol.model_config import LlamaConfig
@@ -33,6 +34,7 @@ class AdapterSlotTable:
         self.model, self.config, self.shard, self.shape = model, config, shard, shape
         self.blocks = np.full(model.lora_masks.blocks.shape[0], -1, np.int32)  # each KV block's slot, -1 base
         self.blocks_clean = True  # every entry -1: a step without adapters need not write the table
+        self.interleaved = model.layers[0].lora.interleaved  # gate/up rows as the native SwiGLU panels order them
         self.host = {name: (np.zeros(update.a.shape, np.float32), np.zeros(update.b.shape, np.float32))
                      for name, update in self._updates()}
 
@@ -64,7 +66,8 @@ class AdapterSlotTable:
             if pair is not None:
                 rank = pair.a.shape[0]
                 a[slot * width: slot * width + rank] = pair.a
-                b[:, slot * width: slot * width + rank] = pair.b
+                interleaved = self.interleaved and name.endswith("w_gate_up")
+                b[:, slot * width: slot * width + rank] = swiglu_rows(pair.b) if interleaved else pair.b
             update.a.set_data(Tensor(a).astype(update.a.dtype))
             update.b.set_data(Tensor(b).astype(update.b.dtype))
 

@@ -56,8 +56,10 @@ def export_graphs(runner: ModelRunner, out_dir: str | Path, shapes: list[tuple] 
         shapes = runner.graph_shapes()
         if dynamic:
             shapes = [next(s for s in shapes if s[0] == kind) for kind in dict.fromkeys(s[0] for s in shapes)]
+    # with adapter slots, the graphs that compute the updates (the plain ones are those exported without them)
+    graphs = runner.adapter_graphs or runner.graphs
     with infer_boost(dynamic or int8_caches(runner)):
-        return export_shapes(runner, lambda kind: step_cell(runner.graphs[kind]), out_dir, shapes, progress, dynamic)
+        return export_shapes(runner, lambda kind: step_cell(graphs[kind]), out_dir, shapes, progress, dynamic)
 
 
 def int8_caches(runner: ModelRunner) -> bool:
