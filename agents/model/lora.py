@@ -28,6 +28,7 @@ from mindspore.common.initializer import initializer
 
 from agents.model import parallel
 from agents.model.backends import OpsBackend
+from agents.weights import packed as packed_weights
 from agents.weights.packed import PANEL
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan
@@ -55,16 +56,30 @@ class LoraShape:
 
 
 class LoraUpdate(nn.Cell):
-    """``(x, mask) -> ((x A^T) * mask) B^T`` over every slot of one fused projection (zeros: empty slots)."""
+    """``(x, mask, rows) -> ((x A^T) * mask) B^T`` over every slot of one fused projection (zeros: empty slots),
+    both products by the backend's plain projection: on the native CPU backend its GEMM on float32 panels
+    (``agents.weights.packed``; MindSpore's MatMul repacks its weight operand on every call), else MatMul."""
 
-    def __init__(self, in_dim: int, out_dim: int, columns: int, dtype: ms.Type) -> None:
+    def __init__(self, in_dim: int, out_dim: int, columns: int, dtype: ms.Type, backend: OpsBackend) -> None:
         super().__init__()
-        self.a = Parameter(initializer("zeros", (columns, in_dim), dtype), name="lora_a", requires_grad=False)
-        self.b = Parameter(initializer("zeros", (out_dim, columns), dtype), name="lora_b", requires_grad=False)
-        self.matmul = ops.MatMul(transpose_b=True)
+        self.panels = backend.panel_weights
+        self.shapes = (columns, in_dim), (out_dim, columns)  # A's and B's as ``store`` takes them
+        self.dtype = ms.float32 if self.panels else dtype  # the native op reads float32 panels in any precision
+        a_shape = packed_weights.packed_shape(columns, in_dim) if self.panels else (columns, in_dim)
+        b_shape = packed_weights.packed_shape(out_dim, columns) if self.panels else (out_dim, columns)
+        self.a = Parameter(initializer("zeros", a_shape, self.dtype), name="lora_a", requires_grad=False)
+        self.b = Parameter(initializer("zeros", b_shape, self.dtype), name="lora_b", requires_grad=False)
+        self.down = backend.partial_linear(columns)
+        self.up = backend.partial_linear(out_dim)
 
-    def construct(self, x: Tensor, mask: Tensor) -> Tensor:
-        return self.matmul(self.matmul(x, self.a) * mask, self.b)
+    def store(self, a: np.ndarray, b: np.ndarray) -> None:
+        """Set every slot's stacked ``A [columns, in]`` and ``B [out, columns]`` (float32)."""
+        for param, value in ((self.a, a), (self.b, b)):
+            held = packed_weights.pack(value) if self.panels else value
+            param.set_data(Tensor(np.ascontiguousarray(held, np.float32)).astype(self.dtype))
+
+    def construct(self, x: Tensor, mask: Tensor, rows: Tensor) -> Tensor:
+        return self.up(self.down(x, self.a, rows) * mask, self.b, rows)
 
 
 class LoraMasks(nn.Cell):
@@ -105,14 +120,14 @@ class LoraLayerCells(nn.Cell):
                  dtype: ms.Type) -> None:
         super().__init__()
         n, hidden, heads = shape.max_loras, config.hidden_size, shard.attention_config
-        self.lora_qkv = LoraUpdate(hidden, heads.qkv_dim, n * shape.width("w_qkv"), dtype)
-        self.lora_wo = LoraUpdate(heads.hidden_size, hidden, n * shape.width("wo"), dtype)
+        self.lora_qkv = LoraUpdate(hidden, heads.qkv_dim, n * shape.width("w_qkv"), dtype, backend)
+        self.lora_wo = LoraUpdate(heads.hidden_size, hidden, n * shape.width("wo"), dtype, backend)
         # native panel weights compute gate/up interleaved by 16 (agents.weights.packed.swiglu_rows): the update's B
         # rows are held in that order, and the SwiGLU after it reads them so
         self.interleaved = backend.panel_weights
         gate_up = 2 * PANEL_HALF * -(-shard.ffn // PANEL_HALF) if self.interleaved else 2 * shard.ffn
-        self.lora_gate_up = LoraUpdate(hidden, gate_up, n * shape.width("w_gate_up"), dtype)
-        self.lora_down = LoraUpdate(shard.ffn, hidden, n * shape.width("w_down"), dtype)
+        self.lora_gate_up = LoraUpdate(hidden, gate_up, n * shape.width("w_gate_up"), dtype, backend)
+        self.lora_down = LoraUpdate(shard.ffn, hidden, n * shape.width("w_down"), dtype, backend)
         self.qkv_linear = backend.partial_linear(heads.qkv_dim)  # on the normed x
         self.gate_up_linear = backend.partial_linear(gate_up)
         self.attention_norm = backend.rms_norm(config.rms_norm_eps)
@@ -129,16 +144,16 @@ class LoraLayerCells(nn.Cell):
 
     def qkv(self, x: Tensor, norm_weight: Tensor, weight: Tensor, rows: Tensor, masks: tuple) -> Tensor:
         normed = self.attention_norm(x, norm_weight)
-        return self.qkv_linear(normed, weight, rows) + self.lora_qkv(normed, masks[2])
+        return self.qkv_linear(normed, weight, rows) + self.lora_qkv(normed, masks[2], rows)
 
     def output(self, attn: Tensor, weight: Tensor, x: Tensor, rows: Tensor, masks: tuple) -> Tensor:
-        return self.output_projection(attn, weight, self._residual(x, self.lora_wo(attn, masks[0])), rows)
+        return self.output_projection(attn, weight, self._residual(x, self.lora_wo(attn, masks[0], rows)), rows)
 
     def mlp(self, x: Tensor, norm_weight: Tensor, gate_up_weight: Tensor, down_weight: Tensor, rows: Tensor,
             masks: tuple) -> Tensor:
         normed = self.ffn_norm(x, norm_weight)
-        act = self.swiglu(self.gate_up_linear(normed, gate_up_weight, rows) + self.lora_gate_up(normed, masks[1]))
-        return self.down_projection(act, down_weight, self._residual(x, self.lora_down(act, masks[0])), rows)
+        act = self.swiglu(self.gate_up_linear(normed, gate_up_weight, rows) + self.lora_gate_up(normed, masks[1], rows))
+        return self.down_projection(act, down_weight, self._residual(x, self.lora_down(act, masks[0], rows)), rows)
 
     def _residual(self, x: Tensor, update: Tensor) -> Tensor:
         if self.adds_residual:

@@ -35,7 +35,7 @@ class AdapterSlotTable:
         self.blocks = np.full(model.lora_masks.blocks.shape[0], -1, np.int32)  # each KV block's slot, -1 base
         self.blocks_clean = True  # every entry -1: a step without adapters need not write the table
         self.interleaved = model.layers[0].lora.interleaved  # gate/up rows as the native SwiGLU panels order them
-        self.host = {name: (np.zeros(update.a.shape, np.float32), np.zeros(update.b.shape, np.float32))
+        self.host = {name: (np.zeros(update.shapes[0], np.float32), np.zeros(update.shapes[1], np.float32))
                      for name, update in self._updates()}
 
     def _updates(self) -> Iterator[tuple[str, LoraUpdate]]:
@@ -68,8 +68,7 @@ class AdapterSlotTable:
                 a[slot * width: slot * width + rank] = pair.a
                 interleaved = self.interleaved and name.endswith("w_gate_up")
                 b[:, slot * width: slot * width + rank] = swiglu_rows(pair.b) if interleaved else pair.b
-            update.a.set_data(Tensor(a).astype(update.a.dtype))
-            update.b.set_data(Tensor(b).astype(update.b.dtype))
+            update.store(a, b)
 
     def route(self, batch: StepBatch) -> None:
         """Before ``batch``'s graph calls: every block of each row's table (those its tokens write included, and a
