@@ -60,7 +60,10 @@ class LoraUpdate(nn.Cell):
     both products by the backend's plain projection: on the native CPU backend its GEMM on float32 panels
     (``agents.weights.packed``; MindSpore's MatMul repacks its weight operand on every call), else MatMul."""
 
-    def __init__(self, in_dim: int, out_dim: int, columns: int, dtype: ms.Type, backend: OpsBackend) -> None:
+    def __init__(self, in_dim: int, out_dim: int, columns: int, dtype: ms.Type, backend: OpsBackend,
+                 eps: float | None = None) -> None:
+        """``eps``: the update reads the RMSNorm of its input (QKV, gate/up), fused into its first product as the
+        base projection's is (so the normed input is never a tensor of its own)."""
         super().__init__()
         self.panels = backend.panel_weights
         self.shapes = (columns, in_dim), (out_dim, columns)  # A's and B's as ``store`` takes them
@@ -69,7 +72,7 @@ class LoraUpdate(nn.Cell):
         b_shape = packed_weights.packed_shape(out_dim, columns) if self.panels else (out_dim, columns)
         self.a = Parameter(initializer("zeros", a_shape, self.dtype), name="lora_a", requires_grad=False)
         self.b = Parameter(initializer("zeros", b_shape, self.dtype), name="lora_b", requires_grad=False)
-        self.down = backend.partial_linear(columns)
+        self.down = backend.partial_linear(columns) if eps is None else backend.norm_linear(columns, eps)
         self.up = backend.partial_linear(out_dim)
 
     def store(self, a: np.ndarray, b: np.ndarray) -> None:
@@ -78,8 +81,10 @@ class LoraUpdate(nn.Cell):
             held = packed_weights.pack(value) if self.panels else value
             param.set_data(Tensor(np.ascontiguousarray(held, np.float32)).astype(self.dtype))
 
-    def construct(self, x: Tensor, mask: Tensor, rows: Tensor) -> Tensor:
-        return self.up(self.down(x, self.a, rows) * mask, self.b, rows)
+    def construct(self, x: Tensor, mask: Tensor, rows: Tensor, norm_weight: Tensor | None = None) -> Tensor:
+        if norm_weight is None:
+            return self.up(self.down(x, self.a, rows) * mask, self.b, rows)
+        return self.up(self.down(x, norm_weight, self.a, rows) * mask, self.b, rows)
 
 
 class LoraMasks(nn.Cell):
@@ -120,18 +125,17 @@ class LoraLayerCells(nn.Cell):
                  dtype: ms.Type) -> None:
         super().__init__()
         n, hidden, heads = shape.max_loras, config.hidden_size, shard.attention_config
-        self.lora_qkv = LoraUpdate(hidden, heads.qkv_dim, n * shape.width("w_qkv"), dtype, backend)
+        eps = config.rms_norm_eps
+        self.lora_qkv = LoraUpdate(hidden, heads.qkv_dim, n * shape.width("w_qkv"), dtype, backend, eps)
         self.lora_wo = LoraUpdate(heads.hidden_size, hidden, n * shape.width("wo"), dtype, backend)
         # native panel weights compute gate/up interleaved by 16 (agents.weights.packed.swiglu_rows): the update's B
         # rows are held in that order, and the SwiGLU after it reads them so
         self.interleaved = backend.panel_weights
         gate_up = 2 * PANEL_HALF * -(-shard.ffn // PANEL_HALF) if self.interleaved else 2 * shard.ffn
-        self.lora_gate_up = LoraUpdate(hidden, gate_up, n * shape.width("w_gate_up"), dtype, backend)
+        self.lora_gate_up = LoraUpdate(hidden, gate_up, n * shape.width("w_gate_up"), dtype, backend, eps)
         self.lora_down = LoraUpdate(shard.ffn, hidden, n * shape.width("w_down"), dtype, backend)
-        self.qkv_linear = backend.partial_linear(heads.qkv_dim)  # on the normed x
-        self.gate_up_linear = backend.partial_linear(gate_up)
-        self.attention_norm = backend.rms_norm(config.rms_norm_eps)
-        self.ffn_norm = backend.rms_norm(config.rms_norm_eps)
+        self.norm_qkv = backend.norm_linear(heads.qkv_dim, eps)
+        self.norm_gate_up = backend.norm_linear(gate_up, eps)  # before SwiGLU: the update adds to gate and up
         self.swiglu = InterleavedSwiGlu(shard.ffn) if self.interleaved else backend.swiglu(shard.ffn)
         self.adds_residual = shard.rank == 0  # the other ranks' row-parallel "residual" is their partial update
         residual_linear = backend.residual_linear()
@@ -143,16 +147,15 @@ class LoraLayerCells(nn.Cell):
         return {"w_qkv": self.lora_qkv, "wo": self.lora_wo, "w_gate_up": self.lora_gate_up, "w_down": self.lora_down}
 
     def qkv(self, x: Tensor, norm_weight: Tensor, weight: Tensor, rows: Tensor, masks: tuple) -> Tensor:
-        normed = self.attention_norm(x, norm_weight)
-        return self.qkv_linear(normed, weight, rows) + self.lora_qkv(normed, masks[2], rows)
+        return self.norm_qkv(x, norm_weight, weight, rows) + self.lora_qkv(x, masks[2], rows, norm_weight)
 
     def output(self, attn: Tensor, weight: Tensor, x: Tensor, rows: Tensor, masks: tuple) -> Tensor:
         return self.output_projection(attn, weight, self._residual(x, self.lora_wo(attn, masks[0], rows)), rows)
 
     def mlp(self, x: Tensor, norm_weight: Tensor, gate_up_weight: Tensor, down_weight: Tensor, rows: Tensor,
             masks: tuple) -> Tensor:
-        normed = self.ffn_norm(x, norm_weight)
-        act = self.swiglu(self.gate_up_linear(normed, gate_up_weight, rows) + self.lora_gate_up(normed, masks[1], rows))
+        act = self.swiglu(self.norm_gate_up(x, norm_weight, gate_up_weight, rows)
+                          + self.lora_gate_up(x, masks[1], rows, norm_weight))
         return self.down_projection(act, down_weight, self._residual(x, self.lora_down(act, masks[0], rows)), rows)
 
     def _residual(self, x: Tensor, update: Tensor) -> Tensor:

@@ -293,17 +293,6 @@ class AscendNormSwiGlu(nn.Cell):
         return self.swiglu(self.project(self.norm(x, norm_weight)[0], weight), -1)
 
 
-class AscendRmsNorm(nn.Cell):
-    """``(x, norm_weight) -> RmsNorm(x)``."""
-
-    def __init__(self, eps: float, fused: FusedOps) -> None:
-        super().__init__()
-        self.norm = fused.rms_norm(eps)
-
-    def construct(self, x: Tensor, norm_weight: Tensor) -> Tensor:
-        return self.norm(x, norm_weight)[0]
-
-
 class AscendSwiGlu(nn.Cell):
     """``[gate; up] -> Swiglu``."""
 
@@ -440,9 +429,6 @@ class AscendBackend(OpsBackend):
 
     def norm_swiglu(self, ffn_dim: int, eps: float) -> nn.Cell:
         return AscendNormSwiGlu(eps, self.fused)
-
-    def rms_norm(self, eps: float) -> nn.Cell:
-        return AscendRmsNorm(eps, self.fused)
 
     def swiglu(self, ffn_dim: int) -> nn.Cell:
         return AscendSwiGlu(self.fused)

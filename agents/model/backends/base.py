@@ -141,11 +141,6 @@ class OpsBackend:
         """``(x, norm_weight, [gate; up] weight, rows) -> silu(gate) * up`` of width ``ffn_dim``."""
         return graph_ops.NormSwiGlu(ffn_dim, eps)
 
-    def rms_norm(self, eps: float) -> nn.Cell:
-        """``(x, norm_weight) -> rmsnorm(x)`` alone: where a LoRA update reads a fused projection's normed input
-        (``agents.model.lora``)."""
-        return graph_ops.RmsNorm(eps)
-
     def swiglu(self, ffn_dim: int) -> nn.Cell:
         """``[gate; up] -> silu(gate) * up`` alone (after a LoRA update of the gate/up projection)."""
         return graph_ops.SwiGlu(ffn_dim)

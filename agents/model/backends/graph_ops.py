@@ -27,17 +27,6 @@ def greedy_pick(logits: Tensor) -> tuple[Tensor, Tensor]:
     return token_ids, logprob
 
 
-class RmsNorm(nn.Cell):
-    """``(x, weight) -> rms_norm(x, weight)`` (a projection's input where a LoRA update reads it too)."""
-
-    def __init__(self, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-
-    def construct(self, x: Tensor, weight: Tensor) -> Tensor:
-        return rms_norm(x, weight, self.eps)
-
-
 class SwiGlu(nn.Cell):
     """``[gate; up] -> silu(gate) * up`` on the halves of the last axis."""
 
