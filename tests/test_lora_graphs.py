@@ -237,3 +237,19 @@ def test_ascend_graphs_with_adapters_export_and_pass_the_contract_check(model_di
         graph = (tmp_path / f"{name}.mindir").read_bytes()
         assert b"layers.1.lora.lora_qkv.a" in graph and b"lora_masks.blocks" in graph
     assert "RmsNorm x5, Swiglu x2" in res.stdout  # the update and the projection share each norm (one RmsNorm)
+
+
+def test_looped_decode_steps_with_adapters_match_peft(model_dir, adapters, base_hf):
+    """Several decode steps in one graph call (scheduler.decode_steps): the later steps' blocks, allocated ahead in
+    the tables, name the row's slot too."""
+    from tests.test_looped_decode import looped_generate
+
+    rc = RunnerConfig(num_blocks=60, block_size=8, max_model_len=64, prefill_batch_sizes=(4,),
+                      prefill_seq_lengths=(32,), decode_batch_sizes=(4,), decode_block_widths=(8,), decode_steps=3)
+    runner = ModelRunner(CONFIG, load_weights(model_dir, CONFIG), rc, lora=LORA)
+    runner.warmup()
+    models = load_all(runner, adapters) + [base_hf]
+    slots = [2, -1, 0]
+    batch_prompts = prompts(3, seed=16)
+    got = looped_generate(runner, batch_prompts, 10, 3, lora_slots=slots)  # crosses blocks inside calls
+    check(got, [reference(models[s], p, 10) for s, p in zip(slots, batch_prompts)], 10)
