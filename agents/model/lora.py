@@ -56,9 +56,11 @@ class LoraShape:
 
 
 class LoraUpdate(nn.Cell):
-    """``(x, mask, rows) -> ((x A^T) * mask) B^T`` over every slot of one fused projection (zeros: empty slots),
-    both products by the backend's plain projection: on the native CPU backend its GEMM on float32 panels
-    (``agents.weights.packed``; MindSpore's MatMul repacks its weight operand on every call), else MatMul."""
+    """``(x, mask, rows, base) -> base + ((x A^T) * mask) B^T`` over every slot of one fused projection (zeros:
+    empty slots; ``base`` None: the update alone), both products by the backend's projections (the second one adding
+    ``base`` itself: every op costs a launch, measured to dominate the update's cost on CPU): on the native CPU
+    backend its GEMM on float32 panels (``agents.weights.packed``; MindSpore's MatMul repacks its weight operand on
+    every call), else MatMul."""
 
     def __init__(self, in_dim: int, out_dim: int, columns: int, dtype: ms.Type, backend: OpsBackend,
                  eps: float | None = None) -> None:
@@ -74,6 +76,7 @@ class LoraUpdate(nn.Cell):
         self.b = Parameter(initializer("zeros", b_shape, self.dtype), name="lora_b", requires_grad=False)
         self.down = backend.partial_linear(columns) if eps is None else backend.norm_linear(columns, eps)
         self.up = backend.partial_linear(out_dim)
+        self.add_up = backend.residual_linear()
 
     def store(self, a: np.ndarray, b: np.ndarray) -> None:
         """Set every slot's stacked ``A [columns, in]`` and ``B [out, columns]`` (float32)."""
@@ -81,10 +84,15 @@ class LoraUpdate(nn.Cell):
             held = packed_weights.pack(value) if self.panels else value
             param.set_data(Tensor(np.ascontiguousarray(held, np.float32)).astype(self.dtype))
 
-    def construct(self, x: Tensor, mask: Tensor, rows: Tensor, norm_weight: Tensor | None = None) -> Tensor:
+    def construct(self, x: Tensor, mask: Tensor, rows: Tensor, base: Tensor | None = None,
+                  norm_weight: Tensor | None = None) -> Tensor:
         if norm_weight is None:
-            return self.up(self.down(x, self.a, rows) * mask, self.b, rows)
-        return self.up(self.down(x, norm_weight, self.a, rows) * mask, self.b, rows)
+            shrunk = self.down(x, self.a, rows) * mask
+        else:
+            shrunk = self.down(x, norm_weight, self.a, rows) * mask
+        if base is None:
+            return self.up(shrunk, self.b, rows)
+        return self.add_up(shrunk, self.b, base, rows)
 
 
 class LoraMasks(nn.Cell):
@@ -147,18 +155,19 @@ class LoraLayerCells(nn.Cell):
         return {"w_qkv": self.lora_qkv, "wo": self.lora_wo, "w_gate_up": self.lora_gate_up, "w_down": self.lora_down}
 
     def qkv(self, x: Tensor, norm_weight: Tensor, weight: Tensor, rows: Tensor, masks: tuple) -> Tensor:
-        return self.norm_qkv(x, norm_weight, weight, rows) + self.lora_qkv(x, masks[2], rows, norm_weight)
+        return self.lora_qkv(x, masks[2], rows, self.norm_qkv(x, norm_weight, weight, rows), norm_weight)
 
     def output(self, attn: Tensor, weight: Tensor, x: Tensor, rows: Tensor, masks: tuple) -> Tensor:
-        return self.output_projection(attn, weight, self._residual(x, self.lora_wo(attn, masks[0], rows)), rows)
+        return self.output_projection(attn, weight, self._residual(self.lora_wo, attn, x, rows, masks), rows)
 
     def mlp(self, x: Tensor, norm_weight: Tensor, gate_up_weight: Tensor, down_weight: Tensor, rows: Tensor,
             masks: tuple) -> Tensor:
-        act = self.swiglu(self.norm_gate_up(x, norm_weight, gate_up_weight, rows)
-                          + self.lora_gate_up(x, masks[1], rows, norm_weight))
-        return self.down_projection(act, down_weight, self._residual(x, self.lora_down(act, masks[0], rows)), rows)
+        act = self.swiglu(self.lora_gate_up(x, masks[1], rows, self.norm_gate_up(x, norm_weight, gate_up_weight, rows),
+                                            norm_weight))
+        return self.down_projection(act, down_weight, self._residual(self.lora_down, act, x, rows, masks), rows)
 
-    def _residual(self, x: Tensor, update: Tensor) -> Tensor:
+    def _residual(self, update: LoraUpdate, inputs: Tensor, x: Tensor, rows: Tensor, masks: tuple) -> Tensor:
+        """A row-parallel projection's residual: ``x`` + the update (the other ranks: their partial update)."""
         if self.adds_residual:
-            return x + update
-        return update
+            return update(inputs, masks[0], rows, x)
+        return update(inputs, masks[0], rows)
