@@ -118,12 +118,16 @@ class InterleavedSwiGlu(nn.Cell):
     def __init__(self, ffn_dim: int) -> None:
         super().__init__()
         self.ffn = ffn_dim
+        self.padded = ffn_dim % PANEL_HALF != 0
 
     def construct(self, gate_up: Tensor) -> Tensor:
+        # 2-D slices of [tokens * groups, 32]: 10x faster than slicing a 4-D view (3.3 ms at 32 x 2816, 0.34 here)
         tokens, width = gate_up.shape
-        pairs = gate_up.reshape(tokens, width // (2 * PANEL_HALF), 2, PANEL_HALF)
-        act = ops.silu(pairs[:, :, 0]) * pairs[:, :, 1]
-        return act.reshape(tokens, width // 2)[:, : self.ffn]
+        pairs = gate_up.reshape(tokens * width // (2 * PANEL_HALF), 2 * PANEL_HALF)
+        act = (ops.silu(pairs[:, :PANEL_HALF]) * pairs[:, PANEL_HALF:]).reshape(tokens, width // 2)
+        if self.padded:
+            return act[:, : self.ffn]
+        return act
 
 
 class LoraLayerCells(nn.Cell):
