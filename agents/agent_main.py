@@ -158,7 +158,7 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
         fields["num_blocks"] = budget.num_blocks
     runner_config = RunnerConfig(**fields)
     progress(f"building model on {runner_config.device_target} device {runner_config.device_id}")
-    runner = ModelRunner(config, weights, runner_config, shard=shard)
+    runner = ModelRunner(config, weights, runner_config, shard=shard, lora=spec.lora)
     if draft_model is None:
         return runner
     draft_config, draft_weights = draft_model

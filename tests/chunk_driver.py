@@ -19,7 +19,8 @@ class ChunkDriver:
         self.rng = np.random.default_rng(seed)
 
     def generate(self, prompts: list[list[int]], steps: int, chunk: int, starts: list[int] | None = None,
-                 ) -> tuple[list[list[int]], list[list[float]]]:
+                 lora_slots: list[int] | None = None) -> tuple[list[list[int]], list[list[float]]]:
+        """``lora_slots``: each prompt's adapter slot (-1: none), None: no adapters."""
         starts = starts or [0] * len(prompts)
         free = list(range(1, self.runner.rc.num_blocks))
         self.rng.shuffle(free)
@@ -46,8 +47,10 @@ class ChunkDriver:
             width = max(len(tables[i]) for i in rows)
             block_tables = np.array([tables[i] + [0] * (width - len(tables[i])) for i in rows], np.int32)
             q_arr, ctx_arr = np.array(q, np.int32), np.array(ctx, np.int32)
+            adapters = None if lora_slots is None else np.array([lora_slots[i] for i in rows], np.int32)
             result = self.runner.step(StepBatch(np.array(ids, np.int32), np.array(pos, np.int32),
-                                                np.array(slots, np.int32), q_arr, ctx_arr, block_tables))
+                                                np.array(slots, np.int32), q_arr, ctx_arr, block_tables,
+                                                lora_slots=adapters))
             for row, i in enumerate(rows):
                 done[i] += q[row]
                 if done[i] == len(prompts[i]) + len(out[i]):  # the chunk reached the end: a real next token

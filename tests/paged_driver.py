@@ -46,8 +46,10 @@ class PagedDriver:
         return [[free.pop() for _ in range(n)] for n in need]
 
     def generate(self, prompts: list[list[int]], steps: int, params: list[dict] | None = None,
-                 ) -> tuple[list[list[int]], list[list[float]]]:
-        """Greedy (or, with per-prompt ``params``, sampled) tokens and logprobs for every prompt."""
+                 lora_slots: list[int] | None = None) -> tuple[list[list[int]], list[list[float]]]:
+        """Greedy (or, with per-prompt ``params``, sampled) tokens and logprobs for every prompt; ``lora_slots``:
+        each prompt's adapter slot (-1: none)."""
+        adapters = None if lora_slots is None else np.array(lora_slots, np.int32)
         tables = self._tables(prompts, steps)
         width = max(len(t) for t in tables)
         block_tables = np.array([t + [0] * (width - len(t)) for t in tables], np.int32)
@@ -65,7 +67,7 @@ class PagedDriver:
             np.concatenate(prompts).astype(np.int32),
             np.concatenate([np.arange(n) for n in lens]).astype(np.int32),
             np.array([slot(i, j) for i, n in enumerate(lens) for j in range(n)], np.int32),
-            lens, lens.copy(), block_tables, sampling([[] for _ in prompts])))
+            lens, lens.copy(), block_tables, sampling([[] for _ in prompts]), lora_slots=adapters))
         tokens = [[int(t)] for t in out.token_ids]
         logprobs = [[float(lp)] for lp in out.logprobs]
         for _ in range(steps - 1):
@@ -74,7 +76,7 @@ class PagedDriver:
             out = self.runner.step(StepBatch(
                 np.array([g[-1] for g in tokens], np.int32), pos,
                 np.array([slot(i, int(p)) for i, p in enumerate(pos)], np.int32),
-                np.ones(len(prompts), np.int32), ctx, block_tables, sampling(tokens)))
+                np.ones(len(prompts), np.int32), ctx, block_tables, sampling(tokens), lora_slots=adapters))
             for g, lp, t, l in zip(tokens, logprobs, out.token_ids, out.logprobs):
                 g.append(int(t))
                 lp.append(float(l))

@@ -25,8 +25,10 @@ BLOCK = 8
 
 
 def looped_generate(runner: ModelRunner, prompts: list[list[int]], steps: int, k: int,
-                    ) -> tuple[list[list[int]], list[list[float]]]:
-    """Greedy tokens of ``prompts``: a prefill, then decode batches of ``k`` steps through ``runner.decode_steps``."""
+                    lora_slots: list[int] | None = None) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens of ``prompts``: a prefill, then decode batches of ``k`` steps through ``runner.decode_steps``;
+    ``lora_slots``: each prompt's adapter slot (-1: none)."""
+    adapters = None if lora_slots is None else np.array(lora_slots, np.int32)
     free = list(range(1, runner.rc.num_blocks))[::-1]
     tables = [[free.pop() for _ in range(-(-(len(p) + steps + k) // BLOCK))] for p in prompts]
     width = max(len(t) for t in tables)
@@ -39,14 +41,14 @@ def looped_generate(runner: ModelRunner, prompts: list[list[int]], steps: int, k
     out = runner.step(StepBatch(
         np.concatenate(prompts).astype(np.int32), np.concatenate([np.arange(n) for n in lens]).astype(np.int32),
         np.array([slot(i, j) for i, n in enumerate(lens) for j in range(n)], np.int32), lens, lens.copy(),
-        block_tables))
+        block_tables, lora_slots=adapters))
     tokens = [[int(t)] for t in out.token_ids]
     logprobs = [[float(lp)] for lp in out.logprobs]
     while len(tokens[0]) < steps:
         ctx = np.array([len(p) + len(g) for p, g in zip(prompts, tokens)], np.int32)
         batch = StepBatch(np.array([g[-1] for g in tokens], np.int32), ctx - 1,
                           np.array([slot(i, int(c) - 1) for i, c in enumerate(ctx)], np.int32),
-                          np.ones(len(prompts), np.int32), ctx, block_tables, num_steps=k)
+                          np.ones(len(prompts), np.int32), ctx, block_tables, num_steps=k, lora_slots=adapters)
         out = runner.decode_steps(batch)
         assert out is not None  # the looped graph ran
         ids = np.concatenate([out.token_ids[:, None], out.more_token_ids], 1)

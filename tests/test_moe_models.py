@@ -256,6 +256,9 @@ def test_expert_counts_the_ranks_cannot_split_are_refused_by_name(served, tmp_pa
                                      "default_model": {"data_dir": str(tmp_path / "default")}})
     with pytest.raises(ConfigError, match="expert_parallel: the model has no experts"):
         resolve_model(dense, tokenizer=False)
+    adapters = ServingConfig.from_dict({"model_config": {"model_path": str(tmp_path)}, "lora": {"enable": True}})
+    with pytest.raises(ConfigError, match="lora.enable: Qwen3MoeForCausalLM is a mixture-of-experts model"):
+        resolve_model(adapters, tokenizer=False)
 
 
 @pytest.mark.parametrize("tp, rank, expert_parallel", [(1, 0, False), (2, 1, True)])

@@ -23,6 +23,7 @@ from mindspore.common.initializer import initializer
 
 from agents.model import moe, parallel
 from agents.model.backends import OpsBackend, PortableBackend
+from agents.model.lora import LoraLayerCells, LoraMasks, LoraShape
 from agents.model.rope import rotary_tables
 from agents.weights import packed as packed_weights
 from agents.weights.moe_weights import MOE_KINDS
@@ -117,7 +118,8 @@ class LlamaLayer(nn.Cell):
     FFN slice, and its two row-parallel projections end in an all-reduce (``agents.model.parallel``)."""
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, dtype: ms.Type,
-                 backend: OpsBackend, shard: ShardPlan | None = None, index: int = 0) -> None:
+                 backend: OpsBackend, shard: ShardPlan | None = None, index: int = 0,
+                 lora: LoraShape | None = None) -> None:
         super().__init__()
         hidden, eps, panels = config.hidden_size, config.rms_norm_eps, backend.panel_weights
         fmt, quant = backend.panel_dtype, backend.layer_quantization
@@ -150,16 +152,24 @@ class LlamaLayer(nn.Cell):
         # that same cell at tp 1; else this rank's share of each projection, then an all-reduce
         self.output_projection = parallel.row_parallel(shard, backend, self.residual_linear, hidden)
         self.down_projection = parallel.row_parallel(shard, backend, self.residual_linear, hidden)
+        # LoRA adapter slots (agents.model.lora): the adapter graphs' projections take each token's update
+        if lora is not None and config.moe is not None:  # the master refuses it first (lora.enable)
+            raise ValueError("LoRA adapters on a mixture-of-experts model are not served")
+        self.lora = LoraLayerCells(lora, config, shard, backend, dtype) if lora is not None else None
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor, lens: Tensor,
                   block_tables: Tensor, rows: Tensor, is_prefill: bool, context_lens: Tensor | None = None,
-                  positions: Tensor | None = None) -> Tensor:
+                  positions: Tensor | None = None, lora_masks: tuple | None = None) -> Tensor:
         """``rows`` [1]: the real (leading) token rows of ``x``, for backends that skip the padding after them.
         ``context_lens``: given in steps whose queries attend to cached context (``agents.runtime.mixed_steps``;
         ``lens`` then holds the query lengths, and ``positions`` the tokens' or what the attention's ``chunk_input``
         made of them once for all layers); None, a graph constant, in the prefill
-        and decode graphs."""
-        qkv = self.norm_qkv(x, self.attention_norm, self.w_qkv.operands(), rows)
+        and decode graphs. ``lora_masks``: each token's adapter slot as ``LoraMasks`` gives it (the adapter graphs);
+        None, a graph constant, elsewhere."""
+        if lora_masks is not None:
+            qkv = self.lora.qkv(x, self.attention_norm, self.w_qkv.operands(), rows, lora_masks)
+        else:
+            qkv = self.norm_qkv(x, self.attention_norm, self.w_qkv.operands(), rows)
         if self.has_qkv_bias:
             qkv = qkv + self.qkv_bias
         if self.has_qk_norm:
@@ -168,6 +178,10 @@ class LlamaLayer(nn.Cell):
             attn = self.attention(qkv, cos, sin, slot_mapping, lens, block_tables, is_prefill)
         else:
             attn = self.attention.chunked(qkv, cos, sin, slot_mapping, lens, context_lens, block_tables, positions)
+        if lora_masks is not None:
+            x = self.lora.output(attn, self.wo.operands(), x, rows, lora_masks)
+            return self.lora.mlp(x, self.ffn_norm, self.w_gate_up.operands(), self.w_down.operands(), rows,
+                                 lora_masks)
         x = self.output_projection(attn, self.wo.operands(), x, rows)
         if self.moe is not None:
             return self.moe(x, self.ffn_norm, rows)
@@ -181,7 +195,7 @@ class LlamaModel(nn.Cell):
 
     def __init__(self, config: LlamaConfig, num_blocks: int, block_size: int, max_positions: int,
                  dtype: ms.Type = ms.float32, backend: OpsBackend | None = None,
-                 shard: ShardPlan | None = None) -> None:
+                 shard: ShardPlan | None = None, lora: LoraShape | None = None) -> None:
         super().__init__()
         backend = backend if backend is not None else PortableBackend()
         shard = shard if shard is not None else ShardPlan(config)
@@ -190,8 +204,10 @@ class LlamaModel(nn.Cell):
         self.dtype = dtype
         self.embed_tokens = Parameter(initializer("zeros", (vocab, config.hidden_size), dtype), name="embed_tokens")
         self.embed = parallel.embedding(shard)
-        self.layers = nn.CellList([LlamaLayer(config, num_blocks, block_size, dtype, backend, shard, i)
+        self.layers = nn.CellList([LlamaLayer(config, num_blocks, block_size, dtype, backend, shard, i, lora)
                                    for i in range(config.num_hidden_layers)])
+        self.lora = lora  # adapter slots; their per-token masks come from the blocks a step writes
+        self.lora_masks = LoraMasks(lora, num_blocks, block_size, dtype) if lora is not None else None
         self.norm = norm_weight(config.hidden_size, dtype, "norm")
         # float: its errors land on the logits directly
         self.lm_head = ProjectionWeight(config.hidden_size, vocab, dtype, backend.panel_weights,
@@ -212,15 +228,19 @@ class LlamaModel(nn.Cell):
 
     def hidden_states(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, lens: Tensor,
                       block_tables: Tensor, token_rows: Tensor, is_prefill: bool,
-                      context_lens: Tensor | None = None) -> Tensor:
+                      context_lens: Tensor | None = None, adapters: bool = False) -> Tensor:
+        """``adapters``: the step graph computes each token's LoRA update (``agents.model.lora``); a graph
+        constant, so a model with adapter slots still has its plain graphs for steps without adapters."""
         x = self.embed(self.embed_tokens, input_ids)
         cos = ops.gather(self.cos, positions, 0)
         sin = ops.gather(self.sin, positions, 0)
         chunk_input = positions
         if context_lens is not None:  # once for all layers (an Ascend step's attention mask)
             chunk_input = self.layers[0].attention.chunk_input(positions, block_tables, lens)
+        masks = self.lora_masks(slot_mapping) if adapters else None
         for layer in self.layers:
-            x = layer(x, cos, sin, slot_mapping, lens, block_tables, token_rows, is_prefill, context_lens, chunk_input)
+            x = layer(x, cos, sin, slot_mapping, lens, block_tables, token_rows, is_prefill, context_lens, chunk_input,
+                      masks)
         return x
 
     def logits(self, last_hidden: Tensor, sequence_rows: Tensor) -> Tensor:
@@ -242,17 +262,18 @@ class LlamaStep(nn.Cell):
     them did not change decode step time measurably, and it saves compiling a second graph per shape).
     """
 
-    def __init__(self, model: LlamaModel, is_prefill: bool) -> None:
+    def __init__(self, model: LlamaModel, is_prefill: bool, adapters: bool = False) -> None:
         super().__init__()
         self.model = model
         self.is_prefill = is_prefill
+        self.adapters = adapters  # the LoRA adapter graph (LlamaModel.hidden_states)
 
     def construct(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, batch_valid_length: Tensor,
                   block_tables: Tensor, last_index: Tensor):
         # not rebound to a shorter name: MindSpore would name the graph input after it
         token_rows, sequence_rows = self.model.real_rows(batch_valid_length, self.is_prefill)
         hidden = self.model.hidden_states(input_ids, positions, slot_mapping, batch_valid_length, block_tables,
-                                          token_rows, self.is_prefill)
+                                          token_rows, self.is_prefill, None, self.adapters)
         if self.is_prefill:
             hidden = ops.gather(hidden, last_index, 0)
         logits = self.model.logits(hidden, sequence_rows)

@@ -91,12 +91,16 @@ class ReducedPartial(nn.Cell):
         return self.reduce(self.linear(x, weight, rows))
 
 
-def row_parallel(plan: ShardPlan, backend: OpsBackend, residual_linear: nn.Cell, out_dim: int) -> nn.Cell:
+def row_parallel(plan: ShardPlan, backend: OpsBackend, residual_linear: nn.Cell, out_dim: int,
+                 lora: bool = False) -> nn.Cell:
     """``(x, weight, residual, rows) -> residual + x @ W^T`` over all ranks: the backend's ``residual_linear``
-    itself at tp 1, else this rank's share of it followed by the all-reduce."""
+    itself at tp 1, else this rank's share of it followed by the all-reduce. ``lora``: every rank adds the
+    ``residual`` it is given (the others' is their partial LoRA update, ``agents.model.lora``)."""
     if plan.tp == 1:
         return residual_linear
-    return ReducedResidual(residual_linear) if plan.rank == 0 else ReducedPartial(backend.partial_linear(out_dim))
+    if plan.rank == 0 or lora:
+        return ReducedResidual(residual_linear)
+    return ReducedPartial(backend.partial_linear(out_dim))
 
 
 class Embedding(nn.Cell):

@@ -35,9 +35,10 @@ class LoopedDecodeStep(nn.Cell):
     """``steps`` decode steps of ``model`` in one graph; the inputs are ``LlamaStep``'s decode inputs (the sixth
     unused). Returns token ids and logprobs ``[batch, steps]`` and the last step's logits."""
 
-    def __init__(self, model: LlamaModel, steps: int, block_size: int) -> None:
+    def __init__(self, model: LlamaModel, steps: int, block_size: int, adapters: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.adapters = adapters  # the LoRA adapter graph (LlamaModel.hidden_states)
         self.steps = steps
         self.block_size = block_size
 
@@ -51,7 +52,7 @@ class LoopedDecodeStep(nn.Cell):
         logits = None
         for _ in range(self.steps):
             hidden = self.model.hidden_states(input_ids, positions, slot_mapping, batch_valid_length, block_tables,
-                                              token_rows, False)
+                                              token_rows, False, None, self.adapters)
             logits = self.model.logits(hidden, sequence_rows)
             token_ids, token_logprobs = self.model.greedy(logits)
             ids = ids + (token_ids.astype(ms.int32),)

@@ -123,9 +123,10 @@ class MixedStep(nn.Cell):
     query included) ``[batch]``, ``block_tables`` ``[batch, width]``, ``last_index`` ``[batch]``; returns what
     ``LlamaStep`` does (greedy ids, logprobs, logits)."""
 
-    def __init__(self, model: nn.Cell) -> None:
+    def __init__(self, model: nn.Cell, adapters: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.adapters = adapters  # the LoRA adapter graph (LlamaModel.hidden_states)
 
     def construct(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, q_seq_lens: Tensor,
                   batch_valid_length: Tensor, block_tables: Tensor, last_index: Tensor):
@@ -133,7 +134,7 @@ class MixedStep(nn.Cell):
         # (agents.tools.contracts); not rebound to shorter names, since MindSpore names the inputs after that
         token_rows, sequence_rows = self.model.real_rows(q_seq_lens, True)
         hidden = self.model.hidden_states(input_ids, positions, slot_mapping, q_seq_lens, block_tables,
-                                          token_rows, True, batch_valid_length)
+                                          token_rows, True, batch_valid_length, self.adapters)
         logits = self.model.logits(ops.gather(hidden, last_index, 0), sequence_rows)
         token_ids, logprobs = self.model.greedy(logits)
         return token_ids, logprobs, logits

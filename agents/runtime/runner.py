@@ -16,16 +16,20 @@ padded prefill); warming every family's shapes, checking a step's cache indices 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
 
 import mindspore as ms
 import numpy as np
+from mindspore import nn
 
 from agents.model.backends import OpsBackend, select_backend
 from agents.model.llama import LlamaModel, LlamaStep, load_weights_into
+from agents.model.lora import LoraShape
 from agents.model.parallel import agreed_costs, sharded_graphs
+from agents.runtime.adapters import AdapterSlotTable
 from agents.runtime.decode_family import Decode
 from agents.runtime.device import apply_jit_config, setup_device
 from agents.runtime.graph_call import CompiledCell
@@ -103,9 +107,11 @@ class ModelRunner(FamilyRunner):
     (``graph_families``) decide the shapes, the plans and the inputs of each step kind."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, np.ndarray], runner_config: RunnerConfig,
-                 backend: OpsBackend | None = None, shard: ShardPlan | None = None) -> None:
+                 backend: OpsBackend | None = None, shard: ShardPlan | None = None,
+                 lora: Mapping[str, Any] | None = None) -> None:
         """``backend``: the device's by ``RunnerConfig.kernels`` when None (tests pass others). ``shard``: this
-        rank's slice under tensor parallelism (``weights`` then hold only that slice; ``agents.weights.sharded``)."""
+        rank's slice under tensor parallelism (``weights`` then hold only that slice; ``agents.weights.sharded``).
+        ``lora``: ``AgentSpec.lora``, the LoRA adapter slots the graphs hold (``load_adapter`` fills them)."""
         setup_device(runner_config.device_target, runner_config.device_id, runner_config.device_environment,
                      runner_config.max_device_memory)
         self.config = config
@@ -126,43 +132,58 @@ class ModelRunner(FamilyRunner):
         # nothing and splitting a decode batch to save padding never pays.
         self.skips_padding = self.backend.skips_padding
         self.rc = rc = rc.with_decode_widths(full_width=self.skips_padding)
+        shape = LoraShape(int(lora["max_loras"]), int(lora["max_lora_rank"])) if lora is not None else None
         self.model = LlamaModel(config, rc.num_blocks, rc.block_size, rc.max_model_len, MS_DTYPES[rc.dtype],
-                                self.backend, self.shard)
+                                self.backend, self.shard, shape)
         load_weights_into(self.model, weights)
-        prefill = LlamaStep(self.model, is_prefill=True)
-        decode = LlamaStep(self.model, is_prefill=False)
-        for step in (prefill, decode):
-            apply_jit_config(step, rc.device_target)
-        prefill, decode = CompiledCell(prefill), CompiledCell(decode)
-        self.graphs = {"prefill": prefill, "ragged": prefill, "decode": decode}
-        if rc.mixed_steps:
-            if not self.backend.chunked_prefill:
-                raise ValueError(f"the {self.backend.name} ops backend has no attention over cached context: set "
-                                 "scheduler.enable_chunked_prefill and enable_prefix_caching to false")
-            mixed = MixedStep(self.model)
-            apply_jit_config(mixed, rc.device_target)
-            mixed = CompiledCell(mixed)
-            self.graphs.update(mixed=mixed, chunk=mixed)
-        if rc.verify_tokens:
-            if not self.backend.ragged_prefill:
-                raise ValueError(f"speculative decoding verifies proposals in ragged mixed steps, which the "
-                                 f"{self.backend.name} ops backend lacks (model_config.kernels: native)")
-            verify = VerifyStep(self.model)
-            apply_jit_config(verify, rc.device_target)
-            self.graphs["verify"] = CompiledCell(verify)
-        for k in looped_families(rc):
-            looped = LoopedDecodeStep(self.model, k, rc.block_size)
-            apply_jit_config(looped, rc.device_target)
-            self.graphs[f"loop{k}"] = CompiledCell(looped)
-        cells = self.graphs
-        super().__init__(rc, sharded_graphs(self.graphs, self.shard),  # tensor parallel: logits gathered when read
+        self.adapters = AdapterSlotTable(self.model, config, self.shard, shape) if shape is not None else None
+        if rc.mixed_steps and not self.backend.chunked_prefill:
+            raise ValueError(f"the {self.backend.name} ops backend has no attention over cached context: set "
+                             "scheduler.enable_chunked_prefill and enable_prefix_caching to false")
+        if rc.verify_tokens and not self.backend.ragged_prefill:
+            raise ValueError(f"speculative decoding verifies proposals in ragged mixed steps, which the "
+                             f"{self.backend.name} ops backend lacks (model_config.kernels: native)")
+        cells = self._step_cells(adapters=False)
+        # with adapter slots, a second set of the same graphs computing each token's LoRA update: the steps whose
+        # rows use an adapter run on it, the others on the plain graphs (they pay nothing for the slots)
+        adapter_cells = self._step_cells(adapters=True) if shape is not None else {}
+        super().__init__(rc, sharded_graphs(cells, self.shard),  # tensor parallel: logits gathered when read
                          lambda costs: graph_families(rc, self.ragged_prefill, self.backend, costs))
+        self.adapter_graphs = sharded_graphs(adapter_cells, self.shard) if adapter_cells else None
+        self._adapter_step = False  # the step in progress runs on the adapter graphs
         if rc.dynamic_shapes:  # one graph per family: its first warm-up shape compiles it for every shape
             for name, family in by_graph(self.families).items():
                 if shapes := family.shapes():
-                    cells[name].set_dynamic(family.warmup_inputs(shapes[0]))
+                    for graphs in (cells, adapter_cells):
+                        if graphs:
+                            graphs[name].set_dynamic(family.warmup_inputs(shapes[0]))
         self.looped = looped_families(rc, self.backend, self.costs)
         self._by_graph.update({family.graph: family for family in self.looped.values()})
+
+    def _step_cells(self, adapters: bool) -> dict[str, CompiledCell]:
+        """The step graphs by name (plain, or computing the LoRA updates: ``adapters``)."""
+        rc = self.rc
+
+        def compiled(cell: nn.Cell) -> CompiledCell:
+            apply_jit_config(cell, rc.device_target)
+            return CompiledCell(cell)
+
+        prefill = compiled(LlamaStep(self.model, True, adapters))
+        cells = {"prefill": prefill, "ragged": prefill, "decode": compiled(LlamaStep(self.model, False, adapters))}
+        if rc.mixed_steps:
+            mixed = compiled(MixedStep(self.model, adapters))
+            cells.update(mixed=mixed, chunk=mixed)
+        if rc.verify_tokens:
+            cells["verify"] = compiled(VerifyStep(self.model, adapters))
+        for k in looped_families(rc):
+            cells[f"loop{k}"] = compiled(LoopedDecodeStep(self.model, k, rc.block_size, adapters))
+        return cells
+
+    def graph(self, kind: str) -> Any:
+        """The step graph of ``kind``: the adapter graph while a step with adapters runs."""
+        if self._adapter_step and self.adapter_graphs is not None:
+            return self.adapter_graphs[kind]
+        return self.graphs[kind]
 
     def graph_shapes(self) -> list[tuple]:
         """Every family's warm-up shapes, the looped decode ones last."""
@@ -175,10 +196,27 @@ class ModelRunner(FamilyRunner):
 
     def warmup(self, progress: Callable[[str], None] | None = None,
                known_costs: dict[tuple, float] | None = None) -> dict[tuple, float]:
-        """``FamilyRunner.warmup``, then the costs every tensor-parallel rank plans alike (the slowest rank's)."""
+        """``FamilyRunner.warmup`` (with adapter slots: of the plain graphs, then of the adapter graphs, the
+        plans costing each shape by the slower), then the costs every tensor-parallel rank plans alike (the slowest
+        rank's)."""
         compile_times = super().warmup(progress, known_costs)
+        if self.adapter_graphs is not None:
+            plain = dict(self.step_costs)
+            self._adapter_step = True
+            try:
+                more = super().warmup(progress and (lambda line: progress(f"{line} (adapters)")), known_costs)
+            finally:
+                self._adapter_step = False
+            compile_times = {shape: seconds + more.get(shape, 0.0) for shape, seconds in compile_times.items()}
+            self.step_costs = {shape: max(cost, self.step_costs.get(shape, cost)) for shape, cost in plain.items()}
         self.step_costs = agreed_costs(self.step_costs, self.shard)
         return compile_times
+
+    def load_adapter(self, slot: int, path: str | None) -> None:
+        """``step_runner.AdapterSlots``: the adapter at ``path`` into ``slot`` (``agents.runtime.adapters``)."""
+        if self.adapters is None:
+            raise ValueError("this runner was built without LoRA adapter slots (AgentSpec lora)")
+        self.adapters.load(slot, path)
 
     def step(self, batch: StepBatch) -> StepOutput:
         """Run one step as one or more bucketed graph calls (``plan``).
@@ -243,8 +281,12 @@ class ModelRunner(FamilyRunner):
     @contextmanager
     def _device_step(self, batch: StepBatch) -> Iterator[None]:
         """A step's graph calls, between the backend's ``before_step`` and ``after_step`` (also on errors)."""
+        if self.adapters is not None:
+            self.adapters.route(batch)
+            self._adapter_step = batch.lora_slots is not None
         self.backend.before_step(len(batch.slot_mapping))
         try:
             yield
         finally:
+            self._adapter_step = False
             self.backend.after_step()

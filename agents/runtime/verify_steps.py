@@ -39,15 +39,16 @@ class VerifyStep(nn.Cell):
     """The mixed step's inputs (``agents.runtime.mixed_steps.MixedStep`` less ``last_index``); returns the greedy
     ids and log-probabilities ``[tokens]`` and the logits ``[tokens, vocab]`` of every token row."""
 
-    def __init__(self, model: nn.Cell) -> None:
+    def __init__(self, model: nn.Cell, adapters: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.adapters = adapters  # the LoRA adapter graph (LlamaModel.hidden_states)
 
     def construct(self, input_ids: Tensor, positions: Tensor, slot_mapping: Tensor, q_seq_lens: Tensor,
                   batch_valid_length: Tensor, block_tables: Tensor):
         token_rows, _ = self.model.real_rows(q_seq_lens, True)
         hidden = self.model.hidden_states(input_ids, positions, slot_mapping, q_seq_lens, block_tables,
-                                          token_rows, True, batch_valid_length)
+                                          token_rows, True, batch_valid_length, self.adapters)
         logits = self.model.logits(hidden, token_rows)
         token_ids, logprobs = self.model.greedy(logits)
         return token_ids, logprobs, logits

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import mindspore as ms
 import numpy as np
@@ -31,14 +32,17 @@ from llm_serving.protocol.wire import AgentSpec
 
 
 def export_runner(config: LlamaConfig, rc: RunnerConfig, weights: dict[str, np.ndarray],
-                  backend: OpsBackend | None = None, shard: ShardPlan | None = None) -> ModelRunner:
+                  backend: OpsBackend | None = None, shard: ShardPlan | None = None,
+                  lora: Mapping[str, Any] | None = None) -> ModelRunner:
     """A runner with ``rc.device_target``'s backend (or ``backend``) and its checks, built on this process's CPU:
     the same model, graphs and warm-up inputs as on the device, compiled only by export. ``shard``: one
-    tensor-parallel rank's (its slice of ``weights``; its graphs hold the collectives, in no joined group)."""
+    tensor-parallel rank's (its slice of ``weights``; its graphs hold the collectives, in no joined group).
+    ``lora``: ``AgentSpec.lora``, the adapter slots the graphs hold (``agents.model.lora``)."""
     if backend is None:
         backend = select_backend(rc.kernels, rc.device_target, rc.dtype,
                                  (shard or ShardPlan(config)).attention_config.hidden_size)
-    return ModelRunner(config, weights, replace(rc, device_target="CPU", device_id=0), backend, shard=shard)
+    return ModelRunner(config, weights, replace(rc, device_target="CPU", device_id=0), backend, shard=shard,
+                       lora=lora)
 
 
 def export_graphs(runner: ModelRunner, out_dir: str | Path, shapes: list[tuple] | None = None,
@@ -52,8 +56,10 @@ def export_graphs(runner: ModelRunner, out_dir: str | Path, shapes: list[tuple] 
         shapes = runner.graph_shapes()
         if dynamic:
             shapes = [next(s for s in shapes if s[0] == kind) for kind in dict.fromkeys(s[0] for s in shapes)]
+    # with adapter slots, the graphs that compute the updates (the plain ones are those exported without them)
+    graphs = runner.adapter_graphs or runner.graphs
     with infer_boost(dynamic or int8_caches(runner)):
-        return export_shapes(runner, lambda kind: step_cell(runner.graphs[kind]), out_dir, shapes, progress, dynamic)
+        return export_shapes(runner, lambda kind: step_cell(graphs[kind]), out_dir, shapes, progress, dynamic)
 
 
 def int8_caches(runner: ModelRunner) -> bool:
@@ -114,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         shard = ShardPlan(config, spec.tensor_parallel_size, args.rank, spec.expert_parallel)
         weights = load_rank_weights(spec.model_path, config, shard, quantize=rc.quantization != "none")
         weights = with_kv_scales(weights, spec.model_path, config, shard, spec.runner_config)
-        runner = export_runner(config, rc, weights, backend, shard)
+        runner = export_runner(config, rc, weights, backend, shard, spec.lora)
         shapes = runner.graph_shapes()
         unknown = [s for s in args.shape or [] if s not in shapes]
         if unknown:

@@ -53,6 +53,12 @@ def _interleave_halves(w: np.ndarray) -> tuple[np.ndarray, int]:
     return rows.reshape(groups * PANEL, w.shape[1]), f
 
 
+def swiglu_rows(w: np.ndarray) -> np.ndarray:
+    """The rows of ``[gate; up]`` (or of anything added to its output, as a LoRA ``B``) in the order a SwiGLU panel
+    weight computes them: gate 0..15, up 0..15, gate 16..31, ... (zero rows pad ``f`` up to a multiple of 16)."""
+    return _interleave_halves(w)[0]
+
+
 def pack(w: np.ndarray, swiglu: bool = False) -> np.ndarray:
     """A ``[out, in]`` weight in the kernel's panel layout; ``swiglu`` for the fused ``[gate; up]`` weight."""
     if swiglu:

@@ -92,6 +92,10 @@ def resolve_model(config: ServingConfig, progress: Callable[[str], None] | None 
         raise ConfigError(f"{src}: serving_config.num_agents: {config.num_agents} agents are the tensor-parallel "
                           f"size, which this model cannot be split into: {'; '.join(problems)}",
                           key="serving_config.num_agents", source=src)
+    if config.lora.enable and llama.moe is not None:
+        raise ConfigError(f"{src}: lora.enable: {llama.architecture} is a mixture-of-experts model, whose sparse "
+                          "layers' experts take no adapter slots: adapters are served on dense models only",
+                          key="lora.enable", source=src)
     check_host_memory(config, llama)
     check_layers(config, llama)
     if not tokenizer:

@@ -296,6 +296,17 @@ class AscendNormSwiGlu(nn.Cell):
         return self.swiglu(self.project(self.norm(x, norm_weight)[0], weight), -1)
 
 
+class AscendSwiGlu(nn.Cell):
+    """``[gate; up] -> Swiglu``."""
+
+    def __init__(self, fused: FusedOps) -> None:
+        super().__init__()
+        self.swiglu = fused.swiglu()
+
+    def construct(self, gate_up: Tensor) -> Tensor:
+        return self.swiglu(gate_up, -1)
+
+
 class AscendResidualLinear(nn.Cell):
     """``(x, weight, residual, rows) -> residual + x @ W^T``."""
 
@@ -423,6 +434,9 @@ class AscendBackend(OpsBackend):
 
     def norm_swiglu(self, ffn_dim: int, eps: float) -> nn.Cell:
         return AscendNormSwiGlu(eps, self.fused)
+
+    def swiglu(self, ffn_dim: int) -> nn.Cell:
+        return AscendSwiGlu(self.fused)
 
     def head_norm(self, config: LlamaConfig, eps: float) -> nn.Cell:
         return AscendHeadNorm(config, eps, self.fused)

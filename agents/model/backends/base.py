@@ -146,6 +146,10 @@ class OpsBackend:
         """``(x, norm_weight, [gate; up] weight, rows) -> silu(gate) * up`` of width ``ffn_dim``."""
         return graph_ops.NormSwiGlu(ffn_dim, eps)
 
+    def swiglu(self, ffn_dim: int) -> nn.Cell:
+        """``[gate; up] -> silu(gate) * up`` alone (after a LoRA update of the gate/up projection)."""
+        return graph_ops.SwiGlu(ffn_dim)
+
     def head_norm(self, config: LlamaConfig, eps: float) -> nn.Cell:
         """``(qkv, q_norm_weight, k_norm_weight) -> qkv`` with each query and key head RMS-normalized (Qwen3's q/k
         norms); ``config``: the heads as the attention sees them."""

@@ -27,6 +27,17 @@ def greedy_pick(logits: Tensor) -> tuple[Tensor, Tensor]:
     return token_ids, logprob
 
 
+class SwiGlu(nn.Cell):
+    """``[gate; up] -> silu(gate) * up`` on the halves of the last axis."""
+
+    def __init__(self, ffn_dim: int) -> None:
+        super().__init__()
+        self.ffn = ffn_dim
+
+    def construct(self, gate_up: Tensor) -> Tensor:
+        return ops.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn:]
+
+
 class NormLinear(nn.Cell):
     """``(x, norm_weight, weight, rows) -> rmsnorm(x) @ W^T``."""
 

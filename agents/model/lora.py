@@ -1,0 +1,177 @@
+"""LoRA adapters in the step graphs: every slot's low-rank update beside each fused projection, picked per token.
+
+Why this form (measured in ``scripts/bench_lora_ops.py``, docs/model.md "Adapters"): each fused projection holds the
+``A`` of all ``max_loras`` slots stacked (``[slots * width, in]``) and their ``B`` side by side (``[out, slots *
+width]``); a step computes ``x A^T`` once, zeroes every column outside the token's own slot with a mask, and
+multiplies by ``B^T``: three ops whatever the mix of adapters, where gathering each row's own ``A`` and ``B`` grew
+with the rows. ``width`` is the projection's parts times ``max_lora_rank`` (q, k, v: 3; gate, up: 2), the layout of
+``agents.weights.lora_weights`` (a slot's unused columns stay zero). An empty slot is zeros: it adds nothing.
+
+Which slot a token uses is never a graph input, so every step graph keeps its signature: the model holds
+``lora_blocks`` (int32 ``[num_blocks]``, the slot of the sequence owning each KV block, -1 for none), the runner
+sets it before each step (``agents.runtime.adapters``), and the graph reads a token's slot at the block it writes
+(``slot_mapping``), which only its own sequence owns. The update needs the projection's input: the RMSNorm leaves
+the fused QKV and gate/up projections (the normed ``x`` is computed once and read by both the projection and the
+update), and SwiGLU follows the update in graph ops. Under tensor parallelism a row-parallel projection's update is
+a partial sum (``A`` cut by columns) handed to the projection as its residual on every rank, so the all-reduce that
+already follows the projection completes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import initializer
+
+from agents.model import parallel
+from agents.model.backends import OpsBackend
+from agents.weights import packed as packed_weights
+from agents.weights.packed import PANEL
+from llm_serving.protocol.model_config import LlamaConfig
+from llm_serving.protocol.parallel import ShardPlan
+
+PANEL_HALF = PANEL // 2  # a SwiGLU panel's outputs
+PARTS = {"w_qkv": 3, "wo": 1, "w_gate_up": 2, "w_down": 1}  # a fused projection's LoRA-able parts
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """The adapter slots the graphs hold (``AgentSpec.lora``): ``max_loras`` slots of rank up to ``max_lora_rank``
+    per adapted module."""
+
+    max_loras: int
+    max_lora_rank: int
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"lora max_loras and max_lora_rank must be >= 1, got {self.max_loras}, "
+                             f"{self.max_lora_rank}")
+
+    def width(self, projection: str) -> int:
+        """A slot's columns in ``projection``'s stacked ``A``."""
+        return PARTS[projection] * self.max_lora_rank
+
+
+class LoraUpdate(nn.Cell):
+    """``(x, mask, rows, base) -> base + ((x A^T) * mask) B^T`` over every slot of one fused projection (zeros:
+    empty slots; ``base`` None: the update alone), both products by the backend's projections (the second one adding
+    ``base`` itself: every op costs a launch, measured to dominate the update's cost on CPU): on the native CPU
+    backend its GEMM on float32 panels (``agents.weights.packed``; MindSpore's MatMul repacks its weight operand on
+    every call), else MatMul."""
+
+    def __init__(self, in_dim: int, out_dim: int, columns: int, dtype: ms.Type, backend: OpsBackend,
+                 eps: float | None = None) -> None:
+        """``eps``: the update reads the RMSNorm of its input (QKV, gate/up), fused into its first product as the
+        base projection's is (so the normed input is never a tensor of its own)."""
+        super().__init__()
+        self.panels = backend.panel_weights
+        self.shapes = (columns, in_dim), (out_dim, columns)  # A's and B's as ``store`` takes them
+        self.dtype = ms.float32 if self.panels else dtype  # the native op reads float32 panels in any precision
+        a_shape = packed_weights.packed_shape(columns, in_dim) if self.panels else (columns, in_dim)
+        b_shape = packed_weights.packed_shape(out_dim, columns) if self.panels else (out_dim, columns)
+        self.a = Parameter(initializer("zeros", a_shape, self.dtype), name="lora_a", requires_grad=False)
+        self.b = Parameter(initializer("zeros", b_shape, self.dtype), name="lora_b", requires_grad=False)
+        self.down = backend.partial_linear(columns) if eps is None else backend.norm_linear(columns, eps)
+        self.up = backend.partial_linear(out_dim)
+        self.add_up = backend.residual_linear()
+
+    def store(self, a: np.ndarray, b: np.ndarray) -> None:
+        """Set every slot's stacked ``A [columns, in]`` and ``B [out, columns]`` (float32)."""
+        for param, value in ((self.a, a), (self.b, b)):
+            held = packed_weights.pack(value) if self.panels else value
+            param.set_data(Tensor(np.ascontiguousarray(held, np.float32)).astype(self.dtype))
+
+    def construct(self, x: Tensor, mask: Tensor, rows: Tensor, base: Tensor | None = None,
+                  norm_weight: Tensor | None = None) -> Tensor:
+        if norm_weight is None:
+            shrunk = self.down(x, self.a, rows) * mask
+        else:
+            shrunk = self.down(x, norm_weight, self.a, rows) * mask
+        if base is None:
+            return self.up(shrunk, self.b, rows)
+        return self.add_up(shrunk, self.b, base, rows)
+
+
+class LoraMasks(nn.Cell):
+    """``slot_mapping [tokens] -> (mask of width r, 2r, 3r)``: 1 in the columns of the token's slot, else 0."""
+
+    def __init__(self, shape: LoraShape, num_blocks: int, block_size: int, dtype: ms.Type) -> None:
+        super().__init__()
+        self.blocks = Parameter(Tensor(np.full(num_blocks, -1, np.int32)), name="lora_blocks", requires_grad=False)
+        self.block_size, self.dtype = block_size, dtype
+        self.column_slots = tuple(Tensor(np.repeat(np.arange(shape.max_loras, dtype=np.int32),
+                                                   parts * shape.max_lora_rank).reshape(1, -1)) for parts in (1, 2, 3))
+
+    def construct(self, slot_mapping: Tensor) -> tuple[Tensor, ...]:
+        # padding rows may carry any slot index: clamped into the table, their rows are never read
+        blocks = ops.minimum(ops.maximum(slot_mapping, 0) // self.block_size, self.blocks.shape[0] - 1)
+        token_slots = ops.gather(self.blocks, blocks, 0).reshape(-1, 1)
+        return tuple((columns == token_slots).astype(self.dtype) for columns in self.column_slots)
+
+
+class InterleavedSwiGlu(nn.Cell):
+    """``silu(gate) * up`` of a gate/up output interleaved by 16 (gate 0..15, up 0..15, gate 16..31, ...)."""
+
+    def __init__(self, ffn_dim: int) -> None:
+        super().__init__()
+        self.ffn = ffn_dim
+        self.padded = ffn_dim % PANEL_HALF != 0
+
+    def construct(self, gate_up: Tensor) -> Tensor:
+        # 2-D slices of [tokens * groups, 32]: 10x faster than slicing a 4-D view (3.3 ms at 32 x 2816, 0.34 here)
+        tokens, width = gate_up.shape
+        pairs = gate_up.reshape(tokens * width // (2 * PANEL_HALF), 2 * PANEL_HALF)
+        act = (ops.silu(pairs[:, :PANEL_HALF]) * pairs[:, PANEL_HALF:]).reshape(tokens, width // 2)
+        if self.padded:
+            return act[:, : self.ffn]
+        return act
+
+
+class LoraLayerCells(nn.Cell):
+    """One decoder layer's LoRA updates and the projections that take them (see the module doc)."""
+
+    def __init__(self, shape: LoraShape, config: LlamaConfig, shard: ShardPlan, backend: OpsBackend,
+                 dtype: ms.Type) -> None:
+        super().__init__()
+        n, hidden, heads = shape.max_loras, config.hidden_size, shard.attention_config
+        eps = config.rms_norm_eps
+        self.lora_qkv = LoraUpdate(hidden, heads.qkv_dim, n * shape.width("w_qkv"), dtype, backend, eps)
+        self.lora_wo = LoraUpdate(heads.hidden_size, hidden, n * shape.width("wo"), dtype, backend)
+        # native panel weights compute gate/up interleaved by 16 (agents.weights.packed.swiglu_rows): the update's B
+        # rows are held in that order, and the SwiGLU after it reads them so
+        self.interleaved = backend.panel_weights
+        gate_up = 2 * PANEL_HALF * -(-shard.ffn // PANEL_HALF) if self.interleaved else 2 * shard.ffn
+        self.lora_gate_up = LoraUpdate(hidden, gate_up, n * shape.width("w_gate_up"), dtype, backend, eps)
+        self.lora_down = LoraUpdate(shard.ffn, hidden, n * shape.width("w_down"), dtype, backend)
+        self.norm_qkv = backend.norm_linear(heads.qkv_dim, eps)
+        self.norm_gate_up = backend.norm_linear(gate_up, eps)  # before SwiGLU: the update adds to gate and up
+        self.swiglu = InterleavedSwiGlu(shard.ffn) if self.interleaved else backend.swiglu(shard.ffn)
+        self.adds_residual = shard.rank == 0  # the other ranks' row-parallel "residual" is their partial update
+        residual_linear = backend.residual_linear()
+        self.output_projection = parallel.row_parallel(shard, backend, residual_linear, hidden, lora=True)
+        self.down_projection = parallel.row_parallel(shard, backend, residual_linear, hidden, lora=True)
+
+    def updates(self) -> dict[str, LoraUpdate]:
+        """The layer's updates by the fused projection they belong to."""
+        return {"w_qkv": self.lora_qkv, "wo": self.lora_wo, "w_gate_up": self.lora_gate_up, "w_down": self.lora_down}
+
+    def qkv(self, x: Tensor, norm_weight: Tensor, weight: Tensor, rows: Tensor, masks: tuple) -> Tensor:
+        return self.lora_qkv(x, masks[2], rows, self.norm_qkv(x, norm_weight, weight, rows), norm_weight)
+
+    def output(self, attn: Tensor, weight: Tensor, x: Tensor, rows: Tensor, masks: tuple) -> Tensor:
+        return self.output_projection(attn, weight, self._residual(self.lora_wo, attn, x, rows, masks), rows)
+
+    def mlp(self, x: Tensor, norm_weight: Tensor, gate_up_weight: Tensor, down_weight: Tensor, rows: Tensor,
+            masks: tuple) -> Tensor:
+        act = self.swiglu(self.lora_gate_up(x, masks[1], rows, self.norm_gate_up(x, norm_weight, gate_up_weight, rows),
+                                            norm_weight))
+        return self.down_projection(act, down_weight, self._residual(self.lora_down, act, x, rows, masks), rows)
+
+    def _residual(self, update: LoraUpdate, inputs: Tensor, x: Tensor, rows: Tensor, masks: tuple) -> Tensor:
+        """A row-parallel projection's residual: ``x`` + the update (the other ranks: their partial update)."""
+        if self.adds_residual:
+            return update(inputs, masks[0], rows, x)
+        return update(inputs, masks[0], rows)
