@@ -141,8 +141,20 @@ KV_DIRECTIONS = ("export", "import")
 MAX_ADAPTER_PATH_BYTES = 4096
 
 
+class _NoSequences:
+    """A step that is not a model step (a KV copy, an adapter load): no sequences, one round, an empty answer."""
+
+    @property
+    def batch_size(self) -> int:
+        return 0
+
+    @property
+    def num_steps(self) -> int:
+        return 1
+
+
 @dataclass
-class KvCopyStep:
+class KvCopyStep(_NoSequences):
     """Not a model step but a copy of whole KV blocks (prefill/decode disaggregation,
     ``llm_serving.engine.kv_transfer``): ``export`` copies the blocks ``block_ids``, in that order, out of every
     rank's KV cache into the rank's region of the pool's KV segment (``protocol.kv_segment``); ``import`` copies the
@@ -156,17 +168,9 @@ class KvCopyStep:
             raise ValueError(f"KV copy direction {self.direction!r} is not one of {KV_DIRECTIONS}")
         self.block_ids = np.asarray(self.block_ids, np.int32)
 
-    @property
-    def batch_size(self) -> int:
-        return 0
-
-    @property
-    def num_steps(self) -> int:
-        return 1
-
 
 @dataclass
-class AdapterStep:
+class AdapterStep(_NoSequences):
     """Not a model step: load the PEFT LoRA adapter in directory ``path`` into adapter slot ``slot`` of every rank
     (each its own slice, ``agents.weights.lora_weights``), or empty the slot (``path`` None). A model step's rows
     then name their slot (``StepBatch.lora_slots``). The master checked the adapter (``protocol.lora.LoraConfig``)
@@ -180,14 +184,6 @@ class AdapterStep:
             raise ValueError(f"adapter slot {self.slot} is negative")
         if self.path is not None and len(self.path.encode()) > MAX_ADAPTER_PATH_BYTES:
             raise ValueError(f"adapter path {self.path!r} is longer than {MAX_ADAPTER_PATH_BYTES} bytes")
-
-    @property
-    def batch_size(self) -> int:
-        return 0
-
-    @property
-    def num_steps(self) -> int:
-        return 1
 
 
 @dataclass

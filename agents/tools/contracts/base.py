@@ -97,14 +97,15 @@ def _where(source: Source) -> str:
 _SAME_VALUES = ("Reshape", "Cast", "ExpandDims", "Squeeze", "Contiguous")
 
 
-def _origin(graph: GraphNodes, source: Source) -> tuple[OpNode | None, int | None]:
-    """The op (and its output index, for ops with several) whose values ``source`` carries: reshapes and casts are
-    looked through, and a ``Concat``'s first part (rows of padding appended after the real ones)."""
+def _origin(graph: GraphNodes, source: Source,
+            keeps: tuple[str, ...] = _SAME_VALUES) -> tuple[OpNode | None, int | None]:
+    """The op (and its output index, for ops with several) whose values ``source`` carries: reshapes and casts
+    (``keeps``) are looked through, and a ``Concat``'s first part (rows of padding appended after the real ones)."""
     while True:
         node = graph.producer(source)
         if node is None:
             return None, None
-        if node.op in _SAME_VALUES:
+        if node.op in keeps:
             source = node.inputs[0]
         elif node.op == "Concat" and (parts := graph.producer(node.inputs[0])) is not None and parts.op == "MakeTuple":
             source = parts.inputs[0]

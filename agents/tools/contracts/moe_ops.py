@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from agents.tools.contracts.base import Expect, _dims, _dtype, _where
+from agents.tools.contracts.base import _SAME_VALUES, Expect, _dims, _dtype, _origin, _where
 from agents.tools.mindir import GraphNodes, OpNode, Source
 
 # argument order of each primitive in 2.10 (attributes passed as inputs)
@@ -18,7 +18,7 @@ UP_ROWS, UP_INDICES, UP_PROBS, UP_PADDED = range(4)
 # MoeInitRoutingV2's expert_tokens_count_or_cumsum_flag -> the GroupedMatmulV4 group_list_type that reads it
 _LIST_TYPE_OF_FLAG = {1: 0, 2: 1}
 # ops that keep a tensor's values, or a prefix of them (the expert-parallel group list is the local counts' slice)
-_KEEPS = ("Reshape", "Cast", "ExpandDims", "Squeeze", "Contiguous", "StridedSlice")
+_KEEPS = (*_SAME_VALUES, "StridedSlice")
 _FLOATS = ("float16", "bfloat16", "float32")
 
 
@@ -27,17 +27,8 @@ def _value(source: Source) -> object:
 
 
 def _output_of(graph: GraphNodes, source: Source) -> tuple[OpNode | None, int | None]:
-    """The op and output index whose values ``source`` carries, through value-keeping ops."""
-    while True:
-        node = graph.producer(source)
-        if node is None:
-            return None, None
-        if node.op in _KEEPS:
-            source = node.inputs[0]
-        elif node.op == "TupleGetItem":
-            return graph.producer(node.inputs[0]), node.inputs[1].value
-        else:
-            return node, None
+    """The op and output index whose values ``source`` carries, through value-keeping ops and slices."""
+    return _origin(graph, source, _KEEPS)
 
 
 def _derives_from(graph: GraphNodes, source: Source, op: str, output: int, depth: int = 12) -> bool:
