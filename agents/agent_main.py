@@ -102,8 +102,8 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
         from agents.runtime.standin import StandinRunner
         if "num_blocks" in spec.runner_config and spec.runner_config["num_blocks"] is None:  # auto
             raise ValueError("stand-in agents have no device to size a cache from: set pa_config.num_blocks")
-        return StandinRunner(int(spec.llama_config["vocab_size"]), spec.step_delay_s, spec.lora,
-                             int(spec.llama_config["num_hidden_layers"]))
+        layers = int(spec.llama_config["num_hidden_layers"]) if spec.lora is not None else 1  # adapters' matching
+        return StandinRunner(int(spec.llama_config["vocab_size"]), spec.step_delay_s, spec.lora, layers)
     if spec.backend == "mindformers":  # MindFormers' Llama (its own environment: scripts/mindformers_env.sh)
         from agents.mindformers.runner import build_runner as build_mindformers_runner
         return build_mindformers_runner(spec, rank, progress)

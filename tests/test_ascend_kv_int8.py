@@ -26,7 +26,8 @@ from agents.tools.calibrate_kv import calibrate
 from agents.tools.contracts import check_graph
 from agents.tools.export import export_graphs, export_runner
 from agents.tools.mindir import read_graph
-from agents.weights.checkpoints import WeightLoadError, load_weights
+from agents.weights.checkpoints import load_weights
+from agents.weights.errors import WeightLoadError
 from agents.weights.kv_scales import HEADROOM, KV_SCALES_FILE, load_kv_scales, save_kv_scales, scales_of
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.engine.wiring import runner_config_dict

@@ -18,13 +18,15 @@ from safetensors.numpy import load_file, save_file
 
 from agents.runtime.device import setup_device
 from agents.weights import packed as pw
-from agents.weights.checkpoints import WeightLoadError, load_weights
+from agents.weights.checkpoints import load_weights
+from agents.weights.errors import WeightLoadError
 from agents.weights.quantize_checkpoint import quantize_checkpoint
 from agents.weights.sharded import load_rank_weights
 from llm_serving.cli.main import main as cli
 from llm_serving.models.default_model import ensure_default_model
 from llm_serving.models.random_model import build_random_model
-from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError, checkpoint_int8
+from llm_serving.protocol.config_errors import ModelConfigError
+from llm_serving.protocol.model_config import LlamaConfig, checkpoint_int8
 from llm_serving.protocol.parallel import ShardPlan
 from tests.test_fast_precision import engine_run
 from tests.test_quantization import HF_PROJECTIONS, PROJECTIONS, engine_config

@@ -13,7 +13,8 @@ import torch
 from agents.runtime.runner import ModelRunner, RunnerConfig
 from agents.weights.checkpoints import load_weights
 from llm_serving.models.random_model import build_random_model
-from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
+from llm_serving.protocol.config_errors import ModelConfigError
+from llm_serving.protocol.model_config import LlamaConfig
 from tests.paged_driver import PagedDriver
 
 CONFIG = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=160, num_hidden_layers=2,

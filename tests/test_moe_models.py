@@ -15,7 +15,8 @@ import torch
 
 from agents.runtime.runner import ModelRunner, RunnerConfig
 from agents.weights.checkpoints import load_weights
-from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
+from llm_serving.protocol.config_errors import ModelConfigError
+from llm_serving.protocol.model_config import LlamaConfig
 from tests.chunk_driver import ChunkDriver
 from tests.paged_driver import PagedDriver
 
@@ -150,7 +151,7 @@ def test_configs_that_change_the_maths_are_refused_by_name(tmp_path, change, nam
 def test_a_missing_expert_is_named(models, tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    from agents.weights.checkpoints import WeightLoadError
+    from agents.weights.errors import WeightLoadError
 
     model_dir, config, _ = models["MixtralForCausalLM"]
     tensors = load_file(model_dir / "model.safetensors")

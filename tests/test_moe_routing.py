@@ -14,7 +14,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBl
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from agents.model import moe_routing
-from llm_serving.protocol.model_config import ModelConfigError
+from llm_serving.protocol.config_errors import ModelConfigError
 from llm_serving.protocol.moe_config import MoeSpec
 
 H, F, E, K = 16, 8, 8, 2
@@ -137,7 +137,8 @@ def test_hf_checkpoint_experts_fused_per_expert(arch: str, tmp_path) -> None:
 
 
 def test_fuse_names_missing_and_misshapen_tensors(tmp_path) -> None:
-    from agents.weights.checkpoints import SafetensorsFile, WeightLoadError
+    from agents.weights.checkpoints import SafetensorsFile
+    from agents.weights.errors import WeightLoadError
     from agents.weights.moe_weights import fuse_moe_layer
 
     arch = "Qwen3MoeForCausalLM"

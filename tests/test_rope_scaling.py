@@ -15,7 +15,8 @@ from agents.model.rope import inverse_frequencies
 from agents.runtime.runner import ModelRunner, RunnerConfig
 from agents.weights.checkpoints import load_weights
 from llm_serving.models.random_model import build_random_model
-from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
+from llm_serving.protocol.config_errors import ModelConfigError
+from llm_serving.protocol.model_config import LlamaConfig
 from tests.hf_reference import hf_greedy, hf_last_logits, load_hf
 from tests.paged_driver import PagedDriver, contiguous_prefill
 

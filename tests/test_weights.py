@@ -13,7 +13,6 @@ from safetensors.numpy import save_file
 
 import agents.weights.checkpoints
 from agents.weights.checkpoints import (
-    WeightLoadError,
     canonical_shapes,
     load_hf_weights,
     load_mindspore_checkpoint,
@@ -21,6 +20,7 @@ from agents.weights.checkpoints import (
     save_mindspore_checkpoint,
     validate_weights,
 )
+from agents.weights.errors import WeightLoadError
 from agents.weights.mindformers_names import gate_up_to_mindformers, qkv_to_mindformers
 from llm_serving.models.random_model import build_random_model, random_hf_weights
 from llm_serving.protocol.model_config import LlamaConfig

@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 from safetensors import SafetensorError, safe_open
 
+from agents.weights.errors import WeightLoadError
 from llm_serving.protocol.model_config import (
     HF_INDEX_FILE,
     HF_SINGLE_FILE,
@@ -70,10 +71,6 @@ CANONICAL_NAMES: dict[str, list[list[str]]] = {
 }
 _IGNORED_HF = re.compile(r"rotary_emb\.inv_freq$")
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-class WeightLoadError(ValueError):
-    """Weights that are missing, malformed or do not match the model config."""
 
 
 def canonical_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:

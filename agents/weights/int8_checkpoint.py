@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from agents.weights.checkpoints import WeightLoadError
+from agents.weights.errors import WeightLoadError
 from agents.weights.slice_source import SliceSource, Span
 
 SCALE, PACKED, SHAPE, ZERO = "weight_scale", "weight_packed", "weight_shape", "weight_zero_point"

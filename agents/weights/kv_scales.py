@@ -17,7 +17,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from agents.weights.checkpoints import WeightLoadError
+from agents.weights.errors import WeightLoadError
 from llm_serving.protocol.model_config import KV_SCALE_HEADROOM, LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan
 

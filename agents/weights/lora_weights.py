@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from agents.weights.checkpoints import SafetensorsFile, WeightLoadError
+from agents.weights.checkpoints import SafetensorsFile
+from agents.weights.errors import WeightLoadError
 from llm_serving.protocol.lora import ADAPTER_WEIGHTS, TARGETS, AdapterError, LoraConfig, module_name
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan

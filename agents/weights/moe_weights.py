@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from agents.weights.checkpoints import WeightLoadError
+from agents.weights.errors import WeightLoadError
 from llm_serving.protocol.moe_config import MoeSpec
 
 # architecture -> (the layer's MoE block prefix, each expert's (gate, up, down) projection names)

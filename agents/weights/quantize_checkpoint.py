@@ -19,8 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from agents.weights.checkpoints import HF_NAMES, WeightLoadError
+from agents.weights.checkpoints import HF_NAMES
 from agents.weights.convert import copy_tokenizer_files
+from agents.weights.errors import WeightLoadError
 from agents.weights.int8_checkpoint import SCALE
 from agents.weights.packed import quantize_rows
 from agents.weights.sharded import SafetensorsSlices, ShardedSafetensorsSlices, open_source
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from llm_serving.protocol.model_config import ModelConfigError
+    from llm_serving.protocol.config_errors import ModelConfigError
 
     parser = argparse.ArgumentParser(prog="python -m agents.weights.quantize_checkpoint", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

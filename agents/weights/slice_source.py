@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from agents.weights.checkpoints import WeightLoadError
+from agents.weights.errors import WeightLoadError
 
 Span = tuple[int, int] | None  # [start, end) of rows or columns; None: all
 

@@ -43,7 +43,8 @@ from llm_serving.config.yaml_sections import (
     show_value,
     suggest,
 )
-from llm_serving.protocol.model_config import ModelConfigError, blocks_needed
+from llm_serving.protocol.config_errors import ModelConfigError
+from llm_serving.protocol.model_config import blocks_needed
 
 __all__ = ["ConfigError", "ServingConfig"]
 

@@ -20,7 +20,8 @@ from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.engine.ascend_settings import ascend_settings
 from llm_serving.models.default_model import ensure_default_model
-from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
+from llm_serving.protocol.config_errors import ModelConfigError
+from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import kv_shards, tensor_parallel_problems
 from llm_serving.protocol.paths import cache_root
 from llm_serving.protocol.wire import AgentSpec

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llm_serving.protocol.config_errors import ModelConfigError
+
 if TYPE_CHECKING:
     from llm_serving.protocol.moe_config import MoeSpec
 
@@ -67,10 +69,6 @@ INT8_CHECKPOINT_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "str
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """KV-cache blocks that hold ``num_tokens`` tokens."""
     return -(-num_tokens // block_size)
-
-
-class ModelConfigError(ValueError):
-    """A model directory or config.json that cannot be served."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llm_serving.protocol.model_config import ModelConfigError
+from llm_serving.protocol.config_errors import ModelConfigError
 
 # architecture -> (config.json's keys for the expert count, the first present read (transformers 5 writes Qwen's
 # num_experts as num_local_experts; Qwen's own files say num_experts), the key that renormalises the top-k weights

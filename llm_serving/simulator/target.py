@@ -16,7 +16,8 @@ from pathlib import Path
 from llm_serving.config.serving_config import ConfigError, ServingConfig
 from llm_serving.core.scheduler_config import SchedulerConfig
 from llm_serving.engine.wiring import ModelFiles, kv_cache_blocks, resolve_model, scheduler_config
-from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
+from llm_serving.protocol.config_errors import ModelConfigError
+from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.moe_config import MoeSpec
 from llm_serving.simulator.costs import (
     DEVICES,

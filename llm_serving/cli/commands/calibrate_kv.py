@@ -46,7 +46,8 @@ def windows(ids: list[int], count: int, length: int, bos: int | None) -> list[li
 
 
 def _run(args: argparse.Namespace) -> int:
-    from llm_serving.protocol.model_config import LlamaConfig, ModelConfigError
+    from llm_serving.protocol.config_errors import ModelConfigError
+    from llm_serving.protocol.model_config import LlamaConfig
     from llm_serving.tokenization.hf_tokenizer import load_tokenizer
 
     model = Path(args.model)
