@@ -133,6 +133,86 @@ def test_greedy_ids_and_logprobs_are_transformers(models, arch, ops):
     assert PagedDriver(runner, seed=1).generate(prompts(), STEPS)[0] != [r[0] for r in refs]
 
 
+def w8a16_values(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The canonical weights with what w8a16 holds dequantized: the dense projections per output row, the
+    experts per expert and output row (router, shared expert, norms and embeddings stay float)."""
+    from agents.weights import packed as pw
+
+    out = dict(weights)
+    for key, value in weights.items():
+        kind = key.rsplit(".", 1)[-1]
+        if kind in ("w_qkv", "wo", "w_gate_up", "w_down", "experts_gate_up", "experts_down"):
+            flat = value.reshape(-1, value.shape[-1])
+            out[key] = pw.dequantize_rows(*pw.quantize_rows(flat)).reshape(value.shape)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM"])
+def test_w8a16_holds_int8_experts_and_serves_the_float_model_on_their_values(models, arch):
+    """model_config.quantization w8a16 on a MoE model: every projection and expert held int8 (a byte a weight and
+    a float32 scale a row), and greedy ids and log-probabilities equal to the float32 model whose weights are the
+    dequantized int8 ones (exactly the maths served), whole prompts and chunks over cached context; and not the
+    float model's log-probabilities (really quantized)."""
+    model_dir, config, _ = models[arch]
+    weights = load_weights(model_dir, config)
+    rc = dataclasses.replace(RC, kernels="native", mixed_steps=True, max_num_batched_tokens=32)
+    runners = {name: ModelRunner(config, w, dataclasses.replace(rc, quantization=q))
+               for name, w, q in (("w8a16", weights, "w8a16"), ("values", w8a16_values(weights), "none"),
+                                  ("float", weights, "none"))}
+    for runner in runners.values():
+        runner.warmup()
+    block = runners["w8a16"].model.layers[SPARSE[arch][0]].moe.block
+    e, f, h = config.moe.num_experts, config.moe.moe_intermediate_size, config.hidden_size
+    assert [str(p.dtype) for p in (block.experts_gate_up, block.experts_down)] == ["Int8", "Int8"]
+    assert block.experts_gate_up.nbytes + block.experts_down.nbytes == 3 * e * f * h
+    assert block.experts_gate_up_scale.nbytes + block.experts_down_scale.nbytes == 4 * e * (2 * f + h)
+    got = PagedDriver(runners["w8a16"], seed=1).generate(prompts(), STEPS)
+    want = PagedDriver(runners["values"], seed=1).generate(prompts(), STEPS)
+    assert got[0] == want[0]
+    np.testing.assert_array_equal(np.array(got[1]), np.array(want[1]))
+    assert np.abs(np.array(got[1]) - np.array(PagedDriver(runners["float"], seed=1).generate(
+        prompts(), STEPS)[1])).max() > 0
+    chunked = ChunkDriver(runners["w8a16"], seed=2).generate(prompts(), STEPS, chunk=7, starts=[0, 2, 3])
+    assert chunked == ChunkDriver(runners["values"], seed=2).generate(prompts(), STEPS, chunk=7, starts=[0, 2, 3])
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_a_ranks_int8_experts_are_the_whole_models_cut(models, expert_parallel):
+    """w8a16 at two ranks: each rank's int8 experts and scales are the one-rank quantization's cut (a down
+    projection's column slice scaled by its whole rows), so every degree serves the same numbers; the budget counts
+    a byte a weight."""
+    from agents.runtime import kv_budget
+    from agents.weights import packed as pw
+    from agents.weights.sharded import load_rank_weights
+    from llm_serving.protocol.parallel import ShardPlan
+
+    model_dir, config, _ = models["Qwen3MoeForCausalLM"]
+    whole = load_weights(model_dir, config)
+    f = config.moe.moe_intermediate_size
+    for rank in (0, 1):
+        plan = ShardPlan(config, 2, rank, expert_parallel)
+        shard = load_rank_weights(model_dir, config, plan, quantize=True)
+        (e0, e1), (f0, f1) = plan.expert_range(), plan.expert_ffn_range()
+        for kind in ("experts_gate_up", "experts_down"):
+            value = whole[f"layers.0.{kind}"][e0:e1]
+            q, scale = pw.quantize_rows(value.reshape(-1, value.shape[-1]))
+            q, scale = q.reshape(value.shape), scale.reshape(value.shape[:2])
+            if kind == "experts_gate_up":
+                q, scale = (np.concatenate([a[:, f0:f1], a[:, f + f0:f + f1]], 1) for a in (q, scale))
+            else:
+                q = q[:, :, f0:f1]
+            np.testing.assert_array_equal(shard[f"layers.0.{kind}"], q)
+            np.testing.assert_array_equal(shard[f"layers.0.{kind}.scale"], scale)
+        assert shard["layers.0.router"].dtype == np.float32
+        int8 = kv_budget.weight_bytes(shard, "float32", quantized=True)
+        as_float = {k: v.astype(np.float32) for k, v in shard.items() if not k.endswith(".scale")}
+        held_int8 = sum(v.size for v in shard.values() if v.dtype == np.int8)
+        scales = sum(v.size for k, v in shard.items() if k.endswith(".scale"))
+        assert held_int8 > sum(shard[f"layers.{i}.{k}"].size for i in SPARSE["Qwen3MoeForCausalLM"]
+                               for k in ("experts_gate_up", "experts_down"))  # the experts among them
+        assert kv_budget.weight_bytes(as_float, "float32") - int8 == 3 * held_int8 - 4 * scales
+
+
 @pytest.mark.parametrize(("change", "named"), [({"capacity_factor": 1.5}, "capacity_factor"),
                                                ({"qkv_bias": False}, "qkv_bias"),
                                                ({"mlp_only_layers": [9]}, "mlp_only_layers")])
