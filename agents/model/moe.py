@@ -48,11 +48,12 @@ class MoeBlock(nn.Cell):
         # agents.model.backends.ascend_moe): they replace routing and every path below
         self.routed = routed.cell(spec, ExpertSlice(start, e, spec.num_experts)) if routed is not None else None
         transposed, self.quantized = self.routed is not None, quantization != "none"
-        if self.quantized and transposed:  # the backend refuses it first (AscendBackend.routed_experts)
-            raise ValueError("model_config.quantization w8a16: int8 experts are not served by the grouped matmul")
+        # int8 experts' scales: float32 for our ops, in the model's dtype for the grouped matmul's antiquant_scale
+        scale_dtype = dtype if transposed else ms.float32
         self.held = {"experts_gate_up": ExpertsHeld("experts_gate_up", (e, 2 * f, hidden), dtype, transposed,
-                                                    self.quantized),
-                     "experts_down": ExpertsHeld("experts_down", (e, hidden, f), dtype, transposed, self.quantized)}
+                                                    self.quantized, scale_dtype),
+                     "experts_down": ExpertsHeld("experts_down", (e, hidden, f), dtype, transposed, self.quantized,
+                                                 scale_dtype)}
         self.experts_gate_up = self.held["experts_gate_up"].weight
         self.experts_down = self.held["experts_down"].weight
         self.experts_gate_up_scale = self.held["experts_gate_up"].scale
@@ -83,7 +84,11 @@ class MoeBlock(nn.Cell):
         ``rows`` [1] int32: the real leading rows (the native op leaves the padding after them as zeros)."""
         tokens = x.shape[0]
         if self.routed is not None:
-            out = self.routed(x, self.linear(x, self.router), self.experts_gate_up, self.experts_down)
+            if self.quantized:
+                out = self.routed(x, self.linear(x, self.router), self.experts_gate_up, self.experts_down,
+                                  self.experts_gate_up_scale, self.experts_down_scale)
+            else:
+                out = self.routed(x, self.linear(x, self.router), self.experts_gate_up, self.experts_down)
             return self._with_shared(x, out)
         probs = ops.softmax(self.linear(x, self.router).astype(ms.float32), -1)
         weights, ids = ops.topk(probs, self.k)
@@ -172,19 +177,20 @@ class RoutedExperts(Protocol):
 class ExpertsHeld:
     """How a block holds a stacked expert weight (its Parameter ``weight``): as loaded (``[e, out, in]``,
     ``shape``), or transposed to ``[e, in, out]`` for a grouped matmul that reads it so (``transposed``); or
-    (``quantized``, w8a16) int8 ``[e, out, in]`` beside a float32 ``scale [e, out]``, each expert quantized per
-    output row as a dense projection is (``agents.weights.packed.quantize_rows``). ``llama.load_weights_into`` and
+    (``quantized``, w8a16) int8 in either layout beside a ``scale [e, out]`` (float32, or the model's dtype for
+    the grouped matmul), each expert quantized per output row as a dense projection is
+    (``agents.weights.packed.quantize_rows``). ``llama.load_weights_into`` and
     ``model_weights`` convert through it, as through a projection's panels."""
 
     panels = True  # held in a layout of its own: loaded through ``load``, never as raw bfloat16 bits
 
     def __init__(self, name: str, shape: tuple[int, int, int], dtype: ms.Type, transposed: bool,
-                 quantized: bool = False) -> None:
+                 quantized: bool = False, scale_dtype: ms.Type = ms.float32) -> None:
         self.shape, self.transposed, self.quantized = shape, transposed, quantized
         e, out, inp = shape
         held, held_dtype = ((e, inp, out) if transposed else shape), (ms.int8 if quantized else dtype)
         self.weight = Parameter(initializer("zeros", held, held_dtype), name=name)
-        self.scale = Parameter(initializer("zeros", (e, out), ms.float32), name=f"{name}_scale") \
+        self.scale = Parameter(initializer("zeros", (e, out), scale_dtype), name=f"{name}_scale") \
             if quantized else None
 
     def load(self, value: np.ndarray, scale: np.ndarray | None = None) -> None:
@@ -200,8 +206,9 @@ class ExpertsHeld:
                 value = q.reshape(self.shape)
             if tuple(np.shape(scale)) not in ((e, out), (e * out,)):
                 raise ValueError(f"expert scales: expected shape {(e, out)}, got {np.shape(scale)}")
-            self.weight.set_data(Tensor(np.ascontiguousarray(value, np.int8), ms.int8))
-            self.scale.set_data(Tensor(np.asarray(scale, np.float32).reshape(e, out)))
+            value = np.asarray(value, np.int8)
+            self.weight.set_data(Tensor(np.ascontiguousarray(value.transpose(0, 2, 1) if self.transposed else value)))
+            self.scale.set_data(Tensor(np.asarray(scale, np.float32).reshape(e, out)).astype(self.scale.dtype))
             return
         self.weight.set_data(Tensor(np.ascontiguousarray(value.transpose(0, 2, 1) if self.transposed else value),
                                     self.weight.dtype))
@@ -210,8 +217,10 @@ class ExpertsHeld:
         """The ``[e, out, in]`` weight back from what ``weight`` holds (int8: dequantized, as the ops form it)."""
         if self.scale is not None:
             e, out, inp = self.shape
-            scale = self.scale.asnumpy().reshape(e * out)
-            return packed_weights.dequantize_rows(held.reshape(e * out, inp), scale).reshape(self.shape)
+            q = held.transpose(0, 2, 1) if self.transposed else held
+            scale = self.scale.astype(ms.float32).asnumpy().reshape(e * out)
+            return packed_weights.dequantize_rows(np.ascontiguousarray(q).reshape(e * out, inp), scale).reshape(
+                self.shape)
         return held.transpose(0, 2, 1) if self.transposed else held
 
 
