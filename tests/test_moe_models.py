@@ -341,12 +341,14 @@ def test_expert_counts_the_ranks_cannot_split_are_refused_by_name(served, tmp_pa
         resolve_model(adapters, tokenizer=False)
 
 
-@pytest.mark.parametrize("tp, rank, expert_parallel", [(1, 0, False), (2, 1, True)])
-def test_the_ascend_graphs_of_a_moe_model_export_and_pass_the_contract_check(tmp_path, tp, rank, expert_parallel):
+@pytest.mark.parametrize("tp, rank, expert_parallel, quantization", [(1, 0, False, "none"), (2, 1, True, "none"),
+                                                                  (2, 1, True, "w8a16")])
+def test_the_ascend_graphs_of_a_moe_model_export_and_pass_the_contract_check(tmp_path, tp, rank, expert_parallel,
+                                                                             quantization):
     """On the Ascend backend's graphs in float16 (its attention kernels, the sparse layers on its MoE kernels,
     agents/model/backends/ascend_moe.py): every rule of agents.tools.contracts holds, one rank of two at expert
-    parallelism included; per sparse layer one gating top-k and two grouped matmuls, and one all-reduce per
-    row-parallel slot."""
+    parallelism included, w8a16 too (int8 experts with antiquant scales); per sparse layer one gating top-k and two
+    grouped matmuls, and one all-reduce per row-parallel slot."""
     from agents.tools.contracts import check_graph
     from agents.tools.export import export_graphs, export_runner
     from agents.tools.mindir import read_graph
@@ -356,14 +358,18 @@ def test_the_ascend_graphs_of_a_moe_model_export_and_pass_the_contract_check(tmp
     save_hf_model("Qwen3MoeForCausalLM", tmp_path, seed=1, head_dim=64)  # a head_dim FlashAttentionScore takes
     config = LlamaConfig.from_model_dir(tmp_path)
     plan = ShardPlan(config, tp, rank, expert_parallel)
-    rc = dataclasses.replace(RC, dtype="float16", device_target="Ascend", decode_batch_sizes=(1, 4))
-    runner = export_runner(config, rc, load_rank_weights(tmp_path, config, plan, np.float16), shard=plan)
+    rc = dataclasses.replace(RC, dtype="float16", device_target="Ascend", decode_batch_sizes=(1, 4),
+                             quantization=quantization)
+    weights = load_rank_weights(tmp_path, config, plan, np.float16, quantize=quantization != "none")
+    runner = export_runner(config, rc, weights, shard=plan)
     for _, summary in export_graphs(runner, tmp_path / "graphs", [("decode", 4, 4), ("ragged", 2, 48)]):
         graph = read_graph(summary.path)
         assert check_graph(graph, tensor_parallel=tp) == [], summary.path.name
         sparse = len(SPARSE["Qwen3MoeForCausalLM"])
         assert len(graph.of("MoeGatingTopKSoftmax")) == sparse and len(graph.of("GroupedMatmulV4")) == 2 * sparse
         assert not graph.of("TopK")
+        int8 = [n for n in graph.of("GroupedMatmulV4") if n.inputs[1].info.dtype == "int8"]
+        assert len(int8) == (2 * sparse if quantization != "none" else 0)
         assert len(graph.of("AllReduce")) == (1 + 2 * config.num_hidden_layers if tp > 1 else 0)
 
 
@@ -390,3 +396,27 @@ def test_the_ascend_moe_wiring_on_the_kernels_stand_ins_is_transformers(tmp_path
     refs = [hf_greedy(hf, p, STEPS)[0] for p in prompts()]
     assert PagedDriver(runner, seed=1).generate(prompts(), STEPS)[0] == refs
     assert ChunkDriver(runner, seed=2).generate(prompts(), STEPS, chunk=7, starts=[0, 2, 3])[0] == refs
+
+
+def test_w8a16_on_the_ascend_moe_kernels_stand_ins_is_the_native_int8_model(tmp_path):
+    """w8a16 on the Ascend backend's graphs (stand-ins, float32): the experts int8 [experts, in, out] with their
+    antiquant scales, read back dequantized as loaded, and the native CPU w8a16 model's greedy ids."""
+    from agents.model.backends.ascend import AscendBackend
+    from agents.model.backends.ascend_reference import ReferenceOps
+    from agents.model.llama import model_weights
+
+    save_hf_model("Qwen3MoeForCausalLM", tmp_path, seed=6, head_dim=64)  # a head_dim FlashAttentionScore takes
+    config = LlamaConfig.from_model_dir(tmp_path)
+    weights = load_weights(tmp_path, config)
+    rc = dataclasses.replace(RC, mixed_steps=True, max_num_batched_tokens=32, quantization="w8a16")
+    runner = ModelRunner(config, weights, rc, AscendBackend(ReferenceOps(config.head_dim)))
+    runner.warmup()
+    block = runner.model.layers[0].moe.block
+    assert str(block.experts_down.dtype) == "Int8" and tuple(block.experts_down.shape) == (16, 32, 64)
+    assert tuple(block.experts_down_scale.shape) == (16, 64)
+    np.testing.assert_array_equal(model_weights(runner.model)["layers.0.experts_down"],
+                                  w8a16_values(weights)["layers.0.experts_down"])
+    native = ModelRunner(config, weights, dataclasses.replace(rc, kernels="native"))
+    native.warmup()
+    assert PagedDriver(runner, seed=1).generate(prompts(), STEPS)[0] == \
+        PagedDriver(native, seed=1).generate(prompts(), STEPS)[0]
