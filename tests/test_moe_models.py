@@ -254,14 +254,15 @@ def served(tmp_path_factory):
     return model_dir, hf
 
 
-def serve_and_compare(model_dir, hf, ranks: int, expert_parallel: bool = False) -> None:
+def serve_and_compare(model_dir, hf, ranks: int, expert_parallel: bool = False, quantization: str = "none") -> None:
     from llm_serving.config.serving_config import ServingConfig
     from llm_serving.core.sequence import SamplingParams
     from llm_serving.engine.loop import Engine
 
     cfg = ServingConfig.from_dict({
         "model_config": {"model_path": str(model_dir), "seq_length": [64], "prefill_batch_size": [2],
-                         "decode_batch_size": [2], "expert_parallel": expert_parallel},
+                         "decode_batch_size": [2], "expert_parallel": expert_parallel,
+                         "quantization": quantization},
         "pa_config": {"num_blocks": 32, "block_size": 8, "decode_seq_length": 96},
         "serving_config": {"num_agents": ranks, "compile_cache": False}})
     rng = np.random.default_rng(9)
@@ -272,6 +273,21 @@ def serve_and_compare(model_dir, hf, ranks: int, expert_parallel: bool = False) 
         results = [f.result(timeout=300) for f in futures]
     for ids, result in zip(asks, results):
         assert result.token_ids == hf_greedy(hf, ids, 8)[0]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_engine_serves_w8a16_moe_as_transformers_on_the_dequantized_checkpoint(served, tmp_path, ranks):
+    """model_config.quantization w8a16 through the engine, at one rank and TP 2 (each expert's down projection
+    cut by columns, scaled by its whole rows): transformers' greedy ids on the checkpoint whose projections and
+    experts are their int8 values (one of the three asks' ids differs from the float checkpoint's)."""
+    import transformers
+
+    from tests.test_quantization import dequantized_checkpoint
+
+    model_dir, _ = served
+    values = dequantized_checkpoint(model_dir, tmp_path / "dequantized")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(values, dtype=torch.float32).eval()
+    serve_and_compare(model_dir, hf, ranks, quantization="w8a16")
 
 
 @pytest.mark.parametrize("ranks, expert_parallel", [(1, False), (2, False), (2, True), (4, True)])
