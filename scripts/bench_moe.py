@@ -6,7 +6,7 @@ the bench model's attention and vocabulary, context 128), each shape timed in tu
 all of them. Figures: docs/model.md "Mixture of experts".
 
     python scripts/bench_moe.py [--hidden 1024] [--expert-ffn 256] [--top-k 8] [--experts 8 64] [--repeat 20]
-    python scripts/bench_moe.py --steps [--kernels native] [--hidden 512 --expert-ffn 128 ...]
+    python scripts/bench_moe.py --steps [--kernels native] [--quantization none w8a16] [--hidden 512 ...]
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def time_ms(cell: nn.Cell, x: Tensor, repeat: int) -> float:
     return statistics.median(times)
 
 
-def _runner(config: LlamaConfig, batches: list[int], kernels: str) -> ModelRunner:
+def _runner(config: LlamaConfig, batches: list[int], kernels: str, quantization: str = "none") -> ModelRunner:
     rng = np.random.default_rng(0)
     weights = {name: (1 + 0.05 * rng.standard_normal(shape) if name.endswith("norm") else
                       0.02 * rng.standard_normal(shape)).astype(np.float32)
@@ -75,14 +75,15 @@ def _runner(config: LlamaConfig, batches: list[int], kernels: str) -> ModelRunne
     width = -(-CONTEXT // BLOCK)
     rc = RunnerConfig(num_blocks=max(batches) * width + 1, block_size=BLOCK, max_model_len=2 * CONTEXT,
                       prefill_batch_sizes=(1,), prefill_seq_lengths=(16,), decode_batch_sizes=tuple(batches),
-                      decode_block_widths=(width,), kernels=kernels)
+                      decode_block_widths=(width,), kernels=kernels, quantization=quantization)
     runner = ModelRunner(config, weights, rc)
     runner.warmup()
     return runner
 
 
 def steps(args: argparse.Namespace) -> None:
-    """Decode steps (ms, median of ``repeat`` in turn) of the dense model and of each MoE model."""
+    """Decode steps (ms, median of ``repeat`` in turn) of the dense model and of each MoE model, in each of
+    ``--quantization`` (w8a16: int8 projections and experts)."""
     h, f, k = args.hidden, args.expert_ffn, args.top_k
     dense = LlamaConfig(vocab_size=8000, hidden_size=h, intermediate_size=k * f, num_hidden_layers=args.layers,
                         num_attention_heads=8, num_key_value_heads=4)
@@ -90,14 +91,15 @@ def steps(args: argparse.Namespace) -> None:
     for e in args.experts:
         moe = MoeSpec(e, k, f, True, 0, tuple(range(args.layers)))
         models[f"moe {e} experts, top {k}"] = dataclasses.replace(dense, architecture="Qwen3MoeForCausalLM", moe=moe)
-    runners = {name: _runner(config, args.batches, args.kernels) for name, config in models.items()}
+    runners = {f"{name}{'' if q == 'none' else ', ' + q}": _runner(config, args.batches, args.kernels, q)
+               for name, config in models.items() for q in args.quantization}
     calls = [(name, b, lambda r=runner, b=b: r.step(decode_batch(b, CONTEXT)))
              for name, runner in runners.items() for b in args.batches]
     times = alternating_ms([call for _, _, call in calls], args.repeat)
     print(f"decode steps, hidden {h}, {args.layers} layers, expert ffn {f}, context {CONTEXT}, kernels "
           f"{args.kernels}, median of {args.repeat}, ms")
     for (name, b, _), ms_ in zip(calls, times):
-        print(f"{name:28s} batch {b}: {ms_:.2f}")
+        print(f"{name:36s} batch {b}: {ms_:.2f}")
 
 
 def main() -> None:
@@ -111,6 +113,8 @@ def main() -> None:
     parser.add_argument("--steps", action="store_true", help="whole decode steps instead of the block alone")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--kernels", default="native", choices=["auto", "native", "portable"])
+    parser.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "w8a16"],
+                        help="with --steps: each model in each of these")
     args = parser.parse_args()
     if args.steps:
         steps(args)

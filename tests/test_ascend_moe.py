@@ -130,6 +130,60 @@ class Sliced(nn.Cell):
         return self.cell(x, logits, gate_up[part], down[part])
 
 
+def test_int8_experts_wired_as_served_pass_the_checker(tmp_path):
+    """w8a16 on Ascend: the served cell's grouped matmuls over int8 experts [E, in, out] with antiquant_scale
+    (E, out) in x's dtype (float16 here) pass the checker, whole and on an expert-parallel rank; and the wiring
+    test's int8 form too (the mutations below change one thing of it)."""
+    inputs = [np.zeros((TOKENS, H), np.float16), np.zeros((TOKENS, E), np.float16), np.zeros((E, H, 2 * F), np.int8),
+              np.zeros((E, F, H), np.int8), np.zeros((E, 2 * F), np.float16), np.zeros((E, H), np.float16)]
+    for experts in (ExpertSlice(0, E, E), ExpertSlice.of_rank(E, 2, 1)):
+        cell = AscendRoutedExperts(MoeOps(), K, True, experts)
+        path = tmp_path / f"int8_{experts.first}"
+        export(cell if experts.whole else SlicedInt8(cell, experts), *(Tensor(a) for a in inputs),
+               file_name=str(path), file_format="MINDIR")
+        assert [str(v) for v in check_graph(read_graph(path.with_suffix(".mindir")))] == []
+    assert exported(tmp_path, Wired(MoeWiring(int8=True)), name="int8_wired") == []
+
+
+class SlicedInt8(nn.Cell):
+    """An expert-parallel rank's graph over its int8 experts and their scales only."""
+
+    def __init__(self, cell: AscendRoutedExperts, experts: ExpertSlice) -> None:
+        super().__init__()
+        self.cell, self.first, self.count = cell, experts.first, experts.count
+
+    def construct(self, x, logits, gate_up, down, gate_up_scale, down_scale):
+        part = slice(self.first, self.first + self.count)
+        return self.cell(x, logits, gate_up[part], down[part], gate_up_scale[part], down_scale[part])
+
+
+@pytest.mark.parametrize("experts", [ExpertSlice(0, EXPERTS, EXPERTS), ExpertSlice.of_rank(EXPERTS, 2, 0)])
+def test_int8_experts_on_the_stand_ins_are_the_dequantized_experts(experts):
+    """The stand-in grouped matmul applies antiquant_scale: int8 experts [in, out] with per-out scales give the
+    reference on the dequantized experts (the float32 stand-ins: to float32 rounding)."""
+    from agents.weights import packed as pw
+
+    w, tokens, k = layer(11), 7, 2
+    x = np.random.default_rng(12).standard_normal((tokens, HIDDEN)).astype(np.float32)
+    part = slice(experts.first, experts.first + experts.count)
+    held, values = {}, dict(w)
+    for name in ("gate_up", "down"):
+        e, out, inp = w[name].shape
+        q, scale = pw.quantize_rows(w[name].reshape(e * out, inp))
+        values[name] = pw.dequantize_rows(q, scale).reshape(e, out, inp)
+        held[name] = (np.ascontiguousarray(q.reshape(e, out, inp)[part].transpose(0, 2, 1)),
+                      scale.reshape(e, out)[part])
+    cell = AscendRoutedExperts(MoeReferenceOps(), k, True, experts)
+    got = cell(Tensor(x), Tensor(x @ w["router"].T), Tensor(held["gate_up"][0]), Tensor(held["down"][0]),
+               Tensor(held["gate_up"][1]), Tensor(held["down"][1])).asnumpy()
+    whole = moe_forward(x, w["router"], values["gate_up"], values["down"], k, True)
+    if experts.whole:
+        np.testing.assert_allclose(got, whole, rtol=2e-5, atol=2e-6)
+    float_part = routed(x, values, k, True, experts)  # the float cell on the dequantized experts
+    np.testing.assert_allclose(got, float_part, rtol=2e-5, atol=2e-6)
+    assert np.abs(got - routed(x, w, k, True, experts)).max() > 1e-4  # really quantized
+
+
 @dataclass(frozen=True)
 class MoeWiring:
     """The routed experts' wiring with one thing changed; the defaults are the served wiring's."""
@@ -145,6 +199,10 @@ class MoeWiring:
     index_from_gating: bool = False  # the unpermute reads the gating's row ids instead
     bias: bool = False  # a bias on the experts' outputs
     expert_num: int = E  # the experts routed to (the weights hold E)
+    int8: bool = False  # the experts int8 (w8a16), dequantized by antiquant_scale
+    # the scales: "per-out" (E, N) in x's dtype (int8 only), "none", "per-in" (E, K), "float32", "on-float" (a
+    # float weight given per-out scales)
+    antiquant: str = "per-out"
 
 
 class Wired(nn.Cell):
@@ -156,7 +214,12 @@ class Wired(nn.Cell):
 
     def mm(self, x, weight, counts):
         bias = [ops.zeros((weight.shape[0], weight.shape[2]), weight.dtype)] if self.w.bias else None
-        return self.grouped([x], [weight], bias, None, None, None, None, None, counts, None, None, None,
+        scale, kind = None, self.w.antiquant
+        if self.w.int8 or kind == "on-float":  # scales computed from the weight, so the graph shows their shape
+            rows = weight[:, :, 0] if kind == "per-in" else weight[:, 0, :]
+            scale = None if kind == "none" else [rows.astype(ms.float32 if kind == "float32" else x.dtype)]
+            weight = weight.astype(ms.int8) if self.w.int8 else weight
+        return self.grouped([x], [weight], bias, None, None, scale, None, None, counts, None, None, None,
                             3, 0, self.w.list_type)[0]
 
     def construct(self, x, logits, gate_up, down):
@@ -185,6 +248,14 @@ MOE_MISTAKES = {  # each exports without complaint; the rule that refuses it, an
     "unpermuted by the gating's row ids": (MoeWiring(index_from_gating=True), "unpermute-by-routing-index",
                                            "MoeInitRoutingV2's output 1"),
     "k above the experts": (MoeWiring(k=E + 1), "gating-logits-and-k", "k must be a constant in 1..experts (8)"),
+    "int8 experts without their scales": (MoeWiring(int8=True, antiquant="none"), "experts-in-by-out",
+                                          "an int8 weight needs antiquant_scale"),
+    "int8 experts scaled per input row": (MoeWiring(int8=True, antiquant="per-in"), "experts-in-by-out",
+                                          "antiquant_scale must be (experts, out) (8, 96)"),
+    "int8 experts' scales in float32 beside float16 x": (MoeWiring(int8=True, antiquant="float32"),
+                                                          "experts-in-by-out", "antiquant_scale must be in x's dtype"),
+    "float experts given antiquant scales": (MoeWiring(antiquant="on-float"),
+                                             "experts-in-by-out", "antiquant_scale must be None"),
 }
 
 

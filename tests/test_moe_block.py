@@ -120,3 +120,61 @@ def test_the_native_op_matches_the_reference_and_zeros_the_padding(tokens: int, 
                      "layers.0.experts_down": w["layers.0.experts_down"][e0:e1]}, 0)
         total += ranked(ms.Tensor(x)).asnumpy()
     np.testing.assert_allclose(total, want, rtol=1e-4, atol=1e-4)
+
+
+def _dequantized(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The experts replaced by what w8a16 holds of them (each expert quantized per output row), dequantized."""
+    from agents.weights import packed as pw
+
+    out = dict(w)
+    for name in ("layers.0.experts_gate_up", "layers.0.experts_down"):
+        e, rows, cols = w[name].shape
+        out[name] = pw.dequantize_rows(*pw.quantize_rows(w[name].reshape(e * rows, cols))).reshape(e, rows, cols)
+    return out
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("tokens, rows", [(1, 1), (32, 32), (32, 20)])
+def test_int8_experts_compute_the_float_block_on_their_dequantized_values(tokens: int, rows: int,
+                                                                          native: bool) -> None:
+    """w8a16 experts (int8 with a float32 scale per row): the native op (``MoeExpertsInt8``) and the graph paths
+    (gathered at 1 token, every expert at 32) give bit for bit what the float32 block gives on the dequantized
+    experts, and differ from the float block on the original ones (really quantized). The block holds a byte a
+    weight, and the loaded values read back (``unstored``) are the dequantized ones."""
+    from agents.model.native_kernels import native_ops
+
+    spec = MoeSpec(num_experts=8, top_k=3, moe_intermediate_size=40, norm_topk_prob=True,
+                   shared_expert_intermediate_size=0, sparse_layers=(0,))
+    rng = np.random.default_rng(tokens + rows)
+    w = {"layers.0.router": rng.normal(0, 0.5, (8, H)), "layers.0.experts_gate_up": rng.normal(0, 0.5, (8, 80, H)),
+         "layers.0.experts_down": rng.normal(0, 0.5, (8, H, 40))}
+    w = {k: v.astype(np.float32) for k, v in w.items()}
+    x, n = ms.Tensor(rng.normal(0, 1, (tokens, H)).astype(np.float32)), ms.Tensor(np.array([rows], np.int32))
+    ops_ = native_ops(H) if native else None
+
+    def run(weights: dict[str, np.ndarray], quantization: str) -> np.ndarray:
+        op = None if ops_ is None else (ops_.moe_experts_int8() if quantization != "none" else ops_.moe_experts())
+        block = MoeBlock(spec, H, ms.float32, experts_op=op, quantization=quantization)
+        block.load(weights, 0)
+        if quantization != "none":
+            assert str(block.experts_gate_up.dtype) == "Int8" and block.experts_down.nbytes == 8 * H * 40
+            held = block.held["experts_down"]
+            np.testing.assert_array_equal(held.unstored(block.experts_down.asnumpy()),
+                                          _dequantized(w)["layers.0.experts_down"])
+        return block(x, n).asnumpy()[:rows]
+
+    int8 = run(w, "w8a16")
+    np.testing.assert_array_equal(int8, run(_dequantized(w), "none"))
+    assert np.abs(int8 - run(w, "none")).max() > 0
+
+
+def test_int8_experts_refuse_misshapen_scales() -> None:
+    spec = MoeSpec(8, 2, 8, True, 0, (0,))
+    block = MoeBlock(spec, H, ms.float32, quantization="w8a16")
+    w = {"layers.0.router": np.zeros((8, H), np.float32), "layers.0.experts_gate_up": np.zeros((8, 16, H), np.int8),
+         "layers.0.experts_gate_up.scale": np.ones((8, 15), np.float32),
+         "layers.0.experts_down": np.zeros((8, H, 8), np.float32)}
+    with pytest.raises(ValueError, match=r"expert scales: expected shape \(8, 16\)"):
+        block.load(w, 0)
+    with pytest.raises(ValueError, match="need model_config.quantization w8a16"):
+        MoeBlock(spec, H, ms.float32).load({**w, "layers.0.experts_gate_up.scale": np.ones((8, 16))}, 0)

@@ -134,6 +134,86 @@ def test_greedy_ids_and_logprobs_are_transformers(models, arch, ops):
     assert PagedDriver(runner, seed=1).generate(prompts(), STEPS)[0] != [r[0] for r in refs]
 
 
+def w8a16_values(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The canonical weights with what w8a16 holds dequantized: the dense projections per output row, the
+    experts per expert and output row (router, shared expert, norms and embeddings stay float)."""
+    from agents.weights import packed as pw
+
+    out = dict(weights)
+    for key, value in weights.items():
+        kind = key.rsplit(".", 1)[-1]
+        if kind in ("w_qkv", "wo", "w_gate_up", "w_down", "experts_gate_up", "experts_down"):
+            flat = value.reshape(-1, value.shape[-1])
+            out[key] = pw.dequantize_rows(*pw.quantize_rows(flat)).reshape(value.shape)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM"])
+def test_w8a16_holds_int8_experts_and_serves_the_float_model_on_their_values(models, arch):
+    """model_config.quantization w8a16 on a MoE model: every projection and expert held int8 (a byte a weight and
+    a float32 scale a row), and greedy ids and log-probabilities equal to the float32 model whose weights are the
+    dequantized int8 ones (exactly the maths served), whole prompts and chunks over cached context; and not the
+    float model's log-probabilities (really quantized)."""
+    model_dir, config, _ = models[arch]
+    weights = load_weights(model_dir, config)
+    rc = dataclasses.replace(RC, kernels="native", mixed_steps=True, max_num_batched_tokens=32)
+    runners = {name: ModelRunner(config, w, dataclasses.replace(rc, quantization=q))
+               for name, w, q in (("w8a16", weights, "w8a16"), ("values", w8a16_values(weights), "none"),
+                                  ("float", weights, "none"))}
+    for runner in runners.values():
+        runner.warmup()
+    block = runners["w8a16"].model.layers[SPARSE[arch][0]].moe.block
+    e, f, h = config.moe.num_experts, config.moe.moe_intermediate_size, config.hidden_size
+    assert [str(p.dtype) for p in (block.experts_gate_up, block.experts_down)] == ["Int8", "Int8"]
+    assert block.experts_gate_up.nbytes + block.experts_down.nbytes == 3 * e * f * h
+    assert block.experts_gate_up_scale.nbytes + block.experts_down_scale.nbytes == 4 * e * (2 * f + h)
+    got = PagedDriver(runners["w8a16"], seed=1).generate(prompts(), STEPS)
+    want = PagedDriver(runners["values"], seed=1).generate(prompts(), STEPS)
+    assert got[0] == want[0]
+    np.testing.assert_array_equal(np.array(got[1]), np.array(want[1]))
+    assert np.abs(np.array(got[1]) - np.array(PagedDriver(runners["float"], seed=1).generate(
+        prompts(), STEPS)[1])).max() > 0
+    chunked = ChunkDriver(runners["w8a16"], seed=2).generate(prompts(), STEPS, chunk=7, starts=[0, 2, 3])
+    assert chunked == ChunkDriver(runners["values"], seed=2).generate(prompts(), STEPS, chunk=7, starts=[0, 2, 3])
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_a_ranks_int8_experts_are_the_whole_models_cut(models, expert_parallel):
+    """w8a16 at two ranks: each rank's int8 experts and scales are the one-rank quantization's cut (a down
+    projection's column slice scaled by its whole rows), so every degree serves the same numbers; the budget counts
+    a byte a weight."""
+    from agents.runtime import kv_budget
+    from agents.weights import packed as pw
+    from agents.weights.sharded import load_rank_weights
+    from llm_serving.protocol.parallel import ShardPlan
+
+    model_dir, config, _ = models["Qwen3MoeForCausalLM"]
+    whole = load_weights(model_dir, config)
+    f = config.moe.moe_intermediate_size
+    for rank in (0, 1):
+        plan = ShardPlan(config, 2, rank, expert_parallel)
+        shard = load_rank_weights(model_dir, config, plan, quantize=True)
+        (e0, e1), (f0, f1) = plan.expert_range(), plan.expert_ffn_range()
+        for kind in ("experts_gate_up", "experts_down"):
+            value = whole[f"layers.0.{kind}"][e0:e1]
+            q, scale = pw.quantize_rows(value.reshape(-1, value.shape[-1]))
+            q, scale = q.reshape(value.shape), scale.reshape(value.shape[:2])
+            if kind == "experts_gate_up":
+                q, scale = (np.concatenate([a[:, f0:f1], a[:, f + f0:f + f1]], 1) for a in (q, scale))
+            else:
+                q = q[:, :, f0:f1]
+            np.testing.assert_array_equal(shard[f"layers.0.{kind}"], q)
+            np.testing.assert_array_equal(shard[f"layers.0.{kind}.scale"], scale)
+        assert shard["layers.0.router"].dtype == np.float32
+        int8 = kv_budget.weight_bytes(shard, "float32", quantized=True)
+        as_float = {k: v.astype(np.float32) for k, v in shard.items() if not k.endswith(".scale")}
+        held_int8 = sum(v.size for v in shard.values() if v.dtype == np.int8)
+        scales = sum(v.size for k, v in shard.items() if k.endswith(".scale"))
+        assert held_int8 > sum(shard[f"layers.{i}.{k}"].size for i in SPARSE["Qwen3MoeForCausalLM"]
+                               for k in ("experts_gate_up", "experts_down"))  # the experts among them
+        assert kv_budget.weight_bytes(as_float, "float32") - int8 == 3 * held_int8 - 4 * scales
+
+
 @pytest.mark.parametrize(("change", "named"), [({"capacity_factor": 1.5}, "capacity_factor"),
                                                ({"qkv_bias": False}, "qkv_bias"),
                                                ({"mlp_only_layers": [9]}, "mlp_only_layers")])
@@ -175,14 +255,15 @@ def served(tmp_path_factory):
     return model_dir, hf
 
 
-def serve_and_compare(model_dir, hf, ranks: int, expert_parallel: bool = False) -> None:
+def serve_and_compare(model_dir, hf, ranks: int, expert_parallel: bool = False, quantization: str = "none") -> None:
     from llm_serving.config.serving_config import ServingConfig
     from llm_serving.core.sequence import SamplingParams
     from llm_serving.engine.loop import Engine
 
     cfg = ServingConfig.from_dict({
         "model_config": {"model_path": str(model_dir), "seq_length": [64], "prefill_batch_size": [2],
-                         "decode_batch_size": [2], "expert_parallel": expert_parallel},
+                         "decode_batch_size": [2], "expert_parallel": expert_parallel,
+                         "quantization": quantization},
         "pa_config": {"num_blocks": 32, "block_size": 8, "decode_seq_length": 96},
         "serving_config": {"num_agents": ranks, "compile_cache": False}})
     rng = np.random.default_rng(9)
@@ -193,6 +274,21 @@ def serve_and_compare(model_dir, hf, ranks: int, expert_parallel: bool = False) 
         results = [f.result(timeout=300) for f in futures]
     for ids, result in zip(asks, results):
         assert result.token_ids == hf_greedy(hf, ids, 8)[0]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_engine_serves_w8a16_moe_as_transformers_on_the_dequantized_checkpoint(served, tmp_path, ranks):
+    """model_config.quantization w8a16 through the engine, at one rank and TP 2 (each expert's down projection
+    cut by columns, scaled by its whole rows): transformers' greedy ids on the checkpoint whose projections and
+    experts are their int8 values (one of the three asks' ids differs from the float checkpoint's)."""
+    import transformers
+
+    from tests.test_quantization import dequantized_checkpoint
+
+    model_dir, _ = served
+    values = dequantized_checkpoint(model_dir, tmp_path / "dequantized")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(values, dtype=torch.float32).eval()
+    serve_and_compare(model_dir, hf, ranks, quantization="w8a16")
 
 
 @pytest.mark.parametrize("ranks, expert_parallel", [(1, False), (2, False), (2, True), (4, True)])
@@ -262,12 +358,14 @@ def test_expert_counts_the_ranks_cannot_split_are_refused_by_name(served, tmp_pa
         resolve_model(adapters, tokenizer=False)
 
 
-@pytest.mark.parametrize("tp, rank, expert_parallel", [(1, 0, False), (2, 1, True)])
-def test_the_ascend_graphs_of_a_moe_model_export_and_pass_the_contract_check(tmp_path, tp, rank, expert_parallel):
+@pytest.mark.parametrize("tp, rank, expert_parallel, quantization", [(1, 0, False, "none"), (2, 1, True, "none"),
+                                                                  (2, 1, True, "w8a16")])
+def test_the_ascend_graphs_of_a_moe_model_export_and_pass_the_contract_check(tmp_path, tp, rank, expert_parallel,
+                                                                             quantization):
     """On the Ascend backend's graphs in float16 (its attention kernels, the sparse layers on its MoE kernels,
     agents/model/backends/ascend_moe.py): every rule of agents.tools.contracts holds, one rank of two at expert
-    parallelism included; per sparse layer one gating top-k and two grouped matmuls, and one all-reduce per
-    row-parallel slot."""
+    parallelism included, w8a16 too (int8 experts with antiquant scales); per sparse layer one gating top-k and two
+    grouped matmuls, and one all-reduce per row-parallel slot."""
     from agents.tools.contracts import check_graph
     from agents.tools.export import export_graphs, export_runner
     from agents.tools.mindir import read_graph
@@ -277,14 +375,18 @@ def test_the_ascend_graphs_of_a_moe_model_export_and_pass_the_contract_check(tmp
     save_hf_model("Qwen3MoeForCausalLM", tmp_path, seed=1, head_dim=64)  # a head_dim FlashAttentionScore takes
     config = LlamaConfig.from_model_dir(tmp_path)
     plan = ShardPlan(config, tp, rank, expert_parallel)
-    rc = dataclasses.replace(RC, dtype="float16", device_target="Ascend", decode_batch_sizes=(1, 4))
-    runner = export_runner(config, rc, load_rank_weights(tmp_path, config, plan, np.float16), shard=plan)
+    rc = dataclasses.replace(RC, dtype="float16", device_target="Ascend", decode_batch_sizes=(1, 4),
+                             quantization=quantization)
+    weights = load_rank_weights(tmp_path, config, plan, np.float16, quantize=quantization != "none")
+    runner = export_runner(config, rc, weights, shard=plan)
     for _, summary in export_graphs(runner, tmp_path / "graphs", [("decode", 4, 4), ("ragged", 2, 48)]):
         graph = read_graph(summary.path)
         assert check_graph(graph, tensor_parallel=tp) == [], summary.path.name
         sparse = len(SPARSE["Qwen3MoeForCausalLM"])
         assert len(graph.of("MoeGatingTopKSoftmax")) == sparse and len(graph.of("GroupedMatmulV4")) == 2 * sparse
         assert not graph.of("TopK")
+        int8 = [n for n in graph.of("GroupedMatmulV4") if n.inputs[1].info.dtype == "int8"]
+        assert len(int8) == (2 * sparse if quantization != "none" else 0)
         assert len(graph.of("AllReduce")) == (1 + 2 * config.num_hidden_layers if tp > 1 else 0)
 
 
@@ -311,3 +413,27 @@ def test_the_ascend_moe_wiring_on_the_kernels_stand_ins_is_transformers(tmp_path
     refs = [hf_greedy(hf, p, STEPS)[0] for p in prompts()]
     assert PagedDriver(runner, seed=1).generate(prompts(), STEPS)[0] == refs
     assert ChunkDriver(runner, seed=2).generate(prompts(), STEPS, chunk=7, starts=[0, 2, 3])[0] == refs
+
+
+def test_w8a16_on_the_ascend_moe_kernels_stand_ins_is_the_native_int8_model(tmp_path):
+    """w8a16 on the Ascend backend's graphs (stand-ins, float32): the experts int8 [experts, in, out] with their
+    antiquant scales, read back dequantized as loaded, and the native CPU w8a16 model's greedy ids."""
+    from agents.model.backends.ascend import AscendBackend
+    from agents.model.backends.ascend_reference import ReferenceOps
+    from agents.model.llama import model_weights
+
+    save_hf_model("Qwen3MoeForCausalLM", tmp_path, seed=6, head_dim=64)  # a head_dim FlashAttentionScore takes
+    config = LlamaConfig.from_model_dir(tmp_path)
+    weights = load_weights(tmp_path, config)
+    rc = dataclasses.replace(RC, mixed_steps=True, max_num_batched_tokens=32, quantization="w8a16")
+    runner = ModelRunner(config, weights, rc, AscendBackend(ReferenceOps(config.head_dim)))
+    runner.warmup()
+    block = runner.model.layers[0].moe.block
+    assert str(block.experts_down.dtype) == "Int8" and tuple(block.experts_down.shape) == (16, 32, 64)
+    assert tuple(block.experts_down_scale.shape) == (16, 64)
+    np.testing.assert_array_equal(model_weights(runner.model)["layers.0.experts_down"],
+                                  w8a16_values(weights)["layers.0.experts_down"])
+    native = ModelRunner(config, weights, dataclasses.replace(rc, kernels="native"))
+    native.warmup()
+    assert PagedDriver(runner, seed=1).generate(prompts(), STEPS)[0] == \
+        PagedDriver(native, seed=1).generate(prompts(), STEPS)[0]

@@ -225,6 +225,9 @@ def test_a_moe_step_reads_the_experts_its_tokens_touch():
     dense = MODEL_SHAPES["llama-2-7b"]
     assert DeviceCost(d, dense).weight_bytes_read(1) == DeviceCost(d, dense).weight_bytes_per_rank
     assert moe.flops_per_token() / 2 / 1e9 == pytest.approx(3.04, abs=0.01)  # the active matmuls (no embedding)
+    int8 = DeviceCost(d, moe, int8_projections=True)  # w8a16: the experts a byte a weight too
+    assert int8.weight_bytes_per_rank / held == pytest.approx(0.51, abs=0.01)  # embeddings, router stay float16
+    assert int8.weight_bytes_read(1) < 0.6 * one
 
 
 # ---- the simulation ----------------------------------------------------------------------------------------

@@ -132,7 +132,7 @@ class LlamaLayer(nn.Cell):
         # the MLP slot: a sparse layer's experts (agents.model.moe), else the dense SwiGLU MLP
         sparse = config.moe is not None and index in config.moe.sparse_layers
         self.moe = moe.MoeMlp(config.moe, hidden, eps, dtype, shard, parallel.AllReduceSum() if shard.tp > 1
-                              else None, backend.moe_experts(), backend.routed_experts()) \
+                              else None, backend.moe_experts(), backend.routed_experts(), quant) \
             if sparse and config.moe is not None else None
         self.w_gate_up = None if sparse else ProjectionWeight(hidden, 2 * shard.ffn, dtype, panels, swiglu=True,
                                                               panel_dtype=fmt, quantization=quant)

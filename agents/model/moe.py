@@ -5,7 +5,10 @@ outputs summed with their routing weights. Static shapes throughout (the graph b
 chose, which is what makes decode cost follow active parameters. The maths is held to ``moe_routing`` (itself held
 to transformers' blocks) in tests/test_moe_block.py. On the native CPU backend one C++ op (``MoeExperts``,
 agents/model/kernels/moe_experts.cc) takes both paths' place: the picks grouped by expert, the weights read in
-place, no gathered copy."""
+place, no gathered copy. Under ``model_config.quantization`` w8a16 the experts are held int8 with a float32 scale
+per output row (``ExpertsHeld``), as the dense projections are: the native op forms each row as float(q) * scale,
+the graph paths dequantize in-graph the experts they read, so both compute what the float32 block computes on the
+dequantized experts."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
 from agents.model.backends.ascend_moe import ExpertSlice
+from agents.weights import packed as packed_weights
 from llm_serving.protocol.moe_config import MoeSpec
 from llm_serving.protocol.parallel import ShardPlan
 
@@ -27,7 +31,8 @@ class MoeBlock(nn.Cell):
     ``shared_f`` of the shared expert's, and gives its partial sum of the output (the router is every rank's)."""
 
     def __init__(self, spec: MoeSpec, hidden: int, dtype: ms.Type, shard: ShardPlan | None = None,
-                 experts_op: nn.Cell | None = None, routed: RoutedExperts | None = None) -> None:
+                 experts_op: nn.Cell | None = None, routed: RoutedExperts | None = None,
+                 quantization: str = "none") -> None:
         super().__init__()
         # the backend's op over the picked experts (native CPU, float32): replaces both graph paths below
         self.experts_op = experts_op if dtype == ms.float32 else None
@@ -36,17 +41,23 @@ class MoeBlock(nn.Cell):
                                                                        (0, spec.moe_intermediate_size),
                                                                        (0, spec.shared_expert_intermediate_size)))
         e, f, s = end - start, f1 - f0, s1 - s0
-        self.num_experts, self.start, self.local = spec.num_experts, start, e
+        self.num_experts, self.start, self.local, self.dtype = spec.num_experts, start, e, dtype
         self.k, self.f, self.normalise, self.has_shared = spec.top_k, f, spec.norm_topk_prob, s > 0
         self.router = Parameter(initializer("zeros", (spec.num_experts, hidden), dtype), name="router")
         # the backend's kernels over the router logits and the experts held [in, out] (Ascend's grouped matmul,
         # agents.model.backends.ascend_moe): they replace routing and every path below
         self.routed = routed.cell(spec, ExpertSlice(start, e, spec.num_experts)) if routed is not None else None
-        transposed = self.routed is not None
-        self.held = {"experts_gate_up": ExpertsHeld("experts_gate_up", (e, 2 * f, hidden), dtype, transposed),
-                     "experts_down": ExpertsHeld("experts_down", (e, hidden, f), dtype, transposed)}
+        transposed, self.quantized = self.routed is not None, quantization != "none"
+        # int8 experts' scales: float32 for our ops, in the model's dtype for the grouped matmul's antiquant_scale
+        scale_dtype = dtype if transposed else ms.float32
+        self.held = {"experts_gate_up": ExpertsHeld("experts_gate_up", (e, 2 * f, hidden), dtype, transposed,
+                                                    self.quantized, scale_dtype),
+                     "experts_down": ExpertsHeld("experts_down", (e, hidden, f), dtype, transposed, self.quantized,
+                                                 scale_dtype)}
         self.experts_gate_up = self.held["experts_gate_up"].weight
         self.experts_down = self.held["experts_down"].weight
+        self.experts_gate_up_scale = self.held["experts_gate_up"].scale
+        self.experts_down_scale = self.held["experts_down"].scale
         shared = {"shared_gate_up": (2 * max(s, 1), hidden), "shared_down": (hidden, max(s, 1)),
                   "shared_gate": (1, hidden)}
         for name, shape in shared.items():  # present only where the family has a shared expert
@@ -64,7 +75,7 @@ class MoeBlock(nn.Cell):
             if tuple(value.shape) != expected:
                 raise ValueError(f"layers.{layer}.{name}: expected shape {expected}, got {value.shape}")
             if held is not None:
-                held.load(value)
+                held.load(value, weights.get(f"layers.{layer}.{name}.scale"))
             else:
                 param.set_data(Tensor(np.ascontiguousarray(value), param.dtype))
 
@@ -73,7 +84,11 @@ class MoeBlock(nn.Cell):
         ``rows`` [1] int32: the real leading rows (the native op leaves the padding after them as zeros)."""
         tokens = x.shape[0]
         if self.routed is not None:
-            out = self.routed(x, self.linear(x, self.router), self.experts_gate_up, self.experts_down)
+            if self.quantized:
+                out = self.routed(x, self.linear(x, self.router), self.experts_gate_up, self.experts_down,
+                                  self.experts_gate_up_scale, self.experts_down_scale)
+            else:
+                out = self.routed(x, self.linear(x, self.router), self.experts_gate_up, self.experts_down)
             return self._with_shared(x, out)
         probs = ops.softmax(self.linear(x, self.router).astype(ms.float32), -1)
         weights, ids = ops.topk(probs, self.k)
@@ -85,7 +100,12 @@ class MoeBlock(nn.Cell):
                 ids = ops.select(mine, ids - self.start, ops.full_like(ids, -1))
             if rows is None:
                 rows = ops.full((1,), tokens, dtype=ms.int32)
-            out = self.experts_op(x, ids.astype(ms.int32), weights, self.experts_gate_up, self.experts_down, rows)
+            if self.quantized:
+                out = self.experts_op(x, ids.astype(ms.int32), weights, self.experts_gate_up,
+                                      self.experts_gate_up_scale, self.experts_down, self.experts_down_scale, rows)
+            else:
+                out = self.experts_op(x, ids.astype(ms.int32), weights, self.experts_gate_up, self.experts_down,
+                                      rows)
         elif tokens * self.k < self.local:  # a graph constant: each bucket compiles one of the two
             out = self._gathered(x, weights, ids)
         else:
@@ -111,9 +131,10 @@ class MoeBlock(nn.Cell):
             weights = weights * mine.reshape(tokens, self.k).astype(weights.dtype)
         rows = ops.broadcast_to(x.reshape(tokens, 1, 1, hidden), (tokens, self.k, 1, hidden))
         rows = rows.reshape(tokens * self.k, 1, hidden)
-        gate_up = self.batched(rows, ops.gather(self.experts_gate_up, flat, 0))
+        gate_up = self.batched(rows, self._picked(self.experts_gate_up, self.experts_gate_up_scale, flat))
         act = ops.silu(gate_up[:, :, :self.f]) * gate_up[:, :, self.f:]
-        y = self.batched(act, ops.gather(self.experts_down, flat, 0)).reshape(tokens, self.k, hidden)
+        y = self.batched(act, self._picked(self.experts_down, self.experts_down_scale, flat))
+        y = y.reshape(tokens, self.k, hidden)
         return (y * weights.astype(y.dtype).reshape(tokens, self.k, 1)).sum(1)
 
     def _every_expert(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
@@ -126,10 +147,23 @@ class MoeBlock(nn.Cell):
         if self.local < self.num_experts:
             combine = combine[:, self.start:self.start + self.local]
         rows = ops.broadcast_to(x.reshape(1, tokens, hidden), (self.local, tokens, hidden))
-        gate_up = self.batched(rows, self.experts_gate_up)
+        gate_up = self.batched(rows, self._float(self.experts_gate_up, self.experts_gate_up_scale))
         act = ops.silu(gate_up[:, :, :self.f]) * gate_up[:, :, self.f:]
-        y = self.batched(act, self.experts_down)  # [E, tokens, hidden]
+        y = self.batched(act, self._float(self.experts_down, self.experts_down_scale))  # [E, tokens, hidden]
         return (y * combine.T.astype(y.dtype).reshape(self.local, tokens, 1)).sum(0)
+
+    def _picked(self, weight: Tensor, scale: Tensor | None, flat: Tensor) -> Tensor:
+        """The picked experts' stacked weights ``[picks, out, in]``, dequantized after the gather where int8."""
+        if scale is None:
+            return ops.gather(weight, flat, 0)
+        return self._float(ops.gather(weight, flat, 0), ops.gather(scale, flat, 0))
+
+    def _float(self, weight: Tensor, scale: Tensor | None) -> Tensor:
+        """Stacked expert weights ``[n, out, in]`` as float: as held, or int8 times each row's float32 scale
+        ``[n, out]`` (one float32 product per weight, ``agents.weights.packed.dequantize_rows``'s)."""
+        if scale is None:
+            return weight
+        return (weight.astype(ms.float32) * scale.reshape(scale.shape[0], scale.shape[1], 1)).astype(self.dtype)
 
 
 class RoutedExperts(Protocol):
@@ -142,24 +176,51 @@ class RoutedExperts(Protocol):
 
 class ExpertsHeld:
     """How a block holds a stacked expert weight (its Parameter ``weight``): as loaded (``[e, out, in]``,
-    ``shape``), or transposed to ``[e, in, out]`` for a grouped matmul that reads it so (``transposed``).
-    ``llama.load_weights_into`` and ``model_weights`` convert through it, as through a projection's panels."""
+    ``shape``), or transposed to ``[e, in, out]`` for a grouped matmul that reads it so (``transposed``); or
+    (``quantized``, w8a16) int8 in either layout beside a ``scale [e, out]`` (float32, or the model's dtype for
+    the grouped matmul), each expert quantized per output row as a dense projection is
+    (``agents.weights.packed.quantize_rows``). ``llama.load_weights_into`` and
+    ``model_weights`` convert through it, as through a projection's panels."""
 
     panels = True  # held in a layout of its own: loaded through ``load``, never as raw bfloat16 bits
-    quantized = False
 
-    def __init__(self, name: str, shape: tuple[int, int, int], dtype: ms.Type, transposed: bool) -> None:
-        self.shape, self.transposed = shape, transposed
+    def __init__(self, name: str, shape: tuple[int, int, int], dtype: ms.Type, transposed: bool,
+                 quantized: bool = False, scale_dtype: ms.Type = ms.float32) -> None:
+        self.shape, self.transposed, self.quantized = shape, transposed, quantized
         e, out, inp = shape
-        self.weight = Parameter(initializer("zeros", (e, inp, out) if transposed else shape, dtype), name=name)
+        held, held_dtype = ((e, inp, out) if transposed else shape), (ms.int8 if quantized else dtype)
+        self.weight = Parameter(initializer("zeros", held, held_dtype), name=name)
+        self.scale = Parameter(initializer("zeros", (e, out), scale_dtype), name=f"{name}_scale") \
+            if quantized else None
 
     def load(self, value: np.ndarray, scale: np.ndarray | None = None) -> None:
-        if scale is not None:
-            raise ValueError("int8 experts are not served: their scales have no place here")
+        """Set the ``[e, out, in]`` weight: float (quantized here where held int8), or int8 with its
+        ``scale [e, out]`` (quantized already)."""
+        if scale is not None and not self.quantized:
+            raise ValueError("int8 experts with scales (a quantized checkpoint) need model_config.quantization "
+                             "w8a16; these experts are held float")
+        if self.scale is not None:
+            e, out, inp = self.shape
+            if scale is None:
+                q, scale = packed_weights.quantize_rows(np.asarray(value).reshape(e * out, inp))
+                value = q.reshape(self.shape)
+            if tuple(np.shape(scale)) not in ((e, out), (e * out,)):
+                raise ValueError(f"expert scales: expected shape {(e, out)}, got {np.shape(scale)}")
+            value = np.asarray(value, np.int8)
+            self.weight.set_data(Tensor(np.ascontiguousarray(value.transpose(0, 2, 1) if self.transposed else value)))
+            self.scale.set_data(Tensor(np.asarray(scale, np.float32).reshape(e, out)).astype(self.scale.dtype))
+            return
         self.weight.set_data(Tensor(np.ascontiguousarray(value.transpose(0, 2, 1) if self.transposed else value),
                                     self.weight.dtype))
 
     def unstored(self, held: np.ndarray) -> np.ndarray:
+        """The ``[e, out, in]`` weight back from what ``weight`` holds (int8: dequantized, as the ops form it)."""
+        if self.scale is not None:
+            e, out, inp = self.shape
+            q = held.transpose(0, 2, 1) if self.transposed else held
+            scale = self.scale.astype(ms.float32).asnumpy().reshape(e * out)
+            return packed_weights.dequantize_rows(np.ascontiguousarray(q).reshape(e * out, inp), scale).reshape(
+                self.shape)
         return held.transpose(0, 2, 1) if self.transposed else held
 
 
@@ -170,9 +231,9 @@ class MoeMlp(nn.Cell):
 
     def __init__(self, spec: MoeSpec, hidden: int, eps: float, dtype: ms.Type, shard: ShardPlan | None = None,
                  reduce: nn.Cell | None = None, experts_op: nn.Cell | None = None,
-                 routed: RoutedExperts | None = None) -> None:
+                 routed: RoutedExperts | None = None, quantization: str = "none") -> None:
         super().__init__()
-        self.block = MoeBlock(spec, hidden, dtype, shard, experts_op, routed)
+        self.block = MoeBlock(spec, hidden, dtype, shard, experts_op, routed, quantization)
         self.eps, self.reduce = eps, reduce
 
     def construct(self, x: Tensor, norm_weight: Tensor, rows: Tensor) -> Tensor:

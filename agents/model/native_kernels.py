@@ -150,6 +150,11 @@ class NativeOps:
         MoE layer's picked experts, read in place (``kernels/moe_experts.cc``)."""
         return _custom(self.library, "MoeExperts", lambda x, *_: x, _same)
 
+    def moe_experts_int8(self) -> ops.Custom:
+        """``(x, ids, weights, gate_up int8 [E, 2f, h], gate_up_scale [E, 2f], down int8 [E, h, f],
+        down_scale [E, h], rows) -> y [m, h]``: ``moe_experts`` over w8a16 experts, each row float(q) * scale."""
+        return _custom(self.library, "MoeExpertsInt8", lambda x, *_: x, _same)
+
     def residual_linear(self) -> ops.Custom:
         """``(x, packed w, residual, rows) -> residual + x @ W^T``."""
         return _custom(self.library, "ResidualLinear", lambda x, w, residual, rows: residual, _same)

@@ -78,6 +78,18 @@ def read_moe_layer(take: Take, layer: int, architecture: str, spec: MoeSpec, hid
     return out, used
 
 
+def down_absmax(take: Take, layer: int, architecture: str, spec: MoeSpec, hidden: int,
+                experts: Span | None = None) -> np.ndarray:
+    """Each held expert's down-projection rows' largest magnitudes ``[e, h]`` over the whole row (all ``f``
+    columns), read one expert at a time: the w8a16 scales of a rank that holds a column slice of each row (experts
+    cut under tensor parallelism), so that every degree holds the numbers one rank does."""
+    block, (_, _, down) = _HF_BLOCK[architecture]
+    e0, e1 = experts or (0, spec.num_experts)
+    shape = (hidden, spec.moe_intermediate_size)
+    return np.stack([np.abs(take(f"model.layers.{layer}.{block}.experts.{e}.{down}.weight", shape, None, None)
+                            .astype(np.float32)).max(1) for e in range(e0, e1)])
+
+
 def _in_memory(tensors: Mapping[str, np.ndarray], source: str) -> Take:
     def take(name: str, shape: tuple[int, ...], rows: Span | None, cols: Span | None) -> np.ndarray:
         if name not in tensors:

@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from agents.weights import checkpoints as w
 from agents.weights.int8_checkpoint import Int8Slices
-from agents.weights.moe_weights import moe_shapes, read_moe_layer
+from agents.weights.moe_weights import down_absmax, moe_shapes, read_moe_layer
 from agents.weights.packed import quantize_rows
 from agents.weights.slice_source import SliceSource, Span, cut
 from llm_serving.protocol.model_config import HF_INDEX_FILE, HF_SINGLE_FILE, LlamaConfig
@@ -319,20 +319,51 @@ def _cuts(kind: str, parts: int, config: LlamaConfig, plan: ShardPlan) -> list[t
 
 
 def _moe_slices(source: SliceSource, names: dict[str, list[list[str]]], config: LlamaConfig, plan: ShardPlan,
-                layer: int) -> tuple[dict[str, np.ndarray], set[str]]:
+                layer: int, quantize: bool = False) -> tuple[dict[str, np.ndarray], set[str]]:
     """Sparse layer ``layer``'s tensors of this rank (``ShardPlan.expert_range`` and its siblings), read as float:
-    from HF per-expert tensors (fused and stacked as they are read) or from our ``.ckpt``'s stacked ones."""
+    from HF per-expert tensors (fused and stacked as they are read) or from our ``.ckpt``'s stacked ones.
+    ``quantize`` (w8a16): the experts int8 with a ``<key>.scale [e, out]`` each, per output row, a down
+    projection's column slice scaled by its whole rows (``moe_weights.down_absmax``)."""
+    moe, used = _moe_float_slices(source, names, config, plan, layer)
+    if not quantize:
+        return moe, used
+    spec, p = config.moe, f"layers.{layer}."
+    assert spec is not None
+    absmax = None
+    if plan.expert_ffn_range() != (0, spec.moe_intermediate_size):  # a column slice of each down row
+        if names is w.HF_NAMES:
+            absmax = down_absmax(_checked_take(source), layer, config.architecture, spec, config.hidden_size,
+                                 plan.expert_range())
+        else:
+            absmax = np.abs(source.read(p + "experts_down", plan.expert_range()).astype(np.float32)).max(2)
+    for kind, top in zip(EXPERT_KINDS, (None, absmax)):
+        e, out, inp = moe[p + kind].shape
+        q, scale = quantize_rows(moe[p + kind].astype(np.float32).reshape(e * out, inp),
+                                 None if top is None else top.reshape(e * out))
+        moe[p + kind], moe[f"{p}{kind}.scale"] = q.reshape(e, out, inp), scale.reshape(e, out)
+    return moe, used
+
+
+def _checked_take(source: SliceSource):
+    """``moe_weights.Take`` over ``source``: each tensor's presence and full shape checked before its slice."""
+    label = source.label
+
+    def take(name: str, shape: tuple[int, ...], rows: Span, cols: Span) -> np.ndarray:
+        if name not in source:
+            raise w.WeightLoadError(f"{label}: missing tensor {name!r}")
+        if tuple(source[name]) != shape:
+            raise w.WeightLoadError(f"{label}: {name}: expected shape {shape}, got {tuple(source[name])}")
+        return source.read(name, rows, cols)
+    return take
+
+
+def _moe_float_slices(source: SliceSource, names: dict[str, list[list[str]]], config: LlamaConfig,
+                      plan: ShardPlan, layer: int) -> tuple[dict[str, np.ndarray], set[str]]:
     spec, h, label = config.moe, config.hidden_size, source.label
     assert spec is not None
     experts, ffn, shared = plan.expert_range(), plan.expert_ffn_range(), plan.shared_ffn_range()
     if names is w.HF_NAMES:
-        def take(name: str, shape: tuple[int, ...], rows: Span, cols: Span) -> np.ndarray:
-            if name not in source:
-                raise w.WeightLoadError(f"{label}: missing tensor {name!r}")
-            if tuple(source[name]) != shape:
-                raise w.WeightLoadError(f"{label}: {name}: expected shape {shape}, got {tuple(source[name])}")
-            return source.read(name, rows, cols)
-        return read_moe_layer(take, layer, config.architecture, spec, h, experts, ffn, shared)
+        return read_moe_layer(_checked_take(source), layer, config.architecture, spec, h, experts, ffn, shared)
     full = moe_shapes(spec, layer, h)
     for name, shape in full.items():
         if name not in source:
@@ -369,6 +400,9 @@ def as_host_dtype(arr: np.ndarray, dtype: npt.DTypeLike | str) -> np.ndarray:
 
 # the decoder layers' projections that model_config.quantization w8a16 holds as int8 (agents.weights.packed)
 QUANTIZED_KINDS = ("w_qkv", "wo", "w_gate_up", "w_down")
+# a sparse layer's routed experts, which w8a16 holds as int8 too (agents.model.moe.ExpertsHeld); the router and
+# the shared expert stay float (the shared expert is one small dense MLP read by every token)
+EXPERT_KINDS = ("experts_gate_up", "experts_down")
 ROW_PARALLEL_KINDS = ("wo", "w_down")  # cut by columns: a rank holds part of each output row
 ABSMAX_ROWS = 1024  # rows of a whole tensor read at a time to find each row's largest magnitude
 
@@ -407,8 +441,9 @@ def _assemble_shard(source: SliceSource, names: dict[str, list[list[str]]], conf
         layer = key.split(".")[1] if key.startswith("layers.") else ""
         if kind in w._MOE_KINDS:  # a sparse layer's, all read with its router (as float: the block's weights)
             if kind == "router":
-                moe, taken = _moe_slices(source, names, config, plan, int(layer))
-                out.update({k: as_host_dtype(v, np.float32 if quantize else dtype) for k, v in moe.items()})
+                moe, taken = _moe_slices(source, names, config, plan, int(layer), quantize)
+                out.update({k: v if v.dtype == np.int8 or k.endswith(".scale")
+                            else as_host_dtype(v, np.float32 if quantize else dtype) for k, v in moe.items()})
                 used.update(taken)
             continue
         alternatives = w.alternatives_for(kind, layer, names, label)

@@ -26,7 +26,8 @@ VERDICT_VERSION = 1
 # checks of a feature a config may leave off: their failure refuses that feature, not the kernel selection
 FEATURE_CHECKS = {"WeightQuantBatchMatmul": "model_config.quantization",
                   "MoE routed experts": "model_config.model_path",  # a mixture-of-experts model
-                  "MoE routed experts, expert-parallel rank": "parallel.expert_parallel"}
+                  "MoE routed experts, expert-parallel rank": "parallel.expert_parallel",
+                  "MoE routed experts, int8": "model_config.quantization"}  # w8a16 on a MoE model
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ MindSpore stack runs them for Qwen3-MoE (vllm-mindspore 0.5.1, model_executor/la
    each (token, pick) went) and the per-expert counts (flag 2: counts, not their cumulative sum);
 3. ``GroupedMatmulV4`` (``split_item`` 3: one tensor; ``group_type`` 0: groups along the rows; ``group_list_type``
    1: counts, int64) of each expert's rows by its ``[in, out]`` weight: gate/up ``[E, h, 2f]``, ``Swiglu``, down
-   ``[E, f, h]``;
+   ``[E, f, h]``; under w8a16 the weights int8 with ``antiquant_scale [E, out]`` in x's dtype (the A16W8 form of
+   the 2.10 docstring: each weight dequantized as q * scale per output column, no offset);
 4. ``MoeTokenUnpermute(expert rows, expanded_row_idx, weights)``: each token's k rows gathered back and summed
    with their weights.
 
@@ -57,8 +58,9 @@ class MoeOps:
         return MoeInitRoutingV2()
 
     def grouped_matmul(self):
-        """``([x [M, K]], [w [E, K, N]], None x 6, group_list [E] int64, None x 3, split_item, group_type,
-        group_list_type) -> (y [M, N],)``: rows of group ``e`` times ``w[e]``."""
+        """``([x [M, K]], [w [E, K, N]], None x 3, antiquant_scale, None x 2, group_list [E] int64, None x 3,
+        split_item, group_type, group_list_type) -> (y [M, N],)``: rows of group ``e`` times ``w[e]`` (int8 ``w``
+        times ``antiquant_scale[0] [E, N]`` per output column where given)."""
         return GroupedMatmulV4()
 
     def token_unpermute(self):
@@ -103,7 +105,9 @@ class AscendRoutedExperts(nn.Cell):
         self.gating, self.routing = moe.gating_top_k_softmax(), moe.init_routing()
         self.grouped, self.unpermute, self.swiglu = moe.grouped_matmul(), moe.token_unpermute(), moe.swiglu()
 
-    def construct(self, x: Tensor, router_logits: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    def construct(self, x: Tensor, router_logits: Tensor, gate_up: Tensor, down: Tensor,
+                  gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
+        """``gate_up_scale [count, 2f]``, ``down_scale [count, h]``: int8 experts' antiquant scales (w8a16)."""
         weights, ids, _ = self.gating(router_logits, None, self.k)
         if self.normalise:
             weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
@@ -116,13 +120,14 @@ class AscendRoutedExperts(nn.Cell):
             groups = groups + 1
         rows, where, counts, _ = self.routing(x, ids, 0, 0, groups, DROPLESS, COUNTS, True)
         counts = counts[: self.experts.count].astype(ms.int64)
-        hidden = self._grouped(rows, gate_up, counts)
-        out = self._grouped(self.swiglu(hidden, -1), down, counts)
+        hidden = self._grouped(rows, gate_up, counts, gate_up_scale)
+        out = self._grouped(self.swiglu(hidden, -1), down, counts, down_scale)
         if not self.experts.whole:  # rows of the extra group were never computed
             computed = ops.arange(out.shape[0]).reshape(-1, 1) < counts.sum()
             out = ops.select(computed.broadcast_to(out.shape), out, ops.zeros_like(out))
         return self.unpermute(out, where, weights.astype(out.dtype), False, None)
 
-    def _grouped(self, x: Tensor, weight: Tensor, counts: Tensor) -> Tensor:
-        return self.grouped([x], [weight], None, None, None, None, None, None, counts, None, None, None,
+    def _grouped(self, x: Tensor, weight: Tensor, counts: Tensor, scale: Tensor | None) -> Tensor:
+        antiquant = None if scale is None else [scale.astype(x.dtype)]
+        return self.grouped([x], [weight], None, None, None, antiquant, None, None, counts, None, None, None,
                             SINGLE_TENSOR, ROW_GROUPS, GROUP_COUNTS)[0]

@@ -49,15 +49,19 @@ class InitRoutingV2Ref(nn.Cell):
 
 class GroupedMatmulV4Ref(nn.Cell):
     """One x grouped along its rows by per-group counts: row ``r`` of group ``e`` times ``weight[e] [K, N]``, in
-    float32, cast back; rows past the counts' sum come out 0 (the kernel leaves them unwritten)."""
+    float32, cast back; rows past the counts' sum come out 0 (the kernel leaves them unwritten). An int8 weight
+    with ``antiquant_scale [[E, N]]`` (A16W8): each weight q * its output column's scale, in float32."""
 
     def construct(self, x, weight, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None,
                   pre_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None,
                   activation_quant_offset=None, split_item=0, group_type=-1, group_list_type=0):
-        rows, w = x[0], weight[0]
+        rows, w = x[0], weight[0].astype(ms.float32)
+        if antiquant_scale is not None:
+            scale = antiquant_scale[0].astype(ms.float32)
+            w = w * scale.reshape(scale.shape[0], 1, scale.shape[1])
         ends = ops.cumsum(group_list, 0).reshape(1, -1)  # [1, E]
         group = (ops.arange(rows.shape[0]).reshape(-1, 1).astype(ends.dtype) >= ends).astype(ms.int32).sum(1)
-        padded = ops.concat((w.astype(ms.float32), ops.zeros((1,) + w.shape[1:], ms.float32)))  # group E: none
+        padded = ops.concat((w, ops.zeros((1,) + w.shape[1:], ms.float32)))  # group E: none
         y = ops.BatchMatMul()(rows.astype(ms.float32).reshape(rows.shape[0], 1, -1), ops.gather(padded, group, 0))
         return (y.reshape(rows.shape[0], -1).astype(rows.dtype),)
 

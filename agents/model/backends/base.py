@@ -169,8 +169,8 @@ class OpsBackend:
         return graph_ops.GreedyPick()
 
     def moe_experts(self) -> nn.Cell | None:
-        """A MoE layer's picked experts as one op (``NativeOps.moe_experts``'s inputs), float32; None: the expert
-        block's own graph ops (``agents.model.moe``)."""
+        """A MoE layer's picked experts as one op (``NativeOps.moe_experts``'s inputs, or ``moe_experts_int8``'s
+        under ``layer_quantization`` w8a16), float32; None: the expert block's own graph ops (``agents.model.moe``)."""
         return None
 
     def routed_experts(self) -> RoutedExperts | None:

@@ -215,7 +215,8 @@ class NativeCpuBackend(OpsBackend):
         # a model with expert blocks runs MindSpore's own ops (router softmax, top-k, norm) between ours: helpers
         # polling for our next op would take their cores (decode B=1 2.4x slower, docs/model.md "Mixture of experts")
         self.poll_max_tokens = 0
-        return self.native.moe_experts()
+        # w8a16: the experts held int8 with a scale per row (agents.model.moe.ExpertsHeld), read as such
+        return self.native.moe_experts_int8() if self.layer_quantization != "none" else self.native.moe_experts()
 
 
 def create(dtype: str, hidden_size: int) -> NativeCpuBackend:

@@ -13,6 +13,7 @@ from agents.tools.mindir import GraphNodes, OpNode, Source
 GT_X, GT_FINISHED, GT_K = range(3)
 IR_X, IR_IDS, IR_ACTIVE, IR_CAPACITY, IR_EXPERTS, IR_DROP_PAD, IR_COUNT_FLAG = range(7)
 GM_X, GM_WEIGHT, GM_GROUP_LIST, GM_SPLIT_ITEM, GM_GROUP_TYPE, GM_LIST_TYPE = 0, 1, 8, 12, 13, 14
+GM_ANTIQUANT_SCALE = 5
 GM_EXTRAS = {2: "bias", 3: "scale", 4: "offset", 5: "antiquant_scale", 6: "antiquant_offset", 7: "pre_token_scale"}
 UP_ROWS, UP_INDICES, UP_PROBS, UP_PADDED = range(4)
 # MoeInitRoutingV2's expert_tokens_count_or_cumsum_flag -> the GroupedMatmulV4 group_list_type that reads it
@@ -114,9 +115,30 @@ def _grouped_weights(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterato
                "transposed when loaded")
     elif group_list and group_list[0] != weight[0]:
         yield f"group_list's {group_list[0]} groups are not the weight's {weight[0]} experts"
+    int8 = _dtype(node.inputs[GM_WEIGHT]) == "int8"
     for index, what in GM_EXTRAS.items():
+        if index == GM_ANTIQUANT_SCALE and int8:
+            continue
         if node.inputs[index].kind != "constant" or node.inputs[index].value is not None:
-            yield f"{what} must be None (float experts), got {_where(node.inputs[index])}"
+            why = "float experts" if index == GM_ANTIQUANT_SCALE else "unbiased experts, int8 by antiquant_scale only"
+            yield f"{what} must be None ({why}), got {_where(node.inputs[index])}"
+    if int8:
+        yield from _antiquant(node, x, weight)
+    elif _dtype(node.inputs[GM_WEIGHT]) not in _FLOATS:
+        yield f"the weight must be int8 or one of {', '.join(_FLOATS)}, got {_dtype(node.inputs[GM_WEIGHT])}"
+
+
+def _antiquant(node: OpNode, x: tuple[int, ...] | None, weight: tuple[int, ...] | None) -> Iterator[str]:
+    """An int8 weight (A16W8, w8a16): antiquant_scale (experts, out) per output column, in x's dtype."""
+    scale = node.inputs[GM_ANTIQUANT_SCALE]
+    if scale.kind == "constant" and scale.value is None:
+        yield "an int8 weight needs antiquant_scale (experts, out): without it the int8 values are the weights"
+        return
+    dims, want = _dims(scale), (weight[0], weight[2]) if weight is not None and len(weight) == 3 else None
+    if dims != want:
+        yield f"antiquant_scale must be (experts, out) {want} for the weight {weight}, got {dims}"
+    if _dtype(scale) != _dtype(node.inputs[GM_X]):
+        yield f"antiquant_scale must be in x's dtype {_dtype(node.inputs[GM_X])}, got {_dtype(scale)}"
 
 
 def _unpermute(graph: GraphNodes, node: OpNode, expect: Expect) -> Iterator[str]:

@@ -203,8 +203,8 @@ RULES = (
          f"{_VMS_MOE} _group_matmul: split_item 3, group_type 0, group_list_type 1 with flag 2", _grouped_mode),
     Rule("GroupedMatmulV4", "experts-in-by-out",
          f"{_GMM_DOC}: x (M, K), weight (E, K, N), y_i = x_i x weight_i; bias/scale/offset/antiquant for biased or "
-         f"quantized experts only; {_VMS_MOE}: w1 (experts, hidden, 2 x intermediate), w2 (experts, "
-         "intermediate, hidden)", _grouped_weights),
+         "quantized experts only (A16W8: weight int8, antiquant_scale (E, N) float16 or bfloat16, x's dtype); "
+         f"{_VMS_MOE}: w1 (experts, hidden, 2 x intermediate), w2 (experts, intermediate, hidden)", _grouped_weights),
     Rule("InnerMoeTokenUnpermute", "unpermute-by-routing-index",
          f"{_UNPERMUTE_DOC}: permuted_tokens (tokens x topk, hidden), sorted_indices (tokens x topk,) int32 with no "
          "duplicates, probs (tokens, topk), padded_mode False; ops.moe_token_permute's example: sorted_indices[i] "

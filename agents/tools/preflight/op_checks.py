@@ -59,6 +59,7 @@ def op_results(got: dict[str, np.ndarray]) -> list[CheckResult]:
         ("MoE routed experts", "moe", 0, _moe_reference(a, range(MOE_EXPERTS)), ATOL),
         ("MoE routed experts, expert-parallel rank", "moe_rank", 0,
          _moe_reference(a, range(MOE_EXPERTS - MOE_EXPERTS // MOE_RANKS, MOE_EXPERTS)), ATOL),
+        ("MoE routed experts, int8", "moe_int8", 0, _moe_reference(a, range(MOE_EXPERTS), int8=True), ATOL),
     ]
     results = []
     for name, case, i, want, atol in rows:
@@ -69,10 +70,13 @@ def op_results(got: dict[str, np.ndarray]) -> list[CheckResult]:
     return results
 
 
-def _moe_reference(a: dict[str, np.ndarray], held: range) -> np.ndarray:
+def _moe_reference(a: dict[str, np.ndarray], held: range, int8: bool = False) -> np.ndarray:
     """The routed experts' weighted sum (top-k renormalised) over the picks of the experts in ``held`` (an
-    expert-parallel rank's part), in float64."""
+    expert-parallel rank's part), in float64; ``int8``: of the w8a16 experts, each row q * its scale."""
     x = a["moe_x"].astype(np.float64)
+    if int8:
+        a = {**a, **{name: a[f"moe_q_{part}"].astype(np.float64) * a[f"moe_q_{part}_scale"].astype(np.float64)[
+            :, :, None] for name, part in (("moe_gate_up", "gate_up"), ("moe_down", "down"))}}
     weights, ids = top_k(a["moe_logits"].astype(np.float64), MOE_TOP_K, True)
     out = np.zeros_like(x)
     for t, j in np.ndindex(ids.shape):

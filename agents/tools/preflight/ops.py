@@ -154,6 +154,11 @@ def inputs(rng: np.random.Generator) -> dict[str, np.ndarray]:
         "moe_logits": np.stack([rng.permutation(MOE_EXPERTS) * 0.5 for _ in range(MOE_TOKENS)]).astype(np.float16),
         "moe_gate_up": (rng.normal(size=(MOE_EXPERTS, 2 * MOE_FFN, 256)) / 16).astype(np.float16),
         "moe_down": (rng.normal(size=(MOE_EXPERTS, 256, MOE_FFN)) / 7).astype(np.float16),
+        # w8a16 experts [out, in] int8 and their float16 scale per output row (the grouped matmul's antiquant_scale)
+        "moe_q_gate_up": rng.integers(-127, 128, (MOE_EXPERTS, 2 * MOE_FFN, 256)).astype(np.int8),
+        "moe_q_gate_up_scale": rng.uniform(0.2, 1.0, (MOE_EXPERTS, 2 * MOE_FFN)).astype(np.float16) / 1200,
+        "moe_q_down": rng.integers(-127, 128, (MOE_EXPERTS, 256, MOE_FFN)).astype(np.int8),
+        "moe_q_down_scale": rng.uniform(0.2, 1.0, (MOE_EXPERTS, 256)).astype(np.float16) / 520,
     }
 
 
@@ -180,6 +185,12 @@ def run_ops(device: str) -> dict[str, np.ndarray]:
                                                                                                     "moe_down"))
         return on(AscendRoutedExperts(moe_ops, MOE_TOP_K, True, part))(t["moe_x"], t["moe_logits"], gate_up, down)
 
+    def int8_experts() -> Any:  # A16W8: int8 [E, in, out] with antiquant_scale [E, out]
+        gate_up, down = (Tensor(np.ascontiguousarray(a[name].transpose(0, 2, 1))) for name in ("moe_q_gate_up",
+                                                                                              "moe_q_down"))
+        return on(AscendRoutedExperts(moe_ops, MOE_TOP_K, True, ExpertSlice(0, MOE_EXPERTS, MOE_EXPERTS)))(
+            t["moe_x"], t["moe_logits"], gate_up, down, t["moe_q_gate_up_scale"], t["moe_q_down_scale"])
+
     cases: dict[str, Callable[[], Any]] = {
         "norm_swiglu": lambda: on(NormSwiglu(fused))(t["x"], t["gamma"], t["gate_up"]),
         "rope": lambda: on(Rope(fused))(t["rope_q"], t["rope_k"], t["cos"], t["sin"], t["rope_lens"]),
@@ -193,6 +204,7 @@ def run_ops(device: str) -> dict[str, np.ndarray]:
             t["decode_query"], t["tables"], t["context_lens"]),
         "moe": lambda: experts(ExpertSlice(0, MOE_EXPERTS, MOE_EXPERTS)),
         "moe_rank": lambda: experts(ExpertSlice.of_rank(MOE_EXPERTS, MOE_RANKS, MOE_RANKS - 1)),
+        "moe_int8": int8_experts,
     }
     saved = {f"in_{k}": v for k, v in a.items()}
     saved["in_flash_mask"] = mask.asnumpy()
