@@ -494,6 +494,34 @@ int norm_call(int nparam, void **params, int *ndims, int64_t **shapes, const cha
   return 0;
 }
 
+// out[i][j] += sum_r t[i * w + r] * panel[r * 32 + j] for ``kRows`` rows: a tile's LoRA expansion (LoraCall::add).
+template <int kRows>
+void accumulate_tile(const float *t, int64_t w, const float *panel, float (*out)[kPanel]) {
+#if defined(__AVX512F__)
+  __m512 lo[kRows], hi[kRows];
+  for (int i = 0; i < kRows; ++i) {
+    lo[i] = _mm512_loadu_ps(out[i]);
+    hi[i] = _mm512_loadu_ps(out[i] + 16);
+  }
+  for (int64_t r = 0; r < w; ++r) {
+    const __m512 b0 = _mm512_loadu_ps(panel + r * kPanel), b1 = _mm512_loadu_ps(panel + r * kPanel + 16);
+    for (int i = 0; i < kRows; ++i) {
+      const __m512 ti = _mm512_set1_ps(t[i * w + r]);
+      lo[i] = _mm512_fmadd_ps(ti, b0, lo[i]);
+      hi[i] = _mm512_fmadd_ps(ti, b1, hi[i]);
+    }
+  }
+  for (int i = 0; i < kRows; ++i) {
+    _mm512_storeu_ps(out[i], lo[i]);
+    _mm512_storeu_ps(out[i] + 16, hi[i]);
+  }
+#else
+  for (int64_t r = 0; r < w; ++r)
+    for (int i = 0; i < kRows; ++i)
+      for (int64_t j = 0; j < kPanel; ++j) out[i][j] += t[i * w + r] * panel[r * kPanel + j];
+#endif
+}
+
 // LoRA updates inside the projections (agents/model/lora.py): y = base(x) + ((x A^T) * mask) B^T, where a row's
 // mask keeps the columns of its own adapter slot. Why in the kernel: as separate ops (two GEMMs, a mask product
 // and a SwiGLU in graph ops per projection) the update cost a decode step at batch 32 ~1.5x the base step, almost
@@ -562,18 +590,20 @@ struct LoraCall {
     });
   }
 
-  // out += t B_s^T for a tile's rows (first..first+rows) and panel p, before the op's epilogue.
+  // out += t B_s^T for a tile's rows (first..first+rows) and panel p, before the op's epilogue: each run of rows
+  // of one slot as a tile (B's rows read once per run, the sums in registers).
   void add(int64_t first, int64_t rows, int64_t p, float (*out)[kPanel]) const {
-    for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t i = 0; i < rows;) {
       const int64_t row = first + i;
-      if (!adapted(row)) continue;
-      const float *panel = b + (p * n * w + slots[row] * w) * kPanel, *tr = t + row * w;
-      for (int64_t r = 0; r < w; ++r) {
-        const float scale = tr[r];
-        const float *br = panel + r * kPanel;
-#pragma omp simd
-        for (int64_t j = 0; j < kPanel; ++j) out[i][j] += scale * br[j];
+      int64_t end = i + 1;
+      while (end < rows && slots[first + end] == slots[row]) ++end;
+      if (adapted(row)) {
+        const float *panel = b + (p * n * w + slots[row] * w) * kPanel;
+        with_rows<kMaxRows>(static_cast<int>(end - i), [&](auto nrows) {
+          accumulate_tile<decltype(nrows)::value>(t + row * w, w, panel, out + i);
+        });
       }
+      i = end;
     }
   }
 };
