@@ -65,9 +65,10 @@ class LoraShape:
 class LoraUpdate(nn.Cell):
     """``(x, mask, rows, base) -> base + ((x A^T) * mask) B^T`` over every slot of one fused projection (zeros:
     empty slots; ``base`` None: the update alone), both products by the backend's projections (the second one adding
-    ``base`` itself: every op costs a launch, measured to dominate the update's cost on CPU): on the native CPU
-    backend its GEMM on float32 panels (``agents.weights.packed``; MindSpore's MatMul repacks its weight operand on
-    every call), else MatMul."""
+    ``base`` itself: every op costs a launch, measured to dominate the update's cost on CPU): with panel weights the
+    native GEMM on float32 panels (``agents.weights.packed``), else MatMul. Where the backend's projections take the
+    update themselves (the native CPU backend: ``LoraSlotWeights``) this form is not used in serving; with panels it
+    remains as ``scripts/bench_lora.py``'s A/B against the fused form."""
 
     def __init__(self, in_dim: int, out_dim: int, columns: int, dtype: ms.Type, backend: OpsBackend,
                  eps: float | None = None) -> None:
