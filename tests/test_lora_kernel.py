@@ -142,7 +142,7 @@ from tests.op_cell import OpCell
 ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")
 x, w = np.ones((4, 8), np.float32), packed.pack(np.ones((40, 8), np.float32))
-a, b = np.zeros((3, 8, 32), np.float32), np.zeros(({panels}, 3 * 4, 32), np.float32)
+a, b = np.zeros((1, 8, 32), np.float32), np.zeros(({panels}, 3, 4, 32), np.float32)
 try:
     OpCell(native_ops(64).lora_partial_linear(40))(Tensor(x), Tensor(w), Tensor(np.array([4], np.int32)), Tensor(a),
                                                   Tensor(b), Tensor(np.zeros(4, np.int32)))

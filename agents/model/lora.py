@@ -105,26 +105,23 @@ class LoraUpdate(nn.Cell):
 
 class LoraSlotWeights(nn.Cell):
     """Every slot's ``A`` and ``B`` of one fused projection as projections that add the update themselves read them
-    (``OpsBackend.lora_projections``; ``LoraCall`` in ``kernels/linear.cc``): ``a [slots, ceil(w / 32) * in, 32]``,
-    each slot's ``A [w, in]`` in panels of its own, and ``b [panels, slots * w, 32]``, ``B`` in the base weight's
-    panel order; float32 whatever the base weight's precision. ``store`` takes what ``LoraUpdate.store`` takes."""
+    (``OpsBackend.lora_projections``; ``LoraCall`` in ``kernels/linear.cc``): ``a [ceil(slots * w / 32), in, 32]``,
+    the stacked ``A`` packed as a weight, and ``b [panels, slots, w, 32]``, ``B`` in the base weight's panel order;
+    float32 whatever the base weight's precision. ``store`` takes what ``LoraUpdate.store`` takes."""
 
     def __init__(self, in_dim: int, out_dim: int, slots: int, width: int) -> None:
         super().__init__()
-        self.slots, self.width = slots, width
         self.shapes = (slots * width, in_dim), (out_dim, slots * width)
-        a_shape = (slots, packed_weights.packed_shape(width, in_dim)[0], PANEL)
-        b_shape = (-(-out_dim // PANEL), slots * width, PANEL)
+        a_shape = (-(-slots * width // PANEL), in_dim, PANEL)
+        b_shape = (-(-out_dim // PANEL), slots, width, PANEL)
         self.a = Parameter(initializer("zeros", a_shape, ms.float32), name="lora_a", requires_grad=False)
         self.b = Parameter(initializer("zeros", b_shape, ms.float32), name="lora_b", requires_grad=False)
 
     def store(self, a: np.ndarray, b: np.ndarray) -> None:
         """Set every slot's stacked ``A [slots * w, in]`` and ``B [out, slots * w]`` (float32)."""
-        w = self.width
-        held_a = np.stack([packed_weights.pack(a[s * w: (s + 1) * w]) for s in range(self.slots)])
-        held_b = packed_weights.pack(b).reshape(self.b.shape)
-        self.a.set_data(Tensor(np.ascontiguousarray(held_a, np.float32)))
-        self.b.set_data(Tensor(np.ascontiguousarray(held_b, np.float32)))
+        for param, value in ((self.a, a), (self.b, b)):
+            held = packed_weights.pack(np.asarray(value, np.float32)).reshape(param.shape)
+            param.set_data(Tensor(np.ascontiguousarray(held)))
 
 
 class LoraRowParallel(nn.Cell):

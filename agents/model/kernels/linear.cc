@@ -529,15 +529,14 @@ void accumulate_tile(const float *t, int64_t w, const float *panel, float (*out)
 // only its own slot's A and B, and a row without an adapter costs one comparison.
 //
 // The LoRA inputs follow the base op's own (before the output):
-//   a [n, ap * K, 32]: slot s's A [w, K] in ap = ceil(w / 32) panels of its own (so a run of rows of one slot is a
-//     plain tile), zeros past w;
-//   b [panels, n * w, 32]: B [out, n * w] in the base weight's panel order (panel p's row s * w + r holds
-//     B[32p + j, s * w + r]; for SwiGLU the rows of [gate; up] as its panels interleave them);
+//   a [ceil(n * w / 32), K, 32]: every slot's A stacked, [n * w, K], packed as a weight (slot s: rows s * w..);
+//   b [panels, n, w, 32]: B [out, n * w] in the base weight's panel order (b[p][s][r][j] = B[32p + j, s * w + r];
+//     for SwiGLU the rows of [gate; up] as its panels interleave them);
 //   slots [m] int32: each row's slot; outside [0, n): no adapter.
 struct LoraCall {
   const float *a = nullptr, *b = nullptr;
   const int32_t *slots = nullptr;
-  int64_t n = 0, w = 0, a_panels = 0;
+  int64_t n = 0, w = 0;
   const float *t = nullptr;  // [rows, w]: each adapted row's x A_s^T (shrink)
 
   bool adapted(int64_t row) const { return slots[row] >= 0 && slots[row] < n; }
@@ -571,21 +570,27 @@ struct LoraCall {
     for (int64_t s = 0; s < n; ++s)
       for (int64_t begin = starts[s]; begin < starts[s + 1]; begin += kMaxRows)
         runs.push_back({s, begin, starts[s + 1] - begin < kMaxRows ? starts[s + 1] - begin : kMaxRows});
+    std::vector<std::pair<size_t, int64_t>> tasks;  // (run, panel of A holding some of its slot's columns)
+    for (size_t i = 0; i < runs.size(); ++i)
+      for (int64_t q = runs[i].slot * w / kPanel; q <= ((runs[i].slot + 1) * w - 1) / kPanel; ++q)
+        tasks.emplace_back(i, q);
     float *out_t = shrunk.data();
     const float *xs = gathered.data();
     const int64_t *rows_of = order.data();
     // a decode step's few tiles run in the calling thread (a helper's wake-up would cost more than they do)
-    run_tasks(static_cast<int64_t>(runs.size()) * a_panels, 8, [&](int64_t task) {
-      const Run &run = runs[static_cast<size_t>(task / a_panels)];
-      const int64_t q = task % a_panels, cols = w - q * kPanel < kPanel ? w - q * kPanel : kPanel;
+    run_tasks(static_cast<int64_t>(tasks.size()), 8, [&](int64_t task) {
+      const Run &run = runs[tasks[static_cast<size_t>(task)].first];
+      const int64_t q = tasks[static_cast<size_t>(task)].second;
       float out[kMaxRows][kPanel];
       with_rows<kMaxRows>(static_cast<int>(run.rows), [&](auto nrows) {
-        tile<decltype(nrows)::value>(xs + run.begin * k_dim, k_dim, a + (run.slot * a_panels + q) * k_dim * kPanel,
-                                     k_dim, out);
+        tile<decltype(nrows)::value>(xs + run.begin * k_dim, k_dim, a + q * k_dim * kPanel, k_dim, out);
       });
+      // the panel's columns that are this slot's: q * 32 + j in [slot * w, (slot + 1) * w)
+      const int64_t lo = run.slot * w - q * kPanel > 0 ? run.slot * w - q * kPanel : 0;
+      const int64_t hi = (run.slot + 1) * w - q * kPanel < kPanel ? (run.slot + 1) * w - q * kPanel : kPanel;
       for (int64_t i = 0; i < run.rows; ++i) {
-        float *dst = out_t + rows_of[run.begin + i] * w + q * kPanel;
-        for (int64_t j = 0; j < cols; ++j) dst[j] = out[i][j];
+        float *dst = out_t + rows_of[run.begin + i] * w + q * kPanel - run.slot * w;
+        for (int64_t j = lo; j < hi; ++j) dst[j] = out[i][j];
       }
     });
   }
@@ -598,7 +603,7 @@ struct LoraCall {
       int64_t end = i + 1;
       while (end < rows && slots[first + end] == slots[row]) ++end;
       if (adapted(row)) {
-        const float *panel = b + (p * n * w + slots[row] * w) * kPanel;
+        const float *panel = b + ((p * n + slots[row]) * w) * kPanel;
         with_rows<kMaxRows>(static_cast<int>(end - i), [&](auto nrows) {
           accumulate_tile<decltype(nrows)::value>(t + row * w, w, panel, out + i);
         });
@@ -612,17 +617,15 @@ struct LoraCall {
 // output panels (error codes as the ops').
 int lora_call(void **params, int *ndims, int64_t **shapes, const char **dtypes, int at, int64_t m, int64_t k_dim,
               int64_t panels, LoraCall &call) {
-  if (ndims[at] != 3 || ndims[at + 1] != 3 || ndims[at + 2] != 1) return 1;
+  if (ndims[at] != 3 || ndims[at + 1] != 4 || ndims[at + 2] != 1) return 1;
   if (!is_dtype(dtypes[at], "float32") || !is_dtype(dtypes[at + 1], "float32") || !is_dtype(dtypes[at + 2], "int32"))
     return 2;
   const int64_t *a = shapes[at], *b = shapes[at + 1];
-  call.n = a[0];
-  if (call.n < 1 || k_dim < 1 || a[1] % k_dim != 0 || a[2] != kPanel || b[0] != panels || b[2] != kPanel ||
-      b[1] % call.n != 0 || shapes[at + 2][0] != m)
+  call.n = b[1];
+  call.w = b[2];
+  if (call.n < 1 || call.w < 1 || b[0] != panels || b[3] != kPanel || a[0] != (call.n * call.w + kPanel - 1) / kPanel ||
+      a[1] != k_dim || a[2] != kPanel || shapes[at + 2][0] != m)
     return 3;
-  call.w = b[1] / call.n;
-  call.a_panels = a[1] / k_dim;
-  if (call.w < 1 || call.a_panels != (call.w + kPanel - 1) / kPanel) return 3;
   call.a = static_cast<const float *>(params[at]);
   call.b = static_cast<const float *>(params[at + 1]);
   call.slots = static_cast<const int32_t *>(params[at + 2]);
