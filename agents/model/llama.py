@@ -207,7 +207,8 @@ class LlamaModel(nn.Cell):
         self.layers = nn.CellList([LlamaLayer(config, num_blocks, block_size, dtype, backend, shard, i, lora)
                                    for i in range(config.num_hidden_layers)])
         self.lora = lora  # adapter slots; their per-token masks come from the blocks a step writes
-        self.lora_masks = LoraMasks(lora, num_blocks, block_size, dtype) if lora is not None else None
+        self.lora_masks = LoraMasks(lora, num_blocks, block_size, dtype, backend.lora_projections() is not None) \
+            if lora is not None else None
         self.norm = norm_weight(config.hidden_size, dtype, "norm")
         # float: its errors land on the logits directly
         self.lm_head = ProjectionWeight(config.hidden_size, vocab, dtype, backend.panel_weights,

@@ -145,6 +145,26 @@ class NativeOps:
         row-parallel projection (``agents.model.parallel``)."""
         return _custom(self.library, "PartialLinear", lambda x, *_: [x[0], out_dim], _same)
 
+    # The same projections adding each row's LoRA update (``agents.model.lora``) in the same call: their inputs,
+    # then every slot's ``a`` and ``b`` (``LoraCall`` in ``kernels/linear.cc`` gives the layouts) and ``slots``
+    # [rows] int32 (each row's slot; < 0: none).
+    def lora_norm_linear(self, out_dim: int) -> ops.Custom:
+        """``(x, norm_weight, eps, packed w, rows, a, b, slots) -> rmsnorm(x) @ W^T + update``."""
+        return _custom(self.library, "NormLinearLora", lambda x, *_: [x[0], out_dim], _same)
+
+    def lora_norm_swiglu(self, ffn_dim: int) -> ops.Custom:
+        """``(x, norm_weight, eps, packed [gate; up], rows, a, b, slots) -> silu(g) * u`` of the updated gate
+        and up."""
+        return _custom(self.library, "NormSwiGluLora", lambda x, *_: [x[0], ffn_dim], _same)
+
+    def lora_partial_linear(self, out_dim: int) -> ops.Custom:
+        """``(x, packed w, rows, a, b, slots) -> x @ W^T + update``."""
+        return _custom(self.library, "PartialLinearLora", lambda x, *_: [x[0], out_dim], _same)
+
+    def lora_residual_linear(self) -> ops.Custom:
+        """``(x, packed w, residual, rows, a, b, slots) -> residual + x @ W^T + update``."""
+        return _custom(self.library, "ResidualLinearLora", lambda x, w, residual, *_: residual, _same)
+
     def moe_experts(self) -> ops.Custom:
         """``(x, ids [m, k] int32, weights [m, k], gate_up [E, 2f, h], down [E, h, f], rows) -> y [m, h]``: a
         MoE layer's picked experts, read in place (``kernels/moe_experts.cc``)."""

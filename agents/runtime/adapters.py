@@ -16,7 +16,7 @@ import numpy as np
 from mindspore import Tensor
 
 from agents.model.llama import LlamaModel
-from agents.model.lora import LoraShape, LoraUpdate
+from agents.model.lora import LoraShape, LoraSlotWeights, LoraUpdate
 from agents.weights.lora_weights import LoraPair, load_lora_weights
 from agents.weights.packed import swiglu_rows
 from llm_serving.protocol.batch import StepBatch
@@ -38,7 +38,7 @@ class AdapterSlotTable:
         self.host = {name: (np.zeros(update.shapes[0], np.float32), np.zeros(update.shapes[1], np.float32))
                      for name, update in self._updates()}
 
-    def _updates(self) -> Iterator[tuple[str, LoraUpdate]]:
+    def _updates(self) -> Iterator[tuple[str, LoraUpdate | LoraSlotWeights]]:
         for i, layer in enumerate(self.model.layers):
             for kind, update in layer.lora.updates().items():
                 yield f"layers.{i}.{kind}", update

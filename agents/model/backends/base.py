@@ -10,6 +10,8 @@ graphs contain only its own ops. A graph-mode ``construct`` may branch only on l
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mindspore as ms
@@ -58,6 +60,18 @@ class Attention(nn.Cell):
         """What ``chunked`` takes last, made once per step graph before the layer loop (every layer shares it): the
         tokens' positions here; a backend whose kernel takes a mask built from them returns that mask instead."""
         return positions
+
+
+@dataclass(frozen=True)
+class LoraProjections:
+    """Projections that add each row's LoRA update in the same op (``OpsBackend.lora_projections``): each makes a
+    cell taking the base projection's inputs followed by every slot's ``a`` and ``b`` (the backend's layout,
+    ``agents.model.lora``) and ``slots`` (int32 ``[rows]``, each row's slot; < 0: none)."""
+
+    norm_linear: Callable[[int, float], nn.Cell]  # (out_dim, eps)
+    norm_swiglu: Callable[[int, float], nn.Cell]  # (ffn_dim, eps)
+    residual_linear: Callable[[], nn.Cell]
+    partial_linear: Callable[[int], nn.Cell]  # (out_dim)
 
 
 class OpsBackend:
@@ -163,6 +177,11 @@ class OpsBackend:
         """``(x, weight, rows) -> x @ W^T`` of width ``out_dim``: under tensor parallelism, the partial sum of a
         row-parallel projection on a rank that does not add the residual (``agents.model.parallel``)."""
         return graph_ops.Linear()
+
+    def lora_projections(self) -> LoraProjections | None:
+        """Projections that add each row's LoRA update in the same op (``agents.model.lora``), or None: the
+        update then runs beside them as the backend's own products."""
+        return None
 
     def greedy(self) -> nn.Cell:
         """``logits [batch, vocab] float32 -> (int32 token ids, float32 log-probabilities)``."""

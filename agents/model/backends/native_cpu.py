@@ -19,7 +19,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
-from agents.model.backends.base import Attention, OpsBackend
+from agents.model.backends.base import Attention, LoraProjections, OpsBackend
 from agents.model.native_kernels import NativeOps, native_ops
 from llm_serving.protocol.model_config import LlamaConfig
 
@@ -102,6 +102,43 @@ class NativePartialLinear(nn.Cell):
 
     def construct(self, x: Tensor, weight: Tensor, rows: Tensor) -> Tensor:
         return self.op(x, weight, rows)
+
+
+class NativeLoraNormOp(nn.Cell):
+    """A fused native ``(x, norm_weight, eps, packed w, rows, a, b, slots)`` op (a LoRA update added) with its
+    ``eps`` held here."""
+
+    def __init__(self, op: ops.Custom, eps: float) -> None:
+        super().__init__()
+        self.op = op
+        self.eps = Tensor(np.array([eps], np.float32))
+
+    def construct(self, x: Tensor, norm_weight: Tensor, weight: Tensor, rows: Tensor, a: Tensor, b: Tensor,
+                  slots: Tensor) -> Tensor:
+        return self.op(x, norm_weight, self.eps, weight, rows, a, b, slots)
+
+
+class NativeLoraResidualLinear(nn.Cell):
+    """The native ``(x, packed w, residual, rows, a, b, slots) -> residual + x @ W^T + update`` op."""
+
+    def __init__(self, op: ops.Custom) -> None:
+        super().__init__()
+        self.op = op
+
+    def construct(self, x: Tensor, weight: Tensor, residual: Tensor, rows: Tensor, a: Tensor, b: Tensor,
+                  slots: Tensor) -> Tensor:
+        return self.op(x, weight, residual, rows, a, b, slots)
+
+
+class NativeLoraPartialLinear(nn.Cell):
+    """The native ``(x, packed w, rows, a, b, slots) -> x @ W^T + update`` op."""
+
+    def __init__(self, op: ops.Custom) -> None:
+        super().__init__()
+        self.op = op
+
+    def construct(self, x: Tensor, weight: Tensor, rows: Tensor, a: Tensor, b: Tensor, slots: Tensor) -> Tensor:
+        return self.op(x, weight, rows, a, b, slots)
 
 
 class NativeGreedy(nn.Cell):
@@ -207,6 +244,18 @@ class NativeCpuBackend(OpsBackend):
         if not self.panel_weights:
             return super().partial_linear(out_dim)
         return NativePartialLinear(self.native.partial_linear(out_dim))
+
+    def lora_projections(self) -> LoraProjections | None:
+        # where the projections are ours: the update inside them (kernels/linear.cc, LoraCall), one op per
+        # projection as without adapters
+        if not self.panel_weights:
+            return None
+        native = self.native
+        return LoraProjections(
+            norm_linear=lambda out_dim, eps: NativeLoraNormOp(native.lora_norm_linear(out_dim), eps),
+            norm_swiglu=lambda ffn_dim, eps: NativeLoraNormOp(native.lora_norm_swiglu(ffn_dim), eps),
+            residual_linear=lambda: NativeLoraResidualLinear(native.lora_residual_linear()),
+            partial_linear=lambda out_dim: NativeLoraPartialLinear(native.lora_partial_linear(out_dim)))
 
     def greedy(self) -> nn.Cell:
         return NativeGreedy(self.native.greedy)

@@ -461,22 +461,25 @@ Operands operands(const float *x, int64_t m, int64_t k_dim, const void *w, const
 struct NormCall {
   int64_t m = 0, rows = 0, k_dim = 0, n = 0, panels = 0;  // m: x's rows, of which ``rows`` real; n: y's columns
   Operands op;
+  const float *normed = nullptr;  // the float32 normed rows (what a LoRA update reads, whatever the weight's dtype)
   float *y = nullptr;
 };
 
-// Checks the inputs (``per_panel`` output columns per packed panel: 32, or 16 for SwiGLU) and normalizes x into
-// thread-local scratch (the caller's thread owns it for the call; helpers read it).
+// Checks the inputs (``per_panel`` output columns per packed panel: 32, or 16 for SwiGLU; ``extra`` inputs between
+// ``rows`` and the output, checked by the caller) and normalizes x into thread-local scratch (the caller's thread
+// owns it for the call; helpers read it).
 int norm_call(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, int64_t per_panel,
-              NormCall &call) {
-  if (nparam != 6 || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 1 || ndims[3] != 2 || ndims[4] != 1 ||
-      ndims[5] != 2)
+              NormCall &call, int extra = 0) {
+  const int out = 5 + extra;
+  if (nparam != 6 + extra || ndims[0] != 2 || ndims[1] != 1 || ndims[2] != 1 || ndims[3] != 2 || ndims[4] != 1 ||
+      ndims[out] != 2)
     return 1;
-  if (!dtypes_ok(nparam, dtypes, 4, 3)) return 2;
+  if (!dtypes_ok(5, dtypes, 4, 3) || !is_dtype(dtypes[out], "float32")) return 2;
   call.m = shapes[0][0];
   call.k_dim = shapes[0][1];
-  call.n = shapes[5][1];
+  call.n = shapes[out][1];
   call.panels = (call.n + per_panel - 1) / per_panel;
-  if (shapes[1][0] != call.k_dim || shapes[2][0] != 1 || shapes[4][0] != 1 || shapes[5][0] != call.m ||
+  if (shapes[1][0] != call.k_dim || shapes[2][0] != 1 || shapes[4][0] != 1 || shapes[out][0] != call.m ||
       !packed_shape(shapes[3], dtypes[3], call.panels, call.k_dim))
     return 3;
   call.rows = real_rows(params[4], call.m);
@@ -485,15 +488,175 @@ int norm_call(int nparam, void **params, int *ndims, int64_t **shapes, const cha
   rms_norm(static_cast<const float *>(params[0]), call.rows, call.k_dim, static_cast<const float *>(params[1]),
            *static_cast<const float *>(params[2]), normed.data());
   call.op = operands(normed.data(), call.rows, call.k_dim, params[3], dtypes[3]);
-  call.y = static_cast<float *>(params[5]);
+  call.normed = normed.data();
+  call.y = static_cast<float *>(params[out]);
   zero_padding(call.y, call.rows, call.m, call.n);
   return 0;
 }
 
-// y [m, n] = x W^T.
-void store_rows(const Operands &op, int64_t m, int64_t n, float *y) {
+// out[i][j] += sum_r t[i * w + r] * panel[r * 32 + j] for ``kRows`` rows: a tile's LoRA expansion (LoraCall::add).
+template <int kRows>
+void accumulate_tile(const float *t, int64_t w, const float *panel, float (*out)[kPanel]) {
+#if defined(__AVX512F__)
+  __m512 lo[kRows], hi[kRows];
+  for (int i = 0; i < kRows; ++i) {
+    lo[i] = _mm512_loadu_ps(out[i]);
+    hi[i] = _mm512_loadu_ps(out[i] + 16);
+  }
+  for (int64_t r = 0; r < w; ++r) {
+    const __m512 b0 = _mm512_loadu_ps(panel + r * kPanel), b1 = _mm512_loadu_ps(panel + r * kPanel + 16);
+    for (int i = 0; i < kRows; ++i) {
+      const __m512 ti = _mm512_set1_ps(t[i * w + r]);
+      lo[i] = _mm512_fmadd_ps(ti, b0, lo[i]);
+      hi[i] = _mm512_fmadd_ps(ti, b1, hi[i]);
+    }
+  }
+  for (int i = 0; i < kRows; ++i) {
+    _mm512_storeu_ps(out[i], lo[i]);
+    _mm512_storeu_ps(out[i] + 16, hi[i]);
+  }
+#else
+  for (int64_t r = 0; r < w; ++r)
+    for (int i = 0; i < kRows; ++i)
+      for (int64_t j = 0; j < kPanel; ++j) out[i][j] += t[i * w + r] * panel[r * kPanel + j];
+#endif
+}
+
+// LoRA updates inside the projections (agents/model/lora.py): y = base(x) + ((x A^T) * mask) B^T, where a row's
+// mask keeps the columns of its own adapter slot. Why in the kernel: as separate ops (two GEMMs, a mask product
+// and a SwiGLU in graph ops per projection) the update cost a decode step at batch 32 ~1.5x the base step, almost
+// all of it op launches and helper wake-ups rather than FLOPs (docs/model.md "Adapters"). Here each row multiplies
+// only its own slot's A and B, and a row without an adapter costs one comparison.
+//
+// The LoRA inputs follow the base op's own (before the output):
+//   a [ceil(n * w / 32), K, 32]: every slot's A stacked, [n * w, K], packed as a weight (slot s: rows s * w..);
+//   b [panels, n, w, 32]: B [out, n * w] in the base weight's panel order (b[p][s][r][j] = B[32p + j, s * w + r];
+//     for SwiGLU the rows of [gate; up] as its panels interleave them);
+//   slots [m] int32: each row's slot; outside [0, n): no adapter.
+struct LoraCall {
+  const float *a = nullptr, *b = nullptr;
+  const int32_t *slots = nullptr;
+  int64_t n = 0, w = 0;
+  const float *t = nullptr;  // [rows, w]: each adapted row's x A_s^T (shrink)
+
+  bool adapted(int64_t row) const { return slots[row] >= 0 && slots[row] < n; }
+
+  // t = x A_s^T for the adapted rows among the first ``rows`` of x [rows, k_dim] (float32): rows grouped by slot
+  // and gathered, so that each slot's rows run as whole tiles against its panels.
+  void shrink(const float *x, int64_t rows, int64_t k_dim) {
+    thread_local std::vector<float> shrunk, gathered;
+    thread_local std::vector<int64_t> order, starts;
+    shrunk.assign(static_cast<size_t>(rows * w), 0.0f);
+    t = shrunk.data();
+    starts.assign(static_cast<size_t>(n + 1), 0);
+    for (int64_t r = 0; r < rows; ++r)
+      if (adapted(r)) ++starts[static_cast<size_t>(slots[r]) + 1];
+    for (int64_t s = 0; s < n; ++s) starts[s + 1] += starts[s];
+    const int64_t count = starts[n];
+    if (count == 0) return;
+    order.resize(static_cast<size_t>(count));
+    gathered.resize(static_cast<size_t>(count * k_dim));
+    std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!adapted(r)) continue;
+      const int64_t at = next[slots[r]]++;
+      order[at] = r;
+      std::memcpy(gathered.data() + at * k_dim, x + r * k_dim, static_cast<size_t>(k_dim) * sizeof(float));
+    }
+    struct Run {
+      int64_t slot, begin, rows;
+    };
+    std::vector<Run> runs;  // tiles of at most 12 rows of one slot
+    for (int64_t s = 0; s < n; ++s)
+      for (int64_t begin = starts[s]; begin < starts[s + 1]; begin += kMaxRows)
+        runs.push_back({s, begin, starts[s + 1] - begin < kMaxRows ? starts[s + 1] - begin : kMaxRows});
+    std::vector<std::pair<size_t, int64_t>> tasks;  // (run, panel of A holding some of its slot's columns)
+    for (size_t i = 0; i < runs.size(); ++i)
+      for (int64_t q = runs[i].slot * w / kPanel; q <= ((runs[i].slot + 1) * w - 1) / kPanel; ++q)
+        tasks.emplace_back(i, q);
+    float *out_t = shrunk.data();
+    const float *xs = gathered.data();
+    const int64_t *rows_of = order.data();
+    // a decode step's few tiles run in the calling thread (a helper's wake-up would cost more than they do)
+    run_tasks(static_cast<int64_t>(tasks.size()), 8, [&](int64_t task) {
+      const Run &run = runs[tasks[static_cast<size_t>(task)].first];
+      const int64_t q = tasks[static_cast<size_t>(task)].second;
+      float out[kMaxRows][kPanel];
+      with_rows<kMaxRows>(static_cast<int>(run.rows), [&](auto nrows) {
+        tile<decltype(nrows)::value>(xs + run.begin * k_dim, k_dim, a + q * k_dim * kPanel, k_dim, out);
+      });
+      // the panel's columns that are this slot's: q * 32 + j in [slot * w, (slot + 1) * w)
+      const int64_t lo = run.slot * w - q * kPanel > 0 ? run.slot * w - q * kPanel : 0;
+      const int64_t hi = (run.slot + 1) * w - q * kPanel < kPanel ? (run.slot + 1) * w - q * kPanel : kPanel;
+      for (int64_t i = 0; i < run.rows; ++i) {
+        float *dst = out_t + rows_of[run.begin + i] * w + q * kPanel - run.slot * w;
+        for (int64_t j = lo; j < hi; ++j) dst[j] = out[i][j];
+      }
+    });
+  }
+
+  // out += t B_s^T for a tile's rows (first..first+rows) and panel p, before the op's epilogue: the tile's rows of
+  // each slot as one tile (B's rows read once per slot, the sums in registers), gathered where they are not
+  // consecutive (rows of different adapters interleaved: one row at a time was ~2x the add's time).
+  void add(int64_t first, int64_t rows, int64_t p, float (*out)[kPanel]) const {
+    bool done[kMaxRows] = {};
+    for (int64_t i = 0; i < rows; ++i) {
+      if (done[i] || !adapted(first + i)) continue;
+      const int32_t slot = slots[first + i];
+      int64_t members[kMaxRows];
+      int count = 0;
+      for (int64_t j = i; j < rows; ++j) {
+        if (!done[j] && slots[first + j] == slot) {
+          members[count++] = j;
+          done[j] = true;
+        }
+      }
+      const float *panel = b + ((p * n + slot) * w) * kPanel;
+      if (members[count - 1] - i == count - 1) {  // consecutive rows: in place
+        with_rows<kMaxRows>(count, [&](auto nrows) {
+          accumulate_tile<decltype(nrows)::value>(t + (first + i) * w, w, panel, out + i);
+        });
+        continue;
+      }
+      thread_local std::vector<float> rows_t;
+      rows_t.resize(static_cast<size_t>(count * w));
+      float sums[kMaxRows][kPanel];
+      for (int c = 0; c < count; ++c) {
+        std::memcpy(rows_t.data() + c * w, t + (first + members[c]) * w, static_cast<size_t>(w) * sizeof(float));
+        std::memcpy(sums[c], out[members[c]], sizeof(sums[c]));
+      }
+      with_rows<kMaxRows>(count, [&](auto nrows) {
+        accumulate_tile<decltype(nrows)::value>(rows_t.data(), w, panel, sums);
+      });
+      for (int c = 0; c < count; ++c) std::memcpy(out[members[c]], sums[c], sizeof(sums[c]));
+    }
+  }
+};
+
+// Checks the LoRA inputs at ``at`` (a, b, slots) against an op of ``m`` rows, ``k_dim`` inputs and ``panels``
+// output panels (error codes as the ops').
+int lora_call(void **params, int *ndims, int64_t **shapes, const char **dtypes, int at, int64_t m, int64_t k_dim,
+              int64_t panels, LoraCall &call) {
+  if (ndims[at] != 3 || ndims[at + 1] != 4 || ndims[at + 2] != 1) return 1;
+  if (!is_dtype(dtypes[at], "float32") || !is_dtype(dtypes[at + 1], "float32") || !is_dtype(dtypes[at + 2], "int32"))
+    return 2;
+  const int64_t *a = shapes[at], *b = shapes[at + 1];
+  call.n = b[1];
+  call.w = b[2];
+  if (call.n < 1 || call.w < 1 || b[0] != panels || b[3] != kPanel || a[0] != (call.n * call.w + kPanel - 1) / kPanel ||
+      a[1] != k_dim || a[2] != kPanel || shapes[at + 2][0] != m)
+    return 3;
+  call.a = static_cast<const float *>(params[at]);
+  call.b = static_cast<const float *>(params[at + 1]);
+  call.slots = static_cast<const int32_t *>(params[at + 2]);
+  return 0;
+}
+
+// y [m, n] = x W^T (+ the LoRA update, when ``lora``).
+void store_rows(const Operands &op, int64_t m, int64_t n, float *y, const LoraCall *lora = nullptr) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  gemm(op, m, panels, [&](int64_t first, int64_t rows, int64_t p, const float (*out)[kPanel]) {
+  gemm(op, m, panels, [&](int64_t first, int64_t rows, int64_t p, float (*out)[kPanel]) {
+    if (lora != nullptr) lora->add(first, rows, p, out);
     const int64_t col = p * kPanel, cols = n - col < kPanel ? n - col : kPanel;
     for (int64_t i = 0; i < rows; ++i) {
       float *dst = y + (first + i) * n + col;
@@ -547,15 +710,21 @@ extern "C" int NormLinear(int nparam, void **params, int *ndims, int64_t **shape
   return 0;
 }
 
-extern "C" int NormSwiGlu(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
-                          void *extra) {
-  (void)stream;
-  (void)extra;
+namespace {
+
+// NormSwiGlu, with the LoRA update added to gate and up before the SwiGLU when ``lora_inputs``.
+int norm_swiglu(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, int lora_inputs) {
   constexpr int64_t kHalf = kPanel / 2;
   NormCall call;
-  if (int rc = norm_call(nparam, params, ndims, shapes, dtypes, kHalf, call)) return rc;
+  if (int rc = norm_call(nparam, params, ndims, shapes, dtypes, kHalf, call, lora_inputs)) return rc;
+  LoraCall lora;
+  if (lora_inputs != 0) {
+    if (int rc = lora_call(params, ndims, shapes, dtypes, 5, call.m, call.k_dim, call.panels, lora)) return rc;
+    lora.shrink(call.normed, call.rows, call.k_dim);
+  }
   const int64_t f = call.n;
-  gemm(call.op, call.rows, call.panels, [&](int64_t first, int64_t rows, int64_t p, const float (*out)[kPanel]) {
+  gemm(call.op, call.rows, call.panels, [&](int64_t first, int64_t rows, int64_t p, float (*out)[kPanel]) {
+    if (lora_inputs != 0) lora.add(first, rows, p, out);
     const int64_t col = p * kHalf, cols = f - col < kHalf ? f - col : kHalf;
     for (int64_t i = 0; i < rows; ++i) {
       float *dst = call.y + (first + i) * f + col;
@@ -569,47 +738,104 @@ extern "C" int NormSwiGlu(int nparam, void **params, int *ndims, int64_t **shape
   return 0;
 }
 
+// ResidualLinear (``residual`` true) or PartialLinear, with the LoRA update when ``lora_inputs``: inputs x, w,
+// [residual,] rows, [a, b, slots,] y.
+int linear_rows(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, bool residual,
+                int lora_inputs) {
+  const int rows_at = residual ? 3 : 2, out = rows_at + 1 + lora_inputs;
+  if (nparam != out + 1 || ndims[0] != 2 || ndims[1] != 2 || ndims[rows_at] != 1 || ndims[out] != 2 ||
+      (residual && ndims[2] != 2))
+    return 1;
+  if (!dtypes_ok(rows_at + 1, dtypes, rows_at, 1) || !is_dtype(dtypes[out], "float32")) return 2;
+  const int64_t m = shapes[0][0], k_dim = shapes[0][1], n = shapes[out][1];
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  if (!packed_shape(shapes[1], dtypes[1], panels, k_dim) || shapes[rows_at][0] != 1 || shapes[out][0] != m ||
+      (residual && (shapes[2][0] != m || shapes[2][1] != n)))
+    return 3;
+  LoraCall lora;
+  if (lora_inputs != 0) {
+    if (int rc = lora_call(params, ndims, shapes, dtypes, rows_at + 1, m, k_dim, panels, lora)) return rc;
+  }
+  const int64_t rows = real_rows(params[rows_at], m);
+  const auto *x = static_cast<const float *>(params[0]);
+  auto *y = static_cast<float *>(params[out]);
+  zero_padding(y, rows, m, n);
+  if (lora_inputs != 0) lora.shrink(x, rows, k_dim);
+  const LoraCall *update = lora_inputs != 0 ? &lora : nullptr;
+  const Operands op = operands(x, rows, k_dim, params[1], dtypes[1]);
+  if (!residual) {
+    store_rows(op, rows, n, y, update);
+    return 0;
+  }
+  const auto *added = static_cast<const float *>(params[2]);
+  gemm(op, rows, panels, [&](int64_t first, int64_t rows, int64_t p, float (*out)[kPanel]) {
+    if (update != nullptr) update->add(first, rows, p, out);
+    const int64_t col = p * kPanel, cols = n - col < kPanel ? n - col : kPanel;
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t at = (first + i) * n + col;
+#pragma omp simd
+      for (int64_t j = 0; j < cols; ++j) y[at + j] = added[at + j] + out[i][j];
+    }
+  });
+  return 0;
+}
+
+}  // namespace
+
+extern "C" int NormSwiGlu(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                          void *extra) {
+  (void)stream;
+  (void)extra;
+  return norm_swiglu(nparam, params, ndims, shapes, dtypes, 0);
+}
+
 // y [m, n] = x W^T for the leading ``rows`` rows of x, zeros after them: the partial sum of a row-parallel
 // projection on a tensor-parallel rank other than 0 (rank 0 adds the residual, through ResidualLinear).
 extern "C" int PartialLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                              void *stream, void *extra) {
   (void)stream;
   (void)extra;
-  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 1 || ndims[3] != 2) return 1;
-  if (!dtypes_ok(nparam, dtypes, 2, 1)) return 2;
-  const int64_t m = shapes[0][0], k_dim = shapes[0][1], n = shapes[3][1];
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  if (!packed_shape(shapes[1], dtypes[1], panels, k_dim) || shapes[2][0] != 1 || shapes[3][0] != m) return 3;
-  const int64_t rows = real_rows(params[2], m);
-  auto *y = static_cast<float *>(params[3]);
-  zero_padding(y, rows, m, n);
-  store_rows(operands(static_cast<const float *>(params[0]), rows, k_dim, params[1], dtypes[1]), rows, n, y);
-  return 0;
+  return linear_rows(nparam, params, ndims, shapes, dtypes, false, 0);
 }
 
 extern "C" int ResidualLinear(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                               void *stream, void *extra) {
   (void)stream;
   (void)extra;
-  if (nparam != 5 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 2 || ndims[3] != 1 || ndims[4] != 2) return 1;
-  if (!dtypes_ok(nparam, dtypes, 3, 1)) return 2;
-  const int64_t m = shapes[0][0], k_dim = shapes[0][1], n = shapes[4][1];
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  if (!packed_shape(shapes[1], dtypes[1], panels, k_dim) || shapes[2][0] != m || shapes[2][1] != n ||
-      shapes[3][0] != 1 || shapes[4][0] != m)
-    return 3;
-  const int64_t rows = real_rows(params[3], m);
-  const auto *residual = static_cast<const float *>(params[2]);
-  auto *y = static_cast<float *>(params[4]);
-  zero_padding(y, rows, m, n);
-  gemm(operands(static_cast<const float *>(params[0]), rows, k_dim, params[1], dtypes[1]), rows, panels,
-       [&](int64_t first, int64_t rows, int64_t p, const float (*out)[kPanel]) {
-         const int64_t col = p * kPanel, cols = n - col < kPanel ? n - col : kPanel;
-         for (int64_t i = 0; i < rows; ++i) {
-           const int64_t at = (first + i) * n + col;
-#pragma omp simd
-           for (int64_t j = 0; j < cols; ++j) y[at + j] = residual[at + j] + out[i][j];
-         }
-       });
+  return linear_rows(nparam, params, ndims, shapes, dtypes, true, 0);
+}
+
+// The same four projections with a LoRA update (LoraCall above): their inputs, then a, b, slots, then the output.
+extern "C" int NormLinearLora(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                              void *stream, void *extra) {
+  (void)stream;
+  (void)extra;
+  NormCall call;
+  if (int rc = norm_call(nparam, params, ndims, shapes, dtypes, kPanel, call, 3)) return rc;
+  LoraCall lora;
+  if (int rc = lora_call(params, ndims, shapes, dtypes, 5, call.m, call.k_dim, call.panels, lora)) return rc;
+  lora.shrink(call.normed, call.rows, call.k_dim);
+  store_rows(call.op, call.rows, call.n, call.y, &lora);
   return 0;
+}
+
+extern "C" int NormSwiGluLora(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                              void *stream, void *extra) {
+  (void)stream;
+  (void)extra;
+  return norm_swiglu(nparam, params, ndims, shapes, dtypes, 3);
+}
+
+extern "C" int PartialLinearLora(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                 void *stream, void *extra) {
+  (void)stream;
+  (void)extra;
+  return linear_rows(nparam, params, ndims, shapes, dtypes, false, 3);
+}
+
+extern "C" int ResidualLinearLora(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                  void *stream, void *extra) {
+  (void)stream;
+  (void)extra;
+  return linear_rows(nparam, params, ndims, shapes, dtypes, true, 3);
 }
