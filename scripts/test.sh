@@ -7,6 +7,7 @@
 # A whole-suite run spreads the test files over LLM_SERVING_TEST_WORKERS (default 2) pytest-xdist workers, a file's
 # tests on one worker (its module fixtures started once): 674 s against 1150 s one after another on a 2-core host,
 # where most of a test's time is waiting (servers warming up, subprocesses) rather than computing.
+# The 25 slowest tests are listed at the end (the suite should stay well under 15 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -25,6 +26,6 @@ if [ $# -eq 0 ] && [ -z "${LLM_SERVING_SKIP_LM_EVAL:-}" ]; then
   export LLM_SERVING_LM_EVAL_PYTHON
 fi
 if [ $# -eq 0 ]; then
-  exec .venv/bin/python -m pytest -q -n "${LLM_SERVING_TEST_WORKERS:-2}" --dist loadfile
+  exec .venv/bin/python -m pytest -q -n "${LLM_SERVING_TEST_WORKERS:-2}" --dist loadfile --durations=25
 fi
 exec .venv/bin/python -m pytest -q "$@"
