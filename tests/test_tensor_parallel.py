@@ -411,6 +411,13 @@ def test_a_standby_pool_is_promoted_when_a_rank_dies_and_gives_the_same_greedy_i
     finally:
         engine.shutdown()
     ours = ("agents.agent_main", "collective_scheduler")
-    wait_for(lambda: not [p for p in descendants(os.getpid()) if alive(p) and any(o in cmdline(p) for o in ours)],
-             30, "every agent and scheduler gone")
+
+    def left() -> list[str]:
+        return [f"{p} (parent {Path(f'/proc/{p}/stat').read_text().rpartition(')')[2].split()[1]}): {cmdline(p)}"
+                for p in descendants(os.getpid()) if alive(p) and any(o in cmdline(p) for o in ours)]
+
+    deadline = time.monotonic() + 30
+    while left():
+        assert time.monotonic() < deadline, f"still running 30 s after shutdown: {left()}"
+        time.sleep(0.05)
     assert not our_segments()
