@@ -5,9 +5,7 @@
 Two runners in one process on the same weights: one built without adapter slots (today's graphs) and one with 3
 slots of rank ``--rank`` holding three random adapters on all seven projections. Per decode batch (1 and 32) and
 round, in turn: the base runner; the adapter runner with no adapter in the step (``lora_slots`` None: its masks are
-all zero); every row on one adapter; rows spread over the three adapters and the base model. Where the backend's
-projections add the update themselves (``OpsBackend.lora_projections``, native CPU), a third runner computes the
-updates as separate ops beside them (the form before, for an A/B in one run). Median ms per step
+all zero); every row on one adapter; rows spread over the three adapters and the base model. Median ms per step
 (``runner.step``: the host's batch preparation and the mask table included) and the ratio to the base runner,
 printed as a markdown table. The machine may be shared: compare ratios within one run, not absolute ms across runs.
 """
@@ -28,8 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from safetensors.numpy import save_file
 
-from agents.model.backends.base import LoraProjections
-from agents.model.backends.native_cpu import NativeCpuBackend
 from agents.runtime.runner import ModelRunner, RunnerConfig
 from agents.weights.checkpoints import fuse_hf_tensors
 from llm_serving.models.random_model import random_hf_weights
@@ -39,13 +35,6 @@ from llm_serving.protocol.model_config import LlamaConfig
 from scripts.bench_model import BENCH_MODEL, BLOCK
 
 BATCHES = (1, 32)
-
-
-class SeparateUpdates(NativeCpuBackend):
-    """The native backend with the LoRA updates as separate ops beside its projections (the form before)."""
-
-    def lora_projections(self) -> LoraProjections | None:
-        return None
 
 
 def write_adapter(directory: Path, config: LlamaConfig, rank: int, seed: int) -> str:
@@ -104,22 +93,14 @@ def main() -> None:
     slots = {"max_loras": 3, "max_lora_rank": args.rank}
     base = ModelRunner(config, weights, rc)
     lora = ModelRunner(config, weights, rc, lora=slots)
-    adapted = [lora]
     cases = {"base graphs": (base, None), "adapter graphs, no adapter": (lora, None),
              "one adapter, every row": (lora, "one"), "three adapters and base rows mixed": (lora, "mixed")}
-    if lora.backend.lora_projections() is not None:
-        assert isinstance(lora.backend, NativeCpuBackend)
-        before = ModelRunner(config, weights, rc, backend=SeparateUpdates(lora.backend.native), lora=slots)
-        adapted.append(before)
-        cases["one adapter, updates as separate ops"] = (before, "one")
-        cases["three mixed, updates as separate ops"] = (before, "mixed")
-    for runner in (base, *adapted):
+    for runner in (base, lora):
         runner.warmup()
     with tempfile.TemporaryDirectory() as tmp:
         for slot in range(3):
             directory = write_adapter(Path(tmp) / f"a{slot}", config, args.rank, slot)
-            for runner in adapted:
-                runner.load_adapter(slot, directory)
+            lora.load_adapter(slot, directory)
     results: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.rounds):
         for batch in BATCHES:

@@ -19,8 +19,9 @@ already follows the projection completes it.
 Where the backend's projections take the update themselves (``OpsBackend.lora_projections``: the native CPU
 projections), none of that runs in graph ops: each projection is one op given every slot's ``A`` and ``B`` and each
 token's slot, which multiplies a token by its own slot's ``A`` and ``B`` only (``LoraCall`` in
-``kernels/linear.cc``). The separate products, masks and SwiGLU cost a batch-32 decode step ~1.5x the base step
-in op launches and helper wake-ups, not FLOPs (docs/model.md "Adapters").
+``kernels/linear.cc``). The separate products, masks and SwiGLU, measured there beside the native projections,
+cost a batch-32 decode step ~1.5x the base step in op launches and helper wake-ups, not FLOPs (docs/model.md
+"Adapters"), so the graph-op form below serves only backends whose projections are MindSpore's (portable).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from agents.weights.packed import PANEL
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.parallel import ShardPlan
 
-PANEL_HALF = PANEL // 2  # a SwiGLU panel's outputs
 PARTS = {"w_qkv": 3, "wo": 1, "w_gate_up": 2, "w_down": 1}  # a fused projection's LoRA-able parts
 
 
@@ -65,23 +65,18 @@ class LoraShape:
 class LoraUpdate(nn.Cell):
     """``(x, mask, rows, base) -> base + ((x A^T) * mask) B^T`` over every slot of one fused projection (zeros:
     empty slots; ``base`` None: the update alone), both products by the backend's projections (the second one adding
-    ``base`` itself: every op costs a launch, measured to dominate the update's cost on CPU): with panel weights the
-    native GEMM on float32 panels (``agents.weights.packed``), else MatMul. Where the backend's projections take the
-    update themselves (the native CPU backend: ``LoraSlotWeights``) this form is not used in serving; with panels it
-    remains as ``scripts/bench_lora.py``'s A/B against the fused form."""
+    ``base`` itself: every op costs a launch, measured to dominate the update's cost on CPU). Backends whose
+    projections take the update themselves (``LoraSlotWeights``) never build it."""
 
     def __init__(self, in_dim: int, out_dim: int, columns: int, dtype: ms.Type, backend: OpsBackend,
                  eps: float | None = None) -> None:
         """``eps``: the update reads the RMSNorm of its input (QKV, gate/up), fused into its first product as the
         base projection's is (so the normed input is never a tensor of its own)."""
         super().__init__()
-        self.panels = backend.panel_weights
         self.shapes = (columns, in_dim), (out_dim, columns)  # A's and B's as ``store`` takes them
-        self.dtype = ms.float32 if self.panels else dtype  # the native op reads float32 panels in any precision
-        a_shape = packed_weights.packed_shape(columns, in_dim) if self.panels else (columns, in_dim)
-        b_shape = packed_weights.packed_shape(out_dim, columns) if self.panels else (out_dim, columns)
-        self.a = Parameter(initializer("zeros", a_shape, self.dtype), name="lora_a", requires_grad=False)
-        self.b = Parameter(initializer("zeros", b_shape, self.dtype), name="lora_b", requires_grad=False)
+        self.dtype = dtype
+        self.a = Parameter(initializer("zeros", self.shapes[0], dtype), name="lora_a", requires_grad=False)
+        self.b = Parameter(initializer("zeros", self.shapes[1], dtype), name="lora_b", requires_grad=False)
         self.down = backend.partial_linear(columns) if eps is None else backend.norm_linear(columns, eps)
         self.up = backend.partial_linear(out_dim)
         self.add_up = backend.residual_linear()
@@ -89,8 +84,7 @@ class LoraUpdate(nn.Cell):
     def store(self, a: np.ndarray, b: np.ndarray) -> None:
         """Set every slot's stacked ``A [columns, in]`` and ``B [out, columns]`` (float32)."""
         for param, value in ((self.a, a), (self.b, b)):
-            held = packed_weights.pack(value) if self.panels else value
-            param.set_data(Tensor(np.ascontiguousarray(held, np.float32)).astype(self.dtype))
+            param.set_data(Tensor(np.ascontiguousarray(value, np.float32)).astype(self.dtype))
 
     def construct(self, x: Tensor, mask: Tensor, rows: Tensor, base: Tensor | None = None,
                   norm_weight: Tensor | None = None) -> Tensor:
@@ -168,24 +162,6 @@ class LoraMasks(nn.Cell):
         return tuple((columns == token_slots).astype(self.dtype) for columns in self.column_slots)
 
 
-class InterleavedSwiGlu(nn.Cell):
-    """``silu(gate) * up`` of a gate/up output interleaved by 16 (gate 0..15, up 0..15, gate 16..31, ...)."""
-
-    def __init__(self, ffn_dim: int) -> None:
-        super().__init__()
-        self.ffn = ffn_dim
-        self.padded = ffn_dim % PANEL_HALF != 0
-
-    def construct(self, gate_up: Tensor) -> Tensor:
-        # 2-D slices of [tokens * groups, 32]: 10x faster than slicing a 4-D view (3.3 ms at 32 x 2816, 0.34 here)
-        tokens, width = gate_up.shape
-        pairs = gate_up.reshape(tokens * width // (2 * PANEL_HALF), 2 * PANEL_HALF)
-        act = (ops.silu(pairs[:, :PANEL_HALF]) * pairs[:, PANEL_HALF:]).reshape(tokens, width // 2)
-        if self.padded:
-            return act[:, : self.ffn]
-        return act
-
-
 class LoraLayerCells(nn.Cell):
     """One decoder layer's LoRA updates and the projections that take them (see the module doc)."""
 
@@ -194,10 +170,6 @@ class LoraLayerCells(nn.Cell):
         super().__init__()
         n, hidden, heads = shape.max_loras, config.hidden_size, shard.attention_config
         eps = config.rms_norm_eps
-        # native panel weights compute gate/up interleaved by 16 (agents.weights.packed.swiglu_rows): the update's B
-        # rows are held in that order, and the SwiGLU after it reads them so
-        self.interleaved = backend.panel_weights
-        gate_up = 2 * PANEL_HALF * -(-shard.ffn // PANEL_HALF) if self.interleaved else 2 * shard.ffn
         fused = backend.lora_projections()
         self.fused = fused is not None
         self.adds_residual = shard.rank == 0  # the other ranks' row-parallel "residual" is their partial update
@@ -208,6 +180,9 @@ class LoraLayerCells(nn.Cell):
         if fused is not None:  # one op per projection, the update inside it
             self.lora_qkv = LoraSlotWeights(hidden, heads.qkv_dim, n, shape.width("w_qkv"))
             self.lora_wo = LoraSlotWeights(heads.hidden_size, hidden, n, shape.width("wo"))
+            # panel weights compute gate/up interleaved by 16 (agents.weights.packed.swiglu_rows), padded to whole
+            # panels: the update's B rows are held in that order
+            gate_up = PANEL * -(-shard.ffn // (PANEL // 2))
             self.lora_gate_up = LoraSlotWeights(hidden, gate_up, n, shape.width("w_gate_up"))
             self.lora_down = LoraSlotWeights(shard.ffn, hidden, n, shape.width("w_down"))
             self.norm_qkv = fused.norm_linear(heads.qkv_dim, eps)
@@ -217,11 +192,11 @@ class LoraLayerCells(nn.Cell):
             return
         self.lora_qkv = LoraUpdate(hidden, heads.qkv_dim, n * shape.width("w_qkv"), dtype, backend, eps)
         self.lora_wo = LoraUpdate(heads.hidden_size, hidden, n * shape.width("wo"), dtype, backend)
-        self.lora_gate_up = LoraUpdate(hidden, gate_up, n * shape.width("w_gate_up"), dtype, backend, eps)
+        self.lora_gate_up = LoraUpdate(hidden, 2 * shard.ffn, n * shape.width("w_gate_up"), dtype, backend, eps)
         self.lora_down = LoraUpdate(shard.ffn, hidden, n * shape.width("w_down"), dtype, backend)
         self.norm_qkv = backend.norm_linear(heads.qkv_dim, eps)
-        self.norm_gate_up = backend.norm_linear(gate_up, eps)  # before SwiGLU: the update adds to gate and up
-        self.swiglu = InterleavedSwiGlu(shard.ffn) if self.interleaved else backend.swiglu(shard.ffn)
+        self.norm_gate_up = backend.norm_linear(2 * shard.ffn, eps)  # before SwiGLU: the update adds to gate and up
+        self.swiglu = backend.swiglu(shard.ffn)
         residual_linear = backend.residual_linear()
         self.output_projection = parallel.row_parallel(shard, backend, residual_linear, hidden, lora=True)
         self.down_projection = parallel.row_parallel(shard, backend, residual_linear, hidden, lora=True)

@@ -34,7 +34,8 @@ class AdapterSlotTable:
         self.model, self.config, self.shard, self.shape = model, config, shard, shape
         self.blocks = np.full(model.lora_masks.blocks.shape[0], -1, np.int32)  # each KV block's slot, -1 base
         self.blocks_clean = True  # every entry -1: a step without adapters need not write the table
-        self.interleaved = model.layers[0].lora.interleaved  # gate/up rows as the native SwiGLU panels order them
+        # projections that add the update themselves are native panels: gate/up rows in their SwiGLU panel order
+        self.interleaved = model.layers[0].lora.fused
         self.host = {name: (np.zeros(update.shapes[0], np.float32), np.zeros(update.shapes[1], np.float32))
                      for name, update in self._updates()}
 
