@@ -91,6 +91,13 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -413,8 +420,10 @@ def test_a_standby_pool_is_promoted_when_a_rank_dies_and_gives_the_same_greedy_i
     ours = ("agents.agent_main", "collective_scheduler")
 
     def left() -> list[str]:
-        return [f"{p} (parent {Path(f'/proc/{p}/stat').read_text().rpartition(')')[2].split()[1]}): {cmdline(p)}"
-                for p in descendants(os.getpid()) if alive(p) and any(o in cmdline(p) for o in ours)]
+        # this process's own children only: a session-wide server started earlier on this xdist worker
+        # (conftest's tiny_server) has agents of its own further down
+        return [f"{p}: {cmdline(p)}" for p in descendants(os.getpid())
+                if alive(p) and parent(p) == os.getpid() and any(o in cmdline(p) for o in ours)]
 
     deadline = time.monotonic() + 30
     while left():
