@@ -266,16 +266,18 @@ class NativeCpuBackend(OpsBackend):
         return NativeGreedy(self.native.greedy)
 
     def moe_layer(self) -> Callable[[bool], nn.Cell] | None:
-        # norm, router, top-k, experts and residual in one op: no MindSpore op left between ours, so the helpers
-        # poll as for a dense model (docs/model.md "Speed: MoE against the dense model of the same active size")
+        # norm, router, top-k, experts and residual in one op: no MindSpore op left between ours, yet the helpers'
+        # polling still made batch-1 steps 1.5-2 ms slower (two runs on the loaded 2-core machine, docs/model.md
+        # "Speed: MoE against the dense model of the same active size"), so it stays off for MoE models
         if not self.fused_moe:
             return None
+        self.poll_max_tokens = 0
         int8 = self.layer_quantization != "none"
         return lambda shared: self.native.moe_layer(shared, int8)
 
     def moe_experts(self) -> nn.Cell | None:
         # the unfused path (fused_moe off) runs MindSpore's own ops (router softmax, top-k, norm) between ours:
-        # helpers polling for our next op would take their cores (decode B=1 2.4x slower, docs/model.md)
+        # helpers polling for our next op would take their cores (decode B=1 2.4x slower then, docs/model.md)
         self.poll_max_tokens = 0
         # w8a16: the experts held int8 with a scale per row (agents.model.moe.ExpertsHeld), read as such
         return self.native.moe_experts_int8() if self.layer_quantization != "none" else self.native.moe_experts()
