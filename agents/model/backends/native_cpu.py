@@ -267,7 +267,7 @@ class NativeCpuBackend(OpsBackend):
 
     def moe_layer(self) -> Callable[[bool], nn.Cell] | None:
         # norm, router, top-k, experts and residual in one op: no MindSpore op left between ours, yet the helpers'
-        # polling still made batch-1 steps 1.5-2 ms slower (two runs on the loaded 2-core machine, docs/model.md
+        # polling still made batch-1 steps 1.6-2.7 ms slower (two runs on the loaded 2-core machine, docs/model.md
         # "Speed: MoE against the dense model of the same active size"), so it stays off for MoE models
         if not self.fused_moe:
             return None
