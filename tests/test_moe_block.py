@@ -133,14 +133,16 @@ def _dequantized(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("ops", ["graph", "experts", "layer"])
 @pytest.mark.parametrize("tokens, rows", [(1, 1), (32, 32), (32, 20)])
 def test_int8_experts_compute_the_float_block_on_their_dequantized_values(tokens: int, rows: int,
-                                                                          native: bool) -> None:
-    """w8a16 experts (int8 with a float32 scale per row): the native op (``MoeExpertsInt8``) and the graph paths
-    (gathered at 1 token, every expert at 32) give bit for bit what the float32 block gives on the dequantized
-    experts, and differ from the float block on the original ones (really quantized). The block holds a byte a
-    weight, and the loaded values read back (``unstored``) are the dequantized ones."""
+                                                                          ops: str) -> None:
+    """w8a16 experts (int8 with a float32 scale per row): the native ops (``MoeExpertsInt8``; ``MoeLayerInt8``,
+    the whole MLP slot) and the graph paths (gathered at 1 token, every expert at 32) give bit for bit what the
+    float32 block gives on the dequantized experts, and differ from the float block on the original ones (really
+    quantized). The block holds a byte a weight, and the loaded values read back (``unstored``) are the
+    dequantized ones."""
+    from agents.model.moe import MoeMlp
     from agents.model.native_kernels import native_ops
 
     spec = MoeSpec(num_experts=8, top_k=3, moe_intermediate_size=40, norm_topk_prob=True,
@@ -150,10 +152,16 @@ def test_int8_experts_compute_the_float_block_on_their_dequantized_values(tokens
          "layers.0.experts_down": rng.normal(0, 0.5, (8, H, 40))}
     w = {k: v.astype(np.float32) for k, v in w.items()}
     x, n = ms.Tensor(rng.normal(0, 1, (tokens, H)).astype(np.float32)), ms.Tensor(np.array([rows], np.int32))
-    ops_ = native_ops(H) if native else None
+    native = native_ops(H) if ops != "graph" else None
 
     def run(weights: dict[str, np.ndarray], quantization: str) -> np.ndarray:
-        op = None if ops_ is None else (ops_.moe_experts_int8() if quantization != "none" else ops_.moe_experts())
+        int8 = quantization != "none"
+        if ops == "layer" and native is not None:
+            mlp = MoeMlp(spec, H, 1e-6, ms.float32, quantization=quantization,
+                         layer_op=lambda shared: native.moe_layer(shared, int8))
+            mlp.block.load(weights, 0)
+            return mlp(x, ms.Tensor(np.ones(H, np.float32)), n).asnumpy()[:rows]
+        op = None if native is None else (native.moe_experts_int8() if int8 else native.moe_experts())
         block = MoeBlock(spec, H, ms.float32, experts_op=op, quantization=quantization)
         block.load(weights, 0)
         if quantization != "none":
@@ -178,3 +186,70 @@ def test_int8_experts_refuse_misshapen_scales() -> None:
         block.load(w, 0)
     with pytest.raises(ValueError, match="need model_config.quantization w8a16"):
         MoeBlock(spec, H, ms.float32).load({**w, "layers.0.experts_gate_up.scale": np.ones((8, 16))}, 0)
+
+
+def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
+
+
+@pytest.mark.parametrize(("shared", "router"), [(0, "random"), (12, "random"), (0, "tied")])
+@pytest.mark.parametrize("tokens, rows", [(1, 1), (32, 20)])
+def test_the_layer_op_is_the_norm_routing_and_block_of_the_reference(tokens: int, rows: int, shared: int,
+                                                                      router: str) -> None:
+    """``MoeLayer`` (kernels/moe_experts.cc) as the MLP slot (``MoeMlp`` on the native backend): x + the reference
+    block on rmsnorm(x) on the real rows, x on the padding; at two ranks of expert parallelism and two of tensor
+    parallelism (the shared expert cut), each rank's partial sum without the residual, adding up to the block.
+    ``tied``: a zero router, every expert's probability equal, so the picks are the k lowest ids (torch.topk's
+    order, held by moe_routing)."""
+    from dataclasses import replace
+
+    from mindspore import nn
+
+    from agents.model.moe import MoeMlp
+    from agents.model.native_kernels import native_ops
+    from llm_serving.protocol.model_config import LlamaConfig
+    from llm_serving.protocol.parallel import ShardPlan
+
+    spec = MoeSpec(num_experts=8, top_k=3, moe_intermediate_size=40, norm_topk_prob=not shared,
+                   shared_expert_intermediate_size=shared, sparse_layers=(0,))
+    rng = np.random.default_rng(tokens + shared)
+    w = {"layers.0.router": rng.normal(0, 0.5, (8, H)) * (router == "random"),
+         "layers.0.experts_gate_up": rng.normal(0, 0.5, (8, 80, H)),
+         "layers.0.experts_down": rng.normal(0, 0.5, (8, H, 40))}
+    if shared:
+        w.update({"layers.0.shared_gate_up": rng.normal(0, 0.5, (2 * shared, H)),
+                  "layers.0.shared_down": rng.normal(0, 0.5, (H, shared)),
+                  "layers.0.shared_gate": rng.normal(0, 0.5, (1, H))})
+    w = {k: v.astype(np.float32) for k, v in w.items()}
+    x, norm = rng.normal(0, 1, (tokens, H)).astype(np.float32), rng.normal(1, 0.1, H).astype(np.float32)
+    args = (ms.Tensor(x), ms.Tensor(norm), ms.Tensor(np.array([rows], np.int32)))
+    native = native_ops(H)
+
+    def layer_op(shared_expert: bool) -> nn.Cell:
+        return native.moe_layer(shared_expert, False)
+
+    mlp = MoeMlp(spec, H, 1e-6, ms.float32, layer_op=layer_op)
+    mlp.block.load(w, 0)
+    assert mlp.fused
+    got = mlp(*args).asnumpy()
+    block = moe_routing.sparse_block(_rms_norm(x, norm, 1e-6), w, 0, 3, not shared)
+    np.testing.assert_allclose(got[:rows], (x + block)[:rows], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(got[rows:], x[rows:])
+    config = replace(LlamaConfig(64, H, 32, 1, 4, 4, architecture="Qwen2MoeForCausalLM"), moe=spec)
+    for expert_parallel in (True, False):
+        total = np.zeros_like(x)
+        for rank in range(2):
+            plan = ShardPlan(config, 2, rank, expert_parallel)
+            (e0, e1), (f0, f1), (s0, s1) = plan.expert_range(), plan.expert_ffn_range(), plan.shared_ffn_range()
+            gate_up, shared_gate_up = w["layers.0.experts_gate_up"][e0:e1], w.get("layers.0.shared_gate_up")
+            cut = {**w, "layers.0.experts_gate_up": np.concatenate([gate_up[:, f0:f1], gate_up[:, 40 + f0:40 + f1]], 1),
+                   "layers.0.experts_down": w["layers.0.experts_down"][e0:e1, :, f0:f1]}
+            if shared_gate_up is not None:
+                cut.update({"layers.0.shared_gate_up": np.concatenate([shared_gate_up[s0:s1],
+                                                                       shared_gate_up[shared + s0:shared + s1]]),
+                            "layers.0.shared_down": w["layers.0.shared_down"][:, s0:s1]})
+            # one rank's all-reduce is the identity: the slot then gives x + this rank's partial sum
+            ranked = MoeMlp(spec, H, 1e-6, ms.float32, plan, reduce=nn.Identity(), layer_op=layer_op)
+            ranked.block.load(cut, 0)
+            total += ranked(*args).asnumpy() - x
+        np.testing.assert_allclose(total[:rows], block[:rows], rtol=1e-4, atol=1e-4)

@@ -113,15 +113,17 @@ def test_the_config_reads_each_familys_experts_and_sparse_layers(models):
 
 
 @pytest.mark.parametrize("arch, ops", [("Qwen3MoeForCausalLM", "native"), ("Qwen3MoeForCausalLM", "portable"),
-                                       ("Qwen2MoeForCausalLM", "native"), ("MixtralForCausalLM", "portable")])
+                                       ("Qwen2MoeForCausalLM", "native"), ("MixtralForCausalLM", "portable"),
+                                       ("MixtralForCausalLM", "native")])
 def test_greedy_ids_and_logprobs_are_transformers(models, arch, ops):
     """Whole prompts (prefill, then decode), then the same prompts in chunks of 7 over their cached context with
     decodes mixed in; then the counter-check: the router's rows permuted changes the ids, so the equality rests on
-    the routing being computed."""
+    the routing being computed. Native: each sparse layer's MLP slot is one op (``MoeLayer``), routing included."""
     from agents.model.llama import load_weights_into
 
     model_dir, config, refs = models[arch]
     runner = runner_for(model_dir, config, ops)
+    assert [runner.model.layers[i].moe.fused for i in SPARSE[arch]] == [ops == "native"] * len(SPARSE[arch])
     tokens, logprobs = PagedDriver(runner, seed=1).generate(prompts(), STEPS)
     assert tokens == [r[0] for r in refs]
     np.testing.assert_allclose(np.array(logprobs), np.array([r[1] for r in refs]), atol=2e-3)

@@ -131,8 +131,10 @@ class LlamaLayer(nn.Cell):
         self.wo = ProjectionWeight(heads.hidden_size, hidden, dtype, panels, panel_dtype=fmt, quantization=quant)
         # the MLP slot: a sparse layer's experts (agents.model.moe), else the dense SwiGLU MLP
         sparse = config.moe is not None and index in config.moe.sparse_layers
+        layer_op = backend.moe_layer() if sparse else None  # the whole slot as one op, else the experts as one
         self.moe = moe.MoeMlp(config.moe, hidden, eps, dtype, shard, parallel.AllReduceSum() if shard.tp > 1
-                              else None, backend.moe_experts(), backend.routed_experts(), quant) \
+                              else None, backend.moe_experts() if layer_op is None else None,
+                              backend.routed_experts(), quant, layer_op) \
             if sparse and config.moe is not None else None
         self.w_gate_up = None if sparse else ProjectionWeight(hidden, 2 * shard.ffn, dtype, panels, swiglu=True,
                                                               panel_dtype=fmt, quantization=quant)

@@ -5,13 +5,16 @@ outputs summed with their routing weights. Static shapes throughout (the graph b
 chose, which is what makes decode cost follow active parameters. The maths is held to ``moe_routing`` (itself held
 to transformers' blocks) in tests/test_moe_block.py. On the native CPU backend one C++ op (``MoeExperts``,
 agents/model/kernels/moe_experts.cc) takes both paths' place: the picks grouped by expert, the weights read in
-place, no gathered copy. Under ``model_config.quantization`` w8a16 the experts are held int8 with a float32 scale
-per output row (``ExpertsHeld``), as the dense projections are: the native op forms each row as float(q) * scale,
-the graph paths dequantize in-graph the experts they read, so both compute what the float32 block computes on the
-dequantized experts."""
+place, no gathered copy; and where the backend has it, one op (``MoeLayer``, same file) is the whole MLP slot,
+norm, router, top-k and residual included (``MoeMlp``), so no MindSpore op runs between ours. Under
+``model_config.quantization`` w8a16 the experts are held int8 with a float32 scale per output row
+(``ExpertsHeld``), as the dense projections are: the native ops form each row as float(q) * scale, the graph paths
+dequantize in-graph the experts they read, so all compute what the float32 block computes on the dequantized
+experts."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import mindspore as ms
@@ -32,10 +35,12 @@ class MoeBlock(nn.Cell):
 
     def __init__(self, spec: MoeSpec, hidden: int, dtype: ms.Type, shard: ShardPlan | None = None,
                  experts_op: nn.Cell | None = None, routed: RoutedExperts | None = None,
-                 quantization: str = "none") -> None:
+                 quantization: str = "none", layer_op: Callable[[bool], nn.Cell] | None = None) -> None:
         super().__init__()
-        # the backend's op over the picked experts (native CPU, float32): replaces both graph paths below
-        self.experts_op = experts_op if dtype == ms.float32 else None
+        # the backend's op over the whole block (``layer``), else over the picked experts (native CPU, float32):
+        # either replaces both graph paths below
+        native = dtype == ms.float32 and routed is None
+        self.experts_op = experts_op if native and layer_op is None else None
         (start, end), (f0, f1), (s0, s1) = ((shard.expert_range(), shard.expert_ffn_range(), shard.shared_ffn_range())
                                             if shard is not None else ((0, spec.num_experts),
                                                                        (0, spec.moe_intermediate_size),
@@ -63,6 +68,7 @@ class MoeBlock(nn.Cell):
         for name, shape in shared.items():  # present only where the family has a shared expert
             setattr(self, name, Parameter(initializer("zeros", shape, dtype), name=name) if s else None)
         self.shared_f = s
+        self.layer_op = layer_op(self.has_shared) if native and layer_op is not None else None
         # weights as stored, [out, in]: the transposed operand read in place, never a transposed copy per call
         self.linear = ops.MatMul(transpose_b=True)
         self.batched = ops.BatchMatMul(transpose_b=True)
@@ -111,6 +117,22 @@ class MoeBlock(nn.Cell):
         else:
             out = self._every_expert(x, weights, ids)
         return self._with_shared(x, out)
+
+    def layer(self, x: Tensor, norm_weight: Tensor, eps: Tensor, routing: Tensor, rows: Tensor) -> Tensor:
+        """The MLP slot in ``layer_op``: ``x`` before the norm; ``routing`` [4] int32 (top k, normalise, this
+        rank's first expert, whether the residual is added: kernels/moe_experts.cc)."""
+        if self.quantized:
+            if self.has_shared:
+                return self.layer_op(x, norm_weight, eps, self.router, routing, self.experts_gate_up,
+                                     self.experts_gate_up_scale, self.experts_down, self.experts_down_scale,
+                                     self.shared_gate_up, self.shared_down, self.shared_gate, rows)
+            return self.layer_op(x, norm_weight, eps, self.router, routing, self.experts_gate_up,
+                                 self.experts_gate_up_scale, self.experts_down, self.experts_down_scale, rows)
+        if self.has_shared:
+            return self.layer_op(x, norm_weight, eps, self.router, routing, self.experts_gate_up, self.experts_down,
+                                 self.shared_gate_up, self.shared_down, self.shared_gate, rows)
+        return self.layer_op(x, norm_weight, eps, self.router, routing, self.experts_gate_up, self.experts_down,
+                             rows)
 
     def _with_shared(self, x: Tensor, out: Tensor) -> Tensor:
         """Qwen2-MoE's shared expert added, behind its sigmoid gate."""
@@ -227,16 +249,25 @@ class ExpertsHeld:
 class MoeMlp(nn.Cell):
     """A sparse layer's MLP slot: ``residual + block(rms_norm(x))``, the ranks' partial sums all-reduced first
     (the one collective the dense MLP's row-parallel down projection ends in). The norm is graph ops in float32,
-    as transformers computes it, where the dense slot fuses it into its gate/up projection."""
+    as transformers computes it, where the dense slot fuses it into its gate/up projection; with the backend's
+    ``layer_op`` (native CPU) the whole slot is that one op, the residual added in it at one rank."""
 
     def __init__(self, spec: MoeSpec, hidden: int, eps: float, dtype: ms.Type, shard: ShardPlan | None = None,
                  reduce: nn.Cell | None = None, experts_op: nn.Cell | None = None,
-                 routed: RoutedExperts | None = None, quantization: str = "none") -> None:
+                 routed: RoutedExperts | None = None, quantization: str = "none",
+                 layer_op: Callable[[bool], nn.Cell] | None = None) -> None:
         super().__init__()
-        self.block = MoeBlock(spec, hidden, dtype, shard, experts_op, routed, quantization)
+        self.block = MoeBlock(spec, hidden, dtype, shard, experts_op, routed, quantization, layer_op)
         self.eps, self.reduce = eps, reduce
+        self.fused = self.block.layer_op is not None
+        b = self.block
+        self.eps_tensor = Tensor(np.array([eps], np.float32))
+        self.routing = Tensor(np.array([b.k, b.normalise, b.start, reduce is None], np.int32))
 
     def construct(self, x: Tensor, norm_weight: Tensor, rows: Tensor) -> Tensor:
+        if self.fused:
+            y = self.block.layer(x, norm_weight, self.eps_tensor, self.routing, rows)
+            return y if self.reduce is None else x + self.reduce(y)
         h = x.astype(ms.float32)
         h = h * ops.rsqrt((h * h).mean(-1, keep_dims=True) + self.eps)
         y = self.block(norm_weight * h.astype(x.dtype), rows)

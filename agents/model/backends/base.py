@@ -192,6 +192,12 @@ class OpsBackend:
         under ``layer_quantization`` w8a16), float32; None: the expert block's own graph ops (``agents.model.moe``)."""
         return None
 
+    def moe_layer(self) -> Callable[[bool], nn.Cell] | None:
+        """A sparse layer's whole MLP slot as one op, made per layer with or without (the argument) a shared
+        expert: ``NativeOps.moe_layer``'s inputs, the experts int8 under ``layer_quantization`` w8a16; float32.
+        None: ``moe_experts``, or the block's graph ops."""
+        return None
+
     def routed_experts(self) -> RoutedExperts | None:
         """A MoE layer's routing and experts as the backend's kernels (``agents.model.moe.RoutedExperts``: Ascend's
         MoE kernels); None: the expert block's own routing."""

@@ -13,6 +13,7 @@ bfloat16 (``fast``, AVX512_BF16) projection weights: docs/benchmarks.md "Fast pr
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import mindspore as ms
 import numpy as np
@@ -160,6 +161,10 @@ class NativeCpuBackend(OpsBackend):
     ragged_prefill = True
     chunked_prefill = True
 
+    # a sparse layer's MLP slot as MoeLayer (True), or its routing in MindSpore's ops around MoeExperts: the path
+    # before it, kept as scripts/bench_moe.py's baseline (--moe-op experts)
+    fused_moe = True
+
     def __init__(self, native: NativeOps) -> None:
         self.native = native
         # (int8 weights use the native projections on any CPU, ``with_quantization``: the plain-loop build is their
@@ -260,9 +265,19 @@ class NativeCpuBackend(OpsBackend):
     def greedy(self) -> nn.Cell:
         return NativeGreedy(self.native.greedy)
 
+    def moe_layer(self) -> Callable[[bool], nn.Cell] | None:
+        # norm, router, top-k, experts and residual in one op: no MindSpore op left between ours, yet the helpers'
+        # polling still made batch-1 steps 1.6-2.7 ms slower (two runs on the loaded 2-core machine, docs/model.md
+        # "Speed: MoE against the dense model of the same active size"), so it stays off for MoE models
+        if not self.fused_moe:
+            return None
+        self.poll_max_tokens = 0
+        int8 = self.layer_quantization != "none"
+        return lambda shared: self.native.moe_layer(shared, int8)
+
     def moe_experts(self) -> nn.Cell | None:
-        # a model with expert blocks runs MindSpore's own ops (router softmax, top-k, norm) between ours: helpers
-        # polling for our next op would take their cores (decode B=1 2.4x slower, docs/model.md "Mixture of experts")
+        # the unfused path (fused_moe off) runs MindSpore's own ops (router softmax, top-k, norm) between ours:
+        # helpers polling for our next op would take their cores (decode B=1 2.4x slower then, docs/model.md)
         self.poll_max_tokens = 0
         # w8a16: the experts held int8 with a scale per row (agents.model.moe.ExpertsHeld), read as such
         return self.native.moe_experts_int8() if self.layer_quantization != "none" else self.native.moe_experts()

@@ -207,3 +207,24 @@ void run_tasks(int64_t count, int64_t tasks_per_thread, const Work &work) {
 }  // namespace kernel_pool
 
 using kernel_pool::run_tasks;
+
+namespace {
+
+// normed[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, as Hugging Face's LlamaRMSNorm does in float32 (the
+// projections' norms, kernels/linear.cc, and the MoE layer's, kernels/moe_experts.cc).
+inline void rms_norm(const float *x, int64_t m, int64_t k_dim, const float *weight, float eps, float *normed) {
+  run_tasks((m + 15) / 16, 4, [&](int64_t task) {
+    for (int64_t r = task * 16; r < m && r < task * 16 + 16; ++r) {
+      const float *row = x + r * k_dim;
+      float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t k = 0; k < k_dim; ++k) squares += row[k] * row[k];
+      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(k_dim) + eps);
+      float *out = normed + r * k_dim;
+#pragma omp simd
+      for (int64_t k = 0; k < k_dim; ++k) out[k] = (row[k] * inv) * weight[k];
+    }
+  });
+}
+
+}  // namespace

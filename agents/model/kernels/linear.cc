@@ -388,22 +388,6 @@ const uint16_t *bf16_rows(const float *x, int64_t m, int64_t k_dim) {
   return out;
 }
 
-// normed[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, as Hugging Face's LlamaRMSNorm does in float32.
-void rms_norm(const float *x, int64_t m, int64_t k_dim, const float *weight, float eps, float *normed) {
-  run_tasks((m + 15) / 16, 4, [&](int64_t task) {
-    for (int64_t r = task * 16; r < m && r < task * 16 + 16; ++r) {
-      const float *row = x + r * k_dim;
-      float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t k = 0; k < k_dim; ++k) squares += row[k] * row[k];
-      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(k_dim) + eps);
-      float *out = normed + r * k_dim;
-#pragma omp simd
-      for (int64_t k = 0; k < k_dim; ++k) out[k] = (row[k] * inv) * weight[k];
-    }
-  });
-}
-
 // Whether every input but ``rows_at`` (the int32 row count; -1 for none) and ``weight_at`` (the packed weight:
 // float32, float16, int32 bfloat16 pairs or int8 with scales) and the output is float32.
 bool dtypes_ok(int nparam, const char **dtypes, int rows_at, int weight_at) {

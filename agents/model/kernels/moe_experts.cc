@@ -12,6 +12,20 @@
 // formed as float(q) * scale in float32 (the dense int8 kernel's formula, kernels/linear.cc) into a row of scratch
 // and then dotted exactly as a float32 row, so the result is bit for bit the float32 op's on the dequantized
 // experts; the experts stay int8 in memory (a quarter of the bytes read).
+// MoeLayer(x [m, h], norm_weight [h], eps [1], router [n, h], routing [4] int32, gate_up, down, rows) -> y [m, h]:
+// a sparse layer's whole MLP slot in one call, so no MindSpore op runs between ours (their ops cost a decode step
+// more than the experts did, docs/model.md "Speed: MoE against the dense model"): normed = rmsnorm(x) as the
+// projections' norm, logits = normed @ router^T, softmax over all n experts in float32, the k largest (ties: the
+// lower id, as torch.topk), renormalised to sum 1 where ``normalise`` (the three families' routers in
+// transformers), then the experts as MoeExperts computes them. ``routing`` = (k, normalise, first, residual): this
+// rank holds experts [first, first + E) of the n (expert parallelism: every rank routes every token, and a pick of
+// another rank's expert adds nothing); ``residual`` 1: y = x + block (one rank), 0: the block alone (a partial sum
+// that the ranks' all-reduce adds up before the residual). MoeLayerInt8 takes gate_up, gate_up_scale, down,
+// down_scale as MoeExpertsInt8 does; the ...Shared entry points take shared_gate_up [2s, h], shared_down [h, s] and
+// shared_gate [1, h] before ``rows`` (Qwen2-MoE's shared expert, float32, added as sigmoid(normed @ gate) times its
+// output after the routed sum, as transformers adds it).
+#include <algorithm>
+
 #include "common.h"
 
 namespace {
@@ -130,6 +144,144 @@ int64_t clamp_rows(const void *rows, int64_t m) {
   return n < 0 ? 0 : (n > m ? m : n);
 }
 
+
+// A layer's routing constants (MoeLayer's ``routing`` input).
+struct Route {
+  int64_t k, first;
+  bool normalise, residual;
+};
+
+// ids [rows, k] (this rank's index of each pick's expert, -1 for another rank's) and weights [rows, k] from the
+// normed rows [rows, h] and the router [n, h] of every expert; ``local``: the experts this rank holds.
+void route_tokens(const float *normed, const float *router, int64_t rows, int64_t h, int64_t n, int64_t local,
+                  const Route &route, int32_t *ids, float *weights) {
+  const int64_t k = route.k;
+  // a task is enough tokens for ~256K multiply-adds: a decode step's routing stays on the calling thread
+  const int64_t per_task = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, n * h));
+  run_tasks((rows + per_task - 1) / per_task, 2, [&](int64_t task) {
+    std::vector<float> probs(static_cast<size_t>(n));
+    std::vector<char> taken(static_cast<size_t>(n));
+    for (int64_t t = task * per_task; t < rows && t < (task + 1) * per_task; ++t) {
+      const float *xt = normed + t * h;
+      float top = -INFINITY;
+      for (int64_t e = 0; e < n; ++e) {
+        probs[static_cast<size_t>(e)] = dot(router + e * h, xt, h);
+        top = std::max(top, probs[static_cast<size_t>(e)]);
+      }
+      float sum = 0.0f;
+      for (float &p : probs) sum += (p = std::exp(p - top));
+      for (float &p : probs) p /= sum;
+      std::fill(taken.begin(), taken.end(), 0);
+      int32_t *id = ids + t * k;
+      float *w = weights + t * k, picked = 0.0f;
+      for (int64_t j = 0; j < k; ++j) {  // the largest left; the first (lowest id) of equal ones
+        int64_t best = -1;
+        for (int64_t e = 0; e < n; ++e) {
+          const auto i = static_cast<size_t>(e);
+          if (!taken[i] && (best < 0 || probs[i] > probs[static_cast<size_t>(best)])) best = e;
+        }
+        taken[static_cast<size_t>(best)] = 1;
+        w[j] = probs[static_cast<size_t>(best)];
+        picked += w[j];
+        id[j] = best >= route.first && best < route.first + local ? static_cast<int32_t>(best - route.first) : -1;
+      }
+      if (route.normalise)
+        for (int64_t j = 0; j < k; ++j) w[j] /= picked;
+    }
+  });
+}
+
+// MoeLayer's inputs by position (which entry point: int8 experts, a shared expert).
+struct LayerArgs {
+  int gate_up, gate_up_scale, down, down_scale, shared, rows, y;
+  LayerArgs(bool int8, bool shared_expert)
+      : gate_up(5), gate_up_scale(int8 ? 6 : -1), down(int8 ? 7 : 6), down_scale(int8 ? 8 : -1),
+        shared(down + (int8 ? 2 : 1)), rows(shared + (shared_expert ? 3 : 0)), y(rows + 1) {}
+};
+
+// The layer's work once its inputs are checked (``a``: their positions).
+template <typename Rows>
+void moe_layer(void **params, int64_t **shapes, const LayerArgs &a, bool shared, const Rows &gate_up,
+               const Rows &down) {
+  const int64_t m = shapes[0][0], h = shapes[0][1], n = shapes[3][0], experts = shapes[a.gate_up][0];
+  const int64_t f = shapes[a.down][2];
+  const int32_t *r = static_cast<const int32_t *>(params[4]);
+  const Route route{r[0], r[2], r[1] != 0, r[3] != 0};
+  const int64_t rows = clamp_rows(params[a.rows], m);
+  const float *x = static_cast<const float *>(params[0]);
+  float *y = static_cast<float *>(params[a.y]);
+  std::vector<float> normed(static_cast<size_t>(rows * h)), weights(static_cast<size_t>(rows * route.k));
+  std::vector<int32_t> ids(static_cast<size_t>(rows * route.k));
+  rms_norm(x, rows, h, static_cast<const float *>(params[1]), *static_cast<const float *>(params[2]),
+           normed.data());
+  route_tokens(normed.data(), static_cast<const float *>(params[3]), rows, h, n, experts, route, ids.data(),
+               weights.data());
+  moe_experts(normed.data(), ids.data(), weights.data(), gate_up, down, m, h, route.k, experts, f, rows, y);
+  if (shared) {  // one expert that every token picks, weighted by its sigmoid gate
+    const float *gate = static_cast<const float *>(params[a.shared + 2]);
+    const int64_t s = shapes[a.shared + 1][1];
+    std::vector<float> gates(static_cast<size_t>(rows)), out(static_cast<size_t>(rows * h));
+    for (int64_t t = 0; t < rows; ++t)
+      gates[static_cast<size_t>(t)] = 1.0f / (1.0f + std::exp(-dot(normed.data() + t * h, gate, h)));
+    const std::vector<int32_t> only(static_cast<size_t>(rows), 0);
+    moe_experts(normed.data(), only.data(), gates.data(), FloatRows{static_cast<const float *>(params[a.shared])},
+                FloatRows{static_cast<const float *>(params[a.shared + 1])}, rows, h, 1, 1, s, rows, out.data());
+    for (int64_t i = 0; i < rows * h; ++i) y[i] += out[static_cast<size_t>(i)];
+  }
+  if (route.residual) {  // the padding rows too, as x + 0
+    for (int64_t i = 0; i < m * h; ++i) y[i] += x[i];
+  }
+}
+
+// Checks MoeLayer's inputs; 0, or the op's error code (1 arity or ranks, 2 dtypes, 3 shapes, 4 routing).
+int check_layer(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, const LayerArgs &a,
+                bool int8, bool shared) {
+  if (nparam != a.y + 1) return 1;
+  for (int i = 0; i < nparam; ++i) {
+    const bool is_int8 = int8 && (i == a.gate_up || i == a.down);
+    if (!is_dtype(dtypes[i], i == 4 || i == a.rows ? "int32" : (is_int8 ? "int8" : "float32"))) return 2;
+  }
+  const int want[] = {2, 1, 1, 2, 1};
+  for (int i = 0; i < 5; ++i)
+    if (ndims[i] != want[i]) return 1;
+  if (ndims[a.gate_up] != 3 || ndims[a.down] != 3 || ndims[a.rows] != 1 || ndims[a.y] != 2) return 1;
+  if (int8 && (ndims[a.gate_up_scale] != 2 || ndims[a.down_scale] != 2)) return 1;
+  if (shared && (ndims[a.shared] != 2 || ndims[a.shared + 1] != 2 || ndims[a.shared + 2] != 2)) return 1;
+  const int64_t m = shapes[0][0], h = shapes[0][1], n = shapes[3][0], experts = shapes[a.gate_up][0];
+  const int64_t f = shapes[a.down][2];
+  if (shapes[1][0] != h || shapes[2][0] < 1 || shapes[3][1] != h || shapes[4][0] != 4 ||
+      shapes[a.gate_up][1] != 2 * f || shapes[a.gate_up][2] != h || shapes[a.down][0] != experts ||
+      shapes[a.down][1] != h || shapes[a.rows][0] < 1 || shapes[a.y][0] != m || shapes[a.y][1] != h)
+    return 3;
+  if (int8 && (shapes[a.gate_up_scale][0] != experts || shapes[a.gate_up_scale][1] != 2 * f ||
+               shapes[a.down_scale][0] != experts || shapes[a.down_scale][1] != h))
+    return 3;
+  if (shared) {
+    const int64_t s = shapes[a.shared + 1][1];
+    if (shapes[a.shared][0] != 2 * s || shapes[a.shared][1] != h || shapes[a.shared + 1][0] != h ||
+        shapes[a.shared + 2][0] != 1 || shapes[a.shared + 2][1] != h)
+      return 3;
+  }
+  const int32_t *r = static_cast<const int32_t *>(params[4]);
+  if (r[0] < 1 || r[0] > n || r[2] < 0 || r[2] + experts > n) return 4;
+  return 0;
+}
+
+int layer_call(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, bool int8,
+               bool shared) {
+  const LayerArgs a(int8, shared);
+  if (const int bad = check_layer(nparam, params, ndims, shapes, dtypes, a, int8, shared)) return bad;
+  if (int8)
+    moe_layer(params, shapes, a, shared,
+              Int8Rows{static_cast<const int8_t *>(params[a.gate_up]),
+                       static_cast<const float *>(params[a.gate_up_scale])},
+              Int8Rows{static_cast<const int8_t *>(params[a.down]), static_cast<const float *>(params[a.down_scale])});
+  else
+    moe_layer(params, shapes, a, shared, FloatRows{static_cast<const float *>(params[a.gate_up])},
+              FloatRows{static_cast<const float *>(params[a.down])});
+  return 0;
+}
+
 }  // namespace
 
 extern "C" int MoeExperts(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
@@ -164,4 +316,32 @@ extern "C" int MoeExpertsInt8(int nparam, void **params, int *ndims, int64_t **s
               Int8Rows{static_cast<const int8_t *>(params[5]), static_cast<const float *>(params[6])}, m, h, k,
               experts, f, clamp_rows(params[7], m), static_cast<float *>(params[8]));
   return 0;
+}
+
+extern "C" int MoeLayer(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *stream,
+                        void *extra) {
+  (void)stream;
+  (void)extra;
+  return layer_call(nparam, params, ndims, shapes, dtypes, false, false);
+}
+
+extern "C" int MoeLayerShared(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                              void *stream, void *extra) {
+  (void)stream;
+  (void)extra;
+  return layer_call(nparam, params, ndims, shapes, dtypes, false, true);
+}
+
+extern "C" int MoeLayerInt8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                            void *stream, void *extra) {
+  (void)stream;
+  (void)extra;
+  return layer_call(nparam, params, ndims, shapes, dtypes, true, false);
+}
+
+extern "C" int MoeLayerInt8Shared(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                  void *stream, void *extra) {
+  (void)stream;
+  (void)extra;
+  return layer_call(nparam, params, ndims, shapes, dtypes, true, true);
 }
