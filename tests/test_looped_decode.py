@@ -29,13 +29,14 @@ def looped_generate(runner: ModelRunner, prompts: list[list[int]], steps: int, k
     """Greedy tokens of ``prompts``: a prefill, then decode batches of ``k`` steps through ``runner.decode_steps``;
     ``lora_slots``: each prompt's adapter slot (-1: none)."""
     adapters = None if lora_slots is None else np.array(lora_slots, np.int32)
+    block = runner.rc.block_size
     free = list(range(1, runner.rc.num_blocks))[::-1]
-    tables = [[free.pop() for _ in range(-(-(len(p) + steps + k) // BLOCK))] for p in prompts]
+    tables = [[free.pop() for _ in range(-(-(len(p) + steps + k) // block))] for p in prompts]
     width = max(len(t) for t in tables)
     block_tables = np.array([t + [0] * (width - len(t)) for t in tables], np.int32)
 
     def slot(i: int, pos: int) -> int:
-        return tables[i][pos // BLOCK] * BLOCK + pos % BLOCK
+        return tables[i][pos // block] * block + pos % block
 
     lens = np.array([len(p) for p in prompts], np.int32)
     out = runner.step(StepBatch(

@@ -24,7 +24,8 @@ peft = pytest.importorskip("peft")
 CONFIG = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=192, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 RC = RunnerConfig(num_blocks=120, block_size=4, max_model_len=64, prefill_batch_sizes=(4,), prefill_seq_lengths=(32,),
-                  decode_batch_sizes=(4,), decode_block_widths=(16,), mixed_steps=True, max_num_batched_tokens=32)
+                  decode_batch_sizes=(4,), decode_block_widths=(16,), mixed_steps=True, max_num_batched_tokens=32,
+                  decode_steps=3)  # the looped decode graphs too (test_looped_decode_steps_with_adapters_match_peft)
 LORA = {"max_loras": 3, "max_lora_rank": 8}
 # three adapters of different ranks and targets (PEFT LoraConfig keywords)
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -239,15 +240,11 @@ def test_ascend_graphs_with_adapters_export_and_pass_the_contract_check(model_di
     assert "RmsNorm x5, Swiglu x2" in res.stdout  # the update and the projection share each norm (one RmsNorm)
 
 
-def test_looped_decode_steps_with_adapters_match_peft(model_dir, adapters, base_hf):
+def test_looped_decode_steps_with_adapters_match_peft(runner, adapters, base_hf):
     """Several decode steps in one graph call (scheduler.decode_steps): the later steps' blocks, allocated ahead in
     the tables, name the row's slot too."""
     from tests.test_looped_decode import looped_generate
 
-    rc = RunnerConfig(num_blocks=60, block_size=8, max_model_len=64, prefill_batch_sizes=(4,),
-                      prefill_seq_lengths=(32,), decode_batch_sizes=(4,), decode_block_widths=(8,), decode_steps=3)
-    runner = ModelRunner(CONFIG, load_weights(model_dir, CONFIG), rc, lora=LORA)
-    runner.warmup()
     models = load_all(runner, adapters) + [base_hf]
     slots = [2, -1, 0]
     batch_prompts = prompts(3, seed=16)

@@ -46,6 +46,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "%(default)s; point model_config.ascend_preflight at it); the children's output goes to FILE.log")
     p.add_argument("--graphs", action="store_true", help="also time the first compile of each graph family of the "
                    "configured model (the small model's without --config)")
+    p.add_argument("--selections", metavar="NAMES", help="comma-separated kernel selections to check (default: "
+                   f"all, {','.join(s.name for s in SELECTIONS)}): e.g. one again after a CANN upgrade; the verdict "
+                   "counts the others as failed")
     p.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="seconds each selection's process "
                    "may take (default %(default)s)")
 
@@ -122,7 +125,19 @@ def print_results(name: str, results: dict[str, Any]) -> bool:
     return selection_passed(checks)
 
 
+def chosen_selections(names: str | None) -> list[Selection]:
+    """``--selections``' kernel selections in ``SELECTIONS`` order (all without it); CliError naming an unknown one."""
+    if names is None:
+        return list(SELECTIONS)
+    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    known = {s.name for s in SELECTIONS}
+    if not wanted or wanted - known:
+        raise CliError(f"--selections {names!r}: each must be one of {', '.join(sorted(known))}")
+    return [s for s in SELECTIONS if s.name in wanted]
+
+
 def _run(args: argparse.Namespace) -> int:
+    chosen = chosen_selections(args.selections)
     spec_json = configured_spec(args) if args.graphs else None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +146,7 @@ def _run(args: argparse.Namespace) -> int:
     compile_seconds: dict[str, float] = {}
     with open(f"{out}.log", "w") as log, tempfile.TemporaryDirectory(prefix="preflight-") as tmp:
         models = random_models(Path(tmp))
-        for i, selection in enumerate(SELECTIONS):
+        for i, selection in enumerate(chosen):
             part = Path(tmp) / f"{selection.name}.json"
             print(f"== {selection.name}: MS_INTERNAL_DISABLE_CUSTOM_KERNEL_LIST={selection.disable_custom_kernels!r} "
                   f"({selection.source}; PagedAttention {selection.paged_attention}, FlashAttentionScore "
