@@ -348,8 +348,9 @@ def test_on_the_model_greedy_tokens_are_those_of_plain_decoding(tmp_path):
 
 @pytest.mark.parametrize("method", ["draft", "self"])
 def test_a_draft_in_the_agent_keeps_greedy_tokens_and_frees_every_block(tmp_path, method):
-    """The draft (a random model of the same vocabulary, or the target's first layer) proposes in the agent; the
-    draft model in up to 3 verify rounds a step."""
+    """The draft (a random model of the same vocabulary, or the target's first layer) proposes in the agent, a
+    round's proposals in one looped draft call (and self-speculation also one call per proposal,
+    ``draft_loop`` false); the draft model in up to 3 verify rounds a step."""
     from llm_serving.engine.loop import Engine
     from llm_serving.models.random_model import build_random_model
     from llm_serving.protocol.model_config import LlamaConfig
@@ -365,16 +366,22 @@ def test_a_draft_in_the_agent_keeps_greedy_tokens_and_frees_every_block(tmp_path
     results = {}
     every_step = {"adaptive": False, "min_accepted": 0, "max_step_tokens": 64}  # the mechanism, not the policy
     rounds = 3 if method == "draft" else 1
-    for sections in ({}, {"speculative": {**spec, "num_tokens": 3, "rounds": rounds, **every_step}}):
+    speculative = {**spec, "num_tokens": 3, "rounds": rounds, **every_step}
+    runs = {"plain": {}, "looped": {"speculative": speculative}}
+    if method == "self":
+        runs["per-step"] = {"speculative": {**speculative, "draft_loop": False}}
+    for name, sections in runs.items():
+        lines: list[str] = []
         with Engine(tiny_engine_config(tmp_path, **sections)) as engine:
-            engine.start(progress=None)
+            engine.start(progress=lines.append)
             streams = [engine.submit(p, SamplingParams(n, ignore_eos=True)) for p, n in zip(prompts, limits)]
             done = [s.result(timeout=120) for s in streams]
             late = engine.submit(prompts[0], SamplingParams(5, ignore_eos=True)).result(timeout=120)  # alone
             stats = engine.stats()
             assert stats["kv_blocks_used"] == 0
-        results[bool(sections)] = [r.token_ids for r in done] + [late.token_ids]
-    assert results[True] == results[False]
+        results[name] = [r.token_ids for r in done] + [late.token_ids]
+        assert any("draft warmed loop3 batch=4" in line for line in lines) == (name == "looped")
+    assert results["looped"] == results["plain"] == results.get("per-step", results["plain"])
     assert stats["spec_verify_steps"] > 0 and stats["spec_proposed_tokens"] > 0
     assert (stats["multi_step_batches"] > 0) == (rounds > 1)  # steps of several verify rounds
     if method == "self":  # the first layer of two agrees with the model sometimes, never always on random weights
