@@ -127,7 +127,7 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
     weights = load_rank_weights(spec.model_path, config, shard, host_dtype, quantize)  # before MindSpore: fails fast
     weights = with_kv_scales(weights, spec.model_path, config, shard, spec.runner_config)
     from agents.runtime.runner import ModelRunner, RunnerConfig
-    from agents.runtime.speculative_runner import SpeculativeRunner, layer_prefix
+    from agents.runtime.speculative_runner import SpeculativeRunner, draft_loops, layer_prefix
 
     if spec.exit_layer is not None:
         progress(f"early exit: serving layers 1..{spec.exit_layer} of {config.num_hidden_layers}")
@@ -163,7 +163,9 @@ def build_runner(spec: AgentSpec, rank: int, progress: Callable[[str], None], li
         return runner
     draft_config, draft_weights = draft_model
     progress(f"building the draft model ({draft_config.num_hidden_layers} layers)")
-    draft = ModelRunner(draft_config, draft_weights, replace(runner_config, verify_tokens=0),
+    loops = draft_loops(runner_config.verify_tokens, runner_config.verify_step_tokens,
+                        runner_config.decode_batch_sizes) if spec.draft.get("looped", True) else ()
+    draft = ModelRunner(draft_config, draft_weights, replace(runner_config, verify_tokens=0, draft_loops=loops),
                         shard=ShardPlan(draft_config, shard.tp, rank))
     return SpeculativeRunner(runner, draft)
 

@@ -1,8 +1,8 @@
 """Speculative decoding and early exit on the shipped trained pair (llm_serving/models/pydoc), side by side in one run.
 
-    python scripts/bench_speculative.py [--methods plain,ngram,draft,self1,self2,draft-policies] [--levels 1,8,32]
-                                        [--rounds 2] [--num-prompts 32] [--max-output-tokens 64]
-                                        [--exit-layers 1,2,3]
+    python scripts/bench_speculative.py [--methods plain,ngram,draft,self1,self2,draft-policies,draft-loop]
+                                        [--levels 1,8,32] [--rounds 2] [--num-prompts 32] [--max-output-tokens 64]
+                                        [--exit-layers 1,2,3] [--round-costs]
 
 Workloads: ``continue``, the first ``--prompt-tokens`` tokens of held-out standard-library docstrings (text the model
 never trained on); ``copy``, the same followed by their first half again (the output can copy the input, what prompt
@@ -14,6 +14,10 @@ acceptance rate (accepted / proposed) and mean acceptance length (tokens a seque
 model's own pick included); every method's tokens are checked equal to
 plain greedy's. Early exit: teacher-forced agreement of the first N layers' greedy pick with the whole model's on
 the held-out text (and their perplexities), and one stream's tokens/s served with ``early_exit_layer`` N.
+
+``--round-costs``: the graph calls of one stream's draft round timed hot in process (no engine): the target's decode
+and verify calls, the draft's decode call and its looped call of ``--num-tokens`` steps, and a whole round
+(``SpeculativeRunner``) with the looped draft and with one draft call per proposal.
 
 ``--openvino-python PY`` (``bash scripts/peer_env.sh openvino``) also runs OpenVINO GenAI f32 on the same token
 ids at one stream: plain, prompt lookup and the same draft (scripts/peers/run_openvino.py), after ours.
@@ -46,10 +50,12 @@ PAIR = ROOT / "llm_serving" / "models" / "pydoc"
 def method_section(name: str) -> dict:
     """plain, ngram, draft (the shipped draft) or selfN (the target's first N layers draft), with the method's
     default policies; a ``+policies`` suffix turns them on (``min_accepted`` 0.5: pauses, ``adaptive``: the
-    measured choice), ``-policies`` off."""
+    measured choice), ``-policies`` off; ``-loop``: the draft's proposals one call each (``draft_loop`` false)."""
     if "@" in name:  # verify rounds in the agent per step; for plain, decode steps per step (multi-step)
         base, rounds = name.split("@")
         return {**method_section(base), "rounds": int(rounds)}
+    if name.endswith("-loop"):
+        return {**method_section(name[: -len("-loop")]), "draft_loop": False}
     if name.endswith(("+policies", "-policies")):
         on = name.endswith("+policies")
         return {**method_section(name[: -len("+policies")]), "min_accepted": 0.5 if on else 0.0, "adaptive": on}
@@ -145,6 +151,70 @@ def early_exit_agreement(layers: list[int], windows: int = 24, seq_len: int = 25
     return sorted(rows)
 
 
+def round_costs(args: argparse.Namespace, calls: int = 200) -> list[tuple[str, float, float]]:
+    """(what, median wall ms, median process CPU ms) of one stream's draft-round calls on the pair: a prompt of
+    ``--prompt-tokens`` tokens prefilled, then each call ``calls`` times on the same positions (rewriting the same
+    K/V). Process CPU time, which a loaded machine's preemptions leave out, is the steadier figure there."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from agents.runtime.runner import ModelRunner, RunnerConfig
+    from agents.runtime.speculative_runner import SpeculativeRunner, draft_loops
+    from agents.weights.checkpoints import load_weights
+    from llm_serving.protocol.batch import StepBatch, verify_batch
+    from llm_serving.protocol.model_config import LlamaConfig
+    from llm_serving.protocol.step import StepKind
+
+    k, n, block = args.num_tokens, args.prompt_tokens, 16
+    rc = RunnerConfig(num_blocks=32, block_size=block, max_model_len=256, prefill_batch_sizes=(1,),
+                      prefill_seq_lengths=(64,), decode_batch_sizes=(1,), kernels="native", verify_tokens=k,
+                      verify_step_tokens=args.max_step_tokens)
+    runners = []
+    for name, loops in (("target", ()), ("draft", draft_loops(k, args.max_step_tokens, (1,)))):
+        config = LlamaConfig.from_model_dir(PAIR / name)
+        runner = ModelRunner(config, load_weights(PAIR / name, config),
+                             replace(rc, verify_tokens=0, draft_loops=loops) if name == "draft" else rc)
+        runner.warmup()
+        runners.append(runner)
+    target, draft = runners
+    spec = SpeculativeRunner(target, draft)
+    table = np.arange(1, 1 + rc.max_blocks_per_seq, dtype=np.int32)[None]
+    ids = np.array(workloads(args, Tokenizer(PAIR / "target" / "tokenizer.model"))["continue"][0], np.int32)
+    positions = np.arange(n, dtype=np.int32)
+    last = spec.step(StepBatch(ids, positions, positions + block, np.array([n], np.int32), np.array([n], np.int32),
+                               table)).token_ids
+    verify = verify_batch(last.tolist(), [[0] * k], np.array([n + 1]), table, block)
+    decode = StepBatch(last, np.array([n], np.int32), np.array([n + block], np.int32), np.ones(1, np.int32),
+                       np.array([n + 1], np.int32), table, kind=StepKind.DECODE)
+    filled = replace(verify, input_ids=spec.propose(verify)[0])
+    accepted = int(target.step(filled).num_more[0])  # 4 of 4: the round includes the draft's catch-up call
+
+    def looped_round() -> None:
+        spec.looped = True
+        spec.step(verify)
+
+    def per_step_round() -> None:
+        spec.looped = False
+        spec.step(verify)
+
+    probes = [("target decode call", lambda: target.step(decode)),
+              (f"target verify call ({k + 1} tokens)", lambda: target.step(filled)),
+              ("draft decode call", lambda: draft.step(decode)),
+              (f"draft looped call ({k} steps)", lambda: draft.draft_steps(decode, k)),
+              (f"draft round, looped ({accepted} of {k} proposals accepted)", looped_round),
+              (f"draft round, one draft call per proposal ({accepted} of {k})", per_step_round)]
+    wall: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
+    for _ in range(calls):  # interleaved, so the machine's load shifts hit every probe alike
+        for what, call in probes:
+            t0, c0 = time.perf_counter(), time.process_time()
+            call()
+            cpu.setdefault(what, []).append(time.process_time() - c0)
+            wall.setdefault(what, []).append(time.perf_counter() - t0)
+    return [(what, statistics.median(wall[what]) * 1e3, statistics.median(cpu[what]) * 1e3) for what in wall]
+
+
 def openvino_rows(python: str, loads: dict[str, list[list[int]]], args: argparse.Namespace,
                   reference: dict[tuple[str, int], list]) -> list[str]:
     """One stream of each workload on OpenVINO GenAI f32: plain, prompt lookup, the draft; tokens/s, ms per output
@@ -192,7 +262,15 @@ def main() -> None:
     ap.add_argument("--quote", action="store_true", help="also the quote workload: a docstring of prompt + output "
                     "tokens followed by its first 8 (the output can copy the prompt throughout)")
     ap.add_argument("--openvino-python", help="the OpenVINO peer's python (bash scripts/peer_env.sh openvino)")
+    ap.add_argument("--round-costs", action="store_true", help="only time one stream's draft-round calls in process")
     args = ap.parse_args()
+    if args.round_costs:
+        costs = round_costs(args)
+        print("| call | median wall ms | vs a target decode call | median process CPU ms | vs a target decode call |"
+              "\n|---|---|---|---|---|")
+        for what, ms, cpu_ms in costs:
+            print(f"| {what} | {ms:.3f} | {ms / costs[0][1]:.2f}x | {cpu_ms:.3f} | {cpu_ms / costs[0][2]:.2f}x |")
+        return
     methods = args.methods.split(",")
     levels = [int(n) for n in args.levels.split(",")]
     exits = [int(n) for n in args.exit_layers.split(",") if n]

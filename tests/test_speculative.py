@@ -348,8 +348,9 @@ def test_on_the_model_greedy_tokens_are_those_of_plain_decoding(tmp_path):
 
 @pytest.mark.parametrize("method", ["draft", "self"])
 def test_a_draft_in_the_agent_keeps_greedy_tokens_and_frees_every_block(tmp_path, method):
-    """The draft (a random model of the same vocabulary, or the target's first layer) proposes in the agent; the
-    draft model in up to 3 verify rounds a step."""
+    """The draft (a random model of the same vocabulary, or the target's first layer) proposes in the agent, a
+    round's proposals in one looped draft call (and self-speculation also one call per proposal,
+    ``draft_loop`` false); the draft model in up to 3 verify rounds a step."""
     from llm_serving.engine.loop import Engine
     from llm_serving.models.random_model import build_random_model
     from llm_serving.protocol.model_config import LlamaConfig
@@ -365,16 +366,22 @@ def test_a_draft_in_the_agent_keeps_greedy_tokens_and_frees_every_block(tmp_path
     results = {}
     every_step = {"adaptive": False, "min_accepted": 0, "max_step_tokens": 64}  # the mechanism, not the policy
     rounds = 3 if method == "draft" else 1
-    for sections in ({}, {"speculative": {**spec, "num_tokens": 3, "rounds": rounds, **every_step}}):
+    speculative = {**spec, "num_tokens": 3, "rounds": rounds, **every_step}
+    runs = {"plain": {}, "looped": {"speculative": speculative}}
+    if method == "self":
+        runs["per-step"] = {"speculative": {**speculative, "draft_loop": False}}
+    for name, sections in runs.items():
+        lines: list[str] = []
         with Engine(tiny_engine_config(tmp_path, **sections)) as engine:
-            engine.start(progress=None)
+            engine.start(progress=lines.append)
             streams = [engine.submit(p, SamplingParams(n, ignore_eos=True)) for p, n in zip(prompts, limits)]
             done = [s.result(timeout=120) for s in streams]
             late = engine.submit(prompts[0], SamplingParams(5, ignore_eos=True)).result(timeout=120)  # alone
             stats = engine.stats()
             assert stats["kv_blocks_used"] == 0
-        results[bool(sections)] = [r.token_ids for r in done] + [late.token_ids]
-    assert results[True] == results[False]
+        results[name] = [r.token_ids for r in done] + [late.token_ids]
+        assert any("draft warmed loop3 batch=4" in line for line in lines) == (name == "looped")
+    assert results["looped"] == results["plain"] == results.get("per-step", results["plain"])
     assert stats["spec_verify_steps"] > 0 and stats["spec_proposed_tokens"] > 0
     assert (stats["multi_step_batches"] > 0) == (rounds > 1)  # steps of several verify rounds
     if method == "self":  # the first layer of two agrees with the model sometimes, never always on random weights
@@ -493,3 +500,65 @@ def test_the_policies_default_by_method_and_yield_to_the_config():
     assert policies({"method": "self", "draft_layers": 1}) == (0.5, True)
     assert policies({"method": "self", "draft_layers": 1, "min_accepted": 0, "adaptive": False}) == (0.0, False)
     assert policies({"method": "ngram", "adaptive": True}) == (0.0, True)
+
+
+def test_a_looped_draft_round_proposes_what_per_step_draft_calls_propose(tmp_path):
+    """A round's proposals in one looped draft call (``SpeculativeRunner.propose``) are those of one draft call per
+    proposal, for sequences wanting 4, 2, none and 3 proposals (the loop runs 4 steps for all): the K/V of every
+    token before a sequence's end equal, none written outside the sequences' own blocks and the dummy block; the
+    round sizes a draft warms follow the verify step's token cap."""
+    from agents.runtime.runner import ModelRunner, RunnerConfig
+    from agents.runtime.speculative_runner import SpeculativeRunner, draft_loops
+    from agents.weights.checkpoints import load_weights
+    from llm_serving.models.random_model import build_random_model
+    from llm_serving.protocol.batch import verify_batch
+    from llm_serving.protocol.model_config import LlamaConfig
+
+    assert draft_loops(4, 8, (1, 8, 32)) == ((3, 2), (4, 1))  # 4 proposals alone, 3 for two, 1 (no loop) for three
+    assert draft_loops(3, None, (4,)) == ((3, 4),)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model_dir = build_random_model(tmp_path, config, seed=4, std=0.3)
+    block = 4
+    rc = RunnerConfig(num_blocks=24, block_size=block, max_model_len=64, prefill_batch_sizes=(4,),
+                      prefill_seq_lengths=(8,), decode_batch_sizes=(4,), decode_block_widths=(16,),
+                      kernels="native", draft_loops=((4, 4),))
+    draft = ModelRunner(config, load_weights(model_dir, config), rc)
+    draft.warmup()
+    assert ("loop4", 4, 16) in draft.graph_shapes()
+    rng = np.random.default_rng(2)
+    prompt_lens, drafts = [7, 4, 7, 10], [4, 2, 0, 3]  # the third ends on a block's end: its loop steps go past it
+    tables = [[1, 2, 3], [5, 6], [8, 9], [11, 12, 13, 14]]  # each row's blocks for its prompt and proposals
+    width = max(map(len, tables))
+    block_tables = np.array([t + [0] * (width - len(t)) for t in tables], np.int32)
+    prompts = [rng.integers(3, 256, n).astype(np.int32) for n in prompt_lens]
+    lens = np.array(prompt_lens, np.int32)
+    positions = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
+    rows = np.repeat(np.arange(4), lens)
+    slots = block_tables[rows, positions // block] * block + positions % block
+    prefill = draft.step(StepBatch(np.concatenate(prompts), positions, slots.astype(np.int32), lens, lens.copy(),
+                                   block_tables))
+    batch = verify_batch(prefill.token_ids.tolist(), [[0] * d for d in drafts], lens + 1, block_tables, block)
+    spec = SpeculativeRunner(draft, draft, looped=False)  # propose() runs only the draft
+
+    def cache() -> np.ndarray:
+        return draft.model.layers[0].attention.cache_blocks(block)[0].copy()  # [blocks, 2 * kv heads, block, dim]
+
+    def own(c: np.ndarray) -> list[np.ndarray]:  # each row's K/V up to its last token and proposals but the last
+        return [c[np.array(t)[np.arange(n + d) // block], :, np.arange(n + d) % block]
+                for t, n, d in zip(tables, prompt_lens, drafts)]
+
+    before = cache()
+    per_step, written = spec.propose(batch)
+    assert not written.any()
+    stepped = cache()
+    spec.looped = True
+    looped, written = spec.propose(batch)
+    assert written.tolist() == [False, True, False, True]  # the loop ran past the last proposal of 2 and 3
+    after = cache()
+    assert looped.tolist() == per_step.tolist()
+    assert sorted(set(looped[batch.input_ids == 0].tolist())) != [0]  # the placeholders were filled
+    for a, b in zip(own(after), own(stepped)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    others = np.setdiff1d(np.arange(1, rc.num_blocks), np.concatenate([np.array(t) for t in tables]))
+    np.testing.assert_array_equal(after[others], before[others])  # no other sequence's block written

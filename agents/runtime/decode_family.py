@@ -26,9 +26,10 @@ class Decode:
     def __init__(self, rc: RunnerConfig, backend: OpsBackend | None, costs: CostTable) -> None:
         self.rc, self.backend, self.costs = rc, backend, costs
         self.skips_padding = backend is not None and backend.skips_padding
+        self.batch_sizes = rc.decode_batch_sizes  # the batch buckets warmed
 
     def shapes(self) -> list[tuple]:
-        return [("decode", b, w) for b in self.rc.decode_batch_sizes for w in self.rc.decode_block_widths]
+        return [("decode", b, w) for b in self.batch_sizes for w in self.rc.decode_block_widths]
 
     def warmup_inputs(self, shape: tuple) -> list[np.ndarray]:
         """Contexts of one token."""
@@ -39,7 +40,7 @@ class Decode:
 
     def shape_for(self, count: int, longest: int) -> tuple | None:
         """The shape of ``count`` sequences of contexts up to ``longest`` tokens, or None."""
-        b = fit(count, self.rc.decode_batch_sizes)
+        b = fit(count, self.batch_sizes)
         w = fit(blocks_needed(longest, self.rc.block_size), self.rc.decode_block_widths)
         return ("decode", b, w) if b and w else None
 
@@ -53,7 +54,7 @@ class Decode:
         try:
             if self.skips_padding:
                 return self._chunks(lengths)
-            return plan_groups(lengths, self.rc.decode_batch_sizes, self.cost)
+            return plan_groups(lengths, self.batch_sizes, self.cost)
         except ValueError:
             raise ValueError(self.too_long(int(lengths.max()))) from None
 
@@ -68,7 +69,7 @@ class Decode:
         nothing)."""
         if self.shape_for(1, int(context_lens.max())) is None:
             raise ValueError("no compiled width holds the longest context")
-        calls = -(-len(context_lens) // self.rc.decode_batch_sizes[-1])
+        calls = -(-len(context_lens) // self.batch_sizes[-1])
         if calls == 1:  # in batch order: the call takes the step as it is (StepBatch.take copies nothing)
             return [np.arange(len(context_lens))]
         return np.array_split(np.argsort(context_lens, kind="stable"), calls)

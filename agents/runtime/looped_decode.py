@@ -9,7 +9,8 @@ without logits rows come here (the scheduler's multi-step conditions); rows that
 master as with the host loop.
 
 ``LoopedDecode`` is the graph family (``agents.runtime.graph_family``) of one k, ``("loop<k>", batch, width)``:
-the decode family's buckets, its block-table width covering the context of the last of the k steps.
+the decode family's buckets (up to ``max_batch`` sequences where given), its block-table width covering the context
+of the last of the k steps. A draft model's rounds of proposals run on it too (``speculative_runner``).
 """
 
 from __future__ import annotations
@@ -75,16 +76,24 @@ class LoopedDecode(Decode):
 
     unit, tag = "blocks", "w"
 
-    def __init__(self, rc: RunnerConfig, backend: OpsBackend | None, costs: CostTable, steps: int) -> None:
+    def __init__(self, rc: RunnerConfig, backend: OpsBackend | None, costs: CostTable, steps: int,
+                 max_batch: int | None = None) -> None:
         super().__init__(rc, backend, costs)
         self.steps = steps
         self.graph = f"loop{steps}"
+        sizes = rc.decode_batch_sizes
+        top = (fit(max_batch, sizes) or sizes[-1]) if max_batch is not None else sizes[-1]
+        self.batch_sizes = tuple(b for b in sizes if b <= top)
 
     def shapes(self) -> list[tuple]:
-        return [(self.graph, b, w) for b in self.rc.decode_batch_sizes for w in self.rc.decode_block_widths]
+        return [(self.graph, b, w) for b in self.batch_sizes for w in self.rc.decode_block_widths]
+
+    def holds(self, count: int) -> bool:
+        """Whether a warmed bucket takes ``count`` sequences."""
+        return count <= self.batch_sizes[-1]
 
     def shape_for(self, count: int, longest: int) -> tuple | None:
-        b = fit(count, self.rc.decode_batch_sizes)
+        b = fit(count, self.batch_sizes)
         w = fit(blocks_needed(longest + self.steps - 1, self.rc.block_size), self.rc.decode_block_widths)
         return (self.graph, b, w) if b and w else None
 

@@ -79,13 +79,18 @@ def graph_families(rc: RunnerConfig, ragged: bool, backend: OpsBackend | None = 
 
 def looped_families(rc: RunnerConfig, backend: OpsBackend | None = None,
                     costs: CostTable | None = None) -> dict[int, LoopedDecode]:
-    """The looped decode family of ``rc.decode_steps`` steps a call, by its steps; none at one step, and none on
-    Ascend: there PagedAttention reads the context lengths from the graph input's host values and the rotary
+    """The looped decode families by their steps: of ``rc.decode_steps`` steps a call (every batch bucket), and of
+    a draft's round sizes (``rc.draft_loops``, the buckets up to their most sequences); none of one step, and none
+    on Ascend: there PagedAttention reads the context lengths from the graph input's host values and the rotary
     embedding wants the input positions, which a later step's in-graph lengths and positions are not (the export's
-    contract check says so), so multi-step batches take the host loop."""
+    contract check says so), so multi-step batches and draft rounds take the host loop."""
     costs = costs if costs is not None else CostTable()
-    looped = rc.decode_steps > 1 and rc.device_target == "CPU"
-    return {k: LoopedDecode(rc, backend, costs, k) for k in ([rc.decode_steps] if looped else [])}
+    if rc.device_target != "CPU":
+        return {}
+    sizes = {k: most for k, most in rc.draft_loops if k > 1}
+    if rc.decode_steps > 1:
+        sizes[rc.decode_steps] = rc.decode_batch_sizes[-1]
+    return {k: LoopedDecode(rc, backend, costs, k, sizes[k]) for k in sorted(sizes)}
 
 
 def warmup_shapes(rc: RunnerConfig, ragged_prefill: bool) -> list[tuple]:
@@ -253,6 +258,28 @@ class ModelRunner(FamilyRunner):
                 ids[group], logprobs[group] = part_ids.asnumpy()[:used], part_lps.asnumpy()[:used]
         return StepOutput(ids[:, 0].copy(), logprobs[:, 0].copy(), more_token_ids=ids[:, 1:].copy(),
                           more_logprobs=logprobs[:, 1:].copy())
+
+    def draft_steps(self, batch: StepBatch, steps: int) -> np.ndarray | None:
+        """Greedy ids ``[n, k]`` of ``k >= steps`` decode steps from each row's token in looped graph calls (a draft
+        round's proposals, ``speculative_runner``), or None where no looped graph holds the batch.
+
+        Unlike ``decode_steps``, the block tables need only cover each row's first step: a row's later steps may
+        pass its end, their K/V written past it into its own last block or the dummy block (table columns past a
+        row's blocks are the dummy block; the bucket's width covers every step, so none is clamped onto a real
+        column). None where a later step would pass ``max_model_len``."""
+        fits = [k for k, family in self.looped.items() if k >= steps and family.holds(batch.batch_size)]
+        if not fits or int(batch.positions.max(initial=0)) + min(fits) > self.rc.max_model_len:
+            return None
+        rc, family, n = self.rc, self.looped[min(fits)], batch.batch_size
+
+        def check(part: StepBatch) -> None:
+            check_cache_indices(part, rc.num_blocks, rc.block_size, rc.max_blocks_per_seq)
+
+        ids = np.zeros((n, family.steps), np.int32)
+        with self._device_step(batch):
+            for group, part, (part_ids, _, _) in planned_calls({StepKind.DECODE: family}, batch, check, self._run):
+                ids[group] = part_ids.asnumpy()[: part.batch_size]
+        return ids
 
     def _verify(self, batch: StepBatch) -> StepOutput:
         """A step of proposals to verify (``agents.runtime.verify_steps``): the picks after every token of each

@@ -48,6 +48,9 @@ class RunnerConfig:
     # 0: no verify graphs
     verify_tokens: int = 0
     decode_steps: int = 1  # scheduler.decode_steps: > 1 compiles the looped decode graphs (``looped_decode``)
+    # a draft runner's looped decode graphs: (steps, most sequences) of each draft round size speculation uses
+    # (``speculative_runner.draft_loops``); a round's k proposals then cost one graph call, not k
+    draft_loops: tuple[tuple[int, int], ...] = ()
     verify_step_tokens: int | None = None  # the tokens one verify step carries at most (None: a full decode batch's)
     # one compiled graph per family, its inputs' dimensions left open (``Cell.set_inputs`` with None dims, as
     # MindFormers and vllm-mindspore compile theirs); the buckets still pad and plan the calls (docs/ascend.md)

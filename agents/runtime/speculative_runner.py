@@ -9,15 +9,24 @@ draft; the draft's K/V of the tokens they produced are missing (stale slots), wh
 never change the output (the target verifies every token). A verify step (``StepBatch.draft_lens``, the
 proposals left as placeholders by the master) becomes:
 
-1. ``max(draft_lens)`` draft decode steps, each over the sequences still short of their proposals, each feeding the
-   token the previous one chose (the draft writes its K/V of the last token and the proposals but the last);
+1. the draft's proposals: ``k = max(draft_lens)`` greedy decode steps of the sequences with proposals, each feeding
+   the token the previous one chose (the draft writes its K/V of the last token and the proposals but the last).
+   Where the draft runner warmed a looped graph of ``k`` steps or more (``draft_loops``; CPU), they are one graph
+   call (``agents.runtime.looped_decode``): a graph call costs about as much as the draft's arithmetic here, so k
+   calls made a round cost 4-5 target decode calls (docs/speculative.md). A sequence wanting fewer than the loop's
+   steps runs them all and keeps its first ones: the steps past its proposals write K/V only past its end, into
+   its own last block (a block shared by prefix caching is always full and before a sequence's end) or the dummy
+   block (its table's columns past its blocks), where they are overwritten before anything reads them. Else (no
+   such graph, Ascend, or a step past ``max_model_len``) one decode call per step, each over the sequences still
+   short of their proposals;
 2. the target's verify step over the last token and the proposals (``agents.runtime.verify_steps``);
 3. for the sequences that accepted every proposal, one more draft decode step over the last proposal, whose K/V
-   the draft has not written yet (the others' next input is at or before it).
+   the draft has not written yet (the others' next input is at or before it; a sequence the loop ran past its
+   last proposal has it written already).
 
-So one master round trip gives up to ``draft_lens + 1`` tokens per sequence for one target call and ``k`` (+1) draft
-calls, all in the agent. Under tensor parallelism each rank runs the draft sliced as the target (its greedy picks
-are exact across ranks, as the target's).
+So one master round trip gives up to ``draft_lens + 1`` tokens per sequence for one target call and one (or ``k``)
+draft calls, +1, all in the agent. Under tensor parallelism each rank runs the draft sliced as the target (its
+greedy picks are exact across ranks, as the target's).
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from llm_serving.protocol.batch import StepBatch, StepOutput
+from llm_serving.protocol.batch import StepBatch, StepOutput, verify_round_proposals
 from llm_serving.protocol.model_config import LlamaConfig
 from llm_serving.protocol.step import StepKind
 
@@ -43,14 +52,28 @@ def layer_prefix(config: LlamaConfig, weights: dict[str, np.ndarray], n: int) ->
     return replace(config, num_hidden_layers=n), kept
 
 
+def draft_loops(num_tokens: int, step_tokens: int | None, batch_sizes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(proposals k > 1, most sequences) of each round size a verify step of up to ``batch_sizes[-1]`` sequences
+    gives (``protocol.batch.verify_round_proposals``): the looped graphs a draft runner warms
+    (``RunnerConfig.draft_loops``)."""
+    most: dict[int, int] = {}
+    for b in range(1, batch_sizes[-1] + 1):
+        k = verify_round_proposals(num_tokens, step_tokens or num_tokens * b + b, b)
+        if k > 1:
+            most[k] = b
+    return tuple(sorted(most.items()))
+
+
 class SpeculativeRunner:
     """The ``ModelRunner`` interface the agent serves through, over a target and a draft runner."""
 
-    def __init__(self, target, draft) -> None:
+    def __init__(self, target, draft, looped: bool = True) -> None:
+        """``looped``: a round's proposals in one looped draft call where the draft warmed one (``propose``)."""
         if draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) is not the target's "
                              f"({target.config.vocab_size}): a draft must share the target's tokenizer")
         self.target, self.draft = target, draft
+        self.looped = looped
         self.rc = target.rc
         self.config = target.config
 
@@ -82,23 +105,45 @@ class SpeculativeRunner:
 
     def _speculate(self, batch: StepBatch) -> StepOutput:
         lens = batch.draft_lens
-        last = np.cumsum(batch.query_lens) - lens - 1  # each sequence's last real token among the step's tokens
-        ids = batch.input_ids.copy()
-        for j in range(int(lens.max(initial=0))):
-            rows = np.flatnonzero(lens > j)
-            self._draft_decode(batch, rows, last[rows] + j, ids)
+        ids, written = self.propose(batch)
         output = self.target.step(replace(batch, input_ids=ids))
-        done = np.flatnonzero((output.num_more == lens) & (lens > 0))
+        done = np.flatnonzero((output.num_more == lens) & (lens > 0) & ~written)
         if done.size:  # the last proposal's K/V, which the draft never took as input
+            last = np.cumsum(batch.query_lens) - lens - 1
             self._draft_decode(batch, done, last[done] + lens[done], ids, write_back=False)
         return output
+
+    def propose(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
+        """The verify step's input ids with the draft's proposals in place of the placeholders, and for each
+        sequence whether the draft has written the K/V of its last proposal (a looped round ran past it)."""
+        lens = batch.draft_lens
+        last = np.cumsum(batch.query_lens) - lens - 1  # each sequence's last real token among the step's tokens
+        ids = batch.input_ids.copy()
+        most = int(lens.max(initial=0))
+        rows = np.flatnonzero(lens > 0)
+        looped = self.looped and most > 1
+        picks = self.draft.draft_steps(self._decode_batch(batch, rows, last[rows], ids), most) if looped else None
+        if picks is None:
+            for j in range(most):
+                rows = np.flatnonzero(lens > j)
+                self._draft_decode(batch, rows, last[rows] + j, ids)
+            return ids, np.zeros(batch.batch_size, np.bool_)
+        taken = np.arange(picks.shape[1]) < lens[rows, None]  # each row's first draft_lens picks
+        ids[(last[rows, None] + 1 + np.arange(picks.shape[1]))[taken]] = picks[taken]
+        written = np.zeros(batch.batch_size, np.bool_)
+        written[rows] = lens[rows] < picks.shape[1]
+        return ids, written
 
     def _draft_decode(self, batch: StepBatch, rows: np.ndarray, tokens: np.ndarray, ids: np.ndarray,
                       write_back: bool = True) -> None:
         """One draft decode step of ``rows`` on the step's tokens at ``tokens``; its picks become the next ones."""
-        step = StepBatch(ids[tokens], batch.positions[tokens], batch.slot_mapping[tokens],
-                         np.ones(len(rows), np.int32), batch.positions[tokens] + 1, batch.block_tables[rows],
-                         kind=StepKind.DECODE)
-        picks = self.draft.step(step).token_ids
+        picks = self.draft.step(self._decode_batch(batch, rows, tokens, ids)).token_ids
         if write_back:
             ids[tokens + 1] = picks
+
+    @staticmethod
+    def _decode_batch(batch: StepBatch, rows: np.ndarray, tokens: np.ndarray, ids: np.ndarray) -> StepBatch:
+        """A decode step of ``rows`` on the step's tokens at ``tokens`` (their K/V slots, their sequences' tables)."""
+        return StepBatch(ids[tokens], batch.positions[tokens], batch.slot_mapping[tokens],
+                         np.ones(len(rows), np.int32), batch.positions[tokens] + 1, batch.block_tables[rows],
+                         kind=StepKind.DECODE)

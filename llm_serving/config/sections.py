@@ -421,6 +421,8 @@ class SpeculativeSection:
     min_accepted: float | None = setting(None, "float", optional=True)
     # speculate only at batch sizes where it measured faster; None: the method's default (policies())
     adaptive: bool | None = setting(None, "bool", optional=True)
+    # draft and self: a round's proposals in one looped graph call of the draft (CPU; else one call each)
+    draft_loop: bool = setting(True, "bool")
 
     def verify_rounds(self) -> int:
         """Verify rounds a step, as set or the method's default: 8 for ngram (one stream 1.61x plain against 1.25x

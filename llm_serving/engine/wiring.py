@@ -136,7 +136,7 @@ def draft_spec(config: ServingConfig, llama: LlamaConfig) -> dict | None:
     """The agents' draft (``AgentSpec.draft``) of speculative decoding, checked against the served model."""
     sp, src = config.speculative, config.source
     if sp.method == "self":
-        return {"layers": sp.draft_layers}
+        return {"layers": sp.draft_layers, "looped": sp.draft_loop}
     if sp.method != "draft" or sp.draft_model_path is None:  # validate(): a draft names its path
         return None
     path = Path(sp.draft_model_path)
@@ -154,7 +154,7 @@ def draft_spec(config: ServingConfig, llama: LlamaConfig) -> dict | None:
         raise ConfigError(f"{src}: speculative.draft_model_path: each of the {config.num_agents} ranks runs its slice "
                           f"of the draft, which cannot be split so: {'; '.join(problems)}",
                           key="speculative.draft_model_path", source=src)
-    return {"model_path": str(path), "llama_config": draft.as_dict()}
+    return {"model_path": str(path), "llama_config": draft.as_dict(), "looped": sp.draft_loop}
 
 
 def check_mindformers_route(config: ServingConfig) -> None:

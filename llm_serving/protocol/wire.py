@@ -125,7 +125,7 @@ class AgentSpec:
     exit_layer: int | None = None
     # speculative decoding with a draft in the agents (agents.runtime.speculative_runner):
     # {"model_path", "llama_config"} of a draft model, or {"layers": n} for the target's own first n layers
-    # (self-speculation); None: no draft
+    # (self-speculation), with "looped": a round's proposals in one looped draft call; None: no draft
     draft: JsonObject | None = None
     # [min n, max n] of prompt lookup (speculative method ngram): the agents propose in a verify step's later rounds
     # (agents.runtime.verify_rounds); None: not prompt lookup
