@@ -101,7 +101,7 @@ class OpsBackend:
     # ``agents.weights.packed.pack_bf16``); set by ``with_precision``
     panel_dtype: str | None = None
     # model_config.quantization of the decoder layers' projections ("none" or "w8a16": int8 weights with a scale per
-    # output row, ``agents.model.llama.ProjectionWeight``); set by ``with_quantization``
+    # output row, ``agents.model.projection.ProjectionWeight``); set by ``with_quantization``
     layer_quantization: str = "none"
     kv_cache_dtype: str = "auto"  # model_config.kv_cache_dtype: "auto" (the model's dtype) or "int8"
 
