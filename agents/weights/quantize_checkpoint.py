@@ -8,7 +8,9 @@ byte.
 
 Served with ``model_config.quantization: w8a16`` it holds the numbers quantizing at load holds, at every
 tensor-parallel degree (a row's scale is the whole row's in both), from a quarter of the projections' bytes on
-disk and in host memory; Hugging Face transformers (with the compressed-tensors package) and vLLM load it too.
+disk and in host memory. Hugging Face transformers (with the compressed-tensors package) and vLLM load a dense
+model's too; transformers 5.24 does not load a mixture-of-experts one (its per-expert int8 tensors are not merged
+into its fused experts: docs/quantization.md).
 """
 
 from __future__ import annotations
