@@ -240,9 +240,9 @@ class SharedExpert(nn.Cell):
     layout, the backend's ``partial_linear`` and ``swiglu``), so under ``model_config.quantization`` w8a16 they are
     int8 with a float32 scale per output row read by the same int8 matmuls, and a rank's slice (``width`` of the
     rows) is scaled as the dense MLP's: gate/up rows by themselves, down columns by their whole rows (the loader's
-    scales). The gate ``[1, h]`` stays float, as the router does: each is a handful of logits through a sigmoid or
-    softmax, where int8's error would flip routing choices (and turn the shared expert's weight) for a saving of
-    ``h`` bytes a row."""
+    scales). The gate ``[1, h]`` stays float, as the router does: each gives a handful of logits read directly by a
+    sigmoid or a softmax and top-k, where int8's error can swap which experts a token picks (or rescale the whole
+    shared expert's output), to save ``h`` bytes a row (docs/quantization.md "Mixture-of-experts models")."""
 
     def __init__(self, hidden: int, width: int, dtype: ms.Type, quantization: str = "none",
                  backend: OpsBackend | None = None) -> None:
