@@ -257,7 +257,7 @@ class AscendAttention(Attention):
 
 
 class AscendProjection(nn.Cell):
-    """``x @ W^T`` for a projection's operands (``agents.model.llama.ProjectionWeight.operands``): ``MatMul`` of a
+    """``x @ W^T`` for a projection's operands (``agents.model.projection.ProjectionWeight.operands``): ``MatMul`` of a
     float weight, or the weight-quant matmul of an ``(int8 weight, scale)`` pair (w8a16)."""
 
     def __init__(self, fused: FusedOps) -> None:

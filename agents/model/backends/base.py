@@ -101,7 +101,7 @@ class OpsBackend:
     # ``agents.weights.packed.pack_bf16``); set by ``with_precision``
     panel_dtype: str | None = None
     # model_config.quantization of the decoder layers' projections ("none" or "w8a16": int8 weights with a scale per
-    # output row, ``agents.model.llama.ProjectionWeight``); set by ``with_quantization``
+    # output row, ``agents.model.projection.ProjectionWeight``); set by ``with_quantization``
     layer_quantization: str = "none"
     kv_cache_dtype: str = "auto"  # model_config.kv_cache_dtype: "auto" (the model's dtype) or "int8"
 
@@ -192,9 +192,9 @@ class OpsBackend:
         under ``layer_quantization`` w8a16), float32; None: the expert block's own graph ops (``agents.model.moe``)."""
         return None
 
-    def moe_layer(self) -> Callable[[bool], nn.Cell] | None:
-        """A sparse layer's whole MLP slot as one op, made per layer with or without (the argument) a shared
-        expert: ``NativeOps.moe_layer``'s inputs, the experts int8 under ``layer_quantization`` w8a16; float32.
+    def moe_layer(self) -> nn.Cell | None:
+        """A sparse layer's MLP slot as one op, a shared expert aside (``agents.model.moe.MoeMlp``):
+        ``NativeOps.moe_layer``'s inputs, the experts int8 under ``layer_quantization`` w8a16; float32.
         None: ``moe_experts``, or the block's graph ops."""
         return None
 
