@@ -14,15 +14,13 @@ run as the dense MLP is (``SharedExpert``), beside ``MoeLayer`` too."""
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
 from agents.model.backends.ascend_moe import ExpertSlice
-from agents.model.backends.base import OpsBackend
+from agents.model.backends.base import OpsBackend, RoutedExperts
 from agents.model.projection import ProjectionWeight
 from agents.weights import packed as packed_weights
 from llm_serving.protocol.moe_config import MoeSpec
@@ -188,14 +186,6 @@ class MoeBlock(nn.Cell):
         if scale is None:
             return weight
         return (weight.astype(ms.float32) * scale.reshape(scale.shape[0], scale.shape[1], 1)).astype(self.dtype)
-
-
-class RoutedExperts(Protocol):
-    """A backend's kernels for a sparse layer's routed experts (``OpsBackend.routed_experts``)."""
-
-    def cell(self, spec: MoeSpec, experts: ExpertSlice) -> nn.Cell:
-        """``(x, router_logits, gate_up [e, h, 2f], down [e, f, h]) -> the experts' weighted sum``."""
-        ...
 
 
 class ExpertsHeld:

@@ -455,7 +455,7 @@ class AscendBackend(OpsBackend):
 
 
 class AscendMoeKernels:
-    """``moe.RoutedExperts`` on Ascend: a sparse layer's routing and experts as MindSpore's MoE kernels."""
+    """``base.RoutedExperts`` on Ascend: a sparse layer's routing and experts as MindSpore's MoE kernels."""
 
     def __init__(self, moe: MoeOps | MoeReferenceOps) -> None:
         self.moe = moe

@@ -12,17 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
 from agents.model.backends import graph_ops
+from agents.model.backends.ascend_moe import ExpertSlice
 from llm_serving.protocol.model_config import LlamaConfig
-
-if TYPE_CHECKING:
-    from agents.model.moe import RoutedExperts
+from llm_serving.protocol.moe_config import MoeSpec
 
 
 class Attention(nn.Cell):
@@ -72,6 +71,15 @@ class LoraProjections:
     norm_swiglu: Callable[[int, float], nn.Cell]  # (ffn_dim, eps)
     residual_linear: Callable[[], nn.Cell]
     partial_linear: Callable[[int], nn.Cell]  # (out_dim)
+
+
+class RoutedExperts(Protocol):
+    """A backend's kernels for a sparse layer's routed experts (``OpsBackend.routed_experts``, run by
+    ``agents.model.moe.MoeBlock``)."""
+
+    def cell(self, spec: MoeSpec, experts: ExpertSlice) -> nn.Cell:
+        """``(x, router_logits, gate_up [e, h, 2f], down [e, f, h]) -> the experts' weighted sum``."""
+        ...
 
 
 class OpsBackend:
@@ -199,7 +207,7 @@ class OpsBackend:
         return None
 
     def routed_experts(self) -> RoutedExperts | None:
-        """A MoE layer's routing and experts as the backend's kernels (``agents.model.moe.RoutedExperts``: Ascend's
+        """A MoE layer's routing and experts as the backend's kernels (``RoutedExperts``: Ascend's
         MoE kernels); None: the expert block's own routing."""
         return None
 
