@@ -1,13 +1,15 @@
 """Loading int8 weights from a float checkpoint (quantized at load) against from an int8 checkpoint
 (``llm-serving quantize``): disk bytes, load time and the host memory a rank peaks at, side by side in one run.
 
-    python scripts/bench_int8_checkpoint.py [--model bench|trained|large] [--rounds 3] [--work-dir DIR]
+    python scripts/bench_int8_checkpoint.py [--model bench|trained|large|moe] [--rounds 3] [--work-dir DIR]
 
 Each case runs in its own process (its peak resident memory above its start, VmHWM after a reset, is its own) and
 holds what the model is then built from: the rank's weights with the projections as int8 and scales (at tp 1 from a
 float checkpoint the model quantizes while packing; here ``quantize_rows`` stands in for that step, its float32 copy
 included). Cases alternate within a round; medians over rounds. ``large``: a random 0.5 B-parameter Llama (hidden
-2048, 8 layers), where the projections dominate the bytes as they do in a 7B-70B model.
+2048, 8 layers), where the projections dominate the bytes as they do in a 7B-70B model. ``moe``: a random
+Qwen2-MoE (transformers' own initialisation; hidden 512, 4 layers of 16 experts, top 4, and a shared expert), where
+the routed and shared experts are int8 in the checkpoint too.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def build(model: str, work: Path) -> Path:
         from llm_serving.models.default_model import TRAINED_MODEL
 
         return TRAINED_MODEL
+    if model == "moe":
+        return build_moe(work / model)
     if model == "bench":
         from bench_model import BENCH_MODEL
 
@@ -49,6 +53,22 @@ def build(model: str, work: Path) -> Path:
     return out
 
 
+def build_moe(out: Path) -> Path:
+    """A random Qwen2-MoE directory as transformers writes it (its per-expert tensors), float32."""
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    import transformers
+
+    config = transformers.Qwen2MoeConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408,
+                                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                                         num_experts=16, num_experts_per_tok=4, moe_intermediate_size=512,
+                                         shared_expert_intermediate_size=1024, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    transformers.Qwen2MoeForCausalLM(config).save_pretrained(out)
+    return out
+
+
 def status_kib(field: str) -> int:
     """A memory figure of /proc/self/status, in KiB."""
     line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
@@ -58,7 +78,7 @@ def status_kib(field: str) -> int:
 def child(model_dir: str, tp: int) -> dict:
     """Load rank 0's weights as the w8a16 model is built from them; time and peak memory."""
     from agents.weights import packed
-    from agents.weights.sharded import QUANTIZED_KINDS, load_rank_weights
+    from agents.weights.sharded import EXPERT_KINDS, QUANTIZED_KINDS, SHARED_EXPERT_KINDS, load_rank_weights
     from llm_serving.protocol.model_config import LlamaConfig
     from llm_serving.protocol.parallel import ShardPlan
 
@@ -67,8 +87,11 @@ def child(model_dir: str, tp: int) -> dict:
     before = status_kib("VmRSS")
     start = time.perf_counter()
     weights = load_rank_weights(model_dir, config, ShardPlan(config, tp, 0), "float32", quantize=True)
-    for key in [k for k in weights if k.rsplit(".", 1)[-1] in QUANTIZED_KINDS and f"{k}.scale" not in weights]:
-        weights[key], weights[f"{key}.scale"] = packed.quantize_rows(weights[key])  # the tp 1 model's pack step
+    kinds = (*QUANTIZED_KINDS, *EXPERT_KINDS, *SHARED_EXPERT_KINDS)
+    for key in [k for k in weights if k.rsplit(".", 1)[-1] in kinds and f"{k}.scale" not in weights]:
+        value = weights[key]  # the tp 1 model's pack step (an expert stack per expert and row)
+        q, scale = packed.quantize_rows(value.reshape(-1, value.shape[-1]))
+        weights[key], weights[f"{key}.scale"] = q.reshape(value.shape), scale.reshape(value.shape[:-1])
     seconds = time.perf_counter() - start
     held = sum(v.nbytes for v in weights.values())
     return {"seconds": seconds, "peak_mib": (status_kib("VmHWM") - before) / 1024, "held_mib": held / 2**20}
@@ -76,7 +99,7 @@ def child(model_dir: str, tp: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=("bench", "trained", "large"), default="bench")
+    p.add_argument("--model", choices=("bench", "trained", "large", "moe"), default="bench")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/llm-serving-int8-checkpoint"))
     p.add_argument("--child", nargs=2, metavar=("MODEL_DIR", "TP"), help=argparse.SUPPRESS)

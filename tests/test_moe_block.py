@@ -157,8 +157,7 @@ def test_int8_experts_compute_the_float_block_on_their_dequantized_values(tokens
     def run(weights: dict[str, np.ndarray], quantization: str) -> np.ndarray:
         int8 = quantization != "none"
         if ops == "layer" and native is not None:
-            mlp = MoeMlp(spec, H, 1e-6, ms.float32, quantization=quantization,
-                         layer_op=lambda shared: native.moe_layer(shared, int8))
+            mlp = MoeMlp(spec, H, 1e-6, ms.float32, quantization=quantization, layer_op=native.moe_layer(int8))
             mlp.block.load(weights, 0)
             return mlp(x, ms.Tensor(np.ones(H, np.float32)), n).asnumpy()[:rows]
         op = None if native is None else (native.moe_experts_int8() if int8 else native.moe_experts())
@@ -196,15 +195,16 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 @pytest.mark.parametrize("tokens, rows", [(1, 1), (32, 20)])
 def test_the_layer_op_is_the_norm_routing_and_block_of_the_reference(tokens: int, rows: int, shared: int,
                                                                       router: str) -> None:
-    """``MoeLayer`` (kernels/moe_experts.cc) as the MLP slot (``MoeMlp`` on the native backend): x + the reference
-    block on rmsnorm(x) on the real rows, x on the padding; at two ranks of expert parallelism and two of tensor
-    parallelism (the shared expert cut), each rank's partial sum without the residual, adding up to the block.
-    ``tied``: a zero router, every expert's probability equal, so the picks are the k lowest ids (torch.topk's
-    order, held by moe_routing)."""
+    """``MoeLayer`` (kernels/moe_experts.cc) as the MLP slot (``MoeMlp`` on the native backend; a shared expert
+    as its own cell of native projections beside it): x + the reference block on rmsnorm(x) on the real rows, x on
+    the padding; at two ranks of expert parallelism and two of tensor parallelism (the shared expert cut), each
+    rank's partial sum without the residual, adding up to the block. ``tied``: a zero router, every expert's
+    probability equal, so the picks are the k lowest ids (torch.topk's order, held by moe_routing)."""
     from dataclasses import replace
 
     from mindspore import nn
 
+    from agents.model.backends.native_cpu import NativeCpuBackend
     from agents.model.moe import MoeMlp
     from agents.model.native_kernels import native_ops
     from llm_serving.protocol.model_config import LlamaConfig
@@ -223,12 +223,9 @@ def test_the_layer_op_is_the_norm_routing_and_block_of_the_reference(tokens: int
     w = {k: v.astype(np.float32) for k, v in w.items()}
     x, norm = rng.normal(0, 1, (tokens, H)).astype(np.float32), rng.normal(1, 0.1, H).astype(np.float32)
     args = (ms.Tensor(x), ms.Tensor(norm), ms.Tensor(np.array([rows], np.int32)))
-    native = native_ops(H)
+    backend = NativeCpuBackend(native_ops(H))  # the shared expert's projections too, as the model holds them
 
-    def layer_op(shared_expert: bool) -> nn.Cell:
-        return native.moe_layer(shared_expert, False)
-
-    mlp = MoeMlp(spec, H, 1e-6, ms.float32, layer_op=layer_op)
+    mlp = MoeMlp(spec, H, 1e-6, ms.float32, projections=backend, layer_op=backend.moe_layer())
     mlp.block.load(w, 0)
     assert mlp.fused
     got = mlp(*args).asnumpy()
@@ -249,7 +246,8 @@ def test_the_layer_op_is_the_norm_routing_and_block_of_the_reference(tokens: int
                                                                        shared_gate_up[shared + s0:shared + s1]]),
                             "layers.0.shared_down": w["layers.0.shared_down"][:, s0:s1]})
             # one rank's all-reduce is the identity: the slot then gives x + this rank's partial sum
-            ranked = MoeMlp(spec, H, 1e-6, ms.float32, plan, reduce=nn.Identity(), layer_op=layer_op)
+            ranked = MoeMlp(spec, H, 1e-6, ms.float32, plan, reduce=nn.Identity(), projections=backend,
+                            layer_op=backend.moe_layer())
             ranked.block.load(cut, 0)
             total += ranked(*args).asnumpy() - x
         np.testing.assert_allclose(total[:rows], block[:rows], rtol=1e-4, atol=1e-4)

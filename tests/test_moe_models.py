@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -118,7 +119,8 @@ def test_the_config_reads_each_familys_experts_and_sparse_layers(models):
 def test_greedy_ids_and_logprobs_are_transformers(models, arch, ops):
     """Whole prompts (prefill, then decode), then the same prompts in chunks of 7 over their cached context with
     decodes mixed in; then the counter-check: the router's rows permuted changes the ids, so the equality rests on
-    the routing being computed. Native: each sparse layer's MLP slot is one op (``MoeLayer``), routing included."""
+    the routing being computed. Native: each sparse layer's MLP slot is one op (``MoeLayer``), routing included,
+    Qwen2-MoE's shared expert beside it (``SharedExpert``'s native projections)."""
     from agents.model.llama import load_weights_into
 
     model_dir, config, refs = models[arch]
@@ -136,83 +138,141 @@ def test_greedy_ids_and_logprobs_are_transformers(models, arch, ops):
     assert PagedDriver(runner, seed=1).generate(prompts(), STEPS)[0] != [r[0] for r in refs]
 
 
+INT8_KINDS = ("w_qkv", "wo", "w_gate_up", "w_down", "experts_gate_up", "experts_down", "shared_gate_up",
+              "shared_down")
+# the checkpoint names of what w8a16 holds int8: every projection of attention, dense MLPs, experts, shared experts
+INT8_HF_NAMES = re.compile(r"^model\.layers\.\d+\..*(_proj|\.w[123])\.weight$")
+
+
 def w8a16_values(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The canonical weights with what w8a16 holds dequantized: the dense projections per output row, the
-    experts per expert and output row (router, shared expert, norms and embeddings stay float)."""
+    """The canonical weights with what w8a16 holds dequantized: the dense projections per output row, the routed
+    and shared experts per expert and output row (router, shared expert gate, norms and embeddings stay float)."""
     from agents.weights import packed as pw
 
     out = dict(weights)
     for key, value in weights.items():
-        kind = key.rsplit(".", 1)[-1]
-        if kind in ("w_qkv", "wo", "w_gate_up", "w_down", "experts_gate_up", "experts_down"):
+        if key.rsplit(".", 1)[-1] in INT8_KINDS:
             flat = value.reshape(-1, value.shape[-1])
             out[key] = pw.dequantize_rows(*pw.quantize_rows(flat)).reshape(value.shape)
     return out
 
 
-@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM"])
-def test_w8a16_holds_int8_experts_and_serves_the_float_model_on_their_values(models, arch):
-    """model_config.quantization w8a16 on a MoE model: every projection and expert held int8 (a byte a weight and
-    a float32 scale a row), and greedy ids and log-probabilities equal to the float32 model whose weights are the
-    dequantized int8 ones (exactly the maths served), whole prompts and chunks over cached context; and not the
-    float model's log-probabilities (really quantized)."""
+def hf_on_w8a16_values(model_dir, out):
+    """transformers' model of a copy of ``model_dir`` whose int8-held projections are their w8a16 values."""
+    import shutil
+
+    import transformers
+    from safetensors.numpy import load_file, save_file
+
+    from agents.weights import packed as pw
+
+    shutil.copytree(model_dir, out)
+    tensors = load_file(out / "model.safetensors")
+    tensors = {k: pw.dequantize_rows(*pw.quantize_rows(v)) if INT8_HF_NAMES.match(k) else v
+               for k, v in tensors.items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"])
+def test_w8a16_holds_int8_experts_and_serves_the_float_model_on_their_values(models, tmp_path, arch):
+    """model_config.quantization w8a16 on a MoE model: every projection, routed expert and shared expert held int8
+    (a byte a weight and a float32 scale a row; the router and the shared expert's gate float), and greedy ids and
+    log-probabilities equal to the float32 model whose weights are the dequantized int8 ones (exactly the maths
+    served), whole prompts and chunks over cached context, and transformers' greedy ids on the checkpoint of those
+    values; ``llm-serving quantize``'s checkpoint loaded in place of quantizing at load: the same ids and
+    log-probabilities."""
+    from agents.model.llama import load_weights_into, model_weights
+    from agents.weights.quantize_checkpoint import quantize_checkpoint
+    from agents.weights.sharded import load_rank_weights
+    from llm_serving.protocol.parallel import ShardPlan
+
     model_dir, config, _ = models[arch]
     weights = load_weights(model_dir, config)
+    values = w8a16_values(weights)
+    assert all(np.abs(values[k] - weights[k]).max() > 0 for k in weights if k.rsplit(".", 1)[-1] in INT8_KINDS)
     rc = dataclasses.replace(RC, kernels="native", mixed_steps=True, max_num_batched_tokens=32)
     runners = {name: ModelRunner(config, w, dataclasses.replace(rc, quantization=q))
-               for name, w, q in (("w8a16", weights, "w8a16"), ("values", w8a16_values(weights), "none"),
-                                  ("float", weights, "none"))}
+               for name, w, q in (("w8a16", weights, "w8a16"), ("values", values, "none"))}
     for runner in runners.values():
         runner.warmup()
+    p = f"layers.{SPARSE[arch][0]}."
     block = runners["w8a16"].model.layers[SPARSE[arch][0]].moe.block
     e, f, h = config.moe.num_experts, config.moe.moe_intermediate_size, config.hidden_size
-    assert [str(p.dtype) for p in (block.experts_gate_up, block.experts_down)] == ["Int8", "Int8"]
+    assert [str(w.dtype) for w in (block.experts_gate_up, block.experts_down)] == ["Int8", "Int8"]
     assert block.experts_gate_up.nbytes + block.experts_down.nbytes == 3 * e * f * h
     assert block.experts_gate_up_scale.nbytes + block.experts_down_scale.nbytes == 4 * e * (2 * f + h)
+    assert str(block.router.dtype) == "Float32"
+    if block.shared is not None:  # int8 panels as the dense MLP's, read back as their dequantized values
+        assert [str(w.dtype) for w in (block.shared.gate_up.weight, block.shared.down.weight)] == ["Int8", "Int8"]
+        assert str(block.shared.gate.dtype) == "Float32"
+        held = model_weights(runners["w8a16"].model)
+        for kind in ("shared_gate_up", "shared_down"):
+            np.testing.assert_array_equal(held[p + kind], values[p + kind])
     got = PagedDriver(runners["w8a16"], seed=1).generate(prompts(), STEPS)
     want = PagedDriver(runners["values"], seed=1).generate(prompts(), STEPS)
     assert got[0] == want[0]
     np.testing.assert_array_equal(np.array(got[1]), np.array(want[1]))
-    assert np.abs(np.array(got[1]) - np.array(PagedDriver(runners["float"], seed=1).generate(
-        prompts(), STEPS)[1])).max() > 0
     chunked = ChunkDriver(runners["w8a16"], seed=2).generate(prompts(), STEPS, chunk=7, starts=[0, 2, 3])
     assert chunked == ChunkDriver(runners["values"], seed=2).generate(prompts(), STEPS, chunk=7, starts=[0, 2, 3])
+    hf = hf_on_w8a16_values(model_dir, tmp_path / "values")
+    assert got[0] == [hf_greedy(hf, prompt, STEPS)[0] for prompt in prompts()]
+    int8_dir = quantize_checkpoint(model_dir, tmp_path / "int8")
+    int8_config = LlamaConfig.from_model_dir(int8_dir)
+    load_weights_into(runners["w8a16"].model, load_rank_weights(int8_dir, int8_config, ShardPlan(int8_config),
+                                                                quantize=True))
+    assert PagedDriver(runners["w8a16"], seed=1).generate(prompts(), STEPS) == got
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
-def test_a_ranks_int8_experts_are_the_whole_models_cut(models, expert_parallel):
-    """w8a16 at two ranks: each rank's int8 experts and scales are the one-rank quantization's cut (a down
-    projection's column slice scaled by its whole rows), so every degree serves the same numbers; the budget counts
-    a byte a weight."""
+def test_a_ranks_int8_experts_are_the_whole_models_cut(models, tmp_path, expert_parallel):
+    """w8a16 at two ranks (Qwen2-MoE: routed and shared experts): each rank's int8 experts, shared expert and
+    scales are the one-rank quantization's cut (a down projection's column slice scaled by its whole rows), so every
+    degree serves the same numbers; from ``llm-serving quantize``'s checkpoint each rank reads those same tensors;
+    the budget counts a byte a weight."""
     from agents.runtime import kv_budget
     from agents.weights import packed as pw
+    from agents.weights.quantize_checkpoint import quantize_checkpoint
     from agents.weights.sharded import load_rank_weights
     from llm_serving.protocol.parallel import ShardPlan
 
-    model_dir, config, _ = models["Qwen3MoeForCausalLM"]
+    arch = "Qwen2MoeForCausalLM"
+    model_dir, config, _ = models[arch]
+    int8_dir = quantize_checkpoint(model_dir, tmp_path / "int8")
+    int8_config = LlamaConfig.from_model_dir(int8_dir)
     whole = load_weights(model_dir, config)
-    f = config.moe.moe_intermediate_size
+    f, s, p = config.moe.moe_intermediate_size, config.moe.shared_expert_intermediate_size, f"layers.{SPARSE[arch][0]}."
     for rank in (0, 1):
         plan = ShardPlan(config, 2, rank, expert_parallel)
         shard = load_rank_weights(model_dir, config, plan, quantize=True)
-        (e0, e1), (f0, f1) = plan.expert_range(), plan.expert_ffn_range()
-        for kind in ("experts_gate_up", "experts_down"):
-            value = whole[f"layers.0.{kind}"][e0:e1]
+        stored = load_rank_weights(int8_dir, int8_config, ShardPlan(int8_config, 2, rank, expert_parallel),
+                                   quantize=True)
+        assert stored.keys() == shard.keys()
+        for key, value in shard.items():
+            assert stored[key].dtype == value.dtype, key
+            np.testing.assert_array_equal(stored[key], value, err_msg=key)
+        (e0, e1), (f0, f1), (s0, s1) = plan.expert_range(), plan.expert_ffn_range(), plan.shared_ffn_range()
+        wanted = {"experts_gate_up": (whole[p + "experts_gate_up"][e0:e1], f, (f0, f1)),
+                  "experts_down": (whole[p + "experts_down"][e0:e1], None, (f0, f1)),
+                  "shared_gate_up": (whole[p + "shared_gate_up"][None], s, (s0, s1)),
+                  "shared_down": (whole[p + "shared_down"][None], None, (s0, s1))}
+        for kind, (value, half, (lo, hi)) in wanted.items():
             q, scale = pw.quantize_rows(value.reshape(-1, value.shape[-1]))
             q, scale = q.reshape(value.shape), scale.reshape(value.shape[:2])
-            if kind == "experts_gate_up":
-                q, scale = (np.concatenate([a[:, f0:f1], a[:, f + f0:f + f1]], 1) for a in (q, scale))
-            else:
-                q = q[:, :, f0:f1]
-            np.testing.assert_array_equal(shard[f"layers.0.{kind}"], q)
-            np.testing.assert_array_equal(shard[f"layers.0.{kind}.scale"], scale)
-        assert shard["layers.0.router"].dtype == np.float32
+            if half is not None:  # gate/up: the rank's rows of each half
+                q, scale = (np.concatenate([a[:, lo:hi], a[:, half + lo:half + hi]], 1) for a in (q, scale))
+            else:  # down: the rank's columns, each row scaled by the whole row
+                q = q[:, :, lo:hi]
+            if kind.startswith("shared"):
+                q, scale = q[0], scale[0]
+            np.testing.assert_array_equal(shard[p + kind], q, err_msg=kind)
+            np.testing.assert_array_equal(shard[f"{p}{kind}.scale"], scale, err_msg=kind)
+        assert shard[p + "router"].dtype == np.float32 and shard[p + "shared_gate"].dtype == np.float32
         int8 = kv_budget.weight_bytes(shard, "float32", quantized=True)
         as_float = {k: v.astype(np.float32) for k, v in shard.items() if not k.endswith(".scale")}
         held_int8 = sum(v.size for v in shard.values() if v.dtype == np.int8)
         scales = sum(v.size for k, v in shard.items() if k.endswith(".scale"))
-        assert held_int8 > sum(shard[f"layers.{i}.{k}"].size for i in SPARSE["Qwen3MoeForCausalLM"]
-                               for k in ("experts_gate_up", "experts_down"))  # the experts among them
+        assert held_int8 > sum(shard[f"layers.{i}.{k}"].size for i in SPARSE[arch] for k in wanted)  # among them
         assert kv_budget.weight_bytes(as_float, "float32") - int8 == 3 * held_int8 - 4 * scales
 
 
@@ -278,18 +338,25 @@ def serve_and_compare(model_dir, hf, ranks: int, expert_parallel: bool = False, 
         assert result.token_ids == hf_greedy(hf, ids, 8)[0]
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_the_engine_serves_w8a16_moe_as_transformers_on_the_dequantized_checkpoint(served, tmp_path, ranks):
-    """model_config.quantization w8a16 through the engine, at one rank and TP 2 (each expert's down projection
-    cut by columns, scaled by its whole rows): transformers' greedy ids on the checkpoint whose projections and
-    experts are their int8 values (one of the three asks' ids differs from the float checkpoint's)."""
+@pytest.mark.parametrize("ranks, int8_checkpoint", [(1, False), (2, True)])
+def test_the_engine_serves_w8a16_moe_as_transformers_on_the_dequantized_checkpoint(served, tmp_path, ranks,
+                                                                                  int8_checkpoint):
+    """model_config.quantization w8a16 through the engine: at one rank quantized at load, at TP 2 from
+    ``llm-serving quantize``'s int8 checkpoint (each rank reads its experts' int8 slices with their stored scales,
+    a down projection's columns with their whole rows' scales): transformers' greedy ids on the checkpoint whose
+    projections and experts are their int8 values (one of the three asks' ids differs from the float
+    checkpoint's)."""
     import transformers
 
+    from llm_serving.cli.main import main as cli
     from tests.test_quantization import dequantized_checkpoint
 
     model_dir, _ = served
     values = dequantized_checkpoint(model_dir, tmp_path / "dequantized")
     hf = transformers.AutoModelForCausalLM.from_pretrained(values, dtype=torch.float32).eval()
+    if int8_checkpoint:
+        assert cli(["quantize", "--model", str(model_dir), "--out", str(tmp_path / "int8")]) == 0
+        model_dir = tmp_path / "int8"
     serve_and_compare(model_dir, hf, ranks, quantization="w8a16")
 
 
@@ -392,11 +459,13 @@ def test_the_ascend_graphs_of_a_moe_model_export_and_pass_the_contract_check(tmp
         assert len(graph.of("AllReduce")) == (1 + 2 * config.num_hidden_layers if tp > 1 else 0)
 
 
-@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"])
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"])
 def test_the_ascend_moe_wiring_on_the_kernels_stand_ins_is_transformers(tmp_path, arch):
     """The Ascend backend's graphs with every fused kernel's CPU stand-in, the MoE kernels' included
     (agents/model/backends/ascend_moe_reference.py), in float32: transformers' greedy ids, whole prompts and in
-    chunks over the cached context; the experts held transposed for the grouped matmul, read back as loaded."""
+    chunks over the cached context; the experts held transposed for the grouped matmul, read back as loaded.
+    Qwen3-MoE's routing (renormalised) and Qwen2-MoE's (not, plus the shared expert); Mixtral's is Qwen3-MoE's
+    without the head norms, which the dense Ascend tests hold."""
     from agents.model.backends.ascend import AscendBackend
     from agents.model.backends.ascend_reference import ReferenceOps
     from agents.model.llama import model_weights

@@ -228,6 +228,11 @@ def test_a_moe_step_reads_the_experts_its_tokens_touch():
     int8 = DeviceCost(d, moe, int8_projections=True)  # w8a16: the experts a byte a weight too
     assert int8.weight_bytes_per_rank / held == pytest.approx(0.51, abs=0.01)  # embeddings, router stay float16
     assert int8.weight_bytes_read(1) < 0.6 * one
+    # a shared expert (Qwen2-MoE's) is int8 too: its 3 s h weights a byte each, 2 s + h scales; its gate float
+    s = 512
+    shared = dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, shared_expert_intermediate_size=s))
+    grown = DeviceCost(d, shared, int8_projections=True).weight_bytes_per_rank - int8.weight_bytes_per_rank
+    assert grown == 48 * (3 * s * 2048 + (2 * s + 2048) * 2 + 2048 * 2)
 
 
 # ---- the simulation ----------------------------------------------------------------------------------------

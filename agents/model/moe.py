@@ -5,17 +5,14 @@ outputs summed with their routing weights. Static shapes throughout (the graph b
 chose, which is what makes decode cost follow active parameters. The maths is held to ``moe_routing`` (itself held
 to transformers' blocks) in tests/test_moe_block.py. On the native CPU backend one C++ op (``MoeExperts``,
 agents/model/kernels/moe_experts.cc) takes both paths' place: the picks grouped by expert, the weights read in
-place, no gathered copy; and where the backend has it, one op (``MoeLayer``, same file) is the whole MLP slot,
-norm, router, top-k and residual included (``MoeMlp``), so no MindSpore op runs between ours. Under
-``model_config.quantization`` w8a16 the experts are held int8 with a float32 scale per output row
-(``ExpertsHeld``), as the dense projections are: the native ops form each row as float(q) * scale, the graph paths
-dequantize in-graph the experts they read, so all compute what the float32 block computes on the dequantized
-experts."""
+place, no gathered copy; and where the backend has it, one op (``MoeLayer``, same file) is the MLP slot's norm,
+router, top-k, routed experts and residual (``MoeMlp``). Under ``model_config.quantization`` w8a16 the experts are
+held int8 with a float32 scale per output row (``ExpertsHeld``), as the dense projections are: the native ops form
+each row as float(q) * scale, the graph paths dequantize in-graph the experts they read, so all compute what the
+float32 block computes on the dequantized experts. Qwen2-MoE's shared expert is a dense SwiGLU MLP and is held and
+run as the dense MLP is (``SharedExpert``), beside ``MoeLayer`` too."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Protocol
 
 import mindspore as ms
 import numpy as np
@@ -23,6 +20,8 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
 from agents.model.backends.ascend_moe import ExpertSlice
+from agents.model.backends.base import OpsBackend, RoutedExperts
+from agents.model.projection import ProjectionWeight
 from agents.weights import packed as packed_weights
 from llm_serving.protocol.moe_config import MoeSpec
 from llm_serving.protocol.parallel import ShardPlan
@@ -30,12 +29,15 @@ from llm_serving.protocol.parallel import ShardPlan
 
 class MoeBlock(nn.Cell):
     """One layer's experts (canonical names of ``agents.weights.moe_weights``) and the op sequence over them.
-    One rank's block (``shard``) holds experts ``[start, start + count)`` over ``f`` of each one's rows and
-    ``shared_f`` of the shared expert's, and gives its partial sum of the output (the router is every rank's)."""
+    One rank's block (``shard``) holds experts ``[start, start + count)`` over ``f`` of each one's rows and its
+    share of the shared expert's rows, and gives its partial sum of the output (the router is every rank's)."""
 
     def __init__(self, spec: MoeSpec, hidden: int, dtype: ms.Type, shard: ShardPlan | None = None,
                  experts_op: nn.Cell | None = None, routed: RoutedExperts | None = None,
-                 quantization: str = "none", layer_op: Callable[[bool], nn.Cell] | None = None) -> None:
+                 quantization: str = "none", projections: OpsBackend | None = None,
+                 layer_op: nn.Cell | None = None) -> None:
+        """``projections``: the backend whose projection ops and weight layout the shared expert uses (None: the
+        graph ops, float weights). ``layer_op``: the backend's op over the slot's routed part (``MoeMlp``)."""
         super().__init__()
         # the backend's op over the whole block (``layer``), else over the picked experts (native CPU, float32):
         # either replaces both graph paths below
@@ -47,7 +49,7 @@ class MoeBlock(nn.Cell):
                                                                        (0, spec.shared_expert_intermediate_size)))
         e, f, s = end - start, f1 - f0, s1 - s0
         self.num_experts, self.start, self.local, self.dtype = spec.num_experts, start, e, dtype
-        self.k, self.f, self.normalise, self.has_shared = spec.top_k, f, spec.norm_topk_prob, s > 0
+        self.k, self.f, self.normalise = spec.top_k, f, spec.norm_topk_prob
         self.router = Parameter(initializer("zeros", (spec.num_experts, hidden), dtype), name="router")
         # the backend's kernels over the router logits and the experts held [in, out] (Ascend's grouped matmul,
         # agents.model.backends.ascend_moe): they replace routing and every path below
@@ -63,19 +65,26 @@ class MoeBlock(nn.Cell):
         self.experts_down = self.held["experts_down"].weight
         self.experts_gate_up_scale = self.held["experts_gate_up"].scale
         self.experts_down_scale = self.held["experts_down"].scale
-        shared = {"shared_gate_up": (2 * max(s, 1), hidden), "shared_down": (hidden, max(s, 1)),
-                  "shared_gate": (1, hidden)}
-        for name, shape in shared.items():  # present only where the family has a shared expert
-            setattr(self, name, Parameter(initializer("zeros", shape, dtype), name=name) if s else None)
-        self.shared_f = s
-        self.layer_op = layer_op(self.has_shared) if native and layer_op is not None else None
+        # present only where the family has a shared expert
+        self.shared = SharedExpert(hidden, s, dtype, quantization, projections) if s else None
+        self.layer_op = layer_op if native else None
         # weights as stored, [out, in]: the transposed operand read in place, never a transposed copy per call
         self.linear = ops.MatMul(transpose_b=True)
         self.batched = ops.BatchMatMul(transpose_b=True)
+
+    def named_weights(self) -> dict[str, tuple[Parameter, ExpertsHeld | ProjectionWeight | None]]:
+        """The block's weights by canonical kind (``agents.weights.moe_weights.MOE_KINDS``), each with what holds
+        it in a layout of its own (None: the Parameter holds the weight as loaded)."""
+        out: dict[str, tuple[Parameter, ExpertsHeld | ProjectionWeight | None]] = {"router": (self.router, None)}
+        out.update({name: (held.weight, held) for name, held in self.held.items()})
+        if self.shared is not None:
+            out.update({"shared_gate_up": (self.shared.gate_up.weight, self.shared.gate_up),
+                        "shared_down": (self.shared.down.weight, self.shared.down),
+                        "shared_gate": (self.shared.gate, None)})
+        return out
+
     def load(self, weights: dict[str, np.ndarray], layer: int) -> None:
-        for name in ("router", "experts_gate_up", "experts_down", *(
-                ("shared_gate_up", "shared_down", "shared_gate") if self.has_shared else ())):
-            param, held = getattr(self, name), self.held.get(name)
+        for name, (param, held) in self.named_weights().items():
             value = weights[f"layers.{layer}.{name}"]
             expected = held.shape if held is not None else tuple(param.shape)
             if tuple(value.shape) != expected:
@@ -89,13 +98,15 @@ class MoeBlock(nn.Cell):
         """``x [tokens, hidden]`` (token-flat, as every projection here) -> the block's output, same shape.
         ``rows`` [1] int32: the real leading rows (the native op leaves the padding after them as zeros)."""
         tokens = x.shape[0]
+        if rows is None:
+            rows = ops.full((1,), tokens, dtype=ms.int32)
         if self.routed is not None:
             if self.quantized:
                 out = self.routed(x, self.linear(x, self.router), self.experts_gate_up, self.experts_down,
                                   self.experts_gate_up_scale, self.experts_down_scale)
             else:
                 out = self.routed(x, self.linear(x, self.router), self.experts_gate_up, self.experts_down)
-            return self._with_shared(x, out)
+            return self._with_shared(x, out, rows)
         probs = ops.softmax(self.linear(x, self.router).astype(ms.float32), -1)
         weights, ids = ops.topk(probs, self.k)
         if self.normalise:
@@ -104,8 +115,6 @@ class MoeBlock(nn.Cell):
             if self.local < self.num_experts:  # another rank's expert: an id the op skips
                 mine = ops.logical_and(ids >= self.start, ids < self.start + self.local)
                 ids = ops.select(mine, ids - self.start, ops.full_like(ids, -1))
-            if rows is None:
-                rows = ops.full((1,), tokens, dtype=ms.int32)
             if self.quantized:
                 out = self.experts_op(x, ids.astype(ms.int32), weights, self.experts_gate_up,
                                       self.experts_gate_up_scale, self.experts_down, self.experts_down_scale, rows)
@@ -116,31 +125,22 @@ class MoeBlock(nn.Cell):
             out = self._gathered(x, weights, ids)
         else:
             out = self._every_expert(x, weights, ids)
-        return self._with_shared(x, out)
+        return self._with_shared(x, out, rows)
 
     def layer(self, x: Tensor, norm_weight: Tensor, eps: Tensor, routing: Tensor, rows: Tensor) -> Tensor:
-        """The MLP slot in ``layer_op``: ``x`` before the norm; ``routing`` [4] int32 (top k, normalise, this
-        rank's first expert, whether the residual is added: kernels/moe_experts.cc)."""
+        """The routed part of the MLP slot in ``layer_op``: ``x`` before the norm; ``routing`` [4] int32 (top k,
+        normalise, this rank's first expert, whether the residual is added: kernels/moe_experts.cc)."""
         if self.quantized:
-            if self.has_shared:
-                return self.layer_op(x, norm_weight, eps, self.router, routing, self.experts_gate_up,
-                                     self.experts_gate_up_scale, self.experts_down, self.experts_down_scale,
-                                     self.shared_gate_up, self.shared_down, self.shared_gate, rows)
             return self.layer_op(x, norm_weight, eps, self.router, routing, self.experts_gate_up,
                                  self.experts_gate_up_scale, self.experts_down, self.experts_down_scale, rows)
-        if self.has_shared:
-            return self.layer_op(x, norm_weight, eps, self.router, routing, self.experts_gate_up, self.experts_down,
-                                 self.shared_gate_up, self.shared_down, self.shared_gate, rows)
         return self.layer_op(x, norm_weight, eps, self.router, routing, self.experts_gate_up, self.experts_down,
                              rows)
 
-    def _with_shared(self, x: Tensor, out: Tensor) -> Tensor:
+    def _with_shared(self, x: Tensor, out: Tensor, rows: Tensor) -> Tensor:
         """Qwen2-MoE's shared expert added, behind its sigmoid gate."""
-        if not self.has_shared:
+        if self.shared is None:
             return out
-        su = self.linear(x, self.shared_gate_up)
-        shared = self.linear(ops.silu(su[:, :self.shared_f]) * su[:, self.shared_f:], self.shared_down)
-        return out + ops.sigmoid(self.linear(x, self.shared_gate)) * shared
+        return out + self.shared(x, rows)
 
     def _gathered(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """Fewer picks than experts (decode at small batch): the chosen experts' weights gathered, ``tokens x k``
@@ -186,14 +186,6 @@ class MoeBlock(nn.Cell):
         if scale is None:
             return weight
         return (weight.astype(ms.float32) * scale.reshape(scale.shape[0], scale.shape[1], 1)).astype(self.dtype)
-
-
-class RoutedExperts(Protocol):
-    """A backend's kernels for a sparse layer's routed experts (``OpsBackend.routed_experts``)."""
-
-    def cell(self, spec: MoeSpec, experts: ExpertSlice) -> nn.Cell:
-        """``(x, router_logits, gate_up [e, h, 2f], down [e, f, h]) -> the experts' weighted sum``."""
-        ...
 
 
 class ExpertsHeld:
@@ -246,18 +238,50 @@ class ExpertsHeld:
         return held.transpose(0, 2, 1) if self.transposed else held
 
 
+class SharedExpert(nn.Cell):
+    """Qwen2-MoE's shared expert: a dense SwiGLU MLP every token reads, behind a sigmoid gate. Its ``[gate; up]``
+    and down projections are held and multiplied as the dense MLP's are (``ProjectionWeight`` in the backend's
+    layout, the backend's ``partial_linear`` and ``swiglu``), so under ``model_config.quantization`` w8a16 they are
+    int8 with a float32 scale per output row read by the same int8 matmuls, and a rank's slice (``width`` of the
+    rows) is scaled as the dense MLP's: gate/up rows by themselves, down columns by their whole rows (the loader's
+    scales). The gate ``[1, h]`` stays float, as the router does: each gives a handful of logits read directly by a
+    sigmoid or a softmax and top-k, where int8's error can swap which experts a token picks (or rescale the whole
+    shared expert's output), to save ``h`` bytes a row (docs/quantization.md "Mixture-of-experts models")."""
+
+    def __init__(self, hidden: int, width: int, dtype: ms.Type, quantization: str = "none",
+                 backend: OpsBackend | None = None) -> None:
+        super().__init__()
+        backend = backend if backend is not None else OpsBackend()  # the graph ops over float [out, in] weights
+        if quantization != backend.layer_quantization:
+            raise ValueError(f"a shared expert under model_config.quantization {quantization} needs a backend whose "
+                             f"projections are {quantization}, got {backend.name}'s ({backend.layer_quantization})")
+        held = {"panels": backend.panel_weights, "panel_dtype": backend.panel_dtype, "quantization": quantization}
+        self.gate_up = ProjectionWeight(hidden, 2 * width, dtype, **held)
+        self.down = ProjectionWeight(width, hidden, dtype, **held)
+        self.gate = Parameter(initializer("zeros", (1, hidden), dtype), name="shared_gate")
+        self.project_gate_up = backend.partial_linear(2 * width)
+        self.swiglu = backend.swiglu(width)
+        self.project_down = backend.partial_linear(hidden)
+        self.linear = ops.MatMul(transpose_b=True)
+
+    def construct(self, x: Tensor, rows: Tensor) -> Tensor:
+        act = self.swiglu(self.project_gate_up(x, self.gate_up.operands(), rows))
+        return ops.sigmoid(self.linear(x, self.gate)) * self.project_down(act, self.down.operands(), rows)
+
+
 class MoeMlp(nn.Cell):
     """A sparse layer's MLP slot: ``residual + block(rms_norm(x))``, the ranks' partial sums all-reduced first
     (the one collective the dense MLP's row-parallel down projection ends in). The norm is graph ops in float32,
     as transformers computes it, where the dense slot fuses it into its gate/up projection; with the backend's
-    ``layer_op`` (native CPU) the whole slot is that one op, the residual added in it at one rank."""
+    ``layer_op`` (native CPU) the slot is that one op, the residual added in it at one rank, but for Qwen2-MoE's
+    shared expert: held as the dense MLP (int8 under w8a16), it runs as its own cell on the graph-normed input."""
 
     def __init__(self, spec: MoeSpec, hidden: int, eps: float, dtype: ms.Type, shard: ShardPlan | None = None,
                  reduce: nn.Cell | None = None, experts_op: nn.Cell | None = None,
                  routed: RoutedExperts | None = None, quantization: str = "none",
-                 layer_op: Callable[[bool], nn.Cell] | None = None) -> None:
+                 projections: OpsBackend | None = None, layer_op: nn.Cell | None = None) -> None:
         super().__init__()
-        self.block = MoeBlock(spec, hidden, dtype, shard, experts_op, routed, quantization, layer_op)
+        self.block = MoeBlock(spec, hidden, dtype, shard, experts_op, routed, quantization, projections, layer_op)
         self.eps, self.reduce = eps, reduce
         self.fused = self.block.layer_op is not None
         b = self.block
@@ -267,10 +291,15 @@ class MoeMlp(nn.Cell):
     def construct(self, x: Tensor, norm_weight: Tensor, rows: Tensor) -> Tensor:
         if self.fused:
             y = self.block.layer(x, norm_weight, self.eps_tensor, self.routing, rows)
+            if self.block.shared is not None:  # the op leaves the shared expert (its ProjectionWeights) to the cell
+                y = y + self.block.shared(self._norm(x, norm_weight), rows)
             return y if self.reduce is None else x + self.reduce(y)
-        h = x.astype(ms.float32)
-        h = h * ops.rsqrt((h * h).mean(-1, keep_dims=True) + self.eps)
-        y = self.block(norm_weight * h.astype(x.dtype), rows)
+        y = self.block(self._norm(x, norm_weight), rows)
         if self.reduce is not None:
             y = self.reduce(y)
         return x + y
+
+    def _norm(self, x: Tensor, norm_weight: Tensor) -> Tensor:
+        h = x.astype(ms.float32)
+        h = h * ops.rsqrt((h * h).mean(-1, keep_dims=True) + self.eps)
+        return norm_weight * h.astype(x.dtype)

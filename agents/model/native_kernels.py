@@ -175,12 +175,12 @@ class NativeOps:
         down_scale [E, h], rows) -> y [m, h]``: ``moe_experts`` over w8a16 experts, each row float(q) * scale."""
         return _custom(self.library, "MoeExpertsInt8", lambda x, *_: x, _same)
 
-    def moe_layer(self, shared: bool, int8: bool) -> ops.Custom:
+    def moe_layer(self, int8: bool) -> ops.Custom:
         """``(x, norm_weight, eps [1], router [n, h], routing [4] int32, gate_up, [gate_up_scale,] down,
-        [down_scale,] [shared_gate_up, shared_down, shared_gate,] rows) -> y [m, h]``: a sparse layer's whole MLP
-        slot (norm, routing, experts, shared expert where ``shared``, residual where ``routing`` says), int8
-        experts with their scales where ``int8`` (``kernels/moe_experts.cc`` MoeLayer)."""
-        entry = "MoeLayer" + ("Int8" if int8 else "") + ("Shared" if shared else "")
+        [down_scale,] rows) -> y [m, h]``: a sparse layer's MLP slot but a shared expert (norm, routing, routed
+        experts, residual where ``routing`` says), int8 experts with their scales where ``int8``
+        (``kernels/moe_experts.cc`` MoeLayer)."""
+        entry = "MoeLayer" + ("Int8" if int8 else "")
         return _custom(self.library, entry, lambda x, *_: x, _same)
 
     def residual_linear(self) -> ops.Custom:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agents.weights.sharded import EXPERT_KINDS, QUANTIZED_KINDS
+from agents.weights.sharded import EXPERT_KINDS, QUANTIZED_KINDS, SHARED_EXPERT_KINDS
 from llm_serving.protocol.parallel import DTYPE_BYTES, ShardPlan
 
 GIB = 1 << 30
@@ -44,13 +44,13 @@ class KvBudget:
 
 def weight_bytes(weights: Mapping[str, np.ndarray], dtype: str, quantized: bool = False) -> int:
     """This rank's weights as the device holds them: in the serving dtype, or (``quantized``, w8a16) the layers'
-    projections and routed experts as one byte a weight and a float32 scale a row
+    projections, routed experts and shared experts as one byte a weight and a float32 scale a row
     (``agents.weights.packed.pack_int8``, ``agents.model.moe.ExpertsHeld``)."""
     total = 0
     for name, w in weights.items():
         if name.endswith(".scale"):
             total += int(w.size) * 4
-        elif quantized and name.rsplit(".", 1)[-1] in (*QUANTIZED_KINDS, *EXPERT_KINDS):
+        elif quantized and name.rsplit(".", 1)[-1] in (*QUANTIZED_KINDS, *EXPERT_KINDS, *SHARED_EXPERT_KINDS):
             total += int(w.size) + (0 if f"{name}.scale" in weights else int(w.size // w.shape[-1]) * 4)
         else:
             total += int(w.size) * DTYPE_BYTES[dtype]

@@ -90,6 +90,27 @@ def down_absmax(take: Take, layer: int, architecture: str, spec: MoeSpec, hidden
                             .astype(np.float32)).max(1) for e in range(e0, e1)])
 
 
+def projection_names(layer: int, architecture: str, spec: MoeSpec) -> list[str]:
+    """Sparse layer ``layer``'s checkpoint names of the projections that ``model_config.quantization`` w8a16 holds
+    int8: every expert's gate, up and down, and the shared expert's (the router and the shared expert's gate stay
+    float: ``agents.model.moe.SharedExpert``)."""
+    block, names = _HF_BLOCK[architecture]
+    prefix = f"model.layers.{layer}.{block}."
+    out = [f"{prefix}experts.{e}.{n}.weight" for e in range(spec.num_experts) for n in names]
+    if spec.shared_expert_intermediate_size:
+        out += [f"{prefix}shared_expert.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+    return out
+
+
+def shared_down_absmax(take: Take, layer: int, architecture: str, spec: MoeSpec, hidden: int) -> np.ndarray:
+    """The shared expert's down-projection rows' largest magnitudes ``[h]`` over the whole row: the w8a16 scales of
+    a rank that holds a column slice of it (as ``down_absmax``, and the dense MLP's down projection)."""
+    block = _HF_BLOCK[architecture][0]
+    shape = (hidden, spec.shared_expert_intermediate_size)
+    name = f"model.layers.{layer}.{block}.shared_expert.down_proj.weight"
+    return np.abs(take(name, shape, None, None).astype(np.float32)).max(1)
+
+
 def _in_memory(tensors: Mapping[str, np.ndarray], source: str) -> Take:
     def take(name: str, shape: tuple[int, ...], rows: Span | None, cols: Span | None) -> np.ndarray:
         if name not in tensors:

@@ -1,12 +1,16 @@
-"""Write a Hugging Face Llama directory's int8 checkpoint: the decoder layers' projections as int8 with a float32
-scale per output channel (``agents.weights.packed.quantize_rows``), in compressed-tensors' ``int-quantized``
-W8A16 layout (``agents.weights.int8_checkpoint``), everything else copied byte for byte.
+"""Write a Hugging Face Llama directory's int8 checkpoint: the decoder layers' projections (a mixture-of-experts
+layer's: every expert's and the shared expert's) as int8 with a float32 scale per output channel
+(``agents.weights.packed.quantize_rows``), in compressed-tensors' ``int-quantized`` W8A16 layout
+(``agents.weights.int8_checkpoint``), everything else (the routers and shared-expert gates too) copied byte for
+byte.
 
     llm-serving quantize --model <HF dir> --out <dir>
 
 Served with ``model_config.quantization: w8a16`` it holds the numbers quantizing at load holds, at every
 tensor-parallel degree (a row's scale is the whole row's in both), from a quarter of the projections' bytes on
-disk and in host memory; Hugging Face transformers (with the compressed-tensors package) and vLLM load it too.
+disk and in host memory. Hugging Face transformers (with the compressed-tensors package) and vLLM load a dense
+model's too; transformers 5.24 does not load a mixture-of-experts one (its per-expert int8 tensors are not merged
+into its fused experts: docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +27,7 @@ from agents.weights.checkpoints import HF_NAMES
 from agents.weights.convert import copy_tokenizer_files
 from agents.weights.errors import WeightLoadError
 from agents.weights.int8_checkpoint import SCALE
+from agents.weights.moe_weights import projection_names
 from agents.weights.packed import quantize_rows
 from agents.weights.sharded import SafetensorsSlices, ShardedSafetensorsSlices, open_source
 from llm_serving.protocol.model_config import (
@@ -32,21 +37,34 @@ from llm_serving.protocol.model_config import (
     LlamaConfig,
 )
 
-# the projections model_config.quantization w8a16 holds as int8 (agents.weights.sharded.QUANTIZED_KINDS), by HF name
+# the projections model_config.quantization w8a16 holds as int8 (agents.weights.sharded.QUANTIZED_KINDS), by HF name;
+# a sparse layer's experts by ``moe_weights.projection_names``
 QUANTIZED = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+# the float linears of a sparse layer, by compressed-tensors' ``ignore`` patterns: the router and Qwen2-MoE's
+# shared-expert gate (agents.model.moe.SharedExpert says why)
+MOE_FLOAT = ["re:.*mlp\\.gate$", "re:.*mlp\\.shared_expert_gate$", "re:.*block_sparse_moe\\.gate$"]
 MAX_SHARD_BYTES = 5 << 30  # Hugging Face's default shard size
 ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "F32": 4, "I64": 8,
               "F64": 8}
 
 
-def quantization_config() -> dict:
-    """config.json's ``quantization_config`` for this layout (compressed-tensors' own keys)."""
+def quantized_names(config: LlamaConfig) -> Callable[[str], bool]:
+    """Whether a checkpoint name is one that w8a16 holds int8: a dense projection, or a sparse layer's expert's."""
+    moe = config.moe
+    experts = {n for layer in moe.sparse_layers for n in projection_names(layer, config.architecture, moe)} \
+        if moe is not None else set()
+    return lambda name: bool(QUANTIZED.match(name)) or name in experts
+
+
+def quantization_config(moe: bool = False) -> dict:
+    """config.json's ``quantization_config`` for this layout (compressed-tensors' own keys); ``moe``: the routers
+    and shared-expert gates are ignored (float) too."""
     return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "format": "int-quantized",
                                           "weights": {**INT8_CHECKPOINT_WEIGHTS, "dynamic": False,
                                                       "group_size": None},
                                           "input_activations": None, "output_activations": None}},
-            "ignore": ["lm_head"], "kv_cache_scheme": None}
+            "ignore": ["lm_head", *(MOE_FLOAT if moe else [])], "kv_cache_scheme": None}
 
 
 class _Tensor:
@@ -57,22 +75,22 @@ class _Tensor:
         self.nbytes = int(np.prod(shape, dtype=np.int64)) * ITEM_BYTES[dtype]
 
 
-def _plan(source: SafetensorsSlices | ShardedSafetensorsSlices) -> dict[str, _Tensor]:
+def _plan(source: SafetensorsSlices | ShardedSafetensorsSlices, quantized: Callable[[str], bool]) -> dict[str, _Tensor]:
     """Every output tensor in the source's order; quantized ones computed one at a time as they are written."""
     out: dict[str, _Tensor] = {}
     for name in source:
         file = source.files[name] if isinstance(source, ShardedSafetensorsSlices) else source
         shape = tuple(source[name])
-        if QUANTIZED.match(name):
+        if quantized(name):
             pair = {}  # the int8 values and the scales of one read, whichever is written first
 
-            def quantized(part: int, name: str = name, pair: dict = pair) -> np.ndarray:
+            def computed(part: int, name: str = name, pair: dict = pair) -> np.ndarray:
                 if not pair:
                     pair["q"], pair["scale"] = quantize_rows(source.read(name).astype(np.float32))
                 return pair.pop("q") if part == 0 else pair.pop("scale").reshape(-1, 1)
 
-            out[name] = _Tensor("I8", shape, lambda f=quantized: f(0))
-            out[name[: -len("weight")] + SCALE] = _Tensor("F32", (shape[0], 1), lambda f=quantized: f(1))
+            out[name] = _Tensor("I8", shape, lambda f=computed: f(0))
+            out[name[: -len("weight")] + SCALE] = _Tensor("F32", (shape[0], 1), lambda f=computed: f(1))
         else:
             begin, end = file.spans[name]
             out[name] = _Tensor(file.dtypes[name], shape, lambda p=file.path, b=begin, n=end - begin:
@@ -123,8 +141,9 @@ def quantize_checkpoint(model_dir: Path, out: Path, max_shard_bytes: int = MAX_S
     if names is not HF_NAMES:
         raise WeightLoadError(f"{model_dir}: a Hugging Face safetensors directory is quantized (this one holds a "
                               "MindSpore checkpoint)")
-    tensors = _plan(source)
-    if not any(QUANTIZED.match(name) for name in tensors):
+    quantized = quantized_names(config)
+    tensors = _plan(source, quantized)
+    if not any(quantized(name) for name in tensors):
         raise WeightLoadError(f"{model_dir}: no decoder projection ({QUANTIZED.pattern}) to quantize")
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("model*.safetensors"), out / HF_INDEX_FILE]:
@@ -140,7 +159,8 @@ def quantize_checkpoint(model_dir: Path, out: Path, max_shard_bytes: int = MAX_S
         (out / HF_INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                     indent=2) + "\n")
     raw = json.loads((model_dir / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**raw, "quantization_config": quantization_config()},
+    (out / "config.json").write_text(json.dumps({**raw, "quantization_config": quantization_config(
+        config.moe is not None)},
                                                 indent=2) + "\n")
     copy_tokenizer_files(model_dir, out)
     return out

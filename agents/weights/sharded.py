@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,13 @@ import numpy.typing as npt
 
 from agents.weights import checkpoints as w
 from agents.weights.int8_checkpoint import Int8Slices
-from agents.weights.moe_weights import down_absmax, moe_shapes, read_moe_layer
+from agents.weights.moe_weights import (
+    down_absmax,
+    moe_shapes,
+    projection_names,
+    read_moe_layer,
+    shared_down_absmax,
+)
 from agents.weights.packed import quantize_rows
 from agents.weights.slice_source import SliceSource, Span, cut
 from llm_serving.protocol.model_config import HF_INDEX_FILE, HF_SINGLE_FILE, LlamaConfig
@@ -322,38 +328,72 @@ def _moe_slices(source: SliceSource, names: dict[str, list[list[str]]], config: 
                 layer: int, quantize: bool = False) -> tuple[dict[str, np.ndarray], set[str]]:
     """Sparse layer ``layer``'s tensors of this rank (``ShardPlan.expert_range`` and its siblings), read as float:
     from HF per-expert tensors (fused and stacked as they are read) or from our ``.ckpt``'s stacked ones.
-    ``quantize`` (w8a16): the experts int8 with a ``<key>.scale [e, out]`` each, per output row, a down
-    projection's column slice scaled by its whole rows (``moe_weights.down_absmax``)."""
+    ``quantize`` (w8a16): the experts and the shared expert int8 with a ``<key>.scale`` each, per output row, a
+    down projection's column slice scaled by its whole rows (``moe_weights.down_absmax``); from an int8 checkpoint
+    whose layer is int8 throughout, its values and scales as stored (``_moe_stored_int8``)."""
+    spec, p = config.moe, f"layers.{layer}."
+    assert spec is not None
+    if quantize and isinstance(source, Int8Slices) and all(
+            source.is_int8(n) for n in projection_names(layer, config.architecture, spec)):
+        return _moe_stored_int8(source, config, plan, layer)
     moe, used = _moe_float_slices(source, names, config, plan, layer)
     if not quantize:
         return moe, used
-    spec, p = config.moe, f"layers.{layer}."
-    assert spec is not None
-    absmax = None
+    hf, h = names is w.HF_NAMES, config.hidden_size
+    absmax = shared_absmax = None
     if plan.expert_ffn_range() != (0, spec.moe_intermediate_size):  # a column slice of each down row
-        if names is w.HF_NAMES:
-            absmax = down_absmax(_checked_take(source), layer, config.architecture, spec, config.hidden_size,
-                                 plan.expert_range())
-        else:
-            absmax = np.abs(source.read(p + "experts_down", plan.expert_range()).astype(np.float32)).max(2)
-    for kind, top in zip(EXPERT_KINDS, (None, absmax)):
-        e, out, inp = moe[p + kind].shape
-        q, scale = quantize_rows(moe[p + kind].astype(np.float32).reshape(e * out, inp),
-                                 None if top is None else top.reshape(e * out))
-        moe[p + kind], moe[f"{p}{kind}.scale"] = q.reshape(e, out, inp), scale.reshape(e, out)
+        absmax = down_absmax(_checked_take(source), layer, config.architecture, spec, h, plan.expert_range()) \
+            if hf else np.abs(source.read(p + "experts_down", plan.expert_range()).astype(np.float32)).max(2)
+    if plan.shared_ffn_range() != (0, spec.shared_expert_intermediate_size):  # the shared expert's, likewise
+        shared_absmax = shared_down_absmax(_checked_take(source), layer, config.architecture, spec, h) if hf \
+            else _row_absmax(source, p + "shared_down")
+    tops = {"experts_gate_up": None, "experts_down": absmax, "shared_gate_up": None, "shared_down": shared_absmax}
+    for kind, top in tops.items():
+        if p + kind not in moe:  # no shared expert
+            continue
+        value = moe[p + kind]
+        q, scale = quantize_rows(value.astype(np.float32).reshape(-1, value.shape[-1]),
+                                 None if top is None else top.reshape(-1))
+        moe[p + kind], moe[f"{p}{kind}.scale"] = q.reshape(value.shape), scale.reshape(value.shape[:-1])
     return moe, used
 
 
-def _checked_take(source: SliceSource):
-    """``moe_weights.Take`` over ``source``: each tensor's presence and full shape checked before its slice."""
-    label = source.label
+def _moe_stored_int8(source: Int8Slices, config: LlamaConfig, plan: ShardPlan,
+                     layer: int) -> tuple[dict[str, np.ndarray], set[str]]:
+    """Sparse layer ``layer``'s tensors of this rank from an int8 checkpoint, its projections' int8 values and
+    scales as stored (a down column slice keeps its whole rows' scales), so it holds what quantizing the float
+    checkpoint at load holds; the router and the shared expert's gate as stored (float)."""
+    spec, p = config.moe, f"layers.{layer}."
+    assert spec is not None
+    cuts = (plan.expert_range(), plan.expert_ffn_range(), plan.shared_ffn_range())
+
+    def values(name: str, rows: Span, cols: Span) -> np.ndarray:
+        return source.read_int8(name, rows, cols) if source.is_int8(name) else source.read(name, rows, cols)
+
+    def scales(name: str, rows: Span, cols: Span) -> np.ndarray:
+        return source.scale(name, rows) if source.is_int8(name) else source.read(name, rows, cols)
+
+    moe, used = read_moe_layer(_checked_take(source, values), layer, config.architecture, spec,
+                               config.hidden_size, *cuts)
+    scale = read_moe_layer(_checked_take(source, scales), layer, config.architecture, spec, config.hidden_size,
+                           *cuts)[0]
+    for kind in (*EXPERT_KINDS, *SHARED_EXPERT_KINDS):
+        if p + kind in moe:
+            moe[f"{p}{kind}.scale"] = scale[p + kind].astype(np.float32)
+    return moe, used
+
+
+def _checked_take(source: SliceSource, read: Callable[[str, Span, Span], np.ndarray] | None = None):
+    """``moe_weights.Take`` over ``source``: each tensor's presence and full shape checked before its slice is read
+    (by ``read``: the source's own by default)."""
+    label, read = source.label, read or source.read
 
     def take(name: str, shape: tuple[int, ...], rows: Span, cols: Span) -> np.ndarray:
         if name not in source:
             raise w.WeightLoadError(f"{label}: missing tensor {name!r}")
         if tuple(source[name]) != shape:
             raise w.WeightLoadError(f"{label}: {name}: expected shape {shape}, got {tuple(source[name])}")
-        return source.read(name, rows, cols)
+        return read(name, rows, cols)
     return take
 
 
@@ -400,9 +440,11 @@ def as_host_dtype(arr: np.ndarray, dtype: npt.DTypeLike | str) -> np.ndarray:
 
 # the decoder layers' projections that model_config.quantization w8a16 holds as int8 (agents.weights.packed)
 QUANTIZED_KINDS = ("w_qkv", "wo", "w_gate_up", "w_down")
-# a sparse layer's routed experts, which w8a16 holds as int8 too (agents.model.moe.ExpertsHeld); the router and
-# the shared expert stay float (the shared expert is one small dense MLP read by every token)
+# a sparse layer's routed experts, which w8a16 holds as int8 too (agents.model.moe.ExpertsHeld), and its shared
+# expert's projections (agents.model.moe.SharedExpert, as the dense MLP's); the router and the shared expert's gate
+# stay float
 EXPERT_KINDS = ("experts_gate_up", "experts_down")
+SHARED_EXPERT_KINDS = ("shared_gate_up", "shared_down")
 ROW_PARALLEL_KINDS = ("wo", "w_down")  # cut by columns: a rank holds part of each output row
 ABSMAX_ROWS = 1024  # rows of a whole tensor read at a time to find each row's largest magnitude
 

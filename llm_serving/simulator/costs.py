@@ -175,8 +175,8 @@ class DeviceCost:
 
     def _weight_bytes(self, experts: float | None) -> float:
         """A rank's bytes of the projections, with ``experts`` routed experts' per sparse layer. w8a16 holds the
-        dense projections and the routed experts as a byte a weight and a scale a row (an expert's rows: ``2f`` of
-        gate/up, ``h`` of down); the router and the shared expert stay float."""
+        dense projections, the routed experts and the shared expert as a byte a weight and a scale a row (an
+        expert's rows: ``2f`` of gate/up, ``h`` of down); the router and the shared expert's gate stay float."""
         m, h = self.model, self.model.hidden_size
         weight = 1 if self.int8_projections else self.dtype_bytes
         total = 0.0
@@ -185,11 +185,12 @@ class DeviceCost:
             rows = m.qkv_dim + m.q_dim + (0 if sparse else m.mlp_rows(layer))  # output rows of the projections
             total += h * rows * weight + (rows * self.dtype_bytes if self.int8_projections else 0)
             if sparse and m.moe is not None:
-                picked = m.moe.top_k if experts is None else experts
-                routed = 3 * picked * m.moe.moe_intermediate_size  # the routed experts' rows of h weights
-                total += h * (m.mlp_rows(layer, experts) - routed) * self.dtype_bytes + h * routed * weight
+                picked, f, s = (m.moe.top_k if experts is None else experts, m.moe.moe_intermediate_size,
+                                m.moe.shared_expert_intermediate_size)
+                int8_rows = 3 * (picked * f + s)  # the routed and shared experts' rows of h weights
+                total += h * (m.mlp_rows(layer, experts) - int8_rows) * self.dtype_bytes + h * int8_rows * weight
                 if self.int8_projections:
-                    total += picked * (2 * m.moe.moe_intermediate_size + h) * self.dtype_bytes
+                    total += (picked * (2 * f + h) + (2 * s + h if s else 0)) * self.dtype_bytes
         embeddings = m.vocab_size * h * (1 if m.tie_word_embeddings else 2) * self.dtype_bytes
         return (total + embeddings) / self.tensor_parallel
 

@@ -257,7 +257,7 @@ class AscendAttention(Attention):
 
 
 class AscendProjection(nn.Cell):
-    """``x @ W^T`` for a projection's operands (``agents.model.llama.ProjectionWeight.operands``): ``MatMul`` of a
+    """``x @ W^T`` for a projection's operands (``agents.model.projection.ProjectionWeight.operands``): ``MatMul`` of a
     float weight, or the weight-quant matmul of an ``(int8 weight, scale)`` pair (w8a16)."""
 
     def __init__(self, fused: FusedOps) -> None:
@@ -455,7 +455,7 @@ class AscendBackend(OpsBackend):
 
 
 class AscendMoeKernels:
-    """``moe.RoutedExperts`` on Ascend: a sparse layer's routing and experts as MindSpore's MoE kernels."""
+    """``base.RoutedExperts`` on Ascend: a sparse layer's routing and experts as MindSpore's MoE kernels."""
 
     def __init__(self, moe: MoeOps | MoeReferenceOps) -> None:
         self.moe = moe

@@ -12,17 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
 from agents.model.backends import graph_ops
+from agents.model.backends.ascend_moe import ExpertSlice
 from llm_serving.protocol.model_config import LlamaConfig
-
-if TYPE_CHECKING:
-    from agents.model.moe import RoutedExperts
+from llm_serving.protocol.moe_config import MoeSpec
 
 
 class Attention(nn.Cell):
@@ -74,6 +73,15 @@ class LoraProjections:
     partial_linear: Callable[[int], nn.Cell]  # (out_dim)
 
 
+class RoutedExperts(Protocol):
+    """A backend's kernels for a sparse layer's routed experts (``OpsBackend.routed_experts``, run by
+    ``agents.model.moe.MoeBlock``)."""
+
+    def cell(self, spec: MoeSpec, experts: ExpertSlice) -> nn.Cell:
+        """``(x, router_logits, gate_up [e, h, 2f], down [e, f, h]) -> the experts' weighted sum``."""
+        ...
+
+
 class OpsBackend:
     """The ops of one device and dtype. Subclasses set the flags and override ``attention``; the projections
     and the greedy pick default to MindSpore graph ops (``agents.model.backends.graph_ops``).
@@ -101,7 +109,7 @@ class OpsBackend:
     # ``agents.weights.packed.pack_bf16``); set by ``with_precision``
     panel_dtype: str | None = None
     # model_config.quantization of the decoder layers' projections ("none" or "w8a16": int8 weights with a scale per
-    # output row, ``agents.model.llama.ProjectionWeight``); set by ``with_quantization``
+    # output row, ``agents.model.projection.ProjectionWeight``); set by ``with_quantization``
     layer_quantization: str = "none"
     kv_cache_dtype: str = "auto"  # model_config.kv_cache_dtype: "auto" (the model's dtype) or "int8"
 
@@ -192,14 +200,14 @@ class OpsBackend:
         under ``layer_quantization`` w8a16), float32; None: the expert block's own graph ops (``agents.model.moe``)."""
         return None
 
-    def moe_layer(self) -> Callable[[bool], nn.Cell] | None:
-        """A sparse layer's whole MLP slot as one op, made per layer with or without (the argument) a shared
-        expert: ``NativeOps.moe_layer``'s inputs, the experts int8 under ``layer_quantization`` w8a16; float32.
+    def moe_layer(self) -> nn.Cell | None:
+        """A sparse layer's MLP slot as one op, a shared expert aside (``agents.model.moe.MoeMlp``):
+        ``NativeOps.moe_layer``'s inputs, the experts int8 under ``layer_quantization`` w8a16; float32.
         None: ``moe_experts``, or the block's graph ops."""
         return None
 
     def routed_experts(self) -> RoutedExperts | None:
-        """A MoE layer's routing and experts as the backend's kernels (``agents.model.moe.RoutedExperts``: Ascend's
+        """A MoE layer's routing and experts as the backend's kernels (``RoutedExperts``: Ascend's
         MoE kernels); None: the expert block's own routing."""
         return None
 

@@ -13,7 +13,6 @@ bfloat16 (``fast``, AVX512_BF16) projection weights: docs/benchmarks.md "Fast pr
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 
 import mindspore as ms
 import numpy as np
@@ -265,15 +264,14 @@ class NativeCpuBackend(OpsBackend):
     def greedy(self) -> nn.Cell:
         return NativeGreedy(self.native.greedy)
 
-    def moe_layer(self) -> Callable[[bool], nn.Cell] | None:
+    def moe_layer(self) -> nn.Cell | None:
         # norm, router, top-k, experts and residual in one op: no MindSpore op left between ours, yet the helpers'
         # polling still made batch-1 steps 1.6-2.7 ms slower (two runs on the loaded 2-core machine, docs/model.md
         # "Speed: MoE against the dense model of the same active size"), so it stays off for MoE models
         if not self.fused_moe:
             return None
         self.poll_max_tokens = 0
-        int8 = self.layer_quantization != "none"
-        return lambda shared: self.native.moe_layer(shared, int8)
+        return self.native.moe_layer(self.layer_quantization != "none")
 
     def moe_experts(self) -> nn.Cell | None:
         # the unfused path (fused_moe off) runs MindSpore's own ops (router softmax, top-k, norm) between ours:

@@ -21,9 +21,8 @@
 // rank holds experts [first, first + E) of the n (expert parallelism: every rank routes every token, and a pick of
 // another rank's expert adds nothing); ``residual`` 1: y = x + block (one rank), 0: the block alone (a partial sum
 // that the ranks' all-reduce adds up before the residual). MoeLayerInt8 takes gate_up, gate_up_scale, down,
-// down_scale as MoeExpertsInt8 does; the ...Shared entry points take shared_gate_up [2s, h], shared_down [h, s] and
-// shared_gate [1, h] before ``rows`` (Qwen2-MoE's shared expert, float32, added as sigmoid(normed @ gate) times its
-// output after the routed sum, as transformers adds it).
+// down_scale as MoeExpertsInt8 does. Qwen2-MoE's shared expert is not here: it is held as the dense MLP is (packed
+// or int8 projections, agents/model/moe.py SharedExpert) and added after this op by those projections' ops.
 #include <algorithm>
 
 #include "common.h"
@@ -191,17 +190,17 @@ void route_tokens(const float *normed, const float *router, int64_t rows, int64_
   });
 }
 
-// MoeLayer's inputs by position (which entry point: int8 experts, a shared expert).
+// MoeLayer's inputs by position (which entry point: int8 experts or float).
 struct LayerArgs {
-  int gate_up, gate_up_scale, down, down_scale, shared, rows, y;
-  LayerArgs(bool int8, bool shared_expert)
+  int gate_up, gate_up_scale, down, down_scale, rows, y;
+  explicit LayerArgs(bool int8)
       : gate_up(5), gate_up_scale(int8 ? 6 : -1), down(int8 ? 7 : 6), down_scale(int8 ? 8 : -1),
-        shared(down + (int8 ? 2 : 1)), rows(shared + (shared_expert ? 3 : 0)), y(rows + 1) {}
+        rows(down + (int8 ? 2 : 1)), y(rows + 1) {}
 };
 
 // The layer's work once its inputs are checked (``a``: their positions).
 template <typename Rows>
-void moe_layer(void **params, int64_t **shapes, const LayerArgs &a, bool shared, const Rows &gate_up,
+void moe_layer(void **params, int64_t **shapes, const LayerArgs &a, const Rows &gate_up,
                const Rows &down) {
   const int64_t m = shapes[0][0], h = shapes[0][1], n = shapes[3][0], experts = shapes[a.gate_up][0];
   const int64_t f = shapes[a.down][2];
@@ -217,17 +216,6 @@ void moe_layer(void **params, int64_t **shapes, const LayerArgs &a, bool shared,
   route_tokens(normed.data(), static_cast<const float *>(params[3]), rows, h, n, experts, route, ids.data(),
                weights.data());
   moe_experts(normed.data(), ids.data(), weights.data(), gate_up, down, m, h, route.k, experts, f, rows, y);
-  if (shared) {  // one expert that every token picks, weighted by its sigmoid gate
-    const float *gate = static_cast<const float *>(params[a.shared + 2]);
-    const int64_t s = shapes[a.shared + 1][1];
-    std::vector<float> gates(static_cast<size_t>(rows)), out(static_cast<size_t>(rows * h));
-    for (int64_t t = 0; t < rows; ++t)
-      gates[static_cast<size_t>(t)] = 1.0f / (1.0f + std::exp(-dot(normed.data() + t * h, gate, h)));
-    const std::vector<int32_t> only(static_cast<size_t>(rows), 0);
-    moe_experts(normed.data(), only.data(), gates.data(), FloatRows{static_cast<const float *>(params[a.shared])},
-                FloatRows{static_cast<const float *>(params[a.shared + 1])}, rows, h, 1, 1, s, rows, out.data());
-    for (int64_t i = 0; i < rows * h; ++i) y[i] += out[static_cast<size_t>(i)];
-  }
   if (route.residual) {  // the padding rows too, as x + 0
     for (int64_t i = 0; i < m * h; ++i) y[i] += x[i];
   }
@@ -235,7 +223,7 @@ void moe_layer(void **params, int64_t **shapes, const LayerArgs &a, bool shared,
 
 // Checks MoeLayer's inputs; 0, or the op's error code (1 arity or ranks, 2 dtypes, 3 shapes, 4 routing).
 int check_layer(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, const LayerArgs &a,
-                bool int8, bool shared) {
+                bool int8) {
   if (nparam != a.y + 1) return 1;
   for (int i = 0; i < nparam; ++i) {
     const bool is_int8 = int8 && (i == a.gate_up || i == a.down);
@@ -246,7 +234,6 @@ int check_layer(int nparam, void **params, int *ndims, int64_t **shapes, const c
     if (ndims[i] != want[i]) return 1;
   if (ndims[a.gate_up] != 3 || ndims[a.down] != 3 || ndims[a.rows] != 1 || ndims[a.y] != 2) return 1;
   if (int8 && (ndims[a.gate_up_scale] != 2 || ndims[a.down_scale] != 2)) return 1;
-  if (shared && (ndims[a.shared] != 2 || ndims[a.shared + 1] != 2 || ndims[a.shared + 2] != 2)) return 1;
   const int64_t m = shapes[0][0], h = shapes[0][1], n = shapes[3][0], experts = shapes[a.gate_up][0];
   const int64_t f = shapes[a.down][2];
   if (shapes[1][0] != h || shapes[2][0] < 1 || shapes[3][1] != h || shapes[4][0] != 4 ||
@@ -256,28 +243,21 @@ int check_layer(int nparam, void **params, int *ndims, int64_t **shapes, const c
   if (int8 && (shapes[a.gate_up_scale][0] != experts || shapes[a.gate_up_scale][1] != 2 * f ||
                shapes[a.down_scale][0] != experts || shapes[a.down_scale][1] != h))
     return 3;
-  if (shared) {
-    const int64_t s = shapes[a.shared + 1][1];
-    if (shapes[a.shared][0] != 2 * s || shapes[a.shared][1] != h || shapes[a.shared + 1][0] != h ||
-        shapes[a.shared + 2][0] != 1 || shapes[a.shared + 2][1] != h)
-      return 3;
-  }
   const int32_t *r = static_cast<const int32_t *>(params[4]);
   if (r[0] < 1 || r[0] > n || r[2] < 0 || r[2] + experts > n) return 4;
   return 0;
 }
 
-int layer_call(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, bool int8,
-               bool shared) {
-  const LayerArgs a(int8, shared);
-  if (const int bad = check_layer(nparam, params, ndims, shapes, dtypes, a, int8, shared)) return bad;
+int layer_call(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, bool int8) {
+  const LayerArgs a(int8);
+  if (const int bad = check_layer(nparam, params, ndims, shapes, dtypes, a, int8)) return bad;
   if (int8)
-    moe_layer(params, shapes, a, shared,
+    moe_layer(params, shapes, a,
               Int8Rows{static_cast<const int8_t *>(params[a.gate_up]),
                        static_cast<const float *>(params[a.gate_up_scale])},
               Int8Rows{static_cast<const int8_t *>(params[a.down]), static_cast<const float *>(params[a.down_scale])});
   else
-    moe_layer(params, shapes, a, shared, FloatRows{static_cast<const float *>(params[a.gate_up])},
+    moe_layer(params, shapes, a, FloatRows{static_cast<const float *>(params[a.gate_up])},
               FloatRows{static_cast<const float *>(params[a.down])});
   return 0;
 }
@@ -322,26 +302,12 @@ extern "C" int MoeLayer(int nparam, void **params, int *ndims, int64_t **shapes,
                         void *extra) {
   (void)stream;
   (void)extra;
-  return layer_call(nparam, params, ndims, shapes, dtypes, false, false);
-}
-
-extern "C" int MoeLayerShared(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                              void *stream, void *extra) {
-  (void)stream;
-  (void)extra;
-  return layer_call(nparam, params, ndims, shapes, dtypes, false, true);
+  return layer_call(nparam, params, ndims, shapes, dtypes, false);
 }
 
 extern "C" int MoeLayerInt8(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                             void *stream, void *extra) {
   (void)stream;
   (void)extra;
-  return layer_call(nparam, params, ndims, shapes, dtypes, true, false);
-}
-
-extern "C" int MoeLayerInt8Shared(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                                  void *stream, void *extra) {
-  (void)stream;
-  (void)extra;
-  return layer_call(nparam, params, ndims, shapes, dtypes, true, true);
+  return layer_call(nparam, params, ndims, shapes, dtypes, true);
 }

@@ -1,7 +1,8 @@
 """The ``quantize`` subcommand: ``llm-serving quantize --model DIR --out DIR``.
 
-Writes the model's int8 checkpoint (the decoder layers' projections as int8 with a scale per output channel, in
-compressed-tensors' W8A16 layout), which ``model_config.quantization: w8a16`` serves without quantizing at load.
+Writes the model's int8 checkpoint (the decoder layers' projections, a mixture-of-experts model's routed and shared
+experts included, as int8 with a scale per output channel, in compressed-tensors' W8A16 layout), which
+``model_config.quantization: w8a16`` serves without quantizing at load.
 The master imports no agents module: ``python -m agents.weights.quantize_checkpoint`` writes it in a child process.
 """
 
