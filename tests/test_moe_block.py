@@ -17,19 +17,26 @@ setup_device("CPU", 0)  # as the agents do: a later module's setup_device in thi
 H = 16
 
 
+def block_weights(rng: np.random.Generator, ffn: int, shared: int, router_scale: float = 1.0) -> dict:
+    """Layer 0's 8 experts of width ``ffn`` (and a shared expert where ``shared``), float32; ``router_scale`` 0: a
+    zero router (every expert ties)."""
+    w = {"layers.0.router": rng.normal(0, 0.5, (8, H)) * router_scale,
+         "layers.0.experts_gate_up": rng.normal(0, 0.5, (8, 2 * ffn, H)),
+         "layers.0.experts_down": rng.normal(0, 0.5, (8, H, ffn))}
+    if shared:
+        w.update({"layers.0.shared_gate_up": rng.normal(0, 0.5, (2 * shared, H)),
+                  "layers.0.shared_down": rng.normal(0, 0.5, (H, shared)),
+                  "layers.0.shared_gate": rng.normal(0, 0.5, (1, H))})
+    return {k: v.astype(np.float32) for k, v in w.items()}
+
+
 @pytest.mark.parametrize(("top_k", "normalise", "shared"), [(2, True, 0), (2, False, 12), (3, True, 0)])
 @pytest.mark.parametrize("tokens", [1, 32])
 def test_graph_block_matches_reference(top_k: int, normalise: bool, shared: int, tokens: int) -> None:
     spec = MoeSpec(num_experts=8, top_k=top_k, moe_intermediate_size=8, norm_topk_prob=normalise,
                    shared_expert_intermediate_size=shared, sparse_layers=(0,))
     rng = np.random.default_rng(tokens + top_k)
-    w = {"layers.0.router": rng.normal(0, 0.5, (8, H)), "layers.0.experts_gate_up": rng.normal(0, 0.5, (8, 16, H)),
-         "layers.0.experts_down": rng.normal(0, 0.5, (8, H, 8))}
-    if shared:
-        w.update({"layers.0.shared_gate_up": rng.normal(0, 0.5, (2 * shared, H)),
-                  "layers.0.shared_down": rng.normal(0, 0.5, (H, shared)),
-                  "layers.0.shared_gate": rng.normal(0, 0.5, (1, H))})
-    w = {k: v.astype(np.float32) for k, v in w.items()}
+    w = block_weights(rng, 8, shared)
     block = MoeBlock(spec, H, ms.float32)
     block.load(w, 0)
     x = rng.normal(0, 1, (tokens, H)).astype(np.float32)
@@ -213,14 +220,7 @@ def test_the_layer_op_is_the_norm_routing_and_block_of_the_reference(tokens: int
     spec = MoeSpec(num_experts=8, top_k=3, moe_intermediate_size=40, norm_topk_prob=not shared,
                    shared_expert_intermediate_size=shared, sparse_layers=(0,))
     rng = np.random.default_rng(tokens + shared)
-    w = {"layers.0.router": rng.normal(0, 0.5, (8, H)) * (router == "random"),
-         "layers.0.experts_gate_up": rng.normal(0, 0.5, (8, 80, H)),
-         "layers.0.experts_down": rng.normal(0, 0.5, (8, H, 40))}
-    if shared:
-        w.update({"layers.0.shared_gate_up": rng.normal(0, 0.5, (2 * shared, H)),
-                  "layers.0.shared_down": rng.normal(0, 0.5, (H, shared)),
-                  "layers.0.shared_gate": rng.normal(0, 0.5, (1, H))})
-    w = {k: v.astype(np.float32) for k, v in w.items()}
+    w = block_weights(rng, 40, shared, router_scale=float(router == "random"))
     x, norm = rng.normal(0, 1, (tokens, H)).astype(np.float32), rng.normal(1, 0.1, H).astype(np.float32)
     args = (ms.Tensor(x), ms.Tensor(norm), ms.Tensor(np.array([rows], np.int32)))
     backend = NativeCpuBackend(native_ops(H))  # the shared expert's projections too, as the model holds them
