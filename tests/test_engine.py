@@ -536,7 +536,9 @@ def test_shutdown_aborts_waiting_and_running(data_dir):
     pool.step()
     b = engine.submit([1, 6], SamplingParams(max_new_tokens=30))
     assert pool.entered.acquire(timeout=10)
-    threading.Timer(0.05, pool.gate.release).start()
+    # the step in flight and the one the engine sent ahead of it finish (else shutdown waits SHUTDOWN_JOIN_S for
+    # a step the gate holds, then stops the agents)
+    threading.Timer(0.05, pool.gate.release, (2,)).start()
     engine.shutdown()
     assert a.result(timeout=5).finish_reason == "abort" and b.result(timeout=5).finish_reason == "abort"
     engine.shutdown()  # idempotent
