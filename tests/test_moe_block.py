@@ -69,10 +69,7 @@ def test_the_ranks_partial_sums_add_up_to_the_whole_block(tokens: int, expert_pa
                    shared_expert_intermediate_size=12, sparse_layers=(0,))
     config = replace(LlamaConfig(64, H, 32, 1, 4, 4, architecture="Qwen2MoeForCausalLM"), moe=spec)
     rng = np.random.default_rng(5)
-    w = {"layers.0.router": rng.normal(0, 0.5, (8, H)), "layers.0.experts_gate_up": rng.normal(0, 0.5, (8, 16, H)),
-         "layers.0.experts_down": rng.normal(0, 0.5, (8, H, 8)), "layers.0.shared_gate_up": rng.normal(0, .5, (24, H)),
-         "layers.0.shared_down": rng.normal(0, 0.5, (H, 12)), "layers.0.shared_gate": rng.normal(0, 0.5, (1, H))}
-    w = {k: v.astype(np.float32) for k, v in w.items()}
+    w = block_weights(rng, 8, 12)
     x = ms.Tensor(rng.normal(0, 1, (tokens, H)).astype(np.float32))
     total = np.zeros((tokens, H), np.float32)
     for rank in range(4):
@@ -106,9 +103,7 @@ def test_the_native_op_matches_the_reference_and_zeros_the_padding(tokens: int, 
     spec = MoeSpec(num_experts=8, top_k=3, moe_intermediate_size=40, norm_topk_prob=True,
                    shared_expert_intermediate_size=0, sparse_layers=(0,))
     rng = np.random.default_rng(tokens + rows)
-    w = {"layers.0.router": rng.normal(0, 0.5, (8, H)), "layers.0.experts_gate_up": rng.normal(0, 0.5, (8, 80, H)),
-         "layers.0.experts_down": rng.normal(0, 0.5, (8, H, 40))}
-    w = {k: v.astype(np.float32) for k, v in w.items()}
+    w = block_weights(rng, 40, 0)
     x = rng.normal(0, 1, (tokens, H)).astype(np.float32)
     op = native_ops(H).moe_experts()
     block = MoeBlock(spec, H, ms.float32, experts_op=op)
@@ -155,9 +150,7 @@ def test_int8_experts_compute_the_float_block_on_their_dequantized_values(tokens
     spec = MoeSpec(num_experts=8, top_k=3, moe_intermediate_size=40, norm_topk_prob=True,
                    shared_expert_intermediate_size=0, sparse_layers=(0,))
     rng = np.random.default_rng(tokens + rows)
-    w = {"layers.0.router": rng.normal(0, 0.5, (8, H)), "layers.0.experts_gate_up": rng.normal(0, 0.5, (8, 80, H)),
-         "layers.0.experts_down": rng.normal(0, 0.5, (8, H, 40))}
-    w = {k: v.astype(np.float32) for k, v in w.items()}
+    w = block_weights(rng, 40, 0)
     x, n = ms.Tensor(rng.normal(0, 1, (tokens, H)).astype(np.float32)), ms.Tensor(np.array([rows], np.int32))
     native = native_ops(H) if ops != "graph" else None
 
