@@ -38,17 +38,22 @@ def request(rid: str, adapter: Adapter | None, prompt: list[int] | None = None, 
     return seq
 
 
+def step_once(sched: Scheduler, runner: StandinRunner, check=None) -> None:
+    """One scheduled step: its adapter loads first, as the engine sends them."""
+    step = sched.schedule()
+    assert step is not None
+    seqs, batch = step
+    for load in sched.adapters.take_loads() if sched.adapters is not None else []:
+        runner.load_adapter(load.slot, load.path)
+    if check is not None:
+        check(seqs, batch)
+    sched.postprocess(seqs, runner.step(batch))
+
+
 def run(sched: Scheduler, runner: StandinRunner, check=None) -> None:
-    """Steps until every request ends: adapter loads first, as the engine sends them."""
+    """Steps until every request ends."""
     while sched.has_unfinished():
-        step = sched.schedule()
-        assert step is not None
-        seqs, batch = step
-        for load in sched.adapters.take_loads() if sched.adapters is not None else []:
-            runner.load_adapter(load.slot, load.path)
-        if check is not None:
-            check(seqs, batch)
-        sched.postprocess(seqs, runner.step(batch))
+        step_once(sched, runner, check)
 
 
 def alone(seq: Sequence, max_loras: int = 1) -> list[int]:
@@ -210,10 +215,7 @@ def test_requeue_empties_the_slots_and_a_recompute_loads_again(tmp_path):
     runner = StandinRunner(VOCAB, lora={"max_loras": 1, "max_lora_rank": 16}, num_layers=LAYERS)
     seq = request("r", reg.get("a"), n=8)
     sched.add(seq)
-    seqs, batch = sched.schedule()
-    for load in sched.adapters.take_loads():
-        runner.load_adapter(load.slot, load.path)
-    sched.postprocess(seqs, runner.step(batch))
+    step_once(sched, runner)
     sched.requeue_running()  # new agents: their slots are empty
     assert sched.adapters.holder(0) is None and seq.lora_slot == -1
     runner = StandinRunner(VOCAB, lora={"max_loras": 1, "max_lora_rank": 16}, num_layers=LAYERS)
@@ -227,10 +229,7 @@ def test_a_step_sent_ahead_never_loads_an_adapter(tmp_path):
     runner = StandinRunner(VOCAB, lora={"max_loras": 2, "max_lora_rank": 16}, num_layers=LAYERS)
     first = request("first", reg.get("a"), n=12)
     sched.add(first)
-    seqs, batch = sched.schedule()
-    for load in sched.adapters.take_loads():
-        runner.load_adapter(load.slot, load.path)
-    sched.postprocess(seqs, runner.step(batch))
+    step_once(sched, runner)
     seqs, batch = sched.schedule()  # a decode step of first; b's request arrives while it runs
     late = request("late", reg.get("b"), n=3)
     sched.add(late)
