@@ -21,10 +21,17 @@ bool run_calls(int calls) {
   for (int call = 0; call < calls; ++call) {
     const int64_t count = 1 + (call * 37) % 700;
     std::vector<std::atomic<int>> hits(static_cast<size_t>(count));
-    run_tasks(count, 1 + call % 20, [&](int64_t task) { hits[static_cast<size_t>(task)].fetch_add(1); });
+    std::vector<int64_t> written(static_cast<size_t>(count));  // plain writes: a helper's must be seen after run
+    run_tasks(count, 1 + call % 20, [&](int64_t task) {
+      hits[static_cast<size_t>(task)].fetch_add(1);
+      written[static_cast<size_t>(task)] = task + call;
+    });
     if (call % 7 == 0) kernel_pool::TaskPool::instance().poll(call % 14 != 0);
     for (auto &h : hits) {
       if (h.load() != 1) return false;
+    }
+    for (int64_t task = 0; task < count; ++task) {
+      if (written[static_cast<size_t>(task)] != task + call) return false;
     }
   }
   return true;

@@ -123,9 +123,11 @@ class TaskPool {
     const auto wanted = static_cast<size_t>((count - 1) / tasks_per_thread);  // helpers worth waking
     for (size_t i = 0; i < wanted && i < helpers_.size(); ++i) wake_.notify_one();
     claim_and_run(job, count);
-    std::unique_lock<std::mutex> lock(mutex_);
-    job_ = nullptr;  // closed: no helper joins from here on
-    idle_.wait(lock, [this] { return active_ == 0; });
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = nullptr;  // closed: no helper joins from here on
+    }
+    wait_for_helpers();
     busy_.store(false);
   }
 
@@ -159,6 +161,25 @@ class TaskPool {
     }
   }
 
+  // Waits for the helpers still running a task of the closed call. Each has one task at most left. While polling
+  // is on (a small step: its ops and their last tasks are short) the caller polls for them first, since sleeping
+  // on the condition variable costs a futex wait and a wake-up per op, much of a small op on a virtual machine
+  // (docs/benchmarks.md, "Where the one-stream token goes"); a helper that lost its core meanwhile (a loaded
+  // host) is waited for asleep, and so are the long tasks of a large step.
+  void wait_for_helpers() {
+    const bool poll = spin_.count() != 0 && polling_.load(std::memory_order_relaxed);
+    const auto until = std::chrono::steady_clock::now() +
+                       std::chrono::microseconds(poll ? kCallerPollMicroseconds : 0);
+    while (active_.load(std::memory_order_acquire) != 0) {
+      for (int i = 0; i < 16; ++i) cpu_relax();
+      if (std::chrono::steady_clock::now() > until) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        idle_.wait(lock, [this] { return active_.load(std::memory_order_acquire) == 0; });
+        return;
+      }
+    }
+  }
+
   void claim_and_run(const std::function<void(int64_t)> &job, int64_t count) {
     for (int64_t task = next_.fetch_add(1); task < count; task = next_.fetch_add(1)) job(task);
   }
@@ -175,11 +196,11 @@ class TaskPool {
       rests = rests_.load(std::memory_order_relaxed);
       const std::function<void(int64_t)> *job = job_;
       const int64_t count = count_;
-      ++active_;
+      active_.fetch_add(1, std::memory_order_relaxed);
       lock.unlock();
       claim_and_run(*job, count);
-      lock.lock();
-      if (--active_ == 0) idle_.notify_all();
+      lock.lock();  // (under the mutex: a caller about to sleep in wait_for_helpers cannot miss the notification)
+      if (active_.fetch_sub(1, std::memory_order_release) == 1) idle_.notify_all();
     }
   }
 
@@ -189,13 +210,14 @@ class TaskPool {
   const std::function<void(int64_t)> *job_ = nullptr;  // the open call, or null
   int64_t count_ = 0;
   uint64_t generation_ = 0;
-  int active_ = 0;  // helpers inside the open call
+  std::atomic<int> active_{0};  // helpers inside the open call (changed under the mutex, polled without it)
   std::atomic<int64_t> next_{0};
   std::atomic<bool> busy_{false};  // one call at a time uses the helpers
   std::atomic<uint64_t> published_{0};  // generation_, readable without the mutex (spin_for_next)
   std::atomic<bool> polling_{true};
   std::atomic<uint64_t> rests_{0};  // calls of poll(false): a helper polls only until the next one
   const std::chrono::microseconds spin_{spin_microseconds()};
+  static constexpr int64_t kCallerPollMicroseconds = 50;  // a small op's last task takes a few
   static inline bool forked_ = false;
 };
 
