@@ -2,7 +2,7 @@
 // against its floor: the bytes it must read over this machine's streaming-read bandwidth (measured here too).
 //
 //     g++ -O3 -march=native -fopenmp-simd -fno-math-errno -pthread -std=c++17 scripts/bench_decode_kernels.cc \
-//         agents/model/kernels/*.cc -o /tmp/bench_decode_kernels && /tmp/bench_decode_kernels [steps] [context]
+//         agents/model/kernels/*.cc -o /tmp/bench_decode_kernels && /tmp/bench_decode_kernels [steps] [context] [gap_us]
 //
 // Why: a bench token is ~5 ms in process and MindSpore's launches explain ~0.35 ms of it (docs/benchmarks.md, "What
 // a kernel launch costs"); this shows how much of the rest each kernel takes and how far it is from memory speed.
@@ -14,7 +14,9 @@
 // work only (a polling helper's wait counts as CPU time otherwise). ``caller``: the calling thread's own CPU time,
 // the step's critical path on a quiet machine (it does not count its waits for a helper that another process's
 // turn delayed, which wall time does). ``p10 wall``: the 10th percentile over steps, the uninterrupted ones.
-// Threads: $LLM_SERVING_KERNEL_THREADS (as the agent).
+// Threads: $LLM_SERVING_KERNEL_THREADS (as the agent). ``gap_us``: the calling thread busy for that long after each
+// op, as MindSpore's runtime is between two ops of the step graph (tens of microseconds: scripts/profile_decode_step.py);
+// the step's wall and CPU then include the gaps, the ops' own figures do not.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -135,6 +137,7 @@ double low(std::vector<double> v) {
 int main(int argc, char **argv) {
   const int steps = argc > 1 ? std::atoi(argv[1]) : 200;
   const int64_t context = argc > 2 ? std::atoll(argv[2]) : 256;
+  const double gap = argc > 3 ? std::atof(argv[3]) * 1e-6 : 0.0;
   const int threads = static_cast<int>(std::getenv("LLM_SERVING_KERNEL_THREADS")
                                            ? std::atoll(std::getenv("LLM_SERVING_KERNEL_THREADS"))
                                            : std::thread::hardware_concurrency());
@@ -186,6 +189,8 @@ int main(int argc, char **argv) {
     w[op] += wall_now() - t0;
     c[op] += cpu_now() - c0;
     m[op] += thread_cpu_now() - m0;
+    for (const double until = wall_now() + gap; wall_now() < until;) {
+    }
   };
   for (int s = 0; s < steps + 5; ++s) {
     KernelHelpersPoll(1);
