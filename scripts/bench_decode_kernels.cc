@@ -2,7 +2,8 @@
 // against its floor: the bytes it must read over this machine's streaming-read bandwidth (measured here too).
 //
 //     g++ -O3 -march=native -fopenmp-simd -fno-math-errno -pthread -std=c++17 scripts/bench_decode_kernels.cc \
-//         agents/model/kernels/*.cc -o /tmp/bench_decode_kernels && /tmp/bench_decode_kernels [steps] [context] [gap_us]
+//         agents/model/kernels/*.cc -o /tmp/bench_decode_kernels
+//     /tmp/bench_decode_kernels [steps] [context] [gap_us]
 //
 // Why: a bench token is ~5 ms in process and MindSpore's launches explain ~0.35 ms of it (docs/benchmarks.md, "What
 // a kernel launch costs"); this shows how much of the rest each kernel takes and how far it is from memory speed.
@@ -15,8 +16,8 @@
 // the step's critical path on a quiet machine (it does not count its waits for a helper that another process's
 // turn delayed, which wall time does). ``p10 wall``: the 10th percentile over steps, the uninterrupted ones.
 // Threads: $LLM_SERVING_KERNEL_THREADS (as the agent). ``gap_us``: the calling thread busy for that long after each
-// op, as MindSpore's runtime is between two ops of the step graph (tens of microseconds: scripts/profile_decode_step.py);
-// the step's wall and CPU then include the gaps, the ops' own figures do not.
+// op, as MindSpore's runtime is between two ops of the step graph (tens of microseconds, docs/benchmarks.md "Where
+// the one-stream token goes"); the step's wall and CPU then include the gaps, the ops' own figures do not.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
