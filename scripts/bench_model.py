@@ -107,6 +107,15 @@ def decode_batch(batch: int, context: int) -> StepBatch:
                      np.full(batch, context, np.int32), tables)
 
 
+def batch1_decode_runner(config: LlamaConfig = BENCH_MODEL) -> ModelRunner:
+    """A runner of ``config`` (random weights, seed 0) on the native kernels with one decode bucket: batch 1, 4
+    blocks (``decode_batch(1, 64)``); not warmed up. The step the per-op cost probes take apart
+    (scripts/bench_op_launch.py, scripts/profile_decode_step.py)."""
+    rc = RunnerConfig(num_blocks=17, block_size=BLOCK, max_model_len=512, prefill_batch_sizes=(1,),
+                      prefill_seq_lengths=(32,), decode_batch_sizes=(1,), decode_block_widths=(4,), kernels="native")
+    return ModelRunner(config, fuse_hf_tensors(random_hf_weights(config, seed=0, std=0.05), config), rc)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=10)

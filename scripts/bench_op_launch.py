@@ -98,19 +98,13 @@ def in_graph(extra: list[int], repeats: int) -> None:
     graph with ``extra`` more trivial custom ops chained beside it: what that many launches cost inside a real step
     (the helpers polling as in a served small step), called in turn."""
     import numpy as np
-    from bench_model import BENCH_MODEL, BLOCK, decode_batch
+    from bench_model import batch1_decode_runner, decode_batch
     from mindspore import Tensor, nn, ops
 
     from agents.model.llama import LlamaStep
-    from agents.runtime.runner import ModelRunner, RunnerConfig
     from agents.weights import packed as packed_weights
-    from agents.weights.checkpoints import fuse_hf_tensors
-    from llm_serving.models.random_model import random_hf_weights
 
-    rc = RunnerConfig(num_blocks=17, block_size=BLOCK, max_model_len=512, prefill_batch_sizes=(1,),
-                      prefill_seq_lengths=(32,), decode_batch_sizes=(1,), decode_block_widths=(4,), kernels="native")
-    runner = ModelRunner(BENCH_MODEL, fuse_hf_tensors(random_hf_weights(BENCH_MODEL, seed=0, std=0.05),
-                                                      BENCH_MODEL), rc)
+    runner = batch1_decode_runner()
     native = runner.backend.native  # type: ignore[attr-defined]
 
     class Padded(nn.Cell):
@@ -154,16 +148,9 @@ def count_kernels() -> None:
     dump = tempfile.mkdtemp(prefix="ir-dump-")
     os.environ["MS_DEV_SAVE_GRAPHS"] = "1"
     os.environ["MS_DEV_SAVE_GRAPHS_PATH"] = dump
-    from bench_model import BENCH_MODEL, BLOCK, decode_batch
+    from bench_model import batch1_decode_runner, decode_batch
 
-    from agents.runtime.runner import ModelRunner, RunnerConfig
-    from agents.weights.checkpoints import fuse_hf_tensors
-    from llm_serving.models.random_model import random_hf_weights
-
-    rc = RunnerConfig(num_blocks=17, block_size=BLOCK, max_model_len=512, prefill_batch_sizes=(1,),
-                      prefill_seq_lengths=(32,), decode_batch_sizes=(1,), decode_block_widths=(4,), kernels="native")
-    runner = ModelRunner(BENCH_MODEL, fuse_hf_tensors(random_hf_weights(BENCH_MODEL, seed=0, std=0.05),
-                                                      BENCH_MODEL), rc)
+    runner = batch1_decode_runner()
     runner.warmup()
     runner.step(decode_batch(1, 64))
     graphs = [p for p in Path(dump).glob("hwopt_end_mindrt_unify_mindir_graph_*LlamaStep*.ir")

@@ -53,18 +53,12 @@ def thread_cpu_seconds() -> dict[int, float]:
 def child(model: str, steps: int) -> dict[str, float]:
     """One configuration's figures (this process's kernel threads), ms."""
     from bench_fixed_cost import MODELS
-    from bench_model import BLOCK, decode_batch
+    from bench_model import batch1_decode_runner, decode_batch
     from mindspore import Tensor
 
-    from agents.runtime.runner import ModelRunner, RunnerConfig
-    from agents.weights.checkpoints import fuse_hf_tensors
-    from llm_serving.models.random_model import random_hf_weights
     from llm_serving.protocol.step import StepKind
 
-    config = MODELS[model]
-    rc = RunnerConfig(num_blocks=17, block_size=BLOCK, max_model_len=512, prefill_batch_sizes=(1,),
-                      prefill_seq_lengths=(32,), decode_batch_sizes=(1,), decode_block_widths=(4,), kernels="native")
-    runner = ModelRunner(config, fuse_hf_tensors(random_hf_weights(config, seed=0, std=0.05), config), rc)
+    runner = batch1_decode_runner(MODELS[model])
     runner.warmup()
     batch = decode_batch(1, 64)
     shape, arrays = runner.families[StepKind.DECODE].inputs(batch)
